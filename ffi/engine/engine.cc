@@ -1,0 +1,453 @@
+#include "engine.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstring>
+#include <utility>
+
+namespace tpusync {
+namespace {
+
+// Bounds the timeline's memory on long runs; later events are dropped.
+constexpr size_t kMaxTimelineEvents = 1 << 20;
+
+int StatIndex(int tier, Direction d) { return tier * 2 + static_cast<int>(d); }
+
+void PinThisThread(int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+}
+
+}  // namespace
+
+int64_t MonotonicNs() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+struct Engine::Job {
+  enum class State { kQueued, kRunning, kDone };
+
+  Ticket ticket = kNoTicket;
+  TransferRequest request;
+  Tier* tier = nullptr;
+  uint64_t bytes = 0;
+  // Sorted tier byte ranges, widened to the tier's hazard granularity.
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  State state = State::kQueued;
+  Status status;
+  std::atomic<bool> cancel{false};
+  int64_t submit_ns = 0, start_ns = 0, end_ns = 0;
+};
+
+Engine::Engine(EngineOptions options) : options_(std::move(options)) {
+  for (int i = 0; i < options_.num_workers; ++i) {
+    workers_.emplace_back([this, i] { WorkerLoop(i); });
+  }
+}
+
+Engine::~Engine() { Shutdown(); }
+
+StatusOr<std::unique_ptr<Engine>> Engine::Create(EngineOptions options) {
+  if (options.num_workers < 1 || options.num_workers > 64) {
+    return InvalidArgument("num_workers must be in [1, 64], got " +
+                           std::to_string(options.num_workers));
+  }
+  if (options.io_chunk_bytes < kIoAlignment || options.io_chunk_bytes > (1ull << 30)) {
+    return InvalidArgument("io_chunk_bytes must be in [4096, 1 GiB], got " +
+                           std::to_string(options.io_chunk_bytes));
+  }
+  if (options.max_bytes_per_second < 0) {
+    return InvalidArgument("max_bytes_per_second must be >= 0");
+  }
+  int ncpu = static_cast<int>(std::thread::hardware_concurrency());
+  for (int cpu : options.worker_cpus) {
+    if (cpu < 0 || (ncpu > 0 && cpu >= ncpu)) {
+      return InvalidArgument("worker cpu " + std::to_string(cpu) + " does not exist (this "
+                             "machine has " + std::to_string(ncpu) + " cpus)");
+    }
+  }
+  return std::make_unique<Engine>(std::move(options));
+}
+
+StatusOr<int> Engine::AddTier(std::unique_ptr<Tier> tier) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_) return FailedPrecondition("engine is closed");
+  tiers_.push_back(std::move(tier));
+  stats_.tiers.emplace_back();
+  busy_count_.resize(tiers_.size() * 2, 0);
+  busy_since_ns_.resize(tiers_.size() * 2, 0);
+  return static_cast<int>(tiers_.size() - 1);
+}
+
+StatusOr<Tier*> Engine::GetTier(int tier) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (tier < 0 || tier >= static_cast<int>(tiers_.size())) {
+    return InvalidArgument("no tier " + std::to_string(tier) + " (engine has " +
+                           std::to_string(tiers_.size()) + ")");
+  }
+  return tiers_[tier].get();
+}
+
+int Engine::num_tiers() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int>(tiers_.size());
+}
+
+bool Engine::closed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stopping_;
+}
+
+Status Engine::ValidateLocked(const TransferRequest& request) {
+  if (stopping_) return FailedPrecondition("engine is closed");
+  if (!sticky_error_.ok()) return sticky_error_;
+  if (request.tier < 0 || request.tier >= static_cast<int>(tiers_.size())) {
+    return InvalidArgument("no tier " + std::to_string(request.tier) + " (engine has " +
+                           std::to_string(tiers_.size()) + ")");
+  }
+  const Tier& tier = *tiers_[request.tier];
+  for (size_t i = 0; i < request.segments.size(); ++i) {
+    const Segment& s = request.segments[i];
+    if (s.bytes > 0 && s.memory == nullptr) {
+      return InvalidArgument("segment " + std::to_string(i) + " has no memory");
+    }
+    Status st = tier.CheckRange(s.tier_offset, s.bytes);
+    if (!st.ok()) return InvalidArgument("segment " + std::to_string(i) + ": " + st.detail());
+  }
+  return Status::Ok();
+}
+
+Ticket Engine::NextTicketLocked() {
+  // Tickets travel through XLA as int32: wrap, skipping any still outstanding.
+  do {
+    last_ticket_ = last_ticket_ >= INT32_MAX ? 1 : last_ticket_ + 1;
+  } while (tickets_.count(last_ticket_) != 0);
+  return last_ticket_;
+}
+
+StatusOr<Ticket> Engine::Submit(TransferRequest request) {
+  auto job = std::make_shared<Job>();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TPUSYNC_RETURN_IF_ERROR(ValidateLocked(request));
+    job->tier = tiers_[request.tier].get();
+  }
+  const uint64_t g = job->tier->hazard_granularity();
+  for (const Segment& s : request.segments) {
+    if (s.bytes == 0) continue;
+    job->bytes += s.bytes;
+    job->ranges.emplace_back(AlignDown(s.tier_offset, g), AlignUp(s.tier_offset + s.bytes, g));
+  }
+  std::sort(job->ranges.begin(), job->ranges.end());
+  if (options_.poison_fetches && request.direction == Direction::kTierToMemory) {
+    for (const Segment& s : request.segments) std::memset(s.memory, 0xFF, s.bytes);
+  }
+  job->request = std::move(request);
+  job->submit_ns = MonotonicNs();
+
+  std::lock_guard<std::mutex> lock(mu_);
+  TPUSYNC_RETURN_IF_ERROR(ValidateLocked(job->request));  // Closed meanwhile?
+  job->ticket = NextTicketLocked();
+  if (!job->request.detached) tickets_[job->ticket] = job;
+  active_.push_back(job);
+  work_cv_.notify_all();
+  return job->request.detached ? kNoTicket : job->ticket;
+}
+
+bool Engine::ConflictsLocked(const Job& a, const Job& b) const {
+  if (a.tier != b.tier) return false;
+  if (a.request.direction == Direction::kTierToMemory &&
+      b.request.direction == Direction::kTierToMemory) {
+    return false;  // Reads never conflict with reads.
+  }
+  if (a.ranges.empty() || b.ranges.empty()) return false;
+  // Both lists are sorted by start; a sweep finds any intersection.
+  size_t i = 0, j = 0;
+  while (i < a.ranges.size() && j < b.ranges.size()) {
+    const auto& x = a.ranges[i];
+    const auto& y = b.ranges[j];
+    if (x.first < y.second && y.first < x.second) return true;
+    if (x.second <= y.second) {
+      ++i;
+    } else {
+      ++j;
+    }
+  }
+  return false;
+}
+
+std::shared_ptr<Engine::Job> Engine::NextRunnableLocked() {
+  for (size_t j = 0; j < active_.size(); ++j) {
+    Job& job = *active_[j];
+    if (job.state != Job::State::kQueued) continue;
+    bool blocked = false;
+    for (size_t i = 0; i < j && !blocked; ++i) blocked = ConflictsLocked(*active_[i], job);
+    if (blocked) continue;
+    if (options_.max_inflight_bytes > 0 && inflight_bytes_ > 0 &&
+        inflight_bytes_ + job.bytes > options_.max_inflight_bytes) {
+      return nullptr;  // FIFO under the cap: a big request is not starved by small ones.
+    }
+    return active_[j];
+  }
+  return nullptr;
+}
+
+void Engine::WorkerLoop(int index) {
+  if (!options_.worker_cpus.empty()) {
+    PinThisThread(options_.worker_cpus[index % options_.worker_cpus.size()]);
+  }
+  IoContext io(options_.io_chunk_bytes);
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    std::shared_ptr<Job> job;
+    work_cv_.wait(lock, [&] {
+      job = NextRunnableLocked();
+      if (job || !stopping_) return job != nullptr;
+      // Stopping: leave once nothing is queued (write-backs still queued are served).
+      return std::none_of(active_.begin(), active_.end(), [](const auto& j) {
+        return j->state == Job::State::kQueued;
+      });
+    });
+    if (!job) return;
+    job->state = Job::State::kRunning;
+    job->start_ns = MonotonicNs();
+    inflight_bytes_ += job->bytes;
+    stats_.inflight_bytes_peak = std::max(stats_.inflight_bytes_peak, inflight_bytes_);
+    const int k = StatIndex(job->request.tier, job->request.direction);
+    if (busy_count_[k]++ == 0) busy_since_ns_[k] = job->start_ns;
+    lock.unlock();
+    RunJob(*job, io);
+    lock.lock();
+    inflight_bytes_ -= job->bytes;
+    if (--busy_count_[k] == 0) {
+      DirectionStats& d = job->request.direction == Direction::kTierToMemory
+                              ? stats_.tiers[job->request.tier].fetch
+                              : stats_.tiers[job->request.tier].write_back;
+      d.busy_ns += MonotonicNs() - busy_since_ns_[k];
+    }
+    FinishLocked(*job, job->status);
+  }
+}
+
+void Engine::RunJob(Job& job, IoContext& io) {
+  if (options_.debug_delay_us > 0) {
+    std::this_thread::sleep_for(std::chrono::microseconds(options_.debug_delay_us));
+  }
+  io.cancelled = [&job] { return job.cancel.load(std::memory_order_relaxed); };
+  io.before_chunk = [this](uint64_t n) { Pace(n); };
+  Status status;
+  for (const Segment& s : job.request.segments) {
+    if (s.bytes == 0) continue;
+    status = job.request.direction == Direction::kTierToMemory
+                 ? job.tier->Read(s.tier_offset, s.memory, s.bytes, io)
+                 : job.tier->Write(s.tier_offset, s.memory, s.bytes, io);
+    if (!status.ok()) break;
+  }
+  job.status = std::move(status);
+}
+
+void Engine::FinishLocked(Job& job, Status status) {
+  job.status = std::move(status);
+  job.state = Job::State::kDone;
+  job.end_ns = MonotonicNs();
+  if (job.status.ok()) {
+    DirectionStats& d = job.request.direction == Direction::kTierToMemory
+                            ? stats_.tiers[job.request.tier].fetch
+                            : stats_.tiers[job.request.tier].write_back;
+    d.bytes += job.bytes;
+    d.requests += 1;
+  }
+  if (options_.record_timeline && timeline_.transfers.size() < kMaxTimelineEvents) {
+    timeline_.transfers.push_back({job.ticket, job.request.tier, job.request.direction,
+                                   job.request.tag, job.bytes, job.submit_ns,
+                                   job.start_ns ? job.start_ns : job.end_ns, job.end_ns,
+                                   job.status.ok()});
+  }
+  if (job.request.detached && !job.status.ok() && sticky_error_.ok()) {
+    sticky_error_ = Status(job.status.code(),
+                           "a write-back failed, so the tier no longer holds that KV: " +
+                               job.status.detail());
+  }
+  job.request.owned_memory.reset();
+  for (auto it = active_.begin(); it != active_.end(); ++it) {
+    if (it->get() == &job) {
+      active_.erase(it);
+      break;
+    }
+  }
+  done_cv_.notify_all();
+  work_cv_.notify_all();  // Its ranges no longer block later requests.
+}
+
+void Engine::Pace(uint64_t bytes) {
+  if (options_.max_bytes_per_second <= 0) return;
+  int64_t now = MonotonicNs();
+  int64_t start;
+  {
+    std::lock_guard<std::mutex> lock(pace_mu_);
+    start = std::max(now, pace_next_ns_);
+    pace_next_ns_ = start + static_cast<int64_t>(bytes * 1e9 / options_.max_bytes_per_second);
+  }
+  if (start > now) std::this_thread::sleep_for(std::chrono::nanoseconds(start - now));
+}
+
+Status Engine::Wait(Ticket ticket, int64_t timeout_ns) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = tickets_.find(ticket);
+  if (it == tickets_.end()) {
+    return NotFound("unknown ticket " + std::to_string(ticket) +
+                    " (never issued by this engine, or already waited)");
+  }
+  std::shared_ptr<Job> job = it->second;
+  const int64_t begin = MonotonicNs();
+  auto done = [&] { return job->state == Job::State::kDone; };
+  if (timeout_ns < 0) {
+    done_cv_.wait(lock, done);
+  } else if (!done_cv_.wait_for(lock, std::chrono::nanoseconds(timeout_ns), done)) {
+    return DeadlineExceeded("ticket " + std::to_string(ticket) + " still running after " +
+                            std::to_string(timeout_ns / 1000000) + " ms");
+  }
+  tickets_.erase(ticket);
+  const int64_t end = MonotonicNs();
+  stats_.waits += 1;
+  stats_.wait_ns += end - begin;
+  if (options_.record_timeline && timeline_.waits.size() < kMaxTimelineEvents) {
+    timeline_.waits.push_back({ticket, job->request.tag, begin, end, true});
+  }
+  return job->status;
+}
+
+StatusOr<bool> Engine::Poll(Ticket ticket) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = tickets_.find(ticket);
+  if (it == tickets_.end()) {
+    return NotFound("unknown ticket " + std::to_string(ticket) +
+                    " (never issued by this engine, or already waited)");
+  }
+  return it->second->state == Job::State::kDone;
+}
+
+Status Engine::Cancel(Ticket ticket) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = tickets_.find(ticket);
+  if (it == tickets_.end()) {
+    return NotFound("unknown ticket " + std::to_string(ticket) +
+                    " (never issued by this engine, or already waited)");
+  }
+  Job& job = *it->second;
+  if (job.state == Job::State::kQueued) {
+    FinishLocked(job, Cancelled("transfer cancelled before it started"));
+  } else if (job.state == Job::State::kRunning) {
+    job.cancel.store(true, std::memory_order_relaxed);
+  }
+  return Status::Ok();
+}
+
+Status Engine::WaitFor(Ticket ticket, const TransferRequest& want, bool* hit) {
+  *hit = false;
+  if (ticket != kNoTicket) {
+    bool matches;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = tickets_.find(ticket);
+      if (it == tickets_.end()) {
+        return NotFound("unknown ticket " + std::to_string(ticket) +
+                        " (never issued by this engine, or already waited)");
+      }
+      const TransferRequest& have = it->second->request;
+      matches = have.tier == want.tier && have.direction == want.direction &&
+                have.segments == want.segments;
+    }
+    Status st = Wait(ticket);
+    if (matches && st.ok()) {
+      *hit = true;
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.prefetch_hits += 1;
+      return st;
+    }
+    // A stale or failed prefetch: its bytes are not the ones wanted; fetch them now.
+  }
+  TransferRequest request = want;
+  request.detached = false;
+  StatusOr<Ticket> t = Submit(std::move(request));
+  if (!t.ok()) return t.status();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.prefetch_misses += 1;
+  }
+  return Wait(*t);
+}
+
+Status Engine::Drain() {
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait(lock, [this] { return active_.empty(); });
+  return sticky_error_;
+}
+
+void Engine::Mark(int32_t kind, TransferTag tag) {
+  if (!options_.record_timeline) return;
+  int64_t now = MonotonicNs();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (timeline_.marks.size() < kMaxTimelineEvents) timeline_.marks.push_back({kind, tag, now});
+}
+
+EngineStats Engine::Stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  EngineStats out = stats_;
+  const int64_t now = MonotonicNs();
+  for (size_t t = 0; t < tiers_.size(); ++t) {
+    for (int d = 0; d < 2; ++d) {
+      if (busy_count_[t * 2 + d] == 0) continue;
+      DirectionStats& s = d == 0 ? out.tiers[t].fetch : out.tiers[t].write_back;
+      s.busy_ns += now - busy_since_ns_[t * 2 + d];
+    }
+  }
+  return out;
+}
+
+void Engine::ResetStats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t now = MonotonicNs();
+  stats_ = EngineStats();
+  stats_.tiers.resize(tiers_.size());
+  for (int64_t& since : busy_since_ns_) since = now;
+}
+
+Timeline Engine::TakeTimeline() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(timeline_, Timeline());
+}
+
+void Engine::Shutdown() {
+  std::vector<std::thread> workers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    // Queued fetches are dropped; queued write-backs still run (they carry KV).
+    std::vector<std::shared_ptr<Job>> queued;
+    for (const auto& job : active_) {
+      if (job->state == Job::State::kQueued &&
+          job->request.direction == Direction::kTierToMemory) {
+        queued.push_back(job);
+      }
+    }
+    for (const auto& job : queued) {
+      FinishLocked(*job, Cancelled("engine closed before the transfer started"));
+    }
+    workers.swap(workers_);
+  }
+  work_cv_.notify_all();
+  done_cv_.notify_all();
+  for (std::thread& w : workers) w.join();
+}
+
+}  // namespace tpusync

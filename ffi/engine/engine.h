@@ -1,0 +1,210 @@
+// The async transfer engine: a queue of batched transfer requests served by worker
+// threads, with tickets, hazard ordering, throttling, stats and an optional timeline.
+//
+// Ordering contract: requests that touch overlapping tier bytes, at least one of them a
+// write, run in submission order. So a read submitted after a write-back of the same bytes
+// always sees the new data, and a write-back never clobbers bytes a queued read still needs.
+#ifndef TPUSYNC_ENGINE_ENGINE_H_
+#define TPUSYNC_ENGINE_ENGINE_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "io_context.h"
+#include "status.h"
+#include "tier.h"
+
+namespace tpusync {
+
+using Ticket = int64_t;
+inline constexpr Ticket kNoTicket = -1;
+
+enum class Direction : uint8_t {
+  kTierToMemory = 0,  // A fetch (read from the tier).
+  kMemoryToTier = 1,  // A write-back.
+};
+
+struct Segment {
+  uint64_t tier_offset = 0;
+  uint8_t* memory = nullptr;
+  uint64_t bytes = 0;
+
+  bool operator==(const Segment& o) const {
+    return tier_offset == o.tier_offset && memory == o.memory && bytes == o.bytes;
+  }
+};
+
+// What a transfer is for, as recorded in the timeline. -1: not given.
+struct TransferTag {
+  int32_t layer = -1;
+  int32_t chunk = -1;
+};
+
+struct TransferRequest {
+  int tier = 0;
+  Direction direction = Direction::kTierToMemory;
+  std::vector<Segment> segments;
+  TransferTag tag;
+  // Memory the engine must keep alive until the transfer ends (a write-back's copy of
+  // data whose original buffer the caller may reuse as soon as Submit returns).
+  std::shared_ptr<AlignedBuffer> owned_memory;
+  // Nobody will wait: completion frees the ticket, and a failure becomes the engine's
+  // sticky error (returned by every later call), so lost KV can never go unnoticed.
+  bool detached = false;
+};
+
+struct EngineOptions {
+  int num_workers = 2;
+  uint64_t io_chunk_bytes = 1 << 20;
+  // Requests are admitted while the bytes of running requests stay under this cap (a
+  // request larger than the cap runs alone). 0: no cap.
+  uint64_t max_inflight_bytes = 0;
+  // Paces every tier access to this rate. 0: unpaced.
+  double max_bytes_per_second = 0;
+  // Worker i is pinned to worker_cpus[i % size]. Empty: no pinning.
+  std::vector<int> worker_cpus;
+  // Debug: fill fetch destinations with 0xFF (NaN in f32 and bf16) at submission, so any
+  // read of a buffer before its wait sees NaN rather than plausible stale data.
+  bool poison_fetches = false;
+  // Debug: every transfer sleeps this long before it starts.
+  uint32_t debug_delay_us = 0;
+  bool record_timeline = false;
+};
+
+struct DirectionStats {
+  uint64_t bytes = 0;
+  uint64_t requests = 0;
+  int64_t busy_ns = 0;  // Wall time with at least one request of this kind running.
+};
+
+struct TierStats {
+  DirectionStats fetch;
+  DirectionStats write_back;
+};
+
+struct EngineStats {
+  std::vector<TierStats> tiers;
+  uint64_t waits = 0;
+  uint64_t prefetch_hits = 0;    // Waits whose transfer had been started ahead.
+  uint64_t prefetch_misses = 0;  // Waits that had to fetch (cold, or a stale prefetch).
+  int64_t wait_ns = 0;           // Time callers spent blocked in waits.
+  uint64_t inflight_bytes_peak = 0;
+};
+
+struct TransferEvent {
+  Ticket ticket;
+  int tier;
+  Direction direction;
+  TransferTag tag;
+  uint64_t bytes;
+  int64_t submit_ns, start_ns, end_ns;
+  bool ok;
+};
+
+struct WaitEvent {
+  Ticket ticket;
+  TransferTag tag;
+  int64_t begin_ns, end_ns;
+  bool prefetch_hit;
+};
+
+struct MarkEvent {
+  int32_t kind;
+  TransferTag tag;
+  int64_t ns;
+};
+
+struct Timeline {
+  std::vector<TransferEvent> transfers;
+  std::vector<WaitEvent> waits;
+  std::vector<MarkEvent> marks;
+};
+
+// CLOCK_MONOTONIC in ns: the same clock as Python's time.monotonic_ns().
+int64_t MonotonicNs();
+
+class Engine {
+ public:
+  explicit Engine(EngineOptions options);
+  ~Engine();  // Shutdown().
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  static StatusOr<std::unique_ptr<Engine>> Create(EngineOptions options);
+
+  const EngineOptions& options() const { return options_; }
+
+  StatusOr<int> AddTier(std::unique_ptr<Tier> tier);
+  StatusOr<Tier*> GetTier(int tier);
+  int num_tiers();
+
+  // Validates and queues a request; returns its ticket (kNoTicket when detached).
+  StatusOr<Ticket> Submit(TransferRequest request);
+  // Blocks until the ticket's transfer ends and consumes the ticket (exactly once).
+  // timeout_ns < 0: no timeout.
+  Status Wait(Ticket ticket, int64_t timeout_ns = -1);
+  // True once the transfer has ended (the ticket stays valid for Wait).
+  StatusOr<bool> Poll(Ticket ticket);
+  // A queued transfer is dropped; a running one stops at its next chunk. Wait still
+  // consumes the ticket and reports kCancelled.
+  Status Cancel(Ticket ticket);
+  // The consumer side of a prefetch: if `ticket` fetched exactly `want`, waits for it
+  // (a hit); otherwise retires it and fetches `want` now (a miss). Never serves bytes
+  // other than the ones asked for.
+  Status WaitFor(Ticket ticket, const TransferRequest& want, bool* hit);
+  // Blocks until every submitted transfer has ended (detached write-backs included).
+  Status Drain();
+
+  void Mark(int32_t kind, TransferTag tag);
+  EngineStats Stats();
+  void ResetStats();
+  Timeline TakeTimeline();
+
+  // Cancels queued fetches, lets write-backs and running transfers finish, joins workers.
+  // Waiters wake; later calls fail with kFailedPrecondition. Idempotent.
+  void Shutdown();
+  bool closed();
+
+ private:
+  struct Job;
+
+  Status ValidateLocked(const TransferRequest& request);
+  bool ConflictsLocked(const Job& a, const Job& b) const;
+  std::shared_ptr<Job> NextRunnableLocked();
+  void WorkerLoop(int index);
+  void RunJob(Job& job, IoContext& io);
+  void FinishLocked(Job& job, Status status);
+  void Pace(uint64_t bytes);
+  Ticket NextTicketLocked();
+
+  EngineOptions options_;
+  std::mutex mu_;
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
+  std::vector<std::unique_ptr<Tier>> tiers_;
+  std::deque<std::shared_ptr<Job>> active_;  // Queued and running jobs, in submission order.
+  std::unordered_map<Ticket, std::shared_ptr<Job>> tickets_;  // Not yet consumed.
+  Ticket last_ticket_ = 0;
+  uint64_t inflight_bytes_ = 0;
+  bool stopping_ = false;
+  Status sticky_error_;
+  EngineStats stats_;
+  std::vector<int> busy_count_;        // [tier * 2 + direction]
+  std::vector<int64_t> busy_since_ns_;  // [tier * 2 + direction]
+  Timeline timeline_;
+  std::mutex pace_mu_;
+  int64_t pace_next_ns_ = 0;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace tpusync
+
+#endif  // TPUSYNC_ENGINE_ENGINE_H_

@@ -1,0 +1,123 @@
+// Storage tiers: a flat byte space of `num_blocks * block_bytes`, carved into blocks by an
+// allocator. The engine moves bytes between a tier and plain memory; it never interprets them.
+#ifndef TPUSYNC_ENGINE_TIER_H_
+#define TPUSYNC_ENGINE_TIER_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "io_context.h"
+#include "status.h"
+
+namespace tpusync {
+
+// First-fit allocator of contiguous block extents. Not thread-safe (Tier locks it).
+class BlockAllocator {
+ public:
+  explicit BlockAllocator(uint64_t num_blocks);
+
+  StatusOr<uint64_t> Allocate(uint64_t count);
+  // Marks [first, first + count) used; fails if any of it is not free.
+  Status Reserve(uint64_t first, uint64_t count);
+  // Fails (and changes nothing) unless [first, first + count) is entirely allocated.
+  Status Free(uint64_t first, uint64_t count);
+  uint64_t free_blocks() const { return free_blocks_; }
+
+ private:
+  uint64_t num_blocks_;
+  uint64_t free_blocks_;
+  std::map<uint64_t, uint64_t> free_;  // first block -> length, coalesced.
+};
+
+// A named, persistent allocation, recorded in the tier's header so that another process
+// opening the same shm segment or file finds it again.
+struct NamedRegion {
+  std::string name;
+  uint64_t first_block = 0;
+  uint64_t num_blocks = 0;
+};
+
+struct TierLayout {
+  uint64_t block_bytes = 0;
+  uint64_t num_blocks = 0;
+};
+
+class Tier {
+ public:
+  virtual ~Tier() = default;
+
+  virtual const char* kind() const = 0;
+  // Human-readable description: backing store, I/O mode.
+  virtual std::string Describe() const = 0;
+  // Writes to a tier that does read-modify-write of whole pages must not race on a page.
+  virtual uint64_t hazard_granularity() const { return 1; }
+  virtual bool direct_io() const { return false; }
+  // True when the tier re-attached to existing persistent contents.
+  bool attached() const { return attached_; }
+
+  uint64_t block_bytes() const { return layout_.block_bytes; }
+  uint64_t num_blocks() const { return layout_.num_blocks; }
+  uint64_t capacity_bytes() const { return layout_.block_bytes * layout_.num_blocks; }
+
+  // Byte-addressed I/O over [0, capacity). Safe to call concurrently for ranges that do not
+  // conflict at hazard_granularity().
+  virtual Status Read(uint64_t offset, void* dst, uint64_t bytes, IoContext& io) = 0;
+  virtual Status Write(uint64_t offset, const void* src, uint64_t bytes, IoContext& io) = 0;
+
+  Status CheckRange(uint64_t offset, uint64_t bytes) const;
+
+  // Allocates `count` contiguous blocks. A non-empty `name` makes the region persistent:
+  // if the tier already holds a region of that name and size, it is returned as is.
+  StatusOr<uint64_t> AllocateBlocks(uint64_t count, const std::string& name);
+  Status FreeBlocks(uint64_t first, uint64_t count);
+  uint64_t free_blocks();
+  std::vector<NamedRegion> named_regions();
+
+ protected:
+  explicit Tier(TierLayout layout) : layout_(layout), allocator_(layout.num_blocks) {}
+
+  // Loads regions found in an existing header (called by subclasses while attaching).
+  Status AdoptRegions(std::vector<NamedRegion> regions);
+  // Persists the region table; default: nothing to persist.
+  virtual Status SaveRegions(const std::vector<NamedRegion>& /*regions*/) {
+    return Status::Ok();
+  }
+
+  TierLayout layout_;
+  bool attached_ = false;
+
+ private:
+  std::mutex mu_;
+  BlockAllocator allocator_;
+  std::vector<NamedRegion> regions_;
+};
+
+struct HostTierOptions {
+  TierLayout layout;
+  // Non-empty: back the pool by POSIX shm segment "/<shm_name>" so a restarted process
+  // re-attaches to its blocks.
+  std::string shm_name;
+};
+
+struct FileTierOptions {
+  TierLayout layout;
+  std::string directory;
+  // Non-empty: keep the data in "<directory>/<file_name>.tpusync" and re-attach to it.
+  // Empty: an anonymous file, deleted when the tier closes.
+  std::string file_name;
+  // False: never try O_DIRECT (buffered I/O through the page cache).
+  bool allow_direct_io = true;
+};
+
+StatusOr<std::unique_ptr<Tier>> OpenHostTier(const HostTierOptions& options);
+StatusOr<std::unique_ptr<Tier>> OpenFileTier(const FileTierOptions& options);
+// Removes a persistent shm segment; NotFound if it does not exist.
+Status UnlinkShmSegment(const std::string& shm_name);
+
+}  // namespace tpusync
+
+#endif  // TPUSYNC_ENGINE_TIER_H_

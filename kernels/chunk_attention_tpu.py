@@ -1,0 +1,346 @@
+"""Pallas TPU (Mosaic) kernel for per-chunk attention.
+
+Flash-decoding over KV blocks with an online softmax. One grid step handles
+one (batch row, KV head) pair; the ``G`` query heads that share the KV head
+and all ``q_len`` queries are stacked into ``G * q_len`` rows so that each KV
+block feeds a single matmul.
+
+K and V stay in HBM (``memory_space=pl.ANY``) and are streamed into a
+two-slot VMEM buffer with manual async copies: block ``j + 1`` is in flight
+while block ``j`` is being computed. The per-row scalars (``k_start``,
+``k_valid``, ``q_start``) are scalar-prefetched into SMEM, which lets the
+kernel fetch only blocks that can hold a visible key: nothing past
+``k_valid``, nothing entirely in the causal future of the last query, and
+nothing entirely behind the sliding window of the first query.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from . import _common
+
+__all__ = ["chunk_attention_tpu", "resolve_interpret"]
+
+# Rows of a 32-bit VMEM tile; 16-bit dtypes pack twice as many rows per tile.
+_SUBLANES = 8
+
+
+def resolve_interpret(interpret: bool | Any) -> Any:
+    """Maps the ``interpret`` knob to what the Mosaic pallas_call accepts.
+
+    Plain ``interpret=True`` cannot simulate DMAs and semaphores, so it is
+    upgraded to TPU interpret mode with default parameters.
+    """
+    if interpret is True:
+        return pltpu.InterpretParams()
+    return interpret
+
+
+def _sublane_multiple(dtype: jnp.dtype) -> int:
+    return _SUBLANES * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def _block_range(
+    k_start: jax.Array,  # int32[]
+    k_valid: jax.Array,  # int32[]
+    q_start: jax.Array,  # int32[]
+    *,
+    q_len: int,
+    block_kv: int,
+    num_blocks: int,
+    window: int | None,
+) -> tuple[jax.Array, jax.Array]:
+    """Half-open range ``[lo, hi)`` of KV blocks that may hold a visible key.
+
+    All divisions below act on non-negative operands, so truncating and
+    flooring division agree (scalar-core integer division truncates).
+    """
+    # Causal: the last query (q_start + q_len - 1) sees keys at index
+    # <= last_visible; blocks starting after it are skipped.
+    last_visible = q_start + (q_len - 1) - k_start
+    hi_causal = (jnp.maximum(last_visible, -1) + block_kv) // block_kv
+    hi_valid = (k_valid + block_kv - 1) // block_kv
+    hi = jnp.minimum(jnp.minimum(hi_causal, hi_valid), num_blocks)
+    if window is None:
+        return jnp.int32(0), hi
+    # Window: the first query sees keys at index >= first_visible; blocks
+    # ending before it are skipped. lo = ceil((first_visible + 1) / bk) - 1.
+    first_visible = q_start - window + 1 - k_start
+    lo = (jnp.maximum(first_visible + 1, 0) + block_kv - 1) // block_kv - 1
+    lo = jnp.maximum(lo, 0)
+    return jnp.minimum(lo, hi), hi
+
+
+def _kernel(
+    # Scalar prefetch (SMEM).
+    k_start_ref,  # int32[batch]
+    k_valid_ref,  # int32[batch]
+    q_start_ref,  # int32[batch]
+    # Inputs.
+    q_ref,  # VMEM [rows, head_dim]
+    row_t_ref,  # VMEM int32[rows, 1]: query index (0..q_len-1) of each row
+    k_hbm,  # HBM [batch, num_kv_heads, padded_len, head_dim]
+    v_hbm,  # HBM [batch, num_kv_heads, padded_len, head_dim]
+    # Outputs.
+    out_ref,  # VMEM f32[rows, head_dim]
+    lse_ref,  # VMEM f32[rows, 1]
+    # Scratch.
+    k_buf,  # VMEM [2, block_kv, head_dim]
+    v_buf,  # VMEM [2, block_kv, head_dim]
+    sems,  # DMA semaphores [2 (k, v), 2 (slot)]
+    *,
+    scale: float,
+    soft_cap: float | None,
+    window: int | None,
+    q_len: int,
+    block_kv: int,
+    num_blocks: int,
+):
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    k_start = k_start_ref[b]
+    k_valid = k_valid_ref[b]
+    q_start = q_start_ref[b]
+    lo, hi = _block_range(
+        k_start, k_valid, q_start,
+        q_len=q_len, block_kv=block_kv, num_blocks=num_blocks, window=window,
+    )
+
+    def copies(block, slot):
+        # Rebuilding the descriptors is cheap and lets start() and wait() sit
+        # in different loop iterations.
+        rows = pl.ds(pl.multiple_of(block * block_kv, block_kv), block_kv)
+        return (
+            pltpu.make_async_copy(
+                k_hbm.at[b, h, rows], k_buf.at[slot], sems.at[0, slot]
+            ),
+            pltpu.make_async_copy(
+                v_hbm.at[b, h, rows], v_buf.at[slot], sems.at[1, slot]
+            ),
+        )
+
+    @pl.when(lo < hi)
+    def _():
+        for c in copies(lo, 0):
+            c.start()
+
+    q = q_ref[...]
+    rows, head_dim = q.shape
+    q_pos = q_start + row_t_ref[...]  # [rows, 1]
+    col = jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+    v_row = jax.lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
+
+    def body(j, carry):
+        m_prev, l_prev, acc_prev = carry
+        slot = (j - lo) % 2
+
+        # Prefetch the next block into the other slot. That slot was last
+        # read by the previous iteration's matmuls, which precede this point
+        # in program order, so the overwrite cannot race with them.
+        @pl.when(j + 1 < hi)
+        def _():
+            for c in copies(j + 1, 1 - slot):
+                c.start()
+
+        for c in copies(j, slot):
+            c.wait()
+        k = k_buf[slot]  # [block_kv, head_dim]
+        v = v_buf[slot]
+
+        s = jax.lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        ) * scale  # [rows, block_kv]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        k_idx = j * block_kv + col  # [1, block_kv]
+        k_pos = k_start + k_idx
+        visible = (k_idx < k_valid) & (k_pos <= q_pos)
+        if window is not None:
+            visible &= k_pos > q_pos - window
+        # where(), not a large negative bias: garbage keys may make s NaN.
+        s = jnp.where(visible, s, -jnp.inf)
+
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        # Rows with nothing visible yet keep m = -inf; shift them by 0 so
+        # exp() yields 0 instead of NaN.
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - m_safe)
+        alpha = jnp.exp(m_prev - m_safe)
+        l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        # Garbage values may be NaN and 0 * NaN = NaN: zero them explicitly.
+        v = jnp.where(j * block_kv + v_row < k_valid, v, jnp.zeros_like(v))
+        pv = jax.lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+        return m_new, l_new, alpha * acc_prev + pv
+
+    init = (
+        jnp.full((rows, 1), -jnp.inf, jnp.float32),
+        jnp.zeros((rows, 1), jnp.float32),
+        jnp.zeros((rows, head_dim), jnp.float32),
+    )
+    m, l, acc = jax.lax.fori_loop(lo, hi, body, init)
+
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    out_ref[...] = jnp.where(seen, acc / l_safe, 0.0)
+    lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
+
+
+def chunk_attention_tpu(
+    q: jax.Array,  # [batch, q_len, num_q_heads, head_dim]
+    k: jax.Array,  # [batch, chunk_len, num_kv_heads, head_dim]
+    v: jax.Array,  # [batch, chunk_len, num_kv_heads, head_dim]
+    k_start: jax.Array,  # int32[batch]: absolute position of k[:, 0]
+    k_valid: jax.Array,  # int32[batch]: keys at index >= k_valid are ignored
+    q_start: jax.Array,  # int32[batch]: absolute position of q[:, 0]
+    *,
+    scale: float,
+    soft_cap: float | None = None,
+    window: int | None = None,
+    block_kv: int | None = None,
+    interpret: bool | Any = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-chunk attention as a Pallas TPU kernel.
+
+    Same contract as ``chunk_attention_reference``.
+
+    Args:
+      q: Queries; query ``i`` sits at absolute position ``q_start + i``.
+      k: Keys of the chunk; index ``>= k_valid`` may be garbage.
+      v: Values of the chunk.
+      k_start: Absolute position of ``k[:, 0]``.
+      k_valid: Number of valid keys per batch row.
+      q_start: Absolute position of ``q[:, 0]``.
+      scale: Multiplier applied to ``q . k``.
+      soft_cap: Optional logit soft cap.
+      window: Optional sliding-window size in tokens.
+      block_kv: KV rows per DMA block; a multiple of 8 (16 for bf16).
+        ``None`` picks it from the per-device table. ``chunk_len`` is padded
+        up to a multiple of it.
+      interpret: False to compile for TPU; a ``pltpu.InterpretParams`` (or
+        True) to run in TPU interpret mode on any backend.
+
+    Returns:
+      ``(out, lse)``: f32[batch, q_len, num_q_heads, head_dim] and
+      f32[batch, q_len, num_q_heads].
+
+    Raises:
+      ValueError: On inconsistent shapes, dtypes or knobs.
+    """
+    shape = _common.static_validate_inputs(
+        q, k, v, k_start, k_valid, q_start,
+        scale=scale, soft_cap=soft_cap, window=window,
+    )
+    b, t, hq, d = q.shape
+    s, hkv, g = shape.chunk_len, shape.num_kv_heads, shape.group
+    align = max(_sublane_multiple(q.dtype), _sublane_multiple(k.dtype))
+    if block_kv is None:
+        # The table entry is an upper bound: no point in blocks longer than
+        # the (aligned) chunk itself.
+        block_kv = min(
+            _common.default_block_kv("tpu"), _common.round_up(s, align)
+        )
+    _common.validate_block_kv(block_kv)
+    if block_kv % align:
+        raise ValueError(
+            f"block_kv={block_kv} must be a multiple of {align} for the TPU "
+            f"kernel (sublane tiling of {k.dtype})"
+        )
+    return _chunk_attention_tpu(
+        q, k, v, *_common.as_positions(k_start, k_valid, q_start),
+        scale=float(scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        window=None if window is None else int(window),
+        block_kv=int(block_kv),
+        interpret=resolve_interpret(interpret),
+        group=g, row_align=_sublane_multiple(q.dtype),
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale", "soft_cap", "window", "block_kv", "interpret", "group",
+        "row_align",
+    ),
+)
+def _chunk_attention_tpu(
+    q, k, v, k_start, k_valid, q_start, *, scale, soft_cap, window, block_kv,
+    interpret, group, row_align,
+):
+    b, t, hq, d = q.shape
+    _, s, hkv, _ = k.shape
+    g = group
+    rows = t * g
+    rows_pad = _common.round_up(rows, row_align)
+    s_pad = _common.round_up(s, block_kv)
+    num_blocks = s_pad // block_kv
+
+    # [B, T, Hkv*G, D] -> [B, Hkv, T*G, D]: row r is query r // G of group
+    # member r % G. Padding rows are zero queries whose output is dropped.
+    q_rows = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4)
+    q_rows = q_rows.reshape(b, hkv, rows, d)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
+    row_t = jnp.minimum(jnp.arange(rows_pad, dtype=jnp.int32) // g, t - 1)
+    row_t = row_t[:, None]
+
+    # Head-major K/V make every (batch, head, block) a dense [block_kv, D]
+    # slab in HBM, i.e. one contiguous, tile-aligned DMA per block. The extra
+    # transpose is an on-device copy of a chunk that just crossed the much
+    # slower host link.
+    def head_major(x):
+        x = jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, 0)))
+        return x.transpose(0, 2, 1, 3)
+
+    k_valid = jnp.clip(k_valid, 0, s)
+
+    kernel = functools.partial(
+        _kernel, scale=scale, soft_cap=soft_cap, window=window, q_len=t,
+        block_kv=block_kv, num_blocks=num_blocks,
+    )
+    row_block = lambda bi, hi, *_: (bi, hi, 0, 0)
+    out, lse = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(b, hkv),
+            in_specs=[
+                pl.BlockSpec((None, None, rows_pad, d), row_block),
+                pl.BlockSpec((rows_pad, 1), lambda bi, hi, *_: (0, 0)),
+                pl.BlockSpec(memory_space=pl.ANY),
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
+            out_specs=[
+                pl.BlockSpec((None, None, rows_pad, d), row_block),
+                pl.BlockSpec((None, None, rows_pad, 1), row_block),
+            ],
+            scratch_shapes=[
+                pltpu.VMEM((2, block_kv, d), k.dtype),
+                pltpu.VMEM((2, block_kv, d), v.dtype),
+                pltpu.SemaphoreType.DMA((2, 2)),
+            ],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct((b, hkv, rows_pad, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, rows_pad, 1), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(
+            # Grid steps are independent (each drains its own DMAs).
+            dimension_semantics=("parallel", "parallel"),
+        ),
+        interpret=interpret,
+        name="chunk_attention_tpu",
+    )(k_start, k_valid, q_start, q_rows, row_t, head_major(k), head_major(v))
+
+    out = out[:, :, :rows].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4)
+    lse = lse[:, :, :rows, 0].reshape(b, hkv, t, g).transpose(0, 2, 1, 3)
+    return out.reshape(b, t, hq, d), lse.reshape(b, t, hq)
