@@ -1,0 +1,164 @@
+"""In-graph transfer ops: XLA custom calls into the engine, usable inside ``jax.jit``.
+
+The pair :func:`start_fetch` / :func:`wait_fetch` splits a fetch so that compute placed
+between them overlaps the copy. XLA is free to reorder anything that has no data
+dependency, and on CPU its memory-optimized scheduler does move a wait ahead of unrelated
+compute (``lax.optimization_barrier`` does not stop it). Ordering therefore comes from data:
+
+* ``start_fetch`` passes an activation the following compute needs *through* itself, so
+  that compute cannot begin before the fetch is queued;
+* ``wait_fetch`` takes the overlapping compute's outputs as extra operands (``deps``), so it
+  cannot run before that compute is done.
+
+The destination buffer must be donated into the jitted function and flows
+``dst -> start_fetch -> wait_fetch -> consumer``; each op aliases it to its output, so no
+copy is made. Nothing but the matching ``wait_fetch`` may read what ``start_fetch`` returns.
+
+Segments are ``int32[n, 4]`` rows ``(block, offset_in_block, memory_offset, nbytes)``: the
+tier byte offset is ``block * block_bytes + offset_in_block``, which reaches past 2 GiB
+without ``jax_enable_x64``. Rows with ``nbytes == 0`` are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_tpusync import _tpusync
+
+_TARGETS = {
+    "start": "tpusync_start",
+    "wait": "tpusync_wait",
+    "write_back": "tpusync_write_back",
+    "mark": "tpusync_mark",
+}
+
+NO_TICKET = -1
+
+# Kinds for mark(): compute spans in the timeline.
+MARK_COMPUTE_BEGIN = 1
+MARK_COMPUTE_END = 2
+
+
+def _register() -> None:
+  for name, capsule in _tpusync.registrations().items():
+    jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+
+
+_register()
+
+
+def _check_segments(segments: jax.Array) -> None:
+  if segments.ndim != 2 or segments.shape[1] != 4:
+    raise ValueError(f"segments must be int32[n, 4]; got shape {segments.shape}")
+  if segments.dtype != jnp.int32:
+    raise ValueError(f"segments must be int32; got {segments.dtype}")
+
+
+def _check_tag(tag: jax.Array) -> jax.Array:
+  tag = jnp.asarray(tag, dtype=jnp.int32)
+  if tag.shape != (2,):
+    raise ValueError(f"tag must be int32[2] (layer, chunk); got shape {tag.shape}")
+  return tag
+
+
+def _attrs(engine_id: int, tier: int) -> dict:
+  if engine_id <= 0:
+    raise ValueError(f"engine_id={engine_id} is not a valid engine id")
+  if tier < 0:
+    raise ValueError(f"tier={tier} must be >= 0")
+  return dict(engine_id=np.int64(engine_id), tier=np.int32(tier))
+
+
+def _sds(x: jax.Array) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def start_fetch(engine_id: int, tier: int, passthrough: jax.Array, dst: jax.Array,
+                segments: jax.Array, tag: jax.Array,
+                deps: Sequence[jax.Array] = ()) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Queues a fetch of ``segments`` into ``dst``; returns ``(passthrough, dst, ticket)``.
+
+  Args:
+    engine_id: :attr:`Engine.id`.
+    tier: the tier index to read.
+    passthrough: an array the overlapping compute consumes; returned unchanged (aliased).
+    dst: the destination buffer (donated, persistent); returned aliased. Only
+      :func:`wait_fetch` may read the returned buffer.
+    segments: int32[n, 4] rows (block, offset_in_block, memory_offset, nbytes).
+    tag: int32[2] (layer, chunk), recorded in the engine timeline.
+    deps: arrays that must exist before the fetch is queued (e.g. a write-back token).
+
+  Returns:
+    ``(passthrough, dst, ticket)``; ``ticket`` is an int32 scalar for :func:`wait_fetch`.
+  """
+  _check_segments(segments)
+  tag = _check_tag(tag)
+  call = jax.ffi.ffi_call(
+      _TARGETS["start"],
+      (_sds(passthrough), _sds(dst), jax.ShapeDtypeStruct((), jnp.int32)),
+      input_output_aliases={0: 0, 1: 1},
+      has_side_effect=True)
+  return call(passthrough, dst, segments, tag, *deps, **_attrs(engine_id, tier))
+
+
+def wait_fetch(engine_id: int, tier: int, dst: jax.Array, ticket: jax.Array,
+               segments: jax.Array, tag: jax.Array,
+               deps: Sequence[jax.Array] = ()) -> jax.Array:
+  """Returns ``dst`` once it holds ``segments``.
+
+  If ``ticket`` is :data:`NO_TICKET` or fetched different bytes (a stale or mismatched
+  prefetch), the wait fetches ``segments`` itself before returning. ``deps`` are the
+  outputs of the compute that should overlap the fetch.
+  """
+  _check_segments(segments)
+  tag = _check_tag(tag)
+  ticket = jnp.asarray(ticket, dtype=jnp.int32)
+  if ticket.shape != ():
+    raise ValueError(f"ticket must be an int32 scalar; got shape {ticket.shape}")
+  call = jax.ffi.ffi_call(_TARGETS["wait"], _sds(dst), input_output_aliases={0: 0},
+                          has_side_effect=True)
+  return call(dst, ticket, segments, tag, *deps, **_attrs(engine_id, tier))
+
+
+def write_back(engine_id: int, tier: int, src: jax.Array, segments: jax.Array, tag: jax.Array,
+               deps: Sequence[jax.Array] = ()) -> jax.Array:
+  """Writes ``src`` bytes to the tier in the background; returns an int32 order token.
+
+  ``segments`` rows address ``src`` bytes with their ``memory_offset``. The bytes are copied
+  out before the op returns, so ``src`` may be reused at once. Later fetches of the same
+  tier bytes are ordered after this write by the engine; pass the token to later ops as a
+  dep to make sure XLA issues them after it. A failed write-back makes every later engine
+  call fail (KV is never silently lost).
+  """
+  _check_segments(segments)
+  tag = _check_tag(tag)
+  call = jax.ffi.ffi_call(_TARGETS["write_back"], jax.ShapeDtypeStruct((), jnp.int32),
+                          has_side_effect=True)
+  return call(src, segments, tag, *deps, **_attrs(engine_id, tier))
+
+
+def mark(engine_id: int, kind: int, x: jax.Array, tag: jax.Array,
+         deps: Sequence[jax.Array] = ()) -> jax.Array:
+  """Returns ``x`` (aliased) after recording a timestamped mark in the engine timeline."""
+  tag = _check_tag(tag)
+  if engine_id <= 0:
+    raise ValueError(f"engine_id={engine_id} is not a valid engine id")
+  call = jax.ffi.ffi_call(_TARGETS["mark"], _sds(x), input_output_aliases={0: 0},
+                          has_side_effect=True)
+  return call(x, tag, *deps, engine_id=np.int64(engine_id), kind=np.int32(kind))
+
+
+def segment_rows(tier_offsets: Sequence[int], memory_offsets: Sequence[int],
+                 sizes: Sequence[int], block_bytes: int) -> np.ndarray:
+  """Host-side helper: builds int32[n, 4] segment rows from 64-bit tier byte offsets."""
+  tier_offsets = np.asarray(tier_offsets, dtype=np.int64)
+  rows = np.stack([tier_offsets // block_bytes, tier_offsets % block_bytes,
+                   np.asarray(memory_offsets, np.int64), np.asarray(sizes, np.int64)], axis=1)
+  if rows.size and (rows.max() > np.iinfo(np.int32).max or rows.min() < 0):
+    raise ValueError("a segment field does not fit int32 (split the segment or use larger "
+                     "blocks)")
+  return rows.astype(np.int32).reshape(-1, 4)
