@@ -1,7 +1,28 @@
-"""jax_tpusync: stream a KV cache through host DRAM and storage tiers inside jitted decode."""
+"""jax_tpusync: stream a KV cache through host DRAM and storage tiers inside jitted decode.
 
-from jax_tpusync._tpusync import TpusyncError
-from jax_tpusync.engine import Engine, TierInfo
+The public surface:
 
-__all__ = ["Engine", "TierInfo", "TpusyncError"]
+* :class:`OffloadedKVCache` describes a cache kept in a host tier (DRAM or a file);
+  ``cache.init()`` returns the :class:`KVState` a jitted step carries and donates.
+* :func:`prefetching_attention` replaces a model's attention call: it attends over the
+  offloaded cache while the next layer's KV streams in.
+* :class:`Engine` is the async transfer engine underneath; :mod:`jax_tpusync.ops` has the
+  in-graph start/wait/write-back ops for building other prefetch schedules.
+"""
+
+from jax_tpusync.attention import prefetching_attention, resident_attention
+from jax_tpusync.cache import KVState, OffloadedKVCache
+from jax_tpusync.engine import Engine, EngineConfig, TierInfo, Timeline, TpusyncError
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "KVState",
+    "OffloadedKVCache",
+    "TierInfo",
+    "Timeline",
+    "TpusyncError",
+    "prefetching_attention",
+    "resident_attention",
+]
 __version__ = "0.1.0"

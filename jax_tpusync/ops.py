@@ -17,10 +17,16 @@ copy is made. Nothing but the matching ``wait_fetch`` may read what ``start_fetc
 Segments are ``int32[n, 4]`` rows ``(block, offset_in_block, memory_offset, nbytes)``: the
 tier byte offset is ``block * block_bytes + offset_in_block``, which reaches past 2 GiB
 without ``jax_enable_x64``. Rows with ``nbytes == 0`` are skipped.
+
+An optional :class:`Regions` tells the engine how the caller carved the tier (``count``
+regions of ``nbytes`` from byte ``base``, e.g. one per layer, K/V and sequence). Every segment
+must then lie inside one region, so a context overflow or an out-of-range layer is an error
+rather than a read or write of a neighbouring sequence's KV.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -41,6 +47,24 @@ NO_TICKET = -1
 # Kinds for mark(): compute spans in the timeline.
 MARK_COMPUTE_BEGIN = 1
 MARK_COMPUTE_END = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Regions:
+  """``count`` tier regions of ``nbytes`` bytes each, starting at tier byte ``base``."""
+
+  base: int = 0
+  nbytes: int = 0  # 0: no region check.
+  count: int = 0
+
+  def __post_init__(self):
+    if self.base < 0 or self.nbytes < 0 or self.count < 0:
+      raise ValueError(f"{self} has a negative field")
+    if self.nbytes and not self.count:
+      raise ValueError(f"{self}: count must be positive when nbytes is")
+
+
+_UNCHECKED = Regions()
 
 
 def _register() -> None:
@@ -65,12 +89,15 @@ def _check_tag(tag: jax.Array) -> jax.Array:
   return tag
 
 
-def _attrs(engine_id: int, tier: int) -> dict:
+def _attrs(engine_id: int, tier: int, regions: Regions | None) -> dict:
   if engine_id <= 0:
     raise ValueError(f"engine_id={engine_id} is not a valid engine id")
   if tier < 0:
     raise ValueError(f"tier={tier} must be >= 0")
-  return dict(engine_id=np.int64(engine_id), tier=np.int32(tier))
+  regions = regions or _UNCHECKED
+  return dict(engine_id=np.int64(engine_id), tier=np.int32(tier),
+              region_base=np.int64(regions.base), region_bytes=np.int64(regions.nbytes),
+              region_count=np.int64(regions.count))
 
 
 def _sds(x: jax.Array) -> jax.ShapeDtypeStruct:
@@ -78,8 +105,9 @@ def _sds(x: jax.Array) -> jax.ShapeDtypeStruct:
 
 
 def start_fetch(engine_id: int, tier: int, passthrough: jax.Array, dst: jax.Array,
-                segments: jax.Array, tag: jax.Array,
-                deps: Sequence[jax.Array] = ()) -> tuple[jax.Array, jax.Array, jax.Array]:
+                segments: jax.Array, tag: jax.Array, deps: Sequence[jax.Array] = (),
+                regions: Regions | None = None,
+                retire: jax.Array | int = NO_TICKET) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Queues a fetch of ``segments`` into ``dst``; returns ``(passthrough, dst, ticket)``.
 
   Args:
@@ -91,6 +119,9 @@ def start_fetch(engine_id: int, tier: int, passthrough: jax.Array, dst: jax.Arra
     segments: int32[n, 4] rows (block, offset_in_block, memory_offset, nbytes).
     tag: int32[2] (layer, chunk), recorded in the engine timeline.
     deps: arrays that must exist before the fetch is queued (e.g. a write-back token).
+    regions: optional bounds every segment must respect (see the module docstring).
+    retire: int32 ticket of an earlier, unwaited fetch into ``dst``; it is waited (its
+      bytes discarded) before this fetch starts, so two fetches never write ``dst`` at once.
 
   Returns:
     ``(passthrough, dst, ticket)``; ``ticket`` is an int32 scalar for :func:`wait_fetch`.
@@ -102,12 +133,16 @@ def start_fetch(engine_id: int, tier: int, passthrough: jax.Array, dst: jax.Arra
       (_sds(passthrough), _sds(dst), jax.ShapeDtypeStruct((), jnp.int32)),
       input_output_aliases={0: 0, 1: 1},
       has_side_effect=True)
-  return call(passthrough, dst, segments, tag, *deps, **_attrs(engine_id, tier))
+  retire = jnp.asarray(retire, dtype=jnp.int32)
+  if retire.shape != ():
+    raise ValueError(f"retire must be an int32 scalar; got shape {retire.shape}")
+  return call(passthrough, dst, segments, tag, retire, *deps,
+              **_attrs(engine_id, tier, regions))
 
 
 def wait_fetch(engine_id: int, tier: int, dst: jax.Array, ticket: jax.Array,
-               segments: jax.Array, tag: jax.Array,
-               deps: Sequence[jax.Array] = ()) -> jax.Array:
+               segments: jax.Array, tag: jax.Array, deps: Sequence[jax.Array] = (),
+               regions: Regions | None = None) -> jax.Array:
   """Returns ``dst`` once it holds ``segments``.
 
   If ``ticket`` is :data:`NO_TICKET` or fetched different bytes (a stale or mismatched
@@ -121,11 +156,11 @@ def wait_fetch(engine_id: int, tier: int, dst: jax.Array, ticket: jax.Array,
     raise ValueError(f"ticket must be an int32 scalar; got shape {ticket.shape}")
   call = jax.ffi.ffi_call(_TARGETS["wait"], _sds(dst), input_output_aliases={0: 0},
                           has_side_effect=True)
-  return call(dst, ticket, segments, tag, *deps, **_attrs(engine_id, tier))
+  return call(dst, ticket, segments, tag, *deps, **_attrs(engine_id, tier, regions))
 
 
 def write_back(engine_id: int, tier: int, src: jax.Array, segments: jax.Array, tag: jax.Array,
-               deps: Sequence[jax.Array] = ()) -> jax.Array:
+               deps: Sequence[jax.Array] = (), regions: Regions | None = None) -> jax.Array:
   """Writes ``src`` bytes to the tier in the background; returns an int32 order token.
 
   ``segments`` rows address ``src`` bytes with their ``memory_offset``. The bytes are copied
@@ -138,7 +173,7 @@ def write_back(engine_id: int, tier: int, src: jax.Array, segments: jax.Array, t
   tag = _check_tag(tag)
   call = jax.ffi.ffi_call(_TARGETS["write_back"], jax.ShapeDtypeStruct((), jnp.int32),
                           has_side_effect=True)
-  return call(src, segments, tag, *deps, **_attrs(engine_id, tier))
+  return call(src, segments, tag, *deps, **_attrs(engine_id, tier, regions))
 
 
 def mark(engine_id: int, kind: int, x: jax.Array, tag: jax.Array,

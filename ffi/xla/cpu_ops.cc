@@ -1,7 +1,9 @@
 // XLA FFI handlers (platform "cpu") for the in-graph transfer ops.
 //
-// start(passthrough, dst, segments, tag, *deps) -> (passthrough, dst, ticket)
-//   Queues a fetch of `segments` into `dst` and returns at once. `passthrough` (the layer's
+// start(passthrough, dst, segments, tag, retire, *deps) -> (passthrough, dst, ticket)
+//   Queues a fetch of `segments` into `dst` and returns at once. `retire` (-1: none) is a
+//   ticket of an earlier fetch into the same buffer that nobody waited for: it is waited
+//   first, so two fetches never write one buffer at once. `passthrough` (the layer's
 //   input activation) is aliased through so that compute reading it is ordered after the
 //   start: XLA's schedulers may otherwise sink a start past the compute it should overlap.
 // wait(dst, ticket, segments, tag, *deps) -> dst
@@ -16,6 +18,12 @@
 //
 // Segments are int32[n, 4] rows (block, offset_in_block, memory_offset, bytes): two int32
 // fields address a 64-bit tier offset without requiring jax_enable_x64.
+//
+// Region attributes (region_base, region_bytes, region_count; region_bytes == 0 disables
+// the check) describe how the caller carved the tier: `region_count` regions of
+// `region_bytes` from `region_base`. Every segment must lie inside one region, so a
+// position past a sequence's end (context overflow) or a layer out of range fails loudly
+// instead of reading or overwriting a neighbour's KV.
 #include <cstring>
 #include <memory>
 #include <string>
@@ -40,6 +48,33 @@ StatusOr<std::shared_ptr<Engine>> LookupEngine(int64_t engine_id) {
   return engine;
 }
 
+struct Regions {
+  int64_t base = 0;
+  int64_t bytes = 0;  // 0: unchecked.
+  int64_t count = 0;
+};
+
+Status CheckRegion(const Regions& regions, size_t index, const Segment& s) {
+  if (regions.bytes <= 0 || s.bytes == 0) return Status::Ok();
+  const std::string where = "segment " + std::to_string(index) + " (tier bytes [" +
+                            std::to_string(s.tier_offset) + ", " +
+                            std::to_string(s.tier_offset + s.bytes) + "))";
+  if (s.tier_offset < static_cast<uint64_t>(regions.base)) {
+    return InvalidArgument(where + " starts before the cache's first region");
+  }
+  const uint64_t rel = s.tier_offset - regions.base;
+  const uint64_t first = rel / regions.bytes, last = (rel + s.bytes - 1) / regions.bytes;
+  if (first >= static_cast<uint64_t>(regions.count)) {
+    return InvalidArgument(where + " addresses region " + std::to_string(first) + " of " +
+                           std::to_string(regions.count) + " (layer out of range?)");
+  }
+  if (first != last) {
+    return InvalidArgument(where + " runs past the end of its sequence's region "
+                           "(context overflow: positions beyond max_len)");
+  }
+  return Status::Ok();
+}
+
 TransferTag DecodeTag(const ffi::Buffer<ffi::S32>& tag) {
   TransferTag out;
   if (tag.element_count() >= 1) out.layer = tag.typed_data()[0];
@@ -51,7 +86,8 @@ TransferTag DecodeTag(const ffi::Buffer<ffi::S32>& tag) {
 StatusOr<TransferRequest> DecodeRequest(Engine& engine, int32_t tier, Direction direction,
                                             const ffi::Buffer<ffi::S32>& segments,
                                             uint8_t* memory, size_t memory_bytes,
-                                            const ffi::Buffer<ffi::S32>& tag) {
+                                            const ffi::Buffer<ffi::S32>& tag,
+                                            const Regions& regions) {
   auto dims = segments.dimensions();
   if (dims.size() != 2 || dims[1] != 4) {
     return InvalidArgument("segments must be int32[n, 4]");
@@ -81,26 +117,36 @@ StatusOr<TransferRequest> DecodeRequest(Engine& engine, int32_t tier, Direction 
     request.segments.push_back({static_cast<uint64_t>(r[0]) * block_bytes +
                                     static_cast<uint64_t>(r[1]),
                                 memory + mem_offset, bytes});
+    Status in_region = CheckRegion(regions, i, request.segments.back());
+    if (!in_region.ok()) return in_region;
   }
   return request;
 }
 
 ffi::Error StartImpl(ffi::AnyBuffer passthrough, ffi::AnyBuffer dst,
                      ffi::Buffer<ffi::S32> segments, ffi::Buffer<ffi::S32> tag,
-                     ffi::RemainingArgs /*deps*/, ffi::Result<ffi::AnyBuffer> passthrough_out,
+                     ffi::BufferR0<ffi::S32> retire, ffi::RemainingArgs /*deps*/,
+                     ffi::Result<ffi::AnyBuffer> passthrough_out,
                      ffi::Result<ffi::AnyBuffer> dst_out,
                      ffi::Result<ffi::BufferR0<ffi::S32>> ticket_out, int64_t engine_id,
-                     int32_t tier) {
+                     int32_t tier, int64_t region_base, int64_t region_bytes,
+                     int64_t region_count) {
   auto engine = LookupEngine(engine_id);
   if (!engine.ok()) return ToFfiError(engine.status());
   if (passthrough_out->untyped_data() != passthrough.untyped_data()) {
     std::memcpy(passthrough_out->untyped_data(), passthrough.untyped_data(),
                 passthrough.size_bytes());
   }
+  const Ticket stale = retire.typed_data()[0];
+  if (stale != kNoTicket) {
+    // Its bytes are unwanted and it may have been consumed already: only its end matters.
+    (*engine)->Wait(stale).ok();
+  }
   // The fetch lands in the output buffer; with the operand aliased it is the same memory.
   auto request = DecodeRequest(**engine, tier, Direction::kTierToMemory, segments,
                                static_cast<uint8_t*>(dst_out->untyped_data()),
-                               dst_out->size_bytes(), tag);
+                               dst_out->size_bytes(), tag,
+                               Regions{region_base, region_bytes, region_count});
   if (!request.ok()) return ToFfiError(request.status());
   StatusOr<Ticket> ticket = (*engine)->Submit(std::move(*request));
   if (!ticket.ok()) return ToFfiError(ticket.status());
@@ -111,7 +157,8 @@ ffi::Error StartImpl(ffi::AnyBuffer passthrough, ffi::AnyBuffer dst,
 ffi::Error WaitImpl(ffi::AnyBuffer dst, ffi::BufferR0<ffi::S32> ticket,
                     ffi::Buffer<ffi::S32> segments, ffi::Buffer<ffi::S32> tag,
                     ffi::RemainingArgs /*deps*/, ffi::Result<ffi::AnyBuffer> dst_out,
-                    int64_t engine_id, int32_t tier) {
+                    int64_t engine_id, int32_t tier, int64_t region_base,
+                    int64_t region_bytes, int64_t region_count) {
   auto engine = LookupEngine(engine_id);
   if (!engine.ok()) return ToFfiError(engine.status());
   if (dst_out->untyped_data() != dst.untyped_data()) {
@@ -121,7 +168,8 @@ ffi::Error WaitImpl(ffi::AnyBuffer dst, ffi::BufferR0<ffi::S32> ticket,
   }
   auto want = DecodeRequest(**engine, tier, Direction::kTierToMemory, segments,
                             static_cast<uint8_t*>(dst_out->untyped_data()),
-                            dst_out->size_bytes(), tag);
+                            dst_out->size_bytes(), tag,
+                               Regions{region_base, region_bytes, region_count});
   if (!want.ok()) return ToFfiError(want.status());
   bool hit = false;
   return ToFfiError((*engine)->WaitFor(ticket.typed_data()[0], *want, &hit));
@@ -130,12 +178,13 @@ ffi::Error WaitImpl(ffi::AnyBuffer dst, ffi::BufferR0<ffi::S32> ticket,
 ffi::Error WriteBackImpl(ffi::AnyBuffer src, ffi::Buffer<ffi::S32> segments,
                          ffi::Buffer<ffi::S32> tag, ffi::RemainingArgs /*deps*/,
                          ffi::Result<ffi::BufferR0<ffi::S32>> token_out, int64_t engine_id,
-                         int32_t tier) {
+                         int32_t tier, int64_t region_base, int64_t region_bytes,
+                         int64_t region_count) {
   auto engine = LookupEngine(engine_id);
   if (!engine.ok()) return ToFfiError(engine.status());
   auto request = DecodeRequest(**engine, tier, Direction::kMemoryToTier, segments,
                                static_cast<uint8_t*>(src.untyped_data()), src.size_bytes(),
-                               tag);
+                               tag, Regions{region_base, region_bytes, region_count});
   if (!request.ok()) return ToFfiError(request.status());
   // Pack the source bytes into engine-owned memory; the segments then point into it.
   uint64_t total = 0;
@@ -174,12 +223,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncStartCpu, StartImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::BufferR0<ffi::S32>>()
                                   .Attr<int64_t>("engine_id")
-                                  .Attr<int32_t>("tier"));
+                                  .Attr<int32_t>("tier")
+                                  .Attr<int64_t>("region_base")
+                                  .Attr<int64_t>("region_bytes")
+                                  .Attr<int64_t>("region_count"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWaitCpu, WaitImpl,
                               ffi::Ffi::Bind()
@@ -190,7 +243,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWaitCpu, WaitImpl,
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("engine_id")
-                                  .Attr<int32_t>("tier"));
+                                  .Attr<int32_t>("tier")
+                                  .Attr<int64_t>("region_base")
+                                  .Attr<int64_t>("region_bytes")
+                                  .Attr<int64_t>("region_count"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWriteBackCpu, WriteBackImpl,
                               ffi::Ffi::Bind()
@@ -200,7 +256,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWriteBackCpu, WriteBackImpl,
                                   .RemainingArgs()
                                   .Ret<ffi::BufferR0<ffi::S32>>()
                                   .Attr<int64_t>("engine_id")
-                                  .Attr<int32_t>("tier"));
+                                  .Attr<int32_t>("tier")
+                                  .Attr<int64_t>("region_base")
+                                  .Attr<int64_t>("region_bytes")
+                                  .Attr<int64_t>("region_count"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncMarkCpu, MarkImpl,
                               ffi::Ffi::Bind()

@@ -1,0 +1,366 @@
+"""``prefetching_attention``: causal attention over an offloaded KV cache, layer-ahead.
+
+One call handles one layer of one decode (or prefill-chunk) step:
+
+1. write the new tokens' K/V back to the tier (in the background);
+2. for each unit (a staging-sized chunk) of this layer's cached KV:
+   start the fetch of the unit ``prefetch_depth`` ahead (the next chunk, the next layer's
+   first chunk, or, from the last layer, the next step's first chunk), then wait for this
+   unit (usually fetched during the previous layer's compute) and attend to it;
+3. attend to the new tokens themselves and merge (online softmax).
+
+The write-back comes first so that every later fetch of the same layer, including the
+next step's prefetch, is queued after it: the engine orders overlapping transfers by
+submission, so no fetch can see a cache without its newest tokens. Every wait checks that
+its unit's fetch is exactly the one needed (same tier bytes, same staging slot) and fetches
+it itself otherwise, so a skipped layer or a changed state costs time, never correctness.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_tpusync import ops
+from jax_tpusync.cache import NO_WINDOW, CacheSpec, KVState
+from jax_tpusync.kernels import reference as kernel_reference
+
+IMPLEMENTATIONS = ("xla", "pallas")
+
+
+# -- unit planning (all jnp, so the layer index may be traced) -------------------------------
+
+
+def _window_of(spec: CacheSpec, layer) -> jax.Array:
+    if isinstance(layer, int):
+        w = spec.windows[layer]
+        return jnp.int32(NO_WINDOW if w is None else w)
+    return spec.windows_array()[layer]
+
+
+def _layer_start(spec: CacheSpec, layer, lengths: jax.Array) -> jax.Array:
+    """int32[batch]: first cached position a layer reads (0, or the window's start)."""
+    window = _window_of(spec, layer)
+    return jnp.where(window >= NO_WINDOW, 0, jnp.maximum(lengths - window + 1, 0))
+
+
+def _num_units(spec: CacheSpec, layer, lengths: jax.Array) -> jax.Array:
+    """int32[]: units a layer takes (at least 1, possibly empty)."""
+    span = jnp.max(lengths - _layer_start(spec, layer, lengths))
+    return jnp.maximum(1, (span + spec.chunk_len - 1) // spec.chunk_len)
+
+
+def _unit_range(spec: CacheSpec, layer, chunk, lengths) -> tuple[jax.Array, jax.Array]:
+    """(first position int32[batch], valid tokens int32[batch]) of unit (layer, chunk)."""
+    lo = _layer_start(spec, layer, lengths) + chunk * spec.chunk_len
+    return lo, jnp.clip(lengths - lo, 0, spec.chunk_len)
+
+
+def _tier_rows(spec: CacheSpec, layer, pos: jax.Array):
+    """(block, offset_in_block) int32[2, batch] of position ``pos[b]`` for K (0) and V (1)."""
+    # region * max_len + pos, split so no intermediate leaves int32 at 1M+ tokens:
+    # region * max_len = region * (q * T + rem).
+    t = spec.tokens_per_block
+    q, rem = divmod(spec.max_len, t)
+    b = jnp.arange(spec.batch, dtype=jnp.int32)
+    kv = jnp.arange(2, dtype=jnp.int32)[:, None]
+    region = (layer * 2 + kv) * spec.batch + b  # [2, batch]
+    x = region * rem + pos[None, :]
+    block = spec.first_block + region * q + x // t
+    offset = (x % t) * spec.row_bytes
+    return block, offset
+
+
+def _fetch_segments(spec: CacheSpec, layer, lo, count, slot) -> jax.Array:
+    """int32[2 * batch, 4] segments of a unit landing in staging slot ``slot``."""
+    block, offset = _tier_rows(spec, layer, lo)
+    b = jnp.arange(spec.batch, dtype=jnp.int32)
+    kv = jnp.arange(2, dtype=jnp.int32)[:, None]
+    mem = ((slot * 2 + kv) * spec.batch + b) * (spec.chunk_len * spec.row_bytes)
+    nbytes = jnp.broadcast_to(count * spec.row_bytes, (2, spec.batch))
+    return jnp.stack([block, offset, mem, nbytes], axis=-1).reshape(-1, 4).astype(jnp.int32)
+
+
+def _write_segments(spec: CacheSpec, layer, lengths, q_len: int) -> jax.Array:
+    """int32[2 * batch, 4] segments writing [2, batch, q_len, H, D] new rows at ``lengths``."""
+    block, offset = _tier_rows(spec, layer, lengths)
+    b = jnp.arange(spec.batch, dtype=jnp.int32)
+    kv = jnp.arange(2, dtype=jnp.int32)[:, None]
+    mem = (kv * spec.batch + b) * (q_len * spec.row_bytes)
+    nbytes = jnp.full((2, spec.batch), q_len * spec.row_bytes, jnp.int32)
+    return jnp.stack([block, offset, mem, nbytes], axis=-1).reshape(-1, 4).astype(jnp.int32)
+
+
+def _advance(spec: CacheSpec, layer, chunk, lengths, q_len: int):
+    """The unit ``prefetch_depth`` after (layer, chunk): (layer, chunk, lengths, ok).
+
+    Past the last layer the walk enters the next step, whose lengths are ``lengths + q_len``.
+    ``ok`` is False where prefetching that unit could read bytes this step has not written
+    yet (a next-step unit of a layer after the current one: only with tiny models) or where
+    cross-step prefetch is off.
+    """
+    cur_layer = jnp.asarray(layer, jnp.int32)
+    l, c = cur_layer, jnp.asarray(chunk, jnp.int32)
+    lens = lengths
+    next_step = jnp.bool_(False)
+    for _ in range(spec.prefetch_depth):
+        wrap_chunk = c + 1 >= _num_units(spec, l, lens)
+        c = jnp.where(wrap_chunk, 0, c + 1)
+        l = jnp.where(wrap_chunk, l + 1, l)
+        wrap_layer = l >= spec.num_layers
+        l = jnp.where(wrap_layer, 0, l)
+        lens = jnp.where(wrap_layer & ~next_step, lengths + q_len, lens)
+        next_step = next_step | wrap_layer
+    ok = ~next_step | (l <= cur_layer)
+    if not spec.prefetch_across_steps:
+        ok = ~next_step
+    return l, c, lens, ok
+
+
+# -- attention over one unit -----------------------------------------------------------------
+
+
+def _attend(q, k, v, k_start, k_valid, q_start, *, spec: CacheSpec, layer, scale, soft_cap,
+            implementation: str, kernel_options: dict):
+    """(out f32[B, T, Hq, D], lse f32[B, T, Hq]) over one chunk, with the layer's window."""
+
+    def run(window):
+        if implementation == "xla":
+            return kernel_reference.chunk_attention_reference(
+                q, k, v, k_start, k_valid, q_start, scale=scale, soft_cap=soft_cap,
+                window=window)
+        from jax_tpusync import kernels
+        return kernels.chunk_attention(q, k, v, k_start, k_valid, q_start, scale=scale,
+                                       soft_cap=soft_cap, window=window, **kernel_options)
+
+    if isinstance(layer, int):
+        return run(spec.windows[layer])
+    distinct = sorted(set(spec.windows), key=lambda w: -1 if w is None else w)
+    if len(distinct) == 1:
+        return run(distinct[0])
+    # A traced layer (scan) with mixed windows: the kernels take the window statically,
+    # so switch over the distinct values.
+    index = jnp.asarray([distinct.index(w) for w in spec.windows], jnp.int32)[layer]
+    return lax.switch(index, [functools.partial(run, w) for w in distinct])
+
+
+# -- the public op ---------------------------------------------------------------------------
+
+
+def prefetching_attention(
+    q: jax.Array,  # [batch, q_len, num_q_heads, head_dim]
+    k: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+    v: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+    state: KVState,
+    *,
+    layer: int | jax.Array,
+    implementation: str | None = None,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    block_kv: int | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, KVState]:
+    """Causal attention of ``q`` over the offloaded cache plus the new tokens.
+
+    Appends ``k``/``v`` at each sequence's current length (writing them back to the tier),
+    attends over positions ``[0, length + q_len)`` (or the layer's sliding window), and
+    starts fetching the KV the next call will need while this one computes.
+
+    Call it once per layer, layers in order 0..num_layers-1, every step; from a Python loop
+    inside ``jit`` (``layer`` an int) or from ``lax.scan`` over stacked weights (``layer``
+    traced). The state must be donated into the jitted step (``donate_argnums``): its
+    staging buffers are written in place by the engine.
+
+    Args:
+      q: queries, after RoPE.
+      k: the new tokens' keys, after RoPE (stored as given).
+      v: the new tokens' values.
+      state: the cache state from :meth:`OffloadedKVCache.init` or the previous call.
+      layer: the layer index.
+      implementation: ``"xla"`` (plain jnp; default on CPU) or ``"pallas"`` (the decode
+        kernel; default on GPU/TPU; TPU interpret mode on CPU).
+      scale: softmax scale; default ``1 / sqrt(head_dim)`` (a model that pre-scales q
+        passes 1.0).
+      soft_cap: logits soft cap (``cap * tanh(logits / cap)``), or None.
+      block_kv: Pallas KV block size (default: tuned per device).
+      interpret: Pallas interpret mode (default: on when the backend is CPU).
+
+    Returns:
+      ``(out, state)``: ``out`` shaped and typed like ``q``; the updated state (lengths grow
+      by ``q_len`` after the last layer).
+    """
+    spec = state.spec if isinstance(state, KVState) else None
+    if spec is None:
+        raise TypeError(f"state must be a KVState (from OffloadedKVCache.init()), got "
+                        f"{type(state).__name__}")
+    _validate(q, k, v, spec, layer)
+    if implementation is None:
+        implementation = "xla" if jax.default_backend() == "cpu" else "pallas"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(spec.head_dim)
+    kernel_options = {}
+    if implementation == "pallas":
+        on_cpu = jax.default_backend() == "cpu"
+        kernel_options = dict(block_kv=block_kv,
+                              interpret=on_cpu if interpret is None else interpret)
+        if on_cpu:
+            kernel_options["backend"] = "tpu"
+    if isinstance(layer, np.integer):
+        layer = int(layer)
+    if not isinstance(layer, int):
+        layer = jnp.asarray(layer, jnp.int32)
+
+    eid, tier, regions = spec.engine_id, spec.tier, spec.regions
+    batch, q_len = q.shape[:2]
+    lengths = state.lengths
+    tag = lambda l, c: jnp.stack([jnp.asarray(l, jnp.int32), jnp.asarray(c, jnp.int32)])
+
+    # 1. New tokens go out first: later fetches of this layer are queued behind them.
+    new_kv = jnp.stack([k, v]).astype(spec.dtype)  # [2, batch, q_len, H, D]
+    token = ops.write_back(eid, tier, new_kv, _write_segments(spec, layer, lengths, q_len),
+                           tag(layer, -1), deps=(state.token,), regions=regions)
+
+    num_units = _num_units(spec, layer, lengths)
+    attend = functools.partial(_attend, spec=spec, layer=layer, scale=scale, soft_cap=soft_cap,
+                               implementation=implementation, kernel_options=kernel_options)
+
+    def unit_step(chunk, carry):
+        q_, out, lse, staging, tickets, slot = carry
+        # Start the unit `prefetch_depth` ahead into the slot consumed last (free now:
+        # `out` depends on its contents having been read).
+        p_layer, p_chunk, p_lens, ok = _advance(spec, layer, chunk, lengths, q_len)
+        p_slot = (slot + spec.prefetch_depth) % spec.num_slots
+        p_lo, p_count = _unit_range(spec, p_layer, p_chunk, p_lens)
+        p_segments = _fetch_segments(spec, p_layer, p_lo, jnp.where(ok, p_count, 0), p_slot)
+        q_, staging, p_ticket = ops.start_fetch(
+            eid, tier, q_, staging, p_segments, tag(p_layer, p_chunk),
+            deps=(token, out), regions=regions, retire=tickets[p_slot])
+        # Wait for this unit; q_ carries the previous layer's compute, `out` the last chunk's.
+        lo, count = _unit_range(spec, layer, chunk, lengths)
+        staging = ops.wait_fetch(
+            eid, tier, staging, tickets[slot], _fetch_segments(spec, layer, lo, count, slot),
+            tag(layer, chunk), deps=(q_, k, v, out), regions=regions)
+        tickets = tickets.at[slot].set(ops.NO_TICKET).at[p_slot].set(p_ticket)
+        unit = lax.dynamic_index_in_dim(staging, slot, 0, keepdims=False)  # [2, B, C, H, D]
+        o, l = attend(q_, unit[0], unit[1], lo, count, lengths)
+        out, lse = kernel_reference.merge_partials(out, lse, o, l)
+        return q_, out, lse, staging, tickets, (slot + 1) % spec.num_slots
+
+    out0 = jnp.zeros(q.shape, jnp.float32)
+    lse0 = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+    carry = (q, out0, lse0, state.staging, state.tickets, state.slot)
+    if spec.single_unit:
+        carry = unit_step(jnp.int32(0), carry)
+    else:
+        carry = lax.fori_loop(0, num_units, unit_step, carry)
+    q_, out, lse, staging, tickets, slot = carry
+
+    # 3. The new tokens attend to themselves (causally) and merge in.
+    new_start = lengths
+    o, l = attend(q_, k.astype(spec.dtype), v.astype(spec.dtype), new_start,
+                  jnp.full((batch,), q_len, jnp.int32), lengths)
+    out, _ = kernel_reference.merge_partials(out, lse, o, l)
+
+    new_lengths = jnp.where(layer == spec.num_layers - 1, lengths + q_len, lengths)
+    state = state.replace(lengths=new_lengths, staging=staging, tickets=tickets, slot=slot,
+                          token=token)
+    return out.astype(q.dtype), state
+
+
+def _validate(q, k, v, spec: CacheSpec, layer) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if jnp.ndim(x) != 4:
+            raise ValueError(f"{name} must be rank 4 [batch, q_len, heads, head_dim]; got shape "
+                             f"{jnp.shape(x)}")
+        if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32),
+                                      jnp.dtype(jnp.float16)):
+            raise ValueError(f"{name}.dtype must be bfloat16, float16 or float32; got {x.dtype}")
+    b, t, hq, d = q.shape
+    want_kv = (spec.batch, t, spec.num_kv_heads, spec.head_dim)
+    if b != spec.batch:
+        raise ValueError(f"q has batch={b} but the cache was made for batch={spec.batch}")
+    if d != spec.head_dim:
+        raise ValueError(f"q has head_dim={d} but the cache has head_dim={spec.head_dim}")
+    for name, x in (("k", k), ("v", v)):
+        if tuple(x.shape) != want_kv:
+            raise ValueError(f"{name} must be [batch, q_len, num_kv_heads, head_dim] = "
+                             f"{list(want_kv)}; got {list(x.shape)}")
+    if hq % spec.num_kv_heads:
+        raise ValueError(f"num_q_heads={hq} must be a multiple of num_kv_heads="
+                         f"{spec.num_kv_heads}")
+    if t > spec.max_len:
+        raise ValueError(f"q_len={t} exceeds max_len={spec.max_len}")
+    if isinstance(layer, (int, np.integer)):
+        if not 0 <= layer < spec.num_layers:
+            raise ValueError(f"layer={layer} is out of range for a cache of "
+                             f"{spec.num_layers} layers")
+    elif jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"layer must be an int or an integer scalar; got {layer!r}")
+
+
+def resident_attention(
+    q: jax.Array,  # [batch, q_len, num_q_heads, head_dim]
+    k: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+    v: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+    cache_k: jax.Array,  # [batch, max_len, num_kv_heads, head_dim]
+    cache_v: jax.Array,  # [batch, max_len, num_kv_heads, head_dim]
+    lengths: jax.Array,  # int32[batch]
+    *,
+    window: int | None = None,
+    unit_len: int | None = None,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The same attention as :func:`prefetching_attention` over a device-resident cache.
+
+    The baseline a model without offload runs, and the oracle of the offloaded path: with
+    ``unit_len`` equal to the offloaded cache's ``spec.chunk_len`` it performs the very same
+    operations, so with ``implementation="xla"`` the two agree bit for bit.
+
+    Returns:
+      ``(out, cache_k, cache_v)``: ``out`` like ``q``; the caches with ``k``/``v`` written at
+      ``lengths`` (the caller advances ``lengths`` once per step).
+    """
+    batch, q_len, _, head_dim = q.shape
+    max_len = cache_k.shape[1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    span = max_len if window is None else min(max_len, max(window - 1, 1))
+    unit = unit_len or span
+    layer_start = (jnp.zeros_like(lengths) if window is None
+                   else jnp.maximum(lengths - window + 1, 0))
+    num_units = jnp.maximum(1, (jnp.max(lengths - layer_start) + unit - 1) // unit)
+    attend = functools.partial(kernel_reference.chunk_attention_reference, scale=scale,
+                               soft_cap=soft_cap, window=window)
+
+    def unit_step(chunk, carry):
+        out, lse = carry
+        lo = layer_start + chunk * unit
+        count = jnp.clip(lengths - lo, 0, unit)
+        rows = jnp.clip(lo[:, None] + jnp.arange(unit, dtype=jnp.int32), 0, max_len - 1)
+        k_unit = jnp.take_along_axis(cache_k, rows[:, :, None, None], axis=1)
+        v_unit = jnp.take_along_axis(cache_v, rows[:, :, None, None], axis=1)
+        o, l = attend(q, k_unit, v_unit, lo, count, lengths)
+        return kernel_reference.merge_partials(out, lse, o, l)
+
+    carry = (jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:3], -jnp.inf, jnp.float32))
+    if unit >= span:
+        carry = unit_step(jnp.int32(0), carry)
+    else:
+        carry = lax.fori_loop(0, num_units, unit_step, carry)
+    out, lse = carry
+    k = k.astype(cache_k.dtype)
+    v = v.astype(cache_v.dtype)
+    o, l = attend(q, k, v, lengths, jnp.full((batch,), q_len, jnp.int32), lengths)
+    out, _ = kernel_reference.merge_partials(out, lse, o, l)
+
+    insert = jax.vmap(lambda c, x, at: lax.dynamic_update_slice_in_dim(c, x, at, axis=0))
+    return out.astype(q.dtype), insert(cache_k, k, lengths), insert(cache_v, v, lengths)

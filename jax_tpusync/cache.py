@@ -1,0 +1,428 @@
+"""An offloaded KV cache: where each layer's keys and values live, and the jit-carried state.
+
+Tier layout. The cache owns one contiguous allocation of a tier, carved into regions of
+``max_len`` token rows, one per (layer, k|v, sequence)::
+
+    region(layer, kv, b) = (layer * 2 + kv) * batch + b
+    tier byte of token p = base + (region * max_len + p) * row_bytes
+    row_bytes            = num_kv_heads * head_dim * itemsize
+
+so a run of positions of one sequence is one contiguous segment: a chunk of a layer costs
+``2 * batch`` segments, whatever its length.
+
+Device side. The state carries ``num_slots = prefetch_depth + 1`` staging slots, each
+holding one *unit* (a chunk of ``chunk_len`` tokens of one layer, K and V, all sequences).
+``staging_bytes`` bounds them, so device memory does not grow with the context: a layer
+longer than a slot is processed in several units with an online-softmax merge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_tpusync import ops
+from jax_tpusync.engine import Engine, EngineConfig
+
+logger = logging.getLogger(__name__)
+
+# Window value standing for "no sliding window" in traced per-layer window arrays.
+NO_WINDOW = np.iinfo(np.int32).max // 2
+
+_cache_ids = itertools.count(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """Static description of an offloaded cache; hashable, so it rides in jit as aux data."""
+
+    cache_id: int
+    num_layers: int
+    batch: int
+    max_len: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: Any  # a numpy dtype
+    windows: tuple[int | None, ...]  # per layer; None: global attention
+    chunk_len: int  # tokens per staging unit
+    num_slots: int
+    prefetch_depth: int
+    engine_id: int
+    tier: int
+    block_bytes: int
+    tokens_per_block: int
+    first_block: int
+    prefetch_across_steps: bool
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        return self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def num_regions(self) -> int:
+        return self.num_layers * 2 * self.batch
+
+    @property
+    def region_bytes(self) -> int:
+        return self.max_len * self.row_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the tier holds for a full cache."""
+        return self.num_regions * self.region_bytes
+
+    @property
+    def staging_shape(self) -> tuple[int, ...]:
+        return (self.num_slots, 2, self.batch, self.chunk_len, self.num_kv_heads,
+                self.head_dim)
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the state's staging buffers take, independent of context length."""
+        return math.prod(self.staging_shape) * self.itemsize
+
+    @property
+    def regions(self) -> ops.Regions:
+        return ops.Regions(base=self.first_block * self.block_bytes,
+                           nbytes=self.region_bytes, count=self.num_regions)
+
+    @property
+    def single_unit(self) -> bool:
+        """True when every layer's cached KV fits one staging unit (no chunk loop)."""
+        return self.chunk_len >= max(self.layer_span(w) for w in self.windows)
+
+    def layer_span(self, window: int | None) -> int:
+        """Most cached tokens one layer reads: all of max_len, or its window less one."""
+        return self.max_len if window is None else min(self.max_len, max(window - 1, 1))
+
+    def windows_array(self) -> jax.Array:
+        return jnp.asarray([NO_WINDOW if w is None else w for w in self.windows], jnp.int32)
+
+
+@jax.tree_util.register_pytree_node_class
+class KVState:
+    """What a jitted decode step carries (and donates) for an :class:`OffloadedKVCache`.
+
+    Fields (all device arrays):
+      lengths: int32[batch], tokens cached per sequence.
+      staging: [num_slots, 2, batch, chunk_len, num_kv_heads, head_dim] fetch landing zone.
+      tickets: int32[num_slots], engine ticket of the fetch in flight into each slot (-1: none).
+      slot: int32[], the slot the next unit is consumed from.
+      token: int32[], orders engine calls (write-backs before later fetches).
+    """
+
+    def __init__(self, spec: CacheSpec, lengths, staging, tickets, slot, token):
+        self.spec = spec
+        self.lengths = lengths
+        self.staging = staging
+        self.tickets = tickets
+        self.slot = slot
+        self.token = token
+
+    def tree_flatten(self):
+        return (self.lengths, self.staging, self.tickets, self.slot, self.token), self.spec
+
+    @classmethod
+    def tree_unflatten(cls, spec, children):
+        return cls(spec, *children)
+
+    def replace(self, **changes) -> KVState:
+        fields = dict(lengths=self.lengths, staging=self.staging, tickets=self.tickets,
+                      slot=self.slot, token=self.token)
+        fields.update(changes)
+        return KVState(self.spec, **fields)
+
+    def __repr__(self) -> str:
+        return (f"KVState(cache_id={self.spec.cache_id}, lengths={self.lengths}, "
+                f"device_bytes={self.spec.device_bytes})")
+
+
+class OffloadedKVCache:
+    """A KV cache kept in a host tier and streamed through fixed device staging buffers.
+
+    Args:
+      num_layers: decoder layers.
+      batch: sequences.
+      max_len: tokens each sequence may hold.
+      num_kv_heads: KV heads (GQA/MQA: fewer than query heads).
+      head_dim: head size.
+      dtype: cache dtype (bf16 or f32).
+      tier: ``"host"`` (DRAM) or ``"file"`` (a file in ``path``).
+      path: directory of the file tier.
+      shm_name: host tier only: back it by POSIX shm so a restarted process re-attaches.
+      file_name: file tier only: a persistent file name (re-attached on reopen).
+      staging_bytes: device memory budget of the state's staging slots. Layers whose
+        KV is larger are processed in chunks.
+      prefetch_depth: units fetched ahead (1: layer L+1 while layer L computes).
+      sliding_window: None, an int for every layer, or a per-layer sequence of
+        ``int | None``: a sliding layer attends to (and fetches) only its last W tokens.
+      prefetch_across_steps: the last layer's call fetches the next step's first unit.
+        The returned state then has a fetch in flight into its staging buffers: feed it to
+        the next step, or call :meth:`drain` before dropping it.
+      engine: an :class:`Engine` to use, or an :class:`EngineConfig` for a new one.
+      debug_poison: fill staging with NaN until each fetch lands (catches missing waits).
+    """
+
+    def __init__(self, *, num_layers: int, batch: int, max_len: int, num_kv_heads: int,
+                 head_dim: int, dtype: Any = jnp.bfloat16, tier: str = "host",
+                 path: str | os.PathLike | None = None, shm_name: str | None = None,
+                 file_name: str | None = None, staging_bytes: int = 256 << 20,
+                 prefetch_depth: int = 1,
+                 sliding_window: int | Sequence[int | None] | None = None,
+                 prefetch_across_steps: bool = True,
+                 engine: Engine | EngineConfig | None = None, debug_poison: bool = False):
+        for name, value in dict(num_layers=num_layers, batch=batch, max_len=max_len,
+                                num_kv_heads=num_kv_heads, head_dim=head_dim).items():
+            if not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        dtype = np.dtype(dtype)
+        if dtype not in (np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float16)):
+            raise ValueError(f"dtype={dtype} must be bfloat16, float16 or float32")
+        if tier not in ("host", "file"):
+            raise ValueError(f"tier={tier!r} must be 'host' or 'file'")
+        if tier == "file" and path is None:
+            raise ValueError("tier='file' needs path=<directory>")
+        if tier == "host" and (path is not None or file_name is not None):
+            raise ValueError("path and file_name apply to tier='file' only")
+        if tier == "file" and shm_name is not None:
+            raise ValueError("shm_name applies to tier='host' only")
+        if not isinstance(prefetch_depth, int) or prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth={prefetch_depth!r} must be an int >= 1")
+        windows = _normalize_windows(sliding_window, num_layers)
+
+        self._owns_engine = not isinstance(engine, Engine)
+        if isinstance(engine, Engine):
+            if debug_poison and not engine.config.poison_fetches:
+                raise ValueError("debug_poison needs an engine made with poison_fetches=True")
+            self.engine = engine
+        else:
+            config = engine or EngineConfig()
+            if debug_poison:
+                config = dataclasses.replace(config, poison_fetches=True)
+            self.engine = Engine(config)
+
+        try:
+            itemsize = dtype.itemsize
+            row_bytes = num_kv_heads * head_dim * itemsize
+            num_slots = prefetch_depth + 1
+            unit_row_bytes = num_slots * 2 * batch * row_bytes
+            if staging_bytes >= 2**31:
+                raise ValueError(f"staging_bytes={staging_bytes} must be below 2 GiB")
+            chunk_len = staging_bytes // unit_row_bytes
+            if chunk_len < 1:
+                raise ValueError(
+                    f"staging_bytes={staging_bytes} cannot hold one token per slot: "
+                    f"{num_slots} slots x 2 (K, V) x batch {batch} x {row_bytes} bytes per "
+                    f"token row = {unit_row_bytes} bytes at least")
+            longest = max(max_len if w is None else min(max_len, max(w - 1, 1))
+                          for w in windows)
+            chunk_len = min(chunk_len, longest)
+            if chunk_len * row_bytes >= 2**31:
+                chunk_len = (2**31 - 1) // row_bytes  # One segment's byte count is int32.
+            # Blocks of whole token rows keep (block, offset) int32 even at 1M+ tokens.
+            num_regions = num_layers * 2 * batch
+            tokens_per_block = max(1, min(max_len, (4 << 20) // row_bytes,
+                                          (2**31 - 1 - max_len) // num_regions))
+            block_bytes = tokens_per_block * row_bytes
+            total_rows = num_layers * 2 * batch * max_len
+            num_blocks = -(-total_rows // tokens_per_block)
+            if tier == "host":
+                tier_index = self.engine.add_host_tier(
+                    block_bytes=block_bytes, num_blocks=num_blocks, shm_name=shm_name)
+            else:
+                tier_index = self.engine.add_file_tier(
+                    path, block_bytes=block_bytes, num_blocks=num_blocks, file_name=file_name)
+            region_name = "kv" if (shm_name or file_name) else None
+            first_block = self.engine.allocate(tier_index, num_blocks, name=region_name)
+        except Exception:
+            if self._owns_engine:
+                self.engine.close()
+            raise
+
+        self.spec = CacheSpec(
+            cache_id=next(_cache_ids), num_layers=num_layers, batch=batch, max_len=max_len,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, windows=windows,
+            chunk_len=int(chunk_len), num_slots=num_slots, prefetch_depth=prefetch_depth,
+            engine_id=self.engine.id, tier=tier_index, block_bytes=block_bytes,
+            tokens_per_block=tokens_per_block, first_block=first_block,
+            prefetch_across_steps=prefetch_across_steps)
+        self._loaded_layers: set[int] = set()
+        logger.info("offloaded KV cache: %s tier, %.1f MiB of KV, %.1f MiB staging, "
+                    "chunk_len=%d", tier, self.spec.kv_bytes / 2**20,
+                    self.spec.device_bytes / 2**20, self.spec.chunk_len)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def init(self, lengths: Sequence[int] | np.ndarray | None = None) -> KVState:
+        """A fresh state; ``lengths`` (default 0) says how many tokens each sequence holds."""
+        spec = self.spec
+        if lengths is None:
+            lengths = np.zeros(spec.batch, np.int32)
+        lengths = np.asarray(lengths)
+        if lengths.shape != (spec.batch,):
+            raise ValueError(f"lengths must have shape ({spec.batch},); got {lengths.shape}")
+        if lengths.min(initial=0) < 0 or lengths.max(initial=0) > spec.max_len:
+            raise ValueError(f"lengths must be in [0, max_len={spec.max_len}]; got {lengths}")
+        return KVState(
+            spec,
+            lengths=jnp.asarray(lengths, jnp.int32),
+            staging=jnp.zeros(spec.staging_shape, spec.dtype),
+            tickets=jnp.full((spec.num_slots,), ops.NO_TICKET, jnp.int32),
+            slot=jnp.zeros((), jnp.int32),
+            token=jnp.zeros((), jnp.int32))
+
+    def _check_state(self, state: KVState) -> None:
+        if not isinstance(state, KVState):
+            raise TypeError(f"expected a KVState, got {type(state).__name__}")
+        if state.spec.cache_id != self.spec.cache_id:
+            raise ValueError(f"state belongs to cache {state.spec.cache_id}, not to this "
+                             f"cache ({self.spec.cache_id})")
+
+    def drain(self, state: KVState) -> KVState:
+        """Waits for fetches in flight into ``state``'s staging; returns a state with none.
+
+        Call before dropping or mutating a state whose step prefetched across steps.
+        """
+        self._check_state(state)
+        for ticket in np.asarray(state.tickets).tolist():
+            if ticket != ops.NO_TICKET:
+                try:
+                    self.engine.wait(ticket)
+                except Exception as e:  # Already consumed or failed: it carries no data.
+                    logger.debug("retiring ticket %s: %s", ticket, e)
+        return state.replace(tickets=jnp.full((self.spec.num_slots,), ops.NO_TICKET,
+                                              jnp.int32))
+
+    # -- host-side bulk access --------------------------------------------------------------
+
+    def _segments(self, layer: int, kv: int, start: np.ndarray, counts: np.ndarray):
+        spec = self.spec
+        base = spec.first_block * spec.block_bytes
+        rows = []
+        mem = 0
+        for b in range(spec.batch):
+            region = (layer * 2 + kv) * spec.batch + b
+            rows.append((base + (region * spec.max_len + int(start[b])) * spec.row_bytes, mem,
+                         int(counts[b]) * spec.row_bytes))
+            mem += int(counts[b]) * spec.row_bytes
+        return rows
+
+    def load(self, state: KVState, layer: int, k: jax.Array | np.ndarray,
+             v: jax.Array | np.ndarray, *, start: int | Sequence[int] = 0,
+             lengths: Sequence[int] | None = None) -> KVState:
+        """Bulk-writes existing KV of one layer to the tier, host-side.
+
+        For experiments that synthesize or load a long context without a prefill.
+
+        Args:
+          state: the cache's state (in-flight prefetches are retired first: they may have
+            read bytes this call overwrites).
+          layer: which layer.
+          k: [batch, n, num_kv_heads, head_dim] keys (after RoPE, as the model caches them).
+          v: [batch, n, num_kv_heads, head_dim] values.
+          start: first position written, per sequence or for all.
+          lengths: per-sequence count of rows of ``k``/``v`` to write (ragged); default n.
+
+        Returns:
+          The state; once every layer has been loaded, its lengths are ``start + lengths``.
+        """
+        spec = self.spec
+        self._check_state(state)
+        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < spec.num_layers:
+            raise ValueError(f"layer={layer!r} is out of range for a cache of "
+                             f"{spec.num_layers} layers")
+        k = np.asarray(k)
+        v = np.asarray(v)
+        want = (spec.batch, None, spec.num_kv_heads, spec.head_dim)
+        for name, x in (("k", k), ("v", v)):
+            if x.ndim != 4 or x.shape[0] != spec.batch or x.shape[2:] != want[2:]:
+                raise ValueError(f"{name} must be [batch={spec.batch}, n, num_kv_heads="
+                                 f"{spec.num_kv_heads}, head_dim={spec.head_dim}]; got "
+                                 f"{x.shape}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+        n = k.shape[1]
+        starts = np.broadcast_to(np.asarray(start, np.int64), (spec.batch,))
+        counts = np.broadcast_to(np.asarray(n if lengths is None else lengths, np.int64),
+                                 (spec.batch,))
+        if (counts < 0).any() or (counts > n).any():
+            raise ValueError(f"lengths must be in [0, n={n}]; got {counts}")
+        if (starts < 0).any() or (starts + counts > spec.max_len).any():
+            raise ValueError(f"positions start + lengths = {starts + counts} overflow "
+                             f"max_len={spec.max_len}")
+        state = self.drain(state)
+        tickets = []
+        for kv, x in enumerate((k, v)):
+            x = x.astype(spec.dtype, copy=False)
+            packed = np.concatenate([x[b, :counts[b]].reshape(-1) for b in range(spec.batch)])
+            tickets.append(self.engine.submit_write(
+                spec.tier, self._segments(layer, kv, starts, counts), packed, layer=layer))
+        for t in tickets:
+            self.engine.wait(t)
+        self._loaded_layers.add(layer)
+        if len(self._loaded_layers) == spec.num_layers:
+            self._loaded_layers.clear()
+            state = state.replace(lengths=jnp.asarray(starts + counts, jnp.int32))
+        return state
+
+    def read(self, layer: int, lengths: Sequence[int] | np.ndarray | None = None,
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """Host-side copy of one layer's cached K and V: two [batch, max_len, H, D] arrays.
+
+        Positions at or past ``lengths[b]`` (if given) are zero. For checks and debugging.
+        """
+        spec = self.spec
+        if not 0 <= layer < spec.num_layers:
+            raise ValueError(f"layer={layer} is out of range for a cache of "
+                             f"{spec.num_layers} layers")
+        counts = np.broadcast_to(
+            np.asarray(spec.max_len if lengths is None else lengths, np.int64), (spec.batch,))
+        out = []
+        for kv in range(2):
+            buf = np.zeros((spec.batch, spec.max_len, spec.num_kv_heads, spec.head_dim),
+                           spec.dtype)
+            rows = [(t, b * spec.region_bytes, n) for b, (t, _, n) in
+                    enumerate(self._segments(layer, kv, np.zeros(spec.batch), counts))]
+            self.engine.wait(self.engine.submit_read(spec.tier, rows, buf))
+            out.append(buf)
+        return out[0], out[1]
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Closes the engine if the cache made it (waits for running transfers)."""
+        if self._owns_engine:
+            self.engine.close()
+
+    def __enter__(self) -> OffloadedKVCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _normalize_windows(sliding_window, num_layers: int) -> tuple[int | None, ...]:
+    if sliding_window is None or isinstance(sliding_window, (int, np.integer)):
+        windows = (sliding_window,) * num_layers
+    else:
+        windows = tuple(sliding_window)
+        if len(windows) != num_layers:
+            raise ValueError(f"sliding_window has {len(windows)} entries for {num_layers} "
+                             "layers")
+    for w in windows:
+        if w is not None and (not isinstance(w, (int, np.integer)) or w < 1):
+            raise ValueError(f"sliding window {w!r} must be None or an int >= 1")
+    return tuple(None if w is None else int(w) for w in windows)
