@@ -70,6 +70,8 @@ _UNCHECKED = Regions()
 def _register() -> None:
   for name, capsule in _tpusync.registrations().items():
     jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+  from jax_tpusync import _cuda  # The CUDA targets, only when a CUDA GPU is visible.
+  _cuda.register()
 
 
 _register()

@@ -152,6 +152,51 @@ def is_power_of_2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
 
+def block_range(
+    k_start: jax.Array,  # int32[]
+    k_valid: jax.Array,  # int32[]
+    q_start: jax.Array,  # int32[]
+    *,
+    q_len: int,
+    block_kv: int,
+    num_blocks: int,
+    window: int | None,
+) -> tuple[jax.Array, jax.Array]:
+    """Half-open range ``[lo, hi)`` of the KV blocks holding a visible key.
+
+    The keys visible to at least one query form a single interval of chunk
+    indices: from the first query's window start to the last query's own
+    position, cut to ``[0, k_valid)``. The range covers exactly the blocks
+    that intersect it, so kernels neither fetch nor compute anything else.
+
+    Args:
+      k_start: Absolute position of key 0 of the chunk.
+      k_valid: Number of valid keys in the chunk.
+      q_start: Absolute position of query 0.
+      q_len: Number of queries.
+      block_kv: Keys per block.
+      num_blocks: Number of blocks in the (padded) chunk.
+      window: Optional sliding-window size.
+
+    Returns:
+      ``(lo, hi)`` int32 scalars with ``0 <= lo <= hi <= num_blocks``;
+      ``lo == hi`` when no key is visible.
+    """
+    # lax.div truncates; it is only relied upon for non-negative operands,
+    # where it equals floor division and lowers without sign fix-ups.
+    div = jax.lax.div
+    # Exclusive end: past the last query's position (causal) and k_valid.
+    end = jnp.minimum(q_start + q_len - k_start, k_valid)
+    end = jnp.minimum(end, num_blocks * block_kv)
+    if window is None:
+        first = jnp.int32(0)
+    else:
+        first = jnp.maximum(q_start - window + 1 - k_start, 0)
+    lo = jnp.minimum(div(first, block_kv), num_blocks)
+    hi = jnp.where(end > first, div(end + block_kv - 1, block_kv), lo)
+    return lo, hi
+
+
 # Default KV block sizes per device kind, matched by substring of
 # `jax.devices()[0].device_kind`, first match wins. These are starting points
 # derived from on-chip memory budgets (double-buffered K and V blocks must fit

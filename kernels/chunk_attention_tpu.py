@@ -30,6 +30,10 @@ __all__ = ["chunk_attention_tpu", "resolve_interpret"]
 
 # Rows of a 32-bit VMEM tile; 16-bit dtypes pack twice as many rows per tile.
 _SUBLANES = 8
+# Lanes of a VMEM tile. Per-row scalars (query positions, lse) travel as
+# lane-replicated [rows, 128] arrays: narrow [rows, 1] blocks would waste a
+# full tile per 8 rows anyway and need masked, strided accesses.
+_LANES = 128
 
 
 def resolve_interpret(interpret: bool | Any) -> Any:
@@ -47,37 +51,6 @@ def _sublane_multiple(dtype: jnp.dtype) -> int:
     return _SUBLANES * max(1, 4 // jnp.dtype(dtype).itemsize)
 
 
-def _block_range(
-    k_start: jax.Array,  # int32[]
-    k_valid: jax.Array,  # int32[]
-    q_start: jax.Array,  # int32[]
-    *,
-    q_len: int,
-    block_kv: int,
-    num_blocks: int,
-    window: int | None,
-) -> tuple[jax.Array, jax.Array]:
-    """Half-open range ``[lo, hi)`` of KV blocks that may hold a visible key.
-
-    All divisions below act on non-negative operands, so truncating and
-    flooring division agree (scalar-core integer division truncates).
-    """
-    # Causal: the last query (q_start + q_len - 1) sees keys at index
-    # <= last_visible; blocks starting after it are skipped.
-    last_visible = q_start + (q_len - 1) - k_start
-    hi_causal = (jnp.maximum(last_visible, -1) + block_kv) // block_kv
-    hi_valid = (k_valid + block_kv - 1) // block_kv
-    hi = jnp.minimum(jnp.minimum(hi_causal, hi_valid), num_blocks)
-    if window is None:
-        return jnp.int32(0), hi
-    # Window: the first query sees keys at index >= first_visible; blocks
-    # ending before it are skipped. lo = ceil((first_visible + 1) / bk) - 1.
-    first_visible = q_start - window + 1 - k_start
-    lo = (jnp.maximum(first_visible + 1, 0) + block_kv - 1) // block_kv - 1
-    lo = jnp.maximum(lo, 0)
-    return jnp.minimum(lo, hi), hi
-
-
 def _kernel(
     # Scalar prefetch (SMEM).
     k_start_ref,  # int32[batch]
@@ -85,12 +58,12 @@ def _kernel(
     q_start_ref,  # int32[batch]
     # Inputs.
     q_ref,  # VMEM [rows, head_dim]
-    row_t_ref,  # VMEM int32[rows, 1]: query index (0..q_len-1) of each row
+    row_t_ref,  # VMEM int32[rows, 128]: query index of each row, replicated
     k_hbm,  # HBM [batch, num_kv_heads, padded_len, head_dim]
     v_hbm,  # HBM [batch, num_kv_heads, padded_len, head_dim]
     # Outputs.
     out_ref,  # VMEM f32[rows, head_dim]
-    lse_ref,  # VMEM f32[rows, 1]
+    lse_ref,  # VMEM f32[rows, 128]: lse of each row, replicated
     # Scratch.
     k_buf,  # VMEM [2, block_kv, head_dim]
     v_buf,  # VMEM [2, block_kv, head_dim]
@@ -108,7 +81,7 @@ def _kernel(
     k_start = k_start_ref[b]
     k_valid = k_valid_ref[b]
     q_start = q_start_ref[b]
-    lo, hi = _block_range(
+    lo, hi = _common.block_range(
         k_start, k_valid, q_start,
         q_len=q_len, block_kv=block_kv, num_blocks=num_blocks, window=window,
     )
@@ -133,13 +106,13 @@ def _kernel(
 
     q = q_ref[...]
     rows, head_dim = q.shape
-    q_pos = q_start + row_t_ref[...]  # [rows, 1]
+    q_pos = q_start + row_t_ref[:, :1]  # [rows, 1]
     col = jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
     v_row = jax.lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
 
     def body(j, carry):
         m_prev, l_prev, acc_prev = carry
-        slot = (j - lo) % 2
+        slot = jax.lax.rem(j - lo, 2)
 
         # Prefetch the next block into the other slot. That slot was last
         # read by the previous iteration's matmuls, which precede this point
@@ -192,7 +165,8 @@ def _kernel(
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
     out_ref[...] = jnp.where(seen, acc / l_safe, 0.0)
-    lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
+    lse = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
+    lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
 
 
 def chunk_attention_tpu(
@@ -223,7 +197,7 @@ def chunk_attention_tpu(
       scale: Multiplier applied to ``q . k``.
       soft_cap: Optional logit soft cap.
       window: Optional sliding-window size in tokens.
-      block_kv: KV rows per DMA block; a multiple of 8 (16 for bf16).
+      block_kv: KV rows per DMA block; a multiple of 8 (16 for bf16 inputs).
         ``None`` picks it from the per-device table. ``chunk_len`` is padded
         up to a multiple of it.
       interpret: False to compile for TPU; a ``pltpu.InterpretParams`` (or
@@ -240,9 +214,10 @@ def chunk_attention_tpu(
         q, k, v, k_start, k_valid, q_start,
         scale=scale, soft_cap=soft_cap, window=window,
     )
-    b, t, hq, d = q.shape
-    s, hkv, g = shape.chunk_len, shape.num_kv_heads, shape.group
-    align = max(_sublane_multiple(q.dtype), _sublane_multiple(k.dtype))
+    s = shape.chunk_len
+    # The MXU multiplies operands of one dtype; mixed inputs are promoted.
+    dtype = jnp.promote_types(q.dtype, k.dtype)
+    align = _sublane_multiple(dtype)
     if block_kv is None:
         # The table entry is an upper bound: no point in blocks longer than
         # the (aligned) chunk itself.
@@ -253,16 +228,17 @@ def chunk_attention_tpu(
     if block_kv % align:
         raise ValueError(
             f"block_kv={block_kv} must be a multiple of {align} for the TPU "
-            f"kernel (sublane tiling of {k.dtype})"
+            f"kernel (sublane tiling of {dtype})"
         )
     return _chunk_attention_tpu(
-        q, k, v, *_common.as_positions(k_start, k_valid, q_start),
+        q.astype(dtype), k.astype(dtype), v.astype(dtype),
+        *_common.as_positions(k_start, k_valid, q_start),
         scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         window=None if window is None else int(window),
         block_kv=int(block_kv),
         interpret=resolve_interpret(interpret),
-        group=g, row_align=_sublane_multiple(q.dtype),
+        group=shape.group,
     )
 
 
@@ -270,18 +246,17 @@ def chunk_attention_tpu(
     jax.jit,
     static_argnames=(
         "scale", "soft_cap", "window", "block_kv", "interpret", "group",
-        "row_align",
     ),
 )
 def _chunk_attention_tpu(
     q, k, v, k_start, k_valid, q_start, *, scale, soft_cap, window, block_kv,
-    interpret, group, row_align,
+    interpret, group,
 ):
     b, t, hq, d = q.shape
     _, s, hkv, _ = k.shape
     g = group
     rows = t * g
-    rows_pad = _common.round_up(rows, row_align)
+    rows_pad = _common.round_up(rows, _sublane_multiple(q.dtype))
     s_pad = _common.round_up(s, block_kv)
     num_blocks = s_pad // block_kv
 
@@ -291,7 +266,7 @@ def _chunk_attention_tpu(
     q_rows = q_rows.reshape(b, hkv, rows, d)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
     row_t = jnp.minimum(jnp.arange(rows_pad, dtype=jnp.int32) // g, t - 1)
-    row_t = row_t[:, None]
+    row_t = jnp.broadcast_to(row_t[:, None], (rows_pad, _LANES))
 
     # Head-major K/V make every (batch, head, block) a dense [block_kv, D]
     # slab in HBM, i.e. one contiguous, tile-aligned DMA per block. The extra
@@ -315,13 +290,13 @@ def _chunk_attention_tpu(
             grid=(b, hkv),
             in_specs=[
                 pl.BlockSpec((None, None, rows_pad, d), row_block),
-                pl.BlockSpec((rows_pad, 1), lambda bi, hi, *_: (0, 0)),
+                pl.BlockSpec((rows_pad, _LANES), lambda bi, hi, *_: (0, 0)),
                 pl.BlockSpec(memory_space=pl.ANY),
                 pl.BlockSpec(memory_space=pl.ANY),
             ],
             out_specs=[
                 pl.BlockSpec((None, None, rows_pad, d), row_block),
-                pl.BlockSpec((None, None, rows_pad, 1), row_block),
+                pl.BlockSpec((None, None, rows_pad, _LANES), row_block),
             ],
             scratch_shapes=[
                 pltpu.VMEM((2, block_kv, d), k.dtype),
@@ -331,7 +306,7 @@ def _chunk_attention_tpu(
         ),
         out_shape=[
             jax.ShapeDtypeStruct((b, hkv, rows_pad, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, rows_pad, 1), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, rows_pad, _LANES), jnp.float32),
         ],
         compiler_params=pltpu.CompilerParams(
             # Grid steps are independent (each drains its own DMAs).

@@ -12,6 +12,8 @@ results from different chunks are combined with :func:`merge_partials`.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -102,9 +104,25 @@ def chunk_attention_reference(
         q, k, v, k_start, k_valid, q_start,
         scale=scale, soft_cap=soft_cap, window=window,
     )
-    k_start, k_valid, q_start = _common.as_positions(k_start, k_valid, q_start)
+    return _chunk_attention_reference(
+        q, k, v, *_common.as_positions(k_start, k_valid, q_start),
+        scale=float(scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        window=None if window is None else int(window),
+        group=shape.group,
+    )
+
+
+# Jitted so that eager callers (tests, debugging) compile one program per
+# shape instead of dispatching every op separately.
+@functools.partial(
+    jax.jit, static_argnames=("scale", "soft_cap", "window", "group")
+)
+def _chunk_attention_reference(
+    q, k, v, k_start, k_valid, q_start, *, scale, soft_cap, window, group
+):
     b, t, hq, d = q.shape
-    s, hkv, g = shape.chunk_len, shape.num_kv_heads, shape.group
+    s, hkv, g = k.shape[1], k.shape[2], group
 
     q32 = q.astype(jnp.float32).reshape(b, t, hkv, g, d)
     logits = scale * jnp.einsum(
@@ -139,6 +157,7 @@ def chunk_attention_reference(
     return out, lse
 
 
+@jax.jit
 def merge_partials(
     out_a: jax.Array,  # [..., head_dim]
     lse_a: jax.Array,  # [...]
@@ -181,6 +200,7 @@ def merge_partials(
     return out, lse
 
 
+@jax.jit
 def merge_many(
     outs: jax.Array,  # [num_parts, ..., head_dim]
     lses: jax.Array,  # [num_parts, ...]

@@ -76,9 +76,13 @@ class PyEngine {
     engine->Shutdown();
   }
 
-  Engine& engine() {
+  Engine& engine() { return *shared(); }
+
+  // Calls that release the GIL hold a reference: close() on another thread must not destroy
+  // the engine while they are still inside it.
+  std::shared_ptr<Engine> shared() {
     if (!engine_) ThrowIfError(FailedPrecondition("engine " + std::to_string(id_) + " is closed"));
-    return *engine_;
+    return engine_;
   }
 
   int AddHostTier(uint64_t block_bytes, uint64_t num_blocks, const std::string& shm_name) {
@@ -148,17 +152,21 @@ class PyEngine {
       }
       request.segments.push_back({static_cast<uint64_t>(t), base + m, static_cast<uint64_t>(s)});
     }
-    Engine& e = engine();
-    nb::gil_scoped_release release;  // Poisoning may touch many bytes.
-    return ValueOrThrow(e.Submit(std::move(request)));
+    std::shared_ptr<Engine> e = shared();
+    StatusOr<Ticket> ticket = Status::Ok();
+    {
+      nb::gil_scoped_release release;  // Poisoning may touch many bytes.
+      ticket = e->Submit(std::move(request));
+    }
+    return ValueOrThrow(std::move(ticket));
   }
 
   void Wait(int64_t ticket, double timeout_s) {
-    Engine& e = engine();
+    std::shared_ptr<Engine> e = shared();
     Status st;
     {
       nb::gil_scoped_release release;
-      st = e.Wait(ticket, timeout_s < 0 ? -1 : static_cast<int64_t>(timeout_s * 1e9));
+      st = e->Wait(ticket, timeout_s < 0 ? -1 : static_cast<int64_t>(timeout_s * 1e9));
     }
     ThrowIfError(st);
   }
@@ -167,11 +175,11 @@ class PyEngine {
   void Cancel(int64_t ticket) { ThrowIfError(engine().Cancel(ticket)); }
 
   void Drain() {
-    Engine& e = engine();
+    std::shared_ptr<Engine> e = shared();
     Status st;
     {
       nb::gil_scoped_release release;
-      st = e.Drain();
+      st = e->Drain();
     }
     ThrowIfError(st);
   }
@@ -251,6 +259,11 @@ NB_MODULE(_tpusync, m) {
     d["tpusync_write_back"] = HandlerCapsule(reinterpret_cast<void*>(TpusyncWriteBackCpu));
     d["tpusync_mark"] = HandlerCapsule(reinterpret_cast<void*>(TpusyncMarkCpu));
     return d;
+  });
+  // The process-wide engine registry, for the optional CUDA module (`_tpusync_cuda`),
+  // whose handlers must resolve the same engine ids as this module.
+  m.def("engine_registry_capsule", [] {
+    return nb::capsule(&EngineRegistry::Global(), "tpusync.EngineRegistry");
   });
   m.def("monotonic_ns", &MonotonicNs);
   m.def("unlink_shm", [](const std::string& name) { ThrowIfError(UnlinkShmSegment(name)); });

@@ -23,8 +23,8 @@ from typing import Any
 
 from jax_tpusync.bench import common
 
-# Subcommand modules under jax_tpusync.bench, in --help order. Add "decode" here.
-SUBCOMMANDS: tuple[str, ...] = ("transfer", "overlap")
+# Subcommand modules under jax_tpusync.bench, in --help order.
+SUBCOMMANDS: tuple[str, ...] = ("transfer", "overlap", "decode")
 
 
 def build_parser(subcommands: Sequence[str] = SUBCOMMANDS) -> argparse.ArgumentParser:

@@ -1,0 +1,1207 @@
+// XLA FFI handlers (platform "CUDA") for the in-graph transfer ops, with the same operands,
+// results and attributes as the CPU handlers in ffi/xla/cpu_ops.cc.
+//
+// The problem. On a GPU every operand is device memory, and the segment rows, tag, ticket
+// and retire are usually computed inside the graph (page tables, positions). The host thread
+// that runs a handler only *enqueues* work; when it calls tpusync_start the rows may not
+// exist yet. Reading them on the host would need a stream sync (blocking the host until the
+// GPU catches up), and a cudaMemcpyAsync per segment cannot be enqueued before its
+// addresses are known. Plain "record an event at start, cudaStreamWaitEvent at wait" does
+// not work either: when the wait handler runs, the copy it must wait for has not been
+// enqueued yet, and waiting on an event that was never recorded is a no-op.
+//
+// The design: one agent thread and one private DMA stream per device, fed in program order.
+//   * Every op copies its small descriptor (rows, tag, ticket/retire) device -> pinned host
+//     on the compute stream and records a `ready` event right after it. The copy runs
+//     exactly where XLA placed the op, so the rows are final and their buffer cannot have
+//     been reused yet. The host does not wait for anything.
+//   * The agent takes items in order, waits (itself) on each `ready` event, decodes the
+//     rows, has the engine read the tier into pinned staging buffers (engine worker
+//     threads, engine ordering, engine throttle and stats), then enqueues the H2D copies on
+//     the DMA stream. Write-back is the mirror: D2H on the DMA stream into staging, then an
+//     engine write from staging to the tier.
+//   * Completion travels back to the GPU through a 32-bit sequence counter in device memory:
+//     the agent enqueues cuStreamWriteValue32(counter, seq) on the DMA stream after the
+//     item's copies, and an op that must not complete before the item (wait, write-back)
+//     enqueues cuStreamWaitValue32(counter >= seq) on the compute stream at handler time.
+//     This is the stream-side equivalent of cudaStreamWaitEvent for work that is enqueued
+//     later than the wait itself; no event has to exist when the wait is enqueued.
+//   * tpusync_start does not stall the compute stream at all: compute placed between start
+//     and wait overlaps the tier read and the DMA. tpusync_wait stalls the compute stream
+//     (never the host) until the fetch landed. write_back stalls it until the source bytes
+//     are in pinned staging (XLA may reuse `src` as soon as the op completes), not until
+//     the tier write ends: the engine orders later fetches of those bytes after it.
+//
+// Semantics kept from the CPU handlers: tickets are assigned by the host at start time and
+// written to the int32 ticket result; a wait whose ticket fetched exactly the wanted
+// segments is a hit, anything else (stale, mismatched, -1, retired) is refetched by the
+// agent before the counter is released, so a prefetch can never serve stale KV. Because the
+// agent serves items strictly in order, an earlier fetch into the same buffer always ends
+// before a later one starts: `retire` only drops the bookkeeping of the retired ticket.
+// Region and bounds checks run in the agent (the rows are not known earlier).
+//
+// Errors. A failure found by the agent cannot fail the XLA execution that already ran
+// past it. Instead: a fetch's or wait's whole buffer is filled with 0xFF (NaN in f32/bf16), the
+// counter is released anyway (the GPU never hangs on a failed transfer), and the error
+// becomes sticky: every later tpusync op on that device fails with it, and
+// AsyncError() reports it.
+//
+// Tradeoffs (measured by examples/gpu_check.sh, not assumed):
+//   * The host-tier path copies pool -> pinned staging on an engine worker, then DMAs.
+//     A zero-copy DMA straight from a cudaHostRegister'ed pool would save that memcpy but
+//     would bypass the engine's hazard ordering against in-flight engine write-backs and
+//     other engine users; it needs an engine-side ordering hook first.
+//   * Items are served one at a time per device (double-buffered 32 MiB staging within an
+//     item), so the tier read of prefetch k+1 does not overlap the DMA of prefetch k.
+//   * Each wait costs one agent round trip (event wake-up + stream write) even on a hit.
+//   * Marks (only when the engine records a timeline) run a host function on the compute
+//     stream, which stalls it for the callback's latency.
+//
+// memory_kind="pinned_host" operands: these handlers assume every operand is device
+// memory and never rely on host-resident operands (the descriptor is always copied out on
+// the stream, which works for either). Whether XLA hands a CUDA custom call a host pointer
+// for a pinned_host operand, inserts a copy, or rejects the program is not assumed; the
+// `tpusync_pointer_kind` probe answers it on a real GPU (tests/cuda, examples/gpu_check.sh).
+// If it is a host pointer, descriptors could be read without the D2H staging copy.
+//
+// The handlers do not declare the command-buffer trait: they must run on the host at every
+// execution, so XLA must never capture them into a CUDA graph.
+//
+// Host-only C++ against the CUDA runtime (linked statically: no libcudart.so needed, and
+// libcuda.so.1 is only loaded by the first CUDA call). Driver stream memory operations are
+// fetched with cudaGetDriverEntryPointByVersion, so nothing links against libcuda.
+#include "cuda/cuda_ops.h"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "engine/engine.h"
+#include "engine/registry.h"
+#include "xla/ffi/api/ffi.h"
+#include "xla/status_adapter.h"
+
+namespace tpusync {
+namespace cuda {
+namespace {
+
+namespace ffi = xla::ffi;
+
+// Pinned staging: two buffers of this size per device, so the engine fills one while the
+// DMA engine drains the other.
+constexpr uint64_t kStagingBytes = 32ull << 20;
+// Pinned descriptor ring per device; each op takes 16 + 16 * rows bytes (64-aligned) until
+// the agent has served it.
+constexpr uint64_t kRingBytes = 16ull << 20;
+// `ready` events per device: the most ops that may be enqueued but not yet served.
+constexpr int kNumEvents = 4096;
+// Tag slots for marks (host functions read them once the compute stream gets there).
+constexpr int kNumMarkSlots = 1 << 16;
+// Fetch records kept for waits; the oldest unwaited ones are forgotten beyond this.
+constexpr size_t kMaxTicketRecords = 1 << 16;
+
+// Descriptor slot layout, in int32 words.
+constexpr int kSlotTicket = 0;  // start: the ticket it returns; wait: its ticket operand.
+constexpr int kSlotRetire = 1;  // start: its retire operand.
+constexpr int kSlotTag = 2;     // layer, chunk.
+constexpr int kSlotRows = 4;    // then rows * 4 words.
+
+std::atomic<EngineRegistry*> g_registry{nullptr};
+
+std::mutex g_stats_mu;
+CudaStats g_stats;
+Status g_async_error;  // Guarded by g_stats_mu.
+
+void RecordAsyncError(const Status& status) {
+  std::lock_guard<std::mutex> lock(g_stats_mu);
+  if (g_async_error.ok()) g_async_error = status;
+}
+
+Status CudaError(cudaError_t err, const std::string& what) {
+  return Internal("CUDA " + what + " failed: " + cudaGetErrorName(err) + ": " +
+                  cudaGetErrorString(err));
+}
+
+Status DriverError(CUresult err, const std::string& what) {
+  return Internal("CUDA driver " + what + " failed with CUresult " + std::to_string(err));
+}
+
+#define TPUSYNC_CUDA_CHECK(expr, what)                           \
+  do {                                                           \
+    cudaError_t _err = (expr);                                   \
+    if (_err != cudaSuccess) return CudaError(_err, (what));     \
+  } while (0)
+
+StatusOr<std::shared_ptr<Engine>> LookupEngine(int64_t engine_id) {
+  EngineRegistry* registry = g_registry.load(std::memory_order_acquire);
+  if (registry == nullptr) {
+    return FailedPrecondition("the CUDA ops are not attached to the engine registry "
+                              "(import jax_tpusync._cuda and call register())");
+  }
+  std::shared_ptr<Engine> engine = registry->Get(engine_id);
+  if (!engine) {
+    return FailedPrecondition("engine " + std::to_string(engine_id) +
+                              " is closed or was never created (a jitted function outlived "
+                              "its cache?)");
+  }
+  return engine;
+}
+
+// Same contract as the CPU handlers' region check (ffi/xla/cpu_ops.cc).
+struct Regions {
+  int64_t base = 0;
+  int64_t bytes = 0;  // 0: unchecked.
+  int64_t count = 0;
+};
+
+Status CheckRegion(const Regions& regions, size_t index, const Segment& s) {
+  if (regions.bytes <= 0 || s.bytes == 0) return Status::Ok();
+  const std::string where = "segment " + std::to_string(index) + " (tier bytes [" +
+                            std::to_string(s.tier_offset) + ", " +
+                            std::to_string(s.tier_offset + s.bytes) + "))";
+  if (s.tier_offset < static_cast<uint64_t>(regions.base)) {
+    return InvalidArgument(where + " starts before the cache's first region");
+  }
+  const uint64_t rel = s.tier_offset - regions.base;
+  const uint64_t first = rel / regions.bytes, last = (rel + s.bytes - 1) / regions.bytes;
+  if (first >= static_cast<uint64_t>(regions.count)) {
+    return InvalidArgument(where + " addresses region " + std::to_string(first) + " of " +
+                           std::to_string(regions.count) + " (layer out of range?)");
+  }
+  if (first != last) {
+    return InvalidArgument(where + " runs past the end of its sequence's region "
+                           "(context overflow: positions beyond max_len)");
+  }
+  return Status::Ok();
+}
+
+enum class ItemKind { kFetch, kWait, kWriteBack };
+
+// One op as the agent serves it. `slot` is pinned and holds the descriptor once `event`
+// (the op's `ready` event) has completed.
+struct Item {
+  ItemKind kind = ItemKind::kFetch;
+  std::shared_ptr<Engine> engine;
+  int32_t tier = 0;
+  Regions regions;
+  uint8_t* device = nullptr;  // dst (fetch, wait) or src (write-back).
+  uint64_t device_bytes = 0;
+  int32_t* slot = nullptr;
+  int64_t rows = 0;
+  int32_t ticket = static_cast<int32_t>(kNoTicket);  // start: assigned at enqueue.
+  uint32_t seq = 0;
+  int event = -1;
+  uint64_t ring_end = 0;
+  bool signalled = false;
+};
+
+// What a start fetched, for its wait to compare against.
+struct FetchRecord {
+  Engine* engine = nullptr;
+  int32_t tier = 0;
+  std::vector<Segment> segments;  // `memory` is the device address.
+  bool ok = false;
+};
+
+// A FIFO ring of pinned memory. Allocation happens under the device's mutex in enqueue
+// order and the agent releases in the same order, so a head and a tail suffice.
+class PinnedRing {
+ public:
+  Status Init(uint64_t bytes) {
+    TPUSYNC_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&base_), bytes,
+                                     cudaHostAllocPortable),
+                       "cudaHostAlloc (descriptor ring)");
+    capacity_ = bytes;
+    return Status::Ok();
+  }
+
+  // Null when full. `end` is what Release() must be given once the slot is consumed.
+  uint8_t* Allocate(uint64_t bytes, uint64_t* end) {
+    bytes = AlignUp(bytes, 64);
+    if (bytes > capacity_) return nullptr;
+    uint64_t head = head_;
+    if (head % capacity_ + bytes > capacity_) head += capacity_ - head % capacity_;
+    if (head + bytes - tail_.load(std::memory_order_acquire) > capacity_) return nullptr;
+    head_ = head + bytes;
+    *end = head_;
+    return base_ + head % capacity_;
+  }
+
+  void Release(uint64_t end) { tail_.store(end, std::memory_order_release); }
+
+ private:
+  uint8_t* base_ = nullptr;
+  uint64_t capacity_ = 0;
+  uint64_t head_ = 0;  // Guarded by the owner's mutex.
+  std::atomic<uint64_t> tail_{0};
+};
+
+// Per-device state: streams, events, the counter, pinned memory and the agent thread.
+// Created on first use and never destroyed (like the engine registry), so no CUDA call
+// runs during interpreter teardown.
+class DeviceContext {
+ public:
+  static StatusOr<DeviceContext*> ForDevice(int device);
+  static StatusOr<DeviceContext*> ForStream(cudaStream_t stream) {
+    int device = -1;
+    TPUSYNC_CUDA_CHECK(cudaStreamGetDevice(stream, &device), "cudaStreamGetDevice");
+    return ForDevice(device);
+  }
+
+  // start: stages the descriptor on `compute` and queues the fetch. Never stalls `compute`.
+  Status EnqueueFetch(cudaStream_t compute, std::shared_ptr<Engine> engine, int32_t tier,
+                      Regions regions, const int32_t* segments, int64_t rows,
+                      const int32_t* tag, int64_t tag_count, const int32_t* retire,
+                      uint8_t* dst, uint64_t dst_bytes, int32_t* ticket_out);
+  // wait: stages the descriptor and makes `compute` wait until `dst` holds the rows.
+  Status EnqueueWait(cudaStream_t compute, std::shared_ptr<Engine> engine, int32_t tier,
+                     Regions regions, const int32_t* segments, int64_t rows,
+                     const int32_t* tag, int64_t tag_count, const int32_t* ticket,
+                     uint8_t* dst, uint64_t dst_bytes);
+  // write_back: makes `compute` wait until `src`'s bytes are in pinned staging.
+  Status EnqueueWriteBack(cudaStream_t compute, std::shared_ptr<Engine> engine, int32_t tier,
+                          Regions regions, const int32_t* segments, int64_t rows,
+                          const int32_t* tag, int64_t tag_count, uint8_t* src,
+                          uint64_t src_bytes);
+  // mark: records an engine timeline mark when `compute` gets here.
+  Status EnqueueMark(cudaStream_t compute, std::shared_ptr<Engine> engine, int32_t kind,
+                     const int32_t* tag, int64_t tag_count);
+
+  Status error() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return error_;
+  }
+
+ private:
+  explicit DeviceContext(int device) : device_(device) {}
+  Status Init();  // On the agent thread.
+  void AgentLoop(std::promise<Status> started);
+
+  // Stages a descriptor and queues `item`; `signal`: `compute` waits for the item.
+  // `ticket_out` (start only) receives the ticket the host assigned.
+  Status Enqueue(std::unique_ptr<Item> item, cudaStream_t compute, const int32_t* segments,
+                 const int32_t* tag, int64_t tag_count, const int32_t* ticket_or_retire,
+                 int32_t* ticket_out, bool signal);
+  void SetError(const Status& status);
+
+  // Agent side.
+  void Serve(Item& item);
+  Status ServeFetch(Item& item);
+  Status ServeWait(Item& item);
+  Status ServeWriteBack(Item& item);
+  StatusOr<std::vector<Segment>> Decode(const Item& item);
+  Status FetchThroughStaging(Engine& engine, int32_t tier, TransferTag tag,
+                             const std::vector<Segment>& segments);
+  Status WriteThroughStaging(Engine& engine, int32_t tier, TransferTag tag,
+                             const std::vector<Segment>& segments, Item& item);
+  Status EnsureStaging();
+  void Signal(Item& item);
+
+  const int device_;
+  PFN_cuStreamWaitValue32_v11070 wait_value_ = nullptr;
+  PFN_cuStreamWriteValue32_v11070 write_value_ = nullptr;
+  cudaStream_t dma_ = nullptr;
+  uint32_t* counter_ = nullptr;  // Device memory: the last seq the agent released.
+  std::vector<cudaEvent_t> events_;
+  int32_t* mark_slots_ = nullptr;  // Pinned, kNumMarkSlots * 2.
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Item>> queue_;
+  std::vector<int> free_events_;
+  PinnedRing ring_;
+  uint32_t next_seq_ = 0;
+  int32_t next_ticket_ = 0;
+  uint32_t next_mark_ = 0;
+  Status error_;
+
+  // Agent-only state.
+  uint8_t* staging_[2] = {nullptr, nullptr};
+  cudaEvent_t staging_free_[2] = {nullptr, nullptr};  // The last DMA out of each buffer.
+  std::unordered_map<int32_t, FetchRecord> records_;
+  std::deque<int32_t> record_order_;
+  std::thread agent_;
+};
+
+StatusOr<DeviceContext*> DeviceContext::ForDevice(int device) {
+  static std::mutex mu;
+  static auto* contexts = new std::unordered_map<int, DeviceContext*>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = contexts->find(device);
+  if (it != contexts->end()) return it->second;
+  // Created once per device; a failed start leaves nothing behind to retry into.
+  auto* ctx = new DeviceContext(device);
+  std::promise<Status> started;
+  std::future<Status> result = started.get_future();
+  ctx->agent_ = std::thread([ctx, p = std::move(started)]() mutable {
+    ctx->AgentLoop(std::move(p));
+  });
+  Status st = result.get();
+  if (!st.ok()) {
+    ctx->agent_.join();
+    delete ctx;  // Only CUDA objects that Init created leak here; acceptable on failure.
+    return st;
+  }
+  (*contexts)[device] = ctx;
+  return ctx;
+}
+
+Status DeviceContext::Init() {
+  // The agent thread owns device_ as its current device; handler threads never call
+  // cudaSetDevice (that would change XLA's thread state).
+  TPUSYNC_CUDA_CHECK(cudaSetDevice(device_), "cudaSetDevice");
+  cudaDriverEntryPointQueryResult found;
+  void* fn = nullptr;
+  TPUSYNC_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000,
+                                                      cudaEnableDefault, &found),
+                     "cudaGetDriverEntryPointByVersion(cuStreamWaitValue32)");
+  if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
+    return Unavailable("the CUDA driver has no cuStreamWaitValue32");
+  }
+  wait_value_ = reinterpret_cast<PFN_cuStreamWaitValue32_v11070>(fn);
+  TPUSYNC_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &fn, 12000,
+                                                      cudaEnableDefault, &found),
+                     "cudaGetDriverEntryPointByVersion(cuStreamWriteValue32)");
+  if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
+    return Unavailable("the CUDA driver has no cuStreamWriteValue32");
+  }
+  write_value_ = reinterpret_cast<PFN_cuStreamWriteValue32_v11070>(fn);
+
+  // Non-blocking: never implicitly synchronizes with the legacy default stream.
+  TPUSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&dma_, cudaStreamNonBlocking),
+                     "cudaStreamCreateWithFlags");
+  TPUSYNC_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&counter_), sizeof(uint32_t)),
+                     "cudaMalloc (counter)");
+  TPUSYNC_CUDA_CHECK(cudaMemsetAsync(counter_, 0, sizeof(uint32_t), dma_), "cudaMemsetAsync");
+  TPUSYNC_CUDA_CHECK(cudaStreamSynchronize(dma_), "cudaStreamSynchronize");
+  events_.resize(kNumEvents);
+  for (int i = 0; i < kNumEvents; ++i) {
+    // Blocking sync: the agent sleeps while XLA's stream is still far from the op.
+    TPUSYNC_CUDA_CHECK(
+        cudaEventCreateWithFlags(&events_[i], cudaEventDisableTiming | cudaEventBlockingSync),
+        "cudaEventCreateWithFlags");
+    free_events_.push_back(kNumEvents - 1 - i);
+  }
+  for (cudaEvent_t& e : staging_free_) {
+    TPUSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming),
+                       "cudaEventCreateWithFlags");
+  }
+  TPUSYNC_RETURN_IF_ERROR(ring_.Init(kRingBytes));
+  TPUSYNC_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&mark_slots_),
+                                   kNumMarkSlots * 2 * sizeof(int32_t), cudaHostAllocPortable),
+                     "cudaHostAlloc (mark slots)");
+  return Status::Ok();
+}
+
+void DeviceContext::SetError(const Status& status) {
+  RecordAsyncError(status);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (error_.ok()) error_ = status;
+}
+
+Status DeviceContext::Enqueue(std::unique_ptr<Item> item, cudaStream_t compute,
+                              const int32_t* segments, const int32_t* tag, int64_t tag_count,
+                              const int32_t* ticket_or_retire, int32_t* ticket_out,
+                              bool signal) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!error_.ok()) return error_;
+  uint64_t end = 0;
+  const uint64_t rows_bytes = static_cast<uint64_t>(item->rows) * 4 * sizeof(int32_t);
+  auto* slot = reinterpret_cast<int32_t*>(
+      ring_.Allocate(kSlotRows * sizeof(int32_t) + rows_bytes, &end));
+  if (slot == nullptr) {
+    return ResourceExhausted("too many segment rows in flight on GPU " +
+                             std::to_string(device_) + " (the GPU is far behind the host)");
+  }
+  if (free_events_.empty()) {
+    return ResourceExhausted("more than " + std::to_string(kNumEvents) +
+                             " tpusync ops in flight on GPU " + std::to_string(device_));
+  }
+  item->slot = slot;
+  item->ring_end = end;
+  item->event = free_events_.back();
+  item->seq = ++next_seq_;
+  if (item->kind == ItemKind::kFetch) {
+    next_ticket_ = next_ticket_ >= INT32_MAX ? 1 : next_ticket_ + 1;
+    item->ticket = next_ticket_;
+  }
+  slot[kSlotTicket] = item->ticket;
+  slot[kSlotRetire] = static_cast<int32_t>(kNoTicket);
+  slot[kSlotTag] = slot[kSlotTag + 1] = -1;
+
+  // From here on a failure leaves copies into `slot` enqueued: the slot cannot be reused,
+  // so the device is marked failed instead of rolling back.
+  auto fail = [&](cudaError_t err, const char* what) {
+    Status st = CudaError(err, what);
+    RecordAsyncError(st);
+    error_ = st;
+    return st;
+  };
+  cudaError_t err = cudaSuccess;
+  if (rows_bytes > 0) {
+    err = cudaMemcpyAsync(slot + kSlotRows, segments, rows_bytes, cudaMemcpyDefault, compute);
+    if (err != cudaSuccess) return fail(err, "cudaMemcpyAsync (segments)");
+  }
+  const int64_t tag_words = std::min<int64_t>(tag_count, 2);
+  if (tag_words > 0) {
+    err = cudaMemcpyAsync(slot + kSlotTag, tag, tag_words * sizeof(int32_t), cudaMemcpyDefault,
+                          compute);
+    if (err != cudaSuccess) return fail(err, "cudaMemcpyAsync (tag)");
+  }
+  if (ticket_or_retire != nullptr) {
+    int32_t* to = slot + (item->kind == ItemKind::kFetch ? kSlotRetire : kSlotTicket);
+    err = cudaMemcpyAsync(to, ticket_or_retire, sizeof(int32_t), cudaMemcpyDefault, compute);
+    if (err != cudaSuccess) return fail(err, "cudaMemcpyAsync (ticket)");
+  }
+  if (ticket_out != nullptr) {
+    // Ordered before the `ready` event, so the slot outlives this copy.
+    err = cudaMemcpyAsync(ticket_out, slot + kSlotTicket, sizeof(int32_t), cudaMemcpyDefault,
+                          compute);
+    if (err != cudaSuccess) return fail(err, "cudaMemcpyAsync (ticket result)");
+  }
+  err = cudaEventRecord(events_[item->event], compute);
+  if (err != cudaSuccess) return fail(err, "cudaEventRecord");
+  if (signal) {
+    CUresult r = wait_value_(reinterpret_cast<CUstream>(compute),
+                             reinterpret_cast<CUdeviceptr>(counter_), item->seq,
+                             CU_STREAM_WAIT_VALUE_GEQ);
+    if (r != CUDA_SUCCESS) {
+      Status st = DriverError(r, "cuStreamWaitValue32");
+      RecordAsyncError(st);
+      error_ = st;
+      return st;
+    }
+  }
+  free_events_.pop_back();
+  queue_.push_back(std::move(item));
+  cv_.notify_one();
+  return Status::Ok();
+}
+
+
+Status DeviceContext::EnqueueFetch(cudaStream_t compute, std::shared_ptr<Engine> engine,
+                                   int32_t tier, Regions regions, const int32_t* segments,
+                                   int64_t rows, const int32_t* tag, int64_t tag_count,
+                                   const int32_t* retire, uint8_t* dst, uint64_t dst_bytes,
+                                   int32_t* ticket_out) {
+  auto item = std::make_unique<Item>();
+  item->kind = ItemKind::kFetch;
+  item->engine = std::move(engine);
+  item->tier = tier;
+  item->regions = regions;
+  item->device = dst;
+  item->device_bytes = dst_bytes;
+  item->rows = rows;
+  return Enqueue(std::move(item), compute, segments, tag, tag_count, retire, ticket_out,
+                 /*signal=*/false);
+}
+
+Status DeviceContext::EnqueueWait(cudaStream_t compute, std::shared_ptr<Engine> engine,
+                                  int32_t tier, Regions regions, const int32_t* segments,
+                                  int64_t rows, const int32_t* tag, int64_t tag_count,
+                                  const int32_t* ticket, uint8_t* dst, uint64_t dst_bytes) {
+  auto item = std::make_unique<Item>();
+  item->kind = ItemKind::kWait;
+  item->engine = std::move(engine);
+  item->tier = tier;
+  item->regions = regions;
+  item->device = dst;
+  item->device_bytes = dst_bytes;
+  item->rows = rows;
+  return Enqueue(std::move(item), compute, segments, tag, tag_count, ticket,
+                 /*ticket_out=*/nullptr, /*signal=*/true);
+}
+
+Status DeviceContext::EnqueueWriteBack(cudaStream_t compute, std::shared_ptr<Engine> engine,
+                                       int32_t tier, Regions regions, const int32_t* segments,
+                                       int64_t rows, const int32_t* tag, int64_t tag_count,
+                                       uint8_t* src, uint64_t src_bytes) {
+  auto item = std::make_unique<Item>();
+  item->kind = ItemKind::kWriteBack;
+  item->engine = std::move(engine);
+  item->tier = tier;
+  item->regions = regions;
+  item->device = src;
+  item->device_bytes = src_bytes;
+  item->rows = rows;
+  return Enqueue(std::move(item), compute, segments, tag, tag_count, /*ticket_or_retire=*/nullptr,
+                 /*ticket_out=*/nullptr, /*signal=*/true);
+}
+
+struct MarkArgs {
+  std::shared_ptr<Engine> engine;
+  int32_t kind;
+  const int32_t* tag;  // Pinned; filled by the compute stream before the host function.
+};
+
+void CUDART_CB MarkHostFn(void* data) {
+  // Runs on a CUDA driver thread: no CUDA calls here, only the engine's timeline.
+  std::unique_ptr<MarkArgs> args(static_cast<MarkArgs*>(data));
+  args->engine->Mark(args->kind, {args->tag[0], args->tag[1]});
+}
+
+Status DeviceContext::EnqueueMark(cudaStream_t compute, std::shared_ptr<Engine> engine,
+                                  int32_t kind, const int32_t* tag, int64_t tag_count) {
+  int32_t* slot;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!error_.ok()) return error_;
+    // A slot is reused after kNumMarkSlots later marks; by then its host function has run
+    // unless the GPU lags that many marks behind the host (the tag would then be wrong).
+    slot = mark_slots_ + 2 * (next_mark_++ % kNumMarkSlots);
+  }
+  slot[0] = slot[1] = -1;
+  const int64_t tag_words = std::min<int64_t>(tag_count, 2);
+  if (tag_words > 0) {
+    TPUSYNC_CUDA_CHECK(cudaMemcpyAsync(slot, tag, tag_words * sizeof(int32_t),
+                                       cudaMemcpyDefault, compute),
+                       "cudaMemcpyAsync (mark tag)");
+  }
+  auto* args = new MarkArgs{std::move(engine), kind, slot};
+  cudaError_t err = cudaLaunchHostFunc(compute, &MarkHostFn, args);
+  if (err != cudaSuccess) {
+    delete args;
+    return CudaError(err, "cudaLaunchHostFunc (mark)");
+  }
+  return Status::Ok();
+}
+
+void DeviceContext::AgentLoop(std::promise<Status> started) {
+  Status init = Init();
+  const bool ok = init.ok();
+  started.set_value(std::move(init));
+  if (!ok) return;
+  while (true) {
+    std::unique_ptr<Item> item;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return !queue_.empty(); });
+      item = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    const int64_t begin = MonotonicNs();
+    Serve(*item);
+    {
+      std::lock_guard<std::mutex> lock(g_stats_mu);
+      g_stats.agent_busy_ns += MonotonicNs() - begin;
+    }
+    ring_.Release(item->ring_end);
+    std::lock_guard<std::mutex> lock(mu_);
+    free_events_.push_back(item->event);
+  }
+}
+
+void DeviceContext::Serve(Item& item) {
+  // The compute stream reached the op: the descriptor is in the slot, and the device
+  // memory the op names holds what the graph put there.
+  cudaError_t err = cudaEventSynchronize(events_[item.event]);
+  Status st = err == cudaSuccess ? error() : CudaError(err, "cudaEventSynchronize");
+  if (st.ok()) {
+    switch (item.kind) {
+      case ItemKind::kFetch: st = ServeFetch(item); break;
+      case ItemKind::kWait: st = ServeWait(item); break;
+      case ItemKind::kWriteBack: st = ServeWriteBack(item); break;
+    }
+  }
+  if (!st.ok()) {
+    SetError(st);
+    // NaN bytes in place of KV that could not be fetched: wrong results are loud, never
+    // stale. The whole buffer: the rows themselves may be what was invalid.
+    if (item.kind != ItemKind::kWriteBack) {
+      cudaMemsetAsync(item.device, 0xFF, item.device_bytes, dma_);
+    }
+  }
+  // Always release the compute stream, even after a failure: a hung GPU hides the error.
+  Signal(item);
+}
+
+void DeviceContext::Signal(Item& item) {
+  if (item.signalled) return;
+  item.signalled = true;
+  // Ordered after every copy this agent enqueued on dma_ so far (the item's and, for a
+  // wait that hit, the earlier start's); the default flags include a memory barrier.
+  CUresult r = write_value_(reinterpret_cast<CUstream>(dma_),
+                            reinterpret_cast<CUdeviceptr>(counter_), item.seq,
+                            CU_STREAM_WRITE_VALUE_DEFAULT);
+  if (r != CUDA_SUCCESS) SetError(DriverError(r, "cuStreamWriteValue32"));
+}
+
+StatusOr<std::vector<Segment>> DeviceContext::Decode(const Item& item) {
+  StatusOr<Tier*> tier = item.engine->GetTier(item.tier);
+  if (!tier.ok()) return tier.status();
+  const uint64_t block_bytes = (*tier)->block_bytes();
+  std::vector<Segment> out;
+  const int32_t* rows = item.slot + kSlotRows;
+  for (int64_t i = 0; i < item.rows; ++i) {
+    const int32_t* r = rows + 4 * i;
+    if (r[0] < 0 || r[1] < 0 || r[2] < 0 || r[3] < 0) {
+      return InvalidArgument("segment " + std::to_string(i) + " has a negative field");
+    }
+    const uint64_t mem_offset = static_cast<uint64_t>(r[2]);
+    const uint64_t bytes = static_cast<uint64_t>(r[3]);
+    if (bytes == 0) continue;
+    if (mem_offset + bytes > item.device_bytes) {
+      return InvalidArgument("segment " + std::to_string(i) + " covers bytes [" +
+                             std::to_string(mem_offset) + ", " +
+                             std::to_string(mem_offset + bytes) + ") of a " +
+                             std::to_string(item.device_bytes) + "-byte buffer");
+    }
+    out.push_back({static_cast<uint64_t>(r[0]) * block_bytes + static_cast<uint64_t>(r[1]),
+                   item.device + mem_offset, bytes});
+    TPUSYNC_RETURN_IF_ERROR(CheckRegion(item.regions, i, out.back()));
+    Status range = (*tier)->CheckRange(out.back().tier_offset, bytes);
+    if (!range.ok()) return InvalidArgument("segment " + std::to_string(i) + ": " + range.detail());
+  }
+  return out;
+}
+
+Status DeviceContext::EnsureStaging() {
+  for (uint8_t*& buffer : staging_) {
+    if (buffer != nullptr) continue;
+    TPUSYNC_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&buffer), kStagingBytes,
+                                     cudaHostAllocPortable),
+                       "cudaHostAlloc (staging)");
+  }
+  return Status::Ok();
+}
+
+// Pieces of segments, each inside one staging chunk.
+struct Piece {
+  uint64_t tier_offset;
+  uint8_t* device;
+  uint64_t bytes;
+  uint64_t staging_offset;
+};
+
+std::vector<std::vector<Piece>> SplitIntoChunks(const std::vector<Segment>& segments,
+                                                uint64_t chunk_bytes) {
+  std::vector<std::vector<Piece>> chunks(1);
+  uint64_t used = 0;
+  for (const Segment& s : segments) {
+    for (uint64_t done = 0; done < s.bytes;) {
+      if (used == chunk_bytes) {
+        chunks.emplace_back();
+        used = 0;
+      }
+      const uint64_t n = std::min(s.bytes - done, chunk_bytes - used);
+      chunks.back().push_back({s.tier_offset + done, s.memory + done, n, used});
+      used += n;
+      done += n;
+    }
+  }
+  if (chunks.back().empty()) chunks.pop_back();
+  return chunks;
+}
+
+TransferRequest StagingRequest(int32_t tier, Direction direction, TransferTag tag,
+                               const std::vector<Piece>& pieces, uint8_t* staging) {
+  TransferRequest request;
+  request.tier = tier;
+  request.direction = direction;
+  request.tag = tag;
+  for (const Piece& p : pieces) {
+    request.segments.push_back({p.tier_offset, staging + p.staging_offset, p.bytes});
+  }
+  return request;
+}
+
+Status DeviceContext::FetchThroughStaging(Engine& engine, int32_t tier, TransferTag tag,
+                                          const std::vector<Segment>& segments) {
+  TPUSYNC_RETURN_IF_ERROR(EnsureStaging());
+  const std::vector<std::vector<Piece>> chunks = SplitIntoChunks(segments, kStagingBytes);
+  // Chunk c is read by the engine into buffer c % 2 while chunk c - 1 is copied to the GPU.
+  struct Pending {
+    Ticket ticket;
+    int buffer;
+    size_t chunk;
+  };
+  std::vector<Pending> pending;
+  Status status;
+  auto finish = [&](const Pending& p) {
+    Status st = engine.Wait(p.ticket);
+    if (!status.ok()) return;
+    if (!st.ok()) {
+      status = st;
+      return;
+    }
+    for (const Piece& piece : chunks[p.chunk]) {
+      cudaError_t err = cudaMemcpyAsync(piece.device, staging_[p.buffer] + piece.staging_offset,
+                                        piece.bytes, cudaMemcpyHostToDevice, dma_);
+      if (err != cudaSuccess) {
+        status = CudaError(err, "cudaMemcpyAsync (H2D)");
+        return;
+      }
+    }
+    cudaError_t err = cudaEventRecord(staging_free_[p.buffer], dma_);
+    if (err != cudaSuccess) status = CudaError(err, "cudaEventRecord");
+  };
+  for (size_t c = 0; c < chunks.size() && status.ok(); ++c) {
+    const int b = static_cast<int>(c % 2);
+    // The engine must not overwrite the buffer while the previous DMA reads it.
+    cudaError_t err = cudaEventSynchronize(staging_free_[b]);
+    if (err != cudaSuccess) {
+      status = CudaError(err, "cudaEventSynchronize (staging)");
+      break;
+    }
+    StatusOr<Ticket> t = engine.Submit(
+        StagingRequest(tier, Direction::kTierToMemory, tag, chunks[c], staging_[b]));
+    if (!t.ok()) {
+      status = t.status();
+      break;
+    }
+    pending.push_back({*t, b, c});
+    if (pending.size() == 2) {
+      finish(pending.front());
+      pending.erase(pending.begin());
+    }
+  }
+  // Every submitted ticket is waited, even after a failure: the engine may still be
+  // writing into a staging buffer.
+  for (const Pending& p : pending) finish(p);
+  return status;
+}
+
+Status DeviceContext::WriteThroughStaging(Engine& engine, int32_t tier, TransferTag tag,
+                                          const std::vector<Segment>& segments, Item& item) {
+  TPUSYNC_RETURN_IF_ERROR(EnsureStaging());
+  const std::vector<std::vector<Piece>> chunks = SplitIntoChunks(segments, kStagingBytes);
+  Ticket writing[2] = {kNoTicket, kNoTicket};  // Engine writes still reading each buffer.
+  Status status;
+  auto retire = [&](int b) {
+    if (writing[b] == kNoTicket) return;
+    Status st = engine.Wait(writing[b]);
+    writing[b] = kNoTicket;
+    if (status.ok() && !st.ok()) status = st;
+  };
+  for (size_t c = 0; c < chunks.size() && status.ok(); ++c) {
+    const int b = static_cast<int>(c % 2);
+    retire(b);
+    if (!status.ok()) break;
+    for (const Piece& piece : chunks[c]) {
+      cudaError_t err = cudaMemcpyAsync(staging_[b] + piece.staging_offset, piece.device,
+                                        piece.bytes, cudaMemcpyDeviceToHost, dma_);
+      if (err != cudaSuccess) {
+        status = CudaError(err, "cudaMemcpyAsync (D2H)");
+        break;
+      }
+    }
+    if (!status.ok()) break;
+    cudaError_t err = cudaStreamSynchronize(dma_);
+    if (err != cudaSuccess) {
+      status = CudaError(err, "cudaStreamSynchronize (D2H)");
+      break;
+    }
+    StatusOr<Ticket> t = engine.Submit(
+        StagingRequest(tier, Direction::kMemoryToTier, tag, chunks[c], staging_[b]));
+    if (!t.ok()) {
+      status = t.status();
+      break;
+    }
+    writing[b] = *t;
+    // `src` is free once the last D2H landed. Releasing the compute stream only after the
+    // last Submit means that once a step's outputs are ready, its write-backs are known to
+    // the engine: Engine.drain() and later engine reads of those bytes see them.
+    if (c + 1 == chunks.size()) Signal(item);
+  }
+  retire(0);
+  retire(1);
+  return status;
+}
+
+TransferTag SlotTag(const Item& item) {
+  return {item.slot[kSlotTag], item.slot[kSlotTag + 1]};
+}
+
+uint64_t TotalBytes(const std::vector<Segment>& segments) {
+  uint64_t total = 0;
+  for (const Segment& s : segments) total += s.bytes;
+  return total;
+}
+
+Status DeviceContext::ServeFetch(Item& item) {
+  const int32_t retire = item.slot[kSlotRetire];
+  if (retire != static_cast<int32_t>(kNoTicket)) records_.erase(retire);
+  FetchRecord& record = records_[item.ticket];
+  record_order_.push_back(item.ticket);
+  while (record_order_.size() > kMaxTicketRecords) {
+    records_.erase(record_order_.front());
+    record_order_.pop_front();
+  }
+  record.engine = item.engine.get();
+  record.tier = item.tier;
+  StatusOr<std::vector<Segment>> segments = Decode(item);
+  if (!segments.ok()) return segments.status();
+  record.segments = *segments;
+  TPUSYNC_RETURN_IF_ERROR(FetchThroughStaging(*item.engine, item.tier, SlotTag(item), *segments));
+  record.ok = true;
+  std::lock_guard<std::mutex> lock(g_stats_mu);
+  g_stats.fetches += 1;
+  g_stats.fetch_bytes += TotalBytes(*segments);
+  return Status::Ok();
+}
+
+Status DeviceContext::ServeWait(Item& item) {
+  StatusOr<std::vector<Segment>> want = Decode(item);
+  if (!want.ok()) return want.status();
+  bool hit = false;
+  auto it = records_.find(item.slot[kSlotTicket]);
+  if (it != records_.end()) {
+    const FetchRecord& have = it->second;
+    hit = have.ok && have.engine == item.engine.get() && have.tier == item.tier &&
+          have.segments == *want;
+    records_.erase(it);  // A ticket is consumed by its wait, as on the CPU.
+  }
+  {
+    std::lock_guard<std::mutex> lock(g_stats_mu);
+    g_stats.waits += 1;
+    (hit ? g_stats.prefetch_hits : g_stats.prefetch_misses) += 1;
+  }
+  if (hit) return Status::Ok();  // The start's H2D precedes Signal on dma_.
+  return FetchThroughStaging(*item.engine, item.tier, SlotTag(item), *want);
+}
+
+Status DeviceContext::ServeWriteBack(Item& item) {
+  StatusOr<std::vector<Segment>> segments = Decode(item);
+  if (!segments.ok()) return segments.status();
+  Status st = WriteThroughStaging(*item.engine, item.tier, SlotTag(item), *segments, item);
+  if (!st.ok()) {
+    return Status(st.code(), "a write-back failed, so the tier no longer holds that KV: " +
+                                 st.detail());
+  }
+  std::lock_guard<std::mutex> lock(g_stats_mu);
+  g_stats.write_backs += 1;
+  g_stats.write_back_bytes += TotalBytes(*segments);
+  return Status::Ok();
+}
+
+// ---- XLA FFI handlers ---------------------------------------------------------------
+
+Status CheckRows(const ffi::Buffer<ffi::S32>& segments, int64_t* rows) {
+  auto dims = segments.dimensions();
+  if (dims.size() != 2 || dims[1] != 4) return InvalidArgument("segments must be int32[n, 4]");
+  *rows = dims[0];
+  return Status::Ok();
+}
+
+// Copies `from` into `to` on the stream when XLA did not alias them.
+Status CarryOver(cudaStream_t stream, const ffi::AnyBuffer& from, ffi::AnyBuffer* to) {
+  if (to->untyped_data() == from.untyped_data()) return Status::Ok();
+  TPUSYNC_CUDA_CHECK(cudaMemcpyAsync(to->untyped_data(), from.untyped_data(), from.size_bytes(),
+                                     cudaMemcpyDeviceToDevice, stream),
+                     "cudaMemcpyAsync (carry over)");
+  return Status::Ok();
+}
+
+ffi::Error StartImpl(cudaStream_t stream, ffi::AnyBuffer passthrough, ffi::AnyBuffer dst,
+                     ffi::Buffer<ffi::S32> segments, ffi::Buffer<ffi::S32> tag,
+                     ffi::BufferR0<ffi::S32> retire, ffi::RemainingArgs /*deps*/,
+                     ffi::Result<ffi::AnyBuffer> passthrough_out,
+                     ffi::Result<ffi::AnyBuffer> dst_out,
+                     ffi::Result<ffi::BufferR0<ffi::S32>> ticket_out, int64_t engine_id,
+                     int32_t tier, int64_t region_base, int64_t region_bytes,
+                     int64_t region_count) {
+  auto engine = LookupEngine(engine_id);
+  if (!engine.ok()) return ToFfiError(engine.status());
+  int64_t rows = 0;
+  Status st = CheckRows(segments, &rows);
+  if (!st.ok()) return ToFfiError(st);
+  auto ctx = DeviceContext::ForStream(stream);
+  if (!ctx.ok()) return ToFfiError(ctx.status());
+  st = CarryOver(stream, passthrough, &*passthrough_out);
+  if (st.ok()) st = CarryOver(stream, dst, &*dst_out);
+  if (!st.ok()) return ToFfiError(st);
+  return ToFfiError((*ctx)->EnqueueFetch(
+      stream, std::move(*engine), tier, Regions{region_base, region_bytes, region_count},
+      segments.typed_data(), rows, tag.typed_data(),
+      static_cast<int64_t>(tag.element_count()), retire.typed_data(),
+      static_cast<uint8_t*>(dst_out->untyped_data()), dst_out->size_bytes(),
+      ticket_out->typed_data()));
+}
+
+ffi::Error WaitImpl(cudaStream_t stream, ffi::AnyBuffer dst, ffi::BufferR0<ffi::S32> ticket,
+                    ffi::Buffer<ffi::S32> segments, ffi::Buffer<ffi::S32> tag,
+                    ffi::RemainingArgs /*deps*/, ffi::Result<ffi::AnyBuffer> dst_out,
+                    int64_t engine_id, int32_t tier, int64_t region_base,
+                    int64_t region_bytes, int64_t region_count) {
+  auto engine = LookupEngine(engine_id);
+  if (!engine.ok()) return ToFfiError(engine.status());
+  int64_t rows = 0;
+  Status st = CheckRows(segments, &rows);
+  if (!st.ok()) return ToFfiError(st);
+  auto ctx = DeviceContext::ForStream(stream);
+  if (!ctx.ok()) return ToFfiError(ctx.status());
+  // Not aliased: the prefetch went elsewhere; the agent sees the address mismatch and
+  // fetches into dst_out itself.
+  st = CarryOver(stream, dst, &*dst_out);
+  if (!st.ok()) return ToFfiError(st);
+  return ToFfiError((*ctx)->EnqueueWait(
+      stream, std::move(*engine), tier, Regions{region_base, region_bytes, region_count},
+      segments.typed_data(), rows, tag.typed_data(),
+      static_cast<int64_t>(tag.element_count()), ticket.typed_data(),
+      static_cast<uint8_t*>(dst_out->untyped_data()), dst_out->size_bytes()));
+}
+
+ffi::Error WriteBackImpl(cudaStream_t stream, ffi::AnyBuffer src,
+                         ffi::Buffer<ffi::S32> segments, ffi::Buffer<ffi::S32> tag,
+                         ffi::RemainingArgs /*deps*/,
+                         ffi::Result<ffi::BufferR0<ffi::S32>> token_out, int64_t engine_id,
+                         int32_t tier, int64_t region_base, int64_t region_bytes,
+                         int64_t region_count) {
+  auto engine = LookupEngine(engine_id);
+  if (!engine.ok()) return ToFfiError(engine.status());
+  int64_t rows = 0;
+  Status st = CheckRows(segments, &rows);
+  if (!st.ok()) return ToFfiError(st);
+  auto ctx = DeviceContext::ForStream(stream);
+  if (!ctx.ok()) return ToFfiError(ctx.status());
+  st = (*ctx)->EnqueueWriteBack(stream, std::move(*engine), tier,
+                                Regions{region_base, region_bytes, region_count},
+                                segments.typed_data(), rows, tag.typed_data(),
+                                static_cast<int64_t>(tag.element_count()),
+                                static_cast<uint8_t*>(src.untyped_data()), src.size_bytes());
+  if (!st.ok()) return ToFfiError(st);
+  cudaError_t err = cudaMemsetAsync(token_out->typed_data(), 0, sizeof(int32_t), stream);
+  if (err != cudaSuccess) return ToFfiError(CudaError(err, "cudaMemsetAsync (token)"));
+  return ffi::Error::Success();
+}
+
+ffi::Error MarkImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> tag,
+                    ffi::RemainingArgs /*deps*/, ffi::Result<ffi::AnyBuffer> x_out,
+                    int64_t engine_id, int32_t kind) {
+  auto engine = LookupEngine(engine_id);
+  if (!engine.ok()) return ToFfiError(engine.status());
+  Status st = CarryOver(stream, x, &*x_out);
+  if (!st.ok()) return ToFfiError(st);
+  // Without a timeline a mark records nothing; skip the host function and its stall.
+  if (!(*engine)->options().record_timeline) return ffi::Error::Success();
+  auto ctx = DeviceContext::ForStream(stream);
+  if (!ctx.ok()) return ToFfiError(ctx.status());
+  return ToFfiError((*ctx)->EnqueueMark(stream, std::move(*engine), kind, tag.typed_data(),
+                                        static_cast<int64_t>(tag.element_count())));
+}
+
+ffi::Error PointerKindImpl(cudaStream_t stream, ffi::AnyBuffer x,
+                           ffi::Result<ffi::BufferR0<ffi::U8>> kind_out) {
+  cudaPointerAttributes attributes;
+  int kind = 255;
+  if (cudaPointerGetAttributes(&attributes, x.untyped_data()) == cudaSuccess) {
+    kind = static_cast<int>(attributes.type);
+  } else {
+    cudaGetLastError();  // Clear it: this is a probe, not a failure.
+  }
+  // The result may itself live in host or device memory; cudaMemsetAsync handles both.
+  cudaError_t err = cudaMemsetAsync(kind_out->typed_data(), kind, 1, stream);
+  if (err != cudaSuccess) return ToFfiError(CudaError(err, "cudaMemsetAsync (probe)"));
+  return ffi::Error::Success();
+}
+
+// ---- Benchmarks ---------------------------------------------------------------------
+
+// Frees what a benchmark allocated on every return path.
+struct BenchResources {
+  ~BenchResources() {
+    if (stream) {
+      cudaStreamSynchronize(stream);
+      cudaStreamDestroy(stream);
+    }
+    for (void* p : device) cudaFree(p);
+    for (void* p : host) cudaFreeHost(p);
+  }
+  cudaStream_t stream = nullptr;
+  std::vector<void*> device;
+  std::vector<void*> host;
+};
+
+double Gbps(uint64_t bytes, int64_t ns) { return ns > 0 ? static_cast<double>(bytes) / ns : 0; }
+
+}  // namespace
+
+void AttachRegistry(EngineRegistry* registry) {
+  g_registry.store(registry, std::memory_order_release);
+}
+
+bool registry_attached() { return g_registry.load(std::memory_order_acquire) != nullptr; }
+
+CudaStats GetStats() {
+  std::lock_guard<std::mutex> lock(g_stats_mu);
+  return g_stats;
+}
+
+Status AsyncError() {
+  std::lock_guard<std::mutex> lock(g_stats_mu);
+  return g_async_error;
+}
+
+int DeviceCount() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+StatusOr<std::vector<double>> MemcpyH2DGbps(int device, const std::vector<uint64_t>& sizes,
+                                            int iters) {
+  if (sizes.empty() || iters < 1) return InvalidArgument("need sizes and iters >= 1");
+  const uint64_t max_size = *std::max_element(sizes.begin(), sizes.end());
+  TPUSYNC_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice");
+  BenchResources r;
+  void* src = nullptr;
+  void* dst = nullptr;
+  TPUSYNC_CUDA_CHECK(cudaHostAlloc(&src, max_size, cudaHostAllocPortable), "cudaHostAlloc");
+  r.host.push_back(src);
+  std::memset(src, 1, max_size);  // Fault the pages in before timing.
+  TPUSYNC_CUDA_CHECK(cudaMalloc(&dst, max_size), "cudaMalloc");
+  r.device.push_back(dst);
+  TPUSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&r.stream, cudaStreamNonBlocking),
+                     "cudaStreamCreateWithFlags");
+  std::vector<double> out;
+  for (uint64_t size : sizes) {
+    TPUSYNC_CUDA_CHECK(cudaMemcpyAsync(dst, src, size, cudaMemcpyHostToDevice, r.stream),
+                       "cudaMemcpyAsync");
+    TPUSYNC_CUDA_CHECK(cudaStreamSynchronize(r.stream), "cudaStreamSynchronize");
+    const int64_t begin = MonotonicNs();
+    for (int i = 0; i < iters; ++i) {
+      TPUSYNC_CUDA_CHECK(cudaMemcpyAsync(dst, src, size, cudaMemcpyHostToDevice, r.stream),
+                         "cudaMemcpyAsync");
+    }
+    TPUSYNC_CUDA_CHECK(cudaStreamSynchronize(r.stream), "cudaStreamSynchronize");
+    out.push_back(Gbps(size * iters, MonotonicNs() - begin));
+  }
+  return out;
+}
+
+StatusOr<std::vector<double>> EngineH2DGbps(int device, int64_t engine_id, int32_t tier,
+                                            uint64_t tier_offset,
+                                            const std::vector<uint64_t>& sizes, int iters) {
+  if (sizes.empty() || iters < 1) return InvalidArgument("need sizes and iters >= 1");
+  auto engine = LookupEngine(engine_id);
+  if (!engine.ok()) return engine.status();
+  StatusOr<Tier*> t = (*engine)->GetTier(tier);
+  if (!t.ok()) return t.status();
+  const uint64_t block_bytes = (*t)->block_bytes();
+  const uint64_t max_size = *std::max_element(sizes.begin(), sizes.end());
+  if (max_size > static_cast<uint64_t>(INT32_MAX)) {
+    return InvalidArgument("sizes must fit one int32 segment row");
+  }
+  TPUSYNC_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice");
+  BenchResources r;
+  TPUSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&r.stream, cudaStreamNonBlocking),
+                     "cudaStreamCreateWithFlags");
+  auto ctx = DeviceContext::ForStream(r.stream);
+  if (!ctx.ok()) return ctx.status();
+  void* dst = nullptr;
+  void* small = nullptr;  // int32: rows[4], tag[2], retire, ticket.
+  TPUSYNC_CUDA_CHECK(cudaMalloc(&dst, max_size), "cudaMalloc");
+  r.device.push_back(dst);
+  TPUSYNC_CUDA_CHECK(cudaMalloc(&small, 8 * sizeof(int32_t)), "cudaMalloc");
+  r.device.push_back(small);
+  auto* words = static_cast<int32_t*>(small);
+  std::vector<double> out;
+  for (uint64_t size : sizes) {
+    const int32_t host[8] = {static_cast<int32_t>(tier_offset / block_bytes),
+                             static_cast<int32_t>(tier_offset % block_bytes), 0,
+                             static_cast<int32_t>(size), -1, -1,
+                             static_cast<int32_t>(kNoTicket), 0};
+    TPUSYNC_CUDA_CHECK(cudaMemcpy(words, host, sizeof(host), cudaMemcpyHostToDevice),
+                       "cudaMemcpy");
+    auto one = [&]() -> Status {
+      // start then wait, exactly as the handlers enqueue them: the ticket travels through
+      // device memory (words[7]).
+      TPUSYNC_RETURN_IF_ERROR((*ctx)->EnqueueFetch(
+          r.stream, *engine, tier, Regions{}, words, 1, words + 4, 2, words + 6,
+          static_cast<uint8_t*>(dst), max_size, words + 7));
+      return (*ctx)->EnqueueWait(r.stream, *engine, tier, Regions{}, words, 1, words + 4, 2,
+                                 words + 7, static_cast<uint8_t*>(dst), max_size);
+    };
+    TPUSYNC_RETURN_IF_ERROR(one());  // Warm-up: staging allocation, page faults.
+    TPUSYNC_CUDA_CHECK(cudaStreamSynchronize(r.stream), "cudaStreamSynchronize");
+    const int64_t begin = MonotonicNs();
+    for (int i = 0; i < iters; ++i) TPUSYNC_RETURN_IF_ERROR(one());
+    TPUSYNC_CUDA_CHECK(cudaStreamSynchronize(r.stream), "cudaStreamSynchronize");
+    out.push_back(Gbps(size * iters, MonotonicNs() - begin));
+    TPUSYNC_RETURN_IF_ERROR((*ctx)->error());
+  }
+  return out;
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncStartCuda, StartImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::BufferR0<ffi::S32>>()
+                                  .Attr<int64_t>("engine_id")
+                                  .Attr<int32_t>("tier")
+                                  .Attr<int64_t>("region_base")
+                                  .Attr<int64_t>("region_bytes")
+                                  .Attr<int64_t>("region_count"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWaitCuda, WaitImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("engine_id")
+                                  .Attr<int32_t>("tier")
+                                  .Attr<int64_t>("region_base")
+                                  .Attr<int64_t>("region_bytes")
+                                  .Attr<int64_t>("region_count"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWriteBackCuda, WriteBackImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::BufferR0<ffi::S32>>()
+                                  .Attr<int64_t>("engine_id")
+                                  .Attr<int32_t>("tier")
+                                  .Attr<int64_t>("region_base")
+                                  .Attr<int64_t>("region_bytes")
+                                  .Attr<int64_t>("region_count"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncMarkCuda, MarkImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("engine_id")
+                                  .Attr<int32_t>("kind"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncPointerKindCuda, PointerKindImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::BufferR0<ffi::U8>>());
+
+}  // namespace cuda
+}  // namespace tpusync

@@ -1,0 +1,280 @@
+"""prefetching_attention against resident attention, on every tier and schedule."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tpusync as tps
+from jax_tpusync.kernels import reference as kref
+
+# Small shapes: 3 layers (one sliding), ragged batch of 2, GQA 2:1.
+LAYERS, BATCH, MAX_LEN, KV_HEADS, Q_HEADS, HEAD_DIM = 3, 2, 64, 2, 4, 16
+WINDOWS = (None, 5, None)
+CONTEXT = np.array([20, 13])
+
+
+class TinyDecoder:
+    """Projections only: enough structure for layer-to-layer dependencies."""
+
+    def __init__(self, seed: int, dtype=jnp.float32, q_heads=Q_HEADS, kv_heads=KV_HEADS):
+        rng = np.random.default_rng(seed)
+        self.dtype = dtype
+        self.q_heads, self.kv_heads = q_heads, kv_heads
+        width = q_heads * HEAD_DIM
+
+        def w(*shape):
+            return jnp.asarray(rng.standard_normal(shape) * 0.2, dtype)
+
+        self.wq = w(LAYERS, width, q_heads * HEAD_DIM)
+        self.wk = w(LAYERS, width, kv_heads * HEAD_DIM)
+        self.wv = w(LAYERS, width, kv_heads * HEAD_DIM)
+
+    def qkv(self, x, layer):
+        b, t, _ = x.shape
+        return ((x @ self.wq[layer]).reshape(b, t, self.q_heads, HEAD_DIM),
+                (x @ self.wk[layer]).reshape(b, t, self.kv_heads, HEAD_DIM),
+                (x @ self.wv[layer]).reshape(b, t, self.kv_heads, HEAD_DIM))
+
+    def offloaded_step(self, *, scan: bool, windows=WINDOWS, **attn_kwargs):
+        def layer_fn(x, state, layer):
+            q, k, v = self.qkv(x, layer)
+            o, state = tps.prefetching_attention(q, k, v, state, layer=layer, **attn_kwargs)
+            return x + o.reshape(x.shape), state
+
+        def step(x, state):
+            if scan:
+                def body(carry, layer):
+                    return layer_fn(*carry, layer), None
+                (x, state), _ = jax.lax.scan(body, (x, state), jnp.arange(LAYERS))
+                return x, state
+            for layer in range(LAYERS):
+                x, state = layer_fn(x, state, layer)
+            return x, state
+
+        return jax.jit(step, donate_argnums=(1,))
+
+    def resident_step(self, unit_len, *, scan: bool, windows=WINDOWS, **attn_kwargs):
+        def layer_fn(x, ck, cv, lengths, layer, window):
+            q, k, v = self.qkv(x, layer)
+            o, ck, cv = tps.resident_attention(q, k, v, ck, cv, lengths, window=window,
+                                               unit_len=unit_len, **attn_kwargs)
+            return x + o.reshape(x.shape), ck, cv
+
+        def step(x, cache_k, cache_v, lengths):
+            if scan and len(set(windows)) == 1:
+                def body(x, inputs):
+                    layer, ck, cv = inputs
+                    x, ck, cv = layer_fn(x, ck, cv, lengths, layer, windows[0])
+                    return x, (ck, cv)
+                x, (cache_k, cache_v) = jax.lax.scan(
+                    body, x, (jnp.arange(LAYERS), cache_k, cache_v))
+            else:
+                for layer in range(LAYERS):
+                    x, ck, cv = layer_fn(x, cache_k[layer], cache_v[layer], lengths, layer,
+                                         windows[layer])
+                    cache_k, cache_v = cache_k.at[layer].set(ck), cache_v.at[layer].set(cv)
+            return x, cache_k, cache_v, lengths + x.shape[1]
+
+        return jax.jit(step)
+
+
+def make_cache(tier, tmp_path, *, staging_bytes, dtype=jnp.float32, windows=WINDOWS,
+               kv_heads=KV_HEADS, **kwargs):
+    extra = dict(path=tmp_path) if tier == "file" else {}
+    return tps.OffloadedKVCache(
+        num_layers=LAYERS, batch=BATCH, max_len=MAX_LEN, num_kv_heads=kv_heads,
+        head_dim=HEAD_DIM, dtype=dtype, tier=tier, staging_bytes=staging_bytes,
+        sliding_window=list(windows), **extra, **kwargs)
+
+
+def preload(cache, rng, dtype=np.float32, kv_heads=KV_HEADS):
+    """Loads a ragged random context into `cache`; returns (state, cache_k, cache_v)."""
+    shape = (LAYERS, BATCH, MAX_LEN, kv_heads, HEAD_DIM)
+    cache_k = rng.standard_normal(shape).astype(dtype)
+    cache_v = rng.standard_normal(shape).astype(dtype)
+    state = cache.init()
+    n = int(CONTEXT.max())
+    for layer in range(LAYERS):
+        state = cache.load(state, layer, cache_k[layer, :, :n], cache_v[layer, :, :n],
+                           lengths=CONTEXT)
+    return state, jnp.asarray(cache_k), jnp.asarray(cache_v)
+
+
+# staging_bytes: whole layers fit one unit / a layer takes several 8-token units.
+UNCHUNKED = 1 << 20
+CHUNKED = 2 * 2 * BATCH * 8 * KV_HEADS * HEAD_DIM * 4
+
+
+@pytest.mark.parametrize("tier,staging_bytes,scan", [
+    ("host", UNCHUNKED, False),
+    ("file", CHUNKED, False),
+    ("host", CHUNKED, True),
+    ("file", UNCHUNKED, True),
+], ids=["host-unchunked-unrolled", "file-chunked-unrolled", "host-chunked-scan",
+        "file-unchunked-scan"])
+def test_decoder_matches_resident_bitwise(tier, staging_bytes, scan, tmp_path):
+    """N steps (a 3-token prefill chunk, then decode) give the resident model's logits."""
+    windows = WINDOWS if not scan else (None,) * LAYERS  # scan+mixed windows: see below
+    rng = np.random.default_rng(0)
+    model = TinyDecoder(seed=1)
+    with make_cache(tier, tmp_path, staging_bytes=staging_bytes, windows=windows) as cache:
+        assert cache.spec.single_unit == (staging_bytes == UNCHUNKED)
+        state, ck, cv = preload(cache, rng)
+        lengths = jnp.asarray(CONTEXT, jnp.int32)
+        offloaded = model.offloaded_step(scan=scan, windows=windows)
+        resident = model.resident_step(cache.spec.chunk_len, scan=scan, windows=windows)
+        for step in range(5):
+            x = jnp.asarray(rng.standard_normal((BATCH, 3 if step == 0 else 1,
+                                                 Q_HEADS * HEAD_DIM)), jnp.float32)
+            got, state = offloaded(x, state)
+            want, ck, cv, lengths = resident(x, ck, cv, lengths)
+            np.testing.assert_array_equal(np.asarray(state.lengths), np.asarray(lengths))
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        stats = cache.engine.stats()
+        assert stats["prefetch_hits"] > 0
+        assert stats["prefetch_misses"] == 1  # Only the very first unit is cold.
+        # The tier holds exactly what the resident cache holds.
+        state = cache.drain(state)
+        for layer in range(LAYERS):
+            k_tier, v_tier = cache.read(layer, np.asarray(state.lengths))
+            for b in range(BATCH):
+                n = int(state.lengths[b])
+                np.testing.assert_array_equal(k_tier[b, :n], np.asarray(ck[layer, b, :n]))
+                np.testing.assert_array_equal(v_tier[b, :n], np.asarray(cv[layer, b, :n]))
+
+
+@pytest.mark.parametrize("staging_bytes", [UNCHUNKED, CHUNKED], ids=["unchunked", "chunked"])
+def test_scan_with_mixed_windows_matches(staging_bytes, tmp_path):
+    """A traced layer index with per-layer windows switches kernels; results agree."""
+    rng = np.random.default_rng(2)
+    model = TinyDecoder(seed=3)
+    with make_cache("host", tmp_path, staging_bytes=staging_bytes) as cache:
+        state, ck, cv = preload(cache, rng)
+        lengths = jnp.asarray(CONTEXT, jnp.int32)
+        offloaded = model.offloaded_step(scan=True)
+        resident = model.resident_step(cache.spec.chunk_len, scan=False)
+        for _ in range(3):
+            x = jnp.asarray(rng.standard_normal((BATCH, 1, Q_HEADS * HEAD_DIM)), jnp.float32)
+            got, state = offloaded(x, state)
+            want, ck, cv, lengths = resident(x, ck, cv, lengths)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,kv_heads,soft_cap", [
+    (jnp.float32, 2, None),
+    (jnp.bfloat16, 1, 5.0),
+    (jnp.float32, 4, 5.0),
+    (jnp.bfloat16, 2, None),
+], ids=["f32-gqa", "bf16-mqa-softcap", "f32-mha-softcap", "bf16-gqa"])
+def test_against_plain_softmax(dtype, kv_heads, soft_cap, tmp_path):
+    """One chunked-prefill call equals one-shot softmax attention over cache + new tokens."""
+    rng = np.random.default_rng(4)
+    q_len = 4
+    with make_cache("host", tmp_path, staging_bytes=CHUNKED // 2 * kv_heads // KV_HEADS,
+                    dtype=dtype, kv_heads=kv_heads) as cache:
+        state, ck, cv = preload(cache, rng, dtype=jnp.dtype(dtype), kv_heads=kv_heads)
+        q = jnp.asarray(rng.standard_normal((BATCH, q_len, Q_HEADS, HEAD_DIM)), dtype)
+        k = jnp.asarray(rng.standard_normal((BATCH, q_len, kv_heads, HEAD_DIM)), dtype)
+        v = jnp.asarray(rng.standard_normal((BATCH, q_len, kv_heads, HEAD_DIM)), dtype)
+        # One compilation for all layers: the layer index is traced.
+        fn = jax.jit(lambda q, k, v, state, layer: tps.prefetching_attention(
+            q, k, v, state, layer=layer, soft_cap=soft_cap), donate_argnums=(3,))
+        for layer in range(LAYERS):
+            got, state = fn(q, k, v, state, layer)
+            # Oracle: write the new tokens into a resident cache, attend in one shot.
+            full_k = ck[layer].at[:, :].get()
+            full_v = cv[layer]
+            for b in range(BATCH):
+                n = CONTEXT[b]
+                full_k = full_k.at[b, n:n + q_len].set(k[b])
+                full_v = full_v.at[b, n:n + q_len].set(v[b])
+            want = kref.attention_reference(
+                q, full_k, full_v, jnp.asarray(CONTEXT), jnp.asarray(CONTEXT + q_len),
+                scale=1 / np.sqrt(HEAD_DIM), soft_cap=soft_cap, window=WINDOWS[layer])
+            tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5
+            np.testing.assert_allclose(np.asarray(got, np.float32),
+                                       np.asarray(want, np.float32), atol=tol, rtol=tol)
+        np.testing.assert_array_equal(np.asarray(state.lengths), CONTEXT + q_len)
+
+
+def test_out_of_order_layers_are_refetched_never_stale(tmp_path):
+    """Leaving the schedule (layer 1 before 0) costs misses, not wrong answers.
+
+    Lengths advance after the last layer (2), so layers 1 and 0 both see CONTEXT.
+    """
+    rng = np.random.default_rng(5)
+    model = TinyDecoder(seed=6)
+    with make_cache("file", tmp_path, staging_bytes=UNCHUNKED) as cache:
+        state, ck, cv = preload(cache, rng)
+        x = jnp.asarray(rng.standard_normal((BATCH, 1, Q_HEADS * HEAD_DIM)), jnp.float32)
+        fn = jax.jit(lambda q, k, v, state, layer: tps.prefetching_attention(
+            q, k, v, state, layer=layer), donate_argnums=(3,))
+        oracle = jax.jit(tps.resident_attention, static_argnames=("window", "unit_len"))
+        for layer in (1, 0, 2):
+            q, k, v = model.qkv(x, layer)
+            got, state = fn(q, k, v, state, layer)
+            want, _, _ = oracle(q, k, v, ck[layer], cv[layer], jnp.asarray(CONTEXT),
+                                window=WINDOWS[layer], unit_len=cache.spec.chunk_len)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
+        assert cache.engine.stats()["prefetch_misses"] >= 2
+
+
+def test_device_bytes_do_not_grow_with_context(tmp_path):
+    sizes = []
+    for max_len in (1 << 10, 1 << 20):
+        with tps.OffloadedKVCache(num_layers=2, batch=1, max_len=max_len, num_kv_heads=1,
+                                  head_dim=8, dtype=jnp.float32, tier="file", path=tmp_path,
+                                  staging_bytes=1 << 16) as cache:
+            sizes.append(cache.spec.device_bytes)
+            assert cache.spec.device_bytes <= 1 << 16
+    assert sizes[0] == sizes[1]
+
+
+def test_million_token_context_decodes_on_file_tier(tmp_path):
+    """1M cached tokens stream through a 1 MiB staging budget; output matches the oracle."""
+    max_len, n = 1 << 20, (1 << 20) - 8
+    rng = np.random.default_rng(9)
+    with tps.OffloadedKVCache(num_layers=1, batch=1, max_len=max_len, num_kv_heads=1,
+                              head_dim=8, dtype=jnp.float32, tier="file", path=tmp_path,
+                              staging_bytes=1 << 20) as cache:
+        k_all = rng.standard_normal((1, n, 1, 8)).astype(np.float32)
+        v_all = rng.standard_normal((1, n, 1, 8)).astype(np.float32)
+        state = cache.load(cache.init(), 0, k_all, v_all)
+        assert int(state.lengths[0]) == n
+        assert not cache.spec.single_unit
+        q = jnp.asarray(rng.standard_normal((1, 1, 2, 8)), jnp.float32)
+        k = jnp.asarray(rng.standard_normal((1, 1, 1, 8)), jnp.float32)
+        v = jnp.asarray(rng.standard_normal((1, 1, 1, 8)), jnp.float32)
+        fn = jax.jit(functools.partial(tps.prefetching_attention, layer=0),
+                     donate_argnums=(3,))
+        got, state = fn(q, k, v, state)
+        full_k = np.concatenate([k_all, np.asarray(k)], axis=1)
+        full_v = np.concatenate([v_all, np.asarray(v)], axis=1)
+        want = kref.attention_reference(q, jnp.asarray(full_k), jnp.asarray(full_v),
+                                        jnp.asarray([n]), jnp.asarray([n + 1]),
+                                        scale=1 / np.sqrt(8))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-4)
+        assert int(state.lengths[0]) == n + 1
+        cache.drain(state)
+
+
+def test_persistent_file_cache_reattaches(tmp_path):
+    rng = np.random.default_rng(10)
+    kv = rng.standard_normal((2, BATCH, 7, KV_HEADS, HEAD_DIM)).astype(np.float32)
+    kwargs = dict(num_layers=1, batch=BATCH, max_len=MAX_LEN, num_kv_heads=KV_HEADS,
+                  head_dim=HEAD_DIM, dtype=jnp.float32, tier="file", path=tmp_path,
+                  file_name="kv")
+    with tps.OffloadedKVCache(**kwargs) as cache:
+        cache.load(cache.init(), 0, kv[0], kv[1])
+    with tps.OffloadedKVCache(**kwargs) as cache:
+        assert cache.engine.tier_info(cache.spec.tier).attached
+        k, v = cache.read(0, [7] * BATCH)
+        np.testing.assert_array_equal(k[:, :7], kv[0])
+        np.testing.assert_array_equal(v[:, :7], kv[1])
+    with pytest.raises(tps.TpusyncError, match="layout mismatch"):
+        tps.OffloadedKVCache(**{**kwargs, "max_len": MAX_LEN * 2})
