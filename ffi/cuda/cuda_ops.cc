@@ -91,6 +91,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "engine/regions.h"
 #include "engine/registry.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla/status_adapter.h"
@@ -159,34 +160,6 @@ StatusOr<std::shared_ptr<Engine>> LookupEngine(int64_t engine_id) {
                               "its cache?)");
   }
   return engine;
-}
-
-// Same contract as the CPU handlers' region check (ffi/xla/cpu_ops.cc).
-struct Regions {
-  int64_t base = 0;
-  int64_t bytes = 0;  // 0: unchecked.
-  int64_t count = 0;
-};
-
-Status CheckRegion(const Regions& regions, size_t index, const Segment& s) {
-  if (regions.bytes <= 0 || s.bytes == 0) return Status::Ok();
-  const std::string where = "segment " + std::to_string(index) + " (tier bytes [" +
-                            std::to_string(s.tier_offset) + ", " +
-                            std::to_string(s.tier_offset + s.bytes) + "))";
-  if (s.tier_offset < static_cast<uint64_t>(regions.base)) {
-    return InvalidArgument(where + " starts before the cache's first region");
-  }
-  const uint64_t rel = s.tier_offset - regions.base;
-  const uint64_t first = rel / regions.bytes, last = (rel + s.bytes - 1) / regions.bytes;
-  if (first >= static_cast<uint64_t>(regions.count)) {
-    return InvalidArgument(where + " addresses region " + std::to_string(first) + " of " +
-                           std::to_string(regions.count) + " (layer out of range?)");
-  }
-  if (first != last) {
-    return InvalidArgument(where + " runs past the end of its sequence's region "
-                           "(context overflow: positions beyond max_len)");
-  }
-  return Status::Ok();
 }
 
 enum class ItemKind { kFetch, kWait, kWriteBack };
