@@ -44,7 +44,7 @@ class TinyDecoder:
         def layer_fn(x, state, layer):
             q, k, v = self.qkv(x, layer)
             o, state = tps.prefetching_attention(q, k, v, state, layer=layer, **attn_kwargs)
-            return x + o.reshape(x.shape), state
+            return x + o.reshape(x.shape).astype(x.dtype), state
 
         def step(x, state):
             if scan:
@@ -278,3 +278,26 @@ def test_persistent_file_cache_reattaches(tmp_path):
         np.testing.assert_array_equal(v[:, :7], kv[1])
     with pytest.raises(tps.TpusyncError, match="layout mismatch"):
         tps.OffloadedKVCache(**{**kwargs, "max_len": MAX_LEN * 2})
+
+
+# Tolerances of the Pallas path against the "xla" path, by cache dtype.
+PALLAS_TOLERANCE = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pallas_implementation_matches_xla(dtype, tmp_path):
+    """The Pallas kernel (TPU interpret mode on CPU) inside the offloaded decoder."""
+    rng = np.random.default_rng(11)
+    model = TinyDecoder(seed=12, dtype=dtype)
+    x = jnp.asarray(rng.standard_normal((BATCH, 1, Q_HEADS * HEAD_DIM)), dtype)
+    outs = {}
+    for implementation in ("xla", "pallas"):
+        with make_cache("host", tmp_path, staging_bytes=UNCHUNKED, dtype=dtype) as cache:
+            state, _, _ = preload(cache, np.random.default_rng(13), dtype=jnp.dtype(dtype))
+            step = model.offloaded_step(scan=False, implementation=implementation,
+                                        block_kv=16)
+            outs[implementation], state = step(x, state)
+            cache.drain(state)
+    tol = PALLAS_TOLERANCE[dtype]
+    np.testing.assert_allclose(np.asarray(outs["pallas"], np.float32),
+                               np.asarray(outs["xla"], np.float32), atol=tol, rtol=tol)
