@@ -1,6 +1,7 @@
 #include "io_context.h"
 
 #include <cstdlib>
+#include <cstring>
 #include <new>
 #include <utility>
 
@@ -72,7 +73,11 @@ void PipelineThread::Loop() {
 }
 
 uint8_t* IoContext::bounce(int i) {
-  if (bounce_[i].data() == nullptr) bounce_[i] = AlignedBuffer(chunk_bytes_);
+  if (bounce_[i].data() == nullptr) {
+    bounce_[i] = AlignedBuffer(chunk_bytes_);
+    // Fault the pages in now rather than inside the first O_DIRECT reads.
+    std::memset(bounce_[i].data(), 0, chunk_bytes_);
+  }
   return bounce_[i].data();
 }
 
