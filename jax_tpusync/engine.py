@@ -34,7 +34,10 @@ class EngineConfig:
     max_inflight_bytes: cap on bytes of running requests (0: none), so a big prefetch cannot
       hog memory bandwidth that compute needs.
     max_bytes_per_second: pace all tier accesses to this rate (0: unpaced).
-    worker_cpus: pin worker i to ``worker_cpus[i % len]`` (empty: no pinning).
+    worker_cpus: pin worker i to ``worker_cpus[i % len]`` (empty: no pinning, the default).
+      Measured on a 2-core machine: pinning both workers to one CPU held host-tier fetches
+      to ~0.94x of a one-thread memcpy, against 1.2-3.9x unpinned or one worker per CPU,
+      and made no difference to the file tier; so nothing is pinned unless asked.
     poison_fetches: debug; fill fetch destinations with NaN bytes until the fetch lands.
     debug_delay_us: debug; delay every transfer (makes a missing wait observable).
     record_timeline: keep per-transfer, per-wait and mark events (see :meth:`Engine.timeline`).

@@ -301,3 +301,76 @@ def test_pallas_implementation_matches_xla(dtype, tmp_path):
     tol = PALLAS_TOLERANCE[dtype]
     np.testing.assert_allclose(np.asarray(outs["pallas"], np.float32),
                                np.asarray(outs["xla"], np.float32), atol=tol, rtol=tol)
+
+
+def _qkv(q_heads=Q_HEADS, kv_heads=KV_HEADS, q_len=1, batch=BATCH, head_dim=HEAD_DIM,
+         dtype=jnp.float32):
+    q = jnp.zeros((batch, q_len, q_heads, head_dim), dtype)
+    kv = jnp.zeros((batch, q_len, kv_heads, head_dim), dtype)
+    return q, kv, kv
+
+
+@pytest.mark.parametrize("args,kwargs,match", [
+    (_qkv(q_heads=3), {}, "num_q_heads=3 must be a multiple of num_kv_heads=2"),
+    (_qkv(kv_heads=1), {}, r"k must be \[batch, q_len, num_kv_heads, head_dim\]"),
+    (_qkv(batch=3), {}, "q has batch=3 but the cache was made for batch=2"),
+    (_qkv(head_dim=8), {}, "q has head_dim=8 but the cache has head_dim=16"),
+    (_qkv(dtype=jnp.int32), {}, "q.dtype must be bfloat16, float16 or float32"),
+    ((jnp.zeros((BATCH, Q_HEADS, HEAD_DIM)),) + _qkv()[1:], {}, "q must be rank 4"),
+    (_qkv(), {"layer": LAYERS}, "layer=3 is out of range for a cache of 3 layers"),
+    (_qkv(), {"layer": -1}, "layer=-1 is out of range"),
+    (_qkv(), {"implementation": "cuda"}, "implementation='cuda' must be one of"),
+])
+def test_bad_arguments_are_named(args, kwargs, match, tmp_path):
+    with make_cache("host", tmp_path, staging_bytes=UNCHUNKED) as cache:
+        kwargs = {"layer": 0, **kwargs}
+        with pytest.raises(ValueError, match=match):
+            tps.prefetching_attention(*args, cache.init(), **kwargs)
+
+
+def test_state_must_be_a_kvstate():
+    with pytest.raises(TypeError, match="state must be a KVState"):
+        tps.prefetching_attention(*_qkv(), {"lengths": 0}, layer=0)
+
+
+def test_state_from_another_cache_is_refused(tmp_path):
+    with make_cache("host", tmp_path, staging_bytes=UNCHUNKED) as a, \
+            make_cache("host", tmp_path, staging_bytes=UNCHUNKED) as b:
+        kv = np.zeros((BATCH, 4, KV_HEADS, HEAD_DIM), np.float32)
+        with pytest.raises(ValueError, match="state belongs to cache"):
+            b.load(a.init(), 0, kv, kv)
+        with pytest.raises(ValueError, match="state belongs to cache"):
+            b.drain(a.init())
+
+
+def test_context_overflow_past_max_len_is_an_error(tmp_path):
+    """Appending past max_len inside jit fails in the engine instead of corrupting KV."""
+    with make_cache("host", tmp_path, staging_bytes=UNCHUNKED) as cache:
+        state = cache.init(lengths=[MAX_LEN - 2, 0])
+        fn = jax.jit(functools.partial(tps.prefetching_attention, layer=0),
+                     donate_argnums=(3,))
+        with pytest.raises(Exception, match="context overflow"):
+            out, state = fn(*_qkv(q_len=4), state)
+            out.block_until_ready()
+        cache.engine.close()
+
+
+def test_cache_arguments_are_validated(tmp_path):
+    base = dict(num_layers=1, batch=1, max_len=8, num_kv_heads=1, head_dim=8)
+    with pytest.raises(ValueError, match="max_len=0 must be a positive int"):
+        tps.OffloadedKVCache(**{**base, "max_len": 0})
+    with pytest.raises(ValueError, match="tier='file' needs path"):
+        tps.OffloadedKVCache(**base, tier="file")
+    with pytest.raises(ValueError, match="tier='ssd' must be 'host' or 'file'"):
+        tps.OffloadedKVCache(**base, tier="ssd")
+    with pytest.raises(ValueError, match="staging_bytes=16 cannot hold one token"):
+        tps.OffloadedKVCache(**base, staging_bytes=16)
+    with pytest.raises(ValueError, match="sliding_window has 2 entries for 1 layers"):
+        tps.OffloadedKVCache(**base, sliding_window=[4, None])
+    with pytest.raises(ValueError, match="lengths must be in"):
+        with tps.OffloadedKVCache(**base) as cache:
+            cache.init(lengths=[9])
+    with tps.OffloadedKVCache(**base) as cache:
+        kv = np.zeros((1, 9, 1, 8), np.float32)
+        with pytest.raises(ValueError, match="overflow max_len=8"):
+            cache.load(cache.init(), 0, kv, kv)
