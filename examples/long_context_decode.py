@@ -50,8 +50,9 @@ FILL_CHUNK_BYTES = 128 << 20
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--q-heads", type=int, default=16)
@@ -60,25 +61,48 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ffn", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--context", type=int, default=65536, help="tokens of synthesized context")
-    p.add_argument("--prefill", type=int, default=0,
-                   help="real prompt tokens run through the model after the context (q_len=T)")
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="real prompt tokens run through the model after the context (q_len=T)",
+    )
     p.add_argument("--steps", type=int, default=12, help="decode steps")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--tier", choices=("host", "file"), default="file")
-    p.add_argument("--path", default=None,
-                   help="file tier: directory for the cache file (default: a temporary "
-                   "directory; use a directory on local SSD)")
-    p.add_argument("--staging-mb", type=float, default=32.0,
-                   help="device staging buffers, MiB (bounds device memory at any context)")
+    p.add_argument(
+        "--path",
+        default=None,
+        help="file tier: directory for the cache file (default: a temporary "
+        "directory; use a directory on local SSD)",
+    )
+    p.add_argument(
+        "--staging-mb",
+        type=float,
+        default=32.0,
+        help="device staging buffers, MiB (bounds device memory at any context)",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resident", action="store_true",
-                   help="also run the resident-cache model (if the KV fits in memory) and "
-                   "compare logits")
+    p.add_argument(
+        "--resident",
+        action="store_true",
+        help="also run the resident-cache model (if the KV fits in memory) and compare logits",
+    )
     p.add_argument("--json", default=None, help="write a summary here")
     args = p.parse_args(argv)
-    for name in ("layers", "d_model", "q_heads", "kv_heads", "head_dim", "ffn", "vocab",
-                 "context", "steps", "batch"):
+    for name in (
+        "layers",
+        "d_model",
+        "q_heads",
+        "kv_heads",
+        "head_dim",
+        "ffn",
+        "vocab",
+        "context",
+        "steps",
+        "batch",
+    ):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.prefill < 0:
@@ -90,8 +114,9 @@ def gb(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
-def fill_context(cache: tps.OffloadedKVCache, state: tps.KVState, context: int,
-                 seed: int) -> tps.KVState:
+def fill_context(
+    cache: tps.OffloadedKVCache, state: tps.KVState, context: int, seed: int
+) -> tps.KVState:
     """Writes ``context`` tokens of random KV into every layer with ``cache.load``.
 
     Values are standard-normal, cut at random offsets from one random pool (generating
@@ -107,9 +132,12 @@ def fill_context(cache: tps.OffloadedKVCache, state: tps.KVState, context: int,
     for lo in range(0, context, chunk):
         for layer in range(spec.num_layers):
             n = min(chunk, context - lo)
-            k, v = (pool[o:o + n_elems].reshape(spec.batch, chunk, spec.num_kv_heads,
-                                                  spec.head_dim)[:, :n]
-                    for o in rng.integers(0, n_elems + 1, size=2))
+            k, v = (
+                pool[o : o + n_elems].reshape(spec.batch, chunk, spec.num_kv_heads, spec.head_dim)[
+                    :, :n
+                ]
+                for o in rng.integers(0, n_elems + 1, size=2)
+            )
             state = cache.load(state, layer, k, v, start=lo)
     assert np.all(np.asarray(state.lengths) == context), state.lengths
     return state
@@ -123,8 +151,17 @@ def fetch_stats(engine: tps.Engine) -> tuple[int, int, float, float]:
     return s["prefetch_hits"], s["prefetch_misses"], fetch_bytes, busy
 
 
-def decode(step, params, tokens, cache_state, steps: int, batch: int, start_pos: int,
-           engine: tps.Engine | None, label: str):
+def decode(
+    step,
+    params,
+    tokens,
+    cache_state,
+    steps: int,
+    batch: int,
+    start_pos: int,
+    engine: tps.Engine | None,
+    label: str,
+):
     """Greedy decode loop with a progress line per step; returns (times, logits, tokens, state)."""
     times, all_logits, all_tokens = [], [], []
     prev = fetch_stats(engine) if engine else None
@@ -137,14 +174,18 @@ def decode(step, params, tokens, cache_state, steps: int, batch: int, start_pos:
         all_logits.append(np.asarray(logits[:, -1]))
         tokens = jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)
         all_tokens.append(np.asarray(tokens))
-        line = (f"[{label}] step {i + 1:3d}/{steps}  pos {start_pos + i:8d}  {dt * 1e3:9.1f} ms  "
-                f"{batch / dt:7.2f} tok/s")
+        line = (
+            f"[{label}] step {i + 1:3d}/{steps}  pos {start_pos + i:8d}  {dt * 1e3:9.1f} ms  "
+            f"{batch / dt:7.2f} tok/s"
+        )
         if engine is not None:
             cur = fetch_stats(engine)
             hits, misses = cur[0] - prev[0], cur[1] - prev[1]
-            nbytes, busy = cur[2] - prev[2], cur[3] - prev[3]
-            line += (f"  prefetch hits {hits:3d} misses {misses:2d}  fetched {gb(nbytes)}"
-                     f" ({nbytes / dt / 1e9:.2f} GB/s)")
+            nbytes = cur[2] - prev[2]
+            line += (
+                f"  prefetch hits {hits:3d} misses {misses:2d}  fetched {gb(nbytes)}"
+                f" ({nbytes / dt / 1e9:.2f} GB/s)"
+            )
             prev = cur
         if i == 0:
             line += "  (includes compile)"
@@ -155,13 +196,22 @@ def decode(step, params, tokens, cache_state, steps: int, batch: int, start_pos:
 def main(argv=None) -> int:
     args = parse_args(argv)
     dtype = DTYPES[args.dtype]
-    cfg = model_lib.ModelConfig(layers=args.layers, d_model=args.d_model, q_heads=args.q_heads,
-                                kv_heads=args.kv_heads, head_dim=args.head_dim, ffn=args.ffn,
-                                vocab=args.vocab, dtype=dtype)
+    cfg = model_lib.ModelConfig(
+        layers=args.layers,
+        d_model=args.d_model,
+        q_heads=args.q_heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        ffn=args.ffn,
+        vocab=args.vocab,
+        dtype=dtype,
+    )
     max_len = args.context + args.prefill + args.steps
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; model: {cfg.layers} layers, "
-          f"d_model {cfg.d_model}, {cfg.q_heads} q heads / {cfg.kv_heads} kv heads x "
-          f"{cfg.head_dim}, ffn {cfg.ffn}, {cfg.num_params / 1e6:.1f}M params, {args.dtype}")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}; model: {cfg.layers} layers, "
+        f"d_model {cfg.d_model}, {cfg.q_heads} q heads / {cfg.kv_heads} kv heads x "
+        f"{cfg.head_dim}, ffn {cfg.ffn}, {cfg.num_params / 1e6:.1f}M params, {args.dtype}"
+    )
 
     tmpdir = None
     path = args.path
@@ -171,53 +221,69 @@ def main(argv=None) -> int:
     try:
         params = model_lib.init_params(cfg, args.seed)
         cache = tps.OffloadedKVCache(
-            num_layers=cfg.layers, batch=args.batch, max_len=max_len,
-            num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype=dtype, tier=args.tier,
-            path=path, staging_bytes=int(args.staging_mb * 2**20))
+            num_layers=cfg.layers,
+            batch=args.batch,
+            max_len=max_len,
+            num_kv_heads=cfg.kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=dtype,
+            tier=args.tier,
+            path=path,
+            staging_bytes=int(args.staging_mb * 2**20),
+        )
         spec = cache.spec
         tier_info = cache.engine.tier_info(spec.tier)
-        print(f"KV cache: {gb(spec.kv_bytes)} on the {args.tier} tier ({tier_info.description}); "
-              f"device staging {gb(spec.device_bytes)} = {spec.num_slots} slots x "
-              f"{spec.chunk_len} tokens; {math.ceil(args.context / spec.chunk_len)} units "
-              f"per layer")
+        print(
+            f"KV cache: {gb(spec.kv_bytes)} on the {args.tier} tier ({tier_info.description}); "
+            f"device staging {gb(spec.device_bytes)} = {spec.num_slots} slots x "
+            f"{spec.chunk_len} tokens; {math.ceil(args.context / spec.chunk_len)} units "
+            f"per layer"
+        )
 
         t0 = time.perf_counter()
         state = fill_context(cache, cache.init(), args.context, args.seed)
         fill_s = time.perf_counter() - t0
         fill_bytes = spec.kv_bytes * args.context / max_len
-        print(f"synthesized {args.context} tokens of random KV per layer in {fill_s:.1f} s "
-              f"({fill_bytes / fill_s / 1e9:.2f} GB/s written)")
+        print(
+            f"synthesized {args.context} tokens of random KV per layer in {fill_s:.1f} s "
+            f"({fill_bytes / fill_s / 1e9:.2f} GB/s written)"
+        )
 
         resident_kv = None
         if args.resident:
             need = 2 * spec.num_layers * args.batch * max_len * spec.row_bytes
             avail = _available_ram()
             if need > 0.4 * avail:
-                print(f"--resident: skipped, the resident cache ({gb(need)}) does not fit "
-                      f"comfortably in {gb(avail)} of available memory")
+                print(
+                    f"--resident: skipped, the resident cache ({gb(need)}) does not fit "
+                    f"comfortably in {gb(avail)} of available memory"
+                )
             else:
-                resident_kv = [cache.read(layer, lengths=[args.context] * args.batch)
-                               for layer in range(spec.num_layers)]
+                resident_kv = [
+                    cache.read(layer, lengths=[args.context] * args.batch)
+                    for layer in range(spec.num_layers)
+                ]
 
         rng = np.random.default_rng(args.seed + 2)
         step = model_lib.make_offloaded_step(cfg)
-        first = jnp.asarray(rng.integers(0, cfg.vocab, (args.batch, max(args.prefill, 1))),
-                            jnp.int32)
+        first = jnp.asarray(
+            rng.integers(0, cfg.vocab, (args.batch, max(args.prefill, 1))), jnp.int32
+        )
         prefill_s = None
         if args.prefill:
             t0 = time.perf_counter()
             logits, state = step(params, first, state)
             logits = jax.block_until_ready(logits)
             prefill_s = time.perf_counter() - t0
-            print(f"prefill of {args.prefill} tokens: {prefill_s * 1e3:.1f} ms (includes "
-                  f"compile)")
+            print(f"prefill of {args.prefill} tokens: {prefill_s * 1e3:.1f} ms (includes compile)")
             tokens = jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)
         else:
             tokens = first
         prompt = tokens
         start = args.context + args.prefill
-        times, logits_off, _, state = decode(step, params, tokens, state, args.steps,
-                                             args.batch, start, cache.engine, "offloaded")
+        times, logits_off, _, state = decode(
+            step, params, tokens, state, args.steps, args.batch, start, cache.engine, "offloaded"
+        )
         state = cache.drain(state)
         stats = cache.engine.stats()
         cache.close()
@@ -225,19 +291,29 @@ def main(argv=None) -> int:
         steady = times[1:] or times
         med = statistics.median(steady)
         summary.update(
-            step_ms_median=med * 1e3, step_ms_min=min(steady) * 1e3,
-            step_ms_max=max(steady) * 1e3, tokens_per_s=args.batch / med,
-            first_step_ms=times[0] * 1e3, prefill_ms=None if prefill_s is None else
-            prefill_s * 1e3, fill_s=fill_s, device_bytes=spec.device_bytes,
-            kv_bytes=spec.kv_bytes, chunk_len=spec.chunk_len,
+            step_ms_median=med * 1e3,
+            step_ms_min=min(steady) * 1e3,
+            step_ms_max=max(steady) * 1e3,
+            tokens_per_s=args.batch / med,
+            first_step_ms=times[0] * 1e3,
+            prefill_ms=None if prefill_s is None else prefill_s * 1e3,
+            fill_s=fill_s,
+            device_bytes=spec.device_bytes,
+            kv_bytes=spec.kv_bytes,
+            chunk_len=spec.chunk_len,
             kv_read_per_step_bytes=2 * spec.num_layers * args.batch * start * spec.row_bytes,
-            prefetch_hits=stats["prefetch_hits"], prefetch_misses=stats["prefetch_misses"],
-            wait_s=stats["wait_s"], fetch_gbps_busy=stats["tiers"][0]["fetch"]["gbps"])
-        print(f"\noffloaded: {med * 1e3:.1f} ms/step median over steps 2..{args.steps} "
-              f"(min {min(steady) * 1e3:.1f}, max {max(steady) * 1e3:.1f}), "
-              f"{args.batch / med:.2f} tokens/s; device staging {gb(spec.device_bytes)} for "
-              f"{gb(spec.kv_bytes)} of KV; prefetch hits {stats['prefetch_hits']}, misses "
-              f"{stats['prefetch_misses']}, stalled in waits {stats['wait_s']:.2f} s")
+            prefetch_hits=stats["prefetch_hits"],
+            prefetch_misses=stats["prefetch_misses"],
+            wait_s=stats["wait_s"],
+            fetch_gbps_busy=stats["tiers"][0]["fetch"]["gbps"],
+        )
+        print(
+            f"\noffloaded: {med * 1e3:.1f} ms/step median over steps 2..{args.steps} "
+            f"(min {min(steady) * 1e3:.1f}, max {max(steady) * 1e3:.1f}), "
+            f"{args.batch / med:.2f} tokens/s; device staging {gb(spec.device_bytes)} for "
+            f"{gb(spec.kv_bytes)} of KV; prefetch hits {stats['prefetch_hits']}, misses "
+            f"{stats['prefetch_misses']}, stalled in waits {stats['wait_s']:.2f} s"
+        )
 
         if resident_kv is not None:
             # cache.read returned [B, max_len, H, D] arrays, zero past the context.
@@ -250,14 +326,17 @@ def main(argv=None) -> int:
             del ks, vs
             if args.prefill:
                 _, kv = rstep(params, first, kv)
-            rtimes, logits_res, _, kv = _teacher_forced(rstep, params, prompt, kv, logits_off,
-                                                        args, start)
+            rtimes, logits_res, _, kv = _teacher_forced(
+                rstep, params, prompt, kv, logits_off, args, start
+            )
             del kv
             rmed = statistics.median(rtimes[1:] or rtimes)
             err = max(float(np.max(np.abs(a - b))) for a, b in zip(logits_off, logits_res))
             summary.update(resident_step_ms_median=rmed * 1e3, resident_max_abs_logit_diff=err)
-            print(f"resident:  {rmed * 1e3:.1f} ms/step median; max |logits offloaded - "
-                  f"resident| = {err:.3g} over {args.steps} steps")
+            print(
+                f"resident:  {rmed * 1e3:.1f} ms/step median; max |logits offloaded - "
+                f"resident| = {err:.3g} over {args.steps} steps"
+            )
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(summary, f, indent=2, default=str)
@@ -277,8 +356,11 @@ def _teacher_forced(rstep, params, tokens, kv, logits_off, args, start):
         logits = jax.block_until_ready(logits)
         times.append(time.perf_counter() - t0)
         out.append(np.asarray(logits[:, -1]))
-        print(f"[resident]  step {i + 1:3d}/{args.steps}  pos {start + i:8d}  "
-              f"{times[-1] * 1e3:9.1f} ms  {args.batch / times[-1]:7.2f} tok/s", flush=True)
+        print(
+            f"[resident]  step {i + 1:3d}/{args.steps}  pos {start + i:8d}  "
+            f"{times[-1] * 1e3:9.1f} ms  {args.batch / times[-1]:7.2f} tok/s",
+            flush=True,
+        )
         tokens = jnp.asarray(np.argmax(logits_off[i], axis=-1)[:, None], jnp.int32)
     return times, out, None, kv
 

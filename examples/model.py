@@ -43,8 +43,9 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.q_heads % self.kv_heads:
-            raise ValueError(f"q_heads={self.q_heads} must be a multiple of "
-                             f"kv_heads={self.kv_heads}")
+            raise ValueError(
+                f"q_heads={self.q_heads} must be a multiple of kv_heads={self.kv_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
 
@@ -64,12 +65,26 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> dict:
         x = rng.standard_normal(shape, dtype=np.float32) / math.sqrt(fan_in)
         return jnp.asarray(x, cfg.dtype)
 
-    layers = [dict(attn_norm=jnp.ones((d,), cfg.dtype), wq=w(d, d, a), wk=w(d, d, kv),
-                   wv=w(d, d, kv), wo=w(a, a, d), mlp_norm=jnp.ones((d,), cfg.dtype),
-                   w1=w(d, d, cfg.ffn), w3=w(d, d, cfg.ffn), w2=w(cfg.ffn, cfg.ffn, d))
-              for _ in range(cfg.layers)]
-    return dict(embed=w(1, cfg.vocab, d), layers=layers, final_norm=jnp.ones((d,), cfg.dtype),
-                lm_head=w(d, d, cfg.vocab))
+    layers = [
+        dict(
+            attn_norm=jnp.ones((d,), cfg.dtype),
+            wq=w(d, d, a),
+            wk=w(d, d, kv),
+            wv=w(d, d, kv),
+            wo=w(a, a, d),
+            mlp_norm=jnp.ones((d,), cfg.dtype),
+            w1=w(d, d, cfg.ffn),
+            w3=w(d, d, cfg.ffn),
+            w2=w(cfg.ffn, cfg.ffn, d),
+        )
+        for _ in range(cfg.layers)
+    ]
+    return dict(
+        embed=w(1, cfg.vocab, d),
+        layers=layers,
+        final_norm=jnp.ones((d,), cfg.dtype),
+        lm_head=w(d, d, cfg.vocab),
+    )
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -94,8 +109,14 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
-def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            cache: Any, attend: Attend) -> tuple[jax.Array, Any]:
+def forward(
+    params: dict,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: Any,
+    attend: Attend,
+) -> tuple[jax.Array, Any]:
     """Logits [B, T, vocab] (f32) of ``tokens`` [B, T] at ``positions`` [B, T]."""
     b, t = tokens.shape
     x = params["embed"][tokens]  # [B, T, d_model]
@@ -141,15 +162,17 @@ def make_resident_step(cfg: ModelConfig, unit_len: int | None = None):
 
     def attend(layer, q, k, v, cache):
         ks, vs, lengths = cache
-        out, ks[layer], vs[layer] = tps.resident_attention(q, k, v, ks[layer], vs[layer], lengths,
-                                                           unit_len=unit_len)
+        out, ks[layer], vs[layer] = tps.resident_attention(
+            q, k, v, ks[layer], vs[layer], lengths, unit_len=unit_len
+        )
         return out, (ks, vs, lengths)
 
     def step(params, tokens, cache):
         ks, vs, lengths = cache
         positions = _positions(lengths, tokens.shape[1])
-        logits, (ks, vs, _) = forward(params, cfg, tokens, positions,
-                                      (list(ks), list(vs), lengths), attend)
+        logits, (ks, vs, _) = forward(
+            params, cfg, tokens, positions, (list(ks), list(vs), lengths), attend
+        )
         return logits, (ks, vs, lengths + tokens.shape[1])
 
     return jax.jit(step, donate_argnums=(2,))

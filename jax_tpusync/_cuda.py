@@ -24,47 +24,48 @@ _registered = False
 
 
 def extension() -> ModuleType | None:
-  """The ``_tpusync_cuda`` extension module, or None if this install was built without it."""
-  try:
-    return importlib.import_module("jax_tpusync._tpusync_cuda")
-  except ImportError:
-    return None
+    """The ``_tpusync_cuda`` extension module, or None if this install was built without it."""
+    try:
+        return importlib.import_module("jax_tpusync._tpusync_cuda")
+    except ImportError:
+        return None
 
 
 def gpu_present() -> bool:
-  """Whether JAX sees at least one CUDA device (ROCm devices do not count)."""
-  try:
-    return len(jax.devices("cuda")) > 0
-  except RuntimeError:  # No CUDA backend: "Unknown backend cuda".
-    return False
+    """Whether JAX sees at least one CUDA device (ROCm devices do not count)."""
+    try:
+        return len(jax.devices("cuda")) > 0
+    except RuntimeError:  # No CUDA backend: "Unknown backend cuda".
+        return False
 
 
 def registered() -> bool:
-  return _registered
+    return _registered
 
 
 def register() -> bool:
-  """Registers the CUDA handlers once; returns whether they are registered.
+    """Registers the CUDA handlers once; returns whether they are registered.
 
-  Raises:
-    RuntimeError: a CUDA GPU is present but this install has no CUDA extension, so the
-      ops would fail at compile time with an unknown custom call.
-  """
-  global _registered
-  with _lock:
-    if _registered:
-      return True
-    if not gpu_present():
-      return False
-    ext = extension()
-    if ext is None:
-      raise RuntimeError(
-          "tpusync: JAX sees a CUDA GPU but jax_tpusync was built without CUDA support "
-          "(no CUDA toolkit >= 12.8 at build time); reinstall where nvcc/cuda headers are "
-          "present, or run on CPU with JAX_PLATFORMS=cpu")
-    # Engines live in _tpusync's registry; the CUDA handlers must resolve the same ids.
-    ext.attach(_tpusync.engine_registry_capsule())
-    for name, capsule in ext.registrations().items():
-      jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
-    _registered = True
-    return True
+    Raises:
+      RuntimeError: a CUDA GPU is present but this install has no CUDA extension, so the
+        ops would fail at compile time with an unknown custom call.
+    """
+    global _registered
+    with _lock:
+        if _registered:
+            return True
+        if not gpu_present():
+            return False
+        ext = extension()
+        if ext is None:
+            raise RuntimeError(
+                "tpusync: JAX sees a CUDA GPU but jax_tpusync was built without CUDA support "
+                "(no CUDA toolkit >= 12.8 at build time); reinstall where nvcc/cuda headers are "
+                "present, or run on CPU with JAX_PLATFORMS=cpu"
+            )
+        # Engines live in _tpusync's registry; the CUDA handlers must resolve the same ids.
+        ext.attach(_tpusync.engine_registry_capsule())
+        for name, capsule in ext.registrations().items():
+            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+        _registered = True
+        return True

@@ -125,18 +125,42 @@ def _advance(spec: CacheSpec, layer, chunk, lengths, q_len: int):
 # -- attention over one unit -----------------------------------------------------------------
 
 
-def _attend(q, k, v, k_start, k_valid, q_start, *, spec: CacheSpec, layer, scale, soft_cap,
-            implementation: str, kernel_options: dict):
+def _attend(
+    q,
+    k,
+    v,
+    k_start,
+    k_valid,
+    q_start,
+    *,
+    spec: CacheSpec,
+    layer,
+    scale,
+    soft_cap,
+    implementation: str,
+    kernel_options: dict,
+):
     """(out f32[B, T, Hq, D], lse f32[B, T, Hq]) over one chunk, with the layer's window."""
 
     def run(window):
         if implementation == "xla":
             return kernel_reference.chunk_attention_reference(
-                q, k, v, k_start, k_valid, q_start, scale=scale, soft_cap=soft_cap,
-                window=window)
+                q, k, v, k_start, k_valid, q_start, scale=scale, soft_cap=soft_cap, window=window
+            )
         from jax_tpusync import kernels
-        return kernels.chunk_attention(q, k, v, k_start, k_valid, q_start, scale=scale,
-                                       soft_cap=soft_cap, window=window, **kernel_options)
+
+        return kernels.chunk_attention(
+            q,
+            k,
+            v,
+            k_start,
+            k_valid,
+            q_start,
+            scale=scale,
+            soft_cap=soft_cap,
+            window=window,
+            **kernel_options,
+        )
 
     if isinstance(layer, int):
         return run(spec.windows[layer])
@@ -196,8 +220,9 @@ def prefetching_attention(
     """
     spec = state.spec if isinstance(state, KVState) else None
     if spec is None:
-        raise TypeError(f"state must be a KVState (from OffloadedKVCache.init()), got "
-                        f"{type(state).__name__}")
+        raise TypeError(
+            f"state must be a KVState (from OffloadedKVCache.init()), got {type(state).__name__}"
+        )
     _validate(q, k, v, spec, layer)
     if implementation is None:
         implementation = "xla" if jax.default_backend() == "cpu" else "pallas"
@@ -208,8 +233,9 @@ def prefetching_attention(
     kernel_options = {}
     if implementation == "pallas":
         on_cpu = jax.default_backend() == "cpu"
-        kernel_options = dict(block_kv=block_kv,
-                              interpret=on_cpu if interpret is None else interpret)
+        kernel_options = dict(
+            block_kv=block_kv, interpret=on_cpu if interpret is None else interpret
+        )
         if on_cpu:
             kernel_options["backend"] = "tpu"
     if isinstance(layer, np.integer):
@@ -224,12 +250,26 @@ def prefetching_attention(
 
     # 1. New tokens go out first: later fetches of this layer are queued behind them.
     new_kv = jnp.stack([k, v]).astype(spec.dtype)  # [2, batch, q_len, H, D]
-    token = ops.write_back(eid, tier, new_kv, _write_segments(spec, layer, lengths, q_len),
-                           tag(layer, -1), deps=(state.token,), regions=regions)
+    token = ops.write_back(
+        eid,
+        tier,
+        new_kv,
+        _write_segments(spec, layer, lengths, q_len),
+        tag(layer, -1),
+        deps=(state.token,),
+        regions=regions,
+    )
 
     num_units = _num_units(spec, layer, lengths)
-    attend = functools.partial(_attend, spec=spec, layer=layer, scale=scale, soft_cap=soft_cap,
-                               implementation=implementation, kernel_options=kernel_options)
+    attend = functools.partial(
+        _attend,
+        spec=spec,
+        layer=layer,
+        scale=scale,
+        soft_cap=soft_cap,
+        implementation=implementation,
+        kernel_options=kernel_options,
+    )
 
     def unit_step(chunk, carry):
         q_, out, lse, staging, tickets, slot = carry
@@ -240,13 +280,28 @@ def prefetching_attention(
         p_lo, p_count = _unit_range(spec, p_layer, p_chunk, p_lens)
         p_segments = _fetch_segments(spec, p_layer, p_lo, jnp.where(ok, p_count, 0), p_slot)
         q_, staging, p_ticket = ops.start_fetch(
-            eid, tier, q_, staging, p_segments, tag(p_layer, p_chunk),
-            deps=(token, out), regions=regions, retire=tickets[p_slot])
+            eid,
+            tier,
+            q_,
+            staging,
+            p_segments,
+            tag(p_layer, p_chunk),
+            deps=(token, out),
+            regions=regions,
+            retire=tickets[p_slot],
+        )
         # Wait for this unit; q_ carries the previous layer's compute, `out` the last chunk's.
         lo, count = _unit_range(spec, layer, chunk, lengths)
         staging = ops.wait_fetch(
-            eid, tier, staging, tickets[slot], _fetch_segments(spec, layer, lo, count, slot),
-            tag(layer, chunk), deps=(q_, k, v, out), regions=regions)
+            eid,
+            tier,
+            staging,
+            tickets[slot],
+            _fetch_segments(spec, layer, lo, count, slot),
+            tag(layer, chunk),
+            deps=(q_, k, v, out),
+            regions=regions,
+        )
         tickets = tickets.at[slot].set(ops.NO_TICKET).at[p_slot].set(p_ticket)
         unit = lax.dynamic_index_in_dim(staging, slot, 0, keepdims=False)  # [2, B, C, H, D]
         o, l = attend(q_, unit[0], unit[1], lo, count, lengths)
@@ -264,23 +319,34 @@ def prefetching_attention(
 
     # 3. The new tokens attend to themselves (causally) and merge in.
     new_start = lengths
-    o, l = attend(q_, k.astype(spec.dtype), v.astype(spec.dtype), new_start,
-                  jnp.full((batch,), q_len, jnp.int32), lengths)
+    o, l = attend(
+        q_,
+        k.astype(spec.dtype),
+        v.astype(spec.dtype),
+        new_start,
+        jnp.full((batch,), q_len, jnp.int32),
+        lengths,
+    )
     out, _ = kernel_reference.merge_partials(out, lse, o, l)
 
     new_lengths = jnp.where(layer == spec.num_layers - 1, lengths + q_len, lengths)
-    state = state.replace(lengths=new_lengths, staging=staging, tickets=tickets, slot=slot,
-                          token=token)
+    state = state.replace(
+        lengths=new_lengths, staging=staging, tickets=tickets, slot=slot, token=token
+    )
     return out.astype(q.dtype), state
 
 
 def _validate(q, k, v, spec: CacheSpec, layer) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if jnp.ndim(x) != 4:
-            raise ValueError(f"{name} must be rank 4 [batch, q_len, heads, head_dim]; got shape "
-                             f"{jnp.shape(x)}")
-        if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32),
-                                      jnp.dtype(jnp.float16)):
+            raise ValueError(
+                f"{name} must be rank 4 [batch, q_len, heads, head_dim]; got shape {jnp.shape(x)}"
+            )
+        if jnp.dtype(x.dtype) not in (
+            jnp.dtype(jnp.bfloat16),
+            jnp.dtype(jnp.float32),
+            jnp.dtype(jnp.float16),
+        ):
             raise ValueError(f"{name}.dtype must be bfloat16, float16 or float32; got {x.dtype}")
     b, t, hq, d = q.shape
     want_kv = (spec.batch, t, spec.num_kv_heads, spec.head_dim)
@@ -290,17 +356,19 @@ def _validate(q, k, v, spec: CacheSpec, layer) -> None:
         raise ValueError(f"q has head_dim={d} but the cache has head_dim={spec.head_dim}")
     for name, x in (("k", k), ("v", v)):
         if tuple(x.shape) != want_kv:
-            raise ValueError(f"{name} must be [batch, q_len, num_kv_heads, head_dim] = "
-                             f"{list(want_kv)}; got {list(x.shape)}")
+            raise ValueError(
+                f"{name} must be [batch, q_len, num_kv_heads, head_dim] = "
+                f"{list(want_kv)}; got {list(x.shape)}"
+            )
     if hq % spec.num_kv_heads:
-        raise ValueError(f"num_q_heads={hq} must be a multiple of num_kv_heads="
-                         f"{spec.num_kv_heads}")
+        raise ValueError(f"num_q_heads={hq} must be a multiple of num_kv_heads={spec.num_kv_heads}")
     if t > spec.max_len:
         raise ValueError(f"q_len={t} exceeds max_len={spec.max_len}")
     if isinstance(layer, (int, np.integer)):
         if not 0 <= layer < spec.num_layers:
-            raise ValueError(f"layer={layer} is out of range for a cache of "
-                             f"{spec.num_layers} layers")
+            raise ValueError(
+                f"layer={layer} is out of range for a cache of {spec.num_layers} layers"
+            )
     elif jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
         raise ValueError(f"layer must be an int or an integer scalar; got {layer!r}")
 
@@ -335,11 +403,13 @@ def resident_attention(
     lengths = jnp.asarray(lengths, jnp.int32)
     span = max_len if window is None else min(max_len, max(window - 1, 1))
     unit = unit_len or span
-    layer_start = (jnp.zeros_like(lengths) if window is None
-                   else jnp.maximum(lengths - window + 1, 0))
+    layer_start = (
+        jnp.zeros_like(lengths) if window is None else jnp.maximum(lengths - window + 1, 0)
+    )
     num_units = jnp.maximum(1, (jnp.max(lengths - layer_start) + unit - 1) // unit)
-    attend = functools.partial(kernel_reference.chunk_attention_reference, scale=scale,
-                               soft_cap=soft_cap, window=window)
+    attend = functools.partial(
+        kernel_reference.chunk_attention_reference, scale=scale, soft_cap=soft_cap, window=window
+    )
 
     def unit_step(chunk, carry):
         out, lse = carry

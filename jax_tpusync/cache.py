@@ -86,8 +86,7 @@ class CacheSpec:
 
     @property
     def staging_shape(self) -> tuple[int, ...]:
-        return (self.num_slots, 2, self.batch, self.chunk_len, self.num_kv_heads,
-                self.head_dim)
+        return (self.num_slots, 2, self.batch, self.chunk_len, self.num_kv_heads, self.head_dim)
 
     @property
     def device_bytes(self) -> int:
@@ -96,8 +95,11 @@ class CacheSpec:
 
     @property
     def regions(self) -> ops.Regions:
-        return ops.Regions(base=self.first_block * self.block_bytes,
-                           nbytes=self.region_bytes, count=self.num_regions)
+        return ops.Regions(
+            base=self.first_block * self.block_bytes,
+            nbytes=self.region_bytes,
+            count=self.num_regions,
+        )
 
     @property
     def single_unit(self) -> bool:
@@ -140,14 +142,21 @@ class KVState:
         return cls(spec, *children)
 
     def replace(self, **changes) -> KVState:
-        fields = dict(lengths=self.lengths, staging=self.staging, tickets=self.tickets,
-                      slot=self.slot, token=self.token)
+        fields = dict(
+            lengths=self.lengths,
+            staging=self.staging,
+            tickets=self.tickets,
+            slot=self.slot,
+            token=self.token,
+        )
         fields.update(changes)
         return KVState(self.spec, **fields)
 
     def __repr__(self) -> str:
-        return (f"KVState(cache_id={self.spec.cache_id}, lengths={self.lengths}, "
-                f"device_bytes={self.spec.device_bytes})")
+        return (
+            f"KVState(cache_id={self.spec.cache_id}, lengths={self.lengths}, "
+            f"device_bytes={self.spec.device_bytes})"
+        )
 
 
 class OffloadedKVCache:
@@ -176,16 +185,33 @@ class OffloadedKVCache:
       debug_poison: fill staging with NaN until each fetch lands (catches missing waits).
     """
 
-    def __init__(self, *, num_layers: int, batch: int, max_len: int, num_kv_heads: int,
-                 head_dim: int, dtype: Any = jnp.bfloat16, tier: str = "host",
-                 path: str | os.PathLike | None = None, shm_name: str | None = None,
-                 file_name: str | None = None, staging_bytes: int = 256 << 20,
-                 prefetch_depth: int = 1,
-                 sliding_window: int | Sequence[int | None] | None = None,
-                 prefetch_across_steps: bool = True,
-                 engine: Engine | EngineConfig | None = None, debug_poison: bool = False):
-        for name, value in dict(num_layers=num_layers, batch=batch, max_len=max_len,
-                                num_kv_heads=num_kv_heads, head_dim=head_dim).items():
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        batch: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: Any = jnp.bfloat16,
+        tier: str = "host",
+        path: str | os.PathLike | None = None,
+        shm_name: str | None = None,
+        file_name: str | None = None,
+        staging_bytes: int = 256 << 20,
+        prefetch_depth: int = 1,
+        sliding_window: int | Sequence[int | None] | None = None,
+        prefetch_across_steps: bool = True,
+        engine: Engine | EngineConfig | None = None,
+        debug_poison: bool = False,
+    ):
+        for name, value in dict(
+            num_layers=num_layers,
+            batch=batch,
+            max_len=max_len,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+        ).items():
             if not isinstance(value, (int, np.integer)) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         dtype = np.dtype(dtype)
@@ -226,25 +252,28 @@ class OffloadedKVCache:
                 raise ValueError(
                     f"staging_bytes={staging_bytes} cannot hold one token per slot: "
                     f"{num_slots} slots x 2 (K, V) x batch {batch} x {row_bytes} bytes per "
-                    f"token row = {unit_row_bytes} bytes at least")
-            longest = max(max_len if w is None else min(max_len, max(w - 1, 1))
-                          for w in windows)
+                    f"token row = {unit_row_bytes} bytes at least"
+                )
+            longest = max(max_len if w is None else min(max_len, max(w - 1, 1)) for w in windows)
             chunk_len = min(chunk_len, longest)
             if chunk_len * row_bytes >= 2**31:
                 chunk_len = (2**31 - 1) // row_bytes  # One segment's byte count is int32.
             # Blocks of whole token rows keep (block, offset) int32 even at 1M+ tokens.
             num_regions = num_layers * 2 * batch
-            tokens_per_block = max(1, min(max_len, (4 << 20) // row_bytes,
-                                          (2**31 - 1 - max_len) // num_regions))
+            tokens_per_block = max(
+                1, min(max_len, (4 << 20) // row_bytes, (2**31 - 1 - max_len) // num_regions)
+            )
             block_bytes = tokens_per_block * row_bytes
             total_rows = num_layers * 2 * batch * max_len
             num_blocks = -(-total_rows // tokens_per_block)
             if tier == "host":
                 tier_index = self.engine.add_host_tier(
-                    block_bytes=block_bytes, num_blocks=num_blocks, shm_name=shm_name)
+                    block_bytes=block_bytes, num_blocks=num_blocks, shm_name=shm_name
+                )
             else:
                 tier_index = self.engine.add_file_tier(
-                    path, block_bytes=block_bytes, num_blocks=num_blocks, file_name=file_name)
+                    path, block_bytes=block_bytes, num_blocks=num_blocks, file_name=file_name
+                )
             region_name = "kv" if (shm_name or file_name) else None
             first_block = self.engine.allocate(tier_index, num_blocks, name=region_name)
         except Exception:
@@ -253,16 +282,32 @@ class OffloadedKVCache:
             raise
 
         self.spec = CacheSpec(
-            cache_id=next(_cache_ids), num_layers=num_layers, batch=batch, max_len=max_len,
-            num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, windows=windows,
-            chunk_len=int(chunk_len), num_slots=num_slots, prefetch_depth=prefetch_depth,
-            engine_id=self.engine.id, tier=tier_index, block_bytes=block_bytes,
-            tokens_per_block=tokens_per_block, first_block=first_block,
-            prefetch_across_steps=prefetch_across_steps)
+            cache_id=next(_cache_ids),
+            num_layers=num_layers,
+            batch=batch,
+            max_len=max_len,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            windows=windows,
+            chunk_len=int(chunk_len),
+            num_slots=num_slots,
+            prefetch_depth=prefetch_depth,
+            engine_id=self.engine.id,
+            tier=tier_index,
+            block_bytes=block_bytes,
+            tokens_per_block=tokens_per_block,
+            first_block=first_block,
+            prefetch_across_steps=prefetch_across_steps,
+        )
         self._loaded_layers: set[int] = set()
-        logger.info("offloaded KV cache: %s tier, %.1f MiB of KV, %.1f MiB staging, "
-                    "chunk_len=%d", tier, self.spec.kv_bytes / 2**20,
-                    self.spec.device_bytes / 2**20, self.spec.chunk_len)
+        logger.info(
+            "offloaded KV cache: %s tier, %.1f MiB of KV, %.1f MiB staging, chunk_len=%d",
+            tier,
+            self.spec.kv_bytes / 2**20,
+            self.spec.device_bytes / 2**20,
+            self.spec.chunk_len,
+        )
 
     # -- state ------------------------------------------------------------------------------
 
@@ -282,14 +327,17 @@ class OffloadedKVCache:
             staging=jnp.zeros(spec.staging_shape, spec.dtype),
             tickets=jnp.full((spec.num_slots,), ops.NO_TICKET, jnp.int32),
             slot=jnp.zeros((), jnp.int32),
-            token=jnp.zeros((), jnp.int32))
+            token=jnp.zeros((), jnp.int32),
+        )
 
     def _check_state(self, state: KVState) -> None:
         if not isinstance(state, KVState):
             raise TypeError(f"expected a KVState, got {type(state).__name__}")
         if state.spec.cache_id != self.spec.cache_id:
-            raise ValueError(f"state belongs to cache {state.spec.cache_id}, not to this "
-                             f"cache ({self.spec.cache_id})")
+            raise ValueError(
+                f"state belongs to cache {state.spec.cache_id}, not to this "
+                f"cache ({self.spec.cache_id})"
+            )
 
     def drain(self, state: KVState) -> KVState:
         """Waits for fetches in flight into ``state``'s staging; returns a state with none.
@@ -303,8 +351,7 @@ class OffloadedKVCache:
                     self.engine.wait(ticket)
                 except Exception as e:  # Already consumed or failed: it carries no data.
                     logger.debug("retiring ticket %s: %s", ticket, e)
-        return state.replace(tickets=jnp.full((self.spec.num_slots,), ops.NO_TICKET,
-                                              jnp.int32))
+        return state.replace(tickets=jnp.full((self.spec.num_slots,), ops.NO_TICKET, jnp.int32))
 
     # -- host-side bulk access --------------------------------------------------------------
 
@@ -315,14 +362,26 @@ class OffloadedKVCache:
         mem = 0
         for b in range(spec.batch):
             region = (layer * 2 + kv) * spec.batch + b
-            rows.append((base + (region * spec.max_len + int(start[b])) * spec.row_bytes, mem,
-                         int(counts[b]) * spec.row_bytes))
+            rows.append(
+                (
+                    base + (region * spec.max_len + int(start[b])) * spec.row_bytes,
+                    mem,
+                    int(counts[b]) * spec.row_bytes,
+                )
+            )
             mem += int(counts[b]) * spec.row_bytes
         return rows
 
-    def load(self, state: KVState, layer: int, k: jax.Array | np.ndarray,
-             v: jax.Array | np.ndarray, *, start: int | Sequence[int] = 0,
-             lengths: Sequence[int] | None = None) -> KVState:
+    def load(
+        self,
+        state: KVState,
+        layer: int,
+        k: jax.Array | np.ndarray,
+        v: jax.Array | np.ndarray,
+        *,
+        start: int | Sequence[int] = 0,
+        lengths: Sequence[int] | None = None,
+    ) -> KVState:
         """Bulk-writes existing KV of one layer to the tier, host-side.
 
         For experiments that synthesize or load a long context without a prefill.
@@ -342,34 +401,42 @@ class OffloadedKVCache:
         spec = self.spec
         self._check_state(state)
         if not isinstance(layer, (int, np.integer)) or not 0 <= layer < spec.num_layers:
-            raise ValueError(f"layer={layer!r} is out of range for a cache of "
-                             f"{spec.num_layers} layers")
+            raise ValueError(
+                f"layer={layer!r} is out of range for a cache of {spec.num_layers} layers"
+            )
         k = np.asarray(k)
         v = np.asarray(v)
         want = (spec.batch, None, spec.num_kv_heads, spec.head_dim)
         for name, x in (("k", k), ("v", v)):
             if x.ndim != 4 or x.shape[0] != spec.batch or x.shape[2:] != want[2:]:
-                raise ValueError(f"{name} must be [batch={spec.batch}, n, num_kv_heads="
-                                 f"{spec.num_kv_heads}, head_dim={spec.head_dim}]; got "
-                                 f"{x.shape}")
+                raise ValueError(
+                    f"{name} must be [batch={spec.batch}, n, num_kv_heads="
+                    f"{spec.num_kv_heads}, head_dim={spec.head_dim}]; got "
+                    f"{x.shape}"
+                )
         if k.shape != v.shape:
             raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
         n = k.shape[1]
         starts = np.broadcast_to(np.asarray(start, np.int64), (spec.batch,))
-        counts = np.broadcast_to(np.asarray(n if lengths is None else lengths, np.int64),
-                                 (spec.batch,))
+        counts = np.broadcast_to(
+            np.asarray(n if lengths is None else lengths, np.int64), (spec.batch,)
+        )
         if (counts < 0).any() or (counts > n).any():
             raise ValueError(f"lengths must be in [0, n={n}]; got {counts}")
         if (starts < 0).any() or (starts + counts > spec.max_len).any():
-            raise ValueError(f"positions start + lengths = {starts + counts} overflow "
-                             f"max_len={spec.max_len}")
+            raise ValueError(
+                f"positions start + lengths = {starts + counts} overflow max_len={spec.max_len}"
+            )
         state = self.drain(state)
         tickets = []
         for kv, x in enumerate((k, v)):
             x = x.astype(spec.dtype, copy=False)
-            packed = np.concatenate([x[b, :counts[b]].reshape(-1) for b in range(spec.batch)])
-            tickets.append(self.engine.submit_write(
-                spec.tier, self._segments(layer, kv, starts, counts), packed, layer=layer))
+            packed = np.concatenate([x[b, : counts[b]].reshape(-1) for b in range(spec.batch)])
+            tickets.append(
+                self.engine.submit_write(
+                    spec.tier, self._segments(layer, kv, starts, counts), packed, layer=layer
+                )
+            )
         for t in tickets:
             self.engine.wait(t)
         self._loaded_layers.add(layer)
@@ -378,24 +445,32 @@ class OffloadedKVCache:
             state = state.replace(lengths=jnp.asarray(starts + counts, jnp.int32))
         return state
 
-    def read(self, layer: int, lengths: Sequence[int] | np.ndarray | None = None,
-             ) -> tuple[np.ndarray, np.ndarray]:
+    def read(
+        self,
+        layer: int,
+        lengths: Sequence[int] | np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Host-side copy of one layer's cached K and V: two [batch, max_len, H, D] arrays.
 
         Positions at or past ``lengths[b]`` (if given) are zero. For checks and debugging.
         """
         spec = self.spec
         if not 0 <= layer < spec.num_layers:
-            raise ValueError(f"layer={layer} is out of range for a cache of "
-                             f"{spec.num_layers} layers")
+            raise ValueError(
+                f"layer={layer} is out of range for a cache of {spec.num_layers} layers"
+            )
         counts = np.broadcast_to(
-            np.asarray(spec.max_len if lengths is None else lengths, np.int64), (spec.batch,))
+            np.asarray(spec.max_len if lengths is None else lengths, np.int64), (spec.batch,)
+        )
         out = []
         for kv in range(2):
-            buf = np.zeros((spec.batch, spec.max_len, spec.num_kv_heads, spec.head_dim),
-                           spec.dtype)
-            rows = [(t, b * spec.region_bytes, n) for b, (t, _, n) in
-                    enumerate(self._segments(layer, kv, np.zeros(spec.batch), counts))]
+            buf = np.zeros((spec.batch, spec.max_len, spec.num_kv_heads, spec.head_dim), spec.dtype)
+            rows = [
+                (t, b * spec.region_bytes, n)
+                for b, (t, _, n) in enumerate(
+                    self._segments(layer, kv, np.zeros(spec.batch), counts)
+                )
+            ]
             self.engine.wait(self.engine.submit_read(spec.tier, rows, buf))
             out.append(buf)
         return out[0], out[1]
@@ -420,8 +495,7 @@ def _normalize_windows(sliding_window, num_layers: int) -> tuple[int | None, ...
     else:
         windows = tuple(sliding_window)
         if len(windows) != num_layers:
-            raise ValueError(f"sliding_window has {len(windows)} entries for {num_layers} "
-                             "layers")
+            raise ValueError(f"sliding_window has {len(windows)} entries for {num_layers} layers")
     for w in windows:
         if w is not None and (not isinstance(w, (int, np.integer)) or w < 1):
             raise ValueError(f"sliding window {w!r} must be None or an int >= 1")

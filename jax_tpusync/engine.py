@@ -25,281 +25,307 @@ TpusyncError = _tpusync.TpusyncError
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-  """Engine knobs.
+    """Engine knobs.
 
-  Attributes:
-    num_workers: transfer threads. Two keep a file tier's device busy while a host-tier
-      copy runs; more mostly contend with XLA's compute threads on small machines.
-    io_chunk_bytes: unit of pacing, cancellation and O_DIRECT pipelining (4 KiB multiple).
-    max_inflight_bytes: cap on bytes of running requests (0: none), so a big prefetch cannot
-      hog memory bandwidth that compute needs.
-    max_bytes_per_second: pace all tier accesses to this rate (0: unpaced).
-    worker_cpus: pin worker i to ``worker_cpus[i % len]`` (empty: no pinning, the default).
-      Measured on a 2-core machine: pinning both workers to one CPU held host-tier fetches
-      to ~0.94x of a one-thread memcpy, against 1.2-3.9x unpinned or one worker per CPU,
-      and made no difference to the file tier; so nothing is pinned unless asked.
-    poison_fetches: debug; fill fetch destinations with NaN bytes until the fetch lands.
-    debug_delay_us: debug; delay every transfer (makes a missing wait observable).
-    record_timeline: keep per-transfer, per-wait and mark events (see :meth:`Engine.timeline`).
-  """
+    Attributes:
+      num_workers: transfer threads. Two keep a file tier's device busy while a host-tier
+        copy runs; more mostly contend with XLA's compute threads on small machines.
+      io_chunk_bytes: unit of pacing, cancellation and O_DIRECT pipelining (4 KiB multiple).
+      max_inflight_bytes: cap on bytes of running requests (0: none), so a big prefetch cannot
+        hog memory bandwidth that compute needs.
+      max_bytes_per_second: pace all tier accesses to this rate (0: unpaced).
+      worker_cpus: pin worker i to ``worker_cpus[i % len]`` (empty: no pinning, the default).
+        Measured on a 2-core machine: pinning both workers to one CPU held host-tier fetches
+        to ~0.94x of a one-thread memcpy, against 1.2-3.9x unpinned or one worker per CPU,
+        and made no difference to the file tier; so nothing is pinned unless asked.
+      poison_fetches: debug; fill fetch destinations with NaN bytes until the fetch lands.
+      debug_delay_us: debug; delay every transfer (makes a missing wait observable).
+      record_timeline: keep per-transfer, per-wait and mark events (see :meth:`Engine.timeline`).
+    """
 
-  num_workers: int = 2
-  io_chunk_bytes: int = 1 << 20
-  max_inflight_bytes: int = 0
-  max_bytes_per_second: float = 0.0
-  worker_cpus: tuple[int, ...] = ()
-  poison_fetches: bool = False
-  debug_delay_us: int = 0
-  record_timeline: bool = False
+    num_workers: int = 2
+    io_chunk_bytes: int = 1 << 20
+    max_inflight_bytes: int = 0
+    max_bytes_per_second: float = 0.0
+    worker_cpus: tuple[int, ...] = ()
+    poison_fetches: bool = False
+    debug_delay_us: int = 0
+    record_timeline: bool = False
 
-  def __post_init__(self):
-    if not 1 <= self.num_workers <= 64:
-      raise ValueError(f"num_workers={self.num_workers} must be in [1, 64]")
-    if self.io_chunk_bytes < 4096 or self.io_chunk_bytes % 4096:
-      raise ValueError(f"io_chunk_bytes={self.io_chunk_bytes} must be a positive multiple of 4096")
-    if self.max_inflight_bytes < 0:
-      raise ValueError(f"max_inflight_bytes={self.max_inflight_bytes} must be >= 0")
-    if self.max_bytes_per_second < 0:
-      raise ValueError(f"max_bytes_per_second={self.max_bytes_per_second} must be >= 0")
-    if self.debug_delay_us < 0:
-      raise ValueError(f"debug_delay_us={self.debug_delay_us} must be >= 0")
-    ncpu = os.cpu_count() or 1
-    for cpu in self.worker_cpus:
-      if not 0 <= cpu < ncpu:
-        raise ValueError(f"worker cpu {cpu} does not exist (this machine has {ncpu} cpus)")
+    def __post_init__(self):
+        if not 1 <= self.num_workers <= 64:
+            raise ValueError(f"num_workers={self.num_workers} must be in [1, 64]")
+        if self.io_chunk_bytes < 4096 or self.io_chunk_bytes % 4096:
+            raise ValueError(
+                f"io_chunk_bytes={self.io_chunk_bytes} must be a positive multiple of 4096"
+            )
+        if self.max_inflight_bytes < 0:
+            raise ValueError(f"max_inflight_bytes={self.max_inflight_bytes} must be >= 0")
+        if self.max_bytes_per_second < 0:
+            raise ValueError(f"max_bytes_per_second={self.max_bytes_per_second} must be >= 0")
+        if self.debug_delay_us < 0:
+            raise ValueError(f"debug_delay_us={self.debug_delay_us} must be >= 0")
+        ncpu = os.cpu_count() or 1
+        for cpu in self.worker_cpus:
+            if not 0 <= cpu < ncpu:
+                raise ValueError(f"worker cpu {cpu} does not exist (this machine has {ncpu} cpus)")
 
 
 @dataclasses.dataclass(frozen=True)
 class TierInfo:
-  """What a tier is and how full it is."""
+    """What a tier is and how full it is."""
 
-  index: int
-  kind: str  # "host" or "file"
-  description: str
-  block_bytes: int
-  num_blocks: int
-  capacity_bytes: int
-  free_blocks: int
-  direct_io: bool  # file tier: O_DIRECT in use (False: buffered fallback, e.g. on tmpfs)
-  attached: bool  # re-attached to an existing shm segment or file
-  regions: dict[str, tuple[int, int]]  # persistent name -> (first_block, num_blocks)
+    index: int
+    kind: str  # "host" or "file"
+    description: str
+    block_bytes: int
+    num_blocks: int
+    capacity_bytes: int
+    free_blocks: int
+    direct_io: bool  # file tier: O_DIRECT in use (False: buffered fallback, e.g. on tmpfs)
+    attached: bool  # re-attached to an existing shm segment or file
+    regions: dict[str, tuple[int, int]]  # persistent name -> (first_block, num_blocks)
 
 
 @dataclasses.dataclass(frozen=True)
 class Timeline:
-  """Engine events, all stamped with ``time.monotonic_ns()``'s clock.
+    """Engine events, all stamped with ``time.monotonic_ns()``'s clock.
 
-  transfers: rows (ticket, tier, direction [0 fetch, 1 write-back], layer, chunk, bytes,
-    submit_ns, start_ns, end_ns, ok).
-  waits: rows (ticket, layer, chunk, begin_ns, end_ns).
-  marks: rows (kind, layer, chunk, ns) recorded by :func:`jax_tpusync.ops.mark`.
-  """
+    transfers: rows (ticket, tier, direction [0 fetch, 1 write-back], layer, chunk, bytes,
+      submit_ns, start_ns, end_ns, ok).
+    waits: rows (ticket, layer, chunk, begin_ns, end_ns).
+    marks: rows (kind, layer, chunk, ns) recorded by :func:`jax_tpusync.ops.mark`.
+    """
 
-  transfers: list[tuple]
-  waits: list[tuple]
-  marks: list[tuple]
+    transfers: list[tuple]
+    waits: list[tuple]
+    marks: list[tuple]
 
 
 Segments = Sequence[tuple[int, int, int]] | np.ndarray  # rows (tier_offset, mem_offset, nbytes)
 
 
 def _segment_columns(segments: Segments) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  rows = np.asarray(segments, dtype=np.int64)
-  if rows.size == 0:
-    rows = rows.reshape(0, 3)
-  if rows.ndim != 2 or rows.shape[1] != 3:
-    raise ValueError(
-        f"segments must be rows of (tier_offset, mem_offset, nbytes); got shape {rows.shape}")
-  return (np.ascontiguousarray(rows[:, 0]), np.ascontiguousarray(rows[:, 1]),
-          np.ascontiguousarray(rows[:, 2]))
+    rows = np.asarray(segments, dtype=np.int64)
+    if rows.size == 0:
+        rows = rows.reshape(0, 3)
+    if rows.ndim != 2 or rows.shape[1] != 3:
+        raise ValueError(
+            f"segments must be rows of (tier_offset, mem_offset, nbytes); got shape {rows.shape}"
+        )
+    return (
+        np.ascontiguousarray(rows[:, 0]),
+        np.ascontiguousarray(rows[:, 1]),
+        np.ascontiguousarray(rows[:, 2]),
+    )
 
 
 class Engine:
-  """An async transfer engine with its tiers.
+    """An async transfer engine with its tiers.
 
-  Use as a context manager, or call :meth:`close`. Closing cancels queued fetches, lets
-  write-backs and running transfers finish, and joins the workers.
-  """
-
-  def __init__(self, config: EngineConfig | None = None, **overrides: Any):
-    config = dataclasses.replace(config or EngineConfig(), **overrides)
-    self.config = config
-    self._impl = _tpusync.Engine(
-        num_workers=config.num_workers,
-        io_chunk_bytes=config.io_chunk_bytes,
-        max_inflight_bytes=config.max_inflight_bytes,
-        max_bytes_per_second=float(config.max_bytes_per_second),
-        worker_cpus=list(config.worker_cpus),
-        poison_fetches=config.poison_fetches,
-        debug_delay_us=config.debug_delay_us,
-        record_timeline=config.record_timeline)
-    # Buffers of async Python-side transfers stay referenced until their ticket is waited.
-    self._keepalive: dict[int, np.ndarray] = {}
-
-  # -- lifetime ---------------------------------------------------------------------------
-
-  @property
-  def id(self) -> int:
-    """The id XLA custom calls use to find this engine."""
-    return self._impl.id
-
-  @property
-  def closed(self) -> bool:
-    return self._impl.closed
-
-  def close(self) -> None:
-    self._impl.close()
-    self._keepalive.clear()
-
-  def __enter__(self) -> Engine:
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.close()
-
-  def __repr__(self) -> str:
-    state = "closed" if self.closed else "open"
-    return f"Engine(id={self.id}, {state})"
-
-  # -- tiers ------------------------------------------------------------------------------
-
-  def add_host_tier(self, *, block_bytes: int, num_blocks: int,
-                    shm_name: str | None = None) -> int:
-    """Adds a page-aligned DRAM pool; returns its tier index.
-
-    Args:
-      block_bytes: allocation unit.
-      num_blocks: pool size in blocks.
-      shm_name: back the pool by POSIX shm ``/<shm_name>`` so another process (or this one
-        after a restart) re-attaches to the same bytes. Opening an existing segment with
-        another layout fails instead of reinterpreting it.
+    Use as a context manager, or call :meth:`close`. Closing cancels queued fetches, lets
+    write-backs and running transfers finish, and joins the workers.
     """
-    _check_layout(block_bytes, num_blocks)
-    return self._impl.add_host_tier(block_bytes, num_blocks, shm_name or "")
 
-  def add_file_tier(self, directory: str | os.PathLike, *, block_bytes: int, num_blocks: int,
-                    file_name: str | None = None, direct_io: bool = True) -> int:
-    """Adds a file tier in ``directory``; returns its tier index.
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any):
+        config = dataclasses.replace(config or EngineConfig(), **overrides)
+        self.config = config
+        self._impl = _tpusync.Engine(
+            num_workers=config.num_workers,
+            io_chunk_bytes=config.io_chunk_bytes,
+            max_inflight_bytes=config.max_inflight_bytes,
+            max_bytes_per_second=float(config.max_bytes_per_second),
+            worker_cpus=list(config.worker_cpus),
+            poison_fetches=config.poison_fetches,
+            debug_delay_us=config.debug_delay_us,
+            record_timeline=config.record_timeline,
+        )
+        # Buffers of async Python-side transfers stay referenced until their ticket is waited.
+        self._keepalive: dict[int, np.ndarray] = {}
 
-    Args:
-      directory: an existing, writable directory on local SSD or shared storage.
-      block_bytes: allocation unit (a multiple of 4096 keeps O_DIRECT bounce-free).
-      num_blocks: size in blocks (the file is sparse: unwritten blocks take no space).
-      file_name: keep the data in ``<directory>/<file_name>.tpusync`` and re-attach later;
-        None: an anonymous file deleted on close.
-      direct_io: try O_DIRECT (falls back to buffered I/O where refused, e.g. tmpfs; see
-        :meth:`tier_info`).
-    """
-    _check_layout(block_bytes, num_blocks)
-    tier = self._impl.add_file_tier(os.fspath(directory), block_bytes, num_blocks,
-                                    file_name or "", direct_io)
-    info = self.tier_info(tier)
-    if direct_io and not info.direct_io:
-      logger.info("file tier %s: %s", tier, info.description)
-    return tier
+    # -- lifetime ---------------------------------------------------------------------------
 
-  def tier_info(self, tier: int) -> TierInfo:
-    d = self._impl.tier_info(tier)
-    return TierInfo(index=tier, **d)
+    @property
+    def id(self) -> int:
+        """The id XLA custom calls use to find this engine."""
+        return self._impl.id
 
-  @staticmethod
-  def unlink_shm(shm_name: str) -> None:
-    """Removes a persistent shm segment made by ``add_host_tier(shm_name=...)``."""
-    _tpusync.unlink_shm(shm_name)
+    @property
+    def closed(self) -> bool:
+        return self._impl.closed
 
-  def allocate(self, tier: int, num_blocks: int, name: str | None = None) -> int:
-    """Allocates contiguous blocks; returns the first block index.
+    def close(self) -> None:
+        self._impl.close()
+        self._keepalive.clear()
 
-    A ``name`` makes the region persistent on a shm/file-backed tier: allocating the same
-    name and size again (in this or a later process) returns the same blocks.
-    """
-    if num_blocks <= 0:
-      raise ValueError(f"num_blocks={num_blocks} must be positive")
-    return self._impl.allocate(tier, num_blocks, name or "")
+    def __enter__(self) -> Engine:
+        return self
 
-  def free(self, tier: int, first_block: int, num_blocks: int) -> None:
-    self._impl.free(tier, first_block, num_blocks)
+    def __exit__(self, *exc) -> None:
+        self.close()
 
-  # -- transfers --------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"Engine(id={self.id}, {state})"
 
-  def submit_write(self, tier: int, segments: Segments, buffer: np.ndarray, *,
-                   layer: int = -1, chunk: int = -1) -> int:
-    """Queues tier writes from ``buffer`` bytes; returns a ticket for :meth:`wait`."""
-    return self._submit(tier, True, segments, np.ascontiguousarray(buffer), layer, chunk)
+    # -- tiers ------------------------------------------------------------------------------
 
-  def submit_read(self, tier: int, segments: Segments, buffer: np.ndarray, *,
-                  layer: int = -1, chunk: int = -1) -> int:
-    """Queues tier reads into ``buffer`` (C-contiguous, writable); returns a ticket."""
-    if not isinstance(buffer, np.ndarray) or not buffer.flags.c_contiguous:
-      raise ValueError("read buffer must be a C-contiguous numpy array")
-    if not buffer.flags.writeable:
-      raise ValueError("read buffer must be writable")
-    return self._submit(tier, False, segments, buffer, layer, chunk)
+    def add_host_tier(
+        self, *, block_bytes: int, num_blocks: int, shm_name: str | None = None
+    ) -> int:
+        """Adds a page-aligned DRAM pool; returns its tier index.
 
-  def _submit(self, tier, write, segments, buffer, layer, chunk) -> int:
-    tier_offsets, mem_offsets, sizes = _segment_columns(segments)
-    ticket = self._impl.submit(tier, write, tier_offsets, buffer.reshape(-1).view(np.uint8),
-                               mem_offsets, sizes, layer, chunk)
-    self._keepalive[ticket] = buffer
-    return ticket
+        Args:
+          block_bytes: allocation unit.
+          num_blocks: pool size in blocks.
+          shm_name: back the pool by POSIX shm ``/<shm_name>`` so another process (or this one
+            after a restart) re-attaches to the same bytes. Opening an existing segment with
+            another layout fails instead of reinterpreting it.
+        """
+        _check_layout(block_bytes, num_blocks)
+        return self._impl.add_host_tier(block_bytes, num_blocks, shm_name or "")
 
-  def wait(self, ticket: int, timeout: float | None = None) -> None:
-    """Blocks until the ticket's transfer ends; consumes the ticket; raises its error."""
-    try:
-      self._impl.wait(ticket, -1.0 if timeout is None else float(timeout))
-    except TpusyncError as e:
-      if "still running" not in str(e):
+    def add_file_tier(
+        self,
+        directory: str | os.PathLike,
+        *,
+        block_bytes: int,
+        num_blocks: int,
+        file_name: str | None = None,
+        direct_io: bool = True,
+    ) -> int:
+        """Adds a file tier in ``directory``; returns its tier index.
+
+        Args:
+          directory: an existing, writable directory on local SSD or shared storage.
+          block_bytes: allocation unit (a multiple of 4096 keeps O_DIRECT bounce-free).
+          num_blocks: size in blocks (the file is sparse: unwritten blocks take no space).
+          file_name: keep the data in ``<directory>/<file_name>.tpusync`` and re-attach later;
+            None: an anonymous file deleted on close.
+          direct_io: try O_DIRECT (falls back to buffered I/O where refused, e.g. tmpfs; see
+            :meth:`tier_info`).
+        """
+        _check_layout(block_bytes, num_blocks)
+        tier = self._impl.add_file_tier(
+            os.fspath(directory), block_bytes, num_blocks, file_name or "", direct_io
+        )
+        info = self.tier_info(tier)
+        if direct_io and not info.direct_io:
+            logger.info("file tier %s: %s", tier, info.description)
+        return tier
+
+    def tier_info(self, tier: int) -> TierInfo:
+        d = self._impl.tier_info(tier)
+        return TierInfo(index=tier, **d)
+
+    @staticmethod
+    def unlink_shm(shm_name: str) -> None:
+        """Removes a persistent shm segment made by ``add_host_tier(shm_name=...)``."""
+        _tpusync.unlink_shm(shm_name)
+
+    def allocate(self, tier: int, num_blocks: int, name: str | None = None) -> int:
+        """Allocates contiguous blocks; returns the first block index.
+
+        A ``name`` makes the region persistent on a shm/file-backed tier: allocating the same
+        name and size again (in this or a later process) returns the same blocks.
+        """
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks={num_blocks} must be positive")
+        return self._impl.allocate(tier, num_blocks, name or "")
+
+    def free(self, tier: int, first_block: int, num_blocks: int) -> None:
+        self._impl.free(tier, first_block, num_blocks)
+
+    # -- transfers --------------------------------------------------------------------------
+
+    def submit_write(
+        self, tier: int, segments: Segments, buffer: np.ndarray, *, layer: int = -1, chunk: int = -1
+    ) -> int:
+        """Queues tier writes from ``buffer`` bytes; returns a ticket for :meth:`wait`."""
+        return self._submit(tier, True, segments, np.ascontiguousarray(buffer), layer, chunk)
+
+    def submit_read(
+        self, tier: int, segments: Segments, buffer: np.ndarray, *, layer: int = -1, chunk: int = -1
+    ) -> int:
+        """Queues tier reads into ``buffer`` (C-contiguous, writable); returns a ticket."""
+        if not isinstance(buffer, np.ndarray) or not buffer.flags.c_contiguous:
+            raise ValueError("read buffer must be a C-contiguous numpy array")
+        if not buffer.flags.writeable:
+            raise ValueError("read buffer must be writable")
+        return self._submit(tier, False, segments, buffer, layer, chunk)
+
+    def _submit(self, tier, write, segments, buffer, layer, chunk) -> int:
+        tier_offsets, mem_offsets, sizes = _segment_columns(segments)
+        ticket = self._impl.submit(
+            tier,
+            write,
+            tier_offsets,
+            buffer.reshape(-1).view(np.uint8),
+            mem_offsets,
+            sizes,
+            layer,
+            chunk,
+        )
+        self._keepalive[ticket] = buffer
+        return ticket
+
+    def wait(self, ticket: int, timeout: float | None = None) -> None:
+        """Blocks until the ticket's transfer ends; consumes the ticket; raises its error."""
+        try:
+            self._impl.wait(ticket, -1.0 if timeout is None else float(timeout))
+        except TpusyncError as e:
+            if "still running" not in str(e):
+                self._keepalive.pop(ticket, None)
+            raise
         self._keepalive.pop(ticket, None)
-      raise
-    self._keepalive.pop(ticket, None)
 
-  def poll(self, ticket: int) -> bool:
-    """True once the transfer has ended (the ticket remains valid for :meth:`wait`)."""
-    return self._impl.poll(ticket)
+    def poll(self, ticket: int) -> bool:
+        """True once the transfer has ended (the ticket remains valid for :meth:`wait`)."""
+        return self._impl.poll(ticket)
 
-  def cancel(self, ticket: int) -> None:
-    """Drops a queued transfer or stops a running one; :meth:`wait` then raises."""
-    self._impl.cancel(ticket)
+    def cancel(self, ticket: int) -> None:
+        """Drops a queued transfer or stops a running one; :meth:`wait` then raises."""
+        self._impl.cancel(ticket)
 
-  def drain(self) -> None:
-    """Blocks until every submitted transfer, including in-graph ones, has ended."""
-    self._impl.drain()
+    def drain(self) -> None:
+        """Blocks until every submitted transfer, including in-graph ones, has ended."""
+        self._impl.drain()
 
-  def write(self, tier: int, tier_offset: int, data: np.ndarray) -> None:
-    """Blocking write of all of ``data``'s bytes at ``tier_offset``."""
-    data = np.ascontiguousarray(data)
-    self.wait(self.submit_write(tier, [(tier_offset, 0, data.nbytes)], data))
+    def write(self, tier: int, tier_offset: int, data: np.ndarray) -> None:
+        """Blocking write of all of ``data``'s bytes at ``tier_offset``."""
+        data = np.ascontiguousarray(data)
+        self.wait(self.submit_write(tier, [(tier_offset, 0, data.nbytes)], data))
 
-  def read(self, tier: int, tier_offset: int, out: np.ndarray) -> np.ndarray:
-    """Blocking read of ``out.nbytes`` bytes at ``tier_offset`` into ``out``."""
-    self.wait(self.submit_read(tier, [(tier_offset, 0, out.nbytes)], out))
-    return out
+    def read(self, tier: int, tier_offset: int, out: np.ndarray) -> np.ndarray:
+        """Blocking read of ``out.nbytes`` bytes at ``tier_offset`` into ``out``."""
+        self.wait(self.submit_read(tier, [(tier_offset, 0, out.nbytes)], out))
+        return out
 
-  # -- observability ----------------------------------------------------------------------
+    # -- observability ----------------------------------------------------------------------
 
-  def stats(self) -> dict:
-    """Per-tier fetch/write-back bytes, requests, busy seconds and GB/s; wait counters."""
-    return self._impl.stats()
+    def stats(self) -> dict:
+        """Per-tier fetch/write-back bytes, requests, busy seconds and GB/s; wait counters."""
+        return self._impl.stats()
 
-  def reset_stats(self) -> None:
-    self._impl.reset_stats()
+    def reset_stats(self) -> None:
+        self._impl.reset_stats()
 
-  def timeline(self) -> Timeline:
-    """Takes (and clears) the recorded events; empty unless ``record_timeline``."""
-    return Timeline(**self._impl.take_timeline())
+    def timeline(self) -> Timeline:
+        """Takes (and clears) the recorded events; empty unless ``record_timeline``."""
+        return Timeline(**self._impl.take_timeline())
 
-  def mark(self, kind: int, layer: int = -1, chunk: int = -1) -> None:
-    """Records a host-side timeline mark."""
-    self._impl.mark(kind, layer, chunk)
+    def mark(self, kind: int, layer: int = -1, chunk: int = -1) -> None:
+        """Records a host-side timeline mark."""
+        self._impl.mark(kind, layer, chunk)
 
 
 def monotonic_ns() -> int:
-  """The engine's clock (CLOCK_MONOTONIC), equal to ``time.monotonic_ns()``."""
-  return _tpusync.monotonic_ns()
+    """The engine's clock (CLOCK_MONOTONIC), equal to ``time.monotonic_ns()``."""
+    return _tpusync.monotonic_ns()
 
 
 def _check_layout(block_bytes: int, num_blocks: int) -> None:
-  if block_bytes <= 0:
-    raise ValueError(f"block_bytes={block_bytes} must be positive")
-  if num_blocks <= 0:
-    raise ValueError(f"num_blocks={num_blocks} must be positive")
+    if block_bytes <= 0:
+        raise ValueError(f"block_bytes={block_bytes} must be positive")
+    if num_blocks <= 0:
+        raise ValueError(f"num_blocks={num_blocks} must be positive")

@@ -51,151 +51,193 @@ MARK_COMPUTE_END = 2
 
 @dataclasses.dataclass(frozen=True)
 class Regions:
-  """``count`` tier regions of ``nbytes`` bytes each, starting at tier byte ``base``."""
+    """``count`` tier regions of ``nbytes`` bytes each, starting at tier byte ``base``."""
 
-  base: int = 0
-  nbytes: int = 0  # 0: no region check.
-  count: int = 0
+    base: int = 0
+    nbytes: int = 0  # 0: no region check.
+    count: int = 0
 
-  def __post_init__(self):
-    if self.base < 0 or self.nbytes < 0 or self.count < 0:
-      raise ValueError(f"{self} has a negative field")
-    if self.nbytes and not self.count:
-      raise ValueError(f"{self}: count must be positive when nbytes is")
+    def __post_init__(self):
+        if self.base < 0 or self.nbytes < 0 or self.count < 0:
+            raise ValueError(f"{self} has a negative field")
+        if self.nbytes and not self.count:
+            raise ValueError(f"{self}: count must be positive when nbytes is")
 
 
 _UNCHECKED = Regions()
 
 
 def _register() -> None:
-  for name, capsule in _tpusync.registrations().items():
-    jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-  from jax_tpusync import _cuda  # The CUDA targets, only when a CUDA GPU is visible.
-  _cuda.register()
+    for name, capsule in _tpusync.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    from jax_tpusync import _cuda  # The CUDA targets, only when a CUDA GPU is visible.
+
+    _cuda.register()
 
 
 _register()
 
 
 def _check_segments(segments: jax.Array) -> None:
-  if segments.ndim != 2 or segments.shape[1] != 4:
-    raise ValueError(f"segments must be int32[n, 4]; got shape {segments.shape}")
-  if segments.dtype != jnp.int32:
-    raise ValueError(f"segments must be int32; got {segments.dtype}")
+    if segments.ndim != 2 or segments.shape[1] != 4:
+        raise ValueError(f"segments must be int32[n, 4]; got shape {segments.shape}")
+    if segments.dtype != jnp.int32:
+        raise ValueError(f"segments must be int32; got {segments.dtype}")
 
 
 def _check_tag(tag: jax.Array) -> jax.Array:
-  tag = jnp.asarray(tag, dtype=jnp.int32)
-  if tag.shape != (2,):
-    raise ValueError(f"tag must be int32[2] (layer, chunk); got shape {tag.shape}")
-  return tag
+    tag = jnp.asarray(tag, dtype=jnp.int32)
+    if tag.shape != (2,):
+        raise ValueError(f"tag must be int32[2] (layer, chunk); got shape {tag.shape}")
+    return tag
 
 
 def _attrs(engine_id: int, tier: int, regions: Regions | None) -> dict:
-  if engine_id <= 0:
-    raise ValueError(f"engine_id={engine_id} is not a valid engine id")
-  if tier < 0:
-    raise ValueError(f"tier={tier} must be >= 0")
-  regions = regions or _UNCHECKED
-  return dict(engine_id=np.int64(engine_id), tier=np.int32(tier),
-              region_base=np.int64(regions.base), region_bytes=np.int64(regions.nbytes),
-              region_count=np.int64(regions.count))
+    if engine_id <= 0:
+        raise ValueError(f"engine_id={engine_id} is not a valid engine id")
+    if tier < 0:
+        raise ValueError(f"tier={tier} must be >= 0")
+    regions = regions or _UNCHECKED
+    return dict(
+        engine_id=np.int64(engine_id),
+        tier=np.int32(tier),
+        region_base=np.int64(regions.base),
+        region_bytes=np.int64(regions.nbytes),
+        region_count=np.int64(regions.count),
+    )
 
 
 def _sds(x: jax.Array) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
-def start_fetch(engine_id: int, tier: int, passthrough: jax.Array, dst: jax.Array,
-                segments: jax.Array, tag: jax.Array, deps: Sequence[jax.Array] = (),
-                regions: Regions | None = None,
-                retire: jax.Array | int = NO_TICKET) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Queues a fetch of ``segments`` into ``dst``; returns ``(passthrough, dst, ticket)``.
+def start_fetch(
+    engine_id: int,
+    tier: int,
+    passthrough: jax.Array,
+    dst: jax.Array,
+    segments: jax.Array,
+    tag: jax.Array,
+    deps: Sequence[jax.Array] = (),
+    regions: Regions | None = None,
+    retire: jax.Array | int = NO_TICKET,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queues a fetch of ``segments`` into ``dst``; returns ``(passthrough, dst, ticket)``.
 
-  Args:
-    engine_id: :attr:`Engine.id`.
-    tier: the tier index to read.
-    passthrough: an array the overlapping compute consumes; returned unchanged (aliased).
-    dst: the destination buffer (donated, persistent); returned aliased. Only
-      :func:`wait_fetch` may read the returned buffer.
-    segments: int32[n, 4] rows (block, offset_in_block, memory_offset, nbytes).
-    tag: int32[2] (layer, chunk), recorded in the engine timeline.
-    deps: arrays that must exist before the fetch is queued (e.g. a write-back token).
-    regions: optional bounds every segment must respect (see the module docstring).
-    retire: int32 ticket of an earlier, unwaited fetch into ``dst``; it is waited (its
-      bytes discarded) before this fetch starts, so two fetches never write ``dst`` at once.
+    Args:
+      engine_id: :attr:`Engine.id`.
+      tier: the tier index to read.
+      passthrough: an array the overlapping compute consumes; returned unchanged (aliased).
+      dst: the destination buffer (donated, persistent); returned aliased. Only
+        :func:`wait_fetch` may read the returned buffer.
+      segments: int32[n, 4] rows (block, offset_in_block, memory_offset, nbytes).
+      tag: int32[2] (layer, chunk), recorded in the engine timeline.
+      deps: arrays that must exist before the fetch is queued (e.g. a write-back token).
+      regions: optional bounds every segment must respect (see the module docstring).
+      retire: int32 ticket of an earlier, unwaited fetch into ``dst``; it is waited (its
+        bytes discarded) before this fetch starts, so two fetches never write ``dst`` at once.
 
-  Returns:
-    ``(passthrough, dst, ticket)``; ``ticket`` is an int32 scalar for :func:`wait_fetch`.
-  """
-  _check_segments(segments)
-  tag = _check_tag(tag)
-  call = jax.ffi.ffi_call(
-      _TARGETS["start"],
-      (_sds(passthrough), _sds(dst), jax.ShapeDtypeStruct((), jnp.int32)),
-      input_output_aliases={0: 0, 1: 1},
-      has_side_effect=True)
-  retire = jnp.asarray(retire, dtype=jnp.int32)
-  if retire.shape != ():
-    raise ValueError(f"retire must be an int32 scalar; got shape {retire.shape}")
-  return call(passthrough, dst, segments, tag, retire, *deps,
-              **_attrs(engine_id, tier, regions))
-
-
-def wait_fetch(engine_id: int, tier: int, dst: jax.Array, ticket: jax.Array,
-               segments: jax.Array, tag: jax.Array, deps: Sequence[jax.Array] = (),
-               regions: Regions | None = None) -> jax.Array:
-  """Returns ``dst`` once it holds ``segments``.
-
-  If ``ticket`` is :data:`NO_TICKET` or fetched different bytes (a stale or mismatched
-  prefetch), the wait fetches ``segments`` itself before returning. ``deps`` are the
-  outputs of the compute that should overlap the fetch.
-  """
-  _check_segments(segments)
-  tag = _check_tag(tag)
-  ticket = jnp.asarray(ticket, dtype=jnp.int32)
-  if ticket.shape != ():
-    raise ValueError(f"ticket must be an int32 scalar; got shape {ticket.shape}")
-  call = jax.ffi.ffi_call(_TARGETS["wait"], _sds(dst), input_output_aliases={0: 0},
-                          has_side_effect=True)
-  return call(dst, ticket, segments, tag, *deps, **_attrs(engine_id, tier, regions))
+    Returns:
+      ``(passthrough, dst, ticket)``; ``ticket`` is an int32 scalar for :func:`wait_fetch`.
+    """
+    _check_segments(segments)
+    tag = _check_tag(tag)
+    call = jax.ffi.ffi_call(
+        _TARGETS["start"],
+        (_sds(passthrough), _sds(dst), jax.ShapeDtypeStruct((), jnp.int32)),
+        input_output_aliases={0: 0, 1: 1},
+        has_side_effect=True,
+    )
+    retire = jnp.asarray(retire, dtype=jnp.int32)
+    if retire.shape != ():
+        raise ValueError(f"retire must be an int32 scalar; got shape {retire.shape}")
+    return call(passthrough, dst, segments, tag, retire, *deps, **_attrs(engine_id, tier, regions))
 
 
-def write_back(engine_id: int, tier: int, src: jax.Array, segments: jax.Array, tag: jax.Array,
-               deps: Sequence[jax.Array] = (), regions: Regions | None = None) -> jax.Array:
-  """Writes ``src`` bytes to the tier in the background; returns an int32 order token.
+def wait_fetch(
+    engine_id: int,
+    tier: int,
+    dst: jax.Array,
+    ticket: jax.Array,
+    segments: jax.Array,
+    tag: jax.Array,
+    deps: Sequence[jax.Array] = (),
+    regions: Regions | None = None,
+) -> jax.Array:
+    """Returns ``dst`` once it holds ``segments``.
 
-  ``segments`` rows address ``src`` bytes with their ``memory_offset``. The bytes are copied
-  out before the op returns, so ``src`` may be reused at once. Later fetches of the same
-  tier bytes are ordered after this write by the engine; pass the token to later ops as a
-  dep to make sure XLA issues them after it. A failed write-back makes every later engine
-  call fail (KV is never silently lost).
-  """
-  _check_segments(segments)
-  tag = _check_tag(tag)
-  call = jax.ffi.ffi_call(_TARGETS["write_back"], jax.ShapeDtypeStruct((), jnp.int32),
-                          has_side_effect=True)
-  return call(src, segments, tag, *deps, **_attrs(engine_id, tier, regions))
+    If ``ticket`` is :data:`NO_TICKET` or fetched different bytes (a stale or mismatched
+    prefetch), the wait fetches ``segments`` itself before returning. ``deps`` are the
+    outputs of the compute that should overlap the fetch.
+    """
+    _check_segments(segments)
+    tag = _check_tag(tag)
+    ticket = jnp.asarray(ticket, dtype=jnp.int32)
+    if ticket.shape != ():
+        raise ValueError(f"ticket must be an int32 scalar; got shape {ticket.shape}")
+    call = jax.ffi.ffi_call(
+        _TARGETS["wait"], _sds(dst), input_output_aliases={0: 0}, has_side_effect=True
+    )
+    return call(dst, ticket, segments, tag, *deps, **_attrs(engine_id, tier, regions))
 
 
-def mark(engine_id: int, kind: int, x: jax.Array, tag: jax.Array,
-         deps: Sequence[jax.Array] = ()) -> jax.Array:
-  """Returns ``x`` (aliased) after recording a timestamped mark in the engine timeline."""
-  tag = _check_tag(tag)
-  if engine_id <= 0:
-    raise ValueError(f"engine_id={engine_id} is not a valid engine id")
-  call = jax.ffi.ffi_call(_TARGETS["mark"], _sds(x), input_output_aliases={0: 0},
-                          has_side_effect=True)
-  return call(x, tag, *deps, engine_id=np.int64(engine_id), kind=np.int32(kind))
+def write_back(
+    engine_id: int,
+    tier: int,
+    src: jax.Array,
+    segments: jax.Array,
+    tag: jax.Array,
+    deps: Sequence[jax.Array] = (),
+    regions: Regions | None = None,
+) -> jax.Array:
+    """Writes ``src`` bytes to the tier in the background; returns an int32 order token.
+
+    ``segments`` rows address ``src`` bytes with their ``memory_offset``. The bytes are copied
+    out before the op returns, so ``src`` may be reused at once. Later fetches of the same
+    tier bytes are ordered after this write by the engine; pass the token to later ops as a
+    dep to make sure XLA issues them after it. A failed write-back makes every later engine
+    call fail (KV is never silently lost).
+    """
+    _check_segments(segments)
+    tag = _check_tag(tag)
+    call = jax.ffi.ffi_call(
+        _TARGETS["write_back"], jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True
+    )
+    return call(src, segments, tag, *deps, **_attrs(engine_id, tier, regions))
 
 
-def segment_rows(tier_offsets: Sequence[int], memory_offsets: Sequence[int],
-                 sizes: Sequence[int], block_bytes: int) -> np.ndarray:
-  """Host-side helper: builds int32[n, 4] segment rows from 64-bit tier byte offsets."""
-  tier_offsets = np.asarray(tier_offsets, dtype=np.int64)
-  rows = np.stack([tier_offsets // block_bytes, tier_offsets % block_bytes,
-                   np.asarray(memory_offsets, np.int64), np.asarray(sizes, np.int64)], axis=1)
-  if rows.size and (rows.max() > np.iinfo(np.int32).max or rows.min() < 0):
-    raise ValueError("a segment field does not fit int32 (split the segment or use larger "
-                     "blocks)")
-  return rows.astype(np.int32).reshape(-1, 4)
+def mark(
+    engine_id: int, kind: int, x: jax.Array, tag: jax.Array, deps: Sequence[jax.Array] = ()
+) -> jax.Array:
+    """Returns ``x`` (aliased) after recording a timestamped mark in the engine timeline."""
+    tag = _check_tag(tag)
+    if engine_id <= 0:
+        raise ValueError(f"engine_id={engine_id} is not a valid engine id")
+    call = jax.ffi.ffi_call(
+        _TARGETS["mark"], _sds(x), input_output_aliases={0: 0}, has_side_effect=True
+    )
+    return call(x, tag, *deps, engine_id=np.int64(engine_id), kind=np.int32(kind))
+
+
+def segment_rows(
+    tier_offsets: Sequence[int],
+    memory_offsets: Sequence[int],
+    sizes: Sequence[int],
+    block_bytes: int,
+) -> np.ndarray:
+    """Host-side helper: builds int32[n, 4] segment rows from 64-bit tier byte offsets."""
+    tier_offsets = np.asarray(tier_offsets, dtype=np.int64)
+    rows = np.stack(
+        [
+            tier_offsets // block_bytes,
+            tier_offsets % block_bytes,
+            np.asarray(memory_offsets, np.int64),
+            np.asarray(sizes, np.int64),
+        ],
+        axis=1,
+    )
+    if rows.size and (rows.max() > np.iinfo(np.int32).max or rows.min() < 0):
+        raise ValueError(
+            "a segment field does not fit int32 (split the segment or use larger blocks)"
+        )
+    return rows.astype(np.int32).reshape(-1, 4)

@@ -65,60 +65,36 @@ def static_validate_inputs(
     for name, x in (("q", q), ("k", k), ("v", v)):
         if jnp.ndim(x) != 4:
             raise ValueError(
-                f"{name} must have rank 4 [batch, len, heads, head_dim], got "
-                f"shape {jnp.shape(x)}"
+                f"{name} must have rank 4 [batch, len, heads, head_dim], got shape {jnp.shape(x)}"
             )
         if jnp.dtype(x.dtype) not in _FLOAT_DTYPES:
-            raise ValueError(
-                f"{name}.dtype must be float32 or bfloat16, got {x.dtype}"
-            )
+            raise ValueError(f"{name}.dtype must be float32 or bfloat16, got {x.dtype}")
     b, t, hq, d = q.shape
     kb, s, hkv, kd = k.shape
     if k.shape != v.shape:
-        raise ValueError(
-            f"k and v must have the same shape, got k={k.shape} v={v.shape}"
-        )
+        raise ValueError(f"k and v must have the same shape, got k={k.shape} v={v.shape}")
     if k.dtype != v.dtype:
-        raise ValueError(
-            f"k and v must have the same dtype, got k={k.dtype} v={v.dtype}"
-        )
+        raise ValueError(f"k and v must have the same dtype, got k={k.dtype} v={v.dtype}")
     if kb != b:
         raise ValueError(f"batch mismatch: q has batch={b}, k has batch={kb}")
     if kd != d:
-        raise ValueError(
-            f"head_dim mismatch: q has head_dim={d}, k/v have head_dim={kd}"
-        )
+        raise ValueError(f"head_dim mismatch: q has head_dim={d}, k/v have head_dim={kd}")
     if min(b, t, hq, d, s, hkv) < 1:
-        raise ValueError(
-            f"all dimensions must be positive, got q={q.shape} k={k.shape}"
-        )
+        raise ValueError(f"all dimensions must be positive, got q={q.shape} k={k.shape}")
     if hq % hkv:
-        raise ValueError(
-            f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}"
-        )
-    for name, x in (("k_start", k_start), ("k_valid", k_valid),
-                    ("q_start", q_start)):
+        raise ValueError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
+    for name, x in (("k_start", k_start), ("k_valid", k_valid), ("q_start", q_start)):
         if jnp.shape(x) != (b,):
-            raise ValueError(
-                f"{name} must have shape (batch,)=({b},), got {jnp.shape(x)}"
-            )
+            raise ValueError(f"{name} must have shape (batch,)=({b},), got {jnp.shape(x)}")
         if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
-            raise ValueError(
-                f"{name} must be an integer array, got {jnp.result_type(x)}"
-            )
-    if not isinstance(scale, (int, float, np.floating)) or not math.isfinite(
-        scale
-    ):
+            raise ValueError(f"{name} must be an integer array, got {jnp.result_type(x)}")
+    if not isinstance(scale, (int, float, np.floating)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite Python float, got {scale!r}")
     if soft_cap is not None and not (
         isinstance(soft_cap, (int, float, np.floating)) and soft_cap > 0
     ):
-        raise ValueError(
-            f"soft_cap must be None or a positive float, got {soft_cap!r}"
-        )
-    if window is not None and not (
-        isinstance(window, (int, np.integer)) and window >= 1
-    ):
+        raise ValueError(f"soft_cap must be None or a positive float, got {soft_cap!r}")
+    if window is not None and not (isinstance(window, (int, np.integer)) and window >= 1):
         raise ValueError(f"window must be None or an int >= 1, got {window!r}")
     return ChunkShape(b, t, hq, hkv, d, s)
 
@@ -130,11 +106,7 @@ def as_positions(*xs: jax.Array) -> tuple[jax.Array, ...]:
 
 def validate_block_kv(block_kv: int) -> None:
     """Raises ValueError unless ``block_kv`` is a positive int."""
-    if (
-        isinstance(block_kv, bool)
-        or not isinstance(block_kv, (int, np.integer))
-        or block_kv <= 0
-    ):
+    if isinstance(block_kv, bool) or not isinstance(block_kv, (int, np.integer)) or block_kv <= 0:
         raise ValueError(f"block_kv must be a positive int, got {block_kv!r}")
 
 

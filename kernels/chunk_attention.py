@@ -51,9 +51,7 @@ def resolve_backend(backend: str, interpret: bool | Any = False) -> str:
       ValueError: For an unknown backend, or "auto" on CPU without interpret.
     """
     if backend not in BACKENDS:
-        raise ValueError(
-            f"unknown backend {backend!r}; expected one of {BACKENDS}"
-        )
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     if backend != "auto":
         return backend
     platform = jax.default_backend()
@@ -117,18 +115,41 @@ def chunk_attention(
     # Validate before resolving the backend so shape errors read the same
     # everywhere.
     _common.static_validate_inputs(
-        q, k, v, k_start, k_valid, q_start,
-        scale=scale, soft_cap=soft_cap, window=window,
+        q,
+        k,
+        v,
+        k_start,
+        k_valid,
+        q_start,
+        scale=scale,
+        soft_cap=soft_cap,
+        window=window,
     )
     kind = resolve_backend(backend, interpret)
     if kind == "tpu":
         return chunk_attention_tpu(
-            q, k, v, k_start, k_valid, q_start,
-            scale=scale, soft_cap=soft_cap, window=window,
-            block_kv=block_kv, interpret=interpret,
+            q,
+            k,
+            v,
+            k_start,
+            k_valid,
+            q_start,
+            scale=scale,
+            soft_cap=soft_cap,
+            window=window,
+            block_kv=block_kv,
+            interpret=interpret,
         )
     return chunk_attention_gpu(
-        q, k, v, k_start, k_valid, q_start,
-        scale=scale, soft_cap=soft_cap, window=window,
-        block_kv=block_kv, interpret=bool(interpret),
+        q,
+        k,
+        v,
+        k_start,
+        k_valid,
+        q_start,
+        scale=scale,
+        soft_cap=soft_cap,
+        window=window,
+        block_kv=block_kv,
+        interpret=bool(interpret),
     )

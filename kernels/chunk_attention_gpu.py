@@ -47,9 +47,7 @@ def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int) -> int:
       num_kv_heads * num_splits`` near the target program count.
     """
     want = max(1, -(-_TARGET_PROGRAMS // (batch * num_kv_heads)))
-    return min(
-        _common.next_power_of_2(want), _common.next_power_of_2(num_blocks)
-    )
+    return min(_common.next_power_of_2(want), _common.next_power_of_2(num_blocks))
 
 
 def _kernel(
@@ -74,8 +72,13 @@ def _kernel(
     k_valid = meta_ref[1]
     q_start = meta_ref[2]
     lo, hi = _common.block_range(
-        k_start, k_valid, q_start,
-        q_len=q_len, block_kv=block_kv, num_blocks=num_blocks, window=window,
+        k_start,
+        k_valid,
+        q_start,
+        q_len=q_len,
+        block_kv=block_kv,
+        num_blocks=num_blocks,
+        window=window,
     )
     # Restrict the global block range to this split's blocks.
     first = split * blocks_per_split
@@ -103,9 +106,10 @@ def _kernel(
         v_ok = (first + j) * block_kv + v_row < k_valid  # [block_kv, 1]
         v = plgpu.load(v_ref.at[keys, :], mask=v_ok, other=0.0)
 
-        s = jax.lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        ) * scale  # [rows, block_kv]
+        s = (
+            jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            * scale
+        )  # [rows, block_kv]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         k_pos = k_start + k_idx
@@ -122,7 +126,9 @@ def _kernel(
         alpha = jnp.exp(m_prev - m_safe)
         l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
         pv = jax.lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+            p.astype(v.dtype),
+            v,
+            (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32,
         )
         return m_new, l_new, alpha * acc_prev + pv
@@ -188,8 +194,15 @@ def chunk_attention_gpu(
       ValueError: On inconsistent shapes, dtypes or knobs.
     """
     shape = _common.static_validate_inputs(
-        q, k, v, k_start, k_valid, q_start,
-        scale=scale, soft_cap=soft_cap, window=window,
+        q,
+        k,
+        v,
+        k_start,
+        k_valid,
+        q_start,
+        scale=scale,
+        soft_cap=soft_cap,
+        window=window,
     )
     s = shape.chunk_len
     if block_kv is None:
@@ -202,43 +215,65 @@ def chunk_attention_gpu(
     _common.validate_block_kv(block_kv)
     if not _common.is_power_of_2(block_kv) or block_kv < _MIN_DOT_DIM:
         raise ValueError(
-            f"block_kv={block_kv} must be a power of two >= {_MIN_DOT_DIM} for "
-            "the Triton kernel"
+            f"block_kv={block_kv} must be a power of two >= {_MIN_DOT_DIM} for the Triton kernel"
         )
     num_blocks = -(-s // block_kv)
     if num_splits is None:
-        num_splits = default_num_splits(
-            shape.batch, shape.num_kv_heads, num_blocks
-        )
+        num_splits = default_num_splits(shape.batch, shape.num_kv_heads, num_blocks)
     if (
         isinstance(num_splits, bool)
         or not isinstance(num_splits, (int, np.integer))
         or not _common.is_power_of_2(num_splits)
     ):
-        raise ValueError(
-            f"num_splits must be a positive power of two, got {num_splits!r}"
-        )
+        raise ValueError(f"num_splits must be a positive power of two, got {num_splits!r}")
     return _chunk_attention_gpu(
-        q, k, v, *_common.as_positions(k_start, k_valid, q_start),
+        q,
+        k,
+        v,
+        *_common.as_positions(k_start, k_valid, q_start),
         scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         window=None if window is None else int(window),
-        block_kv=int(block_kv), num_splits=int(num_splits),
-        num_warps=num_warps, num_stages=num_stages,
-        interpret=bool(interpret), group=shape.group,
+        block_kv=int(block_kv),
+        num_splits=int(num_splits),
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=bool(interpret),
+        group=shape.group,
     )
 
 
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "scale", "soft_cap", "window", "block_kv", "num_splits", "num_warps",
-        "num_stages", "interpret", "group",
+        "scale",
+        "soft_cap",
+        "window",
+        "block_kv",
+        "num_splits",
+        "num_warps",
+        "num_stages",
+        "interpret",
+        "group",
     ),
 )
 def _chunk_attention_gpu(
-    q, k, v, k_start, k_valid, q_start, *, scale, soft_cap, window, block_kv,
-    num_splits, num_warps, num_stages, interpret, group,
+    q,
+    k,
+    v,
+    k_start,
+    k_valid,
+    q_start,
+    *,
+    scale,
+    soft_cap,
+    window,
+    block_kv,
+    num_splits,
+    num_warps,
+    num_stages,
+    interpret,
+    group,
 ):
     b, t, hq, d = q.shape
     _, s, hkv, _ = k.shape
@@ -259,14 +294,11 @@ def _chunk_attention_gpu(
     # member r % G.
     q_rows = q.astype(dtype).reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4)
     q_rows = q_rows.reshape(b, hkv, rows, d)
-    q_rows = jnp.pad(
-        q_rows, ((0, 0), (0, 0), (0, rows_pad - rows), (0, d_pad - d))
-    )
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows_pad - rows), (0, d_pad - d)))
 
     # Head-major K/V: each (batch, head, split) is one contiguous slab.
     def head_major(x):
-        x = jnp.pad(x.astype(dtype), ((0, 0), (0, s_pad - s), (0, 0),
-                                      (0, d_pad - d)))
+        x = jnp.pad(x.astype(dtype), ((0, 0), (0, s_pad - s), (0, 0), (0, d_pad - d)))
         return x.transpose(0, 2, 1, 3)
 
     meta = jnp.stack(
@@ -275,8 +307,14 @@ def _chunk_attention_gpu(
     )  # [B, 4]
 
     kernel = functools.partial(
-        _kernel, scale=scale, soft_cap=soft_cap, window=window, q_len=t,
-        group=g, block_kv=block_kv, blocks_per_split=blocks_per_split,
+        _kernel,
+        scale=scale,
+        soft_cap=soft_cap,
+        window=window,
+        q_len=t,
+        group=g,
+        block_kv=block_kv,
+        blocks_per_split=blocks_per_split,
         num_blocks=num_blocks,
     )
     out, lse = pl.pallas_call(
@@ -284,35 +322,27 @@ def _chunk_attention_gpu(
         grid=(b, hkv, num_splits),
         in_specs=[
             pl.BlockSpec((None, 4), lambda bi, hi, si: (bi, 0)),
-            pl.BlockSpec((None, None, rows_pad, d_pad),
-                         lambda bi, hi, si: (bi, hi, 0, 0)),
-            pl.BlockSpec((None, None, split_len, d_pad),
-                         lambda bi, hi, si: (bi, hi, si, 0)),
-            pl.BlockSpec((None, None, split_len, d_pad),
-                         lambda bi, hi, si: (bi, hi, si, 0)),
+            pl.BlockSpec((None, None, rows_pad, d_pad), lambda bi, hi, si: (bi, hi, 0, 0)),
+            pl.BlockSpec((None, None, split_len, d_pad), lambda bi, hi, si: (bi, hi, si, 0)),
+            pl.BlockSpec((None, None, split_len, d_pad), lambda bi, hi, si: (bi, hi, si, 0)),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, rows_pad, d_pad),
-                         lambda bi, hi, si: (bi, hi, si, 0, 0)),
-            pl.BlockSpec((None, None, None, rows_pad),
-                         lambda bi, hi, si: (bi, hi, si, 0)),
+            pl.BlockSpec(
+                (None, None, None, rows_pad, d_pad), lambda bi, hi, si: (bi, hi, si, 0, 0)
+            ),
+            pl.BlockSpec((None, None, None, rows_pad), lambda bi, hi, si: (bi, hi, si, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((b, hkv, num_splits, rows_pad, d_pad),
-                                 jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, num_splits, rows_pad, d_pad), jnp.float32),
             jax.ShapeDtypeStruct((b, hkv, num_splits, rows_pad), jnp.float32),
         ],
-        compiler_params=plgpu.CompilerParams(
-            num_warps=num_warps, num_stages=num_stages
-        ),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="chunk_attention_gpu",
     )(meta, q_rows, head_major(k), head_major(v))
 
     # Merge the splits: [B, Hkv, splits, ...] -> splits first.
-    out, lse = reference.merge_many(
-        jnp.moveaxis(out, 2, 0), jnp.moveaxis(lse, 2, 0)
-    )
+    out, lse = reference.merge_many(jnp.moveaxis(out, 2, 0), jnp.moveaxis(lse, 2, 0))
     out = out[:, :, :rows, :d].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4)
     lse = lse[:, :, :rows].reshape(b, hkv, t, g).transpose(0, 2, 1, 3)
     return out.reshape(b, t, hq, d), lse.reshape(b, t, hq)

@@ -82,8 +82,13 @@ def _kernel(
     k_valid = k_valid_ref[b]
     q_start = q_start_ref[b]
     lo, hi = _common.block_range(
-        k_start, k_valid, q_start,
-        q_len=q_len, block_kv=block_kv, num_blocks=num_blocks, window=window,
+        k_start,
+        k_valid,
+        q_start,
+        q_len=q_len,
+        block_kv=block_kv,
+        num_blocks=num_blocks,
+        window=window,
     )
 
     def copies(block, slot):
@@ -91,12 +96,8 @@ def _kernel(
         # in different loop iterations.
         rows = pl.ds(pl.multiple_of(block * block_kv, block_kv), block_kv)
         return (
-            pltpu.make_async_copy(
-                k_hbm.at[b, h, rows], k_buf.at[slot], sems.at[0, slot]
-            ),
-            pltpu.make_async_copy(
-                v_hbm.at[b, h, rows], v_buf.at[slot], sems.at[1, slot]
-            ),
+            pltpu.make_async_copy(k_hbm.at[b, h, rows], k_buf.at[slot], sems.at[0, slot]),
+            pltpu.make_async_copy(v_hbm.at[b, h, rows], v_buf.at[slot], sems.at[1, slot]),
         )
 
     @pl.when(lo < hi)
@@ -127,9 +128,10 @@ def _kernel(
         k = k_buf[slot]  # [block_kv, head_dim]
         v = v_buf[slot]
 
-        s = jax.lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        ) * scale  # [rows, block_kv]
+        s = (
+            jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            * scale
+        )  # [rows, block_kv]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         k_idx = j * block_kv + col  # [1, block_kv]
@@ -150,7 +152,9 @@ def _kernel(
         # Garbage values may be NaN and 0 * NaN = NaN: zero them explicitly.
         v = jnp.where(j * block_kv + v_row < k_valid, v, jnp.zeros_like(v))
         pv = jax.lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+            p.astype(v.dtype),
+            v,
+            (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32,
         )
         return m_new, l_new, alpha * acc_prev + pv
@@ -211,8 +215,15 @@ def chunk_attention_tpu(
       ValueError: On inconsistent shapes, dtypes or knobs.
     """
     shape = _common.static_validate_inputs(
-        q, k, v, k_start, k_valid, q_start,
-        scale=scale, soft_cap=soft_cap, window=window,
+        q,
+        k,
+        v,
+        k_start,
+        k_valid,
+        q_start,
+        scale=scale,
+        soft_cap=soft_cap,
+        window=window,
     )
     s = shape.chunk_len
     # The MXU multiplies operands of one dtype; mixed inputs are promoted.
@@ -221,9 +232,7 @@ def chunk_attention_tpu(
     if block_kv is None:
         # The table entry is an upper bound: no point in blocks longer than
         # the (aligned) chunk itself.
-        block_kv = min(
-            _common.default_block_kv("tpu"), _common.round_up(s, align)
-        )
+        block_kv = min(_common.default_block_kv("tpu"), _common.round_up(s, align))
     _common.validate_block_kv(block_kv)
     if block_kv % align:
         raise ValueError(
@@ -231,7 +240,9 @@ def chunk_attention_tpu(
             f"kernel (sublane tiling of {dtype})"
         )
     return _chunk_attention_tpu(
-        q.astype(dtype), k.astype(dtype), v.astype(dtype),
+        q.astype(dtype),
+        k.astype(dtype),
+        v.astype(dtype),
         *_common.as_positions(k_start, k_valid, q_start),
         scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
@@ -245,12 +256,28 @@ def chunk_attention_tpu(
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "scale", "soft_cap", "window", "block_kv", "interpret", "group",
+        "scale",
+        "soft_cap",
+        "window",
+        "block_kv",
+        "interpret",
+        "group",
     ),
 )
 def _chunk_attention_tpu(
-    q, k, v, k_start, k_valid, q_start, *, scale, soft_cap, window, block_kv,
-    interpret, group,
+    q,
+    k,
+    v,
+    k_start,
+    k_valid,
+    q_start,
+    *,
+    scale,
+    soft_cap,
+    window,
+    block_kv,
+    interpret,
+    group,
 ):
     b, t, hq, d = q.shape
     _, s, hkv, _ = k.shape
@@ -279,8 +306,13 @@ def _chunk_attention_tpu(
     k_valid = jnp.clip(k_valid, 0, s)
 
     kernel = functools.partial(
-        _kernel, scale=scale, soft_cap=soft_cap, window=window, q_len=t,
-        block_kv=block_kv, num_blocks=num_blocks,
+        _kernel,
+        scale=scale,
+        soft_cap=soft_cap,
+        window=window,
+        q_len=t,
+        block_kv=block_kv,
+        num_blocks=num_blocks,
     )
     row_block = lambda bi, hi, *_: (bi, hi, 0, 0)
     out, lse = pl.pallas_call(

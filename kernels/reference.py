@@ -101,11 +101,21 @@ def chunk_attention_reference(
       ValueError: On inconsistent shapes, dtypes or knobs.
     """
     shape = _common.static_validate_inputs(
-        q, k, v, k_start, k_valid, q_start,
-        scale=scale, soft_cap=soft_cap, window=window,
+        q,
+        k,
+        v,
+        k_start,
+        k_valid,
+        q_start,
+        scale=scale,
+        soft_cap=soft_cap,
+        window=window,
     )
     return _chunk_attention_reference(
-        q, k, v, *_common.as_positions(k_start, k_valid, q_start),
+        q,
+        k,
+        v,
+        *_common.as_positions(k_start, k_valid, q_start),
         scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         window=None if window is None else int(window),
@@ -115,9 +125,7 @@ def chunk_attention_reference(
 
 # Jitted so that eager callers (tests, debugging) compile one program per
 # shape instead of dispatching every op separately.
-@functools.partial(
-    jax.jit, static_argnames=("scale", "soft_cap", "window", "group")
-)
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "window", "group"))
 def _chunk_attention_reference(
     q, k, v, k_start, k_valid, q_start, *, scale, soft_cap, window, group
 ):
@@ -125,9 +133,7 @@ def _chunk_attention_reference(
     s, hkv, g = k.shape[1], k.shape[2], group
 
     q32 = q.astype(jnp.float32).reshape(b, t, hkv, g, d)
-    logits = scale * jnp.einsum(
-        "btkgd,bskd->bkgts", q32, k.astype(jnp.float32), precision=_HIGHEST
-    )
+    logits = scale * jnp.einsum("btkgd,bskd->bkgts", q32, k.astype(jnp.float32), precision=_HIGHEST)
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
 
@@ -193,9 +199,7 @@ def merge_partials(
     # not guaranteed finite by every producer, and 0 * NaN = NaN.
     part_a = jnp.where((w_a > 0)[..., None], out_a.astype(jnp.float32), 0.0)
     part_b = jnp.where((w_b > 0)[..., None], out_b.astype(jnp.float32), 0.0)
-    out = (part_a * w_a[..., None] + part_b * w_b[..., None]) / total_safe[
-        ..., None
-    ]
+    out = (part_a * w_a[..., None] + part_b * w_b[..., None]) / total_safe[..., None]
     lse = jnp.where(seen, m + jnp.log(total_safe), -jnp.inf)
     return out, lse
 
@@ -255,7 +259,14 @@ def attention_reference(
     """
     k_start = jnp.zeros(q.shape[:1], jnp.int32)
     out, _ = chunk_attention_reference(
-        q, k, v, k_start, kv_len, q_start,
-        scale=scale, soft_cap=soft_cap, window=window,
+        q,
+        k,
+        v,
+        k_start,
+        kv_len,
+        q_start,
+        scale=scale,
+        soft_cap=soft_cap,
+        window=window,
     )
     return out.astype(q.dtype)

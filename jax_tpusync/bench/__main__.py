@@ -28,36 +28,37 @@ SUBCOMMANDS: tuple[str, ...] = ("transfer", "overlap", "decode")
 
 
 def build_parser(subcommands: Sequence[str] = SUBCOMMANDS) -> argparse.ArgumentParser:
-  """Builds the CLI parser from the subcommand modules."""
-  parser = argparse.ArgumentParser(
-      prog="python -m jax_tpusync.bench",
-      description="jax_tpusync benchmarks: engine vs a plain ceiling, measured side by side.")
-  sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
-  for name in subcommands:
-    module = importlib.import_module(f"jax_tpusync.bench.{name}")
-    module.add_parser(sub)
-  return parser
+    """Builds the CLI parser from the subcommand modules."""
+    parser = argparse.ArgumentParser(
+        prog="python -m jax_tpusync.bench",
+        description="jax_tpusync benchmarks: engine vs a plain ceiling, measured side by side.",
+    )
+    sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
+    for name in subcommands:
+        module = importlib.import_module(f"jax_tpusync.bench.{name}")
+        module.add_parser(sub)
+    return parser
 
 
 def print_results(results: Any, columns: Sequence[tuple[str, str, str]] | None) -> None:
-  """Prints result rows as a table (a dict result is printed as one row)."""
-  rows = results if isinstance(results, list) else [results]
-  if columns:
-    print()
-    print(common.format_table(rows, columns))
+    """Prints result rows as a table (a dict result is printed as one row)."""
+    rows = results if isinstance(results, list) else [results]
+    if columns:
+        print()
+        print(common.format_table(rows, columns))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """Parses ``argv``, runs the subcommand, prints its table and writes its JSON."""
-  parser = build_parser()
-  args = parser.parse_args(argv)
-  results = args.run(args)
-  print_results(results, getattr(args, "columns", None))
-  common.write_json(args.json, args.subcommand, args, results)
-  if args.json != "-":
-    print(f"\nwrote {args.json}")
-  return 0
+    """Parses ``argv``, runs the subcommand, prints its table and writes its JSON."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    results = args.run(args)
+    print_results(results, getattr(args, "columns", None))
+    common.write_json(args.json, args.subcommand, args, results)
+    if args.json != "-":
+        print(f"\nwrote {args.json}")
+    return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+    sys.exit(main())

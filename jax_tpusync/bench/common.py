@@ -30,250 +30,259 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECAS
 
 
 def parse_bytes(text: str) -> int:
-  """Parses a byte count such as ``4096``, ``256K``, ``1MiB`` or ``2G`` (binary units).
+    """Parses a byte count such as ``4096``, ``256K``, ``1MiB`` or ``2G`` (binary units).
 
-  Args:
-    text: the size; a suffix K/M/G/T (optionally followed by ``iB`` or ``B``) multiplies
-      by 1024 to that power.
+    Args:
+      text: the size; a suffix K/M/G/T (optionally followed by ``iB`` or ``B``) multiplies
+        by 1024 to that power.
 
-  Returns:
-    The size in bytes.
+    Returns:
+      The size in bytes.
 
-  Raises:
-    ValueError: the text is not a size.
-  """
-  m = _SIZE_RE.match(text)
-  if not m:
-    raise ValueError(f"not a byte size: {text!r} (try 4096, 256K, 1M, 2GiB)")
-  scale = 1024 ** ("kmgt".index(m.group(2).lower()) + 1) if m.group(2) else 1
-  value = float(m.group(1)) * scale
-  if value != int(value) or value <= 0:
-    raise ValueError(f"byte size must be a positive whole number of bytes: {text!r}")
-  return int(value)
+    Raises:
+      ValueError: the text is not a size.
+    """
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"not a byte size: {text!r} (try 4096, 256K, 1M, 2GiB)")
+    scale = 1024 ** ("kmgt".index(m.group(2).lower()) + 1) if m.group(2) else 1
+    value = float(m.group(1)) * scale
+    if value != int(value) or value <= 0:
+        raise ValueError(f"byte size must be a positive whole number of bytes: {text!r}")
+    return int(value)
 
 
 def format_bytes(n: int) -> str:
-  """Formats a byte count with the largest binary unit that divides it (else bytes)."""
-  for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-    if n >= size and n % size == 0:
-      return f"{n // size} {unit}"
-  return f"{n} B"
+    """Formats a byte count with the largest binary unit that divides it (else bytes)."""
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} B"
 
 
 def available_ram_bytes() -> int:
-  """MemAvailable from /proc/meminfo (falls back to a conservative 1 GiB)."""
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * KiB
-  except OSError:
-    pass
-  return GiB
+    """MemAvailable from /proc/meminfo (falls back to a conservative 1 GiB)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * KiB
+    except OSError:
+        pass
+    return GiB
 
 
 def page_aligned_buffer(nbytes: int, *, huge_pages: bool = False) -> tuple[mmap.mmap, np.ndarray]:
-  """Allocates a page-aligned, pre-faulted byte buffer.
+    """Allocates a page-aligned, pre-faulted byte buffer.
 
-  Args:
-    nbytes: size in bytes.
-    huge_pages: ask for transparent huge pages (as the engine's host pool does).
+    Args:
+      nbytes: size in bytes.
+      huge_pages: ask for transparent huge pages (as the engine's host pool does).
 
-  Returns:
-    ``(mapping, array)``: keep ``mapping`` alive as long as ``array`` is used.
-  """
-  mapping = mmap.mmap(-1, max(nbytes, 1))
-  if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
-    try:
-      mapping.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:
-      pass
-  array = np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
-  array.fill(0)  # Fault every page now, not inside a timed region.
-  return mapping, array
+    Returns:
+      ``(mapping, array)``: keep ``mapping`` alive as long as ``array`` is used.
+    """
+    mapping = mmap.mmap(-1, max(nbytes, 1))
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    array = np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
+    array.fill(0)  # Fault every page now, not inside a timed region.
+    return mapping, array
 
 
 def xla_like_buffer(nbytes: int, alignment: int = XLA_CPU_ALIGNMENT) -> np.ndarray:
-  """A writable, pre-faulted uint8 array aligned like an XLA CPU buffer.
+    """A writable, pre-faulted uint8 array aligned like an XLA CPU buffer.
 
-  The start address is a multiple of ``alignment`` but deliberately *not* of 4 KiB (when
-  ``alignment`` < 4096), the way XLA's CPU buffers are; O_DIRECT cannot land in such memory,
-  which forces the file tier's bounce path.
+    The start address is a multiple of ``alignment`` but deliberately *not* of 4 KiB (when
+    ``alignment`` < 4096), the way XLA's CPU buffers are; O_DIRECT cannot land in such memory,
+    which forces the file tier's bounce path.
 
-  Args:
-    nbytes: size in bytes.
-    alignment: the address alignment; 4096 (or more) gives a page-aligned buffer.
-  """
-  raw = np.empty(nbytes + 2 * PAGE, dtype=np.uint8)
-  addr = raw.ctypes.data
-  start = (-addr) % PAGE  # First page boundary inside raw.
-  if alignment < PAGE:
-    start += alignment
-  out = raw[start:start + nbytes]
-  out.fill(0)
-  assert out.ctypes.data % alignment == 0
-  assert alignment >= PAGE or out.ctypes.data % PAGE != 0
-  return out
+    Args:
+      nbytes: size in bytes.
+      alignment: the address alignment; 4096 (or more) gives a page-aligned buffer.
+    """
+    raw = np.empty(nbytes + 2 * PAGE, dtype=np.uint8)
+    addr = raw.ctypes.data
+    start = (-addr) % PAGE  # First page boundary inside raw.
+    if alignment < PAGE:
+        start += alignment
+    out = raw[start : start + nbytes]
+    out.fill(0)
+    assert out.ctypes.data % alignment == 0
+    assert alignment >= PAGE or out.ctypes.data % PAGE != 0
+    return out
 
 
 def address_alignment(array: np.ndarray) -> int:
-  """The largest power of two (up to 4096) that divides the array's start address."""
-  addr = array.ctypes.data
-  align = 1
-  while align < PAGE and addr % (align * 2) == 0:
-    align *= 2
-  return align
+    """The largest power of two (up to 4096) that divides the array's start address."""
+    addr = array.ctypes.data
+    align = 1
+    while align < PAGE and addr % (align * 2) == 0:
+        align *= 2
+    return align
 
 
 def fill_random(array: np.ndarray, seed: int = 0, chunk: int = 64 * MiB) -> None:
-  """Fills a uint8 array with reproducible random bytes, a chunk at a time."""
-  rng = np.random.default_rng(seed)
-  flat = array.reshape(-1)
-  for lo in range(0, flat.size, chunk):
-    hi = min(lo + chunk, flat.size)
-    flat[lo:hi] = rng.integers(0, 256, size=hi - lo, dtype=np.uint8)
+    """Fills a uint8 array with reproducible random bytes, a chunk at a time."""
+    rng = np.random.default_rng(seed)
+    flat = array.reshape(-1)
+    for lo in range(0, flat.size, chunk):
+        hi = min(lo + chunk, flat.size)
+        flat[lo:hi] = rng.integers(0, 256, size=hi - lo, dtype=np.uint8)
 
 
 @dataclasses.dataclass
 class Samples:
-  """Wall times in seconds of repeated runs of one measurement."""
+    """Wall times in seconds of repeated runs of one measurement."""
 
-  seconds: list[float] = dataclasses.field(default_factory=list)
+    seconds: list[float] = dataclasses.field(default_factory=list)
 
-  def add(self, s: float) -> None:
-    self.seconds.append(s)
+    def add(self, s: float) -> None:
+        self.seconds.append(s)
 
-  @property
-  def median(self) -> float:
-    return statistics.median(self.seconds) if self.seconds else math.nan
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds) if self.seconds else math.nan
 
-  @property
-  def min(self) -> float:
-    return min(self.seconds) if self.seconds else math.nan
+    @property
+    def min(self) -> float:
+        return min(self.seconds) if self.seconds else math.nan
 
-  @property
-  def max(self) -> float:
-    return max(self.seconds) if self.seconds else math.nan
+    @property
+    def max(self) -> float:
+        return max(self.seconds) if self.seconds else math.nan
 
-  def ms(self, prefix: str) -> dict[str, float]:
-    """``{prefix_ms_median, prefix_ms_min, prefix_ms_max}`` in milliseconds."""
-    return {f"{prefix}_ms_median": self.median * 1e3, f"{prefix}_ms_min": self.min * 1e3,
-            f"{prefix}_ms_max": self.max * 1e3}
+    def ms(self, prefix: str) -> dict[str, float]:
+        """``{prefix_ms_median, prefix_ms_min, prefix_ms_max}`` in milliseconds."""
+        return {
+            f"{prefix}_ms_median": self.median * 1e3,
+            f"{prefix}_ms_min": self.min * 1e3,
+            f"{prefix}_ms_max": self.max * 1e3,
+        }
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-  """Runs ``fn()`` and returns ``(seconds, result)`` on ``time.perf_counter``."""
-  t0 = time.perf_counter()
-  out = fn()
-  return time.perf_counter() - t0, out
+    """Runs ``fn()`` and returns ``(seconds, result)`` on ``time.perf_counter``."""
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
 
 
-def interleaved(measurements: dict[str, Callable[[], float]], repeats: int, warmup: int,
-                samples: dict[str, Samples] | None = None) -> dict[str, Samples]:
-  """Runs several measurements in rounds, rotating their order each round.
+def interleaved(
+    measurements: dict[str, Callable[[], float]],
+    repeats: int,
+    warmup: int,
+    samples: dict[str, Samples] | None = None,
+) -> dict[str, Samples]:
+    """Runs several measurements in rounds, rotating their order each round.
 
-  Each callable runs one repetition and returns its duration in seconds. Rotating the order
-  spreads drifts of a shared machine (other tenants, frequency, page cache) evenly over the
-  measurements instead of biasing whichever always runs first.
+    Each callable runs one repetition and returns its duration in seconds. Rotating the order
+    spreads drifts of a shared machine (other tenants, frequency, page cache) evenly over the
+    measurements instead of biasing whichever always runs first.
 
-  Args:
-    measurements: name -> one-repetition callable.
-    repeats: recorded rounds.
-    warmup: unrecorded rounds first.
-    samples: collect into these (created when None).
+    Args:
+      measurements: name -> one-repetition callable.
+      repeats: recorded rounds.
+      warmup: unrecorded rounds first.
+      samples: collect into these (created when None).
 
-  Returns:
-    name -> Samples.
-  """
-  samples = samples if samples is not None else {k: Samples() for k in measurements}
-  names = list(measurements)
-  for r in range(warmup + repeats):
-    k = r % len(names)
-    for name in names[k:] + names[:k]:
-      s = measurements[name]()
-      if r >= warmup:
-        samples[name].add(s)
-  return samples
+    Returns:
+      name -> Samples.
+    """
+    samples = samples if samples is not None else {k: Samples() for k in measurements}
+    names = list(measurements)
+    for r in range(warmup + repeats):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            s = measurements[name]()
+            if r >= warmup:
+                samples[name].add(s)
+    return samples
 
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> str:
-  """Renders rows as an aligned text table.
+    """Renders rows as an aligned text table.
 
-  Args:
-    rows: the records.
-    columns: ``(key, header, format)`` triples; ``format`` is a ``str.format`` spec such as
-      ``".2f"``, or ``"bytes"`` for :func:`format_bytes`.
-  """
-  def cell(row: dict[str, Any], key: str, fmt: str) -> str:
-    v = row.get(key)
-    if v is None:
-      return "-"
-    if fmt == "bytes":
-      return format_bytes(int(v))
-    if isinstance(v, float) and math.isnan(v):
-      return "nan"
-    return format(v, fmt)
+    Args:
+      rows: the records.
+      columns: ``(key, header, format)`` triples; ``format`` is a ``str.format`` spec such as
+        ``".2f"``, or ``"bytes"`` for :func:`format_bytes`.
+    """
 
-  table = [[h for _, h, _ in columns]]
-  table += [[cell(r, k, f) for k, _, f in columns] for r in rows]
-  widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
-  lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in table]
-  lines.insert(1, "  ".join("-" * w for w in widths))
-  return "\n".join(lines)
+    def cell(row: dict[str, Any], key: str, fmt: str) -> str:
+        v = row.get(key)
+        if v is None:
+            return "-"
+        if fmt == "bytes":
+            return format_bytes(int(v))
+        if isinstance(v, float) and math.isnan(v):
+            return "nan"
+        return format(v, fmt)
+
+    table = [[h for _, h, _ in columns]]
+    table += [[cell(r, k, f) for k, _, f in columns] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 def environment() -> dict[str, Any]:
-  """Where the numbers come from: host, CPUs, load, software versions, command line."""
-  env: dict[str, Any] = {
-      "argv": sys.argv,
-      "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "host": platform.node(),
-      "platform": platform.platform(),
-      "python": platform.python_version(),
-      "numpy": np.__version__,
-      "cpu_count": os.cpu_count(),
-      "affinity": sorted(os.sched_getaffinity(0)),
-      "loadavg": os.getloadavg(),
-      "mem_available_bytes": available_ram_bytes(),
-      "xla_flags": os.environ.get("XLA_FLAGS", ""),
-  }
-  try:
-    import jax_tpusync
-    env["jax_tpusync"] = jax_tpusync.__version__
-  except ImportError:  # pragma: no cover
-    pass
-  if "jax" in sys.modules:
-    env["jax"] = sys.modules["jax"].__version__
-  return env
+    """Where the numbers come from: host, CPUs, load, software versions, command line."""
+    env: dict[str, Any] = {
+        "argv": sys.argv,
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "cpu_count": os.cpu_count(),
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "loadavg": os.getloadavg(),
+        "mem_available_bytes": available_ram_bytes(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+    try:
+        import jax_tpusync
+
+        env["jax_tpusync"] = jax_tpusync.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    if "jax" in sys.modules:
+        env["jax"] = sys.modules["jax"].__version__
+    return env
 
 
 def write_json(path: str, subcommand: str, args: Any, results: Any) -> None:
-  """Writes ``{subcommand, args, environment, results}`` to ``path`` (``-``: stdout)."""
-  doc = {
-      "subcommand": subcommand,
-      "args": {k: v for k, v in vars(args).items() if not callable(v)},
-      "environment": environment(),
-      "results": results,
-  }
-  text = json.dumps(doc, indent=2, default=_json_default)
-  if path == "-":
-    print(text)
-  else:
-    with open(path, "w") as f:
-      f.write(text + "\n")
+    """Writes ``{subcommand, args, environment, results}`` to ``path`` (``-``: stdout)."""
+    doc = {
+        "subcommand": subcommand,
+        "args": {k: v for k, v in vars(args).items() if not callable(v)},
+        "environment": environment(),
+        "results": results,
+    }
+    text = json.dumps(doc, indent=2, default=_json_default)
+    if path == "-":
+        print(text)
+    else:
+        with open(path, "w") as f:
+            f.write(text + "\n")
 
 
 def _json_default(o: Any) -> Any:
-  if isinstance(o, np.generic):
-    return o.item()
-  if isinstance(o, np.ndarray):
-    return o.tolist()
-  if isinstance(o, (set, tuple)):
-    return list(o)
-  return str(o)
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)
 
 
 def chunks(total: int, size: int) -> Iterable[tuple[int, int]]:
-  """``(offset, length)`` pieces of ``[0, total)`` of at most ``size`` bytes."""
-  for off in range(0, total, size):
-    yield off, min(size, total - off)
+    """``(offset, length)`` pieces of ``[0, total)`` of at most ``size`` bytes."""
+    for off in range(0, total, size):
+        yield off, min(size, total - off)

@@ -88,49 +88,82 @@ COLUMNS = [
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-  """Registers the ``decode`` subcommand."""
-  p = subparsers.add_parser(
-      "decode", help="decode step: resident vs sync vs prefetched vs JAX host offload",
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  _add_arguments(p)
-  p.set_defaults(run=run, columns=COLUMNS)
-  return p
+    """Registers the ``decode`` subcommand."""
+    p = subparsers.add_parser(
+        "decode",
+        help="decode step: resident vs sync vs prefetched vs JAX host offload",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_arguments(p)
+    p.set_defaults(run=run, columns=COLUMNS)
+    return p
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--tier", choices=("host", "file"), default="file")
-  p.add_argument("--path", default=None,
-                 help="file tier: directory on the SSD to measure (default: a temporary "
-                 "directory under the current directory)")
-  p.add_argument("--context", type=int, default=32 * 1024, help="cached tokens (default 32K)")
-  p.add_argument("--layers", type=int, default=4)
-  p.add_argument("--q-heads", type=int, default=8)
-  p.add_argument("--kv-heads", type=int, default=8)
-  p.add_argument("--head-dim", type=int, default=64)
-  p.add_argument("--batch", type=int, default=1)
-  p.add_argument("--ffn", type=int, default=0,
-                 help="per-layer MLP width: compute that does not read KV (default 0)")
-  p.add_argument("--dtype", choices=DTYPES, default="bf16", help="KV and weights dtype")
-  p.add_argument("--staging-bytes", type=common.parse_bytes, default=16 * common.MiB,
-                 help="device staging budget of the offloaded cache (2 slots; default 16M). "
-                 "Fixes device_bytes whatever the context")
-  p.add_argument("--chunk-bytes", type=common.parse_bytes, default=1 * common.MiB,
-                 help="engine io_chunk_bytes (default 1M)")
-  p.add_argument("--workers", type=int, default=2, help="engine num_workers (default 2)")
-  p.add_argument("--steps", type=int, default=6,
-                 help="timed steps per variant (>= 5; default 6)")
-  p.add_argument("--block", type=int, default=3,
-                 help="consecutive steps per variant per round; the first is not timed "
-                 "(default 3)")
-  p.add_argument("--warmup", type=int, default=1, help="unrecorded rounds (default 1)")
-  p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
-                 help="what to measure (default: all)")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--plot", default=None, metavar="OUT.png",
-                 help="plot the prefetch step's timeline (transfers, compute, stalls)")
-  p.add_argument("--trace", default=None, metavar="OUT.json",
-                 help="write the prefetch steps' timeline as a Chrome/Perfetto trace")
-  p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
+    p.add_argument("--tier", choices=("host", "file"), default="file")
+    p.add_argument(
+        "--path",
+        default=None,
+        help="file tier: directory on the SSD to measure (default: a temporary "
+        "directory under the current directory)",
+    )
+    p.add_argument("--context", type=int, default=32 * 1024, help="cached tokens (default 32K)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--q-heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument(
+        "--ffn",
+        type=int,
+        default=0,
+        help="per-layer MLP width: compute that does not read KV (default 0)",
+    )
+    p.add_argument("--dtype", choices=DTYPES, default="bf16", help="KV and weights dtype")
+    p.add_argument(
+        "--staging-bytes",
+        type=common.parse_bytes,
+        default=16 * common.MiB,
+        help="device staging budget of the offloaded cache (2 slots; default 16M). "
+        "Fixes device_bytes whatever the context",
+    )
+    p.add_argument(
+        "--chunk-bytes",
+        type=common.parse_bytes,
+        default=1 * common.MiB,
+        help="engine io_chunk_bytes (default 1M)",
+    )
+    p.add_argument("--workers", type=int, default=2, help="engine num_workers (default 2)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per variant (>= 5; default 6)")
+    p.add_argument(
+        "--block",
+        type=int,
+        default=3,
+        help="consecutive steps per variant per round; the first is not timed (default 3)",
+    )
+    p.add_argument("--warmup", type=int, default=1, help="unrecorded rounds (default 1)")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=VARIANTS,
+        default=list(VARIANTS),
+        help="what to measure (default: all)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="OUT.png",
+        help="plot the prefetch step's timeline (transfers, compute, stalls)",
+    )
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="OUT.json",
+        help="write the prefetch steps' timeline as a Chrome/Perfetto trace",
+    )
+    p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
 
 
 # -- the model step ----------------------------------------------------------------------------
@@ -138,629 +171,776 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-  layers: int
-  batch: int
-  q_heads: int
-  kv_heads: int
-  head_dim: int
-  ffn: int
-  context: int
-  dtype: Any
+    layers: int
+    batch: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    context: int
+    dtype: Any
 
-  @property
-  def d_model(self) -> int:
-    return self.q_heads * self.head_dim
+    @property
+    def d_model(self) -> int:
+        return self.q_heads * self.head_dim
 
-  @property
-  def row_bytes(self) -> int:
-    return self.kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
+    @property
+    def row_bytes(self) -> int:
+        return self.kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
 
-  @property
-  def kv_bytes_per_step(self) -> int:
-    """Cached KV bytes one step reads (all layers, K and V, all sequences)."""
-    return self.layers * 2 * self.batch * self.context * self.row_bytes
+    @property
+    def kv_bytes_per_step(self) -> int:
+        """Cached KV bytes one step reads (all layers, K and V, all sequences)."""
+        return self.layers * 2 * self.batch * self.context * self.row_bytes
 
 
 def _init_params(shape: Shape, seed: int):
-  import jax.numpy as jnp
-  rng = np.random.default_rng(seed)
-  d, kv = shape.d_model, shape.kv_heads * shape.head_dim
+    import jax.numpy as jnp
 
-  def w(fan_in, *dims):
-    return jnp.asarray(rng.standard_normal(dims, dtype=np.float32) / math.sqrt(fan_in),
-                       shape.dtype)
+    rng = np.random.default_rng(seed)
+    d, kv = shape.d_model, shape.kv_heads * shape.head_dim
 
-  layers = []
-  for _ in range(shape.layers):
-    p = dict(wq=w(d, d, d), wk=w(d, d, kv), wv=w(d, d, kv), wo=w(d, d, d))
-    if shape.ffn:
-      p.update(w1=w(d, d, shape.ffn), w2=w(shape.ffn, shape.ffn, d))
-    layers.append(p)
-  return layers
+    def w(fan_in, *dims):
+        return jnp.asarray(
+            rng.standard_normal(dims, dtype=np.float32) / math.sqrt(fan_in), shape.dtype
+        )
+
+    layers = []
+    for _ in range(shape.layers):
+        p = dict(wq=w(d, d, d), wk=w(d, d, kv), wv=w(d, d, kv), wo=w(d, d, d))
+        if shape.ffn:
+            p.update(w1=w(d, d, shape.ffn), w2=w(shape.ffn, shape.ffn, d))
+        layers.append(p)
+    return layers
 
 
 def _model(params, shape: Shape, x, cache, attend: Callable, mark: Callable | None = None):
-  """x [B, 1, d_model] -> (x, cache); ``attend(layer, q, k, v, cache) -> (out, cache)``."""
-  import jax
-  b = x.shape[0]
-  for layer, p in enumerate(params):
-    if mark is not None:
-      x = mark(True, x, layer)
-    q = (x @ p["wq"]).reshape(b, 1, shape.q_heads, shape.head_dim)
-    k = (x @ p["wk"]).reshape(b, 1, shape.kv_heads, shape.head_dim)
-    v = (x @ p["wv"]).reshape(b, 1, shape.kv_heads, shape.head_dim)
-    o, cache = attend(layer, q, k, v, cache)
-    x = x + o.reshape(b, 1, -1) @ p["wo"]
-    if shape.ffn:
-      x = x + jax.nn.silu(x @ p["w1"]) @ p["w2"]
-    if mark is not None:
-      x = mark(False, x, layer)
-  return x, cache
+    """x [B, 1, d_model] -> (x, cache); ``attend(layer, q, k, v, cache) -> (out, cache)``."""
+    import jax
+
+    b = x.shape[0]
+    for layer, p in enumerate(params):
+        if mark is not None:
+            x = mark(True, x, layer)
+        q = (x @ p["wq"]).reshape(b, 1, shape.q_heads, shape.head_dim)
+        k = (x @ p["wk"]).reshape(b, 1, shape.kv_heads, shape.head_dim)
+        v = (x @ p["wv"]).reshape(b, 1, shape.kv_heads, shape.head_dim)
+        o, cache = attend(layer, q, k, v, cache)
+        x = x + o.reshape(b, 1, -1) @ p["wo"]
+        if shape.ffn:
+            x = x + jax.nn.silu(x @ p["w1"]) @ p["w2"]
+        if mark is not None:
+            x = mark(False, x, layer)
+    return x, cache
 
 
 def _marker(engine_id: int):
-  import jax.numpy as jnp
+    import jax.numpy as jnp
 
-  from jax_tpusync import ops
+    from jax_tpusync import ops
 
-  def mark(begin: bool, x, layer: int):
-    kind = ops.MARK_COMPUTE_BEGIN if begin else ops.MARK_COMPUTE_END
-    return ops.mark(engine_id, kind, x, jnp.asarray([layer, -1], jnp.int32))
+    def mark(begin: bool, x, layer: int):
+        kind = ops.MARK_COMPUTE_BEGIN if begin else ops.MARK_COMPUTE_END
+        return ops.mark(engine_id, kind, x, jnp.asarray([layer, -1], jnp.int32))
 
-  return mark
+    return mark
 
 
 def _units(context: int, chunk_len: int) -> tuple[np.ndarray, np.ndarray]:
-  """(first position, valid tokens) int32[U] of the units of a fixed ``context``."""
-  units = max(1, -(-context // chunk_len))
-  lo = np.arange(units, dtype=np.int64) * chunk_len
-  return lo.astype(np.int32), np.clip(context - lo, 0, chunk_len).astype(np.int32)
+    """(first position, valid tokens) int32[U] of the units of a fixed ``context``."""
+    units = max(1, -(-context // chunk_len))
+    lo = np.arange(units, dtype=np.int64) * chunk_len
+    return lo.astype(np.int32), np.clip(context - lo, 0, chunk_len).astype(np.int32)
 
 
 def _unit_table(spec, context: int, slots: int) -> np.ndarray:
-  """Host-side segments int32[L, U, slots, 2B, 4] of every unit of a fixed ``context``.
+    """Host-side segments int32[L, U, slots, 2B, 4] of every unit of a fixed ``context``.
 
-  Unit u of layer l landing in staging slot s, with the tier layout documented in
-  ``cache.py``: region (layer, kv, b) = (layer * 2 + kv) * batch + b holds ``max_len`` rows.
-  """
-  from jax_tpusync import ops
-  c = spec.chunk_len
-  lo, count = _units(context, c)
-  base = spec.first_block * spec.block_bytes
-  table = np.zeros((spec.num_layers, len(lo), slots, 2 * spec.batch, 4), np.int32)
-  for layer in range(spec.num_layers):
-    for u in range(len(lo)):
-      for s in range(slots):
-        tier_off, mem_off, sizes = [], [], []
-        for kv in range(2):
-          for b in range(spec.batch):
-            region = (layer * 2 + kv) * spec.batch + b
-            tier_off.append(base + (region * spec.max_len + int(lo[u])) * spec.row_bytes)
-            mem_off.append(((s * 2 + kv) * spec.batch + b) * c * spec.row_bytes)
-            sizes.append(int(count[u]) * spec.row_bytes)
-        table[layer, u, s] = ops.segment_rows(tier_off, mem_off, sizes, spec.block_bytes)
-  return table
+    Unit u of layer l landing in staging slot s, with the tier layout documented in
+    ``cache.py``: region (layer, kv, b) = (layer * 2 + kv) * batch + b holds ``max_len`` rows.
+    """
+    from jax_tpusync import ops
+
+    c = spec.chunk_len
+    lo, count = _units(context, c)
+    base = spec.first_block * spec.block_bytes
+    table = np.zeros((spec.num_layers, len(lo), slots, 2 * spec.batch, 4), np.int32)
+    for layer in range(spec.num_layers):
+        for u in range(len(lo)):
+            for s in range(slots):
+                tier_off, mem_off, sizes = [], [], []
+                for kv in range(2):
+                    for b in range(spec.batch):
+                        region = (layer * 2 + kv) * spec.batch + b
+                        tier_off.append(
+                            base + (region * spec.max_len + int(lo[u])) * spec.row_bytes
+                        )
+                        mem_off.append(((s * 2 + kv) * spec.batch + b) * c * spec.row_bytes)
+                        sizes.append(int(count[u]) * spec.row_bytes)
+                table[layer, u, s] = ops.segment_rows(tier_off, mem_off, sizes, spec.block_bytes)
+    return table
 
 
 # -- the benchmark -------------------------------------------------------------------------------
 
 
 class _Variant:
-  """A jitted step plus its carried (donated) state; ``once()`` runs one step, timed."""
+    """A jitted step plus its carried (donated) state; ``once()`` runs one step, timed."""
 
-  def __init__(self, name: str, fn: Callable, state: Any, args: tuple = ()):
-    self.name, self.fn, self.state, self.args = name, fn, state, args
-    self.out = None
-    self.steps = 0
+    def __init__(self, name: str, fn: Callable, state: Any, args: tuple = ()):
+        self.name, self.fn, self.state, self.args = name, fn, state, args
+        self.out = None
+        self.steps = 0
 
-  def once(self) -> float:
-    import jax
-    t0 = time.perf_counter()
-    out, self.state = self.fn(*self.args, self.state)
-    jax.block_until_ready((out, self.state))
-    dt = time.perf_counter() - t0
-    self.out = out
-    self.steps += 1
-    return dt
+    def once(self) -> float:
+        import jax
+
+        t0 = time.perf_counter()
+        out, self.state = self.fn(*self.args, self.state)
+        jax.block_until_ready((out, self.state))
+        dt = time.perf_counter() - t0
+        self.out = out
+        self.steps += 1
+        return dt
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-  """Builds the five steps, times them side by side, returns one JSON-ready row."""
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import SingleDeviceSharding
+    """Builds the five steps, times them side by side, returns one JSON-ready row."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
 
-  import jax_tpusync as tps
-  from jax_tpusync import ops
-  from jax_tpusync.kernels import reference as kref
+    import jax_tpusync as tps
+    from jax_tpusync import ops
+    from jax_tpusync.kernels import reference as kref
 
-  if args.steps < 5:
-    raise SystemExit("--steps must be >= 5")
-  if args.block < 2:
-    raise SystemExit("--block must be >= 2 (its first step is not timed)")
-  if args.q_heads % args.kv_heads:
-    raise SystemExit("--q-heads must be a multiple of --kv-heads")
-  dtype = {"bf16": jnp.bfloat16, "f32": jnp.float32, "f16": jnp.float16}[args.dtype]
-  shape = Shape(args.layers, args.batch, args.q_heads, args.kv_heads, args.head_dim, args.ffn,
-                args.context, dtype)
-  variants_wanted = list(dict.fromkeys(args.variants))
-  if "prefetch" not in variants_wanted:
-    variants_wanted.append("prefetch")  # The reference row of everything else.
-  timed_per_block = args.block - 1
-  rounds = -(-args.steps // timed_per_block)
-  total_steps = 1 + (args.warmup + rounds) * args.block
-  max_len = args.context + total_steps + 1
-  slots = 2
+    if args.steps < 5:
+        raise SystemExit("--steps must be >= 5")
+    if args.block < 2:
+        raise SystemExit("--block must be >= 2 (its first step is not timed)")
+    if args.q_heads % args.kv_heads:
+        raise SystemExit("--q-heads must be a multiple of --kv-heads")
+    dtype = {"bf16": jnp.bfloat16, "f32": jnp.float32, "f16": jnp.float16}[args.dtype]
+    shape = Shape(
+        args.layers,
+        args.batch,
+        args.q_heads,
+        args.kv_heads,
+        args.head_dim,
+        args.ffn,
+        args.context,
+        dtype,
+    )
+    variants_wanted = list(dict.fromkeys(args.variants))
+    if "prefetch" not in variants_wanted:
+        variants_wanted.append("prefetch")  # The reference row of everything else.
+    timed_per_block = args.block - 1
+    rounds = -(-args.steps // timed_per_block)
+    total_steps = 1 + (args.warmup + rounds) * args.block
+    max_len = args.context + total_steps + 1
+    slots = 2
 
-  tmpdir = None
-  path = None
-  if args.tier == "file":
-    parent = os.path.abspath(args.path or os.getcwd())
-    path = tmpdir = tempfile.mkdtemp(prefix="tpusync-decode-", dir=parent)
-  caches = []
-  try:
-    config = tps.EngineConfig(num_workers=args.workers, io_chunk_bytes=args.chunk_bytes)
+    tmpdir = None
+    path = None
+    if args.tier == "file":
+        parent = os.path.abspath(args.path or os.getcwd())
+        path = tmpdir = tempfile.mkdtemp(prefix="tpusync-decode-", dir=parent)
+    caches = []
+    try:
+        config = tps.EngineConfig(num_workers=args.workers, io_chunk_bytes=args.chunk_bytes)
 
-    def new_cache(record: bool):
-      c = tps.OffloadedKVCache(
-          num_layers=shape.layers, batch=shape.batch, max_len=max_len,
-          num_kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype=dtype, tier=args.tier,
-          path=path, staging_bytes=args.staging_bytes, prefetch_depth=1,
-          engine=dataclasses.replace(config, record_timeline=record))
-      caches.append(c)
-      return c
+        def new_cache(record: bool):
+            c = tps.OffloadedKVCache(
+                num_layers=shape.layers,
+                batch=shape.batch,
+                max_len=max_len,
+                num_kv_heads=shape.kv_heads,
+                head_dim=shape.head_dim,
+                dtype=dtype,
+                tier=args.tier,
+                path=path,
+                staging_bytes=args.staging_bytes,
+                prefetch_depth=1,
+                engine=dataclasses.replace(config, record_timeline=record),
+            )
+            caches.append(c)
+            return c
 
-    pf_cache = new_cache(record=bool(args.plot or args.trace))
-    spec = pf_cache.spec
-    # sync and transfer read the same bytes through one more engine and tier of their own.
-    aux = new_cache(record=False) if {"sync", "transfer"} & set(variants_wanted) else None
-    print(f"decode: {args.tier} tier, context {args.context}, {shape.layers} layers x "
-          f"{shape.kv_heads} kv heads x {shape.head_dim} ({args.dtype}), batch {shape.batch}, "
-          f"q heads {shape.q_heads}, ffn {shape.ffn}; chunk_len {spec.chunk_len}, "
-          f"{-(-args.context // spec.chunk_len)} units/layer, "
-          f"{shape.kv_bytes_per_step / common.MiB:.1f} MiB of KV read per step", flush=True)
+        pf_cache = new_cache(record=bool(args.plot or args.trace))
+        spec = pf_cache.spec
+        # sync and transfer read the same bytes through one more engine and tier of their own.
+        aux = new_cache(record=False) if {"sync", "transfer"} & set(variants_wanted) else None
+        print(
+            f"decode: {args.tier} tier, context {args.context}, {shape.layers} layers x "
+            f"{shape.kv_heads} kv heads x {shape.head_dim} ({args.dtype}), batch {shape.batch}, "
+            f"q heads {shape.q_heads}, ffn {shape.ffn}; chunk_len {spec.chunk_len}, "
+            f"{-(-args.context // spec.chunk_len)} units/layer, "
+            f"{shape.kv_bytes_per_step / common.MiB:.1f} MiB of KV read per step",
+            flush=True,
+        )
 
-    # Fill: the same random KV into every tier and the resident arrays.
-    t0 = time.perf_counter()
-    resident_kv = _fill(shape, max_len, [c for c in (pf_cache, aux) if c], args.seed,
-                        keep=bool({"resident", "compute", "jax_offload"} & set(variants_wanted)))
-    print(f"filled {args.context} tokens x {shape.layers} layers in "
-          f"{time.perf_counter() - t0:.1f} s", flush=True)
-    params = _init_params(shape, args.seed)
-    x0 = jnp.asarray(np.random.default_rng(args.seed + 7).standard_normal(
-        (shape.batch, 1, shape.d_model), dtype=np.float32), dtype)
-    scale = 1.0 / math.sqrt(shape.head_dim)
-    # A numpy constant: closures must not capture a device array a step donates.
-    context_lengths = np.full((shape.batch,), args.context, np.int32)
-    variants: dict[str, _Variant] = {}
+        # Fill: the same random KV into every tier and the resident arrays.
+        t0 = time.perf_counter()
+        resident_kv = _fill(
+            shape,
+            max_len,
+            [c for c in (pf_cache, aux) if c],
+            args.seed,
+            keep=bool({"resident", "compute", "jax_offload"} & set(variants_wanted)),
+        )
+        print(
+            f"filled {args.context} tokens x {shape.layers} layers in "
+            f"{time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
+        params = _init_params(shape, args.seed)
+        x0 = jnp.asarray(
+            np.random.default_rng(args.seed + 7).standard_normal(
+                (shape.batch, 1, shape.d_model), dtype=np.float32
+            ),
+            dtype,
+        )
+        scale = 1.0 / math.sqrt(shape.head_dim)
+        # A numpy constant: closures must not capture a device array a step donates.
+        context_lengths = np.full((shape.batch,), args.context, np.int32)
+        variants: dict[str, _Variant] = {}
 
-    # resident ------------------------------------------------------------------------------
-    def resident_attend(layer, q, k, v, cache):
-      ks, vs, lengths = cache
-      out, ks[layer], vs[layer] = tps.resident_attention(
-          q, k, v, ks[layer], vs[layer], lengths, unit_len=spec.chunk_len)
-      return out, (ks, vs, lengths)
+        # resident ------------------------------------------------------------------------------
+        def resident_attend(layer, q, k, v, cache):
+            ks, vs, lengths = cache
+            out, ks[layer], vs[layer] = tps.resident_attention(
+                q, k, v, ks[layer], vs[layer], lengths, unit_len=spec.chunk_len
+            )
+            return out, (ks, vs, lengths)
 
-    def resident_step(params, x, cache):
-      ks, vs, lengths = cache
-      y, (ks, vs, _) = _model(params, shape, x, (list(ks), list(vs), lengths), resident_attend)
-      return y, (ks, vs, lengths + 1)
+        def resident_step(params, x, cache):
+            ks, vs, lengths = cache
+            y, (ks, vs, _) = _model(
+                params, shape, x, (list(ks), list(vs), lengths), resident_attend
+            )
+            return y, (ks, vs, lengths + 1)
 
-    if "resident" in variants_wanted:
-      ks = [jnp.asarray(k) for k, _ in resident_kv]
-      vs = [jnp.asarray(v) for _, v in resident_kv]
-      variants["resident"] = _Variant(
-          "resident", jax.jit(resident_step, donate_argnums=(2,)),
-          (ks, vs, jnp.asarray(context_lengths)), (params, x0))
-      del ks, vs
+        if "resident" in variants_wanted:
+            ks = [jnp.asarray(k) for k, _ in resident_kv]
+            vs = [jnp.asarray(v) for _, v in resident_kv]
+            variants["resident"] = _Variant(
+                "resident",
+                jax.jit(resident_step, donate_argnums=(2,)),
+                (ks, vs, jnp.asarray(context_lengths)),
+                (params, x0),
+            )
+            del ks, vs
 
-    # prefetch ------------------------------------------------------------------------------
-    mark = _marker(spec.engine_id)
+        # prefetch ------------------------------------------------------------------------------
+        mark = _marker(spec.engine_id)
 
-    def prefetch_attend(layer, q, k, v, state):
-      return tps.prefetching_attention(q, k, v, state, layer=layer)
+        def prefetch_attend(layer, q, k, v, state):
+            return tps.prefetching_attention(q, k, v, state, layer=layer)
 
-    def prefetch_step(params, x, state):
-      return _model(params, shape, x, state, prefetch_attend, mark)
+        def prefetch_step(params, x, state):
+            return _model(params, shape, x, state, prefetch_attend, mark)
 
-    variants["prefetch"] = _Variant("prefetch", jax.jit(prefetch_step, donate_argnums=(2,)),
-                                    pf_cache.init([args.context] * shape.batch), (params, x0))
+        variants["prefetch"] = _Variant(
+            "prefetch",
+            jax.jit(prefetch_step, donate_argnums=(2,)),
+            pf_cache.init([args.context] * shape.batch),
+            (params, x0),
+        )
 
-    # Per-unit attention over a fixed context, shared by compute and sync ------------------
-    unit_lo, unit_count = _units(args.context, spec.chunk_len)
-    num_units = len(unit_lo)
+        # Per-unit attention over a fixed context, shared by compute and sync ------------------
+        unit_lo, unit_count = _units(args.context, spec.chunk_len)
+        num_units = len(unit_lo)
 
-    def unit_attention(q, k, v, get_unit, buf):
-      """Attention over every unit (``get_unit(u, buf, deps) -> (k, v, buf)``) + new token."""
-      lo_all, count_all = jnp.asarray(unit_lo), jnp.asarray(unit_count)
+        def unit_attention(q, k, v, get_unit, buf):
+            """Attention over every unit (``get_unit(u, buf, deps) -> (k, v, buf)``) + new token."""
+            lo_all, count_all = jnp.asarray(unit_lo), jnp.asarray(unit_count)
 
-      def unit(u, carry):
-        out, lse, buf = carry
-        ku, vu, buf = get_unit(u, buf, (q, out))
-        lo = jnp.full((shape.batch,), lo_all[u], jnp.int32)
-        cnt = jnp.full((shape.batch,), count_all[u], jnp.int32)
-        o, l = kref.chunk_attention_reference(q, ku, vu, lo, cnt, context_lengths, scale=scale)
-        out, lse = kref.merge_partials(out, lse, o, l)
-        return out, lse, buf
+            def unit(u, carry):
+                out, lse, buf = carry
+                ku, vu, buf = get_unit(u, buf, (q, out))
+                lo = jnp.full((shape.batch,), lo_all[u], jnp.int32)
+                cnt = jnp.full((shape.batch,), count_all[u], jnp.int32)
+                o, l = kref.chunk_attention_reference(
+                    q, ku, vu, lo, cnt, context_lengths, scale=scale
+                )
+                out, lse = kref.merge_partials(out, lse, o, l)
+                return out, lse, buf
 
-      carry = (jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:3], -jnp.inf, jnp.float32),
-               buf)
-      if num_units == 1:
-        out, lse, buf = unit(0, carry)
-      else:
-        out, lse, buf = jax.lax.fori_loop(0, num_units, unit, carry)
-      o, l = kref.chunk_attention_reference(
-          q, k.astype(dtype), v.astype(dtype), context_lengths,
-          jnp.ones((shape.batch,), jnp.int32), context_lengths, scale=scale)
-      out, _ = kref.merge_partials(out, lse, o, l)
-      return out.astype(q.dtype), buf
+            carry = (
+                jnp.zeros(q.shape, jnp.float32),
+                jnp.full(q.shape[:3], -jnp.inf, jnp.float32),
+                buf,
+            )
+            if num_units == 1:
+                out, lse, buf = unit(0, carry)
+            else:
+                out, lse, buf = jax.lax.fori_loop(0, num_units, unit, carry)
+            o, l = kref.chunk_attention_reference(
+                q,
+                k.astype(dtype),
+                v.astype(dtype),
+                context_lengths,
+                jnp.ones((shape.batch,), jnp.int32),
+                context_lengths,
+                scale=scale,
+            )
+            out, _ = kref.merge_partials(out, lse, o, l)
+            return out.astype(q.dtype), buf
 
-    # compute -------------------------------------------------------------------------------
-    if "compute" in variants_wanted:
-      chunk = spec.chunk_len
+        # compute -------------------------------------------------------------------------------
+        if "compute" in variants_wanted:
+            chunk = spec.chunk_len
 
-      def compute_attend(layer, q, k, v, staging):
-        def get_unit(u, staging, deps):
-          slot = u % slots
-          return staging[slot, 0], staging[slot, 1], staging
+            def compute_attend(layer, q, k, v, staging):
+                def get_unit(u, staging, deps):
+                    slot = u % slots
+                    return staging[slot, 0], staging[slot, 1], staging
 
-        return unit_attention(q, k, v, get_unit, staging)
+                return unit_attention(q, k, v, get_unit, staging)
 
-      def compute_step(params, x, staging):
-        return _model(params, shape, x, staging, compute_attend)
+            def compute_step(params, x, staging):
+                return _model(params, shape, x, staging, compute_attend)
 
-      # The staging slots hold the first units of layer 0 (no transfer ever refills them).
-      k0, v0 = resident_kv[0]
-      staged = np.zeros((slots, 2, shape.batch, chunk, shape.kv_heads, shape.head_dim),
-                        k0.dtype)
-      for s_ in range(slots):
-        n = max(0, min(chunk, k0.shape[1] - s_ * chunk))
-        staged[s_, 0, :, :n] = k0[:, s_ * chunk:s_ * chunk + n]
-        staged[s_, 1, :, :n] = v0[:, s_ * chunk:s_ * chunk + n]
-      variants["compute"] = _Variant("compute", jax.jit(compute_step, donate_argnums=(2,)),
-                                     jnp.asarray(staged), (params, x0))
-      del staged
+            # The staging slots hold the first units of layer 0 (no transfer ever refills them).
+            k0, v0 = resident_kv[0]
+            staged = np.zeros(
+                (slots, 2, shape.batch, chunk, shape.kv_heads, shape.head_dim), k0.dtype
+            )
+            for s_ in range(slots):
+                n = max(0, min(chunk, k0.shape[1] - s_ * chunk))
+                staged[s_, 0, :, :n] = k0[:, s_ * chunk : s_ * chunk + n]
+                staged[s_, 1, :, :n] = v0[:, s_ * chunk : s_ * chunk + n]
+            variants["compute"] = _Variant(
+                "compute",
+                jax.jit(compute_step, donate_argnums=(2,)),
+                jnp.asarray(staged),
+                (params, x0),
+            )
+            del staged
 
-    # sync and transfer ---------------------------------------------------------------------
-    if aux is not None:
-      aspec = aux.spec
-      table = _unit_table(aspec, args.context, slots)
-      eid, tier, regions = aspec.engine_id, aspec.tier, aspec.regions
-      staging_shape = (slots, 2, shape.batch, aspec.chunk_len, shape.kv_heads, shape.head_dim)
-      tag = lambda l, c: jnp.stack([jnp.asarray(l, jnp.int32), jnp.asarray(c, jnp.int32)])
+        # sync and transfer ---------------------------------------------------------------------
+        if aux is not None:
+            aspec = aux.spec
+            table = _unit_table(aspec, args.context, slots)
+            eid, tier, regions = aspec.engine_id, aspec.tier, aspec.regions
+            staging_shape = (slots, 2, shape.batch, aspec.chunk_len, shape.kv_heads, shape.head_dim)
+            tag = lambda l, c: jnp.stack([jnp.asarray(l, jnp.int32), jnp.asarray(c, jnp.int32)])
 
-      def sync_attend(layer, q, k, v, staging):
-        segs = jnp.asarray(table[layer, :, 0])  # [U, 2B, 4], slot 0
+            def sync_attend(layer, q, k, v, staging):
+                segs = jnp.asarray(table[layer, :, 0])  # [U, 2B, 4], slot 0
 
-        def get_unit(u, staging, deps):
-          staging = ops.wait_fetch(eid, tier, staging, ops.NO_TICKET, segs[u], tag(layer, u),
-                                   deps=deps, regions=regions)
-          return staging[0, 0], staging[0, 1], staging
+                def get_unit(u, staging, deps):
+                    staging = ops.wait_fetch(
+                        eid,
+                        tier,
+                        staging,
+                        ops.NO_TICKET,
+                        segs[u],
+                        tag(layer, u),
+                        deps=deps,
+                        regions=regions,
+                    )
+                    return staging[0, 0], staging[0, 1], staging
 
-        return unit_attention(q, k, v, get_unit, staging)
+                return unit_attention(q, k, v, get_unit, staging)
 
-      def sync_step(params, x, staging):
-        return _model(params, shape, x, staging, sync_attend)
+            def sync_step(params, x, staging):
+                return _model(params, shape, x, staging, sync_attend)
 
-      flat = table.reshape(-1, slots, 2 * shape.batch, 4)  # [L*U, slots, 2B, 4]
-      flat = np.stack([flat[i, i % slots] for i in range(flat.shape[0])])  # alternate slots
-      n_fetch = flat.shape[0]
+            flat = table.reshape(-1, slots, 2 * shape.batch, 4)  # [L*U, slots, 2B, 4]
+            flat = np.stack([flat[i, i % slots] for i in range(flat.shape[0])])  # alternate slots
+            n_fetch = flat.shape[0]
 
-      def transfer_step(x, staging):
-        segs = jnp.asarray(flat)
-        x, staging, ticket = ops.start_fetch(eid, tier, x, staging, segs[0], tag(-1, 0),
-                                             regions=regions)
+            def transfer_step(x, staging):
+                segs = jnp.asarray(flat)
+                x, staging, ticket = ops.start_fetch(
+                    eid, tier, x, staging, segs[0], tag(-1, 0), regions=regions
+                )
 
-        def body(i, carry):
-          x, staging, ticket = carry
-          x, staging, nxt = ops.start_fetch(eid, tier, x, staging, segs[i + 1],
-                                            tag(-1, i + 1), regions=regions)
-          staging = ops.wait_fetch(eid, tier, staging, ticket, segs[i], tag(-1, i),
-                                   regions=regions)
-          return x, staging, nxt
+                def body(i, carry):
+                    x, staging, ticket = carry
+                    x, staging, nxt = ops.start_fetch(
+                        eid, tier, x, staging, segs[i + 1], tag(-1, i + 1), regions=regions
+                    )
+                    staging = ops.wait_fetch(
+                        eid, tier, staging, ticket, segs[i], tag(-1, i), regions=regions
+                    )
+                    return x, staging, nxt
 
-        if n_fetch > 1:
-          x, staging, ticket = jax.lax.fori_loop(0, n_fetch - 1, body, (x, staging, ticket))
-        staging = ops.wait_fetch(eid, tier, staging, ticket, segs[n_fetch - 1],
-                                 tag(-1, n_fetch - 1), regions=regions)
-        return x, staging
+                if n_fetch > 1:
+                    x, staging, ticket = jax.lax.fori_loop(
+                        0, n_fetch - 1, body, (x, staging, ticket)
+                    )
+                staging = ops.wait_fetch(
+                    eid,
+                    tier,
+                    staging,
+                    ticket,
+                    segs[n_fetch - 1],
+                    tag(-1, n_fetch - 1),
+                    regions=regions,
+                )
+                return x, staging
 
-      if "sync" in variants_wanted:
-        variants["sync"] = _Variant("sync", jax.jit(sync_step, donate_argnums=(2,)),
-                                    jnp.zeros(staging_shape, dtype), (params, x0))
-      if "transfer" in variants_wanted:
-        variants["transfer"] = _Variant("transfer", jax.jit(transfer_step, donate_argnums=(1,)),
-                                        jnp.zeros(staging_shape, dtype), (x0,))
+            if "sync" in variants_wanted:
+                variants["sync"] = _Variant(
+                    "sync",
+                    jax.jit(sync_step, donate_argnums=(2,)),
+                    jnp.zeros(staging_shape, dtype),
+                    (params, x0),
+                )
+            if "transfer" in variants_wanted:
+                variants["transfer"] = _Variant(
+                    "transfer",
+                    jax.jit(transfer_step, donate_argnums=(1,)),
+                    jnp.zeros(staging_shape, dtype),
+                    (x0,),
+                )
 
-    # jax_offload ---------------------------------------------------------------------------
-    jax_label = None
-    if "jax_offload" in variants_wanted:
-      dev = jax.devices()[0]
-      kinds = [m.kind for m in dev.addressable_memories()]
-      host_kind = "pinned_host" if "pinned_host" in kinds else None
-      if host_kind is None:
-        jax_label = "unsupported"
-        print(f"jax_offload: device {dev} has no pinned_host memory (kinds {kinds}); skipped")
-      else:
-        dev_sharding = SingleDeviceSharding(dev, memory_kind=dev.default_memory().kind)
-        host_sharding = SingleDeviceSharding(dev, memory_kind=host_kind)
+        # jax_offload ---------------------------------------------------------------------------
+        jax_label = None
+        if "jax_offload" in variants_wanted:
+            dev = jax.devices()[0]
+            kinds = [m.kind for m in dev.addressable_memories()]
+            host_kind = "pinned_host" if "pinned_host" in kinds else None
+            if host_kind is None:
+                jax_label = "unsupported"
+                print(
+                    f"jax_offload: device {dev} has no pinned_host memory (kinds {kinds}); skipped"
+                )
+            else:
+                dev_sharding = SingleDeviceSharding(dev, memory_kind=dev.default_memory().kind)
+                host_sharding = SingleDeviceSharding(dev, memory_kind=host_kind)
 
-        def offload_attend(layer, q, k, v, cache):
-          ks, vs = cache
-          kd = jax.device_put(ks[layer], dev_sharding)
-          vd = jax.device_put(vs[layer], dev_sharding)
-          out, _, _ = tps.resident_attention(q, k, v, kd, vd, context_lengths,
-                                             unit_len=spec.chunk_len)
-          return out, cache
+                def offload_attend(layer, q, k, v, cache):
+                    ks, vs = cache
+                    kd = jax.device_put(ks[layer], dev_sharding)
+                    vd = jax.device_put(vs[layer], dev_sharding)
+                    out, _, _ = tps.resident_attention(
+                        q, k, v, kd, vd, context_lengths, unit_len=spec.chunk_len
+                    )
+                    return out, cache
 
-        def offload_step(params, x, cache):
-          y, _ = _model(params, shape, x, cache, offload_attend)
-          return y
+                def offload_step(params, x, cache):
+                    y, _ = _model(params, shape, x, cache, offload_attend)
+                    return y
 
-        ks = [jax.device_put(k, host_sharding) for k, _ in resident_kv]
-        vs = [jax.device_put(v, host_sharding) for _, v in resident_kv]
-        jitted = jax.jit(offload_step)
-        hlo = jitted.lower(params, x0, (ks, vs)).compile().as_text()
-        copies = sum(("copy-start" in line or "dynamic-update-slice" in line and "S(5)" in line)
-                     for line in hlo.splitlines())
-        if dev.platform == "cpu":
-          jax_label = "noop-on-cpu"
+                ks = [jax.device_put(k, host_sharding) for k, _ in resident_kv]
+                vs = [jax.device_put(v, host_sharding) for _, v in resident_kv]
+                jitted = jax.jit(offload_step)
+                hlo = jitted.lower(params, x0, (ks, vs)).compile().as_text()
+                copies = sum(
+                    ("copy-start" in line or "dynamic-update-slice" in line and "S(5)" in line)
+                    for line in hlo.splitlines()
+                )
+                if dev.platform == "cpu":
+                    jax_label = "noop-on-cpu"
+                else:
+                    jax_label = f"{host_kind}->{dev.default_memory().kind}"
+                jax_label_detail = (
+                    f"memory kinds {kinds}; compiled step has {copies} async host->device copies"
+                )
+                print(f"jax_offload: {jax_label} ({jax_label_detail})")
+                variants["jax_offload"] = _Variant(
+                    "jax_offload", lambda p, x, c: (jitted(p, x, c), c), (ks, vs), (params, x0)
+                )
+                del ks, vs
+        del resident_kv
+
+        # compile + correctness at lengths == context -----------------------------------------
+        first_out = {}
+        for name, var in variants.items():
+            t0 = time.perf_counter()
+            var.once()
+            first_out[name] = np.asarray(var.out, np.float32)
+            print(
+                f"  compiled + first step of {name}: {time.perf_counter() - t0:.1f} s", flush=True
+            )
+
+        order = [v for v in VARIANTS if v in variants]
+        samples = {name: common.Samples() for name in order}
+        pf_engine = pf_cache.engine
+        aux_fetch = {"bytes": 0, "busy": 0.0}
+        timeline = None
+        for r in range(args.warmup + rounds):
+            k = r % len(order)
+            last = r == args.warmup + rounds - 1
+            if r == args.warmup:
+                pf_engine.reset_stats()
+            for name in order[k:] + order[:k]:
+                var = variants[name]
+                if last and name == "prefetch" and (args.plot or args.trace):
+                    pf_engine.timeline()  # Drop what came before this block.
+                before = _fetch_counters(aux.engine) if (aux and name == "transfer") else None
+                for i in range(args.block):
+                    dt = var.once()
+                    if r >= args.warmup and i > 0:
+                        samples[name].add(dt)
+                if before is not None and r >= args.warmup:
+                    after = _fetch_counters(aux.engine)
+                    aux_fetch["bytes"] += after[0] - before[0]
+                    aux_fetch["busy"] += after[1] - before[1]
+                if last and name == "prefetch" and (args.plot or args.trace):
+                    timeline = pf_engine.timeline()
+            print(
+                f"  round {r + 1}/{args.warmup + rounds}"
+                f"{' (warm-up)' if r < args.warmup else ''}: "
+                + ", ".join(
+                    f"{n} {statistics.median(samples[n].seconds) * 1e3:.1f} ms"
+                    for n in order
+                    if samples[n].seconds
+                ),
+                flush=True,
+            )
+        pf_stats = pf_engine.stats()
+
+        # Results ------------------------------------------------------------------------------
+        med = {n: samples[n].median * 1e3 for n in order}
+        res: dict[str, Any] = dict(
+            tier=args.tier,
+            context=args.context,
+            layers=shape.layers,
+            batch=shape.batch,
+            q_heads=shape.q_heads,
+            kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
+            ffn=shape.ffn,
+            dtype=args.dtype,
+            chunk_len=spec.chunk_len,
+            units_per_layer=-(-args.context // spec.chunk_len),
+            staging_bytes=args.staging_bytes,
+            io_chunk_bytes=args.chunk_bytes,
+            kv_bytes_per_step=shape.kv_bytes_per_step,
+            direct_io=pf_engine.tier_info(spec.tier).direct_io if args.tier == "file" else None,
+            samples_per_variant=len(samples["prefetch"].seconds),
+        )
+        for n in VARIANTS:
+            if n in samples:
+                res[f"t_{n}_ms"] = med[n]
+                res[f"t_{n}_ms_min"] = samples[n].min * 1e3
+                res[f"t_{n}_ms_max"] = samples[n].max * 1e3
+            else:
+                res[f"t_{n}_ms"] = res[f"t_{n}_ms_min"] = res[f"t_{n}_ms_max"] = None
+        res["jax_offload_label"] = jax_label
+        t_res, t_xfer, t_pf = res["t_resident_ms"], res["t_transfer_ms"], res["t_prefetch_ms"]
+        res["overlap_efficiency"] = (
+            (t_res + t_xfer - t_pf) / min(t_res, t_xfer) if t_res and t_xfer else None
+        )
+        res["prefetch_over_max"] = t_pf / max(t_res, t_xfer) if t_res and t_xfer else None
+        t_cmp = res["t_compute_ms"]
+        res["overlap_efficiency_compute"] = (
+            (t_cmp + t_xfer - t_pf) / min(t_cmp, t_xfer) if t_cmp and t_xfer else None
+        )
+        res["prefetch_over_max_compute"] = t_pf / max(t_cmp, t_xfer) if t_cmp and t_xfer else None
+        res["sync_over_prefetch"] = res["t_sync_ms"] / t_pf if res["t_sync_ms"] else None
+        res["tokens_per_s"] = shape.batch / (t_pf / 1e3)
+        for n in ("resident", "compute", "sync", "jax_offload"):
+            res[f"tokens_per_s_{n}"] = shape.batch / (med[n] / 1e3) if n in med else None
+
+        # Errors: every variant's first step ran at lengths == context; resident and prefetch
+        # have since run the same number of steps (so their caches hold the same tokens).
+        def err(a, b):
+            return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+
+        if "resident" in variants:
+            ref = first_out["resident"]
+            res["max_abs_err"] = err(first_out["prefetch"], ref)
+            assert variants["resident"].steps == variants["prefetch"].steps
+            res["max_abs_err"] = max(
+                res["max_abs_err"], err(variants["prefetch"].out, variants["resident"].out)
+            )
+            for n in ("sync", "jax_offload"):
+                res[f"{n}_max_abs_err"] = err(first_out[n], ref) if n in first_out else None
         else:
-          jax_label = f"{host_kind}->{dev.default_memory().kind}"
-        jax_label_detail = (f"memory kinds {kinds}; compiled step has {copies} async "
-                            f"host->device copies")
-        print(f"jax_offload: {jax_label} ({jax_label_detail})")
-        variants["jax_offload"] = _Variant(
-            "jax_offload", lambda p, x, c: (jitted(p, x, c), c), (ks, vs), (params, x0))
-        del ks, vs
-    del resident_kv
+            res["max_abs_err"] = None
+        res["output_abs_max"] = float(np.max(np.abs(first_out["prefetch"])))
 
-    # compile + correctness at lengths == context -----------------------------------------
-    first_out = {}
-    for name, var in variants.items():
-      t0 = time.perf_counter()
-      var.once()
-      first_out[name] = np.asarray(var.out, np.float32)
-      print(f"  compiled + first step of {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+        res["device_bytes"] = spec.device_bytes
+        res["kv_bytes"] = spec.kv_bytes
+        res["device_bytes_by_context"] = _device_bytes_by_context(args, shape, dtype)
+        res["resident_device_bytes"] = 2 * shape.layers * shape.batch * max_len * shape.row_bytes
 
-    order = [v for v in VARIANTS if v in variants]
-    samples = {name: common.Samples() for name in order}
-    pf_engine = pf_cache.engine
-    aux_fetch = {"bytes": 0, "busy": 0.0}
-    timeline = None
-    for r in range(args.warmup + rounds):
-      k = r % len(order)
-      last = r == args.warmup + rounds - 1
-      if r == args.warmup:
-        pf_engine.reset_stats()
-      for name in order[k:] + order[:k]:
-        var = variants[name]
-        if last and name == "prefetch" and (args.plot or args.trace):
-          pf_engine.timeline()  # Drop what came before this block.
-        before = _fetch_counters(aux.engine) if (aux and name == "transfer") else None
-        for i in range(args.block):
-          dt = var.once()
-          if r >= args.warmup and i > 0:
-            samples[name].add(dt)
-        if before is not None and r >= args.warmup:
-          after = _fetch_counters(aux.engine)
-          aux_fetch["bytes"] += after[0] - before[0]
-          aux_fetch["busy"] += after[1] - before[1]
-        if last and name == "prefetch" and (args.plot or args.trace):
-          timeline = pf_engine.timeline()
-      print(f"  round {r + 1}/{args.warmup + rounds}"
-            f"{' (warm-up)' if r < args.warmup else ''}: " + ", ".join(
-                f"{n} {statistics.median(samples[n].seconds) * 1e3:.1f} ms"
-                for n in order if samples[n].seconds), flush=True)
-    pf_stats = pf_engine.stats()
+        steps_timed = rounds * args.block  # Since reset_stats: every step of the timed rounds.
+        res["prefetch_hits"] = pf_stats["prefetch_hits"]
+        res["prefetch_misses"] = pf_stats["prefetch_misses"]
+        res["prefetch_wait_ms_per_step"] = pf_stats["wait_s"] * 1e3 / steps_timed
+        pf_fetch = pf_stats["tiers"][0]["fetch"]
+        res["prefetch_fetch_gbps_busy"] = pf_fetch["gbps"]
+        res["prefetch_fetch_gbps"] = shape.kv_bytes_per_step / (t_pf / 1e3) / 1e9
+        res["transfer_fetch_gbps"] = (
+            shape.kv_bytes_per_step / (t_xfer / 1e3) / 1e9 if t_xfer else None
+        )
+        res["transfer_fetch_gbps_busy"] = (
+            aux_fetch["bytes"] / aux_fetch["busy"] / 1e9 if aux_fetch["busy"] else None
+        )
+        res["targets"] = _targets(res)
 
-    # Results ------------------------------------------------------------------------------
-    med = {n: samples[n].median * 1e3 for n in order}
-    res: dict[str, Any] = dict(
-        tier=args.tier, context=args.context, layers=shape.layers, batch=shape.batch,
-        q_heads=shape.q_heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim, ffn=shape.ffn,
-        dtype=args.dtype, chunk_len=spec.chunk_len,
-        units_per_layer=-(-args.context // spec.chunk_len),
-        staging_bytes=args.staging_bytes, io_chunk_bytes=args.chunk_bytes,
-        kv_bytes_per_step=shape.kv_bytes_per_step,
-        direct_io=pf_engine.tier_info(spec.tier).direct_io if args.tier == "file" else None,
-        samples_per_variant=len(samples["prefetch"].seconds))
-    for n in VARIANTS:
-      if n in samples:
-        res[f"t_{n}_ms"] = med[n]
-        res[f"t_{n}_ms_min"] = samples[n].min * 1e3
-        res[f"t_{n}_ms_max"] = samples[n].max * 1e3
-      else:
-        res[f"t_{n}_ms"] = res[f"t_{n}_ms_min"] = res[f"t_{n}_ms_max"] = None
-    res["jax_offload_label"] = jax_label
-    t_res, t_xfer, t_pf = res["t_resident_ms"], res["t_transfer_ms"], res["t_prefetch_ms"]
-    res["overlap_efficiency"] = (
-        (t_res + t_xfer - t_pf) / min(t_res, t_xfer) if t_res and t_xfer else None)
-    res["prefetch_over_max"] = t_pf / max(t_res, t_xfer) if t_res and t_xfer else None
-    t_cmp = res["t_compute_ms"]
-    res["overlap_efficiency_compute"] = (
-        (t_cmp + t_xfer - t_pf) / min(t_cmp, t_xfer) if t_cmp and t_xfer else None)
-    res["prefetch_over_max_compute"] = t_pf / max(t_cmp, t_xfer) if t_cmp and t_xfer else None
-    res["sync_over_prefetch"] = res["t_sync_ms"] / t_pf if res["t_sync_ms"] else None
-    res["tokens_per_s"] = shape.batch / (t_pf / 1e3)
-    for n in ("resident", "compute", "sync", "jax_offload"):
-      res[f"tokens_per_s_{n}"] = shape.batch / (med[n] / 1e3) if n in med else None
+        if timeline is not None:
+            from jax_tpusync import timeline as tl
 
-    # Errors: every variant's first step ran at lengths == context; resident and prefetch
-    # have since run the same number of steps (so their caches hold the same tokens).
-    def err(a, b):
-      return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
-
-    if "resident" in variants:
-      ref = first_out["resident"]
-      res["max_abs_err"] = err(first_out["prefetch"], ref)
-      assert variants["resident"].steps == variants["prefetch"].steps
-      res["max_abs_err"] = max(res["max_abs_err"], err(variants["prefetch"].out,
-                                                       variants["resident"].out))
-      for n in ("sync", "jax_offload"):
-        res[f"{n}_max_abs_err"] = err(first_out[n], ref) if n in first_out else None
-    else:
-      res["max_abs_err"] = None
-    res["output_abs_max"] = float(np.max(np.abs(first_out["prefetch"])))
-
-    res["device_bytes"] = spec.device_bytes
-    res["kv_bytes"] = spec.kv_bytes
-    res["device_bytes_by_context"] = _device_bytes_by_context(args, shape, dtype)
-    res["resident_device_bytes"] = 2 * shape.layers * shape.batch * max_len * shape.row_bytes
-
-    steps_timed = rounds * args.block  # Since reset_stats: every step of the timed rounds.
-    res["prefetch_hits"] = pf_stats["prefetch_hits"]
-    res["prefetch_misses"] = pf_stats["prefetch_misses"]
-    res["prefetch_wait_ms_per_step"] = pf_stats["wait_s"] * 1e3 / steps_timed
-    pf_fetch = pf_stats["tiers"][0]["fetch"]
-    res["prefetch_fetch_gbps_busy"] = pf_fetch["gbps"]
-    res["prefetch_fetch_gbps"] = shape.kv_bytes_per_step / (t_pf / 1e3) / 1e9
-    res["transfer_fetch_gbps"] = (shape.kv_bytes_per_step / (t_xfer / 1e3) / 1e9
-                                  if t_xfer else None)
-    res["transfer_fetch_gbps_busy"] = (aux_fetch["bytes"] / aux_fetch["busy"] / 1e9
-                                       if aux_fetch["busy"] else None)
-    res["targets"] = _targets(res)
-
-    if timeline is not None:
-      from jax_tpusync import timeline as tl
-      res["timeline_summary"] = tl.summarize(timeline, stall_ns=STALL_NS)
-      if args.trace:
-        tl.write_chrome_trace(timeline, args.trace)
-        print(f"wrote {args.trace}")
-      if args.plot:
-        title = (f"prefetch decode step: {args.tier} tier, context {args.context}, "
-                 f"{shape.layers} layers, chunk_len {spec.chunk_len} "
-                 f"({t_pf:.0f} ms/step median; compute {res['t_compute_ms'] or float('nan'):.0f}"
-                 f" ms, transfer {t_xfer or float('nan'):.0f} ms, sync "
-                 f"{res['t_sync_ms'] or float('nan'):.0f} ms)")
-        tl.plot(timeline, args.plot, title=title, stall_ns=STALL_NS, last_steps=2)
-        print(f"wrote {args.plot}")
-    _print_summary(res)
-    return res
-  finally:
-    for c in caches:
-      try:
-        c.engine.drain()
-      finally:
-        c.close()
-    if tmpdir is not None:
-      shutil.rmtree(tmpdir, ignore_errors=True)
+            res["timeline_summary"] = tl.summarize(timeline, stall_ns=STALL_NS)
+            if args.trace:
+                tl.write_chrome_trace(timeline, args.trace)
+                print(f"wrote {args.trace}")
+            if args.plot:
+                title = (
+                    f"prefetch decode step: {args.tier} tier, context {args.context}, "
+                    f"{shape.layers} layers, chunk_len {spec.chunk_len} "
+                    f"({t_pf:.0f} ms/step median; compute {res['t_compute_ms'] or float('nan'):.0f}"
+                    f" ms, transfer {t_xfer or float('nan'):.0f} ms, sync "
+                    f"{res['t_sync_ms'] or float('nan'):.0f} ms)"
+                )
+                tl.plot(timeline, args.plot, title=title, stall_ns=STALL_NS, last_steps=2)
+                print(f"wrote {args.plot}")
+        _print_summary(res)
+        return res
+    finally:
+        for c in caches:
+            try:
+                c.engine.drain()
+            finally:
+                c.close()
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def _fill(shape: Shape, max_len: int, caches, seed: int, keep: bool):
-  """Writes the same random KV into each cache; returns per-layer [B, max_len, H, D] (k, v)."""
-  rng = np.random.default_rng(seed + 1)
-  n = shape.context
-  dims = (shape.batch, n, shape.kv_heads, shape.head_dim)
-  # One random pool, sliced at random offsets: random enough for attention, fast to make.
-  pool_n = min(math.prod(dims), 1 << 24)
-  pool = rng.standard_normal(2 * pool_n, dtype=np.float32)
-  pool = pool.astype(shape.dtype)
-  out = []
-  for layer in range(shape.layers):
-    kv = []
-    for _ in range(2):
-      x = np.empty(math.prod(dims), shape.dtype)
-      for lo in range(0, x.size, pool_n):
-        hi = min(x.size, lo + pool_n)
-        off = int(rng.integers(0, pool.size - (hi - lo) + 1))
-        x[lo:hi] = pool[off:off + hi - lo]
-      kv.append(x.reshape(dims))
-    for c in caches:
-      st = c.load(c.init(), layer, kv[0], kv[1])
-      del st
-    if keep:
-      pad = ((0, 0), (0, max_len - n), (0, 0), (0, 0))
-      out.append((np.pad(kv[0], pad), np.pad(kv[1], pad)))
-  return out
+    """Writes the same random KV into each cache; returns per-layer [B, max_len, H, D] (k, v)."""
+    rng = np.random.default_rng(seed + 1)
+    n = shape.context
+    dims = (shape.batch, n, shape.kv_heads, shape.head_dim)
+    # One random pool, sliced at random offsets: random enough for attention, fast to make.
+    pool_n = min(math.prod(dims), 1 << 24)
+    pool = rng.standard_normal(2 * pool_n, dtype=np.float32)
+    pool = pool.astype(shape.dtype)
+    out = []
+    for layer in range(shape.layers):
+        kv = []
+        for _ in range(2):
+            x = np.empty(math.prod(dims), shape.dtype)
+            for lo in range(0, x.size, pool_n):
+                hi = min(x.size, lo + pool_n)
+                off = int(rng.integers(0, pool.size - (hi - lo) + 1))
+                x[lo:hi] = pool[off : off + hi - lo]
+            kv.append(x.reshape(dims))
+        for c in caches:
+            st = c.load(c.init(), layer, kv[0], kv[1])
+            del st
+        if keep:
+            pad = ((0, 0), (0, max_len - n), (0, 0), (0, 0))
+            out.append((np.pad(kv[0], pad), np.pad(kv[1], pad)))
+    return out
 
 
 def _fetch_counters(engine) -> tuple[int, float]:
-  s = engine.stats()
-  return (sum(t["fetch"]["bytes"] for t in s["tiers"]),
-          sum(t["fetch"]["busy_s"] for t in s["tiers"]))
+    s = engine.stats()
+    return (
+        sum(t["fetch"]["bytes"] for t in s["tiers"]),
+        sum(t["fetch"]["busy_s"] for t in s["tiers"]),
+    )
 
 
 def _device_bytes_by_context(args, shape: Shape, dtype) -> dict[str, int]:
-  """device_bytes of the same cache configuration at 32K and 1M context (sparse file tier)."""
-  import jax_tpusync as tps
-  out = {}
-  d = tempfile.mkdtemp(prefix="tpusync-devbytes-", dir=os.path.abspath(args.path or os.getcwd())
-                       if args.tier == "file" else None)
-  try:
-    for n in CONTEXT_CHECK + (args.context,):
-      with tps.OffloadedKVCache(num_layers=shape.layers, batch=shape.batch, max_len=n,
-                                num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-                                dtype=dtype, tier="file", path=d,
-                                staging_bytes=args.staging_bytes) as c:
-        out[str(n)] = c.spec.device_bytes
-  finally:
-    shutil.rmtree(d, ignore_errors=True)
-  return out
+    """device_bytes of the same cache configuration at 32K and 1M context (sparse file tier)."""
+    import jax_tpusync as tps
+
+    out = {}
+    d = tempfile.mkdtemp(
+        prefix="tpusync-devbytes-",
+        dir=os.path.abspath(args.path or os.getcwd()) if args.tier == "file" else None,
+    )
+    try:
+        for n in CONTEXT_CHECK + (args.context,):
+            with tps.OffloadedKVCache(
+                num_layers=shape.layers,
+                batch=shape.batch,
+                max_len=n,
+                num_kv_heads=shape.kv_heads,
+                head_dim=shape.head_dim,
+                dtype=dtype,
+                tier="file",
+                path=d,
+                staging_bytes=args.staging_bytes,
+            ) as c:
+                out[str(n)] = c.spec.device_bytes
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return out
 
 
 def _targets(res: dict[str, Any]) -> dict[str, Any]:
-  by_ctx = res["device_bytes_by_context"]
-  out: dict[str, Any] = {}
-  for suffix, floor in (("", "t_resident"), ("_compute", "t_compute")):
-    eff = res[f"overlap_efficiency{suffix}"]
-    ratio = res[f"prefetch_over_max{suffix}"]
-    out[f"overlap_efficiency{suffix} >= 0.9 (file tier)"] = None if eff is None else eff >= 0.9
-    out[f"t_prefetch <= 1.1 x max({floor}, t_transfer)"] = None if ratio is None else ratio <= 1.1
-  out["device_bytes equal at 32K and 1M context"] = (
-      len({by_ctx[str(n)] for n in CONTEXT_CHECK}) == 1)
-  return out
+    by_ctx = res["device_bytes_by_context"]
+    out: dict[str, Any] = {}
+    for suffix, floor in (("", "t_resident"), ("_compute", "t_compute")):
+        eff = res[f"overlap_efficiency{suffix}"]
+        ratio = res[f"prefetch_over_max{suffix}"]
+        out[f"overlap_efficiency{suffix} >= 0.9 (file tier)"] = None if eff is None else eff >= 0.9
+        out[f"t_prefetch <= 1.1 x max({floor}, t_transfer)"] = (
+            None if ratio is None else ratio <= 1.1
+        )
+    out["device_bytes equal at 32K and 1M context"] = (
+        len({by_ctx[str(n)] for n in CONTEXT_CHECK}) == 1
+    )
+    return out
 
 
 def _print_summary(res: dict[str, Any]) -> None:
-  def f(v, fmt=".1f"):
-    return "-" if v is None else format(v, fmt)
+    def f(v, fmt=".1f"):
+        return "-" if v is None else format(v, fmt)
 
-  print()
-  print(f"{'variant':<12} {'median ms':>10} {'min':>9} {'max':>9}  note")
-  notes = {
-      "resident": "resident_attention, all KV in device memory, no engine",
-      "compute": "the same per-unit attention on warm staging slots, no transfer",
-      "transfer": f"engine fetch of one step's KV, no compute "
-                  f"({f(res['transfer_fetch_gbps'], '.2f')} GB/s)",
-      "sync": "fetch on demand, then compute, per unit",
-      "prefetch": f"prefetching_attention ({f(res['tokens_per_s'], '.2f')} tok/s, "
-                  f"{f(res['prefetch_fetch_gbps'], '.2f')} GB/s of KV)",
-      "jax_offload": f"pinned_host KV + device_put in jit [{res['jax_offload_label']}]",
-  }
-  for n in VARIANTS:
-    print(f"{n:<12} {f(res[f't_{n}_ms']):>10} {f(res[f't_{n}_ms_min']):>9} "
-          f"{f(res[f't_{n}_ms_max']):>9}  {notes[n]}")
-  print(f"\noverlap_efficiency {f(res['overlap_efficiency'], '.3f')} (vs compute: "
+    print()
+    print(f"{'variant':<12} {'median ms':>10} {'min':>9} {'max':>9}  note")
+    notes = {
+        "resident": "resident_attention, all KV in device memory, no engine",
+        "compute": "the same per-unit attention on warm staging slots, no transfer",
+        "transfer": f"engine fetch of one step's KV, no compute "
+        f"({f(res['transfer_fetch_gbps'], '.2f')} GB/s)",
+        "sync": "fetch on demand, then compute, per unit",
+        "prefetch": f"prefetching_attention ({f(res['tokens_per_s'], '.2f')} tok/s, "
+        f"{f(res['prefetch_fetch_gbps'], '.2f')} GB/s of KV)",
+        "jax_offload": f"pinned_host KV + device_put in jit [{res['jax_offload_label']}]",
+    }
+    for n in VARIANTS:
+        print(
+            f"{n:<12} {f(res[f't_{n}_ms']):>10} {f(res[f't_{n}_ms_min']):>9} "
+            f"{f(res[f't_{n}_ms_max']):>9}  {notes[n]}"
+        )
+    print(
+        f"\noverlap_efficiency {f(res['overlap_efficiency'], '.3f')} (vs compute: "
         f"{f(res['overlap_efficiency_compute'], '.3f')})  t_prefetch/max(floor, t_transfer) "
         f"{f(res['prefetch_over_max'], '.3f')} (vs compute: "
         f"{f(res['prefetch_over_max_compute'], '.3f')})  t_sync/t_prefetch "
-        f"{f(res['sync_over_prefetch'], '.3f')}  max_abs_err {f(res['max_abs_err'], '.3g')}")
-  print(f"prefetch hits {res['prefetch_hits']} misses {res['prefetch_misses']}, stalled "
+        f"{f(res['sync_over_prefetch'], '.3f')}  max_abs_err {f(res['max_abs_err'], '.3g')}"
+    )
+    print(
+        f"prefetch hits {res['prefetch_hits']} misses {res['prefetch_misses']}, stalled "
         f"{res['prefetch_wait_ms_per_step']:.1f} ms/step in waits; device_bytes "
         f"{common.format_bytes(res['device_bytes'])} (by context: "
-        f"{res['device_bytes_by_context']}), kv_bytes {common.format_bytes(res['kv_bytes'])}")
-  print("targets:")
-  for name, ok in res["targets"].items():
-    print(f"  [{'PASS' if ok else '----' if ok is None else 'FAIL'}] {name}")
+        f"{res['device_bytes_by_context']}), kv_bytes {common.format_bytes(res['kv_bytes'])}"
+    )
+    print("targets:")
+    for name, ok in res["targets"].items():
+        print(f"  [{'PASS' if ok else '----' if ok is None else 'FAIL'}] {name}")
 
 
 def main(argv: list[str] | None = None) -> int:
-  """Standalone entry point (the same as ``python -m jax_tpusync.bench decode``)."""
-  parser = argparse.ArgumentParser(prog="python -m jax_tpusync.bench.decode",
-                                   description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  _add_arguments(parser)
-  args = parser.parse_args(argv)
-  results = run(args)
-  print()
-  print(common.format_table([results], COLUMNS))
-  args.subcommand = "decode"
-  common.write_json(args.json, "decode", args, results)
-  if args.json != "-":
-    print(f"\nwrote {args.json}")
-  return 0
+    """Standalone entry point (the same as ``python -m jax_tpusync.bench decode``)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m jax_tpusync.bench.decode",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_arguments(parser)
+    args = parser.parse_args(argv)
+    results = run(args)
+    print()
+    print(common.format_table([results], COLUMNS))
+    args.subcommand = "decode"
+    common.write_json(args.json, "decode", args, results)
+    if args.json != "-":
+        print(f"\nwrote {args.json}")
+    return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+    sys.exit(main())

@@ -65,254 +65,304 @@ COLUMNS = [
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-  """Registers the ``overlap`` subcommand."""
-  p = subparsers.add_parser(
-      "overlap", help="overlap of an in-graph fetch with compute",
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--tier", choices=("host", "file"), default="file")
-  p.add_argument("--path", default=None,
-                 help="directory of the file tier (default: the current directory)")
-  p.add_argument("--bytes", type=common.parse_bytes, default=64 * common.MiB,
-                 help="bytes fetched per call (default 64M)")
-  p.add_argument("--segment-bytes", type=common.parse_bytes, default=4 * common.MiB,
-                 help="bytes per segment row of the fetch (default 4M)")
-  p.add_argument("--matmul", type=int, default=512, help="matrix side (default 512)")
-  p.add_argument("--iters", type=int, default=None,
-                 help="matmuls per compute call (default: calibrated to t_transfer)")
-  p.add_argument("--repeats", type=int, default=15, help="recorded rounds (default 15)")
-  p.add_argument("--warmup", type=int, default=2, help="unrecorded rounds first (default 2)")
-  p.add_argument("--workers", type=int, default=2, help="engine num_workers (default 2)")
-  p.add_argument("--chunk-bytes", type=common.parse_bytes, default=1 * common.MiB,
-                 help="engine io_chunk_bytes (default 1M)")
-  p.add_argument("--worker-cpus", type=lambda s: tuple(int(c) for c in s.split(",") if c),
-                 default=(), help="engine worker_cpus, e.g. 1 or 0,1 (default: no pinning)")
-  p.add_argument("--xla-single-thread", action="store_true",
-                 help=f"re-run with XLA_FLAGS+='{SINGLE_THREAD_XLA_FLAGS}' (must be set "
-                 "before jax starts)")
-  p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
-  p.set_defaults(run=run, columns=COLUMNS)
-  return p
+    """Registers the ``overlap`` subcommand."""
+    p = subparsers.add_parser(
+        "overlap",
+        help="overlap of an in-graph fetch with compute",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--tier", choices=("host", "file"), default="file")
+    p.add_argument(
+        "--path", default=None, help="directory of the file tier (default: the current directory)"
+    )
+    p.add_argument(
+        "--bytes",
+        type=common.parse_bytes,
+        default=64 * common.MiB,
+        help="bytes fetched per call (default 64M)",
+    )
+    p.add_argument(
+        "--segment-bytes",
+        type=common.parse_bytes,
+        default=4 * common.MiB,
+        help="bytes per segment row of the fetch (default 4M)",
+    )
+    p.add_argument("--matmul", type=int, default=512, help="matrix side (default 512)")
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="matmuls per compute call (default: calibrated to t_transfer)",
+    )
+    p.add_argument("--repeats", type=int, default=15, help="recorded rounds (default 15)")
+    p.add_argument("--warmup", type=int, default=2, help="unrecorded rounds first (default 2)")
+    p.add_argument("--workers", type=int, default=2, help="engine num_workers (default 2)")
+    p.add_argument(
+        "--chunk-bytes",
+        type=common.parse_bytes,
+        default=1 * common.MiB,
+        help="engine io_chunk_bytes (default 1M)",
+    )
+    p.add_argument(
+        "--worker-cpus",
+        type=lambda s: tuple(int(c) for c in s.split(",") if c),
+        default=(),
+        help="engine worker_cpus, e.g. 1 or 0,1 (default: no pinning)",
+    )
+    p.add_argument(
+        "--xla-single-thread",
+        action="store_true",
+        help=f"re-run with XLA_FLAGS+='{SINGLE_THREAD_XLA_FLAGS}' (must be set before jax starts)",
+    )
+    p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
+    p.set_defaults(run=run, columns=COLUMNS)
+    return p
 
 
 def _reexec_single_thread() -> None:
-  """Restarts this command with single-threaded XLA CPU flags, unless already set."""
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "--xla_cpu_multi_thread_eigen=false" in flags:
-    return
-  env = dict(os.environ, XLA_FLAGS=(flags + " " + SINGLE_THREAD_XLA_FLAGS).strip())
-  print(f"re-running with XLA_FLAGS={env['XLA_FLAGS']!r}", flush=True)
-  argv = [sys.executable, "-m", "jax_tpusync.bench", *sys.argv[1:]]
-  os.execve(sys.executable, argv, env)
+    """Restarts this command with single-threaded XLA CPU flags, unless already set."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_cpu_multi_thread_eigen=false" in flags:
+        return
+    env = dict(os.environ, XLA_FLAGS=(flags + " " + SINGLE_THREAD_XLA_FLAGS).strip())
+    print(f"re-running with XLA_FLAGS={env['XLA_FLAGS']!r}", flush=True)
+    argv = [sys.executable, "-m", "jax_tpusync.bench", *sys.argv[1:]]
+    os.execve(sys.executable, argv, env)
 
 
 def _open_tier(engine: Engine, args: argparse.Namespace, nbytes: int) -> tuple[int, str | None]:
-  num_blocks = -(-nbytes // TIER_BLOCK_BYTES)
-  if args.tier == "host":
-    return engine.add_host_tier(block_bytes=TIER_BLOCK_BYTES, num_blocks=num_blocks), None
-  directory = os.path.abspath(args.path or os.getcwd())
-  tier = engine.add_file_tier(directory, block_bytes=TIER_BLOCK_BYTES, num_blocks=num_blocks)
-  return tier, directory
+    num_blocks = -(-nbytes // TIER_BLOCK_BYTES)
+    if args.tier == "host":
+        return engine.add_host_tier(block_bytes=TIER_BLOCK_BYTES, num_blocks=num_blocks), None
+    directory = os.path.abspath(args.path or os.getcwd())
+    tier = engine.add_file_tier(directory, block_bytes=TIER_BLOCK_BYTES, num_blocks=num_blocks)
+    return tier, directory
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-  """Calibrates, measures the four functions interleaved; returns one result record."""
-  if args.xla_single_thread:
-    _reexec_single_thread()
-  if args.repeats < 1 or args.warmup < 1:
-    raise SystemExit("--repeats and --warmup must be >= 1")
-  if args.bytes >= 1 << 31:
-    raise SystemExit("--bytes must stay below 2 GiB (int32 segment fields)")
+    """Calibrates, measures the four functions interleaved; returns one result record."""
+    if args.xla_single_thread:
+        _reexec_single_thread()
+    if args.repeats < 1 or args.warmup < 1:
+        raise SystemExit("--repeats and --warmup must be >= 1")
+    if args.bytes >= 1 << 31:
+        raise SystemExit("--bytes must stay below 2 GiB (int32 segment fields)")
 
-  import jax  # Deferred: XLA_FLAGS must be final before jax starts its backend.
-  import jax.numpy as jnp
-  from jax import lax
+    import jax  # Deferred: XLA_FLAGS must be final before jax starts its backend.
+    import jax.numpy as jnp
+    from jax import lax
 
-  from jax_tpusync import ops
+    from jax_tpusync import ops
 
-  nbytes = args.bytes
-  engine = Engine(num_workers=args.workers, io_chunk_bytes=args.chunk_bytes,
-                  worker_cpus=tuple(args.worker_cpus))
-  try:
-    tier, directory = _open_tier(engine, args, nbytes)
-    info = engine.tier_info(tier)
-    data_map, data = common.page_aligned_buffer(nbytes)
-    common.fill_random(data, seed=4321)
-    expected_crc = zlib.crc32(data)
-    engine.write(tier, 0, data)
-    del data, data_map
-    print(f"tier: {info.description}; {common.format_bytes(nbytes)} per fetch; "
-          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
-    if args.tier == "file" and not info.direct_io:
-      print("warning: no O_DIRECT in this directory: the file tier reads the page cache")
+    nbytes = args.bytes
+    engine = Engine(
+        num_workers=args.workers,
+        io_chunk_bytes=args.chunk_bytes,
+        worker_cpus=tuple(args.worker_cpus),
+    )
+    try:
+        tier, directory = _open_tier(engine, args, nbytes)
+        info = engine.tier_info(tier)
+        data_map, data = common.page_aligned_buffer(nbytes)
+        common.fill_random(data, seed=4321)
+        expected_crc = zlib.crc32(data)
+        engine.write(tier, 0, data)
+        del data, data_map
+        print(
+            f"tier: {info.description}; {common.format_bytes(nbytes)} per fetch; "
+            f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+            flush=True,
+        )
+        if args.tier == "file" and not info.direct_io:
+            print("warning: no O_DIRECT in this directory: the file tier reads the page cache")
 
-    offsets = list(range(0, nbytes, args.segment_bytes))
-    sizes = [min(args.segment_bytes, nbytes - o) for o in offsets]
-    segs = jnp.asarray(ops.segment_rows(offsets, offsets, sizes, TIER_BLOCK_BYTES))
-    tag = jnp.asarray([0, 0], dtype=jnp.int32)
-    eid = engine.id
-    n = args.matmul
-    key = jax.random.PRNGKey(0)
-    x = jax.random.normal(key, (n, n), jnp.float32)
-    w = jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.float32) / np.sqrt(n)
-    z = jnp.zeros((1,), jnp.float32)  # Passthrough of the compute-free transfer.
+        offsets = list(range(0, nbytes, args.segment_bytes))
+        sizes = [min(args.segment_bytes, nbytes - o) for o in offsets]
+        segs = jnp.asarray(ops.segment_rows(offsets, offsets, sizes, TIER_BLOCK_BYTES))
+        tag = jnp.asarray([0, 0], dtype=jnp.int32)
+        eid = engine.id
+        n = args.matmul
+        key = jax.random.PRNGKey(0)
+        x = jax.random.normal(key, (n, n), jnp.float32)
+        w = jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.float32) / np.sqrt(n)
+        z = jnp.zeros((1,), jnp.float32)  # Passthrough of the compute-free transfer.
 
-    def build(iters: int) -> dict[str, Any]:
-      def compute(x, w):
-        return lax.fori_loop(0, iters, lambda i, x: jnp.tanh(x @ w), x)
+        def build(iters: int) -> dict[str, Any]:
+            def compute(x, w):
+                return lax.fori_loop(0, iters, lambda i, x: jnp.tanh(x @ w), x)
 
-      def f_compute(x, w):
-        return compute(x, w)
+            def f_compute(x, w):
+                return compute(x, w)
 
-      def f_transfer(z, dst, segs, tag):
-        z, dst, ticket = ops.start_fetch(eid, tier, z, dst, segs, tag)
-        return ops.wait_fetch(eid, tier, dst, ticket, segs, tag, deps=(z,))
+            def f_transfer(z, dst, segs, tag):
+                z, dst, ticket = ops.start_fetch(eid, tier, z, dst, segs, tag)
+                return ops.wait_fetch(eid, tier, dst, ticket, segs, tag, deps=(z,))
 
-      def f_sync(x, w, dst, segs, tag):
-        dst = ops.wait_fetch(eid, tier, dst, jnp.int32(ops.NO_TICKET), segs, tag)
-        x = ops.mark(eid, 0, x, tag, deps=(dst,))  # Compute starts after the fetch landed.
-        return compute(x, w), dst
+            def f_sync(x, w, dst, segs, tag):
+                dst = ops.wait_fetch(eid, tier, dst, jnp.int32(ops.NO_TICKET), segs, tag)
+                x = ops.mark(eid, 0, x, tag, deps=(dst,))  # Compute starts after the fetch landed.
+                return compute(x, w), dst
 
-      def f_overlap(x, w, dst, segs, tag):
-        x, dst, ticket = ops.start_fetch(eid, tier, x, dst, segs, tag)
-        y = compute(x, w)
-        dst = ops.wait_fetch(eid, tier, dst, ticket, segs, tag, deps=(y,))
-        return y, dst
+            def f_overlap(x, w, dst, segs, tag):
+                x, dst, ticket = ops.start_fetch(eid, tier, x, dst, segs, tag)
+                y = compute(x, w)
+                dst = ops.wait_fetch(eid, tier, dst, ticket, segs, tag, deps=(y,))
+                return y, dst
 
-      return {
-          "compute": jax.jit(f_compute),
-          "transfer": jax.jit(f_transfer, donate_argnums=(1,)),
-          "sync": jax.jit(f_sync, donate_argnums=(2,)),
-          "overlap": jax.jit(f_overlap, donate_argnums=(2,)),
-      }
+            return {
+                "compute": jax.jit(f_compute),
+                "transfer": jax.jit(f_transfer, donate_argnums=(1,)),
+                "sync": jax.jit(f_sync, donate_argnums=(2,)),
+                "overlap": jax.jit(f_overlap, donate_argnums=(2,)),
+            }
 
-    state = {"dst": jnp.zeros((nbytes,), jnp.uint8)}
-    np_dst = common.xla_like_buffer(nbytes)
-    np_segments = [(o, o, s) for o, s in zip(offsets, sizes)]
+        state = {"dst": jnp.zeros((nbytes,), jnp.uint8)}
+        np_dst = common.xla_like_buffer(nbytes)
+        np_segments = [(o, o, s) for o, s in zip(offsets, sizes)]
 
-    def runners(fns: dict[str, Any]) -> dict[str, Any]:
-      def r_compute() -> float:
-        t0 = time.perf_counter()
-        fns["compute"](x, w).block_until_ready()
-        return time.perf_counter() - t0
+        def runners(fns: dict[str, Any]) -> dict[str, Any]:
+            def r_compute() -> float:
+                t0 = time.perf_counter()
+                fns["compute"](x, w).block_until_ready()
+                return time.perf_counter() - t0
 
-      def r_transfer() -> float:
-        t0 = time.perf_counter()
-        state["dst"] = fns["transfer"](z, state["dst"], segs, tag)
-        state["dst"].block_until_ready()
-        return time.perf_counter() - t0
+            def r_transfer() -> float:
+                t0 = time.perf_counter()
+                state["dst"] = fns["transfer"](z, state["dst"], segs, tag)
+                state["dst"].block_until_ready()
+                return time.perf_counter() - t0
 
-      def r_sync() -> float:
-        t0 = time.perf_counter()
-        y, state["dst"] = fns["sync"](x, w, state["dst"], segs, tag)
-        jax.block_until_ready((y, state["dst"]))
-        return time.perf_counter() - t0
+            def r_sync() -> float:
+                t0 = time.perf_counter()
+                y, state["dst"] = fns["sync"](x, w, state["dst"], segs, tag)
+                jax.block_until_ready((y, state["dst"]))
+                return time.perf_counter() - t0
 
-      def r_overlap() -> float:
-        t0 = time.perf_counter()
-        y, state["dst"] = fns["overlap"](x, w, state["dst"], segs, tag)
-        jax.block_until_ready((y, state["dst"]))
-        return time.perf_counter() - t0
+            def r_overlap() -> float:
+                t0 = time.perf_counter()
+                y, state["dst"] = fns["overlap"](x, w, state["dst"], segs, tag)
+                jax.block_until_ready((y, state["dst"]))
+                return time.perf_counter() - t0
 
-      def r_engine() -> float:  # The same fetch from Python, no XLA involved.
-        t0 = time.perf_counter()
-        engine.wait(engine.submit_read(tier, np_segments, np_dst))
-        return time.perf_counter() - t0
+            def r_engine() -> float:  # The same fetch from Python, no XLA involved.
+                t0 = time.perf_counter()
+                engine.wait(engine.submit_read(tier, np_segments, np_dst))
+                return time.perf_counter() - t0
 
-      return {"compute": r_compute, "transfer": r_transfer, "sync": r_sync,
-              "overlap": r_overlap, "engine": r_engine}
+            return {
+                "compute": r_compute,
+                "transfer": r_transfer,
+                "sync": r_sync,
+                "overlap": r_overlap,
+                "engine": r_engine,
+            }
 
-    def median_of(fn, k: int) -> float:
-      fn()  # Compile / warm.
-      return statistics.median(fn() for _ in range(k))
+        def median_of(fn, k: int) -> float:
+            fn()  # Compile / warm.
+            return statistics.median(fn() for _ in range(k))
 
-    # -- calibration: pick iters so that t_compute ~ t_transfer --------------------------
-    iters = args.iters or 4
-    fns = build(iters)
-    t_transfer = median_of(runners(fns)["transfer"], 5)
-    calibration = []
-    if args.iters is None:
-      for _ in range(_CALIBRATION_STEPS):
-        t_comp = median_of(runners(fns)["compute"], 5)
-        calibration.append({"iters": iters, "t_compute_ms": t_comp * 1e3,
-                            "t_transfer_ms": t_transfer * 1e3})
-        ratio = t_comp / t_transfer
-        if _CALIBRATION_BAND[0] <= ratio <= _CALIBRATION_BAND[1]:
-          break
-        iters = max(1, round(iters / ratio))
-        if iters == calibration[-1]["iters"]:
-          break
+        # -- calibration: pick iters so that t_compute ~ t_transfer --------------------------
+        iters = args.iters or 4
         fns = build(iters)
         t_transfer = median_of(runners(fns)["transfer"], 5)
-      print(f"calibrated: {iters} matmuls of {n}x{n} (t_transfer ~ {t_transfer * 1e3:.1f} ms)",
-            flush=True)
+        calibration = []
+        if args.iters is None:
+            for _ in range(_CALIBRATION_STEPS):
+                t_comp = median_of(runners(fns)["compute"], 5)
+                calibration.append(
+                    {
+                        "iters": iters,
+                        "t_compute_ms": t_comp * 1e3,
+                        "t_transfer_ms": t_transfer * 1e3,
+                    }
+                )
+                ratio = t_comp / t_transfer
+                if _CALIBRATION_BAND[0] <= ratio <= _CALIBRATION_BAND[1]:
+                    break
+                iters = max(1, round(iters / ratio))
+                if iters == calibration[-1]["iters"]:
+                    break
+                fns = build(iters)
+                t_transfer = median_of(runners(fns)["transfer"], 5)
+            print(
+                f"calibrated: {iters} matmuls of {n}x{n} (t_transfer ~ {t_transfer * 1e3:.1f} ms)",
+                flush=True,
+            )
 
-    # -- interleaved measurement ---------------------------------------------------------
-    engine.reset_stats()
-    with warnings.catch_warnings(record=True) as caught:
-      warnings.simplefilter("always")
-      samples = common.interleaved(runners(fns), args.repeats, args.warmup)
-    stats = engine.stats()
-    donation_warnings = sorted({str(w.message) for w in caught if "donat" in str(w.message)})
-    for msg in donation_warnings:
-      print(f"warning: {msg}")
+        # -- interleaved measurement ---------------------------------------------------------
+        engine.reset_stats()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            samples = common.interleaved(runners(fns), args.repeats, args.warmup)
+        stats = engine.stats()
+        donation_warnings = sorted({str(w.message) for w in caught if "donat" in str(w.message)})
+        for msg in donation_warnings:
+            print(f"warning: {msg}")
 
-    # -- correctness: every path lands the written bytes in a fresh, zeroed buffer --------
-    verified = {}
-    fresh = jnp.zeros((nbytes,), jnp.uint8)
-    verified["transfer"] = zlib.crc32(np.asarray(fns["transfer"](z, fresh, segs, tag)))
-    fresh = jnp.zeros((nbytes,), jnp.uint8)
-    verified["sync"] = zlib.crc32(np.asarray(fns["sync"](x, w, fresh, segs, tag)[1]))
-    fresh = jnp.zeros((nbytes,), jnp.uint8)
-    verified["overlap"] = zlib.crc32(np.asarray(fns["overlap"](x, w, fresh, segs, tag)[1]))
-    verified["engine"] = zlib.crc32(np_dst)
-    verified = {k: v == expected_crc for k, v in verified.items()}
-    if not all(verified.values()):
-      raise AssertionError(f"fetched bytes differ from the written ones: {verified}")
+        # -- correctness: every path lands the written bytes in a fresh, zeroed buffer --------
+        verified = {}
+        fresh = jnp.zeros((nbytes,), jnp.uint8)
+        verified["transfer"] = zlib.crc32(np.asarray(fns["transfer"](z, fresh, segs, tag)))
+        fresh = jnp.zeros((nbytes,), jnp.uint8)
+        verified["sync"] = zlib.crc32(np.asarray(fns["sync"](x, w, fresh, segs, tag)[1]))
+        fresh = jnp.zeros((nbytes,), jnp.uint8)
+        verified["overlap"] = zlib.crc32(np.asarray(fns["overlap"](x, w, fresh, segs, tag)[1]))
+        verified["engine"] = zlib.crc32(np_dst)
+        verified = {k: v == expected_crc for k, v in verified.items()}
+        if not all(verified.values()):
+            raise AssertionError(f"fetched bytes differ from the written ones: {verified}")
 
-    tc, tt = samples["compute"], samples["transfer"]
-    ts, to = samples["sync"], samples["overlap"]
+        tc, tt = samples["compute"], samples["transfer"]
+        ts, to = samples["sync"], samples["overlap"]
 
-    def eff(c: float, t: float, o: float) -> float:
-      return (c + t - o) / min(c, t)
+        def eff(c: float, t: float, o: float) -> float:
+            return (c + t - o) / min(c, t)
 
-    paired = [eff(c, t, o) for c, t, o in zip(tc.seconds, tt.seconds, to.seconds)]
-    result = {
-        "tier": args.tier,
-        "bytes": nbytes,
-        "segments": len(offsets),
-        "matmul": n,
-        "iters": iters,
-        "t_compute_ms": tc.median * 1e3,
-        "t_transfer_ms": tt.median * 1e3,
-        "t_engine_ms": samples["engine"].median * 1e3,
-        "t_sync_ms": ts.median * 1e3,
-        "t_overlap_ms": to.median * 1e3,
-        "overlap_efficiency": eff(tc.median, tt.median, to.median),
-        "overlap_efficiency_paired_median": statistics.median(paired),
-        "overlap_efficiency_paired_min": min(paired),
-        "overlap_efficiency_paired_max": max(paired),
-        "compute_over_transfer": tc.median / tt.median,
-        "sync_over_overlap": ts.median / to.median,
-        **tc.ms("t_compute"), **tt.ms("t_transfer"), **ts.ms("t_sync"),
-        **to.ms("t_overlap"), **samples["engine"].ms("t_engine"),
-        "transfer_gbps": nbytes / tt.median / 1e9,
-        "repeats": args.repeats,
-        "workers": args.workers,
-        "chunk_bytes": args.chunk_bytes,
-        "worker_cpus": list(args.worker_cpus),
-        "direct_io": info.direct_io,
-        "xla_single_thread": "--xla_cpu_multi_thread_eigen=false" in os.environ.get(
-            "XLA_FLAGS", ""),
-        "prefetch_hits": stats["prefetch_hits"],
-        "prefetch_misses": stats["prefetch_misses"],
-        "donation_warnings": donation_warnings,
-        "verified": verified,
-        "calibration": calibration,
-        "jax_devices": [str(d) for d in jax.devices()],
-    }
-    print(f"efficiency {result['overlap_efficiency']:.3f} (compute {tc.median * 1e3:.1f} ms, "
-          f"transfer {tt.median * 1e3:.1f} ms, overlap {to.median * 1e3:.1f} ms, "
-          f"sync {ts.median * 1e3:.1f} ms)", flush=True)
-    return result
-  finally:
-    engine.close()
+        paired = [eff(c, t, o) for c, t, o in zip(tc.seconds, tt.seconds, to.seconds)]
+        result = {
+            "tier": args.tier,
+            "bytes": nbytes,
+            "segments": len(offsets),
+            "matmul": n,
+            "iters": iters,
+            "t_compute_ms": tc.median * 1e3,
+            "t_transfer_ms": tt.median * 1e3,
+            "t_engine_ms": samples["engine"].median * 1e3,
+            "t_sync_ms": ts.median * 1e3,
+            "t_overlap_ms": to.median * 1e3,
+            "overlap_efficiency": eff(tc.median, tt.median, to.median),
+            "overlap_efficiency_paired_median": statistics.median(paired),
+            "overlap_efficiency_paired_min": min(paired),
+            "overlap_efficiency_paired_max": max(paired),
+            "compute_over_transfer": tc.median / tt.median,
+            "sync_over_overlap": ts.median / to.median,
+            **tc.ms("t_compute"),
+            **tt.ms("t_transfer"),
+            **ts.ms("t_sync"),
+            **to.ms("t_overlap"),
+            **samples["engine"].ms("t_engine"),
+            "transfer_gbps": nbytes / tt.median / 1e9,
+            "repeats": args.repeats,
+            "workers": args.workers,
+            "chunk_bytes": args.chunk_bytes,
+            "worker_cpus": list(args.worker_cpus),
+            "direct_io": info.direct_io,
+            "xla_single_thread": "--xla_cpu_multi_thread_eigen=false"
+            in os.environ.get("XLA_FLAGS", ""),
+            "prefetch_hits": stats["prefetch_hits"],
+            "prefetch_misses": stats["prefetch_misses"],
+            "donation_warnings": donation_warnings,
+            "verified": verified,
+            "calibration": calibration,
+            "jax_devices": [str(d) for d in jax.devices()],
+        }
+        print(
+            f"efficiency {result['overlap_efficiency']:.3f} (compute {tc.median * 1e3:.1f} ms, "
+            f"transfer {tt.median * 1e3:.1f} ms, overlap {to.median * 1e3:.1f} ms, "
+            f"sync {ts.median * 1e3:.1f} ms)",
+            flush=True,
+        )
+        return result
+    finally:
+        engine.close()

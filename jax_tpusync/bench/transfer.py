@@ -35,8 +35,7 @@ from jax_tpusync.engine import Engine
 TIER_BLOCK_BYTES = 64 * common.KiB
 # Offset of tier byte 0 in a file tier's file (a 4 KiB header comes first).
 FILE_HEADER_BYTES = 4096
-DEFAULT_BLOCKS = (256 * common.KiB, 1 * common.MiB, 2 * common.MiB, 4 * common.MiB,
-                  8 * common.MiB)
+DEFAULT_BLOCKS = (256 * common.KiB, 1 * common.MiB, 2 * common.MiB, 4 * common.MiB, 8 * common.MiB)
 DEFAULT_TOTAL = {"file": 512 * common.MiB, "host": 256 * common.MiB}
 # Buffers alive at once, in units of total_bytes: tier (host only), source/ceiling, destination.
 _BUFFERS = {"file": 2, "host": 3}
@@ -62,205 +61,269 @@ COLUMNS = [
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-  """Registers the ``transfer`` subcommand."""
-  p = subparsers.add_parser(
-      "transfer", help="engine fetch bandwidth vs a memcpy / O_DIRECT ceiling",
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--tier", choices=("host", "file"), default="host")
-  p.add_argument("--path", default=None,
-                 help="directory of the file tier (needs O_DIRECT support for a meaningful "
-                 "ceiling; default: the current directory)")
-  p.add_argument("--block-bytes", type=common.parse_bytes, nargs="+", default=None,
-                 metavar="N", help="request sizes (default: 256K 1M 2M 4M 8M)")
-  p.add_argument("--total-bytes", type=common.parse_bytes, default=None,
-                 help="tier size fetched per repetition (default: 512M file, 256M host; "
-                 "clamped to available RAM)")
-  p.add_argument("--repeats", type=int, default=7, help="recorded rounds (default 7)")
-  p.add_argument("--warmup", type=int, default=1, help="unrecorded rounds first (default 1)")
-  p.add_argument("--workers", type=int, default=2, help="engine num_workers (default 2)")
-  p.add_argument("--chunk-bytes", type=common.parse_bytes, default=1 * common.MiB,
-                 help="engine io_chunk_bytes (default 1M)")
-  p.add_argument("--affinity", action="store_true",
-                 help="sweep worker pinning: none, all workers on cpu 1, worker i on cpu i")
-  p.add_argument("--dst-align", type=int, default=common.XLA_CPU_ALIGNMENT,
-                 help="destination address alignment; 64 mimics XLA CPU buffers (file tier: "
-                 "bounce path), 4096 lets O_DIRECT land in place (default 64)")
-  p.add_argument("--keep-file", action="store_true", help="keep the file tier's file")
-  p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
-  p.set_defaults(run=run, columns=COLUMNS)
-  return p
+    """Registers the ``transfer`` subcommand."""
+    p = subparsers.add_parser(
+        "transfer",
+        help="engine fetch bandwidth vs a memcpy / O_DIRECT ceiling",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--tier", choices=("host", "file"), default="host")
+    p.add_argument(
+        "--path",
+        default=None,
+        help="directory of the file tier (needs O_DIRECT support for a meaningful "
+        "ceiling; default: the current directory)",
+    )
+    p.add_argument(
+        "--block-bytes",
+        type=common.parse_bytes,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="request sizes (default: 256K 1M 2M 4M 8M)",
+    )
+    p.add_argument(
+        "--total-bytes",
+        type=common.parse_bytes,
+        default=None,
+        help="tier size fetched per repetition (default: 512M file, 256M host; "
+        "clamped to available RAM)",
+    )
+    p.add_argument("--repeats", type=int, default=7, help="recorded rounds (default 7)")
+    p.add_argument("--warmup", type=int, default=1, help="unrecorded rounds first (default 1)")
+    p.add_argument("--workers", type=int, default=2, help="engine num_workers (default 2)")
+    p.add_argument(
+        "--chunk-bytes",
+        type=common.parse_bytes,
+        default=1 * common.MiB,
+        help="engine io_chunk_bytes (default 1M)",
+    )
+    p.add_argument(
+        "--affinity",
+        action="store_true",
+        help="sweep worker pinning: none, all workers on cpu 1, worker i on cpu i",
+    )
+    p.add_argument(
+        "--dst-align",
+        type=int,
+        default=common.XLA_CPU_ALIGNMENT,
+        help="destination address alignment; 64 mimics XLA CPU buffers (file tier: "
+        "bounce path), 4096 lets O_DIRECT land in place (default 64)",
+    )
+    p.add_argument("--keep-file", action="store_true", help="keep the file tier's file")
+    p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
+    p.set_defaults(run=run, columns=COLUMNS)
+    return p
 
 
 def affinity_configs(sweep: bool) -> list[tuple[str, tuple[int, ...]]]:
-  """``(label, worker_cpus)`` pairs to measure."""
-  configs = [("none", ())]
-  if sweep:
-    ncpu = os.cpu_count() or 1
-    last = min(1, ncpu - 1)
-    configs.append((f"cpu{last}", (last,)))
-    if ncpu > 1:
-      configs.append(("split", tuple(range(min(ncpu, 2)))))
-  return configs
+    """``(label, worker_cpus)`` pairs to measure."""
+    configs = [("none", ())]
+    if sweep:
+        ncpu = os.cpu_count() or 1
+        last = min(1, ncpu - 1)
+        configs.append((f"cpu{last}", (last,)))
+        if ncpu > 1:
+            configs.append(("split", tuple(range(min(ncpu, 2)))))
+    return configs
 
 
 def _clamp_total(tier: str, total: int) -> int:
-  budget = int(common.available_ram_bytes() * _RAM_FRACTION) // _BUFFERS[tier]
-  if total > budget:
-    print(f"note: total_bytes {common.format_bytes(total)} clamped to {budget >> 20} MiB "
-          f"to fit available RAM")
-    total = budget
-  total -= total % TIER_BLOCK_BYTES
-  if total <= 0:
-    raise SystemExit("not enough RAM for a transfer benchmark")
-  return total
+    budget = int(common.available_ram_bytes() * _RAM_FRACTION) // _BUFFERS[tier]
+    if total > budget:
+        print(
+            f"note: total_bytes {common.format_bytes(total)} clamped to {budget >> 20} MiB "
+            f"to fit available RAM"
+        )
+        total = budget
+    total -= total % TIER_BLOCK_BYTES
+    if total <= 0:
+        raise SystemExit("not enough RAM for a transfer benchmark")
+    return total
 
 
 class _Setup:
-  """One engine with one tier holding ``total`` known bytes, plus the ceiling's buffers."""
+    """One engine with one tier holding ``total`` known bytes, plus the ceiling's buffers."""
 
-  def __init__(self, args: argparse.Namespace, total: int, worker_cpus: tuple[int, ...],
-               source: np.ndarray, dst: np.ndarray, name: str):
-    self.args = args
-    self.total = total
-    self.source = source  # Holds the tier's bytes (host: ceiling source; file: ceiling dst).
-    self.dst = dst
-    self.engine = Engine(num_workers=args.workers, io_chunk_bytes=args.chunk_bytes,
-                         worker_cpus=worker_cpus)
-    num_blocks = total // TIER_BLOCK_BYTES
-    self.fd = -1
-    self.file_path = None
-    if args.tier == "host":
-      self.tier = self.engine.add_host_tier(block_bytes=TIER_BLOCK_BYTES, num_blocks=num_blocks)
-    else:
-      directory = os.path.abspath(args.path or os.getcwd())
-      self.tier = self.engine.add_file_tier(directory, block_bytes=TIER_BLOCK_BYTES,
-                                            num_blocks=num_blocks, file_name=name)
-      self.file_path = os.path.join(directory, name + ".tpusync")
-    self.info = self.engine.tier_info(self.tier)
-    self.engine.write(self.tier, 0, source)
-    if self.file_path is not None:
-      with open(self.file_path, "rb+") as f:  # Engine writes may leave dirty pages behind.
-        os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-      flags = os.O_RDONLY | (os.O_DIRECT if self.info.direct_io else 0)
-      self.fd = os.open(self.file_path, flags)
-      self.source_view = memoryview(source)
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        total: int,
+        worker_cpus: tuple[int, ...],
+        source: np.ndarray,
+        dst: np.ndarray,
+        name: str,
+    ):
+        self.args = args
+        self.total = total
+        self.source = source  # Holds the tier's bytes (host: ceiling source; file: ceiling dst).
+        self.dst = dst
+        self.engine = Engine(
+            num_workers=args.workers, io_chunk_bytes=args.chunk_bytes, worker_cpus=worker_cpus
+        )
+        num_blocks = total // TIER_BLOCK_BYTES
+        self.fd = -1
+        self.file_path = None
+        if args.tier == "host":
+            self.tier = self.engine.add_host_tier(
+                block_bytes=TIER_BLOCK_BYTES, num_blocks=num_blocks
+            )
+        else:
+            directory = os.path.abspath(args.path or os.getcwd())
+            self.tier = self.engine.add_file_tier(
+                directory, block_bytes=TIER_BLOCK_BYTES, num_blocks=num_blocks, file_name=name
+            )
+            self.file_path = os.path.join(directory, name + ".tpusync")
+        self.info = self.engine.tier_info(self.tier)
+        self.engine.write(self.tier, 0, source)
+        if self.file_path is not None:
+            with open(self.file_path, "rb+") as f:  # Engine writes may leave dirty pages behind.
+                os.fsync(f.fileno())
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            flags = os.O_RDONLY | (os.O_DIRECT if self.info.direct_io else 0)
+            self.fd = os.open(self.file_path, flags)
+            self.source_view = memoryview(source)
 
-  def close(self) -> None:
-    self.engine.close()
-    if self.fd >= 0:
-      os.close(self.fd)
-      self.fd = -1
+    def close(self) -> None:
+        self.engine.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
-  def engine_once(self, block: int) -> tuple[float, float]:
-    """Fetches the whole tier, one request per block; returns (total s, submit s)."""
-    engine, tier, dst = self.engine, self.tier, self.dst
-    t0 = time.perf_counter()
-    tickets = [engine.submit_read(tier, [(off, off, n)], dst)
-               for off, n in common.chunks(self.total, block)]
-    t1 = time.perf_counter()
-    for t in tickets:
-      engine.wait(t)
-    return time.perf_counter() - t0, t1 - t0
+    def engine_once(self, block: int) -> tuple[float, float]:
+        """Fetches the whole tier, one request per block; returns (total s, submit s)."""
+        engine, tier, dst = self.engine, self.tier, self.dst
+        t0 = time.perf_counter()
+        tickets = [
+            engine.submit_read(tier, [(off, off, n)], dst)
+            for off, n in common.chunks(self.total, block)
+        ]
+        t1 = time.perf_counter()
+        for t in tickets:
+            engine.wait(t)
+        return time.perf_counter() - t0, t1 - t0
 
-  def ceiling_once(self, block: int) -> float:
-    """The same bytes without the engine (memcpy, or sequential O_DIRECT reads)."""
-    t0 = time.perf_counter()
-    if self.fd < 0:
-      src, dst = self.source, self.dst
-      for off, n in common.chunks(self.total, block):
-        np.copyto(dst[off:off + n], src[off:off + n])
-    else:
-      fd, view = self.fd, self.source_view
-      for off, n in common.chunks(self.total, block):
-        got = os.preadv(fd, [view[off:off + n]], FILE_HEADER_BYTES + off)
-        if got != n:
-          raise OSError(f"short O_DIRECT read: {got} of {n} bytes at {off}")
-    return time.perf_counter() - t0
+    def ceiling_once(self, block: int) -> float:
+        """The same bytes without the engine (memcpy, or sequential O_DIRECT reads)."""
+        t0 = time.perf_counter()
+        if self.fd < 0:
+            src, dst = self.source, self.dst
+            for off, n in common.chunks(self.total, block):
+                np.copyto(dst[off : off + n], src[off : off + n])
+        else:
+            fd, view = self.fd, self.source_view
+            for off, n in common.chunks(self.total, block):
+                got = os.preadv(fd, [view[off : off + n]], FILE_HEADER_BYTES + off)
+                if got != n:
+                    raise OSError(f"short O_DIRECT read: {got} of {n} bytes at {off}")
+        return time.perf_counter() - t0
 
 
-def _measure_block(setup: _Setup, block: int, repeats: int, warmup: int,
-                   expected_crc: int) -> dict[str, Any]:
-  engine_s, ceiling_s, submit_s = common.Samples(), common.Samples(), common.Samples()
-  verified = None
+def _measure_block(
+    setup: _Setup, block: int, repeats: int, warmup: int, expected_crc: int
+) -> dict[str, Any]:
+    engine_s, ceiling_s, submit_s = common.Samples(), common.Samples(), common.Samples()
+    verified = None
 
-  def engine_run() -> float:
-    nonlocal verified
-    s, sub = setup.engine_once(block)
-    if verified is None:  # First (warm-up) run: the fetched bytes are the written ones.
-      verified = zlib.crc32(setup.dst) == expected_crc
-      if not verified:
-        raise AssertionError(f"engine fetched wrong bytes (block {block})")
-    submit_s.add(sub)
-    return s
+    def engine_run() -> float:
+        nonlocal verified
+        s, sub = setup.engine_once(block)
+        if verified is None:  # First (warm-up) run: the fetched bytes are the written ones.
+            verified = zlib.crc32(setup.dst) == expected_crc
+            if not verified:
+                raise AssertionError(f"engine fetched wrong bytes (block {block})")
+        submit_s.add(sub)
+        return s
 
-  def ceiling_run() -> float:
-    return setup.ceiling_once(block)
+    def ceiling_run() -> float:
+        return setup.ceiling_once(block)
 
-  setup.engine.reset_stats()
-  samples = common.interleaved({"engine": engine_run, "ceiling": ceiling_run}, repeats, warmup,
-                               {"engine": engine_s, "ceiling": ceiling_s})
-  fetch = setup.engine.stats()["tiers"][setup.tier]["fetch"]
-  total = setup.total
-  paired = [c / e for e, c in zip(samples["engine"].seconds, samples["ceiling"].seconds)]
-  return {
-      "engine_gbps": total / engine_s.median / 1e9,
-      "ceiling_gbps": total / ceiling_s.median / 1e9,
-      "ratio": ceiling_s.median / engine_s.median,
-      "ratio_paired_median": statistics.median(paired),
-      **engine_s.ms("engine"),
-      **ceiling_s.ms("ceiling"),
-      "engine_submit_ms_median": statistics.median(submit_s.seconds[warmup:]) * 1e3,
-      "engine_busy_gbps": fetch["gbps"],
-      "verified": bool(verified),
-  }
+    setup.engine.reset_stats()
+    samples = common.interleaved(
+        {"engine": engine_run, "ceiling": ceiling_run},
+        repeats,
+        warmup,
+        {"engine": engine_s, "ceiling": ceiling_s},
+    )
+    fetch = setup.engine.stats()["tiers"][setup.tier]["fetch"]
+    total = setup.total
+    paired = [c / e for e, c in zip(samples["engine"].seconds, samples["ceiling"].seconds)]
+    return {
+        "engine_gbps": total / engine_s.median / 1e9,
+        "ceiling_gbps": total / ceiling_s.median / 1e9,
+        "ratio": ceiling_s.median / engine_s.median,
+        "ratio_paired_median": statistics.median(paired),
+        **engine_s.ms("engine"),
+        **ceiling_s.ms("ceiling"),
+        "engine_submit_ms_median": statistics.median(submit_s.seconds[warmup:]) * 1e3,
+        "engine_busy_gbps": fetch["gbps"],
+        "verified": bool(verified),
+    }
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-  """Runs the sweep; returns one row per (affinity, block size)."""
-  if args.repeats < 1 or args.warmup < 1:
-    raise SystemExit("--repeats and --warmup must be >= 1 (the warm-up run verifies bytes)")
-  blocks = args.block_bytes or list(DEFAULT_BLOCKS)
-  total = _clamp_total(args.tier, args.total_bytes or DEFAULT_TOTAL[args.tier])
-  ceiling_kind = ("single-thread np.copyto" if args.tier == "host"
-                  else "sequential O_DIRECT preadv, one reader")
+    """Runs the sweep; returns one row per (affinity, block size)."""
+    if args.repeats < 1 or args.warmup < 1:
+        raise SystemExit("--repeats and --warmup must be >= 1 (the warm-up run verifies bytes)")
+    blocks = args.block_bytes or list(DEFAULT_BLOCKS)
+    total = _clamp_total(args.tier, args.total_bytes or DEFAULT_TOTAL[args.tier])
+    ceiling_kind = (
+        "single-thread np.copyto"
+        if args.tier == "host"
+        else "sequential O_DIRECT preadv, one reader"
+    )
 
-  # Buffers shared by every configuration: the bytes (ceiling source for host, ceiling
-  # destination for file -- page aligned either way) and the engine's XLA-like destination.
-  mapping, source = common.page_aligned_buffer(total, huge_pages=args.tier == "host")
-  common.fill_random(source, seed=1234)
-  expected_crc = zlib.crc32(source)
-  dst = common.xla_like_buffer(total, args.dst_align)
-  name = f"tpusync-bench-{os.getpid()}"
+    # Buffers shared by every configuration: the bytes (ceiling source for host, ceiling
+    # destination for file -- page aligned either way) and the engine's XLA-like destination.
+    mapping, source = common.page_aligned_buffer(total, huge_pages=args.tier == "host")
+    common.fill_random(source, seed=1234)
+    expected_crc = zlib.crc32(source)
+    dst = common.xla_like_buffer(total, args.dst_align)
+    name = f"tpusync-bench-{os.getpid()}"
 
-  rows = []
-  try:
-    for label, cpus in affinity_configs(args.affinity):
-      setup = _Setup(args, total, cpus, source, dst, name)
-      try:
-        print(f"[{label}] {setup.info.description}; ceiling: {ceiling_kind}; "
-              f"{common.format_bytes(total)} per run, dst aligned to "
-              f"{common.address_alignment(dst)} B")
-        if args.tier == "file" and not setup.info.direct_io:
-          print("warning: no O_DIRECT in this directory: both sides read the page cache")
-        for block in blocks:
-          m = _measure_block(setup, block, args.repeats, args.warmup, expected_crc)
-          row = {"tier": args.tier, "affinity": label, "worker_cpus": list(cpus),
-                 "block_bytes": block, "total_bytes": total, **m,
-                 "repeats": args.repeats, "workers": args.workers,
-                 "chunk_bytes": args.chunk_bytes, "direct_io": setup.info.direct_io,
-                 "dst_alignment": common.address_alignment(dst), "ceiling": ceiling_kind}
-          rows.append(row)
-          print(f"  {common.format_bytes(block):>8}: engine {m['engine_gbps']:.2f} GB/s, "
-                f"ceiling {m['ceiling_gbps']:.2f} GB/s, ratio {m['ratio']:.3f}", flush=True)
-      finally:
-        setup.close()
-  finally:
-    if args.tier == "file" and not args.keep_file:
-      directory = os.path.abspath(args.path or os.getcwd())
-      try:
-        os.unlink(os.path.join(directory, name + ".tpusync"))
-      except FileNotFoundError:
-        pass
-    del mapping  # Unmapped once the last view of it is gone.
-  return rows
+    rows = []
+    try:
+        for label, cpus in affinity_configs(args.affinity):
+            setup = _Setup(args, total, cpus, source, dst, name)
+            try:
+                print(
+                    f"[{label}] {setup.info.description}; ceiling: {ceiling_kind}; "
+                    f"{common.format_bytes(total)} per run, dst aligned to "
+                    f"{common.address_alignment(dst)} B"
+                )
+                if args.tier == "file" and not setup.info.direct_io:
+                    print("warning: no O_DIRECT in this directory: both sides read the page cache")
+                for block in blocks:
+                    m = _measure_block(setup, block, args.repeats, args.warmup, expected_crc)
+                    row = {
+                        "tier": args.tier,
+                        "affinity": label,
+                        "worker_cpus": list(cpus),
+                        "block_bytes": block,
+                        "total_bytes": total,
+                        **m,
+                        "repeats": args.repeats,
+                        "workers": args.workers,
+                        "chunk_bytes": args.chunk_bytes,
+                        "direct_io": setup.info.direct_io,
+                        "dst_alignment": common.address_alignment(dst),
+                        "ceiling": ceiling_kind,
+                    }
+                    rows.append(row)
+                    print(
+                        f"  {common.format_bytes(block):>8}: engine {m['engine_gbps']:.2f} GB/s, "
+                        f"ceiling {m['ceiling_gbps']:.2f} GB/s, ratio {m['ratio']:.3f}",
+                        flush=True,
+                    )
+            finally:
+                setup.close()
+    finally:
+        if args.tier == "file" and not args.keep_file:
+            directory = os.path.abspath(args.path or os.getcwd())
+            try:
+                os.unlink(os.path.join(directory, name + ".tpusync"))
+            except FileNotFoundError:
+                pass
+        del mapping  # Unmapped once the last view of it is gone.
+    return rows

@@ -36,9 +36,11 @@ class TinyDecoder:
 
     def qkv(self, x, layer):
         b, t, _ = x.shape
-        return ((x @ self.wq[layer]).reshape(b, t, self.q_heads, HEAD_DIM),
-                (x @ self.wk[layer]).reshape(b, t, self.kv_heads, HEAD_DIM),
-                (x @ self.wv[layer]).reshape(b, t, self.kv_heads, HEAD_DIM))
+        return (
+            (x @ self.wq[layer]).reshape(b, t, self.q_heads, HEAD_DIM),
+            (x @ self.wk[layer]).reshape(b, t, self.kv_heads, HEAD_DIM),
+            (x @ self.wv[layer]).reshape(b, t, self.kv_heads, HEAD_DIM),
+        )
 
     def offloaded_step(self, *, scan: bool, windows=WINDOWS, **attn_kwargs):
         def layer_fn(x, state, layer):
@@ -48,8 +50,10 @@ class TinyDecoder:
 
         def step(x, state):
             if scan:
+
                 def body(carry, layer):
                     return layer_fn(*carry, layer), None
+
                 (x, state), _ = jax.lax.scan(body, (x, state), jnp.arange(LAYERS))
                 return x, state
             for layer in range(LAYERS):
@@ -61,35 +65,57 @@ class TinyDecoder:
     def resident_step(self, unit_len, *, scan: bool, windows=WINDOWS, **attn_kwargs):
         def layer_fn(x, ck, cv, lengths, layer, window):
             q, k, v = self.qkv(x, layer)
-            o, ck, cv = tps.resident_attention(q, k, v, ck, cv, lengths, window=window,
-                                               unit_len=unit_len, **attn_kwargs)
+            o, ck, cv = tps.resident_attention(
+                q, k, v, ck, cv, lengths, window=window, unit_len=unit_len, **attn_kwargs
+            )
             return x + o.reshape(x.shape), ck, cv
 
         def step(x, cache_k, cache_v, lengths):
             if scan and len(set(windows)) == 1:
+
                 def body(x, inputs):
                     layer, ck, cv = inputs
                     x, ck, cv = layer_fn(x, ck, cv, lengths, layer, windows[0])
                     return x, (ck, cv)
+
                 x, (cache_k, cache_v) = jax.lax.scan(
-                    body, x, (jnp.arange(LAYERS), cache_k, cache_v))
+                    body, x, (jnp.arange(LAYERS), cache_k, cache_v)
+                )
             else:
                 for layer in range(LAYERS):
-                    x, ck, cv = layer_fn(x, cache_k[layer], cache_v[layer], lengths, layer,
-                                         windows[layer])
+                    x, ck, cv = layer_fn(
+                        x, cache_k[layer], cache_v[layer], lengths, layer, windows[layer]
+                    )
                     cache_k, cache_v = cache_k.at[layer].set(ck), cache_v.at[layer].set(cv)
             return x, cache_k, cache_v, lengths + x.shape[1]
 
         return jax.jit(step)
 
 
-def make_cache(tier, tmp_path, *, staging_bytes, dtype=jnp.float32, windows=WINDOWS,
-               kv_heads=KV_HEADS, **kwargs):
+def make_cache(
+    tier,
+    tmp_path,
+    *,
+    staging_bytes,
+    dtype=jnp.float32,
+    windows=WINDOWS,
+    kv_heads=KV_HEADS,
+    **kwargs,
+):
     extra = dict(path=tmp_path) if tier == "file" else {}
     return tps.OffloadedKVCache(
-        num_layers=LAYERS, batch=BATCH, max_len=MAX_LEN, num_kv_heads=kv_heads,
-        head_dim=HEAD_DIM, dtype=dtype, tier=tier, staging_bytes=staging_bytes,
-        sliding_window=list(windows), **extra, **kwargs)
+        num_layers=LAYERS,
+        batch=BATCH,
+        max_len=MAX_LEN,
+        num_kv_heads=kv_heads,
+        head_dim=HEAD_DIM,
+        dtype=dtype,
+        tier=tier,
+        staging_bytes=staging_bytes,
+        sliding_window=list(windows),
+        **extra,
+        **kwargs,
+    )
 
 
 def preload(cache, rng, dtype=np.float32, kv_heads=KV_HEADS):
@@ -100,8 +126,9 @@ def preload(cache, rng, dtype=np.float32, kv_heads=KV_HEADS):
     state = cache.init()
     n = int(CONTEXT.max())
     for layer in range(LAYERS):
-        state = cache.load(state, layer, cache_k[layer, :, :n], cache_v[layer, :, :n],
-                           lengths=CONTEXT)
+        state = cache.load(
+            state, layer, cache_k[layer, :, :n], cache_v[layer, :, :n], lengths=CONTEXT
+        )
     return state, jnp.asarray(cache_k), jnp.asarray(cache_v)
 
 
@@ -110,13 +137,21 @@ UNCHUNKED = 1 << 20
 CHUNKED = 2 * 2 * BATCH * 8 * KV_HEADS * HEAD_DIM * 4
 
 
-@pytest.mark.parametrize("tier,staging_bytes,scan", [
-    ("host", UNCHUNKED, False),
-    ("file", CHUNKED, False),
-    ("host", CHUNKED, True),
-    ("file", UNCHUNKED, True),
-], ids=["host-unchunked-unrolled", "file-chunked-unrolled", "host-chunked-scan",
-        "file-unchunked-scan"])
+@pytest.mark.parametrize(
+    "tier,staging_bytes,scan",
+    [
+        ("host", UNCHUNKED, False),
+        ("file", CHUNKED, False),
+        ("host", CHUNKED, True),
+        ("file", UNCHUNKED, True),
+    ],
+    ids=[
+        "host-unchunked-unrolled",
+        "file-chunked-unrolled",
+        "host-chunked-scan",
+        "file-unchunked-scan",
+    ],
+)
 def test_decoder_matches_resident_bitwise(tier, staging_bytes, scan, tmp_path):
     """N steps (a 3-token prefill chunk, then decode) give the resident model's logits."""
     windows = WINDOWS if not scan else (None,) * LAYERS  # scan+mixed windows: see below
@@ -129,8 +164,9 @@ def test_decoder_matches_resident_bitwise(tier, staging_bytes, scan, tmp_path):
         offloaded = model.offloaded_step(scan=scan, windows=windows)
         resident = model.resident_step(cache.spec.chunk_len, scan=scan, windows=windows)
         for step in range(5):
-            x = jnp.asarray(rng.standard_normal((BATCH, 3 if step == 0 else 1,
-                                                 Q_HEADS * HEAD_DIM)), jnp.float32)
+            x = jnp.asarray(
+                rng.standard_normal((BATCH, 3 if step == 0 else 1, Q_HEADS * HEAD_DIM)), jnp.float32
+            )
             got, state = offloaded(x, state)
             want, ck, cv, lengths = resident(x, ck, cv, lengths)
             np.testing.assert_array_equal(np.asarray(state.lengths), np.asarray(lengths))
@@ -165,25 +201,38 @@ def test_scan_with_mixed_windows_matches(staging_bytes, tmp_path):
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype,kv_heads,soft_cap", [
-    (jnp.float32, 2, None),
-    (jnp.bfloat16, 1, 5.0),
-    (jnp.float32, 4, 5.0),
-    (jnp.bfloat16, 2, None),
-], ids=["f32-gqa", "bf16-mqa-softcap", "f32-mha-softcap", "bf16-gqa"])
+@pytest.mark.parametrize(
+    "dtype,kv_heads,soft_cap",
+    [
+        (jnp.float32, 2, None),
+        (jnp.bfloat16, 1, 5.0),
+        (jnp.float32, 4, 5.0),
+        (jnp.bfloat16, 2, None),
+    ],
+    ids=["f32-gqa", "bf16-mqa-softcap", "f32-mha-softcap", "bf16-gqa"],
+)
 def test_against_plain_softmax(dtype, kv_heads, soft_cap, tmp_path):
     """One chunked-prefill call equals one-shot softmax attention over cache + new tokens."""
     rng = np.random.default_rng(4)
     q_len = 4
-    with make_cache("host", tmp_path, staging_bytes=CHUNKED // 2 * kv_heads // KV_HEADS,
-                    dtype=dtype, kv_heads=kv_heads) as cache:
+    with make_cache(
+        "host",
+        tmp_path,
+        staging_bytes=CHUNKED // 2 * kv_heads // KV_HEADS,
+        dtype=dtype,
+        kv_heads=kv_heads,
+    ) as cache:
         state, ck, cv = preload(cache, rng, dtype=jnp.dtype(dtype), kv_heads=kv_heads)
         q = jnp.asarray(rng.standard_normal((BATCH, q_len, Q_HEADS, HEAD_DIM)), dtype)
         k = jnp.asarray(rng.standard_normal((BATCH, q_len, kv_heads, HEAD_DIM)), dtype)
         v = jnp.asarray(rng.standard_normal((BATCH, q_len, kv_heads, HEAD_DIM)), dtype)
         # One compilation for all layers: the layer index is traced.
-        fn = jax.jit(lambda q, k, v, state, layer: tps.prefetching_attention(
-            q, k, v, state, layer=layer, soft_cap=soft_cap), donate_argnums=(3,))
+        fn = jax.jit(
+            lambda q, k, v, state, layer: tps.prefetching_attention(
+                q, k, v, state, layer=layer, soft_cap=soft_cap
+            ),
+            donate_argnums=(3,),
+        )
         for layer in range(LAYERS):
             got, state = fn(q, k, v, state, layer)
             # Oracle: write the new tokens into a resident cache, attend in one shot.
@@ -191,14 +240,22 @@ def test_against_plain_softmax(dtype, kv_heads, soft_cap, tmp_path):
             full_v = cv[layer]
             for b in range(BATCH):
                 n = CONTEXT[b]
-                full_k = full_k.at[b, n:n + q_len].set(k[b])
-                full_v = full_v.at[b, n:n + q_len].set(v[b])
+                full_k = full_k.at[b, n : n + q_len].set(k[b])
+                full_v = full_v.at[b, n : n + q_len].set(v[b])
             want = kref.attention_reference(
-                q, full_k, full_v, jnp.asarray(CONTEXT), jnp.asarray(CONTEXT + q_len),
-                scale=1 / np.sqrt(HEAD_DIM), soft_cap=soft_cap, window=WINDOWS[layer])
+                q,
+                full_k,
+                full_v,
+                jnp.asarray(CONTEXT),
+                jnp.asarray(CONTEXT + q_len),
+                scale=1 / np.sqrt(HEAD_DIM),
+                soft_cap=soft_cap,
+                window=WINDOWS[layer],
+            )
             tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5
-            np.testing.assert_allclose(np.asarray(got, np.float32),
-                                       np.asarray(want, np.float32), atol=tol, rtol=tol)
+            np.testing.assert_allclose(
+                np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol
+            )
         np.testing.assert_array_equal(np.asarray(state.lengths), CONTEXT + q_len)
 
 
@@ -212,14 +269,24 @@ def test_out_of_order_layers_are_refetched_never_stale(tmp_path):
     with make_cache("file", tmp_path, staging_bytes=UNCHUNKED) as cache:
         state, ck, cv = preload(cache, rng)
         x = jnp.asarray(rng.standard_normal((BATCH, 1, Q_HEADS * HEAD_DIM)), jnp.float32)
-        fn = jax.jit(lambda q, k, v, state, layer: tps.prefetching_attention(
-            q, k, v, state, layer=layer), donate_argnums=(3,))
+        fn = jax.jit(
+            lambda q, k, v, state, layer: tps.prefetching_attention(q, k, v, state, layer=layer),
+            donate_argnums=(3,),
+        )
         oracle = jax.jit(tps.resident_attention, static_argnames=("window", "unit_len"))
         for layer in (1, 0, 2):
             q, k, v = model.qkv(x, layer)
             got, state = fn(q, k, v, state, layer)
-            want, _, _ = oracle(q, k, v, ck[layer], cv[layer], jnp.asarray(CONTEXT),
-                                window=WINDOWS[layer], unit_len=cache.spec.chunk_len)
+            want, _, _ = oracle(
+                q,
+                k,
+                v,
+                ck[layer],
+                cv[layer],
+                jnp.asarray(CONTEXT),
+                window=WINDOWS[layer],
+                unit_len=cache.spec.chunk_len,
+            )
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
         assert cache.engine.stats()["prefetch_misses"] >= 2
 
@@ -227,9 +294,17 @@ def test_out_of_order_layers_are_refetched_never_stale(tmp_path):
 def test_device_bytes_do_not_grow_with_context(tmp_path):
     sizes = []
     for max_len in (1 << 10, 1 << 20):
-        with tps.OffloadedKVCache(num_layers=2, batch=1, max_len=max_len, num_kv_heads=1,
-                                  head_dim=8, dtype=jnp.float32, tier="file", path=tmp_path,
-                                  staging_bytes=1 << 16) as cache:
+        with tps.OffloadedKVCache(
+            num_layers=2,
+            batch=1,
+            max_len=max_len,
+            num_kv_heads=1,
+            head_dim=8,
+            dtype=jnp.float32,
+            tier="file",
+            path=tmp_path,
+            staging_bytes=1 << 16,
+        ) as cache:
             sizes.append(cache.spec.device_bytes)
             assert cache.spec.device_bytes <= 1 << 16
     assert sizes[0] == sizes[1]
@@ -239,9 +314,17 @@ def test_million_token_context_decodes_on_file_tier(tmp_path):
     """1M cached tokens stream through a 1 MiB staging budget; output matches the oracle."""
     max_len, n = 1 << 20, (1 << 20) - 8
     rng = np.random.default_rng(9)
-    with tps.OffloadedKVCache(num_layers=1, batch=1, max_len=max_len, num_kv_heads=1,
-                              head_dim=8, dtype=jnp.float32, tier="file", path=tmp_path,
-                              staging_bytes=1 << 20) as cache:
+    with tps.OffloadedKVCache(
+        num_layers=1,
+        batch=1,
+        max_len=max_len,
+        num_kv_heads=1,
+        head_dim=8,
+        dtype=jnp.float32,
+        tier="file",
+        path=tmp_path,
+        staging_bytes=1 << 20,
+    ) as cache:
         k_all = rng.standard_normal((1, n, 1, 8)).astype(np.float32)
         v_all = rng.standard_normal((1, n, 1, 8)).astype(np.float32)
         state = cache.load(cache.init(), 0, k_all, v_all)
@@ -250,14 +333,18 @@ def test_million_token_context_decodes_on_file_tier(tmp_path):
         q = jnp.asarray(rng.standard_normal((1, 1, 2, 8)), jnp.float32)
         k = jnp.asarray(rng.standard_normal((1, 1, 1, 8)), jnp.float32)
         v = jnp.asarray(rng.standard_normal((1, 1, 1, 8)), jnp.float32)
-        fn = jax.jit(functools.partial(tps.prefetching_attention, layer=0),
-                     donate_argnums=(3,))
+        fn = jax.jit(functools.partial(tps.prefetching_attention, layer=0), donate_argnums=(3,))
         got, state = fn(q, k, v, state)
         full_k = np.concatenate([k_all, np.asarray(k)], axis=1)
         full_v = np.concatenate([v_all, np.asarray(v)], axis=1)
-        want = kref.attention_reference(q, jnp.asarray(full_k), jnp.asarray(full_v),
-                                        jnp.asarray([n]), jnp.asarray([n + 1]),
-                                        scale=1 / np.sqrt(8))
+        want = kref.attention_reference(
+            q,
+            jnp.asarray(full_k),
+            jnp.asarray(full_v),
+            jnp.asarray([n]),
+            jnp.asarray([n + 1]),
+            scale=1 / np.sqrt(8),
+        )
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-4)
         assert int(state.lengths[0]) == n + 1
         cache.drain(state)
@@ -266,9 +353,17 @@ def test_million_token_context_decodes_on_file_tier(tmp_path):
 def test_persistent_file_cache_reattaches(tmp_path):
     rng = np.random.default_rng(10)
     kv = rng.standard_normal((2, BATCH, 7, KV_HEADS, HEAD_DIM)).astype(np.float32)
-    kwargs = dict(num_layers=1, batch=BATCH, max_len=MAX_LEN, num_kv_heads=KV_HEADS,
-                  head_dim=HEAD_DIM, dtype=jnp.float32, tier="file", path=tmp_path,
-                  file_name="kv")
+    kwargs = dict(
+        num_layers=1,
+        batch=BATCH,
+        max_len=MAX_LEN,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype=jnp.float32,
+        tier="file",
+        path=tmp_path,
+        file_name="kv",
+    )
     with tps.OffloadedKVCache(**kwargs) as cache:
         cache.load(cache.init(), 0, kv[0], kv[1])
     with tps.OffloadedKVCache(**kwargs) as cache:
@@ -294,33 +389,40 @@ def test_pallas_implementation_matches_xla(dtype, tmp_path):
     for implementation in ("xla", "pallas"):
         with make_cache("host", tmp_path, staging_bytes=UNCHUNKED, dtype=dtype) as cache:
             state, _, _ = preload(cache, np.random.default_rng(13), dtype=jnp.dtype(dtype))
-            step = model.offloaded_step(scan=False, implementation=implementation,
-                                        block_kv=16)
+            step = model.offloaded_step(scan=False, implementation=implementation, block_kv=16)
             outs[implementation], state = step(x, state)
             cache.drain(state)
     tol = PALLAS_TOLERANCE[dtype]
-    np.testing.assert_allclose(np.asarray(outs["pallas"], np.float32),
-                               np.asarray(outs["xla"], np.float32), atol=tol, rtol=tol)
+    np.testing.assert_allclose(
+        np.asarray(outs["pallas"], np.float32),
+        np.asarray(outs["xla"], np.float32),
+        atol=tol,
+        rtol=tol,
+    )
 
 
-def _qkv(q_heads=Q_HEADS, kv_heads=KV_HEADS, q_len=1, batch=BATCH, head_dim=HEAD_DIM,
-         dtype=jnp.float32):
+def _qkv(
+    q_heads=Q_HEADS, kv_heads=KV_HEADS, q_len=1, batch=BATCH, head_dim=HEAD_DIM, dtype=jnp.float32
+):
     q = jnp.zeros((batch, q_len, q_heads, head_dim), dtype)
     kv = jnp.zeros((batch, q_len, kv_heads, head_dim), dtype)
     return q, kv, kv
 
 
-@pytest.mark.parametrize("args,kwargs,match", [
-    (_qkv(q_heads=3), {}, "num_q_heads=3 must be a multiple of num_kv_heads=2"),
-    (_qkv(kv_heads=1), {}, r"k must be \[batch, q_len, num_kv_heads, head_dim\]"),
-    (_qkv(batch=3), {}, "q has batch=3 but the cache was made for batch=2"),
-    (_qkv(head_dim=8), {}, "q has head_dim=8 but the cache has head_dim=16"),
-    (_qkv(dtype=jnp.int32), {}, "q.dtype must be bfloat16, float16 or float32"),
-    ((jnp.zeros((BATCH, Q_HEADS, HEAD_DIM)),) + _qkv()[1:], {}, "q must be rank 4"),
-    (_qkv(), {"layer": LAYERS}, "layer=3 is out of range for a cache of 3 layers"),
-    (_qkv(), {"layer": -1}, "layer=-1 is out of range"),
-    (_qkv(), {"implementation": "cuda"}, "implementation='cuda' must be one of"),
-])
+@pytest.mark.parametrize(
+    "args,kwargs,match",
+    [
+        (_qkv(q_heads=3), {}, "num_q_heads=3 must be a multiple of num_kv_heads=2"),
+        (_qkv(kv_heads=1), {}, r"k must be \[batch, q_len, num_kv_heads, head_dim\]"),
+        (_qkv(batch=3), {}, "q has batch=3 but the cache was made for batch=2"),
+        (_qkv(head_dim=8), {}, "q has head_dim=8 but the cache has head_dim=16"),
+        (_qkv(dtype=jnp.int32), {}, "q.dtype must be bfloat16, float16 or float32"),
+        ((jnp.zeros((BATCH, Q_HEADS, HEAD_DIM)),) + _qkv()[1:], {}, "q must be rank 4"),
+        (_qkv(), {"layer": LAYERS}, "layer=3 is out of range for a cache of 3 layers"),
+        (_qkv(), {"layer": -1}, "layer=-1 is out of range"),
+        (_qkv(), {"implementation": "cuda"}, "implementation='cuda' must be one of"),
+    ],
+)
 def test_bad_arguments_are_named(args, kwargs, match, tmp_path):
     with make_cache("host", tmp_path, staging_bytes=UNCHUNKED) as cache:
         kwargs = {"layer": 0, **kwargs}
@@ -334,8 +436,10 @@ def test_state_must_be_a_kvstate():
 
 
 def test_state_from_another_cache_is_refused(tmp_path):
-    with make_cache("host", tmp_path, staging_bytes=UNCHUNKED) as a, \
-            make_cache("host", tmp_path, staging_bytes=UNCHUNKED) as b:
+    with (
+        make_cache("host", tmp_path, staging_bytes=UNCHUNKED) as a,
+        make_cache("host", tmp_path, staging_bytes=UNCHUNKED) as b,
+    ):
         kv = np.zeros((BATCH, 4, KV_HEADS, HEAD_DIM), np.float32)
         with pytest.raises(ValueError, match="state belongs to cache"):
             b.load(a.init(), 0, kv, kv)
@@ -347,8 +451,7 @@ def test_context_overflow_past_max_len_is_an_error(tmp_path):
     """Appending past max_len inside jit fails in the engine instead of corrupting KV."""
     with make_cache("host", tmp_path, staging_bytes=UNCHUNKED) as cache:
         state = cache.init(lengths=[MAX_LEN - 2, 0])
-        fn = jax.jit(functools.partial(tps.prefetching_attention, layer=0),
-                     donate_argnums=(3,))
+        fn = jax.jit(functools.partial(tps.prefetching_attention, layer=0), donate_argnums=(3,))
         with pytest.raises(Exception, match="context overflow"):
             out, state = fn(*_qkv(q_len=4), state)
             out.block_until_ready()

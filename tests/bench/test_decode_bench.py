@@ -23,155 +23,250 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "long_context_decode.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-TINY = ["--tier", "host", "--context", "600", "--layers", "1", "--q-heads", "2",
-        "--kv-heads", "1", "--head-dim", "32", "--staging-bytes", "32K", "--steps", "5",
-        "--block", "2", "--warmup", "0"]
+TINY = [
+    "--tier",
+    "host",
+    "--context",
+    "600",
+    "--layers",
+    "1",
+    "--q-heads",
+    "2",
+    "--kv-heads",
+    "1",
+    "--head-dim",
+    "32",
+    "--staging-bytes",
+    "32K",
+    "--steps",
+    "5",
+    "--block",
+    "2",
+    "--warmup",
+    "0",
+]
 
 
 def _parser():
-  subs = tuple(bench_main.SUBCOMMANDS)
-  if "decode" not in subs:
-    subs += ("decode",)
-  return bench_main.build_parser(subs)
+    subs = tuple(bench_main.SUBCOMMANDS)
+    if "decode" not in subs:
+        subs += ("decode",)
+    return bench_main.build_parser(subs)
 
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
-  out = tmp_path_factory.mktemp("decode")
-  paths = dict(json=str(out / "decode.json"), plot=str(out / "decode.png"),
-               trace=str(out / "trace.json"))
-  args = _parser().parse_args(["decode", *TINY, "--json", paths["json"], "--plot",
-                               paths["plot"], "--trace", paths["trace"]])
-  results = args.run(args)
-  bench_main.print_results(results, args.columns)
-  common.write_json(args.json, args.subcommand, args, results)
-  return results, paths
+    out = tmp_path_factory.mktemp("decode")
+    paths = dict(
+        json=str(out / "decode.json"), plot=str(out / "decode.png"), trace=str(out / "trace.json")
+    )
+    args = _parser().parse_args(
+        [
+            "decode",
+            *TINY,
+            "--json",
+            paths["json"],
+            "--plot",
+            paths["plot"],
+            "--trace",
+            paths["trace"],
+        ]
+    )
+    results = args.run(args)
+    bench_main.print_results(results, args.columns)
+    common.write_json(args.json, args.subcommand, args, results)
+    return results, paths
 
 
 def test_decode_json_has_every_key(bench_run):
-  results, paths = bench_run
-  with open(paths["json"]) as f:
-    doc = json.load(f)
-  assert doc["subcommand"] == "decode"
-  res = doc["results"]
-  for name in decode.VARIANTS:
-    for suffix in ("", "_min", "_max"):
-      assert res[f"t_{name}_ms{suffix}"] > 0, name
-  for key in ("overlap_efficiency", "overlap_efficiency_compute", "prefetch_over_max",
-              "max_abs_err", "device_bytes", "kv_bytes", "tokens_per_s", "prefetch_hits",
-              "prefetch_misses", "prefetch_fetch_gbps", "transfer_fetch_gbps",
-              "device_bytes_by_context", "targets", "jax_offload_label", "timeline_summary"):
-    assert key in res, key
-  assert res["samples_per_variant"] >= 5
-  assert res["units_per_layer"] > 1  # The tiny size still exercises the chunk loop.
-  assert res["jax_offload_label"] in ("noop-on-cpu", "unsupported") or "->" in \
-      res["jax_offload_label"]
+    results, paths = bench_run
+    with open(paths["json"]) as f:
+        doc = json.load(f)
+    assert doc["subcommand"] == "decode"
+    res = doc["results"]
+    for name in decode.VARIANTS:
+        for suffix in ("", "_min", "_max"):
+            assert res[f"t_{name}_ms{suffix}"] > 0, name
+    for key in (
+        "overlap_efficiency",
+        "overlap_efficiency_compute",
+        "prefetch_over_max",
+        "max_abs_err",
+        "device_bytes",
+        "kv_bytes",
+        "tokens_per_s",
+        "prefetch_hits",
+        "prefetch_misses",
+        "prefetch_fetch_gbps",
+        "transfer_fetch_gbps",
+        "device_bytes_by_context",
+        "targets",
+        "jax_offload_label",
+        "timeline_summary",
+    ):
+        assert key in res, key
+    assert res["samples_per_variant"] >= 5
+    assert res["units_per_layer"] > 1  # The tiny size still exercises the chunk loop.
+    assert (
+        res["jax_offload_label"] in ("noop-on-cpu", "unsupported")
+        or "->" in res["jax_offload_label"]
+    )
 
 
 def test_decode_outputs_match_resident(bench_run):
-  res, _ = bench_run
-  # Same operations in the same order: equal up to rounding of the bf16 output.
-  assert res["max_abs_err"] <= 1e-2 * max(1.0, res["output_abs_max"])
-  for name in ("sync", "jax_offload"):
-    assert res[f"{name}_max_abs_err"] <= 1e-2 * max(1.0, res["output_abs_max"]), name
-  assert res["prefetch_misses"] == 0 or res["prefetch_hits"] > res["prefetch_misses"]
+    res, _ = bench_run
+    # Same operations in the same order: equal up to rounding of the bf16 output.
+    assert res["max_abs_err"] <= 1e-2 * max(1.0, res["output_abs_max"])
+    for name in ("sync", "jax_offload"):
+        assert res[f"{name}_max_abs_err"] <= 1e-2 * max(1.0, res["output_abs_max"]), name
+    assert res["prefetch_misses"] == 0 or res["prefetch_hits"] > res["prefetch_misses"]
 
 
 def test_device_bytes_do_not_grow_with_context(bench_run):
-  res, _ = bench_run
-  by_ctx = res["device_bytes_by_context"]
-  assert by_ctx[str(32 * 1024)] == by_ctx[str(1024 * 1024)] == res["device_bytes"]
-  assert res["targets"]["device_bytes equal at 32K and 1M context"] is True
+    res, _ = bench_run
+    by_ctx = res["device_bytes_by_context"]
+    assert by_ctx[str(32 * 1024)] == by_ctx[str(1024 * 1024)] == res["device_bytes"]
+    assert res["targets"]["device_bytes equal at 32K and 1M context"] is True
 
 
 def test_trace_json_has_events(bench_run):
-  _, paths = bench_run
-  with open(paths["trace"]) as f:
-    trace = json.load(f)
-  events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-  cats = {e["cat"] for e in events}
-  assert {"fetch", "compute", "wait"} <= cats, cats
-  for e in events:
-    assert e["dur"] >= 0 and e["ts"] > 0
-    assert "layer" in e["args"]
-  fetches = [e for e in events if e["cat"] == "fetch"]
-  assert all(e["args"]["bytes"] > 0 for e in fetches)
-  names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
-  assert "compute" in names and any(n.startswith("fetch") for n in names)
+    _, paths = bench_run
+    with open(paths["trace"]) as f:
+        trace = json.load(f)
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    cats = {e["cat"] for e in events}
+    assert {"fetch", "compute", "wait"} <= cats, cats
+    for e in events:
+        assert e["dur"] >= 0 and e["ts"] > 0
+        assert "layer" in e["args"]
+    fetches = [e for e in events if e["cat"] == "fetch"]
+    assert all(e["args"]["bytes"] > 0 for e in fetches)
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert "compute" in names and any(n.startswith("fetch") for n in names)
 
 
 def test_plot_writes_png(bench_run):
-  _, paths = bench_run
-  with open(paths["plot"], "rb") as f:
-    assert f.read(8) == PNG_MAGIC
-  assert os.path.getsize(paths["plot"]) > 10_000
+    _, paths = bench_run
+    with open(paths["plot"], "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+    assert os.path.getsize(paths["plot"]) > 10_000
 
 
 def _synthetic_timeline() -> Timeline:
-  ms = 1_000_000
-  t0 = 10_000 * ms
-  transfers, waits, marks = [], [], []
-  ticket = 0
-  for step in range(2):
-    base = t0 + step * 50 * ms
-    for layer in range(3):
-      begin = base + layer * 10 * ms
-      marks += [(tl.MARK_COMPUTE_BEGIN, layer, -1, begin),
-                (tl.MARK_COMPUTE_END, layer, -1, begin + 8 * ms)]
-      for chunk in range(2):  # Two overlapping fetches: two lanes.
-        ticket += 1
-        transfers.append((ticket, 0, 0, (layer + 1) % 3, chunk, 1 << 20, begin, begin + ms,
-                          begin + 6 * ms, True))
-        waits.append((ticket, layer, chunk, begin + 2 * ms,
-                      begin + 2 * ms + (3 * ms if chunk else 1000)))
-      transfers.append((ticket + 100, 0, 1, layer, -1, 4096, begin, begin, begin + 1000, True))
-  return Timeline(transfers=transfers, waits=waits, marks=marks)
+    ms = 1_000_000
+    t0 = 10_000 * ms
+    transfers, waits, marks = [], [], []
+    ticket = 0
+    for step in range(2):
+        base = t0 + step * 50 * ms
+        for layer in range(3):
+            begin = base + layer * 10 * ms
+            marks += [
+                (tl.MARK_COMPUTE_BEGIN, layer, -1, begin),
+                (tl.MARK_COMPUTE_END, layer, -1, begin + 8 * ms),
+            ]
+            for chunk in range(2):  # Two overlapping fetches: two lanes.
+                ticket += 1
+                transfers.append(
+                    (
+                        ticket,
+                        0,
+                        0,
+                        (layer + 1) % 3,
+                        chunk,
+                        1 << 20,
+                        begin,
+                        begin + ms,
+                        begin + 6 * ms,
+                        True,
+                    )
+                )
+                waits.append(
+                    (
+                        ticket,
+                        layer,
+                        chunk,
+                        begin + 2 * ms,
+                        begin + 2 * ms + (3 * ms if chunk else 1000),
+                    )
+                )
+            transfers.append(
+                (ticket + 100, 0, 1, layer, -1, 4096, begin, begin, begin + 1000, True)
+            )
+    return Timeline(transfers=transfers, waits=waits, marks=marks)
 
 
 def test_timeline_from_synthetic_events(tmp_path):
-  timeline = _synthetic_timeline()
-  spans = tl.spans(timeline)
-  assert sum(s.kind == "compute" for s in spans) == 6
-  assert len(tl.step_starts(timeline)) == 2
-  summary = tl.summarize(timeline)
-  assert summary["steps"] == 2
-  assert summary["stalled_waits"] == 6  # The 3 ms waits; the 1 us ones did not stall.
-  assert summary["stall_ms_per_step"] == pytest.approx(9.0)
-  assert summary["per_layer"]["0"]["compute_ms"] == pytest.approx(8.0)
+    timeline = _synthetic_timeline()
+    spans = tl.spans(timeline)
+    assert sum(s.kind == "compute" for s in spans) == 6
+    assert len(tl.step_starts(timeline)) == 2
+    summary = tl.summarize(timeline)
+    assert summary["steps"] == 2
+    assert summary["stalled_waits"] == 6  # The 3 ms waits; the 1 us ones did not stall.
+    assert summary["stall_ms_per_step"] == pytest.approx(9.0)
+    assert summary["per_layer"]["0"]["compute_ms"] == pytest.approx(8.0)
 
-  trace = tl.chrome_trace(timeline, pid=1)
-  x = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-  assert len(x) == len(spans)
-  fetch_tracks = {e["tid"] for e in x if e["cat"] == "fetch"}
-  assert len(fetch_tracks) == 2  # Overlapping fetches go to separate lanes.
-  c = next(e for e in x if e["cat"] == "compute")
-  assert c["ts"] == pytest.approx(10_000_000.0) and c["dur"] == pytest.approx(8000.0)
+    trace = tl.chrome_trace(timeline, pid=1)
+    x = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(x) == len(spans)
+    fetch_tracks = {e["tid"] for e in x if e["cat"] == "fetch"}
+    assert len(fetch_tracks) == 2  # Overlapping fetches go to separate lanes.
+    c = next(e for e in x if e["cat"] == "compute")
+    assert c["ts"] == pytest.approx(10_000_000.0) and c["dur"] == pytest.approx(8000.0)
 
-  path = tl.write_chrome_trace(timeline, tmp_path / "t.json")
-  assert json.load(open(path))["traceEvents"]
-  png = tl.plot(timeline, tmp_path / "t.png", title="synthetic", last_steps=1)
-  assert open(png, "rb").read(8) == PNG_MAGIC
+    path = tl.write_chrome_trace(timeline, tmp_path / "t.json")
+    assert json.load(open(path))["traceEvents"]
+    png = tl.plot(timeline, tmp_path / "t.png", title="synthetic", last_steps=1)
+    assert open(png, "rb").read(8) == PNG_MAGIC
 
 
 def test_timeline_without_marks_or_events(tmp_path):
-  empty = Timeline(transfers=[], waits=[], marks=[])
-  assert tl.summarize(empty)["transfers"] == 0
-  assert [e for e in tl.chrome_trace(empty)["traceEvents"] if e["ph"] == "X"] == []
-  tl.plot(empty, tmp_path / "empty.png")
-  assert (tmp_path / "empty.png").stat().st_size > 0
+    empty = Timeline(transfers=[], waits=[], marks=[])
+    assert tl.summarize(empty)["transfers"] == 0
+    assert [e for e in tl.chrome_trace(empty)["traceEvents"] if e["ph"] == "X"] == []
+    tl.plot(empty, tmp_path / "empty.png")
+    assert (tmp_path / "empty.png").stat().st_size > 0
 
 
 def test_example_runs(tmp_path):
-  """The example at a tiny size, file tier, checked against the resident model."""
-  cmd = [sys.executable, str(EXAMPLE), "--context", "300", "--steps", "2", "--layers", "1",
-         "--d-model", "64", "--q-heads", "2", "--kv-heads", "1", "--head-dim", "16",
-         "--ffn", "64", "--vocab", "64", "--staging-mb", "0.01", "--tier", "file",
-         "--path", str(tmp_path), "--resident", "--json", str(tmp_path / "summary.json")]
-  # Run outside the source tree so the installed package is the one imported.
-  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
-  assert proc.stdout.count("tok/s") >= 2
-  summary = json.load(open(tmp_path / "summary.json"))
-  assert summary["device_bytes"] < summary["kv_bytes"]
-  assert summary["resident_max_abs_logit_diff"] < 1e-3
-  assert not list(tmp_path.glob(".tpusync-*"))  # The anonymous cache file is gone.
+    """The example at a tiny size, file tier, checked against the resident model."""
+    cmd = [
+        sys.executable,
+        str(EXAMPLE),
+        "--context",
+        "300",
+        "--steps",
+        "2",
+        "--layers",
+        "1",
+        "--d-model",
+        "64",
+        "--q-heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "16",
+        "--ffn",
+        "64",
+        "--vocab",
+        "64",
+        "--staging-mb",
+        "0.01",
+        "--tier",
+        "file",
+        "--path",
+        str(tmp_path),
+        "--resident",
+        "--json",
+        str(tmp_path / "summary.json"),
+    ]
+    # Run outside the source tree so the installed package is the one imported.
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("tok/s") >= 2
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["device_bytes"] < summary["kv_bytes"]
+    assert summary["resident_max_abs_logit_diff"] < 1e-3
+    assert not list(tmp_path.glob(".tpusync-*"))  # The anonymous cache file is gone.

@@ -19,66 +19,66 @@ _DIRECT_IO_BASES = ("/var/tmp", "/work")
 
 
 def _direct_io_works(directory: str) -> bool:
-  """Whether a file tier opened in `directory` uses O_DIRECT (asks the engine itself)."""
-  try:
-    with Engine() as e:
-      tier = e.add_file_tier(directory, block_bytes=4096, num_blocks=1)
-      return e.tier_info(tier).direct_io
-  except Exception:  # noqa: BLE001 - unusable directory: not a candidate.
-    return False
+    """Whether a file tier opened in `directory` uses O_DIRECT (asks the engine itself)."""
+    try:
+        with Engine() as e:
+            tier = e.add_file_tier(directory, block_bytes=4096, num_blocks=1)
+            return e.tier_info(tier).direct_io
+    except Exception:  # noqa: BLE001 - unusable directory: not a candidate.
+        return False
 
 
 @pytest.fixture
 def file_dir(tmp_path):
-  """A directory on a filesystem where the file tier really uses O_DIRECT."""
-  if _direct_io_works(str(tmp_path)):
-    yield str(tmp_path)
-    return
-  for base in _DIRECT_IO_BASES:
-    if not (os.path.isdir(base) and os.access(base, os.W_OK)):
-      continue
-    d = tempfile.mkdtemp(prefix="tpusync-test-", dir=base)
-    if _direct_io_works(d):
-      try:
-        yield d
-      finally:
+    """A directory on a filesystem where the file tier really uses O_DIRECT."""
+    if _direct_io_works(str(tmp_path)):
+        yield str(tmp_path)
+        return
+    for base in _DIRECT_IO_BASES:
+        if not (os.path.isdir(base) and os.access(base, os.W_OK)):
+            continue
+        d = tempfile.mkdtemp(prefix="tpusync-test-", dir=base)
+        if _direct_io_works(d):
+            try:
+                yield d
+            finally:
+                shutil.rmtree(d, ignore_errors=True)
+            return
         shutil.rmtree(d, ignore_errors=True)
-      return
-    shutil.rmtree(d, ignore_errors=True)
-  pytest.skip("no writable filesystem here supports O_DIRECT")
+    pytest.skip("no writable filesystem here supports O_DIRECT")
 
 
 @pytest.fixture
 def make_engine():
-  """Engine factory; every engine it made is closed at teardown."""
-  engines: list[Engine] = []
+    """Engine factory; every engine it made is closed at teardown."""
+    engines: list[Engine] = []
 
-  def make(config: EngineConfig | None = None, **overrides) -> Engine:
-    e = Engine(config, **overrides)
-    engines.append(e)
-    return e
+    def make(config: EngineConfig | None = None, **overrides) -> Engine:
+        e = Engine(config, **overrides)
+        engines.append(e)
+        return e
 
-  yield make
-  for e in engines:
-    e.close()
+    yield make
+    for e in engines:
+        e.close()
 
 
 @pytest.fixture
 def shm_names():
-  """Hands out unique shm segment names and unlinks every one at teardown."""
-  names: list[str] = []
+    """Hands out unique shm segment names and unlinks every one at teardown."""
+    names: list[str] = []
 
-  def make() -> str:
-    name = f"tpusync-test-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    names.append(name)
-    return name
+    def make() -> str:
+        name = f"tpusync-test-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        names.append(name)
+        return name
 
-  yield make
-  for name in names:
-    try:
-      Engine.unlink_shm(name)
-    except Exception:  # noqa: BLE001 - never created, or already unlinked by the test.
-      pass
+    yield make
+    for name in names:
+        try:
+            Engine.unlink_shm(name)
+        except Exception:  # noqa: BLE001 - never created, or already unlinked by the test.
+            pass
 
 
 TIER_KINDS = ("host", "shm", "file_direct", "file_buffered")
@@ -86,51 +86,53 @@ TIER_KINDS = ("host", "shm", "file_direct", "file_buffered")
 
 @pytest.fixture
 def add_tier(file_dir, shm_names):
-  """add_tier(engine, kind, block_bytes=, num_blocks=) -> tier index, for any TIER_KINDS."""
+    """add_tier(engine, kind, block_bytes=, num_blocks=) -> tier index, for any TIER_KINDS."""
 
-  def add(engine: Engine, kind: str, *, block_bytes: int, num_blocks: int) -> int:
-    if kind == "host":
-      return engine.add_host_tier(block_bytes=block_bytes, num_blocks=num_blocks)
-    if kind == "shm":
-      return engine.add_host_tier(block_bytes=block_bytes, num_blocks=num_blocks,
-                                  shm_name=shm_names())
-    if kind == "file_direct":
-      tier = engine.add_file_tier(file_dir, block_bytes=block_bytes, num_blocks=num_blocks)
-      assert engine.tier_info(tier).direct_io, engine.tier_info(tier)
-      return tier
-    if kind == "file_buffered":
-      tier = engine.add_file_tier(file_dir, block_bytes=block_bytes, num_blocks=num_blocks,
-                                  direct_io=False)
-      info = engine.tier_info(tier)
-      assert not info.direct_io and "buffered" in info.description, info
-      return tier
-    raise AssertionError(kind)
+    def add(engine: Engine, kind: str, *, block_bytes: int, num_blocks: int) -> int:
+        if kind == "host":
+            return engine.add_host_tier(block_bytes=block_bytes, num_blocks=num_blocks)
+        if kind == "shm":
+            return engine.add_host_tier(
+                block_bytes=block_bytes, num_blocks=num_blocks, shm_name=shm_names()
+            )
+        if kind == "file_direct":
+            tier = engine.add_file_tier(file_dir, block_bytes=block_bytes, num_blocks=num_blocks)
+            assert engine.tier_info(tier).direct_io, engine.tier_info(tier)
+            return tier
+        if kind == "file_buffered":
+            tier = engine.add_file_tier(
+                file_dir, block_bytes=block_bytes, num_blocks=num_blocks, direct_io=False
+            )
+            info = engine.tier_info(tier)
+            assert not info.direct_io and "buffered" in info.description, info
+            return tier
+        raise AssertionError(kind)
 
-  return add
+    return add
 
 
 @pytest.fixture(params=TIER_KINDS)
 def tier_kind(request) -> str:
-  return request.param
+    return request.param
 
 
 def random_bytes(n: int, seed: int) -> np.ndarray:
-  return np.random.default_rng(seed).integers(0, 256, size=n, dtype=np.uint8)
+    return np.random.default_rng(seed).integers(0, 256, size=n, dtype=np.uint8)
 
 
 def unaligned_empty(n: int, fill: int = 0) -> np.ndarray:
-  """A writable, C-contiguous uint8 array of n bytes whose data pointer is odd."""
-  base = np.full(n + 1, fill, dtype=np.uint8)
-  out = base[1:]
-  assert out.ctypes.data % 2 == 1 and out.flags.c_contiguous and out.flags.writeable
-  return out
+    """A writable, C-contiguous uint8 array of n bytes whose data pointer is odd."""
+    base = np.full(n + 1, fill, dtype=np.uint8)
+    out = base[1:]
+    assert out.ctypes.data % 2 == 1 and out.flags.c_contiguous and out.flags.writeable
+    return out
 
 
 @pytest.fixture
 def rand():
-  return random_bytes
+    return random_bytes
 
 
 @pytest.fixture
 def unaligned():
-  return unaligned_empty
+    return unaligned_empty

@@ -9,8 +9,6 @@ import os
 
 from hypothesis import settings
 
-settings.register_profile(
-    "ci", derandomize=True, database=None, deadline=None, max_examples=5
-)
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=5)
 settings.register_profile("dev", deadline=None, max_examples=50)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

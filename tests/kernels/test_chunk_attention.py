@@ -67,29 +67,26 @@ def make_inputs(
     k_valid = np.full(batch, chunk_len) if k_valid is None else k_valid
     k_start = np.zeros(batch) if k_start is None else k_start
     # Default: decode-style queries right after the chunk's valid keys.
-    q_start = (np.asarray(k_start) + np.asarray(k_valid)
-               if q_start is None else q_start)
-    k_valid, k_start, q_start = (
-        np.asarray(x, np.int32) for x in (k_valid, k_start, q_start)
-    )
+    q_start = np.asarray(k_start) + np.asarray(k_valid) if q_start is None else q_start
+    k_valid, k_start, q_start = (np.asarray(x, np.int32) for x in (k_valid, k_start, q_start))
     if poison:
         for b in range(batch):
-            k[b, k_valid[b]:] = np.nan
-            v[b, k_valid[b]:] = np.inf if b % 2 else np.nan
+            k[b, k_valid[b] :] = np.nan
+            v[b, k_valid[b] :] = np.inf if b % 2 else np.nan
     return (
-        jnp.asarray(q, q_dtype or dtype), jnp.asarray(k, dtype),
+        jnp.asarray(q, q_dtype or dtype),
+        jnp.asarray(k, dtype),
         jnp.asarray(v, dtype),
-        jnp.asarray(k_start), jnp.asarray(k_valid), jnp.asarray(q_start),
+        jnp.asarray(k_start),
+        jnp.asarray(k_valid),
+        jnp.asarray(q_start),
     )
 
 
-def naive_attention(q, k, v, k_start, k_valid, q_start, *, scale,
-                    soft_cap=None, window=None):
+def naive_attention(q, k, v, k_start, k_valid, q_start, *, scale, soft_cap=None, window=None):
     """Loop-based float64 softmax attention: the spec, written out."""
-    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-               for x in (q, k, v))
-    k_start, k_valid, q_start = (np.asarray(x) for x in (k_start, k_valid,
-                                                           q_start))
+    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+    k_start, k_valid, q_start = (np.asarray(x) for x in (k_start, k_valid, q_start))
     b_, t_, hq, d = q.shape
     s_, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -99,16 +96,16 @@ def naive_attention(q, k, v, k_start, k_valid, q_start, *, scale,
         for i in range(t_):
             qp = q_start[b] + i
             keys = [
-                j for j in range(s_)
-                if j < k_valid[b] and k_start[b] + j <= qp
+                j
+                for j in range(s_)
+                if j < k_valid[b]
+                and k_start[b] + j <= qp
                 and (window is None or k_start[b] + j > qp - window)
             ]
             if not keys:
                 continue
             for h in range(hq):
-                logits = np.array(
-                    [scale * q[b, i, h] @ k[b, j, h // g] for j in keys]
-                )
+                logits = np.array([scale * q[b, i, h] @ k[b, j, h // g] for j in keys])
                 if soft_cap is not None:
                     logits = soft_cap * np.tanh(logits / soft_cap)
                 m = logits.max()
@@ -173,13 +170,9 @@ def test_reference_two_keys_by_hand():
     q = jnp.asarray([[[[1.0, 0.0]]]])
     k = jnp.asarray([[[[1.0, 0.0]], [[0.0, 1.0]]]])
     v = jnp.asarray([[[[2.0, 0.0]], [[0.0, 4.0]]]])
-    out, lse = kernels.chunk_attention_reference(
-        q, k, v, _one(0), _one(2), _one(1), scale=1.0
-    )
+    out, lse = kernels.chunk_attention_reference(q, k, v, _one(0), _one(2), _one(1), scale=1.0)
     e = math.e
-    np.testing.assert_allclose(
-        out[0, 0, 0], [2 * e / (1 + e), 4 / (1 + e)], rtol=1e-6
-    )
+    np.testing.assert_allclose(out[0, 0, 0], [2 * e / (1 + e), 4 / (1 + e)], rtol=1e-6)
     np.testing.assert_allclose(lse[0, 0, 0], math.log(e + 1), rtol=1e-6)
 
 
@@ -194,8 +187,7 @@ def test_reference_scale_and_soft_cap_by_hand():
     a = math.tanh(2.0)
     w0 = math.exp(a) / (math.exp(a) + 1)
     np.testing.assert_allclose(out[0, 0, 0], [w0, 1 - w0], rtol=1e-6)
-    np.testing.assert_allclose(lse[0, 0, 0], math.log(math.exp(a) + 1),
-                               rtol=1e-6)
+    np.testing.assert_allclose(lse[0, 0, 0], math.log(math.exp(a) + 1), rtol=1e-6)
 
 
 def test_reference_window_and_causality_by_hand():
@@ -219,15 +211,20 @@ def test_reference_window_and_causality_by_hand():
         (0, 4, 20),  # Every key is behind the window (set below).
     ],
 )
-def test_reference_fully_masked_query_is_zero_with_neg_inf_lse(
-    k_start, k_valid, q_start
-):
-    q, k, v, *_ = make_inputs(0, batch=1, q_len=1, num_q_heads=2,
-                              num_kv_heads=1, head_dim=4, chunk_len=4)
+def test_reference_fully_masked_query_is_zero_with_neg_inf_lse(k_start, k_valid, q_start):
+    q, k, v, *_ = make_inputs(
+        0, batch=1, q_len=1, num_q_heads=2, num_kv_heads=1, head_dim=4, chunk_len=4
+    )
     k = k.at[:, k_valid:].set(jnp.nan)
     v = v.at[:, k_valid:].set(jnp.nan)
     out, lse = kernels.chunk_attention_reference(
-        q, k, v, _one(k_start), _one(k_valid), _one(q_start), scale=1.0,
+        q,
+        k,
+        v,
+        _one(k_start),
+        _one(k_valid),
+        _one(q_start),
+        scale=1.0,
         window=8,
     )
     np.testing.assert_array_equal(out, 0.0)
@@ -235,12 +232,21 @@ def test_reference_fully_masked_query_is_zero_with_neg_inf_lse(
 
 
 def test_reference_ignores_poisoned_keys():
-    args = make_inputs(1, batch=2, q_len=3, num_q_heads=4, num_kv_heads=2,
-                       head_dim=8, chunk_len=10, k_valid=[6, 3])
+    args = make_inputs(
+        1, batch=2, q_len=3, num_q_heads=4, num_kv_heads=2, head_dim=8, chunk_len=10, k_valid=[6, 3]
+    )
     out, lse = kernels.chunk_attention_reference(*args, scale=0.3)
-    clean = make_inputs(1, batch=2, q_len=3, num_q_heads=4, num_kv_heads=2,
-                        head_dim=8, chunk_len=10, k_valid=[6, 3],
-                        poison=False)
+    clean = make_inputs(
+        1,
+        batch=2,
+        q_len=3,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        chunk_len=10,
+        k_valid=[6, 3],
+        poison=False,
+    )
     ref_out, ref_lse = kernels.chunk_attention_reference(*clean, scale=0.3)
     assert np.isfinite(out).all() and not np.isnan(lse).any()
     np.testing.assert_array_equal(out, ref_out)
@@ -265,34 +271,45 @@ def test_reference_ignores_poisoned_keys():
 )
 def test_reference_matches_naive(dtype, group, window, soft_cap):
     args = make_inputs(
-        group, batch=2, q_len=4, num_q_heads=2 * group, num_kv_heads=2,
-        head_dim=8, chunk_len=12, dtype=dtype, k_valid=[12, 7],
-        k_start=[3, 20], q_start=[12, 22],
+        group,
+        batch=2,
+        q_len=4,
+        num_q_heads=2 * group,
+        num_kv_heads=2,
+        head_dim=8,
+        chunk_len=12,
+        dtype=dtype,
+        k_valid=[12, 7],
+        k_start=[3, 20],
+        q_start=[12, 22],
     )
-    out, lse = kernels.chunk_attention_reference(
-        *args, scale=0.4, soft_cap=soft_cap, window=window
-    )
-    ref_out, ref_lse = naive_attention(
-        *args, scale=0.4, soft_cap=soft_cap, window=window
-    )
+    out, lse = kernels.chunk_attention_reference(*args, scale=0.4, soft_cap=soft_cap, window=window)
+    ref_out, ref_lse = naive_attention(*args, scale=0.4, soft_cap=soft_cap, window=window)
     # Both sides see the same (bf16-rounded) inputs, so f32 tolerances hold.
     np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(lse, ref_lse, atol=1e-5, rtol=1e-5)
 
 
 def test_attention_reference_full_cache():
-    q, k, v, _, _, _ = make_inputs(3, batch=2, q_len=2, num_q_heads=4,
-                                   num_kv_heads=2, head_dim=8, chunk_len=9,
-                                   k_valid=[9, 5], dtype=jnp.bfloat16)
+    q, k, v, _, _, _ = make_inputs(
+        3,
+        batch=2,
+        q_len=2,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        chunk_len=9,
+        k_valid=[9, 5],
+        dtype=jnp.bfloat16,
+    )
     kv_len = jnp.asarray([9, 5], jnp.int32)
     q_start = kv_len - 2  # The two newest tokens attend causally.
-    out = kernels.attention_reference(q, k, v, q_start, kv_len, scale=0.5,
-                                      window=4)
+    out = kernels.attention_reference(q, k, v, q_start, kv_len, scale=0.5, window=4)
     assert out.dtype == jnp.bfloat16
-    ref_out, _ = naive_attention(q, k, v, jnp.zeros(2, jnp.int32), kv_len,
-                                 q_start, scale=0.5, window=4)
-    np.testing.assert_allclose(np.asarray(out, np.float32), ref_out,
-                               atol=1e-2, rtol=1e-2)
+    ref_out, _ = naive_attention(
+        q, k, v, jnp.zeros(2, jnp.int32), kv_len, q_start, scale=0.5, window=4
+    )
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=1e-2, rtol=1e-2)
 
 
 # ----------------------------------------------------------------------------
@@ -309,13 +326,19 @@ def test_merged_chunks_equal_whole_cache(cuts, window):
     and chunks that are fully masked for some queries (via the window).
     """
     s = 16
-    q, k, v, _, _, _ = make_inputs(4, batch=2, q_len=3, num_q_heads=4,
-                                   num_kv_heads=2, head_dim=8, chunk_len=s,
-                                   poison=False)
+    q, k, v, _, _, _ = make_inputs(
+        4, batch=2, q_len=3, num_q_heads=4, num_kv_heads=2, head_dim=8, chunk_len=s, poison=False
+    )
     kv_len = jnp.asarray([16, 11], jnp.int32)
     q_start = kv_len - 3
     whole_out, whole_lse = kernels.chunk_attention_reference(
-        q, k, v, jnp.zeros(2, jnp.int32), kv_len, q_start, scale=0.3,
+        q,
+        k,
+        v,
+        jnp.zeros(2, jnp.int32),
+        kv_len,
+        q_start,
+        scale=0.3,
         window=window,
     )
 
@@ -329,10 +352,20 @@ def test_merged_chunks_equal_whole_cache(cuts, window):
         bad = idx >= chunk_valid[:, None, None, None]
         kc = jnp.where(bad, jnp.nan, k[:, lo:hi])
         vc = jnp.where(bad, jnp.nan, v[:, lo:hi])
-        part = kernels.chunk_attention_reference(
-            q, kc, vc, jnp.full(2, lo, jnp.int32), chunk_valid, q_start,
-            scale=0.3, window=window,
-        ) if hi > lo else (jnp.zeros_like(out), jnp.full_like(lse, -jnp.inf))
+        part = (
+            kernels.chunk_attention_reference(
+                q,
+                kc,
+                vc,
+                jnp.full(2, lo, jnp.int32),
+                chunk_valid,
+                q_start,
+                scale=0.3,
+                window=window,
+            )
+            if hi > lo
+            else (jnp.zeros_like(out), jnp.full_like(lse, -jnp.inf))
+        )
         out, lse = kernels.merge_partials(out, lse, *part)
 
     assert not np.isnan(out).any() and not np.isnan(lse).any()
@@ -352,8 +385,10 @@ def test_merge_partials_with_empty_sides():
 
 def test_merge_partials_weights():
     out, lse = kernels.merge_partials(
-        jnp.asarray([[1.0]]), jnp.asarray([0.0]),
-        jnp.asarray([[3.0]]), jnp.asarray([math.log(3.0)]),
+        jnp.asarray([[1.0]]),
+        jnp.asarray([0.0]),
+        jnp.asarray([[3.0]]),
+        jnp.asarray([math.log(3.0)]),
     )
     # Weights 1 : 3 -> (1 * 1 + 3 * 3) / 4.
     np.testing.assert_allclose(out, [[2.5]], rtol=1e-6)
@@ -394,9 +429,13 @@ def test_block_range_is_exactly_the_blocks_with_visible_keys(case):
         visible &= k_pos > q_pos - case["window"]
     blocks = np.flatnonzero(visible.any(0).reshape(n, bk).any(1))
     lo, hi = _common.block_range(
-        jnp.int32(case["k_start"]), jnp.int32(case["k_valid"]),
+        jnp.int32(case["k_start"]),
+        jnp.int32(case["k_valid"]),
         jnp.int32(case["q_start"]),
-        q_len=t, block_kv=bk, num_blocks=n, window=case["window"],
+        q_len=t,
+        block_kv=bk,
+        num_blocks=n,
+        window=case["window"],
     )
     lo, hi = int(lo), int(hi)
     assert 0 <= lo <= hi <= n
@@ -418,8 +457,7 @@ def attention_cases(draw, *, max_chunk_len=24, head_dims=(4, 8, 16)):
     num_kv_heads = draw(st.integers(1, 2))
     group = draw(st.sampled_from([1, 2, 4]))
     chunk_len = draw(st.integers(1, max_chunk_len))
-    k_start = draw(st.lists(st.integers(0, 30), min_size=batch,
-                            max_size=batch))
+    k_start = draw(st.lists(st.integers(0, 30), min_size=batch, max_size=batch))
     return dict(
         batch=batch,
         q_len=draw(st.integers(1, 4)),
@@ -428,8 +466,7 @@ def attention_cases(draw, *, max_chunk_len=24, head_dims=(4, 8, 16)):
         head_dim=draw(st.sampled_from(head_dims)),
         chunk_len=chunk_len,
         dtype=draw(st.sampled_from([jnp.float32, jnp.bfloat16])),
-        k_valid=draw(st.lists(st.integers(0, chunk_len), min_size=batch,
-                              max_size=batch)),
+        k_valid=draw(st.lists(st.integers(0, chunk_len), min_size=batch, max_size=batch)),
         k_start=k_start,
         q_start=[s + draw(st.integers(-4, chunk_len + 4)) for s in k_start],
         window=draw(st.one_of(st.none(), st.integers(1, 12))),
@@ -462,39 +499,97 @@ def test_reference_matches_naive_hypothesis(case):
 KERNEL_CASES = {
     # Ragged k_valid: 0 (nothing to fetch) and 37 (not a multiple of 16).
     "f32_mha_ragged": dict(
-        shape=dict(batch=2, q_len=2, num_q_heads=2, num_kv_heads=2,
-                   head_dim=32, chunk_len=48, k_valid=[37, 0],
-                   k_start=[10, 0], q_start=[47, 3]),
-        dtype=jnp.float32, window=None, soft_cap=None, block_kv=16),
+        shape=dict(
+            batch=2,
+            q_len=2,
+            num_q_heads=2,
+            num_kv_heads=2,
+            head_dim=32,
+            chunk_len=48,
+            k_valid=[37, 0],
+            k_start=[10, 0],
+            q_start=[47, 3],
+        ),
+        dtype=jnp.float32,
+        window=None,
+        soft_cap=None,
+        block_kv=16,
+    ),
     # GQA 2 with a window (skips leading blocks) and a soft cap.
     "bf16_gqa2_window_softcap": dict(
-        shape=dict(batch=2, q_len=3, num_q_heads=4, num_kv_heads=2,
-                   head_dim=32, chunk_len=48, k_valid=[48, 21],
-                   k_start=[0, 100], q_start=[46, 119]),
-        dtype=jnp.bfloat16, window=20, soft_cap=30.0, block_kv=16),
+        shape=dict(
+            batch=2,
+            q_len=3,
+            num_q_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+            chunk_len=48,
+            k_valid=[48, 21],
+            k_start=[0, 100],
+            q_start=[46, 119],
+        ),
+        dtype=jnp.bfloat16,
+        window=20,
+        soft_cap=30.0,
+        block_kv=16,
+    ),
     # Prefill-style chunk: queries overlap the keys, causal inside the chunk
     # (skips trailing blocks); chunk_len not a multiple of block_kv.
     "f32_gqa4_prefill": dict(
-        shape=dict(batch=1, q_len=8, num_q_heads=4, num_kv_heads=1,
-                   head_dim=16, chunk_len=20, k_valid=[19], k_start=[4],
-                   q_start=[6]),
-        dtype=jnp.float32, window=None, soft_cap=None, block_kv=8),
+        shape=dict(
+            batch=1,
+            q_len=8,
+            num_q_heads=4,
+            num_kv_heads=1,
+            head_dim=16,
+            chunk_len=20,
+            k_valid=[19],
+            k_start=[4],
+            q_start=[6],
+        ),
+        dtype=jnp.float32,
+        window=None,
+        soft_cap=None,
+        block_kv=8,
+    ),
     # Through jit(chunk_attention(backend="auto")): on CPU with interpret set
     # this picks the TPU kernel, with block_kv from the table ("cpu" entry,
     # 16) clamped to the chunk. f32 queries over bf16 K/V are promoted.
     "mixed_dispatch_default_block": dict(
-        shape=dict(batch=1, q_len=1, num_q_heads=2, num_kv_heads=1,
-                   head_dim=32, chunk_len=40, k_valid=[33],
-                   q_dtype=jnp.float32),
-        dtype=jnp.bfloat16, window=None, soft_cap=None, block_kv=None,
-        op=lambda *args, **kw: jax.jit(
-            functools.partial(kernels.chunk_attention, **kw))(*args)),
+        shape=dict(
+            batch=1,
+            q_len=1,
+            num_q_heads=2,
+            num_kv_heads=1,
+            head_dim=32,
+            chunk_len=40,
+            k_valid=[33],
+            q_dtype=jnp.float32,
+        ),
+        dtype=jnp.bfloat16,
+        window=None,
+        soft_cap=None,
+        block_kv=None,
+        op=lambda *args, **kw: jax.jit(functools.partial(kernels.chunk_attention, **kw))(*args),
+    ),
     # Sliding window plus causality leaves some queries with nothing visible.
     "bf16_gqa2_masked_rows": dict(
-        shape=dict(batch=1, q_len=4, num_q_heads=2, num_kv_heads=1,
-                   head_dim=16, chunk_len=32, k_valid=[32], k_start=[30],
-                   q_start=[28]),
-        dtype=jnp.bfloat16, window=2, soft_cap=5.0, block_kv=16),
+        shape=dict(
+            batch=1,
+            q_len=4,
+            num_q_heads=2,
+            num_kv_heads=1,
+            head_dim=16,
+            chunk_len=32,
+            k_valid=[32],
+            k_start=[30],
+            q_start=[28],
+        ),
+        dtype=jnp.bfloat16,
+        window=2,
+        soft_cap=5.0,
+        block_kv=16,
+    ),
 }
 
 
@@ -509,8 +604,7 @@ def _run_case(fn, case, seed=0, **kwargs):
 
 @pytest.mark.parametrize("name", sorted(KERNEL_CASES))
 def test_tpu_kernel_matches_reference(name, tpu_interpret):
-    _run_case(kernels.chunk_attention_tpu, KERNEL_CASES[name],
-              interpret=tpu_interpret)
+    _run_case(kernels.chunk_attention_tpu, KERNEL_CASES[name], interpret=tpu_interpret)
     assert not tpu_races_found()
 
 
@@ -518,10 +612,8 @@ def test_tpu_kernel_with_eager_dmas(tpu_interpret):
     # The default "on_wait" mode runs a DMA only when it is waited on; "eager"
     # runs it at start(), so a prefetch that clobbered a slot still in use
     # would corrupt the result here.
-    params = pltpu.InterpretParams(detect_races=True,
-                                   dma_execution_mode="eager")
-    _run_case(kernels.chunk_attention_tpu, KERNEL_CASES["f32_mha_ragged"],
-              interpret=params)
+    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager")
+    _run_case(kernels.chunk_attention_tpu, KERNEL_CASES["f32_mha_ragged"], interpret=params)
     assert not tpu_races_found()
 
 
@@ -543,8 +635,7 @@ def test_tpu_race_detector_is_live(tpu_interpret):
         racy,
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
-        scratch_shapes=[pltpu.VMEM(x.shape, x.dtype),
-                        pltpu.SemaphoreType.DMA(())],
+        scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA(())],
         interpret=tpu_interpret,
     )(x).block_until_ready()
     assert tpu_races_found()
@@ -575,38 +666,74 @@ GPU_CASES = {
     # and both are empty for row 1.
     "f32_gqa2_splits": dict(
         case=dict(
-            shape=dict(batch=2, q_len=2, num_q_heads=4, num_kv_heads=2,
-                       head_dim=16, chunk_len=64, k_valid=[10, 0],
-                       k_start=[0, 0], q_start=[40, 3]),
-            dtype=jnp.float32, window=None, soft_cap=None, block_kv=16),
-        num_splits=2),
+            shape=dict(
+                batch=2,
+                q_len=2,
+                num_q_heads=4,
+                num_kv_heads=2,
+                head_dim=16,
+                chunk_len=64,
+                k_valid=[10, 0],
+                k_start=[0, 0],
+                q_start=[40, 3],
+            ),
+            dtype=jnp.float32,
+            window=None,
+            soft_cap=None,
+            block_kv=16,
+        ),
+        num_splits=2,
+    ),
     # head_dim 24 and 3 * 4 rows are padded up to Triton-friendly sizes;
     # chunk_len 40 is padded to 2 splits x 2 blocks x 16.
     "bf16_gqa4_window_softcap_padded": dict(
         case=dict(
-            shape=dict(batch=1, q_len=3, num_q_heads=4, num_kv_heads=1,
-                       head_dim=24, chunk_len=40, k_valid=[39], k_start=[5],
-                       q_start=[40]),
-            dtype=jnp.bfloat16, window=25, soft_cap=10.0, block_kv=16),
-        num_splits=2),
+            shape=dict(
+                batch=1,
+                q_len=3,
+                num_q_heads=4,
+                num_kv_heads=1,
+                head_dim=24,
+                chunk_len=40,
+                k_valid=[39],
+                k_start=[5],
+                q_start=[40],
+            ),
+            dtype=jnp.bfloat16,
+            window=25,
+            soft_cap=10.0,
+            block_kv=16,
+        ),
+        num_splits=2,
+    ),
     # Through chunk_attention(backend="gpu") with default block/splits.
     "f32_dispatch_defaults": dict(
         case=dict(
-            shape=dict(batch=1, q_len=1, num_q_heads=2, num_kv_heads=2,
-                       head_dim=16, chunk_len=16, k_valid=[11]),
-            dtype=jnp.float32, window=None, soft_cap=None, block_kv=None,
-            op=functools.partial(kernels.chunk_attention, backend="gpu")),
-        num_splits=None),
+            shape=dict(
+                batch=1,
+                q_len=1,
+                num_q_heads=2,
+                num_kv_heads=2,
+                head_dim=16,
+                chunk_len=16,
+                k_valid=[11],
+            ),
+            dtype=jnp.float32,
+            window=None,
+            soft_cap=None,
+            block_kv=None,
+            op=functools.partial(kernels.chunk_attention, backend="gpu"),
+        ),
+        num_splits=None,
+    ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(GPU_CASES))
 def test_gpu_kernel_matches_reference(name):
     spec = GPU_CASES[name]
-    extra = {} if spec["num_splits"] is None else dict(
-        num_splits=spec["num_splits"])
-    _run_case(kernels.chunk_attention_gpu, spec["case"], interpret=True,
-              **extra)
+    extra = {} if spec["num_splits"] is None else dict(num_splits=spec["num_splits"])
+    _run_case(kernels.chunk_attention_gpu, spec["case"], interpret=True, **extra)
 
 
 @settings(max_examples=2)
@@ -649,13 +776,10 @@ def test_kernels_lower_for_hardware(platform, dtype, head_dim):
         fn = functools.partial(kernels.chunk_attention_tpu, block_kv=64)
         target = "tpu_custom_call"
     else:
-        fn = functools.partial(kernels.chunk_attention_gpu, block_kv=32,
-                               num_splits=4)
+        fn = functools.partial(kernels.chunk_attention_gpu, block_kv=32, num_splits=4)
         target = "__gpu$xla.gpu.triton"
     fn = functools.partial(fn, scale=0.1, soft_cap=30.0, window=64)
-    lowered = jax.jit(fn).trace(q, kv, kv, pos, pos, pos).lower(
-        lowering_platforms=(platform,)
-    )
+    lowered = jax.jit(fn).trace(q, kv, kv, pos, pos, pos).lower(lowering_platforms=(platform,))
     assert target in lowered.as_text()
 
 
@@ -665,8 +789,7 @@ def test_kernels_lower_for_hardware(platform, dtype, head_dim):
 
 
 def _valid_args(**overrides):
-    shape = dict(batch=1, q_len=2, num_q_heads=4, num_kv_heads=2,
-                 head_dim=8, chunk_len=16)
+    shape = dict(batch=1, q_len=2, num_q_heads=4, num_kv_heads=2, head_dim=8, chunk_len=16)
     shape.update(overrides)
     return make_inputs(0, **shape)
 
@@ -683,9 +806,11 @@ ALL_OPS = {
 def test_rejects_heads_not_multiple(op):
     q, *rest = _valid_args()
     q = q[:, :, :3]
-    with pytest.raises(ValueError,
-                       match=r"num_q_heads=3 must be a multiple of "
-                             r"num_kv_heads=2"):
+    with pytest.raises(
+        ValueError,
+        match=r"num_q_heads=3 must be a multiple of "
+        r"num_kv_heads=2",
+    ):
         ALL_OPS[op](q, *rest, scale=1.0)
 
 
@@ -699,8 +824,11 @@ def test_rejects_wrong_rank(op):
 @pytest.mark.parametrize("op", sorted(ALL_OPS))
 def test_rejects_mismatched_head_dim(op):
     q, k, v, *rest = _valid_args()
-    with pytest.raises(ValueError, match=r"head_dim mismatch: q has "
-                                         r"head_dim=8, k/v have head_dim=4"):
+    with pytest.raises(
+        ValueError,
+        match=r"head_dim mismatch: q has "
+        r"head_dim=8, k/v have head_dim=4",
+    ):
         ALL_OPS[op](q, k[..., :4], v[..., :4], *rest, scale=1.0)
 
 
@@ -711,15 +839,21 @@ def test_rejects_other_shape_and_dtype_errors():
         op(q, k, v[:, :8], k_start, k_valid, q_start, scale=1.0)
     with pytest.raises(ValueError, match=r"k_valid must have shape"):
         op(q, k, v, k_start, jnp.zeros((2,), jnp.int32), q_start, scale=1.0)
-    with pytest.raises(ValueError, match=r"q.dtype must be float32 or "
-                                         r"bfloat16"):
+    with pytest.raises(
+        ValueError,
+        match=r"q.dtype must be float32 or "
+        r"bfloat16",
+    ):
         op(q.astype(jnp.int32), k, v, k_start, k_valid, q_start, scale=1.0)
     with pytest.raises(ValueError, match=r"q_start must be an integer"):
         op(q, k, v, k_start, k_valid, q_start.astype(jnp.float32), scale=1.0)
     with pytest.raises(ValueError, match=r"window must be None or an int"):
         op(q, k, v, k_start, k_valid, q_start, scale=1.0, window=0)
-    with pytest.raises(ValueError, match=r"soft_cap must be None or a "
-                                         r"positive"):
+    with pytest.raises(
+        ValueError,
+        match=r"soft_cap must be None or a "
+        r"positive",
+    ):
         op(q, k, v, k_start, k_valid, q_start, scale=1.0, soft_cap=-1.0)
 
 
@@ -735,8 +869,9 @@ def test_rejects_other_shape_and_dtype_errors():
 )
 def test_rejects_bad_block_kv(backend, block_kv, match):
     with pytest.raises(ValueError, match=match):
-        kernels.chunk_attention(*_valid_args(), scale=1.0, backend=backend,
-                                block_kv=block_kv, interpret=True)
+        kernels.chunk_attention(
+            *_valid_args(), scale=1.0, backend=backend, block_kv=block_kv, interpret=True
+        )
 
 
 def test_rejects_unknown_backend():
@@ -746,8 +881,11 @@ def test_rejects_unknown_backend():
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU-only rule")
 def test_auto_backend_on_cpu_needs_interpret():
-    with pytest.raises(ValueError, match=r"backend='auto' found platform "
-                                         r"'cpu'"):
+    with pytest.raises(
+        ValueError,
+        match=r"backend='auto' found platform "
+        r"'cpu'",
+    ):
         kernels.chunk_attention(*_valid_args(), scale=1.0)
 
 
@@ -755,5 +893,4 @@ def test_block_kv_table_lookup():
     assert kernels.default_block_kv("tpu", "TPU v5 lite") == 512
     assert kernels.default_block_kv("gpu", "NVIDIA H200") == 64
     assert kernels.default_block_kv("tpu", "cpu") == 16
-    assert (kernels.default_block_kv("gpu", "Some Future GPU")
-            == kernels.DEFAULT_BLOCK_KV["gpu"])
+    assert kernels.default_block_kv("gpu", "Some Future GPU") == kernels.DEFAULT_BLOCK_KV["gpu"]
