@@ -30,7 +30,13 @@ class EngineConfig:
     Attributes:
       num_workers: transfer threads. Two keep a file tier's device busy while a host-tier
         copy runs; more mostly contend with XLA's compute threads on small machines.
-      io_chunk_bytes: unit of pacing, cancellation and O_DIRECT pipelining (4 KiB multiple).
+      io_chunk_bytes: unit of pacing, cancellation and O_DIRECT reads (4 KiB multiple).
+      io_depth: O_DIRECT reads each worker keeps queued on the device (Linux AIO), so a file
+        tier keeps streaming while compute threads hold every core.
+      huge_page_destinations: ask the kernel to back memory that O_DIRECT reads land in
+        with transparent huge pages (once per 2 MiB range; contents unchanged). Measured on
+        a virtualized SSD: a 64 MiB O_DIRECT read took 23 ms into huge pages against 74 ms
+        into 4 KiB pages, with a quarter of the kernel CPU time.
       max_inflight_bytes: cap on bytes of running requests (0: none), so a big prefetch cannot
         hog memory bandwidth that compute needs.
       max_bytes_per_second: pace all tier accesses to this rate (0: unpaced).
@@ -45,6 +51,8 @@ class EngineConfig:
 
     num_workers: int = 2
     io_chunk_bytes: int = 1 << 20
+    io_depth: int = 4
+    huge_page_destinations: bool = True
     max_inflight_bytes: int = 0
     max_bytes_per_second: float = 0.0
     worker_cpus: tuple[int, ...] = ()
@@ -59,6 +67,8 @@ class EngineConfig:
             raise ValueError(
                 f"io_chunk_bytes={self.io_chunk_bytes} must be a positive multiple of 4096"
             )
+        if not 2 <= self.io_depth <= 64:
+            raise ValueError(f"io_depth={self.io_depth} must be in [2, 64]")
         if self.max_inflight_bytes < 0:
             raise ValueError(f"max_inflight_bytes={self.max_inflight_bytes} must be >= 0")
         if self.max_bytes_per_second < 0:
@@ -83,6 +93,10 @@ class TierInfo:
     capacity_bytes: int
     free_blocks: int
     direct_io: bool  # file tier: O_DIRECT in use (False: buffered fallback, e.g. on tmpfs)
+    dio_alignment: int  # file tier: O_DIRECT alignment of memory and offsets (0: no O_DIRECT)
+    alignment_offset: int  # file tier: data shift in the file (see Engine.add_file_tier)
+    direct_read_bytes: int  # fetched straight into the destination (file tier, same phase)
+    bounced_read_bytes: int  # fetched through a bounce buffer
     attached: bool  # re-attached to an existing shm segment or file
     regions: dict[str, tuple[int, int]]  # persistent name -> (first_block, num_blocks)
 
@@ -133,6 +147,8 @@ class Engine:
         self._impl = _tpusync.Engine(
             num_workers=config.num_workers,
             io_chunk_bytes=config.io_chunk_bytes,
+            io_depth=config.io_depth,
+            huge_page_destinations=config.huge_page_destinations,
             max_inflight_bytes=config.max_inflight_bytes,
             max_bytes_per_second=float(config.max_bytes_per_second),
             worker_cpus=list(config.worker_cpus),
@@ -193,6 +209,7 @@ class Engine:
         num_blocks: int,
         file_name: str | None = None,
         direct_io: bool = True,
+        alignment_offset: int = 0,
     ) -> int:
         """Adds a file tier in ``directory``; returns its tier index.
 
@@ -204,10 +221,23 @@ class Engine:
             None: an anonymous file deleted on close.
           direct_io: try O_DIRECT (falls back to buffered I/O where refused, e.g. tmpfs; see
             :meth:`tier_info`).
+          alignment_offset: in [0, 4096): where destination buffers usually start modulo a
+            page (:func:`xla_buffer_alignment_offset` tells for XLA's). The data is shifted
+            in the file by this much, so that O_DIRECT reads go straight into such buffers
+            instead of through a bounce buffer and a copy. Any destination stays correct;
+            see ``direct_read_bytes`` in :meth:`tier_info`. A re-attached file keeps the
+            offset it was created with.
         """
         _check_layout(block_bytes, num_blocks)
+        if not 0 <= alignment_offset < 4096:
+            raise ValueError(f"alignment_offset={alignment_offset} must be in [0, 4096)")
         tier = self._impl.add_file_tier(
-            os.fspath(directory), block_bytes, num_blocks, file_name or "", direct_io
+            os.fspath(directory),
+            block_bytes,
+            num_blocks,
+            file_name or "",
+            direct_io,
+            alignment_offset,
         )
         info = self.tier_info(tier)
         if direct_io and not info.direct_io:
@@ -317,6 +347,26 @@ class Engine:
     def mark(self, kind: int, layer: int = -1, chunk: int = -1) -> None:
         """Records a host-side timeline mark."""
         self._impl.mark(kind, layer, chunk)
+
+
+def xla_buffer_alignment_offset(nbytes: int) -> int:
+    """Where XLA puts a new ``nbytes`` buffer on the default device, modulo a 4 KiB page.
+
+    XLA's CPU allocator returns 64-byte-aligned memory; large buffers come out of their own
+    mapping at a fixed offset past a page. A file tier created with this as its
+    ``alignment_offset`` reads straight into such buffers. Returns 0 off CPU, where
+    fetches land in pinned host staging the engine allocates itself.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    if jax.default_backend() != "cpu":
+        return 0
+    probe = jnp.zeros((max(int(nbytes), 1),), jnp.uint8)
+    try:
+        return int(probe.unsafe_buffer_pointer() % 4096)
+    finally:
+        probe.delete()
 
 
 def monotonic_ns() -> int:

@@ -61,6 +61,10 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(EngineOptions options) {
     return InvalidArgument("num_workers must be in [1, 64], got " +
                            std::to_string(options.num_workers));
   }
+  if (options.io_depth < 2 || options.io_depth > 64) {
+    return InvalidArgument("io_depth must be in [2, 64], got " +
+                           std::to_string(options.io_depth));
+  }
   if (options.io_chunk_bytes < kIoAlignment || options.io_chunk_bytes > (1ull << 30)) {
     return InvalidArgument("io_chunk_bytes must be in [4096, 1 GiB], got " +
                            std::to_string(options.io_chunk_bytes));
@@ -142,10 +146,12 @@ StatusOr<Ticket> Engine::Submit(TransferRequest request) {
     job->tier = tiers_[request.tier].get();
   }
   const uint64_t g = job->tier->hazard_granularity();
+  const uint64_t phase = job->tier->hazard_phase();  // Ranges compared in shifted offsets.
   for (const Segment& s : request.segments) {
     if (s.bytes == 0) continue;
     job->bytes += s.bytes;
-    job->ranges.emplace_back(AlignDown(s.tier_offset, g), AlignUp(s.tier_offset + s.bytes, g));
+    job->ranges.emplace_back(AlignDown(s.tier_offset + phase, g),
+                             AlignUp(s.tier_offset + s.bytes + phase, g));
   }
   std::sort(job->ranges.begin(), job->ranges.end());
   if (options_.poison_fetches && request.direction == Direction::kTierToMemory) {
@@ -205,7 +211,7 @@ void Engine::WorkerLoop(int index) {
   if (!options_.worker_cpus.empty()) {
     PinThisThread(options_.worker_cpus[index % options_.worker_cpus.size()]);
   }
-  IoContext io(options_.io_chunk_bytes);
+  IoContext io(options_.io_chunk_bytes, options_.io_depth, options_.huge_page_destinations);
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     std::shared_ptr<Job> job;

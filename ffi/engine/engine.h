@@ -64,6 +64,10 @@ struct TransferRequest {
 struct EngineOptions {
   int num_workers = 2;
   uint64_t io_chunk_bytes = 1 << 20;
+  // O_DIRECT reads each worker keeps queued on the device (and its bounce ring size).
+  int io_depth = 4;
+  // Back the memory that direct reads land in with huge pages (see AdviseHugePages).
+  bool huge_page_destinations = true;
   // Requests are admitted while the bytes of running requests stay under this cap (a
   // request larger than the cap runs alone). 0: no cap.
   uint64_t max_inflight_bytes = 0;

@@ -129,7 +129,8 @@ class HostTier final : public Tier {
     if (fresh || HeaderIsBlank(mapping_)) return EncodeHeader(layout_, {}, mapping_);
     std::vector<NamedRegion> regions;
     TPUSYNC_RETURN_IF_ERROR(
-        DecodeHeader(mapping_, layout_, "shm segment '" + path + "'", &regions));
+        DecodeHeader(mapping_, layout_, "shm segment '" + path + "'", &regions,
+                     &layout_.alignment_offset));
     if (map_bytes < kHeaderBytes + capacity_bytes()) {
       return FailedPrecondition("shm segment '" + path + "' is truncated");
     }

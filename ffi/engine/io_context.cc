@@ -1,8 +1,19 @@
 #include "io_context.h"
 
+#include <linux/aio_abi.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <new>
+#include <unordered_set>
 #include <utility>
 
 namespace tpusync {
@@ -27,6 +38,31 @@ AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& other) noexcept {
     size_ = std::exchange(other.size_, 0);
   }
   return *this;
+}
+
+namespace {
+constexpr size_t kHugePage = 2 << 20;
+}  // namespace
+
+HugePageBuffer::HugePageBuffer(size_t bytes) : size_(AlignUp(bytes ? bytes : 1, kHugePage)) {
+  // Over-map by one huge page and trim, so the kept range starts on a 2 MiB boundary.
+  const size_t span = size_ + kHugePage;
+  void* p = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+  auto* base = static_cast<uint8_t*>(p);
+  uint8_t* aligned = reinterpret_cast<uint8_t*>(AlignUp(reinterpret_cast<uintptr_t>(base), kHugePage));
+  if (aligned > base) munmap(base, aligned - base);
+  if (uint8_t* end = aligned + size_; end < base + span) munmap(end, base + span - end);
+  data_ = aligned;
+#ifdef MADV_HUGEPAGE
+  madvise(data_, size_, MADV_HUGEPAGE);  // A hint: without THP this is plain memory.
+#endif
+  // Fault the pages in now rather than inside the first O_DIRECT reads.
+  std::memset(data_, 0, size_);
+}
+
+HugePageBuffer::~HugePageBuffer() {
+  if (data_ != nullptr) munmap(data_, size_);
 }
 
 PipelineThread::PipelineThread() : thread_([this] { Loop(); }) {}
@@ -72,13 +108,98 @@ void PipelineThread::Loop() {
   }
 }
 
-uint8_t* IoContext::bounce(int i) {
-  if (bounce_[i].data() == nullptr) {
-    bounce_[i] = AlignedBuffer(chunk_bytes_);
-    // Fault the pages in now rather than inside the first O_DIRECT reads.
-    std::memset(bounce_[i].data(), 0, chunk_bytes_);
+namespace {
+
+constexpr size_t kNonTemporalMinBytes = 256 << 10;
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) void CopyNonTemporalAvx2(uint8_t* dst, const uint8_t* src,
+                                                         size_t bytes) {
+  // Head up to a 32-byte boundary of dst; streaming stores need aligned addresses.
+  size_t head = (32 - reinterpret_cast<uintptr_t>(dst) % 32) % 32;
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  bytes -= head;
+  size_t i = 0;
+  for (; i + 128 <= bytes; i += 128) {
+    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
+    __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 64));
+    __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 96), d);
   }
-  return bounce_[i].data();
+  std::memcpy(dst + i, src + i, bytes - i);
+  _mm_sfence();  // Streaming stores are weakly ordered: publish them before completion.
+}
+
+bool HasAvx2() {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+}
+#endif
+
+}  // namespace
+
+void CopyToDestination(void* dst, const void* src, size_t bytes) {
+#if defined(__x86_64__)
+  if (bytes >= kNonTemporalMinBytes && HasAvx2()) {
+    CopyNonTemporalAvx2(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), bytes);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, bytes);
+}
+
+void AdviseHugePages(void* p, size_t bytes) {
+#if defined(MADV_HUGEPAGE)
+  const uintptr_t begin = AlignUp(reinterpret_cast<uintptr_t>(p), kHugePage);
+  const uintptr_t end = AlignDown(reinterpret_cast<uintptr_t>(p) + bytes, kHugePage);
+  if (end <= begin) return;
+  // Ranges already advised. A range freed and mapped again at the same address is skipped:
+  // that costs speed, never correctness.
+  static std::mutex mu;
+  static std::unordered_set<uintptr_t> advised;
+  for (uintptr_t a = begin; a < end; a += kHugePage) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (advised.size() > (1u << 16)) advised.clear();
+      if (!advised.insert(a).second) continue;
+    }
+    madvise(reinterpret_cast<void*>(a), kHugePage, MADV_HUGEPAGE);
+    constexpr int kMadvCollapse = 25;  // MADV_COLLAPSE (Linux 6.1); older kernels: EINVAL.
+    madvise(reinterpret_cast<void*>(a), kHugePage, kMadvCollapse);
+  }
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+IoContext::IoContext(size_t chunk_bytes, int depth, bool huge_page_destinations)
+    : chunk_bytes_(AlignUp(chunk_bytes, kIoAlignment)),
+      depth_(depth < 2 ? 2 : depth),
+      huge_page_destinations_(huge_page_destinations) {}
+
+IoContext::~IoContext() {
+  if (aio_ != 0) syscall(SYS_io_destroy, static_cast<aio_context_t>(aio_));
+}
+
+uint8_t* IoContext::bounce(int i) {
+  if (!bounce_) bounce_ = std::make_unique<HugePageBuffer>(depth_ * chunk_bytes_);
+  return bounce_->data() + i * chunk_bytes_;
+}
+
+uint64_t IoContext::aio() {
+  if (!aio_tried_) {
+    aio_tried_ = true;
+    aio_context_t ctx = 0;
+    if (syscall(SYS_io_setup, depth_, &ctx) == 0) aio_ = ctx;
+  }
+  return aio_;
 }
 
 PipelineThread& IoContext::helper() {

@@ -1,5 +1,5 @@
-// Per-worker I/O scratch: aligned bounce buffers and one helper thread, so a tier can keep
-// the device busy (read chunk i+1) while the worker copies chunk i out.
+// Per-worker I/O scratch: a ring of aligned bounce buffers, a Linux AIO context that keeps
+// several O_DIRECT reads queued on the device, and one helper thread for pipelined writes.
 #ifndef TPUSYNC_ENGINE_IO_CONTEXT_H_
 #define TPUSYNC_ENGINE_IO_CONTEXT_H_
 
@@ -44,6 +44,26 @@ class AlignedBuffer {
   size_t size_ = 0;
 };
 
+// Anonymous memory aligned to 2 MiB and marked for transparent huge pages, pre-faulted.
+// O_DIRECT into huge pages is several times faster on virtualized block devices: a 1 MiB
+// read is one physically contiguous segment instead of 256 pages (more than some queues
+// accept in one request), and pinning it costs the kernel far less.
+class HugePageBuffer {
+ public:
+  HugePageBuffer() = default;
+  explicit HugePageBuffer(size_t bytes);
+  ~HugePageBuffer();
+  HugePageBuffer(const HugePageBuffer&) = delete;
+  HugePageBuffer& operator=(const HugePageBuffer&) = delete;
+
+  uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
 // A single background thread that runs one job at a time. Start() hands it a job; Join()
 // waits for that job and returns its status. Used for two-stage pipelines.
 class PipelineThread {
@@ -71,15 +91,37 @@ class PipelineThread {
   std::thread thread_;
 };
 
+// Copies `bytes` from `src` to `dst`. Large copies use non-temporal stores where the CPU
+// has them: the destination (a fetch landing zone) is not read back by this thread, so
+// skipping the cache saves the read-for-ownership traffic (~1.6x on x86).
+void CopyToDestination(void* dst, const void* src, size_t bytes);
+
+// Asks the kernel to back the 2 MiB-aligned interior of [p, p + bytes) with huge pages
+// (MADV_HUGEPAGE, then MADV_COLLAPSE for pages already there), once per range. O_DIRECT
+// into huge pages is several times faster (see HugePageBuffer). Contents are unchanged;
+// failures are ignored (it is only a hint).
+void AdviseHugePages(void* p, size_t bytes);
+
 class IoContext {
  public:
-  explicit IoContext(size_t chunk_bytes) : chunk_bytes_(AlignUp(chunk_bytes, kIoAlignment)) {}
+  // `depth`: O_DIRECT reads kept in flight per transfer (and bounce buffers in the ring).
+  // `huge_page_destinations`: AdviseHugePages() on memory that direct reads land in.
+  explicit IoContext(size_t chunk_bytes, int depth = 4, bool huge_page_destinations = true);
+  ~IoContext();
+  IoContext(const IoContext&) = delete;
+  IoContext& operator=(const IoContext&) = delete;
 
   size_t chunk_bytes() const { return chunk_bytes_; }
-  // Bounce buffer `i` (0 or 1), chunk_bytes long and 4 KiB aligned; allocated on first use.
+  int depth() const { return depth_; }
+  bool huge_page_destinations() const { return huge_page_destinations_; }
+  // Bounce buffer `i` in [0, depth), chunk_bytes long, 4 KiB aligned, backed by huge pages
+  // where the kernel has them; the ring is allocated on first use.
   uint8_t* bounce(int i);
   // The helper thread; started on first use.
   PipelineThread& helper();
+  // This worker's Linux AIO context (an aio_context_t), set up on first use; 0 where the
+  // kernel refuses one (no CONFIG_AIO, aio-max-nr exhausted): reads are then synchronous.
+  uint64_t aio();
 
   // Hooks installed by the engine for the request being served.
   std::function<bool()> cancelled = [] { return false; };
@@ -87,8 +129,12 @@ class IoContext {
 
  private:
   size_t chunk_bytes_;
-  AlignedBuffer bounce_[2];
+  int depth_;
+  bool huge_page_destinations_;
+  std::unique_ptr<HugePageBuffer> bounce_;
   std::unique_ptr<PipelineThread> helper_;
+  uint64_t aio_ = 0;
+  bool aio_tried_ = false;
 };
 
 }  // namespace tpusync

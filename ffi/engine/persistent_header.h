@@ -13,15 +13,17 @@
 namespace tpusync {
 
 inline constexpr uint64_t kHeaderBytes = 4096;
-inline constexpr uint32_t kHeaderVersion = 1;
+inline constexpr uint32_t kHeaderVersion = 2;
 inline constexpr int kMaxRegionNameBytes = 47;
 
 // Serializes layout + regions into exactly kHeaderBytes.
 Status EncodeHeader(const TierLayout& layout, const std::vector<NamedRegion>& regions,
                     uint8_t* out);
-// Checks magic, version and layout; fills `regions`. `what` names the store in messages.
+// Checks magic, version and layout (block_bytes, num_blocks); fills `regions` and
+// `alignment_offset` (the stored one wins: it only moves bytes, never changes them).
+// `what` names the store in messages.
 Status DecodeHeader(const uint8_t* in, const TierLayout& expected, const std::string& what,
-                    std::vector<NamedRegion>* regions);
+                    std::vector<NamedRegion>* regions, uint64_t* alignment_offset);
 // True when the bytes are all zero (a freshly created store).
 bool HeaderIsBlank(const uint8_t* in);
 

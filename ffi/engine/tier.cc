@@ -181,6 +181,7 @@ struct RawHeader {
   uint32_t num_regions;
   uint64_t block_bytes;
   uint64_t num_blocks;
+  uint64_t alignment_offset;
   RawRegion regions[1];  // Followed by more, up to kHeaderBytes.
 };
 
@@ -202,6 +203,7 @@ Status EncodeHeader(const TierLayout& layout, const std::vector<NamedRegion>& re
   h->num_regions = static_cast<uint32_t>(regions.size());
   h->block_bytes = layout.block_bytes;
   h->num_blocks = layout.num_blocks;
+  h->alignment_offset = layout.alignment_offset;
   for (size_t i = 0; i < regions.size(); ++i) {
     std::strncpy(h->regions[i].name, regions[i].name.c_str(), kMaxRegionNameBytes);
     h->regions[i].first_block = regions[i].first_block;
@@ -211,7 +213,7 @@ Status EncodeHeader(const TierLayout& layout, const std::vector<NamedRegion>& re
 }
 
 Status DecodeHeader(const uint8_t* in, const TierLayout& expected, const std::string& what,
-                    std::vector<NamedRegion>* regions) {
+                    std::vector<NamedRegion>* regions, uint64_t* alignment_offset) {
   const auto* h = reinterpret_cast<const RawHeader*>(in);
   if (std::memcmp(h->magic, kMagic, sizeof(kMagic)) != 0) {
     return FailedPrecondition(what + " exists but is not a tpusync tier (bad magic); "
@@ -228,6 +230,10 @@ Status DecodeHeader(const uint8_t* in, const TierLayout& expected, const std::st
         std::to_string(expected.block_bytes) + ", num_blocks=" +
         std::to_string(expected.num_blocks) + " was asked for; use another name or unlink it");
   }
+  if (h->alignment_offset >= kIoAlignment) {
+    return FailedPrecondition(what + " header is corrupt (alignment offset)");
+  }
+  *alignment_offset = h->alignment_offset;
   if (h->num_regions > static_cast<uint32_t>(kMaxRegions)) {
     return FailedPrecondition(what + " header is corrupt (region count)");
   }

@@ -44,6 +44,10 @@ struct NamedRegion {
 struct TierLayout {
   uint64_t block_bytes = 0;
   uint64_t num_blocks = 0;
+  // File tier: the data starts this many bytes (< 4096) past the header's page, so that
+  // O_DIRECT can read straight into buffers that start at that offset modulo the DIO
+  // alignment (XLA CPU puts large buffers 64 bytes past a page). Recorded in the header.
+  uint64_t alignment_offset = 0;
 };
 
 class Tier {
@@ -55,7 +59,15 @@ class Tier {
   virtual std::string Describe() const = 0;
   // Writes to a tier that does read-modify-write of whole pages must not race on a page.
   virtual uint64_t hazard_granularity() const { return 1; }
+  // Hazard pages are [k * granularity - hazard_phase(), ...) in tier offsets.
+  virtual uint64_t hazard_phase() const { return 0; }
   virtual bool direct_io() const { return false; }
+  // O_DIRECT alignment in use (0: none).
+  virtual uint64_t dio_alignment() const { return 0; }
+  uint64_t alignment_offset() const { return layout_.alignment_offset; }
+  // Fetched bytes that went straight to the destination / through a bounce buffer.
+  virtual uint64_t direct_read_bytes() const { return 0; }
+  virtual uint64_t bounced_read_bytes() const { return 0; }
   // True when the tier re-attached to existing persistent contents.
   bool attached() const { return attached_; }
 

@@ -46,12 +46,15 @@ using AnyHostArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
 // Owns one engine registered under an id; close() unregisters and shuts it down.
 class PyEngine {
  public:
-  PyEngine(int num_workers, uint64_t io_chunk_bytes, uint64_t max_inflight_bytes,
-           double max_bytes_per_second, std::vector<int> worker_cpus, bool poison_fetches,
-           uint32_t debug_delay_us, bool record_timeline) {
+  PyEngine(int num_workers, uint64_t io_chunk_bytes, int io_depth, bool huge_page_destinations,
+           uint64_t max_inflight_bytes, double max_bytes_per_second,
+           std::vector<int> worker_cpus, bool poison_fetches, uint32_t debug_delay_us,
+           bool record_timeline) {
     EngineOptions o;
     o.num_workers = num_workers;
     o.io_chunk_bytes = io_chunk_bytes;
+    o.io_depth = io_depth;
+    o.huge_page_destinations = huge_page_destinations;
     o.max_inflight_bytes = max_inflight_bytes;
     o.max_bytes_per_second = max_bytes_per_second;
     o.worker_cpus = std::move(worker_cpus);
@@ -91,8 +94,10 @@ class PyEngine {
   }
 
   int AddFileTier(const std::string& directory, uint64_t block_bytes, uint64_t num_blocks,
-                  const std::string& file_name, bool allow_direct_io) {
-    FileTierOptions o{{block_bytes, num_blocks}, directory, file_name, allow_direct_io};
+                  const std::string& file_name, bool allow_direct_io,
+                  uint64_t alignment_offset) {
+    FileTierOptions o{{block_bytes, num_blocks, alignment_offset}, directory, file_name,
+                      allow_direct_io};
     return ValueOrThrow(engine().AddTier(ValueOrThrow(OpenFileTier(o))));
   }
 
@@ -106,6 +111,10 @@ class PyEngine {
     d["capacity_bytes"] = t->capacity_bytes();
     d["free_blocks"] = t->free_blocks();
     d["direct_io"] = t->direct_io();
+    d["dio_alignment"] = t->dio_alignment();
+    d["alignment_offset"] = t->alignment_offset();
+    d["direct_read_bytes"] = t->direct_read_bytes();
+    d["bounced_read_bytes"] = t->bounced_read_bytes();
     d["attached"] = t->attached();
     nb::dict regions;
     for (const NamedRegion& r : t->named_regions()) {
@@ -269,8 +278,10 @@ NB_MODULE(_tpusync, m) {
   m.def("unlink_shm", [](const std::string& name) { ThrowIfError(UnlinkShmSegment(name)); });
 
   nb::class_<PyEngine>(m, "Engine")
-      .def(nb::init<int, uint64_t, uint64_t, double, std::vector<int>, bool, uint32_t, bool>(),
-           nb::arg("num_workers"), nb::arg("io_chunk_bytes"), nb::arg("max_inflight_bytes"),
+      .def(nb::init<int, uint64_t, int, bool, uint64_t, double, std::vector<int>, bool, uint32_t,
+                    bool>(),
+           nb::arg("num_workers"), nb::arg("io_chunk_bytes"), nb::arg("io_depth"),
+           nb::arg("huge_page_destinations"), nb::arg("max_inflight_bytes"),
            nb::arg("max_bytes_per_second"), nb::arg("worker_cpus"), nb::arg("poison_fetches"),
            nb::arg("debug_delay_us"), nb::arg("record_timeline"))
       .def_prop_ro("id", &PyEngine::id)
@@ -280,7 +291,7 @@ NB_MODULE(_tpusync, m) {
            nb::arg("num_blocks"), nb::arg("shm_name"))
       .def("add_file_tier", &PyEngine::AddFileTier, nb::arg("directory"),
            nb::arg("block_bytes"), nb::arg("num_blocks"), nb::arg("file_name"),
-           nb::arg("allow_direct_io"))
+           nb::arg("allow_direct_io"), nb::arg("alignment_offset"))
       .def("tier_info", &PyEngine::TierInfo, nb::arg("tier"))
       .def("allocate", &PyEngine::Allocate, nb::arg("tier"), nb::arg("count"), nb::arg("name"))
       .def("free", &PyEngine::Free, nb::arg("tier"), nb::arg("first"), nb::arg("count"))

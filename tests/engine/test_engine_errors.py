@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jax_tpusync import TpusyncError
+from jax_tpusync import _tpusync
 from jax_tpusync.engine import Engine, EngineConfig
 
 # ---------------------------------------------------------------- configuration
@@ -21,6 +22,8 @@ from jax_tpusync.engine import Engine, EngineConfig
         (dict(num_workers=65), r"num_workers=65 must be in \[1, 64\]"),
         (dict(io_chunk_bytes=0), "io_chunk_bytes=0 must be a positive multiple of 4096"),
         (dict(io_chunk_bytes=4097), "io_chunk_bytes=4097 must be a positive multiple of 4096"),
+        (dict(io_depth=1), r"io_depth=1 must be in \[2, 64\]"),
+        (dict(io_depth=65), r"io_depth=65 must be in \[2, 64\]"),
         (dict(max_inflight_bytes=-1), "max_inflight_bytes=-1 must be >= 0"),
         (dict(max_bytes_per_second=-1.0), "max_bytes_per_second=-1.0 must be >= 0"),
         (dict(debug_delay_us=-5), "debug_delay_us=-5 must be >= 0"),
@@ -38,6 +41,32 @@ def test_bad_engine_config(kwargs, match):
 def test_io_chunk_upper_bound_checked_in_cpp():
     with pytest.raises(ValueError, match=r"tpusync: io_chunk_bytes must be in \[4096, 1 GiB\]"):
         Engine(io_chunk_bytes=2 << 30)
+
+
+def test_io_depth_checked_in_cpp():
+    with pytest.raises(ValueError, match=r"tpusync: io_depth must be in \[2, 64\], got 1"):
+        _tpusync.Engine(
+            num_workers=1,
+            io_chunk_bytes=4096,
+            io_depth=1,
+            huge_page_destinations=True,
+            max_inflight_bytes=0,
+            max_bytes_per_second=0.0,
+            worker_cpus=[],
+            poison_fetches=False,
+            debug_delay_us=0,
+            record_timeline=False,
+        )
+
+
+def test_file_tier_alignment_offset_out_of_range(make_engine, tmp_path):
+    e = make_engine()
+    with pytest.raises(ValueError, match=r"alignment_offset=4096 must be in \[0, 4096\)"):
+        e.add_file_tier(tmp_path, block_bytes=4096, num_blocks=1, alignment_offset=4096)
+    with pytest.raises(
+        ValueError, match=r"tpusync: alignment_offset must be in \[0, 4096\), got 5000"
+    ):
+        e._impl.add_file_tier(str(tmp_path), 4096, 1, "", True, 5000)
 
 
 def test_good_config_with_pinned_workers(make_engine):
