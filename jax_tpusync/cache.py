@@ -159,6 +159,16 @@ class KVState:
         )
 
 
+def _page_offset(array: jax.Array) -> int:
+    """Where ``array``'s bytes start within a 4 KiB page (0 when that is not known)."""
+    if jax.default_backend() != "cpu":
+        return 0
+    try:
+        return int(array.unsafe_buffer_pointer() % 4096)
+    except Exception:  # noqa: BLE001 - sharded or non-addressable: no preference.
+        return 0
+
+
 class OffloadedKVCache:
     """A KV cache kept in a host tier and streamed through fixed device staging buffers.
 
@@ -229,6 +239,7 @@ class OffloadedKVCache:
             raise ValueError(f"prefetch_depth={prefetch_depth!r} must be an int >= 1")
         windows = _normalize_windows(sliding_window, num_layers)
 
+        self._first_staging: jax.Array | None = None  # Handed to the first init().
         self._owns_engine = not isinstance(engine, Engine)
         if isinstance(engine, Engine):
             if debug_poison and not engine.config.poison_fetches:
@@ -256,6 +267,11 @@ class OffloadedKVCache:
                 )
             longest = max(max_len if w is None else min(max_len, max(w - 1, 1)) for w in windows)
             chunk_len = min(chunk_len, longest)
+            page_rows = 4096 // math.gcd(row_bytes, 4096)
+            if page_rows < chunk_len < longest:
+                # Whole pages per staging unit keep fetch segments page-aligned at both
+                # ends, so O_DIRECT lands them straight in the staging buffer.
+                chunk_len -= chunk_len % page_rows
             if chunk_len * row_bytes >= 2**31:
                 chunk_len = (2**31 - 1) // row_bytes  # One segment's byte count is int32.
             # Blocks of whole token rows keep (block, offset) int32 even at 1M+ tokens.
@@ -271,8 +287,19 @@ class OffloadedKVCache:
                     block_bytes=block_bytes, num_blocks=num_blocks, shm_name=shm_name
                 )
             else:
+                # The first state's staging buffer is allocated now, and the data shifted
+                # to its offset within a page, so fetches into it skip the bounce buffer.
+                # (Where XLA places a buffer depends on the allocator's history; asking
+                # for a probe buffer of the same size is not reliable.)
+                self._first_staging = jnp.zeros(
+                    (num_slots, 2, batch, chunk_len, num_kv_heads, head_dim), dtype
+                )
                 tier_index = self.engine.add_file_tier(
-                    path, block_bytes=block_bytes, num_blocks=num_blocks, file_name=file_name
+                    path,
+                    block_bytes=block_bytes,
+                    num_blocks=num_blocks,
+                    file_name=file_name,
+                    alignment_offset=_page_offset(self._first_staging),
                 )
             region_name = "kv" if (shm_name or file_name) else None
             first_block = self.engine.allocate(tier_index, num_blocks, name=region_name)
@@ -321,14 +348,35 @@ class OffloadedKVCache:
             raise ValueError(f"lengths must have shape ({spec.batch},); got {lengths.shape}")
         if lengths.min(initial=0) < 0 or lengths.max(initial=0) > spec.max_len:
             raise ValueError(f"lengths must be in [0, max_len={spec.max_len}]; got {lengths}")
+        staging, self._first_staging = self._first_staging, None
+        if staging is None:
+            staging = jnp.zeros(spec.staging_shape, spec.dtype)
+        self._note_staging_phase(staging)
         return KVState(
             spec,
             lengths=jnp.asarray(lengths, jnp.int32),
-            staging=jnp.zeros(spec.staging_shape, spec.dtype),
+            staging=staging,
             tickets=jnp.full((spec.num_slots,), ops.NO_TICKET, jnp.int32),
             slot=jnp.zeros((), jnp.int32),
             token=jnp.zeros((), jnp.int32),
         )
+
+    def _note_staging_phase(self, staging: jax.Array) -> None:
+        """Logs when fetches into ``staging`` will go through bounce buffers."""
+        info = self.engine.tier_info(self.spec.tier)
+        if not info.dio_alignment or jax.default_backend() != "cpu":
+            return
+        try:
+            address = staging.unsafe_buffer_pointer()
+        except Exception:  # noqa: BLE001 - sharded or non-addressable: nothing to say.
+            return
+        phase = (address - info.alignment_offset) % info.dio_alignment
+        if phase:
+            logger.info(
+                "staging buffer is %d bytes out of phase with the file tier's data: fetches "
+                "copy through bounce buffers (correct, slower)",
+                phase,
+            )
 
     def _check_state(self, state: KVState) -> None:
         if not isinstance(state, KVState):

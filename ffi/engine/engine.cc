@@ -244,12 +244,39 @@ void Engine::WorkerLoop(int index) {
   }
 }
 
+namespace {
+
+// Advises huge pages over the destination as a whole: segments are often contiguous
+// pieces of one buffer, each too small (or too unaligned) to hold a 2 MiB page itself.
+void AdviseDestinations(const std::vector<Segment>& segments) {
+  std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+  ranges.reserve(segments.size());
+  for (const Segment& s : segments) {
+    auto begin = reinterpret_cast<uintptr_t>(s.memory);
+    if (s.bytes > 0) ranges.emplace_back(begin, begin + s.bytes);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 0; i < ranges.size();) {
+    uintptr_t begin = ranges[i].first, end = ranges[i].second;
+    for (++i; i < ranges.size() && ranges[i].first <= end; ++i) {
+      end = std::max(end, ranges[i].second);
+    }
+    AdviseHugePages(reinterpret_cast<void*>(begin), end - begin);
+  }
+}
+
+}  // namespace
+
 void Engine::RunJob(Job& job, IoContext& io) {
   if (options_.debug_delay_us > 0) {
     std::this_thread::sleep_for(std::chrono::microseconds(options_.debug_delay_us));
   }
   io.cancelled = [&job] { return job.cancel.load(std::memory_order_relaxed); };
   io.before_chunk = [this](uint64_t n) { Pace(n); };
+  if (io.huge_page_destinations() && job.tier->direct_io() &&
+      job.request.direction == Direction::kTierToMemory) {
+    AdviseDestinations(job.request.segments);
+  }
   Status status;
   for (const Segment& s : job.request.segments) {
     if (s.bytes == 0) continue;

@@ -242,7 +242,6 @@ class FileTier final : public Tier {
     if ((reinterpret_cast<uintptr_t>(out) - pos) % align == 0 && hi > lo) {
       // Same phase: the aligned interior goes straight to the destination.
       uint8_t* inner = out + (lo - pos);
-      if (io.huge_page_destinations()) AdviseHugePages(inner, hi - lo);
       if (lo > pos) {
         TPUSYNC_RETURN_IF_ERROR(PreadFull(direct_fd_, io.bounce(0), align, lo - align));
         std::memcpy(out, io.bounce(0) + align - (lo - pos), lo - pos);

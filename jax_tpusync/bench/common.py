@@ -286,3 +286,9 @@ def chunks(total: int, size: int) -> Iterable[tuple[int, int]]:
     """``(offset, length)`` pieces of ``[0, total)`` of at most ``size`` bytes."""
     for off in range(0, total, size):
         yield off, min(size, total - off)
+
+
+def direct_read_fraction(info) -> float:
+    """Share of a tier's fetched bytes that O_DIRECT put straight into the destination."""
+    total = info.direct_read_bytes + info.bounced_read_bytes
+    return info.direct_read_bytes / total if total else 0.0

@@ -80,6 +80,9 @@ COLUMNS = [
     ("t_jax_offload_ms", "jax offload ms", ".1f"),
     ("overlap_efficiency", "overlap eff", ".3f"),
     ("prefetch_over_max", "pf/max", ".3f"),
+    ("overlap_efficiency_compute", "eff vs compute", ".3f"),
+    ("prefetch_over_max_compute", "pf/max compute", ".3f"),
+    ("direct_read_fraction", "direct", ".2f"),
     ("tokens_per_s", "tok/s", ".2f"),
     ("max_abs_err", "max err", ".2g"),
     ("device_bytes", "device", "bytes"),
@@ -712,6 +715,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             io_chunk_bytes=args.chunk_bytes,
             kv_bytes_per_step=shape.kv_bytes_per_step,
             direct_io=pf_engine.tier_info(spec.tier).direct_io if args.tier == "file" else None,
+            direct_read_fraction=common.direct_read_fraction(pf_engine.tier_info(spec.tier)),
             samples_per_variant=len(samples["prefetch"].seconds),
         )
         for n in VARIANTS:

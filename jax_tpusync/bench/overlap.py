@@ -159,12 +159,6 @@ def _open_tier(engine: Engine, args: argparse.Namespace, nbytes: int) -> tuple[i
     return tier, directory
 
 
-def _direct_fraction(info) -> float:
-    """Share of fetched bytes that O_DIRECT put straight into the destination."""
-    total = info.direct_read_bytes + info.bounced_read_bytes
-    return info.direct_read_bytes / total if total else 0.0
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Calibrates, measures the four functions interleaved; returns one result record."""
     if args.xla_single_thread:
@@ -376,7 +370,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "direct_io": info.direct_io,
             "io_depth": args.io_depth,
             "alignment_offset": info.alignment_offset,
-            "direct_read_fraction": _direct_fraction(engine.tier_info(tier)),
+            "direct_read_fraction": common.direct_read_fraction(engine.tier_info(tier)),
             "xla_single_thread": "--xla_cpu_multi_thread_eigen=false"
             in os.environ.get("XLA_FLAGS", ""),
             "prefetch_hits": stats["prefetch_hits"],
