@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tpusync import ops
-from jax_tpusync.engine import Engine, EngineConfig
+from jax_tpusync.engine import Engine, EngineConfig, page_offset
 
 logger = logging.getLogger(__name__)
 
@@ -157,16 +157,6 @@ class KVState:
             f"KVState(cache_id={self.spec.cache_id}, lengths={self.lengths}, "
             f"device_bytes={self.spec.device_bytes})"
         )
-
-
-def _page_offset(array: jax.Array) -> int:
-    """Where ``array``'s bytes start within a 4 KiB page (0 when that is not known)."""
-    if jax.default_backend() != "cpu":
-        return 0
-    try:
-        return int(array.unsafe_buffer_pointer() % 4096)
-    except Exception:  # noqa: BLE001 - sharded or non-addressable: no preference.
-        return 0
 
 
 class OffloadedKVCache:
@@ -299,7 +289,7 @@ class OffloadedKVCache:
                     block_bytes=block_bytes,
                     num_blocks=num_blocks,
                     file_name=file_name,
-                    alignment_offset=_page_offset(self._first_staging),
+                    alignment_offset=page_offset(self._first_staging),
                 )
             region_name = "kv" if (shm_name or file_name) else None
             first_block = self.engine.allocate(tier_index, num_blocks, name=region_name)

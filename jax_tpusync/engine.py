@@ -222,7 +222,7 @@ class Engine:
           direct_io: try O_DIRECT (falls back to buffered I/O where refused, e.g. tmpfs; see
             :meth:`tier_info`).
           alignment_offset: in [0, 4096): where destination buffers usually start modulo a
-            page (:func:`xla_buffer_alignment_offset` tells for XLA's). The data is shifted
+            page (:func:`page_offset` tells for an array). The data is shifted
             in the file by this much, so that O_DIRECT reads go straight into such buffers
             instead of through a bounce buffer and a copy. Any destination stays correct;
             see ``direct_read_bytes`` in :meth:`tier_info`. A re-attached file keeps the
@@ -349,24 +349,21 @@ class Engine:
         self._impl.mark(kind, layer, chunk)
 
 
-def xla_buffer_alignment_offset(nbytes: int) -> int:
-    """Where XLA puts a new ``nbytes`` buffer on the default device, modulo a 4 KiB page.
+def page_offset(array) -> int:
+    """Where ``array``'s bytes start within a 4 KiB page; 0 off CPU or when not known.
 
-    XLA's CPU allocator returns 64-byte-aligned memory; large buffers come out of their own
-    mapping at a fixed offset past a page. A file tier created with this as its
-    ``alignment_offset`` reads straight into such buffers. Returns 0 off CPU, where
-    fetches land in pinned host staging the engine allocates itself.
+    A file tier created with this as its ``alignment_offset`` reads straight into the array.
+    Ask the buffer itself: where XLA puts the next buffer depends on the allocator's
+    history (glibc moves its mmap threshold), so a probe of the same size is unreliable.
     """
     import jax
-    import jax.numpy as jnp
 
     if jax.default_backend() != "cpu":
         return 0
-    probe = jnp.zeros((max(int(nbytes), 1),), jnp.uint8)
     try:
-        return int(probe.unsafe_buffer_pointer() % 4096)
-    finally:
-        probe.delete()
+        return int(array.unsafe_buffer_pointer() % 4096)
+    except Exception:  # noqa: BLE001 - sharded or non-addressable: no preference.
+        return 0
 
 
 def monotonic_ns() -> int:

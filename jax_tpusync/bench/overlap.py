@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from jax_tpusync.bench import common
-from jax_tpusync.engine import Engine, xla_buffer_alignment_offset
+from jax_tpusync.engine import Engine, page_offset
 
 TIER_BLOCK_BYTES = 64 * common.KiB
 SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -140,16 +140,18 @@ def _reexec_single_thread() -> None:
     os.execve(sys.executable, argv, env)
 
 
-def _open_tier(engine: Engine, args: argparse.Namespace, nbytes: int) -> tuple[int, str | None]:
+def _open_tier(
+    engine: Engine, args: argparse.Namespace, nbytes: int, dst
+) -> tuple[int, str | None]:
     num_blocks = -(-nbytes // TIER_BLOCK_BYTES)
     if args.tier == "host":
         return engine.add_host_tier(block_bytes=TIER_BLOCK_BYTES, num_blocks=num_blocks), None
     directory = os.path.abspath(args.path or os.getcwd())
-    # Stored at the offset XLA gives a buffer of this size (unless told otherwise), so the
-    # fetch reads straight into the destination.
+    # Stored at the destination's offset within a page (unless told otherwise), so the
+    # fetch reads straight into it.
     offset = args.alignment_offset
     if offset is None:
-        offset = xla_buffer_alignment_offset(nbytes)
+        offset = page_offset(dst)
     tier = engine.add_file_tier(
         directory,
         block_bytes=TIER_BLOCK_BYTES,
@@ -182,7 +184,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         worker_cpus=tuple(args.worker_cpus),
     )
     try:
-        tier, directory = _open_tier(engine, args, nbytes)
+        # The destination, donated into every call (so it keeps its address), comes first:
+        # the file tier is laid out for it.
+        state = {"dst": jnp.zeros((nbytes,), jnp.uint8)}
+        tier, directory = _open_tier(engine, args, nbytes, state["dst"])
         info = engine.tier_info(tier)
         data_map, data = common.page_aligned_buffer(nbytes)
         common.fill_random(data, seed=4321)
@@ -237,7 +242,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "overlap": jax.jit(f_overlap, donate_argnums=(2,)),
             }
 
-        state = {"dst": jnp.zeros((nbytes,), jnp.uint8)}
         np_dst = common.xla_like_buffer(nbytes)
         np_segments = [(o, o, s) for o, s in zip(offsets, sizes)]
 
