@@ -116,6 +116,19 @@ def xla_like_buffer(nbytes: int, alignment: int = XLA_CPU_ALIGNMENT) -> np.ndarr
     return out
 
 
+def plain_read(fd: int, dst: memoryview, file_offset: int, piece: int) -> None:
+    """Reads ``len(dst)`` bytes of ``fd`` from ``file_offset`` into ``dst``, ``piece`` at a time.
+
+    One synchronous ``preadv`` after another, no engine: the platform's own sequential read,
+    the ceiling the engine is measured against. With an O_DIRECT ``fd``, ``dst`` must be
+    aligned (page-aligned buffers are) and ``file_offset`` and ``piece`` sector multiples.
+    """
+    for off, n in chunks(len(dst), piece):
+        got = os.preadv(fd, [dst[off : off + n]], file_offset + off)
+        if got != n:
+            raise OSError(f"short read: {got} of {n} bytes at file offset {file_offset + off}")
+
+
 def address_alignment(array: np.ndarray) -> int:
     """The largest power of two (up to 4096) that divides the array's start address."""
     addr = array.ctypes.data

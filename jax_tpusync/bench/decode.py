@@ -16,8 +16,9 @@ that adds compute without adding KV). It runs as
   with ``take_along_axis``), which on CPU costs several times more than the same math on
   warm staging. ``overlap_efficiency_compute`` uses this floor. Its output attends to the
   wrong tokens (the same two units again and again), so it has no error check.
-* ``transfer``: the engine fetching one step's KV (every unit of every layer, depth-1
-  pipelined into two staging slots, as the prefetching step does) from inside ``jax.jit``,
+* ``transfer``: the engine fetching one step's KV (every unit of every layer, pipelined
+  ``--prefetch-depth`` units ahead through the same staging slots as the prefetching step)
+  from inside ``jax.jit``,
   with no compute. The transfer floor.
 * ``sync``: fetch, then compute: for each unit of each layer a ``wait_fetch`` without a
   ticket (the engine fetches on demand and the step blocks), then the attention of that unit.
@@ -51,6 +52,7 @@ import argparse
 import dataclasses
 import math
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -128,7 +130,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--staging-bytes",
         type=common.parse_bytes,
         default=16 * common.MiB,
-        help="device staging budget of the offloaded cache (2 slots; default 16M). "
+        help="device staging budget of the offloaded cache (--prefetch-depth + 1 slots; "
+        "default 16M). "
         "Fixes device_bytes whatever the context",
     )
     p.add_argument(
@@ -138,6 +141,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help="engine io_chunk_bytes (default 1M)",
     )
     p.add_argument("--workers", type=int, default=2, help="engine num_workers (default 2)")
+    p.add_argument("--io-depth", type=int, default=4, help="engine io_depth (default 4)")
+    p.add_argument(
+        "--prefetch-depth",
+        type=int,
+        default=1,
+        help="units fetched ahead; the staging budget is split into depth + 1 slots (default 1)",
+    )
     p.add_argument("--steps", type=int, default=6, help="timed steps per variant (>= 5; default 6)")
     p.add_argument(
         "--block",
@@ -294,17 +304,22 @@ class _Variant:
         self.name, self.fn, self.state, self.args = name, fn, state, args
         self.out = None
         self.steps = 0
+        self.minor_faults = 0
 
-    def once(self) -> float:
+    def once(self) -> tuple[float, float, float]:
+        """Runs one step; returns (wall s, user CPU s, system CPU s) of the whole process."""
         import jax
 
+        c0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         out, self.state = self.fn(*self.args, self.state)
         jax.block_until_ready((out, self.state))
         dt = time.perf_counter() - t0
+        c1 = resource.getrusage(resource.RUSAGE_SELF)
         self.out = out
         self.steps += 1
-        return dt
+        self.minor_faults += c1.ru_minflt - c0.ru_minflt
+        return dt, c1.ru_utime - c0.ru_utime, c1.ru_stime - c0.ru_stime
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -315,6 +330,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     import jax_tpusync as tps
     from jax_tpusync import ops
+    from jax_tpusync.attention import attend_staged_unit
     from jax_tpusync.kernels import reference as kref
 
     if args.steps < 5:
@@ -341,7 +357,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rounds = -(-args.steps // timed_per_block)
     total_steps = 1 + (args.warmup + rounds) * args.block
     max_len = args.context + total_steps + 1
-    slots = 2
+    depth = args.prefetch_depth
+    slots = depth + 1
 
     tmpdir = None
     path = None
@@ -350,7 +367,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         path = tmpdir = tempfile.mkdtemp(prefix="tpusync-decode-", dir=parent)
     caches = []
     try:
-        config = tps.EngineConfig(num_workers=args.workers, io_chunk_bytes=args.chunk_bytes)
+        config = tps.EngineConfig(
+            num_workers=args.workers, io_chunk_bytes=args.chunk_bytes, io_depth=args.io_depth
+        )
 
         def new_cache(record: bool):
             c = tps.OffloadedKVCache(
@@ -363,7 +382,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 tier=args.tier,
                 path=path,
                 staging_bytes=args.staging_bytes,
-                prefetch_depth=1,
+                prefetch_depth=depth,
                 engine=dataclasses.replace(config, record_timeline=record),
             )
             caches.append(c)
@@ -457,16 +476,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         num_units = len(unit_lo)
 
         def unit_attention(q, k, v, get_unit, buf):
-            """Attention over every unit (``get_unit(u, buf, deps) -> (k, v, buf)``) + new token."""
+            """Attention over every unit + new token.
+
+            ``get_unit(u, buf, deps) -> (buf, slot)``: unit ``u`` sits in staging slot ``slot``.
+            """
             lo_all, count_all = jnp.asarray(unit_lo), jnp.asarray(unit_count)
 
             def unit(u, carry):
                 out, lse, buf = carry
-                ku, vu, buf = get_unit(u, buf, (q, out))
+                buf, slot = get_unit(u, buf, (q, out))
                 lo = jnp.full((shape.batch,), lo_all[u], jnp.int32)
                 cnt = jnp.full((shape.batch,), count_all[u], jnp.int32)
-                o, l = kref.chunk_attention_reference(
-                    q, ku, vu, lo, cnt, context_lengths, scale=scale
+                o, l = attend_staged_unit(
+                    buf,
+                    slot,
+                    lambda ku, vu: kref.chunk_attention_reference(
+                        q, ku, vu, lo, cnt, context_lengths, scale=scale
+                    ),
                 )
                 out, lse = kref.merge_partials(out, lse, o, l)
                 return out, lse, buf
@@ -498,8 +524,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             def compute_attend(layer, q, k, v, staging):
                 def get_unit(u, staging, deps):
-                    slot = u % slots
-                    return staging[slot, 0], staging[slot, 1], staging
+                    return staging, u % slots
 
                 return unit_attention(q, k, v, get_unit, staging)
 
@@ -545,7 +570,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         deps=deps,
                         regions=regions,
                     )
-                    return staging[0, 0], staging[0, 1], staging
+                    return staging, 0
 
                 return unit_attention(q, k, v, get_unit, staging)
 
@@ -557,34 +582,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             n_fetch = flat.shape[0]
 
             def transfer_step(x, staging):
+                # Unit i lands in slot i % slots, `depth` units ahead of the one waited for,
+                # as in the prefetching step.
                 segs = jnp.asarray(flat)
-                x, staging, ticket = ops.start_fetch(
-                    eid, tier, x, staging, segs[0], tag(-1, 0), regions=regions
-                )
+                ahead = min(depth, n_fetch)
+                tickets = jnp.full((slots,), ops.NO_TICKET, jnp.int32)
+                for i in range(ahead):
+                    x, staging, t = ops.start_fetch(
+                        eid, tier, x, staging, segs[i], tag(-1, i), regions=regions
+                    )
+                    tickets = tickets.at[i % slots].set(t)
+
+                def wait(i, staging, tickets):
+                    return ops.wait_fetch(
+                        eid, tier, staging, tickets[i % slots], segs[i], tag(-1, i), regions=regions
+                    )
 
                 def body(i, carry):
-                    x, staging, ticket = carry
-                    x, staging, nxt = ops.start_fetch(
-                        eid, tier, x, staging, segs[i + 1], tag(-1, i + 1), regions=regions
+                    x, staging, tickets = carry
+                    j = i + depth  # Into the slot of unit i - 1, waited for last.
+                    x, staging, t = ops.start_fetch(
+                        eid, tier, x, staging, segs[j], tag(-1, j), regions=regions
                     )
-                    staging = ops.wait_fetch(
-                        eid, tier, staging, ticket, segs[i], tag(-1, i), regions=regions
-                    )
-                    return x, staging, nxt
+                    staging = wait(i, staging, tickets)
+                    return x, staging, tickets.at[j % slots].set(t)
 
-                if n_fetch > 1:
-                    x, staging, ticket = jax.lax.fori_loop(
-                        0, n_fetch - 1, body, (x, staging, ticket)
+                if n_fetch > ahead:
+                    x, staging, tickets = jax.lax.fori_loop(
+                        0, n_fetch - ahead, body, (x, staging, tickets)
                     )
-                staging = ops.wait_fetch(
-                    eid,
-                    tier,
-                    staging,
-                    ticket,
-                    segs[n_fetch - 1],
-                    tag(-1, n_fetch - 1),
-                    regions=regions,
-                )
+                for i in range(n_fetch - ahead, n_fetch):
+                    staging = wait(i, staging, tickets)
                 return x, staging
 
             if "sync" in variants_wanted:
@@ -664,6 +692,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         order = [v for v in VARIANTS if v in variants]
         samples = {name: common.Samples() for name in order}
+        # CPU seconds per step (all threads: XLA's, the engine's, the kernel's on our behalf).
+        cpu_user = {name: common.Samples() for name in order}
+        cpu_system = {name: common.Samples() for name in order}
         pf_engine = pf_cache.engine
         aux_fetch = {"bytes": 0, "busy": 0.0}
         timeline = None
@@ -678,9 +709,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     pf_engine.timeline()  # Drop what came before this block.
                 before = _fetch_counters(aux.engine) if (aux and name == "transfer") else None
                 for i in range(args.block):
-                    dt = var.once()
+                    dt, user, system = var.once()
                     if r >= args.warmup and i > 0:
                         samples[name].add(dt)
+                        cpu_user[name].add(user)
+                        cpu_system[name].add(system)
                 if before is not None and r >= args.warmup:
                     after = _fetch_counters(aux.engine)
                     aux_fetch["bytes"] += after[0] - before[0]
@@ -715,6 +748,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             units_per_layer=-(-args.context // spec.chunk_len),
             staging_bytes=args.staging_bytes,
             io_chunk_bytes=args.chunk_bytes,
+            io_depth=args.io_depth,
+            prefetch_depth=depth,
             kv_bytes_per_step=shape.kv_bytes_per_step,
             direct_io=pf_engine.tier_info(spec.tier).direct_io if args.tier == "file" else None,
             direct_read_fraction=common.direct_read_fraction(pf_engine.tier_info(spec.tier)),
@@ -725,6 +760,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 res[f"t_{n}_ms"] = med[n]
                 res[f"t_{n}_ms_min"] = samples[n].min * 1e3
                 res[f"t_{n}_ms_max"] = samples[n].max * 1e3
+                res[f"cpu_user_{n}_ms"] = cpu_user[n].median * 1e3
+                res[f"cpu_system_{n}_ms"] = cpu_system[n].median * 1e3
+                res[f"minor_faults_{n}_per_step"] = variants[n].minor_faults / variants[n].steps
             else:
                 res[f"t_{n}_ms"] = res[f"t_{n}_ms_min"] = res[f"t_{n}_ms_max"] = None
         res["jax_offload_label"] = jax_label
@@ -895,7 +933,7 @@ def _print_summary(res: dict[str, Any]) -> None:
         return "-" if v is None else format(v, fmt)
 
     print()
-    print(f"{'variant':<12} {'median ms':>10} {'min':>9} {'max':>9}  note")
+    print(f"{'variant':<12} {'median ms':>10} {'min':>9} {'max':>9} {'cpu ms':>13}  note")
     notes = {
         "resident": "resident_attention, all KV in device memory, no engine",
         "compute": "the same per-unit attention on warm staging slots, no transfer",
@@ -907,9 +945,12 @@ def _print_summary(res: dict[str, Any]) -> None:
         "jax_offload": f"pinned_host KV + device_put in jit [{res['jax_offload_label']}]",
     }
     for n in VARIANTS:
+        cpu = "-"
+        if res.get(f"cpu_user_{n}_ms") is not None:  # user+system, all threads, per step
+            cpu = f"{res[f'cpu_user_{n}_ms']:.0f}+{res[f'cpu_system_{n}_ms']:.0f}"
         print(
             f"{n:<12} {f(res[f't_{n}_ms']):>10} {f(res[f't_{n}_ms_min']):>9} "
-            f"{f(res[f't_{n}_ms_max']):>9}  {notes[n]}"
+            f"{f(res[f't_{n}_ms_max']):>9} {cpu:>13}  {notes[n]}"
         )
     print(
         f"\noverlap_efficiency {f(res['overlap_efficiency'], '.3f')} (vs compute: "

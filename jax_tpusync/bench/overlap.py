@@ -12,6 +12,18 @@ destination buffer that is donated into every call and threaded through all of t
 * ``overlap``: ``x, dst, t = start_fetch(...)``; ``y = compute(x)``;
   ``dst = wait_fetch(..., t, deps=(y,))``.
 
+Beside them, the platform's own answer, with no engine and no XLA custom call:
+
+* ``plain``: the same bytes read the plainest way (one synchronous O_DIRECT ``preadv`` of
+  ``--segment-bytes`` after another into a page-aligned buffer; ``memcpy`` on the host tier);
+* ``plain_overlap``: ``compute`` while another thread does ``plain``; wall time until both
+  are done.
+
+``platform_overlap_efficiency`` is the efficiency of that pair. It is the ceiling of what any
+overlap can reach on the machine: when the transfer slows the compute down by itself
+(DMA and the virtual disk share memory bandwidth and host cores with the guest's vCPUs),
+no engine hides the difference. ``efficiency_over_platform`` divides one by the other.
+
 Unless given, the matmul chain is calibrated so that ``t_compute`` is close to
 ``t_transfer``. All four then run in rotating order for ``--repeats`` rounds after warm-up:
 
@@ -32,6 +44,7 @@ import argparse
 import os
 import statistics
 import sys
+import threading
 import time
 import warnings
 import zlib
@@ -43,6 +56,7 @@ from jax_tpusync.bench import common
 from jax_tpusync.engine import Engine, page_offset
 
 TIER_BLOCK_BYTES = 64 * common.KiB
+FILE_HEADER_BYTES = 4096  # The file tier's data starts after one header page.
 SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 # Calibration aims t_compute / t_transfer into this band (the brief allows 0.7-1.5).
 _CALIBRATION_BAND = (0.85, 1.15)
@@ -60,6 +74,9 @@ COLUMNS = [
     ("t_overlap_ms", "overlap ms", ".2f"),
     ("overlap_efficiency", "efficiency", ".3f"),
     ("overlap_efficiency_paired_median", "paired", ".3f"),
+    ("t_plain_ms", "plain ms", ".2f"),
+    ("platform_overlap_efficiency", "platform eff", ".3f"),
+    ("efficiency_over_platform", "eff/platform", ".3f"),
     ("direct_read_fraction", "direct", ".2f"),
     ("xla_single_thread", "1-thread XLA", ""),
 ]
@@ -143,6 +160,7 @@ def _reexec_single_thread() -> None:
 def _open_tier(
     engine: Engine, args: argparse.Namespace, nbytes: int, dst
 ) -> tuple[int, str | None]:
+    """Adds the tier; returns its index and, for the file tier, the path of its data file."""
     num_blocks = -(-nbytes // TIER_BLOCK_BYTES)
     if args.tier == "host":
         return engine.add_host_tier(block_bytes=TIER_BLOCK_BYTES, num_blocks=num_blocks), None
@@ -152,13 +170,48 @@ def _open_tier(
     offset = args.alignment_offset
     if offset is None:
         offset = page_offset(dst)
+    # A named file, so that the plain reader can open the very same bytes.
+    name = f"tpusync-overlap-bench-{os.getpid()}"
     tier = engine.add_file_tier(
         directory,
         block_bytes=TIER_BLOCK_BYTES,
         num_blocks=num_blocks,
         alignment_offset=offset,
+        file_name=name,
     )
-    return tier, directory
+    return tier, os.path.join(directory, name + ".tpusync")
+
+
+class _PlainFetch:
+    """The platform's own fetch of the tier's bytes: no engine, no XLA (see the module doc)."""
+
+    def __init__(self, path: str | None, direct_io: bool, source: np.ndarray, piece: int):
+        self.mapping, self.dst = common.page_aligned_buffer(source.size, huge_pages=True)
+        self.view = memoryview(self.dst)
+        self.piece = piece
+        self.source = None
+        self.fd = -1
+        if path is None:
+            self.source = source  # Host tier: memcpy from a copy of the tier's bytes.
+        else:
+            with open(path, "rb+") as f:  # Engine writes may leave dirty pages behind.
+                os.fsync(f.fileno())
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            self.fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct_io else 0))
+
+    def __call__(self) -> None:
+        if self.fd < 0:
+            for off, n in common.chunks(self.source.size, self.piece):
+                np.copyto(self.dst[off : off + n], self.source[off : off + n])
+        else:
+            # From the first sector-aligned offset after the header: the same bytes up to the
+            # tier's alignment shift, which O_DIRECT cannot follow.
+            common.plain_read(self.fd, self.view, FILE_HEADER_BYTES, self.piece)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -183,16 +236,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         io_depth=args.io_depth,
         worker_cpus=tuple(args.worker_cpus),
     )
+    data_path = None
+    plain = None
     try:
         # The destination, donated into every call (so it keeps its address), comes first:
         # the file tier is laid out for it.
         state = {"dst": jnp.zeros((nbytes,), jnp.uint8)}
-        tier, directory = _open_tier(engine, args, nbytes, state["dst"])
+        tier, data_path = _open_tier(engine, args, nbytes, state["dst"])
         info = engine.tier_info(tier)
         data_map, data = common.page_aligned_buffer(nbytes)
         common.fill_random(data, seed=4321)
         expected_crc = zlib.crc32(data)
         engine.write(tier, 0, data)
+        plain = _PlainFetch(data_path, info.direct_io, data, args.segment_bytes)
         del data, data_map
         print(
             f"tier: {info.description}; {common.format_bytes(nbytes)} per fetch; "
@@ -274,12 +330,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 engine.wait(engine.submit_read(tier, np_segments, np_dst))
                 return time.perf_counter() - t0
 
+            def r_plain() -> float:
+                t0 = time.perf_counter()
+                plain()
+                return time.perf_counter() - t0
+
+            def r_plain_overlap() -> float:
+                # preadv and memcpy release the GIL, as XLA does while the compute runs.
+                failure: list[BaseException] = []
+
+                def read() -> None:
+                    try:
+                        plain()
+                    except BaseException as e:  # Re-raised on the main thread below.
+                        failure.append(e)
+
+                reader = threading.Thread(target=read)
+                t0 = time.perf_counter()
+                reader.start()
+                fns["compute"](x, w).block_until_ready()
+                reader.join()
+                elapsed = time.perf_counter() - t0
+                if failure:
+                    raise failure[0]
+                return elapsed
+
             return {
                 "compute": r_compute,
                 "transfer": r_transfer,
                 "sync": r_sync,
                 "overlap": r_overlap,
                 "engine": r_engine,
+                "plain": r_plain,
+                "plain_overlap": r_plain_overlap,
             }
 
         def median_of(fn, k: int) -> float:
@@ -333,6 +416,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fresh = jnp.zeros((nbytes,), jnp.uint8)
         verified["overlap"] = zlib.crc32(np.asarray(fns["overlap"](x, w, fresh, segs, tag)[1]))
         verified["engine"] = zlib.crc32(np_dst)
+        if args.tier == "host":  # The file reader's bytes are shifted by the alignment offset.
+            verified["plain"] = zlib.crc32(plain.dst)
         verified = {k: v == expected_crc for k, v in verified.items()}
         if not all(verified.values()):
             raise AssertionError(f"fetched bytes differ from the written ones: {verified}")
@@ -344,6 +429,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return (c + t - o) / min(c, t)
 
         paired = [eff(c, t, o) for c, t, o in zip(tc.seconds, tt.seconds, to.seconds)]
+        tp, tpo = samples["plain"], samples["plain_overlap"]
+        platform_eff = eff(tc.median, tp.median, tpo.median)
         result = {
             "tier": args.tier,
             "bytes": nbytes,
@@ -359,6 +446,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "overlap_efficiency_paired_median": statistics.median(paired),
             "overlap_efficiency_paired_min": min(paired),
             "overlap_efficiency_paired_max": max(paired),
+            "t_plain_ms": tp.median * 1e3,
+            "t_plain_overlap_ms": tpo.median * 1e3,
+            "platform_overlap_efficiency": platform_eff,
+            "efficiency_over_platform": (
+                eff(tc.median, tt.median, to.median) / platform_eff if platform_eff > 0 else None
+            ),
             "compute_over_transfer": tc.median / tt.median,
             "sync_over_overlap": ts.median / to.median,
             **tc.ms("t_compute"),
@@ -387,9 +480,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(
             f"efficiency {result['overlap_efficiency']:.3f} (compute {tc.median * 1e3:.1f} ms, "
             f"transfer {tt.median * 1e3:.1f} ms, overlap {to.median * 1e3:.1f} ms, "
-            f"sync {ts.median * 1e3:.1f} ms)",
+            f"sync {ts.median * 1e3:.1f} ms); platform {platform_eff:.3f} (plain read "
+            f"{tp.median * 1e3:.1f} ms, with compute {tpo.median * 1e3:.1f} ms)",
             flush=True,
         )
         return result
     finally:
+        if plain is not None:
+            plain.close()
         engine.close()
+        if data_path is not None and os.path.exists(data_path):
+            os.unlink(data_path)

@@ -212,11 +212,7 @@ class _Setup:
             for off, n in common.chunks(self.total, block):
                 np.copyto(dst[off : off + n], src[off : off + n])
         else:
-            fd, view = self.fd, self.source_view
-            for off, n in common.chunks(self.total, block):
-                got = os.preadv(fd, [view[off : off + n]], FILE_HEADER_BYTES + off)
-                if got != n:
-                    raise OSError(f"short O_DIRECT read: {got} of {n} bytes at {off}")
+            common.plain_read(self.fd, self.source_view, FILE_HEADER_BYTES, block)
         return time.perf_counter() - t0
 
 

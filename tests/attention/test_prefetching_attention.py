@@ -152,7 +152,7 @@ CHUNKED = 2 * 2 * BATCH * 8 * KV_HEADS * HEAD_DIM * 4
         "file-unchunked-scan",
     ],
 )
-def test_decoder_matches_resident_bitwise(tier, staging_bytes, scan, tmp_path):
+def test_decoder_matches_resident(tier, staging_bytes, scan, tmp_path):
     """N steps (a 3-token prefill chunk, then decode) give the resident model's logits."""
     windows = WINDOWS if not scan else (None,) * LAYERS  # scan+mixed windows: see below
     rng = np.random.default_rng(0)
@@ -170,18 +170,24 @@ def test_decoder_matches_resident_bitwise(tier, staging_bytes, scan, tmp_path):
             got, state = offloaded(x, state)
             want, ck, cv, lengths = resident(x, ck, cv, lengths)
             np.testing.assert_array_equal(np.asarray(state.lengths), np.asarray(lengths))
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            # Same operations in the same order; XLA may fuse the per-unit attention inside
+            # the staging-slot switch differently, hence float32 rounding, not bit equality.
+            # A stale or missing row moves the output by far more (units are 8 tokens here).
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
         stats = cache.engine.stats()
         assert stats["prefetch_hits"] > 0
         assert stats["prefetch_misses"] == 1  # Only the very first unit is cold.
-        # The tier holds exactly what the resident cache holds.
+        # The tier holds what the resident cache holds (new tokens' K/V come from activations
+        # that carry the rounding above; write-back itself is byte-exact, tests/engine).
         state = cache.drain(state)
         for layer in range(LAYERS):
             k_tier, v_tier = cache.read(layer, np.asarray(state.lengths))
             for b in range(BATCH):
                 n = int(state.lengths[b])
-                np.testing.assert_array_equal(k_tier[b, :n], np.asarray(ck[layer, b, :n]))
-                np.testing.assert_array_equal(v_tier[b, :n], np.asarray(cv[layer, b, :n]))
+                for got_kv, want_kv in ((k_tier, ck), (v_tier, cv)):
+                    np.testing.assert_allclose(
+                        got_kv[b, :n], np.asarray(want_kv[layer, b, :n]), rtol=1e-5, atol=1e-5
+                    )
 
 
 @pytest.mark.parametrize("staging_bytes", [UNCHUNKED, CHUNKED], ids=["unchunked", "chunked"])
@@ -260,7 +266,8 @@ def test_against_plain_softmax(dtype, kv_heads, soft_cap, tmp_path):
 
 
 def test_out_of_order_layers_are_refetched_never_stale(tmp_path):
-    """Leaving the schedule (layer 1 before 0) costs misses, not wrong answers.
+    """Leaving the schedule (layer 1 before 0) costs misses, not wrong answers, and the new
+    tokens' K/V reach the tier unchanged.
 
     Lengths advance after the last layer (2), so layers 1 and 0 both see CONTEXT.
     """
@@ -274,6 +281,7 @@ def test_out_of_order_layers_are_refetched_never_stale(tmp_path):
             donate_argnums=(3,),
         )
         oracle = jax.jit(tps.resident_attention, static_argnames=("window", "unit_len"))
+        written = {}
         for layer in (1, 0, 2):
             q, k, v = model.qkv(x, layer)
             got, state = fn(q, k, v, state, layer)
@@ -288,7 +296,17 @@ def test_out_of_order_layers_are_refetched_never_stale(tmp_path):
                 unit_len=cache.spec.chunk_len,
             )
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
+            written[layer] = (np.asarray(k), np.asarray(v))
         assert cache.engine.stats()["prefetch_misses"] >= 2
+        # Each layer's new token went out byte for byte, behind the context it extends.
+        state = cache.drain(state)
+        for layer, (k, v) in written.items():
+            k_tier, v_tier = cache.read(layer, np.asarray(state.lengths))
+            for b in range(BATCH):
+                at = int(CONTEXT[b])
+                np.testing.assert_array_equal(k_tier[b, at], k[b, 0])
+                np.testing.assert_array_equal(v_tier[b, at], v[b, 0])
+                np.testing.assert_array_equal(k_tier[b, :at], np.asarray(ck[layer, b, :at]))
 
 
 def test_device_bytes_do_not_grow_with_context(tmp_path):
