@@ -439,13 +439,18 @@ def resident_attention(
         kernel_reference.chunk_attention_reference, scale=scale, soft_cap=soft_cap, window=window
     )
 
+    # Rows move as raw bits: XLA's CPU backend has no bf16 gather or dynamic update, and
+    # its float normalization widens the whole cache to f32 (and back) around them, every step.
+    k_bits, v_bits = _as_bits(cache_k), _as_bits(cache_v)
+
     def unit_step(chunk, carry):
         out, lse = carry
         lo = layer_start + chunk * unit
         count = jnp.clip(lengths - lo, 0, unit)
         rows = jnp.clip(lo[:, None] + jnp.arange(unit, dtype=jnp.int32), 0, max_len - 1)
-        k_unit = jnp.take_along_axis(cache_k, rows[:, :, None, None], axis=1)
-        v_unit = jnp.take_along_axis(cache_v, rows[:, :, None, None], axis=1)
+        k_unit = jnp.take_along_axis(k_bits, rows[:, :, None, None], axis=1)
+        v_unit = jnp.take_along_axis(v_bits, rows[:, :, None, None], axis=1)
+        k_unit, v_unit = _from_bits(k_unit, cache_k.dtype), _from_bits(v_unit, cache_v.dtype)
         o, l = attend(q, k_unit, v_unit, lo, count, lengths)
         return kernel_reference.merge_partials(out, lse, o, l)
 
@@ -461,4 +466,18 @@ def resident_attention(
     out, _ = kernel_reference.merge_partials(out, lse, o, l)
 
     insert = jax.vmap(lambda c, x, at: lax.dynamic_update_slice_in_dim(c, x, at, axis=0))
-    return out.astype(q.dtype), insert(cache_k, k, lengths), insert(cache_v, v, lengths)
+    cache_k = _from_bits(insert(k_bits, _as_bits(k), lengths), cache_k.dtype)
+    cache_v = _from_bits(insert(v_bits, _as_bits(v), lengths), cache_v.dtype)
+    return out.astype(q.dtype), cache_k, cache_v
+
+
+def _as_bits(x: jax.Array) -> jax.Array:
+    """A 16-bit float array viewed as uint16 (other arrays unchanged): same bytes, free."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 2:
+        return lax.bitcast_convert_type(x, jnp.uint16)
+    return x
+
+
+def _from_bits(x: jax.Array, dtype) -> jax.Array:
+    """Undoes :func:`_as_bits`."""
+    return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)

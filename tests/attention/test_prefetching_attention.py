@@ -545,3 +545,38 @@ def test_file_tier_fetches_land_straight_in_staging(file_dir):
             np.testing.assert_allclose(
                 np.asarray(outs[layer]), np.asarray(want), rtol=1e-5, atol=1e-5
             )
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("window,unit_len", [(None, 8), (None, None), (5, 4)])
+def test_resident_attention_matches_reference_and_inserts_exactly(dtype, window, unit_len):
+    """Units gathered as raw bits for 16-bit caches: same attention, untouched neighbours."""
+    rng = np.random.default_rng(12)
+    shape = (BATCH, MAX_LEN, KV_HEADS, HEAD_DIM)
+    cache_k = jnp.asarray(rng.standard_normal(shape), dtype)
+    cache_v = jnp.asarray(rng.standard_normal(shape), dtype)
+    q = jnp.asarray(rng.standard_normal((BATCH, 1, Q_HEADS, HEAD_DIM)), dtype)
+    k = jnp.asarray(rng.standard_normal((BATCH, 1, KV_HEADS, HEAD_DIM)), dtype)
+    v = jnp.asarray(rng.standard_normal((BATCH, 1, KV_HEADS, HEAD_DIM)), dtype)
+    lengths = jnp.asarray(CONTEXT, jnp.int32)
+    fn = jax.jit(tps.resident_attention, static_argnames=("window", "unit_len"))
+    out, new_k, new_v = fn(q, k, v, cache_k, cache_v, lengths, window=window, unit_len=unit_len)
+
+    want_k, want_v = np.array(cache_k), np.array(cache_v)  # Writable copies.
+    for b, at in enumerate(CONTEXT):
+        want_k[b, at], want_v[b, at] = np.asarray(k[b, 0]), np.asarray(v[b, 0])
+    np.testing.assert_array_equal(np.asarray(new_k), want_k)
+    np.testing.assert_array_equal(np.asarray(new_v), want_v)
+    want = kref.attention_reference(
+        q,
+        jnp.asarray(want_k),
+        jnp.asarray(want_v),
+        lengths,
+        lengths + 1,
+        scale=1 / np.sqrt(HEAD_DIM),
+        window=window,
+    )
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol
+    )
