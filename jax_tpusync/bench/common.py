@@ -12,6 +12,7 @@ import platform
 import re
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -127,6 +128,61 @@ def plain_read(fd: int, dst: memoryview, file_offset: int, piece: int) -> None:
         got = os.preadv(fd, [dst[off : off + n]], file_offset + off)
         if got != n:
             raise OSError(f"short read: {got} of {n} bytes at file offset {file_offset + off}")
+
+
+class PlainFileReader:
+    """The platform's own read of ``nbytes`` of a file: no engine, no XLA.
+
+    Synchronous ``preadv`` calls of ``piece`` bytes (O_DIRECT where the file system takes
+    it) from ``file_offset`` on into one page-aligned huge-page buffer: what one plain reader
+    thread gets from this disk. ``preadv`` releases the GIL, so a thread can run it beside
+    XLA's compute.
+    """
+
+    def __init__(self, path: str, *, file_offset: int, nbytes: int, piece: int) -> None:
+        with open(path, "rb+") as f:  # Writes may have left dirty pages behind.
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        try:
+            self.fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            self.direct_io = True
+        except OSError:  # e.g. tmpfs: the page cache it is.
+            self.fd = os.open(path, os.O_RDONLY)
+            self.direct_io = False
+        self.file_offset, self.piece = file_offset, piece
+        self.mapping, self.dst = page_aligned_buffer(nbytes, huge_pages=True)
+
+    def __call__(self) -> None:
+        plain_read(self.fd, memoryview(self.dst), self.file_offset, self.piece)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def beside(background: Callable[[], Any], work: Callable[[], Any]) -> Any:
+    """Runs ``background()`` on another thread while ``work()`` runs on this one.
+
+    Returns ``work()``'s result once both have finished; re-raises the thread's exception.
+    """
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            background()
+        except BaseException as e:  # Re-raised on this thread below.
+            failure.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        result = work()
+    finally:
+        thread.join()
+    if failure:
+        raise failure[0]
+    return result
 
 
 def address_alignment(array: np.ndarray) -> int:

@@ -44,7 +44,6 @@ import argparse
 import os
 import statistics
 import sys
-import threading
 import time
 import warnings
 import zlib
@@ -185,33 +184,28 @@ def _open_tier(
 class _PlainFetch:
     """The platform's own fetch of the tier's bytes: no engine, no XLA (see the module doc)."""
 
-    def __init__(self, path: str | None, direct_io: bool, source: np.ndarray, piece: int):
-        self.mapping, self.dst = common.page_aligned_buffer(source.size, huge_pages=True)
-        self.view = memoryview(self.dst)
-        self.piece = piece
-        self.source = None
-        self.fd = -1
-        if path is None:
-            self.source = source  # Host tier: memcpy from a copy of the tier's bytes.
-        else:
-            with open(path, "rb+") as f:  # Engine writes may leave dirty pages behind.
-                os.fsync(f.fileno())
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-            self.fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct_io else 0))
-
-    def __call__(self) -> None:
-        if self.fd < 0:
-            for off, n in common.chunks(self.source.size, self.piece):
-                np.copyto(self.dst[off : off + n], self.source[off : off + n])
+    def __init__(self, path: str | None, source: np.ndarray, piece: int):
+        self.source, self.piece, self.file = source, piece, None
+        if path is None:  # Host tier: memcpy from a copy of the tier's bytes.
+            self.mapping, self.dst = common.page_aligned_buffer(source.size, huge_pages=True)
         else:
             # From the first sector-aligned offset after the header: the same bytes up to the
             # tier's alignment shift, which O_DIRECT cannot follow.
-            common.plain_read(self.fd, self.view, FILE_HEADER_BYTES, self.piece)
+            self.file = common.PlainFileReader(
+                path, file_offset=FILE_HEADER_BYTES, nbytes=source.size, piece=piece
+            )
+            self.dst = self.file.dst
+
+    def __call__(self) -> None:
+        if self.file is not None:
+            self.file()
+            return
+        for off, n in common.chunks(self.source.size, self.piece):
+            np.copyto(self.dst[off : off + n], self.source[off : off + n])
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        if self.file is not None:
+            self.file.close()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -248,7 +242,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         common.fill_random(data, seed=4321)
         expected_crc = zlib.crc32(data)
         engine.write(tier, 0, data)
-        plain = _PlainFetch(data_path, info.direct_io, data, args.segment_bytes)
+        plain = _PlainFetch(data_path, data, args.segment_bytes)
         del data, data_map
         print(
             f"tier: {info.description}; {common.format_bytes(nbytes)} per fetch; "
@@ -336,24 +330,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 return time.perf_counter() - t0
 
             def r_plain_overlap() -> float:
-                # preadv and memcpy release the GIL, as XLA does while the compute runs.
-                failure: list[BaseException] = []
-
-                def read() -> None:
-                    try:
-                        plain()
-                    except BaseException as e:  # Re-raised on the main thread below.
-                        failure.append(e)
-
-                reader = threading.Thread(target=read)
                 t0 = time.perf_counter()
-                reader.start()
-                fns["compute"](x, w).block_until_ready()
-                reader.join()
-                elapsed = time.perf_counter() - t0
-                if failure:
-                    raise failure[0]
-                return elapsed
+                common.beside(plain, lambda: fns["compute"](x, w).block_until_ready())
+                return time.perf_counter() - t0
 
             return {
                 "compute": r_compute,
