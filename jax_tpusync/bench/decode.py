@@ -143,6 +143,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=2, help="engine num_workers (default 2)")
     p.add_argument("--io-depth", type=int, default=4, help="engine io_depth (default 4)")
     p.add_argument(
+        "--worker-cpus",
+        type=lambda s: tuple(int(c) for c in s.split(",") if c),
+        default=(),
+        help="engine worker_cpus, e.g. 1 (default: no pinning)",
+    )
+    p.add_argument(
         "--prefetch-depth",
         type=int,
         default=1,
@@ -368,7 +374,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     caches = []
     try:
         config = tps.EngineConfig(
-            num_workers=args.workers, io_chunk_bytes=args.chunk_bytes, io_depth=args.io_depth
+            num_workers=args.workers,
+            io_chunk_bytes=args.chunk_bytes,
+            io_depth=args.io_depth,
+            worker_cpus=args.worker_cpus,
         )
 
         def new_cache(record: bool):
@@ -749,6 +758,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             staging_bytes=args.staging_bytes,
             io_chunk_bytes=args.chunk_bytes,
             io_depth=args.io_depth,
+            worker_cpus=list(args.worker_cpus),
             prefetch_depth=depth,
             kv_bytes_per_step=shape.kv_bytes_per_step,
             direct_io=pf_engine.tier_info(spec.tier).direct_io if args.tier == "file" else None,
