@@ -122,8 +122,12 @@ Status StreamReads(int fd, IoContext& io, uint64_t count, Plan&& plan, Landed&& 
     long n = syscall(SYS_io_getevents, ctx, 1, depth, events.data(), nullptr);
     if (n < 0) {
       if (errno == EINTR) continue;
-      // Cannot happen with a valid context; without events we cannot know what landed.
-      std::abort();
+      // Cannot happen with a valid context. Without events nothing says which reads landed:
+      // tear the context down (io_destroy returns once every queued read has completed or
+      // been cancelled, so none can land in a buffer after we return) and fail the transfer.
+      const int err = errno;
+      io.DropAio();
+      return ErrnoStatus("waiting for file tier reads failed", err);
     }
     for (long e = 0; e < n; ++e) {
       const int slot = static_cast<int>(events[e].data);
@@ -242,14 +246,14 @@ class FileTier final : public Tier {
     if ((reinterpret_cast<uintptr_t>(out) - pos) % align == 0 && hi > lo) {
       // Same phase: the aligned interior goes straight to the destination.
       uint8_t* inner = out + (lo - pos);
-      if (lo > pos) {
-        TPUSYNC_RETURN_IF_ERROR(PreadFull(direct_fd_, io.bounce(0), align, lo - align));
-        std::memcpy(out, io.bounce(0) + align - (lo - pos), lo - pos);
-      }
-      if (hi < pos + bytes) {
-        TPUSYNC_RETURN_IF_ERROR(PreadFull(direct_fd_, io.bounce(0), align, hi));
-        std::memcpy(out + (hi - pos), io.bounce(0), pos + bytes - hi);
-      }
+      // A partial sector at either end: read it whole, keep file bytes [from, to) of it.
+      auto edge = [&](uint64_t sector, uint64_t from, uint64_t to) -> Status {
+        TPUSYNC_RETURN_IF_ERROR(PreadFull(direct_fd_, io.bounce(0), align, sector));
+        std::memcpy(out + (from - pos), io.bounce(0) + (from - sector), to - from);
+        return Status::Ok();
+      };
+      if (lo > pos) TPUSYNC_RETURN_IF_ERROR(edge(lo - align, pos, lo));
+      if (hi < pos + bytes) TPUSYNC_RETURN_IF_ERROR(edge(hi, hi, pos + bytes));
       direct_bytes_.fetch_add(hi - lo, std::memory_order_relaxed);
       bounced_bytes_.fetch_add(bytes - (hi - lo), std::memory_order_relaxed);
       return StreamReads(

@@ -184,9 +184,7 @@ IoContext::IoContext(size_t chunk_bytes, int depth, bool huge_page_destinations)
       depth_(depth < 2 ? 2 : depth),
       huge_page_destinations_(huge_page_destinations) {}
 
-IoContext::~IoContext() {
-  if (aio_ != 0) syscall(SYS_io_destroy, static_cast<aio_context_t>(aio_));
-}
+IoContext::~IoContext() { DropAio(); }
 
 uint8_t* IoContext::bounce(int i) {
   if (!bounce_) bounce_ = std::make_unique<HugePageBuffer>(depth_ * chunk_bytes_);
@@ -200,6 +198,12 @@ uint64_t IoContext::aio() {
     if (syscall(SYS_io_setup, depth_, &ctx) == 0) aio_ = ctx;
   }
   return aio_;
+}
+
+void IoContext::DropAio() {
+  if (aio_ != 0) syscall(SYS_io_destroy, static_cast<aio_context_t>(aio_));
+  aio_ = 0;
+  aio_tried_ = true;
 }
 
 PipelineThread& IoContext::helper() {

@@ -122,6 +122,9 @@ class IoContext {
   // This worker's Linux AIO context (an aio_context_t), set up on first use; 0 where the
   // kernel refuses one (no CONFIG_AIO, aio-max-nr exhausted): reads are then synchronous.
   uint64_t aio();
+  // Destroys the AIO context (waiting for its queued reads) and reads synchronously from
+  // then on; for a context that has stopped reporting completions.
+  void DropAio();
 
   // Hooks installed by the engine for the request being served.
   std::function<bool()> cancelled = [] { return false; };
