@@ -89,8 +89,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="also run the resident-cache model (if the KV fits in memory) and compare logits",
     )
+    p.add_argument(
+        "--engine-cpus",
+        type=int,
+        default=1,
+        help="CPUs kept for the transfer engine, away from XLA's compute (tps.split_cpus; "
+        "0: share every CPU; default 1)",
+    )
     p.add_argument("--json", default=None, help="write a summary here")
     args = p.parse_args(argv)
+    if args.engine_cpus < 0:
+        p.error("--engine-cpus must be >= 0")
     for name in (
         "layers",
         "d_model",
@@ -195,6 +204,9 @@ def decode(
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # Before JAX starts: on a machine with few cores, compute that holds every core starves
+    # the engine's disk queue (see tps.split_cpus).
+    worker_cpus = tps.split_cpus(args.engine_cpus) if args.engine_cpus else ()
     dtype = DTYPES[args.dtype]
     cfg = model_lib.ModelConfig(
         layers=args.layers,
@@ -230,6 +242,7 @@ def main(argv=None) -> int:
             tier=args.tier,
             path=path,
             staging_bytes=int(args.staging_mb * 2**20),
+            engine=tps.EngineConfig(worker_cpus=worker_cpus),
         )
         spec = cache.spec
         tier_info = cache.engine.tier_info(spec.tier)

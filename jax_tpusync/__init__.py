@@ -12,7 +12,14 @@ The public surface:
 
 from jax_tpusync.attention import prefetching_attention, resident_attention
 from jax_tpusync.cache import KVState, OffloadedKVCache
-from jax_tpusync.engine import Engine, EngineConfig, TierInfo, Timeline, TpusyncError
+from jax_tpusync.engine import (
+    Engine,
+    EngineConfig,
+    TierInfo,
+    Timeline,
+    TpusyncError,
+    split_cpus,
+)
 
 __all__ = [
     "Engine",
@@ -24,5 +31,6 @@ __all__ = [
     "TpusyncError",
     "prefetching_attention",
     "resident_attention",
+    "split_cpus",
 ]
 __version__ = "0.1.0"

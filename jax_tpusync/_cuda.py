@@ -21,6 +21,7 @@ from jax_tpusync import _tpusync
 
 _lock = threading.Lock()
 _registered = False
+_checked = False
 
 
 def extension() -> ModuleType | None:
@@ -50,11 +51,12 @@ def register() -> bool:
       RuntimeError: a CUDA GPU is present but this install has no CUDA extension, so the
         ops would fail at compile time with an unknown custom call.
     """
-    global _registered
+    global _registered, _checked
     with _lock:
-        if _registered:
-            return True
+        if _checked:
+            return _registered
         if not gpu_present():
+            _checked = True
             return False
         ext = extension()
         if ext is None:
@@ -67,5 +69,5 @@ def register() -> bool:
         ext.attach(_tpusync.engine_registry_capsule())
         for name, capsule in ext.registrations().items():
             jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
-        _registered = True
+        _registered = _checked = True
         return True

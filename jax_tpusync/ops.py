@@ -70,12 +70,21 @@ _UNCHECKED = Regions()
 def _register() -> None:
     for name, capsule in _tpusync.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-    from jax_tpusync import _cuda  # The CUDA targets, only when a CUDA GPU is visible.
-
-    _cuda.register()
 
 
 _register()
+
+
+def _ffi_call(*args, **kwargs):
+    """``jax.ffi.ffi_call``, with the CUDA handlers registered first where a GPU is visible.
+
+    Deferred from import: finding out starts JAX's backends, and importing this package
+    must not (:func:`jax_tpusync.split_cpus` has to run before they start).
+    """
+    from jax_tpusync import _cuda
+
+    _cuda.register()
+    return jax.ffi.ffi_call(*args, **kwargs)
 
 
 def _check_segments(segments: jax.Array) -> None:
@@ -142,7 +151,7 @@ def start_fetch(
     """
     _check_segments(segments)
     tag = _check_tag(tag)
-    call = jax.ffi.ffi_call(
+    call = _ffi_call(
         _TARGETS["start"],
         (_sds(passthrough), _sds(dst), jax.ShapeDtypeStruct((), jnp.int32)),
         input_output_aliases={0: 0, 1: 1},
@@ -175,9 +184,7 @@ def wait_fetch(
     ticket = jnp.asarray(ticket, dtype=jnp.int32)
     if ticket.shape != ():
         raise ValueError(f"ticket must be an int32 scalar; got shape {ticket.shape}")
-    call = jax.ffi.ffi_call(
-        _TARGETS["wait"], _sds(dst), input_output_aliases={0: 0}, has_side_effect=True
-    )
+    call = _ffi_call(_TARGETS["wait"], _sds(dst), input_output_aliases={0: 0}, has_side_effect=True)
     return call(dst, ticket, segments, tag, *deps, **_attrs(engine_id, tier, regions))
 
 
@@ -200,7 +207,7 @@ def write_back(
     """
     _check_segments(segments)
     tag = _check_tag(tag)
-    call = jax.ffi.ffi_call(
+    call = _ffi_call(
         _TARGETS["write_back"], jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True
     )
     return call(src, segments, tag, *deps, **_attrs(engine_id, tier, regions))
@@ -213,9 +220,7 @@ def mark(
     tag = _check_tag(tag)
     if engine_id <= 0:
         raise ValueError(f"engine_id={engine_id} is not a valid engine id")
-    call = jax.ffi.ffi_call(
-        _TARGETS["mark"], _sds(x), input_output_aliases={0: 0}, has_side_effect=True
-    )
+    call = _ffi_call(_TARGETS["mark"], _sds(x), input_output_aliases={0: 0}, has_side_effect=True)
     return call(x, tag, *deps, engine_id=np.int64(engine_id), kind=np.int32(kind))
 
 

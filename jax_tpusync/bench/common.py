@@ -185,6 +185,34 @@ def beside(background: Callable[[], Any], work: Callable[[], Any]) -> Any:
     return result
 
 
+def add_cpu_arguments(p) -> None:
+    """``--engine-cpus`` and ``--worker-cpus``, for commands that run XLA compute."""
+    p.add_argument(
+        "--engine-cpus",
+        type=int,
+        default=1,
+        help="CPUs kept for the engine's workers, away from XLA's compute "
+        "(jax_tpusync.split_cpus; 0: compute and engine share every CPU; default 1)",
+    )
+    p.add_argument(
+        "--worker-cpus",
+        type=lambda s: tuple(int(c) for c in s.split(",") if c),
+        default=None,
+        help="engine worker_cpus, e.g. 1 or 0,1 (default: the CPUs --engine-cpus kept)",
+    )
+
+
+def apply_cpu_arguments(args) -> tuple[int, ...]:
+    """Splits the CPUs as asked (call before JAX starts); returns the workers' CPUs."""
+    from jax_tpusync.engine import split_cpus
+
+    if args.engine_cpus < 0:
+        raise SystemExit("--engine-cpus must be >= 0")
+    kept = split_cpus(args.engine_cpus) if args.engine_cpus else ()
+    args.engine_cpus_kept = list(kept)
+    return tuple(args.worker_cpus) if args.worker_cpus is not None else kept
+
+
 def address_alignment(array: np.ndarray) -> int:
     """The largest power of two (up to 4096) that divides the array's start address."""
     addr = array.ctypes.data

@@ -142,12 +142,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--workers", type=int, default=2, help="engine num_workers (default 2)")
     p.add_argument("--io-depth", type=int, default=4, help="engine io_depth (default 4)")
-    p.add_argument(
-        "--worker-cpus",
-        type=lambda s: tuple(int(c) for c in s.split(",") if c),
-        default=(),
-        help="engine worker_cpus, e.g. 1 (default: no pinning)",
-    )
+    common.add_cpu_arguments(p)
     p.add_argument(
         "--prefetch-depth",
         type=int,
@@ -330,6 +325,7 @@ class _Variant:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Builds the five steps, times them side by side, returns one JSON-ready row."""
+    worker_cpus = common.apply_cpu_arguments(args)  # Before JAX starts its backend.
     import jax
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
@@ -377,7 +373,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             num_workers=args.workers,
             io_chunk_bytes=args.chunk_bytes,
             io_depth=args.io_depth,
-            worker_cpus=args.worker_cpus,
+            worker_cpus=worker_cpus,
         )
 
         def new_cache(record: bool):
@@ -758,7 +754,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             staging_bytes=args.staging_bytes,
             io_chunk_bytes=args.chunk_bytes,
             io_depth=args.io_depth,
-            worker_cpus=list(args.worker_cpus),
+            engine_cpus=args.engine_cpus_kept,
+            worker_cpus=list(worker_cpus),
             prefetch_depth=depth,
             kv_bytes_per_step=shape.kv_bytes_per_step,
             direct_io=pf_engine.tier_info(spec.tier).direct_io if args.tier == "file" else None,

@@ -33,9 +33,10 @@ Unless given, the matmul chain is calibrated so that ``t_compute`` is close to
 documented target is >= 0.9 on the file tier. Fetched bytes are checked against the written
 ones for every function once at the end.
 
-On a 2-core machine XLA's matmul uses both cores, so the engine's copy threads compete with
-compute. ``--xla-single-thread`` re-runs the command with XLA_FLAGS that keep XLA's CPU
-compute on one thread, leaving a core to the engine.
+XLA's matmul takes every core it is given, and a transfer that waits for a core stalls the
+disk queue; by default (``--engine-cpus 1``) the command keeps one CPU for the engine's
+workers and XLA's compute off it (:func:`jax_tpusync.split_cpus`). ``--engine-cpus 0``
+measures compute and engine sharing every CPU.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 import warnings
 import zlib
@@ -56,7 +56,6 @@ from jax_tpusync.engine import Engine, page_offset
 
 TIER_BLOCK_BYTES = 64 * common.KiB
 FILE_HEADER_BYTES = 4096  # The file tier's data starts after one header page.
-SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 # Calibration aims t_compute / t_transfer into this band (the brief allows 0.7-1.5).
 _CALIBRATION_BAND = (0.85, 1.15)
 _CALIBRATION_STEPS = 4
@@ -77,7 +76,7 @@ COLUMNS = [
     ("platform_overlap_efficiency", "platform eff", ".3f"),
     ("efficiency_over_platform", "eff/platform", ".3f"),
     ("direct_read_fraction", "direct", ".2f"),
-    ("xla_single_thread", "1-thread XLA", ""),
+    ("engine_cpus", "engine cpus", ""),
 ]
 
 
@@ -129,31 +128,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "another value makes every fetch go through bounce buffers)",
     )
     p.add_argument("--io-depth", type=int, default=4, help="engine io_depth (default 4)")
-    p.add_argument(
-        "--worker-cpus",
-        type=lambda s: tuple(int(c) for c in s.split(",") if c),
-        default=(),
-        help="engine worker_cpus, e.g. 1 or 0,1 (default: no pinning)",
-    )
-    p.add_argument(
-        "--xla-single-thread",
-        action="store_true",
-        help=f"re-run with XLA_FLAGS+='{SINGLE_THREAD_XLA_FLAGS}' (must be set before jax starts)",
-    )
+    common.add_cpu_arguments(p)
     p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
     p.set_defaults(run=run, columns=COLUMNS)
     return p
-
-
-def _reexec_single_thread() -> None:
-    """Restarts this command with single-threaded XLA CPU flags, unless already set."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "--xla_cpu_multi_thread_eigen=false" in flags:
-        return
-    env = dict(os.environ, XLA_FLAGS=(flags + " " + SINGLE_THREAD_XLA_FLAGS).strip())
-    print(f"re-running with XLA_FLAGS={env['XLA_FLAGS']!r}", flush=True)
-    argv = [sys.executable, "-m", "jax_tpusync.bench", *sys.argv[1:]]
-    os.execve(sys.executable, argv, env)
 
 
 def _open_tier(
@@ -210,12 +188,11 @@ class _PlainFetch:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Calibrates, measures the four functions interleaved; returns one result record."""
-    if args.xla_single_thread:
-        _reexec_single_thread()
     if args.repeats < 1 or args.warmup < 1:
         raise SystemExit("--repeats and --warmup must be >= 1")
     if args.bytes >= 1 << 31:
         raise SystemExit("--bytes must stay below 2 GiB (int32 segment fields)")
+    worker_cpus = common.apply_cpu_arguments(args)  # Before JAX starts its backend.
 
     import jax  # Deferred: XLA_FLAGS must be final before jax starts its backend.
     import jax.numpy as jnp
@@ -228,7 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         num_workers=args.workers,
         io_chunk_bytes=args.chunk_bytes,
         io_depth=args.io_depth,
-        worker_cpus=tuple(args.worker_cpus),
+        worker_cpus=worker_cpus,
     )
     data_path = None
     plain = None
@@ -442,13 +419,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "repeats": args.repeats,
             "workers": args.workers,
             "chunk_bytes": args.chunk_bytes,
-            "worker_cpus": list(args.worker_cpus),
+            "engine_cpus": args.engine_cpus_kept,
+            "worker_cpus": list(worker_cpus),
             "direct_io": info.direct_io,
             "io_depth": args.io_depth,
             "alignment_offset": info.alignment_offset,
             "direct_read_fraction": common.direct_read_fraction(engine.tier_info(tier)),
-            "xla_single_thread": "--xla_cpu_multi_thread_eigen=false"
-            in os.environ.get("XLA_FLAGS", ""),
             "prefetch_hits": stats["prefetch_hits"],
             "prefetch_misses": stats["prefetch_misses"],
             "donation_warnings": donation_warnings,

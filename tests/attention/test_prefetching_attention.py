@@ -580,3 +580,21 @@ def test_resident_attention_matches_reference_and_inserts_exactly(dtype, window,
     np.testing.assert_allclose(
         np.asarray(out, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol
     )
+
+
+def test_staged_unit_switch_and_slice_agree(monkeypatch):
+    """The CPU switch over slots and the accelerators' dynamic slice read the same unit."""
+    from jax_tpusync import attention
+
+    rng = np.random.default_rng(13)
+    staging = jnp.asarray(rng.standard_normal((3, 2, BATCH, 8, KV_HEADS, HEAD_DIM)), jnp.float32)
+
+    def read(in_place: bool):
+        monkeypatch.setattr(attention, "_read_slots_in_place", lambda: in_place)
+        fn = jax.jit(lambda st, s: attention.attend_staged_unit(st, s, lambda k, v: (k, v)))
+        return [tuple(np.asarray(x) for x in fn(staging, jnp.int32(s))) for s in range(3)]
+
+    for s, (switched, sliced) in enumerate(zip(read(True), read(False))):
+        for got_switch, got_slice, kv in zip(switched, sliced, range(2)):
+            np.testing.assert_array_equal(got_switch, np.asarray(staging[s, kv]))
+            np.testing.assert_array_equal(got_slice, np.asarray(staging[s, kv]))

@@ -44,6 +44,8 @@ TINY = [
     "2",
     "--warmup",
     "0",
+    "--engine-cpus",
+    "0",  # JAX already runs in this process; tests/engine/test_split_cpus covers the split.
 ]
 
 

@@ -38,6 +38,8 @@ def test_overlap_reports_engine_and_platform(tier, tmp_path):
         "2",
         "--warmup",
         "1",
+        "--engine-cpus",
+        "0",  # JAX already runs in this process; test_split_cpus covers the split.
     )
     row = doc["results"]
     assert all(row["verified"].values()) and set(row["verified"]) >= {"overlap", "engine"}
