@@ -26,6 +26,7 @@ GiB = 1 << 30
 # XLA's CPU client allocates buffers with 64-byte alignment; nothing makes them page aligned.
 XLA_CPU_ALIGNMENT = 64
 PAGE = 4096
+FILE_TIER_HEADER_BYTES = 4096  # A file tier's data starts after one header page.
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 

@@ -19,10 +19,11 @@ Beside them, the platform's own answer, with no engine and no XLA custom call:
 * ``plain_overlap``: ``compute`` while another thread does ``plain``; wall time until both
   are done.
 
-``platform_overlap_efficiency`` is the efficiency of that pair. It is the ceiling of what any
-overlap can reach on the machine: when the transfer slows the compute down by itself
-(DMA and the virtual disk share memory bandwidth and host cores with the guest's vCPUs),
-no engine hides the difference. ``efficiency_over_platform`` divides one by the other.
+``platform_overlap_efficiency`` is the efficiency of that pair: what a plain reader thread
+gets beside the same compute, a reference for how much the machine itself loses when disk
+reads and compute run together (on a virtual machine the disk's DMA and the host's I/O
+threads share memory bandwidth and cores with the guest). ``efficiency_over_platform``
+divides the engine's efficiency by it.
 
 Unless given, the matmul chain is calibrated so that ``t_compute`` is close to
 ``t_transfer``. All four then run in rotating order for ``--repeats`` rounds after warm-up:
@@ -55,7 +56,6 @@ from jax_tpusync.bench import common
 from jax_tpusync.engine import Engine, page_offset
 
 TIER_BLOCK_BYTES = 64 * common.KiB
-FILE_HEADER_BYTES = 4096  # The file tier's data starts after one header page.
 # Calibration aims t_compute / t_transfer into this band (the brief allows 0.7-1.5).
 _CALIBRATION_BAND = (0.85, 1.15)
 _CALIBRATION_STEPS = 4
@@ -170,7 +170,7 @@ class _PlainFetch:
             # From the first sector-aligned offset after the header: the same bytes up to the
             # tier's alignment shift, which O_DIRECT cannot follow.
             self.file = common.PlainFileReader(
-                path, file_offset=FILE_HEADER_BYTES, nbytes=source.size, piece=piece
+                path, file_offset=common.FILE_TIER_HEADER_BYTES, nbytes=source.size, piece=piece
             )
             self.dst = self.file.dst
 

@@ -34,7 +34,6 @@ from jax_tpusync.engine import Engine
 # Tier layout unit; requests are byte-addressed, so it only has to divide the tier size.
 TIER_BLOCK_BYTES = 64 * common.KiB
 # Offset of tier byte 0 in a file tier's file (a 4 KiB header comes first).
-FILE_HEADER_BYTES = 4096
 DEFAULT_BLOCKS = (256 * common.KiB, 1 * common.MiB, 2 * common.MiB, 4 * common.MiB, 8 * common.MiB)
 DEFAULT_TOTAL = {"file": 512 * common.MiB, "host": 256 * common.MiB}
 # Buffers alive at once, in units of total_bytes: tier (host only), source/ceiling, destination.
@@ -212,7 +211,7 @@ class _Setup:
             for off, n in common.chunks(self.total, block):
                 np.copyto(dst[off : off + n], src[off : off + n])
         else:
-            common.plain_read(self.fd, self.source_view, FILE_HEADER_BYTES, block)
+            common.plain_read(self.fd, self.source_view, common.FILE_TIER_HEADER_BYTES, block)
         return time.perf_counter() - t0
 
 
