@@ -124,6 +124,37 @@ def test_decode_outputs_match_resident(bench_run):
     assert res["prefetch_misses"] == 0 or res["prefetch_hits"] > res["prefetch_misses"]
 
 
+def test_deeper_prefetch_on_the_file_tier_matches(tmp_path):
+    """--prefetch-depth 2: three staging slots, the transfer variant pipelined as deep."""
+    tiny = list(TINY)
+    tiny[tiny.index("--tier") + 1] = "file"
+    args = _parser().parse_args(
+        [
+            "decode",
+            *tiny,
+            "--path",
+            str(tmp_path),
+            "--prefetch-depth",
+            "2",
+            "--variants",
+            "resident",
+            "transfer",
+            "sync",
+            "prefetch",
+            "--json",
+            str(tmp_path / "out.json"),
+        ]
+    )
+    res = args.run(args)
+    assert res["prefetch_depth"] == 2 and res["units_per_layer"] > 3
+    assert res["t_transfer_ms"] > 0 and res["transfer_fetch_gbps"] > 0
+    for key in ("max_abs_err", "sync_max_abs_err"):  # Against the resident step.
+        assert res[key] <= 1e-2 * max(1.0, res["output_abs_max"]), key
+    assert res["prefetch_misses"] == 0 or res["prefetch_hits"] > res["prefetch_misses"]
+    for key in ("cpu_user_prefetch_ms", "cpu_system_prefetch_ms", "minor_faults_prefetch_per_step"):
+        assert res[key] >= 0, key
+
+
 def test_device_bytes_do_not_grow_with_context(bench_run):
     res, _ = bench_run
     by_ctx = res["device_bytes_by_context"]
