@@ -99,7 +99,8 @@ PYEOF
 cat "$OUT/transfer.log" | tail -8
 
 # 4. The decode benchmark, if this tree has it. Registration is done here so the check
-#    does not depend on ops._register() already knowing about CUDA.
+#    does not depend on ops._register() already knowing about CUDA. That starts JAX, so the
+#    bench may not split CPUs any more (--engine-cpus 0; compute runs on the GPU anyway).
 if "$PY" -c "import jax_tpusync.bench.decode" > /dev/null 2>&1; then
   # Same as `python -m jax_tpusync.bench decode ...`, also before "decode" is listed in
   # the CLI's SUBCOMMANDS.
@@ -113,7 +114,8 @@ args = cli.build_parser(subs).parse_args(sys.argv[1:])
 results = args.run(args)
 cli.print_results(results, getattr(args, "columns", None))
 cli.common.write_json(args.json, args.subcommand, args, results)
-' decode --tier host --context 8192 --steps 5 --warmup 1 --json "$OUT/decode.json" > "$OUT/decode.log" 2>&1
+' decode --tier host --context 8192 --steps 5 --warmup 1 --engine-cpus 0 \
+    --json "$OUT/decode.json" > "$OUT/decode.log" 2>&1
   tail -5 "$OUT/decode.log"
 else
   echo "== decode: jax_tpusync.bench.decode not in this tree, skipped"

@@ -192,8 +192,9 @@ def add_cpu_arguments(p) -> None:
         "--engine-cpus",
         type=int,
         default=1,
-        help="CPUs kept for the engine's workers, away from XLA's compute "
-        "(jax_tpusync.split_cpus; 0: compute and engine share every CPU; default 1)",
+        help="CPUs kept for the engine's workers, away from XLA's CPU compute "
+        "(jax_tpusync.split_cpus; 0: compute and engine share every CPU, as they must once "
+        "JAX has started; default 1)",
     )
     p.add_argument(
         "--worker-cpus",
