@@ -30,7 +30,7 @@ def split_cpus(engine_cpus: int = 1) -> tuple[int, ...]:
     CPU compute takes every core it is given, and a transfer that must wait for a core
     stalls the disk queue: measured on a 2-core VM, a plain ``O_DIRECT`` reader ran at less
     than half speed beside two busy cores and at full speed beside one, and the overlap
-    benchmark went from 0.65-0.82 efficiency (shared cores) to 0.91-0.97 (split). Call it
+    benchmark went from 0.65-0.86 efficiency (shared cores) to 0.90-0.995 (split). Call it
     before JAX starts its backend: XLA sizes its thread pools from the CPUs the process may
     use at that moment, and threads that already exist keep their CPUs.
 
