@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,8 +61,6 @@ def split_cpus(engine_cpus: int = 1) -> tuple[int, ...]:
 
 
 def _jax_backend_started() -> bool:
-    import sys
-
     bridge = getattr(sys.modules.get("jax._src.xla_bridge"), "backends_are_initialized", None)
     return bool(bridge and bridge())
 

@@ -122,7 +122,7 @@ def plain_read(fd: int, dst: memoryview, file_offset: int, piece: int) -> None:
     """Reads ``len(dst)`` bytes of ``fd`` from ``file_offset`` into ``dst``, ``piece`` at a time.
 
     One synchronous ``preadv`` after another, no engine: the platform's own sequential read,
-    the ceiling the engine is measured against. With an O_DIRECT ``fd``, ``dst`` must be
+    the baseline the engine is measured against. With an O_DIRECT ``fd``, ``dst`` must be
     aligned (page-aligned buffers are) and ``file_offset`` and ``piece`` sector multiples.
     """
     for off, n in chunks(len(dst), piece):
@@ -146,10 +146,8 @@ class PlainFileReader:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         try:
             self.fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-            self.direct_io = True
         except OSError:  # e.g. tmpfs: the page cache it is.
             self.fd = os.open(path, os.O_RDONLY)
-            self.direct_io = False
         self.file_offset, self.piece = file_offset, piece
         self.mapping, self.dst = page_aligned_buffer(nbytes, huge_pages=True)
 

@@ -298,6 +298,10 @@ def _unit_table(spec, context: int, slots: int) -> np.ndarray:
 # -- the benchmark -------------------------------------------------------------------------------
 
 
+# What one step cost the whole process (all threads: XLA's, the engine's, the kernel's).
+_COSTS = ("cpu_user", "cpu_system", "minor_faults")
+
+
 class _Variant:
     """A jitted step plus its carried (donated) state; ``once()`` runs one step, timed."""
 
@@ -305,10 +309,9 @@ class _Variant:
         self.name, self.fn, self.state, self.args = name, fn, state, args
         self.out = None
         self.steps = 0
-        self.minor_faults = 0
 
-    def once(self) -> tuple[float, float, float]:
-        """Runs one step; returns (wall s, user CPU s, system CPU s) of the whole process."""
+    def once(self) -> tuple[float, dict[str, float]]:
+        """Runs one step; returns its wall seconds and its ``_COSTS``."""
         import jax
 
         c0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -319,8 +322,11 @@ class _Variant:
         c1 = resource.getrusage(resource.RUSAGE_SELF)
         self.out = out
         self.steps += 1
-        self.minor_faults += c1.ru_minflt - c0.ru_minflt
-        return dt, c1.ru_utime - c0.ru_utime, c1.ru_stime - c0.ru_stime
+        return dt, {
+            "cpu_user": c1.ru_utime - c0.ru_utime,
+            "cpu_system": c1.ru_stime - c0.ru_stime,
+            "minor_faults": c1.ru_minflt - c0.ru_minflt,
+        }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -697,9 +703,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         order = [v for v in VARIANTS if v in variants]
         samples = {name: common.Samples() for name in order}
-        # CPU seconds per step (all threads: XLA's, the engine's, the kernel's on our behalf).
-        cpu_user = {name: common.Samples() for name in order}
-        cpu_system = {name: common.Samples() for name in order}
+        costs: dict[str, dict[str, list[float]]] = {n: {c: [] for c in _COSTS} for n in order}
         pf_engine = pf_cache.engine
         aux_fetch = {"bytes": 0, "busy": 0.0}
         timeline = None
@@ -714,11 +718,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     pf_engine.timeline()  # Drop what came before this block.
                 before = _fetch_counters(aux.engine) if (aux and name == "transfer") else None
                 for i in range(args.block):
-                    dt, user, system = var.once()
+                    dt, cost = var.once()
                     if r >= args.warmup and i > 0:
                         samples[name].add(dt)
-                        cpu_user[name].add(user)
-                        cpu_system[name].add(system)
+                        for c, v in cost.items():
+                            costs[name][c].append(v)
                 if before is not None and r >= args.warmup:
                     after = _fetch_counters(aux.engine)
                     aux_fetch["bytes"] += after[0] - before[0]
@@ -767,9 +771,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 res[f"t_{n}_ms"] = med[n]
                 res[f"t_{n}_ms_min"] = samples[n].min * 1e3
                 res[f"t_{n}_ms_max"] = samples[n].max * 1e3
-                res[f"cpu_user_{n}_ms"] = cpu_user[n].median * 1e3
-                res[f"cpu_system_{n}_ms"] = cpu_system[n].median * 1e3
-                res[f"minor_faults_{n}_per_step"] = variants[n].minor_faults / variants[n].steps
+                res[f"cpu_user_{n}_ms"] = statistics.median(costs[n]["cpu_user"]) * 1e3
+                res[f"cpu_system_{n}_ms"] = statistics.median(costs[n]["cpu_system"]) * 1e3
+                res[f"minor_faults_{n}_per_step"] = statistics.median(costs[n]["minor_faults"])
             else:
                 res[f"t_{n}_ms"] = res[f"t_{n}_ms_min"] = res[f"t_{n}_ms_max"] = None
         res["jax_offload_label"] = jax_label
