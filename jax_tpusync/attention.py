@@ -141,10 +141,10 @@ def attend_staged_unit(
     place. On accelerators the copy is a few microseconds of device bandwidth while a
     conditional may wait for its predicate on the host, so they keep the dynamic slice.
     """
+    if staging.shape[0] == 1:
+        slot = 0
     if isinstance(slot, (int, np.integer)):
         return attend(staging[slot, 0], staging[slot, 1])
-    if staging.shape[0] == 1:
-        return attend(staging[0, 0], staging[0, 1])
     if not _read_slots_in_place():
         unit = lax.dynamic_index_in_dim(staging, slot, 0, keepdims=False)  # [2, B, C, H, D]
         return attend(unit[0], unit[1])
