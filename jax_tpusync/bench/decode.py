@@ -6,16 +6,15 @@ that adds compute without adding KV). It runs as
 
 * ``resident``: every layer's KV in device memory, :func:`jax_tpusync.resident_attention`
   (``unit_len = chunk_len``, so the same operations as the offloaded path); no engine. The
-  compute floor.
+  compute floor. 16-bit KV is kept as ``uint16`` words, the form that XLA's CPU backend
+  reads and updates in place (see ``resident_attention``'s ``kv_dtype``).
 * ``compute``: the prefetched step's compute with the transfers taken out: the same per-unit
   attention (as ``sync``) over the two device staging slots, which are never refilled, so
-  every unit reads data that is already in device memory. On a CPU this is a
-  cache-warm floor: the staging slots (a few MiB) stay in the last-level cache, and the
-  engine's copy into staging leaves each fetched unit there too, whereas
-  ``resident_attention`` streams the whole resident cache from DRAM (and gathers each unit
-  with ``take_along_axis``), which on CPU costs several times more than the same math on
-  warm staging. ``overlap_efficiency_compute`` uses this floor. Its output attends to the
-  wrong tokens (the same two units again and again), so it has no error check.
+  every unit reads data that is already in device memory. On a CPU this is a cache-warm
+  floor: the staging slots (a few MiB) stay in the last-level cache, whereas the resident
+  step streams its whole cache from DRAM. ``overlap_efficiency_compute`` uses this floor.
+  Its output attends to the wrong tokens (the same two units again and again), so it has
+  no error check.
 * ``transfer``: the engine fetching one step's KV (every unit of every layer, pipelined
   ``--prefetch-depth`` units ahead through the same staging slots as the prefetching step)
   from inside ``jax.jit``,
@@ -444,7 +443,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         def resident_attend(layer, q, k, v, cache):
             ks, vs, lengths = cache
             out, ks[layer], vs[layer] = tps.resident_attention(
-                q, k, v, ks[layer], vs[layer], lengths, unit_len=spec.chunk_len
+                q, k, v, ks[layer], vs[layer], lengths, unit_len=spec.chunk_len, kv_dtype=dtype
             )
             return out, (ks, vs, lengths)
 
@@ -456,8 +455,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return y, (ks, vs, lengths + 1)
 
         if "resident" in variants_wanted:
-            ks = [jnp.asarray(k) for k, _ in resident_kv]
-            vs = [jnp.asarray(v) for _, v in resident_kv]
+            ks = [jnp.asarray(_as_words(k)) for k, _ in resident_kv]
+            vs = [jnp.asarray(_as_words(v)) for _, v in resident_kv]
             variants["resident"] = _Variant(
                 "resident",
                 jax.jit(resident_step, donate_argnums=(2,)),
@@ -661,7 +660,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     kd = jax.device_put(ks[layer], dev_sharding)
                     vd = jax.device_put(vs[layer], dev_sharding)
                     out, _, _ = tps.resident_attention(
-                        q, k, v, kd, vd, context_lengths, unit_len=spec.chunk_len
+                        q, k, v, kd, vd, context_lengths, unit_len=spec.chunk_len, kv_dtype=dtype
                     )
                     return out, cache
 
@@ -669,8 +668,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     y, _ = _model(params, shape, x, cache, offload_attend)
                     return y
 
-                ks = [jax.device_put(k, host_sharding) for k, _ in resident_kv]
-                vs = [jax.device_put(v, host_sharding) for _, v in resident_kv]
+                ks = [jax.device_put(_as_words(k), host_sharding) for k, _ in resident_kv]
+                vs = [jax.device_put(_as_words(v), host_sharding) for _, v in resident_kv]
                 jitted = jax.jit(offload_step)
                 hlo = jitted.lower(params, x0, (ks, vs)).compile().as_text()
                 copies = sum(
@@ -885,6 +884,11 @@ def _fill(shape: Shape, max_len: int, caches, seed: int, keep: bool):
             pad = ((0, 0), (0, max_len - n), (0, 0), (0, 0))
             out.append((np.pad(kv[0], pad), np.pad(kv[1], pad)))
     return out
+
+
+def _as_words(kv: np.ndarray) -> np.ndarray:
+    """16-bit float KV as the uint16 words ``resident_attention`` keeps in place on CPU."""
+    return kv.view(np.uint16) if kv.dtype.itemsize == 2 else kv
 
 
 def _fetch_counters(engine) -> tuple[int, float]:

@@ -539,8 +539,14 @@ def test_file_tier_fetches_land_straight_in_staging(file_dir):
         bounced = info.bounced_read_bytes - before.bounced_read_bytes
         assert direct > 0.95 * (direct + bounced), (direct, bounced)
         for layer in range(2):
+            room = ((0, 0), (0, 1), (0, 0), (0, 0))  # For the new token.
             want, _, _ = tps.resident_attention(
-                q, k, v, jnp.asarray(ck[layer]), jnp.asarray(cv[layer]), jnp.asarray([n])
+                q,
+                k,
+                v,
+                jnp.asarray(np.pad(ck[layer], room)),
+                jnp.asarray(np.pad(cv[layer], room)),
+                jnp.asarray([n]),
             )
             np.testing.assert_allclose(
                 np.asarray(outs[layer]), np.asarray(want), rtol=1e-5, atol=1e-5
@@ -598,3 +604,57 @@ def test_staged_unit_switch_and_slice_agree(monkeypatch):
         for got_switch, got_slice, kv in zip(switched, sliced, range(2)):
             np.testing.assert_array_equal(got_switch, np.asarray(staging[s, kv]))
             np.testing.assert_array_equal(got_slice, np.asarray(staging[s, kv]))
+
+
+@pytest.mark.parametrize("window,unit_len", [(None, 8), (5, 4)])
+def test_resident_attention_on_uint16_words_matches_bfloat16_caches(window, unit_len):
+    """Caches kept as raw words give the same output and the same bytes as bf16 caches."""
+    rng = np.random.default_rng(14)
+    shape = (BATCH, MAX_LEN, KV_HEADS, HEAD_DIM)
+    cache_k = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    cache_v = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((BATCH, 1, Q_HEADS, HEAD_DIM)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((BATCH, 1, KV_HEADS, HEAD_DIM)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((BATCH, 1, KV_HEADS, HEAD_DIM)), jnp.float32)
+    lengths = jnp.asarray(CONTEXT, jnp.int32)
+    fn = jax.jit(tps.resident_attention, static_argnames=("window", "unit_len", "kv_dtype"))
+    out, new_k, new_v = fn(q, k, v, cache_k, cache_v, lengths, window=window, unit_len=unit_len)
+
+    words = [jnp.asarray(np.asarray(c).view(np.uint16)) for c in (cache_k, cache_v)]
+    out_w, words_k, words_v = fn(
+        q, k, v, *words, lengths, window=window, unit_len=unit_len, kv_dtype=jnp.bfloat16
+    )
+    assert words_k.dtype == words_v.dtype == jnp.uint16
+    np.testing.assert_array_equal(np.asarray(out_w), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(words_k), np.asarray(new_k).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(words_v), np.asarray(new_v).view(np.uint16))
+
+
+@pytest.mark.parametrize(
+    "caches,kv_dtype,match",
+    [
+        ((jnp.uint16, jnp.uint16), None, "uint16 words: pass kv_dtype"),
+        ((jnp.uint16, jnp.uint16), jnp.float32, "16-bit float dtype .* kv_dtype=float32"),
+        ((jnp.float32, jnp.float32), jnp.bfloat16, "kv_dtype=bfloat16 does not match .* float32"),
+        ((jnp.float32, jnp.bfloat16), None, "one dtype; got float32 and bfloat16"),
+    ],
+)
+def test_resident_attention_rejects_cache_dtypes(caches, kv_dtype, match):
+    shape = (BATCH, MAX_LEN, KV_HEADS, HEAD_DIM)
+    cache_k, cache_v = (jnp.zeros(shape, d) for d in caches)
+    q = jnp.zeros((BATCH, 1, Q_HEADS, HEAD_DIM), jnp.float32)
+    kv = jnp.zeros((BATCH, 1, KV_HEADS, HEAD_DIM), jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        tps.resident_attention(
+            q, kv, kv, cache_k, cache_v, jnp.asarray(CONTEXT, jnp.int32), kv_dtype=kv_dtype
+        )
+
+
+def test_resident_attention_rejects_concrete_lengths_past_the_cache():
+    shape = (BATCH, MAX_LEN, KV_HEADS, HEAD_DIM)
+    cache = jnp.zeros(shape, jnp.float32)
+    q = jnp.zeros((BATCH, 2, Q_HEADS, HEAD_DIM), jnp.float32)
+    kv = jnp.zeros((BATCH, 2, KV_HEADS, HEAD_DIM), jnp.float32)
+    lengths = jnp.full((BATCH,), MAX_LEN - 1, jnp.int32)
+    with pytest.raises(ValueError, match=f"lengths \\+ q_len = {MAX_LEN + 1} exceeds max_len"):
+        tps.resident_attention(q, kv, kv, cache, cache, lengths)
