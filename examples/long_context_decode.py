@@ -330,8 +330,8 @@ def main(argv=None) -> int:
 
         if resident_kv is not None:
             # cache.read returned [B, max_len, H, D] arrays, zero past the context.
-            ks = [jnp.asarray(k) for k, _ in resident_kv]
-            vs = [jnp.asarray(v) for _, v in resident_kv]
+            ks = [jnp.asarray(model_lib.as_resident_words(k)) for k, _ in resident_kv]
+            vs = [jnp.asarray(model_lib.as_resident_words(v)) for _, v in resident_kv]
             del resident_kv
             lengths = jnp.full((args.batch,), args.context, jnp.int32)
             rstep = model_lib.make_resident_step(cfg, unit_len=spec.chunk_len)

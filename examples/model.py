@@ -152,10 +152,18 @@ def make_offloaded_step(cfg: ModelConfig):
     return jax.jit(step, donate_argnums=(2,))
 
 
+def as_resident_words(kv: np.ndarray) -> np.ndarray:
+    """16-bit float KV viewed as ``uint16`` words (the same bytes); other dtypes unchanged."""
+    kv = np.asarray(kv)
+    return kv.view(np.uint16) if kv.dtype.itemsize == 2 else kv
+
+
 def make_resident_step(cfg: ModelConfig, unit_len: int | None = None):
     """``step(params, tokens, (ks, vs, lengths)) -> (logits, (ks, vs, lengths))``.
 
-    ``ks``/``vs`` are per-layer [B, max_len, kv_heads, head_dim] arrays (donated).
+    ``ks``/``vs`` are per-layer [B, max_len, kv_heads, head_dim] arrays (donated), in
+    ``cfg.dtype`` or, for 16-bit dtypes, as the ``uint16`` words :func:`as_resident_words`
+    makes (XLA's CPU backend updates those in place; bf16 caches it copies every step).
     ``unit_len``: process the cache in units of this many tokens, like the offloaded cache
     does with ``spec.chunk_len`` (same operations, so the results agree to rounding).
     """
@@ -163,7 +171,7 @@ def make_resident_step(cfg: ModelConfig, unit_len: int | None = None):
     def attend(layer, q, k, v, cache):
         ks, vs, lengths = cache
         out, ks[layer], vs[layer] = tps.resident_attention(
-            q, k, v, ks[layer], vs[layer], lengths, unit_len=unit_len
+            q, k, v, ks[layer], vs[layer], lengths, unit_len=unit_len, kv_dtype=cfg.dtype
         )
         return out, (ks, vs, lengths)
 
