@@ -289,7 +289,7 @@ class OffloadedKVCache:
                     block_bytes=block_bytes,
                     num_blocks=num_blocks,
                     file_name=file_name,
-                    alignment_offset=page_offset(self._first_staging),
+                    alignment_offset=page_offset(self._first_staging) or 0,
                 )
             region_name = "kv" if (shm_name or file_name) else None
             first_block = self.engine.allocate(tier_index, num_blocks, name=region_name)
@@ -354,13 +354,11 @@ class OffloadedKVCache:
     def _note_staging_phase(self, staging: jax.Array) -> None:
         """Logs when fetches into ``staging`` will go through bounce buffers."""
         info = self.engine.tier_info(self.spec.tier)
-        if not info.dio_alignment or jax.default_backend() != "cpu":
+        offset = page_offset(staging)
+        if not info.dio_alignment or offset is None:
             return
-        try:
-            address = staging.unsafe_buffer_pointer()
-        except Exception:  # noqa: BLE001 - sharded or non-addressable: nothing to say.
-            return
-        phase = (address - info.alignment_offset) % info.dio_alignment
+        # dio_alignment divides the page size, so the offset within a page decides.
+        phase = (offset - info.alignment_offset) % info.dio_alignment
         if phase:
             logger.info(
                 "staging buffer is %d bytes out of phase with the file tier's data: fetches "

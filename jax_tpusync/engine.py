@@ -393,8 +393,8 @@ class Engine:
         self._impl.mark(kind, layer, chunk)
 
 
-def page_offset(array) -> int:
-    """Where ``array``'s bytes start within a 4 KiB page; 0 off CPU or when not known.
+def page_offset(array) -> int | None:
+    """Where ``array``'s bytes start within a 4 KiB page; None off CPU or when not known.
 
     A file tier created with this as its ``alignment_offset`` reads straight into the array.
     Ask the buffer itself: where XLA puts the next buffer depends on the allocator's
@@ -403,11 +403,11 @@ def page_offset(array) -> int:
     import jax
 
     if jax.default_backend() != "cpu":
-        return 0
+        return None
     try:
         return int(array.unsafe_buffer_pointer() % 4096)
-    except Exception:  # noqa: BLE001 - sharded or non-addressable: no preference.
-        return 0
+    except Exception:  # noqa: BLE001 - sharded, non-addressable or not a jax.Array.
+        return None
 
 
 def monotonic_ns() -> int:

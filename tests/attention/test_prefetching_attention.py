@@ -658,3 +658,41 @@ def test_resident_attention_rejects_concrete_lengths_past_the_cache():
     lengths = jnp.full((BATCH,), MAX_LEN - 1, jnp.int32)
     with pytest.raises(ValueError, match=f"lengths \\+ q_len = {MAX_LEN + 1} exceeds max_len"):
         tps.resident_attention(q, kv, kv, cache, cache, lengths)
+
+
+def test_page_offset_reads_the_buffer_address():
+    from jax_tpusync.engine import page_offset
+
+    x = jnp.zeros((1000,), jnp.float32)
+    assert page_offset(x) == x.unsafe_buffer_pointer() % 4096
+    assert page_offset(np.zeros(4)) is None  # Not a jax.Array: not known.
+
+
+@pytest.mark.parametrize("shift,logged", [(0, False), (64, True), (None, False)])
+def test_staging_out_of_phase_with_the_file_tier_is_logged(
+    file_dir, monkeypatch, caplog, shift, logged
+):
+    """A staging buffer whose page offset differs from the tier's data says it will bounce."""
+    from jax_tpusync import cache as cache_module
+
+    with tps.OffloadedKVCache(
+        num_layers=1,
+        batch=1,
+        max_len=64,
+        num_kv_heads=1,
+        head_dim=8,
+        dtype=jnp.float32,
+        tier="file",
+        path=file_dir,
+    ) as cache:
+        info = cache.engine.tier_info(cache.spec.tier)
+        if not info.dio_alignment:
+            pytest.skip("the file tier has no O_DIRECT here")
+        at = None if shift is None else (info.alignment_offset + shift) % 4096
+        monkeypatch.setattr(cache_module, "page_offset", lambda array: at)
+        with caplog.at_level("INFO", logger=cache_module.logger.name):
+            cache.init()
+        phase_logs = [r for r in caplog.records if "out of phase" in r.getMessage()]
+        assert bool(phase_logs) == logged
+        if logged:
+            assert f"{shift} bytes out of phase" in phase_logs[0].getMessage()
