@@ -562,4 +562,3 @@ def _as_bits(x: jax.Array) -> jax.Array:
 def _from_bits(x: jax.Array, dtype) -> jax.Array:
     """Undoes :func:`_as_bits`."""
     return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
-

@@ -160,15 +160,56 @@ class PlainFileReader:
             self.fd = -1
 
 
-def beside(background: Callable[[], Any], work: Callable[[], Any]) -> Any:
+class PlainFetch:
+    """The platform's own fetch of ``nbytes``: no engine, no XLA.
+
+    File tier: a :class:`PlainFileReader` of the tier file from the first sector-aligned
+    offset after its header (the same bytes up to the tier's alignment shift, which O_DIRECT
+    cannot follow). Host tier (``path`` None): ``np.copyto`` of ``source`` (default: random
+    bytes) in ``piece``-byte pieces.
+    """
+
+    def __init__(self, path: str | None, nbytes: int, piece: int, source: np.ndarray | None = None):
+        self.piece, self.file = piece, None
+        if path is None:
+            if source is None:
+                self.source_mapping, source = page_aligned_buffer(nbytes)
+                fill_random(source)
+            self.source = source[:nbytes]
+            self.mapping, self.dst = page_aligned_buffer(nbytes, huge_pages=True)
+        else:
+            self.file = PlainFileReader(
+                path, file_offset=FILE_TIER_HEADER_BYTES, nbytes=nbytes, piece=piece
+            )
+            self.dst = self.file.dst
+
+    def __call__(self) -> None:
+        if self.file is not None:
+            self.file()
+            return
+        for off, n in chunks(self.source.size, self.piece):
+            np.copyto(self.dst[off : off + n], self.source[off : off + n])
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def beside(
+    background: Callable[[], Any], work: Callable[[], Any], *, cpus: Sequence[int] = ()
+) -> Any:
     """Runs ``background()`` on another thread while ``work()`` runs on this one.
 
+    ``cpus``: pin the thread there (the engine's CPUs, so that a plain reader competes with
+    the compute as the engine's workers do; empty: the process's CPUs).
     Returns ``work()``'s result once both have finished; re-raises the thread's exception.
     """
     failure: list[BaseException] = []
 
     def run() -> None:
         try:
+            if cpus:
+                os.sched_setaffinity(0, cpus)  # 0: this thread only.
             background()
         except BaseException as e:  # Re-raised on this thread below.
             failure.append(e)

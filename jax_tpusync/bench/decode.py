@@ -25,6 +25,14 @@ that adds compute without adding KV). It runs as
   the step computes.
 * ``prefetch``: :func:`jax_tpusync.prefetching_attention`: layer-ahead and cross-step
   prefetch.
+* ``plain``: the platform's own fetch of the same number of bytes, no engine and no XLA: one
+  synchronous O_DIRECT ``preadv`` of ``--chunk-bytes`` after another from the prefetching
+  cache's tier file (``memcpy`` on the host tier), on a thread pinned to the engine's CPUs.
+* ``platform``: the ``compute`` step while that thread does ``plain``: what this machine
+  gives a plain reader beside the same compute. ``platform_overlap_efficiency`` is that
+  pair's efficiency and ``prefetch_over_platform`` compares the prefetching step with it;
+  on a machine where transfers slow the compute down (shared memory bandwidth, a virtual
+  disk's host threads), this is the ceiling to read the engine against.
 * ``jax_offload``: JAX's own answer: the KV arrays live in ``memory_kind="pinned_host"`` and
   the step ``jax.device_put``s each layer's KV to device memory inside ``jit`` before the
   resident attention. On CPU both memory kinds are host DRAM: the compiled step holds no
@@ -68,7 +76,16 @@ import numpy as np
 from jax_tpusync.bench import common
 
 DTYPES = ("bf16", "f32", "f16")
-VARIANTS = ("resident", "compute", "transfer", "sync", "prefetch", "jax_offload")
+VARIANTS = (
+    "resident",
+    "compute",
+    "transfer",
+    "sync",
+    "prefetch",
+    "plain",
+    "platform",
+    "jax_offload",
+)
 # Contexts at which device_bytes is checked to be the same.
 CONTEXT_CHECK = (32 * 1024, 1024 * 1024)
 STALL_NS = 100_000  # A wait longer than this stalled the step.
@@ -81,11 +98,13 @@ COLUMNS = [
     ("t_transfer_ms", "transfer ms", ".1f"),
     ("t_sync_ms", "sync ms", ".1f"),
     ("t_prefetch_ms", "prefetch ms", ".1f"),
+    ("t_platform_ms", "platform ms", ".1f"),
     ("t_jax_offload_ms", "jax offload ms", ".1f"),
     ("overlap_efficiency", "overlap eff", ".3f"),
     ("prefetch_over_max", "pf/max", ".3f"),
     ("overlap_efficiency_compute", "eff vs compute", ".3f"),
     ("prefetch_over_max_compute", "pf/max compute", ".3f"),
+    ("prefetch_over_platform", "pf/platform", ".3f"),
     ("direct_read_fraction", "direct", ".2f"),
     ("tokens_per_s", "tok/s", ".2f"),
     ("max_abs_err", "max err", ".2g"),
@@ -376,6 +395,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         parent = os.path.abspath(args.path or os.getcwd())
         path = tmpdir = tempfile.mkdtemp(prefix="tpusync-decode-", dir=parent)
     caches = []
+    plain = None
     try:
         config = tps.EngineConfig(
             num_workers=args.workers,
@@ -384,7 +404,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             worker_cpus=worker_cpus,
         )
 
-        def new_cache(record: bool):
+        def new_cache(record: bool, file_name: str | None = None):
             c = tps.OffloadedKVCache(
                 num_layers=shape.layers,
                 batch=shape.batch,
@@ -394,6 +414,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 dtype=dtype,
                 tier=args.tier,
                 path=path,
+                file_name=file_name,
                 staging_bytes=args.staging_bytes,
                 prefetch_depth=depth,
                 engine=dataclasses.replace(config, record_timeline=record),
@@ -401,7 +422,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             caches.append(c)
             return c
 
-        pf_cache = new_cache(record=bool(args.plot or args.trace))
+        # Named, so that the plain reader can open the same file.
+        pf_cache = new_cache(record=bool(args.plot or args.trace), file_name="kv" if path else None)
         spec = pf_cache.spec
         # sync and transfer read the same bytes through one more engine and tier of their own.
         aux = new_cache(record=False) if {"sync", "transfer"} & set(variants_wanted) else None
@@ -423,7 +445,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             max_len,
             [c for c in (pf_cache, aux) if c],
             args.seed,
-            keep=bool({"resident", "compute", "jax_offload"} & set(variants_wanted)),
+            keep=bool({"resident", "compute", "platform", "jax_offload"} & set(variants_wanted)),
         )
         print(
             f"filled {args.context} tokens x {shape.layers} layers in "
@@ -531,8 +553,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out, _ = kref.merge_partials(out, lse, o, l)
             return out.astype(q.dtype), buf
 
-        # compute -------------------------------------------------------------------------------
-        if "compute" in variants_wanted:
+        # compute, plain and platform -----------------------------------------------------------
+        if {"plain", "platform"} & set(variants_wanted):
+            plain = common.PlainFetch(
+                path and os.path.join(path, "kv.tpusync"),
+                shape.kv_bytes_per_step,
+                args.chunk_bytes,
+            )
+            variants["plain"] = _Variant(
+                "plain", lambda st: (common.beside(plain, lambda: None, cpus=worker_cpus), st), None
+            )
+        if {"compute", "platform"} & set(variants_wanted):
             chunk = spec.chunk_len
 
             def compute_attend(layer, q, k, v, staging):
@@ -553,12 +584,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 n = max(0, min(chunk, k0.shape[1] - s_ * chunk))
                 staged[s_, 0, :, :n] = k0[:, s_ * chunk : s_ * chunk + n]
                 staged[s_, 1, :, :n] = v0[:, s_ * chunk : s_ * chunk + n]
-            variants["compute"] = _Variant(
-                "compute",
-                jax.jit(compute_step, donate_argnums=(2,)),
-                jnp.asarray(staged),
-                (params, x0),
-            )
+            compute_jit = jax.jit(compute_step, donate_argnums=(2,))
+            if "compute" in variants_wanted:
+                variants["compute"] = _Variant(
+                    "compute", compute_jit, jnp.asarray(staged), (params, x0)
+                )
+            if "platform" in variants_wanted:
+
+                def platform_step(params, x, staging):
+                    def compute():
+                        return jax.block_until_ready(compute_jit(params, x, staging))
+
+                    return common.beside(plain, compute, cpus=worker_cpus)
+
+                variants["platform"] = _Variant(
+                    "platform", platform_step, jnp.asarray(staged), (params, x0)
+                )
             del staged
 
         # sync and transfer ---------------------------------------------------------------------
@@ -789,6 +830,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             (t_cmp + t_xfer - t_pf) / min(t_cmp, t_xfer) if t_cmp and t_xfer else None
         )
         res["prefetch_over_max_compute"] = t_pf / max(t_cmp, t_xfer) if t_cmp and t_xfer else None
+        t_plain, t_platform = res["t_plain_ms"], res["t_platform_ms"]
+        res["platform_overlap_efficiency"] = (
+            (t_cmp + t_plain - t_platform) / min(t_cmp, t_plain)
+            if t_cmp and t_plain and t_platform
+            else None
+        )
+        res["prefetch_over_platform"] = t_pf / t_platform if t_platform else None
         res["sync_over_prefetch"] = res["t_sync_ms"] / t_pf if res["t_sync_ms"] else None
         res["tokens_per_s"] = shape.batch / (t_pf / 1e3)
         for n in ("resident", "compute", "sync", "jax_offload"):
@@ -857,6 +905,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 c.engine.drain()
             finally:
                 c.close()
+        if plain is not None:
+            plain.close()
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)
 
@@ -960,6 +1010,8 @@ def _print_summary(res: dict[str, Any]) -> None:
         "sync": "fetch on demand, then compute, per unit",
         "prefetch": f"prefetching_attention ({f(res['tokens_per_s'], '.2f')} tok/s, "
         f"{f(res['prefetch_fetch_gbps'], '.2f')} GB/s of KV)",
+        "plain": "plain reader thread on the engine's CPUs, same bytes, no engine",
+        "platform": "compute beside that plain reader: this machine's own overlap",
         "jax_offload": f"pinned_host KV + device_put in jit [{res['jax_offload_label']}]",
     }
     for n in VARIANTS:
@@ -976,6 +1028,11 @@ def _print_summary(res: dict[str, Any]) -> None:
         f"{f(res['prefetch_over_max'], '.3f')} (vs compute: "
         f"{f(res['prefetch_over_max_compute'], '.3f')})  t_sync/t_prefetch "
         f"{f(res['sync_over_prefetch'], '.3f')}  max_abs_err {f(res['max_abs_err'], '.3g')}"
+    )
+    print(
+        f"platform (compute beside a plain reader): efficiency "
+        f"{f(res['platform_overlap_efficiency'], '.3f')}, t_prefetch/t_platform "
+        f"{f(res['prefetch_over_platform'], '.3f')}"
     )
     print(
         f"prefetch hits {res['prefetch_hits']} misses {res['prefetch_misses']}, stalled "

@@ -15,8 +15,9 @@ destination buffer that is donated into every call and threaded through all of t
 Beside them, the platform's own answer, with no engine and no XLA custom call:
 
 * ``plain``: the same bytes read the plainest way (one synchronous O_DIRECT ``preadv`` of
-  ``--segment-bytes`` after another into a page-aligned buffer; ``memcpy`` on the host tier);
-* ``plain_overlap``: ``compute`` while another thread does ``plain``; wall time until both
+  ``--segment-bytes`` after another into a page-aligned buffer; ``memcpy`` on the host tier),
+  on a thread pinned to the engine's CPUs;
+* ``plain_overlap``: ``compute`` while that thread does ``plain``; wall time until both
   are done.
 
 ``platform_overlap_efficiency`` is the efficiency of that pair: what a plain reader thread
@@ -146,7 +147,7 @@ def _open_tier(
     # fetch reads straight into it.
     offset = args.alignment_offset
     if offset is None:
-        offset = page_offset(dst)
+        offset = page_offset(dst) or 0
     # A named file, so that the plain reader can open the very same bytes.
     name = f"tpusync-overlap-bench-{os.getpid()}"
     tier = engine.add_file_tier(
@@ -157,33 +158,6 @@ def _open_tier(
         file_name=name,
     )
     return tier, os.path.join(directory, name + ".tpusync")
-
-
-class _PlainFetch:
-    """The platform's own fetch of the tier's bytes: no engine, no XLA (see the module doc)."""
-
-    def __init__(self, path: str | None, source: np.ndarray, piece: int):
-        self.source, self.piece, self.file = source, piece, None
-        if path is None:  # Host tier: memcpy from a copy of the tier's bytes.
-            self.mapping, self.dst = common.page_aligned_buffer(source.size, huge_pages=True)
-        else:
-            # From the first sector-aligned offset after the header: the same bytes up to the
-            # tier's alignment shift, which O_DIRECT cannot follow.
-            self.file = common.PlainFileReader(
-                path, file_offset=common.FILE_TIER_HEADER_BYTES, nbytes=source.size, piece=piece
-            )
-            self.dst = self.file.dst
-
-    def __call__(self) -> None:
-        if self.file is not None:
-            self.file()
-            return
-        for off, n in common.chunks(self.source.size, self.piece):
-            np.copyto(self.dst[off : off + n], self.source[off : off + n])
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -219,7 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         common.fill_random(data, seed=4321)
         expected_crc = zlib.crc32(data)
         engine.write(tier, 0, data)
-        plain = _PlainFetch(data_path, data, args.segment_bytes)
+        plain = common.PlainFetch(data_path, data.size, args.segment_bytes, source=data)
         del data, data_map
         print(
             f"tier: {info.description}; {common.format_bytes(nbytes)} per fetch; "
@@ -303,12 +277,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             def r_plain() -> float:
                 t0 = time.perf_counter()
-                plain()
+                common.beside(plain, lambda: None, cpus=worker_cpus)
                 return time.perf_counter() - t0
 
             def r_plain_overlap() -> float:
                 t0 = time.perf_counter()
-                common.beside(plain, lambda: fns["compute"](x, w).block_until_ready())
+                common.beside(
+                    plain, lambda: fns["compute"](x, w).block_until_ready(), cpus=worker_cpus
+                )
                 return time.perf_counter() - t0
 
             return {

@@ -93,6 +93,8 @@ def test_decode_json_has_every_key(bench_run):
         "overlap_efficiency",
         "overlap_efficiency_compute",
         "prefetch_over_max",
+        "platform_overlap_efficiency",
+        "prefetch_over_platform",
         "max_abs_err",
         "device_bytes",
         "kv_bytes",
@@ -125,7 +127,8 @@ def test_decode_outputs_match_resident(bench_run):
 
 
 def test_deeper_prefetch_on_the_file_tier_matches(tmp_path):
-    """--prefetch-depth 2: three staging slots, the transfer variant pipelined as deep."""
+    """--prefetch-depth 2: three staging slots, the transfer variant pipelined as deep; the
+    platform variant reads the tier file beside the compute."""
     tiny = list(TINY)
     tiny[tiny.index("--tier") + 1] = "file"
     args = _parser().parse_args(
@@ -141,6 +144,7 @@ def test_deeper_prefetch_on_the_file_tier_matches(tmp_path):
             "transfer",
             "sync",
             "prefetch",
+            "platform",
             "--json",
             str(tmp_path / "out.json"),
         ]
@@ -148,6 +152,9 @@ def test_deeper_prefetch_on_the_file_tier_matches(tmp_path):
     res = args.run(args)
     assert res["prefetch_depth"] == 2 and res["units_per_layer"] > 3
     assert res["t_transfer_ms"] > 0 and res["transfer_fetch_gbps"] > 0
+    # The plain reader read the prefetching cache's own tier file, beside the compute.
+    assert res["t_plain_ms"] > 0 and res["t_platform_ms"] > 0
+    assert res["prefetch_over_platform"] > 0
     for key in ("max_abs_err", "sync_max_abs_err"):  # Against the resident step.
         assert res[key] <= 1e-2 * max(1.0, res["output_abs_max"]), key
     assert res["prefetch_misses"] == 0 or res["prefetch_hits"] > res["prefetch_misses"]
