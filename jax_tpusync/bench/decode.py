@@ -1,4 +1,4 @@
-"""``decode``: one decode step over a long offloaded context, five ways, side by side.
+"""``decode``: one decode step over a long offloaded context, every way it can run, side by side.
 
 The step is a small decoder (per layer: q/k/v projections, attention over the cache plus the
 new token, an output projection, and, with ``--ffn F``, a SwiGLU-free ``silu`` MLP of width F
@@ -351,7 +351,7 @@ class _Variant:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Builds the five steps, times them side by side, returns one JSON-ready row."""
+    """Builds the variants, times them side by side, returns one JSON-ready row."""
     worker_cpus = common.apply_cpu_arguments(args)  # Before JAX starts its backend.
     import jax
     import jax.numpy as jnp
