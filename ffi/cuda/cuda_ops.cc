@@ -94,6 +94,7 @@
 #include "engine/regions.h"
 #include "engine/registry.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla/bindings.h"
 #include "xla/status_adapter.h"
 
 namespace tpusync {
@@ -1114,7 +1115,7 @@ StatusOr<std::vector<double>> EngineH2DGbps(int device, int64_t engine_id, int32
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncStartCuda, StartImpl,
-                              ffi::Ffi::Bind()
+                              WithTransferAttrs(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
@@ -1124,41 +1125,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncStartCuda, StartImpl,
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::BufferR0<ffi::S32>>()
-                                  .Attr<int64_t>("engine_id")
-                                  .Attr<int32_t>("tier")
-                                  .Attr<int64_t>("region_base")
-                                  .Attr<int64_t>("region_bytes")
-                                  .Attr<int64_t>("region_count"));
+                                  .Ret<ffi::BufferR0<ffi::S32>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWaitCuda, WaitImpl,
-                              ffi::Ffi::Bind()
+                              WithTransferAttrs(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::BufferR0<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("engine_id")
-                                  .Attr<int32_t>("tier")
-                                  .Attr<int64_t>("region_base")
-                                  .Attr<int64_t>("region_bytes")
-                                  .Attr<int64_t>("region_count"));
+                                  .Ret<ffi::AnyBuffer>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWriteBackCuda, WriteBackImpl,
-                              ffi::Ffi::Bind()
+                              WithTransferAttrs(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
-                                  .Ret<ffi::BufferR0<ffi::S32>>()
-                                  .Attr<int64_t>("engine_id")
-                                  .Attr<int32_t>("tier")
-                                  .Attr<int64_t>("region_base")
-                                  .Attr<int64_t>("region_bytes")
-                                  .Attr<int64_t>("region_count"));
+                                  .Ret<ffi::BufferR0<ffi::S32>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncMarkCuda, MarkImpl,
                               ffi::Ffi::Bind()

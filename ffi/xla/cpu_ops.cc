@@ -32,6 +32,7 @@
 #include "engine/regions.h"
 #include "engine/registry.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla/bindings.h"
 #include "xla/status_adapter.h"
 
 namespace tpusync {
@@ -192,7 +193,7 @@ ffi::Error MarkImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> tag, ffi::RemainingA
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncStartCpu, StartImpl,
-                              ffi::Ffi::Bind()
+                              WithTransferAttrs(ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -201,39 +202,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncStartCpu, StartImpl,
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::BufferR0<ffi::S32>>()
-                                  .Attr<int64_t>("engine_id")
-                                  .Attr<int32_t>("tier")
-                                  .Attr<int64_t>("region_base")
-                                  .Attr<int64_t>("region_bytes")
-                                  .Attr<int64_t>("region_count"));
+                                  .Ret<ffi::BufferR0<ffi::S32>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWaitCpu, WaitImpl,
-                              ffi::Ffi::Bind()
+                              WithTransferAttrs(ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::BufferR0<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("engine_id")
-                                  .Attr<int32_t>("tier")
-                                  .Attr<int64_t>("region_base")
-                                  .Attr<int64_t>("region_bytes")
-                                  .Attr<int64_t>("region_count"));
+                                  .Ret<ffi::AnyBuffer>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWriteBackCpu, WriteBackImpl,
-                              ffi::Ffi::Bind()
+                              WithTransferAttrs(ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
-                                  .Ret<ffi::BufferR0<ffi::S32>>()
-                                  .Attr<int64_t>("engine_id")
-                                  .Attr<int32_t>("tier")
-                                  .Attr<int64_t>("region_base")
-                                  .Attr<int64_t>("region_bytes")
-                                  .Attr<int64_t>("region_count"));
+                                  .Ret<ffi::BufferR0<ffi::S32>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncMarkCpu, MarkImpl,
                               ffi::Ffi::Bind()
