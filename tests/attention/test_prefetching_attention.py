@@ -696,3 +696,43 @@ def test_staging_out_of_phase_with_the_file_tier_is_logged(
         assert bool(phase_logs) == logged
         if logged:
             assert f"{shift} bytes out of phase" in phase_logs[0].getMessage()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks XLA CPU's buffer plan")
+def test_resident_step_on_words_updates_the_donated_caches_in_place():
+    """A donated decode step over word caches holds no copy of a cache: each would cost a
+    pass over the whole KV every step (updating the caches after the unit loop made XLA copy
+    every one of them)."""
+    shape = (BATCH, MAX_LEN, KV_HEADS, HEAD_DIM)
+
+    def step(q, caches, lengths):
+        out = q
+        caches = list(caches)
+        for layer in range(2):
+            ck, cv = caches[2 * layer : 2 * layer + 2]
+            out, ck, cv = tps.resident_attention(
+                out,
+                q[:, :, :KV_HEADS],
+                q[:, :, :KV_HEADS],
+                ck,
+                cv,
+                lengths,
+                unit_len=8,
+                kv_dtype=jnp.bfloat16,
+            )
+            caches[2 * layer : 2 * layer + 2] = ck, cv
+        return out, caches
+
+    q = jnp.zeros((BATCH, 1, Q_HEADS, HEAD_DIM), jnp.bfloat16)
+    caches = [jnp.zeros(shape, jnp.uint16) for _ in range(4)]
+    hlo = (
+        jax.jit(step, donate_argnums=(1,))
+        .lower(q, caches, jnp.asarray(CONTEXT, jnp.int32))
+        .compile()
+        .as_text()
+    )
+    cache_shape = "u16[" + ",".join(map(str, shape)) + "]"
+    lines = [line for line in hlo.splitlines() if f"= {cache_shape}" in line]
+    assert any(" parameter(" in line for line in lines), hlo  # The pattern matches.
+    copies = [line for line in lines if " copy(" in line]
+    assert not copies, "\n".join(copies)
