@@ -82,6 +82,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=32.0,
         help="device staging buffers, MiB (bounds device memory at any context)",
     )
+    p.add_argument(
+        "--prefetch-depth",
+        type=int,
+        default=3,
+        help="units fetched ahead; the staging is split into depth + 1 slots (default 3: "
+        "enough lookahead that one slow read or one slow unit of compute does not stall)",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -242,6 +249,7 @@ def main(argv=None) -> int:
             tier=args.tier,
             path=path,
             staging_bytes=int(args.staging_mb * 2**20),
+            prefetch_depth=args.prefetch_depth,
             engine=tps.EngineConfig(worker_cpus=worker_cpus),
         )
         spec = cache.spec
