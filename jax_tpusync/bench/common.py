@@ -131,16 +131,31 @@ def plain_read(fd: int, dst: memoryview, file_offset: int, piece: int) -> None:
             raise OSError(f"short read: {got} of {n} bytes at file offset {file_offset + off}")
 
 
-class PlainFileReader:
-    """The platform's own read of ``nbytes`` of a file: no engine, no XLA.
+def file_tier_path(directory: str, file_name: str) -> str:
+    """Where ``Engine.add_file_tier(directory, file_name=...)`` keeps its data."""
+    return os.path.join(directory, file_name + ".tpusync")
 
-    Synchronous ``preadv`` calls of ``piece`` bytes (O_DIRECT where the file system takes
-    it) from ``file_offset`` on into one page-aligned huge-page buffer: what one plain reader
-    thread gets from this disk. ``preadv`` releases the GIL, so a thread can run it beside
-    XLA's compute.
+
+class PlainFetch:
+    """The platform's own fetch of ``nbytes``: no engine, no XLA.
+
+    File tier (``path`` of its data file): synchronous ``preadv`` calls of ``piece`` bytes
+    (O_DIRECT where the file system takes it) from the first sector-aligned offset after
+    the header (the same bytes up to the tier's alignment shift, which O_DIRECT cannot
+    follow). Host tier (``path`` None): ``np.copyto`` of ``source`` (default: random bytes)
+    in ``piece``-byte pieces. Either lands in one page-aligned huge-page buffer; both
+    release the GIL, so a thread can run them beside XLA's compute.
     """
 
-    def __init__(self, path: str, *, file_offset: int, nbytes: int, piece: int) -> None:
+    def __init__(self, path: str | None, nbytes: int, piece: int, source: np.ndarray | None = None):
+        self.piece, self.fd = piece, -1
+        self.mapping, self.dst = page_aligned_buffer(nbytes, huge_pages=True)
+        if path is None:
+            if source is None:
+                self.source_mapping, source = page_aligned_buffer(nbytes)
+                fill_random(source)
+            self.source = source[:nbytes]
+            return
         with open(path, "rb+") as f:  # Writes may have left dirty pages behind.
             os.fsync(f.fileno())
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
@@ -148,51 +163,18 @@ class PlainFileReader:
             self.fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         except OSError:  # e.g. tmpfs: the page cache it is.
             self.fd = os.open(path, os.O_RDONLY)
-        self.file_offset, self.piece = file_offset, piece
-        self.mapping, self.dst = page_aligned_buffer(nbytes, huge_pages=True)
 
     def __call__(self) -> None:
-        plain_read(self.fd, memoryview(self.dst), self.file_offset, self.piece)
-
-    def close(self) -> None:
         if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-class PlainFetch:
-    """The platform's own fetch of ``nbytes``: no engine, no XLA.
-
-    File tier: a :class:`PlainFileReader` of the tier file from the first sector-aligned
-    offset after its header (the same bytes up to the tier's alignment shift, which O_DIRECT
-    cannot follow). Host tier (``path`` None): ``np.copyto`` of ``source`` (default: random
-    bytes) in ``piece``-byte pieces.
-    """
-
-    def __init__(self, path: str | None, nbytes: int, piece: int, source: np.ndarray | None = None):
-        self.piece, self.file = piece, None
-        if path is None:
-            if source is None:
-                self.source_mapping, source = page_aligned_buffer(nbytes)
-                fill_random(source)
-            self.source = source[:nbytes]
-            self.mapping, self.dst = page_aligned_buffer(nbytes, huge_pages=True)
-        else:
-            self.file = PlainFileReader(
-                path, file_offset=FILE_TIER_HEADER_BYTES, nbytes=nbytes, piece=piece
-            )
-            self.dst = self.file.dst
-
-    def __call__(self) -> None:
-        if self.file is not None:
-            self.file()
+            plain_read(self.fd, memoryview(self.dst), FILE_TIER_HEADER_BYTES, self.piece)
             return
         for off, n in chunks(self.source.size, self.piece):
             np.copyto(self.dst[off : off + n], self.source[off : off + n])
 
     def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def beside(

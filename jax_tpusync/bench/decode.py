@@ -11,8 +11,8 @@ that adds compute without adding KV). It runs as
 * ``compute``: the prefetched step's compute with the transfers taken out: the same per-unit
   attention (as ``sync``) over the device staging slots, which are never refilled, so
   every unit reads data that is already in device memory. On a CPU this is a cache-warm
-  floor: the staging slots (tens of MiB at most) stay in the last-level cache, whereas the resident
-  step streams its whole cache from DRAM. ``overlap_efficiency_compute`` uses this floor.
+  floor: the staging slots (tens of MiB at most) stay in the last-level cache, whereas the
+  resident step streams its whole cache from DRAM. ``overlap_efficiency_compute`` uses this floor.
   Its output attends to the wrong tokens (the same few units again and again), so it has
   no error check.
 * ``transfer``: the engine fetching one step's KV (every unit of every layer, pipelined
@@ -557,7 +557,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # compute, plain and platform -----------------------------------------------------------
         if {"plain", "platform"} & set(variants_wanted):
             plain = common.PlainFetch(
-                path and os.path.join(path, "kv.tpusync"),
+                path and common.file_tier_path(path, "kv"),
                 shape.kv_bytes_per_step,
                 args.chunk_bytes,
             )

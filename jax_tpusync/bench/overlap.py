@@ -157,7 +157,7 @@ def _open_tier(
         alignment_offset=offset,
         file_name=name,
     )
-    return tier, os.path.join(directory, name + ".tpusync")
+    return tier, common.file_tier_path(directory, name)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--bytes must stay below 2 GiB (int32 segment fields)")
     worker_cpus = common.apply_cpu_arguments(args)  # Before JAX starts its backend.
 
-    import jax  # Deferred: XLA_FLAGS must be final before jax starts its backend.
+    import jax  # Deferred: split_cpus (above) must run before jax starts its backend.
     import jax.numpy as jnp
     from jax import lax
 

@@ -33,7 +33,6 @@ from jax_tpusync.engine import Engine
 
 # Tier layout unit; requests are byte-addressed, so it only has to divide the tier size.
 TIER_BLOCK_BYTES = 64 * common.KiB
-# Offset of tier byte 0 in a file tier's file (a 4 KiB header comes first).
 DEFAULT_BLOCKS = (256 * common.KiB, 1 * common.MiB, 2 * common.MiB, 4 * common.MiB, 8 * common.MiB)
 DEFAULT_TOTAL = {"file": 512 * common.MiB, "host": 256 * common.MiB}
 # Buffers alive at once, in units of total_bytes: tier (host only), source/ceiling, destination.
