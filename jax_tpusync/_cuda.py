@@ -20,8 +20,7 @@ import jax
 from jax_tpusync import _tpusync
 
 _lock = threading.Lock()
-_registered = False
-_checked = False
+_registered: bool | None = None  # None: not looked for a GPU yet.
 
 
 def extension() -> ModuleType | None:
@@ -41,7 +40,7 @@ def gpu_present() -> bool:
 
 
 def registered() -> bool:
-    return _registered
+    return bool(_registered)
 
 
 def register() -> bool:
@@ -51,12 +50,12 @@ def register() -> bool:
       RuntimeError: a CUDA GPU is present but this install has no CUDA extension, so the
         ops would fail at compile time with an unknown custom call.
     """
-    global _registered, _checked
+    global _registered
     with _lock:
-        if _checked:
+        if _registered is not None:
             return _registered
         if not gpu_present():
-            _checked = True
+            _registered = False
             return False
         ext = extension()
         if ext is None:
@@ -69,5 +68,5 @@ def register() -> bool:
         ext.attach(_tpusync.engine_registry_capsule())
         for name, capsule in ext.registrations().items():
             jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
-        _registered = _checked = True
+        _registered = True
         return True

@@ -73,8 +73,7 @@ def test_register_is_a_noop_without_a_gpu(monkeypatch):
 
 
 def test_register_without_extension_on_gpu_is_an_error(monkeypatch):
-    monkeypatch.setattr(_cuda, "_registered", False)
-    monkeypatch.setattr(_cuda, "_checked", False)
+    monkeypatch.setattr(_cuda, "_registered", None)
     monkeypatch.setattr(_cuda, "gpu_present", lambda: True)
     monkeypatch.setattr(_cuda, "extension", lambda: None)
     with pytest.raises(RuntimeError, match="built without CUDA support"):
@@ -83,8 +82,7 @@ def test_register_without_extension_on_gpu_is_an_error(monkeypatch):
 
 def test_register_registers_every_target_for_cuda(monkeypatch, ext):
     calls = []
-    monkeypatch.setattr(_cuda, "_registered", False)
-    monkeypatch.setattr(_cuda, "_checked", False)
+    monkeypatch.setattr(_cuda, "_registered", None)
     monkeypatch.setattr(_cuda, "gpu_present", lambda: True)
     monkeypatch.setattr(
         _cuda.jax,
