@@ -553,17 +553,23 @@ def test_file_tier_fetches_land_straight_in_staging(file_dir):
             )
 
 
+def _resident_inputs(rng, cache_dtype, kv_dtype):
+    """Random (q, k, v, cache_k, cache_v) for one decode token; q in the caches' dtype."""
+    shape = (BATCH, MAX_LEN, KV_HEADS, HEAD_DIM)
+    cache_k = jnp.asarray(rng.standard_normal(shape), cache_dtype)
+    cache_v = jnp.asarray(rng.standard_normal(shape), cache_dtype)
+    q = jnp.asarray(rng.standard_normal((BATCH, 1, Q_HEADS, HEAD_DIM)), cache_dtype)
+    k = jnp.asarray(rng.standard_normal((BATCH, 1, KV_HEADS, HEAD_DIM)), kv_dtype)
+    v = jnp.asarray(rng.standard_normal((BATCH, 1, KV_HEADS, HEAD_DIM)), kv_dtype)
+    return q, k, v, cache_k, cache_v
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("window,unit_len", [(None, 8), (None, None), (5, 4)])
 def test_resident_attention_matches_reference_and_inserts_exactly(dtype, window, unit_len):
     """Units gathered as raw bits for 16-bit caches: same attention, untouched neighbours."""
     rng = np.random.default_rng(12)
-    shape = (BATCH, MAX_LEN, KV_HEADS, HEAD_DIM)
-    cache_k = jnp.asarray(rng.standard_normal(shape), dtype)
-    cache_v = jnp.asarray(rng.standard_normal(shape), dtype)
-    q = jnp.asarray(rng.standard_normal((BATCH, 1, Q_HEADS, HEAD_DIM)), dtype)
-    k = jnp.asarray(rng.standard_normal((BATCH, 1, KV_HEADS, HEAD_DIM)), dtype)
-    v = jnp.asarray(rng.standard_normal((BATCH, 1, KV_HEADS, HEAD_DIM)), dtype)
+    q, k, v, cache_k, cache_v = _resident_inputs(rng, dtype, dtype)
     lengths = jnp.asarray(CONTEXT, jnp.int32)
     fn = jax.jit(tps.resident_attention, static_argnames=("window", "unit_len"))
     out, new_k, new_v = fn(q, k, v, cache_k, cache_v, lengths, window=window, unit_len=unit_len)
@@ -610,12 +616,7 @@ def test_staged_unit_switch_and_slice_agree(monkeypatch):
 def test_resident_attention_on_uint16_words_matches_bfloat16_caches(window, unit_len):
     """Caches kept as raw words give the same output and the same bytes as bf16 caches."""
     rng = np.random.default_rng(14)
-    shape = (BATCH, MAX_LEN, KV_HEADS, HEAD_DIM)
-    cache_k = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-    cache_v = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-    q = jnp.asarray(rng.standard_normal((BATCH, 1, Q_HEADS, HEAD_DIM)), jnp.bfloat16)
-    k = jnp.asarray(rng.standard_normal((BATCH, 1, KV_HEADS, HEAD_DIM)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((BATCH, 1, KV_HEADS, HEAD_DIM)), jnp.float32)
+    q, k, v, cache_k, cache_v = _resident_inputs(rng, jnp.bfloat16, jnp.float32)
     lengths = jnp.asarray(CONTEXT, jnp.int32)
     fn = jax.jit(tps.resident_attention, static_argnames=("window", "unit_len", "kv_dtype"))
     out, new_k, new_v = fn(q, k, v, cache_k, cache_v, lengths, window=window, unit_len=unit_len)
