@@ -127,37 +127,86 @@ def _advance(spec: CacheSpec, layer, chunk, lengths, q_len: int):
 # -- attention over one unit -----------------------------------------------------------------
 
 
-def attend_staged_unit(
+def staged_rows(
     staging: jax.Array,  # [num_slots, 2, batch, chunk_len, num_kv_heads, head_dim]
     slot,  # int or int32[]: the slot to read
-    attend: Callable[[jax.Array, jax.Array], Any],
-) -> Any:
-    """``attend(k, v)`` on one staging slot.
+    start,  # int or int32[]: its first row to read
+    n: int,  # rows to read (static)
+    kv_dtype,  # what the rows hold (staging may be its uint16 words)
+) -> tuple[jax.Array, jax.Array]:  # k, v: [batch, n, num_kv_heads, head_dim] in kv_dtype
+    """K and V rows ``[start, start + n)`` of one staging slot.
 
-    Indexing the staging buffer with a traced slot makes XLA copy the unit out first (a
-    dynamic slice is a new buffer): on CPU that copy and the page faults of its fresh
-    temporary made the per-unit attention 2.6x slower (32 units of 8 MiB: 131 ms against
-    50 ms), so there a switch over the static slots lets every branch read its slot in
-    place. On accelerators the copy is a few microseconds of device bandwidth while a
-    conditional may wait for its predicate on the host, so they keep the dynamic slice.
+    A slice with traced indices is a copy. On CPU the attention reads blocks of
+    :func:`row_block_len` rows, whose copies stay in cache (a whole 8 MiB unit's copy and
+    the page faults of its fresh temporary had made the attention 2.6x slower); on
+    accelerators the copy of a unit costs microseconds of device bandwidth.
     """
-    if staging.shape[0] == 1:
-        slot = 0
-    if isinstance(slot, (int, np.integer)):
-        return attend(staging[slot, 0], staging[slot, 1])
-    if not _read_slots_in_place():
-        unit = lax.dynamic_index_in_dim(staging, slot, 0, keepdims=False)  # [2, B, C, H, D]
-        return attend(unit[0], unit[1])
-    branches = [
-        functools.partial(lambda s, st: attend(st[s, 0], st[s, 1]), s)
-        for s in range(staging.shape[0])
-    ]
-    return lax.switch(slot, branches, staging)
+    zero = jnp.int32(0)
+    index = (jnp.asarray(slot, jnp.int32), zero, zero, jnp.asarray(start, jnp.int32), zero, zero)
+    block = lax.dynamic_slice(staging, index, (1, *staging.shape[1:3], n, *staging.shape[4:]))
+    return _from_bits(block[0, 0], kv_dtype), _from_bits(block[0, 1], kv_dtype)
 
 
-def _read_slots_in_place() -> bool:
-    """Whether :func:`attend_staged_unit` switches over slots (CPU) or slices one out."""
+def _attends_in_blocks() -> bool:
+    """Whether the plain-XLA attention reads units in blocks of rows (CPU) or whole."""
     return jax.default_backend() == "cpu"
+
+
+# The plain-XLA attention reads a unit in blocks of about this many bytes of f32 K.
+ROW_BLOCK_BYTES = 1 << 20
+
+
+def row_block_len(unit_len: int, row_elements: int) -> int:
+    """Rows per block of a unit of ``unit_len`` rows of ``row_elements`` values each.
+
+    The largest divisor of ``unit_len`` whose f32 rows take at most ``ROW_BLOCK_BYTES``
+    (at least one row).
+    """
+    want = max(1, ROW_BLOCK_BYTES // (4 * row_elements))
+    blocks = -(-unit_len // want)
+    while unit_len % blocks:
+        blocks += 1
+    return unit_len // blocks
+
+
+def staged_block_len(spec: CacheSpec) -> int:
+    """Rows per block in which the plain-XLA attention reads a unit of ``spec``'s staging."""
+    if not _attends_in_blocks():
+        return spec.chunk_len
+    return row_block_len(spec.chunk_len, spec.batch * spec.num_kv_heads * spec.head_dim)
+
+
+def attend_valid_rows(
+    attend_rows: Callable[[Any, int, jax.Array], tuple[jax.Array, jax.Array]],
+    count: jax.Array,  # int32[batch]: valid rows (a prefix) of the unit per batch row
+    unit_len: int,
+    block_len: int,
+    out_shape: tuple[int, ...],  # [batch, q_len, num_q_heads, head_dim]
+) -> tuple[jax.Array, jax.Array]:
+    """``(out, lse)`` of attention over the rows of one unit that hold keys.
+
+    ``attend_rows(start, n, valid)`` attends to the unit's rows ``[start, start + n)``
+    (``n`` static), of which the first ``valid[b]`` hold keys. With ``block_len <
+    unit_len`` the unit goes in blocks of ``block_len`` rows, up to the last block that holds
+    a key, the partials merged (online softmax); else in one call. On XLA's CPU backend
+    blocks pay twice: each block's f32 copy of its K and V (XLA converts and transposes an
+    operand before a batched dot) stays in cache instead of taking four times the unit's
+    bf16 size, and the tokens past the last full unit, which decode keeps at the end of
+    every layer (at 32K + n tokens in 4096-token units, one unit in nine), cost their
+    blocks instead of a unit. (The Pallas kernels bound their own block loops by
+    ``k_valid``.) Accelerators keep one call: a loop's trip count would wait on the host.
+    """
+    if block_len >= unit_len:
+        return attend_rows(0, unit_len, count)
+
+    def one_block(i, carry):
+        start = i * block_len
+        o, l = attend_rows(start, block_len, jnp.clip(count - start, 0, block_len))
+        return kernel_reference.merge_partials(*carry, o, l)
+
+    used_blocks = (jnp.max(count) + block_len - 1) // block_len
+    carry = (jnp.zeros(out_shape, jnp.float32), jnp.full(out_shape[:3], -jnp.inf, jnp.float32))
+    return lax.fori_loop(0, used_blocks, one_block, carry)
 
 
 def _attend(
@@ -306,6 +355,8 @@ def prefetching_attention(
         kernel_options=kernel_options,
     )
 
+    block_len = staged_block_len(spec) if implementation == "xla" else spec.chunk_len
+
     def unit_step(chunk, carry):
         q_, out, lse, staging, tickets, slot = carry
         # Start the unit `prefetch_depth` ahead into the slot consumed last (free now:
@@ -338,8 +389,14 @@ def prefetching_attention(
             regions=regions,
         )
         tickets = tickets.at[slot].set(ops.NO_TICKET).at[p_slot].set(p_ticket)
-        o, l = attend_staged_unit(
-            staging, slot, lambda k_, v_: attend(q_, k_, v_, lo, count, lengths)
+        o, l = attend_valid_rows(
+            lambda start, n, valid: attend(
+                q_, *staged_rows(staging, slot, start, n, spec.dtype), lo + start, valid, lengths
+            ),
+            count,
+            spec.chunk_len,
+            block_len,
+            q.shape,
         )
         out, lse = kernel_reference.merge_partials(out, lse, o, l)
         return q_, out, lse, staging, tickets, (slot + 1) % spec.num_slots
@@ -428,8 +485,9 @@ def resident_attention(
     The baseline a model without offload runs, and the oracle of the offloaded path: with
     ``unit_len`` equal to the offloaded cache's ``spec.chunk_len`` it performs the same
     operations in the same order, so with ``implementation="xla"`` the two agree to float32
-    rounding (the offloaded path reads each unit inside a switch over staging slots, which
-    XLA may fuse differently; measured differences stay below 1e-5).
+    rounding (the offloaded path slices its blocks out of staging, the resident one gathers
+    them from the cache, and XLA may fuse the two differently; measured differences stay
+    below 1e-5).
 
     Args:
       cache_k, cache_v: The caches, in ``kv_dtype``, or, for a 16-bit float ``kv_dtype``,
@@ -475,15 +533,28 @@ def resident_attention(
     words_k = insert(_as_bits(cache_k), _as_bits(k), lengths)
     words_v = insert(_as_bits(cache_v), _as_bits(v), lengths)
 
+    block_len = unit
+    if _attends_in_blocks():
+        block_len = row_block_len(unit, batch * cache_k.shape[2] * head_dim)
+
     def unit_step(chunk, carry):
         out, lse, words_k, words_v = carry
         lo = layer_start + chunk * unit
         count = jnp.clip(lengths - lo, 0, unit)
-        rows = jnp.clip(lo[:, None] + jnp.arange(unit, dtype=jnp.int32), 0, max_len - 1)
-        k_unit = jnp.take_along_axis(words_k, rows[:, :, None, None], axis=1)
-        v_unit = jnp.take_along_axis(words_v, rows[:, :, None, None], axis=1)
-        k_unit, v_unit = _from_bits(k_unit, kv_dtype), _from_bits(v_unit, kv_dtype)
-        o, l = attend(q, k_unit, v_unit, lo, count, lengths)
+
+        def rows(start, n):
+            at = jnp.clip(lo[:, None] + start + jnp.arange(n, dtype=jnp.int32), 0, max_len - 1)
+            k_rows = jnp.take_along_axis(words_k, at[:, :, None, None], axis=1)
+            v_rows = jnp.take_along_axis(words_v, at[:, :, None, None], axis=1)
+            return _from_bits(k_rows, kv_dtype), _from_bits(v_rows, kv_dtype)
+
+        o, l = attend_valid_rows(
+            lambda start, n, valid: attend(q, *rows(start, n), lo + start, valid, lengths),
+            count,
+            unit,
+            block_len,
+            q.shape,
+        )
         return (*kernel_reference.merge_partials(out, lse, o, l), words_k, words_v)
 
     carry = (

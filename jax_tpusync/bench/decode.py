@@ -360,7 +360,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     import jax_tpusync as tps
     from jax_tpusync import ops
-    from jax_tpusync.attention import attend_staged_unit
+    from jax_tpusync.attention import attend_valid_rows, staged_block_len, staged_rows
     from jax_tpusync.kernels import reference as kref
 
     if args.steps < 5:
@@ -523,12 +523,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 buf, slot = get_unit(u, buf, (q, out))
                 lo = jnp.full((shape.batch,), lo_all[u], jnp.int32)
                 cnt = jnp.full((shape.batch,), count_all[u], jnp.int32)
-                o, l = attend_staged_unit(
-                    buf,
-                    slot,
-                    lambda ku, vu: kref.chunk_attention_reference(
-                        q, ku, vu, lo, cnt, context_lengths, scale=scale
+                o, l = attend_valid_rows(
+                    lambda start, n, valid: kref.chunk_attention_reference(
+                        q,
+                        *staged_rows(buf, slot, start, n, dtype),
+                        lo + start,
+                        valid,
+                        context_lengths,
+                        scale=scale,
                     ),
+                    cnt,
+                    spec.chunk_len,
+                    staged_block_len(spec),
+                    q.shape,
                 )
                 out, lse = kref.merge_partials(out, lse, o, l)
                 return out, lse, buf
@@ -578,9 +585,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             # The staging slots hold the first units of layer 0 (no transfer ever refills them).
             k0, v0 = resident_kv[0]
-            staged = np.zeros(
-                (slots, 2, shape.batch, chunk, shape.kv_heads, shape.head_dim), k0.dtype
-            )
+            k0, v0 = k0.view(spec.staging_dtype), v0.view(spec.staging_dtype)
+            staged = np.zeros(spec.staging_shape, spec.staging_dtype)
             for s_ in range(slots):
                 n = max(0, min(chunk, k0.shape[1] - s_ * chunk))
                 staged[s_, 0, :, :n] = k0[:, s_ * chunk : s_ * chunk + n]
@@ -608,7 +614,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             aspec = aux.spec
             table = _unit_table(aspec, args.context, slots)
             eid, tier, regions = aspec.engine_id, aspec.tier, aspec.regions
-            staging_shape = (slots, 2, shape.batch, aspec.chunk_len, shape.kv_heads, shape.head_dim)
             tag = lambda l, c: jnp.stack([jnp.asarray(l, jnp.int32), jnp.asarray(c, jnp.int32)])
 
             def sync_attend(layer, q, k, v, staging):
@@ -674,14 +679,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 variants["sync"] = _Variant(
                     "sync",
                     jax.jit(sync_step, donate_argnums=(2,)),
-                    jnp.zeros(staging_shape, dtype),
+                    jnp.zeros(aspec.staging_shape, aspec.staging_dtype),
                     (params, x0),
                 )
             if "transfer" in variants_wanted:
                 variants["transfer"] = _Variant(
                     "transfer",
                     jax.jit(transfer_step, donate_argnums=(1,)),
-                    jnp.zeros(staging_shape, dtype),
+                    jnp.zeros(aspec.staging_shape, aspec.staging_dtype),
                     (x0,),
                 )
 

@@ -170,8 +170,8 @@ def test_decoder_matches_resident(tier, staging_bytes, scan, tmp_path):
             got, state = offloaded(x, state)
             want, ck, cv, lengths = resident(x, ck, cv, lengths)
             np.testing.assert_array_equal(np.asarray(state.lengths), np.asarray(lengths))
-            # Same operations in the same order; XLA may fuse the per-unit attention inside
-            # the staging-slot switch differently, hence float32 rounding, not bit equality.
+            # Same operations in the same order; XLA may fuse a block read from staging and
+            # one gathered from the cache differently, hence float32 rounding, not equality.
             # A stale or missing row moves the output by far more (units are 8 tokens here).
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
         stats = cache.engine.stats()
@@ -188,6 +188,44 @@ def test_decoder_matches_resident(tier, staging_bytes, scan, tmp_path):
                     np.testing.assert_allclose(
                         got_kv[b, :n], np.asarray(want_kv[layer, b, :n]), rtol=1e-5, atol=1e-5
                     )
+
+
+def read_in_blocks_of(monkeypatch, rows: int, kv_heads: int = KV_HEADS) -> None:
+    """Makes the plain-XLA attention read units in blocks of ``rows`` rows (as at scale)."""
+    from jax_tpusync import attention
+
+    monkeypatch.setattr(attention, "_attends_in_blocks", lambda: True)
+    monkeypatch.setattr(attention, "ROW_BLOCK_BYTES", 4 * rows * BATCH * kv_heads * HEAD_DIM)
+
+
+@pytest.mark.parametrize("tier,scan", [("file", False), ("host", True)])
+def test_decoder_in_row_blocks_matches_resident(tier, scan, tmp_path, monkeypatch):
+    """8-token units read in 2-row blocks, ragged rows skipping empty blocks: the offloaded
+    and resident steps (both in blocks) agree with each other and with the oracle."""
+    read_in_blocks_of(monkeypatch, 2)
+    windows = WINDOWS if not scan else (None,) * LAYERS
+    rng = np.random.default_rng(5)
+    model = TinyDecoder(seed=6)
+    with make_cache(tier, tmp_path, staging_bytes=CHUNKED, windows=windows) as cache:
+        state, ck, cv = preload(cache, rng)
+        lengths = jnp.asarray(CONTEXT, jnp.int32)
+        offloaded = model.offloaded_step(scan=scan, windows=windows)
+        resident = model.resident_step(cache.spec.chunk_len, scan=scan, windows=windows)
+        unblocked = model.resident_step(None, scan=scan, windows=windows)  # One unit, whole.
+        ck2, cv2, lengths2 = ck, cv, lengths
+        for step in range(4):
+            x = jnp.asarray(
+                rng.standard_normal((BATCH, 3 if step == 0 else 1, Q_HEADS * HEAD_DIM)), jnp.float32
+            )
+            got, state = offloaded(x, state)
+            want, ck, cv, lengths = resident(x, ck, cv, lengths)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+            with monkeypatch.context() as m:
+                from jax_tpusync import attention
+
+                m.setattr(attention, "_attends_in_blocks", lambda: False)
+                oracle, ck2, cv2, lengths2 = unblocked(x, ck2, cv2, lengths2)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(oracle), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("staging_bytes", [UNCHUNKED, CHUNKED], ids=["unchunked", "chunked"])
@@ -208,17 +246,19 @@ def test_scan_with_mixed_windows_matches(staging_bytes, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "dtype,kv_heads,soft_cap",
+    "dtype,kv_heads,soft_cap,block_rows",
     [
-        (jnp.float32, 2, None),
-        (jnp.bfloat16, 1, 5.0),
-        (jnp.float32, 4, 5.0),
-        (jnp.bfloat16, 2, None),
+        (jnp.float32, 2, None, None),
+        (jnp.bfloat16, 1, 5.0, None),
+        (jnp.float32, 4, 5.0, 1),
+        (jnp.bfloat16, 2, None, 2),
     ],
-    ids=["f32-gqa", "bf16-mqa-softcap", "f32-mha-softcap", "bf16-gqa"],
+    ids=["f32-gqa", "bf16-mqa-softcap", "f32-mha-softcap-1-row-blocks", "bf16-gqa-2-row-blocks"],
 )
-def test_against_plain_softmax(dtype, kv_heads, soft_cap, tmp_path):
+def test_against_plain_softmax(dtype, kv_heads, soft_cap, block_rows, tmp_path, monkeypatch):
     """One chunked-prefill call equals one-shot softmax attention over cache + new tokens."""
+    if block_rows:
+        read_in_blocks_of(monkeypatch, block_rows, kv_heads)
     rng = np.random.default_rng(4)
     q_len = 4
     with make_cache(
@@ -594,22 +634,94 @@ def test_resident_attention_matches_reference_and_inserts_exactly(dtype, window,
     )
 
 
-def test_staged_unit_switch_and_slice_agree(monkeypatch):
-    """The CPU switch over slots and the accelerators' dynamic slice read the same unit."""
+def test_staged_rows_reads_words_and_floats():
+    """A traced slot and first row read the same rows from float staging and its words."""
     from jax_tpusync import attention
 
     rng = np.random.default_rng(13)
-    staging = jnp.asarray(rng.standard_normal((3, 2, BATCH, 8, KV_HEADS, HEAD_DIM)), jnp.float32)
+    staging = jnp.asarray(rng.standard_normal((3, 2, BATCH, 8, KV_HEADS, HEAD_DIM)), jnp.bfloat16)
+    words = jax.lax.bitcast_convert_type(staging, jnp.uint16)
+    read = jax.jit(lambda st, slot, start: attention.staged_rows(st, slot, start, 3, jnp.bfloat16))
+    for slot, start in [(0, 0), (2, 5), (1, 2)]:
+        for source in (staging, words):
+            k, v = read(source, jnp.int32(slot), jnp.int32(start))
+            assert k.dtype == v.dtype == jnp.bfloat16
+            np.testing.assert_array_equal(
+                np.asarray(k), np.asarray(staging[slot, 0, :, start : start + 3])
+            )
+            np.testing.assert_array_equal(
+                np.asarray(v), np.asarray(staging[slot, 1, :, start : start + 3])
+            )
 
-    def read(in_place: bool):
-        monkeypatch.setattr(attention, "_read_slots_in_place", lambda: in_place)
-        fn = jax.jit(lambda st, s: attention.attend_staged_unit(st, s, lambda k, v: (k, v)))
-        return [tuple(np.asarray(x) for x in fn(staging, jnp.int32(s))) for s in range(3)]
 
-    for s, (switched, sliced) in enumerate(zip(read(True), read(False))):
-        for got_switch, got_slice, kv in zip(switched, sliced, range(2)):
-            np.testing.assert_array_equal(got_switch, np.asarray(staging[s, kv]))
-            np.testing.assert_array_equal(got_slice, np.asarray(staging[s, kv]))
+@pytest.mark.parametrize(
+    "unit_len,row_elements,want",
+    [
+        (4096, 8 * 64, 512),  # 1 MiB of f32 K per block
+        (4096, 1, 4096),  # A small unit is one block
+        (3000, 8 * 64, 500),  # The largest divisor that fits
+        (7, 1 << 20, 1),  # A row above the budget: one row per block
+    ],
+)
+def test_row_block_len(unit_len, row_elements, want):
+    from jax_tpusync import attention
+
+    got = attention.row_block_len(unit_len, row_elements)
+    assert got == want
+    assert unit_len % got == 0
+
+
+def test_attend_valid_rows_attends_only_blocks_with_keys():
+    """Blocks past every batch row's last key are skipped; the merge equals one call."""
+    from jax_tpusync import attention
+
+    rng = np.random.default_rng(14)
+    unit_len, block = 16, 4
+    q = jnp.asarray(rng.standard_normal((BATCH, 1, Q_HEADS, HEAD_DIM)), jnp.float32)
+    k = np.asarray(rng.standard_normal((BATCH, unit_len, KV_HEADS, HEAD_DIM)), np.float32)
+    v = np.asarray(rng.standard_normal((BATCH, unit_len, KV_HEADS, HEAD_DIM)), np.float32)
+    k[:, 10:], v[:, 10:] = np.nan, np.nan  # Past every row's keys: must never matter.
+    count = jnp.asarray([10, 3], jnp.int32)
+    starts = []
+
+    def attend_rows(start, n, valid):
+        jax.debug.callback(lambda s: starts.append(int(s)), start, ordered=True)
+        rows = (jax.lax.dynamic_slice_in_dim(jnp.asarray(x), start, n, axis=1) for x in (k, v))
+        return kref.chunk_attention_reference(
+            q,
+            *rows,
+            jnp.zeros((BATCH,), jnp.int32) + start,
+            valid,
+            jnp.full((BATCH,), 99),
+            scale=0.25,
+        )
+
+    out, lse = jax.jit(
+        lambda: attention.attend_valid_rows(attend_rows, count, unit_len, block, q.shape)
+    )()
+    assert starts == [0, 4, 8]  # Rows 12..15 hold no key of either batch row.
+    want_out, want_lse = kref.chunk_attention_reference(
+        q,
+        jnp.asarray(k),
+        jnp.asarray(v),
+        jnp.zeros((BATCH,), jnp.int32),
+        count,
+        jnp.full((BATCH,), 99),
+        scale=0.25,
+    )
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_stages_16_bit_kv_as_words(tmp_path):
+    """16-bit KV is staged as uint16 words where the attention reads blocks (CPU)."""
+    for dtype, want in [(jnp.bfloat16, np.uint16), (jnp.float32, np.float32)]:
+        with make_cache("host", tmp_path, staging_bytes=CHUNKED, dtype=dtype) as cache:
+            on_cpu = jax.default_backend() == "cpu"
+            assert cache.spec.staging_dtype == np.dtype(want if on_cpu else dtype)
+            state = cache.init()
+            assert state.staging.dtype == cache.spec.staging_dtype
+            assert cache.spec.device_bytes == state.staging.nbytes
 
 
 @pytest.mark.parametrize("window,unit_len", [(None, 8), (5, 4)])
