@@ -426,8 +426,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # Named, so that the plain reader can open the same file.
         pf_cache = new_cache(record=bool(args.plot or args.trace), file_name="kv" if path else None)
         spec = pf_cache.spec
-        # sync and transfer read the same bytes through one more engine and tier of their own.
-        aux = new_cache(record=False) if {"sync", "transfer"} & set(variants_wanted) else None
+        # sync and transfer read the same bytes through one more engine of their own; on the
+        # file tier from the same file: two files of the same bytes, written alike, were read
+        # at speeds up to 1.6x apart on one VM (which of the two was faster changed between
+        # runs), so a file of their own made the transfer row measure another disk.
+        aux = None
+        if {"sync", "transfer"} & set(variants_wanted):
+            aux = new_cache(record=False, file_name="kv" if path else None)
         print(
             f"decode: {args.tier} tier, context {args.context}, {shape.layers} layers x "
             f"{shape.kv_heads} kv heads x {shape.head_dim} ({args.dtype}), batch {shape.batch}, "
@@ -444,7 +449,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         resident_kv = _fill(
             shape,
             max_len,
-            [c for c in (pf_cache, aux) if c],
+            [pf_cache] + ([aux] if aux and not path else []),  # A shared file: once.
             args.seed,
             keep=bool({"resident", "compute", "platform", "jax_offload"} & set(variants_wanted)),
         )
@@ -813,6 +818,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             kv_bytes_per_step=shape.kv_bytes_per_step,
             direct_io=pf_engine.tier_info(spec.tier).direct_io if args.tier == "file" else None,
             direct_read_fraction=common.direct_read_fraction(pf_engine.tier_info(spec.tier)),
+            transfer_direct_read_fraction=(
+                common.direct_read_fraction(aux.engine.tier_info(aux.spec.tier)) if aux else None
+            ),
+            # sync and transfer read the prefetching cache's own file (see aux above).
+            transfer_same_file=bool(
+                aux
+                and path
+                and aux.engine.tier_info(aux.spec.tier).description
+                == pf_engine.tier_info(spec.tier).description
+                and aux.spec.first_block == spec.first_block
+            ),
             samples_per_variant=len(samples["prefetch"].seconds),
         )
         for n in VARIANTS:
@@ -1046,6 +1062,13 @@ def _print_summary(res: dict[str, Any]) -> None:
         f"{common.format_bytes(res['device_bytes'])} (by context: "
         f"{res['device_bytes_by_context']}), kv_bytes {common.format_bytes(res['kv_bytes'])}"
     )
+    pf_direct, xfer_direct = res["direct_read_fraction"], res["transfer_direct_read_fraction"]
+    if xfer_direct is not None and xfer_direct < pf_direct - 0.01:
+        print(
+            f"note: transfer/sync fetched {xfer_direct:.0%} by O_DIRECT straight into staging "
+            f"(prefetch {pf_direct:.0%}): their staging buffers fell out of phase with the "
+            "file, so their rows include bounce copies"
+        )
     print("targets:")
     for name, ok in res["targets"].items():
         print(f"  [{'PASS' if ok else '----' if ok is None else 'FAIL'}] {name}")
