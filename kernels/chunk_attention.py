@@ -85,18 +85,10 @@ def chunk_attention(
 ) -> tuple[jax.Array, jax.Array]:
     """Per-chunk attention with a Pallas kernel for the current backend.
 
-    Same contract as :func:`chunk_attention_reference`.
+    Same contract as :func:`chunk_attention_reference` (inputs, ``scale``, ``soft_cap``,
+    ``window``, outputs); only the dispatch knobs are described here.
 
     Args:
-      q: Queries; query ``i`` sits at absolute position ``q_start + i``.
-      k: Keys of the chunk; index ``>= k_valid`` may be garbage (NaN/inf).
-      v: Values of the chunk.
-      k_start: Absolute position of ``k[:, 0]``.
-      k_valid: Number of valid keys per batch row.
-      q_start: Absolute position of ``q[:, 0]``.
-      scale: Multiplier applied to ``q . k``.
-      soft_cap: If set, logits become ``soft_cap * tanh(logits / soft_cap)``.
-      window: Sliding-window size in tokens (including the query itself).
       backend: "tpu", "gpu" or "auto" (see :func:`resolve_backend`).
       block_kv: KV rows per kernel block; ``None`` uses the per-device table
         in ``_common.BLOCK_KV_TABLE``.

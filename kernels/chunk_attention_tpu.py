@@ -189,18 +189,10 @@ def chunk_attention_tpu(
 ) -> tuple[jax.Array, jax.Array]:
     """Per-chunk attention as a Pallas TPU kernel.
 
-    Same contract as ``chunk_attention_reference``.
+    Same contract as ``chunk_attention_reference`` (inputs, ``scale``, ``soft_cap``,
+    ``window``, outputs); only the kernel's own knobs are described here.
 
     Args:
-      q: Queries; query ``i`` sits at absolute position ``q_start + i``.
-      k: Keys of the chunk; index ``>= k_valid`` may be garbage.
-      v: Values of the chunk.
-      k_start: Absolute position of ``k[:, 0]``.
-      k_valid: Number of valid keys per batch row.
-      q_start: Absolute position of ``q[:, 0]``.
-      scale: Multiplier applied to ``q . k``.
-      soft_cap: Optional logit soft cap.
-      window: Optional sliding-window size in tokens.
       block_kv: KV rows per DMA block; a multiple of 8 (16 for bf16 inputs).
         ``None`` picks it from the per-device table. ``chunk_len`` is padded
         up to a multiple of it.
