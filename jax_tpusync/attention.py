@@ -160,13 +160,15 @@ def row_block_len(unit_len: int, row_elements: int) -> int:
     """Rows per block of a unit of ``unit_len`` rows of ``row_elements`` values each.
 
     The largest divisor of ``unit_len`` whose f32 rows take at most ``ROW_BLOCK_BYTES``
-    (at least one row).
+    (at least one row), unless that takes more than twice the blocks the budget asks for
+    (a unit of a prime number of rows): then the whole unit, as blocks must tile it.
     """
     want = max(1, ROW_BLOCK_BYTES // (4 * row_elements))
-    blocks = -(-unit_len // want)
-    while unit_len % blocks:
-        blocks += 1
-    return unit_len // blocks
+    fewest = -(-unit_len // want)
+    for blocks in range(fewest, 2 * fewest + 1):
+        if unit_len % blocks == 0:
+            return unit_len // blocks
+    return unit_len
 
 
 def staged_block_len(spec: CacheSpec) -> int:

@@ -661,6 +661,7 @@ def test_staged_rows_reads_words_and_floats():
         (4096, 1, 4096),  # A small unit is one block
         (3000, 8 * 64, 500),  # The largest divisor that fits
         (7, 1 << 20, 1),  # A row above the budget: one row per block
+        (4093, 8 * 64, 4093),  # No divisor near the budget (a prime): the whole unit
     ],
 )
 def test_row_block_len(unit_len, row_elements, want):
