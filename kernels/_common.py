@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# What the Pallas kernels take; the plain-jnp reference computes in f32 and takes float16 too.
+KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+REFERENCE_DTYPES = KERNEL_DTYPES + (jnp.dtype(jnp.float16),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,7 @@ def static_validate_inputs(
     scale: float,
     soft_cap: float | None,
     window: int | None,
+    dtypes: tuple = KERNEL_DTYPES,
 ) -> ChunkShape:
     """Checks shapes, dtypes and static knobs at trace time.
 
@@ -55,6 +58,7 @@ def static_validate_inputs(
       scale: Logit scale.
       soft_cap: Optional logit soft cap.
       window: Optional sliding-window size.
+      dtypes: What ``q``, ``k`` and ``v`` may hold.
 
     Returns:
       The static shape summary.
@@ -67,8 +71,9 @@ def static_validate_inputs(
             raise ValueError(
                 f"{name} must have rank 4 [batch, len, heads, head_dim], got shape {jnp.shape(x)}"
             )
-        if jnp.dtype(x.dtype) not in _FLOAT_DTYPES:
-            raise ValueError(f"{name}.dtype must be float32 or bfloat16, got {x.dtype}")
+        if jnp.dtype(x.dtype) not in dtypes:
+            names = " or ".join(str(d) for d in dtypes)
+            raise ValueError(f"{name}.dtype must be {names}, got {x.dtype}")
     b, t, hq, d = q.shape
     kb, s, hkv, kd = k.shape
     if k.shape != v.shape:

@@ -110,6 +110,7 @@ def chunk_attention_reference(
         scale=scale,
         soft_cap=soft_cap,
         window=window,
+        dtypes=_common.REFERENCE_DTYPES,
     )
     return _chunk_attention_reference(
         q,
