@@ -171,11 +171,14 @@ def row_block_len(unit_len: int, row_elements: int) -> int:
     return unit_len
 
 
+def block_len_for(unit_len: int, row_elements: int) -> int:
+    """Rows per block in which the plain-XLA attention reads a unit (whole off CPU)."""
+    return row_block_len(unit_len, row_elements) if _attends_in_blocks() else unit_len
+
+
 def staged_block_len(spec: CacheSpec) -> int:
-    """Rows per block in which the plain-XLA attention reads a unit of ``spec``'s staging."""
-    if not _attends_in_blocks():
-        return spec.chunk_len
-    return row_block_len(spec.chunk_len, spec.batch * spec.num_kv_heads * spec.head_dim)
+    """:func:`block_len_for` a unit of ``spec``'s staging."""
+    return block_len_for(spec.chunk_len, spec.batch * spec.num_kv_heads * spec.head_dim)
 
 
 def attend_valid_rows(
@@ -535,9 +538,7 @@ def resident_attention(
     words_k = insert(_as_bits(cache_k), _as_bits(k), lengths)
     words_v = insert(_as_bits(cache_v), _as_bits(v), lengths)
 
-    block_len = unit
-    if _attends_in_blocks():
-        block_len = row_block_len(unit, batch * cache_k.shape[2] * head_dim)
+    block_len = block_len_for(unit, batch * cache_k.shape[2] * head_dim)
 
     def unit_step(chunk, carry):
         out, lse, words_k, words_v = carry
