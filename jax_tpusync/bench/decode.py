@@ -642,7 +642,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             def sync_step(params, x, staging):
                 return _model(params, shape, x, staging, sync_attend)
 
-            flat = table.reshape(-1, slots, 2 * shape.batch, 4)  # [L*U, slots, 2B, 4]
+            # The units a decode step reads: the context plus the tokens decoded since, which
+            # fill a last, small unit per layer (its fetch costs a disk round trip).
+            step_table = _unit_table(aspec, args.context + 1, slots)
+            flat = step_table.reshape(-1, slots, 2 * shape.batch, 4)  # [L*U, slots, 2B, 4]
             flat = np.stack([flat[i, i % slots] for i in range(flat.shape[0])])  # alternate slots
             n_fetch = flat.shape[0]
 
