@@ -29,7 +29,7 @@ import numpy as np
 from jax import lax
 
 from jax_tpusync import ops
-from jax_tpusync.cache import NO_WINDOW, CacheSpec, KVState
+from jax_tpusync.cache import NO_WINDOW, CacheSpec, KVState, attends_in_blocks
 from jax_tpusync.kernels import reference as kernel_reference
 
 IMPLEMENTATIONS = ("xla", "pallas")
@@ -147,11 +147,6 @@ def staged_rows(
     return _from_bits(block[0, 0], kv_dtype), _from_bits(block[0, 1], kv_dtype)
 
 
-def _attends_in_blocks() -> bool:
-    """Whether the plain-XLA attention reads units in blocks of rows (CPU) or whole."""
-    return jax.default_backend() == "cpu"
-
-
 # The plain-XLA attention reads a unit in blocks of about this many bytes of f32 K.
 ROW_BLOCK_BYTES = 1 << 20
 
@@ -173,7 +168,7 @@ def row_block_len(unit_len: int, row_elements: int) -> int:
 
 def block_len_for(unit_len: int, row_elements: int) -> int:
     """Rows per block in which the plain-XLA attention reads a unit (whole off CPU)."""
-    return row_block_len(unit_len, row_elements) if _attends_in_blocks() else unit_len
+    return row_block_len(unit_len, row_elements) if attends_in_blocks() else unit_len
 
 
 def staged_block_len(spec: CacheSpec) -> int:

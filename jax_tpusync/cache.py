@@ -41,6 +41,12 @@ NO_WINDOW = np.iinfo(np.int32).max // 2
 _cache_ids = itertools.count(1)
 
 
+def attends_in_blocks() -> bool:
+    """Whether the plain-XLA attention reads staged KV in blocks of rows (on CPU; see
+    ``attention.attend_valid_rows``), which is also when 16-bit KV is staged as words."""
+    return jax.default_backend() == "cpu"
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
     """Static description of an offloaded cache; hashable, so it rides in jit as aux data."""
@@ -239,9 +245,7 @@ class OffloadedKVCache:
         if not isinstance(prefetch_depth, int) or prefetch_depth < 1:
             raise ValueError(f"prefetch_depth={prefetch_depth!r} must be an int >= 1")
         windows = _normalize_windows(sliding_window, num_layers)
-        # Where the attention reads staging in blocks of rows (CPU), 16-bit KV is staged as
-        # words (see CacheSpec.staging_dtype).
-        staging_words = dtype.itemsize == 2 and jax.default_backend() == "cpu"
+        staging_words = dtype.itemsize == 2 and attends_in_blocks()  # CacheSpec.staging_dtype
         staging_dtype = np.dtype(np.uint16) if staging_words else dtype
 
         self._first_staging: jax.Array | None = None  # Handed to the first init().

@@ -194,7 +194,7 @@ def read_in_blocks_of(monkeypatch, rows: int, kv_heads: int = KV_HEADS) -> None:
     """Makes the plain-XLA attention read units in blocks of ``rows`` rows (as at scale)."""
     from jax_tpusync import attention
 
-    monkeypatch.setattr(attention, "_attends_in_blocks", lambda: True)
+    monkeypatch.setattr(attention, "attends_in_blocks", lambda: True)
     monkeypatch.setattr(attention, "ROW_BLOCK_BYTES", 4 * rows * BATCH * kv_heads * HEAD_DIM)
 
 
@@ -223,7 +223,7 @@ def test_decoder_in_row_blocks_matches_resident(tier, scan, tmp_path, monkeypatc
             with monkeypatch.context() as m:
                 from jax_tpusync import attention
 
-                m.setattr(attention, "_attends_in_blocks", lambda: False)
+                m.setattr(attention, "attends_in_blocks", lambda: False)
                 oracle, ck2, cv2, lengths2 = unblocked(x, ck2, cv2, lengths2)
             np.testing.assert_allclose(np.asarray(got), np.asarray(oracle), rtol=1e-4, atol=1e-5)
 
