@@ -68,21 +68,11 @@ class CacheSpec:
     tokens_per_block: int
     first_block: int
     prefetch_across_steps: bool
-    staging_words: bool = False  # 16-bit KV staged as uint16 words (CPU: see staging_dtype)
+    staging_dtype: Any  # ``dtype``, or uint16 words holding its bits (see OffloadedKVCache)
 
     @property
     def itemsize(self) -> int:
         return np.dtype(self.dtype).itemsize
-
-    @property
-    def staging_dtype(self) -> np.dtype:
-        """The staging buffers' dtype: ``dtype``, or uint16 words holding its bits.
-
-        XLA's CPU backend slices and copies 16-bit floats element by element but uint16
-        words as fast as any integer; the attention reads its staging in small blocks of
-        rows, which took twice as long from bfloat16 staging.
-        """
-        return np.dtype(np.uint16) if self.staging_words else np.dtype(self.dtype)
 
     @property
     def row_bytes(self) -> int:
@@ -245,8 +235,12 @@ class OffloadedKVCache:
         if not isinstance(prefetch_depth, int) or prefetch_depth < 1:
             raise ValueError(f"prefetch_depth={prefetch_depth!r} must be an int >= 1")
         windows = _normalize_windows(sliding_window, num_layers)
-        staging_words = dtype.itemsize == 2 and attends_in_blocks()  # CacheSpec.staging_dtype
-        staging_dtype = np.dtype(np.uint16) if staging_words else dtype
+        # Where the attention reads staging in small blocks of rows (CPU), 16-bit KV is staged
+        # as uint16 words: XLA's CPU backend slices 16-bit floats element by element but words
+        # as fast as any integer (blocks from bfloat16 staging took twice as long).
+        staging_dtype = dtype
+        if dtype.itemsize == 2 and attends_in_blocks():
+            staging_dtype = np.dtype(np.uint16)
 
         self._first_staging: jax.Array | None = None  # Handed to the first init().
         self._owns_engine = not isinstance(engine, Engine)
@@ -335,7 +329,7 @@ class OffloadedKVCache:
             tokens_per_block=tokens_per_block,
             first_block=first_block,
             prefetch_across_steps=prefetch_across_steps,
-            staging_words=staging_words,
+            staging_dtype=staging_dtype,
         )
         self._loaded_layers: set[int] = set()
         logger.info(
