@@ -800,6 +800,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         # Results ------------------------------------------------------------------------------
         med = {n: samples[n].median * 1e3 for n in order}
+        pf_tier = pf_engine.tier_info(spec.tier)
+        aux_tier = aux.engine.tier_info(aux.spec.tier) if aux else None
         res: dict[str, Any] = dict(
             tier=args.tier,
             context=args.context,
@@ -819,17 +821,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             worker_cpus=list(worker_cpus),
             prefetch_depth=depth,
             kv_bytes_per_step=shape.kv_bytes_per_step,
-            direct_io=pf_engine.tier_info(spec.tier).direct_io if args.tier == "file" else None,
-            direct_read_fraction=common.direct_read_fraction(pf_engine.tier_info(spec.tier)),
+            direct_io=pf_tier.direct_io if args.tier == "file" else None,
+            direct_read_fraction=common.direct_read_fraction(pf_tier),
             transfer_direct_read_fraction=(
-                common.direct_read_fraction(aux.engine.tier_info(aux.spec.tier)) if aux else None
+                common.direct_read_fraction(aux_tier) if aux_tier else None
             ),
             # sync and transfer read the prefetching cache's own file (see aux above).
             transfer_same_file=bool(
-                aux
+                aux_tier
                 and path
-                and aux.engine.tier_info(aux.spec.tier).description
-                == pf_engine.tier_info(spec.tier).description
+                and aux_tier.description == pf_tier.description
                 and aux.spec.first_block == spec.first_block
             ),
             samples_per_variant=len(samples["prefetch"].seconds),
