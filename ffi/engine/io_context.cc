@@ -1,6 +1,8 @@
 #include "io_context.h"
 
+#include <fcntl.h>
 #include <linux/aio_abi.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -9,12 +11,14 @@
 #include <immintrin.h>
 #endif
 
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <new>
-#include <unordered_set>
+#include <unordered_map>
 #include <utility>
+#include <vector>
 
 namespace tpusync {
 
@@ -154,24 +158,87 @@ void CopyToDestination(void* dst, const void* src, size_t bytes) {
   std::memcpy(dst, src, bytes);
 }
 
+namespace {
+
+#if defined(MADV_HUGEPAGE)
+// The kernel's PAGEMAP_SCAN ioctl (Linux 6.7; older headers lack it): which pages of a range
+// are mapped as huge pages, for one unprivileged ioctl on /proc/self/pagemap.
+struct PageRegion {
+  uint64_t start, end, categories;
+};
+struct PagemapScanArg {
+  uint64_t size, flags, start, end, walk_end, vec, vec_len, max_pages, category_inverted,
+      category_mask, category_anyof_mask, return_mask;
+};
+constexpr unsigned long kPagemapScan = _IOWR('f', 16, PagemapScanArg);
+constexpr uint64_t kPageIsHuge = 1 << 6;
+constexpr int kMadvCollapse = 25;  // MADV_COLLAPSE (Linux 6.1); older kernels: EINVAL.
+// A buffer freed and mapped again at one address is collapsed again, this many times at
+// most: a caller that maps a fresh destination for every read would otherwise pay a
+// synchronous collapse (~2 ms per 2 MiB) on every read.
+constexpr int kMaxCollapsesPerPage = 8;
+
+// The 2 MiB pages of [begin, end) (both 2 MiB-aligned) that are mapped huge now, as a bit per
+// page; false when the kernel cannot say.
+bool HugePagesIn(uintptr_t begin, uintptr_t end, std::vector<bool>& huge) {
+  static const int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const size_t pages = (end - begin) / kHugePage;
+  std::vector<PageRegion> regions(pages);
+  PagemapScanArg arg{};
+  arg.size = sizeof(arg);
+  arg.start = begin;
+  arg.end = end;
+  arg.vec = reinterpret_cast<uint64_t>(regions.data());
+  arg.vec_len = regions.size();
+  arg.category_mask = kPageIsHuge;  // Only huge pages are reported...
+  arg.return_mask = kPageIsHuge;
+  const long n = ioctl(fd, kPagemapScan, &arg);
+  if (n < 0) return false;
+  huge.assign(pages, false);
+  for (long i = 0; i < n; ++i) {  // ...as runs, each a whole number of 2 MiB pages here.
+    for (uint64_t a = AlignUp(regions[i].start, kHugePage); a + kHugePage <= regions[i].end;
+         a += kHugePage) {
+      huge[(a - begin) / kHugePage] = true;
+    }
+  }
+  return arg.walk_end >= end;  // A full vec ends the walk early: unknown past it.
+}
+#endif
+
+}  // namespace
+
 void AdviseHugePages(void* p, size_t bytes) {
 #if defined(MADV_HUGEPAGE)
-  const uintptr_t begin = AlignUp(reinterpret_cast<uintptr_t>(p), kHugePage);
-  const uintptr_t end = AlignDown(reinterpret_cast<uintptr_t>(p) + bytes, kHugePage);
+  // Every 2 MiB page at least half covered: a buffer split into slots that do not start on
+  // 2 MiB boundaries then has its straddling pages advised by one slot or the other.
+  const auto first = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t begin = AlignDown(first + kHugePage / 2 - 1, kHugePage);
+  const uintptr_t end = AlignDown(first + bytes + kHugePage / 2, kHugePage);
   if (end <= begin) return;
-  // Ranges already advised. A range freed and mapped again at the same address is skipped:
-  // that costs speed, never correctness.
+  // Where the kernel says which pages are huge, only the others are collapsed, so a buffer
+  // mapped at an address an earlier one held gets huge pages too (a page that will not
+  // collapse is tried kMaxCollapsesPerPage times). Elsewhere each address is advised once:
+  // a buffer mapped again there keeps small pages (speed, never correctness).
+  std::vector<bool> huge;
+  const bool known = HugePagesIn(begin, end, huge);
   static std::mutex mu;
-  static std::unordered_set<uintptr_t> advised;
+  static std::unordered_map<uintptr_t, int> collapses;
   for (uintptr_t a = begin; a < end; a += kHugePage) {
+    if (known && huge[(a - begin) / kHugePage]) continue;
     {
       std::lock_guard<std::mutex> lock(mu);
-      if (advised.size() > (1u << 16)) advised.clear();
-      if (!advised.insert(a).second) continue;
+      if (collapses.size() > (1u << 16)) collapses.clear();
+      if (collapses[a] >= (known ? kMaxCollapsesPerPage : 1)) continue;
+      if (!known) ++collapses[a];
     }
     madvise(reinterpret_cast<void*>(a), kHugePage, MADV_HUGEPAGE);
-    constexpr int kMadvCollapse = 25;  // MADV_COLLAPSE (Linux 6.1); older kernels: EINVAL.
-    madvise(reinterpret_cast<void*>(a), kHugePage, kMadvCollapse);
+    // Fails (EAGAIN) while a read is still landing in the page: tried again next time.
+    const int rc = madvise(reinterpret_cast<void*>(a), kHugePage, kMadvCollapse);
+    if (known && (rc == 0 || errno != EAGAIN)) {
+      std::lock_guard<std::mutex> lock(mu);
+      ++collapses[a];
+    }
   }
 #else
   (void)p;
