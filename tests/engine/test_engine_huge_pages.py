@@ -80,8 +80,7 @@ def _read_slots(engine, tier, addr: int) -> np.ndarray:
     boundaries), each its own job; returns the bytes that landed."""
     buf = np.ctypeslib.as_array((ctypes.c_uint8 * REGION).from_address(addr))
     tickets = [
-        engine.submit_read(tier, [(i * 3 * MiB, (1 + 3 * i) * MiB, 3 * MiB)], buf)
-        for i in range(3)
+        engine.submit_read(tier, [(i * 3 * MiB, (1 + 3 * i) * MiB, 3 * MiB)], buf) for i in range(3)
     ]
     for t in tickets:
         engine.wait(t)
