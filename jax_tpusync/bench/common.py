@@ -84,7 +84,9 @@ def page_aligned_buffer(nbytes: int, *, huge_pages: bool = False) -> tuple[mmap.
     Returns:
       ``(mapping, array)``: keep ``mapping`` alive as long as ``array`` is used.
     """
-    mapping = mmap.mmap(-1, max(nbytes, 1))
+    # Private: shared anonymous memory is shmem, which gets huge pages only where the
+    # system's shmem setting allows (often never).
+    mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             mapping.madvise(mmap.MADV_HUGEPAGE)
