@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -71,3 +72,50 @@ def test_transfer_reports_engine_and_ceiling(tmp_path):
     assert row["block_bytes"] == 256 * 1024 and row["total_bytes"] == 2 * 1024 * 1024
     assert row["verified"] and row["engine_gbps"] > 0 and row["ceiling_gbps"] > 0
     assert row["ratio"] == pytest.approx(row["engine_gbps"] / row["ceiling_gbps"])
+
+
+@pytest.mark.parametrize("tier", ["host", "file"])
+def test_contention_reports_each_load_state(tier, tmp_path):
+    data_dir = tmp_path / "tier"
+    data_dir.mkdir()
+    before = os.sched_getaffinity(0)
+    doc = run_bench(
+        tmp_path,
+        "contention",
+        "--tier",
+        tier,
+        "--path",
+        str(data_dir),
+        "--total-bytes",
+        "1M",
+        "--block-bytes",
+        "256K",
+        "--repeats",
+        "1",
+        "--warmup",
+        "1",
+    )
+    row = doc["results"]
+    for state in ("idle", "alu", "memory"):
+        assert row[f"{state}_gbps"] > 0 and row[f"{state}_ms_median"] > 0, state
+    assert row["alu_over_idle"] == pytest.approx(row["alu_gbps"] / row["idle_gbps"])
+    assert row["memory_over_idle"] == pytest.approx(row["memory_gbps"] / row["idle_gbps"])
+    assert os.sched_getaffinity(0) == before  # The caller's CPUs are given back.
+    assert list(data_dir.iterdir()) == []  # The named tier file is removed at the end.
+
+
+def test_contention_rejects_a_total_that_is_not_whole_blocks(tmp_path):
+    with pytest.raises(SystemExit, match=r"--total-bytes \(1000000\) must be a positive multiple"):
+        run_bench(tmp_path, "contention", "--total-bytes", "1000000", "--block-bytes", "256K")
+
+
+def test_contention_splits_engine_and_load_cpus(monkeypatch):
+    from jax_tpusync.bench import contention
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert contention.split(1) == ((3,), (0, 1, 2))
+    assert contention.split(2) == ((2, 3), (0, 1))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
+    assert contention.split(1) == ((5,), (5,))  # One CPU: the load shares it.
+    with pytest.raises(SystemExit, match="--engine-cpus must be >= 1"):
+        contention.split(0)
