@@ -413,6 +413,29 @@ def page_offset(array) -> int | None:
         return None
 
 
+def huge_page_fraction(array) -> float | None:
+    """Share of ``array``'s bytes mapped by huge pages now; None when not known.
+
+    ``array`` is a numpy array or a jax.Array on CPU. The engine asks for huge pages under
+    every buffer O_DIRECT reads land in (``huge_page_destinations``); this says whether the
+    kernel gave them. None before Linux 6.7 (the kernel reports huge pages to a process
+    from then on), off CPU, or for a buffer whose address is not known.
+    """
+    if isinstance(array, np.ndarray):
+        address, nbytes = array.ctypes.data, array.nbytes
+    else:
+        try:
+            if any(d.platform != "cpu" for d in array.devices()):
+                return None  # A device address: not in this process's page tables.
+            address, nbytes = array.unsafe_buffer_pointer(), array.nbytes
+        except Exception:  # noqa: BLE001 - sharded, non-addressable, not an array.
+            return None
+    if nbytes == 0:
+        return None
+    got = _tpusync.huge_page_bytes(address, nbytes)
+    return None if got < 0 else got / nbytes
+
+
 def monotonic_ns() -> int:
     """The engine's clock (CLOCK_MONOTONIC), equal to ``time.monotonic_ns()``."""
     return _tpusync.monotonic_ns()

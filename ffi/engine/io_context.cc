@@ -11,7 +11,7 @@
 #include <immintrin.h>
 #endif
 
-#include <cerrno>
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -173,9 +173,9 @@ struct PagemapScanArg {
 constexpr unsigned long kPagemapScan = _IOWR('f', 16, PagemapScanArg);
 constexpr uint64_t kPageIsHuge = 1 << 6;
 constexpr int kMadvCollapse = 25;  // MADV_COLLAPSE (Linux 6.1); older kernels: EINVAL.
-// A buffer freed and mapped again at one address is collapsed again, this many times at
-// most: a caller that maps a fresh destination for every read would otherwise pay a
-// synchronous collapse (~2 ms per 2 MiB) on every read.
+// Collapse attempts per 2 MiB address at most: a buffer freed and mapped again there is
+// collapsed again, but a caller that maps a fresh destination for every read, or a page
+// that keeps failing, would otherwise cost a synchronous collapse (~2 ms) on every read.
 constexpr int kMaxCollapsesPerPage = 8;
 
 // The 2 MiB pages of [begin, end) (both 2 MiB-aligned) that are mapped huge now, as a bit per
@@ -217,9 +217,9 @@ void AdviseHugePages(void* p, size_t bytes) {
   const uintptr_t end = AlignDown(first + bytes + kHugePage / 2, kHugePage);
   if (end <= begin) return;
   // Where the kernel says which pages are huge, only the others are collapsed, so a buffer
-  // mapped at an address an earlier one held gets huge pages too (a page that will not
-  // collapse is tried kMaxCollapsesPerPage times). Elsewhere each address is advised once:
-  // a buffer mapped again there keeps small pages (speed, never correctness).
+  // mapped at an address an earlier one held gets huge pages too (kMaxCollapsesPerPage
+  // attempts per address). Elsewhere each address is advised once: a buffer mapped again
+  // there keeps small pages (speed, never correctness).
   std::vector<bool> huge;
   const bool known = HugePagesIn(begin, end, huge);
   static std::mutex mu;
@@ -229,20 +229,41 @@ void AdviseHugePages(void* p, size_t bytes) {
     {
       std::lock_guard<std::mutex> lock(mu);
       if (collapses.size() > (1u << 16)) collapses.clear();
-      if (collapses[a] >= (known ? kMaxCollapsesPerPage : 1)) continue;
-      if (!known) ++collapses[a];
+      int& attempts = collapses[a];
+      if (attempts >= (known ? kMaxCollapsesPerPage : 1)) continue;
+      ++attempts;
     }
     madvise(reinterpret_cast<void*>(a), kHugePage, MADV_HUGEPAGE);
-    // Fails (EAGAIN) while a read is still landing in the page: tried again next time.
-    const int rc = madvise(reinterpret_cast<void*>(a), kHugePage, kMadvCollapse);
-    if (known && (rc == 0 || errno != EAGAIN)) {
-      std::lock_guard<std::mutex> lock(mu);
-      ++collapses[a];
-    }
+    // May fail (EAGAIN) while another transfer writes into the page; a failure can cost as
+    // much as a success (the copy is made first), hence the cap on attempts, not successes.
+    madvise(reinterpret_cast<void*>(a), kHugePage, kMadvCollapse);
   }
 #else
   (void)p;
   (void)bytes;
+#endif
+}
+
+int64_t HugePageBytes(const void* p, size_t bytes) {
+#if defined(MADV_HUGEPAGE)
+  const auto first = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t begin = AlignDown(first, kHugePage);
+  const uintptr_t end = AlignUp(first + bytes, kHugePage);
+  if (bytes == 0) return 0;
+  std::vector<bool> huge;
+  if (!HugePagesIn(begin, end, huge)) return -1;
+  int64_t total = 0;
+  for (size_t i = 0; i < huge.size(); ++i) {
+    if (!huge[i]) continue;
+    const uintptr_t lo = std::max(begin + i * kHugePage, first);
+    const uintptr_t hi = std::min(begin + (i + 1) * kHugePage, first + bytes);
+    total += static_cast<int64_t>(hi - lo);
+  }
+  return total;
+#else
+  (void)p;
+  (void)bytes;
+  return -1;
 #endif
 }
 

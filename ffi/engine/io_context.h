@@ -105,6 +105,10 @@ void CopyToDestination(void* dst, const void* src, size_t bytes);
 // are ignored (it is only a hint).
 void AdviseHugePages(void* p, size_t bytes);
 
+// Bytes of [p, p + bytes) mapped by huge pages now, or -1 where the kernel cannot say
+// (PAGEMAP_SCAN is Linux 6.7+). A check that destinations got what AdviseHugePages asked.
+int64_t HugePageBytes(const void* p, size_t bytes);
+
 class IoContext {
  public:
   // `depth`: O_DIRECT reads kept in flight per transfer (and bounce buffers in the ring).

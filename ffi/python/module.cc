@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "engine/io_context.h"
 #include "engine/registry.h"
 #include "engine/tier.h"
 #include "xla/cpu_ops.h"
@@ -275,6 +276,9 @@ NB_MODULE(_tpusync, m) {
     return nb::capsule(&EngineRegistry::Global(), "tpusync.EngineRegistry");
   });
   m.def("monotonic_ns", &MonotonicNs);
+  m.def("huge_page_bytes", [](uintptr_t address, size_t bytes) {
+    return HugePageBytes(reinterpret_cast<const void*>(address), bytes);
+  });
   m.def("unlink_shm", [](const std::string& name) { ThrowIfError(UnlinkShmSegment(name)); });
 
   nb::class_<PyEngine>(m, "Engine")

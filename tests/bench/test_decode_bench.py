@@ -155,6 +155,8 @@ def test_deeper_prefetch_on_the_file_tier_matches(tmp_path):
     # sync and transfer read the same file as prefetch, through an engine of their own.
     # (Whether their small staging buffers land in phase with the file is up to the allocator.)
     assert res["transfer_same_file"] and 0 <= res["transfer_direct_read_fraction"] <= 1
+    for key in ("staging_huge_page_fraction", "transfer_staging_huge_page_fraction"):
+        assert res[key] is None or 0 <= res[key] <= 1, key  # None before Linux 6.7.
     # The plain reader read the prefetching cache's own tier file, beside the compute.
     assert res["t_plain_ms"] > 0 and res["t_platform_ms"] > 0
     assert res["prefetch_over_platform"] > 0

@@ -13,6 +13,8 @@ import platform
 import numpy as np
 import pytest
 
+from jax_tpusync.engine import huge_page_fraction
+
 MiB = 1 << 20
 HUGE = 2 * MiB
 REGION = 12 * MiB
@@ -144,3 +146,27 @@ def test_no_huge_pages_when_disabled(make_engine, file_dir):
         assert _huge_bytes(addr) == 0
     finally:
         _libc.munmap(addr, REGION)
+
+
+def test_huge_page_fraction_reports_what_the_kernel_mapped(direct_tier):
+    if not _kernel_at_least(6, 7):
+        pytest.skip("the kernel reports huge pages to processes (PAGEMAP_SCAN) from Linux 6.7")
+    engine, tier, _ = direct_tier
+    addr = _map_small_pages()
+    try:
+        region = np.ctypeslib.as_array((ctypes.c_uint8 * REGION).from_address(addr))
+        assert huge_page_fraction(region) == 0.0
+        _read_slots(engine, tier, addr)
+        assert huge_page_fraction(region) == pytest.approx(10 / 12)
+        assert huge_page_fraction(region[MiB : 3 * MiB]) == pytest.approx(1.0)
+        assert huge_page_fraction(region[11 * MiB :]) == 0.0
+        assert huge_page_fraction(region[:0]) is None
+    finally:
+        _libc.munmap(addr, REGION)
+
+
+def test_huge_page_fraction_of_a_jax_array():
+    import jax.numpy as jnp
+
+    fraction = huge_page_fraction(jnp.zeros(1 << 20, jnp.float32))
+    assert fraction is None or 0.0 <= fraction <= 1.0
