@@ -181,7 +181,18 @@ constexpr int kMaxCollapsesPerPage = 8;
 // The 2 MiB pages of [begin, end) (both 2 MiB-aligned) that are mapped huge now, as a bit per
 // page; false when the kernel cannot say.
 bool HugePagesIn(uintptr_t begin, uintptr_t end, std::vector<bool>& huge) {
-  static const int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+  // Opened once per process: a forked child must not read its parent's page tables.
+  static std::mutex mu;
+  static int fd = -1;
+  static pid_t owner = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (owner != getpid()) {
+      if (fd >= 0) close(fd);
+      fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+      owner = getpid();
+    }
+  }
   if (fd < 0) return false;
   const size_t pages = (end - begin) / kHugePage;
   std::vector<PageRegion> regions(pages);

@@ -38,14 +38,26 @@ STATES = ("idle", "alu", "memory")
 TIER_BLOCK_BYTES = 64 * common.KiB
 RAMP_SECONDS = 0.2  # Lets the load processes start and reach their CPUs before timing.
 
-# Each load process pins itself first (a parent with engine threads must not fork-and-pin).
-_LOAD_CODE = {
-    "alu": "import os\nos.sched_setaffinity(0, {{{cpu}}})\nx = 0\nwhile True:\n"
-    "    x = (x * 3 + 1) & 0xFFFF\n",
-    "memory": "import os\nos.sched_setaffinity(0, {{{cpu}}})\nimport numpy as np\n"
-    "a = np.ones(64 << 20, np.uint8)\nb = np.empty_like(a)\nwhile True:\n"
-    "    np.copyto(b, a)\n",
+# Each load process dies with the benchmark (PR_SET_PDEATHSIG), even a killed one, and pins
+# itself (a parent with engine threads must not fork-and-pin).
+_LOAD_PRELUDE = (
+    "import ctypes, os, signal\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"
+    "if os.getppid() != {parent}:\n"
+    "    os._exit(0)\n"
+    "os.sched_setaffinity(0, {{{cpu}}})\n"
+)
+_LOAD_LOOP = {
+    "alu": "x = 0\nwhile True:\n    x = (x * 3 + 1) & 0xFFFF\n",
+    "memory": "import numpy as np\na = np.ones(64 << 20, np.uint8)\nb = np.empty_like(a)\n"
+    "while True:\n    np.copyto(b, a)\n",
 }
+
+
+def load_code(state: str, cpu: int) -> str:
+    """The Python source of one ``state`` load process pinned to ``cpu``."""
+    return _LOAD_PRELUDE.format(parent=os.getpid(), cpu=cpu) + _LOAD_LOOP[state]
+
 
 COLUMNS = [
     ("tier", "tier", "s"),
@@ -123,8 +135,7 @@ class _Load:
             return
         try:
             for cpu in cpus:
-                code = _LOAD_CODE[state].format(cpu=cpu)
-                self.procs.append(subprocess.Popen([sys.executable, "-c", code]))
+                self.procs.append(subprocess.Popen([sys.executable, "-c", load_code(state, cpu)]))
             time.sleep(RAMP_SECONDS)
             for proc in self.procs:
                 if proc.poll() is not None:

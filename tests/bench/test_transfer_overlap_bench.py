@@ -119,3 +119,40 @@ def test_contention_splits_engine_and_load_cpus(monkeypatch):
     assert contention.split(1) == ((5,), (5,))  # One CPU: the load shares it.
     with pytest.raises(SystemExit, match="--engine-cpus must be >= 1"):
         contention.split(0)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.split() == ["State:", "Z", "(zombie)"] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def test_contention_load_dies_with_a_killed_benchmark(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cpu = min(os.sched_getaffinity(0))
+    script = (
+        "import time\n"
+        "from jax_tpusync.bench.contention import _Load\n"
+        f"load = _Load('alu', ({cpu},))\n"
+        "print(' '.join(str(p.pid) for p in load.procs), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    bench = subprocess.Popen(  # Not from the source tree: the installed package.
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    )
+    try:
+        pids = [int(p) for p in bench.stdout.readline().split()]
+        assert pids and not any(_gone(p) for p in pids)
+    finally:
+        bench.send_signal(signal.SIGKILL)
+        bench.wait()
+    deadline = time.monotonic() + 10
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(p) for p in pids)
