@@ -96,13 +96,14 @@ class PipelineThread {
 // skipping the cache saves the read-for-ownership traffic (~1.6x on x86).
 void CopyToDestination(void* dst, const void* src, size_t bytes);
 
-// Asks the kernel to back the 2 MiB-aligned interior of [p, p + bytes) with huge pages
-// (MADV_HUGEPAGE, then MADV_COLLAPSE for pages already there). O_DIRECT into huge pages is
-// faster: a read into physically contiguous memory is a few large segments, not one per
-// 4 KiB page (see HugePageBuffer; 2.0-2.5 vs 2.9 GB/s on a virtio disk). Pages the kernel
-// reports huge already (PAGEMAP_SCAN, Linux 6.7) are skipped, so repeating the call costs a
-// syscall; without that report each range is advised once. Contents are unchanged; failures
-// are ignored (it is only a hint).
+// Asks the kernel to back every 2 MiB page that [p, p + bytes) covers at least half of
+// (up to 1 MiB past either end) with huge pages (MADV_HUGEPAGE, then MADV_COLLAPSE for
+// pages already there). O_DIRECT into huge pages is faster: a read into physically
+// contiguous memory is a few large segments, not one per 4 KiB page (see HugePageBuffer;
+// 2.0-2.5 vs 2.9 GB/s on a virtio disk). Pages the kernel reports huge already
+// (PAGEMAP_SCAN, Linux 6.7) are skipped, so repeating the call costs a syscall; without
+// that report each range is advised once. Contents are unchanged; failures are ignored (it
+// is only a hint).
 void AdviseHugePages(void* p, size_t bytes);
 
 // Bytes of [p, p + bytes) mapped by huge pages now, or -1 where the kernel cannot say
