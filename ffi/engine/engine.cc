@@ -246,14 +246,18 @@ void Engine::WorkerLoop(int index) {
 
 namespace {
 
-// Advises huge pages over the destination as a whole: segments are often contiguous
-// pieces of one buffer, each too small (or too unaligned) to hold a 2 MiB page itself.
-void AdviseDestinations(const std::vector<Segment>& segments) {
+// Advises huge pages over where O_DIRECT reads land, as a whole: segments are often
+// contiguous pieces of one buffer, each too small to hold a 2 MiB page itself. Destinations
+// filled from a bounce buffer are left alone: their pages do not change the disk's speed,
+// and a collapse stalls the copies into them.
+void AdviseDestinations(const Tier& tier, const std::vector<Segment>& segments) {
   std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
   ranges.reserve(segments.size());
   for (const Segment& s : segments) {
     auto begin = reinterpret_cast<uintptr_t>(s.memory);
-    if (s.bytes > 0) ranges.emplace_back(begin, begin + s.bytes);
+    if (s.bytes > 0 && tier.ReadsInPlace(s.tier_offset, s.memory)) {
+      ranges.emplace_back(begin, begin + s.bytes);
+    }
   }
   std::sort(ranges.begin(), ranges.end());
   for (size_t i = 0; i < ranges.size();) {
@@ -275,7 +279,7 @@ void Engine::RunJob(Job& job, IoContext& io) {
   io.before_chunk = [this](uint64_t n) { Pace(n); };
   if (io.huge_page_destinations() && job.tier->direct_io() &&
       job.request.direction == Direction::kTierToMemory) {
-    AdviseDestinations(job.request.segments);
+    AdviseDestinations(*job.tier, job.request.segments);
   }
   Status status;
   for (const Segment& s : job.request.segments) {

@@ -231,6 +231,11 @@ class FileTier final : public Tier {
            " B alignment, data at +" + std::to_string(layout_.alignment_offset) + ")";
   }
 
+  bool ReadsInPlace(uint64_t offset, const void* dst) const override {
+    return direct_io() &&
+           (reinterpret_cast<uintptr_t>(dst) - (data_start() + offset)) % dio_alignment_ == 0;
+  }
+
   Status Read(uint64_t offset, void* dst, uint64_t bytes, IoContext& io) override {
     TPUSYNC_RETURN_IF_ERROR(CheckRange(offset, bytes));
     auto* out = static_cast<uint8_t*>(dst);
@@ -243,7 +248,7 @@ class FileTier final : public Tier {
     const uint64_t align = dio_alignment_;
     const uint64_t chunk = io.chunk_bytes();
     const uint64_t lo = AlignUp(pos, align), hi = AlignDown(pos + bytes, align);
-    if ((reinterpret_cast<uintptr_t>(out) - pos) % align == 0 && hi > lo) {
+    if (ReadsInPlace(offset, out) && hi > lo) {
       // Same phase: the aligned interior goes straight to the destination.
       uint8_t* inner = out + (lo - pos);
       // A partial sector at either end: read it whole, keep file bytes [from, to) of it.

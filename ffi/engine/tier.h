@@ -65,6 +65,9 @@ class Tier {
   // O_DIRECT alignment in use (0: none).
   virtual uint64_t dio_alignment() const { return 0; }
   uint64_t alignment_offset() const { return layout_.alignment_offset; }
+  // Whether a read of tier bytes at `offset` lands straight in `dst` (O_DIRECT in phase with
+  // the destination), rather than through a bounce buffer.
+  virtual bool ReadsInPlace(uint64_t /*offset*/, const void* /*dst*/) const { return false; }
   // Fetched bytes that went straight to the destination / through a bounce buffer.
   virtual uint64_t direct_read_bytes() const { return 0; }
   virtual uint64_t bounced_read_bytes() const { return 0; }

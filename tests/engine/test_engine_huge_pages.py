@@ -170,3 +170,17 @@ def test_huge_page_fraction_of_a_jax_array():
 
     fraction = huge_page_fraction(jnp.zeros(1 << 20, jnp.float32))
     assert fraction is None or 0.0 <= fraction <= 1.0
+
+
+def test_a_bounced_read_leaves_the_destination_pages_alone(direct_tier):
+    """Out of phase with the file, bytes arrive through a bounce buffer: the destination's
+    pages do not change the disk's speed, so they are not collapsed."""
+    engine, tier, data = direct_tier
+    addr = _map_small_pages()
+    try:
+        buf = np.ctypeslib.as_array((ctypes.c_uint8 * REGION).from_address(addr))
+        engine.wait(engine.submit_read(tier, [(0, MiB + 64, 9 * MiB)], buf))
+        np.testing.assert_array_equal(buf[MiB + 64 : 10 * MiB + 64], data)
+        assert _huge_bytes(addr) == 0
+    finally:
+        _libc.munmap(addr, REGION)
