@@ -422,6 +422,10 @@ def huge_page_fraction(array) -> float | None:
     from then on), off CPU, or for a buffer whose address is not known.
     """
     if isinstance(array, np.ndarray):
+        if not array.flags.c_contiguous:
+            raise ValueError(
+                "huge_page_fraction needs a C-contiguous array (its bytes, in one run)"
+            )
         address, nbytes = array.ctypes.data, array.nbytes
     else:
         try:

@@ -165,6 +165,11 @@ def test_huge_page_fraction_reports_what_the_kernel_mapped(direct_tier):
         _libc.munmap(addr, REGION)
 
 
+def test_huge_page_fraction_needs_contiguous_bytes():
+    with pytest.raises(ValueError, match="huge_page_fraction needs a C-contiguous array"):
+        huge_page_fraction(np.zeros((4, 4), np.uint8)[:, ::2])
+
+
 def test_huge_page_fraction_of_a_jax_array():
     import jax.numpy as jnp
 
