@@ -209,6 +209,20 @@ def beside(
     return result
 
 
+def add_engine_arguments(p, *, io_depth: bool = True) -> None:
+    """The engine knobs every benchmark takes: ``--workers``, ``--chunk-bytes`` and (unless
+    ``io_depth`` is False) ``--io-depth``, with the engine's defaults."""
+    p.add_argument("--workers", type=int, default=2, help="engine num_workers (default 2)")
+    p.add_argument(
+        "--chunk-bytes",
+        type=parse_bytes,
+        default=1 * MiB,
+        help="engine io_chunk_bytes (default 1M)",
+    )
+    if io_depth:
+        p.add_argument("--io-depth", type=int, default=4, help="engine io_depth (default 4)")
+
+
 def add_cpu_arguments(p) -> None:
     """``--engine-cpus`` and ``--worker-cpus``, for commands that run XLA compute."""
     p.add_argument(

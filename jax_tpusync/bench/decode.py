@@ -154,14 +154,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help="device staging budget of the offloaded cache (--prefetch-depth + 1 slots; "
         "default 32M). Fixes device_bytes whatever the context",
     )
-    p.add_argument(
-        "--chunk-bytes",
-        type=common.parse_bytes,
-        default=1 * common.MiB,
-        help="engine io_chunk_bytes (default 1M)",
-    )
-    p.add_argument("--workers", type=int, default=2, help="engine num_workers (default 2)")
-    p.add_argument("--io-depth", type=int, default=4, help="engine io_depth (default 4)")
+    common.add_engine_arguments(p)
     common.add_cpu_arguments(p)
     p.add_argument(
         "--prefetch-depth",

@@ -114,13 +114,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--repeats", type=int, default=15, help="recorded rounds (default 15)")
     p.add_argument("--warmup", type=int, default=2, help="unrecorded rounds first (default 2)")
-    p.add_argument("--workers", type=int, default=2, help="engine num_workers (default 2)")
-    p.add_argument(
-        "--chunk-bytes",
-        type=common.parse_bytes,
-        default=1 * common.MiB,
-        help="engine io_chunk_bytes (default 1M)",
-    )
+    common.add_engine_arguments(p)
     p.add_argument(
         "--alignment-offset",
         type=int,
@@ -128,7 +122,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="file tier alignment_offset (default: where XLA puts a buffer of --bytes; "
         "another value makes every fetch go through bounce buffers)",
     )
-    p.add_argument("--io-depth", type=int, default=4, help="engine io_depth (default 4)")
     common.add_cpu_arguments(p)
     p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
     p.set_defaults(run=run, columns=COLUMNS)

@@ -91,13 +91,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--repeats", type=int, default=7, help="recorded rounds (default 7)")
     p.add_argument("--warmup", type=int, default=1, help="unrecorded rounds first (default 1)")
-    p.add_argument("--workers", type=int, default=2, help="engine num_workers (default 2)")
-    p.add_argument(
-        "--chunk-bytes",
-        type=common.parse_bytes,
-        default=1 * common.MiB,
-        help="engine io_chunk_bytes (default 1M)",
-    )
+    common.add_engine_arguments(p, io_depth=False)
     p.add_argument(
         "--affinity",
         action="store_true",
