@@ -5,10 +5,12 @@ again for a buffer mapped where an earlier one was."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
 import platform
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -35,6 +37,12 @@ def _kernel_at_least(major: int, minor: int) -> bool:
         return False
 
 
+needs_pagemap_scan = pytest.mark.skipif(
+    not _kernel_at_least(6, 7),
+    reason="the kernel reports huge pages to processes (PAGEMAP_SCAN) from Linux 6.7",
+)
+
+
 def _thp_available() -> bool:
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
@@ -43,9 +51,10 @@ def _thp_available() -> bool:
         return False
 
 
-def _map_small_pages(addr: int = 0) -> int:
+@contextlib.contextmanager
+def small_pages(addr: int = 0) -> Iterator[int]:
     """A private anonymous REGION at ``addr`` (0: anywhere, 2 MiB-aligned), faulted in as
-    4 KiB pages; returns its address."""
+    4 KiB pages; yields its address and unmaps it after."""
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (MAP_FIXED_NOREPLACE if addr else 0)
     span = REGION if addr else REGION + HUGE
     p = _libc.mmap(addr or None, span, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
@@ -60,7 +69,10 @@ def _map_small_pages(addr: int = 0) -> int:
         p = base
     assert _libc.madvise(p, REGION, mmap.MADV_NOHUGEPAGE) == 0
     ctypes.memset(p, 7, REGION)
-    return p
+    try:
+        yield p
+    finally:
+        _libc.munmap(p, REGION)
 
 
 def _huge_bytes(addr: int) -> int:
@@ -104,8 +116,7 @@ def direct_tier(make_engine, file_dir):
 
 def test_pages_straddling_two_slots_become_huge(direct_tier):
     engine, tier, data = direct_tier
-    addr = _map_small_pages()
-    try:
+    with small_pages() as addr:
         if _huge_bytes(addr):
             pytest.skip("this kernel gave huge pages despite MADV_NOHUGEPAGE")
         np.testing.assert_array_equal(_read_slots(engine, tier, addr), data)
@@ -113,25 +124,18 @@ def test_pages_straddling_two_slots_become_huge(direct_tier):
             pytest.skip("no MADV_COLLAPSE before Linux 6.1")
         # [0, 2) and [6, 8) MiB are half covered (the second by two slots); [10, 12) is not.
         assert _huge_bytes(addr) == 10 * MiB
-    finally:
-        _libc.munmap(addr, REGION)
 
 
+@needs_pagemap_scan
 def test_a_buffer_mapped_where_an_earlier_one_was_becomes_huge(direct_tier):
-    if not _kernel_at_least(6, 7):
-        pytest.skip("the kernel reports huge pages to processes (PAGEMAP_SCAN) from Linux 6.7")
     engine, tier, data = direct_tier
-    addr = _map_small_pages()
-    _read_slots(engine, tier, addr)
-    assert _huge_bytes(addr) == 10 * MiB
-    _libc.munmap(addr, REGION)
-    again = _map_small_pages(addr)
-    try:
+    with small_pages() as addr:
+        _read_slots(engine, tier, addr)
+        assert _huge_bytes(addr) == 10 * MiB
+    with small_pages(addr) as again:
         assert _huge_bytes(again) == 0
         np.testing.assert_array_equal(_read_slots(engine, tier, again), data)
         assert _huge_bytes(again) == 10 * MiB
-    finally:
-        _libc.munmap(again, REGION)
 
 
 def test_no_huge_pages_when_disabled(make_engine, file_dir):
@@ -140,20 +144,15 @@ def test_no_huge_pages_when_disabled(make_engine, file_dir):
     engine = make_engine(huge_page_destinations=False)
     tier = engine.add_file_tier(file_dir, block_bytes=MiB, num_blocks=16)
     engine.write(tier, 0, np.ones(9 * MiB, np.uint8))
-    addr = _map_small_pages()
-    try:
+    with small_pages() as addr:
         _read_slots(engine, tier, addr)
         assert _huge_bytes(addr) == 0
-    finally:
-        _libc.munmap(addr, REGION)
 
 
+@needs_pagemap_scan
 def test_huge_page_fraction_reports_what_the_kernel_mapped(direct_tier):
-    if not _kernel_at_least(6, 7):
-        pytest.skip("the kernel reports huge pages to processes (PAGEMAP_SCAN) from Linux 6.7")
     engine, tier, _ = direct_tier
-    addr = _map_small_pages()
-    try:
+    with small_pages() as addr:
         region = np.ctypeslib.as_array((ctypes.c_uint8 * REGION).from_address(addr))
         assert huge_page_fraction(region) == 0.0
         _read_slots(engine, tier, addr)
@@ -161,8 +160,6 @@ def test_huge_page_fraction_reports_what_the_kernel_mapped(direct_tier):
         assert huge_page_fraction(region[MiB : 3 * MiB]) == pytest.approx(1.0)
         assert huge_page_fraction(region[11 * MiB :]) == 0.0
         assert huge_page_fraction(region[:0]) is None
-    finally:
-        _libc.munmap(addr, REGION)
 
 
 def test_huge_page_fraction_needs_contiguous_bytes():
@@ -181,11 +178,8 @@ def test_a_bounced_read_leaves_the_destination_pages_alone(direct_tier):
     """Out of phase with the file, bytes arrive through a bounce buffer: the destination's
     pages do not change the disk's speed, so they are not collapsed."""
     engine, tier, data = direct_tier
-    addr = _map_small_pages()
-    try:
+    with small_pages() as addr:
         buf = np.ctypeslib.as_array((ctypes.c_uint8 * REGION).from_address(addr))
         engine.wait(engine.submit_read(tier, [(0, MiB + 64, 9 * MiB)], buf))
         np.testing.assert_array_equal(buf[MiB + 64 : 10 * MiB + 64], data)
         assert _huge_bytes(addr) == 0
-    finally:
-        _libc.munmap(addr, REGION)
