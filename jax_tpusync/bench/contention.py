@@ -217,7 +217,7 @@ def _measure(args, total, block, engine_cpus, load_cpus) -> dict[str, Any]:
                 if r >= args.warmup:
                     samples[state].add(seconds)
             print(
-                f"  round {r + 1}: "
+                f"  round {r + 1}, medians so far: "
                 + ", ".join(f"{s} {total / samples[s].median / 1e9:.2f} GB/s" for s in STATES)
                 if r >= args.warmup
                 else f"  round {r + 1} (warm-up, bytes verified)",
