@@ -41,6 +41,11 @@ NO_WINDOW = np.iinfo(np.int32).max // 2
 _cache_ids = itertools.count(1)
 
 
+def _staging_shape(num_slots, batch, chunk_len, num_kv_heads, head_dim) -> tuple[int, ...]:
+    """[num_slots, 2 (K, V), batch, chunk_len, num_kv_heads, head_dim]."""
+    return (num_slots, 2, batch, chunk_len, num_kv_heads, head_dim)
+
+
 def attends_in_blocks() -> bool:
     """Whether the plain-XLA attention reads staged KV in blocks of rows (on CPU; see
     ``attention.attend_valid_rows``), which is also when 16-bit KV is staged as words."""
@@ -93,7 +98,9 @@ class CacheSpec:
 
     @property
     def staging_shape(self) -> tuple[int, ...]:
-        return (self.num_slots, 2, self.batch, self.chunk_len, self.num_kv_heads, self.head_dim)
+        return _staging_shape(
+            self.num_slots, self.batch, self.chunk_len, self.num_kv_heads, self.head_dim
+        )
 
     @property
     def device_bytes(self) -> int:
@@ -295,7 +302,8 @@ class OffloadedKVCache:
                 # (Where XLA places a buffer depends on the allocator's history; asking
                 # for a probe buffer of the same size is not reliable.)
                 self._first_staging = jnp.zeros(
-                    (num_slots, 2, batch, chunk_len, num_kv_heads, head_dim), staging_dtype
+                    _staging_shape(num_slots, batch, chunk_len, num_kv_heads, head_dim),
+                    staging_dtype,
                 )
                 tier_index = self.engine.add_file_tier(
                     path,
