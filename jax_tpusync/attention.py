@@ -281,8 +281,9 @@ def prefetching_attention(
 
     Call it once per layer, layers in order 0..num_layers-1, every step; from a Python loop
     inside ``jit`` (``layer`` an int) or from ``lax.scan`` over stacked weights (``layer``
-    traced). The state must be donated into the jitted step (``donate_argnums``): its
-    staging buffers are written in place by the engine.
+    traced). Donate the state into the jitted step (``donate_argnums``): the waits write
+    its staging buffers in place (without donation XLA copies them every step). Use only
+    the state the last call returned: the engine refuses a superseded one.
 
     Args:
       q: queries, after RoPE.
@@ -330,6 +331,10 @@ def prefetching_attention(
     eid, tier, regions = spec.engine_id, spec.tier, spec.regions
     batch, q_len = q.shape[:2]
     lengths = state.lengths
+    # Layer 0's write-back is the step's first engine op (every other op depends on it):
+    # it claims the state's step, so a second step from the same state is refused.
+    claim = jnp.concatenate([state.owner, jnp.asarray(layer == 0, jnp.int32)[None]])
+    owner = jnp.concatenate([state.owner, jnp.zeros((1,), jnp.int32)])
     tag = lambda l, c: jnp.stack([jnp.asarray(l, jnp.int32), jnp.asarray(c, jnp.int32)])
 
     # 1. New tokens go out first: later fetches of this layer are queued behind them.
@@ -342,6 +347,7 @@ def prefetching_attention(
         tag(layer, -1),
         deps=(state.token,),
         regions=regions,
+        owner=claim,
     )
 
     num_units = _num_units(spec, layer, lengths)
@@ -365,16 +371,17 @@ def prefetching_attention(
         p_slot = (slot + spec.prefetch_depth) % spec.num_slots
         p_lo, p_count = _unit_range(spec, p_layer, p_chunk, p_lens)
         p_segments = _fetch_segments(spec, p_layer, p_lo, jnp.where(ok, p_count, 0), p_slot)
-        q_, staging, p_ticket = ops.start_fetch(
+        q_, p_ticket = ops.start_fetch(
             eid,
             tier,
             q_,
-            staging,
             p_segments,
             tag(p_layer, p_chunk),
+            dst_bytes=spec.device_bytes,
             deps=(token, out),
             regions=regions,
             retire=tickets[p_slot],
+            owner=owner,
         )
         # Wait for this unit; q_ carries the previous layer's compute, `out` the last chunk's.
         lo, count = _unit_range(spec, layer, chunk, lengths)
@@ -387,6 +394,7 @@ def prefetching_attention(
             tag(layer, chunk),
             deps=(q_, k, v, out),
             regions=regions,
+            owner=owner,
         )
         tickets = tickets.at[slot].set(ops.NO_TICKET).at[p_slot].set(p_ticket)
         o, l = attend_valid_rows(
@@ -424,7 +432,13 @@ def prefetching_attention(
 
     new_lengths = jnp.where(layer == spec.num_layers - 1, lengths + q_len, lengths)
     state = state.replace(
-        lengths=new_lengths, staging=staging, tickets=tickets, slot=slot, token=token
+        lengths=new_lengths,
+        staging=staging,
+        tickets=tickets,
+        slot=slot,
+        token=token,
+        # Past the last layer the state is the next step's.
+        owner=state.owner.at[2].add(jnp.asarray(layer == spec.num_layers - 1, jnp.int32)),
     )
     return out.astype(q.dtype), state
 

@@ -138,18 +138,24 @@ class KVState:
       tickets: int32[num_slots], engine ticket of the fetch in flight into each slot (-1: none).
       slot: int32[], the slot the next unit is consumed from.
       token: int32[], orders engine calls (write-backs before later fetches).
+      owner: int32[3], (stream, epoch, generation): which cache stream, which start of it
+        and which step of it this state is for. The engine refuses ops of a state that a
+        newer one superseded (two steps from one parent, a state kept across
+        ``init()``/``drain()``), so two states can never write the same tier rows.
     """
 
-    def __init__(self, spec: CacheSpec, lengths, staging, tickets, slot, token):
+    def __init__(self, spec: CacheSpec, lengths, staging, tickets, slot, token, owner):
         self.spec = spec
         self.lengths = lengths
         self.staging = staging
         self.tickets = tickets
         self.slot = slot
         self.token = token
+        self.owner = owner
 
     def tree_flatten(self):
-        return (self.lengths, self.staging, self.tickets, self.slot, self.token), self.spec
+        children = (self.lengths, self.staging, self.tickets, self.slot, self.token, self.owner)
+        return children, self.spec
 
     @classmethod
     def tree_unflatten(cls, spec, children):
@@ -162,6 +168,7 @@ class KVState:
             tickets=self.tickets,
             slot=self.slot,
             token=self.token,
+            owner=self.owner,
         )
         fields.update(changes)
         return KVState(self.spec, **fields)
@@ -340,6 +347,7 @@ class OffloadedKVCache:
             staging_dtype=staging_dtype,
         )
         self._loaded_layers: set[int] = set()
+        self._stream = self.engine.open_stream()
         logger.info(
             "offloaded KV cache: %s tier, %.1f MiB of KV, %.1f MiB staging, chunk_len=%d",
             tier,
@@ -371,7 +379,14 @@ class OffloadedKVCache:
             tickets=jnp.full((spec.num_slots,), ops.NO_TICKET, jnp.int32),
             slot=jnp.zeros((), jnp.int32),
             token=jnp.zeros((), jnp.int32),
+            owner=self._new_owner(),
         )
+
+    def _new_owner(self) -> jax.Array:
+        """Starts a new epoch of the cache's stream: every earlier state becomes stale and
+        their unconsumed prefetches are discarded."""
+        epoch = self.engine.begin_epoch(self._stream)
+        return jnp.asarray([self._stream, epoch, 1], jnp.int32)
 
     def _note_staging_phase(self, staging: jax.Array) -> None:
         """Logs when fetches into ``staging`` will go through bounce buffers."""
@@ -398,18 +413,19 @@ class OffloadedKVCache:
             )
 
     def drain(self, state: KVState) -> KVState:
-        """Waits for fetches in flight into ``state``'s staging; returns a state with none.
+        """Discards the prefetches ``state`` carries; returns it as the cache's live state.
 
-        Call before dropping or mutating a state whose step prefetched across steps.
+        Fetches land in engine-owned memory, so a state may be dropped with fetches in
+        flight; call this before handing a state to host-side methods or re-using one whose
+        successor was lost (e.g. after a failed step). Every other state of this cache
+        becomes stale: the engine refuses its ops.
         """
         self._check_state(state)
-        for ticket in np.asarray(state.tickets).tolist():
-            if ticket != ops.NO_TICKET:
-                try:
-                    self.engine.wait(ticket)
-                except Exception as e:  # Already consumed or failed: it carries no data.
-                    logger.debug("retiring ticket %s: %s", ticket, e)
-        return state.replace(tickets=jnp.full((self.spec.num_slots,), ops.NO_TICKET, jnp.int32))
+        jax.block_until_ready(state)  # The step that made it has finished with the engine.
+        return state.replace(
+            tickets=jnp.full((self.spec.num_slots,), ops.NO_TICKET, jnp.int32),
+            owner=self._new_owner(),
+        )
 
     # -- host-side bulk access --------------------------------------------------------------
 
@@ -537,6 +553,8 @@ class OffloadedKVCache:
 
     def close(self) -> None:
         """Closes the engine if the cache made it (waits for running transfers)."""
+        if not self.engine.closed:
+            self.engine.close_stream(self._stream)
         if self._owns_engine:
             self.engine.close()
 

@@ -8,10 +8,12 @@ in the background, one ticket per batched request. The same engine is driven fro
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
 import sys
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -205,6 +207,7 @@ class Engine:
         )
         # Buffers of async Python-side transfers stay referenced until their ticket is waited.
         self._keepalive: dict[int, np.ndarray] = {}
+        _open_engines.add(self)
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -391,9 +394,37 @@ class Engine:
         """Takes (and clears) the recorded events; empty unless ``record_timeline``."""
         return Timeline(**self._impl.take_timeline())
 
+    # -- streams (one per cache; see jax_tpusync.ops, "Ownership") -------------------------
+
+    def open_stream(self) -> int:
+        """A new stream id for a cache's states."""
+        return self._impl.open_stream()
+
+    def begin_epoch(self, stream: int) -> int:
+        """Starts a new epoch of ``stream`` (older states become stale); returns it."""
+        return self._impl.begin_epoch(stream)
+
+    def close_stream(self, stream: int) -> None:
+        self._impl.close_stream(stream)
+
     def mark(self, kind: int, layer: int = -1, chunk: int = -1) -> None:
         """Records a host-side timeline mark."""
         self._impl.mark(kind, layer, chunk)
+
+
+# Engines still open at interpreter exit are closed before Python tears down: queued
+# write-backs finish, queued fetches are dropped, and the workers are joined while the
+# buffers of host-side transfers still exist (a Ctrl-C in a decode loop ends here).
+_open_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    for engine in list(_open_engines):
+        try:
+            engine.close()
+        except Exception as e:  # Exiting anyway: report, keep closing the others.
+            logger.warning("closing engine %s at exit failed: %s", engine.id, e)
 
 
 def page_offset(array) -> int | None:

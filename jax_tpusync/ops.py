@@ -10,9 +10,18 @@ compute (``lax.optimization_barrier`` does not stop it). Ordering therefore come
 * ``wait_fetch`` takes the overlapping compute's outputs as extra operands (``deps``), so it
   cannot run before that compute is done.
 
-The destination buffer must be donated into the jitted function and flows
-``dst -> start_fetch -> wait_fetch -> consumer``; each op aliases it to its output, so no
-copy is made. Nothing but the matching ``wait_fetch`` may read what ``start_fetch`` returns.
+Never stale, by construction. A fetch lands in memory the engine owns; only the
+``wait_fetch`` that consumes it writes the bytes into its own operand, while it runs. XLA may
+copy, free or reuse any buffer of a compiled program between two ops (it copies a donated,
+aliased buffer in some graphs), and a state may be dropped or a program interrupted with
+fetches in flight: none of that can receive a late write. Every wait compares the fetch
+that was started with the one it needs (tier bytes and offsets in its buffer) and reads
+the bytes itself on a mismatch.
+
+Ownership. Ops take an ``owner`` operand, int32[4] ``(stream, epoch, generation, claims)``
+(see :class:`jax_tpusync.KVState`): the engine refuses an op of a state that a newer state
+of the same cache has superseded; a step's first op claims its generation, which a second
+step from the same state cannot claim again. Stream 0 (the default) is unchecked.
 
 Segments are ``int32[n, 4]`` rows ``(block, offset_in_block, memory_offset, nbytes)``: the
 tier byte offset is ``block * block_bytes + offset_in_block``, which reaches past 2 GiB
@@ -27,6 +36,7 @@ rather than a read or write of a neighbouring sequence's KV.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
@@ -43,6 +53,8 @@ _TARGETS = {
 }
 
 NO_TICKET = -1
+# (stream, epoch, generation, claims) of ops that no cache state owns: not checked.
+NO_OWNER = (0, 0, 0, 0)
 
 # Kinds for mark(): compute spans in the timeline.
 MARK_COMPUTE_BEGIN = 1
@@ -101,6 +113,16 @@ def _check_tag(tag: jax.Array) -> jax.Array:
     return tag
 
 
+def _check_owner(owner) -> jax.Array:
+    owner = jnp.asarray(NO_OWNER if owner is None else owner, dtype=jnp.int32)
+    if owner.shape != (4,):
+        raise ValueError(
+            f"owner must be int32[4] (stream, epoch, generation, claims); got shape "
+            f"{owner.shape}"
+        )
+    return owner
+
+
 def _attrs(engine_id: int, tier: int, regions: Regions | None) -> dict:
     if engine_id <= 0:
         raise ValueError(f"engine_id={engine_id} is not a valid engine id")
@@ -116,6 +138,11 @@ def _attrs(engine_id: int, tier: int, regions: Regions | None) -> dict:
     )
 
 
+def buffer_bytes(x) -> int:
+    """Bytes of an array or tracer: the ``dst_bytes`` of a fetch that ``x`` will receive."""
+    return math.prod(x.shape) * np.dtype(x.dtype).itemsize
+
+
 def _sds(x: jax.Array) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
@@ -124,43 +151,57 @@ def start_fetch(
     engine_id: int,
     tier: int,
     passthrough: jax.Array,
-    dst: jax.Array,
     segments: jax.Array,
     tag: jax.Array,
+    *,
+    dst_bytes: int,
     deps: Sequence[jax.Array] = (),
     regions: Regions | None = None,
     retire: jax.Array | int = NO_TICKET,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Queues a fetch of ``segments`` into ``dst``; returns ``(passthrough, dst, ticket)``.
+    owner: jax.Array | Sequence[int] | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Queues a fetch of ``segments``; returns ``(passthrough, ticket)``.
 
     Args:
       engine_id: :attr:`Engine.id`.
       tier: the tier index to read.
       passthrough: an array the overlapping compute consumes; returned unchanged (aliased).
-      dst: the destination buffer (donated, persistent); returned aliased. Only
-        :func:`wait_fetch` may read the returned buffer.
-      segments: int32[n, 4] rows (block, offset_in_block, memory_offset, nbytes).
+      segments: int32[n, 4] rows (block, offset_in_block, memory_offset, nbytes), the
+        memory offsets into the buffer the matching :func:`wait_fetch` will fill.
       tag: int32[2] (layer, chunk), recorded in the engine timeline.
+      dst_bytes: size of that buffer (every segment must fit in it).
       deps: arrays that must exist before the fetch is queued (e.g. a write-back token).
       regions: optional bounds every segment must respect (see the module docstring).
-      retire: int32 ticket of an earlier, unwaited fetch into ``dst``; it is waited (its
-        bytes discarded) before this fetch starts, so two fetches never write ``dst`` at once.
+      retire: int32 ticket of an earlier fetch nobody will wait for (the slot's previous
+        prefetch); it is discarded.
+      owner: int32[4] (stream, epoch, generation, claims); default unchecked.
 
     Returns:
-      ``(passthrough, dst, ticket)``; ``ticket`` is an int32 scalar for :func:`wait_fetch`.
+      ``(passthrough, ticket)``; ``ticket`` is an int32 scalar for :func:`wait_fetch`.
     """
     _check_segments(segments)
     tag = _check_tag(tag)
+    if not isinstance(dst_bytes, (int, np.integer)) or dst_bytes < 0:
+        raise ValueError(f"dst_bytes={dst_bytes!r} must be an int >= 0")
     call = _ffi_call(
         _TARGETS["start"],
-        (_sds(passthrough), _sds(dst), jax.ShapeDtypeStruct((), jnp.int32)),
-        input_output_aliases={0: 0, 1: 1},
+        (_sds(passthrough), jax.ShapeDtypeStruct((), jnp.int32)),
+        input_output_aliases={0: 0},
         has_side_effect=True,
     )
     retire = jnp.asarray(retire, dtype=jnp.int32)
     if retire.shape != ():
         raise ValueError(f"retire must be an int32 scalar; got shape {retire.shape}")
-    return call(passthrough, dst, segments, tag, retire, *deps, **_attrs(engine_id, tier, regions))
+    return call(
+        passthrough,
+        segments,
+        tag,
+        retire,
+        _check_owner(owner),
+        *deps,
+        **_attrs(engine_id, tier, regions),
+        dst_bytes=np.int64(dst_bytes),
+    )
 
 
 def wait_fetch(
@@ -172,12 +213,14 @@ def wait_fetch(
     tag: jax.Array,
     deps: Sequence[jax.Array] = (),
     regions: Regions | None = None,
+    owner: jax.Array | Sequence[int] | None = None,
 ) -> jax.Array:
-    """Returns ``dst`` once it holds ``segments``.
+    """Returns ``dst`` with ``segments`` written into it (aliased: donate ``dst``).
 
-    If ``ticket`` is :data:`NO_TICKET` or fetched different bytes (a stale or mismatched
-    prefetch), the wait fetches ``segments`` itself before returning. ``deps`` are the
-    outputs of the compute that should overlap the fetch.
+    Copies the bytes ``ticket`` fetched if it fetched exactly ``segments``; if ``ticket`` is
+    :data:`NO_TICKET` or fetched different bytes (a stale or mismatched prefetch), reads
+    ``segments`` itself. ``deps`` are the outputs of the compute that should overlap the
+    fetch.
     """
     _check_segments(segments)
     tag = _check_tag(tag)
@@ -185,7 +228,9 @@ def wait_fetch(
     if ticket.shape != ():
         raise ValueError(f"ticket must be an int32 scalar; got shape {ticket.shape}")
     call = _ffi_call(_TARGETS["wait"], _sds(dst), input_output_aliases={0: 0}, has_side_effect=True)
-    return call(dst, ticket, segments, tag, *deps, **_attrs(engine_id, tier, regions))
+    return call(
+        dst, ticket, segments, tag, _check_owner(owner), *deps, **_attrs(engine_id, tier, regions)
+    )
 
 
 def write_back(
@@ -196,6 +241,7 @@ def write_back(
     tag: jax.Array,
     deps: Sequence[jax.Array] = (),
     regions: Regions | None = None,
+    owner: jax.Array | Sequence[int] | None = None,
 ) -> jax.Array:
     """Writes ``src`` bytes to the tier in the background; returns an int32 order token.
 
@@ -210,7 +256,9 @@ def write_back(
     call = _ffi_call(
         _TARGETS["write_back"], jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True
     )
-    return call(src, segments, tag, *deps, **_attrs(engine_id, tier, regions))
+    return call(
+        src, segments, tag, _check_owner(owner), *deps, **_attrs(engine_id, tier, regions)
+    )
 
 
 def mark(

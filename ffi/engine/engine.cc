@@ -45,6 +45,7 @@ struct Engine::Job {
   State state = State::kQueued;
   Status status;
   std::atomic<bool> cancel{false};
+  bool discarded = false;  // Nobody will consume it: recycle its landing buffer at the end.
   int64_t submit_ns = 0, start_ns = 0, end_ns = 0;
 };
 
@@ -154,7 +155,8 @@ StatusOr<Ticket> Engine::Submit(TransferRequest request) {
                              AlignUp(s.tier_offset + s.bytes + phase, g));
   }
   std::sort(job->ranges.begin(), job->ranges.end());
-  if (options_.poison_fetches && request.direction == Direction::kTierToMemory) {
+  if (options_.poison_fetches && request.direction == Direction::kTierToMemory &&
+      !request.landing) {
     for (const Segment& s : request.segments) std::memset(s.memory, 0xFF, s.bytes);
   }
   job->request = std::move(request);
@@ -277,7 +279,7 @@ void Engine::RunJob(Job& job, IoContext& io) {
   }
   io.cancelled = [&job] { return job.cancel.load(std::memory_order_relaxed); };
   io.before_chunk = [this](uint64_t n) { Pace(n); };
-  if (io.huge_page_destinations() && job.tier->direct_io() &&
+  if (io.huge_page_destinations() && job.tier->direct_io() && !job.request.landing &&
       job.request.direction == Direction::kTierToMemory) {
     AdviseDestinations(*job.tier, job.request.segments);
   }
@@ -315,6 +317,7 @@ void Engine::FinishLocked(Job& job, Status status) {
                                job.status.detail());
   }
   job.request.owned_memory.reset();
+  if (job.discarded) ReleaseLandingLocked(job);
   for (auto it = active_.begin(); it != active_.end(); ++it) {
     if (it->get() == &job) {
       active_.erase(it);
@@ -424,6 +427,223 @@ Status Engine::WaitFor(Ticket ticket, const TransferRequest& want, bool* hit) {
   return Wait(*t);
 }
 
+namespace {
+
+// Landing buffers are kept for reuse up to this many bytes; a cache needs a few units'
+// worth (its prefetch depth), so steady decode allocates none.
+constexpr uint64_t kMaxPooledLandingBytes = 512ull << 20;
+
+}  // namespace
+
+std::shared_ptr<HugePageBuffer> Engine::AcquireLanding(uint64_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Smallest pooled buffer that fits: the pool is sorted by size.
+    for (auto it = free_landing_.begin(); it != free_landing_.end(); ++it) {
+      if ((*it)->size() >= bytes) {
+        std::shared_ptr<HugePageBuffer> buffer = std::move(*it);
+        free_landing_.erase(it);
+        free_landing_bytes_ -= buffer->size();
+        return buffer;
+      }
+    }
+  }
+  auto buffer = std::make_shared<HugePageBuffer>(bytes);  // Outside the lock: it faults pages.
+  std::lock_guard<std::mutex> lock(mu_);
+  landing_bytes_ += buffer->size();
+  return buffer;
+}
+
+void Engine::ReleaseLandingLocked(Job& job) {
+  std::shared_ptr<HugePageBuffer> buffer = std::move(job.request.landing);
+  if (!buffer) return;
+  if (free_landing_bytes_ + buffer->size() > kMaxPooledLandingBytes) {
+    landing_bytes_ -= buffer->size();
+    return;  // Unmapped when the last reference goes.
+  }
+  free_landing_bytes_ += buffer->size();
+  auto at = std::lower_bound(
+      free_landing_.begin(), free_landing_.end(), buffer->size(),
+      [](const std::shared_ptr<HugePageBuffer>& b, uint64_t size) { return b->size() < size; });
+  free_landing_.insert(at, std::move(buffer));
+}
+
+StatusOr<Ticket> Engine::SubmitFetch(FetchRequest request) {
+  Tier* tier;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TransferRequest probe;
+    probe.tier = request.tier;
+    TPUSYNC_RETURN_IF_ERROR(ValidateLocked(probe));
+    tier = tiers_[request.tier].get();
+  }
+  // Each segment lands at the phase that lets O_DIRECT read it in place.
+  std::vector<FetchSegment> segments;
+  std::vector<uint64_t> at;
+  uint64_t end = 0;
+  for (const FetchSegment& s : request.segments) {
+    if (s.bytes == 0) continue;
+    const uint64_t offset = AlignUp(end, kIoAlignment) + tier->InPlacePhase(s.tier_offset);
+    segments.push_back(s);
+    at.push_back(offset);
+    end = offset + s.bytes;
+  }
+  TransferRequest transfer;
+  transfer.tier = request.tier;
+  transfer.direction = Direction::kTierToMemory;
+  transfer.tag = request.tag;
+  transfer.stream = request.stream;
+  if (!segments.empty()) {
+    transfer.landing = AcquireLanding(end);
+    if (options_.poison_fetches) std::memset(transfer.landing->data(), 0xFF, end);
+    for (size_t i = 0; i < segments.size(); ++i) {
+      transfer.segments.push_back(
+          {segments[i].tier_offset, transfer.landing->data() + at[i], segments[i].bytes});
+    }
+  }
+  transfer.fetch = std::move(segments);
+  std::shared_ptr<HugePageBuffer> landing = transfer.landing;
+  StatusOr<Ticket> ticket = Submit(std::move(transfer));
+  if (!ticket.ok() && landing) {
+    std::lock_guard<std::mutex> lock(mu_);
+    landing_bytes_ -= landing->size();  // Never pooled: dropped with its last reference.
+  }
+  return ticket;
+}
+
+Status Engine::CompleteFetch(Ticket ticket, const FetchRequest& want, uint8_t* dst,
+                             uint64_t dst_bytes, bool* hit) {
+  *hit = false;
+  std::vector<FetchSegment> wanted;
+  for (const FetchSegment& s : want.segments) {
+    if (s.bytes == 0) continue;
+    if (s.dst_offset + s.bytes > dst_bytes) {
+      return InvalidArgument("segment covers bytes [" + std::to_string(s.dst_offset) + ", " +
+                             std::to_string(s.dst_offset + s.bytes) + ") of a " +
+                             std::to_string(dst_bytes) + "-byte buffer");
+    }
+    wanted.push_back(s);
+  }
+  if (ticket != kNoTicket) {
+    std::shared_ptr<Job> job;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = tickets_.find(ticket);
+      if (it == tickets_.end()) {
+        return NotFound("unknown ticket " + std::to_string(ticket) +
+                        " (never issued by this engine, or already waited)");
+      }
+      job = it->second;
+    }
+    Status st = Wait(ticket);
+    const TransferRequest& have = job->request;
+    const bool matches = have.tier == want.tier && have.fetch == wanted &&
+                         (have.landing != nullptr || wanted.empty());
+    if (matches && st.ok()) {
+      for (size_t i = 0; i < wanted.size(); ++i) {
+        std::memcpy(dst + wanted[i].dst_offset, have.segments[i].memory, wanted[i].bytes);
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      ReleaseLandingLocked(*job);
+      stats_.prefetch_hits += 1;
+      *hit = true;
+      return Status::Ok();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    ReleaseLandingLocked(*job);
+    // A stale or failed prefetch: its bytes are not the ones wanted; fetch them now.
+  }
+  TransferRequest direct;
+  direct.tier = want.tier;
+  direct.direction = Direction::kTierToMemory;
+  direct.tag = want.tag;
+  for (const FetchSegment& s : wanted) {
+    direct.segments.push_back({s.tier_offset, dst + s.dst_offset, s.bytes});
+  }
+  StatusOr<Ticket> t = Submit(std::move(direct));
+  if (!t.ok()) return t.status();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.prefetch_misses += 1;
+  }
+  return Wait(*t);
+}
+
+void Engine::DiscardLocked(Job& job) {
+  job.discarded = true;
+  tickets_.erase(job.ticket);
+  if (job.state == Job::State::kQueued) {
+    FinishLocked(job, Cancelled("fetch discarded before it started"));
+  } else if (job.state == Job::State::kRunning) {
+    job.cancel.store(true, std::memory_order_relaxed);
+  } else {
+    ReleaseLandingLocked(job);
+  }
+}
+
+void Engine::Discard(Ticket ticket) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = tickets_.find(ticket);
+  if (it == tickets_.end()) return;
+  std::shared_ptr<Job> job = it->second;  // DiscardLocked erases the map's reference.
+  DiscardLocked(*job);
+}
+
+int64_t Engine::OpenStream() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t id = ++last_stream_;
+  streams_[id] = StreamState{};
+  return id;
+}
+
+StatusOr<int32_t> Engine::BeginEpoch(int64_t stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = streams_.find(stream);
+  if (it == streams_.end()) return NotFound("no stream " + std::to_string(stream));
+  StreamState& s = it->second;
+  s.epoch = s.epoch >= INT32_MAX ? 1 : s.epoch + 1;
+  s.claimed = 0;
+  std::vector<std::shared_ptr<Job>> orphans;
+  for (const auto& [ticket, job] : tickets_) {
+    if (job->request.stream == stream) orphans.push_back(job);
+  }
+  for (const auto& job : orphans) DiscardLocked(*job);
+  return s.epoch;
+}
+
+Status Engine::CheckOwner(int64_t stream, int32_t epoch, int32_t generation, bool claim) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = streams_.find(stream);
+  if (it == streams_.end()) {
+    return FailedPrecondition("state of cache stream " + std::to_string(stream) +
+                              " does not belong to this engine (or its cache was closed)");
+  }
+  StreamState& s = it->second;
+  const bool stale_epoch = epoch != s.epoch;
+  const bool taken = claim && generation != s.claimed + 1;
+  if (stale_epoch || taken) {
+    return FailedPrecondition(
+        std::string("this KVState is stale: ") +
+        (stale_epoch ? "the cache was started over (init() or drain()) after it was made"
+                     : "a step from the same state (or an older one) already ran: step " +
+                           std::to_string(generation) + " of this state, last step " +
+                           std::to_string(s.claimed)) +
+        "; pass the state the last step returned, or start over with cache.init()");
+  }
+  if (claim) s.claimed = generation;
+  return Status::Ok();
+}
+
+void Engine::CloseStream(int64_t stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::shared_ptr<Job>> orphans;
+  for (const auto& [ticket, job] : tickets_) {
+    if (job->request.stream == stream) orphans.push_back(job);
+  }
+  for (const auto& job : orphans) DiscardLocked(*job);
+  streams_.erase(stream);
+}
+
 Status Engine::Drain() {
   std::unique_lock<std::mutex> lock(mu_);
   done_cv_.wait(lock, [this] { return active_.empty(); });
@@ -440,6 +660,7 @@ void Engine::Mark(int32_t kind, TransferTag tag) {
 EngineStats Engine::Stats() {
   std::lock_guard<std::mutex> lock(mu_);
   EngineStats out = stats_;
+  out.landing_bytes = landing_bytes_;
   const int64_t now = MonotonicNs();
   for (size_t t = 0; t < tiers_.size(); ++t) {
     for (int d = 0; d < 2; ++d) {

@@ -48,6 +48,27 @@ struct TransferTag {
   int32_t chunk = -1;
 };
 
+// One piece of a fetch into a buffer the engine may only write while its consumer's wait
+// runs (an XLA operand): `bytes` of tier bytes at `tier_offset`, for bytes
+// [dst_offset, dst_offset + bytes) of that buffer.
+struct FetchSegment {
+  uint64_t tier_offset = 0;
+  uint64_t dst_offset = 0;
+  uint64_t bytes = 0;
+
+  bool operator==(const FetchSegment& o) const {
+    return tier_offset == o.tier_offset && dst_offset == o.dst_offset && bytes == o.bytes;
+  }
+};
+
+// A fetch named by offsets, not addresses (see Engine::SubmitFetch).
+struct FetchRequest {
+  int tier = 0;
+  std::vector<FetchSegment> segments;  // Zero-byte segments are dropped.
+  TransferTag tag;
+  int64_t stream = 0;  // The stream (one cache's state) it serves; 0: none.
+};
+
 struct TransferRequest {
   int tier = 0;
   Direction direction = Direction::kTierToMemory;
@@ -59,6 +80,11 @@ struct TransferRequest {
   // Nobody will wait: completion frees the ticket, and a failure becomes the engine's
   // sticky error (returned by every later call), so lost KV can never go unnoticed.
   bool detached = false;
+  // Set by SubmitFetch: the engine-owned buffer the fetch lands in, the offsets it was
+  // asked for, and the stream it serves.
+  std::shared_ptr<HugePageBuffer> landing;
+  std::vector<FetchSegment> fetch;
+  int64_t stream = 0;
 };
 
 struct EngineOptions {
@@ -101,6 +127,7 @@ struct EngineStats {
   uint64_t prefetch_misses = 0;  // Waits that had to fetch (cold, or a stale prefetch).
   int64_t wait_ns = 0;           // Time callers spent blocked in waits.
   uint64_t inflight_bytes_peak = 0;
+  uint64_t landing_bytes = 0;  // Engine-owned landing memory, in use or pooled.
 };
 
 struct TransferEvent {
@@ -164,6 +191,38 @@ class Engine {
   // (a hit); otherwise retires it and fetches `want` now (a miss). Never serves bytes
   // other than the ones asked for.
   Status WaitFor(Ticket ticket, const TransferRequest& want, bool* hit);
+
+  // Prefetch into engine-owned memory. XLA owns the buffers of a compiled step and may
+  // copy, free or reuse one between two ops, so nothing is ever written into an operand
+  // outside the op that holds it: the fetch lands in a landing buffer of the engine, and
+  // CompleteFetch, called by the consuming op, copies it into that op's buffer. A copy
+  // of an in-flight buffer, a dropped state or an interrupted program therefore cannot
+  // receive a late write. Returns the ticket.
+  StatusOr<Ticket> SubmitFetch(FetchRequest request);
+  // Fills `dst` (`dst_bytes`) with `want`: from `ticket`'s landing buffer if it fetched
+  // exactly `want` (a hit), else (no ticket, a different fetch, a failed one) by reading
+  // the tier into `dst` now (a miss; `dst` must stay valid until this returns, as it does
+  // inside an op). Consumes the ticket either way.
+  Status CompleteFetch(Ticket ticket, const FetchRequest& want, uint8_t* dst,
+                       uint64_t dst_bytes, bool* hit);
+  // Forgets a fetch nobody will consume (a slot's previous, unwaited prefetch): a queued
+  // one is dropped, a running one stops at its next chunk, and its landing buffer is
+  // recycled when it ends. Unknown tickets are ignored. Never blocks.
+  void Discard(Ticket ticket);
+
+  // Streams: one per cache, so that only the newest state of a cache may drive it. Ops
+  // carry (stream, epoch, generation): the epoch changes when the host starts the cache
+  // over (init(), drain()), and the generation counts the steps of one state's chain.
+  // The first op of a step *claims* its generation, which must be the successor of the
+  // last claimed one: a second step from the same parent state claims a generation that
+  // is taken and is refused before it moves a byte, and so is any op of an older epoch.
+  // (Other ops of a step need no generation check: they all depend on the claiming op.)
+  int64_t OpenStream();
+  // Starts a new epoch of `stream` and returns it; the stream's unconsumed fetches are
+  // discarded (a dropped state's prefetches). The epoch's first step claims generation 1.
+  StatusOr<int32_t> BeginEpoch(int64_t stream);
+  Status CheckOwner(int64_t stream, int32_t epoch, int32_t generation, bool claim);
+  void CloseStream(int64_t stream);
   // Blocks until every submitted transfer has ended (detached write-backs included).
   Status Drain();
 
@@ -188,6 +247,14 @@ class Engine {
   void FinishLocked(Job& job, Status status);
   void Pace(uint64_t bytes);
   Ticket NextTicketLocked();
+  std::shared_ptr<HugePageBuffer> AcquireLanding(uint64_t bytes);
+  void ReleaseLandingLocked(Job& job);
+  void DiscardLocked(Job& job);
+
+  struct StreamState {
+    int32_t epoch = 0;
+    int32_t claimed = 0;  // The generation of this epoch's latest step.
+  };
 
   EngineOptions options_;
   std::mutex mu_;
@@ -204,6 +271,11 @@ class Engine {
   std::vector<int> busy_count_;        // [tier * 2 + direction]
   std::vector<int64_t> busy_since_ns_;  // [tier * 2 + direction]
   Timeline timeline_;
+  std::unordered_map<int64_t, StreamState> streams_;
+  int64_t last_stream_ = 0;
+  std::vector<std::shared_ptr<HugePageBuffer>> free_landing_;  // Pooled, smallest first.
+  uint64_t free_landing_bytes_ = 0;
+  uint64_t landing_bytes_ = 0;
   std::mutex pace_mu_;
   int64_t pace_next_ns_ = 0;
   std::vector<std::thread> workers_;

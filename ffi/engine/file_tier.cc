@@ -236,6 +236,10 @@ class FileTier final : public Tier {
            (reinterpret_cast<uintptr_t>(dst) - (data_start() + offset)) % dio_alignment_ == 0;
   }
 
+  uint64_t InPlacePhase(uint64_t offset) const override {
+    return direct_io() ? (data_start() + offset) % dio_alignment_ : 0;
+  }
+
   Status Read(uint64_t offset, void* dst, uint64_t bytes, IoContext& io) override {
     TPUSYNC_RETURN_IF_ERROR(CheckRange(offset, bytes));
     auto* out = static_cast<uint8_t*>(dst);

@@ -68,6 +68,9 @@ class Tier {
   // Whether a read of tier bytes at `offset` lands straight in `dst` (O_DIRECT in phase with
   // the destination), rather than through a bounce buffer.
   virtual bool ReadsInPlace(uint64_t /*offset*/, const void* /*dst*/) const { return false; }
+  // The address modulo 4096 at which a read of tier bytes at `offset` lands in place
+  // (0 where any address does).
+  virtual uint64_t InPlacePhase(uint64_t /*offset*/) const { return 0; }
   // Fetched bytes that went straight to the destination / through a bounce buffer.
   virtual uint64_t direct_read_bytes() const { return 0; }
   virtual uint64_t bounced_read_bytes() const { return 0; }

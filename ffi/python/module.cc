@@ -196,6 +196,12 @@ class PyEngine {
 
   void Mark(int32_t kind, int32_t layer, int32_t chunk) { engine().Mark(kind, {layer, chunk}); }
 
+  int64_t OpenStream() { return engine().OpenStream(); }
+  int32_t BeginEpoch(int64_t stream) { return ValueOrThrow(engine().BeginEpoch(stream)); }
+  void CloseStream(int64_t stream) {
+    if (engine_) engine_->CloseStream(stream);  // A closed engine has no streams left.
+  }
+
   nb::dict Stats() {
     EngineStats s = engine().Stats();
     auto direction = [](const DirectionStats& d) {
@@ -220,6 +226,7 @@ class PyEngine {
     d["prefetch_misses"] = s.prefetch_misses;
     d["wait_s"] = s.wait_ns * 1e-9;
     d["inflight_bytes_peak"] = s.inflight_bytes_peak;
+    d["landing_bytes"] = s.landing_bytes;
     return d;
   }
 
@@ -307,6 +314,9 @@ NB_MODULE(_tpusync, m) {
       .def("cancel", &PyEngine::Cancel, nb::arg("ticket"))
       .def("drain", &PyEngine::Drain)
       .def("mark", &PyEngine::Mark, nb::arg("kind"), nb::arg("layer"), nb::arg("chunk"))
+      .def("open_stream", &PyEngine::OpenStream)
+      .def("begin_epoch", &PyEngine::BeginEpoch, nb::arg("stream"))
+      .def("close_stream", &PyEngine::CloseStream, nb::arg("stream"))
       .def("stats", &PyEngine::Stats)
       .def("reset_stats", &PyEngine::ResetStats)
       .def("take_timeline", &PyEngine::TakeTimeline);

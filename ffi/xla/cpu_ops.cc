@@ -1,23 +1,32 @@
 // XLA FFI handlers (platform "cpu") for the in-graph transfer ops.
 //
-// start(passthrough, dst, segments, tag, retire, *deps) -> (passthrough, dst, ticket)
-//   Queues a fetch of `segments` into `dst` and returns at once. `retire` (-1: none) is a
-//   ticket of an earlier fetch into the same buffer that nobody waited for: it is waited
-//   first, so two fetches never write one buffer at once. `passthrough` (the layer's
-//   input activation) is aliased through so that compute reading it is ordered after the
-//   start: XLA's schedulers may otherwise sink a start past the compute it should overlap.
-// wait(dst, ticket, segments, tag, *deps) -> dst
-//   Blocks until `dst` holds `segments`. `deps` (the outputs of the compute that overlaps the
-//   fetch) keep XLA from hoisting the wait above that compute; lax.optimization_barrier
-//   does not. If the ticket fetched anything else (or is -1), the wait fetches the wanted
-//   bytes itself: a prefetch is only ever an optimization, never a source of stale KV.
-// write_back(src, segments, tag, *deps) -> token
+// start(passthrough, segments, tag, retire, owner, *deps) -> (passthrough, ticket)
+//   Queues a fetch of `segments` and returns at once. The fetch lands in memory the engine
+//   owns, never in an XLA buffer: XLA may copy, free or reuse any buffer between two ops
+//   (it does copy a donated, aliased one in some graphs), so the only moment a buffer is
+//   ours is while an op that holds it runs. `retire` (-1: none) is an earlier fetch for
+//   the same slot that nobody waited for: it is discarded. `passthrough` (the layer's input
+//   activation) is aliased through so that compute reading it is ordered after the start:
+//   XLA's schedulers may otherwise sink a start past the compute it should overlap.
+// wait(dst, ticket, segments, tag, owner, *deps) -> dst
+//   Fills `dst` with `segments`: copies the ticket's landed bytes if it fetched exactly
+//   these (tier bytes and offsets in dst), else reads them now. `deps` (the outputs of the
+//   compute that overlaps the fetch) keep XLA from hoisting the wait above that compute;
+//   lax.optimization_barrier does not. A prefetch is only ever an optimization, never a
+//   source of stale KV, whatever buffer XLA hands the wait.
+// write_back(src, segments, tag, owner, *deps) -> token
 //   Copies the bytes out of `src` (XLA may reuse it as soon as we return) and writes them
 //   to the tier in the background. The engine orders later fetches of the same bytes after it.
 // mark(x, tag, *deps) -> x   records a timestamp in the engine timeline (compute spans).
 //
 // Segments are int32[n, 4] rows (block, offset_in_block, memory_offset, bytes): two int32
-// fields address a 64-bit tier offset without requiring jax_enable_x64.
+// fields address a 64-bit tier offset without requiring jax_enable_x64. `memory_offset` is
+// a byte offset into the destination (fetch) or source (write-back) buffer; `dst_bytes`
+// tells start how large the destination will be.
+//
+// `owner` is int32[4] (stream, epoch, generation, claims) from the state (see
+// Engine::CheckOwner): an op of a superseded state fails before it moves a byte; the
+// step's first op claims its generation. Stream 0: unchecked.
 //
 // Region attributes (region_base, region_bytes, region_count; region_bytes == 0 disables
 // the check) describe how the caller carved the tier: `region_count` regions of
@@ -58,11 +67,12 @@ TransferTag DecodeTag(const ffi::Buffer<ffi::S32>& tag) {
 }
 
 // Builds a request from int32[n, 4] segment rows against `memory` of `memory_bytes`.
-StatusOr<TransferRequest> DecodeRequest(Engine& engine, int32_t tier, Direction direction,
-                                            const ffi::Buffer<ffi::S32>& segments,
-                                            uint8_t* memory, size_t memory_bytes,
-                                            const ffi::Buffer<ffi::S32>& tag,
-                                            const Regions& regions) {
+// Decodes int32[n, 4] rows into (tier offset, buffer offset, bytes) against a buffer of
+// `buffer_bytes`, checking each against the buffer and the caller's regions.
+StatusOr<std::vector<FetchSegment>> DecodeSegments(Engine& engine, int32_t tier,
+                                                   const ffi::Buffer<ffi::S32>& segments,
+                                                   uint64_t buffer_bytes,
+                                                   const Regions& regions) {
   auto dims = segments.dimensions();
   if (dims.size() != 2 || dims[1] != 4) {
     return InvalidArgument("segments must be int32[n, 4]");
@@ -70,60 +80,75 @@ StatusOr<TransferRequest> DecodeRequest(Engine& engine, int32_t tier, Direction 
   StatusOr<Tier*> t = engine.GetTier(tier);
   if (!t.ok()) return t.status();
   const uint64_t block_bytes = (*t)->block_bytes();
-  TransferRequest request;
-  request.tier = tier;
-  request.direction = direction;
-  request.tag = DecodeTag(tag);
+  std::vector<FetchSegment> out;
   const int32_t* rows = segments.typed_data();
   for (int64_t i = 0; i < dims[0]; ++i) {
     const int32_t* r = rows + 4 * i;
     if (r[0] < 0 || r[1] < 0 || r[2] < 0 || r[3] < 0) {
       return InvalidArgument("segment " + std::to_string(i) + " has a negative field");
     }
-    const uint64_t mem_offset = static_cast<uint64_t>(r[2]);
-    const uint64_t bytes = static_cast<uint64_t>(r[3]);
-    if (bytes == 0) continue;
-    if (mem_offset + bytes > memory_bytes) {
+    FetchSegment s{static_cast<uint64_t>(r[0]) * block_bytes + static_cast<uint64_t>(r[1]),
+                   static_cast<uint64_t>(r[2]), static_cast<uint64_t>(r[3])};
+    if (s.bytes == 0) continue;
+    if (s.dst_offset + s.bytes > buffer_bytes) {
       return InvalidArgument(
-          "segment " + std::to_string(i) + " covers bytes [" +
-          std::to_string(mem_offset) + ", " + std::to_string(mem_offset + bytes) +
-          ") of a " + std::to_string(memory_bytes) + "-byte buffer");
+          "segment " + std::to_string(i) + " covers bytes [" + std::to_string(s.dst_offset) +
+          ", " + std::to_string(s.dst_offset + s.bytes) + ") of a " +
+          std::to_string(buffer_bytes) + "-byte buffer");
     }
-    request.segments.push_back({static_cast<uint64_t>(r[0]) * block_bytes +
-                                    static_cast<uint64_t>(r[1]),
-                                memory + mem_offset, bytes});
-    Status in_region = CheckRegion(regions, i, request.segments.back());
-    if (!in_region.ok()) return in_region;
+    TPUSYNC_RETURN_IF_ERROR(CheckRegion(regions, i, Segment{s.tier_offset, nullptr, s.bytes}));
+    out.push_back(s);
   }
+  return out;
+}
+
+StatusOr<FetchRequest> DecodeFetch(Engine& engine, int32_t tier,
+                                   const ffi::Buffer<ffi::S32>& segments, uint64_t dst_bytes,
+                                   const ffi::Buffer<ffi::S32>& tag, const Regions& regions,
+                                   int64_t stream) {
+  auto decoded = DecodeSegments(engine, tier, segments, dst_bytes, regions);
+  if (!decoded.ok()) return decoded.status();
+  FetchRequest request;
+  request.tier = tier;
+  request.segments = std::move(*decoded);
+  request.tag = DecodeTag(tag);
+  request.stream = stream;
   return request;
 }
 
-ffi::Error StartImpl(ffi::AnyBuffer passthrough, ffi::AnyBuffer dst,
-                     ffi::Buffer<ffi::S32> segments, ffi::Buffer<ffi::S32> tag,
-                     ffi::BufferR0<ffi::S32> retire, ffi::RemainingArgs /*deps*/,
+// Checks the state's (stream, epoch, generation, claims); returns the stream.
+StatusOr<int64_t> CheckOwner(Engine& engine, const ffi::Buffer<ffi::S32>& owner) {
+  if (owner.element_count() != 4) {
+    return InvalidArgument("owner must be int32[4] (stream, epoch, generation, claims)");
+  }
+  const int32_t* o = owner.typed_data();
+  if (o[0] == 0) return 0;
+  TPUSYNC_RETURN_IF_ERROR(engine.CheckOwner(o[0], o[1], o[2], o[3] != 0));
+  return o[0];
+}
+
+ffi::Error StartImpl(ffi::AnyBuffer passthrough, ffi::Buffer<ffi::S32> segments,
+                     ffi::Buffer<ffi::S32> tag, ffi::BufferR0<ffi::S32> retire,
+                     ffi::Buffer<ffi::S32> owner, ffi::RemainingArgs /*deps*/,
                      ffi::Result<ffi::AnyBuffer> passthrough_out,
-                     ffi::Result<ffi::AnyBuffer> dst_out,
                      ffi::Result<ffi::BufferR0<ffi::S32>> ticket_out, int64_t engine_id,
                      int32_t tier, int64_t region_base, int64_t region_bytes,
-                     int64_t region_count) {
+                     int64_t region_count, int64_t dst_bytes) {
   auto engine = LookupEngine(engine_id);
   if (!engine.ok()) return ToFfiError(engine.status());
+  StatusOr<int64_t> stream = CheckOwner(**engine, owner);
+  if (!stream.ok()) return ToFfiError(stream.status());
   if (passthrough_out->untyped_data() != passthrough.untyped_data()) {
     std::memcpy(passthrough_out->untyped_data(), passthrough.untyped_data(),
                 passthrough.size_bytes());
   }
   const Ticket stale = retire.typed_data()[0];
-  if (stale != kNoTicket) {
-    // Its bytes are unwanted and it may have been consumed already: only its end matters.
-    (*engine)->Wait(stale).ok();
-  }
-  // The fetch lands in the output buffer; with the operand aliased it is the same memory.
-  auto request = DecodeRequest(**engine, tier, Direction::kTierToMemory, segments,
-                               static_cast<uint8_t*>(dst_out->untyped_data()),
-                               dst_out->size_bytes(), tag,
-                               Regions{region_base, region_bytes, region_count});
+  if (stale != kNoTicket) (*engine)->Discard(stale);
+  if (dst_bytes < 0) return ToFfiError(InvalidArgument("dst_bytes must be >= 0"));
+  auto request = DecodeFetch(**engine, tier, segments, static_cast<uint64_t>(dst_bytes), tag,
+                             Regions{region_base, region_bytes, region_count}, *stream);
   if (!request.ok()) return ToFfiError(request.status());
-  StatusOr<Ticket> ticket = (*engine)->Submit(std::move(*request));
+  StatusOr<Ticket> ticket = (*engine)->SubmitFetch(std::move(*request));
   if (!ticket.ok()) return ToFfiError(ticket.status());
   ticket_out->typed_data()[0] = static_cast<int32_t>(*ticket);
   return ffi::Error::Success();
@@ -131,49 +156,58 @@ ffi::Error StartImpl(ffi::AnyBuffer passthrough, ffi::AnyBuffer dst,
 
 ffi::Error WaitImpl(ffi::AnyBuffer dst, ffi::BufferR0<ffi::S32> ticket,
                     ffi::Buffer<ffi::S32> segments, ffi::Buffer<ffi::S32> tag,
-                    ffi::RemainingArgs /*deps*/, ffi::Result<ffi::AnyBuffer> dst_out,
-                    int64_t engine_id, int32_t tier, int64_t region_base,
-                    int64_t region_bytes, int64_t region_count) {
+                    ffi::Buffer<ffi::S32> owner, ffi::RemainingArgs /*deps*/,
+                    ffi::Result<ffi::AnyBuffer> dst_out, int64_t engine_id, int32_t tier,
+                    int64_t region_base, int64_t region_bytes, int64_t region_count) {
   auto engine = LookupEngine(engine_id);
   if (!engine.ok()) return ToFfiError(engine.status());
+  StatusOr<int64_t> stream = CheckOwner(**engine, owner);
+  if (!stream.ok()) return ToFfiError(stream.status());
   if (dst_out->untyped_data() != dst.untyped_data()) {
-    // Not aliased (XLA copied the operand): the prefetch went elsewhere. Carry the
-    // buffer over; WaitFor sees the address mismatch and fetches again.
+    // Not aliased (XLA copied the operand): carry the other slots over. The fetched bytes
+    // are written below into whichever buffer this op was given.
     std::memcpy(dst_out->untyped_data(), dst.untyped_data(), dst.size_bytes());
   }
-  auto want = DecodeRequest(**engine, tier, Direction::kTierToMemory, segments,
-                            static_cast<uint8_t*>(dst_out->untyped_data()),
-                            dst_out->size_bytes(), tag,
-                               Regions{region_base, region_bytes, region_count});
+  auto want = DecodeFetch(**engine, tier, segments, dst_out->size_bytes(), tag,
+                          Regions{region_base, region_bytes, region_count}, *stream);
   if (!want.ok()) return ToFfiError(want.status());
   bool hit = false;
-  return ToFfiError((*engine)->WaitFor(ticket.typed_data()[0], *want, &hit));
+  return ToFfiError((*engine)->CompleteFetch(ticket.typed_data()[0], *want,
+                                             static_cast<uint8_t*>(dst_out->untyped_data()),
+                                             dst_out->size_bytes(), &hit));
 }
 
 ffi::Error WriteBackImpl(ffi::AnyBuffer src, ffi::Buffer<ffi::S32> segments,
-                         ffi::Buffer<ffi::S32> tag, ffi::RemainingArgs /*deps*/,
+                         ffi::Buffer<ffi::S32> tag, ffi::Buffer<ffi::S32> owner,
+                         ffi::RemainingArgs /*deps*/,
                          ffi::Result<ffi::BufferR0<ffi::S32>> token_out, int64_t engine_id,
                          int32_t tier, int64_t region_base, int64_t region_bytes,
                          int64_t region_count) {
   auto engine = LookupEngine(engine_id);
   if (!engine.ok()) return ToFfiError(engine.status());
-  auto request = DecodeRequest(**engine, tier, Direction::kMemoryToTier, segments,
-                               static_cast<uint8_t*>(src.untyped_data()), src.size_bytes(),
-                               tag, Regions{region_base, region_bytes, region_count});
-  if (!request.ok()) return ToFfiError(request.status());
+  StatusOr<int64_t> stream = CheckOwner(**engine, owner);
+  if (!stream.ok()) return ToFfiError(stream.status());
+  auto decoded = DecodeSegments(**engine, tier, segments, src.size_bytes(),
+                                Regions{region_base, region_bytes, region_count});
+  if (!decoded.ok()) return ToFfiError(decoded.status());
   // Pack the source bytes into engine-owned memory; the segments then point into it.
   uint64_t total = 0;
-  for (const Segment& s : request->segments) total += s.bytes;
+  for (const FetchSegment& s : *decoded) total += s.bytes;
   auto owned = std::make_shared<AlignedBuffer>(total);
+  TransferRequest request;
+  request.tier = tier;
+  request.direction = Direction::kMemoryToTier;
+  request.tag = DecodeTag(tag);
   uint64_t at = 0;
-  for (Segment& s : request->segments) {
-    std::memcpy(owned->data() + at, s.memory, s.bytes);
-    s.memory = owned->data() + at;
+  const auto* base = static_cast<const uint8_t*>(src.untyped_data());
+  for (const FetchSegment& s : *decoded) {
+    std::memcpy(owned->data() + at, base + s.dst_offset, s.bytes);
+    request.segments.push_back({s.tier_offset, owned->data() + at, s.bytes});
     at += s.bytes;
   }
-  request->owned_memory = std::move(owned);
-  request->detached = true;
-  StatusOr<Ticket> ticket = (*engine)->Submit(std::move(*request));
+  request.owned_memory = std::move(owned);
+  request.detached = true;
+  StatusOr<Ticket> ticket = (*engine)->Submit(std::move(request));
   if (!ticket.ok()) return ToFfiError(ticket.status());
   token_out->typed_data()[0] = 0;
   return ffi::Error::Success();
@@ -195,19 +229,20 @@ ffi::Error MarkImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> tag, ffi::RemainingA
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncStartCpu, StartImpl,
                               WithTransferAttrs(ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::BufferR0<ffi::S32>>()));
+                                  .Ret<ffi::BufferR0<ffi::S32>>())
+                                  .Attr<int64_t>("dst_bytes"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWaitCpu, WaitImpl,
                               WithTransferAttrs(ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
@@ -216,6 +251,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWaitCpu, WaitImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWriteBackCpu, WriteBackImpl,
                               WithTransferAttrs(ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()

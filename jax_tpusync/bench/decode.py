@@ -650,8 +650,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ahead = min(depth, n_fetch)
                 tickets = jnp.full((slots,), ops.NO_TICKET, jnp.int32)
                 for i in range(ahead):
-                    x, staging, t = ops.start_fetch(
-                        eid, tier, x, staging, segs[i], tag(-1, i), regions=regions
+                    x, t = ops.start_fetch(
+                        eid,
+                        tier,
+                        x,
+                        segs[i],
+                        tag(-1, i),
+                        dst_bytes=ops.buffer_bytes(staging),
+                        regions=regions,
                     )
                     tickets = tickets.at[i % slots].set(t)
 
@@ -663,8 +669,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 def body(i, carry):
                     x, staging, tickets = carry
                     j = i + depth  # Into the slot of unit i - 1, waited for last.
-                    x, staging, t = ops.start_fetch(
-                        eid, tier, x, staging, segs[j], tag(-1, j), regions=regions
+                    x, t = ops.start_fetch(
+                        eid,
+                        tier,
+                        x,
+                        segs[j],
+                        tag(-1, j),
+                        dst_bytes=ops.buffer_bytes(staging),
+                        regions=regions,
                     )
                     staging = wait(i, staging, tickets)
                     return x, staging, tickets.at[j % slots].set(t)

@@ -215,7 +215,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 return compute(x, w)
 
             def f_transfer(z, dst, segs, tag):
-                z, dst, ticket = ops.start_fetch(eid, tier, z, dst, segs, tag)
+                z, ticket = ops.start_fetch(
+                    eid, tier, z, segs, tag, dst_bytes=ops.buffer_bytes(dst)
+                )
                 return ops.wait_fetch(eid, tier, dst, ticket, segs, tag, deps=(z,))
 
             def f_sync(x, w, dst, segs, tag):
@@ -224,7 +226,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 return compute(x, w), dst
 
             def f_overlap(x, w, dst, segs, tag):
-                x, dst, ticket = ops.start_fetch(eid, tier, x, dst, segs, tag)
+                x, ticket = ops.start_fetch(
+                    eid, tier, x, segs, tag, dst_bytes=ops.buffer_bytes(dst)
+                )
                 y = compute(x, w)
                 dst = ops.wait_fetch(eid, tier, dst, ticket, segs, tag, deps=(y,))
                 return y, dst

@@ -29,7 +29,7 @@ def host(make_engine):
 
 def _start_wait(engine_id, tier):
     def step(x, dst, segs):
-        x, dst, ticket = ops.start_fetch(engine_id, tier, x, dst, segs, TAG)
+        x, ticket = ops.start_fetch(engine_id, tier, x, segs, TAG, dst_bytes=ops.buffer_bytes(dst))
         return ops.wait_fetch(engine_id, tier, dst, ticket, segs, TAG, deps=(x,))
 
     return jax.jit(step, donate_argnums=(1,))
@@ -45,7 +45,7 @@ def test_segments_of_wrong_shape_or_dtype(host):
         (jnp.zeros((1, 4), jnp.int16), "must be int32"),
     ]:
         with pytest.raises(ValueError, match=match):
-            ops.start_fetch(e.id, t, x, dst, segs, TAG)
+            ops.start_fetch(e.id, t, x, segs, TAG, dst_bytes=16)
         with pytest.raises(ValueError, match=match):
             ops.wait_fetch(e.id, t, dst, ops.NO_TICKET, segs, TAG)
         with pytest.raises(ValueError, match=match):
@@ -59,11 +59,11 @@ def test_other_trace_time_checks(host):
     x, dst = jnp.ones(2), jnp.zeros(16, jnp.uint8)
     segs = _rows([0], [0], [16])
     with pytest.raises(ValueError, match=r"tag must be int32\[2\]"):
-        ops.start_fetch(e.id, t, x, dst, segs, np.zeros(3, np.int32))
+        ops.start_fetch(e.id, t, x, segs, np.zeros(3, np.int32), dst_bytes=16)
     with pytest.raises(ValueError, match="ticket must be an int32 scalar"):
         ops.wait_fetch(e.id, t, dst, jnp.zeros(2, jnp.int32), segs, TAG)
     with pytest.raises(ValueError, match="not a valid engine id"):
-        ops.start_fetch(0, t, x, dst, segs, TAG)
+        ops.start_fetch(0, t, x, segs, TAG, dst_bytes=16)
     with pytest.raises(ValueError, match="not a valid engine id"):
         ops.mark(-3, ops.MARK_COMPUTE_BEGIN, x, TAG)
     with pytest.raises(ValueError, match="tier=-1 must be >= 0"):

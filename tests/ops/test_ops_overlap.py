@@ -40,7 +40,9 @@ def measure_overlap(kind: str, directory: str, nbytes: int = 64 * MiB) -> dict:
         tag = np.array([3, 0], np.int32)
 
         def step(x, w, dst, segs):
-            x, dst, ticket = ops.start_fetch(e.id, tier, x, dst, segs, tag)
+            x, ticket = ops.start_fetch(
+                e.id, tier, x, segs, tag, dst_bytes=ops.buffer_bytes(dst)
+            )
             x = ops.mark(e.id, ops.MARK_COMPUTE_BEGIN, x, tag)
             y = x
             for _ in range(3):  # ~50-100 ms of matmuls on a small CPU.
