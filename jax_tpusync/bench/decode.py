@@ -447,6 +447,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             args.seed,
             keep=bool({"resident", "compute", "platform", "jax_offload"} & set(variants_wanted)),
         )
+        pf_state = pf_cache.drain(pf_state)  # The live state again (_fill made others).
         print(
             f"filled {args.context} tokens x {shape.layers} layers in "
             f"{time.perf_counter() - t0:.1f} s",
