@@ -84,7 +84,8 @@ def main() -> None:
         t0 = time.perf_counter()
         for _ in range(8):
             xxhash.xxh3_64_intdigest(buf)
-        print(f"xxh3_64 alone, in memory: {8 * buf.nbytes / (time.perf_counter() - t0) / 1e9:.1f} GB/s")
+        rate = 8 * buf.nbytes / (time.perf_counter() - t0) / 1e9
+        print(f"xxh3_64 alone, in memory: {rate:.1f} GB/s")
         cache.close(state)
     finally:
         for name in os.listdir(directory):

@@ -263,15 +263,8 @@ class OffloadedKVCache:
             path=path,
             shm_name=shm_name,
             file_name=file_name,
-            geometry=persistence.Geometry(
-                num_layers=int(num_layers),
-                batch=int(batch),
-                max_len=int(max_len),
-                num_kv_heads=int(num_kv_heads),
-                head_dim=int(head_dim),
-                dtype=dtype.name,
-                layout_version=persistence.LAYOUT_VERSION,
-                model_id=persistence.UNSPECIFIED_MODEL if model_id is None else model_id,
+            geometry=persistence.Geometry.of(
+                num_layers, batch, max_len, num_kv_heads, head_dim, dtype, model_id
             ),
             overwrite=overwrite,
         )

@@ -113,6 +113,29 @@ class Geometry:
     layout_version: int
     model_id: str
 
+    @classmethod
+    def of(
+        cls,
+        num_layers: int,
+        batch: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: Any,
+        model_id: str | None,
+    ) -> Geometry:
+        """The geometry of a cache made with these arguments, at this LAYOUT_VERSION."""
+        return cls(
+            num_layers=int(num_layers),
+            batch=int(batch),
+            max_len=int(max_len),
+            num_kv_heads=int(num_kv_heads),
+            head_dim=int(head_dim),
+            dtype=np.dtype(dtype).name,
+            layout_version=LAYOUT_VERSION,
+            model_id=UNSPECIFIED_MODEL if model_id is None else model_id,
+        )
+
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -241,7 +264,9 @@ class Persistence:
         elif manifest_path.exists():
             # The data went (a reboot cleared shm, or the file was deleted): what the
             # manifest describes is lost, and the new tier starts empty.
-            logger.warning("%s has no data beside it (%s): starting empty", manifest_path, data_path)
+            logger.warning(
+                "%s has no data beside it (%s): starting empty", manifest_path, data_path
+            )
             manifest_path.unlink()
         return cls(
             geometry=geometry,
@@ -494,7 +519,10 @@ class Persistence:
                 rows=(lo, hi),
             )
         return VerifyResult(
-            chunks=len(checks), bytes=nbytes, seconds=time.perf_counter() - t0, skipped_chunks=skipped
+            chunks=len(checks),
+            bytes=nbytes,
+            seconds=time.perf_counter() - t0,
+            skipped_chunks=skipped,
         )
 
     # -- reading and hashing ----------------------------------------------------------------
