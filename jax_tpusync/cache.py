@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tpusync import ops
+from jax_tpusync import ops, persistence
 from jax_tpusync.engine import Engine, EngineConfig, page_offset
 
 logger = logging.getLogger(__name__)
@@ -204,6 +204,16 @@ class OffloadedKVCache:
         the next step, or call :meth:`drain` before dropping it.
       engine: an :class:`Engine` to use, or an :class:`EngineConfig` for a new one.
       debug_poison: fill staging with NaN until each fetch lands (catches missing waits).
+      model_id: persistent tiers: names the model whose KV this is (None: "unspecified").
+        Persisted KV re-attaches only to a cache of the same model_id and geometry.
+      verify: persistent tiers: on re-attach, check the committed rows' checksums
+        (:meth:`verify`) before returning.
+      overwrite: persistent tiers: discard existing data and manifest and start empty,
+        instead of refusing data that has no manifest or another geometry/model.
+
+    Persistence (``shm_name`` or ``file_name``): see :mod:`jax_tpusync.persistence`. A new
+    cache writes a manifest (commit 0); :meth:`commit` records the state's lengths; a
+    re-attached cache restores the last commit's lengths as :meth:`init`'s default.
     """
 
     def __init__(
@@ -225,6 +235,9 @@ class OffloadedKVCache:
         prefetch_across_steps: bool = True,
         engine: Engine | EngineConfig | None = None,
         debug_poison: bool = False,
+        model_id: str | None = None,
+        verify: bool = True,
+        overwrite: bool = False,
     ):
         for name, value in dict(
             num_layers=num_layers,
@@ -249,6 +262,21 @@ class OffloadedKVCache:
         if not isinstance(prefetch_depth, int) or prefetch_depth < 1:
             raise ValueError(f"prefetch_depth={prefetch_depth!r} must be an int >= 1")
         windows = _normalize_windows(sliding_window, num_layers)
+        if model_id is not None and not isinstance(model_id, str):
+            raise ValueError(f"model_id={model_id!r} must be a str or None")
+        # Checked before the tier opens, so that a mismatch touches nothing.
+        self._persistence = persistence.Persistence.prepare(
+            tier=tier,
+            path=path,
+            shm_name=shm_name,
+            file_name=file_name,
+            geometry=persistence.Geometry.of(
+                num_layers, batch, max_len, num_kv_heads, head_dim, dtype, model_id
+            ),
+            overwrite=overwrite,
+        )
+        self._restored_lengths: np.ndarray | None = None  # init()'s default once re-attached.
+        self._closed = False
         # Where the attention reads staging in small blocks of rows (CPU), 16-bit KV is staged
         # as uint16 words: XLA's CPU backend slices 16-bit floats element by element but words
         # as fast as any integer (blocks from bfloat16 staging took twice as long).
@@ -348,6 +376,15 @@ class OffloadedKVCache:
         )
         self._loaded_layers: set[int] = set()
         self._stream = self.engine.open_stream()
+        if self._persistence is not None:
+            try:
+                self._restored_lengths = self._persistence.attach(
+                    self, attached=self.engine.tier_info(tier_index).attached, verify=verify
+                )
+            except Exception:
+                if self._owns_engine:
+                    self.engine.close()
+                raise
         logger.info(
             "offloaded KV cache: %s tier, %.1f MiB of KV, %.1f MiB staging, chunk_len=%d",
             tier,
@@ -359,8 +396,13 @@ class OffloadedKVCache:
     # -- state ------------------------------------------------------------------------------
 
     def init(self, lengths: Sequence[int] | np.ndarray | None = None) -> KVState:
-        """A fresh state; ``lengths`` (default 0) says how many tokens each sequence holds."""
+        """A fresh state; ``lengths`` says how many tokens each sequence holds.
+
+        Default: 0, or the last commit's lengths for a cache that re-attached persisted KV.
+        """
         spec = self.spec
+        if lengths is None:
+            lengths = self._restored_lengths
         if lengths is None:
             lengths = np.zeros(spec.batch, np.int32)
         lengths = np.asarray(lengths)
@@ -368,6 +410,8 @@ class OffloadedKVCache:
             raise ValueError(f"lengths must have shape ({spec.batch},); got {lengths.shape}")
         if lengths.min(initial=0) < 0 or lengths.max(initial=0) > spec.max_len:
             raise ValueError(f"lengths must be in [0, max_len={spec.max_len}]; got {lengths}")
+        if self._persistence is not None:
+            self._persistence.note_init(lengths)
         staging, self._first_staging = self._first_staging, None
         if staging is None:
             staging = jnp.zeros(spec.staging_shape, spec.staging_dtype)
@@ -502,6 +546,8 @@ class OffloadedKVCache:
                 f"positions start + lengths = {starts + counts} overflow max_len={spec.max_len}"
             )
         state = self.drain(state)
+        if self._persistence is not None:  # Committed rows may change: re-hash them.
+            self._persistence.note_rows_written(layer, starts, counts)
         tickets = []
         for kv, x in enumerate((k, v)):
             x = x.astype(spec.dtype, copy=False)
@@ -549,14 +595,89 @@ class OffloadedKVCache:
             out.append(buf)
         return out[0], out[1]
 
+    # -- persistence ------------------------------------------------------------------------
+
+    def commit(self, state: KVState) -> KVState:
+        """Makes ``state``'s rows durable and records its lengths; call between steps.
+
+        Drains the state's fetches and the engine (raising a failed write-back's error),
+        syncs the data (file tier), checksums the newly committed rows and atomically
+        replaces the manifest. A re-attached cache starts from the last commit. On a
+        non-persistent tier it only drains.
+
+        Returns:
+          The drained state: continue with it (the state passed in must not be reused).
+
+        Raises:
+          persistence.CommitError: the commit was not made (e.g. a write-back failed); the
+            manifest still holds the previous commit.
+        """
+        return self._commit(state, session="open")
+
+    def _commit(self, state: KVState, *, session: str) -> KVState:
+        state = self.drain(state)
+        if self._persistence is None:
+            self.engine.drain()
+            return state
+        try:
+            self.engine.drain()
+        except Exception as e:
+            p = self._persistence
+            raise persistence.CommitError(
+                f"commit {p.commit_number + 1} was not written (the tier keeps commit "
+                f"{p.commit_number}, lengths {p.committed_lengths.tolist()}): {e}"
+            ) from e
+        self._persistence.commit(np.asarray(state.lengths), session=session)
+        return state
+
+    def verify(self, state: KVState | None = None) -> persistence.VerifyResult:
+        """Re-reads the committed rows and checks them against the manifest's checksums.
+
+        Args:
+          state: optional; when given it must belong to this cache, and the engine is
+            drained first so that transfers in flight have ended.
+
+        Raises:
+          persistence.ChecksumMismatchError: naming the chunk (layer, K|V, sequence, rows).
+          ValueError: the cache is not on a persistent tier.
+        """
+        if self._persistence is None:
+            raise ValueError("verify() needs a persistent tier (shm_name= or file_name=)")
+        if state is not None:
+            self._check_state(state)
+            self.engine.drain()
+        return self._persistence.verify()
+
+    @property
+    def committed_lengths(self) -> np.ndarray | None:
+        """Per-sequence lengths of the last commit (None: not a persistent tier)."""
+        return None if self._persistence is None else self._persistence.committed_lengths
+
     # -- lifetime ---------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Closes the engine if the cache made it (waits for running transfers)."""
+    def close(self, state: KVState | None = None) -> None:
+        """Commits ``state`` if given (persistent tiers), then closes the engine if the
+        cache made it (waits for running transfers).
+
+        Never raises for a failed engine or commit: it logs the error, and a re-opened cache
+        restores the last commit that succeeded. Without a state nothing is committed, and
+        the next session is told that rows past the last commit were dropped.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if state is not None:
+            try:
+                self._commit(state, session="closed")
+            except Exception as e:  # noqa: BLE001 - reported; the last commit stands.
+                logger.error("final commit failed; the last successful commit stands: %s", e)
         if not self.engine.closed:
             self.engine.close_stream(self._stream)
         if self._owns_engine:
-            self.engine.close()
+            try:
+                self.engine.close()
+            except Exception as e:  # noqa: BLE001 - a failed engine still has to close.
+                logger.error("closing the engine: %s", e)
 
     def __enter__(self) -> OffloadedKVCache:
         return self

@@ -1,0 +1,689 @@
+"""Crash-consistent persistence of an offloaded KV cache: manifest, commits, checksums.
+
+A cache on a persistent tier (``shm_name=`` or ``file_name=``) keeps a *manifest* beside its
+data:
+
+* file tier: ``<directory>/<file_name>.tpusync.manifest.json`` (the data is
+  ``<directory>/<file_name>.tpusync``);
+* shm tier: ``/dev/shm/<shm_name>.tpusync.manifest.json`` (the data is the segment
+  ``/dev/shm/<shm_name>``), so the manifest lives and dies with the segment (a reboot
+  clears both).
+
+The manifest records the cache's geometry, its ``model_id``, a commit number, the committed
+length of every sequence and an xxh3-64 checksum per *chunk* of committed rows. A chunk is a
+run of up to ``chunk_rows`` rows of one (layer, K|V, sequence) region; chunk ``c`` covers rows
+``[c * chunk_rows, min((c + 1) * chunk_rows, length))``, so the last chunk of a sequence may
+be partial and grows as decode appends.
+
+Protocol. :meth:`Persistence.commit` runs between steps, after the engine has drained (so
+every write-back has landed or failed): it makes the data durable (``fsync`` of the file;
+nothing for shm, which outlives the process but not a reboot), hashes the rows committed
+since the last commit (and chunks that :meth:`OffloadedKVCache.load` rewrote), then writes the
+manifest atomically (temporary file, ``fsync``, ``os.replace``, ``fsync`` of the directory).
+A crash at any point leaves either the old or the new manifest, and each describes rows that
+were durable before it was written. Decode only appends past the committed lengths, so rows a
+manifest covers are not rewritten by later steps; a re-attached cache starts from the
+committed lengths, and anything past them (a half-written step) is dropped.
+
+Errors are :class:`PersistenceError`, a subclass of :class:`jax_tpusync.TpusyncError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import xxhash
+
+from jax_tpusync.engine import Engine, TpusyncError
+
+if TYPE_CHECKING:
+    from jax_tpusync.cache import OffloadedKVCache
+
+logger = logging.getLogger(__name__)
+
+# Version of the tier byte layout that cache.py documents (region and row order). Bump it
+# when that layout changes: a manifest of another version never attaches.
+LAYOUT_VERSION = 1
+
+MANIFEST_FORMAT = "jax_tpusync.kv_manifest"
+MANIFEST_VERSION = 1
+MANIFEST_SUFFIX = ".tpusync.manifest.json"
+SHM_DIRECTORY = "/dev/shm"
+CHECKSUM_ALGORITHM = "xxh3_64"
+UNSPECIFIED_MODEL = "unspecified"
+
+# A chunk of about 4 MiB keeps the manifest small (a 1 GiB region is 256 checksums) while a
+# flipped bit is still located to a few thousand rows.
+CHUNK_TARGET_BYTES = 4 << 20
+# Bytes read per engine request while hashing; two such buffers alternate, so the disk reads
+# one while the CPU hashes the other.
+READ_BATCH_BYTES = 32 << 20
+
+# Test hook: called with a stage name ("before_manifest_write") during a commit; a hook that
+# raises simulates a crash or failure at that point.
+fault_hook: Callable[[str], None] | None = None
+
+
+class PersistenceError(TpusyncError):
+    """Base class of persistence errors (a :class:`jax_tpusync.TpusyncError`)."""
+
+
+class LayoutMismatchError(PersistenceError):
+    """The persisted KV was written by a cache of another geometry or model."""
+
+
+class MissingManifestError(PersistenceError):
+    """A persistent tier holds data but no (readable) manifest says what it is."""
+
+
+class ChecksumMismatchError(PersistenceError):
+    """A chunk of committed rows does not match its checksum.
+
+    Attributes:
+      layer, kv ("K" or "V"), sequence: the region; rows: the chunk's [start, stop) rows.
+    """
+
+    def __init__(self, message: str, *, layer: int, kv: str, sequence: int, rows: tuple[int, int]):
+        super().__init__(message)
+        self.layer, self.kv, self.sequence, self.rows = layer, kv, sequence, rows
+
+
+class CommitError(PersistenceError):
+    """A commit could not be made; the manifest still describes the previous commit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """What must match for a cache to re-attach to persisted KV."""
+
+    num_layers: int
+    batch: int
+    max_len: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    layout_version: int
+    model_id: str
+
+    @classmethod
+    def of(
+        cls,
+        num_layers: int,
+        batch: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: Any,
+        model_id: str | None,
+    ) -> Geometry:
+        """The geometry of a cache made with these arguments, at this LAYOUT_VERSION."""
+        return cls(
+            num_layers=int(num_layers),
+            batch=int(batch),
+            max_len=int(max_len),
+            num_kv_heads=int(num_kv_heads),
+            head_dim=int(head_dim),
+            dtype=np.dtype(dtype).name,
+            layout_version=LAYOUT_VERSION,
+            model_id=UNSPECIFIED_MODEL if model_id is None else model_id,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Geometry:
+        return cls(**{f.name: d.get(f.name) for f in dataclasses.fields(cls)})
+
+    def differences(self, ours: Geometry) -> list[str]:
+        """One ``"field: the tier holds X, this cache has Y"`` per differing field."""
+        out = []
+        for f in dataclasses.fields(self):
+            held, have = getattr(self, f.name), getattr(ours, f.name)
+            if held != have:
+                out.append(f"{f.name}: the tier holds {held!r}, this cache has {have!r}")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyResult:
+    """What :meth:`Persistence.verify` checked."""
+
+    chunks: int
+    bytes: int
+    seconds: float
+    skipped_chunks: int  # rewritten by load() since the last commit: no checksum yet
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+def _region_name(layer: int, kv: int, b: int) -> str:
+    return f"layer {layer} {'KV'[kv]} sequence {b}"
+
+
+class Persistence:
+    """The manifest and checksums of one cache on a persistent tier.
+
+    Made by :meth:`prepare` before the tier is opened, bound to the cache by :meth:`attach`
+    once it is. Not thread-safe: commit from the thread that drives the cache.
+    """
+
+    def __init__(
+        self,
+        *,
+        geometry: Geometry,
+        manifest_path: Path,
+        data_path: Path,
+        tier_kind: str,
+        restored: dict[str, Any] | None,
+    ):
+        self.geometry = geometry
+        self.manifest_path = manifest_path
+        self.data_path = data_path
+        self.tier_kind = tier_kind
+        self._restored = restored
+        self._commit = 0
+        self._lengths = np.zeros(geometry.batch, np.int64)
+        self._chunk_rows = 1
+        # Per region (layer * 2 + kv) * batch + b: checksums of its committed chunks.
+        self._sums: list[list[int]] = []
+        # Per region: (chunk, rows hashed, hasher) of its partial last chunk, so that the next
+        # commit hashes only the appended rows. Lost on restart (rebuilt by verify).
+        self._tails: dict[int, tuple[int, int, Any]] = {}
+        # Per region: chunks that load() rewrote since the last commit.
+        self._stale: dict[int, set[int]] = {}
+        self._cache: OffloadedKVCache | None = None
+
+    # -- opening ----------------------------------------------------------------------------
+
+    @classmethod
+    def prepare(
+        cls,
+        *,
+        tier: str,
+        path: str | os.PathLike | None,
+        shm_name: str | None,
+        file_name: str | None,
+        geometry: Geometry,
+        overwrite: bool,
+    ) -> Persistence | None:
+        """Checks persisted KV against ``geometry`` before the tier is opened.
+
+        Returns None for a non-persistent tier. With ``overwrite``, existing data and
+        manifest are deleted instead of checked, so the tier starts empty.
+
+        Raises:
+          LayoutMismatchError: the manifest's geometry or model_id differs.
+          MissingManifestError: the data exists but its manifest does not (or is unreadable).
+        """
+        if tier == "file" and file_name:
+            directory = Path(os.fspath(path))
+            data_path = directory / f"{file_name}.tpusync"
+            manifest_path = directory / f"{file_name}{MANIFEST_SUFFIX}"
+        elif tier == "host" and shm_name:
+            data_path = Path(SHM_DIRECTORY) / shm_name
+            manifest_path = Path(SHM_DIRECTORY) / f"{shm_name}{MANIFEST_SUFFIX}"
+        else:
+            return None
+
+        restored = None
+        if overwrite:
+            for p in (data_path, manifest_path):
+                if p.exists():
+                    logger.warning("overwrite=True: discarding %s", p)
+                    if p == data_path and tier == "host":
+                        Engine.unlink_shm(shm_name)
+                    else:
+                        p.unlink()
+        elif data_path.exists():
+            if not manifest_path.exists():
+                raise MissingManifestError(
+                    f"{data_path} holds KV but has no manifest ({manifest_path}): nothing says "
+                    "which model, geometry or lengths it holds, or whether its last step was "
+                    "complete. Pass overwrite=True to discard it and start empty."
+                )
+            restored = read_manifest(manifest_path)
+            held = Geometry.from_json(restored["geometry"])
+            diffs = held.differences(geometry)
+            if diffs:
+                raise LayoutMismatchError(
+                    f"layout mismatch: the KV in {data_path} does not belong to this cache: "
+                    + "; ".join(diffs)
+                    + ". Use another name, or pass overwrite=True to discard it."
+                )
+        elif manifest_path.exists():
+            # The data went (a reboot cleared shm, or the file was deleted): what the
+            # manifest describes is lost, and the new tier starts empty.
+            logger.warning(
+                "%s has no data beside it (%s): starting empty", manifest_path, data_path
+            )
+            manifest_path.unlink()
+        return cls(
+            geometry=geometry,
+            manifest_path=manifest_path,
+            data_path=data_path,
+            tier_kind=tier,
+            restored=restored,
+        )
+
+    def attach(self, cache: OffloadedKVCache, *, attached: bool, verify: bool) -> np.ndarray | None:
+        """Binds to the opened cache; returns the restored lengths (None: a new cache).
+
+        A new cache writes its first manifest (commit 0, lengths 0). A re-attached one
+        restores the last commit, verifies its checksums if ``verify``, and records that a
+        session is open (so the next one can tell whether this one committed at the end).
+        """
+        self._cache = cache
+        spec = cache.spec
+        num_regions = spec.num_regions
+        manifest = self._restored
+        if manifest is not None and not attached:
+            logger.warning("%s vanished before it was opened: starting empty", self.data_path)
+            manifest = None
+        if manifest is None and attached:
+            raise MissingManifestError(
+                f"{self.data_path} appeared while this cache was opening, without a manifest; "
+                "pass overwrite=True to discard it"
+            )
+        if manifest is None:
+            self._chunk_rows = max(1, min(spec.max_len, CHUNK_TARGET_BYTES // spec.row_bytes))
+            self._sums = [[] for _ in range(num_regions)]
+            self._write_manifest(session="open")
+            logger.info("new persistent KV cache; manifest %s", self.manifest_path)
+            return None
+
+        self._commit = int(manifest["commit"])
+        self._lengths = np.asarray(manifest["lengths"], np.int64)
+        self._chunk_rows = int(manifest["checksum"]["chunk_rows"])
+        self._sums = _sums_from_json(manifest["checksums"], spec.num_layers, spec.batch)
+        if manifest.get("session") == "open":
+            logger.warning(
+                "%s: the previous session ended without a final commit (a crash, a failed "
+                "write-back, or close() without a state); restored commit %d. Rows from "
+                "these lengths on were not committed and are dropped: %s",
+                self.data_path,
+                self._commit,
+                ", ".join(f"sequence {b} from row {n}" for b, n in enumerate(self._lengths)),
+            )
+        else:
+            logger.info(
+                "%s: restored commit %d, lengths %s",
+                self.data_path,
+                self._commit,
+                self._lengths.tolist(),
+            )
+        if verify:
+            result = self.verify()
+            logger.info(
+                "verified %d chunks (%.1f MiB) of committed KV at %.2f GB/s",
+                result.chunks,
+                result.bytes / 2**20,
+                result.gb_per_s,
+            )
+        self._write_manifest(session="open")
+        return self._lengths.astype(np.int32)
+
+    # -- bookkeeping from the cache ---------------------------------------------------------
+
+    @property
+    def commit_number(self) -> int:
+        return self._commit
+
+    @property
+    def committed_lengths(self) -> np.ndarray:
+        return self._lengths.copy()
+
+    def note_rows_written(self, layer: int, starts: np.ndarray, counts: np.ndarray) -> None:
+        """Marks chunks that a host-side write (``load``) touches as needing a new checksum."""
+        spec = self._spec
+        r_rows = self._chunk_rows
+        for kv in range(2):
+            for b in range(spec.batch):
+                s, n = int(starts[b]), int(counts[b])
+                if n <= 0:
+                    continue
+                region = (layer * 2 + kv) * spec.batch + b
+                chunks = range(s // r_rows, (s + n - 1) // r_rows + 1)
+                self._stale.setdefault(region, set()).update(chunks)
+
+    def note_init(self, lengths: np.ndarray) -> None:
+        """A state starting below the committed lengths will overwrite committed rows:
+        commit the shorter lengths first, so that a crash cannot leave a manifest whose
+        checksums cover rows decode has rewritten."""
+        lengths = np.asarray(lengths, np.int64)
+        if (lengths < self._lengths).any():
+            logger.info(
+                "init() below the committed lengths %s: committing %s first",
+                self._lengths.tolist(),
+                lengths.tolist(),
+            )
+            self._spec_engine.drain()
+            self.commit(np.minimum(lengths, self._lengths))
+
+    @property
+    def _spec(self):
+        assert self._cache is not None, "attach() first"
+        return self._cache.spec
+
+    @property
+    def _spec_engine(self) -> Engine:
+        assert self._cache is not None, "attach() first"
+        return self._cache.engine
+
+    # -- commit -----------------------------------------------------------------------------
+
+    def commit(self, lengths: Sequence[int] | np.ndarray, *, session: str = "open") -> int:
+        """Makes rows below ``lengths`` durable and records them; returns the commit number.
+
+        The engine must have drained (every write-back landed). Nothing in memory changes
+        unless the new manifest is in place.
+
+        Raises:
+          CommitError: syncing, reading or writing the manifest failed.
+        """
+        spec = self._spec
+        lengths = np.asarray(lengths, np.int64).reshape(spec.batch)
+        try:
+            self._sync_data()
+            sums, tails = self._updated_checksums(lengths)
+            if fault_hook is not None:
+                fault_hook("before_manifest_write")
+            self._write_manifest(
+                session=session, commit=self._commit + 1, lengths=lengths, sums=sums
+            )
+        except Exception as e:
+            raise CommitError(
+                f"commit {self._commit + 1} was not written (the tier keeps commit "
+                f"{self._commit}, lengths {self._lengths.tolist()}): {e}"
+            ) from e
+        self._commit += 1
+        self._lengths = lengths
+        self._sums, self._tails = sums, tails
+        self._stale.clear()
+        return self._commit
+
+    def mark_session(self, session: str) -> None:
+        """Rewrites the manifest's session state only (same commit)."""
+        self._write_manifest(session=session)
+
+    def _sync_data(self) -> None:
+        if self.tier_kind != "file":
+            return  # shm: the bytes are in the kernel's memory once written; no device.
+        fd = os.open(self.data_path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _updated_checksums(
+        self, lengths: np.ndarray
+    ) -> tuple[list[list[int]], dict[int, tuple[int, int, Any]]]:
+        """New per-chunk checksums for ``lengths``; hashes only chunks that changed."""
+        spec = self._spec
+        rr = self._chunk_rows
+        sums = [list(s) for s in self._sums]
+        tails: dict[int, tuple[int, int, Any]] = {}
+        work: list[tuple[int, int, int, Any]] = []  # (region, lo, hi, hasher)
+        finish: list[tuple[int, int, Any, int]] = []  # (region, chunk, hasher, rows)
+        for region in range(spec.num_regions):
+            b = region % spec.batch
+            old, new = int(self._lengths[b]), int(lengths[b])
+            stale = self._stale.get(region, set())
+            nchunks = -(-new // rr)
+            kept = min(old, new) // rr  # Chunks below this are full and were committed.
+            del sums[region][nchunks:]
+            sums[region].extend([0] * (nchunks - len(sums[region])))
+            todo = sorted({c for c in stale if c < kept} | set(range(kept, nchunks)))
+            tail = self._tails.get(region)
+            if tail is not None and tail[0] not in todo and tail[0] * rr + tail[1] == new:
+                tails[region] = tail  # Unchanged partial last chunk.
+            for c in todo:
+                lo, hi = c * rr, min((c + 1) * rr, new)
+                if (
+                    tail is not None
+                    and c not in stale
+                    and tail[0] == c
+                    and lo + tail[1] == old
+                    and old <= hi
+                ):
+                    hasher, feed_lo = tail[2].copy(), old  # Continue: hash the appended rows.
+                else:
+                    hasher, feed_lo = xxhash.xxh3_64(), lo
+                work.append((region, feed_lo, hi, hasher))
+                finish.append((region, c, hasher, hi - lo))
+        self._hash_rows(work)
+        for region, c, hasher, rows in finish:
+            sums[region][c] = hasher.intdigest()
+            if rows < rr:
+                tails[region] = (c, rows, hasher)
+        return sums, tails
+
+    # -- verify -----------------------------------------------------------------------------
+
+    def verify(self) -> VerifyResult:
+        """Re-reads every committed chunk and compares it with its checksum.
+
+        Chunks that ``load()`` rewrote since the last commit are skipped (their checksum is
+        recomputed at the next commit).
+
+        Raises:
+          ChecksumMismatchError: naming the first chunk that differs (layer, K|V, sequence,
+            rows), with the number of other bad chunks.
+        """
+        spec = self._spec
+        rr = self._chunk_rows
+        t0 = time.perf_counter()
+        work, checks = [], []
+        skipped = 0
+        for region in range(spec.num_regions):
+            b = region % spec.batch
+            n = int(self._lengths[b])
+            stale = self._stale.get(region, set())
+            for c in range(-(-n // rr)):
+                if c in stale:
+                    skipped += 1
+                    continue
+                lo, hi = c * rr, min((c + 1) * rr, n)
+                hasher = xxhash.xxh3_64()
+                work.append((region, lo, hi, hasher))
+                checks.append((region, c, lo, hi, hasher))
+        nbytes = self._hash_rows(work)
+        bad = []
+        for region, c, lo, hi, hasher in checks:
+            if hasher.intdigest() != self._sums[region][c]:
+                bad.append((region, lo, hi))
+            elif hi - lo < rr:
+                # A verified partial chunk: the next commit continues from it.
+                self._tails[region] = (c, hi - lo, hasher)
+        if bad:
+            region, lo, hi = bad[0]
+            layer, kv, b = region // (2 * spec.batch), region // spec.batch % 2, region % spec.batch
+            more = f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""
+            raise ChecksumMismatchError(
+                f"committed KV is corrupt in {self.data_path}: {_region_name(layer, kv, b)}, "
+                f"rows [{lo}, {hi}) do not match commit {self._commit}'s checksum{more}. "
+                "Pass overwrite=True to discard the cache, or verify=False to open it anyway.",
+                layer=layer,
+                kv="KV"[kv],
+                sequence=b,
+                rows=(lo, hi),
+            )
+        return VerifyResult(
+            chunks=len(checks),
+            bytes=nbytes,
+            seconds=time.perf_counter() - t0,
+            skipped_chunks=skipped,
+        )
+
+    # -- reading and hashing ----------------------------------------------------------------
+
+    def _hash_rows(self, work: Iterable[tuple[int, int, int, Any]]) -> int:
+        """Feeds rows [lo, hi) of each region to its hasher, reading through the engine.
+
+        Reads go in batches of up to READ_BATCH_BYTES into two alternating buffers: the next
+        batch is read while this one is hashed. Returns the bytes hashed.
+        """
+        spec = self._spec
+        engine = self._spec_engine
+        row = spec.row_bytes
+        base = spec.first_block * spec.block_bytes
+        batches: list[list[tuple[int, int, int, Any]]] = []
+        size = 0
+        for item in work:
+            _, lo, hi, _ = item
+            n = (hi - lo) * row
+            if n <= 0:
+                continue
+            if not batches or size + n > READ_BATCH_BYTES:
+                batches.append([])
+                size = 0
+            batches[-1].append(item)
+            size += n
+        if not batches:
+            return 0
+        biggest = max(sum((hi - lo) * row for _, lo, hi, _ in batch) for batch in batches)
+        phase = engine.tier_info(spec.tier).alignment_offset
+        buffers = [_phased_buffer(biggest, phase) for _ in range(min(2, len(batches)))]
+
+        def submit(i: int) -> int:
+            segments, mem = [], 0
+            for region, lo, hi, _ in batches[i]:
+                n = (hi - lo) * row
+                segments.append((base + (region * spec.max_len + lo) * row, mem, n))
+                mem += n
+            return engine.submit_read(spec.tier, segments, buffers[i % 2])
+
+        total = 0
+        ticket: int | None = submit(0)
+        try:
+            for i, batch in enumerate(batches):
+                upcoming = submit(i + 1) if i + 1 < len(batches) else None
+                current, ticket = ticket, upcoming
+                engine.wait(current)
+                buf, mem = buffers[i % 2], 0
+                for _, lo, hi, hasher in batch:
+                    n = (hi - lo) * row
+                    hasher.update(buf[mem : mem + n])
+                    mem += n
+                total += mem
+        finally:
+            if ticket is not None:  # An error mid-way: the read in flight still lands first.
+                try:
+                    engine.wait(ticket)
+                except Exception:  # noqa: BLE001 - the first error is the one raised.
+                    pass
+        return total
+
+    # -- manifest ---------------------------------------------------------------------------
+
+    def _write_manifest(
+        self,
+        *,
+        session: str,
+        commit: int | None = None,
+        lengths: np.ndarray | None = None,
+        sums: list[list[int]] | None = None,
+    ) -> None:
+        spec = self._spec
+        commit = self._commit if commit is None else commit
+        lengths = self._lengths if lengths is None else lengths
+        sums = self._sums if sums is None else sums
+        now = time.time()
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "format_version": MANIFEST_VERSION,
+            "geometry": self.geometry.to_json(),
+            "model_id": self.geometry.model_id,
+            "tier": self.tier_kind,
+            "data": str(self.data_path),
+            "commit": commit,
+            "timestamp": now,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
+            "session": session,
+            "lengths": [int(n) for n in lengths],
+            "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_rows": self._chunk_rows},
+            "checksums": _sums_to_json(sums, spec.num_layers, spec.batch),
+        }
+        write_json_atomically(self.manifest_path, manifest)
+
+
+def _phased_buffer(nbytes: int, phase: int) -> np.ndarray:
+    """A uint8 buffer starting ``phase`` bytes past a page: in the file tier's phase, so
+    O_DIRECT reads land in it directly instead of through a bounce buffer and a copy."""
+    raw = np.empty(nbytes + 8192, np.uint8)
+    start = (phase - raw.ctypes.data) % 4096
+    return raw[start : start + nbytes]
+
+
+def _sums_to_json(sums: list[list[int]], num_layers: int, batch: int) -> list:
+    """[layer][kv][sequence] -> list of 16-digit hex checksums, one per chunk."""
+    return [
+        [[[f"{s:016x}" for s in sums[(layer * 2 + kv) * batch + b]] for b in range(batch)]
+         for kv in range(2)]
+        for layer in range(num_layers)
+    ]
+
+
+def _sums_from_json(nested: list, num_layers: int, batch: int) -> list[list[int]]:
+    return [
+        [int(s, 16) for s in nested[layer][kv][b]]
+        for layer in range(num_layers)
+        for kv in range(2)
+        for b in range(batch)
+    ]
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """Loads and sanity-checks a manifest.
+
+    Raises:
+      MissingManifestError: it cannot be read or is not a manifest of this format.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+        if manifest.get("format") != MANIFEST_FORMAT:
+            raise ValueError(f"format is {manifest.get('format')!r}, not {MANIFEST_FORMAT!r}")
+        if manifest.get("format_version") != MANIFEST_VERSION:
+            raise ValueError(
+                f"format_version {manifest.get('format_version')!r}; this build reads "
+                f"{MANIFEST_VERSION}"
+            )
+        for key in ("geometry", "commit", "lengths", "checksum", "checksums"):
+            if key not in manifest:
+                raise ValueError(f"no {key!r}")
+    except (OSError, ValueError) as e:
+        raise MissingManifestError(
+            f"cannot use manifest {path}: {e}. Pass overwrite=True to discard the cache."
+        ) from e
+    return manifest
+
+
+def write_json_atomically(path: Path, obj: Any) -> None:
+    """Replaces ``path`` by ``obj`` as JSON so that a crash leaves the old or the new file."""
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    # The rename is durable only once the directory is.
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
