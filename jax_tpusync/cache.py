@@ -541,7 +541,7 @@ class OffloadedKVCache:
             if starts[b] + counts[b] > spec.max_len:
                 raise ValueError(
                     f"start + lengths = {int(starts[b] + counts[b])} of sequence {b} "
-                    f"overflows max_len={spec.max_len}"
+                    f"would overflow max_len={spec.max_len}"
                 )
         state = self.drain(state)
         tickets = []

@@ -327,7 +327,7 @@ def test_the_largest_depth_compiles_in_seconds_and_matches_resident():
         compiled = jax.jit(step, donate_argnums=(2,)).lower(q, k, state).compile()
         seconds = time.perf_counter() - t0
         print(f"prefetch_depth={MAX_PREFETCH_DEPTH}: traced and compiled in {seconds:.2f} s")
-        assert seconds < 15, seconds
+        assert seconds < 30, seconds  # Generous: CI machines are shared.
         outs, state = compiled(q, k, state)
         for layer in range(layers):
             full_k = np.concatenate([ck[layer, :, :n], np.asarray(k)], axis=1)
@@ -511,7 +511,7 @@ def test_load_start_and_lengths_name_the_sequence():
         with pytest.raises(ValueError, match=r"start=-1 of sequence 1 must be >= 0"):
             cache.load(cache.init(), 0, kv, kv, start=[0, -1])
         with pytest.raises(
-            ValueError, match=r"start \+ lengths = 9 of sequence 1 overflows max_len=8"
+            ValueError, match=r"start \+ lengths = 9 of sequence 1 would overflow max_len=8"
         ):
             cache.load(cache.init(), 0, kv, kv, start=[0, 5])
         with pytest.raises(ValueError, match=r"start must be an int or 2 ints"):
