@@ -29,7 +29,15 @@ import numpy as np
 from jax import lax
 
 from jax_tpusync import ops
-from jax_tpusync.cache import NO_WINDOW, CacheSpec, KVState, attends_in_blocks
+from jax_tpusync.cache import (
+    INT32_MAX,
+    NO_WINDOW,
+    CacheSpec,
+    KVState,
+    attends_in_blocks,
+    dtype_error,
+    exact_cast_allowed,
+)
 from jax_tpusync.kernels import reference as kernel_reference
 
 IMPLEMENTATIONS = ("xla", "pallas")
@@ -98,26 +106,75 @@ def _write_segments(spec: CacheSpec, layer, lengths, q_len: int) -> jax.Array:
     return jnp.stack([block, offset, mem, nbytes], axis=-1).reshape(-1, 4).astype(jnp.int32)
 
 
+def _units_per_layer(spec: CacheSpec, lengths: jax.Array) -> jax.Array:
+    """int32[num_layers]: :func:`_num_units` of every layer at ``lengths``, at once."""
+    windows = spec.windows_array()[:, None]  # [num_layers, 1]
+    start = jnp.where(windows >= NO_WINDOW, 0, jnp.maximum(lengths[None, :] - windows + 1, 0))
+    span = jnp.max(lengths[None, :] - start, axis=1)
+    return jnp.maximum(1, (span + spec.chunk_len - 1) // spec.chunk_len)
+
+
+def _locate(units: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(layer, chunk) of unit ``index`` in the layer-major order of ``units`` per layer.
+
+    ``index`` must be below ``sum(units)``; layers with 0 units are passed over.
+    """
+    ends = jnp.cumsum(units)  # Exclusive end of each layer's units.
+    layer = jnp.sum(ends <= index).astype(jnp.int32)
+    chunk = index - (ends[layer] - units[layer])
+    return layer, chunk.astype(jnp.int32)
+
+
+def _refuse_bad_layer(spec: CacheSpec, layer: jax.Array, segments: jax.Array) -> jax.Array:
+    """``segments`` of a traced ``layer``, pointed past every region if it is out of range.
+
+    A traced layer cannot be checked at trace time. Block ``2**31 - 1`` (which the cache's
+    layout keeps past its last row) with offset 0 lies beyond the cache's regions, so the
+    engine refuses the call naming it ("addresses region R of N (layer out of range?)")
+    before anything is queued, where a negative layer's own segments would only say
+    "negative field" and a layer past the end could address another cache's bytes.
+    """
+    bad = (layer < 0) | (layer >= spec.num_layers)
+    block = jnp.where(bad, INT32_MAX, segments[:, 0])
+    offset = jnp.where(bad, 0, segments[:, 1])
+    return segments.at[:, 0].set(block).at[:, 1].set(offset)
+
+
 def _advance(spec: CacheSpec, layer, chunk, lengths, q_len: int):
     """The unit ``prefetch_depth`` after (layer, chunk): (layer, chunk, lengths, ok).
 
-    Past the last layer the walk enters the next step, whose lengths are ``lengths + q_len``.
-    ``ok`` is False where prefetching that unit could read bytes this step has not written
-    yet (a next-step unit of a layer after the current one: only with tiny models) or where
+    Past the last layer the walk enters the next step, whose lengths are ``lengths + q_len``
+    (and keeps them if it wraps again: a depth above the units of a step). ``ok`` is False
+    where prefetching that unit could read bytes this step has not written yet (a
+    next-step unit of a layer after the current one: only with tiny models) or where
     cross-step prefetch is off.
+
+    Computed in closed form from the units of every layer (no trace-time loop over the
+    depth, whose unrolling made compile time grow with it): a step of the walk from the
+    last unit of a layer (or from a chunk past it) goes to the next layer's first unit.
     """
+    depth = spec.prefetch_depth
     cur_layer = jnp.asarray(layer, jnp.int32)
-    l, c = cur_layer, jnp.asarray(chunk, jnp.int32)
-    lens = lengths
-    next_step = jnp.bool_(False)
-    for _ in range(spec.prefetch_depth):
-        wrap_chunk = c + 1 >= _num_units(spec, l, lens)
-        c = jnp.where(wrap_chunk, 0, c + 1)
-        l = jnp.where(wrap_chunk, l + 1, l)
-        wrap_layer = l >= spec.num_layers
-        l = jnp.where(wrap_layer, 0, l)
-        lens = jnp.where(wrap_layer & ~next_step, lengths + q_len, lens)
-        next_step = next_step | wrap_layer
+    c = jnp.asarray(chunk, jnp.int32)
+    next_lengths = lengths + q_len
+    units = _units_per_layer(spec, lengths)  # This step.
+    next_units = _units_per_layer(spec, next_lengths)  # The next one.
+    here = units[cur_layer]
+    # Steps from (layer, chunk) to the next layer's first unit.
+    to_next_layer = jnp.maximum(here - c, 1)
+    # Past it: the units of this step's later layers, then the next steps' (cyclically).
+    rest = depth - to_next_layer
+    later = jnp.where(jnp.arange(spec.num_layers) > cur_layer, units, 0)
+    in_this_step = rest < jnp.sum(later)
+    this_l, this_c = _locate(later, jnp.clip(rest, 0, jnp.sum(later) - 1))
+    wrapped = jnp.maximum(rest - jnp.sum(later), 0) % jnp.sum(next_units)
+    next_l, next_c = _locate(next_units, wrapped)
+
+    same_layer = depth < to_next_layer
+    next_step = ~same_layer & ~in_this_step
+    l = jnp.where(same_layer, cur_layer, jnp.where(in_this_step, this_l, next_l))
+    c = jnp.where(same_layer, c + depth, jnp.where(in_this_step, this_c, next_c))
+    lens = jnp.where(next_step, next_lengths, lengths)
     ok = ~next_step | (l <= cur_layer)
     if not spec.prefetch_across_steps:
         ok = ~next_step
@@ -287,10 +344,14 @@ def prefetching_attention(
 
     Args:
       q: queries, after RoPE.
-      k: the new tokens' keys, after RoPE (stored as given).
-      v: the new tokens' values.
+      k: the new tokens' keys, after RoPE (stored as given), in the cache's dtype or one
+        that converts to it exactly (see :meth:`OffloadedKVCache.load`: bfloat16 or
+        float16 into a float32 cache); float32 into a 16-bit cache is refused at trace
+        time, cast it with ``.astype(...)``.
+      v: the new tokens' values, same rule.
       state: the cache state from :meth:`OffloadedKVCache.init` or the previous call.
-      layer: the layer index.
+      layer: the layer index, in ``[0, num_layers)``. A traced layer out of range fails
+        when the step runs (the engine refuses its write-back: "layer out of range?").
       implementation: ``"xla"`` (plain jnp; default on CPU) or ``"pallas"`` (the decode
         kernel; default on GPU/TPU; TPU interpret mode on CPU).
       scale: softmax scale; default ``1 / sqrt(head_dim)`` (a model that pre-scales q
@@ -337,13 +398,18 @@ def prefetching_attention(
     owner = jnp.concatenate([state.owner, jnp.zeros((1,), jnp.int32)])
     tag = lambda l, c: jnp.stack([jnp.asarray(l, jnp.int32), jnp.asarray(c, jnp.int32)])
 
+    write_segments = _write_segments(spec, layer, lengths, q_len)
+    if not isinstance(layer, int):
+        # The first engine call of the layer refuses an out-of-range traced layer.
+        write_segments = _refuse_bad_layer(spec, layer, write_segments)
+
     # 1. New tokens go out first: later fetches of this layer are queued behind them.
     new_kv = jnp.stack([k, v]).astype(spec.dtype)  # [2, batch, q_len, H, D]
     token = ops.write_back(
         eid,
         tier,
         new_kv,
-        _write_segments(spec, layer, lengths, q_len),
+        write_segments,
         tag(layer, -1),
         deps=(state.token,),
         regions=regions,
@@ -462,6 +528,9 @@ def _validate(q, k, v, spec: CacheSpec, layer) -> None:
     if d != spec.head_dim:
         raise ValueError(f"q has head_dim={d} but the cache has head_dim={spec.head_dim}")
     for name, x in (("k", k), ("v", v)):
+        # Checked on dtypes at trace time: a rounding cast into the cache is the caller's.
+        if not exact_cast_allowed(x.dtype, spec.dtype):
+            raise ValueError(dtype_error(name, x.dtype, spec.dtype))
         if tuple(x.shape) != want_kv:
             raise ValueError(
                 f"{name} must be [batch, q_len, num_kv_heads, head_dim] = "

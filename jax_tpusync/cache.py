@@ -38,6 +38,12 @@ logger = logging.getLogger(__name__)
 # Window value standing for "no sliding window" in traced per-layer window arrays.
 NO_WINDOW = np.iinfo(np.int32).max // 2
 
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+# Most units a cache fetches ahead. The walk to the unit ahead is computed in closed form
+# (no trace-time loop), so this bounds staging slots, not compile time.
+MAX_PREFETCH_DEPTH = 64
+
 _cache_ids = itertools.count(1)
 
 
@@ -186,7 +192,11 @@ class OffloadedKVCache:
     Args:
       num_layers: decoder layers.
       batch: sequences.
-      max_len: tokens each sequence may hold.
+      max_len: tokens each sequence may hold. Every segment field the in-graph ops carry
+        (and the positions the attention computes) is int32, which bounds it: the tier
+        block index of the last row must fit int32, and so must ``max_len + chunk_len - 1``
+        for a layer that reads the whole context. Just under ``2**31`` for small caches;
+        the constructor names the condition a larger value breaks.
       num_kv_heads: KV heads (GQA/MQA: fewer than query heads).
       head_dim: head size.
       dtype: cache dtype (bf16 or f32).
@@ -194,16 +204,21 @@ class OffloadedKVCache:
       path: directory of the file tier.
       shm_name: host tier only: back it by POSIX shm so a restarted process re-attaches.
       file_name: file tier only: a persistent file name (re-attached on reopen).
-      staging_bytes: device memory budget of the state's staging slots. Layers whose
-        KV is larger are processed in chunks.
-      prefetch_depth: units fetched ahead (1: layer L+1 while layer L computes).
+      staging_bytes: device memory budget of the state's staging slots, an int in
+        ``[1, 2**31 - 1]`` that holds at least one token row per slot. Layers whose KV is
+        larger are processed in chunks.
+      prefetch_depth: units fetched ahead (1: layer L+1 while layer L computes), an int
+        in ``[1, MAX_PREFETCH_DEPTH]`` (64).
       sliding_window: None, an int for every layer, or a per-layer sequence of
-        ``int | None``: a sliding layer attends to (and fetches) only its last W tokens.
+        ``int | None`` (ints in ``[1, 2**31 - 1]``): a sliding layer attends to (and
+        fetches) only its last W tokens.
       prefetch_across_steps: the last layer's call fetches the next step's first unit.
-        The returned state then has a fetch in flight into its staging buffers: feed it to
-        the next step, or call :meth:`drain` before dropping it.
-      engine: an :class:`Engine` to use, or an :class:`EngineConfig` for a new one.
-      debug_poison: fill staging with NaN until each fetch lands (catches missing waits).
+        The returned state then has a fetch in flight (into engine memory: dropping the
+        state is safe, the next step's wait copies it into staging).
+      engine: an :class:`Engine` to use, an :class:`EngineConfig` for a new one, or None
+        (a new engine with the default config).
+      debug_poison: fill fetch destinations with NaN until each fetch lands (an engine
+        bug that served bytes before they landed shows up as NaN).
       model_id: persistent tiers: names the model whose KV this is (None: "unspecified").
         Persisted KV re-attaches only to a cache of the same model_id and geometry.
       verify: persistent tiers: on re-attach, check the committed rows' checksums
@@ -214,6 +229,10 @@ class OffloadedKVCache:
     Persistence (``shm_name`` or ``file_name``): see :mod:`jax_tpusync.persistence`. A new
     cache writes a manifest (commit 0); :meth:`commit` records the state's lengths; a
     re-attached cache restores the last commit's lengths as :meth:`init`'s default.
+
+    Raises:
+      ValueError: an argument out of its range; the message names it and the range.
+      TypeError: ``engine`` of another type.
     """
 
     def __init__(
@@ -246,8 +265,10 @@ class OffloadedKVCache:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
         ).items():
-            if not isinstance(value, (int, np.integer)) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive int")
+        if max_len > INT32_MAX:
+            raise ValueError(f"max_len={max_len} must be at most 2**31 - 1 (positions are int32)")
         dtype = np.dtype(dtype)
         if dtype not in (np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float16)):
             raise ValueError(f"dtype={dtype} must be bfloat16, float16 or float32")
@@ -259,8 +280,23 @@ class OffloadedKVCache:
             raise ValueError("path and file_name apply to tier='file' only")
         if tier == "file" and shm_name is not None:
             raise ValueError("shm_name applies to tier='host' only")
-        if not isinstance(prefetch_depth, int) or prefetch_depth < 1:
-            raise ValueError(f"prefetch_depth={prefetch_depth!r} must be an int >= 1")
+        if not _is_int(prefetch_depth) or not 1 <= prefetch_depth <= MAX_PREFETCH_DEPTH:
+            raise ValueError(
+                f"prefetch_depth={prefetch_depth!r} must be an int in [1, {MAX_PREFETCH_DEPTH}]: "
+                f"each unit ahead takes a staging slot, and beyond a few units (3 hide a slow "
+                f"read in the benchmarks) more slots only shrink every unit"
+            )
+        if not _is_int(staging_bytes) or not 1 <= staging_bytes <= INT32_MAX:
+            raise ValueError(
+                f"staging_bytes={staging_bytes!r} must be an int in [1, 2**31 - 1] (a "
+                f"segment's memory offset is int32)"
+            )
+        if engine is not None and not isinstance(engine, (Engine, EngineConfig)):
+            raise TypeError(
+                f"engine must be an Engine, an EngineConfig or None; got {type(engine).__name__}"
+            )
+        prefetch_depth = int(prefetch_depth)
+        staging_bytes = int(staging_bytes)
         windows = _normalize_windows(sliding_window, num_layers)
         if model_id is not None and not isinstance(model_id, str):
             raise ValueError(f"model_id={model_id!r} must be a str or None")
@@ -301,8 +337,6 @@ class OffloadedKVCache:
             row_bytes = num_kv_heads * head_dim * itemsize
             num_slots = prefetch_depth + 1
             unit_row_bytes = num_slots * 2 * batch * row_bytes
-            if staging_bytes >= 2**31:
-                raise ValueError(f"staging_bytes={staging_bytes} must be below 2 GiB")
             chunk_len = staging_bytes // unit_row_bytes
             if chunk_len < 1:
                 raise ValueError(
@@ -327,6 +361,7 @@ class OffloadedKVCache:
             block_bytes = tokens_per_block * row_bytes
             total_rows = num_layers * 2 * batch * max_len
             num_blocks = -(-total_rows // tokens_per_block)
+            _check_int32_layout(max_len, windows, chunk_len, total_rows, tokens_per_block, 0)
             if tier == "host":
                 tier_index = self.engine.add_host_tier(
                     block_bytes=block_bytes, num_blocks=num_blocks, shm_name=shm_name
@@ -349,6 +384,9 @@ class OffloadedKVCache:
                 )
             region_name = "kv" if (shm_name or file_name) else None
             first_block = self.engine.allocate(tier_index, num_blocks, name=region_name)
+            _check_int32_layout(
+                max_len, windows, chunk_len, total_rows, tokens_per_block, first_block
+            )
         except Exception:
             if self._owns_engine:
                 self.engine.close()
@@ -374,7 +412,8 @@ class OffloadedKVCache:
             prefetch_across_steps=prefetch_across_steps,
             staging_dtype=staging_dtype,
         )
-        self._loaded_layers: set[int] = set()
+        # Per layer and sequence, the end of the furthest row load() wrote since init().
+        self._loaded_extent = np.zeros((num_layers, batch), np.int64)
         self._stream = self.engine.open_stream()
         if self._persistence is not None:
             try:
@@ -399,8 +438,10 @@ class OffloadedKVCache:
         """A fresh state; ``lengths`` says how many tokens each sequence holds.
 
         Default: 0, or the last commit's lengths for a cache that re-attached persisted KV.
+        Also forgets what :meth:`load` wrote so far (see its Returns).
         """
         spec = self.spec
+        self._loaded_extent[:] = 0
         if lengths is None:
             lengths = self._restored_lengths
         if lengths is None:
@@ -509,21 +550,35 @@ class OffloadedKVCache:
             read bytes this call overwrites).
           layer: which layer.
           k: [batch, n, num_kv_heads, head_dim] keys (after RoPE, as the model caches them).
-          v: [batch, n, num_kv_heads, head_dim] values.
-          start: first position written, per sequence or for all.
-          lengths: per-sequence count of rows of ``k``/``v`` to write (ragged); default n.
+            Its dtype must be the cache's, or one that converts to it exactly: a float
+            dtype with ``np.can_cast(k.dtype, cache_dtype, casting="safe")`` (bfloat16 or
+            float16 into a float32 cache). Anything else (float32 into bfloat16, float64,
+            integers, complex) is refused: cast it with ``.astype(...)`` if rounding is
+            what you want.
+          v: [batch, n, num_kv_heads, head_dim] values, same rule.
+          start: first position written, per sequence or for all; ``>= 0``.
+          lengths: per-sequence count of rows of ``k``/``v`` to write (ragged), in
+            ``[0, n]``; default n. ``start + lengths`` must not exceed ``max_len``.
 
         Returns:
-          The state; once every layer has been loaded, its lengths are ``start + lengths``.
+          The state, whose lengths never shrink: sequence ``b``'s length becomes the
+          largest of its current length and the position every layer has been loaded up
+          to (per layer, the end of its furthest load of ``b`` since :meth:`init`; a load
+          of 0 rows leaves it as it was). So loading every layer up to ``start +
+          lengths`` sets the lengths there, and patching rows of a context that decode has
+          already extended leaves them as they are.
+
+        Raises:
+          ValueError: an argument out of range, or a dtype that would not convert exactly.
         """
         spec = self.spec
         self._check_state(state)
-        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < spec.num_layers:
+        if not _is_int(layer) or not 0 <= layer < spec.num_layers:
             raise ValueError(
                 f"layer={layer!r} is out of range for a cache of {spec.num_layers} layers"
             )
-        k = np.asarray(k)
-        v = np.asarray(v)
+        k = _as_cache_array("k", k, spec.dtype)
+        v = _as_cache_array("v", v, spec.dtype)
         want = (spec.batch, None, spec.num_kv_heads, spec.head_dim)
         for name, x in (("k", k), ("v", v)):
             if x.ndim != 4 or x.shape[0] != spec.batch or x.shape[2:] != want[2:]:
@@ -535,22 +590,23 @@ class OffloadedKVCache:
         if k.shape != v.shape:
             raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
         n = k.shape[1]
-        starts = np.broadcast_to(np.asarray(start, np.int64), (spec.batch,))
-        counts = np.broadcast_to(
-            np.asarray(n if lengths is None else lengths, np.int64), (spec.batch,)
-        )
+        starts = _per_sequence("start", start, spec.batch)
+        counts = _per_sequence("lengths", n if lengths is None else lengths, spec.batch)
         if (counts < 0).any() or (counts > n).any():
             raise ValueError(f"lengths must be in [0, n={n}]; got {counts}")
-        if (starts < 0).any() or (starts + counts > spec.max_len).any():
-            raise ValueError(
-                f"positions start + lengths = {starts + counts} overflow max_len={spec.max_len}"
-            )
+        for b in range(spec.batch):
+            if starts[b] < 0:
+                raise ValueError(f"start={int(starts[b])} of sequence {b} must be >= 0")
+            if starts[b] + counts[b] > spec.max_len:
+                raise ValueError(
+                    f"start + lengths = {int(starts[b] + counts[b])} of sequence {b} "
+                    f"would overflow max_len={spec.max_len}"
+                )
         state = self.drain(state)
         if self._persistence is not None:  # Committed rows may change: re-hash them.
             self._persistence.note_rows_written(layer, starts, counts)
         tickets = []
         for kv, x in enumerate((k, v)):
-            x = x.astype(spec.dtype, copy=False)
             packed = np.concatenate([x[b, : counts[b]].reshape(-1) for b in range(spec.batch)])
             tickets.append(
                 self.engine.submit_write(
@@ -559,10 +615,14 @@ class OffloadedKVCache:
             )
         for t in tickets:
             self.engine.wait(t)
-        self._loaded_layers.add(layer)
-        if len(self._loaded_layers) == spec.num_layers:
-            self._loaded_layers.clear()
-            state = state.replace(lengths=jnp.asarray(starts + counts, jnp.int32))
+        extent = self._loaded_extent[layer]
+        written = counts > 0
+        extent[written] = np.maximum(extent[written], (starts + counts)[written])
+        # Only rows every layer holds count; a length already past them stays.
+        lengths_now = np.asarray(state.lengths).astype(np.int64)
+        grown = np.maximum(lengths_now, self._loaded_extent.min(axis=0))
+        if (grown != lengths_now).any():
+            state = state.replace(lengths=jnp.asarray(grown, jnp.int32))
         return state
 
     def read(
@@ -572,16 +632,17 @@ class OffloadedKVCache:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Host-side copy of one layer's cached K and V: two [batch, max_len, H, D] arrays.
 
-        Positions at or past ``lengths[b]`` (if given) are zero. For checks and debugging.
+        Positions at or past ``lengths[b]`` (if given; an int or one per sequence, in
+        ``[0, max_len]``) are zero. For checks and debugging.
         """
         spec = self.spec
-        if not 0 <= layer < spec.num_layers:
+        if not _is_int(layer) or not 0 <= layer < spec.num_layers:
             raise ValueError(
-                f"layer={layer} is out of range for a cache of {spec.num_layers} layers"
+                f"layer={layer!r} is out of range for a cache of {spec.num_layers} layers"
             )
-        counts = np.broadcast_to(
-            np.asarray(spec.max_len if lengths is None else lengths, np.int64), (spec.batch,)
-        )
+        counts = _per_sequence("lengths", spec.max_len if lengths is None else lengths, spec.batch)
+        if (counts < 0).any() or (counts > spec.max_len).any():
+            raise ValueError(f"lengths must be in [0, max_len={spec.max_len}]; got {counts}")
         out = []
         for kv in range(2):
             buf = np.zeros((spec.batch, spec.max_len, spec.num_kv_heads, spec.head_dim), spec.dtype)
@@ -686,14 +747,109 @@ class OffloadedKVCache:
         self.close()
 
 
+def exact_cast_allowed(src: Any, dst: Any) -> bool:
+    """Whether KV of dtype ``src`` may go into a cache of dtype ``dst`` without an explicit
+    cast: the same dtype, or a float dtype that ``np.can_cast(src, dst, "safe")`` converts
+    exactly (bfloat16 or float16 into float32). Integer sources are refused although some
+    convert exactly: integer KV is quantized data, whose values are not the KV."""
+    src, dst = np.dtype(src), np.dtype(dst)
+    if src == dst:
+        return True
+    return bool(
+        np.issubdtype(src, np.floating) or src == np.dtype(jnp.bfloat16)
+    ) and np.can_cast(src, dst, casting="safe")
+
+
+def dtype_error(name: str, src: Any, dst: Any) -> str:
+    """The message refusing ``name`` of dtype ``src`` for a cache of dtype ``dst``."""
+    dst_name = np.dtype(dst).name
+    return (
+        f"{name} has dtype {np.dtype(src).name} but the cache holds {dst_name}, and the "
+        f"conversion is not exact (only the same dtype or a float dtype that "
+        f"np.can_cast(..., casting='safe') allows is converted implicitly); pass "
+        f"{name}.astype({dst_name}) if the rounding is intended"
+    )
+
+
+def _as_cache_array(name: str, x: Any, dtype: Any) -> np.ndarray:
+    """``x`` as a numpy array of the cache's ``dtype``, converted only if exactly."""
+    x = np.asarray(x)
+    if not exact_cast_allowed(x.dtype, dtype):
+        raise ValueError(dtype_error(name, x.dtype, dtype))
+    return x.astype(dtype, copy=False)
+
+
+def _per_sequence(name: str, value: Any, batch: int) -> np.ndarray:
+    """int64[batch] from an int or one int per sequence."""
+    array = np.asarray(value)
+    if array.ndim > 1 or (array.ndim == 1 and array.shape != (batch,)):
+        raise ValueError(f"{name} must be an int or {batch} ints (one per sequence); got {value!r}")
+    if array.size and not (
+        np.issubdtype(array.dtype, np.integer) and not np.issubdtype(array.dtype, np.bool_)
+    ):
+        raise ValueError(f"{name} must hold ints; got {value!r}")
+    return np.broadcast_to(array.astype(np.int64), (batch,))
+
+
+def _is_int(value: Any) -> bool:
+    """An int (Python or numpy), not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_int32_layout(
+    max_len: int,
+    windows: Sequence[int | None],
+    chunk_len: int,
+    total_rows: int,
+    tokens_per_block: int,
+    first_block: int,
+) -> None:
+    """Refuses a layout whose segment fields or position arithmetic would leave int32.
+
+    Segments carry (block, offset_in_block, memory_offset, nbytes) as int32. The last
+    two stay below ``staging_bytes`` and the offset below one block; the block index of a
+    position ``pos <= max_len`` of region ``r`` is ``first_block + (r * max_len + pos) //
+    tokens_per_block``, largest at the end of the last region, and must stay below
+    ``2**31 - 1``: that block index, past every region, is the sentinel of a traced layer
+    out of range (see ``attention._refuse_bad_layer``). ``tokens_per_block`` keeps
+    ``r * (max_len % tokens_per_block) + pos`` in int32 where it can. A layer that reads
+    the whole context counts its units as ``(span + chunk_len - 1) // chunk_len`` with
+    ``span`` up to ``max_len``.
+    """
+    last_block = first_block + total_rows // tokens_per_block
+    if last_block >= INT32_MAX:
+        raise ValueError(
+            f"max_len={max_len} is too large for this cache: the tier block index of the "
+            f"last row, {first_block} + {total_rows} rows // {tokens_per_block} rows per "
+            f"block = {last_block}, must be below 2**31 - 1 (segment fields are int32, and "
+            f"block 2**31 - 1 marks a traced layer out of range); use a smaller max_len, "
+            f"batch or num_layers"
+        )
+    longest_span = max(max_len if w is None else min(max_len, max(w - 1, 1)) for w in windows)
+    if longest_span + chunk_len - 1 > INT32_MAX:
+        raise ValueError(
+            f"max_len={max_len} is too large for a layer that reads the whole context: its "
+            f"unit count needs max_len + chunk_len - 1 = {longest_span + chunk_len - 1} to "
+            f"fit int32; at most {INT32_MAX + 1 - chunk_len} with chunk_len={chunk_len}"
+        )
+
+
 def _normalize_windows(sliding_window, num_layers: int) -> tuple[int | None, ...]:
-    if sliding_window is None or isinstance(sliding_window, (int, np.integer)):
+    if sliding_window is None or _is_int(sliding_window):
         windows = (sliding_window,) * num_layers
+    elif isinstance(sliding_window, (str, bytes)) or not isinstance(sliding_window, Sequence):
+        raise ValueError(
+            f"sliding_window={sliding_window!r} must be None, an int or a sequence of "
+            f"{num_layers} ints or Nones"
+        )
     else:
         windows = tuple(sliding_window)
         if len(windows) != num_layers:
             raise ValueError(f"sliding_window has {len(windows)} entries for {num_layers} layers")
-    for w in windows:
-        if w is not None and (not isinstance(w, (int, np.integer)) or w < 1):
-            raise ValueError(f"sliding window {w!r} must be None or an int >= 1")
+    for layer, w in enumerate(windows):
+        if w is not None and (not _is_int(w) or not 1 <= w <= INT32_MAX):
+            raise ValueError(
+                f"sliding window {w!r} of layer {layer} must be None or an int in "
+                f"[1, 2**31 - 1] (positions are int32)"
+            )
     return tuple(None if w is None else int(w) for w in windows)

@@ -550,7 +550,7 @@ def test_cache_arguments_are_validated(tmp_path):
         with tps.OffloadedKVCache(**base) as cache:
             cache.init(lengths=[9])
     with tps.OffloadedKVCache(**base) as cache:
-        kv = np.zeros((1, 9, 1, 8), np.float32)
+        kv = np.zeros((1, 9, 1, 8), jnp.bfloat16)  # The cache dtype: no implicit cast.
         with pytest.raises(ValueError, match="overflow max_len=8"):
             cache.load(cache.init(), 0, kv, kv)
 
