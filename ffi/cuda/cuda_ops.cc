@@ -73,7 +73,7 @@
 //     and wrote into freed memory when a state was dropped. Restoring the overlap would need
 //     device memory the context owns across start..wait (H2D at the start into it, a D2D
 //     into dst at the wait).
-//   * Two host copies per fetch (tier -> landing in the engine, landing -> pinned mirror).
+//   * Two host copies per hit (tier -> landing in the engine, landing -> pinned mirror).
 //     DMA straight from the landing buffer would save the second one, but needs them
 //     registered with cudaHostRegister and kept alive by the engine until the H2D ran.
 //   * The mirror is pinned, as large as the largest wait's dst, grown lazily and never
