@@ -1,58 +1,86 @@
 // XLA FFI handlers (platform "CUDA") for the in-graph transfer ops, with the same operands,
-// results and attributes as the CPU handlers in ffi/xla/cpu_ops.cc.
+// results and attributes as the CPU handlers in ffi/xla/cpu_ops.cc:
+//   start(passthrough, segments, tag, retire, owner, *deps) -> (passthrough, ticket)
+//   wait(dst, ticket, segments, tag, owner, *deps) -> dst
+//   write_back(src, segments, tag, owner, *deps) -> token
+//   mark(x, tag, *deps) -> x
 //
-// The problem. On a GPU every operand is device memory, and the segment rows, tag, ticket
-// and retire are usually computed inside the graph (page tables, positions). The host thread
-// that runs a handler only *enqueues* work; when it calls tpusync_start the rows may not
-// exist yet. Reading them on the host would need a stream sync (blocking the host until the
-// GPU catches up), and a cudaMemcpyAsync per segment cannot be enqueued before its
-// addresses are known. Plain "record an event at start, cudaStreamWaitEvent at wait" does
-// not work either: when the wait handler runs, the copy it must wait for has not been
-// enqueued yet, and waiting on an event that was never recorded is a no-op.
+// The guarantee is the CPU handlers' one: no transfer writes an XLA buffer outside the op
+// that holds it. XLA may copy, free or reuse a buffer between two ops (and a state may be
+// dropped with fetches in flight), so a start fetches into engine-owned host memory and only
+// the matching wait moves bytes into its own dst, while the compute stream is held at it.
+//
+// The problem. On a GPU every operand is device memory, and the segment rows, tag, ticket,
+// retire and owner are usually computed inside the graph (page tables, positions, the
+// state). The host thread that runs a handler only *enqueues* work; when it calls
+// tpusync_start the rows may not exist yet. Reading them on the host would need a stream
+// sync (blocking the host until the GPU catches up), and a cudaMemcpyAsync per segment
+// cannot be enqueued before its addresses are known. Plain "record an event at the op,
+// cudaStreamWaitEvent later" does not work either: when the wait handler runs, the copy it
+// must wait for has not been enqueued yet, and waiting on an event that was never recorded
+// is a no-op.
 //
 // The design: one agent thread and one private DMA stream per device, fed in program order.
-//   * Every op copies its small descriptor (rows, tag, ticket/retire) device -> pinned host
-//     on the compute stream and records a `ready` event right after it. The copy runs
-//     exactly where XLA placed the op, so the rows are final and their buffer cannot have
-//     been reused yet. The host does not wait for anything.
-//   * The agent takes items in order, waits (itself) on each `ready` event, decodes the
-//     rows, has the engine read the tier into pinned staging buffers (engine worker
-//     threads, engine ordering, engine throttle and stats), then enqueues the H2D copies on
-//     the DMA stream. Write-back is the mirror: D2H on the DMA stream into staging, then an
-//     engine write from staging to the tier.
+//   * Every op copies its small descriptor (rows, tag, ticket/retire, owner) device ->
+//     pinned host on the compute stream and records a `ready` event right after it. The
+//     copy runs exactly where XLA placed the op, so the rows are final and their buffer
+//     cannot have been reused yet. The host does not wait for anything.
+//   * The agent takes items in order and waits (itself) on each `ready` event. It then
+//     checks the owner (Engine::CheckOwner: an op of a superseded state moves no byte; the
+//     step's first op claims its generation, in program order) and decodes the rows.
+//     - start: Engine::SubmitFetch reads the tier into the engine's landing memory (engine
+//       worker threads, ordering, throttle and stats) and the agent moves on at once. No
+//       device memory is touched; the CUDA ticket is mapped to the engine's.
+//     - wait: Engine::CompleteFetch copies the landed bytes (a hit) or reads the tier (a
+//       miss) into a pinned host mirror of dst, then the wanted segments are copied H2D
+//       from the mirror into dst on the DMA stream.
+//     - write_back: D2H on the DMA stream into pinned staging, then engine writes from
+//       staging to the tier.
 //   * Completion travels back to the GPU through a 32-bit sequence counter in device memory:
 //     the agent enqueues cuStreamWriteValue32(counter, seq) on the DMA stream after the
 //     item's copies, and an op that must not complete before the item (wait, write-back)
 //     enqueues cuStreamWaitValue32(counter >= seq) on the compute stream at handler time.
 //     This is the stream-side equivalent of cudaStreamWaitEvent for work that is enqueued
-//     later than the wait itself; no event has to exist when the wait is enqueued.
+//     later than the wait itself; no event has to exist when the wait is enqueued. So a
+//     wait's H2D runs after the compute stream reached the wait (its `ready` event) and
+//     before it moves past it: while the wait holds dst, never earlier.
 //   * tpusync_start does not stall the compute stream at all: compute placed between start
-//     and wait overlaps the tier read and the DMA. tpusync_wait stalls the compute stream
-//     (never the host) until the fetch landed. write_back stalls it until the source bytes
-//     are in pinned staging (XLA may reuse `src` as soon as the op completes), not until
-//     the tier write ends: the engine orders later fetches of those bytes after it.
+//     and wait overlaps the tier read. tpusync_wait stalls the compute stream (never the
+//     host) until dst holds the rows. write_back stalls it until the source bytes are in
+//     pinned staging (XLA may reuse `src` as soon as the op completes), not until the tier
+//     write ends: the engine orders later fetches of those bytes after it.
 //
 // Semantics kept from the CPU handlers: tickets are assigned by the host at start time and
-// written to the int32 ticket result; a wait whose ticket fetched exactly the wanted
-// segments is a hit, anything else (stale, mismatched, -1, retired) is refetched by the
-// agent before the counter is released, so a prefetch can never serve stale KV. Because the
-// agent serves items strictly in order, an earlier fetch into the same buffer always ends
-// before a later one starts: `retire` only drops the bookkeeping of the retired ticket.
-// Region and bounds checks run in the agent (the rows are not known earlier).
+// written to the int32 ticket result; the engine decides hit or miss (CompleteFetch): a wait
+// whose ticket fetched exactly the wanted tier bytes and offsets copies them, anything else
+// (stale, mismatched, -1, retired, another engine's) is read by the wait itself, so a
+// prefetch can never serve stale KV. `retire` discards the retired fetch in the engine.
+// Region and bounds checks run in the agent (the rows are not known earlier); a start's
+// offsets are checked against its dst_bytes attribute, a wait's against its dst.
 //
 // Errors. A failure found by the agent cannot fail the XLA execution that already ran
-// past it. Instead: a fetch's or wait's whole buffer is filled with 0xFF (NaN in f32/bf16), the
-// counter is released anyway (the GPU never hangs on a failed transfer), and the error
-// becomes sticky: every later tpusync op on that device fails with it, and
-// AsyncError() reports it.
+// past it. Instead: a wait's whole dst is filled with 0xFF (NaN in f32/bf16; a start has no
+// buffer to fill), the counter is released anyway (the GPU never hangs on a failed
+// transfer), and the error becomes sticky: every later tpusync op on that device fails with
+// it, and AsyncError() reports it. That includes a refused owner: where the CPU fails only
+// the call that passed a superseded state, on a GPU that device's ops stay failed.
 //
 // Tradeoffs (measured by examples/gpu_check.sh, not assumed):
-//   * The host-tier path copies pool -> pinned staging on an engine worker, then DMAs.
-//     A zero-copy DMA straight from a cudaHostRegister'ed pool would save that memcpy but
-//     would bypass the engine's hazard ordering against in-flight engine write-backs and
-//     other engine users; it needs an engine-side ordering hook first.
-//   * Items are served one at a time per device (double-buffered 32 MiB staging within an
-//     item), so the tier read of prefetch k+1 does not overlap the DMA of prefetch k.
+//   * The H2D happens at the wait, on the critical path: even on a hit the compute stream
+//     stalls for the landing -> mirror memcpy and the H2D of the wanted bytes; only the tier
+//     read overlaps compute. This is the price of the guarantee: dst is ours only while the
+//     wait holds it, and DMA between start and wait raced with XLA's copies of the buffer
+//     and wrote into freed memory when a state was dropped. Restoring the overlap would need
+//     device memory the context owns across start..wait (H2D at the start into it, a D2D
+//     into dst at the wait).
+//   * Two host copies per hit (tier -> landing in the engine, landing -> pinned mirror).
+//     DMA straight from the landing buffer would save the second one, but needs them
+//     registered with cudaHostRegister and kept alive by the engine until the H2D ran.
+//   * The mirror is pinned, as large as the largest wait's dst, grown lazily and never
+//     shrunk (offsets in it are dst offsets, so CompleteFetch needs no translation).
+//   * Items are served one at a time per device and a wait blocks the agent until its fetch
+//     landed, so a start behind it is submitted only then (its read still overlaps the
+//     compute that follows it).
 //   * Each wait costs one agent round trip (event wake-up + stream write) even on a hit.
 //   * Marks (only when the engine records a timeline) run a host function on the compute
 //     stream, which stalls it for the callback's latency.
@@ -103,24 +131,28 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-// Pinned staging: two buffers of this size per device, so the engine fills one while the
-// DMA engine drains the other.
+// Pinned write-back staging: two buffers of this size per device, so the DMA engine fills
+// one while the engine writes the other to the tier.
 constexpr uint64_t kStagingBytes = 32ull << 20;
-// Pinned descriptor ring per device; each op takes 16 + 16 * rows bytes (64-aligned) until
+// Pinned descriptor ring per device; each op takes 32 + 16 * rows bytes (64-aligned) until
 // the agent has served it.
 constexpr uint64_t kRingBytes = 16ull << 20;
 // `ready` events per device: the most ops that may be enqueued but not yet served.
 constexpr int kNumEvents = 4096;
 // Tag slots for marks (host functions read them once the compute stream gets there).
 constexpr int kNumMarkSlots = 1 << 16;
-// Fetch records kept for waits; the oldest unwaited ones are forgotten beyond this.
+// Fetch records kept for waits; the oldest unwaited ones are discarded beyond this.
 constexpr size_t kMaxTicketRecords = 1 << 16;
+// The pinned mirror of a wait's dst grows in steps of this.
+constexpr uint64_t kMirrorGranule = 2ull << 20;
 
 // Descriptor slot layout, in int32 words.
 constexpr int kSlotTicket = 0;  // start: the ticket it returns; wait: its ticket operand.
 constexpr int kSlotRetire = 1;  // start: its retire operand.
 constexpr int kSlotTag = 2;     // layer, chunk.
-constexpr int kSlotRows = 4;    // then rows * 4 words.
+constexpr int kSlotOwner = 4;   // stream, epoch, generation, claims.
+constexpr int kSlotRows = 8;    // then rows * 4 words.
+constexpr int kOwnerWords = 4;
 
 std::atomic<EngineRegistry*> g_registry{nullptr};
 
@@ -172,23 +204,22 @@ struct Item {
   std::shared_ptr<Engine> engine;
   int32_t tier = 0;
   Regions regions;
-  uint8_t* device = nullptr;  // dst (fetch, wait) or src (write-back).
-  uint64_t device_bytes = 0;
+  uint8_t* device = nullptr;  // dst (wait) or src (write-back); a fetch has none.
+  uint64_t device_bytes = 0;  // Its size; a fetch: its dst_bytes attribute.
   int32_t* slot = nullptr;
   int64_t rows = 0;
   int32_t ticket = static_cast<int32_t>(kNoTicket);  // start: assigned at enqueue.
+  int64_t stream = 0;  // The owner's stream, once the agent checked it.
   uint32_t seq = 0;
   int event = -1;
   uint64_t ring_end = 0;
   bool signalled = false;
 };
 
-// What a start fetched, for its wait to compare against.
+// The engine fetch behind a CUDA ticket. Weak: a record must not keep a closed engine.
 struct FetchRecord {
-  Engine* engine = nullptr;
-  int32_t tier = 0;
-  std::vector<Segment> segments;  // `memory` is the device address.
-  bool ok = false;
+  std::weak_ptr<Engine> engine;
+  Ticket ticket = kNoTicket;
 };
 
 // A FIFO ring of pinned memory. Allocation happens under the device's mutex in enqueue
@@ -236,21 +267,22 @@ class DeviceContext {
     return ForDevice(device);
   }
 
-  // start: stages the descriptor on `compute` and queues the fetch. Never stalls `compute`.
+  // start: stages the descriptor on `compute` and queues the fetch, for a dst of
+  // `dst_bytes` that the matching wait will name. Never stalls `compute`.
   Status EnqueueFetch(cudaStream_t compute, std::shared_ptr<Engine> engine, int32_t tier,
                       Regions regions, const int32_t* segments, int64_t rows,
                       const int32_t* tag, int64_t tag_count, const int32_t* retire,
-                      uint8_t* dst, uint64_t dst_bytes, int32_t* ticket_out);
+                      const int32_t* owner, uint64_t dst_bytes, int32_t* ticket_out);
   // wait: stages the descriptor and makes `compute` wait until `dst` holds the rows.
   Status EnqueueWait(cudaStream_t compute, std::shared_ptr<Engine> engine, int32_t tier,
                      Regions regions, const int32_t* segments, int64_t rows,
                      const int32_t* tag, int64_t tag_count, const int32_t* ticket,
-                     uint8_t* dst, uint64_t dst_bytes);
+                     const int32_t* owner, uint8_t* dst, uint64_t dst_bytes);
   // write_back: makes `compute` wait until `src`'s bytes are in pinned staging.
   Status EnqueueWriteBack(cudaStream_t compute, std::shared_ptr<Engine> engine, int32_t tier,
                           Regions regions, const int32_t* segments, int64_t rows,
-                          const int32_t* tag, int64_t tag_count, uint8_t* src,
-                          uint64_t src_bytes);
+                          const int32_t* tag, int64_t tag_count, const int32_t* owner,
+                          uint8_t* src, uint64_t src_bytes);
   // mark: records an engine timeline mark when `compute` gets here.
   Status EnqueueMark(cudaStream_t compute, std::shared_ptr<Engine> engine, int32_t kind,
                      const int32_t* tag, int64_t tag_count);
@@ -269,7 +301,7 @@ class DeviceContext {
   // `ticket_out` (start only) receives the ticket the host assigned.
   Status Enqueue(std::unique_ptr<Item> item, cudaStream_t compute, const int32_t* segments,
                  const int32_t* tag, int64_t tag_count, const int32_t* ticket_or_retire,
-                 int32_t* ticket_out, bool signal);
+                 const int32_t* owner, int32_t* ticket_out, bool signal);
   void SetError(const Status& status);
 
   // Agent side.
@@ -277,12 +309,16 @@ class DeviceContext {
   Status ServeFetch(Item& item);
   Status ServeWait(Item& item);
   Status ServeWriteBack(Item& item);
-  StatusOr<std::vector<Segment>> Decode(const Item& item);
-  Status FetchThroughStaging(Engine& engine, int32_t tier, TransferTag tag,
-                             const std::vector<Segment>& segments);
+  StatusOr<int64_t> CheckOwner(const Item& item);
+  StatusOr<std::vector<FetchSegment>> Decode(const Item& item);
+  // The engine ticket of a CUDA ticket, consumed; kNoTicket if unknown or `engine`'s not.
+  Ticket TakeRecord(int32_t ticket, const Engine& engine);
+  // Drops a CUDA ticket's record and discards its engine fetch (nobody will consume it).
+  void ForgetRecord(int32_t ticket);
   Status WriteThroughStaging(Engine& engine, int32_t tier, TransferTag tag,
                              const std::vector<Segment>& segments, Item& item);
   Status EnsureStaging();
+  Status EnsureMirror(uint64_t bytes);
   void Signal(Item& item);
 
   const int device_;
@@ -305,7 +341,9 @@ class DeviceContext {
 
   // Agent-only state.
   uint8_t* staging_[2] = {nullptr, nullptr};
-  cudaEvent_t staging_free_[2] = {nullptr, nullptr};  // The last DMA out of each buffer.
+  uint8_t* mirror_ = nullptr;  // Pinned; a wait's dst bytes at their dst offsets.
+  uint64_t mirror_bytes_ = 0;
+  cudaEvent_t mirror_free_ = nullptr;  // The last H2D out of the mirror.
   std::unordered_map<int32_t, FetchRecord> records_;
   std::deque<int32_t> record_order_;
   std::thread agent_;
@@ -370,10 +408,8 @@ Status DeviceContext::Init() {
         "cudaEventCreateWithFlags");
     free_events_.push_back(kNumEvents - 1 - i);
   }
-  for (cudaEvent_t& e : staging_free_) {
-    TPUSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming),
-                       "cudaEventCreateWithFlags");
-  }
+  TPUSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&mirror_free_, cudaEventDisableTiming),
+                     "cudaEventCreateWithFlags");
   TPUSYNC_RETURN_IF_ERROR(ring_.Init(kRingBytes));
   TPUSYNC_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&mark_slots_),
                                    kNumMarkSlots * 2 * sizeof(int32_t), cudaHostAllocPortable),
@@ -389,8 +425,8 @@ void DeviceContext::SetError(const Status& status) {
 
 Status DeviceContext::Enqueue(std::unique_ptr<Item> item, cudaStream_t compute,
                               const int32_t* segments, const int32_t* tag, int64_t tag_count,
-                              const int32_t* ticket_or_retire, int32_t* ticket_out,
-                              bool signal) {
+                              const int32_t* ticket_or_retire, const int32_t* owner,
+                              int32_t* ticket_out, bool signal) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!error_.ok()) return error_;
   uint64_t end = 0;
@@ -416,6 +452,7 @@ Status DeviceContext::Enqueue(std::unique_ptr<Item> item, cudaStream_t compute,
   slot[kSlotTicket] = item->ticket;
   slot[kSlotRetire] = static_cast<int32_t>(kNoTicket);
   slot[kSlotTag] = slot[kSlotTag + 1] = -1;
+  for (int i = 0; i < kOwnerWords; ++i) slot[kSlotOwner + i] = 0;
 
   // From here on a failure leaves copies into `slot` enqueued: the slot cannot be reused,
   // so the device is marked failed instead of rolling back.
@@ -441,6 +478,9 @@ Status DeviceContext::Enqueue(std::unique_ptr<Item> item, cudaStream_t compute,
     err = cudaMemcpyAsync(to, ticket_or_retire, sizeof(int32_t), cudaMemcpyDefault, compute);
     if (err != cudaSuccess) return fail(err, "cudaMemcpyAsync (ticket)");
   }
+  err = cudaMemcpyAsync(slot + kSlotOwner, owner, kOwnerWords * sizeof(int32_t),
+                        cudaMemcpyDefault, compute);
+  if (err != cudaSuccess) return fail(err, "cudaMemcpyAsync (owner)");
   if (ticket_out != nullptr) {
     // Ordered before the `ready` event, so the slot outlives this copy.
     err = cudaMemcpyAsync(ticket_out, slot + kSlotTicket, sizeof(int32_t), cudaMemcpyDefault,
@@ -470,24 +510,24 @@ Status DeviceContext::Enqueue(std::unique_ptr<Item> item, cudaStream_t compute,
 Status DeviceContext::EnqueueFetch(cudaStream_t compute, std::shared_ptr<Engine> engine,
                                    int32_t tier, Regions regions, const int32_t* segments,
                                    int64_t rows, const int32_t* tag, int64_t tag_count,
-                                   const int32_t* retire, uint8_t* dst, uint64_t dst_bytes,
-                                   int32_t* ticket_out) {
+                                   const int32_t* retire, const int32_t* owner,
+                                   uint64_t dst_bytes, int32_t* ticket_out) {
   auto item = std::make_unique<Item>();
   item->kind = ItemKind::kFetch;
   item->engine = std::move(engine);
   item->tier = tier;
   item->regions = regions;
-  item->device = dst;
   item->device_bytes = dst_bytes;
   item->rows = rows;
-  return Enqueue(std::move(item), compute, segments, tag, tag_count, retire, ticket_out,
-                 /*signal=*/false);
+  return Enqueue(std::move(item), compute, segments, tag, tag_count, retire, owner,
+                 ticket_out, /*signal=*/false);
 }
 
 Status DeviceContext::EnqueueWait(cudaStream_t compute, std::shared_ptr<Engine> engine,
                                   int32_t tier, Regions regions, const int32_t* segments,
                                   int64_t rows, const int32_t* tag, int64_t tag_count,
-                                  const int32_t* ticket, uint8_t* dst, uint64_t dst_bytes) {
+                                  const int32_t* ticket, const int32_t* owner, uint8_t* dst,
+                                  uint64_t dst_bytes) {
   auto item = std::make_unique<Item>();
   item->kind = ItemKind::kWait;
   item->engine = std::move(engine);
@@ -496,14 +536,14 @@ Status DeviceContext::EnqueueWait(cudaStream_t compute, std::shared_ptr<Engine> 
   item->device = dst;
   item->device_bytes = dst_bytes;
   item->rows = rows;
-  return Enqueue(std::move(item), compute, segments, tag, tag_count, ticket,
+  return Enqueue(std::move(item), compute, segments, tag, tag_count, ticket, owner,
                  /*ticket_out=*/nullptr, /*signal=*/true);
 }
 
 Status DeviceContext::EnqueueWriteBack(cudaStream_t compute, std::shared_ptr<Engine> engine,
                                        int32_t tier, Regions regions, const int32_t* segments,
                                        int64_t rows, const int32_t* tag, int64_t tag_count,
-                                       uint8_t* src, uint64_t src_bytes) {
+                                       const int32_t* owner, uint8_t* src, uint64_t src_bytes) {
   auto item = std::make_unique<Item>();
   item->kind = ItemKind::kWriteBack;
   item->engine = std::move(engine);
@@ -512,8 +552,8 @@ Status DeviceContext::EnqueueWriteBack(cudaStream_t compute, std::shared_ptr<Eng
   item->device = src;
   item->device_bytes = src_bytes;
   item->rows = rows;
-  return Enqueue(std::move(item), compute, segments, tag, tag_count, /*ticket_or_retire=*/nullptr,
-                 /*ticket_out=*/nullptr, /*signal=*/true);
+  return Enqueue(std::move(item), compute, segments, tag, tag_count,
+                 /*ticket_or_retire=*/nullptr, owner, /*ticket_out=*/nullptr, /*signal=*/true);
 }
 
 struct MarkArgs {
@@ -585,6 +625,12 @@ void DeviceContext::Serve(Item& item) {
   cudaError_t err = cudaEventSynchronize(events_[item.event]);
   Status st = err == cudaSuccess ? error() : CudaError(err, "cudaEventSynchronize");
   if (st.ok()) {
+    // Before any byte moves, as on the CPU: an op of a superseded state does nothing.
+    StatusOr<int64_t> stream = CheckOwner(item);
+    st = stream.status();
+    if (st.ok()) item.stream = *stream;
+  }
+  if (st.ok()) {
     switch (item.kind) {
       case ItemKind::kFetch: st = ServeFetch(item); break;
       case ItemKind::kWait: st = ServeWait(item); break;
@@ -594,8 +640,9 @@ void DeviceContext::Serve(Item& item) {
   if (!st.ok()) {
     SetError(st);
     // NaN bytes in place of KV that could not be fetched: wrong results are loud, never
-    // stale. The whole buffer: the rows themselves may be what was invalid.
-    if (item.kind != ItemKind::kWriteBack) {
+    // stale. The whole buffer: the rows themselves may be what was invalid. Enqueued on
+    // dma_ before Signal, so it too lands while the wait holds dst.
+    if (item.kind == ItemKind::kWait) {
       cudaMemsetAsync(item.device, 0xFF, item.device_bytes, dma_);
     }
   }
@@ -606,39 +653,49 @@ void DeviceContext::Serve(Item& item) {
 void DeviceContext::Signal(Item& item) {
   if (item.signalled) return;
   item.signalled = true;
-  // Ordered after every copy this agent enqueued on dma_ so far (the item's and, for a
-  // wait that hit, the earlier start's); the default flags include a memory barrier.
+  // Ordered after every copy this agent enqueued on dma_ so far (a wait's H2D, a
+  // write-back's D2H); the default flags include a memory barrier.
   CUresult r = write_value_(reinterpret_cast<CUstream>(dma_),
                             reinterpret_cast<CUdeviceptr>(counter_), item.seq,
                             CU_STREAM_WRITE_VALUE_DEFAULT);
   if (r != CUDA_SUCCESS) SetError(DriverError(r, "cuStreamWriteValue32"));
 }
 
-StatusOr<std::vector<Segment>> DeviceContext::Decode(const Item& item) {
+StatusOr<int64_t> DeviceContext::CheckOwner(const Item& item) {
+  const int32_t* o = item.slot + kSlotOwner;
+  if (o[0] == 0) return 0;  // Unchecked.
+  TPUSYNC_RETURN_IF_ERROR(item.engine->CheckOwner(o[0], o[1], o[2], o[3] != 0));
+  return o[0];
+}
+
+// Rows as (tier offset, offset in the op's buffer, bytes), checked against that buffer's
+// size, the caller's regions and the tier.
+StatusOr<std::vector<FetchSegment>> DeviceContext::Decode(const Item& item) {
   StatusOr<Tier*> tier = item.engine->GetTier(item.tier);
   if (!tier.ok()) return tier.status();
   const uint64_t block_bytes = (*tier)->block_bytes();
-  std::vector<Segment> out;
+  std::vector<FetchSegment> out;
   const int32_t* rows = item.slot + kSlotRows;
   for (int64_t i = 0; i < item.rows; ++i) {
     const int32_t* r = rows + 4 * i;
     if (r[0] < 0 || r[1] < 0 || r[2] < 0 || r[3] < 0) {
       return InvalidArgument("segment " + std::to_string(i) + " has a negative field");
     }
-    const uint64_t mem_offset = static_cast<uint64_t>(r[2]);
-    const uint64_t bytes = static_cast<uint64_t>(r[3]);
-    if (bytes == 0) continue;
-    if (mem_offset + bytes > item.device_bytes) {
+    const FetchSegment s{
+        static_cast<uint64_t>(r[0]) * block_bytes + static_cast<uint64_t>(r[1]),
+        static_cast<uint64_t>(r[2]), static_cast<uint64_t>(r[3])};
+    if (s.bytes == 0) continue;
+    if (s.dst_offset + s.bytes > item.device_bytes) {
       return InvalidArgument("segment " + std::to_string(i) + " covers bytes [" +
-                             std::to_string(mem_offset) + ", " +
-                             std::to_string(mem_offset + bytes) + ") of a " +
+                             std::to_string(s.dst_offset) + ", " +
+                             std::to_string(s.dst_offset + s.bytes) + ") of a " +
                              std::to_string(item.device_bytes) + "-byte buffer");
     }
-    out.push_back({static_cast<uint64_t>(r[0]) * block_bytes + static_cast<uint64_t>(r[1]),
-                   item.device + mem_offset, bytes});
-    TPUSYNC_RETURN_IF_ERROR(CheckRegion(item.regions, i, out.back()));
-    Status range = (*tier)->CheckRange(out.back().tier_offset, bytes);
+    TPUSYNC_RETURN_IF_ERROR(
+        CheckRegion(item.regions, i, Segment{s.tier_offset, nullptr, s.bytes}));
+    Status range = (*tier)->CheckRange(s.tier_offset, s.bytes);
     if (!range.ok()) return InvalidArgument("segment " + std::to_string(i) + ": " + range.detail());
+    out.push_back(s);
   }
   return out;
 }
@@ -693,62 +750,6 @@ TransferRequest StagingRequest(int32_t tier, Direction direction, TransferTag ta
   return request;
 }
 
-Status DeviceContext::FetchThroughStaging(Engine& engine, int32_t tier, TransferTag tag,
-                                          const std::vector<Segment>& segments) {
-  TPUSYNC_RETURN_IF_ERROR(EnsureStaging());
-  const std::vector<std::vector<Piece>> chunks = SplitIntoChunks(segments, kStagingBytes);
-  // Chunk c is read by the engine into buffer c % 2 while chunk c - 1 is copied to the GPU.
-  struct Pending {
-    Ticket ticket;
-    int buffer;
-    size_t chunk;
-  };
-  std::vector<Pending> pending;
-  Status status;
-  auto finish = [&](const Pending& p) {
-    Status st = engine.Wait(p.ticket);
-    if (!status.ok()) return;
-    if (!st.ok()) {
-      status = st;
-      return;
-    }
-    for (const Piece& piece : chunks[p.chunk]) {
-      cudaError_t err = cudaMemcpyAsync(piece.device, staging_[p.buffer] + piece.staging_offset,
-                                        piece.bytes, cudaMemcpyHostToDevice, dma_);
-      if (err != cudaSuccess) {
-        status = CudaError(err, "cudaMemcpyAsync (H2D)");
-        return;
-      }
-    }
-    cudaError_t err = cudaEventRecord(staging_free_[p.buffer], dma_);
-    if (err != cudaSuccess) status = CudaError(err, "cudaEventRecord");
-  };
-  for (size_t c = 0; c < chunks.size() && status.ok(); ++c) {
-    const int b = static_cast<int>(c % 2);
-    // The engine must not overwrite the buffer while the previous DMA reads it.
-    cudaError_t err = cudaEventSynchronize(staging_free_[b]);
-    if (err != cudaSuccess) {
-      status = CudaError(err, "cudaEventSynchronize (staging)");
-      break;
-    }
-    StatusOr<Ticket> t = engine.Submit(
-        StagingRequest(tier, Direction::kTierToMemory, tag, chunks[c], staging_[b]));
-    if (!t.ok()) {
-      status = t.status();
-      break;
-    }
-    pending.push_back({*t, b, c});
-    if (pending.size() == 2) {
-      finish(pending.front());
-      pending.erase(pending.begin());
-    }
-  }
-  // Every submitted ticket is waited, even after a failure: the engine may still be
-  // writing into a staging buffer.
-  for (const Pending& p : pending) finish(p);
-  return status;
-}
-
 Status DeviceContext::WriteThroughStaging(Engine& engine, int32_t tier, TransferTag tag,
                                           const std::vector<Segment>& segments, Item& item) {
   TPUSYNC_RETURN_IF_ERROR(EnsureStaging());
@@ -800,65 +801,131 @@ TransferTag SlotTag(const Item& item) {
   return {item.slot[kSlotTag], item.slot[kSlotTag + 1]};
 }
 
-uint64_t TotalBytes(const std::vector<Segment>& segments) {
+uint64_t TotalBytes(const std::vector<FetchSegment>& segments) {
   uint64_t total = 0;
-  for (const Segment& s : segments) total += s.bytes;
+  for (const FetchSegment& s : segments) total += s.bytes;
   return total;
+}
+
+FetchRequest MakeFetch(const Item& item, std::vector<FetchSegment> segments) {
+  FetchRequest request;
+  request.tier = item.tier;
+  request.segments = std::move(segments);
+  request.tag = SlotTag(item);
+  request.stream = item.stream;
+  return request;
+}
+
+Ticket DeviceContext::TakeRecord(int32_t ticket, const Engine& engine) {
+  auto it = records_.find(ticket);
+  if (it == records_.end()) return kNoTicket;
+  FetchRecord record = std::move(it->second);
+  records_.erase(it);
+  std::shared_ptr<Engine> owner = record.engine.lock();
+  if (owner.get() == &engine) return record.ticket;
+  if (owner) owner->Discard(record.ticket);  // Another engine's fetch: nobody else wants it.
+  return kNoTicket;
+}
+
+void DeviceContext::ForgetRecord(int32_t ticket) {
+  auto it = records_.find(ticket);
+  if (it == records_.end()) return;
+  if (std::shared_ptr<Engine> engine = it->second.engine.lock()) {
+    engine->Discard(it->second.ticket);
+  }
+  records_.erase(it);
 }
 
 Status DeviceContext::ServeFetch(Item& item) {
   const int32_t retire = item.slot[kSlotRetire];
-  if (retire != static_cast<int32_t>(kNoTicket)) records_.erase(retire);
-  FetchRecord& record = records_[item.ticket];
+  if (retire != static_cast<int32_t>(kNoTicket)) ForgetRecord(retire);
+  StatusOr<std::vector<FetchSegment>> segments = Decode(item);
+  if (!segments.ok()) return segments.status();
+  const uint64_t bytes = TotalBytes(*segments);
+  // Lands in engine memory: device memory is only written by the wait that holds it.
+  StatusOr<Ticket> ticket = item.engine->SubmitFetch(MakeFetch(item, std::move(*segments)));
+  if (!ticket.ok()) return ticket.status();
+  records_[item.ticket] = FetchRecord{item.engine, *ticket};
   record_order_.push_back(item.ticket);
   while (record_order_.size() > kMaxTicketRecords) {
-    records_.erase(record_order_.front());
+    ForgetRecord(record_order_.front());  // Waited ones are gone already: a no-op.
     record_order_.pop_front();
   }
-  record.engine = item.engine.get();
-  record.tier = item.tier;
-  StatusOr<std::vector<Segment>> segments = Decode(item);
-  if (!segments.ok()) return segments.status();
-  record.segments = *segments;
-  TPUSYNC_RETURN_IF_ERROR(FetchThroughStaging(*item.engine, item.tier, SlotTag(item), *segments));
-  record.ok = true;
   std::lock_guard<std::mutex> lock(g_stats_mu);
   g_stats.fetches += 1;
-  g_stats.fetch_bytes += TotalBytes(*segments);
+  g_stats.fetch_bytes += bytes;
+  return Status::Ok();
+}
+
+Status DeviceContext::EnsureMirror(uint64_t bytes) {
+  // The previous wait's H2D may still read the mirror. Usually long done: the compute
+  // stream reached this wait past the previous wait, which that H2D released.
+  TPUSYNC_CUDA_CHECK(cudaEventSynchronize(mirror_free_), "cudaEventSynchronize (mirror)");
+  if (bytes <= mirror_bytes_) return Status::Ok();
+  if (mirror_ != nullptr) {
+    TPUSYNC_CUDA_CHECK(cudaFreeHost(mirror_), "cudaFreeHost (mirror)");
+    mirror_ = nullptr;
+    mirror_bytes_ = 0;
+  }
+  const uint64_t size = AlignUp(bytes, kMirrorGranule);
+  TPUSYNC_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&mirror_), size,
+                                   cudaHostAllocPortable),
+                     "cudaHostAlloc (mirror of " + std::to_string(size) + " bytes)");
+  mirror_bytes_ = size;
   return Status::Ok();
 }
 
 Status DeviceContext::ServeWait(Item& item) {
-  StatusOr<std::vector<Segment>> want = Decode(item);
-  if (!want.ok()) return want.status();
-  bool hit = false;
-  auto it = records_.find(item.slot[kSlotTicket]);
-  if (it != records_.end()) {
-    const FetchRecord& have = it->second;
-    hit = have.ok && have.engine == item.engine.get() && have.tier == item.tier &&
-          have.segments == *want;
-    records_.erase(it);  // A ticket is consumed by its wait, as on the CPU.
+  // A ticket is consumed by its wait whatever happens next, as on the CPU.
+  const Ticket ticket = TakeRecord(item.slot[kSlotTicket], *item.engine);
+  StatusOr<std::vector<FetchSegment>> want = Decode(item);
+  Status st = want.ok() ? EnsureMirror(item.device_bytes) : want.status();
+  if (!st.ok()) {
+    item.engine->Discard(ticket);
+    return st;
   }
+  const FetchRequest request = MakeFetch(item, std::move(*want));
+  bool hit = false;
+  // The mirror stands in for dst (same offsets): the engine writes host memory only.
+  st = item.engine->CompleteFetch(ticket, request, mirror_, item.device_bytes, &hit);
   {
     std::lock_guard<std::mutex> lock(g_stats_mu);
     g_stats.waits += 1;
     (hit ? g_stats.prefetch_hits : g_stats.prefetch_misses) += 1;
   }
-  if (hit) return Status::Ok();  // The start's H2D precedes Signal on dma_.
-  return FetchThroughStaging(*item.engine, item.tier, SlotTag(item), *want);
+  if (!st.ok()) return st;
+  // dst is written only here: the compute stream is held at this wait until Signal, which
+  // follows these copies on dma_.
+  for (const FetchSegment& s : request.segments) {
+    cudaError_t err = cudaMemcpyAsync(item.device + s.dst_offset, mirror_ + s.dst_offset,
+                                      s.bytes, cudaMemcpyHostToDevice, dma_);
+    if (err != cudaSuccess) {
+      st = CudaError(err, "cudaMemcpyAsync (H2D)");
+      break;
+    }
+  }
+  // Recorded even after a failure: copies already enqueued still read the mirror.
+  cudaError_t err = cudaEventRecord(mirror_free_, dma_);
+  if (st.ok() && err != cudaSuccess) st = CudaError(err, "cudaEventRecord (mirror)");
+  return st;
 }
 
 Status DeviceContext::ServeWriteBack(Item& item) {
-  StatusOr<std::vector<Segment>> segments = Decode(item);
-  if (!segments.ok()) return segments.status();
-  Status st = WriteThroughStaging(*item.engine, item.tier, SlotTag(item), *segments, item);
+  StatusOr<std::vector<FetchSegment>> decoded = Decode(item);
+  if (!decoded.ok()) return decoded.status();
+  std::vector<Segment> segments;
+  segments.reserve(decoded->size());
+  for (const FetchSegment& s : *decoded) {
+    segments.push_back({s.tier_offset, item.device + s.dst_offset, s.bytes});
+  }
+  Status st = WriteThroughStaging(*item.engine, item.tier, SlotTag(item), segments, item);
   if (!st.ok()) {
     return Status(st.code(), "a write-back failed, so the tier no longer holds that KV: " +
                                  st.detail());
   }
   std::lock_guard<std::mutex> lock(g_stats_mu);
   g_stats.write_backs += 1;
-  g_stats.write_back_bytes += TotalBytes(*segments);
+  g_stats.write_back_bytes += TotalBytes(*decoded);
   return Status::Ok();
 }
 
@@ -880,58 +947,66 @@ Status CarryOver(cudaStream_t stream, const ffi::AnyBuffer& from, ffi::AnyBuffer
   return Status::Ok();
 }
 
-ffi::Error StartImpl(cudaStream_t stream, ffi::AnyBuffer passthrough, ffi::AnyBuffer dst,
+// Owner words are copied to the descriptor as they are; only their count is known here.
+Status CheckOwnerShape(const ffi::Buffer<ffi::S32>& owner) {
+  if (owner.element_count() != kOwnerWords) {
+    return InvalidArgument("owner must be int32[4] (stream, epoch, generation, claims)");
+  }
+  return Status::Ok();
+}
+
+ffi::Error StartImpl(cudaStream_t stream, ffi::AnyBuffer passthrough,
                      ffi::Buffer<ffi::S32> segments, ffi::Buffer<ffi::S32> tag,
-                     ffi::BufferR0<ffi::S32> retire, ffi::RemainingArgs /*deps*/,
-                     ffi::Result<ffi::AnyBuffer> passthrough_out,
-                     ffi::Result<ffi::AnyBuffer> dst_out,
+                     ffi::BufferR0<ffi::S32> retire, ffi::Buffer<ffi::S32> owner,
+                     ffi::RemainingArgs /*deps*/, ffi::Result<ffi::AnyBuffer> passthrough_out,
                      ffi::Result<ffi::BufferR0<ffi::S32>> ticket_out, int64_t engine_id,
                      int32_t tier, int64_t region_base, int64_t region_bytes,
-                     int64_t region_count) {
+                     int64_t region_count, int64_t dst_bytes) {
   auto engine = LookupEngine(engine_id);
   if (!engine.ok()) return ToFfiError(engine.status());
   int64_t rows = 0;
   Status st = CheckRows(segments, &rows);
+  if (st.ok()) st = CheckOwnerShape(owner);
+  if (st.ok() && dst_bytes < 0) st = InvalidArgument("dst_bytes must be >= 0");
   if (!st.ok()) return ToFfiError(st);
   auto ctx = DeviceContext::ForStream(stream);
   if (!ctx.ok()) return ToFfiError(ctx.status());
   st = CarryOver(stream, passthrough, &*passthrough_out);
-  if (st.ok()) st = CarryOver(stream, dst, &*dst_out);
   if (!st.ok()) return ToFfiError(st);
   return ToFfiError((*ctx)->EnqueueFetch(
       stream, std::move(*engine), tier, Regions{region_base, region_bytes, region_count},
       segments.typed_data(), rows, tag.typed_data(),
-      static_cast<int64_t>(tag.element_count()), retire.typed_data(),
-      static_cast<uint8_t*>(dst_out->untyped_data()), dst_out->size_bytes(),
-      ticket_out->typed_data()));
+      static_cast<int64_t>(tag.element_count()), retire.typed_data(), owner.typed_data(),
+      static_cast<uint64_t>(dst_bytes), ticket_out->typed_data()));
 }
 
 ffi::Error WaitImpl(cudaStream_t stream, ffi::AnyBuffer dst, ffi::BufferR0<ffi::S32> ticket,
                     ffi::Buffer<ffi::S32> segments, ffi::Buffer<ffi::S32> tag,
-                    ffi::RemainingArgs /*deps*/, ffi::Result<ffi::AnyBuffer> dst_out,
-                    int64_t engine_id, int32_t tier, int64_t region_base,
-                    int64_t region_bytes, int64_t region_count) {
+                    ffi::Buffer<ffi::S32> owner, ffi::RemainingArgs /*deps*/,
+                    ffi::Result<ffi::AnyBuffer> dst_out, int64_t engine_id, int32_t tier,
+                    int64_t region_base, int64_t region_bytes, int64_t region_count) {
   auto engine = LookupEngine(engine_id);
   if (!engine.ok()) return ToFfiError(engine.status());
   int64_t rows = 0;
   Status st = CheckRows(segments, &rows);
+  if (st.ok()) st = CheckOwnerShape(owner);
   if (!st.ok()) return ToFfiError(st);
   auto ctx = DeviceContext::ForStream(stream);
   if (!ctx.ok()) return ToFfiError(ctx.status());
-  // Not aliased: the prefetch went elsewhere; the agent sees the address mismatch and
-  // fetches into dst_out itself.
+  // Not aliased (XLA copied the operand): carry the other bytes over; the fetched ones are
+  // written into whichever buffer this op was given.
   st = CarryOver(stream, dst, &*dst_out);
   if (!st.ok()) return ToFfiError(st);
   return ToFfiError((*ctx)->EnqueueWait(
       stream, std::move(*engine), tier, Regions{region_base, region_bytes, region_count},
       segments.typed_data(), rows, tag.typed_data(),
-      static_cast<int64_t>(tag.element_count()), ticket.typed_data(),
+      static_cast<int64_t>(tag.element_count()), ticket.typed_data(), owner.typed_data(),
       static_cast<uint8_t*>(dst_out->untyped_data()), dst_out->size_bytes()));
 }
 
 ffi::Error WriteBackImpl(cudaStream_t stream, ffi::AnyBuffer src,
                          ffi::Buffer<ffi::S32> segments, ffi::Buffer<ffi::S32> tag,
-                         ffi::RemainingArgs /*deps*/,
+                         ffi::Buffer<ffi::S32> owner, ffi::RemainingArgs /*deps*/,
                          ffi::Result<ffi::BufferR0<ffi::S32>> token_out, int64_t engine_id,
                          int32_t tier, int64_t region_base, int64_t region_bytes,
                          int64_t region_count) {
@@ -939,13 +1014,14 @@ ffi::Error WriteBackImpl(cudaStream_t stream, ffi::AnyBuffer src,
   if (!engine.ok()) return ToFfiError(engine.status());
   int64_t rows = 0;
   Status st = CheckRows(segments, &rows);
+  if (st.ok()) st = CheckOwnerShape(owner);
   if (!st.ok()) return ToFfiError(st);
   auto ctx = DeviceContext::ForStream(stream);
   if (!ctx.ok()) return ToFfiError(ctx.status());
   st = (*ctx)->EnqueueWriteBack(stream, std::move(*engine), tier,
                                 Regions{region_base, region_bytes, region_count},
                                 segments.typed_data(), rows, tag.typed_data(),
-                                static_cast<int64_t>(tag.element_count()),
+                                static_cast<int64_t>(tag.element_count()), owner.typed_data(),
                                 static_cast<uint8_t*>(src.untyped_data()), src.size_bytes());
   if (!st.ok()) return ToFfiError(st);
   cudaError_t err = cudaMemsetAsync(token_out->typed_data(), 0, sizeof(int32_t), stream);
@@ -1080,30 +1156,31 @@ StatusOr<std::vector<double>> EngineH2DGbps(int device, int64_t engine_id, int32
   auto ctx = DeviceContext::ForStream(r.stream);
   if (!ctx.ok()) return ctx.status();
   void* dst = nullptr;
-  void* small = nullptr;  // int32: rows[4], tag[2], retire, ticket.
+  void* small = nullptr;  // int32: rows[4], tag[2], retire, ticket, owner[4].
   TPUSYNC_CUDA_CHECK(cudaMalloc(&dst, max_size), "cudaMalloc");
   r.device.push_back(dst);
-  TPUSYNC_CUDA_CHECK(cudaMalloc(&small, 8 * sizeof(int32_t)), "cudaMalloc");
+  TPUSYNC_CUDA_CHECK(cudaMalloc(&small, 12 * sizeof(int32_t)), "cudaMalloc");
   r.device.push_back(small);
   auto* words = static_cast<int32_t*>(small);
   std::vector<double> out;
   for (uint64_t size : sizes) {
-    const int32_t host[8] = {static_cast<int32_t>(tier_offset / block_bytes),
-                             static_cast<int32_t>(tier_offset % block_bytes), 0,
-                             static_cast<int32_t>(size), -1, -1,
-                             static_cast<int32_t>(kNoTicket), 0};
+    const int32_t host[12] = {static_cast<int32_t>(tier_offset / block_bytes),
+                              static_cast<int32_t>(tier_offset % block_bytes), 0,
+                              static_cast<int32_t>(size), -1, -1,
+                              static_cast<int32_t>(kNoTicket), 0, 0, 0, 0, 0};
     TPUSYNC_CUDA_CHECK(cudaMemcpy(words, host, sizeof(host), cudaMemcpyHostToDevice),
                        "cudaMemcpy");
     auto one = [&]() -> Status {
       // start then wait, exactly as the handlers enqueue them: the ticket travels through
       // device memory (words[7]).
-      TPUSYNC_RETURN_IF_ERROR((*ctx)->EnqueueFetch(
-          r.stream, *engine, tier, Regions{}, words, 1, words + 4, 2, words + 6,
-          static_cast<uint8_t*>(dst), max_size, words + 7));
+      // Owner words[8..11] are zero: unchecked.
+      TPUSYNC_RETURN_IF_ERROR((*ctx)->EnqueueFetch(r.stream, *engine, tier, Regions{}, words,
+                                                   1, words + 4, 2, words + 6, words + 8,
+                                                   max_size, words + 7));
       return (*ctx)->EnqueueWait(r.stream, *engine, tier, Regions{}, words, 1, words + 4, 2,
-                                 words + 7, static_cast<uint8_t*>(dst), max_size);
+                                 words + 7, words + 8, static_cast<uint8_t*>(dst), max_size);
     };
-    TPUSYNC_RETURN_IF_ERROR(one());  // Warm-up: staging allocation, page faults.
+    TPUSYNC_RETURN_IF_ERROR(one());  // Warm-up: mirror and landing allocation, page faults.
     TPUSYNC_CUDA_CHECK(cudaStreamSynchronize(r.stream), "cudaStreamSynchronize");
     const int64_t begin = MonotonicNs();
     for (int i = 0; i < iters; ++i) TPUSYNC_RETURN_IF_ERROR(one());
@@ -1118,20 +1195,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncStartCuda, StartImpl,
                               WithTransferAttrs(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::BufferR0<ffi::S32>>()));
+                                  .Ret<ffi::BufferR0<ffi::S32>>())
+                                  .Attr<int64_t>("dst_bytes"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWaitCuda, WaitImpl,
                               WithTransferAttrs(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
@@ -1141,6 +1219,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWriteBackCuda, WriteBackImpl,
                               WithTransferAttrs(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()

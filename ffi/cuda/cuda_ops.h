@@ -22,7 +22,7 @@ bool registry_attached();
 
 // Counters of the GPU path (all devices together).
 struct CudaStats {
-  uint64_t fetches = 0;          // tpusync_start transfers run by the agents.
+  uint64_t fetches = 0;          // tpusync_start fetches the agents submitted to an engine.
   uint64_t fetch_bytes = 0;
   uint64_t write_backs = 0;
   uint64_t write_back_bytes = 0;
@@ -43,8 +43,9 @@ int DeviceCount();
 // Plain cudaMemcpyAsync from one pinned host buffer into device memory: the ceiling.
 StatusOr<std::vector<double>> MemcpyH2DGbps(int device, const std::vector<uint64_t>& sizes,
                                             int iters);
-// The full start/wait path (descriptors staged on the stream, the agent, the engine, the
-// pinned staging and the H2D), fetching `size` bytes from tier byte `tier_offset`.
+// The full start/wait path (descriptors staged on the stream, the agent, the engine's
+// landing memory, the wait's copy into the pinned mirror and its H2D), fetching `size`
+// bytes from tier byte `tier_offset`.
 StatusOr<std::vector<double>> EngineH2DGbps(int device, int64_t engine_id, int32_t tier,
                                             uint64_t tier_offset,
                                             const std::vector<uint64_t>& sizes, int iters);

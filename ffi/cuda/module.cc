@@ -122,5 +122,5 @@ NB_MODULE(_tpusync_cuda, m) {
       },
       nb::arg("engine_id"), nb::arg("tier"), nb::arg("tier_offset"), nb::arg("sizes"),
       nb::arg("iters") = 20, nb::arg("device") = 0,
-      "GB/s of the start/wait path (agent, engine, staging, H2D) per size, outside XLA.");
+      "GB/s of the start/wait path (agent, engine, mirror, H2D) per size, outside XLA.");
 }
