@@ -433,16 +433,14 @@ class FileTier final : public Tier {
     if (st.ok()) st = Preallocate(fd_, FileBytes(), options_.directory, "tier " + StoreName());
     if (st.ok()) st = SaveRegions({});
     if (st.ok() && link(tmp.c_str(), path_.c_str()) != 0) {
-      if (errno == EEXIST) {
+      int err = errno;
+      if (err == EEXIST) {
         *raced = true;
-      } else if (errno == EPERM || errno == EOPNOTSUPP || errno == ENOSYS) {
+      } else if (err == EPERM || err == EOPNOTSUPP || err == ENOSYS) {
         // No hard links on this filesystem: rename (which replaces a racing creator's file).
-        if (rename(tmp.c_str(), path_.c_str()) != 0) {
-          st = ErrnoStatus("cannot create " + StoreName(), errno);
-        }
-      } else {
-        st = ErrnoStatus("cannot create " + StoreName(), errno);
+        err = rename(tmp.c_str(), path_.c_str()) == 0 ? 0 : errno;
       }
+      if (err != 0 && !*raced) st = ErrnoStatus("cannot create " + StoreName(), err);
     }
     unlink(tmp.c_str());  // Gone already where rename moved it.
     if (!st.ok() || *raced) {
