@@ -147,6 +147,7 @@ class TierInfo:
     direct_read_bytes: int  # fetched straight into the destination (file tier, same phase)
     bounced_read_bytes: int  # fetched through a bounce buffer
     attached: bool  # re-attached to an existing shm segment or file
+    read_only: bool  # attached with read_only=True: writes are refused
     regions: dict[str, tuple[int, int]]  # persistent name -> (first_block, num_blocks)
 
 
@@ -237,19 +238,32 @@ class Engine:
     # -- tiers ------------------------------------------------------------------------------
 
     def add_host_tier(
-        self, *, block_bytes: int, num_blocks: int, shm_name: str | None = None
+        self,
+        *,
+        block_bytes: int,
+        num_blocks: int,
+        shm_name: str | None = None,
+        read_only: bool = False,
     ) -> int:
         """Adds a page-aligned DRAM pool; returns its tier index.
+
+        An anonymous pool larger than the machine's available memory (``MemAvailable``) is
+        refused. A new shm segment is preallocated in ``/dev/shm`` (an error now if it does
+        not fit, instead of a SIGBUS when the pool fills).
 
         Args:
           block_bytes: allocation unit.
           num_blocks: pool size in blocks.
           shm_name: back the pool by POSIX shm ``/<shm_name>`` so another process (or this one
             after a restart) re-attaches to the same bytes. Opening an existing segment with
-            another layout fails instead of reinterpreting it.
+            another layout fails instead of reinterpreting it. One writer owns a segment at a
+            time: a second attach, in this process or another, fails naming the holder's pid.
+          read_only: attach an existing segment read-only (needs ``shm_name``; never creates
+            one). Read-only attaches share a segment with each other, never with a writer;
+            every write to the tier fails.
         """
         _check_layout(block_bytes, num_blocks)
-        return self._impl.add_host_tier(block_bytes, num_blocks, shm_name or "")
+        return self._impl.add_host_tier(block_bytes, num_blocks, shm_name or "", read_only)
 
     def add_file_tier(
         self,
@@ -260,15 +274,21 @@ class Engine:
         file_name: str | None = None,
         direct_io: bool = True,
         alignment_offset: int = 0,
+        read_only: bool = False,
     ) -> int:
         """Adds a file tier in ``directory``; returns its tier index.
 
         Args:
           directory: an existing, writable directory on local SSD or shared storage.
           block_bytes: allocation unit (a multiple of 4096 keeps O_DIRECT bounce-free).
-          num_blocks: size in blocks (the file is sparse: unwritten blocks take no space).
+          num_blocks: size in blocks. The file is preallocated to its full size when made
+            (an error now, naming the free space, when the disk cannot hold it), so write-backs
+            cannot run out of space later; a read past the end of a file that was truncated
+            underneath the tier raises instead of returning zeros.
           file_name: keep the data in ``<directory>/<file_name>.tpusync`` and re-attach later;
-            None: an anonymous file deleted on close.
+            None: an anonymous file deleted on close. One writer owns a file at a time: a
+            second attach, in this process or another, fails naming the holder's pid. A file
+            shorter than its header and capacity is refused.
           direct_io: try O_DIRECT (falls back to buffered I/O where refused, e.g. tmpfs; see
             :meth:`tier_info`).
           alignment_offset: in [0, 4096): where destination buffers usually start modulo a
@@ -277,6 +297,9 @@ class Engine:
             instead of through a bounce buffer and a copy. Any destination stays correct;
             see ``direct_read_bytes`` in :meth:`tier_info`. A re-attached file keeps the
             offset it was created with.
+          read_only: attach an existing file read-only (needs ``file_name``; never creates
+            one). Read-only attaches share a file with each other, never with a writer; every
+            write to the tier fails.
         """
         _check_layout(block_bytes, num_blocks)
         if not 0 <= alignment_offset < 4096:
@@ -288,6 +311,7 @@ class Engine:
             file_name or "",
             direct_io,
             alignment_offset,
+            read_only,
         )
         info = self.tier_info(tier)
         if direct_io and not info.direct_io:

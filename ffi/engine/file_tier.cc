@@ -9,9 +9,12 @@
 //   common case for XLA's buffers), only the partial head and tail sectors bounced;
 // - otherwise through a ring of huge-page bounce buffers, each copied out as it lands.
 // Writes go through two bounce buffers, pipelined on a helper thread.
+//
+// The file is preallocated to its full size when it is made, so bytes never written read
+// as zeros from inside the file; a read that ends early therefore means the file was
+// truncated or replaced underneath the tier, and is an error rather than zeros.
 #include <fcntl.h>
 #include <linux/aio_abi.h>
-#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -25,21 +28,42 @@
 #include <vector>
 
 #include "persistent_header.h"
+#include "store_guard.h"
 #include "tier.h"
 
 namespace tpusync {
 namespace {
 
-Status PreadFull(int fd, uint8_t* dst, uint64_t bytes, uint64_t offset) {
+// Whether the file behind `fd` ends before byte `end` (false when fstat fails).
+bool FileEndsBefore(int fd, uint64_t end) {
+  struct stat sb;
+  return fstat(fd, &sb) == 0 && static_cast<uint64_t>(sb.st_size) < end;
+}
+
+Status ShortRead(int fd, const std::string& path, uint64_t offset, uint64_t want,
+                 uint64_t got) {
+  struct stat sb;
+  const std::string now =
+      fstat(fd, &sb) == 0 ? std::to_string(sb.st_size) + " bytes" : "of unknown size";
+  return FailedPrecondition("file tier read of " + std::to_string(want) +
+                            " bytes at file offset " + std::to_string(offset) + " returned " +
+                            std::to_string(got) + ": file '" + path + "' (now " + now +
+                            ") is shorter than the tier (truncated or replaced?)");
+}
+
+// `path` names the file in messages.
+Status PreadFull(int fd, uint8_t* dst, uint64_t bytes, uint64_t offset, const std::string& path) {
   while (bytes > 0) {
     ssize_t n = pread(fd, dst, bytes, static_cast<off_t>(offset));
     if (n < 0) {
       if (errno == EINTR) continue;
-      return ErrnoStatus("file tier read at offset " + std::to_string(offset) + " failed", errno);
+      return ErrnoStatus("file tier read of '" + path + "' at file offset " +
+                             std::to_string(offset) + " failed",
+                         errno);
     }
-    if (n == 0) {  // Past the end of a sparse file: the bytes were never written.
-      std::memset(dst, 0, bytes);
-      return Status::Ok();
+    // A read inside the file may stop early (a signal); one past its end never will finish.
+    if (static_cast<uint64_t>(n) < bytes && (n == 0 || FileEndsBefore(fd, offset + bytes))) {
+      return ShortRead(fd, path, offset, bytes, static_cast<uint64_t>(n));
     }
     dst += n;
     offset += n;
@@ -48,13 +72,17 @@ Status PreadFull(int fd, uint8_t* dst, uint64_t bytes, uint64_t offset) {
   return Status::Ok();
 }
 
-Status PwriteFull(int fd, const uint8_t* src, uint64_t bytes, uint64_t offset) {
+Status PwriteFull(int fd, const uint8_t* src, uint64_t bytes, uint64_t offset,
+                  const std::string& path) {
   while (bytes > 0) {
     ssize_t n = pwrite(fd, src, bytes, static_cast<off_t>(offset));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoStatus("file tier write at offset " + std::to_string(offset) + " failed",
-                         errno);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      // Named in full: this becomes the engine's sticky write-back error (ENOSPC, EIO).
+      const int err = n < 0 ? errno : EIO;
+      return ErrnoStatus("file tier '" + path + "': write of " + std::to_string(bytes) +
+                             " bytes at file offset " + std::to_string(offset) + " failed",
+                         err);
     }
     src += n;
     offset += n;
@@ -76,7 +104,8 @@ struct ChunkRead {
 // or cancellation but always reaps what is in flight before returning: no read may land in
 // a buffer after the caller has given it back.
 template <typename Plan, typename Landed>
-Status StreamReads(int fd, IoContext& io, uint64_t count, Plan&& plan, Landed&& landed) {
+Status StreamReads(int fd, const std::string& path, IoContext& io, uint64_t count, Plan&& plan,
+                   Landed&& landed) {
   const auto ctx = static_cast<aio_context_t>(io.aio());
   const int depth = io.depth();
   std::vector<ChunkRead> reads(depth);
@@ -108,7 +137,7 @@ Status StreamReads(int fd, IoContext& io, uint64_t count, Plan&& plan, Landed&& 
       struct iocb* one = &cb;
       if (ctx == 0 || syscall(SYS_io_submit, ctx, 1, &one) != 1) {
         // No AIO (or the queue refused it): read synchronously, same result.
-        status = PreadFull(fd, r.memory, r.bytes, r.offset);
+        status = PreadFull(fd, r.memory, r.bytes, r.offset, path);
         if (status.ok()) status = landed(next, slot);
         ++next;
         continue;
@@ -135,11 +164,15 @@ Status StreamReads(int fd, IoContext& io, uint64_t count, Plan&& plan, Landed&& 
       const int64_t res = events[e].res;
       Status st;
       if (res < 0) {
-        st = ErrnoStatus("file tier read at offset " + std::to_string(r.offset) + " failed",
+        st = ErrnoStatus("file tier read of '" + path + "' at file offset " +
+                             std::to_string(r.offset) + " failed",
                          static_cast<int>(-res));
       } else if (static_cast<uint64_t>(res) < r.bytes) {
-        // Short read (end of a sparse file, or an interrupted request): finish it in line.
-        st = PreadFull(fd, r.memory + res, r.bytes - res, r.offset + res);
+        // Past the end of the file: truncated underneath us. Otherwise an interrupted
+        // request: finish it in line.
+        st = FileEndsBefore(fd, r.offset + r.bytes)
+                 ? ShortRead(fd, path, r.offset, r.bytes, static_cast<uint64_t>(res))
+                 : PreadFull(fd, r.memory + res, r.bytes - res, r.offset + res, path);
       }
       if (st.ok() && status.ok()) st = landed(index[slot], slot);
       if (!st.ok() && status.ok()) status = std::move(st);
@@ -168,7 +201,9 @@ uint64_t DirectIoAlignment(int fd) {
 class FileTier final : public Tier {
  public:
   explicit FileTier(const FileTierOptions& options)
-      : Tier(options.layout), options_(options) {}
+      : Tier(options.layout), options_(options) {
+    read_only_ = options.read_only;
+  }
 
   ~FileTier() override {
     if (direct_fd_ >= 0) close(direct_fd_);
@@ -194,26 +229,29 @@ class FileTier final : public Tier {
     if (!S_ISDIR(sb.st_mode)) {
       return InvalidArgument("file tier path '" + dir + "' is not a directory");
     }
-    if (access(dir.c_str(), W_OK) != 0) {
+    if (!read_only_ && access(dir.c_str(), W_OK) != 0) {
       return FailedPrecondition("file tier directory '" + dir + "' is not writable");
     }
-    const bool named = !options_.file_name.empty();
-    if (named) {
+    Status st;
+    if (!options_.file_name.empty()) {
       if (options_.file_name.find('/') != std::string::npos) {
         return InvalidArgument("file name '" + options_.file_name + "' must not contain '/'");
       }
       path_ = dir + "/" + options_.file_name + ".tpusync";
-      fd_ = open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+      st = read_only_ ? AttachReadOnly() : OpenNamed();
     } else {
+      if (read_only_) {
+        return InvalidArgument("a read-only file tier needs file_name: an anonymous file has "
+                               "nothing to attach to");
+      }
       std::string tmpl = dir + "/.tpusync-XXXXXX";
       fd_ = mkostemp(tmpl.data(), O_CLOEXEC);
+      if (fd_ < 0) return ErrnoStatus("cannot create tier file in '" + dir + "'", errno);
       path_ = tmpl;
+      unlink(path_.c_str());  // Anonymous: the data dies with the descriptors.
+      st = Preallocate(fd_, FileBytes(), dir, "tier " + StoreName());
     }
-    if (fd_ < 0) return ErrnoStatus("cannot create tier file in '" + dir + "'", errno);
-    Status st = named ? OpenNamed() : Status::Ok();
-    if (st.ok()) st = SizeFile();
     if (st.ok()) st = OpenDirect();
-    if (!named) unlink(path_.c_str());  // Anonymous: the data dies with the descriptors.
     return st;
   }
 
@@ -226,9 +264,10 @@ class FileTier final : public Tier {
   uint64_t bounced_read_bytes() const override { return bounced_bytes_.load(); }
 
   std::string Describe() const override {
-    if (!direct_io()) return "file " + path_ + " (buffered I/O: " + direct_refused_ + ")";
+    const std::string ro = read_only_ ? ", read-only" : "";
+    if (!direct_io()) return "file " + path_ + " (buffered I/O: " + direct_refused_ + ro + ")";
     return "file " + path_ + " (O_DIRECT, " + std::to_string(dio_alignment_) +
-           " B alignment, data at +" + std::to_string(layout_.alignment_offset) + ")";
+           " B alignment, data at +" + std::to_string(layout_.alignment_offset) + ro + ")";
   }
 
   bool ReadsInPlace(uint64_t offset, const void* dst) const override {
@@ -246,7 +285,7 @@ class FileTier final : public Tier {
     const uint64_t pos = data_start() + offset;
     if (!direct_io()) {
       return ChunkLoop(bytes, io, [&](uint64_t done, uint64_t n) {
-        return PreadFull(fd_, out + done, n, pos + done);
+        return PreadFull(fd_, out + done, n, pos + done, path_);
       });
     }
     const uint64_t align = dio_alignment_;
@@ -257,7 +296,7 @@ class FileTier final : public Tier {
       uint8_t* inner = out + (lo - pos);
       // A partial sector at either end: read it whole, keep file bytes [from, to) of it.
       auto edge = [&](uint64_t sector, uint64_t from, uint64_t to) -> Status {
-        TPUSYNC_RETURN_IF_ERROR(PreadFull(direct_fd_, io.bounce(0), align, sector));
+        TPUSYNC_RETURN_IF_ERROR(PreadFull(direct_fd_, io.bounce(0), align, sector, path_));
         std::memcpy(out + (from - pos), io.bounce(0) + (from - sector), to - from);
         return Status::Ok();
       };
@@ -266,7 +305,7 @@ class FileTier final : public Tier {
       direct_bytes_.fetch_add(hi - lo, std::memory_order_relaxed);
       bounced_bytes_.fetch_add(bytes - (hi - lo), std::memory_order_relaxed);
       return StreamReads(
-          direct_fd_, io, (hi - lo + chunk - 1) / chunk,
+          direct_fd_, path_, io, (hi - lo + chunk - 1) / chunk,
           [&](uint64_t i, int) {
             return ChunkRead{inner + i * chunk, std::min(chunk, hi - lo - i * chunk),
                              lo + i * chunk};
@@ -277,7 +316,7 @@ class FileTier final : public Tier {
     const uint64_t first = AlignDown(pos, align), last = AlignUp(pos + bytes, align);
     bounced_bytes_.fetch_add(bytes, std::memory_order_relaxed);
     return StreamReads(
-        direct_fd_, io, (last - first + chunk - 1) / chunk,
+        direct_fd_, path_, io, (last - first + chunk - 1) / chunk,
         [&](uint64_t i, int slot) {
           uint64_t start = first + i * chunk;
           return ChunkRead{io.bounce(slot), std::min(chunk, last - start), start};
@@ -291,13 +330,14 @@ class FileTier final : public Tier {
   }
 
   Status Write(uint64_t offset, const void* src, uint64_t bytes, IoContext& io) override {
+    if (read_only_) return ReadOnlyError(StoreName());
     TPUSYNC_RETURN_IF_ERROR(CheckRange(offset, bytes));
     const auto* in = static_cast<const uint8_t*>(src);
     const uint64_t pos = data_start() + offset;
     if (!direct_io() || (IsAligned(pos, kIoAlignment) && IsAligned(in, kIoAlignment) &&
                          IsAligned(bytes, kIoAlignment))) {
       return ChunkLoop(bytes, io, [&](uint64_t done, uint64_t n) {
-        return PwriteFull(direct_io() ? direct_fd_ : fd_, in + done, n, pos + done);
+        return PwriteFull(direct_io() ? direct_fd_ : fd_, in + done, n, pos + done, path_);
       });
     }
     // Read-modify-write of the partial head and tail pages; the engine keeps other writers
@@ -315,10 +355,10 @@ class FileTier final : public Tier {
       uint8_t* buf = io.bounce(i % 2);
       // Buffer i % 2 was last used by the write of chunk i - 2, joined below in step i - 1.
       Status edge;
-      if (c0 < pos) edge = PreadFull(direct_fd_, buf, kIoAlignment, c0);
+      if (c0 < pos) edge = PreadFull(direct_fd_, buf, kIoAlignment, c0, path_);
       if (edge.ok() && c1 > pos + bytes && !(c0 < pos && c1 - c0 == kIoAlignment)) {
         edge = PreadFull(direct_fd_, buf + (c1 - c0 - kIoAlignment), kIoAlignment,
-                         c1 - kIoAlignment);
+                         c1 - kIoAlignment, path_);
       }
       if (!edge.ok()) {
         io.helper().Join();  // Never leave a write in flight on a buffer we give back.
@@ -328,7 +368,8 @@ class FileTier final : public Tier {
       std::memcpy(buf + (lo - c0), in + (lo - pos), hi - lo);
       TPUSYNC_RETURN_IF_ERROR(io.helper().Join());
       io.before_chunk(c1 - c0);
-      io.helper().Start([this, buf, c0, c1] { return PwriteFull(direct_fd_, buf, c1 - c0, c0); });
+      io.helper().Start(
+          [this, buf, c0, c1] { return PwriteFull(direct_fd_, buf, c1 - c0, c0, path_); });
     }
     return io.helper().Join();
   }
@@ -336,10 +377,11 @@ class FileTier final : public Tier {
  protected:
   Status SaveRegions(const std::vector<NamedRegion>& regions) override {
     if (options_.file_name.empty()) return Status::Ok();
+    if (read_only_) return ReadOnlyError(StoreName());
     uint8_t header[kHeaderBytes];
     TPUSYNC_RETURN_IF_ERROR(EncodeHeader(layout_, regions, header));
-    TPUSYNC_RETURN_IF_ERROR(PwriteFull(fd_, header, kHeaderBytes, 0));
-    if (fdatasync(fd_) != 0) return ErrnoStatus("cannot sync tier header", errno);
+    TPUSYNC_RETURN_IF_ERROR(PwriteFull(fd_, header, kHeaderBytes, 0, path_));
+    if (fdatasync(fd_) != 0) return ErrnoStatus("cannot sync the header of " + StoreName(), errno);
     return Status::Ok();
   }
 
@@ -358,37 +400,93 @@ class FileTier final : public Tier {
     return Status::Ok();
   }
 
+  std::string StoreName() const { return "file '" + path_ + "'"; }
+  // The file's full size, rounded to a page for O_DIRECT.
+  uint64_t FileBytes() const { return AlignUp(data_start() + capacity_bytes(), kIoAlignment); }
+
+  // A writer: attach to the file, or create it. A file is created complete (preallocated,
+  // header written) under a temporary name and linked into place, so a file under the
+  // tier's name is never half made: one that is short or empty was truncated or replaced.
   Status OpenNamed() {
-    flock(fd_, LOCK_EX);
-    struct stat sb;
-    Status st;
-    if (fstat(fd_, &sb) != 0) {
-      st = ErrnoStatus("cannot stat '" + path_ + "'", errno);
-    } else if (sb.st_size == 0) {
-      st = SaveRegions({});
-    } else {
-      uint8_t header[kHeaderBytes];
-      st = PreadFull(fd_, header, kHeaderBytes, 0);
-      std::vector<NamedRegion> regions;
-      if (st.ok()) {
-        st = DecodeHeader(header, layout_, "tier file '" + path_ + "'", &regions,
-                          &layout_.alignment_offset);
+    for (int attempt = 0; attempt < 4; ++attempt) {
+      fd_ = open(path_.c_str(), O_RDWR | O_CLOEXEC);
+      if (fd_ >= 0) {
+        // Held until the tier closes: a second writer would overwrite this one's KV.
+        TPUSYNC_RETURN_IF_ERROR(LockStore(fd_, /*shared=*/false, "tier " + StoreName()));
+        TPUSYNC_RETURN_IF_ERROR(AttachLocked());
+        // Backs whatever an older, sparse file lacks; fallocate never changes bytes.
+        return Preallocate(fd_, FileBytes(), options_.directory, "tier " + StoreName());
       }
-      if (st.ok()) st = AdoptRegions(std::move(regions));
+      if (errno != ENOENT) return ErrnoStatus("cannot open " + StoreName(), errno);
+      bool raced = false;
+      TPUSYNC_RETURN_IF_ERROR(CreateNamed(&raced));
+      if (!raced) return Status::Ok();
     }
-    flock(fd_, LOCK_UN);
+    return Unavailable(StoreName() + " kept being created and removed while opening it");
+  }
+
+  // Sets *raced when another process linked the name first (then nothing is kept).
+  Status CreateNamed(bool* raced) {
+    std::string tmp = options_.directory + "/." + options_.file_name + ".tpusync.XXXXXX";
+    fd_ = mkostemp(tmp.data(), O_CLOEXEC);
+    if (fd_ < 0) {
+      return ErrnoStatus("cannot create tier file in '" + options_.directory + "'", errno);
+    }
+    // Nobody else knows the inode yet: the lock cannot fail, and it travels with the link.
+    Status st = LockStore(fd_, /*shared=*/false, "tier " + StoreName());
+    if (st.ok()) st = Preallocate(fd_, FileBytes(), options_.directory, "tier " + StoreName());
+    if (st.ok()) st = SaveRegions({});
+    if (st.ok() && link(tmp.c_str(), path_.c_str()) != 0) {
+      int err = errno;
+      if (err == EEXIST) {
+        *raced = true;
+      } else if (err == EPERM || err == EOPNOTSUPP || err == ENOSYS) {
+        // No hard links on this filesystem: rename (which replaces a racing creator's file).
+        err = rename(tmp.c_str(), path_.c_str()) == 0 ? 0 : errno;
+      }
+      if (err != 0 && !*raced) st = ErrnoStatus("cannot create " + StoreName(), err);
+    }
+    unlink(tmp.c_str());  // Gone already where rename moved it.
+    if (!st.ok() || *raced) {
+      close(fd_);
+      fd_ = -1;
+    }
     return st;
   }
 
-  Status SizeFile() {
-    // Sparse: blocks take disk space only once written. Rounded to a page for O_DIRECT.
-    uint64_t size = AlignUp(data_start() + capacity_bytes(), kIoAlignment);
-    struct stat sb;
-    if (fstat(fd_, &sb) == 0 && static_cast<uint64_t>(sb.st_size) >= size) return Status::Ok();
-    if (ftruncate(fd_, static_cast<off_t>(size)) != 0) {
-      return ErrnoStatus("cannot size tier file '" + path_ + "'", errno);
+  Status AttachReadOnly() {
+    fd_ = open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0 && errno == ENOENT) {
+      return NotFound(StoreName() + " does not exist; a read-only attach never creates one");
     }
-    return Status::Ok();
+    if (fd_ < 0) return ErrnoStatus("cannot open " + StoreName(), errno);
+    TPUSYNC_RETURN_IF_ERROR(LockStore(fd_, /*shared=*/true, "tier " + StoreName()));
+    return AttachLocked();
+  }
+
+  // Validates an existing file's header and size; adopts its regions.
+  Status AttachLocked() {
+    struct stat sb;
+    if (fstat(fd_, &sb) != 0) return ErrnoStatus("cannot stat " + StoreName(), errno);
+    const uint64_t size = static_cast<uint64_t>(sb.st_size);
+    if (size < kHeaderBytes) {
+      return FailedPrecondition("tier " + StoreName() + " is " + std::to_string(size) +
+                                " bytes, shorter than its " + std::to_string(kHeaderBytes) +
+                                "-byte header (truncated or replaced?); remove it to start "
+                                "a new tier");
+    }
+    uint8_t header[kHeaderBytes];
+    TPUSYNC_RETURN_IF_ERROR(PreadFull(fd_, header, kHeaderBytes, 0, path_));
+    std::vector<NamedRegion> regions;
+    TPUSYNC_RETURN_IF_ERROR(DecodeHeader(header, layout_, "tier " + StoreName(), &regions,
+                                         &layout_.alignment_offset));
+    if (size < FileBytes()) {
+      return FailedPrecondition("tier " + StoreName() + " is " + std::to_string(size) +
+                                " bytes but its header and capacity need " +
+                                std::to_string(FileBytes()) +
+                                " (truncated or replaced?); its KV is incomplete");
+    }
+    return AdoptRegions(std::move(regions));
   }
 
   Status OpenDirect() {
@@ -397,7 +495,7 @@ class FileTier final : public Tier {
       return Status::Ok();
     }
     std::string proc = "/proc/self/fd/" + std::to_string(fd_);
-    int fd = open(proc.c_str(), O_RDWR | O_DIRECT | O_CLOEXEC);
+    int fd = open(proc.c_str(), (read_only_ ? O_RDONLY : O_RDWR) | O_DIRECT | O_CLOEXEC);
     if (fd < 0) {
       direct_refused_ = std::string("O_DIRECT refused: ") + std::strerror(errno);
       return Status::Ok();

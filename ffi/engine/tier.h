@@ -76,6 +76,8 @@ class Tier {
   virtual uint64_t bounced_read_bytes() const { return 0; }
   // True when the tier re-attached to existing persistent contents.
   bool attached() const { return attached_; }
+  // True when attached read-only (shared lock): every Write fails.
+  bool read_only() const { return read_only_; }
 
   uint64_t block_bytes() const { return layout_.block_bytes; }
   uint64_t num_blocks() const { return layout_.num_blocks; }
@@ -105,8 +107,14 @@ class Tier {
     return Status::Ok();
   }
 
+  // The error every write to a read-only tier returns; `store` names its backing store.
+  static Status ReadOnlyError(const std::string& store) {
+    return FailedPrecondition("tier " + store + " is attached read-only; writes are refused");
+  }
+
   TierLayout layout_;
   bool attached_ = false;
+  bool read_only_ = false;
 
  private:
   std::mutex mu_;
@@ -114,11 +122,18 @@ class Tier {
   std::vector<NamedRegion> regions_;
 };
 
+// A named shm segment or file is owned by one writer at a time (flock LOCK_EX, held for the
+// tier's lifetime; another attach fails naming the holder's pid) or shared by read-only
+// attaches (LOCK_SH). Stores are preallocated when created, so a later fill can neither
+// SIGBUS nor hit a full disk, and a read past the end of a store (one truncated or
+// replaced underneath the tier) is an error, never zeros.
 struct HostTierOptions {
   TierLayout layout;
   // Non-empty: back the pool by POSIX shm segment "/<shm_name>" so a restarted process
   // re-attaches to its blocks.
   std::string shm_name;
+  // Attach an existing segment read-only (needs shm_name; never creates one).
+  bool read_only = false;
 };
 
 struct FileTierOptions {
@@ -129,6 +144,8 @@ struct FileTierOptions {
   std::string file_name;
   // False: never try O_DIRECT (buffered I/O through the page cache).
   bool allow_direct_io = true;
+  // Attach an existing file read-only (needs file_name; never creates one).
+  bool read_only = false;
 };
 
 StatusOr<std::unique_ptr<Tier>> OpenHostTier(const HostTierOptions& options);

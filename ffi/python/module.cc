@@ -89,16 +89,17 @@ class PyEngine {
     return engine_;
   }
 
-  int AddHostTier(uint64_t block_bytes, uint64_t num_blocks, const std::string& shm_name) {
-    HostTierOptions o{{block_bytes, num_blocks}, shm_name};
+  int AddHostTier(uint64_t block_bytes, uint64_t num_blocks, const std::string& shm_name,
+                  bool read_only) {
+    HostTierOptions o{{block_bytes, num_blocks}, shm_name, read_only};
     return ValueOrThrow(engine().AddTier(ValueOrThrow(OpenHostTier(o))));
   }
 
   int AddFileTier(const std::string& directory, uint64_t block_bytes, uint64_t num_blocks,
                   const std::string& file_name, bool allow_direct_io,
-                  uint64_t alignment_offset) {
+                  uint64_t alignment_offset, bool read_only) {
     FileTierOptions o{{block_bytes, num_blocks, alignment_offset}, directory, file_name,
-                      allow_direct_io};
+                      allow_direct_io, read_only};
     return ValueOrThrow(engine().AddTier(ValueOrThrow(OpenFileTier(o))));
   }
 
@@ -117,6 +118,7 @@ class PyEngine {
     d["direct_read_bytes"] = t->direct_read_bytes();
     d["bounced_read_bytes"] = t->bounced_read_bytes();
     d["attached"] = t->attached();
+    d["read_only"] = t->read_only();
     nb::dict regions;
     for (const NamedRegion& r : t->named_regions()) {
       regions[r.name.c_str()] = nb::make_tuple(r.first_block, r.num_blocks);
@@ -299,10 +301,11 @@ NB_MODULE(_tpusync, m) {
       .def_prop_ro("closed", &PyEngine::closed)
       .def("close", &PyEngine::Close)
       .def("add_host_tier", &PyEngine::AddHostTier, nb::arg("block_bytes"),
-           nb::arg("num_blocks"), nb::arg("shm_name"))
+           nb::arg("num_blocks"), nb::arg("shm_name"), nb::arg("read_only") = false)
       .def("add_file_tier", &PyEngine::AddFileTier, nb::arg("directory"),
            nb::arg("block_bytes"), nb::arg("num_blocks"), nb::arg("file_name"),
-           nb::arg("allow_direct_io"), nb::arg("alignment_offset"))
+           nb::arg("allow_direct_io"), nb::arg("alignment_offset"),
+           nb::arg("read_only") = false)
       .def("tier_info", &PyEngine::TierInfo, nb::arg("tier"))
       .def("allocate", &PyEngine::Allocate, nb::arg("tier"), nb::arg("count"), nb::arg("name"))
       .def("free", &PyEngine::Free, nb::arg("tier"), nb::arg("first"), nb::arg("count"))

@@ -420,13 +420,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # Named, so that the plain reader can open the same file.
         pf_cache = new_cache(record=bool(args.plot or args.trace), file_name="kv" if path else None)
         spec = pf_cache.spec
-        # sync and transfer read the same bytes through one more engine of their own; on the
-        # file tier from the same file: two files of the same bytes, written alike, were read
-        # at speeds up to 1.6x apart on one VM (which of the two was faster changed between
-        # runs), so a file of their own made the transfer row measure another disk.
+        # sync and transfer read the same bytes through one more engine of their own. On the
+        # file tier that is a file of their own: a tier file has one writer at a time, and
+        # sync writes back. Two files of the same bytes, written alike, were read at speeds
+        # up to 1.6x apart on one VM (which of the two was faster changed between runs), so
+        # compare the transfer row with prefetch over several runs.
         aux = None
         if {"sync", "transfer"} & set(variants_wanted):
-            aux = new_cache(record=False, file_name="kv" if path else None)
+            aux = new_cache(record=False, file_name="kv_aux" if path else None)
         print(
             f"decode: {args.tier} tier, context {args.context}, {shape.layers} layers x "
             f"{shape.kv_heads} kv heads x {shape.head_dim} ({args.dtype}), batch {shape.batch}, "
@@ -443,7 +444,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         resident_kv = _fill(
             shape,
             max_len,
-            [pf_cache] + ([aux] if aux and not path else []),  # A shared file: once.
+            [pf_cache] + ([aux] if aux else []),
             args.seed,
             keep=bool({"resident", "compute", "platform", "jax_offload"} & set(variants_wanted)),
         )
@@ -833,7 +834,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             transfer_direct_read_fraction=(
                 common.direct_read_fraction(aux_tier) if aux_tier else None
             ),
-            # sync and transfer read the prefetching cache's own file (see aux above).
+            # Whether sync and transfer read the prefetching cache's own file (see aux above:
+            # no longer, on the file tier).
             transfer_same_file=bool(
                 aux_tier
                 and path

@@ -264,12 +264,17 @@ def test_shm_reattach_keeps_bytes_and_regions(shm_names):
         np.testing.assert_array_equal(out, data)
         b = e2.allocate(t, 1)
         assert not first <= b < first + 4
-    # Two engines attached at once share the bytes.
+    # One writer at a time; read-only attaches share the bytes it left.
     with Engine() as a, Engine() as b:
         ta = a.add_host_tier(block_bytes=4096, num_blocks=8, shm_name=name)
-        tb = b.add_host_tier(block_bytes=4096, num_blocks=8, shm_name=name)
+        with pytest.raises(TpusyncError, match="is already attached by pid"):
+            b.add_host_tier(block_bytes=4096, num_blocks=8, shm_name=name)
         a.write(ta, 7 * 4096, np.full(100, 9, np.uint8))
-        np.testing.assert_array_equal(b.read(tb, 7 * 4096, np.zeros(100, np.uint8)), 9)
+    with Engine() as a, Engine() as b:
+        ta = a.add_host_tier(block_bytes=4096, num_blocks=8, shm_name=name, read_only=True)
+        tb = b.add_host_tier(block_bytes=4096, num_blocks=8, shm_name=name, read_only=True)
+        for e, t in ((a, ta), (b, tb)):
+            np.testing.assert_array_equal(e.read(t, 7 * 4096, np.zeros(100, np.uint8)), 9)
 
 
 def test_shm_layout_mismatch(shm_names):
@@ -329,6 +334,7 @@ def test_named_file_tier_reattach_and_mismatch(file_dir):
         out = np.zeros_like(data)
         e.read(t, first * 4096 + 3, out)
         np.testing.assert_array_equal(out, data)
+    with Engine() as e:
         with pytest.raises(TpusyncError, match="layout mismatch"):
             e.add_file_tier(file_dir, block_bytes=4096, num_blocks=17, file_name="kv")
     with open(os.path.join(file_dir, "junk.tpusync"), "wb") as f:
