@@ -493,6 +493,11 @@ StatusOr<Ticket> Engine::SubmitFetch(FetchRequest request) {
   transfer.direction = Direction::kTierToMemory;
   transfer.tag = request.tag;
   transfer.stream = request.stream;
+  if (tier->DefersFetches()) {
+    transfer.fetch = std::move(segments);
+    transfer.deferred = true;
+    return RecordDeferred(std::move(transfer));
+  }
   if (!segments.empty()) {
     transfer.landing = AcquireLanding(end);
     if (options_.poison_fetches) std::memset(transfer.landing->data(), 0xFF, end);
@@ -538,7 +543,15 @@ Status Engine::CompleteFetch(Ticket ticket, const FetchRequest& want, uint8_t* d
     Status st = Wait(ticket);
     const TransferRequest& have = job->request;
     const bool matches = have.tier == want.tier && have.fetch == wanted &&
-                         (have.landing != nullptr || wanted.empty());
+                         (have.landing != nullptr || have.deferred || wanted.empty());
+    if (matches && st.ok() && have.deferred) {
+      *hit = true;  // As planned: read now, straight into the operand.
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        stats_.prefetch_hits += 1;
+      }
+      return ReadInto(want, wanted, dst);
+    }
     if (matches && st.ok()) {
       for (size_t i = 0; i < wanted.size(); ++i) {
         std::memcpy(dst + wanted[i].dst_offset, have.segments[i].memory, wanted[i].bytes);
@@ -553,6 +566,16 @@ Status Engine::CompleteFetch(Ticket ticket, const FetchRequest& want, uint8_t* d
     ReleaseLandingLocked(*job);
     // A stale or failed prefetch: its bytes are not the ones wanted; fetch them now.
   }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.prefetch_misses += 1;
+  }
+  return ReadInto(want, wanted, dst);
+}
+
+Status Engine::ReadInto(const FetchRequest& want, const std::vector<FetchSegment>& wanted,
+                        uint8_t* dst) {
+  // Through the queue, so it is ordered after earlier write-backs of the same bytes.
   TransferRequest direct;
   direct.tier = want.tier;
   direct.direction = Direction::kTierToMemory;
@@ -562,11 +585,25 @@ Status Engine::CompleteFetch(Ticket ticket, const FetchRequest& want, uint8_t* d
   }
   StatusOr<Ticket> t = Submit(std::move(direct));
   if (!t.ok()) return t.status();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stats_.prefetch_misses += 1;
-  }
   return Wait(*t);
+}
+
+StatusOr<Ticket> Engine::RecordDeferred(TransferRequest request) {
+  auto job = std::make_shared<Job>();
+  job->request = std::move(request);
+  job->state = Job::State::kDone;
+  job->submit_ns = job->start_ns = job->end_ns = MonotonicNs();
+  std::lock_guard<std::mutex> lock(mu_);
+  TPUSYNC_RETURN_IF_ERROR(ValidateLocked(job->request));
+  job->tier = tiers_[job->request.tier].get();
+  for (size_t i = 0; i < job->request.fetch.size(); ++i) {  // Refused now, as a read would be.
+    const FetchSegment& f = job->request.fetch[i];
+    Status st = job->tier->CheckRange(f.tier_offset, f.bytes);
+    if (!st.ok()) return InvalidArgument("segment " + std::to_string(i) + ": " + st.detail());
+  }
+  job->ticket = NextTicketLocked();
+  tickets_[job->ticket] = job;
+  return job->ticket;
 }
 
 void Engine::DiscardLocked(Job& job) {

@@ -85,6 +85,7 @@ struct TransferRequest {
   std::shared_ptr<HugePageBuffer> landing;
   std::vector<FetchSegment> fetch;
   int64_t stream = 0;
+  bool deferred = false;  // Recorded only; CompleteFetch reads it (DefersFetches()).
 };
 
 struct EngineOptions {
@@ -197,7 +198,9 @@ class Engine {
   // outside the op that holds it: the fetch lands in a landing buffer of the engine, and
   // CompleteFetch, called by the consuming op, copies it into that op's buffer. A copy
   // of an in-flight buffer, a dropped state or an interrupted program therefore cannot
-  // receive a late write. Returns the ticket.
+  // receive a late write. On a tier that DefersFetches() (memory) nothing is read ahead:
+  // the ticket records the request and CompleteFetch reads it straight into the operand.
+  // Returns the ticket.
   StatusOr<Ticket> SubmitFetch(FetchRequest request);
   // Fills `dst` (`dst_bytes`) with `want`: from `ticket`'s landing buffer if it fetched
   // exactly `want` (a hit), else (no ticket, a different fetch, a failed one) by reading
@@ -250,6 +253,9 @@ class Engine {
   std::shared_ptr<HugePageBuffer> AcquireLanding(uint64_t bytes);
   void ReleaseLandingLocked(Job& job);
   void DiscardLocked(Job& job);
+  Status ReadInto(const FetchRequest& want, const std::vector<FetchSegment>& wanted,
+                  uint8_t* dst);
+  StatusOr<Ticket> RecordDeferred(TransferRequest request);
 
   struct StreamState {
     int32_t epoch = 0;

@@ -70,6 +70,8 @@ class HostTier final : public Tier {
                                    (read_only_ ? ", read-only)" : ")");
   }
 
+  bool DefersFetches() const override { return true; }
+
   Status Read(uint64_t offset, void* dst, uint64_t bytes, IoContext& io) override {
     TPUSYNC_RETURN_IF_ERROR(CheckRange(offset, bytes));
     bool cancelled = false;

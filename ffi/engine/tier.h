@@ -71,6 +71,10 @@ class Tier {
   // The address modulo 4096 at which a read of tier bytes at `offset` lands in place
   // (0 where any address does).
   virtual uint64_t InPlacePhase(uint64_t /*offset*/) const { return 0; }
+  // Whether a prefetch should wait for its consumer and read straight into the consumer's
+  // buffer: true for memory, where a read costs the same at the wait as ahead of it, and a
+  // read ahead would copy every byte twice (into landing memory, then into the operand).
+  virtual bool DefersFetches() const { return false; }
   // Fetched bytes that went straight to the destination / through a bounce buffer.
   virtual uint64_t direct_read_bytes() const { return 0; }
   virtual uint64_t bounced_read_bytes() const { return 0; }

@@ -234,8 +234,9 @@ def test_mismatched_ticket_is_never_stale(make_engine, add_tier, tier_kind):
     np.testing.assert_array_equal(_as_bytes(out), wanted)
     s = e.stats()
     assert s["prefetch_misses"] == 1 and s["prefetch_hits"] == 0
-    # Both the stale prefetch and the real fetch ran (the stale one was retired first).
-    assert s["tiers"][tier]["fetch"]["requests"] == 2
+    # The file tier ran the stale prefetch and the real fetch; the host tier reads only at
+    # the wait (memory defers its fetches: a read ahead would copy every byte twice).
+    assert s["tiers"][tier]["fetch"]["requests"] == (1 if tier_kind == "host" else 2)
     # Same segments: a hit.
     out = fn(jnp.ones(1), jnp.zeros(6000, jnp.uint8), needed, needed)
     np.testing.assert_array_equal(_as_bytes(out), wanted)

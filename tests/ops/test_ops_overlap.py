@@ -80,10 +80,16 @@ def measure_overlap(kind: str, directory: str, nbytes: int = 64 * MiB) -> dict:
     }
 
 
-def _check(r: dict, nbytes: int = 64 * MiB) -> None:
+def _check(r: dict, kind: str, nbytes: int = 64 * MiB) -> None:
     assert r["data_ok"]
     assert r["fetch_bytes"] == nbytes and r["fetch_tag"] == [3, 0]
     assert r["prefetch_hits"] == 1
+    if kind == "host":
+        # Memory defers its fetches to the wait (a read ahead would copy every byte twice,
+        # into landing memory and then into the operand): the read runs inside the wait.
+        assert r["submit_ns"] >= r["compute_end_ns"], r
+        assert r["submit_ns"] <= r["start_ns"] <= r["end_ns"] <= r["wait_end_ns"], r
+        return
     # Queued before the compute began; the compute ran ~tens of ms.
     assert r["submit_ns"] <= r["compute_begin_ns"] < r["compute_end_ns"]
     # The copy ran while the compute ran: it started before the compute ended and ended
@@ -97,7 +103,7 @@ def _check(r: dict, nbytes: int = 64 * MiB) -> None:
 
 @pytest.mark.parametrize("kind", ("host", "file"))
 def test_overlap_default_scheduler(kind, file_dir):
-    _check(measure_overlap(kind, file_dir))
+    _check(measure_overlap(kind, file_dir), kind)
 
 
 @pytest.mark.parametrize("kind", ("host", "file"))
@@ -125,4 +131,4 @@ def test_overlap_memory_optimized_scheduler(kind, file_dir):
     (line,) = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     r = json.loads(line[len("RESULT ") :])
     assert MEMORY_OPTIMIZED_FLAG in r["xla_flags"]
-    _check(r)
+    _check(r, kind)
