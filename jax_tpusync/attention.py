@@ -402,6 +402,12 @@ def prefetching_attention(
     if not isinstance(layer, int):
         # The first engine call of the layer refuses an out-of-range traced layer.
         write_segments = _refuse_bad_layer(spec, layer, write_segments)
+    # Capacity guards first (see ops.CAPACITY_GUARD): the write-back refuses the whole step,
+    # before any byte moves, if a sequence would pass max_len, naming it, instead of
+    # writing into the region next to it.
+    write_segments = jnp.concatenate(
+        [ops.capacity_guards(lengths, q_len, spec.max_len), write_segments]
+    )
 
     # 1. New tokens go out first: later fetches of this layer are queued behind them.
     new_kv = jnp.stack([k, v]).astype(spec.dtype)  # [2, batch, q_len, H, D]

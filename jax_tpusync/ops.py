@@ -27,6 +27,11 @@ Segments are ``int32[n, 4]`` rows ``(block, offset_in_block, memory_offset, nbyt
 tier byte offset is ``block * block_bytes + offset_in_block``, which reaches past 2 GiB
 without ``jax_enable_x64``. Rows with ``nbytes == 0`` are skipped.
 
+A row ``(CAPACITY_GUARD, length, count, capacity)`` moves nothing: the op fails before any
+byte moves unless ``length + count <= capacity`` (see :func:`capacity_guards`). A cache
+puts one per sequence in each write-back, so a sequence that would outgrow its room is
+refused by name rather than writing into the region next to it.
+
 An optional :class:`Regions` tells the engine how the caller carved the tier (``count``
 regions of ``nbytes`` from byte ``base``, e.g. one per layer, K/V and sequence). Every segment
 must then lie inside one region, so a context overflow or an out-of-range layer is an error
@@ -55,6 +60,9 @@ _TARGETS = {
 NO_TICKET = -1
 # (stream, epoch, generation, claims) of ops that no cache state owns: not checked.
 NO_OWNER = (0, 0, 0, 0)
+
+# Block field of a capacity guard row (see the module docstring).
+CAPACITY_GUARD = -2
 
 # Kinds for mark(): compute spans in the timeline.
 MARK_COMPUTE_BEGIN = 1
@@ -270,6 +278,22 @@ def mark(
         raise ValueError(f"engine_id={engine_id} is not a valid engine id")
     call = _ffi_call(_TARGETS["mark"], _sds(x), input_output_aliases={0: 0}, has_side_effect=True)
     return call(x, tag, *deps, engine_id=np.int64(engine_id), kind=np.int32(kind))
+
+
+def capacity_guards(lengths: jax.Array, count, capacity) -> jax.Array:
+    """int32[batch, 4] guard rows: sequence ``b`` may take ``count`` more tokens past
+    ``lengths[b]`` only if that stays within ``capacity`` (an int or int32[batch])."""
+    lengths = jnp.asarray(lengths, jnp.int32)
+    shape = lengths.shape
+    return jnp.stack(
+        [
+            jnp.full(shape, CAPACITY_GUARD, jnp.int32),
+            lengths,
+            jnp.broadcast_to(jnp.asarray(count, jnp.int32), shape),
+            jnp.broadcast_to(jnp.asarray(capacity, jnp.int32), shape),
+        ],
+        axis=-1,
+    )
 
 
 def segment_rows(

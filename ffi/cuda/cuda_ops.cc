@@ -668,36 +668,12 @@ StatusOr<int64_t> DeviceContext::CheckOwner(const Item& item) {
   return o[0];
 }
 
-// Rows as (tier offset, offset in the op's buffer, bytes), checked against that buffer's
-// size, the caller's regions and the tier.
+// Rows as (tier offset, offset in the op's buffer, bytes), guard rows checked first (see
+// DecodeRows).
 StatusOr<std::vector<FetchSegment>> DeviceContext::Decode(const Item& item) {
   StatusOr<Tier*> tier = item.engine->GetTier(item.tier);
   if (!tier.ok()) return tier.status();
-  const uint64_t block_bytes = (*tier)->block_bytes();
-  std::vector<FetchSegment> out;
-  const int32_t* rows = item.slot + kSlotRows;
-  for (int64_t i = 0; i < item.rows; ++i) {
-    const int32_t* r = rows + 4 * i;
-    if (r[0] < 0 || r[1] < 0 || r[2] < 0 || r[3] < 0) {
-      return InvalidArgument("segment " + std::to_string(i) + " has a negative field");
-    }
-    const FetchSegment s{
-        static_cast<uint64_t>(r[0]) * block_bytes + static_cast<uint64_t>(r[1]),
-        static_cast<uint64_t>(r[2]), static_cast<uint64_t>(r[3])};
-    if (s.bytes == 0) continue;
-    if (s.dst_offset + s.bytes > item.device_bytes) {
-      return InvalidArgument("segment " + std::to_string(i) + " covers bytes [" +
-                             std::to_string(s.dst_offset) + ", " +
-                             std::to_string(s.dst_offset + s.bytes) + ") of a " +
-                             std::to_string(item.device_bytes) + "-byte buffer");
-    }
-    TPUSYNC_RETURN_IF_ERROR(
-        CheckRegion(item.regions, i, Segment{s.tier_offset, nullptr, s.bytes}));
-    Status range = (*tier)->CheckRange(s.tier_offset, s.bytes);
-    if (!range.ok()) return InvalidArgument("segment " + std::to_string(i) + ": " + range.detail());
-    out.push_back(s);
-  }
-  return out;
+  return DecodeRows(item.slot + kSlotRows, item.rows, **tier, item.device_bytes, item.regions);
 }
 
 Status DeviceContext::EnsureStaging() {

@@ -253,6 +253,7 @@ class Engine {
   std::shared_ptr<HugePageBuffer> AcquireLanding(uint64_t bytes);
   void ReleaseLandingLocked(Job& job);
   void DiscardLocked(Job& job);
+  void AdviseOperand(const std::vector<FetchSegment>& wanted, uint8_t* dst);
   Status ReadInto(const FetchRequest& want, const std::vector<FetchSegment>& wanted,
                   uint8_t* dst);
   StatusOr<Ticket> RecordDeferred(TransferRequest request);

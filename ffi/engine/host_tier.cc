@@ -16,7 +16,8 @@
 namespace tpusync {
 namespace {
 
-// Copies in chunks so the engine can throttle and cancel between them.
+// Copies in chunks so the engine can throttle and cancel between them. Streaming stores:
+// neither a fetch's destination nor the pool is read back by this thread.
 void ChunkedCopy(uint8_t* dst, const uint8_t* src, uint64_t bytes, IoContext& io,
                  bool* cancelled) {
   for (uint64_t done = 0; done < bytes;) {
@@ -26,7 +27,7 @@ void ChunkedCopy(uint8_t* dst, const uint8_t* src, uint64_t bytes, IoContext& io
     }
     uint64_t n = std::min<uint64_t>(io.chunk_bytes(), bytes - done);
     io.before_chunk(n);
-    std::memcpy(dst + done, src + done, n);
+    CopyToDestination(dst + done, src + done, n);
     done += n;
   }
 }

@@ -11,8 +11,11 @@
 #include <cstdint>
 #include <string>
 
+#include <vector>
+
 #include "engine.h"
 #include "status.h"
+#include "tier.h"
 
 namespace tpusync {
 
@@ -41,6 +44,53 @@ inline Status CheckRegion(const Regions& regions, size_t index, const Segment& s
                            "(context overflow: positions beyond max_len)");
   }
   return Status::Ok();
+}
+
+// Leading rows (kCapacityGuard, length, count, capacity) of an op's segments are no
+// transfers but guards: the op fails, before any byte moves, unless length + count <=
+// capacity. A cache puts one per sequence first in every write-back, so a sequence that
+// would outgrow its room is refused by name instead of writing into whatever lies next to
+// it. Only a leading run counts: a guard-like row after a transfer is a bad row.
+inline constexpr int32_t kCapacityGuard = -2;
+
+// Decodes int32[n, 4] rows (block, offset_in_block, buffer_offset, bytes) into transfers
+// of `tier`, checking every guard row first, then each transfer against the op's buffer
+// (`buffer_bytes`), the caller's regions and the tier's size.
+inline StatusOr<std::vector<FetchSegment>> DecodeRows(const int32_t* rows, int64_t n,
+                                                      const Tier& tier, uint64_t buffer_bytes,
+                                                      const Regions& regions) {
+  int64_t guards = 0;
+  for (; guards < n && rows[4 * guards] == kCapacityGuard; ++guards) {
+    const int32_t* r = rows + 4 * guards;
+    if (r[1] < 0 || r[2] < 0 || static_cast<int64_t>(r[1]) + r[2] > r[3]) {
+      return InvalidArgument("sequence " + std::to_string(guards) + " holds " +
+                             std::to_string(r[1]) + " tokens and cannot take " +
+                             std::to_string(r[2]) + " more: its capacity is " +
+                             std::to_string(r[3]) + " tokens; nothing was written");
+    }
+  }
+  std::vector<FetchSegment> out;
+  for (int64_t i = guards; i < n; ++i) {
+    const int32_t* r = rows + 4 * i;
+    if (r[0] < 0 || r[1] < 0 || r[2] < 0 || r[3] < 0) {
+      return InvalidArgument("segment " + std::to_string(i) + " has a negative field");
+    }
+    const FetchSegment s{
+        static_cast<uint64_t>(r[0]) * tier.block_bytes() + static_cast<uint64_t>(r[1]),
+        static_cast<uint64_t>(r[2]), static_cast<uint64_t>(r[3])};
+    if (s.bytes == 0) continue;
+    if (s.dst_offset + s.bytes > buffer_bytes) {
+      return InvalidArgument("segment " + std::to_string(i) + " covers bytes [" +
+                             std::to_string(s.dst_offset) + ", " +
+                             std::to_string(s.dst_offset + s.bytes) + ") of a " +
+                             std::to_string(buffer_bytes) + "-byte buffer");
+    }
+    TPUSYNC_RETURN_IF_ERROR(CheckRegion(regions, i, Segment{s.tier_offset, nullptr, s.bytes}));
+    Status range = tier.CheckRange(s.tier_offset, s.bytes);
+    if (!range.ok()) return InvalidArgument("segment " + std::to_string(i) + ": " + range.detail());
+    out.push_back(s);
+  }
+  return out;
 }
 
 }  // namespace tpusync

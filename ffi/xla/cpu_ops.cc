@@ -66,9 +66,7 @@ TransferTag DecodeTag(const ffi::Buffer<ffi::S32>& tag) {
   return out;
 }
 
-// Builds a request from int32[n, 4] segment rows against `memory` of `memory_bytes`.
-// Decodes int32[n, 4] rows into (tier offset, buffer offset, bytes) against a buffer of
-// `buffer_bytes`, checking each against the buffer and the caller's regions.
+// Decodes int32[n, 4] rows against a buffer of `buffer_bytes` (see DecodeRows).
 StatusOr<std::vector<FetchSegment>> DecodeSegments(Engine& engine, int32_t tier,
                                                    const ffi::Buffer<ffi::S32>& segments,
                                                    uint64_t buffer_bytes,
@@ -79,27 +77,7 @@ StatusOr<std::vector<FetchSegment>> DecodeSegments(Engine& engine, int32_t tier,
   }
   StatusOr<Tier*> t = engine.GetTier(tier);
   if (!t.ok()) return t.status();
-  const uint64_t block_bytes = (*t)->block_bytes();
-  std::vector<FetchSegment> out;
-  const int32_t* rows = segments.typed_data();
-  for (int64_t i = 0; i < dims[0]; ++i) {
-    const int32_t* r = rows + 4 * i;
-    if (r[0] < 0 || r[1] < 0 || r[2] < 0 || r[3] < 0) {
-      return InvalidArgument("segment " + std::to_string(i) + " has a negative field");
-    }
-    FetchSegment s{static_cast<uint64_t>(r[0]) * block_bytes + static_cast<uint64_t>(r[1]),
-                   static_cast<uint64_t>(r[2]), static_cast<uint64_t>(r[3])};
-    if (s.bytes == 0) continue;
-    if (s.dst_offset + s.bytes > buffer_bytes) {
-      return InvalidArgument(
-          "segment " + std::to_string(i) + " covers bytes [" + std::to_string(s.dst_offset) +
-          ", " + std::to_string(s.dst_offset + s.bytes) + ") of a " +
-          std::to_string(buffer_bytes) + "-byte buffer");
-    }
-    TPUSYNC_RETURN_IF_ERROR(CheckRegion(regions, i, Segment{s.tier_offset, nullptr, s.bytes}));
-    out.push_back(s);
-  }
-  return out;
+  return DecodeRows(segments.typed_data(), dims[0], **t, buffer_bytes, regions);
 }
 
 StatusOr<FetchRequest> DecodeFetch(Engine& engine, int32_t tier,

@@ -253,3 +253,27 @@ def test_ctrl_c_in_a_decode_loop_exits_cleanly(tier, delay, tmp_path):
     code, out, err = _run_loop(tier, 4 << 20, "sigint", tmp_path, sigint_after=delay)
     assert code in (1, -signal.SIGINT) and "KeyboardInterrupt" in err, (code, err[-3000:])
     assert "Segmentation fault" not in err and "Fatal Python error" not in err
+
+
+@pytest.mark.parametrize("tier", ("host", "file"))
+def test_skipping_a_layer_refetches_and_is_counted(tier, tmp_path):
+    """A step that skips layer 1 stays correct: layer 2's wait finds the prefetch of layer 1
+    instead of its own and reads its unit itself (a counted miss)."""
+    rng = np.random.default_rng(9)
+
+    def step(q, k, v, state):
+        outs = []
+        for layer in (0, 2):
+            o, state = tps.prefetching_attention(q[layer], k[layer], v[layer], state, layer=layer)
+            outs.append(o)
+        return jnp.stack(outs), state
+
+    with _cache(tier, tmp_path, 5) as cache:
+        state, ck, cv = _context(cache, rng)
+        q, k, v = _inputs(rng)
+        got, state = jax.jit(step, donate_argnums=(3,))(q, k, v, state)
+        want, _, _, _ = _resident(q, k, v, ck, cv, jnp.asarray(CONTEXT, jnp.int32), 5, cache.spec.chunk_len)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want)[[0, 2]], rtol=1e-5, atol=1e-5)
+        stats = cache.engine.stats()
+        assert stats["prefetch_misses"] == 2  # Layer 0's cold unit and layer 2's.
+        cache.drain(state)

@@ -524,11 +524,14 @@ def test_state_from_another_cache_is_refused(tmp_path):
 
 
 def test_context_overflow_past_max_len_is_an_error(tmp_path):
-    """Appending past max_len inside jit fails in the engine instead of corrupting KV."""
+    """Appending past max_len inside jit fails in the engine (the write-back's capacity
+    guard) instead of corrupting KV."""
     with make_cache("host", tmp_path, staging_bytes=UNCHUNKED) as cache:
         state = cache.init(lengths=[MAX_LEN - 2, 0])
         fn = jax.jit(functools.partial(tps.prefetching_attention, layer=0), donate_argnums=(3,))
-        with pytest.raises(Exception, match="context overflow"):
+        with pytest.raises(
+            Exception, match=f"sequence 0 holds {MAX_LEN - 2} tokens and cannot take 4 more"
+        ):
             out, state = fn(*_qkv(q_len=4), state)
             out.block_until_ready()
         cache.engine.close()

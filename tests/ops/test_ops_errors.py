@@ -194,3 +194,22 @@ def test_close_while_a_jitted_wait_is_blocked(make_engine):
     th.join(20)
     assert not closer.is_alive() and not th.is_alive()
     assert outcome and (outcome[0] == "ok" or "tpusync:" in outcome[0]), outcome
+
+
+def test_capacity_guard_rows_lead_or_are_bad_rows(host):
+    """Guard rows are checked only as a leading run: at the edge (length + count ==
+    capacity) the write goes through; one over is refused by sequence; a guard-shaped row
+    after a transfer is a bad row, never a skipped transfer."""
+    e, t = host
+    src = jnp.arange(16, dtype=jnp.uint8)
+    write = _rows([0], [0], [16])
+
+    def run(rows):
+        jax.block_until_ready(ops.write_back(e.id, t, src, jnp.asarray(rows), TAG))
+        e.drain()
+
+    run(np.concatenate([np.asarray(ops.capacity_guards(jnp.asarray([3, 7]), 1, 8)), write]))
+    with pytest.raises(Exception, match="sequence 1 holds 8 tokens and cannot take 1 more"):
+        run(np.concatenate([np.asarray(ops.capacity_guards(jnp.asarray([3, 8]), 1, 8)), write]))
+    with pytest.raises(Exception, match="segment 1 has a negative field"):
+        run(np.concatenate([write, np.asarray(ops.capacity_guards(jnp.asarray([0]), 1, 8))]))
