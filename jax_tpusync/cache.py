@@ -13,7 +13,9 @@ so a run of positions of one sequence is one contiguous segment: a chunk of a la
 Device side. The state carries ``num_slots = prefetch_depth + 1`` staging slots, each
 holding one *unit* (a chunk of ``chunk_len`` tokens of one layer, K and V, all sequences).
 ``staging_bytes`` bounds them, so device memory does not grow with the context: a layer
-longer than a slot is processed in several units with an online-softmax merge.
+longer than a slot is processed in several units with an online-softmax merge. Fetches land
+in engine memory and each wait copies its unit into its slot (see :mod:`jax_tpusync.ops`),
+so the engine never writes a staging buffer outside the op that holds it.
 """
 
 from __future__ import annotations
@@ -546,8 +548,8 @@ class OffloadedKVCache:
         For experiments that synthesize or load a long context without a prefill.
 
         Args:
-          state: the cache's state (in-flight prefetches are retired first: they may have
-            read bytes this call overwrites).
+          state: the cache's state; it is drained first (its prefetches may have read
+            bytes this call overwrites) and the returned state is the live one.
           layer: which layer.
           k: [batch, n, num_kv_heads, head_dim] keys (after RoPE, as the model caches them).
             Its dtype must be the cache's, or one that converts to it exactly: a float
