@@ -651,8 +651,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 segs = jnp.asarray(flat)
                 ahead = min(depth, n_fetch)
                 tickets = jnp.full((slots,), ops.NO_TICKET, jnp.int32)
-                for i in range(ahead):
-                    x, t = ops.start_fetch(
+                def start(i, x):
+                    return ops.start_fetch(
                         eid,
                         tier,
                         x,
@@ -661,6 +661,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         dst_bytes=ops.buffer_bytes(staging),
                         regions=regions,
                     )
+
+                for i in range(ahead):
+                    x, t = start(i, x)
                     tickets = tickets.at[i % slots].set(t)
 
                 def wait(i, staging, tickets):
@@ -671,15 +674,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 def body(i, carry):
                     x, staging, tickets = carry
                     j = i + depth  # Into the slot of unit i - 1, waited for last.
-                    x, t = ops.start_fetch(
-                        eid,
-                        tier,
-                        x,
-                        segs[j],
-                        tag(-1, j),
-                        dst_bytes=ops.buffer_bytes(staging),
-                        regions=regions,
-                    )
+                    x, t = start(j, x)
                     staging = wait(i, staging, tickets)
                     return x, staging, tickets.at[j % slots].set(t)
 
