@@ -23,18 +23,25 @@ Ownership. Ops take an ``owner`` operand, int32[4] ``(stream, epoch, generation,
 of the same cache has superseded; a step's first op claims its generation, which a second
 step from the same state cannot claim again. Stream 0 (the default) is unchecked.
 
+Target. ``engine_id``, ``tier`` and ``first_block`` travel as one int32[3] *operand*, not
+as attributes, so one compiled step serves every cache of the same configuration (they may
+be Python ints or traced int32 scalars).
+
 Segments are ``int32[n, 4]`` rows ``(block, offset_in_block, memory_offset, nbytes)``: the
-tier byte offset is ``block * block_bytes + offset_in_block``, which reaches past 2 GiB
-without ``jax_enable_x64``. Rows with ``nbytes == 0`` are skipped.
+tier byte offset is ``(first_block + block) * block_bytes + offset_in_block``, which reaches
+past 2 GiB without ``jax_enable_x64``. Rows with ``nbytes == 0`` are skipped; rows that
+continue one another on the tier and in memory are merged into one transfer (a sequence's
+consecutive KV blocks cost one request).
 
 A row ``(CAPACITY_GUARD, length, count, capacity)`` moves nothing: the op fails before any
 byte moves unless ``length + count <= capacity`` (see :func:`capacity_guards`). A cache
 puts one per sequence in each write-back, so a sequence that would outgrow its room is
 refused by name rather than writing into the region next to it.
 
-An optional :class:`Regions` tells the engine how the caller carved the tier (``count``
-regions of ``nbytes`` from byte ``base``, e.g. one per layer, K/V and sequence). Every segment
-must then lie inside one region, so a context overflow or an out-of-range layer is an error
+An optional :class:`Regions` tells the engine how the caller carved its allocation
+(``count`` regions of ``nbytes`` from byte ``base`` past ``first_block``, e.g. one per layer
+and K|V). Every segment must then lie inside one region, and with ``block_rows`` inside the
+one block its row names, so an out-of-range layer or a row past its KV block is an error
 rather than a read or write of a neighbouring sequence's KV.
 """
 
@@ -58,6 +65,7 @@ _TARGETS = {
 }
 
 NO_TICKET = -1
+INT32_MAX = int(np.iinfo(np.int32).max)
 # (stream, epoch, generation, claims) of ops that no cache state owns: not checked.
 NO_OWNER = (0, 0, 0, 0)
 
@@ -76,6 +84,7 @@ class Regions:
     base: int = 0
     nbytes: int = 0  # 0: no region check.
     count: int = 0
+    block_rows: bool = False  # Each row must stay inside the tier block it names.
 
     def __post_init__(self):
         if self.base < 0 or self.nbytes < 0 or self.count < 0:
@@ -131,19 +140,30 @@ def _check_owner(owner) -> jax.Array:
     return owner
 
 
-def _attrs(engine_id: int, tier: int, regions: Regions | None) -> dict:
-    if engine_id <= 0:
-        raise ValueError(f"engine_id={engine_id} is not a valid engine id")
-    if tier < 0:
-        raise ValueError(f"tier={tier} must be >= 0")
+def _attrs(regions: Regions | None) -> dict:
     regions = regions or _UNCHECKED
     return dict(
-        engine_id=np.int64(engine_id),
-        tier=np.int32(tier),
         region_base=np.int64(regions.base),
         region_bytes=np.int64(regions.nbytes),
         region_count=np.int64(regions.count),
+        region_block_rows=np.int32(regions.block_rows),
     )
+
+
+def target(engine_id, tier, first_block=0) -> jax.Array:
+    """int32[3] (engine id, tier, first block) operand of a transfer op.
+
+    Each may be a Python int (checked here) or a traced int32 scalar (checked by the op).
+    """
+    fields = (("engine_id", engine_id, 1), ("tier", tier, 0), ("first_block", first_block, 0))
+    for name, value, low in fields:
+        if not isinstance(value, (int, np.integer)):
+            continue
+        if name == "engine_id" and value < low:
+            raise ValueError(f"engine_id={value} is not a valid engine id")
+        if not low <= value <= INT32_MAX:
+            raise ValueError(f"{name}={value} must be >= {low} and fit int32")
+    return jnp.stack([jnp.asarray(x, jnp.int32).reshape(()) for _, x, _ in fields])
 
 
 def buffer_bytes(x) -> int:
@@ -167,6 +187,7 @@ def start_fetch(
     regions: Regions | None = None,
     retire: jax.Array | int = NO_TICKET,
     owner: jax.Array | Sequence[int] | None = None,
+    first_block: jax.Array | int = 0,
 ) -> tuple[jax.Array, jax.Array]:
     """Queues a fetch of ``segments``; returns ``(passthrough, ticket)``.
 
@@ -183,6 +204,7 @@ def start_fetch(
       retire: int32 ticket of an earlier fetch nobody will wait for (the slot's previous
         prefetch); it is discarded.
       owner: int32[4] (stream, epoch, generation, claims); default unchecked.
+      first_block: the tier block that segment blocks count from (a cache's allocation).
 
     Returns:
       ``(passthrough, ticket)``; ``ticket`` is an int32 scalar for :func:`wait_fetch`.
@@ -206,8 +228,9 @@ def start_fetch(
         tag,
         retire,
         _check_owner(owner),
+        target(engine_id, tier, first_block),
         *deps,
-        **_attrs(engine_id, tier, regions),
+        **_attrs(regions),
         dst_bytes=np.int64(dst_bytes),
     )
 
@@ -222,6 +245,7 @@ def wait_fetch(
     deps: Sequence[jax.Array] = (),
     regions: Regions | None = None,
     owner: jax.Array | Sequence[int] | None = None,
+    first_block: jax.Array | int = 0,
 ) -> jax.Array:
     """Returns ``dst`` with ``segments`` written into it (aliased: donate ``dst``).
 
@@ -237,7 +261,14 @@ def wait_fetch(
         raise ValueError(f"ticket must be an int32 scalar; got shape {ticket.shape}")
     call = _ffi_call(_TARGETS["wait"], _sds(dst), input_output_aliases={0: 0}, has_side_effect=True)
     return call(
-        dst, ticket, segments, tag, _check_owner(owner), *deps, **_attrs(engine_id, tier, regions)
+        dst,
+        ticket,
+        segments,
+        tag,
+        _check_owner(owner),
+        target(engine_id, tier, first_block),
+        *deps,
+        **_attrs(regions),
     )
 
 
@@ -250,6 +281,7 @@ def write_back(
     deps: Sequence[jax.Array] = (),
     regions: Regions | None = None,
     owner: jax.Array | Sequence[int] | None = None,
+    first_block: jax.Array | int = 0,
 ) -> jax.Array:
     """Writes ``src`` bytes to the tier in the background; returns an int32 order token.
 
@@ -265,7 +297,13 @@ def write_back(
         _TARGETS["write_back"], jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True
     )
     return call(
-        src, segments, tag, _check_owner(owner), *deps, **_attrs(engine_id, tier, regions)
+        src,
+        segments,
+        tag,
+        _check_owner(owner),
+        target(engine_id, tier, first_block),
+        *deps,
+        **_attrs(regions),
     )
 
 

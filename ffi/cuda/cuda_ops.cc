@@ -1,8 +1,8 @@
 // XLA FFI handlers (platform "CUDA") for the in-graph transfer ops, with the same operands,
 // results and attributes as the CPU handlers in ffi/xla/cpu_ops.cc:
-//   start(passthrough, segments, tag, retire, owner, *deps) -> (passthrough, ticket)
-//   wait(dst, ticket, segments, tag, owner, *deps) -> dst
-//   write_back(src, segments, tag, owner, *deps) -> token
+//   start(passthrough, segments, tag, retire, owner, target, *deps) -> (passthrough, ticket)
+//   wait(dst, ticket, segments, tag, owner, target, *deps) -> dst
+//   write_back(src, segments, tag, owner, target, *deps) -> token
 //   mark(x, tag, *deps) -> x
 //
 // The guarantee is the CPU handlers' one: no transfer writes an XLA buffer outside the op
@@ -151,8 +151,10 @@ constexpr int kSlotTicket = 0;  // start: the ticket it returns; wait: its ticke
 constexpr int kSlotRetire = 1;  // start: its retire operand.
 constexpr int kSlotTag = 2;     // layer, chunk.
 constexpr int kSlotOwner = 4;   // stream, epoch, generation, claims.
-constexpr int kSlotRows = 8;    // then rows * 4 words.
+constexpr int kSlotTarget = 8;  // engine id, tier, first block (see regions.h).
+constexpr int kSlotRows = 12;   // then rows * 4 words.
 constexpr int kOwnerWords = 4;
+constexpr int kTargetWords = 3;
 
 std::atomic<EngineRegistry*> g_registry{nullptr};
 
@@ -201,8 +203,9 @@ enum class ItemKind { kFetch, kWait, kWriteBack };
 // (the op's `ready` event) has completed.
 struct Item {
   ItemKind kind = ItemKind::kFetch;
-  std::shared_ptr<Engine> engine;
+  std::shared_ptr<Engine> engine;  // Bound by the agent from the target words.
   int32_t tier = 0;
+  int64_t first_block = 0;
   Regions regions;
   uint8_t* device = nullptr;  // dst (wait) or src (write-back); a fetch has none.
   uint64_t device_bytes = 0;  // Its size; a fetch: its dst_bytes attribute.
@@ -269,20 +272,20 @@ class DeviceContext {
 
   // start: stages the descriptor on `compute` and queues the fetch, for a dst of
   // `dst_bytes` that the matching wait will name. Never stalls `compute`.
-  Status EnqueueFetch(cudaStream_t compute, std::shared_ptr<Engine> engine, int32_t tier,
-                      Regions regions, const int32_t* segments, int64_t rows,
-                      const int32_t* tag, int64_t tag_count, const int32_t* retire,
-                      const int32_t* owner, uint64_t dst_bytes, int32_t* ticket_out);
+  Status EnqueueFetch(cudaStream_t compute, Regions regions, const int32_t* segments,
+                      int64_t rows, const int32_t* tag, int64_t tag_count,
+                      const int32_t* retire, const int32_t* owner, const int32_t* target,
+                      uint64_t dst_bytes, int32_t* ticket_out);
   // wait: stages the descriptor and makes `compute` wait until `dst` holds the rows.
-  Status EnqueueWait(cudaStream_t compute, std::shared_ptr<Engine> engine, int32_t tier,
-                     Regions regions, const int32_t* segments, int64_t rows,
-                     const int32_t* tag, int64_t tag_count, const int32_t* ticket,
-                     const int32_t* owner, uint8_t* dst, uint64_t dst_bytes);
+  Status EnqueueWait(cudaStream_t compute, Regions regions, const int32_t* segments,
+                     int64_t rows, const int32_t* tag, int64_t tag_count,
+                     const int32_t* ticket, const int32_t* owner, const int32_t* target,
+                     uint8_t* dst, uint64_t dst_bytes);
   // write_back: makes `compute` wait until `src`'s bytes are in pinned staging.
-  Status EnqueueWriteBack(cudaStream_t compute, std::shared_ptr<Engine> engine, int32_t tier,
-                          Regions regions, const int32_t* segments, int64_t rows,
-                          const int32_t* tag, int64_t tag_count, const int32_t* owner,
-                          uint8_t* src, uint64_t src_bytes);
+  Status EnqueueWriteBack(cudaStream_t compute, Regions regions, const int32_t* segments,
+                          int64_t rows, const int32_t* tag, int64_t tag_count,
+                          const int32_t* owner, const int32_t* target, uint8_t* src,
+                          uint64_t src_bytes);
   // mark: records an engine timeline mark when `compute` gets here.
   Status EnqueueMark(cudaStream_t compute, std::shared_ptr<Engine> engine, int32_t kind,
                      const int32_t* tag, int64_t tag_count);
@@ -301,7 +304,8 @@ class DeviceContext {
   // `ticket_out` (start only) receives the ticket the host assigned.
   Status Enqueue(std::unique_ptr<Item> item, cudaStream_t compute, const int32_t* segments,
                  const int32_t* tag, int64_t tag_count, const int32_t* ticket_or_retire,
-                 const int32_t* owner, int32_t* ticket_out, bool signal);
+                 const int32_t* owner, const int32_t* target, int32_t* ticket_out,
+                 bool signal);
   void SetError(const Status& status);
 
   // Agent side.
@@ -309,6 +313,8 @@ class DeviceContext {
   Status ServeFetch(Item& item);
   Status ServeWait(Item& item);
   Status ServeWriteBack(Item& item);
+  // Binds the item's engine, tier and first block from its target words.
+  Status BindTarget(Item& item);
   StatusOr<int64_t> CheckOwner(const Item& item);
   StatusOr<std::vector<FetchSegment>> Decode(const Item& item);
   // The engine ticket of a CUDA ticket, consumed; kNoTicket if unknown or `engine`'s not.
@@ -426,7 +432,7 @@ void DeviceContext::SetError(const Status& status) {
 Status DeviceContext::Enqueue(std::unique_ptr<Item> item, cudaStream_t compute,
                               const int32_t* segments, const int32_t* tag, int64_t tag_count,
                               const int32_t* ticket_or_retire, const int32_t* owner,
-                              int32_t* ticket_out, bool signal) {
+                              const int32_t* target, int32_t* ticket_out, bool signal) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!error_.ok()) return error_;
   uint64_t end = 0;
@@ -453,6 +459,7 @@ Status DeviceContext::Enqueue(std::unique_ptr<Item> item, cudaStream_t compute,
   slot[kSlotRetire] = static_cast<int32_t>(kNoTicket);
   slot[kSlotTag] = slot[kSlotTag + 1] = -1;
   for (int i = 0; i < kOwnerWords; ++i) slot[kSlotOwner + i] = 0;
+  for (int i = 0; i < kTargetWords; ++i) slot[kSlotTarget + i] = 0;
 
   // From here on a failure leaves copies into `slot` enqueued: the slot cannot be reused,
   // so the device is marked failed instead of rolling back.
@@ -481,6 +488,9 @@ Status DeviceContext::Enqueue(std::unique_ptr<Item> item, cudaStream_t compute,
   err = cudaMemcpyAsync(slot + kSlotOwner, owner, kOwnerWords * sizeof(int32_t),
                         cudaMemcpyDefault, compute);
   if (err != cudaSuccess) return fail(err, "cudaMemcpyAsync (owner)");
+  err = cudaMemcpyAsync(slot + kSlotTarget, target, kTargetWords * sizeof(int32_t),
+                        cudaMemcpyDefault, compute);
+  if (err != cudaSuccess) return fail(err, "cudaMemcpyAsync (target)");
   if (ticket_out != nullptr) {
     // Ordered before the `ready` event, so the slot outlives this copy.
     err = cudaMemcpyAsync(ticket_out, slot + kSlotTicket, sizeof(int32_t), cudaMemcpyDefault,
@@ -507,53 +517,49 @@ Status DeviceContext::Enqueue(std::unique_ptr<Item> item, cudaStream_t compute,
 }
 
 
-Status DeviceContext::EnqueueFetch(cudaStream_t compute, std::shared_ptr<Engine> engine,
-                                   int32_t tier, Regions regions, const int32_t* segments,
-                                   int64_t rows, const int32_t* tag, int64_t tag_count,
-                                   const int32_t* retire, const int32_t* owner,
+Status DeviceContext::EnqueueFetch(cudaStream_t compute, Regions regions,
+                                   const int32_t* segments, int64_t rows, const int32_t* tag,
+                                   int64_t tag_count, const int32_t* retire,
+                                   const int32_t* owner, const int32_t* target,
                                    uint64_t dst_bytes, int32_t* ticket_out) {
   auto item = std::make_unique<Item>();
   item->kind = ItemKind::kFetch;
-  item->engine = std::move(engine);
-  item->tier = tier;
   item->regions = regions;
   item->device_bytes = dst_bytes;
   item->rows = rows;
-  return Enqueue(std::move(item), compute, segments, tag, tag_count, retire, owner,
+  return Enqueue(std::move(item), compute, segments, tag, tag_count, retire, owner, target,
                  ticket_out, /*signal=*/false);
 }
 
-Status DeviceContext::EnqueueWait(cudaStream_t compute, std::shared_ptr<Engine> engine,
-                                  int32_t tier, Regions regions, const int32_t* segments,
-                                  int64_t rows, const int32_t* tag, int64_t tag_count,
-                                  const int32_t* ticket, const int32_t* owner, uint8_t* dst,
+Status DeviceContext::EnqueueWait(cudaStream_t compute, Regions regions,
+                                  const int32_t* segments, int64_t rows, const int32_t* tag,
+                                  int64_t tag_count, const int32_t* ticket,
+                                  const int32_t* owner, const int32_t* target, uint8_t* dst,
                                   uint64_t dst_bytes) {
   auto item = std::make_unique<Item>();
   item->kind = ItemKind::kWait;
-  item->engine = std::move(engine);
-  item->tier = tier;
   item->regions = regions;
   item->device = dst;
   item->device_bytes = dst_bytes;
   item->rows = rows;
-  return Enqueue(std::move(item), compute, segments, tag, tag_count, ticket, owner,
+  return Enqueue(std::move(item), compute, segments, tag, tag_count, ticket, owner, target,
                  /*ticket_out=*/nullptr, /*signal=*/true);
 }
 
-Status DeviceContext::EnqueueWriteBack(cudaStream_t compute, std::shared_ptr<Engine> engine,
-                                       int32_t tier, Regions regions, const int32_t* segments,
-                                       int64_t rows, const int32_t* tag, int64_t tag_count,
-                                       const int32_t* owner, uint8_t* src, uint64_t src_bytes) {
+Status DeviceContext::EnqueueWriteBack(cudaStream_t compute, Regions regions,
+                                       const int32_t* segments, int64_t rows,
+                                       const int32_t* tag, int64_t tag_count,
+                                       const int32_t* owner, const int32_t* target,
+                                       uint8_t* src, uint64_t src_bytes) {
   auto item = std::make_unique<Item>();
   item->kind = ItemKind::kWriteBack;
-  item->engine = std::move(engine);
-  item->tier = tier;
   item->regions = regions;
   item->device = src;
   item->device_bytes = src_bytes;
   item->rows = rows;
   return Enqueue(std::move(item), compute, segments, tag, tag_count,
-                 /*ticket_or_retire=*/nullptr, owner, /*ticket_out=*/nullptr, /*signal=*/true);
+                 /*ticket_or_retire=*/nullptr, owner, target, /*ticket_out=*/nullptr,
+                 /*signal=*/true);
 }
 
 struct MarkArgs {
@@ -624,6 +630,7 @@ void DeviceContext::Serve(Item& item) {
   // memory the op names holds what the graph put there.
   cudaError_t err = cudaEventSynchronize(events_[item.event]);
   Status st = err == cudaSuccess ? error() : CudaError(err, "cudaEventSynchronize");
+  if (st.ok()) st = BindTarget(item);
   if (st.ok()) {
     // Before any byte moves, as on the CPU: an op of a superseded state does nothing.
     StatusOr<int64_t> stream = CheckOwner(item);
@@ -661,6 +668,17 @@ void DeviceContext::Signal(Item& item) {
   if (r != CUDA_SUCCESS) SetError(DriverError(r, "cuStreamWriteValue32"));
 }
 
+Status DeviceContext::BindTarget(Item& item) {
+  auto target = DecodeTarget(item.slot + kSlotTarget, kTargetWords);
+  if (!target.ok()) return target.status();
+  auto engine = LookupEngine(target->engine_id);
+  if (!engine.ok()) return engine.status();
+  item.engine = std::move(*engine);
+  item.tier = target->tier;
+  item.first_block = target->first_block;
+  return Status::Ok();
+}
+
 StatusOr<int64_t> DeviceContext::CheckOwner(const Item& item) {
   const int32_t* o = item.slot + kSlotOwner;
   if (o[0] == 0) return 0;  // Unchecked.
@@ -673,7 +691,8 @@ StatusOr<int64_t> DeviceContext::CheckOwner(const Item& item) {
 StatusOr<std::vector<FetchSegment>> DeviceContext::Decode(const Item& item) {
   StatusOr<Tier*> tier = item.engine->GetTier(item.tier);
   if (!tier.ok()) return tier.status();
-  return DecodeRows(item.slot + kSlotRows, item.rows, **tier, item.device_bytes, item.regions);
+  return DecodeRows(item.slot + kSlotRows, item.rows, **tier, item.device_bytes, item.regions,
+                    item.first_block);
 }
 
 Status DeviceContext::EnsureStaging() {
@@ -924,25 +943,32 @@ Status CarryOver(cudaStream_t stream, const ffi::AnyBuffer& from, ffi::AnyBuffer
 }
 
 // Owner words are copied to the descriptor as they are; only their count is known here.
-Status CheckOwnerShape(const ffi::Buffer<ffi::S32>& owner) {
+Status CheckOwnerShape(const ffi::Buffer<ffi::S32>& owner,
+                       const ffi::Buffer<ffi::S32>& target) {
   if (owner.element_count() != kOwnerWords) {
     return InvalidArgument("owner must be int32[4] (stream, epoch, generation, claims)");
   }
+  if (target.element_count() != kTargetWords) {
+    return InvalidArgument("target must be int32[3] (engine id, tier, first block)");
+  }
   return Status::Ok();
+}
+
+Regions MakeRegions(int64_t base, int64_t bytes, int64_t count, int32_t block_rows) {
+  return Regions{base, bytes, count, block_rows != 0};
 }
 
 ffi::Error StartImpl(cudaStream_t stream, ffi::AnyBuffer passthrough,
                      ffi::Buffer<ffi::S32> segments, ffi::Buffer<ffi::S32> tag,
                      ffi::BufferR0<ffi::S32> retire, ffi::Buffer<ffi::S32> owner,
-                     ffi::RemainingArgs /*deps*/, ffi::Result<ffi::AnyBuffer> passthrough_out,
-                     ffi::Result<ffi::BufferR0<ffi::S32>> ticket_out, int64_t engine_id,
-                     int32_t tier, int64_t region_base, int64_t region_bytes,
-                     int64_t region_count, int64_t dst_bytes) {
-  auto engine = LookupEngine(engine_id);
-  if (!engine.ok()) return ToFfiError(engine.status());
+                     ffi::Buffer<ffi::S32> target, ffi::RemainingArgs /*deps*/,
+                     ffi::Result<ffi::AnyBuffer> passthrough_out,
+                     ffi::Result<ffi::BufferR0<ffi::S32>> ticket_out, int64_t region_base,
+                     int64_t region_bytes, int64_t region_count, int32_t region_block_rows,
+                     int64_t dst_bytes) {
   int64_t rows = 0;
   Status st = CheckRows(segments, &rows);
-  if (st.ok()) st = CheckOwnerShape(owner);
+  if (st.ok()) st = CheckOwnerShape(owner, target);
   if (st.ok() && dst_bytes < 0) st = InvalidArgument("dst_bytes must be >= 0");
   if (!st.ok()) return ToFfiError(st);
   auto ctx = DeviceContext::ForStream(stream);
@@ -950,22 +976,21 @@ ffi::Error StartImpl(cudaStream_t stream, ffi::AnyBuffer passthrough,
   st = CarryOver(stream, passthrough, &*passthrough_out);
   if (!st.ok()) return ToFfiError(st);
   return ToFfiError((*ctx)->EnqueueFetch(
-      stream, std::move(*engine), tier, Regions{region_base, region_bytes, region_count},
+      stream, MakeRegions(region_base, region_bytes, region_count, region_block_rows),
       segments.typed_data(), rows, tag.typed_data(),
       static_cast<int64_t>(tag.element_count()), retire.typed_data(), owner.typed_data(),
-      static_cast<uint64_t>(dst_bytes), ticket_out->typed_data()));
+      target.typed_data(), static_cast<uint64_t>(dst_bytes), ticket_out->typed_data()));
 }
 
 ffi::Error WaitImpl(cudaStream_t stream, ffi::AnyBuffer dst, ffi::BufferR0<ffi::S32> ticket,
                     ffi::Buffer<ffi::S32> segments, ffi::Buffer<ffi::S32> tag,
-                    ffi::Buffer<ffi::S32> owner, ffi::RemainingArgs /*deps*/,
-                    ffi::Result<ffi::AnyBuffer> dst_out, int64_t engine_id, int32_t tier,
-                    int64_t region_base, int64_t region_bytes, int64_t region_count) {
-  auto engine = LookupEngine(engine_id);
-  if (!engine.ok()) return ToFfiError(engine.status());
+                    ffi::Buffer<ffi::S32> owner, ffi::Buffer<ffi::S32> target,
+                    ffi::RemainingArgs /*deps*/, ffi::Result<ffi::AnyBuffer> dst_out,
+                    int64_t region_base, int64_t region_bytes, int64_t region_count,
+                    int32_t region_block_rows) {
   int64_t rows = 0;
   Status st = CheckRows(segments, &rows);
-  if (st.ok()) st = CheckOwnerShape(owner);
+  if (st.ok()) st = CheckOwnerShape(owner, target);
   if (!st.ok()) return ToFfiError(st);
   auto ctx = DeviceContext::ForStream(stream);
   if (!ctx.ok()) return ToFfiError(ctx.status());
@@ -974,31 +999,31 @@ ffi::Error WaitImpl(cudaStream_t stream, ffi::AnyBuffer dst, ffi::BufferR0<ffi::
   st = CarryOver(stream, dst, &*dst_out);
   if (!st.ok()) return ToFfiError(st);
   return ToFfiError((*ctx)->EnqueueWait(
-      stream, std::move(*engine), tier, Regions{region_base, region_bytes, region_count},
+      stream, MakeRegions(region_base, region_bytes, region_count, region_block_rows),
       segments.typed_data(), rows, tag.typed_data(),
       static_cast<int64_t>(tag.element_count()), ticket.typed_data(), owner.typed_data(),
-      static_cast<uint8_t*>(dst_out->untyped_data()), dst_out->size_bytes()));
+      target.typed_data(), static_cast<uint8_t*>(dst_out->untyped_data()),
+      dst_out->size_bytes()));
 }
 
 ffi::Error WriteBackImpl(cudaStream_t stream, ffi::AnyBuffer src,
                          ffi::Buffer<ffi::S32> segments, ffi::Buffer<ffi::S32> tag,
-                         ffi::Buffer<ffi::S32> owner, ffi::RemainingArgs /*deps*/,
-                         ffi::Result<ffi::BufferR0<ffi::S32>> token_out, int64_t engine_id,
-                         int32_t tier, int64_t region_base, int64_t region_bytes,
-                         int64_t region_count) {
-  auto engine = LookupEngine(engine_id);
-  if (!engine.ok()) return ToFfiError(engine.status());
+                         ffi::Buffer<ffi::S32> owner, ffi::Buffer<ffi::S32> target,
+                         ffi::RemainingArgs /*deps*/,
+                         ffi::Result<ffi::BufferR0<ffi::S32>> token_out, int64_t region_base,
+                         int64_t region_bytes, int64_t region_count,
+                         int32_t region_block_rows) {
   int64_t rows = 0;
   Status st = CheckRows(segments, &rows);
-  if (st.ok()) st = CheckOwnerShape(owner);
+  if (st.ok()) st = CheckOwnerShape(owner, target);
   if (!st.ok()) return ToFfiError(st);
   auto ctx = DeviceContext::ForStream(stream);
   if (!ctx.ok()) return ToFfiError(ctx.status());
-  st = (*ctx)->EnqueueWriteBack(stream, std::move(*engine), tier,
-                                Regions{region_base, region_bytes, region_count},
-                                segments.typed_data(), rows, tag.typed_data(),
-                                static_cast<int64_t>(tag.element_count()), owner.typed_data(),
-                                static_cast<uint8_t*>(src.untyped_data()), src.size_bytes());
+  st = (*ctx)->EnqueueWriteBack(
+      stream, MakeRegions(region_base, region_bytes, region_count, region_block_rows),
+      segments.typed_data(), rows, tag.typed_data(), static_cast<int64_t>(tag.element_count()),
+      owner.typed_data(), target.typed_data(), static_cast<uint8_t*>(src.untyped_data()),
+      src.size_bytes());
   if (!st.ok()) return ToFfiError(st);
   cudaError_t err = cudaMemsetAsync(token_out->typed_data(), 0, sizeof(int32_t), stream);
   if (err != cudaSuccess) return ToFfiError(CudaError(err, "cudaMemsetAsync (token)"));
@@ -1132,29 +1157,29 @@ StatusOr<std::vector<double>> EngineH2DGbps(int device, int64_t engine_id, int32
   auto ctx = DeviceContext::ForStream(r.stream);
   if (!ctx.ok()) return ctx.status();
   void* dst = nullptr;
-  void* small = nullptr;  // int32: rows[4], tag[2], retire, ticket, owner[4].
+  void* small = nullptr;  // int32: rows[4], tag[2], retire, ticket, owner[4], target[3].
   TPUSYNC_CUDA_CHECK(cudaMalloc(&dst, max_size), "cudaMalloc");
   r.device.push_back(dst);
-  TPUSYNC_CUDA_CHECK(cudaMalloc(&small, 12 * sizeof(int32_t)), "cudaMalloc");
+  TPUSYNC_CUDA_CHECK(cudaMalloc(&small, 15 * sizeof(int32_t)), "cudaMalloc");
   r.device.push_back(small);
   auto* words = static_cast<int32_t*>(small);
   std::vector<double> out;
   for (uint64_t size : sizes) {
-    const int32_t host[12] = {static_cast<int32_t>(tier_offset / block_bytes),
+    const int32_t host[15] = {static_cast<int32_t>(tier_offset / block_bytes),
                               static_cast<int32_t>(tier_offset % block_bytes), 0,
                               static_cast<int32_t>(size), -1, -1,
-                              static_cast<int32_t>(kNoTicket), 0, 0, 0, 0, 0};
+                              static_cast<int32_t>(kNoTicket), 0, 0, 0, 0, 0,
+                              static_cast<int32_t>(engine_id), tier, 0};
     TPUSYNC_CUDA_CHECK(cudaMemcpy(words, host, sizeof(host), cudaMemcpyHostToDevice),
                        "cudaMemcpy");
     auto one = [&]() -> Status {
       // start then wait, exactly as the handlers enqueue them: the ticket travels through
-      // device memory (words[7]).
-      // Owner words[8..11] are zero: unchecked.
-      TPUSYNC_RETURN_IF_ERROR((*ctx)->EnqueueFetch(r.stream, *engine, tier, Regions{}, words,
-                                                   1, words + 4, 2, words + 6, words + 8,
+      // device memory (words[7]). Owner words[8..11] are zero: unchecked.
+      TPUSYNC_RETURN_IF_ERROR((*ctx)->EnqueueFetch(r.stream, Regions{}, words, 1, words + 4,
+                                                   2, words + 6, words + 8, words + 12,
                                                    max_size, words + 7));
-      return (*ctx)->EnqueueWait(r.stream, *engine, tier, Regions{}, words, 1, words + 4, 2,
-                                 words + 7, words + 8, static_cast<uint8_t*>(dst), max_size);
+      return (*ctx)->EnqueueWait(r.stream, Regions{}, words, 1, words + 4, 2, words + 7,
+                                 words + 8, words + 12, static_cast<uint8_t*>(dst), max_size);
     };
     TPUSYNC_RETURN_IF_ERROR(one());  // Warm-up: mirror and landing allocation, page faults.
     TPUSYNC_CUDA_CHECK(cudaStreamSynchronize(r.stream), "cudaStreamSynchronize");
@@ -1175,6 +1200,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncStartCuda, StartImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::BufferR0<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::BufferR0<ffi::S32>>())
@@ -1188,6 +1214,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWaitCuda, WaitImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()));
 
@@ -1195,6 +1222,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWriteBackCuda, WriteBackImpl,
                               WithTransferAttrs(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

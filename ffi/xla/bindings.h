@@ -9,16 +9,16 @@
 
 namespace tpusync {
 
-// The attributes of every transfer op (start, wait, write-back): which engine and tier, and
-// the bounds of the tier region its segments must stay within (checked before any byte moves).
+// The attributes of every transfer op (start, wait, write-back): the bounds of the regions
+// its segments must stay within, relative to the target's first block (checked before any
+// byte moves; see regions.h). Which engine, tier and first block is the `target` operand.
 template <typename Binding>
 auto WithTransferAttrs(Binding&& binding) {
   return std::forward<Binding>(binding)
-      .template Attr<int64_t>("engine_id")
-      .template Attr<int32_t>("tier")
       .template Attr<int64_t>("region_base")
       .template Attr<int64_t>("region_bytes")
-      .template Attr<int64_t>("region_count");
+      .template Attr<int64_t>("region_count")
+      .template Attr<int32_t>("region_block_rows");
 }
 
 }  // namespace tpusync

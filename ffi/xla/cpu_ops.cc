@@ -1,6 +1,6 @@
 // XLA FFI handlers (platform "cpu") for the in-graph transfer ops.
 //
-// start(passthrough, segments, tag, retire, owner, *deps) -> (passthrough, ticket)
+// start(passthrough, segments, tag, retire, owner, target, *deps) -> (passthrough, ticket)
 //   Queues a fetch of `segments` and returns at once. The fetch lands in memory the engine
 //   owns, never in an XLA buffer: XLA may copy, free or reuse any buffer between two ops
 //   (it does copy a donated, aliased one in some graphs), so the only moment a buffer is
@@ -8,13 +8,13 @@
 //   the same slot that nobody waited for: it is discarded. `passthrough` (the layer's input
 //   activation) is aliased through so that compute reading it is ordered after the start:
 //   XLA's schedulers may otherwise sink a start past the compute it should overlap.
-// wait(dst, ticket, segments, tag, owner, *deps) -> dst
+// wait(dst, ticket, segments, tag, owner, target, *deps) -> dst
 //   Fills `dst` with `segments`: copies the ticket's landed bytes if it fetched exactly
 //   these (tier bytes and offsets in dst), else reads them now. `deps` (the outputs of the
 //   compute that overlaps the fetch) keep XLA from hoisting the wait above that compute;
 //   lax.optimization_barrier does not. A prefetch is only ever an optimization, never a
 //   source of stale KV, whatever buffer XLA hands the wait.
-// write_back(src, segments, tag, owner, *deps) -> token
+// write_back(src, segments, tag, owner, target, *deps) -> token
 //   Copies the bytes out of `src` (XLA may reuse it as soon as we return) and writes them
 //   to the tier in the background. The engine orders later fetches of the same bytes after it.
 // mark(x, tag, *deps) -> x   records a timestamp in the engine timeline (compute spans).
@@ -28,11 +28,15 @@
 // Engine::CheckOwner): an op of a superseded state fails before it moves a byte; the
 // step's first op claims its generation. Stream 0: unchecked.
 //
-// Region attributes (region_base, region_bytes, region_count; region_bytes == 0 disables
-// the check) describe how the caller carved the tier: `region_count` regions of
-// `region_bytes` from `region_base`. Every segment must lie inside one region, so a
-// position past a sequence's end (context overflow) or a layer out of range fails loudly
-// instead of reading or overwriting a neighbour's KV.
+// `target` is int32[3] (engine id, tier, first block): operands, so that one compiled step
+// serves every cache of one configuration. Segment blocks are relative to the first block.
+//
+// Region attributes (region_base, region_bytes, region_count, region_block_rows;
+// region_bytes == 0 disables the check) describe how the caller carved its allocation:
+// `region_count` regions of `region_bytes` from `region_base` (relative to the first
+// block). Every segment must lie inside one region and, with region_block_rows, inside the
+// block its row names, so a layer out of range or a row past its KV block fails loudly
+// instead of reading or overwriting a neighbour's KV (see regions.h).
 #include <cstring>
 #include <memory>
 #include <string>
@@ -66,8 +70,26 @@ TransferTag DecodeTag(const ffi::Buffer<ffi::S32>& tag) {
   return out;
 }
 
+// The op's engine and target (engine id, tier, first block).
+struct Bound {
+  std::shared_ptr<Engine> engine;
+  OpTarget target;
+};
+
+StatusOr<Bound> Bind(const ffi::Buffer<ffi::S32>& target) {
+  auto decoded = DecodeTarget(target.typed_data(), target.element_count());
+  if (!decoded.ok()) return decoded.status();
+  auto engine = LookupEngine(decoded->engine_id);
+  if (!engine.ok()) return engine.status();
+  return Bound{std::move(*engine), *decoded};
+}
+
+Regions MakeRegions(int64_t base, int64_t bytes, int64_t count, int32_t block_rows) {
+  return Regions{base, bytes, count, block_rows != 0};
+}
+
 // Decodes int32[n, 4] rows against a buffer of `buffer_bytes` (see DecodeRows).
-StatusOr<std::vector<FetchSegment>> DecodeSegments(Engine& engine, int32_t tier,
+StatusOr<std::vector<FetchSegment>> DecodeSegments(const Bound& op,
                                                    const ffi::Buffer<ffi::S32>& segments,
                                                    uint64_t buffer_bytes,
                                                    const Regions& regions) {
@@ -75,19 +97,19 @@ StatusOr<std::vector<FetchSegment>> DecodeSegments(Engine& engine, int32_t tier,
   if (dims.size() != 2 || dims[1] != 4) {
     return InvalidArgument("segments must be int32[n, 4]");
   }
-  StatusOr<Tier*> t = engine.GetTier(tier);
+  StatusOr<Tier*> t = op.engine->GetTier(op.target.tier);
   if (!t.ok()) return t.status();
-  return DecodeRows(segments.typed_data(), dims[0], **t, buffer_bytes, regions);
+  return DecodeRows(segments.typed_data(), dims[0], **t, buffer_bytes, regions,
+                    op.target.first_block);
 }
 
-StatusOr<FetchRequest> DecodeFetch(Engine& engine, int32_t tier,
-                                   const ffi::Buffer<ffi::S32>& segments, uint64_t dst_bytes,
-                                   const ffi::Buffer<ffi::S32>& tag, const Regions& regions,
-                                   int64_t stream) {
-  auto decoded = DecodeSegments(engine, tier, segments, dst_bytes, regions);
+StatusOr<FetchRequest> DecodeFetch(const Bound& op, const ffi::Buffer<ffi::S32>& segments,
+                                   uint64_t dst_bytes, const ffi::Buffer<ffi::S32>& tag,
+                                   const Regions& regions, int64_t stream) {
+  auto decoded = DecodeSegments(op, segments, dst_bytes, regions);
   if (!decoded.ok()) return decoded.status();
   FetchRequest request;
-  request.tier = tier;
+  request.tier = op.target.tier;
   request.segments = std::move(*decoded);
   request.tag = DecodeTag(tag);
   request.stream = stream;
@@ -107,13 +129,14 @@ StatusOr<int64_t> CheckOwner(Engine& engine, const ffi::Buffer<ffi::S32>& owner)
 
 ffi::Error StartImpl(ffi::AnyBuffer passthrough, ffi::Buffer<ffi::S32> segments,
                      ffi::Buffer<ffi::S32> tag, ffi::BufferR0<ffi::S32> retire,
-                     ffi::Buffer<ffi::S32> owner, ffi::RemainingArgs /*deps*/,
-                     ffi::Result<ffi::AnyBuffer> passthrough_out,
-                     ffi::Result<ffi::BufferR0<ffi::S32>> ticket_out, int64_t engine_id,
-                     int32_t tier, int64_t region_base, int64_t region_bytes,
-                     int64_t region_count, int64_t dst_bytes) {
-  auto engine = LookupEngine(engine_id);
-  if (!engine.ok()) return ToFfiError(engine.status());
+                     ffi::Buffer<ffi::S32> owner, ffi::Buffer<ffi::S32> target,
+                     ffi::RemainingArgs /*deps*/, ffi::Result<ffi::AnyBuffer> passthrough_out,
+                     ffi::Result<ffi::BufferR0<ffi::S32>> ticket_out, int64_t region_base,
+                     int64_t region_bytes, int64_t region_count, int32_t region_block_rows,
+                     int64_t dst_bytes) {
+  auto op = Bind(target);
+  if (!op.ok()) return ToFfiError(op.status());
+  auto* engine = &op->engine;
   StatusOr<int64_t> stream = CheckOwner(**engine, owner);
   if (!stream.ok()) return ToFfiError(stream.status());
   if (passthrough_out->untyped_data() != passthrough.untyped_data()) {
@@ -123,8 +146,10 @@ ffi::Error StartImpl(ffi::AnyBuffer passthrough, ffi::Buffer<ffi::S32> segments,
   const Ticket stale = retire.typed_data()[0];
   if (stale != kNoTicket) (*engine)->Discard(stale);
   if (dst_bytes < 0) return ToFfiError(InvalidArgument("dst_bytes must be >= 0"));
-  auto request = DecodeFetch(**engine, tier, segments, static_cast<uint64_t>(dst_bytes), tag,
-                             Regions{region_base, region_bytes, region_count}, *stream);
+  auto request = DecodeFetch(*op, segments, static_cast<uint64_t>(dst_bytes), tag,
+                             MakeRegions(region_base, region_bytes, region_count,
+                                         region_block_rows),
+                             *stream);
   if (!request.ok()) return ToFfiError(request.status());
   StatusOr<Ticket> ticket = (*engine)->SubmitFetch(std::move(*request));
   if (!ticket.ok()) return ToFfiError(ticket.status());
@@ -134,11 +159,13 @@ ffi::Error StartImpl(ffi::AnyBuffer passthrough, ffi::Buffer<ffi::S32> segments,
 
 ffi::Error WaitImpl(ffi::AnyBuffer dst, ffi::BufferR0<ffi::S32> ticket,
                     ffi::Buffer<ffi::S32> segments, ffi::Buffer<ffi::S32> tag,
-                    ffi::Buffer<ffi::S32> owner, ffi::RemainingArgs /*deps*/,
-                    ffi::Result<ffi::AnyBuffer> dst_out, int64_t engine_id, int32_t tier,
-                    int64_t region_base, int64_t region_bytes, int64_t region_count) {
-  auto engine = LookupEngine(engine_id);
-  if (!engine.ok()) return ToFfiError(engine.status());
+                    ffi::Buffer<ffi::S32> owner, ffi::Buffer<ffi::S32> target,
+                    ffi::RemainingArgs /*deps*/, ffi::Result<ffi::AnyBuffer> dst_out,
+                    int64_t region_base, int64_t region_bytes, int64_t region_count,
+                    int32_t region_block_rows) {
+  auto op = Bind(target);
+  if (!op.ok()) return ToFfiError(op.status());
+  auto* engine = &op->engine;
   StatusOr<int64_t> stream = CheckOwner(**engine, owner);
   if (!stream.ok()) return ToFfiError(stream.status());
   if (dst_out->untyped_data() != dst.untyped_data()) {
@@ -146,8 +173,10 @@ ffi::Error WaitImpl(ffi::AnyBuffer dst, ffi::BufferR0<ffi::S32> ticket,
     // are written below into whichever buffer this op was given.
     std::memcpy(dst_out->untyped_data(), dst.untyped_data(), dst.size_bytes());
   }
-  auto want = DecodeFetch(**engine, tier, segments, dst_out->size_bytes(), tag,
-                          Regions{region_base, region_bytes, region_count}, *stream);
+  auto want = DecodeFetch(*op, segments, dst_out->size_bytes(), tag,
+                          MakeRegions(region_base, region_bytes, region_count,
+                                      region_block_rows),
+                          *stream);
   if (!want.ok()) return ToFfiError(want.status());
   bool hit = false;
   return ToFfiError((*engine)->CompleteFetch(ticket.typed_data()[0], *want,
@@ -157,23 +186,25 @@ ffi::Error WaitImpl(ffi::AnyBuffer dst, ffi::BufferR0<ffi::S32> ticket,
 
 ffi::Error WriteBackImpl(ffi::AnyBuffer src, ffi::Buffer<ffi::S32> segments,
                          ffi::Buffer<ffi::S32> tag, ffi::Buffer<ffi::S32> owner,
-                         ffi::RemainingArgs /*deps*/,
-                         ffi::Result<ffi::BufferR0<ffi::S32>> token_out, int64_t engine_id,
-                         int32_t tier, int64_t region_base, int64_t region_bytes,
-                         int64_t region_count) {
-  auto engine = LookupEngine(engine_id);
-  if (!engine.ok()) return ToFfiError(engine.status());
+                         ffi::Buffer<ffi::S32> target, ffi::RemainingArgs /*deps*/,
+                         ffi::Result<ffi::BufferR0<ffi::S32>> token_out, int64_t region_base,
+                         int64_t region_bytes, int64_t region_count,
+                         int32_t region_block_rows) {
+  auto op = Bind(target);
+  if (!op.ok()) return ToFfiError(op.status());
+  auto* engine = &op->engine;
   StatusOr<int64_t> stream = CheckOwner(**engine, owner);
   if (!stream.ok()) return ToFfiError(stream.status());
-  auto decoded = DecodeSegments(**engine, tier, segments, src.size_bytes(),
-                                Regions{region_base, region_bytes, region_count});
+  auto decoded = DecodeSegments(
+      *op, segments, src.size_bytes(),
+      MakeRegions(region_base, region_bytes, region_count, region_block_rows));
   if (!decoded.ok()) return ToFfiError(decoded.status());
   // Pack the source bytes into engine-owned memory; the segments then point into it.
   uint64_t total = 0;
   for (const FetchSegment& s : *decoded) total += s.bytes;
   auto owned = std::make_shared<AlignedBuffer>(total);
   TransferRequest request;
-  request.tier = tier;
+  request.tier = op->target.tier;
   request.direction = Direction::kMemoryToTier;
   request.tag = DecodeTag(tag);
   uint64_t at = 0;
@@ -211,6 +242,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncStartCpu, StartImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::BufferR0<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::BufferR0<ffi::S32>>())
@@ -223,12 +255,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWaitCpu, WaitImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWriteBackCpu, WriteBackImpl,
                               WithTransferAttrs(ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

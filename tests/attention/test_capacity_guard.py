@@ -72,7 +72,7 @@ def test_a_full_sequence_never_writes_into_its_neighbour(tier, tmp_path):
         x = jnp.ones((2, 1, HEAD_DIM), jnp.float32)
         with pytest.raises(
             Exception,
-            match="sequence 0 holds 4 tokens and cannot take 1 more: its capacity is 4 tokens",
+            match="slot 0 holds 4 tokens and cannot take 1 more: its capacity is 4 tokens",
         ):
             jax.block_until_ready(_step(2)(x, state))
         _assert_unchanged(before, _snapshot(cache))  # Every slot, every layer.
@@ -105,7 +105,7 @@ def test_a_full_single_sequence_is_refused_before_any_layer_writes(tmp_path):
     with _cache("host", tmp_path, layers=2, batch=1, max_len=8) as cache:
         state = _filled(cache, [8], rng)
         before = _snapshot(cache)
-        with pytest.raises(Exception, match="sequence 0 holds 8 tokens .* capacity is 8 tokens"):
+        with pytest.raises(Exception, match="slot 0 holds 8 tokens .* capacity is 8 tokens"):
             jax.block_until_ready(_step(2)(jnp.ones((1, 1, HEAD_DIM), jnp.float32), state))
         _assert_unchanged(before, _snapshot(cache))
 

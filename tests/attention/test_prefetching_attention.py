@@ -530,7 +530,7 @@ def test_context_overflow_past_max_len_is_an_error(tmp_path):
         state = cache.init(lengths=[MAX_LEN - 2, 0])
         fn = jax.jit(functools.partial(tps.prefetching_attention, layer=0), donate_argnums=(3,))
         with pytest.raises(
-            Exception, match=f"sequence 0 holds {MAX_LEN - 2} tokens and cannot take 4 more"
+            Exception, match=f"slot 0 holds {MAX_LEN - 2} tokens and cannot take 4 more"
         ):
             out, state = fn(*_qkv(q_len=4), state)
             out.block_until_ready()

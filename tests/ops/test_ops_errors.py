@@ -209,7 +209,7 @@ def test_capacity_guard_rows_lead_or_are_bad_rows(host):
         e.drain()
 
     run(np.concatenate([np.asarray(ops.capacity_guards(jnp.asarray([3, 7]), 1, 8)), write]))
-    with pytest.raises(Exception, match="sequence 1 holds 8 tokens and cannot take 1 more"):
+    with pytest.raises(Exception, match="slot 1 holds 8 tokens and cannot take 1 more"):
         run(np.concatenate([np.asarray(ops.capacity_guards(jnp.asarray([3, 8]), 1, 8)), write]))
     with pytest.raises(Exception, match="segment 1 has a negative field"):
         run(np.concatenate([write, np.asarray(ops.capacity_guards(jnp.asarray([0]), 1, 8))]))
