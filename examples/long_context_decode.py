@@ -281,7 +281,7 @@ def main(argv=None) -> int:
                 )
             else:
                 resident_kv = [
-                    cache.read(layer, lengths=[args.context] * args.batch)
+                    cache.read_all(layer, lengths=[args.context] * args.batch)
                     for layer in range(spec.num_layers)
                 ]
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_tpusync import ops
+from jax_tpusync import blocks, ops
 from jax_tpusync.cache import (
     INT32_MAX,
     NO_WINDOW,
@@ -71,39 +71,46 @@ def _unit_range(spec: CacheSpec, layer, chunk, lengths) -> tuple[jax.Array, jax.
     return lo, jnp.clip(lengths - lo, 0, spec.chunk_len)
 
 
-def _tier_rows(spec: CacheSpec, layer, pos: jax.Array):
-    """(block, offset_in_block) int32[2, batch] of position ``pos[b]`` for K (0) and V (1)."""
-    # region * max_len + pos, split so no intermediate leaves int32 at 1M+ tokens:
-    # region * max_len = region * (q * T + rem).
-    t = spec.tokens_per_block
-    q, rem = divmod(spec.max_len, t)
-    b = jnp.arange(spec.batch, dtype=jnp.int32)
-    kv = jnp.arange(2, dtype=jnp.int32)[:, None]
-    region = (layer * 2 + kv) * spec.batch + b  # [2, batch]
-    x = region * rem + pos[None, :]
-    block = spec.first_block + region * q + x // t
-    offset = (x % t) * spec.row_bytes
-    return block, offset
+def _segments(
+    spec: CacheSpec,
+    state: KVState,
+    layer,
+    lo: jax.Array,  # int32[batch]: first position
+    count: jax.Array,  # int32[batch]: positions (0: none)
+    mem_base: jax.Array,  # int32[2, batch]: memory offset of position lo, K and V
+    max_positions: int,  # static bound on count
+) -> jax.Array:  # int32[2 * batch * blocks touched, 4]
+    """Segments of positions ``[lo, lo + count)`` of every slot of ``layer``, through the
+    state's block table; only active slots move bytes."""
+    count = jnp.where(state.capacity > 0, count, 0)
+    region = (jnp.asarray(layer, jnp.int32) * 2 + jnp.arange(2, dtype=jnp.int32)) * spec.num_blocks
+    return blocks.block_segments(
+        state.block_table,
+        region,
+        lo,
+        count,
+        mem_base,
+        block_tokens=spec.block_tokens,
+        row_bytes=spec.row_bytes,
+        max_positions=max_positions,
+    )
 
 
-def _fetch_segments(spec: CacheSpec, layer, lo, count, slot) -> jax.Array:
-    """int32[2 * batch, 4] segments of a unit landing in staging slot ``slot``."""
-    block, offset = _tier_rows(spec, layer, lo)
+def _fetch_segments(spec: CacheSpec, state: KVState, layer, lo, count, slot) -> jax.Array:
+    """Segments of a unit landing in staging slot ``slot`` ([2, batch, chunk_len] rows)."""
     b = jnp.arange(spec.batch, dtype=jnp.int32)
     kv = jnp.arange(2, dtype=jnp.int32)[:, None]
     mem = ((slot * 2 + kv) * spec.batch + b) * (spec.chunk_len * spec.row_bytes)
-    nbytes = jnp.broadcast_to(count * spec.row_bytes, (2, spec.batch))
-    return jnp.stack([block, offset, mem, nbytes], axis=-1).reshape(-1, 4).astype(jnp.int32)
+    return _segments(spec, state, layer, lo, count, mem, spec.chunk_len)
 
 
-def _write_segments(spec: CacheSpec, layer, lengths, q_len: int) -> jax.Array:
-    """int32[2 * batch, 4] segments writing [2, batch, q_len, H, D] new rows at ``lengths``."""
-    block, offset = _tier_rows(spec, layer, lengths)
+def _write_segments(spec: CacheSpec, state: KVState, layer, q_len: int) -> jax.Array:
+    """Segments writing [2, batch, q_len, H, D] new rows at each active slot's length."""
     b = jnp.arange(spec.batch, dtype=jnp.int32)
     kv = jnp.arange(2, dtype=jnp.int32)[:, None]
     mem = (kv * spec.batch + b) * (q_len * spec.row_bytes)
-    nbytes = jnp.full((2, spec.batch), q_len * spec.row_bytes, jnp.int32)
-    return jnp.stack([block, offset, mem, nbytes], axis=-1).reshape(-1, 4).astype(jnp.int32)
+    count = jnp.full((spec.batch,), q_len, jnp.int32)
+    return _segments(spec, state, layer, state.lengths, count, mem, q_len)
 
 
 def _units_per_layer(spec: CacheSpec, lengths: jax.Array) -> jax.Array:
@@ -129,7 +136,7 @@ def _refuse_bad_layer(spec: CacheSpec, layer: jax.Array, segments: jax.Array) ->
     """``segments`` of a traced ``layer``, pointed past every region if it is out of range.
 
     A traced layer cannot be checked at trace time. Block ``2**31 - 1`` (which the cache's
-    layout keeps past its last row) with offset 0 lies beyond the cache's regions, so the
+    layout keeps past its last block) with offset 0 lies beyond the cache's regions, so the
     engine refuses the call naming it ("addresses region R of N (layer out of range?)")
     before anything is queued, where a negative layer's own segments would only say
     "negative field" and a layer past the end could address another cache's bytes.
@@ -140,10 +147,11 @@ def _refuse_bad_layer(spec: CacheSpec, layer: jax.Array, segments: jax.Array) ->
     return segments.at[:, 0].set(block).at[:, 1].set(offset)
 
 
-def _advance(spec: CacheSpec, layer, chunk, lengths, q_len: int):
+def _advance(spec: CacheSpec, layer, chunk, lengths, grow: jax.Array):
     """The unit ``prefetch_depth`` after (layer, chunk): (layer, chunk, lengths, ok).
 
-    Past the last layer the walk enters the next step, whose lengths are ``lengths + q_len``
+    Past the last layer the walk enters the next step, whose lengths are ``lengths + grow``
+    (``grow``: int32[batch], q_len for active slots, 0 for inactive ones)
     (and keeps them if it wraps again: a depth above the units of a step). ``ok`` is False
     where prefetching that unit could read bytes this step has not written yet (a
     next-step unit of a layer after the current one: only with tiny models) or where
@@ -156,7 +164,7 @@ def _advance(spec: CacheSpec, layer, chunk, lengths, q_len: int):
     depth = spec.prefetch_depth
     cur_layer = jnp.asarray(layer, jnp.int32)
     c = jnp.asarray(chunk, jnp.int32)
-    next_lengths = lengths + q_len
+    next_lengths = lengths + grow
     units = _units_per_layer(spec, lengths)  # This step.
     next_units = _units_per_layer(spec, next_lengths)  # The next one.
     here = units[cur_layer]
@@ -389,24 +397,27 @@ def prefetching_attention(
     if not isinstance(layer, int):
         layer = jnp.asarray(layer, jnp.int32)
 
-    eid, tier, regions = spec.engine_id, spec.tier, spec.regions
+    regions = spec.regions
+    eid, tier, first_block = state.target[0], state.target[1], state.target[2]
     batch, q_len = q.shape[:2]
     lengths = state.lengths
+    active = state.capacity > 0
+    grow = jnp.where(active, q_len, 0).astype(jnp.int32)  # Tokens each slot takes this step.
     # Layer 0's write-back is the step's first engine op (every other op depends on it):
     # it claims the state's step, so a second step from the same state is refused.
     claim = jnp.concatenate([state.owner, jnp.asarray(layer == 0, jnp.int32)[None]])
     owner = jnp.concatenate([state.owner, jnp.zeros((1,), jnp.int32)])
     tag = lambda l, c: jnp.stack([jnp.asarray(l, jnp.int32), jnp.asarray(c, jnp.int32)])
 
-    write_segments = _write_segments(spec, layer, lengths, q_len)
+    write_segments = _write_segments(spec, state, layer, q_len)
     if not isinstance(layer, int):
         # The first engine call of the layer refuses an out-of-range traced layer.
         write_segments = _refuse_bad_layer(spec, layer, write_segments)
     # Capacity guards first (see ops.CAPACITY_GUARD): the write-back refuses the whole step,
-    # before any byte moves, if a sequence would pass max_len, naming it, instead of
-    # writing into the region next to it.
+    # before any byte moves, if a slot would pass its capacity, naming it, instead of
+    # writing into whatever block lies next to its last one.
     write_segments = jnp.concatenate(
-        [ops.capacity_guards(lengths, q_len, spec.max_len), write_segments]
+        [ops.capacity_guards(lengths, grow, state.capacity), write_segments]
     )
 
     # 1. New tokens go out first: later fetches of this layer are queued behind them.
@@ -420,6 +431,7 @@ def prefetching_attention(
         deps=(state.token,),
         regions=regions,
         owner=claim,
+        first_block=first_block,
     )
 
     num_units = _num_units(spec, layer, lengths)
@@ -439,10 +451,12 @@ def prefetching_attention(
         q_, out, lse, staging, tickets, slot = carry
         # Start the unit `prefetch_depth` ahead into the slot consumed last (free now:
         # `out` depends on its contents having been read).
-        p_layer, p_chunk, p_lens, ok = _advance(spec, layer, chunk, lengths, q_len)
+        p_layer, p_chunk, p_lens, ok = _advance(spec, layer, chunk, lengths, grow)
         p_slot = (slot + spec.prefetch_depth) % spec.num_slots
         p_lo, p_count = _unit_range(spec, p_layer, p_chunk, p_lens)
-        p_segments = _fetch_segments(spec, p_layer, p_lo, jnp.where(ok, p_count, 0), p_slot)
+        p_segments = _fetch_segments(
+            spec, state, p_layer, p_lo, jnp.where(ok, p_count, 0), p_slot
+        )
         q_, p_ticket = ops.start_fetch(
             eid,
             tier,
@@ -454,6 +468,7 @@ def prefetching_attention(
             regions=regions,
             retire=tickets[p_slot],
             owner=owner,
+            first_block=first_block,
         )
         # Wait for this unit; q_ carries the previous layer's compute, `out` the last chunk's.
         lo, count = _unit_range(spec, layer, chunk, lengths)
@@ -462,11 +477,12 @@ def prefetching_attention(
             tier,
             staging,
             tickets[slot],
-            _fetch_segments(spec, layer, lo, count, slot),
+            _fetch_segments(spec, state, layer, lo, count, slot),
             tag(layer, chunk),
             deps=(q_, k, v, out),
             regions=regions,
             owner=owner,
+            first_block=first_block,
         )
         tickets = tickets.at[slot].set(ops.NO_TICKET).at[p_slot].set(p_ticket)
         o, l = attend_valid_rows(
@@ -502,7 +518,7 @@ def prefetching_attention(
     )
     out, _ = kernel_reference.merge_partials(out, lse, o, l)
 
-    new_lengths = jnp.where(layer == spec.num_layers - 1, lengths + q_len, lengths)
+    new_lengths = jnp.where(layer == spec.num_layers - 1, lengths + grow, lengths)
     state = state.replace(
         lengths=new_lengths,
         staging=staging,

@@ -1,14 +1,13 @@
 """An offloaded KV cache: where each layer's keys and values live, and the jit-carried state.
 
-Tier layout. The cache owns one contiguous allocation of a tier, carved into regions of
-``max_len`` token rows, one per (layer, k|v, sequence)::
-
-    region(layer, kv, b) = (layer * 2 + kv) * batch + b
-    tier byte of token p = base + (region * max_len + p) * row_bytes
-    row_bytes            = num_kv_heads * head_dim * itemsize
-
-so a run of positions of one sequence is one contiguous segment: a chunk of a layer costs
-``2 * batch`` segments, whatever its length.
+Tier layout: paged. The cache owns one allocation of a tier holding ``num_blocks`` KV
+blocks of ``block_tokens`` token rows per (layer, K|V) (see :mod:`jax_tpusync.blocks`).
+A batch *slot* holds a sequence; its row of the state's block table maps its positions to
+physical blocks, which the host-side allocator hands out (:meth:`OffloadedKVCache.admit`,
+:meth:`~OffloadedKVCache.release`), consecutive where it can: a sequence whose blocks are
+consecutive reads a chunk of a layer in one segment per K|V, whatever its length. Fetch and
+write-back segments are computed from the table inside ``jit``, and the engine checks
+every row against the block it names.
 
 Device side. The state carries ``num_slots = prefetch_depth + 1`` staging slots, each
 holding one *unit* (a chunk of ``chunk_len`` tokens of one layer, K and V, all sequences).
@@ -21,7 +20,6 @@ so the engine never writes a staging buffer outside the op that holds it.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import math
 import os
@@ -32,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tpusync import ops, persistence
+from jax_tpusync import blocks, ops, persistence
 from jax_tpusync.engine import Engine, EngineConfig, page_offset
 
 logger = logging.getLogger(__name__)
@@ -46,7 +44,8 @@ INT32_MAX = int(np.iinfo(np.int32).max)
 # (no trace-time loop), so this bounds staging slots, not compile time.
 MAX_PREFETCH_DEPTH = 64
 
-_cache_ids = itertools.count(1)
+# Tokens per KV block unless the cache is given ``block_tokens``; smaller for a short max_len.
+DEFAULT_BLOCK_TOKENS = 256
 
 
 def _staging_shape(num_slots, batch, chunk_len, num_kv_heads, head_dim) -> tuple[int, ...]:
@@ -62,9 +61,13 @@ def attends_in_blocks() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
-    """Static description of an offloaded cache; hashable, so it rides in jit as aux data."""
+    """Static description of an offloaded cache; hashable, so it rides in jit as aux data.
 
-    cache_id: int
+    It holds the configuration only, nothing of one cache object (which engine, tier and
+    blocks is the state's ``target`` operand): two caches of one configuration share a
+    compiled step.
+    """
+
     num_layers: int
     batch: int
     max_len: int
@@ -75,11 +78,8 @@ class CacheSpec:
     chunk_len: int  # tokens per staging unit
     num_slots: int
     prefetch_depth: int
-    engine_id: int
-    tier: int
-    block_bytes: int
-    tokens_per_block: int
-    first_block: int
+    block_tokens: int  # Token rows per KV block (a power of two).
+    num_blocks: int  # Physical KV blocks per (layer, K|V).
     prefetch_across_steps: bool
     staging_dtype: Any  # ``dtype``, or uint16 words holding its bits (see OffloadedKVCache)
 
@@ -92,17 +92,19 @@ class CacheSpec:
         return self.num_kv_heads * self.head_dim * self.itemsize
 
     @property
-    def num_regions(self) -> int:
-        return self.num_layers * 2 * self.batch
+    def block_bytes(self) -> int:
+        """Bytes of one KV block: the tier's block size."""
+        return self.block_tokens * self.row_bytes
 
     @property
-    def region_bytes(self) -> int:
-        return self.max_len * self.row_bytes
+    def max_blocks(self) -> int:
+        """Block table entries per slot: the blocks of max_len tokens."""
+        return -(-self.max_len // self.block_tokens)
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes the tier holds for a full cache."""
-        return self.num_regions * self.region_bytes
+        """Bytes the tier holds for the cache's blocks (every layer, K and V)."""
+        return self.num_layers * 2 * self.num_blocks * self.block_bytes
 
     @property
     def staging_shape(self) -> tuple[int, ...]:
@@ -117,10 +119,12 @@ class CacheSpec:
 
     @property
     def regions(self) -> ops.Regions:
+        """One region of KV blocks per (layer, K|V); every row inside the block it names."""
         return ops.Regions(
-            base=self.first_block * self.block_bytes,
-            nbytes=self.region_bytes,
-            count=self.num_regions,
+            base=0,
+            nbytes=self.num_blocks * self.block_bytes,
+            count=self.num_layers * 2,
+            block_rows=True,
         )
 
     @property
@@ -141,7 +145,11 @@ class KVState:
     """What a jitted decode step carries (and donates) for an :class:`OffloadedKVCache`.
 
     Fields (all device arrays):
-      lengths: int32[batch], tokens cached per sequence.
+      lengths: int32[batch], tokens cached per slot.
+      block_table: int32[batch, max_blocks], physical KV block of each slot's positions
+        ``[i * block_tokens, (i + 1) * block_tokens)`` (-1: none).
+      capacity: int32[batch], tokens each slot may hold (its reserved blocks, at most
+        max_len); 0: the slot is inactive (no I/O, its length does not grow).
       staging: [num_slots, 2, batch, chunk_len, num_kv_heads, head_dim] fetch landing zone.
       tickets: int32[num_slots], engine ticket of the fetch in flight into each slot (-1: none).
       slot: int32[], the slot the next unit is consumed from.
@@ -150,42 +158,61 @@ class KVState:
         and which step of it this state is for. The engine refuses ops of a state that a
         newer one superseded (two steps from one parent, a state kept across
         ``init()``/``drain()``), so two states can never write the same tier rows.
+      target: int32[3], (engine id, tier, first block): where the cache's blocks are.
+
+    The pytree structure depends on the :class:`CacheSpec` only, never on the cache object.
     """
 
-    def __init__(self, spec: CacheSpec, lengths, staging, tickets, slot, token, owner):
+    _FIELDS = (
+        "lengths",
+        "block_table",
+        "capacity",
+        "staging",
+        "tickets",
+        "slot",
+        "token",
+        "owner",
+        "target",
+    )
+
+    def __init__(
+        self,
+        spec: CacheSpec,
+        lengths,
+        block_table,
+        capacity,
+        staging,
+        tickets,
+        slot,
+        token,
+        owner,
+        target,
+    ):
         self.spec = spec
         self.lengths = lengths
+        self.block_table = block_table
+        self.capacity = capacity
         self.staging = staging
         self.tickets = tickets
         self.slot = slot
         self.token = token
         self.owner = owner
+        self.target = target
 
     def tree_flatten(self):
-        children = (self.lengths, self.staging, self.tickets, self.slot, self.token, self.owner)
-        return children, self.spec
+        return tuple(getattr(self, name) for name in self._FIELDS), self.spec
 
     @classmethod
     def tree_unflatten(cls, spec, children):
         return cls(spec, *children)
 
     def replace(self, **changes) -> KVState:
-        fields = dict(
-            lengths=self.lengths,
-            staging=self.staging,
-            tickets=self.tickets,
-            slot=self.slot,
-            token=self.token,
-            owner=self.owner,
-        )
+        fields = {name: getattr(self, name) for name in self._FIELDS}
         fields.update(changes)
         return KVState(self.spec, **fields)
 
     def __repr__(self) -> str:
-        return (
-            f"KVState(cache_id={self.spec.cache_id}, lengths={self.lengths}, "
-            f"device_bytes={self.spec.device_bytes})"
-        )
+        return f"KVState(lengths={self.lengths}, device_bytes={self.spec.device_bytes})"
 
 
 class OffloadedKVCache:
@@ -194,11 +221,11 @@ class OffloadedKVCache:
     Args:
       num_layers: decoder layers.
       batch: sequences.
-      max_len: tokens each sequence may hold. Every segment field the in-graph ops carry
-        (and the positions the attention computes) is int32, which bounds it: the tier
-        block index of the last row must fit int32, and so must ``max_len + chunk_len - 1``
-        for a layer that reads the whole context. Just under ``2**31`` for small caches;
-        the constructor names the condition a larger value breaks.
+      max_len: tokens one sequence may hold (the most a slot can be admitted for). Every
+        segment field the in-graph ops carry (and the positions the attention computes)
+        is int32, which bounds it: ``max_len + chunk_len - 1`` must fit int32 for a layer
+        that reads the whole context, and the cache's last block index must too. The
+        constructor names the condition a larger value breaks.
       num_kv_heads: KV heads (GQA/MQA: fewer than query heads).
       head_dim: head size.
       dtype: cache dtype (bf16 or f32).
@@ -206,6 +233,13 @@ class OffloadedKVCache:
       path: directory of the file tier.
       shm_name: host tier only: back it by POSIX shm so a restarted process re-attaches.
       file_name: file tier only: a persistent file name (re-attached on reopen).
+      block_tokens: token rows per KV block, a power of two; default 256 (or the power of
+        two at or above max_len, if smaller). A sequence whose blocks are consecutive
+        reads a unit in one segment whatever the block size; smaller blocks waste less of
+        the last block of each sequence.
+      num_blocks: physical KV blocks per (layer, K|V) on the tier; default enough for
+        every slot at max_len (``batch * ceil(max_len / block_tokens)``). Fewer: slots are
+        admitted with smaller ``max_tokens`` (:meth:`admit`).
       staging_bytes: device memory budget of the state's staging slots, an int in
         ``[1, 2**31 - 1]`` that holds at least one token row per slot. Layers whose KV is
         larger are processed in chunks.
@@ -250,6 +284,8 @@ class OffloadedKVCache:
         path: str | os.PathLike | None = None,
         shm_name: str | None = None,
         file_name: str | None = None,
+        block_tokens: int | None = None,
+        num_blocks: int | None = None,
         staging_bytes: int = 256 << 20,
         prefetch_depth: int = 1,
         sliding_window: int | Sequence[int | None] | None = None,
@@ -299,6 +335,17 @@ class OffloadedKVCache:
             )
         prefetch_depth = int(prefetch_depth)
         staging_bytes = int(staging_bytes)
+        if block_tokens is None:
+            block_tokens = min(DEFAULT_BLOCK_TOKENS, 1 << (int(max_len) - 1).bit_length())
+        if not _is_int(block_tokens) or block_tokens < 1 or block_tokens & (block_tokens - 1):
+            raise ValueError(f"block_tokens={block_tokens!r} must be a power of two (1, 2, 4, ...)")
+        block_tokens = int(block_tokens)
+        max_blocks = -(-int(max_len) // block_tokens)
+        if num_blocks is None:
+            num_blocks = batch * max_blocks
+        if not _is_int(num_blocks) or num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks!r} must be a positive int")
+        num_blocks = int(num_blocks)
         windows = _normalize_windows(sliding_window, num_layers)
         if model_id is not None and not isinstance(model_id, str):
             raise ValueError(f"model_id={model_id!r} must be a str or None")
@@ -355,18 +402,12 @@ class OffloadedKVCache:
                 chunk_len -= chunk_len % page_rows
             if chunk_len * row_bytes >= 2**31:
                 chunk_len = (2**31 - 1) // row_bytes  # One segment's byte count is int32.
-            # Blocks of whole token rows keep (block, offset) int32 even at 1M+ tokens.
-            num_regions = num_layers * 2 * batch
-            tokens_per_block = max(
-                1, min(max_len, (4 << 20) // row_bytes, (2**31 - 1 - max_len) // num_regions)
-            )
-            block_bytes = tokens_per_block * row_bytes
-            total_rows = num_layers * 2 * batch * max_len
-            num_blocks = -(-total_rows // tokens_per_block)
-            _check_int32_layout(max_len, windows, chunk_len, total_rows, tokens_per_block, 0)
+            block_bytes = block_tokens * row_bytes
+            tier_blocks = num_layers * 2 * num_blocks
+            _check_int32_layout(max_len, windows, chunk_len, block_bytes, tier_blocks, 0)
             if tier == "host":
                 tier_index = self.engine.add_host_tier(
-                    block_bytes=block_bytes, num_blocks=num_blocks, shm_name=shm_name
+                    block_bytes=block_bytes, num_blocks=tier_blocks, shm_name=shm_name
                 )
             else:
                 # The first state's staging buffer is allocated now, and the data shifted
@@ -380,22 +421,19 @@ class OffloadedKVCache:
                 tier_index = self.engine.add_file_tier(
                     path,
                     block_bytes=block_bytes,
-                    num_blocks=num_blocks,
+                    num_blocks=tier_blocks,
                     file_name=file_name,
                     alignment_offset=page_offset(self._first_staging) or 0,
                 )
             region_name = "kv" if (shm_name or file_name) else None
-            first_block = self.engine.allocate(tier_index, num_blocks, name=region_name)
-            _check_int32_layout(
-                max_len, windows, chunk_len, total_rows, tokens_per_block, first_block
-            )
+            first_block = self.engine.allocate(tier_index, tier_blocks, name=region_name)
+            _check_int32_layout(max_len, windows, chunk_len, block_bytes, tier_blocks, first_block)
         except Exception:
             if self._owns_engine:
                 self.engine.close()
             raise
 
         self.spec = CacheSpec(
-            cache_id=next(_cache_ids),
             num_layers=num_layers,
             batch=batch,
             max_len=max_len,
@@ -406,14 +444,18 @@ class OffloadedKVCache:
             chunk_len=int(chunk_len),
             num_slots=num_slots,
             prefetch_depth=prefetch_depth,
-            engine_id=self.engine.id,
-            tier=tier_index,
-            block_bytes=block_bytes,
-            tokens_per_block=tokens_per_block,
-            first_block=first_block,
+            block_tokens=block_tokens,
+            num_blocks=num_blocks,
             prefetch_across_steps=prefetch_across_steps,
             staging_dtype=staging_dtype,
         )
+        self.tier = tier_index
+        self.first_block = first_block
+        self._target = np.asarray([self.engine.id, tier_index, first_block], np.int64)
+        # The slots' blocks, decided here between steps; each state carries a copy.
+        self._allocator = blocks.BlockAllocator(num_blocks)
+        self._tables = np.full((batch, self.spec.max_blocks), blocks.NO_BLOCK, np.int32)
+        self._capacity = np.zeros(batch, np.int32)
         # Per layer and sequence, the end of the furthest row load() wrote since init().
         self._loaded_extent = np.zeros((num_layers, batch), np.int64)
         self._stream = self.engine.open_stream()
@@ -436,14 +478,38 @@ class OffloadedKVCache:
 
     # -- state ------------------------------------------------------------------------------
 
-    def init(self, lengths: Sequence[int] | np.ndarray | None = None) -> KVState:
-        """A fresh state; ``lengths`` says how many tokens each sequence holds.
+    def init(
+        self, lengths: Sequence[int] | np.ndarray | None = None, *, admit: bool = True
+    ) -> KVState:
+        """A fresh state; ``lengths`` says how many tokens each slot holds.
 
-        Default: 0, or the last commit's lengths for a cache that re-attached persisted KV.
-        Also forgets what :meth:`load` wrote so far (see its Returns).
+        Args:
+          lengths: per slot; default 0, or the last commit's lengths for a cache that
+            re-attached persisted KV. Must be 0 for an inactive slot and at most an active
+            slot's capacity.
+          admit: admit every slot that has no blocks yet for ``max_len`` tokens (the
+            default: a batch of sequences that all may grow to max_len). With False, slots
+            keep what they have (a fresh cache: all inactive, for :meth:`admit`).
+
+        Also forgets what :meth:`load` wrote so far (see its Returns). Every earlier state
+        of this cache becomes stale.
+
+        Raises:
+          ValueError: lengths out of range, or too few free blocks to admit every slot.
         """
         spec = self.spec
-        self._loaded_extent[:] = 0
+        if admit:
+            empty = [b for b in range(spec.batch) if self._capacity[b] == 0]
+            need = len(empty) * spec.max_blocks
+            if need > self._allocator.free_blocks:
+                raise ValueError(
+                    f"init() admits every slot for max_len={spec.max_len} tokens, which needs "
+                    f"{need} KV blocks, but {self._allocator.free_blocks} of "
+                    f"{spec.num_blocks} are free; call init(admit=False) and admit() "
+                    f"slots with smaller max_tokens"
+                )
+            for b in empty:
+                self._reserve(b, spec.max_len)
         if lengths is None:
             lengths = self._restored_lengths
         if lengths is None:
@@ -451,8 +517,14 @@ class OffloadedKVCache:
         lengths = np.asarray(lengths)
         if lengths.shape != (spec.batch,):
             raise ValueError(f"lengths must have shape ({spec.batch},); got {lengths.shape}")
-        if lengths.min(initial=0) < 0 or lengths.max(initial=0) > spec.max_len:
-            raise ValueError(f"lengths must be in [0, max_len={spec.max_len}]; got {lengths}")
+        for b in range(spec.batch):
+            if not 0 <= lengths[b] <= self._capacity[b]:
+                raise ValueError(
+                    f"lengths[{b}]={int(lengths[b])} must be in [0, {int(self._capacity[b])}]"
+                    f" (slot {b}'s capacity"
+                    + (", inactive: admit it first)" if self._capacity[b] == 0 else ")")
+                )
+        self._loaded_extent[:] = 0
         if self._persistence is not None:
             self._persistence.note_init(lengths)
         staging, self._first_staging = self._first_staging, None
@@ -462,12 +534,114 @@ class OffloadedKVCache:
         return KVState(
             spec,
             lengths=jnp.asarray(lengths, jnp.int32),
+            block_table=jnp.asarray(self._tables),
+            capacity=jnp.asarray(self._capacity),
             staging=staging,
             tickets=jnp.full((spec.num_slots,), ops.NO_TICKET, jnp.int32),
             slot=jnp.zeros((), jnp.int32),
             token=jnp.zeros((), jnp.int32),
             owner=self._new_owner(),
+            target=jnp.asarray(self._target, jnp.int32),
         )
+
+    # -- slot lifecycle ---------------------------------------------------------------------
+
+    def admit(self, state: KVState, slot: int, *, max_tokens: int | None = None):
+        """Reserves KV blocks for a new sequence in ``slot``; returns ``(state, cached)``.
+
+        Args:
+          state: the cache's live state (drained first).
+          slot: an inactive slot, in ``[0, batch)``.
+          max_tokens: the most tokens the sequence may hold, in ``[1, max_len]`` (default
+            max_len); its capacity. A write past it is refused before any byte moves.
+
+        Returns:
+          The state with the slot active at length 0, and ``cached``: tokens of the
+          sequence already on the tier (0: nothing is shared between sequences yet).
+
+        Raises:
+          ValueError: a bad slot or max_tokens, an active slot, or too few free blocks.
+        """
+        spec = self.spec
+        state = self.drain(state)
+        self._check_slot(slot)
+        if max_tokens is None:
+            max_tokens = spec.max_len
+        if not _is_int(max_tokens) or not 1 <= max_tokens <= spec.max_len:
+            raise ValueError(f"max_tokens={max_tokens!r} must be an int in [1, max_len={spec.max_len}]")
+        if self._capacity[slot] > 0:
+            raise ValueError(
+                f"slot {slot} is active (capacity {int(self._capacity[slot])} tokens); "
+                f"release it before admitting another sequence"
+            )
+        self._reserve(slot, int(max_tokens))
+        lengths = np.asarray(state.lengths).copy()
+        lengths[slot] = 0
+        self._loaded_extent[:, slot] = 0
+        return self._with_slots(state, lengths), 0
+
+    def release(self, state: KVState, slot: int) -> KVState:
+        """Frees ``slot``'s blocks; the slot becomes inactive (length 0, no I/O).
+
+        Raises:
+          ValueError: a bad slot, or one that is not active.
+        """
+        state = self.drain(state)
+        self._check_slot(slot)
+        if self._capacity[slot] == 0:
+            raise ValueError(f"slot {slot} is not active (nothing to release)")
+        held = self._tables[slot]
+        self._allocator.free([int(p) for p in held[held >= 0]])
+        self._tables[slot] = blocks.NO_BLOCK
+        self._capacity[slot] = 0
+        lengths = np.asarray(state.lengths).copy()
+        lengths[slot] = 0
+        self._loaded_extent[:, slot] = 0
+        return self._with_slots(state, lengths)
+
+    @property
+    def capacity(self) -> np.ndarray:
+        """int32[batch]: tokens each slot may hold (0: inactive); a copy."""
+        return self._capacity.copy()
+
+    @property
+    def block_tables(self) -> np.ndarray:
+        """int32[batch, max_blocks]: the slots' physical KV blocks (-1: none); a copy."""
+        return self._tables.copy()
+
+    @property
+    def free_blocks(self) -> int:
+        """Physical KV blocks no slot holds."""
+        return self._allocator.free_blocks
+
+    def _reserve(self, slot: int, tokens: int) -> None:
+        n = -(-tokens // self.spec.block_tokens)
+        ids = self._allocator.allocate(n)
+        self._tables[slot] = blocks.NO_BLOCK
+        self._tables[slot, :n] = ids
+        self._capacity[slot] = tokens
+
+    def _restore_slots(self, tables: np.ndarray, capacity: np.ndarray) -> None:
+        """Re-attach: the slots hold the blocks and capacities a commit recorded
+        (int32[batch, max_blocks] and int32[batch], validated by the manifest's reader).
+        Their blocks leave the allocator's free extents; raises, changing nothing, if one
+        is not free."""
+        tables = np.asarray(tables, np.int32).reshape(self._tables.shape)
+        capacity = np.asarray(capacity, np.int32).reshape(self._capacity.shape)
+        self._allocator.reserve([int(p) for p in tables[tables >= 0]])
+        self._tables[:] = tables
+        self._capacity[:] = capacity
+
+    def _with_slots(self, state: KVState, lengths: np.ndarray) -> KVState:
+        return state.replace(
+            lengths=jnp.asarray(lengths, jnp.int32),
+            block_table=jnp.asarray(self._tables),
+            capacity=jnp.asarray(self._capacity),
+        )
+
+    def _check_slot(self, slot: Any) -> None:
+        if not _is_int(slot) or not 0 <= slot < self.spec.batch:
+            raise ValueError(f"slot={slot!r} must be an int in [0, batch={self.spec.batch})")
 
     def _new_owner(self) -> jax.Array:
         """Starts a new epoch of the cache's stream: every earlier state becomes stale and
@@ -477,7 +651,7 @@ class OffloadedKVCache:
 
     def _note_staging_phase(self, staging: jax.Array) -> None:
         """Logs when fetches into ``staging`` will go through bounce buffers."""
-        info = self.engine.tier_info(self.spec.tier)
+        info = self.engine.tier_info(self.tier)
         offset = page_offset(staging)
         if not info.dio_alignment or offset is None:
             return
@@ -493,10 +667,15 @@ class OffloadedKVCache:
     def _check_state(self, state: KVState) -> None:
         if not isinstance(state, KVState):
             raise TypeError(f"expected a KVState, got {type(state).__name__}")
-        if state.spec.cache_id != self.spec.cache_id:
+        if state.lengths.is_deleted():
             raise ValueError(
-                f"state belongs to cache {state.spec.cache_id}, not to this "
-                f"cache ({self.spec.cache_id})"
+                "this KVState was donated to a step (its buffers are gone); use the state "
+                "that step returned, or cache.recover() if the step failed"
+            )
+        if state.spec != self.spec or not np.array_equal(np.asarray(state.target), self._target):
+            raise ValueError(
+                f"state belongs to another cache (target {np.asarray(state.target).tolist()}, "
+                f"this cache's is {self._target.tolist()})"
             )
 
     def drain(self, state: KVState) -> KVState:
@@ -516,21 +695,26 @@ class OffloadedKVCache:
 
     # -- host-side bulk access --------------------------------------------------------------
 
-    def _segments(self, layer: int, kv: int, start: np.ndarray, counts: np.ndarray):
+    def tier_rows(self, layer: int, kv: int, slot: int, lo: int, hi: int) -> list[tuple[int, int]]:
+        """``(tier byte offset, bytes)`` runs holding positions ``[lo, hi)`` of ``slot``'s
+        K (``kv=0``) or V (1) in ``layer``, through its block table; consecutive blocks
+        merged. Raises if a position has no block."""
         spec = self.spec
-        base = spec.first_block * spec.block_bytes
+        region_block = self.first_block + (layer * 2 + kv) * spec.num_blocks
+        return [
+            ((region_block + block) * spec.block_bytes + row * spec.row_bytes, n * spec.row_bytes)
+            for block, row, n in blocks.row_runs(self._tables[slot], spec.block_tokens, lo, hi)
+        ]
+
+    def _segments(self, layer: int, kv: int, start: np.ndarray, counts: np.ndarray):
+        """Host segments (tier offset, memory offset, bytes) of rows ``[start[b], start[b] +
+        counts[b])`` of every slot, packed slot after slot in memory."""
         rows = []
         mem = 0
-        for b in range(spec.batch):
-            region = (layer * 2 + kv) * spec.batch + b
-            rows.append(
-                (
-                    base + (region * spec.max_len + int(start[b])) * spec.row_bytes,
-                    mem,
-                    int(counts[b]) * spec.row_bytes,
-                )
-            )
-            mem += int(counts[b]) * spec.row_bytes
+        for b in range(self.spec.batch):
+            for offset, n in self.tier_rows(layer, kv, b, int(start[b]), int(start[b] + counts[b])):
+                rows.append((offset, mem, n))
+                mem += n
         return rows
 
     def load(
@@ -558,9 +742,10 @@ class OffloadedKVCache:
             integers, complex) is refused: cast it with ``.astype(...)`` if rounding is
             what you want.
           v: [batch, n, num_kv_heads, head_dim] values, same rule.
-          start: first position written, per sequence or for all; ``>= 0``.
-          lengths: per-sequence count of rows of ``k``/``v`` to write (ragged), in
-            ``[0, n]``; default n. ``start + lengths`` must not exceed ``max_len``.
+          start: first position written, per slot or for all; ``>= 0``.
+          lengths: per-slot count of rows of ``k``/``v`` to write (ragged), in
+            ``[0, n]``; default n. ``start + lengths`` must not exceed the slot's capacity
+            (a slot with rows to write must be active).
 
         Returns:
           The state, whose lengths never shrink: sequence ``b``'s length becomes the
@@ -598,11 +783,12 @@ class OffloadedKVCache:
             raise ValueError(f"lengths must be in [0, n={n}]; got {counts}")
         for b in range(spec.batch):
             if starts[b] < 0:
-                raise ValueError(f"start={int(starts[b])} of sequence {b} must be >= 0")
-            if starts[b] + counts[b] > spec.max_len:
+                raise ValueError(f"start={int(starts[b])} of slot {b} must be >= 0")
+            if counts[b] and starts[b] + counts[b] > self._capacity[b]:
                 raise ValueError(
-                    f"start + lengths = {int(starts[b] + counts[b])} of sequence {b} "
-                    f"would overflow max_len={spec.max_len}"
+                    f"start + lengths = {int(starts[b] + counts[b])} of slot {b} would "
+                    f"overflow its capacity of {int(self._capacity[b])} tokens"
+                    + (" (the slot is inactive: admit it first)" if not self._capacity[b] else "")
                 )
         state = self.drain(state)
         if self._persistence is not None:  # Committed rows may change: re-hash them.
@@ -612,7 +798,7 @@ class OffloadedKVCache:
             packed = np.concatenate([x[b, : counts[b]].reshape(-1) for b in range(spec.batch)])
             tickets.append(
                 self.engine.submit_write(
-                    spec.tier, self._segments(layer, kv, starts, counts), packed, layer=layer
+                    self.tier, self._segments(layer, kv, starts, counts), packed, layer=layer
                 )
             )
         for t in tickets:
@@ -628,35 +814,75 @@ class OffloadedKVCache:
         return state
 
     def read(
+        self, state: KVState, layer: int, slot: int, start: int = 0, stop: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Host-side copy of positions ``[start, stop)`` of one slot's K and V in ``layer``:
+        two [stop - start, num_kv_heads, head_dim] arrays.
+
+        ``stop`` defaults to the slot's length in ``state``; ``0 <= start <= stop <=
+        length``. Drain the state first if it may have write-backs in flight (the engine
+        orders this read after them either way).
+        """
+        spec = self.spec
+        self._check_state(state)
+        self._check_layer(layer)
+        self._check_slot(slot)
+        length = int(np.asarray(state.lengths)[slot])
+        if stop is None:
+            stop = length
+        if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= length):
+            raise ValueError(
+                f"[start, stop) = [{start}, {stop}) must lie in [0, {length}) (slot {slot}'s "
+                f"length)"
+            )
+        out = []
+        for kv in range(2):
+            buf = np.zeros((stop - start, spec.num_kv_heads, spec.head_dim), spec.dtype)
+            rows, mem = [], 0
+            for offset, n in self.tier_rows(layer, kv, slot, start, stop):
+                rows.append((offset, mem, n))
+                mem += n
+            if rows:
+                self.engine.wait(self.engine.submit_read(self.tier, rows, buf))
+            out.append(buf)
+        return out[0], out[1]
+
+    def read_all(
         self,
         layer: int,
         lengths: Sequence[int] | np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Host-side copy of one layer's cached K and V: two [batch, max_len, H, D] arrays.
+        """Host-side copy of one layer's K and V of every slot: two [batch, max_len, H, D]
+        arrays, through the slots' block tables.
 
-        Positions at or past ``lengths[b]`` (if given; an int or one per sequence, in
-        ``[0, max_len]``) are zero. For checks and debugging.
+        Positions at or past ``lengths[b]`` (if given; an int or one per slot, in
+        ``[0, max_len]``) or past a slot's capacity are zero. For checks and debugging.
         """
         spec = self.spec
-        if not _is_int(layer) or not 0 <= layer < spec.num_layers:
-            raise ValueError(
-                f"layer={layer!r} is out of range for a cache of {spec.num_layers} layers"
-            )
+        self._check_layer(layer)
         counts = _per_sequence("lengths", spec.max_len if lengths is None else lengths, spec.batch)
         if (counts < 0).any() or (counts > spec.max_len).any():
             raise ValueError(f"lengths must be in [0, max_len={spec.max_len}]; got {counts}")
+        counts = np.minimum(counts, self._capacity)
         out = []
         for kv in range(2):
             buf = np.zeros((spec.batch, spec.max_len, spec.num_kv_heads, spec.head_dim), spec.dtype)
-            rows = [
-                (t, b * spec.region_bytes, n)
-                for b, (t, _, n) in enumerate(
-                    self._segments(layer, kv, np.zeros(spec.batch), counts)
-                )
-            ]
-            self.engine.wait(self.engine.submit_read(spec.tier, rows, buf))
+            rows = []
+            for b in range(spec.batch):
+                mem = b * spec.max_len * spec.row_bytes
+                for offset, n in self.tier_rows(layer, kv, b, 0, int(counts[b])):
+                    rows.append((offset, mem, n))
+                    mem += n
+            if rows:
+                self.engine.wait(self.engine.submit_read(self.tier, rows, buf))
             out.append(buf)
         return out[0], out[1]
+
+    def _check_layer(self, layer: Any) -> None:
+        if not _is_int(layer) or not 0 <= layer < self.spec.num_layers:
+            raise ValueError(
+                f"layer={layer!r} is out of range for a cache of {self.spec.num_layers} layers"
+            )
 
     # -- persistence ------------------------------------------------------------------------
 
@@ -802,30 +1028,28 @@ def _check_int32_layout(
     max_len: int,
     windows: Sequence[int | None],
     chunk_len: int,
-    total_rows: int,
-    tokens_per_block: int,
+    block_bytes: int,
+    tier_blocks: int,
     first_block: int,
 ) -> None:
     """Refuses a layout whose segment fields or position arithmetic would leave int32.
 
-    Segments carry (block, offset_in_block, memory_offset, nbytes) as int32. The last
-    two stay below ``staging_bytes`` and the offset below one block; the block index of a
-    position ``pos <= max_len`` of region ``r`` is ``first_block + (r * max_len + pos) //
-    tokens_per_block``, largest at the end of the last region, and must stay below
-    ``2**31 - 1``: that block index, past every region, is the sentinel of a traced layer
-    out of range (see ``attention._refuse_bad_layer``). ``tokens_per_block`` keeps
-    ``r * (max_len % tokens_per_block) + pos`` in int32 where it can. A layer that reads
+    Segments carry (block, offset_in_block, memory_offset, nbytes) as int32: a block's
+    bytes must fit, and so must ``first_block + tier_blocks`` (block ``2**31 - 1`` marks a
+    traced layer out of range, see ``attention._refuse_bad_layer``). A layer that reads
     the whole context counts its units as ``(span + chunk_len - 1) // chunk_len`` with
     ``span`` up to ``max_len``.
     """
-    last_block = first_block + total_rows // tokens_per_block
-    if last_block >= INT32_MAX:
+    if block_bytes > INT32_MAX:
         raise ValueError(
-            f"max_len={max_len} is too large for this cache: the tier block index of the "
-            f"last row, {first_block} + {total_rows} rows // {tokens_per_block} rows per "
-            f"block = {last_block}, must be below 2**31 - 1 (segment fields are int32, and "
-            f"block 2**31 - 1 marks a traced layer out of range); use a smaller max_len, "
-            f"batch or num_layers"
+            f"a KV block of {block_bytes} bytes does not fit a segment's int32 byte count; "
+            f"use a smaller block_tokens"
+        )
+    if first_block + tier_blocks >= INT32_MAX:
+        raise ValueError(
+            f"the cache needs {tier_blocks} tier blocks from block {first_block}, past the "
+            f"int32 block index of segments (2**31 - 1); use a larger block_tokens or fewer "
+            f"num_blocks"
         )
     longest_span = max(max_len if w is None else min(max_len, max(w - 1, 1)) for w in windows)
     if longest_span + chunk_len - 1 > INT32_MAX:

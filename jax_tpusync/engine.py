@@ -408,7 +408,9 @@ class Engine:
     # -- observability ----------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """Per-tier fetch/write-back bytes, requests, busy seconds and GB/s; wait counters."""
+        """Per-tier fetch/write-back bytes, requests, segments (contiguous tier ranges, after
+        the merging of adjacent rows) and bytes per segment, busy seconds and GB/s; wait
+        counters."""
         return self._impl.stats()
 
     def reset_stats(self) -> None:

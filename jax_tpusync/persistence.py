@@ -10,10 +10,14 @@ data:
   clears both).
 
 The manifest records the cache's geometry, its ``model_id``, a commit number, the committed
-length of every sequence and an xxh3-64 checksum per *chunk* of committed rows. A chunk is a
-run of up to ``chunk_rows`` rows of one (layer, K|V, sequence) region; chunk ``c`` covers rows
-``[c * chunk_rows, min((c + 1) * chunk_rows, length))``, so the last chunk of a sequence may
-be partial and grows as decode appends.
+length, block table row and capacity of every sequence (batch slot), and an xxh3-64
+checksum per *chunk* of committed rows. A chunk is a run of up to ``chunk_rows`` positions of
+one logical (layer, K|V, sequence) region, read through the sequence's block table (the KV
+is paged, see :mod:`jax_tpusync.blocks`: consecutive positions may live in blocks anywhere
+in the layer's region); chunk ``c`` covers positions ``[c * chunk_rows, min((c + 1) *
+chunk_rows, length))``, so the last chunk of a sequence may be partial and grows as decode
+appends. A re-attached cache restores the tables and capacities (its slots hold the same
+blocks, which the allocator no longer hands out) with the lengths.
 
 Protocol. :meth:`Persistence.commit` runs between steps, after the engine has drained (so
 every write-back has landed or failed): it makes the data durable (``fsync`` of the file;
@@ -23,7 +27,10 @@ manifest atomically (temporary file, ``fsync``, ``os.replace``, ``fsync`` of the
 A crash at any point leaves either the old or the new manifest, and each describes rows that
 were durable before it was written. Decode only appends past the committed lengths, so rows a
 manifest covers are not rewritten by later steps; a re-attached cache starts from the
-committed lengths, and anything past them (a half-written step) is dropped.
+committed lengths, and anything past them (a half-written step) is dropped. Before a slot's
+blocks are freed (and may be handed to another sequence), :meth:`Persistence.note_release`
+commits the slot as released, so that no manifest names rows in blocks that later writes
+may reuse.
 
 Errors are :class:`PersistenceError`, a subclass of :class:`jax_tpusync.TpusyncError`.
 """
@@ -42,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xxhash
 
+from jax_tpusync.blocks import NO_BLOCK
 from jax_tpusync.engine import Engine, TpusyncError
 
 if TYPE_CHECKING:
@@ -49,9 +57,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Version of the tier byte layout that cache.py documents (region and row order). Bump it
-# when that layout changes: a manifest of another version never attaches.
-LAYOUT_VERSION = 1
+# Version of the tier byte layout that cache.py and blocks.py document (one region of KV
+# blocks per (layer, K|V), block tables mapping positions to blocks). Bump it when that
+# layout changes: a manifest of another version never attaches.
+LAYOUT_VERSION = 2
 
 MANIFEST_FORMAT = "jax_tpusync.kv_manifest"
 MANIFEST_VERSION = 1
@@ -110,6 +119,8 @@ class Geometry:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    block_tokens: int | None  # None: not known yet (see ``of``)
+    num_blocks: int | None
     layout_version: int
     model_id: str
 
@@ -123,8 +134,16 @@ class Geometry:
         head_dim: int,
         dtype: Any,
         model_id: str | None,
+        *,
+        block_tokens: int | None = None,
+        num_blocks: int | None = None,
     ) -> Geometry:
-        """The geometry of a cache made with these arguments, at this LAYOUT_VERSION."""
+        """The geometry of a cache made with these arguments, at this LAYOUT_VERSION.
+
+        ``block_tokens`` and ``num_blocks`` are the cache's resolved values (after its
+        defaults). Left None, :meth:`Persistence.prepare` cannot check them and
+        :meth:`Persistence.attach` does, from the opened cache's spec.
+        """
         return cls(
             num_layers=int(num_layers),
             batch=int(batch),
@@ -132,9 +151,21 @@ class Geometry:
             num_kv_heads=int(num_kv_heads),
             head_dim=int(head_dim),
             dtype=np.dtype(dtype).name,
+            block_tokens=None if block_tokens is None else int(block_tokens),
+            num_blocks=None if num_blocks is None else int(num_blocks),
             layout_version=LAYOUT_VERSION,
             model_id=UNSPECIFIED_MODEL if model_id is None else model_id,
         )
+
+    def completed(self, spec: Any) -> Geometry:
+        """This geometry with the paging fields of a cache's spec filled in."""
+        return dataclasses.replace(self, block_tokens=spec.block_tokens, num_blocks=spec.num_blocks)
+
+    @property
+    def max_blocks(self) -> int:
+        """Block table entries per sequence."""
+        assert self.block_tokens, "paging fields unknown"
+        return -(-self.max_len // self.block_tokens)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -144,13 +175,27 @@ class Geometry:
         return cls(**{f.name: d.get(f.name) for f in dataclasses.fields(cls)})
 
     def differences(self, ours: Geometry) -> list[str]:
-        """One ``"field: the tier holds X, this cache has Y"`` per differing field."""
+        """One ``"field: the tier holds X, this cache has Y"`` per differing field; paging
+        fields that ``ours`` does not know yet (None) are not compared."""
         out = []
         for f in dataclasses.fields(self):
             held, have = getattr(self, f.name), getattr(ours, f.name)
+            if have is None and f.name in _PAGING_FIELDS:
+                continue
             if held != have:
                 out.append(f"{f.name}: the tier holds {held!r}, this cache has {have!r}")
         return out
+
+
+_PAGING_FIELDS = ("block_tokens", "num_blocks")
+
+
+def _mismatch(data_path: Path, diffs: list[str]) -> LayoutMismatchError:
+    return LayoutMismatchError(
+        f"layout mismatch: the KV in {data_path} does not belong to this cache: "
+        + "; ".join(diffs)
+        + ". Use another name, or pass overwrite=True to discard it."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +214,11 @@ class VerifyResult:
 
 def _region_name(layer: int, kv: int, b: int) -> str:
     return f"layer {layer} {'KV'[kv]} sequence {b}"
+
+
+def _region_of(region: int, batch: int) -> tuple[int, int, int]:
+    """(layer, kv, sequence) of logical region ``(layer * 2 + kv) * batch + sequence``."""
+    return region // (2 * batch), region // batch % 2, region % batch
 
 
 class Persistence:
@@ -194,8 +244,11 @@ class Persistence:
         self._restored = restored
         self._commit = 0
         self._lengths = np.zeros(geometry.batch, np.int64)
+        # The committed block tables (int32[batch, max_blocks]) and capacities (int32[batch]).
+        self._tables = np.zeros((geometry.batch, 0), np.int32)
+        self._capacity = np.zeros(geometry.batch, np.int32)
         self._chunk_rows = 1
-        # Per region (layer * 2 + kv) * batch + b: checksums of its committed chunks.
+        # Per logical region (layer * 2 + kv) * batch + b: checksums of its committed chunks.
         self._sums: list[list[int]] = []
         # Per region: (chunk, rows hashed, hasher) of its partial last chunk, so that the next
         # commit hashes only the appended rows. Lost on restart (rebuilt by verify).
@@ -256,11 +309,8 @@ class Persistence:
             held = Geometry.from_json(restored["geometry"])
             diffs = held.differences(geometry)
             if diffs:
-                raise LayoutMismatchError(
-                    f"layout mismatch: the KV in {data_path} does not belong to this cache: "
-                    + "; ".join(diffs)
-                    + ". Use another name, or pass overwrite=True to discard it."
-                )
+                raise _mismatch(data_path, diffs)
+            restored = _checked_commit(restored, held, manifest_path)
         elif manifest_path.exists():
             # The data went (a reboot cleared shm, or the file was deleted): what the
             # manifest describes is lost, and the new tier starts empty.
@@ -285,7 +335,6 @@ class Persistence:
         """
         self._cache = cache
         spec = cache.spec
-        num_regions = spec.num_regions
         manifest = self._restored
         if manifest is not None and not attached:
             logger.warning("%s vanished before it was opened: starting empty", self.data_path)
@@ -295,18 +344,30 @@ class Persistence:
                 f"{self.data_path} appeared while this cache was opening, without a manifest; "
                 "pass overwrite=True to discard it"
             )
+        ours = self.geometry.completed(spec)
+        if manifest is not None:  # The paging fields, if prepare() could not check them.
+            diffs = manifest["held"].differences(ours)
+            if diffs:
+                raise _mismatch(self.data_path, diffs)
+        self.geometry = ours
         if manifest is None:
             self._chunk_rows = max(1, min(spec.max_len, CHUNK_TARGET_BYTES // spec.row_bytes))
-            self._sums = [[] for _ in range(num_regions)]
+            self._sums = [[] for _ in range(self._num_regions)]
+            self._tables = cache.block_tables
+            self._capacity = cache.capacity
             self._write_manifest(session="open")
             logger.info("new persistent KV cache; manifest %s", self.manifest_path)
             return None
 
-        self._commit = int(manifest["commit"])
-        self._lengths = np.asarray(manifest["lengths"], np.int64)
-        self._chunk_rows = int(manifest["checksum"]["chunk_rows"])
-        self._sums = _sums_from_json(manifest["checksums"], spec.num_layers, spec.batch)
-        if manifest.get("session") == "open":
+        self._commit = manifest["commit"]
+        self._lengths = manifest["lengths"]
+        self._tables = manifest["block_tables"]
+        self._capacity = manifest["capacity"]
+        self._chunk_rows = manifest["chunk_rows"]
+        self._sums = manifest["sums"]
+        # The slots hold their committed blocks again; later admits get other ones.
+        cache._restore_slots(self._tables, self._capacity)
+        if manifest["session"] == "open":
             logger.warning(
                 "%s: the previous session ended without a final commit (a crash, a failed "
                 "write-back, or close() without a state); restored commit %d. Rows from "
@@ -343,6 +404,20 @@ class Persistence:
     def committed_lengths(self) -> np.ndarray:
         return self._lengths.copy()
 
+    @property
+    def committed_block_tables(self) -> np.ndarray:
+        return self._tables.copy()
+
+    @property
+    def committed_capacity(self) -> np.ndarray:
+        return self._capacity.copy()
+
+    @property
+    def _num_regions(self) -> int:
+        """Logical (layer, K|V, sequence) regions, each with its own chunks."""
+        spec = self._spec
+        return spec.num_layers * 2 * spec.batch
+
     def note_rows_written(self, layer: int, starts: np.ndarray, counts: np.ndarray) -> None:
         """Marks chunks that a host-side write (``load``) touches as needing a new checksum."""
         spec = self._spec
@@ -370,6 +445,29 @@ class Persistence:
             self._spec_engine.drain()
             self.commit(np.minimum(lengths, self._lengths))
 
+    def note_release(self, slot: int) -> None:
+        """Call before ``slot``'s blocks are freed: if the last commit holds rows of it,
+        commits it released first (length 0, no blocks; the other sequences at their
+        committed lengths), so that no manifest names rows in blocks another sequence may
+        be given and overwrite.
+
+        Raises:
+          CommitError: that commit failed; the slot must keep its blocks.
+        """
+        if self._lengths[slot] == 0:
+            return  # No committed row lives in its blocks.
+        cache = self._cache
+        assert cache is not None, "attach() first"
+        lengths = self._lengths.copy()
+        lengths[slot] = 0
+        tables = cache.block_tables
+        tables[slot] = NO_BLOCK
+        capacity = cache.capacity
+        capacity[slot] = 0
+        logger.info("releasing sequence %d: committing it released first", slot)
+        self._spec_engine.drain()
+        self.commit(lengths, tables=tables, capacity=capacity)
+
     @property
     def _spec(self):
         assert self._cache is not None, "attach() first"
@@ -382,24 +480,48 @@ class Persistence:
 
     # -- commit -----------------------------------------------------------------------------
 
-    def commit(self, lengths: Sequence[int] | np.ndarray, *, session: str = "open") -> int:
-        """Makes rows below ``lengths`` durable and records them; returns the commit number.
+    def commit(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        *,
+        session: str = "open",
+        tables: np.ndarray | None = None,
+        capacity: np.ndarray | None = None,
+    ) -> int:
+        """Makes rows below ``lengths`` durable and records them with the block tables and
+        capacities (default: the cache's); returns the commit number.
 
         The engine must have drained (every write-back landed). Nothing in memory changes
-        unless the new manifest is in place.
+        unless the new manifest is in place. ``tables`` may differ from the cache's only in
+        sequences committed at length 0 (rows are read through the cache's tables).
 
         Raises:
-          CommitError: syncing, reading or writing the manifest failed.
+          CommitError: a length past its sequence's capacity, or syncing, reading or
+            writing the manifest failed.
         """
         spec = self._spec
+        cache = self._cache
         lengths = np.asarray(lengths, np.int64).reshape(spec.batch)
+        tables = cache.block_tables if tables is None else np.array(tables, np.int32)
+        capacity = cache.capacity if capacity is None else np.array(capacity, np.int32)
         try:
+            for b in range(spec.batch):
+                if not 0 <= lengths[b] <= capacity[b]:
+                    raise ValueError(
+                        f"sequence {b}'s length {int(lengths[b])} is not in [0, "
+                        f"{int(capacity[b])}] (its capacity)"
+                    )
             self._sync_data()
-            sums, tails = self._updated_checksums(lengths)
+            sums, tails = self._updated_checksums(lengths, tables)
             if fault_hook is not None:
                 fault_hook("before_manifest_write")
             self._write_manifest(
-                session=session, commit=self._commit + 1, lengths=lengths, sums=sums
+                session=session,
+                commit=self._commit + 1,
+                lengths=lengths,
+                sums=sums,
+                tables=tables,
+                capacity=capacity,
             )
         except Exception as e:
             raise CommitError(
@@ -408,6 +530,7 @@ class Persistence:
             ) from e
         self._commit += 1
         self._lengths = lengths
+        self._tables, self._capacity = tables, capacity
         self._sums, self._tails = sums, tails
         self._stale.clear()
         return self._commit
@@ -426,25 +549,33 @@ class Persistence:
             os.close(fd)
 
     def _updated_checksums(
-        self, lengths: np.ndarray
+        self, lengths: np.ndarray, tables: np.ndarray
     ) -> tuple[list[list[int]], dict[int, tuple[int, int, Any]]]:
-        """New per-chunk checksums for ``lengths``; hashes only chunks that changed."""
+        """New per-chunk checksums for ``lengths`` (rows in the blocks of ``tables``);
+        hashes only chunks that changed."""
         spec = self._spec
         rr = self._chunk_rows
         sums = [list(s) for s in self._sums]
         tails: dict[int, tuple[int, int, Any]] = {}
         work: list[tuple[int, int, int, Any]] = []  # (region, lo, hi, hasher)
         finish: list[tuple[int, int, Any, int]] = []  # (region, chunk, hasher, rows)
-        for region in range(spec.num_regions):
+        old_lengths = self._lengths.copy()
+        for b in range(spec.batch):
+            # Rows kept from the last commit must still be in the blocks it named; a
+            # sequence whose blocks moved is hashed afresh.
+            kept_blocks = -(-int(min(old_lengths[b], lengths[b])) // spec.block_tokens)
+            if not np.array_equal(self._tables[b, :kept_blocks], tables[b, :kept_blocks]):
+                old_lengths[b] = 0
+        for region in range(self._num_regions):
             b = region % spec.batch
-            old, new = int(self._lengths[b]), int(lengths[b])
+            old, new = int(old_lengths[b]), int(lengths[b])
             stale = self._stale.get(region, set())
             nchunks = -(-new // rr)
             kept = min(old, new) // rr  # Chunks below this are full and were committed.
             del sums[region][nchunks:]
             sums[region].extend([0] * (nchunks - len(sums[region])))
             todo = sorted({c for c in stale if c < kept} | set(range(kept, nchunks)))
-            tail = self._tails.get(region)
+            tail = self._tails.get(region) if old else None
             if tail is not None and tail[0] not in todo and tail[0] * rr + tail[1] == new:
                 tails[region] = tail  # Unchanged partial last chunk.
             for c in todo:
@@ -483,9 +614,19 @@ class Persistence:
         spec = self._spec
         rr = self._chunk_rows
         t0 = time.perf_counter()
+        tables = self._cache.block_tables
+        for b in range(spec.batch):
+            used = -(-int(self._lengths[b]) // spec.block_tokens)
+            if not np.array_equal(tables[b, :used], self._tables[b, :used]):
+                raise PersistenceError(
+                    f"sequence {b} no longer holds the KV blocks commit {self._commit} "
+                    f"recorded (it holds {tables[b, :used].tolist()}, the commit "
+                    f"{self._tables[b, :used].tolist()}): it was released or re-admitted "
+                    "without a commit, so its committed rows cannot be checked; commit first"
+                )
         work, checks = [], []
         skipped = 0
-        for region in range(spec.num_regions):
+        for region in range(self._num_regions):
             b = region % spec.batch
             n = int(self._lengths[b])
             stale = self._stale.get(region, set())
@@ -507,7 +648,7 @@ class Persistence:
                 self._tails[region] = (c, hi - lo, hasher)
         if bad:
             region, lo, hi = bad[0]
-            layer, kv, b = region // (2 * spec.batch), region // spec.batch % 2, region % spec.batch
+            layer, kv, b = _region_of(region, spec.batch)
             more = f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""
             raise ChecksumMismatchError(
                 f"committed KV is corrupt in {self.data_path}: {_region_name(layer, kv, b)}, "
@@ -528,15 +669,16 @@ class Persistence:
     # -- reading and hashing ----------------------------------------------------------------
 
     def _hash_rows(self, work: Iterable[tuple[int, int, int, Any]]) -> int:
-        """Feeds rows [lo, hi) of each region to its hasher, reading through the engine.
+        """Feeds positions [lo, hi) of each logical region to its hasher, reading them
+        through the sequence's block table (the cache's) with the engine.
 
         Reads go in batches of up to READ_BATCH_BYTES into two alternating buffers: the next
         batch is read while this one is hashed. Returns the bytes hashed.
         """
         spec = self._spec
+        cache = self._cache
         engine = self._spec_engine
         row = spec.row_bytes
-        base = spec.first_block * spec.block_bytes
         batches: list[list[tuple[int, int, int, Any]]] = []
         size = 0
         for item in work:
@@ -552,16 +694,17 @@ class Persistence:
         if not batches:
             return 0
         biggest = max(sum((hi - lo) * row for _, lo, hi, _ in batch) for batch in batches)
-        phase = engine.tier_info(spec.tier).alignment_offset
+        phase = engine.tier_info(cache.tier).alignment_offset
         buffers = [_phased_buffer(biggest, phase) for _ in range(min(2, len(batches)))]
 
         def submit(i: int) -> int:
             segments, mem = [], 0
             for region, lo, hi, _ in batches[i]:
-                n = (hi - lo) * row
-                segments.append((base + (region * spec.max_len + lo) * row, mem, n))
-                mem += n
-            return engine.submit_read(spec.tier, segments, buffers[i % 2])
+                layer, kv, b = _region_of(region, spec.batch)
+                for offset, n in cache.tier_rows(layer, kv, b, lo, hi):
+                    segments.append((offset, mem, n))
+                    mem += n
+            return engine.submit_read(cache.tier, segments, buffers[i % 2])
 
         total = 0
         ticket: int | None = submit(0)
@@ -593,11 +736,15 @@ class Persistence:
         commit: int | None = None,
         lengths: np.ndarray | None = None,
         sums: list[list[int]] | None = None,
+        tables: np.ndarray | None = None,
+        capacity: np.ndarray | None = None,
     ) -> None:
         spec = self._spec
         commit = self._commit if commit is None else commit
         lengths = self._lengths if lengths is None else lengths
         sums = self._sums if sums is None else sums
+        tables = self._tables if tables is None else tables
+        capacity = self._capacity if capacity is None else capacity
         now = time.time()
         manifest = {
             "format": MANIFEST_FORMAT,
@@ -611,6 +758,8 @@ class Persistence:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
             "session": session,
             "lengths": [int(n) for n in lengths],
+            "block_tables": np.asarray(tables).tolist(),
+            "capacity": [int(n) for n in capacity],
             "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_rows": self._chunk_rows},
             "checksums": _sums_to_json(sums, spec.num_layers, spec.batch),
         }
@@ -667,6 +816,122 @@ def read_manifest(path: Path) -> dict[str, Any]:
             f"cannot use manifest {path}: {e}. Pass overwrite=True to discard the cache."
         ) from e
     return manifest
+
+
+def _checked_commit(manifest: dict[str, Any], held: Geometry, path: Path) -> dict[str, Any]:
+    """The commit a manifest describes, checked against its geometry ``held``: lengths,
+    block tables and capacities (int arrays), chunk_rows and checksums.
+
+    Each sequence holds blocks in the first ``ceil(capacity / block_tokens)`` entries of its
+    table row and none after them, every id in ``[0, num_blocks)`` and held once, and its
+    length is at most its capacity (0 for an inactive sequence).
+
+    Raises:
+      MissingManifestError: naming what is inconsistent.
+    """
+    try:
+        for name in ("block_tokens", "num_blocks"):
+            value = getattr(held, name)
+            if not _is_json_int(value) or value < 1:
+                raise ValueError(f"geometry.{name} is {value!r}, not a positive int")
+        batch, max_blocks = held.batch, held.max_blocks
+        commit = manifest["commit"]
+        if not _is_json_int(commit) or commit < 0:
+            raise ValueError(f"commit is {commit!r}, not an int >= 0")
+        lengths = _int_array(manifest["lengths"], (batch,), "lengths")
+        for key in ("block_tables", "capacity"):
+            if key not in manifest:
+                raise ValueError(f"no {key!r}")
+        tables = _int_array(manifest["block_tables"], (batch, max_blocks), "block_tables")
+        capacity = _int_array(manifest["capacity"], (batch,), "capacity")
+        holder: dict[int, int] = {}
+        for b in range(batch):
+            row, cap, n = tables[b], int(capacity[b]), int(lengths[b])
+            for i, p in enumerate(row.tolist()):
+                if p != NO_BLOCK and not 0 <= p < held.num_blocks:
+                    raise ValueError(
+                        f"block_tables[{b}][{i}] = {p} is not a block id (-1 or in [0, "
+                        f"num_blocks={held.num_blocks}))"
+                    )
+                if p >= 0:
+                    if p in holder:
+                        raise ValueError(
+                            f"block {p} is held twice (by sequence {holder[p]} and sequence {b})"
+                        )
+                    holder[p] = b
+            if not 0 <= cap <= held.max_len:
+                raise ValueError(
+                    f"capacity[{b}] = {cap} is not in [0, max_len={held.max_len}]"
+                )
+            need = -(-cap // held.block_tokens)
+            if not ((row[:need] >= 0).all() and (row[need:] == NO_BLOCK).all()):
+                raise ValueError(
+                    f"sequence {b}'s capacity of {cap} tokens needs blocks in exactly its "
+                    f"first {need} table entries, but its table row is {row.tolist()}"
+                )
+            if not 0 <= n <= cap:
+                raise ValueError(
+                    f"lengths[{b}] = {n} is not in [0, {cap}] (sequence {b}'s capacity)"
+                )
+        checksum = manifest["checksum"]
+        chunk_rows = checksum.get("chunk_rows") if isinstance(checksum, dict) else None
+        if not _is_json_int(chunk_rows) or chunk_rows < 1:
+            raise ValueError(f"checksum.chunk_rows is {chunk_rows!r}, not a positive int")
+        if checksum.get("algorithm") != CHECKSUM_ALGORITHM:
+            raise ValueError(
+                f"checksum.algorithm is {checksum.get('algorithm')!r}, not {CHECKSUM_ALGORITHM!r}"
+            )
+        try:
+            sums = _sums_from_json(manifest["checksums"], held.num_layers, batch)
+        except (TypeError, ValueError, IndexError, KeyError) as e:
+            raise ValueError(f"checksums are not [layer][K|V][sequence] hex lists ({e})") from e
+        for region, chunks in enumerate(sums):
+            layer, kv, b = _region_of(region, batch)
+            want = -(-int(lengths[b]) // chunk_rows)
+            if len(chunks) != want:
+                raise ValueError(
+                    f"{_region_name(layer, kv, b)} has {len(chunks)} checksums for "
+                    f"{int(lengths[b])} rows of {chunk_rows}-row chunks ({want})"
+                )
+    except ValueError as e:
+        raise MissingManifestError(
+            f"cannot use manifest {path}: {e}. Pass overwrite=True to discard the cache."
+        ) from e
+    return {
+        "held": held,
+        "commit": int(commit),
+        "session": manifest.get("session"),
+        "lengths": lengths.astype(np.int64),
+        "block_tables": tables.astype(np.int32),
+        "capacity": capacity.astype(np.int32),
+        "chunk_rows": int(chunk_rows),
+        "sums": sums,
+    }
+
+
+def _is_json_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_array(value: Any, shape: tuple[int, ...], name: str) -> np.ndarray:
+    """``value`` (nested lists of ints) as an int64 array of ``shape``; raises ValueError."""
+
+    def check(v: Any, depth: int, where: str) -> None:
+        if depth == len(shape):
+            if not _is_json_int(v) or not -(2**62) <= v < 2**62:
+                raise ValueError(f"{name}{where} is {v!r}, not an int (of 63 bits)")
+            return
+        if not isinstance(v, list) or len(v) != shape[depth]:
+            got = len(v) if isinstance(v, list) else type(v).__name__
+            raise ValueError(
+                f"{name} must have shape {list(shape)}; {name}{where} has {got} entries, not "
+                f"{shape[depth]}"
+            )
+        for i, x in enumerate(v):
+            check(x, depth + 1, f"{where}[{i}]")
+
+    check(value, 0, "")
+    return np.asarray(value, np.int64).reshape(shape)
 
 
 def write_json_atomically(path: Path, obj: Any) -> None:

@@ -304,6 +304,7 @@ void Engine::FinishLocked(Job& job, Status status) {
                             : stats_.tiers[job.request.tier].write_back;
     d.bytes += job.bytes;
     d.requests += 1;
+    d.segments += job.request.segments.size();
   }
   if (options_.record_timeline && timeline_.transfers.size() < kMaxTimelineEvents) {
     timeline_.transfers.push_back({job.ticket, job.request.tier, job.request.direction,

@@ -113,6 +113,7 @@ struct EngineOptions {
 struct DirectionStats {
   uint64_t bytes = 0;
   uint64_t requests = 0;
+  uint64_t segments = 0;  // Contiguous tier ranges of those requests (after merging rows).
   int64_t busy_ns = 0;  // Wall time with at least one request of this kind running.
 };
 

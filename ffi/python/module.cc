@@ -210,6 +210,8 @@ class PyEngine {
       nb::dict out;
       out["bytes"] = d.bytes;
       out["requests"] = d.requests;
+      out["segments"] = d.segments;
+      out["bytes_per_segment"] = d.segments ? static_cast<double>(d.bytes) / d.segments : 0.0;
       out["busy_s"] = d.busy_ns * 1e-9;
       out["gbps"] = d.busy_ns > 0 ? static_cast<double>(d.bytes) / d.busy_ns : 0.0;
       return out;

@@ -82,6 +82,7 @@ VARIANTS = (
     "transfer",
     "sync",
     "prefetch",
+    "contiguous",
     "plain",
     "platform",
     "jax_offload",
@@ -98,6 +99,9 @@ COLUMNS = [
     ("t_transfer_ms", "transfer ms", ".1f"),
     ("t_sync_ms", "sync ms", ".1f"),
     ("t_prefetch_ms", "prefetch ms", ".1f"),
+    ("t_contiguous_ms", "contiguous ms", ".1f"),
+    ("paged_over_contiguous", "paged/contig", ".3f"),
+    ("fetch_bytes_per_segment", "B/segment", ".0f"),
     ("t_platform_ms", "platform ms", ".1f"),
     ("t_jax_offload_ms", "jax offload ms", ".1f"),
     ("overlap_efficiency", "overlap eff", ".3f"),
@@ -153,6 +157,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         default=32 * common.MiB,
         help="device staging budget of the offloaded cache (--prefetch-depth + 1 slots; "
         "default 32M). Fixes device_bytes whatever the context",
+    )
+    p.add_argument(
+        "--block-tokens",
+        type=int,
+        default=None,
+        help="tokens per KV block of the paged cache (a power of two; default the cache's, "
+        "256). The contiguous row uses one block per sequence",
     )
     common.add_engine_arguments(p)
     common.add_cpu_arguments(p)
@@ -282,17 +293,18 @@ def _units(context: int, chunk_len: int) -> tuple[np.ndarray, np.ndarray]:
     return lo.astype(np.int32), np.clip(context - lo, 0, chunk_len).astype(np.int32)
 
 
-def _unit_table(spec, context: int, slots: int) -> np.ndarray:
+def _unit_table(cache, context: int, slots: int) -> np.ndarray:
     """Host-side segments int32[L, U, slots, 2B, 4] of every unit of a fixed ``context``.
 
-    Unit u of layer l landing in staging slot s, with the tier layout documented in
-    ``cache.py``: region (layer, kv, b) = (layer * 2 + kv) * batch + b holds ``max_len`` rows.
+    Unit u of layer l landing in staging slot s, through the cache's block tables (absolute
+    tier blocks). The benchmark admits every slot at init(), so each slot's blocks are
+    consecutive: one segment per (K|V, slot) and unit.
     """
     from jax_tpusync import ops
 
+    spec = cache.spec
     c = spec.chunk_len
     lo, count = _units(context, c)
-    base = spec.first_block * spec.block_bytes
     table = np.zeros((spec.num_layers, len(lo), slots, 2 * spec.batch, 4), np.int32)
     for layer in range(spec.num_layers):
         for u in range(len(lo)):
@@ -300,14 +312,28 @@ def _unit_table(spec, context: int, slots: int) -> np.ndarray:
                 tier_off, mem_off, sizes = [], [], []
                 for kv in range(2):
                     for b in range(spec.batch):
-                        region = (layer * 2 + kv) * spec.batch + b
-                        tier_off.append(
-                            base + (region * spec.max_len + int(lo[u])) * spec.row_bytes
-                        )
+                        runs = cache.tier_rows(layer, kv, b, int(lo[u]), int(lo[u] + count[u]))
+                        if len(runs) > 1:
+                            raise AssertionError("the benchmark's slots hold consecutive blocks")
+                        offset, n = runs[0] if runs else (0, 0)
+                        tier_off.append(offset)
                         mem_off.append(((s * 2 + kv) * spec.batch + b) * c * spec.row_bytes)
-                        sizes.append(int(count[u]) * spec.row_bytes)
+                        sizes.append(n)
                 table[layer, u, s] = ops.segment_rows(tier_off, mem_off, sizes, spec.block_bytes)
     return table
+
+
+def _absolute_regions(cache):
+    """The cache's (layer, K|V) regions in absolute tier bytes, for host-built segments
+    that span blocks (the sync and transfer rows)."""
+    from jax_tpusync import ops
+
+    spec = cache.spec
+    return ops.Regions(
+        base=cache.first_block * spec.block_bytes,
+        nbytes=spec.num_blocks * spec.block_bytes,
+        count=2 * spec.num_layers,
+    )
 
 
 # -- the benchmark -------------------------------------------------------------------------------
@@ -399,7 +425,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             worker_cpus=worker_cpus,
         )
 
-        def new_cache(record: bool, file_name: str | None = None):
+        def new_cache(record: bool, file_name: str | None = None, **kwargs):
             c = tps.OffloadedKVCache(
                 num_layers=shape.layers,
                 batch=shape.batch,
@@ -413,6 +439,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 staging_bytes=args.staging_bytes,
                 prefetch_depth=depth,
                 engine=dataclasses.replace(config, record_timeline=record),
+                **{"block_tokens": args.block_tokens, **kwargs},
             )
             caches.append(c)
             return c
@@ -428,6 +455,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         aux = None
         if {"sync", "transfer"} & set(variants_wanted):
             aux = new_cache(record=False, file_name="kv_aux" if path else None)
+        # The same cache with one KV block per sequence: the contiguous layout the paged one
+        # is measured against (its own file, like aux).
+        contig = None
+        if "contiguous" in variants_wanted:
+            contig = new_cache(
+                record=False,
+                file_name="kv_contig" if path else None,
+                block_tokens=1 << (max_len - 1).bit_length(),
+            )
         print(
             f"decode: {args.tier} tier, context {args.context}, {shape.layers} layers x "
             f"{shape.kv_heads} kv heads x {shape.head_dim} ({args.dtype}), batch {shape.batch}, "
@@ -439,16 +475,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         # The measured state first: it takes the staging buffer the file tier was aligned to.
         pf_state = pf_cache.init([args.context] * shape.batch)
+        contig_state = contig.init([args.context] * shape.batch) if contig else None
         # Fill: the same random KV into every tier and the resident arrays.
         t0 = time.perf_counter()
         resident_kv = _fill(
             shape,
             max_len,
-            [pf_cache] + ([aux] if aux else []),
+            [pf_cache] + ([aux] if aux else []) + ([contig] if contig else []),
             args.seed,
             keep=bool({"resident", "compute", "platform", "jax_offload"} & set(variants_wanted)),
         )
         pf_state = pf_cache.drain(pf_state)  # The live state again (_fill made others).
+        if contig is not None:
+            contig_state = contig.drain(contig_state)
         print(
             f"filled {args.context} tokens x {shape.layers} layers in "
             f"{time.perf_counter() - t0:.1f} s",
@@ -493,7 +532,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             del ks, vs
 
         # prefetch ------------------------------------------------------------------------------
-        mark = _marker(spec.engine_id)
+        mark = _marker(pf_cache.engine.id)
 
         def prefetch_attend(layer, q, k, v, state):
             return tps.prefetching_attention(q, k, v, state, layer=layer)
@@ -507,6 +546,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             pf_state,
             (params, x0),
         )
+        if contig is not None:
+
+            def contiguous_step(params, x, state):
+                return _model(params, shape, x, state, prefetch_attend)
+
+            variants["contiguous"] = _Variant(
+                "contiguous",
+                jax.jit(contiguous_step, donate_argnums=(2,)),
+                contig_state,
+                (params, x0),
+            )
 
         # Per-unit attention over a fixed context, shared by compute and sync ------------------
         unit_lo, unit_count = _units(args.context, spec.chunk_len)
@@ -613,8 +663,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # sync and transfer ---------------------------------------------------------------------
         if aux is not None:
             aspec = aux.spec
-            table = _unit_table(aspec, args.context, slots)
-            eid, tier, regions = aspec.engine_id, aspec.tier, aspec.regions
+            table = _unit_table(aux, args.context, slots)
+            eid, tier, regions = aux.engine.id, aux.tier, _absolute_regions(aux)
             tag = lambda l, c: jnp.stack([jnp.asarray(l, jnp.int32), jnp.asarray(c, jnp.int32)])
 
             def sync_attend(layer, q, k, v, staging):
@@ -640,7 +690,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             # The units a decode step reads: the context plus the tokens decoded since, which
             # fill a last, small unit per layer (its fetch costs a disk round trip).
-            step_table = _unit_table(aspec, args.context + 1, slots)
+            step_table = _unit_table(aux, args.context + 1, slots)
             flat = step_table.reshape(-1, slots, 2 * shape.batch, 4)  # [L*U, slots, 2B, 4]
             flat = np.stack([flat[i, i % slots] for i in range(flat.shape[0])])  # alternate slots
             n_fetch = flat.shape[0]
@@ -803,8 +853,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         # Results ------------------------------------------------------------------------------
         med = {n: samples[n].median * 1e3 for n in order}
-        pf_tier = pf_engine.tier_info(spec.tier)
-        aux_tier = aux.engine.tier_info(aux.spec.tier) if aux else None
+        pf_tier = pf_engine.tier_info(pf_cache.tier)
+        aux_tier = aux.engine.tier_info(aux.tier) if aux else None
         res: dict[str, Any] = dict(
             tier=args.tier,
             context=args.context,
@@ -835,7 +885,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 aux_tier
                 and path
                 and aux_tier.description == pf_tier.description
-                and aux.spec.first_block == spec.first_block
+                and aux.first_block == pf_cache.first_block
             ),
             # O_DIRECT into 4 KiB pages ran at 2.0-2.5 GB/s here, into huge pages at 2.9.
             staging_huge_page_fraction=huge_page_fraction(variants["prefetch"].state.staging),
@@ -873,6 +923,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         res["prefetch_over_platform"] = t_pf / t_platform if t_platform else None
         res["sync_over_prefetch"] = res["t_sync_ms"] / t_pf if res["t_sync_ms"] else None
+        t_contig = res["t_contiguous_ms"]
+        res["paged_over_contiguous"] = t_pf / t_contig if t_contig else None
+        res["block_tokens"] = spec.block_tokens
+        fetch = pf_engine.stats()["tiers"][pf_cache.tier]["fetch"]
+        res["fetch_segments"] = fetch["segments"]
+        res["fetch_bytes_per_segment"] = fetch["bytes_per_segment"]
+        if contig is not None:
+            res["contiguous_block_tokens"] = contig.spec.block_tokens
+            cfetch = contig.engine.stats()["tiers"][contig.tier]["fetch"]
+            res["contiguous_fetch_bytes_per_segment"] = cfetch["bytes_per_segment"]
         res["tokens_per_s"] = shape.batch / (t_pf / 1e3)
         for n in ("resident", "compute", "sync", "jax_offload"):
             res[f"tokens_per_s_{n}"] = shape.batch / (med[n] / 1e3) if n in med else None
@@ -1025,6 +1085,8 @@ def _targets(res: dict[str, Any]) -> dict[str, Any]:
         out[f"t_prefetch <= 1.1 x max({floor}, t_transfer)"] = (
             None if ratio is None else ratio <= 1.1
         )
+    paged = res.get("paged_over_contiguous")
+    out["paged step <= 1.05 x contiguous"] = None if paged is None else paged <= 1.05
     out["device_bytes equal at 32K and 1M context"] = (
         len({by_ctx[str(n)] for n in CONTEXT_CHECK}) == 1
     )
@@ -1044,7 +1106,10 @@ def _print_summary(res: dict[str, Any]) -> None:
         f"({f(res['transfer_fetch_gbps'], '.2f')} GB/s)",
         "sync": "fetch on demand, then compute, per unit",
         "prefetch": f"prefetching_attention ({f(res['tokens_per_s'], '.2f')} tok/s, "
-        f"{f(res['prefetch_fetch_gbps'], '.2f')} GB/s of KV)",
+        f"{f(res['prefetch_fetch_gbps'], '.2f')} GB/s of KV; {res['block_tokens']}-token "
+        f"blocks, {res['fetch_bytes_per_segment'] / 1024:.0f} KiB per segment)",
+        "contiguous": f"the same, one KV block per sequence (paged/contiguous "
+        f"{f(res['paged_over_contiguous'], '.3f')})",
         "plain": "plain reader thread on the engine's CPUs, same bytes, no engine",
         "platform": "compute beside that plain reader: this machine's own overlap",
         "jax_offload": f"pinned_host KV + device_put in jit [{res['jax_offload_label']}]",

@@ -78,7 +78,7 @@ def test_load_converts_exact_dtypes(src):
     with _cache() as cache:
         kv = _kv(5).astype(src)
         state = cache.load(cache.init(), 0, kv, kv)
-        k, v = cache.read(0, [5])
+        k, v = cache.read_all(0, [5])
         np.testing.assert_array_equal(k[:, :5], kv.astype(np.float32))
         np.testing.assert_array_equal(v[:, :5], kv.astype(np.float32))
         assert int(state.lengths[0]) == 5
@@ -114,7 +114,7 @@ def test_attention_converts_bfloat16_kv_into_a_float32_cache_exactly():
             out, state = _step()(q, k, v, state)
             outs.append(np.asarray(out))
             cache.drain(state)
-            written, _ = cache.read(0, [4])
+            written, _ = cache.read_all(0, [4])
             np.testing.assert_array_equal(written[0, 3], np.asarray(k16[0, 0], np.float32))
     # Different programs (a convert in one), so float32 rounding rather than equality.
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)
@@ -357,14 +357,15 @@ def test_max_len_past_int32_is_refused():
 
 
 def test_max_len_at_the_tier_block_bound():
-    """With a 2-token window (1-token units) the bound is the tier's block index: K and V
-    regions of max_len rows in 2-row blocks reach block 2**31 - 5 at max_len = 2**31 - 5; one
-    more leaves 1-row blocks, whose last index overflows. At the edge a step reads and
-    writes the cache's very last rows."""
-    top = 2**31 - 5
-    with pytest.raises(ValueError, match=rf"max_len={top + 1} is too large for this cache: the tier"):
-        tps.OffloadedKVCache(**TINY, max_len=top + 1, sliding_window=2)
-    with tps.OffloadedKVCache(**TINY, max_len=top, sliding_window=2) as cache:
+    """With 1-token KV blocks the bound is the tier's block index: K and V regions of
+    max_len blocks each end at block 2 * max_len, which must stay below 2**31 - 1 (the
+    sentinel of a traced layer out of range). At the edge a step reads and writes the
+    cache's very last rows (a 2-token window: 1-token units)."""
+    top = (2**31 - 2) // 2
+    with pytest.raises(ValueError, match=rf"the cache needs {2 * top + 2} tier blocks from block 0"):
+        tps.OffloadedKVCache(**TINY, max_len=top + 1, sliding_window=2, block_tokens=1)
+    with tps.OffloadedKVCache(**TINY, max_len=top, sliding_window=2, block_tokens=1) as cache:
+        assert cache.first_block + 2 * cache.spec.num_blocks == 2**31 - 2
         ctx = np.asarray([[[1.5]]], np.float32)
         state = cache.init(lengths=[top - 2])
         state = cache.load(state, 0, ctx[None], -ctx[None], start=top - 2)
@@ -490,17 +491,17 @@ def test_read_validates_lengths():
     with _cache() as cache:
         kv = _kv(8)
         cache.load(cache.init(), 0, kv, kv)
-        k, _ = cache.read(0, [8])  # max_len: the largest accepted.
+        k, _ = cache.read_all(0, [8])  # max_len: the largest accepted.
         np.testing.assert_array_equal(k, kv)
         for lengths in ([9], [-1]):
             with pytest.raises(ValueError, match=r"lengths must be in \[0, max_len=8\]"):
-                cache.read(0, lengths)
+                cache.read_all(0, lengths)
         with pytest.raises(ValueError, match=r"lengths must be an int or 1 ints"):
-            cache.read(0, [1, 2])
+            cache.read_all(0, [1, 2])
         with pytest.raises(ValueError, match="lengths must hold ints"):
-            cache.read(0, [1.5])
+            cache.read_all(0, [1.5])
         with pytest.raises(ValueError, match="layer=1 is out of range"):
-            cache.read(1)
+            cache.read_all(1)
 
 
 def test_load_start_and_lengths_name_the_sequence():
@@ -536,6 +537,6 @@ def test_traced_layer_out_of_range_is_refused_by_name(bad_layer):
         out, state = fn(q, q, q, cache.init(lengths=[3]), layer=jnp.int32(0))
         assert _lengths(state) == [4]
         cache.drain(state)
-        k, _ = cache.read(0, [4])
+        k, _ = cache.read_all(0, [4])
         np.testing.assert_array_equal(k[0, :3], 0)
         np.testing.assert_array_equal(k[0, 3], 1)

@@ -54,7 +54,7 @@ def _step(layers, q_len=1):
 
 
 def _snapshot(cache):
-    return [cache.read(layer) for layer in range(cache.spec.num_layers)]
+    return [cache.read_all(layer) for layer in range(cache.spec.num_layers)]
 
 
 def _assert_unchanged(before, after):

@@ -147,10 +147,10 @@ def test_a_second_step_from_one_state_is_refused(tmp_path):
         q, k, v = _inputs(rng)
         _, child, _ = keep(q, k, v, parent)
         jax.block_until_ready(child)
-        before = cache.read(0)
+        before = cache.read_all(0)
         with pytest.raises(Exception, match="stale: a step from the same state"):
             jax.block_until_ready(keep(*_inputs(rng), parent))
-        after = cache.read(0)
+        after = cache.read_all(0)
         np.testing.assert_array_equal(before[0], after[0])  # Nothing written.
         np.testing.assert_array_equal(before[1], after[1])
         _, grandchild, _ = keep(q, k, v, child)  # The live chain goes on.

@@ -181,7 +181,7 @@ def test_decoder_matches_resident(tier, staging_bytes, scan, tmp_path):
         # that carry the rounding above; write-back itself is byte-exact, tests/engine).
         state = cache.drain(state)
         for layer in range(LAYERS):
-            k_tier, v_tier = cache.read(layer, np.asarray(state.lengths))
+            k_tier, v_tier = cache.read_all(layer, np.asarray(state.lengths))
             for b in range(BATCH):
                 n = int(state.lengths[b])
                 for got_kv, want_kv in ((k_tier, ck), (v_tier, cv)):
@@ -348,7 +348,7 @@ def test_out_of_order_layers_are_refetched_never_stale(tmp_path):
         # Each layer's new token went out byte for byte, behind the context it extends.
         state = cache.drain(state)
         for layer, (k, v) in written.items():
-            k_tier, v_tier = cache.read(layer, np.asarray(state.lengths))
+            k_tier, v_tier = cache.read_all(layer, np.asarray(state.lengths))
             for b in range(BATCH):
                 at = int(CONTEXT[b])
                 np.testing.assert_array_equal(k_tier[b, at], k[b, 0])
@@ -433,7 +433,7 @@ def test_persistent_file_cache_reattaches(tmp_path):
         cache.load(cache.init(), 0, kv[0], kv[1])
     with tps.OffloadedKVCache(**kwargs) as cache:
         assert cache.engine.tier_info(cache.spec.tier).attached
-        k, v = cache.read(0, [7] * BATCH)
+        k, v = cache.read_all(0, [7] * BATCH)
         np.testing.assert_array_equal(k[:, :7], kv[0])
         np.testing.assert_array_equal(v[:, :7], kv[1])
     with pytest.raises(tps.TpusyncError, match="layout mismatch"):

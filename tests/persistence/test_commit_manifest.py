@@ -204,7 +204,7 @@ def test_commit_restores_lengths_and_rows(where):
         state = cache.init()
         np.testing.assert_array_equal(np.asarray(state.lengths), CONTEXT)
         for layer in range(LAYERS):
-            got_k, got_v = cache.read(layer, CONTEXT)
+            got_k, got_v = cache.read_all(layer, CONTEXT)
             for b in range(BATCH):
                 n = CONTEXT[b]
                 np.testing.assert_array_equal(got_k[b, :n], k[layer, b, :n])
@@ -238,7 +238,7 @@ def test_load_rewriting_committed_rows_is_rehashed(where):
         assert cache.verify().skipped_chunks > 0  # Rewritten chunks have no checksum yet.
         cache.close(state)
     with make(where) as cache:  # Verified on open: the new rows carry new checksums.
-        got_k, _ = cache.read(0, CONTEXT)
+        got_k, _ = cache.read_all(0, CONTEXT)
         np.testing.assert_array_equal(got_k[:, 5:8], rows)
 
 
@@ -276,7 +276,7 @@ def test_data_without_manifest_is_refused_until_overwrite(where):
     with make(where, overwrite=True) as cache:
         assert not cache.engine.tier_info(cache.spec.tier).attached
         np.testing.assert_array_equal(np.asarray(cache.init().lengths), [0, 0])
-        k, _ = cache.read(0)
+        k, _ = cache.read_all(0)
         assert not k.any()  # The old contents are gone.
     assert json.loads(manifest_path(where).read_text())["commit"] == 0
 
@@ -399,7 +399,7 @@ def test_restart_after_sigkill_restores_the_commit(tmp_path, caplog):
         state = cache.init()
         np.testing.assert_array_equal(np.asarray(state.lengths), lengths)
         for layer in range(LAYERS):
-            got_k, got_v = cache.read(layer, lengths)
+            got_k, got_v = cache.read_all(layer, lengths)
             np.testing.assert_array_equal(got_k, np.load(out / f"k{layer}.npy"))
             np.testing.assert_array_equal(got_v, np.load(out / f"v{layer}.npy"))
         # The restored cache decodes on from the commit and commits again.
