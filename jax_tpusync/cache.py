@@ -832,7 +832,7 @@ class OffloadedKVCache:
             stop = length
         if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= length):
             raise ValueError(
-                f"[start, stop) = [{start}, {stop}) must lie in [0, {length}) (slot {slot}'s "
+                f"[start, stop) = [{start}, {stop}) must lie in [0, {length}] (slot {slot}'s "
                 f"length)"
             )
         out = []
