@@ -47,8 +47,8 @@ class BlockAllocator:
     def free_blocks(self) -> int:
         return sum(n for _, n in self._free)
 
-    def allocate(self, count: int) -> list[int]:
-        """``count`` block ids, as few runs as first fit finds; raises if too few are free."""
+    def allocate(self, count: int) -> np.ndarray:
+        """int32[count] block ids, as few runs as first fit finds; raises if too few are free."""
         if count > self.free_blocks:
             raise ValueError(
                 f"needs {count} KV blocks but only {self.free_blocks} of {self.num_blocks} are "
@@ -60,17 +60,19 @@ class BlockAllocator:
                 self._free[i] = (first + count, n - count)
                 if n == count:
                     del self._free[i]
-                return list(range(first, first + count))
-        out: list[int] = []
-        while len(out) < count:
+                return np.arange(first, first + count, dtype=np.int32)
+        pieces: list[np.ndarray] = []
+        taken = 0
+        while taken < count:
             first, n = self._free[0]
-            take = min(n, count - len(out))
-            out.extend(range(first, first + take))
+            take = min(n, count - taken)
+            pieces.append(np.arange(first, first + take, dtype=np.int32))
+            taken += take
             if take == n:
                 del self._free[0]
             else:
                 self._free[0] = (first + take, n - take)
-        return out
+        return np.concatenate(pieces)
 
     def reserve(self, ids: Sequence[int]) -> None:
         """Marks the specific block ids ``ids`` as allocated (e.g. blocks a re-attached
@@ -99,7 +101,7 @@ class BlockAllocator:
 
     def free(self, blocks: Sequence[int]) -> None:
         """Returns ``blocks`` (each allocated, none twice) to the free extents."""
-        for first, n in _runs(sorted(blocks)):
+        for first, n in _runs(np.sort(np.asarray(blocks, np.int64))):
             i = bisect.bisect_left(self._free, (first, 0))
             before = self._free[i - 1] if i else None
             after = self._free[i] if i < len(self._free) else None
@@ -115,15 +117,16 @@ class BlockAllocator:
             self._free.insert(i, (first, n))
 
 
-def _runs(ids: Sequence[int]) -> Iterator[tuple[int, int]]:
+def _runs(ids: Sequence[int] | np.ndarray) -> Iterator[tuple[int, int]]:
     """(first, count) of each run of consecutive ids in sorted ``ids``."""
-    i = 0
-    while i < len(ids):
-        j = i + 1
-        while j < len(ids) and ids[j] == ids[j - 1] + 1:
-            j += 1
-        yield ids[i], j - i
-        i = j
+    ids = np.asarray(ids, np.int64)
+    if not ids.size:
+        return
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [ids.size]])
+    for lo, hi in zip(starts.tolist(), ends.tolist()):
+        yield int(ids[lo]), hi - lo
 
 
 def row_runs(table_row: np.ndarray, block_tokens: int, lo: int, hi: int):

@@ -591,7 +591,7 @@ class OffloadedKVCache:
         if self._capacity[slot] == 0:
             raise ValueError(f"slot {slot} is not active (nothing to release)")
         held = self._tables[slot]
-        self._allocator.free([int(p) for p in held[held >= 0]])
+        self._allocator.free(held[held >= 0])
         self._tables[slot] = blocks.NO_BLOCK
         self._capacity[slot] = 0
         lengths = np.asarray(state.lengths).copy()

@@ -356,25 +356,31 @@ def test_max_len_past_int32_is_refused():
         tps.OffloadedKVCache(**TINY, max_len=2**31)
 
 
-def test_max_len_at_the_tier_block_bound():
-    """With 1-token KV blocks the bound is the tier's block index: K and V regions of
-    max_len blocks each end at block 2 * max_len, which must stay below 2**31 - 1 (the
-    sentinel of a traced layer out of range). At the edge a step reads and writes the
-    cache's very last rows (a 2-token window: 1-token units)."""
+def test_num_blocks_at_the_tier_block_bound():
+    """The cache's last tier block index, first_block + 2 * num_layers * num_blocks, must
+    stay below 2**31 - 1 (the sentinel of a traced layer out of range). At the edge a step
+    reads and writes the very last block (V of the last layer), and its neighbour in K is
+    unchanged."""
     top = (2**31 - 2) // 2
+    small = dict(TINY, max_len=4, block_tokens=2, sliding_window=2)
     with pytest.raises(ValueError, match=rf"the cache needs {2 * top + 2} tier blocks from block 0"):
-        tps.OffloadedKVCache(**TINY, max_len=top + 1, sliding_window=2, block_tokens=1)
-    with tps.OffloadedKVCache(**TINY, max_len=top, sliding_window=2, block_tokens=1) as cache:
+        tps.OffloadedKVCache(**small, num_blocks=top + 1)
+    with tps.OffloadedKVCache(**small, num_blocks=top) as cache:
         assert cache.first_block + 2 * cache.spec.num_blocks == 2**31 - 2
+        # Point the slot at the last physical block (K: tier block top - 1, V: 2 * top - 1),
+        # as an allocator that handed out everything else would.
+        cache._allocator.reserve([top - 1])
+        cache._tables[0] = [top - 1, -1]
+        cache._capacity[0] = 2
+        state = cache.init(lengths=[0], admit=False)
         ctx = np.asarray([[[1.5]]], np.float32)
-        state = cache.init(lengths=[top - 2])
-        state = cache.load(state, 0, ctx[None], -ctx[None], start=top - 2)
-        assert _lengths(state) == [top - 1]
+        state = cache.load(state, 0, ctx[None], -ctx[None])
+        assert _lengths(state) == [1]
         q = jnp.ones((1, 1, 1, 1), jnp.float32)
         k = jnp.full((1, 1, 1, 1), 0.5, jnp.float32)
         v = jnp.full((1, 1, 1, 1), 2.0, jnp.float32)
         out, state = _step()(q, k, v, state)
-        assert _lengths(state) == [top]
+        assert _lengths(state) == [2]
         want = kref.attention_reference(
             q,
             jnp.asarray([[[[1.5]], [[0.5]]]]),
@@ -384,6 +390,10 @@ def test_max_len_at_the_tier_block_bound():
             scale=1.0,
         )
         np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6)
+        state = cache.drain(state)
+        got_k, got_v = cache.read(state, 0, 0)
+        np.testing.assert_array_equal(got_k.ravel(), [1.5, 0.5])
+        np.testing.assert_array_equal(got_v.ravel(), [-1.5, 2.0])
 
 
 def test_max_len_at_the_unit_count_bound():

@@ -450,15 +450,15 @@ def test_block_segments_rows_never_cross_a_block():
 
 def test_allocator_first_fit_and_free_merging():
     a = blocks.BlockAllocator(10)
-    assert a.allocate(3) == [0, 1, 2]
-    assert a.allocate(3) == [3, 4, 5]
+    assert a.allocate(3).tolist() == [0, 1, 2]
+    assert a.allocate(3).tolist() == [3, 4, 5]
     a.free([0, 1, 2])
-    assert a.allocate(4) == [6, 7, 8, 9]  # One extent that holds it all.
-    assert a.allocate(3) == [0, 1, 2]
+    assert a.allocate(4).tolist() == [6, 7, 8, 9]  # One extent that holds it all.
+    assert a.allocate(3).tolist() == [0, 1, 2]
     a.free([3, 4])
     a.free([0, 1, 2])
     assert a.free_blocks == 5
-    assert a.allocate(5) == [0, 1, 2, 3, 4]  # Merged back into one extent.
+    assert a.allocate(5).tolist() == [0, 1, 2, 3, 4]  # Merged back into one extent.
     with pytest.raises(ValueError, match="are not all allocated"):
         a.free([0])
         a.free([0])
