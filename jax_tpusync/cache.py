@@ -19,6 +19,7 @@ so the engine never writes a staging buffer outside the op that holds it.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import math
@@ -458,6 +459,8 @@ class OffloadedKVCache:
         self._capacity = np.zeros(batch, np.int32)
         # Per layer and sequence, the end of the furthest row load() wrote since init().
         self._loaded_extent = np.zeros((num_layers, batch), np.int64)
+        # The lengths of the latest state the host made or saw (see recover()).
+        self._live_lengths = np.zeros(batch, np.int32)
         self._stream = self.engine.open_stream()
         if self._persistence is not None:
             try:
@@ -527,10 +530,16 @@ class OffloadedKVCache:
         self._loaded_extent[:] = 0
         if self._persistence is not None:
             self._persistence.note_init(lengths)
+        return self._fresh_state(lengths)
+
+    def _fresh_state(self, lengths: np.ndarray) -> KVState:
+        """A state of the host's tables and ``lengths``, fresh staging, a new epoch."""
+        spec = self.spec
         staging, self._first_staging = self._first_staging, None
         if staging is None:
             staging = jnp.zeros(spec.staging_shape, spec.staging_dtype)
         self._note_staging_phase(staging)
+        self._live_lengths = np.asarray(lengths, np.int32).copy()
         return KVState(
             spec,
             lengths=jnp.asarray(lengths, jnp.int32),
@@ -633,6 +642,7 @@ class OffloadedKVCache:
         self._capacity[:] = capacity
 
     def _with_slots(self, state: KVState, lengths: np.ndarray) -> KVState:
+        self._live_lengths = np.asarray(lengths, np.int32).copy()
         return state.replace(
             lengths=jnp.asarray(lengths, jnp.int32),
             block_table=jnp.asarray(self._tables),
@@ -688,10 +698,37 @@ class OffloadedKVCache:
         """
         self._check_state(state)
         jax.block_until_ready(state)  # The step that made it has finished with the engine.
+        self._live_lengths = np.asarray(state.lengths).copy()
         return state.replace(
             tickets=jnp.full((self.spec.num_slots,), ops.NO_TICKET, jnp.int32),
             owner=self._new_owner(),
         )
+
+    def recover(self) -> KVState:
+        """The cache's live state after a step failed with its state donated.
+
+        A failed step (a slot past its capacity, a stale state, an engine error) leaves the
+        caller without a state: the one it passed was donated. The block tables and
+        capacities are the host's; the lengths come from the engine's record of the latest
+        write-back's capacity guards in the current epoch: a step whose last layer's
+        write-back was accepted added its tokens, any other step added none (rows an
+        unfinished step wrote past the lengths are never read, and the next step
+        overwrites them). Without such a record (no step ran since the state the host last
+        saw), the lengths are that state's.
+
+        The returned state starts a new epoch (every other state becomes stale) and has
+        fresh staging. Also clears the failed step's error from JAX's record of effects,
+        which would otherwise raise again at interpreter exit.
+        """
+        _settle_failed_steps()
+        lengths = self._live_lengths.copy()
+        record = self.engine.last_guards(self._stream)
+        if record is not None and len(record["lengths"]) == self.spec.batch:
+            lengths = np.asarray(record["lengths"], np.int32)
+            if record["accepted"] and record["layer"] == self.spec.num_layers - 1:
+                lengths = lengths + np.asarray(record["counts"], np.int32)
+        self._loaded_extent[:] = 0
+        return self._fresh_state(lengths)
 
     # -- host-side bulk access --------------------------------------------------------------
 
@@ -811,6 +848,7 @@ class OffloadedKVCache:
         grown = np.maximum(lengths_now, self._loaded_extent.min(axis=0))
         if (grown != lengths_now).any():
             state = state.replace(lengths=jnp.asarray(grown, jnp.int32))
+            self._live_lengths = grown.astype(np.int32)
         return state
 
     def read(
@@ -955,6 +993,7 @@ class OffloadedKVCache:
         if self._closed:
             return
         self._closed = True
+        _settle_failed_steps()
         if state is not None:
             try:
                 self._commit(state, session="closed")
@@ -973,6 +1012,43 @@ class OffloadedKVCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@atexit.register
+def _settle_at_exit() -> None:
+    # Registered after JAX's own exit hook, so it runs first (see _settle_failed_steps).
+    _settle_failed_steps(at_exit=True)
+
+
+def _settle_failed_steps(*, at_exit: bool = False) -> None:
+    """Clears a failed step's error from JAX's per-device record of side effects.
+
+    JAX keeps the runtime token of the latest computation with effects (our ops have side
+    effects) and blocks on it at interpreter exit, where a step that failed would raise
+    again and print tracebacks. A later computation with effects replaces the token, so
+    after a failure one tiny one runs on each local device.
+    """
+    try:
+        jax.effects_barrier()
+        return
+    except Exception as e:  # noqa: BLE001 - a failed step's error, raised to its caller.
+        if at_exit:
+            logger.warning("a step failed before exit: %s", e)
+    for device in jax.local_devices():
+        try:
+            jax.block_until_ready(_effect_only(jax.device_put(np.int32(0), device)))
+        except Exception:  # noqa: BLE001 - best effort: nothing else depends on it.
+            pass
+    try:
+        jax.effects_barrier()
+    except Exception:  # noqa: BLE001 - logged only.
+        logger.info("a failed step's error is still in JAX's record of effects")
+
+
+@jax.jit
+def _effect_only(x: jax.Array) -> jax.Array:
+    jax.debug.callback(lambda: None, ordered=False)
+    return x
 
 
 def exact_cast_allowed(src: Any, dst: Any) -> bool:

@@ -433,6 +433,13 @@ class Engine:
     def close_stream(self, stream: int) -> None:
         self._impl.close_stream(stream)
 
+    def last_guards(self, stream: int) -> dict | None:
+        """The capacity guards of ``stream``'s latest write-back in its current epoch:
+        ``{epoch, generation, layer, accepted, lengths, counts}`` (one length and count per
+        slot), or None if the epoch has none yet. :meth:`OffloadedKVCache.recover` rebuilds
+        a lost state's lengths from it."""
+        return self._impl.last_guards(stream)
+
     def mark(self, kind: int, layer: int = -1, chunk: int = -1) -> None:
         """Records a host-side timeline mark."""
         self._impl.mark(kind, layer, chunk)

@@ -907,6 +907,16 @@ Status DeviceContext::ServeWait(Item& item) {
 
 Status DeviceContext::ServeWriteBack(Item& item) {
   StatusOr<std::vector<FetchSegment>> decoded = Decode(item);
+  if (item.stream != 0) {
+    // What this write-back's guards said, accepted or not (see Engine::RecordGuards).
+    Engine::WriteGuards guards;
+    guards.epoch = item.slot[kSlotOwner + 1];
+    guards.generation = item.slot[kSlotOwner + 2];
+    guards.layer = SlotTag(item).layer;
+    guards.accepted = decoded.ok();
+    GuardColumns(item.slot + kSlotRows, item.rows, &guards.lengths, &guards.counts);
+    if (!guards.lengths.empty()) item.engine->RecordGuards(item.stream, std::move(guards));
+  }
   if (!decoded.ok()) return decoded.status();
   std::vector<Segment> segments;
   segments.reserve(decoded->size());

@@ -688,6 +688,21 @@ Status Engine::CheckOwner(int64_t stream, int32_t epoch, int32_t generation, boo
   return Status::Ok();
 }
 
+void Engine::RecordGuards(int64_t stream, WriteGuards guards) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = streams_.find(stream);
+  if (it == streams_.end() || guards.epoch != it->second.epoch) return;
+  it->second.last_write = std::move(guards);
+}
+
+bool Engine::LastGuards(int64_t stream, WriteGuards* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = streams_.find(stream);
+  if (it == streams_.end() || it->second.last_write.epoch != it->second.epoch) return false;
+  *out = it->second.last_write;
+  return true;
+}
+
 void Engine::CloseStream(int64_t stream) {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::shared_ptr<Job>> orphans;

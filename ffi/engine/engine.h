@@ -227,6 +227,22 @@ class Engine {
   StatusOr<int32_t> BeginEpoch(int64_t stream);
   Status CheckOwner(int64_t stream, int32_t epoch, int32_t generation, bool claim);
   void CloseStream(int64_t stream);
+
+  // The capacity guards (one (length, count) per slot) of a stream's latest write-back
+  // whose owner passed, and whether it was accepted: a host that lost a state to a failed
+  // step (its buffers donated) rebuilds the state's lengths from it.
+  struct WriteGuards {
+    int32_t epoch = 0;
+    int32_t generation = 0;
+    int32_t layer = -1;
+    bool accepted = false;
+    std::vector<int32_t> lengths;
+    std::vector<int32_t> counts;
+  };
+  void RecordGuards(int64_t stream, WriteGuards guards);
+  // False if the stream's current epoch has no write-back yet.
+  bool LastGuards(int64_t stream, WriteGuards* out);
+
   // Blocks until every submitted transfer has ended (detached write-backs included).
   Status Drain();
 
@@ -262,6 +278,7 @@ class Engine {
   struct StreamState {
     int32_t epoch = 0;
     int32_t claimed = 0;  // The generation of this epoch's latest step.
+    WriteGuards last_write;  // epoch 0: none yet.
   };
 
   EngineOptions options_;

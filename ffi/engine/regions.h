@@ -80,6 +80,15 @@ inline Status CheckRegion(const Regions& regions, size_t index, const Segment& s
 // row.
 inline constexpr int32_t kCapacityGuard = -2;
 
+// The leading guard rows of `rows` as (length, count) per slot, for Engine::RecordGuards.
+inline void GuardColumns(const int32_t* rows, int64_t n, std::vector<int32_t>* lengths,
+                         std::vector<int32_t>* counts) {
+  for (int64_t i = 0; i < n && rows[4 * i] == kCapacityGuard; ++i) {
+    lengths->push_back(rows[4 * i + 1]);
+    counts->push_back(rows[4 * i + 2]);
+  }
+}
+
 // Decodes int32[n, 4] rows (block, offset_in_block, buffer_offset, bytes), blocks relative
 // to `first_block`, into transfers of `tier`, checking every guard row first, then each
 // transfer against the op's buffer (`buffer_bytes`), the caller's regions and blocks, and

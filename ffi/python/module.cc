@@ -204,6 +204,20 @@ class PyEngine {
     if (engine_) engine_->CloseStream(stream);  // A closed engine has no streams left.
   }
 
+  // The latest write-back guards of `stream`'s current epoch (Engine::LastGuards), or None.
+  nb::object LastGuards(int64_t stream) {
+    Engine::WriteGuards g;
+    if (!engine().LastGuards(stream, &g)) return nb::none();
+    nb::dict out;
+    out["epoch"] = g.epoch;
+    out["generation"] = g.generation;
+    out["layer"] = g.layer;
+    out["accepted"] = g.accepted;
+    out["lengths"] = nb::cast(g.lengths);
+    out["counts"] = nb::cast(g.counts);
+    return out;
+  }
+
   nb::dict Stats() {
     EngineStats s = engine().Stats();
     auto direction = [](const DirectionStats& d) {
@@ -322,6 +336,7 @@ NB_MODULE(_tpusync, m) {
       .def("open_stream", &PyEngine::OpenStream)
       .def("begin_epoch", &PyEngine::BeginEpoch, nb::arg("stream"))
       .def("close_stream", &PyEngine::CloseStream, nb::arg("stream"))
+      .def("last_guards", &PyEngine::LastGuards, nb::arg("stream"))
       .def("stats", &PyEngine::Stats)
       .def("reset_stats", &PyEngine::ResetStats)
       .def("take_timeline", &PyEngine::TakeTimeline);

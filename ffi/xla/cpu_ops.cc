@@ -198,6 +198,17 @@ ffi::Error WriteBackImpl(ffi::AnyBuffer src, ffi::Buffer<ffi::S32> segments,
   auto decoded = DecodeSegments(
       *op, segments, src.size_bytes(),
       MakeRegions(region_base, region_bytes, region_count, region_block_rows));
+  if (*stream != 0 && segments.dimensions().size() == 2) {
+    // What this write-back's guards said, accepted or not (see Engine::RecordGuards).
+    Engine::WriteGuards guards;
+    guards.epoch = owner.typed_data()[1];
+    guards.generation = owner.typed_data()[2];
+    guards.layer = DecodeTag(tag).layer;
+    guards.accepted = decoded.ok();
+    GuardColumns(segments.typed_data(), segments.dimensions()[0], &guards.lengths,
+                 &guards.counts);
+    if (!guards.lengths.empty()) (*engine)->RecordGuards(*stream, std::move(guards));
+  }
   if (!decoded.ok()) return ToFfiError(decoded.status());
   // Pack the source bytes into engine-owned memory; the segments then point into it.
   uint64_t total = 0;

@@ -462,3 +462,75 @@ def test_allocator_first_fit_and_free_merging():
     with pytest.raises(ValueError, match="are not all allocated"):
         a.free([0])
         a.free([0])
+
+
+# -- after a failed step ------------------------------------------------------------------------
+
+
+def test_recover_after_a_refused_step_keeps_the_cache_usable():
+    with _cache() as cache:
+        state = cache.init(admit=False)
+        state, _ = cache.admit(state, 0, max_tokens=3)
+        state, _ = cache.admit(state, 1, max_tokens=8)
+        state = _fill(cache, state, [2, 4])
+        step = _step(2)
+        x = jnp.ones((2, 1, HEAD_DIM), jnp.float32)
+        _, state = step(x, state)  # Slot 0 is full now.
+        with pytest.raises(Exception, match="slot 0 holds 3 tokens"):
+            jax.block_until_ready(step(x, state))
+        with pytest.raises(ValueError, match="donated to a step"):
+            cache.drain(state)
+        state = cache.recover()
+        assert _lengths(state) == [3, 5]  # The refused step's input lengths.
+        k, _ = cache.read(state, 1, 0)
+        assert k.shape == (3, KV_HEADS, HEAD_DIM)
+        state = cache.release(state, 0)
+        _, state = step(x, state)
+        assert _lengths(state) == [0, 6]
+        cache.drain(state)
+
+
+def test_recover_a_lost_state_after_good_steps():
+    """A state dropped after steps that completed: the last write-back of its last layer was
+    accepted, so the recovered lengths include that step's tokens."""
+    with _cache() as cache:
+        state = _fill(cache, cache.init(), [2, 5])
+        step = _step(2)
+        for _ in range(2):
+            _, state = step(jnp.ones((2, 1, HEAD_DIM), jnp.float32), state)
+        jax.block_until_ready(state)
+        del state
+        state = cache.recover()
+        assert _lengths(state) == [4, 7]
+        x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 1, HEAD_DIM)), jnp.float32)
+        want = _reference(cache, [4, 7], x)
+        outs, state = step(x, state)
+        np.testing.assert_allclose(np.asarray(outs[1]), want[1], atol=1e-5)
+        cache.drain(state)
+
+
+def test_a_refused_step_prints_no_traceback_at_exit(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp, jax_tpusync as tps
+        c = tps.OffloadedKVCache(num_layers=1, batch=1, max_len=2, num_kv_heads=1,
+                                 head_dim=4, dtype=jnp.float32)
+        s = c.init([2])
+        f = jax.jit(lambda q, s: tps.prefetching_attention(q, q, q, s, layer=0),
+                    donate_argnums=(1,))
+        try:
+            jax.block_until_ready(f(jnp.ones((1, 1, 1, 4)), s))
+        except Exception as e:
+            print("refused:", "slot 0 holds 2 tokens" in str(e))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "refused: True" in done.stdout
+    assert "Traceback" not in done.stderr, done.stderr
