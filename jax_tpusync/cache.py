@@ -357,7 +357,15 @@ class OffloadedKVCache:
             shm_name=shm_name,
             file_name=file_name,
             geometry=persistence.Geometry.of(
-                num_layers, batch, max_len, num_kv_heads, head_dim, dtype, model_id
+                num_layers,
+                batch,
+                max_len,
+                num_kv_heads,
+                head_dim,
+                dtype,
+                model_id,
+                block_tokens=block_tokens,
+                num_blocks=num_blocks,
             ),
             overwrite=overwrite,
         )
@@ -553,6 +561,30 @@ class OffloadedKVCache:
             target=jnp.asarray(self._target, jnp.int32),
         )
 
+    def inert_state(self) -> KVState:
+        """A state of this cache's structure that moves no bytes: every slot inactive, an
+        unchecked owner, no epoch started.
+
+        For code that must run the model once without decoding: Flax Linen's
+        ``model.init`` (which runs the forward pass), tracing, shape checks. A step on it
+        computes every slot's new tokens alone and writes nothing to the tier; the live
+        state (from :meth:`init`) stays live. (``jax.eval_shape`` of a step runs nothing
+        at all, for shapes alone.)
+        """
+        spec = self.spec
+        return KVState(
+            spec,
+            lengths=jnp.zeros((spec.batch,), jnp.int32),
+            block_table=jnp.full((spec.batch, spec.max_blocks), blocks.NO_BLOCK, jnp.int32),
+            capacity=jnp.zeros((spec.batch,), jnp.int32),
+            staging=jnp.zeros(spec.staging_shape, spec.staging_dtype),
+            tickets=jnp.full((spec.num_slots,), ops.NO_TICKET, jnp.int32),
+            slot=jnp.zeros((), jnp.int32),
+            token=jnp.zeros((), jnp.int32),
+            owner=jnp.zeros((3,), jnp.int32),
+            target=jnp.asarray(self._target, jnp.int32),
+        )
+
     # -- slot lifecycle ---------------------------------------------------------------------
 
     def admit(self, state: KVState, slot: int, *, max_tokens: int | None = None):
@@ -599,6 +631,8 @@ class OffloadedKVCache:
         self._check_slot(slot)
         if self._capacity[slot] == 0:
             raise ValueError(f"slot {slot} is not active (nothing to release)")
+        if self._persistence is not None:  # Its blocks may be rewritten: commit it gone first.
+            self._persistence.note_release(slot)
         held = self._tables[slot]
         self._allocator.free(held[held >= 0])
         self._tables[slot] = blocks.NO_BLOCK

@@ -141,8 +141,9 @@ class Geometry:
         """The geometry of a cache made with these arguments, at this LAYOUT_VERSION.
 
         ``block_tokens`` and ``num_blocks`` are the cache's resolved values (after its
-        defaults). Left None, :meth:`Persistence.prepare` cannot check them and
-        :meth:`Persistence.attach` does, from the opened cache's spec.
+        defaults). Left None, :meth:`Persistence.prepare` does not compare them (the
+        engine still refuses a tier of another byte layout) and :meth:`Persistence.attach`
+        takes them from the opened cache's spec.
         """
         return cls(
             num_layers=int(num_layers),
@@ -188,14 +189,6 @@ class Geometry:
 
 
 _PAGING_FIELDS = ("block_tokens", "num_blocks")
-
-
-def _mismatch(data_path: Path, diffs: list[str]) -> LayoutMismatchError:
-    return LayoutMismatchError(
-        f"layout mismatch: the KV in {data_path} does not belong to this cache: "
-        + "; ".join(diffs)
-        + ". Use another name, or pass overwrite=True to discard it."
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +270,8 @@ class Persistence:
 
         Raises:
           LayoutMismatchError: the manifest's geometry or model_id differs.
-          MissingManifestError: the data exists but its manifest does not (or is unreadable).
+          MissingManifestError: the data exists but its manifest does not, is unreadable, or
+            describes an inconsistent commit (block tables, capacities, lengths, checksums).
         """
         if tier == "file" and file_name:
             directory = Path(os.fspath(path))
@@ -309,7 +303,11 @@ class Persistence:
             held = Geometry.from_json(restored["geometry"])
             diffs = held.differences(geometry)
             if diffs:
-                raise _mismatch(data_path, diffs)
+                raise LayoutMismatchError(
+                    f"layout mismatch: the KV in {data_path} does not belong to this cache: "
+                    + "; ".join(diffs)
+                    + ". Use another name, or pass overwrite=True to discard it."
+                )
             restored = _checked_commit(restored, held, manifest_path)
         elif manifest_path.exists():
             # The data went (a reboot cleared shm, or the file was deleted): what the
@@ -329,9 +327,11 @@ class Persistence:
     def attach(self, cache: OffloadedKVCache, *, attached: bool, verify: bool) -> np.ndarray | None:
         """Binds to the opened cache; returns the restored lengths (None: a new cache).
 
-        A new cache writes its first manifest (commit 0, lengths 0). A re-attached one
-        restores the last commit, verifies its checksums if ``verify``, and records that a
-        session is open (so the next one can tell whether this one committed at the end).
+        A new cache writes its first manifest (commit 0, lengths 0, no slot active). A
+        re-attached one restores the last commit (its slots hold the committed blocks and
+        capacities again: ``cache._restore_slots``), verifies its checksums if ``verify``,
+        and records that a session is open (so the next one can tell whether this one
+        committed at the end).
         """
         self._cache = cache
         spec = cache.spec
@@ -344,12 +344,8 @@ class Persistence:
                 f"{self.data_path} appeared while this cache was opening, without a manifest; "
                 "pass overwrite=True to discard it"
             )
-        ours = self.geometry.completed(spec)
-        if manifest is not None:  # The paging fields, if prepare() could not check them.
-            diffs = manifest["held"].differences(ours)
-            if diffs:
-                raise _mismatch(self.data_path, diffs)
-        self.geometry = ours
+        # What the manifest records (prepare() had the paging fields if the cache gave them).
+        self.geometry = self.geometry.completed(spec)
         if manifest is None:
             self._chunk_rows = max(1, min(spec.max_len, CHUNK_TARGET_BYTES // spec.row_bytes))
             self._sums = [[] for _ in range(self._num_regions)]
@@ -898,7 +894,6 @@ def _checked_commit(manifest: dict[str, Any], held: Geometry, path: Path) -> dic
             f"cannot use manifest {path}: {e}. Pass overwrite=True to discard the cache."
         ) from e
     return {
-        "held": held,
         "commit": int(commit),
         "session": manifest.get("session"),
         "lengths": lengths.astype(np.int64),

@@ -113,17 +113,11 @@ def new_rows(rng):
 
 
 def flip_bit(where, cache, layer, kv, b, row, byte=0, bit=0):
-    """Flips one bit of a cached row directly in the tier's backing file."""
-    spec = cache.spec
-    shift = cache.engine.tier_info(spec.tier).alignment_offset if where["tier"] == "file" else 0
-    region = (layer * 2 + kv) * spec.batch + b
-    offset = (
-        HEADER_BYTES
-        + shift
-        + spec.first_block * spec.block_bytes
-        + (region * spec.max_len + row) * spec.row_bytes
-        + byte
-    )
+    """Flips one bit of position ``row`` of sequence ``b`` (through its block table)
+    directly in the tier's backing file."""
+    shift = cache.engine.tier_info(cache.tier).alignment_offset if where["tier"] == "file" else 0
+    ((tier_offset, _),) = cache.tier_rows(layer, kv, b, row, row + 1)
+    offset = HEADER_BYTES + shift + tier_offset + byte
     with open(data_path(where), "r+b") as f:
         f.seek(offset)
         (old,) = f.read(1)
@@ -136,6 +130,7 @@ def flip_bit(where, cache, layer, kv, b, row, byte=0, bit=0):
 # -- geometry and model guard -------------------------------------------------------------
 
 # Each case keeps the tier's byte size where it can, so that only the manifest can tell.
+# (MAX_LEN tokens make one block of 64 by default, so a slot is one block.)
 GEOMETRY_CASES = {
     "num_layers": (dict(num_layers=1, batch=4), LAYERS, 1),
     "batch": (dict(batch=1, max_len=2 * MAX_LEN), BATCH, 1),
@@ -144,7 +139,19 @@ GEOMETRY_CASES = {
     "head_dim": (dict(head_dim=2 * HEAD_DIM, num_kv_heads=1), HEAD_DIM, 2 * HEAD_DIM),
     "dtype": (dict(dtype=jnp.bfloat16, max_len=2 * MAX_LEN), "float32", "bfloat16"),
     "model_id": (dict(model_id="other-model"), "unspecified", "other-model"),
+    "block_tokens": (dict(block_tokens=32, num_kv_heads=4, num_blocks=2), 64, 32),
+    "num_blocks": (dict(num_blocks=4, num_layers=1), BATCH, 4),
 }
+
+
+def test_max_len_mismatch_names_max_len_not_the_block_size(where):
+    """A longer max_len with the same block size: nothing but max_len differs."""
+    make(where, block_tokens=16).close()
+    with pytest.raises(persistence.LayoutMismatchError) as info:
+        make(where, block_tokens=16, max_len=2 * MAX_LEN, num_blocks=BATCH * MAX_LEN // 16)
+    message = str(info.value)
+    assert f"max_len: the tier holds {MAX_LEN}, this cache has {2 * MAX_LEN}" in message
+    assert "block" not in message.split("does not belong to this cache:")[1]
 
 
 @pytest.mark.parametrize("field", sorted(GEOMETRY_CASES))
@@ -156,13 +163,16 @@ def test_geometry_mismatch_names_the_field(where, field):
     assert f"{field}: the tier holds {held!r}, this cache has {have!r}" in str(info.value)
     assert "layout mismatch" in str(info.value)
     with make(where) as cache:  # The refused open changed nothing.
-        assert cache.engine.tier_info(cache.spec.tier).attached
+        assert cache.engine.tier_info(cache.tier).attached
 
 
 def test_layout_version_mismatch_is_named(where, monkeypatch):
     make(where).close()
-    monkeypatch.setattr(persistence, "LAYOUT_VERSION", persistence.LAYOUT_VERSION + 1)
-    with pytest.raises(persistence.LayoutMismatchError, match="layout_version: the tier holds 1"):
+    held = persistence.LAYOUT_VERSION
+    monkeypatch.setattr(persistence, "LAYOUT_VERSION", held + 1)
+    with pytest.raises(
+        persistence.LayoutMismatchError, match=f"layout_version: the tier holds {held}, "
+    ):
         make(where)
 
 
@@ -190,6 +200,10 @@ def test_new_cache_writes_commit_zero(where):
         assert m["commit"] == 0 and m["lengths"] == [0] * BATCH
         assert m["model_id"] == "m" and m["geometry"]["num_kv_heads"] == KV_HEADS
         assert m["geometry"]["layout_version"] == persistence.LAYOUT_VERSION
+        assert m["geometry"]["dtype"] == "float32" and m["geometry"]["head_dim"] == HEAD_DIM
+        assert m["geometry"]["block_tokens"] == cache.spec.block_tokens == 64
+        assert m["geometry"]["num_blocks"] == cache.spec.num_blocks == BATCH
+        assert m["block_tables"] == [[-1]] * BATCH and m["capacity"] == [0] * BATCH
         assert cache.committed_lengths.tolist() == [0] * BATCH
 
 
@@ -200,9 +214,12 @@ def test_commit_restores_lengths_and_rows(where):
         cache.close(state)
     m = json.loads(manifest_path(where).read_text())
     assert m["commit"] == 2 and m["lengths"] == CONTEXT.tolist() and m["session"] == "closed"
+    assert m["block_tables"] == [[0], [1]] and m["capacity"] == [MAX_LEN] * BATCH
     with make(where) as cache:
+        np.testing.assert_array_equal(cache.block_tables, [[0], [1]])
         state = cache.init()
         np.testing.assert_array_equal(np.asarray(state.lengths), CONTEXT)
+        np.testing.assert_array_equal(np.asarray(state.block_table), [[0], [1]])
         for layer in range(LAYERS):
             got_k, got_v = cache.read_all(layer, CONTEXT)
             for b in range(BATCH):
@@ -274,7 +291,7 @@ def test_data_without_manifest_is_refused_until_overwrite(where):
     with pytest.raises(persistence.MissingManifestError, match="overwrite=True"):
         make(where)
     with make(where, overwrite=True) as cache:
-        assert not cache.engine.tier_info(cache.spec.tier).attached
+        assert not cache.engine.tier_info(cache.tier).attached
         np.testing.assert_array_equal(np.asarray(cache.init().lengths), [0, 0])
         k, _ = cache.read_all(0)
         assert not k.any()  # The old contents are gone.
