@@ -130,7 +130,7 @@ def nnx_decode(cache, x, steps, linen_params):
             self.v = nnx.Linear(D_MODEL, KV_HEADS * HEAD_DIM, use_bias=False, rngs=rngs)
             self.o = nnx.Linear(Q_HEADS * HEAD_DIM, D_MODEL, use_bias=False, rngs=rngs)
             for name in ("q", "k", "v", "o"):
-                getattr(self, name).kernel.value = jnp.asarray(p[name]["kernel"])
+                getattr(self, name).kernel[...] = jnp.asarray(p[name]["kernel"])
 
         def __call__(self, x, state):
             q = _heads(self.q(x), Q_HEADS)

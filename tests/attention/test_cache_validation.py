@@ -514,15 +514,15 @@ def test_read_validates_lengths():
             cache.read_all(1)
 
 
-def test_load_start_and_lengths_name_the_sequence():
+def test_load_start_and_lengths_name_the_slot():
     with _cache(batch=2) as cache:
         kv = _kv(4, batch=2)
         state = cache.load(cache.init(), 0, kv, kv, start=[0, 4])  # Up to max_len exactly.
         assert _lengths(state) == [4, 8]
-        with pytest.raises(ValueError, match=r"start=-1 of sequence 1 must be >= 0"):
+        with pytest.raises(ValueError, match=r"start=-1 of slot 1 must be >= 0"):
             cache.load(cache.init(), 0, kv, kv, start=[0, -1])
         with pytest.raises(
-            ValueError, match=r"start \+ lengths = 9 of sequence 1 would overflow max_len=8"
+            ValueError, match=r"start \+ lengths = 9 of slot 1 would overflow its capacity of 8"
         ):
             cache.load(cache.init(), 0, kv, kv, start=[0, 5])
         with pytest.raises(ValueError, match=r"start must be an int or 2 ints"):

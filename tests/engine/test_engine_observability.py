@@ -98,7 +98,15 @@ def test_stats_per_tier_and_direction(make_engine, add_tier):
     s = e.stats()
     assert s["tiers"][host]["write_back"]["bytes"] == 1054
     assert s["tiers"][host]["write_back"]["requests"] == 3
-    assert s["tiers"][host]["fetch"] == {"bytes": 0, "requests": 0, "busy_s": 0.0, "gbps": 0.0}
+    assert s["tiers"][host]["fetch"] == {
+        "bytes": 0,
+        "requests": 0,
+        "segments": 0,
+        "bytes_per_segment": 0.0,
+        "busy_s": 0.0,
+        "gbps": 0.0,
+    }
+    assert s["tiers"][host]["write_back"]["segments"] >= 3
     assert s["tiers"][f]["fetch"]["bytes"] == 333 and s["tiers"][f]["fetch"]["requests"] == 1
     assert s["tiers"][f]["write_back"]["requests"] == 0
     assert s["tiers"][host]["write_back"]["busy_s"] > 0
