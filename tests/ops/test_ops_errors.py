@@ -213,3 +213,43 @@ def test_capacity_guard_rows_lead_or_are_bad_rows(host):
         run(np.concatenate([np.asarray(ops.capacity_guards(jnp.asarray([3, 8]), 1, 8)), write]))
     with pytest.raises(Exception, match="segment 1 has a negative field"):
         run(np.concatenate([write, np.asarray(ops.capacity_guards(jnp.asarray([0]), 1, 8))]))
+
+
+def test_target_fields_are_checked_when_concrete_and_when_traced(host):
+    """engine id, tier and first block travel as an int32[3] operand: Python ints are
+    checked at trace time, traced ones by the op (before any byte moves)."""
+    e, t = host
+    x, dst = jnp.ones(2), jnp.zeros(16, jnp.uint8)
+    segs = _rows([0], [0], [16])
+    with pytest.raises(ValueError, match="first_block=-1 must be >= 0 and fit int32"):
+        ops.write_back(e.id, t, dst, segs, TAG, first_block=-1)
+    with pytest.raises(ValueError, match=r"first_block=2147483648 must be >= 0 and fit int32"):
+        ops.write_back(e.id, t, dst, segs, TAG, first_block=2**31)
+
+    @jax.jit
+    def traced(first_block):
+        return ops.write_back(e.id, t, dst, segs, TAG, first_block=first_block)
+
+    with pytest.raises(XlaError, match=r"target \(engine \d+, tier 0, first block -1\) has a field out of range"):
+        jax.block_until_ready(traced(jnp.int32(-1)))
+    # First block 3 of a 4-block tier: the row's block 0 is tier block 3, the last one.
+    jax.block_until_ready(traced(jnp.int32(3)))
+    e.drain()
+    with pytest.raises(XlaError, match=r"range \[16384, 16400\) is outside the host tier of 16384 bytes"):
+        jax.block_until_ready(traced(jnp.int32(4)))
+
+
+def test_rows_that_continue_one_another_are_one_transfer(host):
+    """Two rows contiguous on the tier and in the buffer are merged; a gap keeps two."""
+    e, t = host
+    dst = jnp.zeros(3 * BLOCK, jnp.uint8)
+
+    def fetch(rows):
+        e.reset_stats()
+        segs = jnp.asarray(np.asarray(rows, np.int32))
+        jax.block_until_ready(_start_wait(e.id, t)(jnp.ones(2), jnp.zeros_like(dst), segs))
+        return e.stats()["tiers"][t]["fetch"]["segments"]
+
+    assert fetch([[0, 0, 0, BLOCK], [1, 0, BLOCK, BLOCK]]) == 1
+    assert fetch([[0, 0, 0, BLOCK], [2, 0, BLOCK, BLOCK]]) == 2  # A gap on the tier.
+    assert fetch([[0, 0, 0, BLOCK], [1, 0, 2 * BLOCK, BLOCK]]) == 2  # A gap in memory.
