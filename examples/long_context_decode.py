@@ -253,7 +253,7 @@ def main(argv=None) -> int:
             engine=tps.EngineConfig(worker_cpus=worker_cpus),
         )
         spec = cache.spec
-        tier_info = cache.engine.tier_info(spec.tier)
+        tier_info = cache.engine.tier_info(cache.tier)
         print(
             f"KV cache: {gb(spec.kv_bytes)} on the {args.tier} tier ({tier_info.description}); "
             f"device staging {gb(spec.device_bytes)} = {spec.num_slots} slots x "

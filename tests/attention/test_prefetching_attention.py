@@ -430,9 +430,10 @@ def test_persistent_file_cache_reattaches(tmp_path):
         file_name="kv",
     )
     with tps.OffloadedKVCache(**kwargs) as cache:
-        cache.load(cache.init(), 0, kv[0], kv[1])
+        cache.close(cache.load(cache.init(), 0, kv[0], kv[1]))  # Commits the state.
     with tps.OffloadedKVCache(**kwargs) as cache:
-        assert cache.engine.tier_info(cache.spec.tier).attached
+        assert cache.engine.tier_info(cache.tier).attached
+        assert cache.committed_lengths.tolist() == [7] * BATCH
         k, v = cache.read_all(0, [7] * BATCH)
         np.testing.assert_array_equal(k[:, :7], kv[0])
         np.testing.assert_array_equal(v[:, :7], kv[1])
@@ -517,9 +518,9 @@ def test_state_from_another_cache_is_refused(tmp_path):
         make_cache("host", tmp_path, staging_bytes=UNCHUNKED) as b,
     ):
         kv = np.zeros((BATCH, 4, KV_HEADS, HEAD_DIM), np.float32)
-        with pytest.raises(ValueError, match="state belongs to cache"):
+        with pytest.raises(ValueError, match="state belongs to another cache"):
             b.load(a.init(), 0, kv, kv)
-        with pytest.raises(ValueError, match="state belongs to cache"):
+        with pytest.raises(ValueError, match="state belongs to another cache"):
             b.drain(a.init())
 
 
@@ -549,12 +550,12 @@ def test_cache_arguments_are_validated(tmp_path):
         tps.OffloadedKVCache(**base, staging_bytes=16)
     with pytest.raises(ValueError, match="sliding_window has 2 entries for 1 layers"):
         tps.OffloadedKVCache(**base, sliding_window=[4, None])
-    with pytest.raises(ValueError, match="lengths must be in"):
+    with pytest.raises(ValueError, match=r"lengths\[0\]=9 must be in \[0, 8\] \(slot 0.s capacity\)"):
         with tps.OffloadedKVCache(**base) as cache:
             cache.init(lengths=[9])
     with tps.OffloadedKVCache(**base) as cache:
         kv = np.zeros((1, 9, 1, 8), jnp.bfloat16)  # The cache dtype: no implicit cast.
-        with pytest.raises(ValueError, match="overflow max_len=8"):
+        with pytest.raises(ValueError, match="overflow its capacity of 8 tokens"):
             cache.load(cache.init(), 0, kv, kv)
 
 
@@ -581,7 +582,7 @@ def test_file_tier_fetches_land_straight_in_staging(file_dir):
         state = cache.init()
         for layer in range(2):
             state = cache.load(state, layer, ck[layer], cv[layer], lengths=[n])
-        before = cache.engine.tier_info(cache.spec.tier)
+        before = cache.engine.tier_info(cache.tier)
 
         def step(q, k, v, state):
             outs = []
@@ -595,7 +596,7 @@ def test_file_tier_fetches_land_straight_in_staging(file_dir):
         v = jnp.asarray(rng.standard_normal((1, 1, kv_heads, head_dim)), jnp.float32)
         outs, state = jax.jit(step, donate_argnums=(3,))(q, k, v, state)
         state = cache.drain(state)
-        info = cache.engine.tier_info(cache.spec.tier)
+        info = cache.engine.tier_info(cache.tier)
         direct = info.direct_read_bytes - before.direct_read_bytes
         bounced = info.bounced_read_bytes - before.bounced_read_bytes
         assert direct > 0.95 * (direct + bounced), (direct, bounced)
@@ -820,7 +821,7 @@ def test_staging_out_of_phase_with_the_file_tier_is_logged(
         tier="file",
         path=file_dir,
     ) as cache:
-        info = cache.engine.tier_info(cache.spec.tier)
+        info = cache.engine.tier_info(cache.tier)
         if not info.dio_alignment:
             pytest.skip("the file tier has no O_DIRECT here")
         at = None if shift is None else (info.alignment_offset + shift) % 4096
