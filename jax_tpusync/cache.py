@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tpusync import blocks, ops, persistence
+from jax_tpusync import blocks, ops, persistence, prefix
 from jax_tpusync.engine import Engine, EngineConfig, page_offset
 
 logger = logging.getLogger(__name__)
@@ -262,6 +262,9 @@ class OffloadedKVCache:
         (:meth:`verify`) before returning.
       overwrite: persistent tiers: discard existing data and manifest and start empty,
         instead of refusing data that has no manifest or another geometry/model.
+      prefix_salt: what keeps two models' prefix blocks apart (weights name and version);
+        default ``model_id``. The cache adds its geometry, dtype and block size itself.
+        See :meth:`admit` (``tokens=``) and :mod:`jax_tpusync.prefix`.
 
     Persistence (``shm_name`` or ``file_name``): see :mod:`jax_tpusync.persistence`. A new
     cache writes a manifest (commit 0); :meth:`commit` records the state's lengths; a
@@ -296,6 +299,7 @@ class OffloadedKVCache:
         model_id: str | None = None,
         verify: bool = True,
         overwrite: bool = False,
+        prefix_salt: str | bytes | None = None,
     ):
         for name, value in dict(
             num_layers=num_layers,
@@ -463,6 +467,23 @@ class OffloadedKVCache:
         self._target = np.asarray([self.engine.id, tier_index, first_block], np.int64)
         # The slots' blocks, decided here between steps; each state carries a copy.
         self._allocator = blocks.BlockAllocator(num_blocks)
+        self._prefix = prefix.PrefixIndex(
+            self._allocator,
+            block_tokens,
+            prefix.root_key(
+                model_id if prefix_salt is None and model_id is not None else (prefix_salt or ""),
+                dict(
+                    num_layers=num_layers,
+                    num_kv_heads=num_kv_heads,
+                    head_dim=head_dim,
+                    dtype=dtype.name,
+                    block_tokens=block_tokens,
+                    layout=persistence.LAYOUT_VERSION,
+                ),
+            ),
+        )
+        # Per slot: leading blocks of its table mapped from the prefix index (read-only).
+        self._shared = np.zeros(batch, np.int32)
         self._tables = np.full((batch, self.spec.max_blocks), blocks.NO_BLOCK, np.int32)
         self._capacity = np.zeros(batch, np.int32)
         # Per layer and sequence, the end of the furthest row load() wrote since init().
@@ -513,6 +534,8 @@ class OffloadedKVCache:
             empty = [b for b in range(spec.batch) if self._capacity[b] == 0]
             need = len(empty) * spec.max_blocks
             if need > self._allocator.free_blocks:
+                self._prefix.evict(need - self._allocator.free_blocks)
+            if need > self._allocator.free_blocks:
                 raise ValueError(
                     f"init() admits every slot for max_len={spec.max_len} tokens, which needs "
                     f"{need} KV blocks, but {self._allocator.free_blocks} of "
@@ -529,6 +552,12 @@ class OffloadedKVCache:
         if lengths.shape != (spec.batch,):
             raise ValueError(f"lengths must have shape ({spec.batch},); got {lengths.shape}")
         for b in range(spec.batch):
+            shared = int(self._shared[b]) * spec.block_tokens
+            if lengths[b] < shared:
+                raise ValueError(
+                    f"lengths[{b}]={int(lengths[b])} is below slot {b}'s shared prefix of "
+                    f"{shared} tokens (blocks other sequences read: decode would write them)"
+                )
             if not 0 <= lengths[b] <= self._capacity[b]:
                 raise ValueError(
                     f"lengths[{b}]={int(lengths[b])} must be in [0, {int(self._capacity[b])}]"
@@ -587,7 +616,14 @@ class OffloadedKVCache:
 
     # -- slot lifecycle ---------------------------------------------------------------------
 
-    def admit(self, state: KVState, slot: int, *, max_tokens: int | None = None):
+    def admit(
+        self,
+        state: KVState,
+        slot: int,
+        *,
+        max_tokens: int | None = None,
+        tokens: Sequence[int] | np.ndarray | None = None,
+    ):
         """Reserves KV blocks for a new sequence in ``slot``; returns ``(state, cached)``.
 
         Args:
@@ -595,13 +631,19 @@ class OffloadedKVCache:
           slot: an inactive slot, in ``[0, batch)``.
           max_tokens: the most tokens the sequence may hold, in ``[1, max_len]`` (default
             max_len); its capacity. A write past it is refused before any byte moves.
+          tokens: the sequence's prompt token ids (ints), at most ``max_tokens`` of them.
+            Its longest prefix of full blocks that the prefix index holds (blocks released
+            by earlier sequences with the same tokens, see :meth:`release`) is mapped into
+            the slot's table instead of fresh blocks, read-only; at most ``len(tokens) - 1``
+            tokens, so the prompt's last token is always computed (its logits are needed).
 
         Returns:
-          The state with the slot active at length 0, and ``cached``: tokens of the
-          sequence already on the tier (0: nothing is shared between sequences yet).
+          The state with the slot active at length ``cached``, and ``cached``: tokens of
+          the sequence already on the tier (prefill only ``tokens[cached:]``).
 
         Raises:
-          ValueError: a bad slot or max_tokens, an active slot, or too few free blocks.
+          ValueError: a bad slot, max_tokens or tokens, an active slot, or too few blocks
+            (free, or cached in the prefix index and not mapped by any slot).
         """
         spec = self.spec
         state = self.drain(state)
@@ -615,32 +657,91 @@ class OffloadedKVCache:
                 f"slot {slot} is active (capacity {int(self._capacity[slot])} tokens); "
                 f"release it before admitting another sequence"
             )
-        self._reserve(slot, int(max_tokens))
+        shared: list[int] = []
+        if tokens is not None:
+            if self._persistence is not None:
+                raise ValueError(
+                    "admit(tokens=...) on a persistent tier (shm_name= or file_name=) is not "
+                    "supported yet: the prefix index is not persisted, so a re-attached cache "
+                    "could not tell shared blocks from private ones"
+                )
+            tokens = _token_ids(tokens)
+            if len(tokens) > max_tokens:
+                raise ValueError(
+                    f"tokens has {len(tokens)} ids, more than max_tokens={max_tokens}"
+                )
+            shared = self._prefix.match(tokens, max(len(tokens) - 1, 0) // spec.block_tokens)
+        try:
+            self._reserve(slot, int(max_tokens), shared)
+        except Exception:
+            self._prefix.unpin(shared)
+            raise
+        cached = len(shared) * spec.block_tokens
         lengths = np.asarray(state.lengths).copy()
-        lengths[slot] = 0
-        self._loaded_extent[:, slot] = 0
-        return self._with_slots(state, lengths), 0
+        lengths[slot] = cached
+        self._loaded_extent[:, slot] = cached
+        return self._with_slots(state, lengths), cached
 
-    def release(self, state: KVState, slot: int) -> KVState:
-        """Frees ``slot``'s blocks; the slot becomes inactive (length 0, no I/O).
+    def release(
+        self, state: KVState, slot: int, *, tokens: Sequence[int] | np.ndarray | None = None
+    ) -> KVState:
+        """Frees ``slot``; the slot becomes inactive (length 0, no I/O).
+
+        Args:
+          tokens: the sequence's token ids (at least its length of them: the tokens whose
+            KV the slot holds). Given, the slot's full blocks enter the prefix index
+            (after its write-backs have completed: the engine is drained first) and stay
+            on the tier, cached, for later sequences with the same prefix, until their
+            space is needed. Without it the slot's own blocks are freed at once.
 
         Raises:
-          ValueError: a bad slot, or one that is not active.
+          ValueError: a bad slot, one that is not active, or too few tokens.
         """
+        spec = self.spec
         state = self.drain(state)
         self._check_slot(slot)
         if self._capacity[slot] == 0:
             raise ValueError(f"slot {slot} is not active (nothing to release)")
+        length = int(np.asarray(state.lengths)[slot])
+        if tokens is not None and self._persistence is not None:
+            raise ValueError(
+                "release(tokens=...) on a persistent tier is not supported yet (the prefix "
+                "index is not persisted)"
+            )
+        if tokens is not None:
+            tokens = _token_ids(tokens)
+            if len(tokens) < length:
+                raise ValueError(
+                    f"tokens has {len(tokens)} ids but slot {slot} holds {length} tokens: "
+                    f"pass the ids of every token whose KV it holds"
+                )
+            self.engine.drain()  # Its blocks are published only once fully written.
         if self._persistence is not None:  # Its blocks may be rewritten: commit it gone first.
             self._persistence.note_release(slot)
-        held = self._tables[slot]
-        self._allocator.free(held[held >= 0])
+        held = self._tables[slot][self._tables[slot] >= 0]
+        shared = int(self._shared[slot])
+        if tokens is not None:
+            full = length // spec.block_tokens
+            duplicates = self._prefix.publish(tokens[: full * spec.block_tokens], held[:full], shared)
+            self._allocator.free(np.asarray(duplicates + held[full:].tolist(), np.int64))
+        else:
+            self._prefix.unpin(held[:shared])
+            self._allocator.free(held[shared:])
         self._tables[slot] = blocks.NO_BLOCK
         self._capacity[slot] = 0
+        self._shared[slot] = 0
         lengths = np.asarray(state.lengths).copy()
         lengths[slot] = 0
         self._loaded_extent[:, slot] = 0
         return self._with_slots(state, lengths)
+
+    @property
+    def prefix_stats(self) -> dict:
+        """The prefix index: indexed blocks, cached (unmapped) ones, hits, evictions."""
+        p = self._prefix
+        return dict(
+            indexed_blocks=len(p), cached_blocks=p.cached_blocks, hits=p.hits, evictions=p.evictions
+        )
 
     @property
     def capacity(self) -> np.ndarray:
@@ -654,15 +755,29 @@ class OffloadedKVCache:
 
     @property
     def free_blocks(self) -> int:
-        """Physical KV blocks no slot holds."""
+        """Physical KV blocks that neither a slot nor the prefix index holds."""
         return self._allocator.free_blocks
 
-    def _reserve(self, slot: int, tokens: int) -> None:
+    def _reserve(self, slot: int, tokens: int, shared: Sequence[int] = ()) -> None:
+        """Gives ``slot`` ``shared`` then fresh blocks for ``tokens``, evicting cached
+        prefix blocks if the free ones do not suffice."""
         n = -(-tokens // self.spec.block_tokens)
-        ids = self._allocator.allocate(n)
+        fresh = n - len(shared)
+        if fresh > self._allocator.free_blocks:
+            self._prefix.evict(fresh - self._allocator.free_blocks)
+        if fresh > self._allocator.free_blocks:
+            raise ValueError(
+                f"needs {fresh} KV blocks but only {self._allocator.free_blocks} of "
+                f"{self.spec.num_blocks} are free and none is left to evict (the others are "
+                f"held by active slots{', or pinned prefix blocks' if len(self._prefix) else ''}); "
+                f"release a slot, or make the cache with more num_blocks"
+            )
+        ids = self._allocator.allocate(fresh)
         self._tables[slot] = blocks.NO_BLOCK
-        self._tables[slot, :n] = ids
+        self._tables[slot, : len(shared)] = shared
+        self._tables[slot, len(shared) : n] = ids
         self._capacity[slot] = tokens
+        self._shared[slot] = len(shared)
 
     def _restore_slots(self, tables: np.ndarray, capacity: np.ndarray) -> None:
         """Re-attach: the slots hold the blocks and capacities a commit recorded
@@ -855,6 +970,12 @@ class OffloadedKVCache:
         for b in range(spec.batch):
             if starts[b] < 0:
                 raise ValueError(f"start={int(starts[b])} of slot {b} must be >= 0")
+            shared = int(self._shared[b]) * spec.block_tokens
+            if counts[b] and starts[b] < shared:
+                raise ValueError(
+                    f"rows [{int(starts[b])}, {int(starts[b] + counts[b])}) of slot {b} "
+                    f"overlap its shared prefix [0, {shared}): those blocks are read-only"
+                )
             if counts[b] and starts[b] + counts[b] > self._capacity[b]:
                 raise ValueError(
                     f"start + lengths = {int(starts[b] + counts[b])} of slot {b} would "
@@ -1052,6 +1173,17 @@ class OffloadedKVCache:
 def _settle_at_exit() -> None:
     # Registered after JAX's own exit hook, so it runs first (see _settle_failed_steps).
     _settle_failed_steps(at_exit=True)
+
+
+def _token_ids(tokens: Any) -> np.ndarray:
+    """int64[n] token ids from a sequence of ints (refuses floats, bools, other ranks)."""
+    array = np.asarray(tokens)
+    if array.ndim != 1 or (
+        array.size
+        and not (np.issubdtype(array.dtype, np.integer) and array.dtype != np.bool_)
+    ):
+        raise ValueError(f"tokens must be a 1-D sequence of ints; got {array.dtype} of shape {array.shape}")
+    return array.astype(np.int64)
 
 
 def _settle_failed_steps(*, at_exit: bool = False) -> None:

@@ -1,0 +1,318 @@
+"""``prefix``: time to first token with a shared prefix cached, against a full prefill.
+
+R requests share a P-token prefix (a document or a system prompt) and add U tokens each. A
+small decoder (token embedding, then per layer q/k/v projections, ``prefetching_attention``,
+an output projection and a SiLU MLP) prefills each request in chunks of ``--chunk`` tokens
+and computes the logits of its last token. Per tier, in one run:
+
+* ``ttft_full``: request 0, nothing cached: the whole prompt is prefilled;
+* ``ttft_cached``: requests 1..R-1, the prefix's full blocks mapped from the prefix store
+  (``admit(tokens=...)``), only the unique tokens prefilled (median);
+* ``decode_shared`` / ``decode_private``: decode steps of one sequence over the shared
+  blocks, and of the same prompt prefilled into private blocks (alternated);
+* tokens prefilled, bytes fetched, hit rate, blocks shared, tier blocks held against a copy
+  per request; ``logits_max_abs_err``: the last request's first logits, cached prefix vs
+  its full prefill.
+
+A cached prefix across a process restart is not measured: the prefix index is not
+persisted yet (``ttft_restart`` is null).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from jax_tpusync.bench import common
+
+COLUMNS = [
+    ("tier", "tier", "s"),
+    ("prefix_tokens", "prefix", "d"),
+    ("ttft_full_ms", "TTFT full ms", ".1f"),
+    ("ttft_cached_ms", "TTFT cached ms", ".1f"),
+    ("ttft_cached_over_full", "cached/full", ".3f"),
+    ("hit_rate", "hit rate", ".3f"),
+    ("decode_shared_ms", "decode shared ms", ".1f"),
+    ("decode_private_ms", "decode private ms", ".1f"),
+    ("decode_shared_over_private", "shared/private", ".3f"),
+    ("tier_blocks_used", "blocks used", "d"),
+    ("tier_blocks_unshared", "blocks unshared", "d"),
+    ("logits_max_abs_err", "logits err", ".2g"),
+]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Registers the ``prefix`` subcommand."""
+    p = subparsers.add_parser(
+        "prefix",
+        help="TTFT with a shared prefix cached vs a full prefill; decode on shared blocks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--tiers", nargs="+", choices=("host", "file"), default=["host", "file"])
+    p.add_argument("--path", default=None, help="directory of the file tier (default: cwd)")
+    p.add_argument("--prefix-tokens", type=int, default=32768, help="shared prefix P")
+    p.add_argument("--unique-tokens", type=int, default=256, help="unique tokens U per request")
+    p.add_argument("--requests", type=int, default=4, help="requests R sharing the prefix")
+    p.add_argument("--chunk", type=int, default=512, help="prefill tokens per call")
+    p.add_argument("--decode-steps", type=int, default=6)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--q-heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--ffn", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--block-tokens", type=int, default=256)
+    p.add_argument("--staging-bytes", type=common.parse_bytes, default=32 * common.MiB)
+    p.add_argument("--prefetch-depth", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="bar chart of the TTFTs")
+    common.add_engine_arguments(p)
+    common.add_cpu_arguments(p)
+    p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
+    p.set_defaults(run=run, columns=COLUMNS)
+    return p
+
+
+def _params(args, seed: int):
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    d, hd = args.d_model, args.head_dim
+
+    def w(*shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32) / math.sqrt(shape[0]), jnp.bfloat16)
+
+    layers = [
+        dict(
+            wq=w(d, args.q_heads * hd),
+            wk=w(d, args.kv_heads * hd),
+            wv=w(d, args.kv_heads * hd),
+            wo=w(args.q_heads * hd, d),
+            w1=w(d, args.ffn),
+            w2=w(args.ffn, d),
+        )
+        for _ in range(args.layers)
+    ]
+    return dict(embed=w(args.vocab, d), layers=layers)
+
+
+def _forward(args, params, tokens, state):
+    """tokens int32[1, T] -> (logits f32[1, vocab] of the last token, state)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_tpusync as tps
+
+    x = params["embed"][tokens]  # [1, T, d]
+    t = tokens.shape[1]
+    for layer, p in enumerate(params["layers"]):
+        q = (x @ p["wq"]).reshape(1, t, args.q_heads, args.head_dim)
+        k = (x @ p["wk"]).reshape(1, t, args.kv_heads, args.head_dim)
+        v = (x @ p["wv"]).reshape(1, t, args.kv_heads, args.head_dim)
+        o, state = tps.prefetching_attention(q, k, v, state, layer=layer)
+        x = x + o.reshape(1, t, -1) @ p["wo"]
+        x = x + jax.nn.silu(x @ p["w1"]) @ p["w2"]
+    logits = (x[:, -1] @ params["embed"].T).astype(jnp.float32)
+    return logits, state
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    worker_cpus = common.apply_cpu_arguments(args)  # Before JAX starts its backend.
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    import jax_tpusync as tps
+
+    if args.requests < 2:
+        raise SystemExit("--requests must be >= 2 (one full prefill, then cached ones)")
+    if args.prefix_tokens % args.block_tokens:
+        raise SystemExit("--prefix-tokens must be a multiple of --block-tokens (full blocks)")
+    params = _params(args, args.seed)
+    rng = np.random.default_rng(args.seed + 1)
+    prefix_ids = rng.integers(0, args.vocab, args.prefix_tokens)
+    prompts = [
+        np.concatenate([prefix_ids, rng.integers(0, args.vocab, args.unique_tokens)])
+        for _ in range(args.requests)
+    ]
+    prompt_len = len(prompts[0])
+    max_len = prompt_len + args.decode_steps + 1
+    blocks_per_seq = -(-max_len // args.block_tokens)
+    step = jax.jit(functools.partial(_forward, args), donate_argnums=(2,))
+    results = []
+    for tier in args.tiers:
+        path = None
+        if tier == "file":
+            path = tempfile.mkdtemp(prefix="tpusync-prefix-", dir=os.path.abspath(args.path or os.getcwd()))
+        try:
+            results.append(_one_tier(args, tier, path, worker_cpus, params, prompts, max_len, blocks_per_seq, step))
+        finally:
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
+    if args.plot:
+        _plot(results, args.plot)
+    return results
+
+
+def _one_tier(args, tier, path, worker_cpus, params, prompts, max_len, blocks_per_seq, step):
+    import jax
+    import jax.numpy as jnp
+
+    import jax_tpusync as tps
+
+    config = tps.EngineConfig(
+        num_workers=args.workers,
+        io_chunk_bytes=args.chunk_bytes,
+        io_depth=args.io_depth,
+        worker_cpus=worker_cpus,
+    )
+    # One copy of the prefix, R tails, a private copy for the decode comparison, slack.
+    num_blocks = 2 * blocks_per_seq + len(prompts) * (-(-args.unique_tokens // args.block_tokens) + 2)
+    cache = tps.OffloadedKVCache(
+        num_layers=args.layers,
+        batch=1,
+        max_len=max_len,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=jnp.bfloat16,
+        tier=tier,
+        path=path,
+        block_tokens=args.block_tokens,
+        num_blocks=num_blocks,
+        staging_bytes=args.staging_bytes,
+        prefetch_depth=args.prefetch_depth,
+        engine=config,
+        prefix_salt="bench-prefix",
+    )
+    with cache:
+        # Compile every chunk shape on a state that moves no bytes.
+        for n in {args.chunk, *(_chunks_tail(len(p), c, args.chunk) for p in prompts for c in (0, args.prefix_tokens))} - {0}:
+            jax.block_until_ready(step(params, jnp.zeros((1, n), jnp.int32), cache.inert_state()))
+        jax.block_until_ready(step(params, jnp.zeros((1, 1), jnp.int32), cache.inert_state()))
+        state = cache.init(admit=False)
+
+        def prefill(state, tokens, *, share: bool):
+            """(seconds to first token, logits, state, cached tokens)."""
+            t0 = time.perf_counter()
+            state, cached = cache.admit(
+                state, 0, tokens=tokens if share else None, max_tokens=max_len
+            )
+            logits = None
+            for lo in range(cached, len(tokens), args.chunk):
+                chunk = jnp.asarray(tokens[lo : lo + args.chunk][None], jnp.int32)
+                logits, state = step(params, chunk, state)
+            logits = np.asarray(logits)
+            return time.perf_counter() - t0, logits, state, cached
+
+        def decode(state, steps):
+            times = []
+            tok = jnp.zeros((1, 1), jnp.int32)
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                logits, state = step(params, tok, state)
+                jax.block_until_ready(logits)
+                times.append(time.perf_counter() - t0)
+            return times, state
+
+        cache.engine.reset_stats()
+        ttft_full, _, state, _ = prefill(state, prompts[0], share=True)
+        state = cache.release(state, 0, tokens=prompts[0])
+        fetched_full = cache.engine.stats()["tiers"][cache.tier]["fetch"]["bytes"]
+        ttft_cached, cached_tokens, last_logits = [], [], None
+        shared_decode, private_decode = [], []
+        for i, prompt in enumerate(prompts[1:], start=1):
+            dt, logits, state, cached = prefill(state, prompt, share=True)
+            ttft_cached.append(dt)
+            cached_tokens.append(cached)
+            last_logits = logits
+            if i == len(prompts) - 1:
+                blocks_used = int(cache.spec.num_blocks - cache.free_blocks)
+                times, state = decode(state, args.decode_steps)
+                shared_decode += times[1:]
+                prompt = np.concatenate([prompt, np.zeros(args.decode_steps, np.int64)])
+            state = cache.release(state, 0, tokens=prompt)
+        # The last prompt again, into private blocks: its full prefill and decode.
+        _, full_logits, state, _ = prefill(state, prompts[-1], share=False)
+        times, state = decode(state, args.decode_steps)
+        private_decode += times[1:]
+        state = cache.release(state, 0)
+        # Alternate once more, so that drift does not favour one side.
+        _, _, state, _ = prefill(state, prompts[-1], share=True)
+        times, state = decode(state, args.decode_steps)
+        shared_decode += times[1:]
+        state = cache.release(state, 0)
+        stats = cache.prefix_stats
+        prompt_tokens = sum(len(p) for p in prompts[1:])
+        res = dict(
+            tier=tier,
+            prefix_tokens=args.prefix_tokens,
+            unique_tokens=args.unique_tokens,
+            requests=len(prompts),
+            block_tokens=args.block_tokens,
+            ttft_full_ms=ttft_full * 1e3,
+            ttft_cached_ms=statistics.median(ttft_cached) * 1e3,
+            ttft_cached_ms_all=[t * 1e3 for t in ttft_cached],
+            ttft_restart_ms=None,
+            tokens_prefilled_full=len(prompts[0]),
+            tokens_prefilled_cached=[len(p) - c for p, c in zip(prompts[1:], cached_tokens)],
+            hit_rate=sum(cached_tokens) / prompt_tokens,
+            bytes_fetched_full_prefill=fetched_full,
+            blocks_shared=args.prefix_tokens // args.block_tokens,
+            tier_blocks_used=blocks_used,
+            tier_blocks_unshared=len(prompts) * -(-len(prompts[0]) // args.block_tokens),
+            tier_blocks_one_prefix_plus_tails=args.prefix_tokens // args.block_tokens
+            + len(prompts) * -(-args.unique_tokens // args.block_tokens),
+            decode_shared_ms=statistics.median(shared_decode) * 1e3,
+            decode_private_ms=statistics.median(private_decode) * 1e3,
+            logits_max_abs_err=float(np.max(np.abs(last_logits - full_logits))),
+            prefix_index=stats,
+        )
+        res["ttft_cached_over_full"] = res["ttft_cached_ms"] / res["ttft_full_ms"]
+        res["decode_shared_over_private"] = res["decode_shared_ms"] / res["decode_private_ms"]
+        res["targets"] = {
+            "ttft cached <= 0.1 x full prefill": res["ttft_cached_over_full"] <= 0.1,
+            "decode on shared blocks <= 1.05 x private": res["decode_shared_over_private"] <= 1.05,
+        }
+        print(
+            f"{tier}: TTFT full {res['ttft_full_ms']:.0f} ms, cached {res['ttft_cached_ms']:.0f} "
+            f"ms ({res['ttft_cached_over_full']:.3f}x), decode shared/private "
+            f"{res['decode_shared_over_private']:.3f}, logits err {res['logits_max_abs_err']:.2g}",
+            flush=True,
+        )
+        return res
+
+
+def _chunks_tail(length: int, start: int, chunk: int) -> int:
+    """Tokens in the last prefill call of ``[start, length)`` in chunks of ``chunk``."""
+    n = length - start
+    return n % chunk or (chunk if n else 0)
+
+
+def _plot(results, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = [r["tier"] for r in results]
+    x = np.arange(len(names))
+    ax.bar(x - 0.2, [r["ttft_full_ms"] for r in results], 0.4, label="full prefill")
+    ax.bar(x + 0.2, [r["ttft_cached_ms"] for r in results], 0.4, label="prefix cached")
+    ax.set_xticks(x, names)
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title(f"{results[0]['prefix_tokens']}-token shared prefix")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)

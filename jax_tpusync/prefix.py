@@ -1,0 +1,227 @@
+"""Prefix store: content-addressed KV blocks shared between sequences.
+
+A *full* block of a sequence (``block_tokens`` tokens) is named by a chained key: the
+xxh3-128 digest of the previous block's key and this block's token ids, starting from a
+root digest of the cache's geometry, dtype, layout version and a user salt (model id,
+weights version). So a key stands for the whole token prefix up to the end of its block,
+and two models (or two cache layouts) never share a key. The index also keeps each block's
+token ids and its parent, and a lookup compares them: a digest collision can never map the
+wrong KV into a sequence.
+
+Lifecycle of an indexed block:
+
+* **pinned** while one or more slots map it (``refs > 0``); a pinned block is never evicted
+  and never written (a slot only writes positions past its shared prefix, and a shared
+  prefix is whole blocks);
+* **cached** when no slot maps it: kept, and reused by the next sequence that starts with
+  the same prefix, until its physical block is needed; then evicted least recently used
+  first, a released sequence's last block before its first (a block's descendants go with
+  it: without their parent they are unreachable).
+
+A block enters the index only when the sequence that wrote it is released and its
+write-backs have completed (the cache drains the engine first), so no reader can map a
+half-written block.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+from jax_tpusync.blocks import BlockAllocator
+
+# Bumped when the key derivation changes: keys of another version never match.
+KEY_VERSION = 1
+
+
+@dataclasses.dataclass
+class _Entry:
+    key: bytes
+    parent: bytes | None  # None: the first block of a sequence.
+    tokens: np.ndarray  # int32[block_tokens]: the block's token ids.
+    block: int  # Physical block id.
+    refs: int = 0
+    children: set[bytes] = dataclasses.field(default_factory=set)
+
+
+class PrefixIndex:
+    """Indexed blocks of one cache, with reference counts and LRU eviction.
+
+    Args:
+      allocator: the cache's block allocator (indexed blocks are allocated in it; eviction
+        frees them back).
+      block_tokens: tokens per block.
+      root: the digest every chain starts from (see :func:`root_key`).
+    """
+
+    def __init__(self, allocator: BlockAllocator, block_tokens: int, root: bytes):
+        self.allocator = allocator
+        self.block_tokens = block_tokens
+        self.root = root
+        self._entries: dict[bytes, _Entry] = {}
+        self._by_block: dict[int, bytes] = {}
+        # Unpinned entries, least recently used first.
+        self._lru: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self.hits = 0  # Blocks mapped from the index by lookups.
+        self.evictions = 0
+
+    # -- keys ------------------------------------------------------------------------------------
+
+    def keys(self, tokens: np.ndarray) -> list[bytes]:
+        """Chained keys of the full blocks of ``tokens``."""
+        out = []
+        key = self.root
+        t = self.block_tokens
+        for i in range(len(tokens) // t):
+            key = _chain(key, tokens[i * t : (i + 1) * t])
+            out.append(key)
+        return out
+
+    # -- queries ----------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Indexed blocks no slot maps (evictable)."""
+        return len(self._lru)
+
+    def is_indexed(self, block: int) -> bool:
+        return block in self._by_block
+
+    def refs(self, block: int) -> int:
+        key = self._by_block.get(block)
+        return 0 if key is None else self._entries[key].refs
+
+    # -- lookup and pinning ----------------------------------------------------------------------
+
+    def match(self, tokens: np.ndarray, limit_blocks: int) -> list[int]:
+        """Physical blocks of the longest indexed prefix of ``tokens`` (at most
+        ``limit_blocks`` blocks), pinned; each verified against its tokens and parent."""
+        out: list[int] = []
+        parent = None
+        t = self.block_tokens
+        for i, key in enumerate(self.keys(tokens)[:limit_blocks]):
+            entry = self._entries.get(key)
+            block_tokens = tokens[i * t : (i + 1) * t]
+            if (
+                entry is None
+                or entry.parent != parent
+                or not np.array_equal(entry.tokens, block_tokens)
+            ):
+                break
+            out.append(entry.block)
+            parent = key
+        for block in out:
+            self._pin(self._by_block[block])
+        self.hits += len(out)
+        return out
+
+    def _pin(self, key: bytes) -> None:
+        entry = self._entries[key]
+        if entry.refs == 0:
+            del self._lru[key]
+        entry.refs += 1
+
+    def unpin(self, blocks: Sequence[int]) -> None:
+        """Drops one reference to each of ``blocks`` (indexed, in sequence order). A block
+        left unpinned becomes cached as the most recently used, its sequence's later
+        blocks ahead of its earlier ones in line for eviction."""
+        for block in reversed(list(blocks)):
+            key = self._by_block[int(block)]
+            entry = self._entries[key]
+            if entry.refs <= 0:
+                raise ValueError(f"block {block} is not pinned")
+            entry.refs -= 1
+            if entry.refs == 0:
+                self._lru[key] = None  # Appended: the tail first, then the blocks before it.
+
+    # -- publishing --------------------------------------------------------------------------------
+
+    def publish(self, tokens: np.ndarray, blocks: Sequence[int], shared: int) -> list[int]:
+        """Indexes a released sequence's full blocks; returns the blocks to free.
+
+        ``blocks[i]`` holds ``tokens``' block ``i`` (full blocks only); the first ``shared``
+        came from the index (pinned by this sequence: unpinned here). A private block whose
+        key is already indexed (another sequence wrote the same prefix meanwhile) is a
+        duplicate: returned to be freed. The others are indexed, unpinned.
+        """
+        keys = self.keys(tokens)[: len(blocks)]
+        if len(keys) < len(blocks):
+            raise ValueError(f"{len(blocks)} full blocks but tokens cover only {len(keys)}")
+        duplicates: list[int] = []
+        release: list[int] = []  # Indexed blocks this sequence pins, in order.
+        parent = None
+        t = self.block_tokens
+        for i, (key, block) in enumerate(zip(keys, blocks)):
+            block = int(block)
+            if i < shared:
+                release.append(block)
+                parent = key
+                continue
+            if key in self._entries or (parent is not None and parent not in self._entries):
+                duplicates.append(block)  # Indexed already, or its parent was evicted.
+                parent = key
+                continue
+            entry = _Entry(key, parent, np.array(tokens[i * t : (i + 1) * t], np.int32), block)
+            self._entries[key] = entry
+            self._by_block[block] = key
+            if parent is not None:
+                self._entries[parent].children.add(key)
+            entry.refs = 1  # Released just below, with the shared ones, in order.
+            release.append(block)
+            parent = key
+        self.unpin(release)
+        return duplicates
+
+    # -- eviction ---------------------------------------------------------------------------------
+
+    def evict(self, count: int) -> int:
+        """Frees at least ``count`` cached blocks (fewer if not that many are cached),
+        least recently used first; returns how many were freed."""
+        freed = 0
+        while freed < count and self._lru:
+            key = next(iter(self._lru))
+            freed += self._drop(key)
+        return freed
+
+    def _drop(self, key: bytes) -> int:
+        """Removes ``key`` and its descendants (all unpinned: a pinned block's ancestors are
+        pinned too) from the index; frees their blocks."""
+        entry = self._entries.pop(key)
+        freed = 0
+        for child in list(entry.children):
+            freed += self._drop(child)
+        if entry.refs:
+            raise AssertionError("evicting a pinned block")
+        del self._lru[key]
+        del self._by_block[entry.block]
+        if entry.parent is not None and entry.parent in self._entries:
+            self._entries[entry.parent].children.discard(key)
+        self.allocator.free(np.asarray([entry.block]))
+        self.evictions += 1
+        return freed + 1
+
+
+def root_key(salt: str | bytes, geometry: dict) -> bytes:
+    """The digest every chain of one cache starts from: the key version, the user's salt
+    and the cache's geometry (layers, heads, head size, dtype, block size, layout)."""
+    h = xxhash.xxh3_128()
+    h.update(f"tpusync-prefix-v{KEY_VERSION}\0".encode())
+    h.update(salt if isinstance(salt, bytes) else str(salt).encode())
+    h.update(b"\0")
+    for name in sorted(geometry):
+        h.update(f"{name}={geometry[name]}\0".encode())
+    return h.digest()
+
+
+def _chain(parent: bytes, tokens: np.ndarray) -> bytes:
+    h = xxhash.xxh3_128()
+    h.update(parent)
+    h.update(np.ascontiguousarray(tokens, dtype=np.int64).tobytes())
+    return h.digest()

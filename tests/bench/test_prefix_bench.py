@@ -1,0 +1,63 @@
+"""The prefix benchmark at tiny sizes: every key is there, the cached prefix is hit, and
+the cached request's logits equal its full prefill's."""
+
+from __future__ import annotations
+
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+from jax_tpusync.bench import __main__ as bench_main  # noqa: E402
+from jax_tpusync.bench import common  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_prefix_bench_tiny(tmp_path):
+    out = tmp_path / "prefix.json"
+    png = tmp_path / "prefix.png"
+    args = bench_main.build_parser().parse_args(
+        [
+            "prefix",
+            "--tiers", "host", "file",
+            "--path", str(tmp_path),
+            "--prefix-tokens", "64",
+            "--unique-tokens", "12",
+            "--requests", "3",
+            "--chunk", "32",
+            "--block-tokens", "16",
+            "--decode-steps", "3",
+            "--layers", "2",
+            "--d-model", "32",
+            "--q-heads", "2",
+            "--kv-heads", "1",
+            "--head-dim", "16",
+            "--ffn", "32",
+            "--vocab", "64",
+            "--staging-bytes", "64K",
+            "--engine-cpus", "0",
+            "--json", str(out),
+            "--plot", str(png),
+        ]
+    )
+    results = args.run(args)
+    bench_main.print_results(results, args.columns)
+    common.write_json(args.json, args.subcommand, args, results)
+    doc = json.loads(out.read_text())
+    assert [r["tier"] for r in doc["results"]] == ["host", "file"]
+    for r in doc["results"]:
+        assert r["ttft_full_ms"] > 0 and r["ttft_cached_ms"] > 0
+        assert r["tokens_prefilled_full"] == 76
+        assert r["tokens_prefilled_cached"] == [12, 12]  # The prefix's 4 blocks are mapped.
+        assert r["hit_rate"] == 128 / 152
+        assert r["logits_max_abs_err"] < 0.05, r["logits_max_abs_err"]  # bf16 model.
+        assert r["tier_blocks_used"] < r["tier_blocks_unshared"]
+        assert r["prefix_index"]["hits"] >= 2 * 4
+        assert r["ttft_restart_ms"] is None
+        assert set(r["targets"]) == {
+            "ttft cached <= 0.1 x full prefill",
+            "decode on shared blocks <= 1.05 x private",
+        }
+    assert png.read_bytes()[:8] == PNG_MAGIC
