@@ -267,8 +267,9 @@ class OffloadedKVCache:
         See :meth:`admit` (``tokens=``) and :mod:`jax_tpusync.prefix`.
 
     Persistence (``shm_name`` or ``file_name``): see :mod:`jax_tpusync.persistence`. A new
-    cache writes a manifest (commit 0); :meth:`commit` records the state's lengths; a
-    re-attached cache restores the last commit's lengths as :meth:`init`'s default.
+    cache writes a manifest (commit 0); :meth:`commit` records the state's lengths and the
+    prefix index; a re-attached cache restores the last commit's lengths as :meth:`init`'s
+    default, and its prefix index (shared blocks stay pinned by the slots that map them).
 
     Raises:
       ValueError: an argument out of its range; the message names it and the range.
@@ -659,12 +660,6 @@ class OffloadedKVCache:
             )
         shared: list[int] = []
         if tokens is not None:
-            if self._persistence is not None:
-                raise ValueError(
-                    "admit(tokens=...) on a persistent tier (shm_name= or file_name=) is not "
-                    "supported yet: the prefix index is not persisted, so a re-attached cache "
-                    "could not tell shared blocks from private ones"
-                )
             tokens = _token_ids(tokens)
             if len(tokens) > max_tokens:
                 raise ValueError(
@@ -692,7 +687,10 @@ class OffloadedKVCache:
             KV the slot holds). Given, the slot's full blocks enter the prefix index
             (after its write-backs have completed: the engine is drained first) and stay
             on the tier, cached, for later sequences with the same prefix, until their
-            space is needed. Without it the slot's own blocks are freed at once.
+            space is needed. Without it the slot's own blocks are freed at once. On a
+            persistent tier the slot is committed released first (its private blocks may
+            be rewritten); the blocks it indexes join the committed index at the next
+            commit.
 
         Raises:
           ValueError: a bad slot, one that is not active, or too few tokens.
@@ -703,11 +701,6 @@ class OffloadedKVCache:
         if self._capacity[slot] == 0:
             raise ValueError(f"slot {slot} is not active (nothing to release)")
         length = int(np.asarray(state.lengths)[slot])
-        if tokens is not None and self._persistence is not None:
-            raise ValueError(
-                "release(tokens=...) on a persistent tier is not supported yet (the prefix "
-                "index is not persisted)"
-            )
         if tokens is not None:
             tokens = _token_ids(tokens)
             if len(tokens) < length:
@@ -716,7 +709,9 @@ class OffloadedKVCache:
                     f"pass the ids of every token whose KV it holds"
                 )
             self.engine.drain()  # Its blocks are published only once fully written.
-        if self._persistence is not None:  # Its blocks may be rewritten: commit it gone first.
+        if self._persistence is not None:
+            # Its private blocks may be rewritten: commit it gone first. The ones indexed
+            # below join the committed index at the next commit (never rewritten meanwhile).
             self._persistence.note_release(slot)
         held = self._tables[slot][self._tables[slot] >= 0]
         shared = int(self._shared[slot])
@@ -772,6 +767,8 @@ class OffloadedKVCache:
                 f"held by active slots{', or pinned prefix blocks' if len(self._prefix) else ''}); "
                 f"release a slot, or make the cache with more num_blocks"
             )
+        if self._persistence is not None:  # An evicted block the last commit indexes:
+            self._persistence.note_evicted()  # commit it gone before it is rewritten.
         ids = self._allocator.allocate(fresh)
         self._tables[slot] = blocks.NO_BLOCK
         self._tables[slot, : len(shared)] = shared
@@ -779,16 +776,32 @@ class OffloadedKVCache:
         self._capacity[slot] = tokens
         self._shared[slot] = len(shared)
 
-    def _restore_slots(self, tables: np.ndarray, capacity: np.ndarray) -> None:
-        """Re-attach: the slots hold the blocks and capacities a commit recorded
-        (int32[batch, max_blocks] and int32[batch], validated by the manifest's reader).
-        Their blocks leave the allocator's free extents; raises, changing nothing, if one
-        is not free."""
+    def _restore_slots(
+        self,
+        tables: np.ndarray,
+        capacity: np.ndarray,
+        shared: np.ndarray | None = None,
+        entries: Sequence[prefix._Entry] = (),
+    ) -> None:
+        """Re-attach: the slots hold the blocks, capacities and shared prefixes a commit
+        recorded (int32[batch, max_blocks], int32[batch] and int32[batch], validated by
+        the manifest's reader), and the prefix index its ``entries`` (with their reference
+        counts). Their blocks leave the allocator's free extents; raises, changing nothing,
+        if one is not free."""
         tables = np.asarray(tables, np.int32).reshape(self._tables.shape)
         capacity = np.asarray(capacity, np.int32).reshape(self._capacity.shape)
-        self._allocator.reserve([int(p) for p in tables[tables >= 0]])
+        shared = np.zeros_like(self._shared) if shared is None else np.asarray(shared, np.int32)
+        # A block several slots map (indexed) is reserved once.
+        held = sorted({int(p) for p in tables[tables >= 0]} | {int(e.block) for e in entries})
+        self._allocator.reserve(held)
+        try:
+            self._prefix.restore(entries)
+        except Exception:
+            self._allocator.free(np.asarray(held, np.int64))
+            raise
         self._tables[:] = tables
         self._capacity[:] = capacity
+        self._shared[:] = shared.reshape(self._shared.shape)
 
     def _with_slots(self, state: KVState, lengths: np.ndarray) -> KVState:
         self._live_lengths = np.asarray(lengths, np.int32).copy()
@@ -1113,14 +1126,16 @@ class OffloadedKVCache:
         return state
 
     def verify(self, state: KVState | None = None) -> persistence.VerifyResult:
-        """Re-reads the committed rows and checks them against the manifest's checksums.
+        """Re-reads the committed rows and the committed prefix index's blocks and checks
+        them against the manifest's checksums.
 
         Args:
           state: optional; when given it must belong to this cache, and the engine is
             drained first so that transfers in flight have ended.
 
         Raises:
-          persistence.ChecksumMismatchError: naming the chunk (layer, K|V, sequence, rows).
+          persistence.ChecksumMismatchError: naming the chunk (layer, K|V, sequence, rows)
+            or the indexed block (layer, K|V, physical block).
           ValueError: the cache is not on a persistent tier.
         """
         if self._persistence is None:

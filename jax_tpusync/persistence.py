@@ -32,6 +32,21 @@ blocks are freed (and may be handed to another sequence), :meth:`Persistence.not
 commits the slot as released, so that no manifest names rows in blocks that later writes
 may reuse.
 
+Prefix index (:mod:`jax_tpusync.prefix`). Each commit also records the cache's prefix index
+(``"prefix"``): its root digest, every entry (key, parent key, token ids, physical block, and
+an xxh3-64 checksum of the block's bytes in every layer and K|V) with the cached ones in
+eviction order, and per sequence how many leading blocks of its table are shared (mapped
+from the index, read-only). A block is indexed only after the write-backs of the sequence
+that wrote it have completed, and it is hashed by the first commit that records it, after
+that commit made the data durable, so a manifest indexes only durable blocks; indexed
+blocks are never written. Before a block the last commit indexes is handed out again (an
+eviction freed it), :meth:`Persistence.note_evicted` commits the index without it. A
+re-attached cache restores the entries (reference counts: the sequences that map each
+block; the unpinned ones cached, least recently used first as recorded), and with
+``verify`` checks every indexed block against its checksums. Entries chained from another
+root (a cache of another ``prefix_salt``) are never looked up: the unmapped ones are
+dropped on re-attach, the mapped ones stay until their sequences release them.
+
 Errors are :class:`PersistenceError`, a subclass of :class:`jax_tpusync.TpusyncError`.
 """
 
@@ -49,6 +64,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xxhash
 
+from jax_tpusync import prefix
 from jax_tpusync.blocks import NO_BLOCK
 from jax_tpusync.engine import Engine, TpusyncError
 
@@ -63,7 +79,10 @@ logger = logging.getLogger(__name__)
 LAYOUT_VERSION = 2
 
 MANIFEST_FORMAT = "jax_tpusync.kv_manifest"
-MANIFEST_VERSION = 1
+# 2: the manifest records the prefix index ("prefix"); version 1 manifests (no index) are
+# still read.
+MANIFEST_VERSION = 2
+READABLE_MANIFEST_VERSIONS = (1, 2)
 MANIFEST_SUFFIX = ".tpusync.manifest.json"
 SHM_DIRECTORY = "/dev/shm"
 CHECKSUM_ALGORITHM = "xxh3_64"
@@ -94,15 +113,27 @@ class MissingManifestError(PersistenceError):
 
 
 class ChecksumMismatchError(PersistenceError):
-    """A chunk of committed rows does not match its checksum.
+    """A chunk of committed rows, or an indexed prefix block, does not match its checksum.
 
     Attributes:
-      layer, kv ("K" or "V"), sequence: the region; rows: the chunk's [start, stop) rows.
+      layer, kv ("K" or "V"): the region; sequence and rows: the chunk's sequence and its
+      [start, stop) rows (None for a prefix block); block: the physical block of a prefix
+      block (None for a chunk of rows).
     """
 
-    def __init__(self, message: str, *, layer: int, kv: str, sequence: int, rows: tuple[int, int]):
+    def __init__(
+        self,
+        message: str,
+        *,
+        layer: int,
+        kv: str,
+        sequence: int | None = None,
+        rows: tuple[int, int] | None = None,
+        block: int | None = None,
+    ):
         super().__init__(message)
         self.layer, self.kv, self.sequence, self.rows = layer, kv, sequence, rows
+        self.block = block
 
 
 class CommitError(PersistenceError):
@@ -199,6 +230,7 @@ class VerifyResult:
     bytes: int
     seconds: float
     skipped_chunks: int  # rewritten by load() since the last commit: no checksum yet
+    prefix_blocks: int = 0  # indexed prefix blocks checked (every layer, K and V)
 
     @property
     def gb_per_s(self) -> float:
@@ -248,6 +280,14 @@ class Persistence:
         self._tails: dict[int, tuple[int, int, Any]] = {}
         # Per region: chunks that load() rewrote since the last commit.
         self._stale: dict[int, set[int]] = {}
+        # The committed prefix index: per sequence its shared (indexed) leading blocks, the
+        # manifest's "prefix" section, and the entries it records (the index's own objects:
+        # one that is no longer the index's was evicted since).
+        self._shared = np.zeros(geometry.batch, np.int32)
+        self._prefix_json: dict[str, Any] = {}
+        self._committed_entries: dict[bytes, prefix._Entry] = {}
+        self._evictions_seen = 0  # The index's eviction count when that was last checked.
+        self._entry_json: dict[bytes, tuple[prefix._Entry, dict[str, Any]]] = {}
         self._cache: OffloadedKVCache | None = None
 
     # -- opening ----------------------------------------------------------------------------
@@ -328,10 +368,11 @@ class Persistence:
         """Binds to the opened cache; returns the restored lengths (None: a new cache).
 
         A new cache writes its first manifest (commit 0, lengths 0, no slot active). A
-        re-attached one restores the last commit (its slots hold the committed blocks and
-        capacities again: ``cache._restore_slots``), verifies its checksums if ``verify``,
-        and records that a session is open (so the next one can tell whether this one
-        committed at the end).
+        re-attached one restores the last commit (its slots hold the committed blocks,
+        capacities and shared prefixes again, its prefix index the committed entries:
+        ``cache._restore_slots``), verifies its checksums (rows and indexed blocks) if
+        ``verify``, and records that a session is open (so the next one can tell whether
+        this one committed at the end).
         """
         self._cache = cache
         spec = cache.spec
@@ -351,6 +392,8 @@ class Persistence:
             self._sums = [[] for _ in range(self._num_regions)]
             self._tables = cache.block_tables
             self._capacity = cache.capacity
+            self._shared = cache._shared.copy()
+            self._prefix_json = self._prefix_section([], self._shared)
             self._write_manifest(session="open")
             logger.info("new persistent KV cache; manifest %s", self.manifest_path)
             return None
@@ -361,8 +404,13 @@ class Persistence:
         self._capacity = manifest["capacity"]
         self._chunk_rows = manifest["chunk_rows"]
         self._sums = manifest["sums"]
-        # The slots hold their committed blocks again; later admits get other ones.
-        cache._restore_slots(self._tables, self._capacity)
+        self._shared = manifest["shared"]
+        entries = self._restored_entries(manifest, cache._prefix.root)
+        # The slots hold their committed blocks again, the index its blocks (the ones a
+        # slot maps pinned); later admits get other ones.
+        cache._restore_slots(self._tables, self._capacity, self._shared, entries)
+        self._committed_entries = {e.key: e for e in entries}
+        self._prefix_json = self._prefix_section(cache._prefix.entries_in_order(), self._shared)
         if manifest["session"] == "open":
             logger.warning(
                 "%s: the previous session ended without a final commit (a crash, a failed "
@@ -382,13 +430,81 @@ class Persistence:
         if verify:
             result = self.verify()
             logger.info(
-                "verified %d chunks (%.1f MiB) of committed KV at %.2f GB/s",
+                "verified %d chunks and %d prefix blocks (%.1f MiB) of committed KV at "
+                "%.2f GB/s",
                 result.chunks,
+                result.prefix_blocks,
                 result.bytes / 2**20,
                 result.gb_per_s,
             )
+        # Also drops from the manifest entries of another root that were not restored
+        # (their blocks are free now), before any of those blocks can be handed out.
         self._write_manifest(session="open")
         return self._lengths.astype(np.int32)
+
+    def _restored_entries(self, manifest: dict[str, Any], root: bytes) -> list[prefix._Entry]:
+        """The committed index as entries of this cache's index, in the recorded order,
+        each with its reference count (the sequences whose shared prefix maps its block).
+
+        Entries chained from another root than ``root`` (a cache of another salt wrote
+        them) are never looked up: their first block's parent becomes that root (no key),
+        and the ones no sequence maps are dropped (their blocks are free)."""
+        recorded = manifest["entries"]
+        if not recorded:
+            return []
+        refs: dict[int, int] = {}
+        for b, count in enumerate(self._shared.tolist()):
+            for p in self._tables[b, :count].tolist():
+                refs[p] = refs.get(p, 0) + 1
+        by_key = {e["key"]: e for e in recorded}
+        origin: dict[bytes, bytes] = {}  # Each entry's chain's root.
+
+        def origin_of(key: bytes) -> bytes:
+            path, k = [], key
+            while k not in origin:
+                path.append(k)
+                parent = by_key[k]["parent"]
+                if parent is None:
+                    found = manifest["root"]
+                    break
+                if parent not in by_key:  # A first block chained from another root.
+                    found = parent
+                    break
+                k = parent
+            else:
+                found = origin[k]
+            for q in path:
+                origin[q] = found
+            return found
+
+        out, dropped, foreign = [], 0, 0
+        for e in recorded:
+            chain_root = origin_of(e["key"])
+            count = refs.get(e["block"], 0)
+            if chain_root != root:
+                if count == 0:
+                    dropped += 1
+                    continue
+                foreign += 1
+            parent = e["parent"]
+            if parent is None or parent not in by_key:  # A first block.
+                parent = None if chain_root == root else chain_root
+            out.append(
+                prefix._Entry(
+                    e["key"], parent, e["tokens"], e["block"], refs=count, sums=e["sums"]
+                )
+            )
+        if dropped or foreign:
+            logger.info(
+                "%s: %d prefix blocks are indexed under another root (another prefix_salt "
+                "or key version): never looked up; %d dropped, %d kept while restored "
+                "sequences map them",
+                self.data_path,
+                dropped + foreign,
+                dropped,
+                foreign,
+            )
+        return out
 
     # -- bookkeeping from the cache ---------------------------------------------------------
 
@@ -460,9 +576,32 @@ class Persistence:
         tables[slot] = NO_BLOCK
         capacity = cache.capacity
         capacity[slot] = 0
+        shared = cache._shared.copy()
+        shared[slot] = 0
         logger.info("releasing sequence %d: committing it released first", slot)
         self._spec_engine.drain()
-        self.commit(lengths, tables=tables, capacity=capacity)
+        self.commit(lengths, tables=tables, capacity=capacity, shared=shared)
+
+    def note_evicted(self) -> None:
+        """Call before the cache hands out free blocks: if an eviction since the last
+        commit freed a block that commit indexes, commits the index without it first (the
+        sequences at their committed lengths), so that no manifest indexes a block another
+        sequence may be given and overwrite.
+
+        Raises:
+          CommitError: that commit failed; the blocks must not be handed out (the next
+            call tries again).
+        """
+        index = self._cache._prefix
+        if index.evictions == self._evictions_seen:
+            return
+        live = index._entries
+        if all(live.get(k) is e for k, e in self._committed_entries.items()):
+            self._evictions_seen = index.evictions
+            return
+        logger.info("evicted prefix blocks that the last commit indexes: committing first")
+        self._spec_engine.drain()
+        self.commit(self._lengths)
 
     @property
     def _spec(self):
@@ -483,13 +622,18 @@ class Persistence:
         session: str = "open",
         tables: np.ndarray | None = None,
         capacity: np.ndarray | None = None,
+        shared: np.ndarray | None = None,
     ) -> int:
-        """Makes rows below ``lengths`` durable and records them with the block tables and
-        capacities (default: the cache's); returns the commit number.
+        """Makes rows below ``lengths`` durable and records them with the block tables,
+        capacities and shared prefixes (default: the cache's) and the cache's prefix
+        index; returns the commit number.
 
         The engine must have drained (every write-back landed). Nothing in memory changes
-        unless the new manifest is in place. ``tables`` may differ from the cache's only in
-        sequences committed at length 0 (rows are read through the cache's tables).
+        unless the new manifest is in place (but for the checksums of newly indexed
+        blocks, which the entries keep). ``tables`` may differ from the cache's only in
+        sequences committed at length 0 (rows are read through the cache's tables). A
+        sequence's length is committed at least at its shared prefix (indexed blocks:
+        durable, recorded by this same commit).
 
         Raises:
           CommitError: a length past its sequence's capacity, or syncing, reading or
@@ -500,6 +644,9 @@ class Persistence:
         lengths = np.asarray(lengths, np.int64).reshape(spec.batch)
         tables = cache.block_tables if tables is None else np.array(tables, np.int32)
         capacity = cache.capacity if capacity is None else np.array(capacity, np.int32)
+        shared = cache._shared.copy() if shared is None else np.array(shared, np.int32)
+        lengths = np.maximum(lengths, shared.astype(np.int64) * spec.block_tokens)
+        index = cache._prefix
         try:
             for b in range(spec.batch):
                 if not 0 <= lengths[b] <= capacity[b]:
@@ -509,6 +656,11 @@ class Persistence:
                     )
             self._sync_data()
             sums, tails = self._updated_checksums(lengths, tables)
+            entries = index.entries_in_order()
+            evictions = index.evictions
+            # Blocks indexed since the last commit: durable now (synced above), hashed once.
+            self._hash_blocks([e for e in entries if e.sums is None])
+            prefix_json = self._prefix_section(entries, shared)
             if fault_hook is not None:
                 fault_hook("before_manifest_write")
             self._write_manifest(
@@ -518,6 +670,7 @@ class Persistence:
                 sums=sums,
                 tables=tables,
                 capacity=capacity,
+                prefix_json=prefix_json,
             )
         except Exception as e:
             raise CommitError(
@@ -529,6 +682,10 @@ class Persistence:
         self._tables, self._capacity = tables, capacity
         self._sums, self._tails = sums, tails
         self._stale.clear()
+        self._shared = shared
+        self._prefix_json = prefix_json
+        self._committed_entries = {e.key: e for e in entries}
+        self._evictions_seen = evictions
         return self._commit
 
     def mark_session(self, session: str) -> None:
@@ -598,14 +755,17 @@ class Persistence:
     # -- verify -----------------------------------------------------------------------------
 
     def verify(self) -> VerifyResult:
-        """Re-reads every committed chunk and compares it with its checksum.
+        """Re-reads every committed chunk and every block the committed prefix index
+        holds, and compares them with their checksums.
 
         Chunks that ``load()`` rewrote since the last commit are skipped (their checksum is
-        recomputed at the next commit).
+        recomputed at the next commit), and so are blocks indexed since (hashed by the next
+        commit).
 
         Raises:
-          ChecksumMismatchError: naming the first chunk that differs (layer, K|V, sequence,
-            rows), with the number of other bad chunks.
+          ChecksumMismatchError: naming the first indexed block that differs (layer, K|V,
+            physical block), else the first chunk (layer, K|V, sequence, rows), with the
+            number of others.
         """
         spec = self._spec
         rr = self._chunk_rows
@@ -634,7 +794,34 @@ class Persistence:
                 hasher = xxhash.xxh3_64()
                 work.append((region, lo, hi, hasher))
                 checks.append((region, c, lo, hi, hasher))
-        nbytes = self._hash_rows(work)
+        # Indexed blocks, checked first: a bad shared block also fails its sequences' chunks.
+        entries = list(self._committed_entries.values())
+        block_hashers = [[xxhash.xxh3_64() for _ in range(2 * spec.num_layers)] for _ in entries]
+        spans = [
+            item
+            for e, hashers in zip(entries, block_hashers)
+            for item in self._block_spans(e.block, hashers)
+        ]
+        nbytes = self._hash_spans(spans) + self._hash_rows(work)
+        bad_blocks = [
+            (e, i)
+            for e, hashers in zip(entries, block_hashers)
+            for i, h in enumerate(hashers)
+            if h.intdigest() != e.sums[i]
+        ]
+        if bad_blocks:
+            e, i = bad_blocks[0]
+            layer, kv = divmod(i, 2)
+            more = f" (and {len(bad_blocks) - 1} more)" if len(bad_blocks) > 1 else ""
+            raise ChecksumMismatchError(
+                f"committed KV is corrupt in {self.data_path}: layer {layer} {'KV'[kv]} "
+                f"prefix block {e.block} (indexed, shared between sequences) does not match "
+                f"commit {self._commit}'s checksum{more}. Pass overwrite=True to discard the "
+                "cache (verify=False would map the corrupt block into later sequences).",
+                layer=layer,
+                kv="KV"[kv],
+                block=e.block,
+            )
         bad = []
         for region, c, lo, hi, hasher in checks:
             if hasher.intdigest() != self._sums[region][c]:
@@ -660,44 +847,80 @@ class Persistence:
             bytes=nbytes,
             seconds=time.perf_counter() - t0,
             skipped_chunks=skipped,
+            prefix_blocks=len(entries),
         )
 
     # -- reading and hashing ----------------------------------------------------------------
 
     def _hash_rows(self, work: Iterable[tuple[int, int, int, Any]]) -> int:
         """Feeds positions [lo, hi) of each logical region to its hasher, reading them
-        through the sequence's block table (the cache's) with the engine.
+        through the sequence's block table (the cache's) with the engine; returns the
+        bytes hashed."""
+        spec = self._spec
+        cache = self._cache
+        spans = []
+        for region, lo, hi, hasher in work:
+            if hi <= lo:
+                continue
+            layer, kv, b = _region_of(region, spec.batch)
+            spans.append((cache.tier_rows(layer, kv, b, lo, hi), hasher))
+        return self._hash_spans(spans)
+
+    def _block_spans(self, block: int, hashers: Sequence[Any]) -> list[tuple[list, Any]]:
+        """Work for :meth:`_hash_spans`: physical ``block`` in each (layer, K|V), fed to
+        ``hashers[layer * 2 + kv]``."""
+        spec = self._spec
+        first = self._cache.first_block
+        return [
+            (
+                [((first + region * spec.num_blocks + block) * spec.block_bytes, spec.block_bytes)],
+                hashers[region],
+            )
+            for region in range(2 * spec.num_layers)
+        ]
+
+    def _hash_blocks(self, entries: Sequence[prefix._Entry]) -> None:
+        """Sets each entry's ``sums``: xxh3-64 of its block in every (layer, K|V)."""
+        if not entries:
+            return
+        n = 2 * self._spec.num_layers
+        hashers = [[xxhash.xxh3_64() for _ in range(n)] for _ in entries]
+        self._hash_spans(
+            [item for e, h in zip(entries, hashers) for item in self._block_spans(e.block, h)]
+        )
+        for e, h in zip(entries, hashers):
+            e.sums = [x.intdigest() for x in h]
+
+    def _hash_spans(self, work: Sequence[tuple[list[tuple[int, int]], Any]]) -> int:
+        """Feeds each item's tier byte runs ``[(offset, bytes), ...]``, in order, to its
+        hasher, reading them with the engine.
 
         Reads go in batches of up to READ_BATCH_BYTES into two alternating buffers: the next
         batch is read while this one is hashed. Returns the bytes hashed.
         """
-        spec = self._spec
         cache = self._cache
         engine = self._spec_engine
-        row = spec.row_bytes
-        batches: list[list[tuple[int, int, int, Any]]] = []
+        batches: list[list[tuple[list[tuple[int, int]], int, Any]]] = []
         size = 0
-        for item in work:
-            _, lo, hi, _ = item
-            n = (hi - lo) * row
+        for runs, hasher in work:
+            n = sum(m for _, m in runs)
             if n <= 0:
                 continue
             if not batches or size + n > READ_BATCH_BYTES:
                 batches.append([])
                 size = 0
-            batches[-1].append(item)
+            batches[-1].append((runs, n, hasher))
             size += n
         if not batches:
             return 0
-        biggest = max(sum((hi - lo) * row for _, lo, hi, _ in batch) for batch in batches)
+        biggest = max(sum(n for _, n, _ in batch) for batch in batches)
         phase = engine.tier_info(cache.tier).alignment_offset
         buffers = [_phased_buffer(biggest, phase) for _ in range(min(2, len(batches)))]
 
         def submit(i: int) -> int:
             segments, mem = [], 0
-            for region, lo, hi, _ in batches[i]:
-                layer, kv, b = _region_of(region, spec.batch)
-                for offset, n in cache.tier_rows(layer, kv, b, lo, hi):
+            for runs, _, _ in batches[i]:
+                for offset, n in runs:
                     segments.append((offset, mem, n))
                     mem += n
             return engine.submit_read(cache.tier, segments, buffers[i % 2])
@@ -710,8 +933,7 @@ class Persistence:
                 current, ticket = ticket, upcoming
                 engine.wait(current)
                 buf, mem = buffers[i % 2], 0
-                for _, lo, hi, hasher in batch:
-                    n = (hi - lo) * row
+                for _, n, hasher in batch:
                     hasher.update(buf[mem : mem + n])
                     mem += n
                 total += mem
@@ -722,6 +944,45 @@ class Persistence:
                 except Exception:  # noqa: BLE001 - the first error is the one raised.
                     pass
         return total
+
+    def _prefix_section(self, entries: Sequence[prefix._Entry], shared: np.ndarray) -> dict:
+        """The manifest's "prefix": the index's root, the roots of first blocks chained
+        from another one, the block checksum algorithm, each sequence's shared blocks and
+        the entries in ``entries``' order (each with its block's checksums)."""
+        index = self._cache._prefix
+        keys = {e.key for e in entries}
+        foreign = sorted(
+            {e.parent for e in entries if e.parent is not None and e.parent not in keys}
+        )
+        num_layers = self._spec.num_layers
+        cache: dict[bytes, tuple[prefix._Entry, dict[str, Any]]] = {}
+        out = []
+        for e in entries:
+            held = self._entry_json.get(e.key)
+            if held is None or held[0] is not e:  # Made once per entry (its fields are fixed).
+                held = (
+                    e,
+                    {
+                        "key": e.key.hex(),
+                        "parent": None if e.parent is None else e.parent.hex(),
+                        "tokens": [int(t) for t in e.tokens],
+                        "block": int(e.block),
+                        "checksums": [
+                            [f"{e.sums[layer * 2 + kv]:016x}" for kv in range(2)]
+                            for layer in range(num_layers)
+                        ],
+                    },
+                )
+            cache[e.key] = held
+            out.append(held[1])
+        self._entry_json = cache
+        return {
+            "root": index.root.hex(),
+            "foreign_roots": [r.hex() for r in foreign],
+            "checksum": CHECKSUM_ALGORITHM,
+            "shared": [int(n) for n in shared],
+            "entries": out,
+        }
 
     # -- manifest ---------------------------------------------------------------------------
 
@@ -734,6 +995,7 @@ class Persistence:
         sums: list[list[int]] | None = None,
         tables: np.ndarray | None = None,
         capacity: np.ndarray | None = None,
+        prefix_json: dict[str, Any] | None = None,
     ) -> None:
         spec = self._spec
         commit = self._commit if commit is None else commit
@@ -741,6 +1003,7 @@ class Persistence:
         sums = self._sums if sums is None else sums
         tables = self._tables if tables is None else tables
         capacity = self._capacity if capacity is None else capacity
+        prefix_json = self._prefix_json if prefix_json is None else prefix_json
         now = time.time()
         manifest = {
             "format": MANIFEST_FORMAT,
@@ -758,6 +1021,7 @@ class Persistence:
             "capacity": [int(n) for n in capacity],
             "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_rows": self._chunk_rows},
             "checksums": _sums_to_json(sums, spec.num_layers, spec.batch),
+            "prefix": prefix_json,
         }
         write_json_atomically(self.manifest_path, manifest)
 
@@ -799,10 +1063,10 @@ def read_manifest(path: Path) -> dict[str, Any]:
             manifest = json.load(f)
         if manifest.get("format") != MANIFEST_FORMAT:
             raise ValueError(f"format is {manifest.get('format')!r}, not {MANIFEST_FORMAT!r}")
-        if manifest.get("format_version") != MANIFEST_VERSION:
+        if manifest.get("format_version") not in READABLE_MANIFEST_VERSIONS:
             raise ValueError(
                 f"format_version {manifest.get('format_version')!r}; this build reads "
-                f"{MANIFEST_VERSION}"
+                f"{', '.join(map(str, READABLE_MANIFEST_VERSIONS))}"
             )
         for key in ("geometry", "commit", "lengths", "checksum", "checksums"):
             if key not in manifest:
@@ -816,11 +1080,15 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 def _checked_commit(manifest: dict[str, Any], held: Geometry, path: Path) -> dict[str, Any]:
     """The commit a manifest describes, checked against its geometry ``held``: lengths,
-    block tables and capacities (int arrays), chunk_rows and checksums.
+    block tables and capacities (int arrays), chunk_rows and checksums, and the prefix
+    index (see :func:`_checked_prefix`).
 
     Each sequence holds blocks in the first ``ceil(capacity / block_tokens)`` entries of its
-    table row and none after them, every id in ``[0, num_blocks)`` and held once, and its
-    length is at most its capacity (0 for an inactive sequence).
+    table row and none after them, every id in ``[0, num_blocks)``, and its length is at
+    most its capacity (0 for an inactive sequence) and at least its shared prefix. Its first
+    ``shared`` blocks are indexed, one chain from a first block; a block is held once,
+    except an indexed block, which any number of sequences may map within their shared
+    prefixes; an indexed block is never a sequence's private block.
 
     Raises:
       MissingManifestError: naming what is inconsistent.
@@ -840,19 +1108,41 @@ def _checked_commit(manifest: dict[str, Any], held: Geometry, path: Path) -> dic
                 raise ValueError(f"no {key!r}")
         tables = _int_array(manifest["block_tables"], (batch, max_blocks), "block_tables")
         capacity = _int_array(manifest["capacity"], (batch,), "capacity")
-        holder: dict[int, int] = {}
+        if manifest.get("format_version", MANIFEST_VERSION) >= 2 and "prefix" not in manifest:
+            raise ValueError("no 'prefix'")
+        index = _checked_prefix(manifest.get("prefix"), held)
+        shared_counts, entries = index["shared"], index["entries"]
+        by_block = {e["block"]: i for i, e in enumerate(entries)}
+        keys = {e["key"] for e in entries}
+        holder: dict[int, int] = {}  # Private blocks: their sequence.
         for b in range(batch):
             row, cap, n = tables[b], int(capacity[b]), int(lengths[b])
+            shared = int(shared_counts[b])
             for i, p in enumerate(row.tolist()):
                 if p != NO_BLOCK and not 0 <= p < held.num_blocks:
                     raise ValueError(
                         f"block_tables[{b}][{i}] = {p} is not a block id (-1 or in [0, "
                         f"num_blocks={held.num_blocks}))"
                     )
-                if p >= 0:
+                if i < shared:
+                    _check_shared_block(b, i, row, entries, by_block, keys)
                     if p in holder:
                         raise ValueError(
-                            f"block {p} is held twice (by sequence {holder[p]} and sequence {b})"
+                            f"block {p} is held twice (by sequence {holder[p]}, as a private "
+                            f"block, and sequence {b}); only an indexed block in each one's "
+                            "shared prefix may be"
+                        )
+                elif p >= 0:
+                    if p in by_block:
+                        raise ValueError(
+                            f"block {p} is indexed (prefix.entries[{by_block[p]}]) but "
+                            f"sequence {b} holds it as a private block (table entry {i}, past "
+                            f"its shared prefix of {shared} blocks)"
+                        )
+                    if p in holder:
+                        raise ValueError(
+                            f"block {p} is held twice (by sequence {holder[p]} and sequence "
+                            f"{b}); only an indexed block in each one's shared prefix may be"
                         )
                     holder[p] = b
             if not 0 <= cap <= held.max_len:
@@ -868,6 +1158,11 @@ def _checked_commit(manifest: dict[str, Any], held: Geometry, path: Path) -> dic
             if not 0 <= n <= cap:
                 raise ValueError(
                     f"lengths[{b}] = {n} is not in [0, {cap}] (sequence {b}'s capacity)"
+                )
+            if n < shared * held.block_tokens:
+                raise ValueError(
+                    f"lengths[{b}] = {n} is below sequence {b}'s shared prefix of "
+                    f"{shared * held.block_tokens} tokens ({shared} indexed blocks)"
                 )
         checksum = manifest["checksum"]
         chunk_rows = checksum.get("chunk_rows") if isinstance(checksum, dict) else None
@@ -901,7 +1196,136 @@ def _checked_commit(manifest: dict[str, Any], held: Geometry, path: Path) -> dic
         "capacity": capacity.astype(np.int32),
         "chunk_rows": int(chunk_rows),
         "sums": sums,
+        "root": index["root"],
+        "shared": index["shared"].astype(np.int32),
+        "entries": entries,
     }
+
+
+def _checked_prefix(raw: Any, held: Geometry) -> dict[str, Any]:
+    """The manifest's prefix index, checked (raises ValueError naming what is wrong).
+
+    ``raw`` None (a version 1 manifest): an empty index. Each entry's key is 16 bytes (hex),
+    its parent null, an indexed key or one of ``foreign_roots``, its tokens
+    ``block_tokens`` ints, its block an id in ``[0, num_blocks)`` indexed once, its
+    checksums one hex digest per (layer, K|V); and its key is the chained digest of its
+    parent (the root for null) and its tokens, so a token or parent changed since the
+    commit is caught here.
+    """
+    batch, t = held.batch, held.block_tokens
+    if raw is None:
+        return dict(root=None, shared=np.zeros(batch, np.int64), entries=[])
+    if not isinstance(raw, dict):
+        raise ValueError(f"prefix is {type(raw).__name__}, not an object")
+    root = _hex_digest(raw.get("root"), "prefix.root")
+    if raw.get("checksum") != CHECKSUM_ALGORITHM:
+        raise ValueError(f"prefix.checksum is {raw.get('checksum')!r}, not {CHECKSUM_ALGORITHM!r}")
+    foreign_raw = raw.get("foreign_roots")
+    if not isinstance(foreign_raw, list):
+        raise ValueError(f"prefix.foreign_roots is {foreign_raw!r}, not a list")
+    foreign = {_hex_digest(r, f"prefix.foreign_roots[{i}]") for i, r in enumerate(foreign_raw)}
+    shared = _int_array(raw.get("shared"), (batch,), "prefix.shared")
+    recorded = raw.get("entries")
+    if not isinstance(recorded, list):
+        raise ValueError(f"prefix.entries is {type(recorded).__name__}, not a list")
+    entries: list[dict[str, Any]] = []
+    keys: dict[bytes, int] = {}
+    blocks: dict[int, int] = {}
+    for i, e in enumerate(recorded):
+        where = f"prefix.entries[{i}]"
+        if not isinstance(e, dict):
+            raise ValueError(f"{where} is {type(e).__name__}, not an object")
+        key = _hex_digest(e.get("key"), f"{where}.key")
+        parent = e.get("parent")
+        parent = None if parent is None else _hex_digest(parent, f"{where}.parent")
+        tokens = _int_array(e.get("tokens"), (t,), f"{where}.tokens")
+        block = e.get("block")
+        if not _is_json_int(block) or not 0 <= block < held.num_blocks:
+            raise ValueError(
+                f"{where}.block = {block!r} is not a block id in [0, num_blocks="
+                f"{held.num_blocks})"
+            )
+        if block in blocks:
+            raise ValueError(
+                f"block {block} is indexed twice (prefix.entries[{blocks[block]}] and {where})"
+            )
+        if key in keys:
+            raise ValueError(f"{where}.key is also prefix.entries[{keys[key]}]'s")
+        try:
+            sums = [
+                int(e["checksums"][layer][kv], 16)
+                for layer in range(held.num_layers)
+                for kv in range(2)
+            ]
+            if len(e["checksums"]) != held.num_layers or any(len(x) != 2 for x in e["checksums"]):
+                raise ValueError("wrong shape")
+        except (TypeError, ValueError, IndexError, KeyError) as err:
+            raise ValueError(
+                f"{where}.checksums are not [layer][K|V] hex digests ({err})"
+            ) from err
+        keys[key] = i
+        blocks[block] = i
+        entries.append(dict(key=key, parent=parent, tokens=tokens, block=block, sums=sums))
+    for i, e in enumerate(entries):
+        where = f"prefix.entries[{i}]"
+        parent = e["parent"]
+        if parent is not None and parent not in keys and parent not in foreign:
+            raise ValueError(
+                f"{where}.parent {parent.hex()} is neither an indexed key nor a root in "
+                "prefix.foreign_roots (a block's parent is indexed as long as it is)"
+            )
+        if prefix._chain(root if parent is None else parent, e["tokens"]) != e["key"]:
+            raise ValueError(
+                f"{where}.key does not match its parent and tokens (the xxh3-128 digest of "
+                f"the parent's key, or the root, and the block's token ids): block "
+                f"{e['block']}'s tokens or parent changed since the commit"
+            )
+    return dict(root=root, shared=shared, entries=entries)
+
+
+def _check_shared_block(
+    b: int,
+    i: int,
+    row: np.ndarray,
+    entries: list[dict[str, Any]],
+    by_block: dict[int, int],
+    keys: set[bytes],
+) -> None:
+    """Table entry ``i`` of sequence ``b`` lies in its shared prefix: it must be an indexed
+    block, a first block for ``i = 0``, else the child of entry ``i - 1``'s (checked
+    before it)."""
+    p = int(row[i])
+    if p < 0:
+        raise ValueError(
+            f"sequence {b}'s shared prefix covers table entry {i}, which holds no block"
+        )
+    if p not in by_block:
+        raise ValueError(
+            f"sequence {b} maps block {p} (table entry {i}) as shared, but no prefix entry "
+            "indexes it"
+        )
+    parent = entries[by_block[p]]["parent"]
+    if i == 0:
+        if parent is not None and parent in keys:
+            raise ValueError(
+                f"sequence {b}'s shared prefix starts at block {p}, which is not the first "
+                "block of a chain"
+            )
+    elif parent != entries[by_block[int(row[i - 1])]]["key"]:
+        raise ValueError(
+            f"sequence {b}'s shared prefix is not one chain: block {p} (table entry {i}) is "
+            f"not the child of block {int(row[i - 1])} (table entry {i - 1})"
+        )
+
+
+def _hex_digest(value: Any, name: str) -> bytes:
+    """A 16-byte digest from 32 hex digits; raises ValueError naming ``name``."""
+    try:
+        if not isinstance(value, str) or len(value) != 32:
+            raise ValueError
+        return bytes.fromhex(value)
+    except ValueError:
+        raise ValueError(f"{name} is {value!r}, not a 128-bit digest (32 hex digits)") from None
 
 
 def _is_json_int(value: Any) -> bool:

@@ -21,6 +21,10 @@ Lifecycle of an indexed block:
 A block enters the index only when the sequence that wrote it is released and its
 write-backs have completed (the cache drains the engine first), so no reader can map a
 half-written block.
+
+On a persistent tier each commit records the index (:meth:`PrefixIndex.entries_in_order`,
+with a checksum of every block's bytes) and a re-attached cache restores it
+(:meth:`PrefixIndex.restore`); see :mod:`jax_tpusync.persistence`.
 """
 
 from __future__ import annotations
@@ -41,11 +45,17 @@ KEY_VERSION = 1
 @dataclasses.dataclass
 class _Entry:
     key: bytes
-    parent: bytes | None  # None: the first block of a sequence.
-    tokens: np.ndarray  # int32[block_tokens]: the block's token ids.
+    # None: the first block of a sequence, chained from the index's root. A first block
+    # chained from another root (restored from a tier written with another salt, kept only
+    # while a slot maps it) has that root here: no key of the index, so no lookup reaches it.
+    parent: bytes | None
+    tokens: np.ndarray  # int64[block_tokens]: the block's token ids.
     block: int  # Physical block id.
     refs: int = 0
     children: set[bytes] = dataclasses.field(default_factory=set)
+    # Persistent tiers: xxh3-64 of the block's bytes per (layer, K|V), index layer * 2 + kv;
+    # None until the first commit after it was published hashes it.
+    sums: list[int] | None = None
 
 
 class PrefixIndex:
@@ -168,7 +178,7 @@ class PrefixIndex:
                 duplicates.append(block)  # Indexed already, or its parent was evicted.
                 parent = key
                 continue
-            entry = _Entry(key, parent, np.array(tokens[i * t : (i + 1) * t], np.int32), block)
+            entry = _Entry(key, parent, np.array(tokens[i * t : (i + 1) * t], np.int64), block)
             self._entries[key] = entry
             self._by_block[block] = key
             if parent is not None:
@@ -178,6 +188,56 @@ class PrefixIndex:
             parent = key
         self.unpin(release)
         return duplicates
+
+    # -- persistence -------------------------------------------------------------------------------
+
+    def entry(self, block: int) -> _Entry | None:
+        """The entry indexing physical ``block`` (None: not indexed)."""
+        key = self._by_block.get(int(block))
+        return None if key is None else self._entries[key]
+
+    def entries_in_order(self) -> list[_Entry]:
+        """Every entry, the cached ones first in eviction order (least recently used
+        first), then the pinned ones, a chain's later blocks before its earlier ones (the
+        order in which :meth:`unpin` would make them cached). What a commit records."""
+        depth: dict[bytes, int] = {}
+
+        def depth_of(key: bytes) -> int:
+            path, k = [], key
+            while k in self._entries and k not in depth:
+                path.append(k)
+                k = self._entries[k].parent
+            d = depth.get(k, -1)  # A known depth, or past a first block.
+            for p in reversed(path):
+                d += 1
+                depth[p] = d
+            return depth[key]
+
+        cached = [self._entries[k] for k in self._lru]
+        pinned = [e for e in self._entries.values() if e.refs > 0]
+        pinned.sort(key=lambda e: -depth_of(e.key))
+        return cached + pinned
+
+    def restore(self, entries: Sequence[_Entry]) -> None:
+        """Re-attach: fills an empty index with ``entries`` (each with its ``refs``: the
+        slots mapping it), the unpinned ones cached in the given order (least recently
+        used first). Their blocks must already be allocated (the cache reserves them).
+        The entries must form whole chains: every parent that is a key is among them."""
+        if self._entries:
+            raise ValueError("restore() needs an empty index")
+        if len({e.key for e in entries}) < len(entries) or len(
+            {e.block for e in entries}
+        ) < len(entries):
+            raise ValueError("restore(): a key or a block is indexed twice")
+        for e in entries:
+            e.children = set()
+            self._entries[e.key] = e
+            self._by_block[e.block] = e.key
+        for e in entries:
+            if e.parent is not None and e.parent in self._entries:
+                self._entries[e.parent].children.add(e.key)
+            if e.refs == 0:
+                self._lru[e.key] = None
 
     # -- eviction ---------------------------------------------------------------------------------
 

@@ -216,11 +216,27 @@ def test_bad_tokens_are_named():
             cache.release(state, 0, tokens=PROMPT[:9])
 
 
-def test_prefix_sharing_is_refused_on_a_persistent_tier(tmp_path):
-    with _cache(tier="file", path=tmp_path, file_name="kv") as cache:
+def test_prefix_sharing_on_a_persistent_tier_survives_a_restart(tmp_path):
+    """The index is committed with the KV (tests/persistence/test_prefix_reattach.py has
+    the details): a re-opened cache maps the same blocks for the same prompt."""
+    where = dict(tier="file", path=tmp_path, file_name="kv")
+    with _cache(**where) as cache:
         state = cache.init(admit=False)
-        with pytest.raises(ValueError, match="admit\\(tokens=...\\) on a persistent tier .* not supported yet"):
-            cache.admit(state, 0, tokens=PROMPT)
+        state, cached = cache.admit(state, 0, tokens=PROMPT, max_tokens=12)
+        assert cached == 0
+        state = _prefill(cache, state, 0, PROMPT, 0)
+        blocks_a = cache.block_tables[0, :2].tolist()
+        state = cache.release(state, 0, tokens=PROMPT)
+        cache.close(state)
+    with _cache(**where) as cache:
+        assert cache.prefix_stats["indexed_blocks"] == 2
+        state = cache.init(admit=False)
+        state, cached = cache.admit(state, 1, tokens=PROMPT, max_tokens=12)
+        assert cached == 8 and cache.block_tables[1, :2].tolist() == blocks_a
+        for layer in range(2):
+            k, v = cache.read(state, layer, 1)
+            np.testing.assert_array_equal(k, _kv_of(PROMPT[:8], layer)[0])
+            np.testing.assert_array_equal(v, _kv_of(PROMPT[:8], layer)[1])
 
 
 # -- the index alone ---------------------------------------------------------------------------

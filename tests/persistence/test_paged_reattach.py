@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from pathlib import Path
 
 import jax
@@ -37,26 +36,6 @@ STEPS = 3  # Decode steps after the context; slot 1 then ends at 61 of 64.
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     monkeypatch.setattr(persistence, "CHUNK_TARGET_BYTES", CHUNK_ROWS * ROW_BYTES)
-
-
-@pytest.fixture
-def shm_name():
-    """A unique shm name; the segment and its manifest are removed at teardown."""
-    name = f"tpusync-test-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    yield name
-    try:
-        tps.Engine.unlink_shm(name)
-    except Exception:  # noqa: BLE001 - never created, or removed by the test.
-        pass
-    Path(persistence.SHM_DIRECTORY, name + persistence.MANIFEST_SUFFIX).unlink(missing_ok=True)
-
-
-@pytest.fixture(params=["file", "shm"])
-def where(request, tmp_path, shm_name):
-    """Keyword arguments of a persistent tier of either kind."""
-    if request.param == "file":
-        return dict(tier="file", path=tmp_path, file_name="kv")
-    return dict(tier="host", shm_name=shm_name)
 
 
 def make(where, **kwargs) -> tps.OffloadedKVCache:
