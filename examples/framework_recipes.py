@@ -74,13 +74,8 @@ def linen_decode(cache, x, steps, seed=0):
         return model.apply({"params": params}, x, state)
 
     step = jax.jit(_step, donate_argnums=(2,))
-    state = cache.init([0] * cache.spec.batch)
-    ys = []
-    for _ in range(steps):
-        y, state = step(params, x, state)
-        ys.append(np.asarray(y))
-        x = y  # Decode feeds its output back.
-    return ys, cache.drain(state), params
+    ys, state = _decode(cache, step, params, x, steps)
+    return ys, state, params
 
 
 def linen_collection_decode(cache, x, steps, params):
@@ -156,13 +151,7 @@ def nnx_decode(cache, x, steps, linen_params):
         return nnx.merge(graph, weights)(x, state)
 
     step = jax.jit(_step, donate_argnums=(2,))
-    state = cache.init([0] * cache.spec.batch)
-    ys = []
-    for _ in range(steps):
-        y, state = step(weights, x, state)
-        ys.append(np.asarray(y))
-        x = y  # Decode feeds its output back.
-    return ys, cache.drain(state)
+    return _decode(cache, step, weights, x, steps)
 
 
 # -- Equinox ------------------------------------------------------------------------------------
@@ -205,13 +194,17 @@ def equinox_decode(cache, x, steps, linen_params):
     def step(model, x, state):
         return model(x, state)
 
+    return _decode(cache, step, model, jnp.array(x, copy=True), steps)  # x is donated.
+
+
+def _decode(cache, step, weights, x, steps):
+    """``steps`` calls of ``step(weights, x, state) -> (y, state)`` from a fresh state, each
+    output fed back as the next input; returns (the outputs, the drained state)."""
     state = cache.init([0] * cache.spec.batch)
-    x = jnp.array(x, copy=True)  # Donated with the state.
     ys = []
     for _ in range(steps):
-        y, state = step(model, x, state)
-        ys.append(np.asarray(y))
-        x = y  # Decode feeds its output back.
+        x, state = step(weights, x, state)
+        ys.append(np.asarray(x))
     return ys, cache.drain(state)
 
 

@@ -534,9 +534,7 @@ class OffloadedKVCache:
         if admit:
             empty = [b for b in range(spec.batch) if self._capacity[b] == 0]
             need = len(empty) * spec.max_blocks
-            if need > self._allocator.free_blocks:
-                self._prefix.evict(need - self._allocator.free_blocks)
-            if need > self._allocator.free_blocks:
+            if not self._make_room(need):
                 raise ValueError(
                     f"init() admits every slot for max_len={spec.max_len} tokens, which needs "
                     f"{need} KV blocks, but {self._allocator.free_blocks} of "
@@ -753,14 +751,19 @@ class OffloadedKVCache:
         """Physical KV blocks that neither a slot nor the prefix index holds."""
         return self._allocator.free_blocks
 
+    def _make_room(self, count: int) -> bool:
+        """Whether ``count`` blocks are free, after evicting cached prefix blocks if not."""
+        short = count - self._allocator.free_blocks
+        if short > 0:
+            self._prefix.evict(short)
+        return count <= self._allocator.free_blocks
+
     def _reserve(self, slot: int, tokens: int, shared: Sequence[int] = ()) -> None:
         """Gives ``slot`` ``shared`` then fresh blocks for ``tokens``, evicting cached
         prefix blocks if the free ones do not suffice."""
         n = -(-tokens // self.spec.block_tokens)
         fresh = n - len(shared)
-        if fresh > self._allocator.free_blocks:
-            self._prefix.evict(fresh - self._allocator.free_blocks)
-        if fresh > self._allocator.free_blocks:
+        if not self._make_room(fresh):
             raise ValueError(
                 f"needs {fresh} KV blocks but only {self._allocator.free_blocks} of "
                 f"{self.spec.num_blocks} are free and none is left to evict (the others are "
