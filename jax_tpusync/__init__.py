@@ -8,6 +8,8 @@ The public surface:
   offloaded cache while the next layer's KV streams in.
 * :class:`Engine` is the async transfer engine underneath; :mod:`jax_tpusync.ops` has the
   in-graph start/wait/write-back ops for building other prefetch schedules.
+* ``OffloadedKVCache(tier_dtype="int8" | "float8_e4m3fn")`` keeps quantized rows (codes
+  and per-token scales, :mod:`jax_tpusync.quantize`) on the tier and in staging.
 """
 
 from jax_tpusync.attention import prefetching_attention, resident_attention
@@ -20,12 +22,14 @@ from jax_tpusync.engine import (
     TpusyncError,
     split_cpus,
 )
+from jax_tpusync.quantize import QuantizedRows
 
 __all__ = [
     "Engine",
     "EngineConfig",
     "KVState",
     "OffloadedKVCache",
+    "QuantizedRows",
     "TierInfo",
     "Timeline",
     "TpusyncError",

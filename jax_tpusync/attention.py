@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_tpusync import blocks, ops
+from jax_tpusync import blocks, ops, quantize
 from jax_tpusync.cache import (
     INT32_MAX,
     NO_WINDOW,
@@ -193,12 +193,12 @@ def _advance(spec: CacheSpec, layer, chunk, lengths, grow: jax.Array):
 
 
 def staged_rows(
-    staging: jax.Array,  # [num_slots, 2, batch, chunk_len, num_kv_heads, head_dim]
+    staging: jax.Array,  # [num_slots, 2, batch, chunk_len, *row_shape]
     slot,  # int or int32[]: the slot to read
     start,  # int or int32[]: its first row to read
     n: int,  # rows to read (static)
     kv_dtype,  # what the rows hold (staging may be its uint16 words)
-) -> tuple[jax.Array, jax.Array]:  # k, v: [batch, n, num_kv_heads, head_dim] in kv_dtype
+) -> tuple[jax.Array, jax.Array]:  # k, v: [batch, n, *row_shape] in kv_dtype
     """K and V rows ``[start, start + n)`` of one staging slot.
 
     A slice with traced indices is a copy. On CPU the attention reads blocks of
@@ -207,9 +207,29 @@ def staged_rows(
     accelerators the copy of a unit costs microseconds of device bandwidth.
     """
     zero = jnp.int32(0)
-    index = (jnp.asarray(slot, jnp.int32), zero, zero, jnp.asarray(start, jnp.int32), zero, zero)
+    index = (jnp.asarray(slot, jnp.int32), zero, zero, jnp.asarray(start, jnp.int32))
+    index += (zero,) * (staging.ndim - 4)  # [H, D], or a quantized row's [row_bytes].
     block = lax.dynamic_slice(staging, index, (1, *staging.shape[1:3], n, *staging.shape[4:]))
     return _from_bits(block[0, 0], kv_dtype), _from_bits(block[0, 1], kv_dtype)
+
+
+def staged_unit_rows(
+    spec: CacheSpec,
+    staging: jax.Array,  # spec.staging_shape
+    slot,  # int or int32[]: the slot to read
+    start,  # int or int32[]: its first row to read
+    n: int,  # rows to read (static)
+) -> dict[str, jax.Array]:
+    """``k``, ``v`` [batch, n, H, D] of one staging slot's rows ``[start, start + n)``; of
+    a quantized cache the codes, with ``k_scale``/``v_scale`` f32[batch, n, H] (views of
+    the staged bytes: the attention applies the scales, nothing dequantizes here)."""
+    if not spec.quantized:
+        k, v = staged_rows(staging, slot, start, n, spec.dtype)
+        return dict(k=k, v=v)
+    k_rows, v_rows = staged_rows(staging, slot, start, n, staging.dtype)
+    k, k_scale = quantize.unpack(k_rows, spec.tier_dtype, spec.num_kv_heads, spec.head_dim)
+    v, v_scale = quantize.unpack(v_rows, spec.tier_dtype, spec.num_kv_heads, spec.head_dim)
+    return dict(k=k, v=v, k_scale=k_scale, v_scale=v_scale)
 
 
 # The plain-XLA attention reads a unit in blocks of about this many bytes of f32 K.
@@ -288,13 +308,26 @@ def _attend(
     soft_cap,
     implementation: str,
     kernel_options: dict,
+    k_scale=None,
+    v_scale=None,
 ):
-    """(out f32[B, T, Hq, D], lse f32[B, T, Hq]) over one chunk, with the layer's window."""
+    """(out f32[B, T, Hq, D], lse f32[B, T, Hq]) over one chunk, with the layer's window;
+    ``k``/``v`` are codes when ``k_scale``/``v_scale`` are given."""
+    scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
 
     def run(window):
         if implementation == "xla":
             return kernel_reference.chunk_attention_reference(
-                q, k, v, k_start, k_valid, q_start, scale=scale, soft_cap=soft_cap, window=window
+                q,
+                k,
+                v,
+                k_start,
+                k_valid,
+                q_start,
+                scale=scale,
+                soft_cap=soft_cap,
+                window=window,
+                **scales,
             )
         from jax_tpusync import kernels
 
@@ -308,6 +341,7 @@ def _attend(
             scale=scale,
             soft_cap=soft_cap,
             window=window,
+            **scales,
             **kernel_options,
         )
 
@@ -422,6 +456,10 @@ def prefetching_attention(
 
     # 1. New tokens go out first: later fetches of this layer are queued behind them.
     new_kv = jnp.stack([k, v]).astype(spec.dtype)  # [2, batch, q_len, H, D]
+    if spec.quantized:
+        # Quantized here, fused into the step; the tokens themselves attend below in full
+        # precision.
+        new_kv = quantize.quantize(new_kv, spec.tier_dtype)  # uint8[2, batch, q_len, row_bytes]
     token = ops.write_back(
         eid,
         tier,
@@ -487,7 +525,11 @@ def prefetching_attention(
         tickets = tickets.at[slot].set(ops.NO_TICKET).at[p_slot].set(p_ticket)
         o, l = attend_valid_rows(
             lambda start, n, valid: attend(
-                q_, *staged_rows(staging, slot, start, n, spec.dtype), lo + start, valid, lengths
+                q_,
+                k_start=lo + start,
+                k_valid=valid,
+                q_start=lengths,
+                **staged_unit_rows(spec, staging, slot, start, n),
             ),
             count,
             spec.chunk_len,

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tpusync import blocks, ops, persistence, prefix
+from jax_tpusync import blocks, ops, persistence, prefix, quantize
 from jax_tpusync.engine import Engine, EngineConfig, page_offset
 
 logger = logging.getLogger(__name__)
@@ -49,9 +49,10 @@ MAX_PREFETCH_DEPTH = 64
 DEFAULT_BLOCK_TOKENS = 256
 
 
-def _staging_shape(num_slots, batch, chunk_len, num_kv_heads, head_dim) -> tuple[int, ...]:
-    """[num_slots, 2 (K, V), batch, chunk_len, num_kv_heads, head_dim]."""
-    return (num_slots, 2, batch, chunk_len, num_kv_heads, head_dim)
+def _staging_shape(num_slots, batch, chunk_len, row_shape) -> tuple[int, ...]:
+    """[num_slots, 2 (K, V), batch, chunk_len, *row_shape]: a row is [num_kv_heads,
+    head_dim] values, or the [row_bytes] bytes of a quantized row."""
+    return (num_slots, 2, batch, chunk_len, *row_shape)
 
 
 def attends_in_blocks() -> bool:
@@ -82,15 +83,30 @@ class CacheSpec:
     block_tokens: int  # Token rows per KV block (a power of two).
     num_blocks: int  # Physical KV blocks per (layer, K|V).
     prefetch_across_steps: bool
-    staging_dtype: Any  # ``dtype``, or uint16 words holding its bits (see OffloadedKVCache)
+    # ``dtype``, uint16 words holding its bits (see OffloadedKVCache), or uint8 (quantized).
+    staging_dtype: Any
+    tier_dtype: Any = None  # Codes of quantized rows (int8, float8_e4m3fn), or None.
 
     @property
     def itemsize(self) -> int:
         return np.dtype(self.dtype).itemsize
 
     @property
+    def quantized(self) -> bool:
+        """Rows on the tier (and in staging) are codes plus scales (see ``quantize``)."""
+        return self.tier_dtype is not None
+
+    @property
     def row_bytes(self) -> int:
+        """Bytes of one token's K (or V) row on the tier and in staging."""
+        if self.quantized:
+            return quantize.row_bytes(self.num_kv_heads, self.head_dim)
         return self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """A staged row's shape: [num_kv_heads, head_dim], or [row_bytes] quantized."""
+        return (self.row_bytes,) if self.quantized else (self.num_kv_heads, self.head_dim)
 
     @property
     def block_bytes(self) -> int:
@@ -109,14 +125,12 @@ class CacheSpec:
 
     @property
     def staging_shape(self) -> tuple[int, ...]:
-        return _staging_shape(
-            self.num_slots, self.batch, self.chunk_len, self.num_kv_heads, self.head_dim
-        )
+        return _staging_shape(self.num_slots, self.batch, self.chunk_len, self.row_shape)
 
     @property
     def device_bytes(self) -> int:
         """Device memory the state's staging buffers take, independent of context length."""
-        return math.prod(self.staging_shape) * self.itemsize
+        return math.prod(self.staging_shape) * np.dtype(self.staging_dtype).itemsize
 
     @property
     def regions(self) -> ops.Regions:
@@ -229,7 +243,14 @@ class OffloadedKVCache:
         constructor names the condition a larger value breaks.
       num_kv_heads: KV heads (GQA/MQA: fewer than query heads).
       head_dim: head size.
-      dtype: cache dtype (bf16 or f32).
+      dtype: cache dtype (bf16, f16 or f32): what the model's K/V hold, and what
+        :meth:`read` returns.
+      tier_dtype: None (rows stored in ``dtype``), ``"int8"`` or ``"float8_e4m3fn"``:
+        K/V rows go to the tier (and through staging) as one-byte codes with one float32
+        scale per token per KV head, about half the bytes of bf16 (see
+        :mod:`jax_tpusync.quantize`). Quantized on the way out (in the step, and in
+        :meth:`load`); attention applies the scales inside its kernels. The current
+        step's own tokens attend in full precision.
       tier: ``"host"`` (DRAM) or ``"file"`` (a file in ``path``).
       path: directory of the file tier.
       shm_name: host tier only: back it by POSIX shm so a restarted process re-attaches.
@@ -285,6 +306,7 @@ class OffloadedKVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: Any = jnp.bfloat16,
+        tier_dtype: Any = None,
         tier: str = "host",
         path: str | os.PathLike | None = None,
         shm_name: str | None = None,
@@ -316,6 +338,7 @@ class OffloadedKVCache:
         dtype = np.dtype(dtype)
         if dtype not in (np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float16)):
             raise ValueError(f"dtype={dtype} must be bfloat16, float16 or float32")
+        tier_dtype = quantize.tier_dtype_of(tier_dtype)
         if tier not in ("host", "file"):
             raise ValueError(f"tier={tier!r} must be 'host' or 'file'")
         if tier == "file" and path is None:
@@ -371,6 +394,7 @@ class OffloadedKVCache:
                 model_id,
                 block_tokens=block_tokens,
                 num_blocks=num_blocks,
+                tier_dtype=tier_dtype,
             ),
             overwrite=overwrite,
         )
@@ -382,6 +406,8 @@ class OffloadedKVCache:
         staging_dtype = dtype
         if dtype.itemsize == 2 and attends_in_blocks():
             staging_dtype = np.dtype(np.uint16)
+        if tier_dtype is not None:
+            staging_dtype = np.dtype(np.uint8)
 
         self._first_staging: jax.Array | None = None  # Handed to the first init().
         self._owns_engine = not isinstance(engine, Engine)
@@ -396,8 +422,12 @@ class OffloadedKVCache:
             self.engine = Engine(config)
 
         try:
-            itemsize = dtype.itemsize
-            row_bytes = num_kv_heads * head_dim * itemsize
+            if tier_dtype is None:
+                row_bytes = num_kv_heads * head_dim * dtype.itemsize
+                row_shape = (num_kv_heads, head_dim)
+            else:
+                row_bytes = quantize.row_bytes(num_kv_heads, head_dim)
+                row_shape = (row_bytes,)
             num_slots = prefetch_depth + 1
             unit_row_bytes = num_slots * 2 * batch * row_bytes
             chunk_len = staging_bytes // unit_row_bytes
@@ -429,8 +459,7 @@ class OffloadedKVCache:
                 # (Where XLA places a buffer depends on the allocator's history; asking
                 # for a probe buffer of the same size is not reliable.)
                 self._first_staging = jnp.zeros(
-                    _staging_shape(num_slots, batch, chunk_len, num_kv_heads, head_dim),
-                    staging_dtype,
+                    _staging_shape(num_slots, batch, chunk_len, row_shape), staging_dtype
                 )
                 tier_index = self.engine.add_file_tier(
                     path,
@@ -462,6 +491,7 @@ class OffloadedKVCache:
             num_blocks=num_blocks,
             prefetch_across_steps=prefetch_across_steps,
             staging_dtype=staging_dtype,
+            tier_dtype=tier_dtype,
         )
         self.tier = tier_index
         self.first_block = first_block
@@ -480,6 +510,8 @@ class OffloadedKVCache:
                     dtype=dtype.name,
                     block_tokens=block_tokens,
                     layout=persistence.LAYOUT_VERSION,
+                    # Quantized blocks hold other bytes for the same tokens.
+                    **({} if tier_dtype is None else dict(tier_dtype=tier_dtype.name)),
                 ),
             ),
         )
@@ -1003,7 +1035,10 @@ class OffloadedKVCache:
             self._persistence.note_rows_written(layer, starts, counts)
         tickets = []
         for kv, x in enumerate((k, v)):
-            packed = np.concatenate([x[b, : counts[b]].reshape(-1) for b in range(spec.batch)])
+            rows = [x[b, : counts[b]] for b in range(spec.batch)]
+            if spec.quantized:  # The bytes the step's write-back would write for them.
+                rows = [quantize.quantize_host(r, spec.tier_dtype) for r in rows]
+            packed = np.concatenate([r.reshape(-1) for r in rows])
             tickets.append(
                 self.engine.submit_write(
                     self.tier, self._segments(layer, kv, starts, counts), packed, layer=layer
@@ -1023,14 +1058,23 @@ class OffloadedKVCache:
         return state
 
     def read(
-        self, state: KVState, layer: int, slot: int, start: int = 0, stop: int | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
+        self,
+        state: KVState,
+        layer: int,
+        slot: int,
+        start: int = 0,
+        stop: int | None = None,
+        *,
+        raw: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray] | tuple[quantize.QuantizedRows, quantize.QuantizedRows]:
         """Host-side copy of positions ``[start, stop)`` of one slot's K and V in ``layer``:
-        two [stop - start, num_kv_heads, head_dim] arrays.
+        two [stop - start, num_kv_heads, head_dim] arrays in the cache's dtype (dequantized
+        from a quantized tier).
 
         ``stop`` defaults to the slot's length in ``state``; ``0 <= start <= stop <=
         length``. Drain the state first if it may have write-backs in flight (the engine
-        orders this read after them either way).
+        orders this read after them either way). ``raw=True`` (quantized tiers only)
+        returns the stored codes and scales instead, as two :class:`QuantizedRows`.
         """
         spec = self.spec
         self._check_state(state)
@@ -1044,17 +1088,37 @@ class OffloadedKVCache:
                 f"[start, stop) = [{start}, {stop}) must lie in [0, {length}] (slot {slot}'s "
                 f"length)"
             )
+        if raw and not spec.quantized:
+            raise ValueError("raw=True reads codes and scales: this cache's tier is not quantized")
         out = []
         for kv in range(2):
-            buf = np.zeros((stop - start, spec.num_kv_heads, spec.head_dim), spec.dtype)
+            buf = self._row_buffer((stop - start,))
             rows, mem = [], 0
             for offset, n in self.tier_rows(layer, kv, slot, start, stop):
                 rows.append((offset, mem, n))
                 mem += n
             if rows:
                 self.engine.wait(self.engine.submit_read(self.tier, rows, buf))
-            out.append(buf)
+            out.append(self._from_rows(buf, raw=raw))
         return out[0], out[1]
+
+    def _row_buffer(self, lead: tuple[int, ...]) -> np.ndarray:
+        """Zeros for ``lead`` rows as the tier stores them: [*lead, H, D] in the cache's
+        dtype, or uint8[*lead, row_bytes] quantized."""
+        spec = self.spec
+        if spec.quantized:
+            return np.zeros((*lead, spec.row_bytes), np.uint8)
+        return np.zeros((*lead, spec.num_kv_heads, spec.head_dim), spec.dtype)
+
+    def _from_rows(self, rows: np.ndarray, *, raw: bool = False):
+        """Rows read from the tier as KV in the cache's dtype (or codes and scales)."""
+        spec = self.spec
+        if not spec.quantized:
+            return rows
+        stored = quantize.unpack_host(rows, spec.tier_dtype, spec.num_kv_heads, spec.head_dim)
+        if raw:
+            return stored
+        return quantize.dequantize_host(stored, spec.dtype)
 
     def read_all(
         self,
@@ -1075,7 +1139,7 @@ class OffloadedKVCache:
         counts = np.minimum(counts, self._capacity)
         out = []
         for kv in range(2):
-            buf = np.zeros((spec.batch, spec.max_len, spec.num_kv_heads, spec.head_dim), spec.dtype)
+            buf = self._row_buffer((spec.batch, spec.max_len))
             rows = []
             for b in range(spec.batch):
                 mem = b * spec.max_len * spec.row_bytes
@@ -1084,7 +1148,7 @@ class OffloadedKVCache:
                     mem += n
             if rows:
                 self.engine.wait(self.engine.submit_read(self.tier, rows, buf))
-            out.append(buf)
+            out.append(self._from_rows(buf))
         return out[0], out[1]
 
     def _check_layer(self, layer: Any) -> None:

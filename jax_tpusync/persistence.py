@@ -154,6 +154,7 @@ class Geometry:
     num_blocks: int | None
     layout_version: int
     model_id: str
+    tier_dtype: str | None = None  # Quantized rows' code dtype; None: rows in ``dtype``.
 
     @classmethod
     def of(
@@ -168,6 +169,7 @@ class Geometry:
         *,
         block_tokens: int | None = None,
         num_blocks: int | None = None,
+        tier_dtype: Any = None,
     ) -> Geometry:
         """The geometry of a cache made with these arguments, at this LAYOUT_VERSION.
 
@@ -187,6 +189,7 @@ class Geometry:
             num_blocks=None if num_blocks is None else int(num_blocks),
             layout_version=LAYOUT_VERSION,
             model_id=UNSPECIFIED_MODEL if model_id is None else model_id,
+            tier_dtype=None if tier_dtype is None else np.dtype(tier_dtype).name,
         )
 
     def completed(self, spec: Any) -> Geometry:

@@ -12,6 +12,8 @@ import numpy as np
 # What the Pallas kernels take; the plain-jnp reference computes in f32 and takes float16 too.
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 REFERENCE_DTYPES = KERNEL_DTYPES + (jnp.dtype(jnp.float16),)
+# Codes of quantized K/V, which come with per-(token, head) scales (``k_scale``/``v_scale``).
+CODE_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,8 @@ def static_validate_inputs(
     soft_cap: float | None,
     window: int | None,
     dtypes: tuple = KERNEL_DTYPES,
+    k_scale: jax.Array | None = None,  # f32[batch, chunk_len, num_kv_heads]
+    v_scale: jax.Array | None = None,  # f32[batch, chunk_len, num_kv_heads]
 ) -> ChunkShape:
     """Checks shapes, dtypes and static knobs at trace time.
 
@@ -58,7 +62,10 @@ def static_validate_inputs(
       scale: Logit scale.
       soft_cap: Optional logit soft cap.
       window: Optional sliding-window size.
-      dtypes: What ``q``, ``k`` and ``v`` may hold.
+      dtypes: What ``q``, ``k`` and ``v`` may hold (``k``/``v`` hold codes, one of
+        ``CODE_DTYPES``, when scales are given).
+      k_scale: Per-(token, head) scales of quantized ``k``, or None.
+      v_scale: Per-(token, head) scales of quantized ``v``; given with ``k_scale``.
 
     Returns:
       The static shape summary.
@@ -66,14 +73,19 @@ def static_validate_inputs(
     Raises:
       ValueError: If any check fails; the message names the offending input.
     """
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale must be given together (quantized K and V)")
+    quantized = k_scale is not None
     for name, x in (("q", q), ("k", k), ("v", v)):
         if jnp.ndim(x) != 4:
             raise ValueError(
                 f"{name} must have rank 4 [batch, len, heads, head_dim], got shape {jnp.shape(x)}"
             )
-        if jnp.dtype(x.dtype) not in dtypes:
-            names = " or ".join(str(d) for d in dtypes)
-            raise ValueError(f"{name}.dtype must be {names}, got {x.dtype}")
+        allowed = CODE_DTYPES if quantized and name != "q" else dtypes
+        if jnp.dtype(x.dtype) not in allowed:
+            names = " or ".join(str(d) for d in allowed)
+            what = " (codes, with k_scale/v_scale)" if quantized and name != "q" else ""
+            raise ValueError(f"{name}.dtype must be {names}{what}, got {x.dtype}")
     b, t, hq, d = q.shape
     kb, s, hkv, kd = k.shape
     if k.shape != v.shape:
@@ -88,6 +100,16 @@ def static_validate_inputs(
         raise ValueError(f"all dimensions must be positive, got q={q.shape} k={k.shape}")
     if hq % hkv:
         raise ValueError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if x is None:
+            continue
+        if jnp.shape(x) != (b, s, hkv):
+            raise ValueError(
+                f"{name} must be [batch, chunk_len, num_kv_heads] = {[b, s, hkv]}, got "
+                f"{list(jnp.shape(x))}"
+            )
+        if jnp.dtype(x.dtype) != jnp.dtype(jnp.float32):
+            raise ValueError(f"{name}.dtype must be float32, got {x.dtype}")
     for name, x in (("k_start", k_start), ("k_valid", k_valid), ("q_start", q_start)):
         if jnp.shape(x) != (b,):
             raise ValueError(f"{name} must have shape (batch,)=({b},), got {jnp.shape(x)}")

@@ -82,11 +82,14 @@ def chunk_attention(
     backend: str = "auto",
     block_kv: int | None = None,
     interpret: bool | Any = False,
+    k_scale: jax.Array | None = None,  # f32[batch, chunk_len, num_kv_heads]
+    v_scale: jax.Array | None = None,  # f32[batch, chunk_len, num_kv_heads]
 ) -> tuple[jax.Array, jax.Array]:
     """Per-chunk attention with a Pallas kernel for the current backend.
 
     Same contract as :func:`chunk_attention_reference` (inputs, ``scale``, ``soft_cap``,
-    ``window``, outputs); only the dispatch knobs are described here.
+    ``window``, quantized K/V with ``k_scale``/``v_scale``, outputs); only the dispatch
+    knobs are described here.
 
     Args:
       backend: "tpu", "gpu" or "auto" (see :func:`resolve_backend`).
@@ -116,8 +119,11 @@ def chunk_attention(
         scale=scale,
         soft_cap=soft_cap,
         window=window,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     kind = resolve_backend(backend, interpret)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if kind == "tpu":
         return chunk_attention_tpu(
             q,
@@ -131,6 +137,7 @@ def chunk_attention(
             window=window,
             block_kv=block_kv,
             interpret=interpret,
+            **scales,
         )
     return chunk_attention_gpu(
         q,
@@ -144,4 +151,5 @@ def chunk_attention(
         window=window,
         block_kv=block_kv,
         interpret=bool(interpret),
+        **scales,
     )

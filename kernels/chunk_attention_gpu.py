@@ -55,9 +55,9 @@ def _kernel(
     q_ref,  # [rows, head_dim]
     k_ref,  # [split_len, head_dim]
     v_ref,  # [split_len, head_dim]
-    out_ref,  # f32[rows, head_dim]
-    lse_ref,  # f32[rows]
-    *,
+    # Quantized K/V only: ks_ref, vs_ref (f32[split_len] scales). Then out_ref
+    # (f32[rows, head_dim]) and lse_ref (f32[rows]).
+    *refs,
     scale: float,
     soft_cap: float | None,
     window: int | None,
@@ -66,7 +66,12 @@ def _kernel(
     block_kv: int,
     blocks_per_split: int,
     num_blocks: int,
+    quantized: bool,
 ):
+    if quantized:
+        ks_ref, vs_ref, out_ref, lse_ref = refs
+    else:
+        out_ref, lse_ref = refs
     split = pl.program_id(2)
     k_start = meta_ref[0]
     k_valid = meta_ref[1]
@@ -104,12 +109,20 @@ def _kernel(
         # The masked load zeroes garbage values: they may be NaN, and
         # 0 * NaN = NaN would leak through the p @ v matmul.
         v_ok = (first + j) * block_kv + v_row < k_valid  # [block_kv, 1]
-        v = plgpu.load(v_ref.at[keys, :], mask=v_ok, other=0.0)
+        if quantized:
+            # Codes convert exactly to q's dtype (then garbage is zeroed: Triton has no
+            # fp8 fill value); their scales apply to s and p below.
+            k = k.astype(q.dtype)
+            v = jnp.where(v_ok, v_ref[keys, :].astype(q.dtype), 0.0)
+        else:
+            v = plgpu.load(v_ref.at[keys, :], mask=v_ok, other=0.0)
 
-        s = (
-            jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            * scale
+        s = jax.lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )  # [rows, block_kv]
+        if quantized:
+            s = s * ks_ref[keys][None, :]  # (q . k_code) * s_k
+        s = s * scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         k_pos = k_start + k_idx
@@ -125,8 +138,12 @@ def _kernel(
         p = jnp.exp(s - m_safe)
         alpha = jnp.exp(m_prev - m_safe)
         l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        p_v = p
+        if quantized:
+            # Probabilities times s_v before P . V; scales past k_valid load as 0.
+            p_v = p * plgpu.load(vs_ref.at[keys], mask=k_ok[0], other=0.0)[None, :]
         pv = jax.lax.dot_general(
-            p.astype(v.dtype),
+            p_v.astype(v.dtype),
             v,
             (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32,
@@ -162,11 +179,15 @@ def chunk_attention_gpu(
     num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool = False,
+    k_scale: jax.Array | None = None,  # f32[batch, chunk_len, num_kv_heads]
+    v_scale: jax.Array | None = None,  # f32[batch, chunk_len, num_kv_heads]
 ) -> tuple[jax.Array, jax.Array]:
     """Per-chunk attention as a Pallas Triton kernel (split-K decoding).
 
     Same contract as ``chunk_attention_reference`` (inputs, ``scale``, ``soft_cap``,
-    ``window``, outputs); only the kernel's own knobs are described here.
+    ``window``, ``k_scale``/``v_scale``, outputs); only the kernel's own knobs are
+    described here. Quantized K/V stay one byte per value in memory; each block converts
+    to ``q``'s dtype for ``tl.dot``, its scales applied to the logits and probabilities.
 
     Args:
       block_kv: KV rows per inner-loop step; a power of two >= 16. ``None``
@@ -195,6 +216,8 @@ def chunk_attention_gpu(
         scale=scale,
         soft_cap=soft_cap,
         window=window,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     s = shape.chunk_len
     if block_kv is None:
@@ -223,6 +246,8 @@ def chunk_attention_gpu(
         k,
         v,
         *_common.as_positions(k_start, k_valid, q_start),
+        k_scale,
+        v_scale,
         scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         window=None if window is None else int(window),
@@ -256,6 +281,8 @@ def _chunk_attention_gpu(
     k_start,
     k_valid,
     q_start,
+    k_scale,
+    v_scale,
     *,
     scale,
     soft_cap,
@@ -270,8 +297,10 @@ def _chunk_attention_gpu(
     b, t, hq, d = q.shape
     _, s, hkv, _ = k.shape
     g = group
-    # tl.dot needs both operands in one dtype.
-    dtype = jnp.promote_types(q.dtype, k.dtype)
+    quantized = k_scale is not None
+    # tl.dot needs both operands in one dtype (codes convert inside the kernel).
+    dtype = q.dtype if quantized else jnp.promote_types(q.dtype, k.dtype)
+    kv_dtype = k.dtype if quantized else dtype
     rows = t * g
     rows_pad = max(_MIN_DOT_DIM, _common.next_power_of_2(rows))
     d_pad = max(_MIN_DOT_DIM, _common.next_power_of_2(d))
@@ -290,8 +319,12 @@ def _chunk_attention_gpu(
 
     # Head-major K/V: each (batch, head, split) is one contiguous slab.
     def head_major(x):
-        x = jnp.pad(x.astype(dtype), ((0, 0), (0, s_pad - s), (0, 0), (0, d_pad - d)))
+        x = jnp.pad(x.astype(kv_dtype), ((0, 0), (0, s_pad - s), (0, 0), (0, d_pad - d)))
         return x.transpose(0, 2, 1, 3)
+
+    # Scales [B, S, Hkv] -> [B, Hkv, S_pad].
+    def scale_rows(x):
+        return jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0))).transpose(0, 2, 1)
 
     meta = jnp.stack(
         [k_start, jnp.clip(k_valid, 0, s), q_start, jnp.zeros_like(k_start)],
@@ -308,15 +341,21 @@ def _chunk_attention_gpu(
         block_kv=block_kv,
         blocks_per_split=blocks_per_split,
         num_blocks=num_blocks,
+        quantized=quantized,
     )
+    kv_block = pl.BlockSpec((None, None, split_len, d_pad), lambda bi, hi, si: (bi, hi, si, 0))
+    inputs, specs = [head_major(k), head_major(v)], [kv_block, kv_block]
+    if quantized:
+        scale_block = pl.BlockSpec((None, None, split_len), lambda bi, hi, si: (bi, hi, si))
+        inputs += [scale_rows(k_scale), scale_rows(v_scale)]
+        specs += [scale_block, scale_block]
     out, lse = pl.pallas_call(
         kernel,
         grid=(b, hkv, num_splits),
         in_specs=[
             pl.BlockSpec((None, 4), lambda bi, hi, si: (bi, 0)),
             pl.BlockSpec((None, None, rows_pad, d_pad), lambda bi, hi, si: (bi, hi, 0, 0)),
-            pl.BlockSpec((None, None, split_len, d_pad), lambda bi, hi, si: (bi, hi, si, 0)),
-            pl.BlockSpec((None, None, split_len, d_pad), lambda bi, hi, si: (bi, hi, si, 0)),
+            *specs,
         ],
         out_specs=[
             pl.BlockSpec(
@@ -331,7 +370,7 @@ def _chunk_attention_gpu(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="chunk_attention_gpu",
-    )(meta, q_rows, head_major(k), head_major(v))
+    )(meta, q_rows, *inputs)
 
     # Merge the splits: [B, Hkv, splits, ...] -> splits first.
     out, lse = reference.merge_many(jnp.moveaxis(out, 2, 0), jnp.moveaxis(lse, 2, 0))

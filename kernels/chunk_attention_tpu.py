@@ -61,21 +61,26 @@ def _kernel(
     row_t_ref,  # VMEM int32[rows, 128]: query index of each row, replicated
     k_hbm,  # HBM [batch, num_kv_heads, padded_len, head_dim]
     v_hbm,  # HBM [batch, num_kv_heads, padded_len, head_dim]
-    # Outputs.
-    out_ref,  # VMEM f32[rows, head_dim]
-    lse_ref,  # VMEM f32[rows, 128]: lse of each row, replicated
-    # Scratch.
-    k_buf,  # VMEM [2, block_kv, head_dim]
-    v_buf,  # VMEM [2, block_kv, head_dim]
-    sems,  # DMA semaphores [2 (k, v), 2 (slot)]
-    *,
+    # Quantized K/V only: ks_hbm, vs_hbm (HBM f32[batch, num_kv_heads, 1, padded_len]).
+    # Outputs: out_ref (VMEM f32[rows, head_dim]), lse_ref (VMEM f32[rows, 128]: lse of
+    # each row, replicated).
+    # Scratch: k_buf, v_buf (VMEM [2 (slot), block_kv, head_dim]); quantized only: ks_buf,
+    # vs_buf (VMEM f32[2, 1, block_kv]); sems (DMA semaphores [2 or 4 (k, v, ks, vs), 2]).
+    *refs,
     scale: float,
     soft_cap: float | None,
     window: int | None,
     q_len: int,
     block_kv: int,
     num_blocks: int,
+    quantized: bool,
 ):
+    if quantized:
+        ks_hbm, vs_hbm, out_ref, lse_ref, k_buf, v_buf, ks_buf, vs_buf, sems = refs
+        sources, buffers = (k_hbm, v_hbm, ks_hbm, vs_hbm), (k_buf, v_buf, ks_buf, vs_buf)
+    else:
+        out_ref, lse_ref, k_buf, v_buf, sems = refs
+        sources, buffers = (k_hbm, v_hbm), (k_buf, v_buf)
     b = pl.program_id(0)
     h = pl.program_id(1)
     k_start = k_start_ref[b]
@@ -95,10 +100,12 @@ def _kernel(
         # Rebuilding the descriptors is cheap and lets start() and wait() sit
         # in different loop iterations.
         rows = pl.ds(pl.multiple_of(block * block_kv, block_kv), block_kv)
-        return (
-            pltpu.make_async_copy(k_hbm.at[b, h, rows], k_buf.at[slot], sems.at[0, slot]),
-            pltpu.make_async_copy(v_hbm.at[b, h, rows], v_buf.at[slot], sems.at[1, slot]),
-        )
+        # K and V rows are [block_kv, head_dim] slabs; scales [1, block_kv] lane rows.
+        index = lambda i: (b, h, rows) if i < 2 else (b, h, slice(None), rows)
+        return [
+            pltpu.make_async_copy(src.at[index(i)], buf.at[slot], sems.at[i, slot])
+            for i, (src, buf) in enumerate(zip(sources, buffers))
+        ]
 
     @pl.when(lo < hi)
     def _():
@@ -127,11 +134,16 @@ def _kernel(
             c.wait()
         k = k_buf[slot]  # [block_kv, head_dim]
         v = v_buf[slot]
+        if quantized:
+            # Codes convert exactly to q's dtype (int8: |c| <= 127; fp8 into bf16/f32).
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
 
-        s = (
-            jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            * scale
+        s = jax.lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )  # [rows, block_kv]
+        if quantized:
+            s = s * ks_buf[slot]  # (q . k_code) * s_k: dequantized in the logits.
+        s = s * scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         k_idx = j * block_kv + col  # [1, block_kv]
@@ -151,8 +163,12 @@ def _kernel(
         l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
         # Garbage values may be NaN and 0 * NaN = NaN: zero them explicitly.
         v = jnp.where(j * block_kv + v_row < k_valid, v, jnp.zeros_like(v))
+        p_v = p
+        if quantized:
+            # Probabilities times s_v before P . V; garbage scales past k_valid zeroed.
+            p_v = p * jnp.where(k_idx < k_valid, vs_buf[slot], 0.0)
         pv = jax.lax.dot_general(
-            p.astype(v.dtype),
+            p_v.astype(v.dtype),
             v,
             (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32,
@@ -186,11 +202,16 @@ def chunk_attention_tpu(
     window: int | None = None,
     block_kv: int | None = None,
     interpret: bool | Any = False,
+    k_scale: jax.Array | None = None,  # f32[batch, chunk_len, num_kv_heads]
+    v_scale: jax.Array | None = None,  # f32[batch, chunk_len, num_kv_heads]
 ) -> tuple[jax.Array, jax.Array]:
     """Per-chunk attention as a Pallas TPU kernel.
 
     Same contract as ``chunk_attention_reference`` (inputs, ``scale``, ``soft_cap``,
-    ``window``, outputs); only the kernel's own knobs are described here.
+    ``window``, ``k_scale``/``v_scale``, outputs); only the kernel's own knobs are
+    described here. Quantized K/V stay one byte per value in HBM and in VMEM; each block
+    converts to ``q``'s dtype for the MXU, its scales applied to the logits and the
+    probabilities.
 
     Args:
       block_kv: KV rows per DMA block; a multiple of 8 (16 for bf16 inputs).
@@ -216,26 +237,34 @@ def chunk_attention_tpu(
         scale=scale,
         soft_cap=soft_cap,
         window=window,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     s = shape.chunk_len
-    # The MXU multiplies operands of one dtype; mixed inputs are promoted.
-    dtype = jnp.promote_types(q.dtype, k.dtype)
-    align = _sublane_multiple(dtype)
+    quantized = k_scale is not None
+    # The MXU multiplies operands of one dtype; mixed inputs are promoted (codes convert
+    # to q's dtype inside the kernel).
+    dtype = q.dtype if quantized else jnp.promote_types(q.dtype, k.dtype)
+    tiled = k.dtype if quantized else dtype  # One-byte codes: 32 rows a tile.
+    align = max(_sublane_multiple(dtype), _sublane_multiple(tiled))
     if block_kv is None:
         # The table entry is an upper bound: no point in blocks longer than
         # the (aligned) chunk itself.
         block_kv = min(_common.default_block_kv("tpu"), _common.round_up(s, align))
+        block_kv = _common.round_up(block_kv, align)
     _common.validate_block_kv(block_kv)
     if block_kv % align:
         raise ValueError(
             f"block_kv={block_kv} must be a multiple of {align} for the TPU "
-            f"kernel (sublane tiling of {dtype})"
+            f"kernel (sublane tiling of {jnp.dtype(tiled).name})"
         )
     return _chunk_attention_tpu(
         q.astype(dtype),
-        k.astype(dtype),
-        v.astype(dtype),
+        k if quantized else k.astype(dtype),
+        v if quantized else v.astype(dtype),
         *_common.as_positions(k_start, k_valid, q_start),
+        k_scale,
+        v_scale,
         scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         window=None if window is None else int(window),
@@ -263,6 +292,8 @@ def _chunk_attention_tpu(
     k_start,
     k_valid,
     q_start,
+    k_scale,
+    v_scale,
     *,
     scale,
     soft_cap,
@@ -271,6 +302,7 @@ def _chunk_attention_tpu(
     interpret,
     group,
 ):
+    quantized = k_scale is not None
     b, t, hq, d = q.shape
     _, s, hkv, _ = k.shape
     g = group
@@ -295,6 +327,10 @@ def _chunk_attention_tpu(
         x = jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, 0)))
         return x.transpose(0, 2, 1, 3)
 
+    # Scales [B, S, Hkv] -> [B, Hkv, 1, S_pad]: a block's scales are one lane row.
+    def scale_rows(x):
+        return jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0))).transpose(0, 2, 1)[:, :, None, :]
+
     k_valid = jnp.clip(k_valid, 0, s)
 
     kernel = functools.partial(
@@ -305,8 +341,14 @@ def _chunk_attention_tpu(
         q_len=t,
         block_kv=block_kv,
         num_blocks=num_blocks,
+        quantized=quantized,
     )
     row_block = lambda bi, hi, *_: (bi, hi, 0, 0)
+    kv_inputs = [head_major(k), head_major(v)]
+    kv_scratch = [pltpu.VMEM((2, block_kv, d), k.dtype), pltpu.VMEM((2, block_kv, d), v.dtype)]
+    if quantized:
+        kv_inputs += [scale_rows(k_scale), scale_rows(v_scale)]
+        kv_scratch += [pltpu.VMEM((2, 1, block_kv), jnp.float32)] * 2
     out, lse = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -315,18 +357,13 @@ def _chunk_attention_tpu(
             in_specs=[
                 pl.BlockSpec((None, None, rows_pad, d), row_block),
                 pl.BlockSpec((rows_pad, _LANES), lambda bi, hi, *_: (0, 0)),
-                pl.BlockSpec(memory_space=pl.ANY),
-                pl.BlockSpec(memory_space=pl.ANY),
-            ],
+            ]
+            + [pl.BlockSpec(memory_space=pl.ANY)] * len(kv_inputs),
             out_specs=[
                 pl.BlockSpec((None, None, rows_pad, d), row_block),
                 pl.BlockSpec((None, None, rows_pad, _LANES), row_block),
             ],
-            scratch_shapes=[
-                pltpu.VMEM((2, block_kv, d), k.dtype),
-                pltpu.VMEM((2, block_kv, d), v.dtype),
-                pltpu.SemaphoreType.DMA((2, 2)),
-            ],
+            scratch_shapes=[*kv_scratch, pltpu.SemaphoreType.DMA((len(kv_inputs), 2))],
         ),
         out_shape=[
             jax.ShapeDtypeStruct((b, hkv, rows_pad, d), jnp.float32),
@@ -338,7 +375,7 @@ def _chunk_attention_tpu(
         ),
         interpret=interpret,
         name="chunk_attention_tpu",
-    )(k_start, k_valid, q_start, q_rows, row_t, head_major(k), head_major(v))
+    )(k_start, k_valid, q_start, q_rows, row_t, *kv_inputs)
 
     out = out[:, :, :rows].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4)
     lse = lse[:, :, :rows, 0].reshape(b, hkv, t, g).transpose(0, 2, 1, 3)

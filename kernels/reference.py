@@ -74,6 +74,8 @@ def chunk_attention_reference(
     scale: float,
     soft_cap: float | None = None,
     window: int | None = None,
+    k_scale: jax.Array | None = None,  # f32[batch, chunk_len, num_kv_heads]
+    v_scale: jax.Array | None = None,  # f32[batch, chunk_len, num_kv_heads]
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of ``q`` over one KV chunk, normalized within the chunk.
 
@@ -91,6 +93,11 @@ def chunk_attention_reference(
       scale: Multiplier applied to ``q . k``.
       soft_cap: If set, logits become ``soft_cap * tanh(logits / soft_cap)``.
       window: Sliding-window size in tokens (including the query itself).
+      k_scale: With quantized K/V (``k``/``v`` int8 or float8_e4m3fn codes): key
+        ``t`` of head ``h`` stands for ``k[:, t, h] * k_scale[:, t, h]``. Applied to
+        the logits, ``(q . k_code) * k_scale``, never as a dequantized copy of ``k``.
+      v_scale: Likewise for values: the probabilities are scaled by ``v_scale``
+        before ``P . V`` (the softmax's sum is not).
 
     Returns:
       ``(out, lse)``: ``out`` f32[batch, q_len, num_q_heads, head_dim] and
@@ -111,12 +118,16 @@ def chunk_attention_reference(
         soft_cap=soft_cap,
         window=window,
         dtypes=_common.REFERENCE_DTYPES,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     return _chunk_attention_reference(
         q,
         k,
         v,
         *_common.as_positions(k_start, k_valid, q_start),
+        k_scale,
+        v_scale,
         scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         window=None if window is None else int(window),
@@ -128,13 +139,18 @@ def chunk_attention_reference(
 # shape instead of dispatching every op separately.
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "window", "group"))
 def _chunk_attention_reference(
-    q, k, v, k_start, k_valid, q_start, *, scale, soft_cap, window, group
+    q, k, v, k_start, k_valid, q_start, k_scale, v_scale, *, scale, soft_cap, window, group
 ):
     b, t, hq, d = q.shape
     s, hkv, g = k.shape[1], k.shape[2], group
+    # [batch, chunk_len, hkv] -> [batch, hkv, 1, 1, chunk_len], against the logits' axes.
+    per_key = lambda x: jnp.transpose(x, (0, 2, 1))[:, :, None, None, :]
 
     q32 = q.astype(jnp.float32).reshape(b, t, hkv, g, d)
-    logits = scale * jnp.einsum("btkgd,bskd->bkgts", q32, k.astype(jnp.float32), precision=_HIGHEST)
+    logits = jnp.einsum("btkgd,bskd->bkgts", q32, k.astype(jnp.float32), precision=_HIGHEST)
+    if k_scale is not None:
+        logits = logits * per_key(k_scale)
+    logits = scale * logits
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
 
@@ -152,7 +168,9 @@ def _chunk_attention_reference(
     # Invalid values may be NaN and 0 * NaN = NaN, so zero them explicitly.
     v_ok = (k_idx[None, :] < k_valid[:, None])[:, :, None, None]
     v32 = jnp.where(v_ok, v.astype(jnp.float32), 0.0)
-    acc = jnp.einsum("bkgts,bskd->bkgtd", p, v32, precision=_HIGHEST)
+    # Scales of invalid keys may be NaN too (0 * NaN = NaN).
+    p_v = p if v_scale is None else p * per_key(jnp.where(v_ok[..., 0], v_scale, 0.0))
+    acc = jnp.einsum("bkgts,bskd->bkgtd", p_v, v32, precision=_HIGHEST)
 
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
