@@ -54,6 +54,20 @@ max over ``--steps`` samples per variant after ``--warmup`` unrecorded rounds.
 ``overlap_efficiency = (t_resident + t_transfer - t_prefetch) / min(t_resident, t_transfer)``:
 1 when the shorter of compute and transfer hides entirely behind the longer, 0 when they
 add up (no overlap). It only means something when the two are of comparable size.
+
+``--baselines plain,tuned`` adds the ``plain_jax`` and ``tuned_jax`` rows: the decode step
+written in plain JAX over a NumPy memmap of the KV, without this library (see
+:mod:`jax_tpusync.bench.baselines`), timed in the same rotation.
+``prefetch_over_best_jax = t_prefetch / min(t_plain_jax, t_tuned_jax)``; ``memcpy_ms`` is one
+``np.copyto`` of a step's KV bytes and ``host_over_floor = t_prefetch / max(t_resident,
+memcpy_ms)`` (a host-tier figure; computed whenever ``resident`` ran).
+
+``--context`` takes several values (``--context 4096 32768 1048576``): the whole benchmark
+runs once per context, in order, with fresh caches. One context returns (and ``--json``
+writes as ``results``) one row, a dict, as before; several return a list of rows, one per
+context. ``--plot`` draws, for one context, the prefetch step's timeline; for several, step
+time against context (log-log) of every variant and baseline that ran. ``--trace`` with
+several contexts writes one trace per context (``OUT-<context>.json``).
 """
 
 from __future__ import annotations
@@ -73,7 +87,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tpusync.bench import common
+from jax_tpusync.bench import baselines, common
 
 DTYPES = ("bf16", "f32", "f16")
 VARIANTS = (
@@ -110,8 +124,14 @@ COLUMNS = [
     ("prefetch_over_max_compute", "pf/max compute", ".3f"),
     ("prefetch_over_platform", "pf/platform", ".3f"),
     ("direct_read_fraction", "direct", ".2f"),
+    ("t_plain_jax_ms", "plain jax ms", ".1f"),
+    ("t_tuned_jax_ms", "tuned jax ms", ".1f"),
+    ("prefetch_over_best_jax", "pf/best jax", ".3f"),
+    ("memcpy_ms", "memcpy ms", ".1f"),
+    ("host_over_floor", "pf/floor", ".3f"),
     ("tokens_per_s", "tok/s", ".2f"),
     ("max_abs_err", "max err", ".2g"),
+    ("max_abs_err_plain_jax", "plain jax err", ".2g"),
     ("device_bytes", "device", "bytes"),
     ("kv_bytes", "kv", "bytes"),
 ]
@@ -138,7 +158,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help="file tier: directory on the SSD to measure (default: a temporary "
         "directory under the current directory)",
     )
-    p.add_argument("--context", type=int, default=32 * 1024, help="cached tokens (default 32K)")
+    p.add_argument(
+        "--context",
+        type=int,
+        nargs="+",
+        default=[32 * 1024],
+        help="cached tokens (default 32K); several: one run per context, a row each",
+    )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--q-heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=8)
@@ -195,7 +221,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--plot",
         default=None,
         metavar="OUT.png",
-        help="plot the prefetch step's timeline (transfers, compute, stalls)",
+        help="one --context: plot the prefetch step's timeline (transfers, compute, "
+        "stalls); several: step time vs context, log-log, every variant and baseline",
     )
     p.add_argument(
         "--trace",
@@ -203,6 +230,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="OUT.json",
         help="write the prefetch steps' timeline as a Chrome/Perfetto trace",
     )
+    baselines.add_arguments(p)
     p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
 
 
@@ -346,8 +374,11 @@ _COSTS = ("cpu_user", "cpu_system", "minor_faults")
 class _Variant:
     """A jitted step plus its carried (donated) state; ``once()`` runs one step, timed."""
 
-    def __init__(self, name: str, fn: Callable, state: Any, args: tuple = ()):
+    def __init__(
+        self, name: str, fn: Callable, state: Any, args: tuple = (), prepare: Callable | None = None
+    ):
         self.name, self.fn, self.state, self.args = name, fn, state, args
+        self.prepare = prepare  # Untimed, before each step.
         self.out = None
         self.steps = 0
 
@@ -355,6 +386,8 @@ class _Variant:
         """Runs one step; returns its wall seconds and its ``_COSTS``."""
         import jax
 
+        if self.prepare is not None:
+            self.prepare()
         c0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         out, self.state = self.fn(*self.args, self.state)
@@ -370,9 +403,32 @@ class _Variant:
         }
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Builds the variants, times them side by side, returns one JSON-ready row."""
-    worker_cpus = common.apply_cpu_arguments(args)  # Before JAX starts its backend.
+def run(args: argparse.Namespace) -> dict[str, Any] | list[dict[str, Any]]:
+    """Runs the benchmark at each ``--context``; one row (a dict), or a list of them."""
+    contexts = list(args.context) if isinstance(args.context, (list, tuple)) else [args.context]
+    if args.plot:
+        baselines.require_matplotlib()
+    worker_cpus = common.apply_cpu_arguments(args)  # Once, before JAX starts its backend.
+    if len(contexts) == 1:
+        args.context = contexts[0]  # The JSON's args keep their one-context form.
+        return _run_context(args, worker_cpus)
+    rows = []
+    for context in contexts:
+        trace = None
+        if args.trace:
+            stem, ext = os.path.splitext(args.trace)
+            trace = f"{stem}-{context}{ext or '.json'}"
+        # --plot is the sweep's plot here, not a per-context timeline.
+        one = argparse.Namespace(**{**vars(args), "context": context, "plot": None, "trace": trace})
+        rows.append(_run_context(one, worker_cpus))
+    if args.plot:
+        baselines.plot_sweep(rows, args.plot, VARIANTS + baselines.VARIANTS)
+        print(f"wrote {args.plot}")
+    return rows
+
+
+def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict[str, Any]:
+    """Builds the variants at one context, times them side by side, returns one row."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
@@ -412,11 +468,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     tmpdir = None
     path = None
-    if args.tier == "file":
+    if args.tier == "file" or args.baselines:  # The baselines' memmaps live there too.
         parent = os.path.abspath(args.path or os.getcwd())
-        path = tmpdir = tempfile.mkdtemp(prefix="tpusync-decode-", dir=parent)
+        tmpdir = tempfile.mkdtemp(prefix="tpusync-decode-", dir=parent)
+        path = tmpdir if args.tier == "file" else None
     caches = []
     plain = None
+    memmap_decoders: list[baselines.MemmapDecode] = []
     try:
         config = tps.EngineConfig(
             num_workers=args.workers,
@@ -483,7 +541,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             max_len,
             [pf_cache] + ([aux] if aux else []) + ([contig] if contig else []),
             args.seed,
-            keep=bool({"resident", "compute", "platform", "jax_offload"} & set(variants_wanted)),
+            keep=bool(
+                {"resident", "compute", "platform", "jax_offload"} & set(variants_wanted)
+                or args.baselines
+            ),
         )
         pf_state = pf_cache.drain(pf_state)  # The live state again (_fill made others).
         if contig is not None:
@@ -799,6 +860,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "jax_offload", lambda p, x, c: (jitted(p, x, c), c), (ks, vs), (params, x0)
                 )
                 del ks, vs
+
+        # plain_jax, tuned_jax: the same model in plain JAX over a memmap of the same KV --------
+        page_cache = args.baseline_page_cache or ("drop" if args.tier == "file" else "keep")
+        drop_page_cache = page_cache == "drop"
+        for name in args.baselines:
+            dec = baselines.MemmapDecode(
+                name,
+                os.path.join(tmpdir, f"{name}.kv"),
+                resident_kv,
+                context_lengths,
+                params,
+                x0,
+                shape,
+                _model,
+                block_len=staged_block_len(spec),  # The rows per slice resident reads.
+                background=name == "tuned_jax",
+                loader_cpus=worker_cpus,
+                drop_page_cache=drop_page_cache,
+            )
+            memmap_decoders.append(dec)
+            variants[name] = _Variant(name, lambda st, d=dec: (d.step(), st), None, (), dec.prepare)
         del resident_kv
 
         # compile + correctness at lengths == context -----------------------------------------
@@ -811,7 +893,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"  compiled + first step of {name}: {time.perf_counter() - t0:.1f} s", flush=True
             )
 
-        order = [v for v in VARIANTS if v in variants]
+        order = [v for v in VARIANTS + baselines.VARIANTS if v in variants]
         samples = {name: common.Samples() for name in order}
         costs: dict[str, dict[str, list[float]]] = {n: {c: [] for c in _COSTS} for n in order}
         pf_engine = pf_cache.engine
@@ -894,7 +976,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ),
             samples_per_variant=len(samples["prefetch"].seconds),
         )
-        for n in VARIANTS:
+        for n in VARIANTS + baselines.VARIANTS:
             if n in samples:
                 res[f"t_{n}_ms"] = med[n]
                 res[f"t_{n}_ms_min"] = samples[n].min * 1e3
@@ -933,6 +1015,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             res["contiguous_block_tokens"] = contig.spec.block_tokens
             cfetch = contig.engine.stats()["tiers"][contig.tier]["fetch"]
             res["contiguous_fetch_bytes_per_segment"] = cfetch["bytes_per_segment"]
+        res["baseline_page_cache"] = page_cache if args.baselines else None
+        res["memcpy_ms"], res["memcpy_bytes_timed"] = baselines.memcpy_ms(shape.kv_bytes_per_step)
+        res.update(baselines.ratios(res))
         res["tokens_per_s"] = shape.batch / (t_pf / 1e3)
         for n in ("resident", "compute", "sync", "jax_offload"):
             res[f"tokens_per_s_{n}"] = shape.batch / (med[n] / 1e3) if n in med else None
@@ -951,8 +1036,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             for n in ("sync", "jax_offload"):
                 res[f"{n}_max_abs_err"] = err(first_out[n], ref) if n in first_out else None
+            # The baselines append a token per step too: first and last step against resident.
+            for n in baselines.VARIANTS:
+                res[f"max_abs_err_{n}"] = None
+                if n in variants:
+                    assert variants[n].steps == variants["resident"].steps
+                    res[f"max_abs_err_{n}"] = max(
+                        err(first_out[n], ref), err(variants[n].out, variants["resident"].out)
+                    )
         else:
             res["max_abs_err"] = None
+            res.update({f"max_abs_err_{n}": None for n in baselines.VARIANTS})
         res["output_abs_max"] = float(np.max(np.abs(first_out["prefetch"])))
 
         res["device_bytes"] = spec.device_bytes
@@ -995,6 +1089,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _print_summary(res)
         return res
     finally:
+        for dec in memmap_decoders:
+            dec.close()
         for c in caches:
             try:
                 c.engine.drain()
@@ -1113,8 +1209,9 @@ def _print_summary(res: dict[str, Any]) -> None:
         "plain": "plain reader thread on the engine's CPUs, same bytes, no engine",
         "platform": "compute beside that plain reader: this machine's own overlap",
         "jax_offload": f"pinned_host KV + device_put in jit [{res['jax_offload_label']}]",
+        **baselines.NOTES,
     }
-    for n in VARIANTS:
+    for n in VARIANTS + baselines.VARIANTS:
         cpu = "-"
         if res.get(f"cpu_user_{n}_ms") is not None:  # user+system, all threads, per step
             cpu = f"{res[f'cpu_user_{n}_ms']:.0f}+{res[f'cpu_system_{n}_ms']:.0f}"
@@ -1128,6 +1225,13 @@ def _print_summary(res: dict[str, Any]) -> None:
         f"{f(res['prefetch_over_max'], '.3f')} (vs compute: "
         f"{f(res['prefetch_over_max_compute'], '.3f')})  t_sync/t_prefetch "
         f"{f(res['sync_over_prefetch'], '.3f')}  max_abs_err {f(res['max_abs_err'], '.3g')}"
+    )
+    print(
+        f"plain JAX: t_prefetch/min(plain_jax, tuned_jax) {f(res['prefetch_over_best_jax'], '.3f')}"
+        f" (memmap pages: {res['baseline_page_cache'] or '-'}), errors "
+        f"{f(res['max_abs_err_plain_jax'], '.3g')} / {f(res['max_abs_err_tuned_jax'], '.3g')}; "
+        f"memcpy of the step's KV {f(res['memcpy_ms'])} ms, t_prefetch/max(t_resident, memcpy) "
+        f"{f(res['host_over_floor'], '.3f')}"
     )
     print(
         f"platform (compute beside a plain reader): efficiency "
@@ -1172,7 +1276,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = run(args)
     print()
-    print(common.format_table([results], COLUMNS))
+    print(common.format_table(results if isinstance(results, list) else [results], COLUMNS))
     args.subcommand = "decode"
     common.write_json(args.json, "decode", args, results)
     if args.json != "-":

@@ -316,3 +316,44 @@ def test_example_runs(tmp_path):
     assert summary["device_bytes"] < summary["kv_bytes"]
     assert summary["resident_max_abs_logit_diff"] < 1e-3
     assert not list(tmp_path.glob(".tpusync-*"))  # The anonymous cache file is gone.
+
+
+def test_baselines_over_a_context_sweep(tmp_path):
+    """--baselines plain,tuned at two contexts on the file tier (the memmap's pages dropped
+    before each step): one row per context, the plain-JAX steps match resident, one plot."""
+    tiny = list(TINY)
+    tiny[tiny.index("--tier") + 1] = "file"
+    tiny[tiny.index("--context") + 1 : tiny.index("--context") + 2] = ["256", "512"]
+    tiny[tiny.index("--layers") + 1] = "2"
+    paths = dict(json=str(tmp_path / "sweep.json"), plot=str(tmp_path / "sweep.png"))
+    args = _parser().parse_args(
+        ["decode", *tiny, "--path", str(tmp_path), "--variants", "resident", "prefetch"]
+        + ["--baselines", "plain,tuned", "--json", paths["json"], "--plot", paths["plot"]]
+    )
+    rows = args.run(args)
+    common.write_json(args.json, args.subcommand, args, rows)
+    with open(paths["json"]) as f:
+        doc = json.load(f)
+    assert [r["context"] for r in doc["results"]] == [256, 512]
+    for res in doc["results"]:
+        assert res["baseline_page_cache"] == "drop"
+        for name in ("plain_jax", "tuned_jax"):
+            assert res[f"t_{name}_ms"] > 0 and res[f"t_{name}_ms_min"] > 0, name
+            # Another attention code path than resident's: equal up to bf16 output rounding.
+            assert res[f"max_abs_err_{name}"] <= 1e-2 * max(1.0, res["output_abs_max"]), name
+        assert res["memcpy_ms"] > 0
+        assert res["prefetch_over_best_jax"] == pytest.approx(
+            res["t_prefetch_ms"] / min(res["t_plain_jax_ms"], res["t_tuned_jax_ms"])
+        )
+        assert res["host_over_floor"] > 0
+    with open(paths["plot"], "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+    assert not list(tmp_path.glob("tpusync-decode-*"))  # The memmaps went with the temp dir.
+
+
+def test_baselines_flag_parses():
+    args = _parser().parse_args(["decode", "--baselines", "tuned,plain", "--json", "-"])
+    assert args.baselines == ["tuned_jax", "plain_jax"] and args.context == [32 * 1024]
+    assert _parser().parse_args(["decode", "--json", "-"]).baselines == []
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["decode", "--baselines", "plain,numpy", "--json", "-"])
