@@ -24,7 +24,14 @@ from typing import Any
 from jax_tpusync.bench import common
 
 # Subcommand modules under jax_tpusync.bench, in --help order.
-SUBCOMMANDS: tuple[str, ...] = ("transfer", "overlap", "decode", "contention", "prefix")
+SUBCOMMANDS: tuple[str, ...] = (
+    "transfer",
+    "overlap",
+    "decode",
+    "contention",
+    "prefix",
+    "quality",
+)
 
 
 def build_parser(subcommands: Sequence[str] = SUBCOMMANDS) -> argparse.ArgumentParser:

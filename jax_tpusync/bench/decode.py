@@ -25,6 +25,11 @@ that adds compute without adding KV). It runs as
   the step computes.
 * ``prefetch``: :func:`jax_tpusync.prefetching_attention`: layer-ahead and cross-step
   prefetch.
+* ``quantized`` (with ``--tier-dtype int8|float8_e4m3fn``): ``prefetch`` over a cache of
+  quantized rows (codes + per-token scales, about half of bf16's bytes) holding the same
+  KV, with the same staging budget. ``quantized_over_prefetch`` is the ratio of the two
+  steps; ``quantized_max_abs_diff`` its first step's distance from ``resident`` (the
+  quantization error; ``bench quality`` measures what it does to next tokens).
 * ``plain``: the platform's own fetch of the same number of bytes, no engine and no XLA: one
   synchronous O_DIRECT ``preadv`` of ``--chunk-bytes`` after another from the prefetching
   cache's tier file (``memcpy`` on the host tier), on a thread pinned to the engine's CPUs.
@@ -97,6 +102,7 @@ VARIANTS = (
     "sync",
     "prefetch",
     "contiguous",
+    "quantized",
     "plain",
     "platform",
     "jax_offload",
@@ -116,6 +122,8 @@ COLUMNS = [
     ("t_contiguous_ms", "contiguous ms", ".1f"),
     ("paged_over_contiguous", "paged/contig", ".3f"),
     ("fetch_bytes_per_segment", "B/segment", ".0f"),
+    ("t_quantized_ms", "quantized ms", ".1f"),
+    ("quantized_over_prefetch", "quant/pf", ".3f"),
     ("t_platform_ms", "platform ms", ".1f"),
     ("t_jax_offload_ms", "jax offload ms", ".1f"),
     ("overlap_efficiency", "overlap eff", ".3f"),
@@ -215,6 +223,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         choices=VARIANTS,
         default=list(VARIANTS),
         help="what to measure (default: all)",
+    )
+    p.add_argument(
+        "--tier-dtype",
+        choices=("int8", "float8_e4m3fn"),
+        default=None,
+        help="adds the quantized variant: the prefetch step over a cache of this tier dtype",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -522,6 +536,14 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
                 file_name="kv_contig" if path else None,
                 block_tokens=1 << (max_len - 1).bit_length(),
             )
+        # The same cache with quantized rows (same staging budget: more tokens per unit).
+        quant = None
+        if args.tier_dtype and "quantized" in variants_wanted:
+            quant = new_cache(
+                record=False,
+                file_name="kv_quant" if path else None,
+                tier_dtype=args.tier_dtype,
+            )
         print(
             f"decode: {args.tier} tier, context {args.context}, {shape.layers} layers x "
             f"{shape.kv_heads} kv heads x {shape.head_dim} ({args.dtype}), batch {shape.batch}, "
@@ -534,12 +556,13 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
         # The measured state first: it takes the staging buffer the file tier was aligned to.
         pf_state = pf_cache.init([args.context] * shape.batch)
         contig_state = contig.init([args.context] * shape.batch) if contig else None
+        quant_state = quant.init([args.context] * shape.batch) if quant else None
         # Fill: the same random KV into every tier and the resident arrays.
         t0 = time.perf_counter()
         resident_kv = _fill(
             shape,
             max_len,
-            [pf_cache] + ([aux] if aux else []) + ([contig] if contig else []),
+            [pf_cache] + [c for c in (aux, contig, quant) if c is not None],
             args.seed,
             keep=bool(
                 {"resident", "compute", "platform", "jax_offload"} & set(variants_wanted)
@@ -549,6 +572,8 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
         pf_state = pf_cache.drain(pf_state)  # The live state again (_fill made others).
         if contig is not None:
             contig_state = contig.drain(contig_state)
+        if quant is not None:
+            quant_state = quant.drain(quant_state)
         print(
             f"filled {args.context} tokens x {shape.layers} layers in "
             f"{time.perf_counter() - t0:.1f} s",
@@ -616,6 +641,17 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
                 "contiguous",
                 jax.jit(contiguous_step, donate_argnums=(2,)),
                 contig_state,
+                (params, x0),
+            )
+        if quant is not None:
+
+            def quantized_step(params, x, state):
+                return _model(params, shape, x, state, prefetch_attend)
+
+            variants["quantized"] = _Variant(
+                "quantized",
+                jax.jit(quantized_step, donate_argnums=(2,)),
+                quant_state,
                 (params, x0),
             )
 
@@ -1015,6 +1051,7 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
             res["contiguous_block_tokens"] = contig.spec.block_tokens
             cfetch = contig.engine.stats()["tiers"][contig.tier]["fetch"]
             res["contiguous_fetch_bytes_per_segment"] = cfetch["bytes_per_segment"]
+        res.update(_quantized_row(res, quant, spec, shape, args, first_out))
         res["baseline_page_cache"] = page_cache if args.baselines else None
         res["memcpy_ms"], res["memcpy_bytes_timed"] = baselines.memcpy_ms(shape.kv_bytes_per_step)
         res.update(baselines.ratios(res))
@@ -1171,6 +1208,28 @@ def _device_bytes_by_context(args, shape: Shape, dtype) -> dict[str, int]:
     return out
 
 
+def _quantized_row(res, quant, spec, shape: Shape, args, first_out) -> dict[str, Any]:
+    """The quantized variant's bytes and ratios beside the prefetch step's."""
+    if quant is None:
+        return dict(tier_dtype=None, quantized_over_prefetch=None)
+    fetched = shape.kv_bytes_per_step * quant.spec.row_bytes // spec.row_bytes
+    out = dict(
+        tier_dtype=args.tier_dtype,
+        quantized_over_prefetch=res["t_quantized_ms"] / res["t_prefetch_ms"],
+        quantized_row_bytes=quant.spec.row_bytes,
+        quantized_bytes_ratio=quant.spec.row_bytes / spec.row_bytes,
+        kv_bytes_per_step=shape.kv_bytes_per_step,
+        quantized_kv_bytes_per_step=fetched,
+        quantized_chunk_len=quant.spec.chunk_len,
+        quantized_device_bytes=quant.spec.device_bytes,
+        quantized_kv_bytes=quant.spec.kv_bytes,
+    )
+    if "resident" in first_out:  # Quantization error of the first step, not a bug check.
+        diff = np.asarray(first_out["quantized"], np.float32) - np.asarray(first_out["resident"], np.float32)
+        out["quantized_max_abs_diff"] = float(np.max(np.abs(diff)))
+    return out
+
+
 def _targets(res: dict[str, Any]) -> dict[str, Any]:
     by_ctx = res["device_bytes_by_context"]
     out: dict[str, Any] = {}
@@ -1183,6 +1242,10 @@ def _targets(res: dict[str, Any]) -> dict[str, Any]:
         )
     paged = res.get("paged_over_contiguous")
     out["paged step <= 1.05 x contiguous"] = None if paged is None else paged <= 1.05
+    quantized = res.get("quantized_over_prefetch")
+    out["quantized step <= 0.6 x prefetch (file tier)"] = (
+        None if quantized is None else quantized <= 0.6
+    )
     out["device_bytes equal at 32K and 1M context"] = (
         len({by_ctx[str(n)] for n in CONTEXT_CHECK}) == 1
     )
@@ -1206,6 +1269,9 @@ def _print_summary(res: dict[str, Any]) -> None:
         f"blocks, {res['fetch_bytes_per_segment'] / 1024:.0f} KiB per segment)",
         "contiguous": f"the same, one KV block per sequence (paged/contiguous "
         f"{f(res['paged_over_contiguous'], '.3f')})",
+        "quantized": f"the same over {res.get('tier_dtype')} rows + scales "
+        f"({f(res.get('quantized_bytes_ratio'), '.3f')} of the bytes; quantized/prefetch "
+        f"{f(res['quantized_over_prefetch'], '.3f')})",
         "plain": "plain reader thread on the engine's CPUs, same bytes, no engine",
         "platform": "compute beside that plain reader: this machine's own overlap",
         "jax_offload": f"pinned_host KV + device_put in jit [{res['jax_offload_label']}]",

@@ -1,8 +1,7 @@
 """``prefix``: time to first token with a shared prefix cached, against a full prefill.
 
 R requests share a P-token prefix (a document or a system prompt) and add U tokens each. A
-small decoder (token embedding, then per layer q/k/v projections, ``prefetching_attention``,
-an output projection and a SiLU MLP) prefills each request in chunks of ``--chunk`` tokens
+small decoder (:mod:`jax_tpusync.bench.tiny_decoder`) prefills each request in chunks of ``--chunk`` tokens
 and computes the logits of its last token. Per tier, in one run:
 
 * ``ttft_full``: request 0, nothing cached: the whole prompt is prefilled;
@@ -21,7 +20,6 @@ persisted yet (``ttft_restart`` is null).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import statistics
@@ -31,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tpusync.bench import common
+from jax_tpusync.bench import common, tiny_decoder
 
 COLUMNS = [
     ("tier", "tier", "s"),
@@ -64,13 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--requests", type=int, default=4, help="requests R sharing the prefix")
     p.add_argument("--chunk", type=int, default=512, help="prefill tokens per call")
     p.add_argument("--decode-steps", type=int, default=6)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--q-heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--ffn", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=1024)
+    tiny_decoder.add_arguments(p)
     p.add_argument("--block-tokens", type=int, default=256)
     p.add_argument("--staging-bytes", type=common.parse_bytes, default=32 * common.MiB)
     p.add_argument("--prefetch-depth", type=int, default=3)
@@ -81,49 +73,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
     p.set_defaults(run=run, columns=COLUMNS)
     return p
-
-
-def _params(args, seed: int):
-    import jax.numpy as jnp
-
-    rng = np.random.default_rng(seed)
-    d, hd = args.d_model, args.head_dim
-
-    def w(*shape):
-        return jnp.asarray(rng.standard_normal(shape, np.float32) / math.sqrt(shape[0]), jnp.bfloat16)
-
-    layers = [
-        dict(
-            wq=w(d, args.q_heads * hd),
-            wk=w(d, args.kv_heads * hd),
-            wv=w(d, args.kv_heads * hd),
-            wo=w(args.q_heads * hd, d),
-            w1=w(d, args.ffn),
-            w2=w(args.ffn, d),
-        )
-        for _ in range(args.layers)
-    ]
-    return dict(embed=w(args.vocab, d), layers=layers)
-
-
-def _forward(args, params, tokens, state):
-    """tokens int32[1, T] -> (logits f32[1, vocab] of the last token, state)."""
-    import jax
-    import jax.numpy as jnp
-
-    import jax_tpusync as tps
-
-    x = params["embed"][tokens]  # [1, T, d]
-    t = tokens.shape[1]
-    for layer, p in enumerate(params["layers"]):
-        q = (x @ p["wq"]).reshape(1, t, args.q_heads, args.head_dim)
-        k = (x @ p["wk"]).reshape(1, t, args.kv_heads, args.head_dim)
-        v = (x @ p["wv"]).reshape(1, t, args.kv_heads, args.head_dim)
-        o, state = tps.prefetching_attention(q, k, v, state, layer=layer)
-        x = x + o.reshape(1, t, -1) @ p["wo"]
-        x = x + jax.nn.silu(x @ p["w1"]) @ p["w2"]
-    logits = (x[:, -1] @ params["embed"].T).astype(jnp.float32)
-    return logits, state
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -139,7 +88,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise SystemExit("--requests must be >= 2 (one full prefill, then cached ones)")
     if args.prefix_tokens % args.block_tokens:
         raise SystemExit("--prefix-tokens must be a multiple of --block-tokens (full blocks)")
-    params = _params(args, args.seed)
+    model = tiny_decoder.Decoder.of(args)
+    params = tiny_decoder.init_params(model, args.seed)
     rng = np.random.default_rng(args.seed + 1)
     prefix_ids = rng.integers(0, args.vocab, args.prefix_tokens)
     prompts = [
@@ -149,7 +99,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     prompt_len = len(prompts[0])
     max_len = prompt_len + args.decode_steps + 1
     blocks_per_seq = -(-max_len // args.block_tokens)
-    step = jax.jit(functools.partial(_forward, args), donate_argnums=(2,))
+    step = jax.jit(functools.partial(tiny_decoder.forward, model), donate_argnums=(2,))
     results = []
     for tier in args.tiers:
         path = None

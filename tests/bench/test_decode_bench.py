@@ -66,6 +66,8 @@ def bench_run(tmp_path_factory):
         [
             "decode",
             *TINY,
+            "--tier-dtype",
+            "int8",
             "--json",
             paths["json"],
             "--plot",
@@ -115,6 +117,15 @@ def test_decode_json_has_every_key(bench_run):
         res["jax_offload_label"] in ("host-copy-on-cpu", "unsupported")
         or "->" in res["jax_offload_label"]
     )
+
+
+def test_the_quantized_variant_moves_about_half_the_bytes(bench_run):
+    res, _ = bench_run
+    assert res["tier_dtype"] == "int8"
+    assert res["quantized_bytes_ratio"] == res["quantized_row_bytes"] / (32 * 2) == 48 / 64
+    assert res["quantized_kv_bytes_per_step"] < res["kv_bytes_per_step"]
+    assert res["quantized_over_prefetch"] == res["t_quantized_ms"] / res["t_prefetch_ms"]
+    assert 0 < res["quantized_max_abs_diff"] <= 0.05 * max(1.0, res["output_abs_max"])
 
 
 def test_decode_outputs_match_resident(bench_run):

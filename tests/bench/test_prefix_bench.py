@@ -61,3 +61,41 @@ def test_prefix_bench_tiny(tmp_path):
             "decode on shared blocks <= 1.05 x private",
         }
     assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_quality_bench_tiny(tmp_path):
+    out = tmp_path / "quality.json"
+    args = bench_main.build_parser().parse_args(
+        [
+            "quality",
+            "--tier", "file",
+            "--path", str(tmp_path),
+            "--context", "96",
+            "--steps", "4",
+            "--batch", "2",
+            "--prefill-window", "32",
+            "--chunk", "32",
+            "--block-tokens", "16",
+            "--layers", "2",
+            "--d-model", "32",
+            "--q-heads", "2",
+            "--kv-heads", "1",
+            "--head-dim", "32",
+            "--ffn", "32",
+            "--vocab", "64",
+            "--staging-bytes", "64K",
+            "--engine-cpus", "0",
+            "--json", str(out),
+        ]
+    )  # fmt: skip
+    rows = {r["tier_dtype"]: r for r in args.run(args)}
+    assert set(rows) == {"bfloat16", "int8", "float8_e4m3fn", "other_context"}
+    ref = rows["bfloat16"]
+    assert ref["top1_agreement"] == 1.0 and ref["max_abs_logit_diff"] == 0
+    assert ref["decisions"] == 8 and ref["reference_top1_margin"] > 0
+    for name in ("int8", "float8_e4m3fn"):
+        row = rows[name]
+        assert row["tier_bytes_ratio"] == row["row_bytes"] / (32 * 2) == 48 / 64
+        # Quantization moves the logits, far less than another context does.
+        assert 0 < row["max_abs_logit_diff"] < rows["other_context"]["max_abs_logit_diff"]
+    assert "targets" in rows["int8"]
