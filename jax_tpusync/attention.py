@@ -492,9 +492,7 @@ def prefetching_attention(
         p_layer, p_chunk, p_lens, ok = _advance(spec, layer, chunk, lengths, grow)
         p_slot = (slot + spec.prefetch_depth) % spec.num_slots
         p_lo, p_count = _unit_range(spec, p_layer, p_chunk, p_lens)
-        p_segments = _fetch_segments(
-            spec, state, p_layer, p_lo, jnp.where(ok, p_count, 0), p_slot
-        )
+        p_segments = _fetch_segments(spec, state, p_layer, p_lo, jnp.where(ok, p_count, 0), p_slot)
         q_, p_ticket = ops.start_fetch(
             eid,
             tier,

@@ -682,7 +682,9 @@ class OffloadedKVCache:
         if max_tokens is None:
             max_tokens = spec.max_len
         if not _is_int(max_tokens) or not 1 <= max_tokens <= spec.max_len:
-            raise ValueError(f"max_tokens={max_tokens!r} must be an int in [1, max_len={spec.max_len}]")
+            raise ValueError(
+                f"max_tokens={max_tokens!r} must be an int in [1, max_len={spec.max_len}]"
+            )
         if self._capacity[slot] > 0:
             raise ValueError(
                 f"slot {slot} is active (capacity {int(self._capacity[slot])} tokens); "
@@ -692,9 +694,7 @@ class OffloadedKVCache:
         if tokens is not None:
             tokens = _token_ids(tokens)
             if len(tokens) > max_tokens:
-                raise ValueError(
-                    f"tokens has {len(tokens)} ids, more than max_tokens={max_tokens}"
-                )
+                raise ValueError(f"tokens has {len(tokens)} ids, more than max_tokens={max_tokens}")
             shared = self._prefix.match(tokens, max(len(tokens) - 1, 0) // spec.block_tokens)
         try:
             self._reserve(slot, int(max_tokens), shared)
@@ -747,7 +747,9 @@ class OffloadedKVCache:
         shared = int(self._shared[slot])
         if tokens is not None:
             full = length // spec.block_tokens
-            duplicates = self._prefix.publish(tokens[: full * spec.block_tokens], held[:full], shared)
+            duplicates = self._prefix.publish(
+                tokens[: full * spec.block_tokens], held[:full], shared
+            )
             self._allocator.free(np.asarray(duplicates + held[full:].tolist(), np.int64))
         else:
             self._prefix.unpin(held[:shared])
@@ -1261,10 +1263,11 @@ def _token_ids(tokens: Any) -> np.ndarray:
     """int64[n] token ids from a sequence of ints (refuses floats, bools, other ranks)."""
     array = np.asarray(tokens)
     if array.ndim != 1 or (
-        array.size
-        and not (np.issubdtype(array.dtype, np.integer) and array.dtype != np.bool_)
+        array.size and not (np.issubdtype(array.dtype, np.integer) and array.dtype != np.bool_)
     ):
-        raise ValueError(f"tokens must be a 1-D sequence of ints; got {array.dtype} of shape {array.shape}")
+        raise ValueError(
+            f"tokens must be a 1-D sequence of ints; got {array.dtype} of shape {array.shape}"
+        )
     return array.astype(np.int64)
 
 
@@ -1307,9 +1310,9 @@ def exact_cast_allowed(src: Any, dst: Any) -> bool:
     src, dst = np.dtype(src), np.dtype(dst)
     if src == dst:
         return True
-    return bool(
-        np.issubdtype(src, np.floating) or src == np.dtype(jnp.bfloat16)
-    ) and np.can_cast(src, dst, casting="safe")
+    return bool(np.issubdtype(src, np.floating) or src == np.dtype(jnp.bfloat16)) and np.can_cast(
+        src, dst, casting="safe"
+    )
 
 
 def dtype_error(name: str, src: Any, dst: Any) -> str:

@@ -798,6 +798,7 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
                 segs = jnp.asarray(flat)
                 ahead = min(depth, n_fetch)
                 tickets = jnp.full((slots,), ops.NO_TICKET, jnp.int32)
+
                 def start(i, x):
                     return ops.start_fetch(
                         eid,
@@ -1225,7 +1226,9 @@ def _quantized_row(res, quant, spec, shape: Shape, args, first_out) -> dict[str,
         quantized_kv_bytes=quant.spec.kv_bytes,
     )
     if "resident" in first_out:  # Quantization error of the first step, not a bug check.
-        diff = np.asarray(first_out["quantized"], np.float32) - np.asarray(first_out["resident"], np.float32)
+        diff = np.asarray(first_out["quantized"], np.float32) - np.asarray(
+            first_out["resident"], np.float32
+        )
         out["quantized_max_abs_diff"] = float(np.max(np.abs(diff)))
     return out
 

@@ -59,7 +59,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--tier-dtypes", nargs="+", choices=("int8", "float8_e4m3fn"), default=["int8", "float8_e4m3fn"]
+        "--tier-dtypes",
+        nargs="+",
+        choices=("int8", "float8_e4m3fn"),
+        default=["int8", "float8_e4m3fn"],
     )
     p.add_argument("--tier", choices=("host", "file"), default="host")
     p.add_argument("--path", default=None, help="directory of the file tier (default: cwd)")
@@ -115,13 +118,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     )
 
     # The context: the model's own KV, from a (windowed) prefill in host DRAM.
-    tokens = np.random.default_rng(args.seed + 1).integers(0, model.vocab, (args.batch, args.context))
+    tokens = np.random.default_rng(args.seed + 1).integers(
+        0, model.vocab, (args.batch, args.context)
+    )
     t0 = time.perf_counter()
     window = args.prefill_window or None
     with tps.OffloadedKVCache(**cache_args, sliding_window=window) as prefill_cache:
         state = prefill_cache.init(np.zeros(args.batch, np.int32))
         for lo in range(0, args.context, args.chunk):
-            logits, state = step(params, jnp.asarray(tokens[:, lo : lo + args.chunk], jnp.int32), state)
+            logits, state = step(
+                params, jnp.asarray(tokens[:, lo : lo + args.chunk], jnp.int32), state
+            )
         first = np.asarray(jnp.argmax(logits, axis=-1))
         state = prefill_cache.drain(state)
         context_kv = [prefill_cache.read_all(layer, args.context) for layer in range(model.layers)]
@@ -130,7 +137,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     path = None
     if args.tier == "file":
-        path = tempfile.mkdtemp(prefix="tpusync-quality-", dir=os.path.abspath(args.path or os.getcwd()))
+        path = tempfile.mkdtemp(
+            prefix="tpusync-quality-", dir=os.path.abspath(args.path or os.getcwd())
+        )
     try:
         decoded = {}
         fed = None  # The reference's greedy tokens, fed to every quantized cache.
@@ -138,7 +147,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for variant in [None, *args.tier_dtypes, CONTROL]:
             tier_dtype = None if variant == CONTROL else variant
             roll = 1 if variant == CONTROL else 0
-            with tps.OffloadedKVCache(**cache_args, tier_dtype=tier_dtype, tier=args.tier, path=path) as cache:
+            with tps.OffloadedKVCache(
+                **cache_args, tier_dtype=tier_dtype, tier=args.tier, path=path
+            ) as cache:
                 state = cache.init(np.zeros(args.batch, np.int32))
                 for layer, (k, v) in enumerate(context_kv):
                     k, v = (np.roll(x[:, : args.context], roll, axis=0) for x in (k, v))

@@ -36,6 +36,7 @@ def _cache(tier_dtype="int8", tier="host", path=None, **kw):
 
 def _new_kv(rng, q_len=1):
     """Per layer (q, k, v) of one step, float32."""
+
     def draw(heads):
         return jnp.asarray(rng.standard_normal((BATCH, q_len, heads, HEAD_DIM)), jnp.float32)
 
@@ -77,7 +78,9 @@ def _decode_against_resident(cache, tier_dtype, *, implementation, use_scan, ste
             return list(outs), state
         outs = []
         for layer, (q, k, v) in enumerate(xs):
-            o, state = tps.prefetching_attention(q, k, v, state, layer=layer, implementation=implementation)
+            o, state = tps.prefetching_attention(
+                q, k, v, state, layer=layer, implementation=implementation
+            )
             outs.append(o)
         return outs, state
 
@@ -88,7 +91,12 @@ def _decode_against_resident(cache, tier_dtype, *, implementation, use_scan, ste
         outs, state = step(xs, state)
         for layer, (q, k, v) in enumerate(xs):
             ref, _, _ = tps.resident_attention(
-                q, k, v, jnp.asarray(held[layer][0]), jnp.asarray(held[layer][1]), jnp.asarray(lengths)
+                q,
+                k,
+                v,
+                jnp.asarray(held[layer][0]),
+                jnp.asarray(held[layer][1]),
+                jnp.asarray(lengths),
             )
             worst = max(worst, float(jnp.max(jnp.abs(ref - outs[layer]))))
             for i, x in enumerate((k, v)):
@@ -131,7 +139,10 @@ def test_load_then_read_raw_is_byte_exact_and_read_dequantizes_it():
         k_raw, v_raw = cache.read(state, 0, 1, 3, 37, raw=True)
         for got, x in ((k_raw, kv[0]), (v_raw, kv[1])):
             want = quantize.unpack_host(
-                quantize.quantize_host(x[1, 3:37], np.dtype("int8")), np.dtype("int8"), KV_HEADS, HEAD_DIM
+                quantize.quantize_host(x[1, 3:37], np.dtype("int8")),
+                np.dtype("int8"),
+                KV_HEADS,
+                HEAD_DIM,
             )
             assert got.codes.dtype == np.int8 and got.scales.shape == (34, KV_HEADS)
             np.testing.assert_array_equal(got.codes, want.codes)
@@ -145,9 +156,10 @@ def test_load_then_read_raw_is_byte_exact_and_read_dequantizes_it():
 
 def test_staging_holds_quantized_rows_so_the_same_budget_stages_more_tokens():
     budget = 1 << 20
-    with _cache(None, staging_bytes=budget, max_len=4096) as plain, _cache(
-        "int8", staging_bytes=budget, max_len=4096
-    ) as quantized:
+    with (
+        _cache(None, staging_bytes=budget, max_len=4096) as plain,
+        _cache("int8", staging_bytes=budget, max_len=4096) as quantized,
+    ):
         assert quantized.spec.row_bytes == 48  # 2 x 16 codes + 2 x 4 scale bytes, padded to 16.
         assert plain.spec.row_bytes == KV_HEADS * HEAD_DIM * 4
         assert quantized.spec.staging_dtype == np.uint8
@@ -159,13 +171,17 @@ def test_staging_holds_quantized_rows_so_the_same_budget_stages_more_tokens():
 def test_raw_reads_of_an_unquantized_tier_are_refused():
     with _cache(None) as cache:
         state = cache.init(np.full(BATCH, 4, np.int32))
-        with pytest.raises(ValueError, match="raw=True reads codes and scales: this cache's tier is not quantized"):
+        with pytest.raises(
+            ValueError, match="raw=True reads codes and scales: this cache's tier is not quantized"
+        ):
             cache.read(state, 0, 0, raw=True)
 
 
 @pytest.mark.parametrize("bad", ["float8_e5m2", "int4", "float16"])
 def test_a_cache_refuses_other_tier_dtypes(bad):
-    with pytest.raises(ValueError, match=rf"tier_dtype='{bad}' must be None, 'int8' or 'float8_e4m3fn'"):
+    with pytest.raises(
+        ValueError, match=rf"tier_dtype='{bad}' must be None, 'int8' or 'float8_e4m3fn'"
+    ):
         _cache(bad)
 
 
@@ -189,7 +205,10 @@ def test_the_capacity_guard_holds_at_its_edge_with_quantized_rows():
         state = cache.drain(state)
         neighbour = cache.read(state, 0, 1, raw=True)
         assert list(np.asarray(state.lengths)) == [16, 4]
-        with pytest.raises(Exception, match="slot 0 holds 16 tokens and cannot take 1 more: its capacity is 16 tokens"):
+        with pytest.raises(
+            Exception,
+            match="slot 0 holds 16 tokens and cannot take 1 more: its capacity is 16 tokens",
+        ):
             jax.block_until_ready(step(_new_kv(rng), state))
         state = cache.recover()
         after = cache.read(state, 0, 1, raw=True)
@@ -213,13 +232,18 @@ def test_a_quantized_tier_reattaches_and_refuses_a_cache_of_another_tier_dtype(t
         np.testing.assert_array_equal(after[1].codes, before[1].codes)
         np.testing.assert_array_equal(after[1].scales, before[1].scales)
     for other in (None, "float8_e4m3fn"):
-        with pytest.raises(persistence.LayoutMismatchError, match=rf"tier_dtype: the tier holds 'int8', this cache has {other!r}"):
+        with pytest.raises(
+            persistence.LayoutMismatchError,
+            match=rf"tier_dtype: the tier holds 'int8', this cache has {other!r}",
+        ):
             _cache(other, **opts)
 
 
 def test_quantized_and_plain_caches_never_share_prefix_keys():
-    with _cache("int8", prefix_salt="m") as a, _cache(None, prefix_salt="m") as b, _cache(
-        "float8_e4m3fn", prefix_salt="m"
-    ) as c:
+    with (
+        _cache("int8", prefix_salt="m") as a,
+        _cache(None, prefix_salt="m") as b,
+        _cache("float8_e4m3fn", prefix_salt="m") as c,
+    ):
         roots = {a._prefix.root, b._prefix.root, c._prefix.root}
         assert len(roots) == 3

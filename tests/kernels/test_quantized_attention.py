@@ -29,7 +29,9 @@ def _quantized(x: np.ndarray, tier_dtype: str):
 
 def test_int8_round_trip_is_within_half_a_step_of_absmax_scaling():
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((4, 33, 3, 64)).astype(np.float32) * rng.uniform(0.01, 50, (4, 33, 3, 1))
+    x = rng.standard_normal((4, 33, 3, 64)).astype(np.float32) * rng.uniform(
+        0.01, 50, (4, 33, 3, 1)
+    )
     x[1, 2, 0] = 0.0  # An all-zero row: scale 0, codes 0.
     x[2, 5, 1, 7] = 1e4  # An outlier: its row's step grows, the bound with it.
     codes, scales = _quantized(x, "int8")
@@ -68,7 +70,9 @@ def test_in_graph_and_host_quantization_write_the_same_bytes():
     x = np.random.default_rng(2).standard_normal((2, 5, 2, 16)).astype(jnp.bfloat16)
     for tier_dtype in CODES:
         in_graph = jax.jit(lambda a: quantize.quantize(a, np.dtype(tier_dtype)))(jnp.asarray(x))
-        np.testing.assert_array_equal(np.asarray(in_graph), quantize.quantize_host(x, np.dtype(tier_dtype)))
+        np.testing.assert_array_equal(
+            np.asarray(in_graph), quantize.quantize_host(x, np.dtype(tier_dtype))
+        )
 
 
 @pytest.mark.parametrize("bad", ["float8_e5m2", "int4", "bfloat16", 3])
@@ -80,8 +84,21 @@ def test_unknown_tier_dtypes_are_refused_by_name(bad):
 # -- attention with scales --------------------------------------------------------------------
 
 
-def _case(seed, tier_dtype, *, batch=2, q_len=2, q_heads=4, kv_heads=2, head_dim=16, chunk=40,
-          k_valid=(40, 13), k_start=(0, 7), q_start=(40, 30), q_dtype=jnp.float32):
+def _case(
+    seed,
+    tier_dtype,
+    *,
+    batch=2,
+    q_len=2,
+    q_heads=4,
+    kv_heads=2,
+    head_dim=16,
+    chunk=40,
+    k_valid=(40, 13),
+    k_start=(0, 7),
+    q_start=(40, 30),
+    q_dtype=jnp.float32,
+):
     """Quantized inputs whose padding (past k_valid) holds NaN scales (and NaN fp8 codes),
     and the dequantized K/V a reference attends to (padding zeroed: never visible)."""
     rng = np.random.default_rng(seed)
@@ -89,11 +106,16 @@ def _case(seed, tier_dtype, *, batch=2, q_len=2, q_heads=4, kv_heads=2, head_dim
     kv = rng.standard_normal((2, batch, chunk, kv_heads, head_dim)).astype(np.float32) * 3
     codes, scales = _quantized(kv, tier_dtype)
     valid = np.arange(chunk)[None, :] < np.asarray(k_valid)[:, None]  # [batch, chunk]
-    deq = np.where(valid[None, :, :, None, None],
-                   quantize.dequantize_host(quantize.QuantizedRows(codes, scales), np.float32), 0)
+    deq = np.where(
+        valid[None, :, :, None, None],
+        quantize.dequantize_host(quantize.QuantizedRows(codes, scales), np.float32),
+        0,
+    )
     scales = np.where(valid[None, :, :, None], scales, np.nan).astype(np.float32)
     if tier_dtype != "int8":
-        codes = np.where(valid[None, :, :, None, None], codes.astype(np.float32), np.nan).astype(codes.dtype)
+        codes = np.where(valid[None, :, :, None, None], codes.astype(np.float32), np.nan).astype(
+            codes.dtype
+        )
     pos = [jnp.asarray(p, jnp.int32) for p in (k_start, k_valid, q_start)]
     quantized = (q, jnp.asarray(codes[0]), jnp.asarray(codes[1]), *pos)
     scale_kw = dict(k_scale=jnp.asarray(scales[0]), v_scale=jnp.asarray(scales[1]))
@@ -106,7 +128,11 @@ KNOBS = {
     "window": dict(window=9, soft_cap=None),
     "soft_cap_window": dict(window=25, soft_cap=4.0),
 }
-GROUPS = {"mha": dict(q_heads=2, kv_heads=2), "gqa2": dict(q_heads=4, kv_heads=2), "gqa4": dict(q_heads=4, kv_heads=1)}
+GROUPS = {
+    "mha": dict(q_heads=2, kv_heads=2),
+    "gqa2": dict(q_heads=4, kv_heads=2),
+    "gqa4": dict(q_heads=4, kv_heads=1),
+}
 
 
 def _check(actual, expected, tol):
@@ -142,7 +168,9 @@ def test_tpu_kernel_applies_scales(tier_dtype, q_dtype, tol, tpu_race_check):
 def test_gpu_kernel_applies_scales(tier_dtype, q_dtype, tol):
     args, scales, deq = _case(2, tier_dtype, q_dtype=q_dtype, **GROUPS["gqa4"])
     kw = dict(scale=0.3, window=None, soft_cap=4.0)
-    actual = kernels.chunk_attention_gpu(*args, **kw, **scales, block_kv=16, num_splits=2, interpret=True)
+    actual = kernels.chunk_attention_gpu(
+        *args, **kw, **scales, block_kv=16, num_splits=2, interpret=True
+    )
     _check(actual, kernels.chunk_attention_reference(*deq, **kw), tol)
 
 
@@ -172,7 +200,9 @@ def test_quantized_kernels_lower_for_hardware(platform, tier_dtype):
     def call(q, k, v, a, b_, c, ks, vs):
         return fn(q, k, v, a, b_, c, scale=0.1, soft_cap=30.0, window=64, k_scale=ks, v_scale=vs)
 
-    lowered = jax.jit(call).trace(q, kv, kv, pos, pos, pos, sc, sc).lower(lowering_platforms=(platform,))
+    lowered = (
+        jax.jit(call).trace(q, kv, kv, pos, pos, pos, sc, sc).lower(lowering_platforms=(platform,))
+    )
     assert target in lowered.as_text()
 
 
@@ -195,7 +225,11 @@ def test_scale_errors_name_the_problem(op):
         fn(q, k, v, *pos)  # Codes without their scales.
     with pytest.raises(ValueError, match=r"k.dtype must be int8 or float8_e4m3fn \(codes"):
         fn(q, k_float, v_float, *pos, **scales)
-    with pytest.raises(ValueError, match=r"k_scale must be \[batch, chunk_len, num_kv_heads\] = \[2, 40, 2\], got \[2, 39, 2\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"k_scale must be \[batch, chunk_len, num_kv_heads\] = \[2, 40, 2\], "
+        r"got \[2, 39, 2\]",
+    ):
         fn(q, k, v, *pos, k_scale=scales["k_scale"][:, :39], v_scale=scales["v_scale"])
     with pytest.raises(ValueError, match="v_scale.dtype must be float32, got bfloat16"):
         fn(q, k, v, *pos, k_scale=scales["k_scale"], v_scale=scales["v_scale"].astype(jnp.bfloat16))
