@@ -14,7 +14,9 @@ given one history.
 Per tier dtype: ``top1_agreement`` (share of steps x sequences whose argmax matches the
 reference's), ``max_abs_logit_diff`` / ``mean_abs_logit_diff``, the tier bytes against the
 reference's, and the median decode step. ``reference_top1_margin`` (the reference's mean
-gap between its best and second-best logit) says how close the calls were, and the
+gap between its best and second-best logit) and ``reference_near_ties`` (the share of
+decisions it led by less than 0.05) say how close the calls were
+(``top1_agreement_decisive`` counts only the others), and the
 ``other_context`` row (bfloat16 rows, each sequence given another sequence's context, with
 ``--batch`` >= 2) how far the logits move when the context itself changes: quantization
 error is only small next to that.
@@ -40,12 +42,16 @@ COLUMNS = [
     ("context", "context", "d"),
     ("decisions", "decisions", "d"),
     ("top1_agreement", "top-1 agree", ".4f"),
+    ("top1_agreement_decisive", "decisive agree", ".4f"),
     ("max_abs_logit_diff", "max |dlogit|", ".3g"),
     ("mean_abs_logit_diff", "mean |dlogit|", ".3g"),
     ("tier_bytes_ratio", "tier bytes", ".3f"),
     ("step_ms", "step ms", ".1f"),
 ]
 TARGET_INT8_AGREEMENT = 0.99
+# Reference decisions whose best logit leads the second by less are near-ties: any change
+# of the context flips some of them (reported apart as ``reference_near_ties``).
+DECISIVE_MARGIN = 0.05
 # The row that shows how much the logits depend on the context at all.
 CONTROL = "other_context"
 
@@ -183,7 +189,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 def _rows(args, decoded: dict, prefill_s: float) -> list[dict[str, Any]]:
     ref = decoded[None]
     top2 = np.sort(ref["logits"], axis=-1)[..., -2:]
-    margin = float(np.mean(top2[..., 1] - top2[..., 0]))
+    margins = top2[..., 1] - top2[..., 0]  # [steps, batch]
+    decisive = margins >= DECISIVE_MARGIN
     rows = []
     for variant, got in decoded.items():
         diff = np.abs(got["logits"] - ref["logits"])
@@ -197,7 +204,9 @@ def _rows(args, decoded: dict, prefill_s: float) -> list[dict[str, Any]]:
             top1_agreement=float(agree.mean()),
             max_abs_logit_diff=float(diff.max()),
             mean_abs_logit_diff=float(diff.mean()),
-            reference_top1_margin=margin,
+            reference_top1_margin=float(margins.mean()),
+            reference_near_ties=float(1 - decisive.mean()),
+            top1_agreement_decisive=float(agree[decisive].mean()) if decisive.any() else None,
             row_bytes=got["row_bytes"],
             tier_bytes=got["kv_bytes"],
             tier_bytes_ratio=got["kv_bytes"] / ref["kv_bytes"],
