@@ -90,6 +90,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "enough lookahead that one slow read or one slow unit of compute does not stall)",
     )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument(
+        "--tier-dtype",
+        choices=("int8", "float8_e4m3fn"),
+        default=None,
+        help="keep quantized KV rows on the tier (about half the bytes; with --resident the "
+        "logits then differ by the quantization error)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--resident",
@@ -246,6 +253,7 @@ def main(argv=None) -> int:
             num_kv_heads=cfg.kv_heads,
             head_dim=cfg.head_dim,
             dtype=dtype,
+            tier_dtype=args.tier_dtype,
             tier=args.tier,
             path=path,
             staging_bytes=int(args.staging_mb * 2**20),

@@ -14,6 +14,10 @@ next step's prefetch, is queued after it: the engine orders overlapping transfer
 submission, so no fetch can see a cache without its newest tokens. Every wait checks that
 its unit's fetch is exactly the one needed (same tier bytes, same staging slot) and fetches
 it itself otherwise, so a skipped layer or a changed state costs time, never correctness.
+
+A resident cache (``spec.resident``: the state's staging holds every layer's KV) keeps
+step 1 as it is, writes the new rows into its device copy too, and replaces step 2 by
+attention over that copy: no fetch at all (see :func:`_resident_layer`).
 """
 
 from __future__ import annotations
@@ -223,10 +227,18 @@ def staged_unit_rows(
     """``k``, ``v`` [batch, n, H, D] of one staging slot's rows ``[start, start + n)``; of
     a quantized cache the codes, with ``k_scale``/``v_scale`` f32[batch, n, H] (views of
     the staged bytes: the attention applies the scales, nothing dequantizes here)."""
+    return _rows_as_kv(spec, *staged_rows(staging, slot, start, n, staging.dtype))
+
+
+def _rows_as_kv(
+    spec: CacheSpec,
+    k_rows: jax.Array,  # [batch, n, *row_shape] in spec.staging_dtype
+    v_rows: jax.Array,  # [batch, n, *row_shape] in spec.staging_dtype
+) -> dict[str, jax.Array]:
+    """Staged rows as :func:`_attend`'s ``k``/``v`` (and scales): values in the cache's
+    dtype, or the codes and f32[batch, n, H] scales of quantized rows."""
     if not spec.quantized:
-        k, v = staged_rows(staging, slot, start, n, spec.dtype)
-        return dict(k=k, v=v)
-    k_rows, v_rows = staged_rows(staging, slot, start, n, staging.dtype)
+        return dict(k=_from_bits(k_rows, spec.dtype), v=_from_bits(v_rows, spec.dtype))
     k, k_scale = quantize.unpack(k_rows, spec.tier_dtype, spec.num_kv_heads, spec.head_dim)
     v, v_scale = quantize.unpack(v_rows, spec.tier_dtype, spec.num_kv_heads, spec.head_dim)
     return dict(k=k, v=v, k_scale=k_scale, v_scale=v_scale)
@@ -356,6 +368,61 @@ def _attend(
     return lax.switch(index, [functools.partial(run, w) for w in distinct])
 
 
+# -- the write-back (both modes) --------------------------------------------------------------
+
+
+def _tag(layer, chunk) -> jax.Array:
+    return jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(chunk, jnp.int32)])
+
+
+def _write_back(
+    spec: CacheSpec,
+    state: KVState,
+    layer,
+    k: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+    v: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queues the new tokens' write-back at each active slot's length; returns ``(token,
+    new_kv, grow)``: the op's token, the rows written ([2, batch, q_len, H, D] in the
+    cache's dtype, or uint8[2, batch, q_len, row_bytes] quantized) and int32[batch], the
+    tokens each slot takes this step (q_len active, 0 inactive)."""
+    eid, tier, first_block = state.target[0], state.target[1], state.target[2]
+    q_len = k.shape[1]
+    lengths = state.lengths
+    grow = jnp.where(state.capacity > 0, q_len, 0).astype(jnp.int32)
+    # Layer 0's write-back is the step's first engine op (every other op depends on it):
+    # it claims the state's step, so a second step from the same state is refused.
+    claim = jnp.concatenate([state.owner, jnp.asarray(layer == 0, jnp.int32)[None]])
+
+    write_segments = _write_segments(spec, state, layer, q_len)
+    if not isinstance(layer, int):
+        # The first engine call of the layer refuses an out-of-range traced layer.
+        write_segments = _refuse_bad_layer(spec, layer, write_segments)
+    # Capacity guards first (see ops.CAPACITY_GUARD): the write-back refuses the whole step,
+    # before any byte moves, if a slot would pass its capacity, naming it, instead of
+    # writing into whatever block lies next to its last one.
+    write_segments = jnp.concatenate(
+        [ops.capacity_guards(lengths, grow, state.capacity), write_segments]
+    )
+    new_kv = jnp.stack([k, v]).astype(spec.dtype)  # [2, batch, q_len, H, D]
+    if spec.quantized:
+        # Quantized here, fused into the step; the tokens themselves attend in full
+        # precision.
+        new_kv = quantize.quantize(new_kv, spec.tier_dtype)  # uint8[2, batch, q_len, row_bytes]
+    token = ops.write_back(
+        eid,
+        tier,
+        new_kv,
+        write_segments,
+        _tag(layer, -1),
+        deps=(state.token,),
+        regions=spec.regions,
+        owner=claim,
+        first_block=first_block,
+    )
+    return token, new_kv, grow
+
+
 # -- the public op ---------------------------------------------------------------------------
 
 
@@ -376,7 +443,9 @@ def prefetching_attention(
 
     Appends ``k``/``v`` at each sequence's current length (writing them back to the tier),
     attends over positions ``[0, length + q_len)`` (or the layer's sliding window), and
-    starts fetching the KV the next call will need while this one computes.
+    starts fetching the KV the next call will need while this one computes. On a resident
+    cache (``OffloadedKVCache(resident=True)``) it fetches nothing: it attends over the
+    state's device copy of the KV, which it updates alongside the write-back.
 
     Call it once per layer, layers in order 0..num_layers-1, every step; from a Python loop
     inside ``jit`` (``layer`` an int) or from ``lax.scan`` over stacked weights (``layer``
@@ -435,42 +504,25 @@ def prefetching_attention(
     eid, tier, first_block = state.target[0], state.target[1], state.target[2]
     batch, q_len = q.shape[:2]
     lengths = state.lengths
-    active = state.capacity > 0
-    grow = jnp.where(active, q_len, 0).astype(jnp.int32)  # Tokens each slot takes this step.
-    # Layer 0's write-back is the step's first engine op (every other op depends on it):
-    # it claims the state's step, so a second step from the same state is refused.
-    claim = jnp.concatenate([state.owner, jnp.asarray(layer == 0, jnp.int32)[None]])
     owner = jnp.concatenate([state.owner, jnp.zeros((1,), jnp.int32)])
-    tag = lambda l, c: jnp.stack([jnp.asarray(l, jnp.int32), jnp.asarray(c, jnp.int32)])
-
-    write_segments = _write_segments(spec, state, layer, q_len)
-    if not isinstance(layer, int):
-        # The first engine call of the layer refuses an out-of-range traced layer.
-        write_segments = _refuse_bad_layer(spec, layer, write_segments)
-    # Capacity guards first (see ops.CAPACITY_GUARD): the write-back refuses the whole step,
-    # before any byte moves, if a slot would pass its capacity, naming it, instead of
-    # writing into whatever block lies next to its last one.
-    write_segments = jnp.concatenate(
-        [ops.capacity_guards(lengths, grow, state.capacity), write_segments]
-    )
 
     # 1. New tokens go out first: later fetches of this layer are queued behind them.
-    new_kv = jnp.stack([k, v]).astype(spec.dtype)  # [2, batch, q_len, H, D]
-    if spec.quantized:
-        # Quantized here, fused into the step; the tokens themselves attend below in full
-        # precision.
-        new_kv = quantize.quantize(new_kv, spec.tier_dtype)  # uint8[2, batch, q_len, row_bytes]
-    token = ops.write_back(
-        eid,
-        tier,
-        new_kv,
-        write_segments,
-        tag(layer, -1),
-        deps=(state.token,),
-        regions=regions,
-        owner=claim,
-        first_block=first_block,
-    )
+    token, new_kv, grow = _write_back(spec, state, layer, k, v)
+    if spec.resident:
+        return _resident_layer(
+            q,
+            k,
+            v,
+            state,
+            new_kv,
+            token,
+            grow,
+            layer=layer,
+            implementation=implementation,
+            scale=scale,
+            soft_cap=soft_cap,
+            kernel_options=kernel_options,
+        )
 
     num_units = _num_units(spec, layer, lengths)
     attend = functools.partial(
@@ -498,7 +550,7 @@ def prefetching_attention(
             tier,
             q_,
             p_segments,
-            tag(p_layer, p_chunk),
+            _tag(p_layer, p_chunk),
             dst_bytes=spec.device_bytes,
             deps=(token, out),
             regions=regions,
@@ -514,7 +566,7 @@ def prefetching_attention(
             staging,
             tickets[slot],
             _fetch_segments(spec, state, layer, lo, count, slot),
-            tag(layer, chunk),
+            _tag(layer, chunk),
             deps=(q_, k, v, out),
             regions=regions,
             owner=owner,
@@ -569,6 +621,132 @@ def prefetching_attention(
         owner=state.owner.at[2].add(jnp.asarray(layer == spec.num_layers - 1, jnp.int32)),
     )
     return out.astype(q.dtype), state
+
+
+# -- resident mode ---------------------------------------------------------------------------
+
+
+def _resident_layer(
+    q: jax.Array,  # [batch, q_len, num_q_heads, head_dim]
+    k: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+    v: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+    state: KVState,
+    new_kv: jax.Array,  # [2, batch, q_len, *row_shape]: the rows the write-back writes
+    token: jax.Array,  # the write-back's token
+    grow: jax.Array,  # int32[batch]: tokens each slot takes this step
+    *,
+    layer,
+    implementation: str,
+    scale: float,
+    soft_cap: float | None,
+    kernel_options: dict,
+) -> tuple[jax.Array, KVState]:
+    """One layer of a step on a resident cache (``spec.resident``), its write-back queued.
+
+    The new rows go into the state's copy of the layer at each active slot's length (the
+    same rows the tier gets), then ``q`` attends over the copy's rows of the layer (its
+    window) and the new tokens, in the operations of :func:`resident_attention` with
+    ``unit_len=None``. No fetch: the copy is the tier's rows (see ``OffloadedKVCache``).
+    """
+    spec = state.spec
+    batch, q_len = q.shape[:2]
+    lengths = state.lengths
+    staging = _resident_insert(spec, state.staging, layer, new_kv, lengths, state.capacity > 0)
+    attend = functools.partial(
+        _attend,
+        spec=spec,
+        layer=layer,
+        scale=scale,
+        soft_cap=soft_cap,
+        implementation=implementation,
+        kernel_options=kernel_options,
+    )
+    # The layer's rows as one unit: its own span when the layer is static; a traced layer
+    # reads up to the longest (spec.chunk_len), its blocks bounded by the valid rows.
+    span = spec.layer_span(spec.windows[layer]) if isinstance(layer, int) else spec.chunk_len
+    lo = _layer_start(spec, layer, lengths)
+    count = jnp.clip(lengths - lo, 0, span)
+    if implementation == "xla":
+        block_len = block_len_for(span, batch * spec.num_kv_heads * spec.head_dim)
+    else:
+        block_len = span
+    windows = [spec.windows[layer]] if isinstance(layer, int) else spec.windows
+    whole_context = all(w is None for w in windows)  # Every slot reads from position 0.
+    out, lse = attend_valid_rows(
+        lambda start, n, valid: attend(
+            q,
+            k_start=lo + start,
+            k_valid=valid,
+            q_start=lengths,
+            **_resident_rows(spec, staging, layer, lo + start, n, whole_context),
+        ),
+        count,
+        span,
+        block_len,
+        q.shape,
+    )
+    # The new tokens attend to themselves (causally) and merge in.
+    o, l = attend(
+        q,
+        k.astype(spec.dtype),
+        v.astype(spec.dtype),
+        lengths,
+        jnp.full((batch,), q_len, jnp.int32),
+        lengths,
+    )
+    out, _ = kernel_reference.merge_partials(out, lse, o, l)
+    last = layer == spec.num_layers - 1
+    state = state.replace(
+        lengths=jnp.where(last, lengths + grow, lengths),
+        staging=staging,
+        token=token,
+        owner=state.owner.at[2].add(jnp.asarray(last, jnp.int32)),
+    )
+    return out.astype(q.dtype), state
+
+
+def _resident_insert(
+    spec: CacheSpec,
+    staging: jax.Array,  # [num_layers, 2, batch, max_len, *row_shape]
+    layer,
+    new_kv: jax.Array,  # [2, batch, q_len, *row_shape]
+    lengths: jax.Array,  # int32[batch]
+    active: jax.Array,  # bool[batch]
+) -> jax.Array:  # like staging
+    """``staging`` with ``new_kv`` at rows ``[lengths[b], lengths[b] + q_len)`` of ``layer``
+    for each active slot; an inactive slot's rows are left as they are."""
+    q_len = new_kv.shape[2]
+    rows = new_kv
+    if rows.dtype != staging.dtype:  # 16-bit KV staged as its uint16 words.
+        rows = lax.bitcast_convert_type(rows, staging.dtype)
+    # Inactive slots point past max_len, where the scatter drops them.
+    at = lengths[:, None] + jnp.arange(q_len, dtype=jnp.int32)  # [batch, q_len]
+    at = jnp.where(active[:, None], at, spec.max_len)
+    b = jnp.arange(spec.batch, dtype=jnp.int32)[:, None]
+    for kv in range(2):
+        staging = staging.at[layer, kv, b, at].set(rows[kv], mode="drop")
+    return staging
+
+
+def _resident_rows(
+    spec: CacheSpec,
+    staging: jax.Array,  # [num_layers, 2, batch, max_len, *row_shape]
+    layer,
+    start: jax.Array,  # int32[batch]: first position per slot
+    n: int,  # rows to read (static)
+    whole_context: bool,  # every slot reads from the same position (no window)
+) -> dict[str, jax.Array]:
+    """:func:`_rows_as_kv` of positions ``[start[b], start[b] + n)`` of ``layer``."""
+    if whole_context:
+        # One start for every slot: a slice, as staging is read in the streaming path.
+        zero = jnp.int32(0)
+        index = (jnp.asarray(layer, jnp.int32), zero, zero, start[0])
+        index += (zero,) * (staging.ndim - 4)
+        block = lax.dynamic_slice(staging, index, (1, 2, spec.batch, n, *staging.shape[4:]))
+        return _rows_as_kv(spec, block[0, 0], block[0, 1])
+    at = jnp.clip(start[:, None] + jnp.arange(n, dtype=jnp.int32), 0, spec.max_len - 1)
+    b = jnp.arange(spec.batch, dtype=jnp.int32)[:, None]
+    return _rows_as_kv(spec, staging[layer, 0, b, at], staging[layer, 1, b, at])
 
 
 def _validate(q, k, v, spec: CacheSpec, layer) -> None:

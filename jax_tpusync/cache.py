@@ -15,6 +15,10 @@ holding one *unit* (a chunk of ``chunk_len`` tokens of one layer, K and V, all s
 longer than a slot is processed in several units with an online-softmax merge. Fetches land
 in engine memory and each wait copies its unit into its slot (see :mod:`jax_tpusync.ops`),
 so the engine never writes a staging buffer outside the op that holds it.
+
+Resident mode (``resident=True``, or ``"auto"`` when it fits): the staging budget holds the
+whole cache, so the state carries every layer's KV on device and the step only writes back
+(the tier stays the durable copy); host-side changes to the tier are copied into it.
 """
 
 from __future__ import annotations
@@ -55,6 +59,11 @@ def _staging_shape(num_slots, batch, chunk_len, row_shape) -> tuple[int, ...]:
     return (num_slots, 2, batch, chunk_len, *row_shape)
 
 
+def _resident_shape(num_layers, batch, max_len, row_shape) -> tuple[int, ...]:
+    """[num_layers, 2 (K, V), batch, max_len, *row_shape]: every layer's rows, by position."""
+    return (num_layers, 2, batch, max_len, *row_shape)
+
+
 def attends_in_blocks() -> bool:
     """Whether the plain-XLA attention reads staged KV in blocks of rows (on CPU; see
     ``attention.attend_valid_rows``), which is also when 16-bit KV is staged as words."""
@@ -86,6 +95,8 @@ class CacheSpec:
     # ``dtype``, uint16 words holding its bits (see OffloadedKVCache), or uint8 (quantized).
     staging_dtype: Any
     tier_dtype: Any = None  # Codes of quantized rows (int8, float8_e4m3fn), or None.
+    # Staging holds every layer's KV (see OffloadedKVCache's ``resident``); steps fetch nothing.
+    resident: bool = False
 
     @property
     def itemsize(self) -> int:
@@ -125,11 +136,14 @@ class CacheSpec:
 
     @property
     def staging_shape(self) -> tuple[int, ...]:
+        if self.resident:
+            return _resident_shape(self.num_layers, self.batch, self.max_len, self.row_shape)
         return _staging_shape(self.num_slots, self.batch, self.chunk_len, self.row_shape)
 
     @property
     def device_bytes(self) -> int:
-        """Device memory the state's staging buffers take, independent of context length."""
+        """Device memory the state's staging buffers take, independent of context length
+        (resident: the whole cache's rows)."""
         return math.prod(self.staging_shape) * np.dtype(self.staging_dtype).itemsize
 
     @property
@@ -165,7 +179,9 @@ class KVState:
         ``[i * block_tokens, (i + 1) * block_tokens)`` (-1: none).
       capacity: int32[batch], tokens each slot may hold (its reserved blocks, at most
         max_len); 0: the slot is inactive (no I/O, its length does not grow).
-      staging: [num_slots, 2, batch, chunk_len, num_kv_heads, head_dim] fetch landing zone.
+      staging: [num_slots, 2, batch, chunk_len, *row_shape] fetch landing zone; resident
+        (``spec.resident``): [num_layers, 2, batch, max_len, *row_shape], every layer's rows
+        by position, equal to the tier at each active slot's positions ``[0, length)``.
       tickets: int32[num_slots], engine ticket of the fetch in flight into each slot (-1: none).
       slot: int32[], the slot the next unit is consumed from.
       token: int32[], orders engine calls (write-backs before later fetches).
@@ -265,6 +281,18 @@ class OffloadedKVCache:
       staging_bytes: device memory budget of the state's staging slots, an int in
         ``[1, 2**31 - 1]`` that holds at least one token row per slot. Layers whose KV is
         larger are processed in chunks.
+      resident: ``False`` (default): stream the KV through staging units. ``True``: keep
+        the whole cache on device in the state's staging, ``[num_layers, 2, batch,
+        max_len, *row_shape]``, which must fit ``staging_bytes`` (``num_layers x 2 x batch
+        x max_len x row_bytes`` bytes; refused, naming both, if not). ``"auto"``: resident
+        when it fits. A resident step fetches nothing: it writes its new tokens back to the
+        tier as a streaming step does (same capacity guards, same stale-state refusal) and
+        into the resident copy, and attends over the copy, so small caches run at resident
+        speed. Host-side changes of the tier (:meth:`load`, :meth:`admit` of a cached
+        prefix, :meth:`init`, :meth:`recover`, :meth:`drain` of a state older than the
+        latest) are copied into the state they return.
+        Not the default, so that a small cache exercises the same streaming path as a large
+        one unless asked.
       prefetch_depth: units fetched ahead (1: layer L+1 while layer L computes), an int
         in ``[1, MAX_PREFETCH_DEPTH]`` (64).
       sliding_window: None, an int for every layer, or a per-layer sequence of
@@ -314,6 +342,7 @@ class OffloadedKVCache:
         block_tokens: int | None = None,
         num_blocks: int | None = None,
         staging_bytes: int = 256 << 20,
+        resident: bool | str = False,
         prefetch_depth: int = 1,
         sliding_window: int | Sequence[int | None] | None = None,
         prefetch_across_steps: bool = True,
@@ -362,6 +391,10 @@ class OffloadedKVCache:
             raise TypeError(
                 f"engine must be an Engine, an EngineConfig or None; got {type(engine).__name__}"
             )
+        is_auto = isinstance(resident, str) and resident == "auto"
+        if not (isinstance(resident, (bool, np.bool_)) or is_auto):
+            raise ValueError(f"resident={resident!r} must be True, False or 'auto'")
+        resident = resident if isinstance(resident, str) else bool(resident)
         prefetch_depth = int(prefetch_depth)
         staging_bytes = int(staging_bytes)
         if block_tokens is None:
@@ -429,15 +462,24 @@ class OffloadedKVCache:
                 row_bytes = quantize.row_bytes(num_kv_heads, head_dim)
                 row_shape = (row_bytes,)
             num_slots = prefetch_depth + 1
+            longest = max(max_len if w is None else min(max_len, max(w - 1, 1)) for w in windows)
+            whole_cache_bytes = num_layers * 2 * batch * max_len * row_bytes
+            fits = whole_cache_bytes <= staging_bytes
+            if resident is True and not fits:
+                raise ValueError(
+                    f"resident=True needs the whole cache on device: {num_layers} layers x 2 "
+                    f"(K, V) x batch {batch} x max_len {max_len} x {row_bytes} bytes per token "
+                    f"row = {whole_cache_bytes} bytes, more than staging_bytes={staging_bytes}"
+                )
+            resident = bool(fits and resident in (True, "auto"))
             unit_row_bytes = num_slots * 2 * batch * row_bytes
-            chunk_len = staging_bytes // unit_row_bytes
+            chunk_len = longest if resident else staging_bytes // unit_row_bytes
             if chunk_len < 1:
                 raise ValueError(
                     f"staging_bytes={staging_bytes} cannot hold one token per slot: "
                     f"{num_slots} slots x 2 (K, V) x batch {batch} x {row_bytes} bytes per "
                     f"token row = {unit_row_bytes} bytes at least"
                 )
-            longest = max(max_len if w is None else min(max_len, max(w - 1, 1)) for w in windows)
             chunk_len = min(chunk_len, longest)
             page_rows = 4096 // math.gcd(row_bytes, 4096)
             if page_rows < chunk_len < longest:
@@ -458,15 +500,19 @@ class OffloadedKVCache:
                 # to its offset within a page, so fetches into it skip the bounce buffer.
                 # (Where XLA places a buffer depends on the allocator's history; asking
                 # for a probe buffer of the same size is not reliable.)
-                self._first_staging = jnp.zeros(
-                    _staging_shape(num_slots, batch, chunk_len, row_shape), staging_dtype
-                )
+                # Resident: no fetch lands in staging, so the phase does not matter.
+                alignment_offset = 0
+                if not resident:
+                    self._first_staging = jnp.zeros(
+                        _staging_shape(num_slots, batch, chunk_len, row_shape), staging_dtype
+                    )
+                    alignment_offset = page_offset(self._first_staging) or 0
                 tier_index = self.engine.add_file_tier(
                     path,
                     block_bytes=block_bytes,
                     num_blocks=tier_blocks,
                     file_name=file_name,
-                    alignment_offset=page_offset(self._first_staging) or 0,
+                    alignment_offset=alignment_offset,
                 )
             region_name = "kv" if (shm_name or file_name) else None
             first_block = self.engine.allocate(tier_index, tier_blocks, name=region_name)
@@ -492,6 +538,7 @@ class OffloadedKVCache:
             prefetch_across_steps=prefetch_across_steps,
             staging_dtype=staging_dtype,
             tier_dtype=tier_dtype,
+            resident=resident,
         )
         self.tier = tier_index
         self.first_block = first_block
@@ -523,6 +570,8 @@ class OffloadedKVCache:
         self._loaded_extent = np.zeros((num_layers, batch), np.int64)
         # The lengths of the latest state the host made or saw (see recover()).
         self._live_lengths = np.zeros(batch, np.int32)
+        # Resident mode: the epoch of the latest state whose copy matches the tier.
+        self._resident_epoch: int | None = None
         self._stream = self.engine.open_stream()
         if self._persistence is not None:
             try:
@@ -534,10 +583,11 @@ class OffloadedKVCache:
                     self.engine.close()
                 raise
         logger.info(
-            "offloaded KV cache: %s tier, %.1f MiB of KV, %.1f MiB staging, chunk_len=%d",
+            "offloaded KV cache: %s tier, %.1f MiB of KV, %.1f MiB staging%s, chunk_len=%d",
             tier,
             self.spec.kv_bytes / 2**20,
             self.spec.device_bytes / 2**20,
+            " (resident)" if resident else "",
             self.spec.chunk_len,
         )
 
@@ -604,10 +654,15 @@ class OffloadedKVCache:
         """A state of the host's tables and ``lengths``, fresh staging, a new epoch."""
         spec = self.spec
         staging, self._first_staging = self._first_staging, None
-        if staging is None:
+        if spec.resident:
+            staging = self._resident_copy()
+        elif staging is None:
             staging = jnp.zeros(spec.staging_shape, spec.staging_dtype)
-        self._note_staging_phase(staging)
+        if not spec.resident:
+            self._note_staging_phase(staging)
         self._live_lengths = np.asarray(lengths, np.int32).copy()
+        owner = self._new_owner()
+        self._resident_epoch = int(np.asarray(owner)[1])
         return KVState(
             spec,
             lengths=jnp.asarray(lengths, jnp.int32),
@@ -617,9 +672,47 @@ class OffloadedKVCache:
             tickets=jnp.full((spec.num_slots,), ops.NO_TICKET, jnp.int32),
             slot=jnp.zeros((), jnp.int32),
             token=jnp.zeros((), jnp.int32),
-            owner=self._new_owner(),
+            owner=owner,
             target=jnp.asarray(self._target, jnp.int32),
         )
+
+    def _resident_copy(
+        self,
+        staging: jax.Array | None = None,  # spec.staging_shape; None: build it whole
+        *,
+        layer: int | None = None,
+        slot: int | None = None,
+    ) -> jax.Array:  # spec.staging_shape
+        """Resident staging holding the tier's rows of ``layer`` and ``slot`` (None: every
+        layer, every slot), the others kept from ``staging``.
+
+        Copies every position a slot's blocks hold (up to its capacity, not only its
+        length): a later :meth:`load` that extends the lengths refreshes only its own
+        layer, so the other layers' rows past the old lengths must already be there.
+        """
+        spec = self.spec
+        layers = range(spec.num_layers) if layer is None else [layer]
+        slots = range(spec.batch) if slot is None else [slot]
+        buf = np.zeros((len(layers), 2, len(slots), spec.max_len, spec.row_bytes), np.uint8)
+        rows = []
+        for i, l in enumerate(layers):
+            for kv in range(2):
+                for j, b in enumerate(slots):
+                    mem = ((i * 2 + kv) * len(slots) + j) * spec.max_len * spec.row_bytes
+                    for offset, n in self.tier_rows(l, kv, b, 0, int(self._capacity[b])):
+                        rows.append((offset, mem, n))
+                        mem += n
+        if rows:  # Ordered after the write-backs in flight to the same bytes.
+            self.engine.wait(self.engine.submit_read(self.tier, rows, buf))
+        # The tier's bytes as staging holds them (values, their uint16 words, or raw rows).
+        values = buf.view(spec.staging_dtype).reshape(buf.shape[:4] + spec.row_shape)
+        if layer is None and slot is None:
+            return jnp.asarray(values)
+        if layer is None:
+            return staging.at[:, :, slot].set(values[:, :, 0])
+        if slot is None:
+            return staging.at[layer].set(values[0])
+        return staging.at[layer, :, slot].set(values[0, :, 0])
 
     def inert_state(self) -> KVState:
         """A state of this cache's structure that moves no bytes: every slot inactive, an
@@ -705,7 +798,10 @@ class OffloadedKVCache:
         lengths = np.asarray(state.lengths).copy()
         lengths[slot] = cached
         self._loaded_extent[:, slot] = cached
-        return self._with_slots(state, lengths), cached
+        state = self._with_slots(state, lengths)
+        if spec.resident and cached:  # The shared prefix's rows, as the tier holds them.
+            state = state.replace(staging=self._resident_copy(state.staging, slot=slot))
+        return state, cached
 
     def release(
         self, state: KVState, slot: int, *, tokens: Sequence[int] | np.ndarray | None = None
@@ -893,14 +989,24 @@ class OffloadedKVCache:
         Fetches land in engine-owned memory, so a state may be dropped with fetches in
         flight; call this before handing a state to host-side methods or re-using one whose
         successor was lost (e.g. after a failed step). Every other state of this cache
-        becomes stale: the engine refuses its ops.
+        becomes stale: the engine refuses its ops. Resident mode: a state from before the
+        latest host-side change gets a fresh copy of the tier.
         """
         self._check_state(state)
         jax.block_until_ready(state)  # The step that made it has finished with the engine.
         self._live_lengths = np.asarray(state.lengths).copy()
+        owner = self._new_owner()
+        staging = state.staging
+        if self.spec.resident:
+            # Only the latest epoch's copy is known to match the tier: the host may have
+            # changed the tier through a later state (load, admit) since an older one's.
+            if int(np.asarray(state.owner)[1]) != self._resident_epoch:
+                staging = self._resident_copy()
+            self._resident_epoch = int(np.asarray(owner)[1])
         return state.replace(
             tickets=jnp.full((self.spec.num_slots,), ops.NO_TICKET, jnp.int32),
-            owner=self._new_owner(),
+            owner=owner,
+            staging=staging,
         )
 
     def recover(self) -> KVState:
@@ -1057,6 +1163,8 @@ class OffloadedKVCache:
         if (grown != lengths_now).any():
             state = state.replace(lengths=jnp.asarray(grown, jnp.int32))
             self._live_lengths = grown.astype(np.int32)
+        if spec.resident:
+            state = state.replace(staging=self._resident_copy(state.staging, layer=layer))
         return state
 
     def read(

@@ -25,6 +25,9 @@ that adds compute without adding KV). It runs as
   the step computes.
 * ``prefetch``: :func:`jax_tpusync.prefetching_attention`: layer-ahead and cross-step
   prefetch.
+* ``resident_mode``: ``prefetch`` on a cache made with ``resident=True`` (every layer's
+  KV in the state's staging, which must fit ``--staging-bytes``; skipped with a note
+  otherwise): write-back only, no fetch. What a small experiment gets from the library.
 * ``quantized`` (with ``--tier-dtype int8|float8_e4m3fn``): ``prefetch`` over a cache of
   quantized rows (codes + per-token scales, about half of bf16's bytes) holding the same
   KV, with the same staging budget. ``quantized_over_prefetch`` is the ratio of the two
@@ -101,6 +104,7 @@ VARIANTS = (
     "transfer",
     "sync",
     "prefetch",
+    "resident_mode",
     "contiguous",
     "quantized",
     "plain",
@@ -119,6 +123,7 @@ COLUMNS = [
     ("t_transfer_ms", "transfer ms", ".1f"),
     ("t_sync_ms", "sync ms", ".1f"),
     ("t_prefetch_ms", "prefetch ms", ".1f"),
+    ("t_resident_mode_ms", "resident mode ms", ".1f"),
     ("t_contiguous_ms", "contiguous ms", ".1f"),
     ("paged_over_contiguous", "paged/contig", ".3f"),
     ("fetch_bytes_per_segment", "B/segment", ".0f"),
@@ -536,6 +541,15 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
                 file_name="kv_contig" if path else None,
                 block_tokens=1 << (max_len - 1).bit_length(),
             )
+        # The same KV kept resident in the cache's staging, if it fits the budget.
+        resident_cache, resident_mode_note = None, None
+        if "resident_mode" in variants_wanted:
+            try:
+                resident_cache = new_cache(
+                    record=False, file_name="kv_resident" if path else None, resident=True
+                )
+            except ValueError as e:
+                resident_mode_note = f"skipped: {e}"
         # The same cache with quantized rows (same staging budget: more tokens per unit).
         quant = None
         if args.tier_dtype and "quantized" in variants_wanted:
@@ -557,12 +571,13 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
         pf_state = pf_cache.init([args.context] * shape.batch)
         contig_state = contig.init([args.context] * shape.batch) if contig else None
         quant_state = quant.init([args.context] * shape.batch) if quant else None
+        rm_state = resident_cache.init([args.context] * shape.batch) if resident_cache else None
         # Fill: the same random KV into every tier and the resident arrays.
         t0 = time.perf_counter()
         resident_kv = _fill(
             shape,
             max_len,
-            [pf_cache] + [c for c in (aux, contig, quant) if c is not None],
+            [pf_cache] + [c for c in (aux, contig, quant, resident_cache) if c is not None],
             args.seed,
             keep=bool(
                 {"resident", "compute", "platform", "jax_offload"} & set(variants_wanted)
@@ -574,6 +589,8 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
             contig_state = contig.drain(contig_state)
         if quant is not None:
             quant_state = quant.drain(quant_state)
+        if resident_cache is not None:
+            rm_state = resident_cache.drain(rm_state)  # Its copy, refreshed from the tier.
         print(
             f"filled {args.context} tokens x {shape.layers} layers in "
             f"{time.perf_counter() - t0:.1f} s",
@@ -641,6 +658,17 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
                 "contiguous",
                 jax.jit(contiguous_step, donate_argnums=(2,)),
                 contig_state,
+                (params, x0),
+            )
+        if resident_cache is not None:
+
+            def resident_mode_step(params, x, state):
+                return _model(params, shape, x, state, prefetch_attend)
+
+            variants["resident_mode"] = _Variant(
+                "resident_mode",
+                jax.jit(resident_mode_step, donate_argnums=(2,)),
+                rm_state,
                 (params, x0),
             )
         if quant is not None:
@@ -1074,6 +1102,13 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
             )
             for n in ("sync", "jax_offload"):
                 res[f"{n}_max_abs_err"] = err(first_out[n], ref) if n in first_out else None
+            res["max_abs_err_resident_mode"] = None
+            if "resident_mode" in variants:  # Appends a token per step too.
+                assert variants["resident_mode"].steps == variants["resident"].steps
+                res["max_abs_err_resident_mode"] = max(
+                    err(first_out["resident_mode"], ref),
+                    err(variants["resident_mode"].out, variants["resident"].out),
+                )
             # The baselines append a token per step too: first and last step against resident.
             for n in baselines.VARIANTS:
                 res[f"max_abs_err_{n}"] = None
@@ -1083,9 +1118,13 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
                         err(first_out[n], ref), err(variants[n].out, variants["resident"].out)
                     )
         else:
-            res["max_abs_err"] = None
+            res["max_abs_err"] = res["max_abs_err_resident_mode"] = None
             res.update({f"max_abs_err_{n}": None for n in baselines.VARIANTS})
         res["output_abs_max"] = float(np.max(np.abs(first_out["prefetch"])))
+        res["resident_mode_note"] = resident_mode_note
+        res["resident_mode_device_bytes"] = (
+            resident_cache.spec.device_bytes if resident_cache is not None else None
+        )
 
         res["device_bytes"] = spec.device_bytes
         res["kv_bytes"] = spec.kv_bytes
@@ -1270,6 +1309,8 @@ def _print_summary(res: dict[str, Any]) -> None:
         "prefetch": f"prefetching_attention ({f(res['tokens_per_s'], '.2f')} tok/s, "
         f"{f(res['prefetch_fetch_gbps'], '.2f')} GB/s of KV; {res['block_tokens']}-token "
         f"blocks, {res['fetch_bytes_per_segment'] / 1024:.0f} KiB per segment)",
+        "resident_mode": res.get("resident_mode_note")
+        or "prefetching_attention on a resident=True cache: write-back only, no fetch",
         "contiguous": f"the same, one KV block per sequence (paged/contiguous "
         f"{f(res['paged_over_contiguous'], '.3f')})",
         "quantized": f"the same over {res.get('tier_dtype')} rows + scales "

@@ -88,8 +88,13 @@ def test_decode_json_has_every_key(bench_run):
         doc = json.load(f)
     assert doc["subcommand"] == "decode"
     res = doc["results"]
+    # The tiny cache's KV does not fit its 32K staging budget: resident_mode says so.
+    assert res["resident_mode_note"].startswith("skipped: resident=True needs")
     for name in decode.VARIANTS:
         for suffix in ("", "_min", "_max"):
+            if name == "resident_mode":
+                assert res[f"t_{name}_ms{suffix}"] is None
+                continue
             assert res[f"t_{name}_ms{suffix}"] > 0, name
     for key in (
         "overlap_efficiency",
@@ -368,3 +373,19 @@ def test_baselines_flag_parses():
     assert _parser().parse_args(["decode", "--json", "-"]).baselines == []
     with pytest.raises(SystemExit):
         _parser().parse_args(["decode", "--baselines", "plain,numpy", "--json", "-"])
+
+
+def test_the_resident_mode_variant_runs_when_the_cache_fits(tmp_path):
+    """--staging-bytes holding the whole tiny cache: resident_mode is timed beside resident
+    and prefetch, and matches resident; its staging is the whole cache."""
+    tiny = list(TINY)
+    tiny[tiny.index("--staging-bytes") + 1] = "1M"
+    args = _parser().parse_args(
+        ["decode", *tiny, "--variants", "resident", "prefetch", "resident_mode"]
+        + ["--json", str(tmp_path / "rm.json")]
+    )
+    res = args.run(args)
+    assert res["resident_mode_note"] is None
+    assert res["t_resident_mode_ms"] > 0 and res["t_resident_ms"] > 0
+    assert res["max_abs_err_resident_mode"] <= 1e-2 * max(1.0, res["output_abs_max"])
+    assert res["resident_mode_device_bytes"] == res["resident_device_bytes"]
