@@ -294,7 +294,9 @@ class OffloadedKVCache:
         Not the default, so that a small cache exercises the same streaming path as a large
         one unless asked.
       prefetch_depth: units fetched ahead (1: layer L+1 while layer L computes), an int
-        in ``[1, MAX_PREFETCH_DEPTH]`` (64).
+        in ``[1, MAX_PREFETCH_DEPTH]`` (64). When every layer's KV fits one staging unit
+        the cache uses at most ``num_layers`` (``spec.prefetch_depth``): further ahead lies
+        the step after next, which no prefetch can serve.
       sliding_window: None, an int for every layer, or a per-layer sequence of
         ``int | None`` (ints in ``[1, 2**31 - 1]``): a sliding layer attends to (and
         fetches) only its last W tokens.
@@ -481,6 +483,11 @@ class OffloadedKVCache:
                     f"token row = {unit_row_bytes} bytes at least"
                 )
             chunk_len = min(chunk_len, longest)
+            if chunk_len >= longest and prefetch_depth > num_layers:
+                # One unit per layer: a unit more than num_layers ahead belongs to the step
+                # after next, whose lengths the walk does not know, so every such prefetch
+                # would miss. Fewer slots hold the same single units.
+                prefetch_depth, num_slots = num_layers, num_layers + 1
             page_rows = 4096 // math.gcd(row_bytes, 4096)
             if page_rows < chunk_len < longest:
                 # Whole pages per staging unit keep fetch segments page-aligned at both

@@ -280,13 +280,43 @@ def test_units_per_layer_matches_num_units(base_spec):
 
 def test_prefetch_depth_is_bounded():
     for depth in (1, MAX_PREFETCH_DEPTH):
-        with _cache(prefetch_depth=depth, staging_bytes=1 << 20) as cache:
+        # Two rows per slot (of K, V x 32 bytes): eight tokens take four units.
+        with _cache(prefetch_depth=depth, staging_bytes=(depth + 1) * 2 * 32 * 2) as cache:
+            assert cache.spec.chunk_len == 2
             assert cache.spec.num_slots == depth + 1
     for depth in (0, MAX_PREFETCH_DEPTH + 1, 1000, 2.0, True):
         with pytest.raises(
             ValueError, match=rf"prefetch_depth={depth!r} must be an int in \[1, 64\]"
         ):
             _cache(prefetch_depth=depth)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+def test_single_unit_layers_prefetch_at_most_one_step_ahead(depth):
+    """Every layer in one unit: a depth past num_layers (2) would fetch for the step after
+    next and miss every time; the cache keeps num_layers and its prefetches hit."""
+    with _cache(num_layers=2, prefetch_depth=depth, staging_bytes=1 << 20) as cache:
+        assert cache.spec.single_unit
+        assert cache.spec.prefetch_depth == min(depth, 2)
+        assert cache.spec.num_slots == cache.spec.prefetch_depth + 1
+        state = cache.load(cache.init(), 0, _kv(5), _kv(5))
+        state = cache.load(state, 1, _kv(5, seed=1), _kv(5, seed=1))
+
+        def step(state):
+            x = jnp.ones((1, 1, 1, 8), jnp.float32)
+            for layer in range(2):
+                _, state = tps.prefetching_attention(x, x, x, state, layer=layer)
+            return state
+
+        step = jax.jit(step, donate_argnums=(0,))
+        cache.engine.reset_stats()
+        for _ in range(3):
+            state = step(state)
+        state = cache.drain(state)
+        stats = cache.engine.stats()
+        # Depth 1: the first step's layer 0 waits for its own fetch; deeper, one more.
+        assert stats["prefetch_hits"] >= 6 - cache.spec.prefetch_depth
+        assert stats["prefetch_misses"] <= cache.spec.prefetch_depth
 
 
 def test_staging_must_hold_one_token_row_per_slot():
