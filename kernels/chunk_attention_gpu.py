@@ -12,11 +12,20 @@ single matmul. Triton wants power-of-two tensor sizes and ``tl.dot`` wants
 every dimension to be at least 16, so rows and ``head_dim`` are zero-padded
 up to such sizes in the wrapper (zero padding of ``head_dim`` does not change
 ``q . k``, and padded output columns are dropped).
+
+Pallas' Triton backend is deprecated from jax 0.11 (Mosaic GPU succeeds it), and jax 0.11
+warns at every lowering of a Triton kernel. This kernel uses only ``pl.pallas_call`` with
+block specs, ``plgpu.load`` and ``plgpu.CompilerParams``, which 0.11 still provides; the
+warning (that exact message, as a DeprecationWarning) is silenced whenever the kernel is
+used, since the choice of backend is this library's, not its caller's. A jax that drops the
+backend needs a Mosaic GPU port of this kernel.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +36,18 @@ from . import _common
 from . import reference
 
 __all__ = ["chunk_attention_gpu", "default_num_splits"]
+
+# What jax 0.11 warns at each lowering of a Pallas Triton kernel.
+TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated and will be removed"
+
+
+def _silence_triton_deprecation() -> None:
+    """Ignores ``TRITON_DEPRECATION`` (only it, only as a DeprecationWarning) from here on:
+    it is raised when the caller's jit lowers, outside any frame of ours, so a scoped
+    filter cannot catch it. Installed at every call (``filterwarnings`` replaces an equal
+    filter), as a caller's ``catch_warnings`` block drops filters added inside it."""
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+
 
 # tl.dot needs M, N, K >= 16.
 _MIN_DOT_DIM = 16
@@ -219,6 +240,7 @@ def chunk_attention_gpu(
         k_scale=k_scale,
         v_scale=v_scale,
     )
+    _silence_triton_deprecation()
     s = shape.chunk_len
     if block_kv is None:
         # The table entry is an upper bound: no point in blocks longer than

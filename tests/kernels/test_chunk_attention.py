@@ -894,3 +894,21 @@ def test_block_kv_table_lookup():
     assert kernels.default_block_kv("gpu", "NVIDIA H200") == 64
     assert kernels.default_block_kv("tpu", "cpu") == 16
     assert kernels.default_block_kv("gpu", "Some Future GPU") == kernels.DEFAULT_BLOCK_KV["gpu"]
+
+
+def test_gpu_kernel_silences_only_the_triton_deprecation():
+    """jax 0.11 warns at every lowering of a Pallas Triton kernel; the kernel silences that
+    message alone (others still reach the caller)."""
+    import warnings
+
+    case = GPU_CASES["f32_dispatch_defaults"]["case"]
+    args = make_inputs(0, dtype=case["dtype"], **case["shape"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kernels.chunk_attention_gpu(*args, scale=0.3, interpret=True)
+        warnings.warn(
+            "The Pallas Triton backend is deprecated and will be removed in a future JAX version.",
+            DeprecationWarning,
+        )
+        warnings.warn("another deprecation", DeprecationWarning)
+    assert [str(w.message) for w in caught] == ["another deprecation"]
