@@ -109,7 +109,6 @@ def _decode_against_resident(cache, tier_dtype, *, implementation, use_scan, ste
 @pytest.mark.parametrize(
     "tier_dtype,tier,implementation,use_scan",
     [
-        ("int8", "host", "xla", False),
         ("int8", "file", "xla", True),
         ("float8_e4m3fn", "host", "xla", True),
         ("float8_e4m3fn", "file", "pallas", False),

@@ -155,7 +155,8 @@ def test_decode_matches_resident_attention_over_the_tier(tier, use_scan, dtype, 
         assert stats["tiers"][cache.tier]["write_back"]["requests"] == writes + 4 * LAYERS
 
 
-@pytest.mark.parametrize("tier_dtype", (None, "int8"))
+# With codes and scales (the harder case); plain rows take the same path in the xla tests.
+@pytest.mark.parametrize("tier_dtype", ("int8",))
 def test_pallas_implementation(tier_dtype):
     with _cache(tier_dtype=tier_dtype) as cache:
         state = _fill(cache, cache.init(), [7, 12])

@@ -340,7 +340,6 @@ def test_baselines_over_a_context_sweep(tmp_path):
     tiny = list(TINY)
     tiny[tiny.index("--tier") + 1] = "file"
     tiny[tiny.index("--context") + 1 : tiny.index("--context") + 2] = ["256", "512"]
-    tiny[tiny.index("--layers") + 1] = "2"
     paths = dict(json=str(tmp_path / "sweep.json"), plot=str(tmp_path / "sweep.png"))
     args = _parser().parse_args(
         ["decode", *tiny, "--path", str(tmp_path), "--variants", "resident", "prefetch"]
