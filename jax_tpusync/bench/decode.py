@@ -649,39 +649,22 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
             pf_state,
             (params, x0),
         )
-        if contig is not None:
+        # The same step over the other caches: one block per sequence, resident, quantized.
+        def other_cache_step(params, x, state):
+            return _model(params, shape, x, state, prefetch_attend)
 
-            def contiguous_step(params, x, state):
-                return _model(params, shape, x, state, prefetch_attend)
-
-            variants["contiguous"] = _Variant(
-                "contiguous",
-                jax.jit(contiguous_step, donate_argnums=(2,)),
-                contig_state,
-                (params, x0),
-            )
-        if resident_cache is not None:
-
-            def resident_mode_step(params, x, state):
-                return _model(params, shape, x, state, prefetch_attend)
-
-            variants["resident_mode"] = _Variant(
-                "resident_mode",
-                jax.jit(resident_mode_step, donate_argnums=(2,)),
-                rm_state,
-                (params, x0),
-            )
-        if quant is not None:
-
-            def quantized_step(params, x, state):
-                return _model(params, shape, x, state, prefetch_attend)
-
-            variants["quantized"] = _Variant(
-                "quantized",
-                jax.jit(quantized_step, donate_argnums=(2,)),
-                quant_state,
-                (params, x0),
-            )
+        for name, other, other_state in (
+            ("contiguous", contig, contig_state),
+            ("resident_mode", resident_cache, rm_state),
+            ("quantized", quant, quant_state),
+        ):
+            if other is not None:
+                variants[name] = _Variant(
+                    name,
+                    jax.jit(other_cache_step, donate_argnums=(2,)),
+                    other_state,
+                    (params, x0),
+                )
 
         # Per-unit attention over a fixed context, shared by compute and sync ------------------
         unit_lo, unit_count = _units(args.context, spec.chunk_len)
