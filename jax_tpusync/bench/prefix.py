@@ -1,8 +1,8 @@
 """``prefix``: time to first token with a shared prefix cached, against a full prefill.
 
 R requests share a P-token prefix (a document or a system prompt) and add U tokens each. A
-small decoder (:mod:`jax_tpusync.bench.tiny_decoder`) prefills each request in chunks of ``--chunk`` tokens
-and computes the logits of its last token. Per tier, in one run:
+small decoder (:mod:`jax_tpusync.bench.tiny_decoder`) prefills each request in chunks of
+``--chunk`` tokens and computes the logits of its last token. Per tier, in one run:
 
 * ``ttft_full``: request 0, nothing cached: the whole prompt is prefilled;
 * ``ttft_cached``: requests 1..R-1, the prefix's full blocks mapped from the prefix store
@@ -80,9 +80,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     import functools
 
     import jax
-    import jax.numpy as jnp
-
-    import jax_tpusync as tps
 
     if args.requests < 2:
         raise SystemExit("--requests must be >= 2 (one full prefill, then cached ones)")
