@@ -225,6 +225,9 @@ def _run_loop(tier, staging, mode, path, sigint_after=None):
         text=True,
         env=env,
         cwd=path,  # Import the installed package, not the source tree.
+        # Python turns SIGINT into KeyboardInterrupt only if it was not ignored when it
+        # started, and a shell's background job (a CI runner's) starts with it ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     if sigint_after is not None:
         assert proc.stdout.readline().strip() == "ready"
@@ -232,7 +235,12 @@ def _run_loop(tier, staging, mode, path, sigint_after=None):
 
         time.sleep(sigint_after)
         proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=300)
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # Never left running past its test.
+        out, err = proc.communicate()
+        return "timeout", out, err
     return proc.returncode, out, err
 
 
