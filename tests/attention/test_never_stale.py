@@ -174,7 +174,10 @@ def test_a_state_kept_across_init_is_refused(tmp_path):
 # interrupted by SIGINT) and must never crash.
 _LOOP = textwrap.dedent(
     """
-    import gc, sys, time
+    import gc, signal, sys, time
+    # Python raises KeyboardInterrupt on SIGINT only if it was not ignored when it started,
+    # and a shell's background job (a CI runner's) starts with it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import numpy as np, jax, jax.numpy as jnp
     import jax_tpusync as tps
 
@@ -225,9 +228,6 @@ def _run_loop(tier, staging, mode, path, sigint_after=None):
         text=True,
         env=env,
         cwd=path,  # Import the installed package, not the source tree.
-        # Python turns SIGINT into KeyboardInterrupt only if it was not ignored when it
-        # started, and a shell's background job (a CI runner's) starts with it ignored.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     if sigint_after is not None:
         assert proc.stdout.readline().strip() == "ready"
