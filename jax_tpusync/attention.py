@@ -368,6 +368,20 @@ def _attend(
     return lax.switch(index, [functools.partial(run, w) for w in distinct])
 
 
+def _layer_attend(spec: CacheSpec, layer, scale, soft_cap, implementation, kernel_options):
+    """:func:`_attend` bound to one layer's knobs: ``attend(q, k, v, k_start, k_valid,
+    q_start, **scales)``."""
+    return functools.partial(
+        _attend,
+        spec=spec,
+        layer=layer,
+        scale=scale,
+        soft_cap=soft_cap,
+        implementation=implementation,
+        kernel_options=kernel_options,
+    )
+
+
 # -- the write-back (both modes) --------------------------------------------------------------
 
 
@@ -525,15 +539,7 @@ def prefetching_attention(
         )
 
     num_units = _num_units(spec, layer, lengths)
-    attend = functools.partial(
-        _attend,
-        spec=spec,
-        layer=layer,
-        scale=scale,
-        soft_cap=soft_cap,
-        implementation=implementation,
-        kernel_options=kernel_options,
-    )
+    attend = _layer_attend(spec, layer, scale, soft_cap, implementation, kernel_options)
 
     block_len = staged_block_len(spec) if implementation == "xla" else spec.chunk_len
 
@@ -652,15 +658,7 @@ def _resident_layer(
     batch, q_len = q.shape[:2]
     lengths = state.lengths
     staging = _resident_insert(spec, state.staging, layer, new_kv, lengths, state.capacity > 0)
-    attend = functools.partial(
-        _attend,
-        spec=spec,
-        layer=layer,
-        scale=scale,
-        soft_cap=soft_cap,
-        implementation=implementation,
-        kernel_options=kernel_options,
-    )
+    attend = _layer_attend(spec, layer, scale, soft_cap, implementation, kernel_options)
     # The layer's rows as one unit: its own span when the layer is static; a traced layer
     # reads up to the longest (spec.chunk_len), its blocks bounded by the valid rows.
     span = spec.layer_span(spec.windows[layer]) if isinstance(layer, int) else spec.chunk_len
