@@ -395,6 +395,7 @@ def _write_back(
     layer,
     k: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
     v: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+    shard_guard: jax.Array | None = None,  # int32[1, 4], leading the guards of a mesh shard
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queues the new tokens' write-back at each active slot's length; returns ``(token,
     new_kv, grow)``: the op's token, the rows written ([2, batch, q_len, H, D] in the
@@ -415,9 +416,10 @@ def _write_back(
     # Capacity guards first (see ops.CAPACITY_GUARD): the write-back refuses the whole step,
     # before any byte moves, if a slot would pass its capacity, naming it, instead of
     # writing into whatever block lies next to its last one.
-    write_segments = jnp.concatenate(
-        [ops.capacity_guards(lengths, grow, state.capacity), write_segments]
-    )
+    guards = [ops.capacity_guards(lengths, grow, state.capacity)]
+    if shard_guard is not None:  # First of all: the state must be this device's shard.
+        guards.insert(0, shard_guard)
+    write_segments = jnp.concatenate([*guards, write_segments])
     new_kv = jnp.stack([k, v]).astype(spec.dtype)  # [2, batch, q_len, H, D]
     if spec.quantized:
         # Quantized here, fused into the step; the tokens themselves attend in full
@@ -485,6 +487,12 @@ def prefetching_attention(
       block_kv: Pallas KV block size (default: tuned per device).
       interpret: Pallas interpret mode (default: on when the backend is CPU).
 
+    A mesh cache (``OffloadedKVCache(mesh=...)``) takes the global ``q``/``k``/``v``
+    (sharded or not: they are resharded as the cache's mesh says) and runs each shard's
+    attention on its own device inside ``shard_map``; called inside the caller's own
+    ``shard_map`` over the cache's axes it takes each device's share (see
+    :mod:`jax_tpusync.mesh`).
+
     Returns:
       ``(out, state)``: ``out`` shaped and typed like ``q``; the updated state (lengths grow
       by ``q_len`` after the last layer).
@@ -494,6 +502,41 @@ def prefetching_attention(
         raise TypeError(
             f"state must be a KVState (from OffloadedKVCache.init()), got {type(state).__name__}"
         )
+    options = dict(
+        layer=layer,
+        implementation=implementation,
+        scale=scale,
+        soft_cap=soft_cap,
+        block_kv=block_kv,
+        interpret=interpret,
+    )
+    if spec.mesh is not None:
+        from jax_tpusync import mesh
+
+        return mesh.sharded_attention(q, k, v, state, **options)
+    from jax_tpusync import mesh
+
+    mesh.refuse_unsharded_cache(q, k, v)
+    return shard_attention(q, k, v, state, **options)
+
+
+def shard_attention(
+    q: jax.Array,  # [batch, q_len, num_q_heads, head_dim]
+    k: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+    v: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+    state: KVState,
+    *,
+    layer: int | jax.Array,
+    implementation: str | None = None,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    block_kv: int | None = None,
+    interpret: bool | None = None,
+    shard_guard: jax.Array | None = None,  # int32[1, 4]: ops.shard_guard() of a mesh shard
+) -> tuple[jax.Array, KVState]:
+    """:func:`prefetching_attention` of one device's cache (or one shard of a mesh cache,
+    whose write-backs lead with ``shard_guard``)."""
+    spec = state.spec
     _validate(q, k, v, spec, layer)
     if implementation is None:
         implementation = "xla" if jax.default_backend() == "cpu" else "pallas"
@@ -521,7 +564,7 @@ def prefetching_attention(
     owner = jnp.concatenate([state.owner, jnp.zeros((1,), jnp.int32)])
 
     # 1. New tokens go out first: later fetches of this layer are queued behind them.
-    token, new_kv, grow = _write_back(spec, state, layer, k, v)
+    token, new_kv, grow = _write_back(spec, state, layer, k, v, shard_guard)
     if spec.resident:
         return _resident_layer(
             q,

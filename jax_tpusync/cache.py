@@ -97,6 +97,9 @@ class CacheSpec:
     tier_dtype: Any = None  # Codes of quantized rows (int8, float8_e4m3fn), or None.
     # Staging holds every layer's KV (see OffloadedKVCache's ``resident``); steps fetch nothing.
     resident: bool = False
+    # A mesh cache's layout (jax_tpusync.mesh.MeshLayout): the other fields describe one
+    # shard, and every state leaf has a leading axis of shards. None: one device.
+    mesh: Any = None
 
     @property
     def itemsize(self) -> int:
@@ -189,7 +192,11 @@ class KVState:
         and which step of it this state is for. The engine refuses ops of a state that a
         newer one superseded (two steps from one parent, a state kept across
         ``init()``/``drain()``), so two states can never write the same tier rows.
-      target: int32[3], (engine id, tier, first block): where the cache's blocks are.
+      target: int32[4], (engine id, tier, first block, shard): where the cache's blocks
+        are, and which shard of a mesh cache this is (0 on one device).
+
+    A mesh cache's state (``spec.mesh`` set) has a leading axis of shards on every field,
+    sharded over the mesh (see :mod:`jax_tpusync.mesh`).
 
     The pytree structure depends on the :class:`CacheSpec` only, never on the cache object.
     """
@@ -317,6 +324,12 @@ class OffloadedKVCache:
         default ``model_id``. The cache adds its geometry, dtype and block size itself.
         See :meth:`admit` (``tokens=``) and :mod:`jax_tpusync.prefix`.
 
+      mesh: a ``jax.sharding.Mesh`` to shard the cache over (returns a
+        :class:`jax_tpusync.mesh.ShardedKVCache`): each device keeps the sequences and KV
+        heads of its place in the mesh in tier blocks of its own.
+      kv_heads_axis: mesh axis the KV heads are split over (tensor parallel), or None.
+      batch_axis: mesh axis the batch is split over (data parallel), or None.
+
     Persistence (``shm_name`` or ``file_name``): see :mod:`jax_tpusync.persistence`. A new
     cache writes a manifest (commit 0); :meth:`commit` records the state's lengths and the
     prefix index; a re-attached cache restores the last commit's lengths as :meth:`init`'s
@@ -326,6 +339,14 @@ class OffloadedKVCache:
       ValueError: an argument out of its range; the message names it and the range.
       TypeError: ``engine`` of another type.
     """
+
+    def __new__(cls, *args, mesh=None, **kwargs):
+        # A mesh cache is a set of these, one per device (jax_tpusync.mesh).
+        if mesh is not None and cls is OffloadedKVCache:
+            from jax_tpusync.mesh import ShardedKVCache
+
+            return ShardedKVCache(*args, mesh=mesh, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -354,7 +375,15 @@ class OffloadedKVCache:
         verify: bool = True,
         overwrite: bool = False,
         prefix_salt: str | bytes | None = None,
+        mesh: None = None,
+        kv_heads_axis: str | None = None,
+        batch_axis: str | None = None,
     ):
+        if kv_heads_axis is not None or batch_axis is not None:
+            raise ValueError(
+                f"kv_heads_axis={kv_heads_axis!r} and batch_axis={batch_axis!r} name axes of "
+                f"a mesh: pass mesh= too"
+            )
         for name, value in dict(
             num_layers=num_layers,
             batch=batch,
@@ -549,7 +578,7 @@ class OffloadedKVCache:
         )
         self.tier = tier_index
         self.first_block = first_block
-        self._target = np.asarray([self.engine.id, tier_index, first_block], np.int64)
+        self._target = np.asarray([self.engine.id, tier_index, first_block, 0], np.int64)
         # The slots' blocks, decided here between steps; each state carries a copy.
         self._allocator = blocks.BlockAllocator(num_blocks)
         self._prefix = prefix.PrefixIndex(

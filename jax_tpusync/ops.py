@@ -38,6 +38,9 @@ byte moves unless ``length + count <= capacity`` (see :func:`capacity_guards`). 
 puts one per sequence in each write-back, so a sequence that would outgrow its room is
 refused by name rather than writing into the region next to it.
 
+A row ``(SHARD_GUARD, state_shard, device_shard, 0)`` ahead of those moves nothing
+either: the op fails unless the two agree (see :func:`shard_guard`).
+
 An optional :class:`Regions` tells the engine how the caller carved its allocation
 (``count`` regions of ``nbytes`` from byte ``base`` past ``first_block``, e.g. one per layer
 and K|V). Every segment must then lie inside one region, and with ``block_rows`` inside the
@@ -71,6 +74,8 @@ NO_OWNER = (0, 0, 0, 0)
 
 # Block field of a capacity guard row (see the module docstring).
 CAPACITY_GUARD = -2
+# Block field of a shard guard row (see shard_guard()).
+SHARD_GUARD = -3
 
 # Kinds for mark(): compute spans in the timeline.
 MARK_COMPUTE_BEGIN = 1
@@ -332,6 +337,20 @@ def capacity_guards(lengths: jax.Array, count, capacity) -> jax.Array:
         ],
         axis=-1,
     )
+
+
+def shard_guard(state_shard, device_shard) -> jax.Array:
+    """int32[1, 4] guard row leading a mesh shard's write-back: the op fails, before any
+    byte moves and before the capacity guards, unless the state is the shard (its target's
+    shard field) of the device that runs it (``device_shard``, from ``lax.axis_index``)."""
+    return jnp.stack(
+        [
+            jnp.int32(SHARD_GUARD),
+            jnp.asarray(state_shard, jnp.int32),
+            jnp.asarray(device_shard, jnp.int32),
+            jnp.int32(0),
+        ]
+    )[None]
 
 
 def segment_rows(

@@ -80,10 +80,20 @@ inline Status CheckRegion(const Regions& regions, size_t index, const Segment& s
 // row.
 inline constexpr int32_t kCapacityGuard = -2;
 
+// A row (kShardGuard, state_shard, device_shard, 0) ahead of the capacity guards: the op
+// fails, before any byte moves, unless the state it carries is the shard of a mesh cache
+// that the device running it owns. A mesh cache puts one in every write-back, computed from
+// the device's place in the mesh (lax.axis_index), so a state handed to the wrong device
+// (a shard_map whose state specs differ from the cache's) is refused by name instead of
+// mixing one device's heads or sequences with another shard's KV.
+inline constexpr int32_t kShardGuard = -3;
+
 // The leading guard rows of `rows` as (length, count) per slot, for Engine::RecordGuards.
 inline void GuardColumns(const int32_t* rows, int64_t n, std::vector<int32_t>* lengths,
                          std::vector<int32_t>* counts) {
-  for (int64_t i = 0; i < n && rows[4 * i] == kCapacityGuard; ++i) {
+  int64_t i = 0;
+  while (i < n && rows[4 * i] == kShardGuard) ++i;
+  for (; i < n && rows[4 * i] == kCapacityGuard; ++i) {
     lengths->push_back(rows[4 * i + 1]);
     counts->push_back(rows[4 * i + 2]);
   }
@@ -98,11 +108,21 @@ inline StatusOr<std::vector<FetchSegment>> DecodeRows(const int32_t* rows, int64
                                                       const Tier& tier, uint64_t buffer_bytes,
                                                       const Regions& regions,
                                                       int64_t first_block = 0) {
-  int64_t guards = 0;
+  int64_t shard_guards = 0;
+  for (; shard_guards < n && rows[4 * shard_guards] == kShardGuard; ++shard_guards) {
+    const int32_t* r = rows + 4 * shard_guards;
+    if (r[1] != r[2] || r[1] < 0) {
+      return InvalidArgument(
+          "this state is " + (r[1] < 0 ? std::string("no shard") : "shard " + std::to_string(r[1])) +
+          " of its mesh cache but runs on the device of shard " + std::to_string(r[2]) +
+          " (shard the state as cache.state_sharding says); nothing was written");
+    }
+  }
+  int64_t guards = shard_guards;
   for (; guards < n && rows[4 * guards] == kCapacityGuard; ++guards) {
     const int32_t* r = rows + 4 * guards;
     if (r[1] < 0 || r[2] < 0 || static_cast<int64_t>(r[1]) + r[2] > r[3]) {
-      return InvalidArgument("slot " + std::to_string(guards) + " holds " +
+      return InvalidArgument("slot " + std::to_string(guards - shard_guards) + " holds " +
                              std::to_string(r[1]) + " tokens and cannot take " +
                              std::to_string(r[2]) + " more: its capacity is " +
                              std::to_string(r[3]) + " tokens; nothing was written");

@@ -1,0 +1,569 @@
+"""Offloaded KV caches sharded over a device mesh: KV heads over a tensor-parallel axis,
+sequences over a data-parallel one.
+
+Layout. A mesh cache is ``num_shards = dp * tp`` single-device caches
+(:attr:`ShardedKVCache.shards`), one per device. The shard at mesh place ``(d, t)`` (``d``
+along ``batch_axis``, of size dp; ``t`` along ``kv_heads_axis``, of size tp) is shard
+``d * tp + t``: it holds sequences ``[d * batch / dp, (d + 1) * batch / dp)`` and KV heads
+``[t * H / tp, (t + 1) * H / tp)``, in a tier allocation, engine stream, block allocator
+and prefix index of its own. A block id is therefore per shard, and no two devices can
+address the same tier bytes: each shard's ops carry its own target, and the engine checks
+every row against that allocation.
+
+One engine per process serves all of its local shards: they share its workers and its
+throttle (``EngineConfig.max_inflight_bytes`` bounds the bytes in flight of the process).
+A multi-process run (``jax.distributed``) makes the shards of each process's own devices;
+the file tier may be one directory, with a file per shard.
+
+State. The global state is a :class:`~jax_tpusync.KVState` whose every field has a leading
+axis of ``num_shards``, sharded ``P((batch_axis, kv_heads_axis))``
+(:attr:`ShardedKVCache.state_sharding`), so shard ``s`` lives on its own device. The
+host-side methods take and return global states and act on this process's shards (in a
+multi-process run every process calls them with the same arguments, as SPMD programs do).
+
+Attention. :func:`~jax_tpusync.prefetching_attention` with a mesh cache runs the
+single-device attention of each shard in ``shard_map`` (q/k/v split
+``P(batch_axis, None, kv_heads_axis, None)``: with GQA a KV head's query heads move with
+it; inputs sharded otherwise are resharded first). Inside the caller's own ``shard_map``
+over the cache's axes it runs the device's shard directly. The device's shard comes from
+``lax.axis_index``, and every write-back leads with a guard row
+(:func:`jax_tpusync.ops.shard_guard`) that refuses, before any byte moves, a state that is
+another shard's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_tpusync import ops
+from jax_tpusync.cache import CacheSpec, KVState, OffloadedKVCache
+from jax_tpusync.engine import Engine, EngineConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshLayout:
+    """How a mesh cache's shards map onto a mesh (hashable: it rides in ``CacheSpec``)."""
+
+    mesh: Mesh
+    batch_axis: str | None
+    kv_heads_axis: str | None
+
+    @property
+    def dp(self) -> int:
+        return self.mesh.shape[self.batch_axis] if self.batch_axis else 1
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.shape[self.kv_heads_axis] if self.kv_heads_axis else 1
+
+    @property
+    def num_shards(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def shard_axes(self) -> tuple[str, ...]:
+        """The mesh axes a state's leading shard axis is split over, major first."""
+        return tuple(a for a in (self.batch_axis, self.kv_heads_axis) if a)
+
+    @property
+    def state_spec(self) -> P:
+        return P(self.shard_axes)
+
+    @property
+    def qkv_spec(self) -> P:
+        """[batch, q_len, heads, head_dim] split as the shards hold them."""
+        return P(self.batch_axis, None, self.kv_heads_axis, None)
+
+    def device_shard(self) -> jax.Array:
+        """int32[]: the shard of the device running the code; inside ``shard_map`` only."""
+        shard = np.int32(0)
+        if self.batch_axis:
+            shard = lax.axis_index(self.batch_axis) * self.tp
+        if self.kv_heads_axis:
+            shard = shard + lax.axis_index(self.kv_heads_axis)
+        return jax.numpy.asarray(shard, jax.numpy.int32)
+
+
+def _layout_of(mesh: Any, kv_heads_axis: Any, batch_axis: Any) -> MeshLayout:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
+    names = tuple(mesh.axis_names)
+    if kv_heads_axis is None and batch_axis is None:
+        raise ValueError(
+            f"a mesh cache needs kv_heads_axis, batch_axis or both (axes of the mesh: {names})"
+        )
+    for arg, axis in (("kv_heads_axis", kv_heads_axis), ("batch_axis", batch_axis)):
+        if axis is not None and axis not in names:
+            raise ValueError(f"{arg}={axis!r} is not an axis of the mesh (its axes: {names})")
+    if kv_heads_axis is not None and kv_heads_axis == batch_axis:
+        raise ValueError(f"kv_heads_axis and batch_axis are both {kv_heads_axis!r}")
+    for axis in names:
+        if axis not in (kv_heads_axis, batch_axis) and mesh.shape[axis] > 1:
+            raise ValueError(
+                f"mesh axis {axis!r} has {mesh.shape[axis]} devices but is neither "
+                f"kv_heads_axis nor batch_axis: its devices would each run the same shard's "
+                f"transfers on the same tier blocks (a KV cache is split over heads and "
+                f"sequences, not replicated or split over head_dim)"
+            )
+    return MeshLayout(mesh, batch_axis, kv_heads_axis)
+
+
+class ShardedKVCache:
+    """An :class:`~jax_tpusync.OffloadedKVCache` split over the devices of a mesh; what
+    ``OffloadedKVCache(..., mesh=mesh, kv_heads_axis=..., batch_axis=...)`` returns.
+
+    Takes :class:`~jax_tpusync.OffloadedKVCache`'s arguments, with ``batch`` and
+    ``num_kv_heads`` global (each a multiple of its axis' size) and ``num_blocks`` and
+    ``staging_bytes`` per shard (each device's tier blocks and staging). ``engine``: one
+    engine (or its config) for all of this process's shards. Persistent tiers name one
+    shm object or file per shard (``<name>-shard<s>``).
+
+    Raises:
+      ValueError: an axis not in the mesh, an axis of the mesh the cache is not split
+        over with more than one device, a batch or head count its axis does not divide,
+        or any single-device argument error.
+    """
+
+    def __init__(
+        self,
+        *,
+        mesh: Mesh,
+        kv_heads_axis: str | None = None,
+        batch_axis: str | None = None,
+        batch: int,
+        num_kv_heads: int,
+        engine: Engine | EngineConfig | None = None,
+        shm_name: str | None = None,
+        file_name: str | None = None,
+        **options: Any,
+    ):
+        layout = _layout_of(mesh, kv_heads_axis, batch_axis)
+        for name, value, axis, size in (
+            ("batch", batch, batch_axis, layout.dp),
+            ("num_kv_heads", num_kv_heads, kv_heads_axis, layout.tp),
+        ):
+            if not isinstance(value, (int, np.integer)) or value <= 0 or value % size:
+                raise ValueError(
+                    f"{name}={value!r} must be a positive multiple of mesh axis {axis!r}'s "
+                    f"{size} devices (each holds an equal share)"
+                )
+        if engine is not None and not isinstance(engine, (Engine, EngineConfig)):
+            raise TypeError(
+                f"engine must be an Engine, an EngineConfig or None; got {type(engine).__name__}"
+            )
+        self.layout = layout
+        self.state_sharding = NamedSharding(mesh, layout.state_spec)
+        self._owns_engine = not isinstance(engine, Engine)
+        self.engine = engine if isinstance(engine, Engine) else Engine(engine or EngineConfig())
+        # Shard of each of this process's devices, from the sharding itself.
+        index = self.state_sharding.addressable_devices_indices_map((layout.num_shards,))
+        self._devices = {int(ix[0].start or 0): d for d, ix in index.items()}
+        self.shards: dict[int, OffloadedKVCache] = {}
+        try:
+            for s in sorted(self._devices):
+                with jax.default_device(self._devices[s]):
+                    cache = OffloadedKVCache(
+                        batch=int(batch) // layout.dp,
+                        num_kv_heads=int(num_kv_heads) // layout.tp,
+                        engine=self.engine,
+                        shm_name=None if shm_name is None else f"{shm_name}-shard{s}",
+                        file_name=None if file_name is None else f"{file_name}-shard{s}",
+                        **options,
+                    )
+                cache._target[3] = s
+                self.shards[s] = cache
+        except Exception:
+            self._close_shards()
+            raise
+        self.shard_spec: CacheSpec = next(iter(self.shards.values())).spec
+        self.spec = dataclasses.replace(self.shard_spec, mesh=layout)
+        self.batch = int(batch)
+        self.num_kv_heads = int(num_kv_heads)
+
+    # -- global states <-> shard states -----------------------------------------------------
+
+    def _place(self, s: int) -> tuple[int, int]:
+        return divmod(s, self.layout.tp)
+
+    def _batch_rows(self, s: int) -> slice:
+        n = self.shard_spec.batch
+        d = self._place(s)[0]
+        return slice(d * n, (d + 1) * n)
+
+    def _head_cols(self, s: int) -> slice:
+        n = self.shard_spec.num_kv_heads
+        t = self._place(s)[1]
+        return slice(t * n, (t + 1) * n)
+
+    def _on(self, s: int):
+        return jax.default_device(self._devices[s])
+
+    def _assemble(self, states: dict[int, KVState]) -> KVState:
+        """The global state of this process's shard states."""
+        n = self.layout.num_shards
+        per_leaf = [jax.tree_util.tree_leaves(states[s]) for s in sorted(states)]
+        leaves = []
+        for i, first in enumerate(per_leaf[0]):
+            parts = [
+                jax.device_put(leaves_of[i][None], self._devices[s])
+                for s, leaves_of in zip(sorted(states), per_leaf)
+            ]
+            leaves.append(
+                jax.make_array_from_single_device_arrays(
+                    (n, *first.shape), self.state_sharding, parts
+                )
+            )
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(_template(self)), leaves)
+
+    def split(self, state: KVState) -> dict[int, KVState]:
+        """This process's shards of a global ``state``: ``{shard: its KVState}``."""
+        if not isinstance(state, KVState):
+            raise TypeError(f"expected a KVState, got {type(state).__name__}")
+        if state.spec != self.spec:
+            raise ValueError("state belongs to another cache (its spec differs)")
+        per_shard: dict[int, list] = {s: [] for s in self.shards}
+        for leaf in jax.tree_util.tree_leaves(state):
+            if leaf.is_deleted():
+                raise ValueError(
+                    "this KVState was donated to a step (its buffers are gone); use the "
+                    "state that step returned, or cache.recover() if the step failed"
+                )
+            seen = set()
+            for piece in leaf.addressable_shards:
+                s = int(piece.index[0].start or 0)
+                if piece.data.shape[0] != 1 or s not in per_shard:
+                    raise ValueError(
+                        f"state is not sharded as cache.state_sharding says (a piece of shape "
+                        f"{piece.data.shape} at {piece.index})"
+                    )
+                if s not in seen:
+                    per_shard[s].append(piece.data[0])
+                    seen.add(s)
+        return {s: KVState(self.shard_spec, *leaves) for s, leaves in per_shard.items()}
+
+    def _each(self, state: KVState | None, fn, shards=None) -> KVState:
+        """The global state after ``fn(shard, cache, shard_state)`` on each local shard
+        (``shards``: those only, the others kept)."""
+        parts = self.split(state) if state is not None else {}
+        for s, cache in self.shards.items():
+            if shards is None or s in shards:
+                with self._on(s):
+                    parts[s] = fn(s, cache, parts.get(s))
+        return self._assemble(parts)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def init(
+        self, lengths: Sequence[int] | np.ndarray | None = None, *, admit: bool = True
+    ) -> KVState:
+        """A fresh global state; ``lengths``: int[batch] (global slots), see
+        :meth:`OffloadedKVCache.init`."""
+        if lengths is not None:
+            lengths = np.asarray(lengths)
+            if lengths.shape != (self.batch,):
+                raise ValueError(f"lengths must have shape ({self.batch},); got {lengths.shape}")
+        return self._each(
+            None,
+            lambda s, c, _: c.init(
+                None if lengths is None else lengths[self._batch_rows(s)], admit=admit
+            ),
+        )
+
+    def inert_state(self) -> KVState:
+        """A global state that moves no bytes (see :meth:`OffloadedKVCache.inert_state`)."""
+        return self._each(None, lambda s, c, _: c.inert_state())
+
+    def drain(self, state: KVState) -> KVState:
+        """Discards the prefetches of every shard (see :meth:`OffloadedKVCache.drain`)."""
+        return self._each(state, lambda s, c, part: c.drain(part))
+
+    def recover(self) -> KVState:
+        """Every shard's live state after a failed step (see
+        :meth:`OffloadedKVCache.recover`)."""
+        return self._each(None, lambda s, c, _: c.recover())
+
+    def commit(self, state: KVState) -> KVState:
+        """Commits every shard (persistent tiers; see :meth:`OffloadedKVCache.commit`)."""
+        return self._each(state, lambda s, c, part: c.commit(part))
+
+    def lengths(self, state: KVState) -> np.ndarray:
+        """int32[batch]: the global slots' lengths in ``state`` (this process's shards)."""
+        out = np.zeros(self.batch, np.int32)
+        for s, part in self.split(state).items():
+            out[self._batch_rows(s)] = np.asarray(part.lengths)
+        return out
+
+    # -- slot lifecycle ---------------------------------------------------------------------
+
+    def _slot(self, slot: Any) -> tuple[int, list[int]]:
+        """(slot within its shards, the local shards holding global ``slot``)."""
+        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.batch:
+            raise ValueError(f"slot={slot!r} must be an int in [0, batch={self.batch})")
+        d, local = divmod(int(slot), self.shard_spec.batch)
+        return local, [s for s in self.shards if self._place(s)[0] == d]
+
+    def admit(self, state: KVState, slot: int, **options: Any):
+        """Admits global ``slot`` in each of its shards (every head shard of its batch
+        share); returns ``(state, cached)`` (``cached`` None where this process holds none
+        of them). See :meth:`OffloadedKVCache.admit`."""
+        local, holders = self._slot(slot)
+        cached = {}
+
+        def admit(s, c, part):
+            part, cached[s] = c.admit(part, local, **options)
+            return part
+
+        state = self._each(state, admit, holders)
+        counts = set(cached.values())
+        if len(counts) > 1:  # Head shards index the same tokens: this would be a bug.
+            raise AssertionError(f"head shards of slot {slot} cached {cached}")
+        return state, counts.pop() if counts else None
+
+    def release(self, state: KVState, slot: int, **options: Any) -> KVState:
+        """Releases global ``slot`` in each of its shards (see
+        :meth:`OffloadedKVCache.release`)."""
+        local, holders = self._slot(slot)
+        return self._each(state, lambda s, c, part: c.release(part, local, **options), holders)
+
+    # -- host-side bulk access --------------------------------------------------------------
+
+    def load(
+        self,
+        state: KVState,
+        layer: int,
+        k: Any,
+        v: Any,
+        *,
+        start: int | Sequence[int] = 0,
+        lengths: Sequence[int] | None = None,
+    ) -> KVState:
+        """Bulk-writes one layer's global KV, ``k``/``v`` [batch, n, num_kv_heads,
+        head_dim], each shard its share (see :meth:`OffloadedKVCache.load`)."""
+        k, v = np.asarray(k), np.asarray(v)
+        for name, x in (("k", k), ("v", v)):
+            if x.ndim != 4 or x.shape[0] != self.batch or x.shape[2] != self.num_kv_heads:
+                raise ValueError(
+                    f"{name} must be [batch={self.batch}, n, num_kv_heads={self.num_kv_heads}, "
+                    f"head_dim]; got {list(x.shape)}"
+                )
+        start = np.broadcast_to(np.asarray(start), (self.batch,))
+        if lengths is not None:
+            lengths = np.broadcast_to(np.asarray(lengths), (self.batch,))
+
+        def load(s, c, part):
+            rows, heads = self._batch_rows(s), self._head_cols(s)
+            return c.load(
+                part,
+                layer,
+                k[rows, :, heads],
+                v[rows, :, heads],
+                start=start[rows],
+                lengths=None if lengths is None else lengths[rows],
+            )
+
+        return self._each(state, load)
+
+    def read(
+        self, state: KVState, layer: int, slot: int, start: int = 0, stop: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """K and V [stop - start, num_kv_heads, head_dim] of global ``slot``, its head
+        shards joined (all of them must be this process's). See
+        :meth:`OffloadedKVCache.read`."""
+        local, holders = self._slot(slot)
+        if len(holders) < self.layout.tp:
+            raise ValueError(
+                f"slot {slot}'s KV heads are split over {self.layout.tp} devices, of which "
+                f"this process holds {len(holders)}: read it in each process"
+            )
+        parts = self.split(state)
+        pieces = [self.shards[s].read(parts[s], layer, local, start, stop) for s in holders]
+        return tuple(np.concatenate([p[kv] for p in pieces], axis=1) for kv in range(2))
+
+    def read_all(self, layer: int, lengths=None) -> tuple[np.ndarray, np.ndarray]:
+        """K and V [batch, max_len, num_kv_heads, head_dim] of every global slot (this
+        process must hold every shard). See :meth:`OffloadedKVCache.read_all`."""
+        if len(self.shards) < self.layout.num_shards:
+            raise ValueError("read_all needs every shard in this process; use read()")
+        lengths = None if lengths is None else np.broadcast_to(np.asarray(lengths), (self.batch,))
+        spec = self.shard_spec
+        out = [np.zeros((self.batch, spec.max_len, self.num_kv_heads, spec.head_dim), spec.dtype)]
+        out.append(out[0].copy())
+        for s, cache in self.shards.items():
+            rows, heads = self._batch_rows(s), self._head_cols(s)
+            k, v = cache.read_all(layer, None if lengths is None else lengths[rows])
+            out[0][rows, :, heads], out[1][rows, :, heads] = k, v
+        return out[0], out[1]
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def _close_shards(self, parts: dict[int, KVState] | None = None) -> None:
+        for s, cache in getattr(self, "shards", {}).items():
+            cache.close(None if parts is None else parts.get(s))
+        if self._owns_engine:
+            self.engine.close()
+
+    def close(self, state: KVState | None = None) -> None:
+        """Closes every shard (committing ``state``'s, if given) and the engine if the cache
+        made it."""
+        self._close_shards(None if state is None else self.split(state))
+
+    def __enter__(self) -> ShardedKVCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _template(cache: ShardedKVCache) -> KVState:
+    """A KVState of the mesh spec (its tree structure; the leaves are placeholders)."""
+    return KVState(cache.spec, *([0] * len(KVState._FIELDS)))
+
+
+# -- attention --------------------------------------------------------------------------------
+
+
+def _manual_axes() -> tuple[str, ...]:
+    """The mesh axes of the enclosing ``shard_map`` (none outside one)."""
+    return tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
+
+
+def refuse_unsharded_cache(*xs: jax.Array) -> None:
+    """Refuses, at trace time, a cache built without ``mesh=`` used where several devices
+    would each run its transfers: inside a ``shard_map`` over axes of more than one device,
+    or on inputs of an explicit mesh that are sharded."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = [a for a in _manual_axes() if mesh.shape[a] > 1]
+    if manual:
+        raise ValueError(
+            f"prefetching_attention runs inside shard_map over mesh axes {tuple(manual)} with "
+            f"a cache built without mesh=: every device would read and write the same tier "
+            f"blocks. Build it with OffloadedKVCache(..., mesh=mesh, kv_heads_axis=..., "
+            f"batch_axis=...)"
+        )
+    for name, x in zip("qkv", xs):
+        sharded = [a for a in _spec_axes(x) if a is not None]
+        if sharded:
+            raise ValueError(
+                f"{name} is sharded over mesh axes {tuple(sharded)} but the cache was built "
+                f"without mesh=: build it with OffloadedKVCache(..., mesh=mesh, "
+                f"kv_heads_axis=..., batch_axis=...)"
+            )
+
+
+def _spec_axes(x: jax.Array) -> list:
+    """Per dimension of ``x``, the mesh axes an explicit sharding splits it over (None)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return []
+    out = []
+    for entry in spec:
+        if entry is None or entry == P.UNCONSTRAINED:
+            out.append(None)
+        else:
+            out.append(entry)
+    return out
+
+
+def sharded_attention(q, k, v, state: KVState, *, layer, **options) -> tuple[jax.Array, KVState]:
+    """:func:`~jax_tpusync.prefetching_attention` of a mesh cache's global state (or, inside
+    the caller's ``shard_map`` over the cache's axes, of the device's share)."""
+    from jax_tpusync import attention
+
+    spec = state.spec
+    layout: MeshLayout = spec.mesh
+    shard_spec = dataclasses.replace(spec, mesh=None)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if jax.numpy.ndim(x) != 4:
+            raise ValueError(
+                f"{name} must be rank 4 [batch, q_len, heads, head_dim]; got shape "
+                f"{jax.numpy.shape(x)}"
+            )
+        axes = _spec_axes(x)
+        if len(axes) == 4 and axes[3] is not None:
+            raise ValueError(
+                f"{name} is sharded over head_dim (mesh axis {axes[3]!r}): a shard holds "
+                f"whole KV heads; split the heads over kv_heads_axis="
+                f"{layout.kv_heads_axis!r} instead"
+            )
+
+    def body(q, k, v, leaves, layer):
+        part = KVState(shard_spec, *[x[0] for x in leaves])
+        guard = ops.shard_guard(part.target[3], layout.device_shard())
+        out, part = attention.shard_attention(
+            q, k, v, part, layer=layer, shard_guard=guard, **options
+        )
+        return out, [x[None] for x in jax.tree_util.tree_leaves(part)]
+
+    leaves, tree = jax.tree_util.tree_flatten(state)
+    manual = set(_manual_axes())
+    ours = set(layout.shard_axes)
+    if ours <= manual:  # Inside the caller's shard_map: the device's share.
+        if leaves[0].shape[0] != 1:
+            raise ValueError(
+                f"inside shard_map the state must be split as cache.state_sharding says "
+                f"(in_specs {layout.state_spec} for every state leaf): its leading axis has "
+                f"{leaves[0].shape[0]} shards here, not 1"
+            )
+        out, leaves = body(q, k, v, leaves, layer)
+        return out, jax.tree_util.tree_unflatten(tree, leaves)
+    if manual & ours:
+        raise ValueError(
+            f"prefetching_attention runs inside shard_map over {tuple(sorted(manual))}, which "
+            f"covers only some of the cache's mesh axes {layout.shard_axes}: map over all "
+            f"of them, or call it outside shard_map"
+        )
+    want = (layout.dp * shard_spec.batch, layout.tp * shard_spec.num_kv_heads)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.shape[0] != want[0]:
+            raise ValueError(
+                f"{name} has batch={x.shape[0]} but the mesh cache holds batch={want[0]} "
+                f"({layout.dp} devices x {shard_spec.batch})"
+            )
+    if k.shape[2] != want[1] or v.shape[2] != want[1]:
+        raise ValueError(
+            f"k and v must have num_kv_heads={want[1]} (the mesh cache's {layout.tp} x "
+            f"{shard_spec.num_kv_heads}); got {k.shape[2]} and {v.shape[2]}"
+        )
+    if q.shape[2] % want[1]:
+        raise ValueError(f"num_q_heads={q.shape[2]} must be a multiple of num_kv_heads={want[1]}")
+    state_specs = [layout.state_spec] * len(leaves)
+    if not isinstance(layer, int):
+        layer = jax.numpy.asarray(layer, jax.numpy.int32)
+    qkv = [_resharded(x, layout, layout.qkv_spec) for x in (q, k, v)]
+    leaves = [_resharded(x, layout, layout.state_spec) for x in leaves]
+    if isinstance(layer, int):
+        fn = jax.shard_map(
+            lambda q, k, v, leaves: body(q, k, v, leaves, layer),
+            mesh=layout.mesh,
+            in_specs=(layout.qkv_spec,) * 3 + (state_specs,),
+            out_specs=(layout.qkv_spec, state_specs),
+            check_vma=False,
+        )
+        out, leaves = fn(*qkv, leaves)
+    else:
+        fn = jax.shard_map(
+            body,
+            mesh=layout.mesh,
+            in_specs=(layout.qkv_spec,) * 3 + (state_specs, P()),
+            out_specs=(layout.qkv_spec, state_specs),
+            check_vma=False,
+        )
+        out, leaves = fn(*qkv, leaves, layer)
+    return out, jax.tree_util.tree_unflatten(tree, leaves)
+
+
+def _resharded(x: jax.Array, layout: MeshLayout, spec: P) -> jax.Array:
+    """``x`` as ``spec`` splits it: explicit meshes reshard before ``shard_map`` (auto
+    meshes let ``shard_map`` do it)."""
+    if any(t == jax.sharding.AxisType.Explicit for t in layout.mesh.axis_types):
+        return jax.sharding.reshard(x, NamedSharding(layout.mesh, spec))
+    return x
