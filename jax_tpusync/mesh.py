@@ -33,6 +33,7 @@ another shard's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -169,7 +170,7 @@ class ShardedKVCache:
         self.shards: dict[int, OffloadedKVCache] = {}
         try:
             for s in sorted(self._devices):
-                with jax.default_device(self._devices[s]):
+                with self._on(s):
                     cache = OffloadedKVCache(
                         batch=int(batch) // layout.dp,
                         num_kv_heads=int(num_kv_heads) // layout.tp,
@@ -193,18 +194,25 @@ class ShardedKVCache:
     def _place(self, s: int) -> tuple[int, int]:
         return divmod(s, self.layout.tp)
 
-    def _batch_rows(self, s: int) -> slice:
+    def rows_of(self, s: int) -> slice:
+        """The global slots shard ``s`` holds."""
         n = self.shard_spec.batch
         d = self._place(s)[0]
         return slice(d * n, (d + 1) * n)
 
-    def _head_cols(self, s: int) -> slice:
+    def heads_of(self, s: int) -> slice:
+        """The KV heads shard ``s`` holds."""
         n = self.shard_spec.num_kv_heads
         t = self._place(s)[1]
         return slice(t * n, (t + 1) * n)
 
+    @contextlib.contextmanager
     def _on(self, s: int):
-        return jax.default_device(self._devices[s])
+        """Host-side work on shard ``s``: its device's arrays, outside any mesh context
+        (eager ops on one device's arrays under ``jax.set_mesh`` of the whole mesh are
+        refused by jit)."""
+        with _outside_mesh(), jax.default_device(self._devices[s]):
+            yield
 
     def _assemble(self, states: dict[int, KVState]) -> KVState:
         """The global state of this process's shard states."""
@@ -212,10 +220,10 @@ class ShardedKVCache:
         per_leaf = [jax.tree_util.tree_leaves(states[s]) for s in sorted(states)]
         leaves = []
         for i, first in enumerate(per_leaf[0]):
-            parts = [
-                jax.device_put(leaves_of[i][None], self._devices[s])
-                for s, leaves_of in zip(sorted(states), per_leaf)
-            ]
+            parts = []
+            for s, leaves_of in zip(sorted(states), per_leaf):
+                with self._on(s):
+                    parts.append(jax.device_put(leaves_of[i][None], self._devices[s]))
             leaves.append(
                 jax.make_array_from_single_device_arrays(
                     (n, *first.shape), self.state_sharding, parts
@@ -245,7 +253,8 @@ class ShardedKVCache:
                         f"{piece.data.shape} at {piece.index})"
                     )
                 if s not in seen:
-                    per_shard[s].append(piece.data[0])
+                    with self._on(s):
+                        per_shard[s].append(piece.data[0])
                     seen.add(s)
         return {s: KVState(self.shard_spec, *leaves) for s, leaves in per_shard.items()}
 
@@ -273,7 +282,7 @@ class ShardedKVCache:
         return self._each(
             None,
             lambda s, c, _: c.init(
-                None if lengths is None else lengths[self._batch_rows(s)], admit=admit
+                None if lengths is None else lengths[self.rows_of(s)], admit=admit
             ),
         )
 
@@ -298,7 +307,7 @@ class ShardedKVCache:
         """int32[batch]: the global slots' lengths in ``state`` (this process's shards)."""
         out = np.zeros(self.batch, np.int32)
         for s, part in self.split(state).items():
-            out[self._batch_rows(s)] = np.asarray(part.lengths)
+            out[self.rows_of(s)] = np.asarray(part.lengths)
         return out
 
     # -- slot lifecycle ---------------------------------------------------------------------
@@ -359,7 +368,7 @@ class ShardedKVCache:
             lengths = np.broadcast_to(np.asarray(lengths), (self.batch,))
 
         def load(s, c, part):
-            rows, heads = self._batch_rows(s), self._head_cols(s)
+            rows, heads = self.rows_of(s), self.heads_of(s)
             return c.load(
                 part,
                 layer,
@@ -384,7 +393,10 @@ class ShardedKVCache:
                 f"this process holds {len(holders)}: read it in each process"
             )
         parts = self.split(state)
-        pieces = [self.shards[s].read(parts[s], layer, local, start, stop) for s in holders]
+        pieces = []
+        for s in holders:
+            with self._on(s):
+                pieces.append(self.shards[s].read(parts[s], layer, local, start, stop))
         return tuple(np.concatenate([p[kv] for p in pieces], axis=1) for kv in range(2))
 
     def read_all(self, layer: int, lengths=None) -> tuple[np.ndarray, np.ndarray]:
@@ -397,8 +409,9 @@ class ShardedKVCache:
         out = [np.zeros((self.batch, spec.max_len, self.num_kv_heads, spec.head_dim), spec.dtype)]
         out.append(out[0].copy())
         for s, cache in self.shards.items():
-            rows, heads = self._batch_rows(s), self._head_cols(s)
-            k, v = cache.read_all(layer, None if lengths is None else lengths[rows])
+            rows, heads = self.rows_of(s), self.heads_of(s)
+            with self._on(s):
+                k, v = cache.read_all(layer, None if lengths is None else lengths[rows])
             out[0][rows, :, heads], out[1][rows, :, heads] = k, v
         return out[0], out[1]
 
@@ -420,6 +433,10 @@ class ShardedKVCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _outside_mesh():
+    return jax.set_mesh(None) if hasattr(jax, "set_mesh") else contextlib.nullcontext()
 
 
 def _template(cache: ShardedKVCache) -> KVState:
@@ -487,6 +504,12 @@ def sharded_attention(q, k, v, state: KVState, *, layer, **options) -> tuple[jax
                 f"{name} must be rank 4 [batch, q_len, heads, head_dim]; got shape "
                 f"{jax.numpy.shape(x)}"
             )
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and _mesh_shape(mesh) != _mesh_shape(layout.mesh):
+            raise ValueError(
+                f"{name} is on mesh {_mesh_shape(mesh)} but the cache was built for mesh "
+                f"{_mesh_shape(layout.mesh)}"
+            )
         axes = _spec_axes(x)
         if len(axes) == 4 and axes[3] is not None:
             raise ValueError(
@@ -515,11 +538,11 @@ def sharded_attention(q, k, v, state: KVState, *, layer, **options) -> tuple[jax
             )
         out, leaves = body(q, k, v, leaves, layer)
         return out, jax.tree_util.tree_unflatten(tree, leaves)
-    if manual & ours:
+    if manual:
         raise ValueError(
             f"prefetching_attention runs inside shard_map over {tuple(sorted(manual))}, which "
-            f"covers only some of the cache's mesh axes {layout.shard_axes}: map over all "
-            f"of them, or call it outside shard_map"
+            f"does not cover the cache's mesh axes {layout.shard_axes}: map over all of "
+            f"them, or call it outside shard_map"
         )
     want = (layout.dp * shard_spec.batch, layout.tp * shard_spec.num_kv_heads)
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -558,12 +581,22 @@ def sharded_attention(q, k, v, state: KVState, *, layer, **options) -> tuple[jax
             check_vma=False,
         )
         out, leaves = fn(*qkv, leaves, layer)
+    if _is_explicit(layout.mesh):  # Typed as q came in, as single-device attention returns.
+        out = jax.sharding.reshard(out, jax.typeof(q).sharding)
     return out, jax.tree_util.tree_unflatten(tree, leaves)
+
+
+def _mesh_shape(mesh) -> dict:
+    return dict(mesh.shape)
+
+
+def _is_explicit(mesh) -> bool:
+    return any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
 
 
 def _resharded(x: jax.Array, layout: MeshLayout, spec: P) -> jax.Array:
     """``x`` as ``spec`` splits it: explicit meshes reshard before ``shard_map`` (auto
     meshes let ``shard_map`` do it)."""
-    if any(t == jax.sharding.AxisType.Explicit for t in layout.mesh.axis_types):
+    if _is_explicit(layout.mesh):
         return jax.sharding.reshard(x, NamedSharding(layout.mesh, spec))
     return x

@@ -7,9 +7,15 @@ import os
 import shutil
 import tempfile
 
-import pytest
+# Four simulated CPU devices for the mesh tests (tests/mesh); every other test runs on the
+# first. Read when JAX's backends start, so set before anything starts them.
+_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}=4".strip()
 
-from jax_tpusync.engine import Engine, EngineConfig
+import pytest  # noqa: E402
+
+from jax_tpusync.engine import Engine, EngineConfig  # noqa: E402
 
 # Bases tried for a directory where a file tier gets O_DIRECT (after pytest's tmp_path).
 _DIRECT_IO_BASES = ("/var/tmp", "/work")
