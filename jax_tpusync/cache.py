@@ -609,10 +609,6 @@ class OffloadedKVCache:
         # Resident mode: the epoch of the latest state whose copy matches the tier.
         self._resident_epoch: int | None = None
         self._stream = self.engine.open_stream()
-        # States are committed to this device, so that a step mixing them with arrays on
-        # other devices (inputs sharded over a mesh, for a cache built without mesh=) is
-        # refused by jit, naming both, instead of failing inside XLA's partitioner.
-        self._device = _default_device()
         if self._persistence is not None:
             try:
                 self._restored_lengths = self._persistence.attach(
@@ -703,23 +699,18 @@ class OffloadedKVCache:
         self._live_lengths = np.asarray(lengths, np.int32).copy()
         owner = self._new_owner()
         self._resident_epoch = int(np.asarray(owner)[1])
-        return self._committed(
-            KVState(
-                spec,
-                lengths=jnp.asarray(lengths, jnp.int32),
-                block_table=jnp.asarray(self._tables),
-                capacity=jnp.asarray(self._capacity),
-                staging=staging,
-                tickets=jnp.full((spec.num_slots,), ops.NO_TICKET, jnp.int32),
-                slot=jnp.zeros((), jnp.int32),
-                token=jnp.zeros((), jnp.int32),
-                owner=owner,
-                target=jnp.asarray(self._target, jnp.int32),
-            )
+        return KVState(
+            spec,
+            lengths=jnp.asarray(lengths, jnp.int32),
+            block_table=jnp.asarray(self._tables),
+            capacity=jnp.asarray(self._capacity),
+            staging=staging,
+            tickets=jnp.full((spec.num_slots,), ops.NO_TICKET, jnp.int32),
+            slot=jnp.zeros((), jnp.int32),
+            token=jnp.zeros((), jnp.int32),
+            owner=owner,
+            target=jnp.asarray(self._target, jnp.int32),
         )
-
-    def _committed(self, state: KVState) -> KVState:
-        return jax.device_put(state, self._device)
 
     def _resident_copy(
         self,
@@ -770,19 +761,17 @@ class OffloadedKVCache:
         at all, for shapes alone.)
         """
         spec = self.spec
-        return self._committed(
-            KVState(
-                spec,
-                lengths=jnp.zeros((spec.batch,), jnp.int32),
-                block_table=jnp.full((spec.batch, spec.max_blocks), blocks.NO_BLOCK, jnp.int32),
-                capacity=jnp.zeros((spec.batch,), jnp.int32),
-                staging=jnp.zeros(spec.staging_shape, spec.staging_dtype),
-                tickets=jnp.full((spec.num_slots,), ops.NO_TICKET, jnp.int32),
-                slot=jnp.zeros((), jnp.int32),
-                token=jnp.zeros((), jnp.int32),
-                owner=jnp.zeros((3,), jnp.int32),
-                target=jnp.asarray(self._target, jnp.int32),
-            )
+        return KVState(
+            spec,
+            lengths=jnp.zeros((spec.batch,), jnp.int32),
+            block_table=jnp.full((spec.batch, spec.max_blocks), blocks.NO_BLOCK, jnp.int32),
+            capacity=jnp.zeros((spec.batch,), jnp.int32),
+            staging=jnp.zeros(spec.staging_shape, spec.staging_dtype),
+            tickets=jnp.full((spec.num_slots,), ops.NO_TICKET, jnp.int32),
+            slot=jnp.zeros((), jnp.int32),
+            token=jnp.zeros((), jnp.int32),
+            owner=jnp.zeros((3,), jnp.int32),
+            target=jnp.asarray(self._target, jnp.int32),
         )
 
     # -- slot lifecycle ---------------------------------------------------------------------
@@ -1455,14 +1444,6 @@ def _settle_failed_steps(*, at_exit: bool = False) -> None:
 def _effect_only(x: jax.Array) -> jax.Array:
     jax.debug.callback(lambda: None, ordered=False)
     return x
-
-
-def _default_device() -> jax.Device:
-    """The device new arrays go to here (``jax.default_device``'s, or the first)."""
-    device = jax.config.jax_default_device
-    if isinstance(device, jax.Device):
-        return device
-    return jax.devices(device)[0] if isinstance(device, str) else jax.devices()[0]
 
 
 def exact_cast_allowed(src: Any, dst: Any) -> bool:

@@ -455,7 +455,13 @@ def _manual_axes() -> tuple[str, ...]:
 def refuse_unsharded_cache(*xs: jax.Array) -> None:
     """Refuses, at trace time, a cache built without ``mesh=`` used where several devices
     would each run its transfers: inside a ``shard_map`` over axes of more than one device,
-    or on inputs of an explicit mesh that are sharded."""
+    under a mesh context (``jax.set_mesh``) of several devices, or on inputs that an
+    explicit mesh shards.
+
+    What tracing cannot see, it cannot refuse: ``jit`` of inputs placed with a
+    ``NamedSharding`` outside any mesh context fails when XLA partitions the step
+    ("Side-effect HLO must have sharding").
+    """
     mesh = jax.sharding.get_abstract_mesh()
     manual = [a for a in _manual_axes() if mesh.shape[a] > 1]
     if manual:
@@ -464,6 +470,12 @@ def refuse_unsharded_cache(*xs: jax.Array) -> None:
             f"a cache built without mesh=: every device would read and write the same tier "
             f"blocks. Build it with OffloadedKVCache(..., mesh=mesh, kv_heads_axis=..., "
             f"batch_axis=...)"
+        )
+    if not mesh.empty and mesh.size > 1:
+        raise ValueError(
+            f"prefetching_attention runs under a mesh of {mesh.size} devices "
+            f"({_mesh_shape(mesh)}) with a cache built without mesh=: build it with "
+            f"OffloadedKVCache(..., mesh=mesh, kv_heads_axis=..., batch_axis=...)"
         )
     for name, x in zip("qkv", xs):
         sharded = [a for a in _spec_axes(x) if a is not None]

@@ -95,7 +95,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tpusync.bench import baselines, common
+from jax_tpusync.bench import baselines, common, mesh_decode
 
 DTYPES = ("bf16", "f32", "f16")
 VARIANTS = (
@@ -248,6 +248,21 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="OUT.json",
         help="write the prefetch steps' timeline as a Chrome/Perfetto trace",
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="instead of the variants: the prefetch step on a mesh cache of 1, 2, 4 ... N "
+        "devices at the same per-device shapes (simulated CPU devices on a CPU host), with "
+        "the bytes each shard fetched (see jax_tpusync.bench.mesh_decode)",
+    )
+    p.add_argument(
+        "--mesh",
+        choices=("tp", "dp"),
+        default="tp",
+        help="with --devices: split KV heads (tp, default) or sequences (dp) over the devices",
     )
     baselines.add_arguments(p)
     p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
@@ -427,6 +442,13 @@ def run(args: argparse.Namespace) -> dict[str, Any] | list[dict[str, Any]]:
     contexts = list(args.context) if isinstance(args.context, (list, tuple)) else [args.context]
     if args.plot:
         baselines.require_matplotlib()
+    if args.devices is not None:
+        if args.devices < 1 or len(contexts) != 1:
+            raise SystemExit("--devices N needs N >= 1 and one --context")
+        mesh_decode.ask_for_devices(args.devices)  # Before JAX starts its backend.
+        args.context = contexts[0]
+        args.columns = mesh_decode.COLUMNS  # Its rows are per device count.
+        return mesh_decode.run(args, common.apply_cpu_arguments(args))
     worker_cpus = common.apply_cpu_arguments(args)  # Once, before JAX starts its backend.
     if len(contexts) == 1:
         args.context = contexts[0]  # The JSON's args keep their one-context form.
@@ -1369,7 +1391,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = run(args)
     print()
-    print(common.format_table(results if isinstance(results, list) else [results], COLUMNS))
+    columns = getattr(args, "columns", COLUMNS)
+    print(common.format_table(results if isinstance(results, list) else [results], columns))
     args.subcommand = "decode"
     common.write_json(args.json, "decode", args, results)
     if args.json != "-":

@@ -388,3 +388,25 @@ def test_the_resident_mode_variant_runs_when_the_cache_fits(tmp_path):
     assert res["t_resident_mode_ms"] > 0 and res["t_resident_ms"] > 0
     assert res["max_abs_err_resident_mode"] <= 1e-2 * max(1.0, res["output_abs_max"])
     assert res["resident_mode_device_bytes"] == res["resident_device_bytes"]
+
+
+@pytest.mark.skipif(len(__import__("jax").devices()) < 2, reason="needs 2 devices")
+@pytest.mark.parametrize("mesh", ["tp", "dp"])
+def test_decode_devices_rows_fetch_one_shard_each(tmp_path, mesh):
+    """``--devices 2``: a row per device count, each shard fetching its own share (the same
+    bytes per shard at 1 and 2 devices: the per-device shapes are fixed)."""
+    args = _parser().parse_args(
+        ["decode", *TINY, "--devices", "2", "--mesh", mesh, "--json", str(tmp_path / "m.json")]
+    )
+    rows = args.run(args)
+    bench_main.print_results(rows, args.columns)
+    assert [r["devices"] for r in rows] == [1, 2]
+    one, two = rows
+    assert one["per_device"] == two["per_device"] == {"batch": 1, "kv_heads": 1}
+    assert len(two["fetch_bytes_by_shard"]) == 2
+    # Every shard fetches about one shard's KV per step (the context grows by a token a
+    # step past kv_bytes_per_shard_step), never another shard's too.
+    for r in rows:
+        for b in r["fetch_bytes_by_shard"]:
+            assert r["kv_bytes_per_shard_step"] <= b < 1.2 * r["kv_bytes_per_shard_step"], r
+    assert two["t_prefetch_ms"] > 0
