@@ -257,9 +257,9 @@ def row_block_len(unit_len: int, row_elements: int) -> int:
     """
     want = max(1, ROW_BLOCK_BYTES // (4 * row_elements))
     fewest = -(-unit_len // want)
-    for blocks in range(fewest, 2 * fewest + 1):
-        if unit_len % blocks == 0:
-            return unit_len // blocks
+    for count in range(fewest, 2 * fewest + 1):
+        if unit_len % count == 0:
+            return unit_len // count
     return unit_len
 
 

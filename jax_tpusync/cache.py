@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tpusync import blocks, ops, persistence, prefix, quantize
+from jax_tpusync import blocks, ops, persistence, prefix, quantize, shared_blocks
 from jax_tpusync.engine import Engine, EngineConfig, page_offset
 
 logger = logging.getLogger(__name__)
@@ -323,6 +323,11 @@ class OffloadedKVCache:
       prefix_salt: what keeps two models' prefix blocks apart (weights name and version);
         default ``model_id``. The cache adds its geometry, dtype and block size itself.
         See :meth:`admit` (``tokens=``) and :mod:`jax_tpusync.prefix`.
+      shared_prefix_dir: a directory that several processes (or hosts, on shared
+        storage) publish prefix blocks to and import them from: :meth:`release` with
+        ``tokens`` writes each full block that has no file there yet, and :meth:`admit`
+        with ``tokens`` continues its match there past its own index. See
+        :mod:`jax_tpusync.shared_blocks` (one file per block, atomic rename, checksums).
 
       mesh: a ``jax.sharding.Mesh`` to shard the cache over (returns a
         :class:`jax_tpusync.mesh.ShardedKVCache`): each device keeps the sequences and KV
@@ -375,6 +380,7 @@ class OffloadedKVCache:
         verify: bool = True,
         overwrite: bool = False,
         prefix_salt: str | bytes | None = None,
+        shared_prefix_dir: str | os.PathLike | None = None,
         mesh: None = None,
         kv_heads_axis: str | None = None,
         batch_axis: str | None = None,
@@ -598,6 +604,15 @@ class OffloadedKVCache:
                 ),
             ),
         )
+        self._shared_dir = None
+        if shared_prefix_dir is not None:
+            self._shared_dir = shared_blocks.SharedBlockDirectory(
+                shared_prefix_dir,
+                root=self._prefix.root,
+                num_layers=num_layers,
+                block_tokens=block_tokens,
+                block_bytes=self.spec.block_bytes,
+            )
         # Per slot: leading blocks of its table mapped from the prefix index (read-only).
         self._shared = np.zeros(batch, np.int32)
         self._tables = np.full((batch, self.spec.max_blocks), blocks.NO_BLOCK, np.int32)
@@ -824,7 +839,14 @@ class OffloadedKVCache:
             tokens = _token_ids(tokens)
             if len(tokens) > max_tokens:
                 raise ValueError(f"tokens has {len(tokens)} ids, more than max_tokens={max_tokens}")
-            shared = self._prefix.match(tokens, max(len(tokens) - 1, 0) // spec.block_tokens)
+            limit = max(len(tokens) - 1, 0) // spec.block_tokens
+            shared = self._prefix.match(tokens, limit)
+            if self._shared_dir is not None:
+                try:
+                    shared += self._import_shared_blocks(tokens, len(shared), limit)
+                except Exception:
+                    self._prefix.unpin(shared)
+                    raise
         try:
             self._reserve(slot, int(max_tokens), shared)
         except Exception:
@@ -879,6 +901,8 @@ class OffloadedKVCache:
         shared = int(self._shared[slot])
         if tokens is not None:
             full = length // spec.block_tokens
+            if self._shared_dir is not None:
+                self._export_shared_blocks(tokens[: full * spec.block_tokens], held[:full])
             duplicates = self._prefix.publish(
                 tokens[: full * spec.block_tokens], held[:full], shared
             )
@@ -894,13 +918,79 @@ class OffloadedKVCache:
         self._loaded_extent[:, slot] = 0
         return self._with_slots(state, lengths)
 
+    def _block_rows(self, block: int) -> list[tuple[int, int, int]]:
+        """(tier offset, memory offset, bytes) of physical ``block`` in every layer, K then
+        V, packed in that order in memory (a shared block file's payload)."""
+        spec = self.spec
+        return [
+            (
+                (self.first_block + region * spec.num_blocks + block) * spec.block_bytes,
+                region * spec.block_bytes,
+                spec.block_bytes,
+            )
+            for region in range(spec.num_layers * 2)
+        ]
+
+    def _export_shared_blocks(self, tokens: np.ndarray, held: np.ndarray) -> None:
+        """Publishes the full blocks ``held`` (holding ``tokens``) that the shared
+        directory lacks; their write-backs have completed (the engine was drained)."""
+        keys = self._prefix.keys(tokens)
+        buf = np.empty(self._shared_dir.payload_bytes, np.uint8)
+        for i, (key, block) in enumerate(zip(keys, held)):
+            if self._shared_dir.has(key):
+                continue
+            self.engine.wait(self.engine.submit_read(self.tier, self._block_rows(int(block)), buf))
+            parent = keys[i - 1] if i else None
+            self._shared_dir.publish(
+                key, parent, tokens[i * self.spec.block_tokens : (i + 1) * self.spec.block_tokens], buf
+            )
+
+    def _import_shared_blocks(self, tokens: np.ndarray, start: int, limit: int) -> list[int]:
+        """Blocks ``start`` .. of ``tokens`` (at most ``limit`` in all) found in the shared
+        directory, each written into a free block of the tier and indexed, pinned; stops at
+        the first block it lacks (or when no block is free)."""
+        spec = self.spec
+        t = spec.block_tokens
+        keys = self._prefix.keys(tokens)[:limit]
+        out: list[int] = []
+        parent = keys[start - 1] if start else None
+        try:
+            for i in range(start, len(keys)):
+                ids = tokens[i * t : (i + 1) * t]
+                payload = self._shared_dir.load(keys[i], parent, ids)
+                if payload is None or not self._make_room(1):
+                    break
+                if self._persistence is not None:  # An evicted block the last commit indexes.
+                    self._persistence.note_evicted()
+                block = int(self._allocator.allocate(1)[0])
+                try:
+                    rows = self._block_rows(block)
+                    self.engine.wait(self.engine.submit_write(self.tier, rows, payload))
+                except Exception:
+                    self._allocator.free(np.asarray([block], np.int64))
+                    raise
+                self._prefix.adopt(keys[i], parent, ids, block)
+                out.append(block)
+                parent = keys[i]
+        except Exception:
+            self._prefix.unpin(out)  # Those imported stay indexed, cached.
+            raise
+        return out
+
     @property
     def prefix_stats(self) -> dict:
-        """The prefix index: indexed blocks, cached (unmapped) ones, hits, evictions."""
+        """The prefix index: indexed blocks, cached (unmapped) ones, hits, evictions; with
+        a shared directory, the blocks this cache published there and imported from it."""
         p = self._prefix
-        return dict(
+        stats = dict(
             indexed_blocks=len(p), cached_blocks=p.cached_blocks, hits=p.hits, evictions=p.evictions
         )
+        if self._shared_dir is not None:
+            stats.update(
+                shared_published=self._shared_dir.published,
+                shared_imported=self._shared_dir.imported,
+            )
+        return stats
 
     @property
     def capacity(self) -> np.ndarray:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -144,6 +145,7 @@ class ShardedKVCache:
         engine: Engine | EngineConfig | None = None,
         shm_name: str | None = None,
         file_name: str | None = None,
+        shared_prefix_dir: str | os.PathLike | None = None,
         **options: Any,
     ):
         layout = _layout_of(mesh, kv_heads_axis, batch_axis)
@@ -177,6 +179,10 @@ class ShardedKVCache:
                         engine=self.engine,
                         shm_name=None if shm_name is None else f"{shm_name}-shard{s}",
                         file_name=None if file_name is None else f"{file_name}-shard{s}",
+                        # A head shard's blocks hold only its heads: a directory per range.
+                        shared_prefix_dir=None
+                        if shared_prefix_dir is None
+                        else os.path.join(shared_prefix_dir, _heads_dir(s, layout, num_kv_heads)),
                         **options,
                     )
                 cache._target[3] = s
@@ -433,6 +439,12 @@ class ShardedKVCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _heads_dir(s: int, layout: MeshLayout, num_kv_heads: int) -> str:
+    per = num_kv_heads // layout.tp
+    t = s % layout.tp
+    return f"heads{t * per}-{(t + 1) * per}"
 
 
 def _outside_mesh():

@@ -189,6 +189,20 @@ class PrefixIndex:
         self.unpin(release)
         return duplicates
 
+    def adopt(self, key: bytes, parent: bytes | None, tokens: np.ndarray, block: int) -> None:
+        """Indexes a block whose bytes came from elsewhere (a shared directory, see
+        :mod:`jax_tpusync.shared_blocks`) and already sit in physical ``block``, pinned
+        once (by the slot admitting it). ``parent`` must be indexed (None: a first block)."""
+        if key in self._entries:
+            raise ValueError("adopt(): the key is indexed already")
+        if parent is not None and parent not in self._entries:
+            raise ValueError("adopt(): the parent block is not indexed")
+        entry = _Entry(key, parent, np.array(tokens, np.int64), int(block), refs=1)
+        self._entries[key] = entry
+        self._by_block[int(block)] = key
+        if parent is not None:
+            self._entries[parent].children.add(key)
+
     # -- persistence -------------------------------------------------------------------------------
 
     def entry(self, block: int) -> _Entry | None:
