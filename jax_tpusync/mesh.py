@@ -157,6 +157,8 @@ class ShardedKVCache:
                 raise ValueError(
                     f"{name}={value!r} must be a positive multiple of mesh axis {axis!r}'s "
                     f"{size} devices (each holds an equal share)"
+                    if axis
+                    else f"{name}={value!r} must be a positive int"
                 )
         if engine is not None and not isinstance(engine, (Engine, EngineConfig)):
             raise TypeError(
