@@ -215,6 +215,37 @@ def test_capacity_guard_rows_lead_or_are_bad_rows(host):
         run(np.concatenate([write, np.asarray(ops.capacity_guards(jnp.asarray([0]), 1, 8))]))
 
 
+def test_shard_guard_rows_lead_the_capacity_guards(host):
+    """A shard guard passes only when the state's shard is the device's (the edge: the next
+    shard either way is refused), ahead of the capacity guards, whose slot numbers it does
+    not shift; after them it is a bad row."""
+    e, t = host
+    src = jnp.arange(16, dtype=jnp.uint8)
+    write = _rows([0], [0], [16])
+    caps = np.asarray(ops.capacity_guards(jnp.asarray([3, 7]), 1, 8))
+
+    def run(*parts):
+        rows = np.concatenate([np.asarray(p) for p in parts])
+        jax.block_until_ready(ops.write_back(e.id, t, src, jnp.asarray(rows), TAG))
+        e.drain()
+
+    run(ops.shard_guard(2, 2), caps, write)
+    for state_shard in (1, 3):
+        with pytest.raises(
+            Exception,
+            match=rf"this state is shard {state_shard} of its mesh cache but runs on the device of shard 2",
+        ):
+            run(ops.shard_guard(state_shard, 2), caps, write)
+    with pytest.raises(Exception, match=r"this state is no shard of its mesh cache"):
+        run(ops.shard_guard(-1, 0), caps, write)
+    with pytest.raises(Exception, match="slot 1 holds 8 tokens"):  # Slots still count from 0.
+        run(
+            ops.shard_guard(0, 0), np.asarray(ops.capacity_guards(jnp.asarray([3, 8]), 1, 8)), write
+        )
+    with pytest.raises(Exception, match="segment 2 has a negative field"):
+        run(caps, ops.shard_guard(0, 0), write)
+
+
 def test_target_fields_are_checked_when_concrete_and_when_traced(host):
     """engine id, tier and first block travel as an int32[3] operand: Python ints are
     checked at trace time, traced ones by the op (before any byte moves)."""
@@ -230,12 +261,16 @@ def test_target_fields_are_checked_when_concrete_and_when_traced(host):
     def traced(first_block):
         return ops.write_back(e.id, t, dst, segs, TAG, first_block=first_block)
 
-    with pytest.raises(XlaError, match=r"target \(engine \d+, tier 0, first block -1\) has a field out of range"):
+    with pytest.raises(
+        XlaError, match=r"target \(engine \d+, tier 0, first block -1\) has a field out of range"
+    ):
         jax.block_until_ready(traced(jnp.int32(-1)))
     # First block 3 of a 4-block tier: the row's block 0 is tier block 3, the last one.
     jax.block_until_ready(traced(jnp.int32(3)))
     e.drain()
-    with pytest.raises(XlaError, match=r"range \[16384, 16400\) is outside the host tier of 16384 bytes"):
+    with pytest.raises(
+        XlaError, match=r"range \[16384, 16400\) is outside the host tier of 16384 bytes"
+    ):
         jax.block_until_ready(traced(jnp.int32(4)))
 
 
