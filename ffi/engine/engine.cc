@@ -146,20 +146,12 @@ StatusOr<Ticket> Engine::Submit(TransferRequest request) {
     TPUSYNC_RETURN_IF_ERROR(ValidateLocked(request));
     job->tier = tiers_[request.tier].get();
   }
-  const uint64_t g = job->tier->hazard_granularity();
-  const uint64_t phase = job->tier->hazard_phase();  // Ranges compared in shifted offsets.
-  for (const Segment& s : request.segments) {
-    if (s.bytes == 0) continue;
-    job->bytes += s.bytes;
-    job->ranges.emplace_back(AlignDown(s.tier_offset + phase, g),
-                             AlignUp(s.tier_offset + s.bytes + phase, g));
-  }
-  std::sort(job->ranges.begin(), job->ranges.end());
   if (options_.poison_fetches && request.direction == Direction::kTierToMemory &&
       !request.landing) {
     for (const Segment& s : request.segments) std::memset(s.memory, 0xFF, s.bytes);
   }
   job->request = std::move(request);
+  SetRanges(*job);
   job->submit_ns = MonotonicNs();
 
   std::lock_guard<std::mutex> lock(mu_);
@@ -169,6 +161,38 @@ StatusOr<Ticket> Engine::Submit(TransferRequest request) {
   active_.push_back(job);
   work_cv_.notify_all();
   return job->request.detached ? kNoTicket : job->ticket;
+}
+
+void Engine::SetRanges(Job& job) {
+  const uint64_t g = job.tier->hazard_granularity();
+  const uint64_t phase = job.tier->hazard_phase();  // Ranges compared in shifted offsets.
+  for (const Segment& s : job.request.segments) {
+    if (s.bytes == 0) continue;
+    job.bytes += s.bytes;
+    job.ranges.emplace_back(AlignDown(s.tier_offset + phase, g),
+                            AlignUp(s.tier_offset + s.bytes + phase, g));
+  }
+  std::sort(job.ranges.begin(), job.ranges.end());
+}
+
+void Engine::BeginRunLocked(Job& job) {
+  job.state = Job::State::kRunning;
+  job.start_ns = MonotonicNs();
+  inflight_bytes_ += job.bytes;
+  stats_.inflight_bytes_peak = std::max(stats_.inflight_bytes_peak, inflight_bytes_);
+  const int k = StatIndex(job.request.tier, job.request.direction);
+  if (busy_count_[k]++ == 0) busy_since_ns_[k] = job.start_ns;
+}
+
+void Engine::EndRunLocked(Job& job) {
+  inflight_bytes_ -= job.bytes;
+  const int k = StatIndex(job.request.tier, job.request.direction);
+  if (--busy_count_[k] == 0) {
+    DirectionStats& d = job.request.direction == Direction::kTierToMemory
+                            ? stats_.tiers[job.request.tier].fetch
+                            : stats_.tiers[job.request.tier].write_back;
+    d.busy_ns += MonotonicNs() - busy_since_ns_[k];
+  }
 }
 
 bool Engine::ConflictsLocked(const Job& a, const Job& b) const {
@@ -226,22 +250,11 @@ void Engine::WorkerLoop(int index) {
       });
     });
     if (!job) return;
-    job->state = Job::State::kRunning;
-    job->start_ns = MonotonicNs();
-    inflight_bytes_ += job->bytes;
-    stats_.inflight_bytes_peak = std::max(stats_.inflight_bytes_peak, inflight_bytes_);
-    const int k = StatIndex(job->request.tier, job->request.direction);
-    if (busy_count_[k]++ == 0) busy_since_ns_[k] = job->start_ns;
+    BeginRunLocked(*job);
     lock.unlock();
     RunJob(*job, io);
     lock.lock();
-    inflight_bytes_ -= job->bytes;
-    if (--busy_count_[k] == 0) {
-      DirectionStats& d = job->request.direction == Direction::kTierToMemory
-                              ? stats_.tiers[job->request.tier].fetch
-                              : stats_.tiers[job->request.tier].write_back;
-      d.busy_ns += MonotonicNs() - busy_since_ns_[k];
-    }
+    EndRunLocked(*job);
     FinishLocked(*job, job->status);
   }
 }
@@ -600,9 +613,57 @@ Status Engine::ReadInto(const FetchRequest& want, const std::vector<FetchSegment
   for (const FetchSegment& s : wanted) {
     direct.segments.push_back({s.tier_offset, dst + s.dst_offset, s.bytes});
   }
+  bool ran = false;
+  Status here = ReadHere(direct, &ran);
+  if (ran || !here.ok()) return here;
   StatusOr<Ticket> t = Submit(std::move(direct));
   if (!t.ok()) return t.status();
   return Wait(*t);
+}
+
+Status Engine::ReadHere(const TransferRequest& request, bool* ran) {
+  // A memory tier's read (a deferred fetch, or any miss) would otherwise be a worker's
+  // copy while the calling op only waits: here it costs no handoff and no wake-up, and
+  // runs on a CPU that is idle anyway. It is registered as a running job, so the
+  // scoreboard orders it exactly as a queued one: it runs only if no earlier transfer
+  // conflicts with it (a write-back of the same bytes still queued or running), and
+  // later writes of its bytes wait for it. Pacing and the debug delay keep the queue.
+  *ran = false;
+  if (options_.debug_delay_us > 0 || options_.max_bytes_per_second > 0) return Status::Ok();
+  auto job = std::make_shared<Job>();
+  job->request = request;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TPUSYNC_RETURN_IF_ERROR(ValidateLocked(job->request));
+    job->tier = tiers_[job->request.tier].get();
+    if (!job->tier->DefersFetches()) return Status::Ok();
+  }
+  SetRanges(*job);
+  job->submit_ns = MonotonicNs();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TPUSYNC_RETURN_IF_ERROR(ValidateLocked(job->request));  // Closed meanwhile?
+    for (const auto& earlier : active_) {
+      if (ConflictsLocked(*earlier, *job)) return Status::Ok();  // Queue behind it.
+    }
+    job->ticket = NextTicketLocked();
+    active_.push_back(job);
+    BeginRunLocked(*job);
+  }
+  *ran = true;
+  IoContext io(options_.io_chunk_bytes, options_.io_depth, options_.huge_page_destinations);
+  RunJob(*job, io);
+  std::lock_guard<std::mutex> lock(mu_);
+  EndRunLocked(*job);
+  FinishLocked(*job, job->status);
+  // Recorded as the wait it replaces: the calling op spent this time on its bytes.
+  const int64_t end = MonotonicNs();
+  stats_.waits += 1;
+  stats_.wait_ns += end - job->submit_ns;
+  if (options_.record_timeline && timeline_.waits.size() < kMaxTimelineEvents) {
+    timeline_.waits.push_back({job->ticket, job->request.tag, job->submit_ns, end, true});
+  }
+  return job->status;
 }
 
 StatusOr<Ticket> Engine::RecordDeferred(TransferRequest request) {
@@ -775,6 +836,12 @@ void Engine::Shutdown() {
   work_cv_.notify_all();
   done_cv_.notify_all();
   for (std::thread& w : workers) w.join();
+  // Reads running on their callers' threads (ReadHere) end before the engine is closed.
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait(lock, [&] {
+    return std::none_of(active_.begin(), active_.end(),
+                        [](const auto& job) { return job->state == Job::State::kRunning; });
+  });
 }
 
 }  // namespace tpusync

@@ -265,6 +265,14 @@ class Engine {
   void WorkerLoop(int index);
   void RunJob(Job& job, IoContext& io);
   void FinishLocked(Job& job, Status status);
+  // Tier byte ranges and bytes of `job`'s request, as the scoreboard compares them.
+  static void SetRanges(Job& job);
+  // Bookkeeping of a job that starts / stops running (in-flight bytes, busy time).
+  void BeginRunLocked(Job& job);
+  void EndRunLocked(Job& job);
+  // Runs `request` (a read of a memory tier) on the calling thread if no earlier transfer
+  // conflicts with it; *ran says whether it did (else nothing happened).
+  Status ReadHere(const TransferRequest& request, bool* ran);
   void Pace(uint64_t bytes);
   Ticket NextTicketLocked();
   std::shared_ptr<HugePageBuffer> AcquireLanding(uint64_t bytes);

@@ -223,6 +223,18 @@ def add_engine_arguments(p, *, io_depth: bool = True) -> None:
         p.add_argument("--io-depth", type=int, default=4, help="engine io_depth (default 4)")
 
 
+def engine_config(args, worker_cpus: tuple[int, ...] = ()):
+    """The :class:`~jax_tpusync.EngineConfig` of :func:`add_engine_arguments`' knobs."""
+    from jax_tpusync.engine import EngineConfig
+
+    return EngineConfig(
+        num_workers=args.workers,
+        io_chunk_bytes=args.chunk_bytes,
+        io_depth=getattr(args, "io_depth", EngineConfig.io_depth),
+        worker_cpus=tuple(worker_cpus),
+    )
+
+
 def add_cpu_arguments(p) -> None:
     """``--engine-cpus`` and ``--worker-cpus``, for commands that run XLA compute."""
     p.add_argument(

@@ -168,12 +168,7 @@ def _measure(args, total, block, engine_cpus, load_cpus) -> dict[str, Any]:
     expected_crc = zlib.crc32(source)
     _, dst = common.page_aligned_buffer(total, huge_pages=True)
     name = f"tpusync-bench-{os.getpid()}"
-    engine = Engine(
-        num_workers=args.workers,
-        io_chunk_bytes=args.chunk_bytes,
-        io_depth=args.io_depth,
-        worker_cpus=engine_cpus,
-    )
+    engine = Engine(common.engine_config(args, engine_cpus))
     try:
         if args.tier == "file":
             tier = engine.add_file_tier(

@@ -517,12 +517,7 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
     plain = None
     memmap_decoders: list[baselines.MemmapDecode] = []
     try:
-        config = tps.EngineConfig(
-            num_workers=args.workers,
-            io_chunk_bytes=args.chunk_bytes,
-            io_depth=args.io_depth,
-            worker_cpus=worker_cpus,
-        )
+        config = common.engine_config(args, worker_cpus)
 
         def new_cache(record: bool, file_name: str | None = None, **kwargs):
             c = tps.OffloadedKVCache(

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from jax_tpusync.bench import common
+
 COLUMNS = [
     ("devices", "devices", "d"),
     ("mesh", "mesh", "s"),
@@ -105,12 +107,7 @@ def _one(args: argparse.Namespace, n: int, worker_cpus: tuple[int, ...]) -> dict
         path=directory if args.tier == "file" else None,
         staging_bytes=args.staging_bytes,
         prefetch_depth=args.prefetch_depth,
-        engine=tps.EngineConfig(
-            num_workers=args.workers,
-            io_chunk_bytes=args.chunk_bytes,
-            io_depth=args.io_depth,
-            worker_cpus=worker_cpus,
-        ),
+        engine=common.engine_config(args, worker_cpus),
         mesh=mesh,
         kv_heads_axis="model" if tp > 1 else None,
         batch_axis="data" if dp > 1 or tp == 1 else None,

@@ -168,12 +168,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from jax_tpusync import ops
 
     nbytes = args.bytes
-    engine = Engine(
-        num_workers=args.workers,
-        io_chunk_bytes=args.chunk_bytes,
-        io_depth=args.io_depth,
-        worker_cpus=worker_cpus,
-    )
+    engine = Engine(common.engine_config(args, worker_cpus))
     data_path = None
     plain = None
     try:

@@ -131,12 +131,7 @@ def _one_tier(args, tier, path, worker_cpus, params, prompts, max_len, blocks_pe
 
     import jax_tpusync as tps
 
-    config = tps.EngineConfig(
-        num_workers=args.workers,
-        io_chunk_bytes=args.chunk_bytes,
-        io_depth=args.io_depth,
-        worker_cpus=worker_cpus,
-    )
+    config = common.engine_config(args, worker_cpus)
     # One copy of the prefix, R tails, a private copy for the decode comparison, slack.
     num_blocks = 2 * blocks_per_seq + len(prompts) * (
         -(-args.unique_tokens // args.block_tokens) + 2

@@ -103,12 +103,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     model = tiny_decoder.Decoder.of(args)
     params = tiny_decoder.init_params(model, args.seed)
     step = jax.jit(functools.partial(tiny_decoder.forward, model), donate_argnums=(2,))
-    engine = tps.EngineConfig(
-        num_workers=args.workers,
-        io_chunk_bytes=args.chunk_bytes,
-        io_depth=args.io_depth,
-        worker_cpus=worker_cpus,
-    )
+    engine = common.engine_config(args, worker_cpus)
     max_len = args.context + args.steps
     cache_args = dict(
         num_layers=model.layers,

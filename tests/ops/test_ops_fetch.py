@@ -26,9 +26,7 @@ def _fetch_fn(engine_id, tier, *, compute=True):
     """jit(x, dst, segs) -> (y, dst): start, optional overlapped compute, wait."""
 
     def step(x, dst, segs):
-        x, ticket = ops.start_fetch(
-            engine_id, tier, x, segs, TAG, dst_bytes=ops.buffer_bytes(dst)
-        )
+        x, ticket = ops.start_fetch(engine_id, tier, x, segs, TAG, dst_bytes=ops.buffer_bytes(dst))
         y = jnp.tanh(x * 2.0) if compute else x
         dst = ops.wait_fetch(engine_id, tier, dst, ticket, segs, TAG, deps=(y,))
         return y, dst
@@ -288,3 +286,32 @@ def test_only_the_wait_writes_the_buffer(make_engine, add_tier, kind, poison):
     assert float(early_sum) == 0.5 * n
     np.testing.assert_array_equal(np.asarray(dst), data)
     assert e.stats()["prefetch_hits"] == 1
+
+
+def test_a_host_tier_read_runs_on_the_calling_thread_unless_a_write_conflicts(make_engine):
+    """A wait's read of a memory tier does not queue behind the lone worker's unrelated
+    work (it ends before a 128 MiB write to another tier does), but a write-back of its
+    own bytes queued before it still comes first (the read sees the new bytes)."""
+    e = make_engine(num_workers=1, record_timeline=True)
+    tier = e.add_host_tier(block_bytes=BLOCK, num_blocks=4)
+    other = e.add_host_tier(block_bytes=1 << 20, num_blocks=128)
+    e.write(tier, 0, np.full(100, 7, np.uint8))
+    segs = _rows([0], [0], [100])
+    read = jax.jit(
+        lambda dst: ops.wait_fetch(e.id, tier, dst, jnp.int32(ops.NO_TICKET), segs, TAG),
+        donate_argnums=(0,),
+    )
+    big = np.ones(128 << 20, np.uint8)
+    busy = e.submit_write(other, [(0, 0, big.size)], big)
+    np.testing.assert_array_equal(_as_bytes(read(jnp.zeros(100, jnp.uint8))), 7)
+    e.wait(busy)
+    transfers = e.timeline().transfers
+    fetch, write = (
+        next(r for r in transfers if r[2] == d and r[1] == t) for d, t in ((0, tier), (1, other))
+    )
+    assert fetch[8] < write[8]  # The read ended first: it never waited for the worker.
+    # Behind the same worker's next big write, a write-back of the read's own bytes.
+    busy = e.submit_write(other, [(0, 0, big.size)], big)
+    e.submit_write(tier, [(0, 0, 100)], np.full(100, 9, np.uint8))
+    np.testing.assert_array_equal(_as_bytes(read(jnp.zeros(100, jnp.uint8))), 9)
+    e.wait(busy)
