@@ -323,14 +323,20 @@ def _plot(results, out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(6, 4))
     names = [r["tier"] for r in results]
     x = np.arange(len(names))
-    ax.bar(x - 0.2, [r["ttft_full_ms"] for r in results], 0.4, label="full prefill")
-    ax.bar(x + 0.2, [r["ttft_cached_ms"] for r in results], 0.4, label="prefix cached")
+    bars = (
+        ("ttft_full_ms", "full prefill"),
+        ("ttft_cached_ms", "prefix cached"),
+        ("ttft_restart_ms", "cached, after a restart"),
+    )
+    for i, (key, label) in enumerate(bars):
+        ax.bar(x + (i - 1) * 0.27, [r[key] for r in results], 0.27, label=label)
     ax.set_xticks(x, names)
+    ax.set_yscale("log")  # The cached bars are a hundredth of the full prefill's.
     ax.set_ylabel("time to first token (ms)")
     ax.set_title(f"{results[0]['prefix_tokens']}-token shared prefix")
-    ax.legend()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize="small")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
