@@ -130,6 +130,9 @@ def _one(args: argparse.Namespace, n: int, worker_cpus: tuple[int, ...]) -> dict
         )
         x, state = step(params, x, state)  # Compiles; its fetches prime the next step.
         jax.block_until_ready(x)
+        # Counted on completion: with the fetch in flight into the next step finished at
+        # both ends, the window holds exactly `steps` steps' bytes.
+        cache.engine.drain()
         before = _fetched_per_tier(cache)
         times = []
         for _ in range(args.steps):
@@ -137,6 +140,7 @@ def _one(args: argparse.Namespace, n: int, worker_cpus: tuple[int, ...]) -> dict
             x, state = step(params, x, state)
             jax.block_until_ready((x, state))
             times.append(time.perf_counter() - t0)
+        cache.engine.drain()
         after = _fetched_per_tier(cache)
         per_shard = [(after[t] - before[t]) / args.steps for t in after]
         spec = cache.shard_spec
