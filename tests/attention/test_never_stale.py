@@ -203,7 +203,7 @@ _LOOP = textwrap.dedent(
     for layer in range(layers):
         state = cache.load(state, layer, ctx, ctx)
     x = jnp.ones((batch, 1, 1, dim), jnp.float32) * 0.01
-    for i in range(10_000 if mode == "sigint" else 30):
+    for i in range(10_000 if mode == "sigint" else 16):
         x, st = step(x, state)
         if i == 0:
             print("ready", flush=True)  # Compiled: a SIGINT from now on lands mid-loop.

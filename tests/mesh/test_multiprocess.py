@@ -21,7 +21,10 @@ def _free_port() -> int:
 
 def test_two_processes_decode_their_own_shards(tmp_path):
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # No empty entry (it would put the working directory, the source tree, on the path
+    # ahead of the installed package).
+    paths = [str(HERE), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
     env.pop("XLA_FLAGS", None)  # Each process sets its own device count.
     procs = [
         subprocess.Popen(
@@ -37,6 +40,7 @@ def test_two_processes_decode_their_own_shards(tmp_path):
             stderr=subprocess.PIPE,
             text=True,
             env=env,
+            cwd=tmp_path,  # Import the installed package, not the source tree.
         )
         for i in range(2)
     ]
