@@ -445,7 +445,9 @@ def test_persistent_file_cache_reattaches(tmp_path):
 PALLAS_TOLERANCE = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2}
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+# bfloat16 only: the kernel's float32 path is checked against its reference in
+# tests/kernels; this test is the kernel's wiring into the offloaded decoder.
+@pytest.mark.parametrize("dtype", [jnp.bfloat16])
 def test_pallas_implementation_matches_xla(dtype, tmp_path):
     """The Pallas kernel (TPU interpret mode on CPU) inside the offloaded decoder."""
     rng = np.random.default_rng(11)
