@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_tpusync import blocks, ops, quantize
+from jax_tpusync import blocks, mesh, ops, quantize
 from jax_tpusync.cache import (
     INT32_MAX,
     NO_WINDOW,
@@ -511,11 +511,7 @@ def prefetching_attention(
         interpret=interpret,
     )
     if spec.mesh is not None:
-        from jax_tpusync import mesh
-
         return mesh.sharded_attention(q, k, v, state, **options)
-    from jax_tpusync import mesh
-
     mesh.refuse_unsharded_cache(q, k, v)
     return shard_attention(q, k, v, state, **options)
 

@@ -918,31 +918,32 @@ class OffloadedKVCache:
         self._loaded_extent[:, slot] = 0
         return self._with_slots(state, lengths)
 
-    def _block_rows(self, block: int) -> list[tuple[int, int, int]]:
+    def _block_rows(self, block: int, at: int = 0) -> list[tuple[int, int, int]]:
         """(tier offset, memory offset, bytes) of physical ``block`` in every layer, K then
-        V, packed in that order in memory (a shared block file's payload)."""
+        V, packed in that order in memory from byte ``at`` (a shared block file's payload)."""
         spec = self.spec
         return [
-            (
-                (self.first_block + region * spec.num_blocks + block) * spec.block_bytes,
-                region * spec.block_bytes,
-                spec.block_bytes,
-            )
+            (self._block_offset(region, block), at + region * spec.block_bytes, spec.block_bytes)
             for region in range(spec.num_layers * 2)
         ]
 
     def _export_shared_blocks(self, tokens: np.ndarray, held: np.ndarray) -> None:
         """Publishes the full blocks ``held`` (holding ``tokens``) that the shared
-        directory lacks; their write-backs have completed (the engine was drained)."""
+        directory lacks, read from the tier in one request; their write-backs have
+        completed (the engine was drained)."""
         keys = self._prefix.keys(tokens)
-        buf = np.empty(self._shared_dir.payload_bytes, np.uint8)
-        for i, (key, block) in enumerate(zip(keys, held)):
-            if self._shared_dir.has(key):
-                continue
-            self.engine.wait(self.engine.submit_read(self.tier, self._block_rows(int(block)), buf))
+        missing = [i for i, key in enumerate(keys[: len(held)]) if not self._shared_dir.has(key)]
+        if not missing:
+            return
+        size = self._shared_dir.payload_bytes
+        buf = np.empty(len(missing) * size, np.uint8)
+        rows = [r for j, i in enumerate(missing) for r in self._block_rows(int(held[i]), j * size)]
+        self.engine.wait(self.engine.submit_read(self.tier, rows, buf))
+        t = self.spec.block_tokens
+        for j, i in enumerate(missing):
             parent = keys[i - 1] if i else None
             self._shared_dir.publish(
-                key, parent, tokens[i * self.spec.block_tokens : (i + 1) * self.spec.block_tokens], buf
+                keys[i], parent, tokens[i * t : (i + 1) * t], buf[j * size : (j + 1) * size]
             )
 
     def _import_shared_blocks(self, tokens: np.ndarray, start: int, limit: int) -> list[int]:
@@ -1168,11 +1169,14 @@ class OffloadedKVCache:
         K (``kv=0``) or V (1) in ``layer``, through its block table; consecutive blocks
         merged. Raises if a position has no block."""
         spec = self.spec
-        region_block = self.first_block + (layer * 2 + kv) * spec.num_blocks
         return [
-            ((region_block + block) * spec.block_bytes + row * spec.row_bytes, n * spec.row_bytes)
+            (self._block_offset(layer * 2 + kv, block) + row * spec.row_bytes, n * spec.row_bytes)
             for block, row, n in blocks.row_runs(self._tables[slot], spec.block_tokens, lo, hi)
         ]
+
+    def _block_offset(self, region: int, block: int) -> int:
+        """Tier byte offset of physical ``block`` in ``region`` (layer * 2 + K|V)."""
+        return (self.first_block + region * self.spec.num_blocks + block) * self.spec.block_bytes
 
     def _segments(self, layer: int, kv: int, start: np.ndarray, counts: np.ndarray):
         """Host segments (tier offset, memory offset, bytes) of rows ``[start[b], start[b] +

@@ -237,7 +237,7 @@ class ShardedKVCache:
                     (n, *first.shape), self.state_sharding, parts
                 )
             )
-        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(_template(self)), leaves)
+        return KVState(self.spec, *leaves)
 
     def split(self, state: KVState) -> dict[int, KVState]:
         """This process's shards of a global ``state``: ``{shard: its KVState}``."""
@@ -252,18 +252,15 @@ class ShardedKVCache:
                     "this KVState was donated to a step (its buffers are gone); use the "
                     "state that step returned, or cache.recover() if the step failed"
                 )
-            seen = set()
-            for piece in leaf.addressable_shards:
+            for piece in leaf.addressable_shards:  # One per shard: no axis replicates.
                 s = int(piece.index[0].start or 0)
                 if piece.data.shape[0] != 1 or s not in per_shard:
                     raise ValueError(
                         f"state is not sharded as cache.state_sharding says (a piece of shape "
                         f"{piece.data.shape} at {piece.index})"
                     )
-                if s not in seen:
-                    with self._on(s):
-                        per_shard[s].append(piece.data[0])
-                    seen.add(s)
+                with self._on(s):
+                    per_shard[s].append(piece.data[0])
         return {s: KVState(self.shard_spec, *leaves) for s, leaves in per_shard.items()}
 
     def _each(self, state: KVState | None, fn, shards=None) -> KVState:
@@ -453,11 +450,6 @@ def _outside_mesh():
     return jax.set_mesh(None) if hasattr(jax, "set_mesh") else contextlib.nullcontext()
 
 
-def _template(cache: ShardedKVCache) -> KVState:
-    """A KVState of the mesh spec (its tree structure; the leaves are placeholders)."""
-    return KVState(cache.spec, *([0] * len(KVState._FIELDS)))
-
-
 # -- attention --------------------------------------------------------------------------------
 
 
@@ -585,28 +577,23 @@ def sharded_attention(q, k, v, state: KVState, *, layer, **options) -> tuple[jax
     if q.shape[2] % want[1]:
         raise ValueError(f"num_q_heads={q.shape[2]} must be a multiple of num_kv_heads={want[1]}")
     state_specs = [layout.state_spec] * len(leaves)
-    if not isinstance(layer, int):
-        layer = jax.numpy.asarray(layer, jax.numpy.int32)
+    # A static layer stays a Python int (the kernels take its window statically); a traced
+    # one goes in replicated.
+    traced = () if isinstance(layer, int) else (jax.numpy.asarray(layer, jax.numpy.int32),)
+
+    def mapped(q, k, v, leaves, *traced_layer):
+        return body(q, k, v, leaves, traced_layer[0] if traced_layer else layer)
+
+    fn = jax.shard_map(
+        mapped,
+        mesh=layout.mesh,
+        in_specs=(layout.qkv_spec,) * 3 + (state_specs,) + (P(),) * len(traced),
+        out_specs=(layout.qkv_spec, state_specs),
+        check_vma=False,
+    )
     qkv = [_resharded(x, layout, layout.qkv_spec) for x in (q, k, v)]
     leaves = [_resharded(x, layout, layout.state_spec) for x in leaves]
-    if isinstance(layer, int):
-        fn = jax.shard_map(
-            lambda q, k, v, leaves: body(q, k, v, leaves, layer),
-            mesh=layout.mesh,
-            in_specs=(layout.qkv_spec,) * 3 + (state_specs,),
-            out_specs=(layout.qkv_spec, state_specs),
-            check_vma=False,
-        )
-        out, leaves = fn(*qkv, leaves)
-    else:
-        fn = jax.shard_map(
-            body,
-            mesh=layout.mesh,
-            in_specs=(layout.qkv_spec,) * 3 + (state_specs, P()),
-            out_specs=(layout.qkv_spec, state_specs),
-            check_vma=False,
-        )
-        out, leaves = fn(*qkv, leaves, layer)
+    out, leaves = fn(*qkv, leaves, *traced)
     if _is_explicit(layout.mesh):  # Typed as q came in, as single-device attention returns.
         out = jax.sharding.reshard(out, jax.typeof(q).sharding)
     return out, jax.tree_util.tree_unflatten(tree, leaves)
