@@ -391,7 +391,7 @@ def test_the_resident_mode_variant_runs_when_the_cache_fits(tmp_path):
 
 
 @pytest.mark.skipif(len(__import__("jax").devices()) < 2, reason="needs 2 devices")
-@pytest.mark.parametrize("mesh, tier", [("tp", "host"), ("dp", "file")])
+@pytest.mark.parametrize("mesh, tier", [("dp", "file")])  # tp decode itself: tests/mesh.
 def test_decode_devices_rows_fetch_one_shard_each(tmp_path, mesh, tier):
     """``--devices 2``: a row per device count, each shard fetching its own share (the same
     bytes per shard at 1 and 2 devices: the per-device shapes are fixed)."""

@@ -56,7 +56,6 @@ def mesh_cache(name, tmp_path=None, tier="host", axis_types=AxisType.Auto, **ove
     [
         ("tp2", "host", False),
         ("tp4", "file", True),
-        ("dp2", "host", True),
         ("2x2", "file", False),
     ],
 )
