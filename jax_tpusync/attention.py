@@ -83,11 +83,15 @@ def _segments(
     count: jax.Array,  # int32[batch]: positions (0: none)
     mem_base: jax.Array,  # int32[2, batch]: memory offset of position lo, K and V
     max_positions: int,  # static bound on count
+    level: int = 0,  # two-level caches: 0 the DRAM tier, 1 the spill tier
+    fetch: bool = False,
 ) -> jax.Array:  # int32[2 * batch * blocks touched, 4]
     """Segments of positions ``[lo, lo + count)`` of every slot of ``layer``, through the
-    state's block table; only active slots move bytes."""
+    state's block table; only active slots move bytes. A two-level cache's segments are
+    ``level``'s tier's (see :func:`blocks.block_segments`)."""
     count = jnp.where(state.capacity > 0, count, 0)
-    region = (jnp.asarray(layer, jnp.int32) * 2 + jnp.arange(2, dtype=jnp.int32)) * spec.num_blocks
+    per_region = (spec.num_blocks, spec.spill_blocks)[level]
+    region = (jnp.asarray(layer, jnp.int32) * 2 + jnp.arange(2, dtype=jnp.int32)) * per_region
     return blocks.block_segments(
         state.block_table,
         region,
@@ -97,15 +101,30 @@ def _segments(
         block_tokens=spec.block_tokens,
         row_bytes=spec.row_bytes,
         max_positions=max_positions,
+        levels=spec.levels,
+        level=level,
+        fetch=fetch,
     )
 
 
-def _fetch_segments(spec: CacheSpec, state: KVState, layer, lo, count, slot) -> jax.Array:
-    """Segments of a unit landing in staging slot ``slot`` ([2, batch, chunk_len] rows)."""
+def _fetch_segments(
+    spec: CacheSpec, state: KVState, layer, lo, count, slot, level: int = 0
+) -> jax.Array:
+    """Segments of a unit landing in staging slot ``slot`` ([2, batch, chunk_len] rows),
+    from ``level``'s tier."""
     b = jnp.arange(spec.batch, dtype=jnp.int32)
     kv = jnp.arange(2, dtype=jnp.int32)[:, None]
     mem = ((slot * 2 + kv) * spec.batch + b) * (spec.chunk_len * spec.row_bytes)
-    return _segments(spec, state, layer, lo, count, mem, spec.chunk_len)
+    return _segments(spec, state, layer, lo, count, mem, spec.chunk_len, level, fetch=True)
+
+
+def _fetch_levels(spec: CacheSpec, state: KVState) -> list[tuple[jax.Array, jax.Array, Any]]:
+    """(tier, first block, regions) of every tier a unit is fetched from: the cache's, and
+    a two-level cache's spill tier (see :mod:`jax_tpusync.spill`)."""
+    levels = [(state.target[1], state.target[2], spec.regions)]
+    if spec.spill_blocks:
+        levels.append((state.target[4], state.target[5], spec.spill_regions))
+    return levels
 
 
 def _write_segments(spec: CacheSpec, state: KVState, layer, q_len: int) -> jax.Array:
@@ -553,8 +572,7 @@ def shard_attention(
     if not isinstance(layer, int):
         layer = jnp.asarray(layer, jnp.int32)
 
-    regions = spec.regions
-    eid, tier, first_block = state.target[0], state.target[1], state.target[2]
+    eid = state.target[0]
     batch, q_len = q.shape[:2]
     lengths = state.lengths
     owner = jnp.concatenate([state.owner, jnp.zeros((1,), jnp.int32)])
@@ -582,42 +600,48 @@ def shard_attention(
 
     block_len = staged_block_len(spec) if implementation == "xla" else spec.chunk_len
 
+    levels = _fetch_levels(spec, state)
+
     def unit_step(chunk, carry):
         q_, out, lse, staging, tickets, slot = carry
         # Start the unit `prefetch_depth` ahead into the slot consumed last (free now:
-        # `out` depends on its contents having been read).
+        # `out` depends on its contents having been read). A two-level cache fetches
+        # each unit from both tiers, into the same slot (ticket level * num_slots + slot).
         p_layer, p_chunk, p_lens, ok = _advance(spec, layer, chunk, lengths, grow)
         p_slot = (slot + spec.prefetch_depth) % spec.num_slots
         p_lo, p_count = _unit_range(spec, p_layer, p_chunk, p_lens)
-        p_segments = _fetch_segments(spec, state, p_layer, p_lo, jnp.where(ok, p_count, 0), p_slot)
-        q_, p_ticket = ops.start_fetch(
-            eid,
-            tier,
-            q_,
-            p_segments,
-            _tag(p_layer, p_chunk),
-            dst_bytes=spec.device_bytes,
-            deps=(token, out),
-            regions=regions,
-            retire=tickets[p_slot],
-            owner=owner,
-            first_block=first_block,
-        )
-        # Wait for this unit; q_ carries the previous layer's compute, `out` the last chunk's.
+        p_count = jnp.where(ok, p_count, 0)
         lo, count = _unit_range(spec, layer, chunk, lengths)
-        staging = ops.wait_fetch(
-            eid,
-            tier,
-            staging,
-            tickets[slot],
-            _fetch_segments(spec, state, layer, lo, count, slot),
-            _tag(layer, chunk),
-            deps=(q_, k, v, out),
-            regions=regions,
-            owner=owner,
-            first_block=first_block,
-        )
-        tickets = tickets.at[slot].set(ops.NO_TICKET).at[p_slot].set(p_ticket)
+        for level, (tier, first_block, regions) in enumerate(levels):
+            q_, p_ticket = ops.start_fetch(
+                eid,
+                tier,
+                q_,
+                _fetch_segments(spec, state, p_layer, p_lo, p_count, p_slot, level),
+                _tag(p_layer, p_chunk),
+                dst_bytes=spec.device_bytes,
+                deps=(token, out),
+                regions=regions,
+                retire=tickets[level * spec.num_slots + p_slot],
+                owner=owner,
+                first_block=first_block,
+            )
+            # Wait for this unit; q_ carries the previous layer's compute, `out` the last
+            # chunk's.
+            staging = ops.wait_fetch(
+                eid,
+                tier,
+                staging,
+                tickets[level * spec.num_slots + slot],
+                _fetch_segments(spec, state, layer, lo, count, slot, level),
+                _tag(layer, chunk),
+                deps=(q_, k, v, out),
+                regions=regions,
+                owner=owner,
+                first_block=first_block,
+            )
+            at = level * spec.num_slots
+            tickets = tickets.at[at + slot].set(ops.NO_TICKET).at[at + p_slot].set(p_ticket)
         o, l = attend_valid_rows(
             lambda start, n, valid: attend(
                 q_,

@@ -29,6 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 NO_BLOCK = -1
+# A segment's block for a position whose block lives on the other level of a two-level
+# cache (a write-back, which only writes its own tier, or an id of neither level): the
+# engine refuses it by name before any byte moves.
+OTHER_LEVEL = -4
 
 
 class BlockAllocator:
@@ -129,9 +133,10 @@ def _runs(ids: Sequence[int] | np.ndarray) -> Iterator[tuple[int, int]]:
         yield int(ids[lo]), hi - lo
 
 
-def row_runs(table_row: np.ndarray, block_tokens: int, lo: int, hi: int):
+def row_runs(table_row: np.ndarray, block_tokens: int, lo: int, hi: int, boundary: int = 0):
     """Host-side: ``(physical block, first row in it, rows)`` covering positions [lo, hi),
-    consecutive blocks merged into one run. Raises if a position has no block."""
+    consecutive blocks merged into one run (never into block ``boundary``: a two-level
+    cache's first spill id, on another tier). Raises if a position has no block."""
     out: list[list[int]] = []
     pos = lo
     while pos < hi:
@@ -141,8 +146,11 @@ def row_runs(table_row: np.ndarray, block_tokens: int, lo: int, hi: int):
             raise ValueError(f"position {pos} has no KV block reserved")
         row = pos % block_tokens
         n = min(hi, (index + 1) * block_tokens) - pos
-        if out and row == 0 and out[-1][0] * block_tokens + out[-1][1] + out[-1][2] == (
-            block * block_tokens
+        if (
+            out
+            and row == 0
+            and block != boundary
+            and out[-1][0] * block_tokens + out[-1][1] + out[-1][2] == block * block_tokens
         ):
             out[-1][2] += n
         else:
@@ -161,6 +169,9 @@ def block_segments(
     block_tokens: int,
     row_bytes: int,
     max_positions: int,  # static bound on count
+    levels: tuple[int, ...] | None = None,  # block ids per level of a two-level cache
+    level: int = 0,  # the level (tier) these segments are for
+    fetch: bool = False,  # True: positions on another level move no bytes here
 ) -> jax.Array:  # int32[2 * batch * blocks, 4]
     """Segments (block, offset_in_block, memory_offset, nbytes) of positions
     ``[lo, lo + count)`` of each sequence, one row per block they touch (traced), K rows
@@ -170,6 +181,13 @@ def block_segments(
     names); rows of positions without a block (-1) keep block -1, which the engine refuses.
     The engine merges rows that are contiguous on the tier and in memory, so consecutive
     blocks cost one request.
+
+    Two-level caches (see :mod:`jax_tpusync.spill`): table ids ``[0, levels[0])`` are the
+    first tier's blocks, the next ``levels[1]`` the second's, and the segments are for
+    ``level``'s tier, its blocks counted from 0. A position on another level's block is
+    refused (block :data:`OTHER_LEVEL`, refused by the engine by name): a write-back writes
+    its own tier only. With ``fetch`` it moves no bytes here instead (that level's fetch
+    reads it); level 0's rows still refuse positions with no block or an id of no level.
     """
     n_blocks = -(-max_positions // block_tokens) + 1  # A misaligned range touches one more.
     i = jnp.arange(n_blocks, dtype=jnp.int32)  # [n]
@@ -182,8 +200,18 @@ def block_segments(
     phys = jnp.take_along_axis(table, jnp.clip(index, 0, max_blocks - 1), axis=1)
     phys = jnp.where(index < max_blocks, phys, NO_BLOCK)
     missing = (rows > 0) & (phys < 0)
+    bad = jnp.full(phys.shape, NO_BLOCK, jnp.int32)
+    if levels is not None:
+        level_first = sum(levels[:level])
+        mine = (phys >= level_first) & (phys < level_first + levels[level])
+        known = (phys >= 0) & (phys < sum(levels))
+        refused = (rows > 0) & ~(mine | (known & fetch) | (fetch & (level > 0)))
+        rows = jnp.where(mine, rows, 0)
+        bad = jnp.where(phys < 0, NO_BLOCK, OTHER_LEVEL)
+        missing = refused
+        phys = phys - level_first
     block = jnp.where(
-        missing, NO_BLOCK, region_first_block[:, None, None] + jnp.maximum(phys, 0)[None]
+        missing, bad[None], region_first_block[:, None, None] + jnp.maximum(phys, 0)[None]
     )  # [2, batch, n]
     offset = jnp.broadcast_to((start % block_tokens) * row_bytes, block.shape)
     mem = mem_base[:, :, None] + ((start - lo[:, None]) * row_bytes)[None]

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tpusync import blocks, ops, persistence, prefix, quantize, shared_blocks
+from jax_tpusync import blocks, ops, persistence, prefix, quantize, shared_blocks, spill
 from jax_tpusync.engine import Engine, EngineConfig, page_offset
 
 logger = logging.getLogger(__name__)
@@ -100,6 +100,9 @@ class CacheSpec:
     # A mesh cache's layout (jax_tpusync.mesh.MeshLayout): the other fields describe one
     # shard, and every state leaf has a leading axis of shards. None: one device.
     mesh: Any = None
+    # Two-level caches (jax_tpusync.spill): blocks per (layer, K|V) on the spill tier,
+    # table ids [num_blocks, num_blocks + spill_blocks). 0: one tier.
+    spill_blocks: int = 0
 
     @property
     def itemsize(self) -> int:
@@ -160,6 +163,21 @@ class CacheSpec:
         )
 
     @property
+    def levels(self) -> tuple[int, ...] | None:
+        """Block ids per tier of a two-level cache (DRAM, spill); None: one tier."""
+        return (self.num_blocks, self.spill_blocks) if self.spill_blocks else None
+
+    @property
+    def spill_regions(self) -> ops.Regions:
+        """:attr:`regions` of the spill tier."""
+        return dataclasses.replace(self.regions, nbytes=self.spill_blocks * self.block_bytes)
+
+    @property
+    def num_tickets(self) -> int:
+        """Tickets a state carries: one per staging slot and tier."""
+        return self.num_slots * (2 if self.spill_blocks else 1)
+
+    @property
     def single_unit(self) -> bool:
         """True when every layer's cached KV fits one staging unit (no chunk loop)."""
         return self.chunk_len >= max(self.layer_span(w) for w in self.windows)
@@ -185,15 +203,17 @@ class KVState:
       staging: [num_slots, 2, batch, chunk_len, *row_shape] fetch landing zone; resident
         (``spec.resident``): [num_layers, 2, batch, max_len, *row_shape], every layer's rows
         by position, equal to the tier at each active slot's positions ``[0, length)``.
-      tickets: int32[num_slots], engine ticket of the fetch in flight into each slot (-1: none).
+      tickets: int32[num_tickets], engine ticket of the fetch in flight into each slot (-1:
+        none); a two-level cache: the DRAM tier's per slot, then the spill tier's.
       slot: int32[], the slot the next unit is consumed from.
       token: int32[], orders engine calls (write-backs before later fetches).
       owner: int32[3], (stream, epoch, generation): which cache stream, which start of it
         and which step of it this state is for. The engine refuses ops of a state that a
         newer one superseded (two steps from one parent, a state kept across
         ``init()``/``drain()``), so two states can never write the same tier rows.
-      target: int32[4], (engine id, tier, first block, shard): where the cache's blocks
-        are, and which shard of a mesh cache this is (0 on one device).
+      target: int32[6], (engine id, tier, first block, shard, spill tier, spill first
+        block): where the cache's blocks are, which shard of a mesh cache this is (0 on
+        one device), and where a two-level cache's spill blocks are (0, 0: none).
 
     A mesh cache's state (``spec.mesh`` set) has a leading axis of shards on every field,
     sharded over the mesh (see :mod:`jax_tpusync.mesh`).
@@ -328,6 +348,15 @@ class OffloadedKVCache:
         ``tokens`` writes each full block that has no file there yet, and :meth:`admit`
         with ``tokens`` continues its match there past its own index. See
         :mod:`jax_tpusync.shared_blocks` (one file per block, atomic rename, checksums).
+      spill_path: ``tier="host"`` only: a directory for a second, file tier behind the
+        DRAM tier (a two-level store, see :mod:`jax_tpusync.spill`). Cached prefix blocks
+        that DRAM has no room for are demoted there instead of evicted, and the step reads
+        them in place; sequences' own blocks stay in DRAM.
+      spill_blocks: blocks per (layer, K|V) on the spill tier, a positive int; default
+        ``4 * num_blocks``.
+      promote_after: admissions that map a spill block before it is copied back into
+        DRAM (at the next one, if DRAM has a free block and no other slot maps it), an
+        int >= 1, or None: never. Default 2.
 
       mesh: a ``jax.sharding.Mesh`` to shard the cache over (returns a
         :class:`jax_tpusync.mesh.ShardedKVCache`): each device keeps the sequences and KV
@@ -381,6 +410,9 @@ class OffloadedKVCache:
         overwrite: bool = False,
         prefix_salt: str | bytes | None = None,
         shared_prefix_dir: str | os.PathLike | None = None,
+        spill_path: str | os.PathLike | None = None,
+        spill_blocks: int | None = None,
+        promote_after: int | None = 2,
         mesh: None = None,
         kv_heads_axis: str | None = None,
         batch_axis: str | None = None,
@@ -446,6 +478,11 @@ class OffloadedKVCache:
             raise ValueError(f"num_blocks={num_blocks!r} must be a positive int")
         num_blocks = int(num_blocks)
         windows = _normalize_windows(sliding_window, num_layers)
+        spill_blocks = _check_spill(
+            tier, spill_path, spill_blocks, promote_after, num_blocks, resident, shm_name, file_name
+        )
+        if spill_blocks:
+            resident = False  # "auto" (True was refused): a spill block has no resident copy.
         if model_id is not None and not isinstance(model_id, str):
             raise ValueError(f"model_id={model_id!r} must be a str or None")
         # Checked before the tier opens, so that a mismatch touches nothing.
@@ -559,6 +596,24 @@ class OffloadedKVCache:
             region_name = "kv" if (shm_name or file_name) else None
             first_block = self.engine.allocate(tier_index, tier_blocks, name=region_name)
             _check_int32_layout(max_len, windows, chunk_len, block_bytes, tier_blocks, first_block)
+            spill_tier = spill_first = 0
+            if spill_blocks:
+                # Fetches from the file land in staging: align them as for a file tier.
+                self._first_staging = jnp.zeros(
+                    _staging_shape(num_slots, batch, chunk_len, row_shape), staging_dtype
+                )
+                spill_tier_blocks = num_layers * 2 * spill_blocks
+                _check_int32_layout(max_len, windows, chunk_len, block_bytes, spill_tier_blocks, 0)
+                spill_tier = self.engine.add_file_tier(
+                    spill_path,
+                    block_bytes=block_bytes,
+                    num_blocks=spill_tier_blocks,
+                    alignment_offset=page_offset(self._first_staging) or 0,
+                )
+                spill_first = self.engine.allocate(spill_tier, spill_tier_blocks)
+                _check_int32_layout(
+                    max_len, windows, chunk_len, block_bytes, spill_tier_blocks, spill_first
+                )
         except Exception:
             if self._owns_engine:
                 self.engine.close()
@@ -581,14 +636,35 @@ class OffloadedKVCache:
             staging_dtype=staging_dtype,
             tier_dtype=tier_dtype,
             resident=resident,
+            spill_blocks=spill_blocks,
         )
         self.tier = tier_index
         self.first_block = first_block
-        self._target = np.asarray([self.engine.id, tier_index, first_block, 0], np.int64)
-        # The slots' blocks, decided here between steps; each state carries a copy.
+        self._target = np.asarray(
+            [self.engine.id, tier_index, first_block, 0, spill_tier, spill_first], np.int64
+        )
+        # The slots' blocks, decided here between steps; each state carries a copy. A
+        # slot's own blocks are always DRAM blocks (this allocator's).
         self._allocator = blocks.BlockAllocator(num_blocks)
+        self._spill: spill.SpillTier | None = None
+        index_allocator: Any = self._allocator
+        if spill_blocks:
+            index_allocator = spill.LevelAllocators(
+                self._allocator, blocks.BlockAllocator(spill_blocks)
+            )
+            self._spill = spill.SpillTier(
+                self.engine,
+                dram_tier=tier_index,
+                spill_tier=spill_tier,
+                dram_first=first_block,
+                spill_first=spill_first,
+                allocators=index_allocator,
+                regions=num_layers * 2,
+                block_bytes=block_bytes,
+                promote_after=promote_after,
+            )
         self._prefix = prefix.PrefixIndex(
-            self._allocator,
+            index_allocator,
             block_tokens,
             prefix.root_key(
                 model_id if prefix_salt is None and model_id is not None else (prefix_salt or ""),
@@ -720,7 +796,7 @@ class OffloadedKVCache:
             block_table=jnp.asarray(self._tables),
             capacity=jnp.asarray(self._capacity),
             staging=staging,
-            tickets=jnp.full((spec.num_slots,), ops.NO_TICKET, jnp.int32),
+            tickets=jnp.full((spec.num_tickets,), ops.NO_TICKET, jnp.int32),
             slot=jnp.zeros((), jnp.int32),
             token=jnp.zeros((), jnp.int32),
             owner=owner,
@@ -782,7 +858,7 @@ class OffloadedKVCache:
             block_table=jnp.full((spec.batch, spec.max_blocks), blocks.NO_BLOCK, jnp.int32),
             capacity=jnp.zeros((spec.batch,), jnp.int32),
             staging=jnp.zeros(spec.staging_shape, spec.staging_dtype),
-            tickets=jnp.full((spec.num_slots,), ops.NO_TICKET, jnp.int32),
+            tickets=jnp.full((spec.num_tickets,), ops.NO_TICKET, jnp.int32),
             slot=jnp.zeros((), jnp.int32),
             token=jnp.zeros((), jnp.int32),
             owner=jnp.zeros((3,), jnp.int32),
@@ -852,6 +928,13 @@ class OffloadedKVCache:
         except Exception:
             self._prefix.unpin(shared)
             raise
+        if self._spill is not None and shared:
+            try:
+                promoted = self._spill.admitted(self._prefix, shared)
+            except Exception:
+                self.release(state, slot)
+                raise
+            self._tables[slot, : len(promoted)] = promoted
         cached = len(shared) * spec.block_tokens
         lengths = np.asarray(state.lengths).copy()
         lengths[slot] = cached
@@ -918,12 +1001,13 @@ class OffloadedKVCache:
         self._loaded_extent[:, slot] = 0
         return self._with_slots(state, lengths)
 
-    def _block_rows(self, block: int, at: int = 0) -> list[tuple[int, int, int]]:
-        """(tier offset, memory offset, bytes) of physical ``block`` in every layer, K then
-        V, packed in that order in memory from byte ``at`` (a shared block file's payload)."""
+    def _block_rows(self, block: int, at: int = 0) -> list[tuple[int, int, int, int]]:
+        """(tier, tier offset, memory offset, bytes) of physical ``block`` in every layer, K
+        then V, packed in that order in memory from byte ``at`` (a shared block file's
+        payload)."""
         spec = self.spec
         return [
-            (self._block_offset(region, block), at + region * spec.block_bytes, spec.block_bytes)
+            (*self._locate_block(region, block), at + region * spec.block_bytes, spec.block_bytes)
             for region in range(spec.num_layers * 2)
         ]
 
@@ -938,7 +1022,7 @@ class OffloadedKVCache:
         size = self._shared_dir.payload_bytes
         buf = np.empty(len(missing) * size, np.uint8)
         rows = [r for j, i in enumerate(missing) for r in self._block_rows(int(held[i]), j * size)]
-        self.engine.wait(self.engine.submit_read(self.tier, rows, buf))
+        self._transfer(False, rows, buf)
         t = self.spec.block_tokens
         for j, i in enumerate(missing):
             parent = keys[i - 1] if i else None
@@ -965,8 +1049,7 @@ class OffloadedKVCache:
                     self._persistence.note_evicted()
                 block = int(self._allocator.allocate(1)[0])
                 try:
-                    rows = self._block_rows(block)
-                    self.engine.wait(self.engine.submit_write(self.tier, rows, payload))
+                    self._transfer(True, self._block_rows(block), payload)
                 except Exception:
                     self._allocator.free(np.asarray([block], np.int64))
                     raise
@@ -991,6 +1074,8 @@ class OffloadedKVCache:
                 shared_published=self._shared_dir.published,
                 shared_imported=self._shared_dir.imported,
             )
+        if self._spill is not None:
+            stats.update(self._spill.stats())
         return stats
 
     @property
@@ -1009,11 +1094,17 @@ class OffloadedKVCache:
         return self._allocator.free_blocks
 
     def _make_room(self, count: int) -> bool:
-        """Whether ``count`` blocks are free, after evicting cached prefix blocks if not."""
+        """Whether ``count`` (DRAM) blocks are free, after demoting (two-level caches) or
+        evicting cached prefix blocks if not."""
+        if count > self._allocator.free_blocks and self._spill is not None:
+            self._spill.demote(self._prefix, count)
         short = count - self._allocator.free_blocks
         if short > 0:
-            self._prefix.evict(short)
+            self._prefix.evict(short, where=self._in_dram if self._spill else None)
         return count <= self._allocator.free_blocks
+
+    def _in_dram(self, block: int) -> bool:
+        return block < self.spec.num_blocks
 
     def _reserve(self, slot: int, tokens: int, shared: Sequence[int] = ()) -> None:
         """Gives ``slot`` ``shared`` then fresh blocks for ``tokens``, evicting cached
@@ -1131,7 +1222,7 @@ class OffloadedKVCache:
                 staging = self._resident_copy()
             self._resident_epoch = int(np.asarray(owner)[1])
         return state.replace(
-            tickets=jnp.full((self.spec.num_slots,), ops.NO_TICKET, jnp.int32),
+            tickets=jnp.full((self.spec.num_tickets,), ops.NO_TICKET, jnp.int32),
             owner=owner,
             staging=staging,
         )
@@ -1164,28 +1255,59 @@ class OffloadedKVCache:
 
     # -- host-side bulk access --------------------------------------------------------------
 
-    def tier_rows(self, layer: int, kv: int, slot: int, lo: int, hi: int) -> list[tuple[int, int]]:
-        """``(tier byte offset, bytes)`` runs holding positions ``[lo, hi)`` of ``slot``'s
-        K (``kv=0``) or V (1) in ``layer``, through its block table; consecutive blocks
-        merged. Raises if a position has no block."""
+    def tier_runs(
+        self, layer: int, kv: int, slot: int, lo: int, hi: int
+    ) -> list[tuple[int, int, int]]:
+        """``(tier, tier byte offset, bytes)`` runs holding positions ``[lo, hi)`` of
+        ``slot``'s K (``kv=0``) or V (1) in ``layer``, through its block table; consecutive
+        blocks merged. ``tier`` is :attr:`tier`, or a two-level cache's spill tier for
+        blocks on it. Raises if a position has no block."""
         spec = self.spec
-        return [
-            (self._block_offset(layer * 2 + kv, block) + row * spec.row_bytes, n * spec.row_bytes)
-            for block, row, n in blocks.row_runs(self._tables[slot], spec.block_tokens, lo, hi)
-        ]
+        out = []
+        table = self._tables[slot]
+        for block, row, n in blocks.row_runs(table, spec.block_tokens, lo, hi, spec.num_blocks):
+            tier, offset = self._locate_block(layer * 2 + kv, block)
+            out.append((tier, offset + row * spec.row_bytes, n * spec.row_bytes))
+        return out
 
-    def _block_offset(self, region: int, block: int) -> int:
-        """Tier byte offset of physical ``block`` in ``region`` (layer * 2 + K|V)."""
-        return (self.first_block + region * self.spec.num_blocks + block) * self.spec.block_bytes
+    def tier_rows(self, layer: int, kv: int, slot: int, lo: int, hi: int) -> list[tuple[int, int]]:
+        """:meth:`tier_runs` without the tier: ``(tier byte offset, bytes)`` on
+        :attr:`tier`. Raises if a position's block is on a two-level cache's spill tier."""
+        runs = self.tier_runs(layer, kv, slot, lo, hi)
+        if any(tier != self.tier for tier, _, _ in runs):
+            raise ValueError(
+                f"positions [{lo}, {hi}) of slot {slot} include blocks on the spill tier: "
+                f"use tier_runs(), which names each run's tier"
+            )
+        return [(offset, n) for _, offset, n in runs]
+
+    def _locate_block(self, region: int, block: int) -> tuple[int, int]:
+        """(tier, tier byte offset) of table id ``block`` in ``region`` (layer * 2 + K|V)."""
+        if self._spill is not None:
+            return self._spill.locate(region, block)
+        offset = (self.first_block + region * self.spec.num_blocks + block) * self.spec.block_bytes
+        return self.tier, offset
+
+    def _transfer(self, write: bool, rows: list[tuple[int, int, int, int]], buf: np.ndarray):
+        """Runs host segments ``(tier, tier offset, memory offset, bytes)`` against ``buf``,
+        one request per tier, and waits for them."""
+        by_tier: dict[int, list[tuple[int, int, int]]] = {}
+        for tier, offset, mem, n in rows:
+            by_tier.setdefault(tier, []).append((offset, mem, n))
+        submit = self.engine.submit_write if write else self.engine.submit_read
+        tickets = [submit(tier, segments, buf) for tier, segments in by_tier.items()]
+        for t in tickets:
+            self.engine.wait(t)
 
     def _segments(self, layer: int, kv: int, start: np.ndarray, counts: np.ndarray):
-        """Host segments (tier offset, memory offset, bytes) of rows ``[start[b], start[b] +
-        counts[b])`` of every slot, packed slot after slot in memory."""
+        """Host segments (tier, tier offset, memory offset, bytes) of rows ``[start[b],
+        start[b] + counts[b])`` of every slot, packed slot after slot in memory."""
         rows = []
         mem = 0
         for b in range(self.spec.batch):
-            for offset, n in self.tier_rows(layer, kv, b, int(start[b]), int(start[b] + counts[b])):
-                rows.append((offset, mem, n))
+            lo, hi = int(start[b]), int(start[b] + counts[b])
+            for tier, offset, n in self.tier_runs(layer, kv, b, lo, hi):
+                rows.append((tier, offset, mem, n))
                 mem += n
         return rows
 
@@ -1277,10 +1399,11 @@ class OffloadedKVCache:
             if spec.quantized:  # The bytes the step's write-back would write for them.
                 rows = [quantize.quantize_host(r, spec.tier_dtype) for r in rows]
             packed = np.concatenate([r.reshape(-1) for r in rows])
+            segments = self._segments(layer, kv, starts, counts)
+            # A slot's own blocks are DRAM blocks (the shared prefix was refused above).
+            assert all(tier == self.tier for tier, *_ in segments)
             tickets.append(
-                self.engine.submit_write(
-                    self.tier, self._segments(layer, kv, starts, counts), packed, layer=layer
-                )
+                self.engine.submit_write(self.tier, [r[1:] for r in segments], packed, layer=layer)
             )
         for t in tickets:
             self.engine.wait(t)
@@ -1334,11 +1457,10 @@ class OffloadedKVCache:
         for kv in range(2):
             buf = self._row_buffer((stop - start,))
             rows, mem = [], 0
-            for offset, n in self.tier_rows(layer, kv, slot, start, stop):
-                rows.append((offset, mem, n))
+            for tier, offset, n in self.tier_runs(layer, kv, slot, start, stop):
+                rows.append((tier, offset, mem, n))
                 mem += n
-            if rows:
-                self.engine.wait(self.engine.submit_read(self.tier, rows, buf))
+            self._transfer(False, rows, buf)
             out.append(self._from_rows(buf, raw=raw))
         return out[0], out[1]
 
@@ -1383,11 +1505,10 @@ class OffloadedKVCache:
             rows = []
             for b in range(spec.batch):
                 mem = b * spec.max_len * spec.row_bytes
-                for offset, n in self.tier_rows(layer, kv, b, 0, int(counts[b])):
-                    rows.append((offset, mem, n))
+                for tier, offset, n in self.tier_runs(layer, kv, b, 0, int(counts[b])):
+                    rows.append((tier, offset, mem, n))
                     mem += n
-            if rows:
-                self.engine.wait(self.engine.submit_read(self.tier, rows, buf))
+            self._transfer(False, rows, buf)
             out.append(self._from_rows(buf))
         return out[0], out[1]
 
@@ -1623,6 +1744,40 @@ def _check_int32_layout(
             f"unit count needs max_len + chunk_len - 1 = {longest_span + chunk_len - 1} to "
             f"fit int32; at most {INT32_MAX + 1 - chunk_len} with chunk_len={chunk_len}"
         )
+
+
+def _check_spill(
+    tier, spill_path, spill_blocks, promote_after, num_blocks, resident, shm_name, file_name
+) -> int:
+    """The spill tier's blocks per (layer, K|V) (0: none), after checking its arguments."""
+    if spill_path is None:
+        if spill_blocks is not None:
+            raise ValueError(f"spill_blocks={spill_blocks!r} needs spill_path=<directory>")
+        return 0
+    if tier != "host":
+        raise ValueError(
+            f"spill_path puts a file tier behind the DRAM tier: it needs tier='host', not "
+            f"{tier!r} (a file tier's blocks are on the file already)"
+        )
+    if shm_name is not None or file_name is not None:
+        raise ValueError(
+            "a two-level cache (spill_path) does not persist across restarts: drop shm_name "
+            "/ file_name, or use a one-level persistent tier (or shared_prefix_dir)"
+        )
+    if resident is True:
+        raise ValueError("resident=True keeps every block on device: it takes no spill_path")
+    if spill_blocks is None:
+        spill_blocks = 4 * num_blocks
+    if not _is_int(spill_blocks) or spill_blocks < 1:
+        raise ValueError(f"spill_blocks={spill_blocks!r} must be a positive int")
+    if promote_after is not None and (not _is_int(promote_after) or promote_after < 1):
+        raise ValueError(f"promote_after={promote_after!r} must be an int >= 1 or None")
+    if num_blocks + spill_blocks > INT32_MAX:
+        raise ValueError(
+            f"num_blocks + spill_blocks = {num_blocks + spill_blocks} must fit int32 (one id "
+            f"space in the block tables)"
+        )
+    return int(spill_blocks)
 
 
 def _normalize_windows(sliding_window, num_layers: int) -> tuple[int | None, ...]:

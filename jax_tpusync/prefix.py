@@ -31,12 +31,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
 
 from jax_tpusync.blocks import BlockAllocator
+
+if TYPE_CHECKING:
+    from jax_tpusync.spill import LevelAllocators
 
 # Bumped when the key derivation changes: keys of another version never match.
 KEY_VERSION = 1
@@ -56,6 +61,8 @@ class _Entry:
     # Persistent tiers: xxh3-64 of the block's bytes per (layer, K|V), index layer * 2 + kv;
     # None until the first commit after it was published hashes it.
     sums: list[int] | None = None
+    # Two-level caches: admissions that mapped it since it moved to the spill tier.
+    spill_hits: int = 0
 
 
 class PrefixIndex:
@@ -68,7 +75,7 @@ class PrefixIndex:
       root: the digest every chain starts from (see :func:`root_key`).
     """
 
-    def __init__(self, allocator: BlockAllocator, block_tokens: int, root: bytes):
+    def __init__(self, allocator: BlockAllocator | LevelAllocators, block_tokens: int, root: bytes):
         self.allocator = allocator
         self.block_tokens = block_tokens
         self.root = root
@@ -103,6 +110,33 @@ class PrefixIndex:
 
     def is_indexed(self, block: int) -> bool:
         return block in self._by_block
+
+    def block_of(self, key: bytes) -> int:
+        return self._entries[key].block
+
+    def key_of(self, block: int) -> bytes:
+        return self._by_block[int(block)]
+
+    def cached_where(self, where: Callable[[int], bool], limit: int) -> list[bytes]:
+        """Keys of up to ``limit`` cached (unpinned) entries whose block satisfies
+        ``where``, least recently used first."""
+        out = []
+        for key in self._lru:
+            if len(out) >= limit:
+                break
+            if where(self._entries[key].block):
+                out.append(key)
+        return out
+
+    def move(self, key: bytes, block: int) -> None:
+        """Re-points ``key`` at physical ``block``, which holds a copy of its bytes (a
+        two-level cache moving it between tiers, see :mod:`jax_tpusync.spill`); the old
+        block is the caller's to free."""
+        entry = self._entries[key]
+        del self._by_block[entry.block]
+        entry.block = int(block)
+        entry.spill_hits = 0
+        self._by_block[entry.block] = key
 
     def refs(self, block: int) -> int:
         key = self._by_block.get(block)
@@ -255,20 +289,25 @@ class PrefixIndex:
 
     # -- eviction ---------------------------------------------------------------------------------
 
-    def evict(self, count: int) -> int:
+    def evict(self, count: int, where: Callable[[int], bool] | None = None) -> int:
         """Frees at least ``count`` cached blocks (fewer if not that many are cached),
-        least recently used first; returns how many were freed."""
+        least recently used first; returns how many were freed. ``where``: only blocks
+        satisfying it are chosen and counted (a two-level cache evicting from one tier);
+        their descendants go too, wherever they are."""
         freed = 0
-        while freed < count and self._lru:
-            key = next(iter(self._lru))
-            freed += self._drop(key)
+        while freed < count:
+            keys = self.cached_where(where, 1) if where else list(itertools.islice(self._lru, 1))
+            if not keys:
+                break
+            dropped = self._drop(keys[0])
+            freed += len(dropped) if where is None else sum(map(where, dropped))
         return freed
 
-    def _drop(self, key: bytes) -> int:
+    def _drop(self, key: bytes) -> list[int]:
         """Removes ``key`` and its descendants (all unpinned: a pinned block's ancestors are
-        pinned too) from the index; frees their blocks."""
+        pinned too) from the index; frees their blocks and returns them."""
         entry = self._entries.pop(key)
-        freed = 0
+        freed: list[int] = []
         for child in list(entry.children):
             freed += self._drop(child)
         if entry.refs:
@@ -279,7 +318,7 @@ class PrefixIndex:
             self._entries[entry.parent].children.discard(key)
         self.allocator.free(np.asarray([entry.block]))
         self.evictions += 1
-        return freed + 1
+        return freed + [entry.block]
 
 
 def root_key(salt: str | bytes, geometry: dict) -> bytes:

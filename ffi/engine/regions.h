@@ -88,6 +88,10 @@ inline constexpr int32_t kCapacityGuard = -2;
 // mixing one device's heads or sequences with another shard's KV.
 inline constexpr int32_t kShardGuard = -3;
 
+// A segment's block naming a position whose KV block lives on the other tier of a
+// two-level cache (jax_tpusync.spill): a write-back may only write its own tier's blocks.
+inline constexpr int32_t kOtherLevelBlock = -4;
+
 // The leading guard rows of `rows` as (length, count) per slot, for Engine::RecordGuards.
 inline void GuardColumns(const int32_t* rows, int64_t n, std::vector<int32_t>* lengths,
                          std::vector<int32_t>* counts) {
@@ -136,7 +140,12 @@ inline StatusOr<std::vector<FetchSegment>> DecodeRows(const int32_t* rows, int64
     const int32_t* r = rows + 4 * i;
     if (r[0] < 0 || r[1] < 0 || r[2] < 0 || r[3] < 0) {
       return InvalidArgument("segment " + std::to_string(i) + " has a negative field" +
-                             (r[0] == -1 ? " (block -1: a position with no KV block)" : ""));
+                             (r[0] == -1 ? " (block -1: a position with no KV block)"
+                              : r[0] == kOtherLevelBlock
+                                  ? " (block -4: a position whose KV block is on the other "
+                                    "level of a two-level cache, or on no level; a "
+                                    "write-back writes its own tier only)"
+                                  : ""));
     }
     const FetchSegment s{
         (static_cast<uint64_t>(r[0]) + first_block) * block_bytes + static_cast<uint64_t>(r[1]),

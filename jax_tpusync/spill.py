@@ -1,0 +1,227 @@
+"""Two-level KV store: the cache's DRAM tier in front of a file tier (the *spill* tier).
+
+A cache made with ``tier="host", spill_path=DIR, spill_blocks=N`` keeps two tiers on its
+engine. The DRAM tier holds ``num_blocks`` KV blocks per (layer, K|V); every sequence's own
+blocks are there (a sequence writes only its own blocks, and only to DRAM). The spill
+tier, a file in ``DIR`` (local SSD or shared storage), holds ``N`` more blocks per
+(layer, K|V) for prefix blocks (:mod:`jax_tpusync.prefix`) that DRAM had no room for. One
+id space covers both in the block tables::
+
+    ids [0, num_blocks)                          DRAM blocks
+    ids [num_blocks, num_blocks + spill_blocks)  spill blocks (spill block id - num_blocks)
+
+A block's table entry therefore says where it lives, and the step reads each block from
+the tier that holds it: every staging unit issues one fetch per tier (the DRAM fetch
+moves the unit's DRAM rows, the spill fetch its spill rows, into the same staging slot;
+rows of the other tier are zero-byte segments, which the engine drops). Reading a shared
+prefix in place costs no copy at admission, and a unit whose blocks are all in DRAM
+costs one more custom call with nothing to move.
+
+Movement between the tiers happens on the host, between steps, and only for blocks no
+slot maps (or, for promotion, that only the admitting slot maps), so no table of a live
+state ever names a block that moved:
+
+* **Demotion**: when an admission needs DRAM blocks and none is free, the least recently
+  used cached prefix blocks in DRAM are copied to free spill blocks (one read and one
+  write for the batch) and their index entries re-pointed, instead of being evicted.
+  Space on the spill tier is made by evicting its least recently used cached blocks
+  (with their descendants, unreachable without them). A block is written to the spill
+  tier when it is demoted, not on every reuse. Only when neither tier has room is a
+  DRAM block evicted outright.
+* **Promotion**: a spill block that ``promote_after`` admissions mapped (counted since it
+  was demoted) is copied back into a free DRAM block at the next admission that maps it,
+  if that slot is its only user; it never evicts or demotes anything to make room.
+
+Both tiers' rows are checked against their own tier: a write-back segment whose position
+maps a spill block is refused by the engine before any byte moves
+(:data:`jax_tpusync.blocks.OTHER_LEVEL`), and so is a fetch of an id of neither tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jax_tpusync.blocks import BlockAllocator
+
+if TYPE_CHECKING:
+    from jax_tpusync.engine import Engine
+    from jax_tpusync.prefix import PrefixIndex
+
+
+class LevelAllocators:
+    """The DRAM allocator and the spill allocator behind one id space (see the module
+    docstring); what the prefix index frees evicted blocks through."""
+
+    def __init__(self, dram: BlockAllocator, spill: BlockAllocator):
+        self.dram = dram
+        self.spill = spill
+
+    def is_spilled(self, block: int) -> bool:
+        return block >= self.dram.num_blocks
+
+    def free(self, blocks: Sequence[int] | np.ndarray) -> None:
+        ids = np.asarray(blocks, np.int64)
+        nb = self.dram.num_blocks
+        if (ids < 0).any() or (ids >= nb + self.spill.num_blocks).any():
+            raise ValueError(f"blocks {ids.tolist()} are not all ids of the two levels")
+        self.dram.free(ids[ids < nb])
+        self.spill.free(ids[ids >= nb] - nb)
+
+
+class SpillTier:
+    """The spill tier of one cache and the moves between it and the DRAM tier.
+
+    Args:
+      engine: the cache's engine.
+      dram_tier, spill_tier: the two tiers' indices on it.
+      dram_first, spill_first: the first tier block of the cache's allocation on each.
+      allocators: the cache's :class:`LevelAllocators`.
+      regions: (layer, K|V) regions per block (``num_layers * 2``).
+      block_bytes: bytes of one block of one region.
+      promote_after: admissions mapping a spill block before it is promoted (None: never).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        dram_tier: int,
+        spill_tier: int,
+        dram_first: int,
+        spill_first: int,
+        allocators: LevelAllocators,
+        regions: int,
+        block_bytes: int,
+        promote_after: int | None,
+    ):
+        self.engine = engine
+        self.dram_tier, self.spill_tier = dram_tier, spill_tier
+        self.dram_first, self.spill_first = dram_first, spill_first
+        self.allocators = allocators
+        self.regions = regions
+        self.block_bytes = block_bytes
+        self.promote_after = promote_after
+        self.demoted = 0  # Blocks copied DRAM -> spill.
+        self.promoted = 0  # Blocks copied spill -> DRAM.
+        self.spill_hits = 0  # Blocks admissions mapped on the spill tier.
+
+    @property
+    def num_dram(self) -> int:
+        return self.allocators.dram.num_blocks
+
+    def locate(self, region: int, block: int) -> tuple[int, int]:
+        """(tier, tier byte offset) of table id ``block`` in ``region`` (layer * 2 + K|V)."""
+        if block >= self.num_dram:
+            local = block - self.num_dram
+            n, first, tier = self.allocators.spill.num_blocks, self.spill_first, self.spill_tier
+        else:
+            local, n, first, tier = block, self.num_dram, self.dram_first, self.dram_tier
+        return tier, (first + region * n + local) * self.block_bytes
+
+    # -- moves --------------------------------------------------------------------------------
+
+    def _copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies every region of each (source id, destination id) block, one read of all
+        sources and one write of all destinations."""
+        size = self.regions * self.block_bytes
+        buf = np.empty(len(pairs) * size, np.uint8)
+        reads: dict[int, list] = {}
+        writes: dict[int, list] = {}
+        for j, (src, dst) in enumerate(pairs):
+            for region in range(self.regions):
+                mem = j * size + region * self.block_bytes
+                tier, offset = self.locate(region, src)
+                reads.setdefault(tier, []).append((offset, mem, self.block_bytes))
+                tier, offset = self.locate(region, dst)
+                writes.setdefault(tier, []).append((offset, mem, self.block_bytes))
+        for tier, rows in reads.items():
+            self.engine.wait(self.engine.submit_read(tier, rows, buf))
+        for tier, rows in writes.items():
+            self.engine.wait(self.engine.submit_write(tier, rows, buf))
+
+    def _spill_room(self, prefix: PrefixIndex, count: int) -> int:
+        """Frees spill blocks (evicting cached ones, least recently used first) until
+        ``count`` are free or none is left to evict; returns the free count."""
+        spill = self.allocators.spill
+        short = count - spill.free_blocks
+        if short > 0:
+            prefix.evict(short, where=self.allocators.is_spilled)
+        return spill.free_blocks
+
+    def demote(self, prefix: PrefixIndex, want_free: int) -> None:
+        """Moves cached DRAM prefix blocks to the spill tier, least recently used first,
+        until ``want_free`` DRAM blocks are free or nothing more can move."""
+        dram = self.allocators.dram
+
+        def in_dram(block: int) -> bool:
+            return block < self.num_dram
+
+        while dram.free_blocks < want_free:
+            if not prefix.cached_where(in_dram, 1):
+                return
+            room = self._spill_room(prefix, want_free - dram.free_blocks)
+            # Making room may have evicted DRAM blocks too (descendants of evicted ones).
+            short = want_free - dram.free_blocks
+            cached = prefix.cached_where(in_dram, min(short, room))
+            if not cached or short <= 0:
+                return
+            # In DRAM id order: a sequence's blocks stay consecutive on the spill tier (one
+            # segment per unit), whatever order the LRU list gives them.
+            cached.sort(key=prefix.block_of)
+            dst = self.allocators.spill.allocate(len(cached)) + self.num_dram
+            src = [prefix.block_of(k) for k in cached]
+            try:
+                self._copy(list(zip(src, dst.tolist())))
+            except Exception:
+                self.allocators.spill.free(dst - self.num_dram)
+                raise
+            for key, block in zip(cached, dst.tolist()):
+                prefix.move(key, block)
+            dram.free(np.asarray(src, np.int64))
+            self.demoted += len(cached)
+
+    def admitted(self, prefix: PrefixIndex, shared: list[int]) -> list[int]:
+        """Counts the spill blocks an admission maps and promotes those due (into free DRAM
+        blocks, when the admitting slot is their only user); returns ``shared`` with the
+        promoted blocks' new ids."""
+        out = list(shared)
+        due = []
+        for i, block in enumerate(out):
+            if not self.allocators.is_spilled(block):
+                continue
+            self.spill_hits += 1
+            entry = prefix.entry(block)
+            entry.spill_hits += 1
+            if (
+                self.promote_after is not None
+                and entry.spill_hits >= self.promote_after
+                and entry.refs == 1
+            ):
+                due.append(i)
+        due = due[: self.allocators.dram.free_blocks]
+        if not due:
+            return out
+        dst = self.allocators.dram.allocate(len(due))
+        src = [out[i] for i in due]
+        try:
+            self._copy(list(zip(src, dst.tolist())))
+        except Exception:
+            self.allocators.dram.free(dst)
+            raise
+        for i, block in zip(due, dst.tolist()):
+            prefix.move(prefix.key_of(out[i]), block)
+            out[i] = block
+        self.allocators.spill.free(np.asarray(src, np.int64) - self.num_dram)
+        self.promoted += len(due)
+        return out
+
+    def stats(self) -> dict:
+        return dict(
+            spill_free_blocks=self.allocators.spill.free_blocks,
+            demoted=self.demoted,
+            promoted=self.promoted,
+            spill_hits=self.spill_hits,
+        )
