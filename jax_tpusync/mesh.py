@@ -148,6 +148,11 @@ class ShardedKVCache:
         shared_prefix_dir: str | os.PathLike | None = None,
         **options: Any,
     ):
+        if options.get("spill_path") is not None:
+            raise ValueError(
+                "spill_path (a two-level cache) is not supported on a mesh yet: use one tier "
+                "per shard (tier='host' or 'file')"
+            )
         layout = _layout_of(mesh, kv_heads_axis, batch_axis)
         for name, value, axis, size in (
             ("batch", batch, batch_axis, layout.dp),

@@ -286,6 +286,14 @@ def test_spill_arguments_are_checked(tmp_path, kw, message):
         _cache(tmp_path, **kw)
 
 
+def test_a_mesh_two_level_cache_is_refused(tmp_path):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("model",))
+    with pytest.raises(
+        ValueError, match=r"spill_path \(a two-level cache\) is not supported on a mesh"
+    ):
+        _cache(tmp_path, mesh=mesh, kv_heads_axis="model")
+
+
 def test_resident_auto_streams_a_two_level_cache(tmp_path):
     with _cache(tmp_path, resident="auto", staging_bytes=64 << 20) as cache:
         assert not cache.spec.resident and cache.spec.spill_blocks == 8
