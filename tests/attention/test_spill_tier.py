@@ -297,3 +297,23 @@ def test_a_mesh_two_level_cache_is_refused(tmp_path):
 def test_resident_auto_streams_a_two_level_cache(tmp_path):
     with _cache(tmp_path, resident="auto", staging_bytes=64 << 20) as cache:
         assert not cache.spec.resident and cache.spec.spill_blocks == 8
+
+
+def test_a_restarted_two_level_cache_warms_up_from_its_shared_directory(tmp_path):
+    shared = tmp_path / "blocks"
+    with _cache(tmp_path, shared_prefix_dir=shared, promote_after=None) as cache:
+        state = _cache_doc_then_press(cache, cache.init(admit=False))
+        for f in shared.iterdir():  # Published from DRAM; again below from the spill tier.
+            f.unlink()
+        tokens = DOC + [1]
+        state, cached = cache.admit(state, 1, tokens=tokens, max_tokens=16)
+        assert cached == 12 and (cache.block_tables[1, :3] >= NB).all()
+        state = cache.release(state, 1, tokens=tokens[:12])
+        assert cache.prefix_stats["shared_published"] == 6 and len(list(shared.iterdir())) == 3
+    with _cache(tmp_path, shared_prefix_dir=shared) as restarted:
+        state = restarted.init(admit=False)
+        state, cached = restarted.admit(state, 0, tokens=DOC + [4], max_tokens=16)
+        assert cached == 12 and restarted.prefix_stats["shared_imported"] == 3
+        for layer in range(LAYERS):
+            k, v = restarted.read(state, layer, 0)
+            np.testing.assert_array_equal(np.stack([k, v]), _kv(DOC, layer))
