@@ -28,6 +28,10 @@ that adds compute without adding KV). It runs as
 * ``resident_mode``: ``prefetch`` on a cache made with ``resident=True`` (every layer's
   KV in the state's staging, which must fit ``--staging-bytes``; skipped with a note
   otherwise): write-back only, no fetch. What a small experiment gets from the library.
+* ``two_level`` (host tier): ``prefetch`` on a two-level cache (``spill_path``, see
+  :mod:`jax_tpusync.spill`) holding every block in DRAM: each unit is fetched from both
+  tiers, the file tier's fetch with nothing to move. ``two_level_over_prefetch`` is the
+  cost of that second fetch per unit (skipped with a note on the file tier).
 * ``quantized`` (with ``--tier-dtype int8|float8_e4m3fn``): ``prefetch`` over a cache of
   quantized rows (codes + per-token scales, about half of bf16's bytes) holding the same
   KV, with the same staging budget. ``quantized_over_prefetch`` is the ratio of the two
@@ -106,6 +110,7 @@ VARIANTS = (
     "prefetch",
     "resident_mode",
     "contiguous",
+    "two_level",
     "quantized",
     "plain",
     "platform",
@@ -126,6 +131,8 @@ COLUMNS = [
     ("t_resident_mode_ms", "resident mode ms", ".1f"),
     ("t_contiguous_ms", "contiguous ms", ".1f"),
     ("paged_over_contiguous", "paged/contig", ".3f"),
+    ("t_two_level_ms", "two-level ms", ".1f"),
+    ("two_level_over_prefetch", "2lvl/pf", ".3f"),
     ("fetch_bytes_per_segment", "B/segment", ".0f"),
     ("t_quantized_ms", "quantized ms", ".1f"),
     ("quantized_over_prefetch", "quant/pf", ".3f"),
@@ -509,7 +516,8 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
 
     tmpdir = None
     path = None
-    if args.tier == "file" or args.baselines:  # The baselines' memmaps live there too.
+    # The baselines' memmaps live there too, and a two-level cache's file tier.
+    if args.tier == "file" or args.baselines or "two_level" in variants_wanted:
         parent = os.path.abspath(args.path or os.getcwd())
         tmpdir = tempfile.mkdtemp(prefix="tpusync-decode-", dir=parent)
         path = tmpdir if args.tier == "file" else None
@@ -567,6 +575,14 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
                 )
             except ValueError as e:
                 resident_mode_note = f"skipped: {e}"
+        # The same KV on a two-level cache (host tier only): every block in DRAM, a file
+        # tier behind it, so each unit is fetched from both tiers with nothing on the file.
+        two_level, two_level_note = None, None
+        if "two_level" in variants_wanted:
+            if args.tier != "host":
+                two_level_note = "skipped: a two-level cache has a host tier in front"
+            else:
+                two_level = new_cache(record=False, spill_path=tmpdir, spill_blocks=1)
         # The same cache with quantized rows (same staging budget: more tokens per unit).
         quant = None
         if args.tier_dtype and "quantized" in variants_wanted:
@@ -589,12 +605,14 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
         contig_state = contig.init([args.context] * shape.batch) if contig else None
         quant_state = quant.init([args.context] * shape.batch) if quant else None
         rm_state = resident_cache.init([args.context] * shape.batch) if resident_cache else None
+        two_level_state = two_level.init([args.context] * shape.batch) if two_level else None
         # Fill: the same random KV into every tier and the resident arrays.
         t0 = time.perf_counter()
         resident_kv = _fill(
             shape,
             max_len,
-            [pf_cache] + [c for c in (aux, contig, quant, resident_cache) if c is not None],
+            [pf_cache]
+            + [c for c in (aux, contig, quant, resident_cache, two_level) if c is not None],
             args.seed,
             keep=bool(
                 {"resident", "compute", "platform", "jax_offload"} & set(variants_wanted)
@@ -608,6 +626,8 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
             quant_state = quant.drain(quant_state)
         if resident_cache is not None:
             rm_state = resident_cache.drain(rm_state)  # Its copy, refreshed from the tier.
+        if two_level is not None:
+            two_level_state = two_level.drain(two_level_state)
         print(
             f"filled {args.context} tokens x {shape.layers} layers in "
             f"{time.perf_counter() - t0:.1f} s",
@@ -673,6 +693,7 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
         for name, other, other_state in (
             ("contiguous", contig, contig_state),
             ("resident_mode", resident_cache, rm_state),
+            ("two_level", two_level, two_level_state),
             ("quantized", quant, quant_state),
         ):
             if other is not None:
@@ -1072,6 +1093,9 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
         res["sync_over_prefetch"] = res["t_sync_ms"] / t_pf if res["t_sync_ms"] else None
         t_contig = res["t_contiguous_ms"]
         res["paged_over_contiguous"] = t_pf / t_contig if t_contig else None
+        t_two = res["t_two_level_ms"]
+        res["two_level_over_prefetch"] = t_two / t_pf if t_two else None
+        res["two_level_note"] = two_level_note
         res["block_tokens"] = spec.block_tokens
         fetch = pf_engine.stats()["tiers"][pf_cache.tier]["fetch"]
         res["fetch_segments"] = fetch["segments"]
@@ -1102,13 +1126,13 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
             )
             for n in ("sync", "jax_offload"):
                 res[f"{n}_max_abs_err"] = err(first_out[n], ref) if n in first_out else None
-            res["max_abs_err_resident_mode"] = None
-            if "resident_mode" in variants:  # Appends a token per step too.
-                assert variants["resident_mode"].steps == variants["resident"].steps
-                res["max_abs_err_resident_mode"] = max(
-                    err(first_out["resident_mode"], ref),
-                    err(variants["resident_mode"].out, variants["resident"].out),
-                )
+            for n in ("resident_mode", "two_level"):  # Append a token per step too.
+                res[f"max_abs_err_{n}"] = None
+                if n in variants:
+                    assert variants[n].steps == variants["resident"].steps
+                    res[f"max_abs_err_{n}"] = max(
+                        err(first_out[n], ref), err(variants[n].out, variants["resident"].out)
+                    )
             # The baselines append a token per step too: first and last step against resident.
             for n in baselines.VARIANTS:
                 res[f"max_abs_err_{n}"] = None
@@ -1119,6 +1143,7 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
                     )
         else:
             res["max_abs_err"] = res["max_abs_err_resident_mode"] = None
+            res["max_abs_err_two_level"] = None
             res.update({f"max_abs_err_{n}": None for n in baselines.VARIANTS})
         res["output_abs_max"] = float(np.max(np.abs(first_out["prefetch"])))
         res["resident_mode_note"] = resident_mode_note
@@ -1313,6 +1338,9 @@ def _print_summary(res: dict[str, Any]) -> None:
         or "prefetching_attention on a resident=True cache: write-back only, no fetch",
         "contiguous": f"the same, one KV block per sequence (paged/contiguous "
         f"{f(res['paged_over_contiguous'], '.3f')})",
+        "two_level": res.get("two_level_note")
+        or f"the same on a two-level cache, all blocks in DRAM: a fetch per tier per unit "
+        f"(two-level/prefetch {f(res.get('two_level_over_prefetch'), '.3f')})",
         "quantized": f"the same over {res.get('tier_dtype')} rows + scales "
         f"({f(res.get('quantized_bytes_ratio'), '.3f')} of the bytes; quantized/prefetch "
         f"{f(res['quantized_over_prefetch'], '.3f')})",

@@ -116,6 +116,9 @@ def test_decode_json_has_every_key(bench_run):
         "timeline_summary",
     ):
         assert key in res, key
+    # Every block of the two-level cache is in DRAM: the same outputs as resident.
+    assert res["max_abs_err_two_level"] <= 1e-2 * max(1.0, res["output_abs_max"])
+    assert res["two_level_over_prefetch"] > 0
     assert res["samples_per_variant"] >= 5
     assert res["units_per_layer"] > 1  # The tiny size still exercises the chunk loop.
     assert (
