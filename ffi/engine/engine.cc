@@ -507,7 +507,10 @@ StatusOr<Ticket> Engine::SubmitFetch(FetchRequest request) {
   transfer.direction = Direction::kTierToMemory;
   transfer.tag = request.tag;
   transfer.stream = request.stream;
-  if (tier->DefersFetches()) {
+  // Nothing to read ahead on a memory tier, nor for a fetch of no bytes (a two-level
+  // cache's unit with nothing on this tier): recorded only, never queued, so that it
+  // costs no worker handoff.
+  if (tier->DefersFetches() || segments.empty()) {
     transfer.fetch = std::move(segments);
     transfer.deferred = true;
     return RecordDeferred(std::move(transfer));
@@ -605,6 +608,7 @@ void Engine::AdviseOperand(const std::vector<FetchSegment>& wanted, uint8_t* dst
 
 Status Engine::ReadInto(const FetchRequest& want, const std::vector<FetchSegment>& wanted,
                         uint8_t* dst) {
+  if (wanted.empty()) return Status::Ok();  // No bytes: nothing to order, nothing to wait.
   // Through the queue, so it is ordered after earlier write-backs of the same bytes.
   TransferRequest direct;
   direct.tier = want.tier;
