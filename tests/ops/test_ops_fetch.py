@@ -315,3 +315,21 @@ def test_a_host_tier_read_runs_on_the_calling_thread_unless_a_write_conflicts(ma
     e.submit_write(tier, [(0, 0, 100)], np.full(100, 9, np.uint8))
     np.testing.assert_array_equal(_as_bytes(read(jnp.zeros(100, jnp.uint8))), 9)
     e.wait(busy)
+
+
+def test_a_fetch_of_no_bytes_is_never_queued(make_engine, add_tier, tier_kind):
+    """A two-level cache's unit with nothing on one tier fetches zero-byte segments: the
+    fetch is recorded only (no worker runs it, no request is counted) and its wait leaves
+    the buffer as it was; one byte more is a real fetch."""
+    e = make_engine()
+    tier = add_tier(e, tier_kind, block_bytes=BLOCK, num_blocks=8)
+    e.write(tier, BLOCK, np.full(16, 7, np.uint8))
+    fn = _fetch_fn(e.id, tier)
+    before = np.arange(16, dtype=np.uint8)
+    _, dst = fn(jnp.ones(4), jnp.asarray(before), _rows([BLOCK, 2 * BLOCK], [0, 8], [0, 0]))
+    np.testing.assert_array_equal(np.asarray(dst), before)
+    s = e.stats()
+    assert s["tiers"][tier]["fetch"]["requests"] == 0 and s["prefetch_hits"] == 1
+    _, dst = fn(jnp.ones(4), jnp.asarray(before), _rows([BLOCK, 2 * BLOCK], [0, 8], [1, 0]))
+    np.testing.assert_array_equal(np.asarray(dst), np.concatenate([[7], before[1:]]))
+    assert e.stats()["tiers"][tier]["fetch"]["requests"] == 1
