@@ -215,11 +215,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     common.add_cpu_arguments(p)
     p.add_argument(
         "--prefetch-depth",
-        type=int,
-        default=3,
-        help="units fetched ahead; the staging budget is split into depth + 1 slots "
-        "(default 3: four 8 MiB slots of 32M, so one slow read or unit of compute does not "
-        "stall the step; depth 1 in 16M stalled 60-75 ms per 32K step here)",
+        type=_depth,
+        default="auto",
+        help="units fetched ahead, or 'auto' (the default: the cache's choice, 3 on the "
+        "file tier, where four 8 MiB slots of 32M keep one slow read or unit of compute from "
+        "stalling the step (depth 1 in 16M stalled 60-75 ms per 32K step here), 1 on the "
+        "host tier, whose reads run inside the wait); the staging budget is split into "
+        "depth + 1 slots",
     )
     p.add_argument("--steps", type=int, default=6, help="timed steps per variant (>= 5; default 6)")
     p.add_argument(
@@ -362,6 +364,11 @@ def _units(context: int, chunk_len: int) -> tuple[np.ndarray, np.ndarray]:
     return lo.astype(np.int32), np.clip(context - lo, 0, chunk_len).astype(np.int32)
 
 
+def _depth(text: str) -> int | str:
+    """``--prefetch-depth``: an int, or ``auto``."""
+    return text if text == "auto" else int(text)
+
+
 def _unit_table(cache, context: int, slots: int) -> np.ndarray:
     """Host-side segments int32[L, U, slots, 2B, 4] of every unit of a fixed ``context``.
 
@@ -484,6 +491,7 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
     import jax_tpusync as tps
     from jax_tpusync import ops
     from jax_tpusync.attention import attend_valid_rows, staged_block_len, staged_rows
+    from jax_tpusync.cache import auto_prefetch_depth
     from jax_tpusync.engine import huge_page_fraction
     from jax_tpusync.kernels import reference as kref
 
@@ -512,6 +520,8 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
     total_steps = 1 + (args.warmup + rounds) * args.block
     max_len = args.context + total_steps + 1
     depth = args.prefetch_depth
+    if depth == "auto":
+        depth = auto_prefetch_depth(args.tier)
     slots = depth + 1
 
     tmpdir = None
@@ -686,6 +696,7 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
             pf_state,
             (params, x0),
         )
+
         # The same step over the other caches: one block per sequence, resident, quantized.
         def other_cache_step(params, x, state):
             return _model(params, shape, x, state, prefetch_attend)

@@ -291,6 +291,22 @@ def test_prefetch_depth_is_bounded():
             _cache(prefetch_depth=depth)
 
 
+@pytest.mark.parametrize(
+    "where, depth", [(dict(), 1), (dict(tier="file"), 3), (dict(spill_path=True), 3)]
+)
+def test_auto_prefetch_depth_is_one_on_a_host_tier_and_three_from_a_file(tmp_path, where, depth):
+    where = {k: tmp_path if v is True else v for k, v in where.items()}
+    if where.get("tier") == "file":
+        where["path"] = tmp_path
+    # Room for 4 slots of 2 tokens, so that the depth is not cut to the layers' units.
+    with _cache(prefetch_depth="auto", staging_bytes=4 * 2 * 32 * 2, **where) as cache:
+        assert cache.spec.prefetch_depth == depth and cache.spec.num_slots == depth + 1
+    with pytest.raises(
+        ValueError, match=r"prefetch_depth='deep' must be an int in \[1, 64\] or 'auto'"
+    ):
+        _cache(prefetch_depth="deep")
+
+
 @pytest.mark.parametrize("depth", [1, 2, 3, 4])
 def test_single_unit_layers_prefetch_at_most_one_step_ahead(depth):
     """Every layer in one unit: a depth past num_layers (2) would fetch for the step after
