@@ -222,47 +222,42 @@ def _spilled_state(cache):
     return state
 
 
+def _run_with_table_entry(cache, position_block: int, block: int, refused: bool):
+    """One decode step with slot 1's table entry ``position_block`` set to ``block``: it
+    runs, or (``refused``) the engine refuses it by name before any byte moves; returns
+    the cache's live state after it."""
+    state = _spilled_state(cache)
+    state = state.replace(block_table=state.block_table.at[1, position_block].set(block))
+    x = jnp.ones((2, 1, D), jnp.float32)
+    if not refused:
+        _, state = _step()(x, state)
+        return cache.drain(state)
+    with pytest.raises(
+        Exception, match=r"block -4: a position whose KV block is on the other level"
+    ):
+        jax.block_until_ready(_step()(x, state))
+    return cache.recover()
+
+
 @pytest.mark.parametrize("block, refused", [(NB - 1, False), (NB, True)])
 def test_a_write_back_into_a_spill_block_is_refused_at_the_first_spill_id(tmp_path, block, refused):
+    # Slot 1 writes position 12, its 4th block: pointed at DRAM's last id / spill's first.
     with _cache(tmp_path, promote_after=None) as cache:
-        state = _spilled_state(cache)
-        spill_rows = [cache.read(state, layer, 1) for layer in range(LAYERS)]
-        # Slot 1 writes position 12, its 4th block: point it at DRAM's last id / spill's first.
-        state = state.replace(block_table=state.block_table.at[1, 3].set(block))
-        x = jnp.ones((2, 1, D), jnp.float32)
-        if not refused:
-            _, state = _step()(x, state)
-            jax.block_until_ready(state)
-            return
-        with pytest.raises(
-            Exception, match=r"block -4: a position whose KV block is on the other level"
-        ):
-            _, state = _step()(x, state)
-            jax.block_until_ready(state)
-        state = cache.recover()
-        assert np.asarray(state.lengths).tolist() == [0, 12]
-        for layer in range(LAYERS):
-            k, v = cache.read(state, layer, 1)
-            np.testing.assert_array_equal(np.stack([k, v]), np.stack(spill_rows[layer]))
+        state = _run_with_table_entry(cache, 3, block, refused)
+        if refused:
+            assert np.asarray(state.lengths).tolist() == [0, 12]
+        for layer in range(LAYERS):  # The shared rows on the spill tier, untouched.
+            k, v = cache.read(state, layer, 1, 0, 12)
+            np.testing.assert_array_equal(np.stack([k, v]), _kv(DOC, layer))
 
 
 @pytest.mark.parametrize("block, refused", [(NB + 7, False), (NB + 8, True)])
 def test_a_fetch_of_an_id_past_the_spill_tier_is_refused(tmp_path, block, refused):
+    # Position 0 of slot 1 read through spill's last id (a readable block) / one past it.
     with _cache(tmp_path, promote_after=None) as cache:
-        state = _spilled_state(cache)
-        # Position 0 of slot 1 through spill's last id (a readable block) / one past it.
-        state = state.replace(block_table=state.block_table.at[1, 0].set(block))
-        x = jnp.ones((2, 1, D), jnp.float32)
+        state = _run_with_table_entry(cache, 0, block, refused)
         if not refused:
-            _, state = _step()(x, state)
-            jax.block_until_ready(state)
-            return
-        with pytest.raises(
-            Exception, match=r"block -4: a position whose KV block is on the other level"
-        ):
-            _, state = _step()(x, state)
-            jax.block_until_ready(state)
-        cache.recover()
+            assert np.asarray(state.lengths).tolist() == [0, 13]
 
 
 @pytest.mark.parametrize(
