@@ -1041,7 +1041,7 @@ class OffloadedKVCache:
         size = self._shared_dir.payload_bytes
         buf = np.empty(len(missing) * size, np.uint8)
         rows = [r for j, i in enumerate(missing) for r in self._block_rows(int(held[i]), j * size)]
-        self._transfer(False, rows, buf)
+        self.engine.transfer(rows, buf, write=False)
         t = self.spec.block_tokens
         for j, i in enumerate(missing):
             parent = keys[i - 1] if i else None
@@ -1068,7 +1068,7 @@ class OffloadedKVCache:
                     self._persistence.note_evicted()
                 block = int(self._allocator.allocate(1)[0])
                 try:
-                    self._transfer(True, self._block_rows(block), payload)
+                    self.engine.transfer(self._block_rows(block), payload, write=True)
                 except Exception:
                     self._allocator.free(np.asarray([block], np.int64))
                     raise
@@ -1119,11 +1119,9 @@ class OffloadedKVCache:
             self._spill.demote(self._prefix, count)
         short = count - self._allocator.free_blocks
         if short > 0:
-            self._prefix.evict(short, where=self._in_dram if self._spill else None)
+            in_dram = self._spill.allocators.in_dram if self._spill else None
+            self._prefix.evict(short, where=in_dram)
         return count <= self._allocator.free_blocks
-
-    def _in_dram(self, block: int) -> bool:
-        return block < self.spec.num_blocks
 
     def _reserve(self, slot: int, tokens: int, shared: Sequence[int] = ()) -> None:
         """Gives ``slot`` ``shared`` then fresh blocks for ``tokens``, evicting cached
@@ -1307,17 +1305,6 @@ class OffloadedKVCache:
         offset = (self.first_block + region * self.spec.num_blocks + block) * self.spec.block_bytes
         return self.tier, offset
 
-    def _transfer(self, write: bool, rows: list[tuple[int, int, int, int]], buf: np.ndarray):
-        """Runs host segments ``(tier, tier offset, memory offset, bytes)`` against ``buf``,
-        one request per tier, and waits for them."""
-        by_tier: dict[int, list[tuple[int, int, int]]] = {}
-        for tier, offset, mem, n in rows:
-            by_tier.setdefault(tier, []).append((offset, mem, n))
-        submit = self.engine.submit_write if write else self.engine.submit_read
-        tickets = [submit(tier, segments, buf) for tier, segments in by_tier.items()]
-        for t in tickets:
-            self.engine.wait(t)
-
     def _segments(self, layer: int, kv: int, start: np.ndarray, counts: np.ndarray):
         """Host segments (tier, tier offset, memory offset, bytes) of rows ``[start[b],
         start[b] + counts[b])`` of every slot, packed slot after slot in memory."""
@@ -1479,7 +1466,7 @@ class OffloadedKVCache:
             for tier, offset, n in self.tier_runs(layer, kv, slot, start, stop):
                 rows.append((tier, offset, mem, n))
                 mem += n
-            self._transfer(False, rows, buf)
+            self.engine.transfer(rows, buf, write=False)
             out.append(self._from_rows(buf, raw=raw))
         return out[0], out[1]
 
@@ -1527,7 +1514,7 @@ class OffloadedKVCache:
                 for tier, offset, n in self.tier_runs(layer, kv, b, 0, int(counts[b])):
                     rows.append((tier, offset, mem, n))
                     mem += n
-            self._transfer(False, rows, buf)
+            self.engine.transfer(rows, buf, write=False)
             out.append(self._from_rows(buf))
         return out[0], out[1]
 

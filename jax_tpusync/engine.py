@@ -358,6 +358,19 @@ class Engine:
             raise ValueError("read buffer must be writable")
         return self._submit(tier, False, segments, buffer, layer, chunk)
 
+    def transfer(
+        self, rows: Sequence[tuple[int, int, int, int]], buffer: np.ndarray, *, write: bool
+    ) -> None:
+        """Runs rows ``(tier, tier offset, memory offset, bytes)`` against ``buffer``, one
+        request per tier (all queued before any is waited for), and waits for them."""
+        by_tier: dict[int, list[tuple[int, int, int]]] = {}
+        for tier, offset, mem, n in rows:
+            by_tier.setdefault(tier, []).append((offset, mem, n))
+        submit = self.submit_write if write else self.submit_read
+        tickets = [submit(tier, segments, buffer) for tier, segments in by_tier.items()]
+        for t in tickets:
+            self.wait(t)
+
     def _submit(self, tier, write, segments, buffer, layer, chunk) -> int:
         tier_offsets, mem_offsets, sizes = _segment_columns(segments)
         ticket = self._impl.submit(

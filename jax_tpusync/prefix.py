@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -294,13 +293,10 @@ class PrefixIndex:
         least recently used first; returns how many were freed. ``where``: only blocks
         satisfying it are chosen and counted (a two-level cache evicting from one tier);
         their descendants go too, wherever they are."""
+        where = where or (lambda block: True)
         freed = 0
-        while freed < count:
-            keys = self.cached_where(where, 1) if where else list(itertools.islice(self._lru, 1))
-            if not keys:
-                break
-            dropped = self._drop(keys[0])
-            freed += len(dropped) if where is None else sum(map(where, dropped))
+        while freed < count and (keys := self.cached_where(where, 1)):
+            freed += sum(map(where, self._drop(keys[0])))
         return freed
 
     def _drop(self, key: bytes) -> list[int]:

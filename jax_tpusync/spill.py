@@ -62,6 +62,9 @@ class LevelAllocators:
     def is_spilled(self, block: int) -> bool:
         return block >= self.dram.num_blocks
 
+    def in_dram(self, block: int) -> bool:
+        return block < self.dram.num_blocks
+
     def free(self, blocks: Sequence[int] | np.ndarray) -> None:
         ids = np.asarray(blocks, np.int64)
         nb = self.dram.num_blocks
@@ -128,19 +131,14 @@ class SpillTier:
         sources and one write of all destinations."""
         size = self.regions * self.block_bytes
         buf = np.empty(len(pairs) * size, np.uint8)
-        reads: dict[int, list] = {}
-        writes: dict[int, list] = {}
+        reads, writes = [], []
         for j, (src, dst) in enumerate(pairs):
             for region in range(self.regions):
                 mem = j * size + region * self.block_bytes
-                tier, offset = self.locate(region, src)
-                reads.setdefault(tier, []).append((offset, mem, self.block_bytes))
-                tier, offset = self.locate(region, dst)
-                writes.setdefault(tier, []).append((offset, mem, self.block_bytes))
-        for tier, rows in reads.items():
-            self.engine.wait(self.engine.submit_read(tier, rows, buf))
-        for tier, rows in writes.items():
-            self.engine.wait(self.engine.submit_write(tier, rows, buf))
+                reads.append((*self.locate(region, src), mem, self.block_bytes))
+                writes.append((*self.locate(region, dst), mem, self.block_bytes))
+        self.engine.transfer(reads, buf, write=False)
+        self.engine.transfer(writes, buf, write=True)
 
     def _spill_room(self, prefix: PrefixIndex, count: int) -> int:
         """Frees spill blocks (evicting cached ones, least recently used first) until
@@ -154,11 +152,7 @@ class SpillTier:
     def demote(self, prefix: PrefixIndex, want_free: int) -> None:
         """Moves cached DRAM prefix blocks to the spill tier, least recently used first,
         until ``want_free`` DRAM blocks are free or nothing more can move."""
-        dram = self.allocators.dram
-
-        def in_dram(block: int) -> bool:
-            return block < self.num_dram
-
+        dram, in_dram = self.allocators.dram, self.allocators.in_dram
         while dram.free_blocks < want_free:
             if not prefix.cached_where(in_dram, 1):
                 return
