@@ -10,6 +10,9 @@ The public surface:
   in-graph start/wait/write-back ops for building other prefetch schedules.
 * ``OffloadedKVCache(tier_dtype="int8" | "float8_e4m3fn")`` keeps quantized rows (codes
   and per-token scales, :mod:`jax_tpusync.quantize`) on the tier and in staging.
+* :func:`jax_tpusync.xla_cpu.use_memory_scheduler` (first thing in a script) keeps XLA's
+  CPU backend from converting every layer's 16-bit weights at the start of a one-program
+  step.
 """
 
 from jax_tpusync.attention import prefetching_attention, resident_attention

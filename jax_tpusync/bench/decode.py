@@ -80,6 +80,12 @@ writes as ``results``) one row, a dict, as before; several return a list of rows
 context. ``--plot`` draws, for one context, the prefetch step's timeline; for several, step
 time against context (log-log) of every variant and baseline that ran. ``--trace`` with
 several contexts writes one trace per context (``OUT-<context>.json``).
+
+``--xla-cpu-schedule memory`` (the default) runs every variant and baseline under XLA's
+memory-minimizing CPU schedule (:func:`jax_tpusync.xla_cpu.use_memory_scheduler`; an
+``XLA_FLAGS`` that already names the flag wins); ``concurrency`` keeps XLA's default, under
+which a one-program step of many 16-bit layers pays for every layer's weight conversion up
+front (see :mod:`jax_tpusync.xla_cpu`).
 """
 
 from __future__ import annotations
@@ -99,6 +105,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_tpusync import xla_cpu
 from jax_tpusync.bench import baselines, common, mesh_decode
 
 DTYPES = ("bf16", "f32", "f16")
@@ -272,6 +279,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("tp", "dp"),
         default="tp",
         help="with --devices: split KV heads (tp, default) or sequences (dp) over the devices",
+    )
+    p.add_argument(
+        "--xla-cpu-schedule",
+        choices=("memory", "concurrency"),
+        default="memory",
+        help="XLA CPU instruction schedule for every variant (default memory; see jax_tpusync.xla_cpu)",
     )
     baselines.add_arguments(p)
     p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
@@ -456,6 +469,13 @@ def run(args: argparse.Namespace) -> dict[str, Any] | list[dict[str, Any]]:
     contexts = list(args.context) if isinstance(args.context, (list, tuple)) else [args.context]
     if args.plot:
         baselines.require_matplotlib()
+    if args.xla_cpu_schedule == "memory":
+        try:
+            args.xla_cpu_schedule_result = xla_cpu.use_memory_scheduler()  # Before JAX starts.
+        except RuntimeError:  # Called in a process that already computed (tests): as it is.
+            args.xla_cpu_schedule_result = "backends already started"
+        if args.xla_cpu_schedule_result not in ("set", "kept"):
+            print(f"note: --xla-cpu-schedule memory not applied ({args.xla_cpu_schedule_result})")
     if args.devices is not None:
         if args.devices < 1 or len(contexts) != 1:
             raise SystemExit("--devices N needs N >= 1 and one --context")

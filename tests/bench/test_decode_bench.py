@@ -46,6 +46,10 @@ TINY = [
     "0",
     "--engine-cpus",
     "0",  # JAX already runs in this process; tests/engine/test_split_cpus covers the split.
+    # A test must not change the XLA flags of the whole test process (tests/compile covers
+    # the memory schedule).
+    "--xla-cpu-schedule",
+    "concurrency",
 ]
 
 
@@ -373,6 +377,7 @@ def test_baselines_flag_parses():
     args = _parser().parse_args(["decode", "--baselines", "tuned,plain", "--json", "-"])
     assert args.baselines == ["tuned_jax", "plain_jax"] and args.context == [32 * 1024]
     assert _parser().parse_args(["decode", "--json", "-"]).baselines == []
+    assert _parser().parse_args(["decode", "--json", "-"]).xla_cpu_schedule == "memory"
     with pytest.raises(SystemExit):
         _parser().parse_args(["decode", "--baselines", "plain,numpy", "--json", "-"])
 
