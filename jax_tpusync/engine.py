@@ -93,6 +93,10 @@ class EngineConfig:
         and made no difference to the file tier's bandwidth; so nothing is pinned unless
         asked. What does pay on such a machine is keeping compute off the workers' CPU
         (:func:`split_cpus`), for a file tier whose reads overlap compute.
+      split_read_bytes: a host-tier read of at least this many bytes (which runs inside the
+        wait of the op that needs it, while compute is stopped) is copied by the calling
+        thread and a helper thread (pinned to ``worker_cpus[0]`` if set), half each.
+        0: one thread.
       poison_fetches: debug; fill fetch destinations with NaN bytes until the fetch lands.
       debug_delay_us: debug; delay every transfer (makes a missing wait observable).
       record_timeline: keep per-transfer, per-wait and mark events (see :meth:`Engine.timeline`).
@@ -105,6 +109,7 @@ class EngineConfig:
     max_inflight_bytes: int = 0
     max_bytes_per_second: float = 0.0
     worker_cpus: tuple[int, ...] = ()
+    split_read_bytes: int = 4 << 20
     poison_fetches: bool = False
     debug_delay_us: int = 0
     record_timeline: bool = False
@@ -122,6 +127,8 @@ class EngineConfig:
             raise ValueError(f"max_inflight_bytes={self.max_inflight_bytes} must be >= 0")
         if self.max_bytes_per_second < 0:
             raise ValueError(f"max_bytes_per_second={self.max_bytes_per_second} must be >= 0")
+        if self.split_read_bytes < 0:
+            raise ValueError(f"split_read_bytes={self.split_read_bytes} must be >= 0")
         if self.debug_delay_us < 0:
             raise ValueError(f"debug_delay_us={self.debug_delay_us} must be >= 0")
         ncpu = os.cpu_count() or 1
@@ -202,6 +209,7 @@ class Engine:
             max_inflight_bytes=config.max_inflight_bytes,
             max_bytes_per_second=float(config.max_bytes_per_second),
             worker_cpus=list(config.worker_cpus),
+            split_read_bytes=config.split_read_bytes,
             poison_fetches=config.poison_fetches,
             debug_delay_us=config.debug_delay_us,
             record_timeline=config.record_timeline,

@@ -53,6 +53,10 @@ Engine::Engine(EngineOptions options) : options_(std::move(options)) {
   for (int i = 0; i < options_.num_workers; ++i) {
     workers_.emplace_back([this, i] { WorkerLoop(i); });
   }
+  if (options_.split_read_bytes > 0) {
+    copy_helper_ = std::make_unique<CopyHelper>(
+        options_.worker_cpus.empty() ? -1 : options_.worker_cpus[0]);
+  }
 }
 
 Engine::~Engine() { Shutdown(); }
@@ -656,7 +660,7 @@ Status Engine::ReadHere(const TransferRequest& request, bool* ran) {
   }
   *ran = true;
   IoContext io(options_.io_chunk_bytes, options_.io_depth, options_.huge_page_destinations);
-  RunJob(*job, io);
+  RunSplit(*job, io);
   std::lock_guard<std::mutex> lock(mu_);
   EndRunLocked(*job);
   FinishLocked(*job, job->status);
@@ -668,6 +672,48 @@ Status Engine::ReadHere(const TransferRequest& request, bool* ran) {
     timeline_.waits.push_back({job->ticket, job->request.tag, job->submit_ns, end, true});
   }
   return job->status;
+}
+
+void Engine::RunSplit(Job& job, IoContext& io) {
+  if (!copy_helper_ || job.bytes < options_.split_read_bytes) return RunJob(job, io);
+  // The first half of the bytes here, the second on the helper; a segment that straddles
+  // the middle is cut in two. Both halves are within the job's registered ranges.
+  std::vector<Segment> here, there;
+  const uint64_t half = job.bytes / 2;
+  uint64_t seen = 0;
+  for (const Segment& s : job.request.segments) {
+    if (seen >= half) {
+      there.push_back(s);
+    } else if (seen + s.bytes <= half) {
+      here.push_back(s);
+    } else {
+      const uint64_t n = half - seen;
+      here.push_back({s.tier_offset, s.memory, n});
+      there.push_back({s.tier_offset + n, s.memory + n, s.bytes - n});
+    }
+    seen += s.bytes;
+  }
+  Status helper_status;
+  auto copy = [&job](const std::vector<Segment>& segments, IoContext& ctx) {
+    for (const Segment& s : segments) {
+      if (s.bytes == 0) continue;
+      Status st = job.tier->Read(s.tier_offset, s.memory, s.bytes, ctx);
+      if (!st.ok()) return st;
+    }
+    return Status::Ok();
+  };
+  IoContext helper_io(options_.io_chunk_bytes, options_.io_depth,
+                      options_.huge_page_destinations);
+  helper_io.cancelled = [&job] { return job.cancel.load(std::memory_order_relaxed); };
+  const bool split = copy_helper_->TryStart(
+      [&] { helper_status = copy(there, helper_io); });
+  if (!split) return RunJob(job, io);  // Another wait holds the helper.
+  io.cancelled = [&job] { return job.cancel.load(std::memory_order_relaxed); };
+  Status status = copy(here, io);
+  copy_helper_->Join();
+  job.status = status.ok() ? std::move(helper_status) : std::move(status);
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.split_reads += 1;
 }
 
 StatusOr<Ticket> Engine::RecordDeferred(TransferRequest request) {
@@ -846,6 +892,8 @@ void Engine::Shutdown() {
     return std::none_of(active_.begin(), active_.end(),
                         [](const auto& job) { return job->state == Job::State::kRunning; });
   });
+  lock.unlock();
+  copy_helper_.reset();  // No read runs any more that could hand it a share.
 }
 
 }  // namespace tpusync

@@ -18,6 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "copy_helper.h"
 #include "io_context.h"
 #include "status.h"
 #include "tier.h"
@@ -102,6 +103,9 @@ struct EngineOptions {
   double max_bytes_per_second = 0;
   // Worker i is pinned to worker_cpus[i % size]. Empty: no pinning.
   std::vector<int> worker_cpus;
+  // A memory tier's read at a wait of at least this many bytes is split between the
+  // calling thread and a copy helper thread (pinned to worker_cpus[0] if set). 0: never.
+  uint64_t split_read_bytes = 4ull << 20;
   // Debug: fill fetch destinations with 0xFF (NaN in f32 and bf16) at submission, so any
   // read of a buffer before its wait sees NaN rather than plausible stale data.
   bool poison_fetches = false;
@@ -128,6 +132,7 @@ struct EngineStats {
   uint64_t prefetch_hits = 0;    // Waits whose transfer had been started ahead.
   uint64_t prefetch_misses = 0;  // Waits that had to fetch (cold, or a stale prefetch).
   int64_t wait_ns = 0;           // Time callers spent blocked in waits.
+  uint64_t split_reads = 0;      // Memory-tier reads copied half by the copy helper.
   uint64_t inflight_bytes_peak = 0;
   uint64_t landing_bytes = 0;  // Engine-owned landing memory, in use or pooled.
 };
@@ -273,6 +278,8 @@ class Engine {
   // Runs `request` (a read of a memory tier) on the calling thread if no earlier transfer
   // conflicts with it; *ran says whether it did (else nothing happened).
   Status ReadHere(const TransferRequest& request, bool* ran);
+  // RunJob of a memory tier's read, its bytes split with the copy helper when it is free.
+  void RunSplit(Job& job, IoContext& io);
   void Pace(uint64_t bytes);
   Ticket NextTicketLocked();
   std::shared_ptr<HugePageBuffer> AcquireLanding(uint64_t bytes);
@@ -312,6 +319,7 @@ class Engine {
   std::mutex pace_mu_;
   int64_t pace_next_ns_ = 0;
   std::vector<std::thread> workers_;
+  std::unique_ptr<CopyHelper> copy_helper_;  // Null when split_read_bytes is 0.
 };
 
 }  // namespace tpusync

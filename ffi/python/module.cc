@@ -49,8 +49,8 @@ class PyEngine {
  public:
   PyEngine(int num_workers, uint64_t io_chunk_bytes, int io_depth, bool huge_page_destinations,
            uint64_t max_inflight_bytes, double max_bytes_per_second,
-           std::vector<int> worker_cpus, bool poison_fetches, uint32_t debug_delay_us,
-           bool record_timeline) {
+           std::vector<int> worker_cpus, uint64_t split_read_bytes, bool poison_fetches,
+           uint32_t debug_delay_us, bool record_timeline) {
     EngineOptions o;
     o.num_workers = num_workers;
     o.io_chunk_bytes = io_chunk_bytes;
@@ -59,6 +59,7 @@ class PyEngine {
     o.max_inflight_bytes = max_inflight_bytes;
     o.max_bytes_per_second = max_bytes_per_second;
     o.worker_cpus = std::move(worker_cpus);
+    o.split_read_bytes = split_read_bytes;
     o.poison_fetches = poison_fetches;
     o.debug_delay_us = debug_delay_us;
     o.record_timeline = record_timeline;
@@ -242,6 +243,7 @@ class PyEngine {
     d["waits"] = s.waits;
     d["prefetch_hits"] = s.prefetch_hits;
     d["prefetch_misses"] = s.prefetch_misses;
+    d["split_reads"] = s.split_reads;
     d["wait_s"] = s.wait_ns * 1e-9;
     d["inflight_bytes_peak"] = s.inflight_bytes_peak;
     d["landing_bytes"] = s.landing_bytes;
@@ -307,11 +309,12 @@ NB_MODULE(_tpusync, m) {
   m.def("unlink_shm", [](const std::string& name) { ThrowIfError(UnlinkShmSegment(name)); });
 
   nb::class_<PyEngine>(m, "Engine")
-      .def(nb::init<int, uint64_t, int, bool, uint64_t, double, std::vector<int>, bool, uint32_t,
-                    bool>(),
+      .def(nb::init<int, uint64_t, int, bool, uint64_t, double, std::vector<int>, uint64_t, bool,
+                    uint32_t, bool>(),
            nb::arg("num_workers"), nb::arg("io_chunk_bytes"), nb::arg("io_depth"),
            nb::arg("huge_page_destinations"), nb::arg("max_inflight_bytes"),
-           nb::arg("max_bytes_per_second"), nb::arg("worker_cpus"), nb::arg("poison_fetches"),
+           nb::arg("max_bytes_per_second"), nb::arg("worker_cpus"),
+           nb::arg("split_read_bytes"), nb::arg("poison_fetches"),
            nb::arg("debug_delay_us"), nb::arg("record_timeline"))
       .def_prop_ro("id", &PyEngine::id)
       .def_prop_ro("closed", &PyEngine::closed)

@@ -210,14 +210,22 @@ def beside(
 
 
 def add_engine_arguments(p, *, io_depth: bool = True) -> None:
-    """The engine knobs every benchmark takes: ``--workers``, ``--chunk-bytes`` and (unless
-    ``io_depth`` is False) ``--io-depth``, with the engine's defaults."""
+    """The engine knobs every benchmark takes: ``--workers``, ``--chunk-bytes``,
+    ``--split-read-bytes`` and (unless ``io_depth`` is False) ``--io-depth``, with the
+    engine's defaults."""
     p.add_argument("--workers", type=int, default=2, help="engine num_workers (default 2)")
     p.add_argument(
         "--chunk-bytes",
         type=parse_bytes,
         default=1 * MiB,
         help="engine io_chunk_bytes (default 1M)",
+    )
+    p.add_argument(
+        "--split-read-bytes",
+        type=lambda text: 0 if text.strip() == "0" else parse_bytes(text),
+        default=4 * MiB,
+        help="engine split_read_bytes: host-tier reads at a wait this large are copied by two "
+        "threads (default 4M; 0: one)",
     )
     if io_depth:
         p.add_argument("--io-depth", type=int, default=4, help="engine io_depth (default 4)")
@@ -232,6 +240,7 @@ def engine_config(args, worker_cpus: tuple[int, ...] = ()):
         io_chunk_bytes=args.chunk_bytes,
         io_depth=getattr(args, "io_depth", EngineConfig.io_depth),
         worker_cpus=tuple(worker_cpus),
+        split_read_bytes=getattr(args, "split_read_bytes", EngineConfig.split_read_bytes),
     )
 
 

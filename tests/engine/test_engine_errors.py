@@ -53,6 +53,7 @@ def test_io_depth_checked_in_cpp():
             max_inflight_bytes=0,
             max_bytes_per_second=0.0,
             worker_cpus=[],
+            split_read_bytes=0,
             poison_fetches=False,
             debug_delay_us=0,
             record_timeline=False,

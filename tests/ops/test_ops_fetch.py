@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_tpusync import ops
+from jax_tpusync import EngineConfig, ops
 
 BLOCK = 4096
 TAG = np.array([0, 0], np.int32)
@@ -333,3 +333,36 @@ def test_a_fetch_of_no_bytes_is_never_queued(make_engine, add_tier, tier_kind):
     _, dst = fn(jnp.ones(4), jnp.asarray(before), _rows([BLOCK, 2 * BLOCK], [0, 8], [1, 0]))
     np.testing.assert_array_equal(np.asarray(dst), np.concatenate([[7], before[1:]]))
     assert e.stats()["tiers"][tier]["fetch"]["requests"] == 1
+
+
+@pytest.mark.parametrize("split_read_bytes", [0, 64 << 10])
+def test_a_host_tier_read_split_with_the_copy_helper_is_byte_exact(make_engine, split_read_bytes):
+    """A wait's host-tier read of at least ``split_read_bytes`` is copied half by the copy
+    helper (a segment straddling the middle cut in two): byte-exact either way, split at
+    exactly the threshold and not one byte below it."""
+    threshold = split_read_bytes or 64 << 10
+    e = make_engine(split_read_bytes=split_read_bytes)
+    tier = e.add_host_tier(block_bytes=BLOCK, num_blocks=128)
+    pool = np.random.default_rng(3).integers(0, 256, 128 * BLOCK, dtype=np.uint8)
+    e.write(tier, 0, pool)
+    fn = _fetch_fn(e.id, tier)
+    # Three uneven segments, out of tier order, scattered in the destination; the middle
+    # byte of the read falls inside the second.
+    sizes = [9_000, threshold - 9_000 - 7_001, 7_001]
+    tier_at = [70 * BLOCK + 5, 3 * BLOCK + 1, 40 * BLOCK]
+    dst_at = [0, 10_000, threshold + 20_000]
+    for extra, splits in ((-1, 0), (0, 1)):
+        sizes[2] = 7_001 + extra
+        before = e.stats()["split_reads"]
+        dst0 = np.zeros(threshold + 40_000, np.uint8)
+        _, dst = fn(jnp.ones(4), jnp.asarray(dst0), _rows(tier_at, dst_at, sizes))
+        want = dst0.copy()
+        for t, d, n in zip(tier_at, dst_at, sizes):
+            want[d : d + n] = pool[t : t + n]
+        np.testing.assert_array_equal(_as_bytes(dst), want)
+        assert e.stats()["split_reads"] - before == (splits if split_read_bytes else 0)
+
+
+def test_split_read_bytes_must_not_be_negative():
+    with pytest.raises(ValueError, match=r"split_read_bytes=-1 must be >= 0"):
+        EngineConfig(split_read_bytes=-1)
