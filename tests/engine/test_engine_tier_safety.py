@@ -63,8 +63,8 @@ TpusyncError = _t.TpusyncError
 def engine():
     return _t.Engine(num_workers=1, io_chunk_bytes=1 << 20, io_depth=4,
                      huge_page_destinations=False, max_inflight_bytes=0,
-                     max_bytes_per_second=0.0, worker_cpus=[], poison_fetches=False,
-                     debug_delay_us=0, record_timeline=False)
+                     max_bytes_per_second=0.0, worker_cpus=[], split_read_bytes=0,
+                     poison_fetches=False, debug_delay_us=0, record_timeline=False)
 
 def write(e, tier, offset, data):
     one = lambda x: np.array([x], np.int64)
