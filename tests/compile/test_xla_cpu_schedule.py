@@ -46,6 +46,7 @@ def _schedule(mode: str) -> dict[str, int]:
         capture_output=True,
         text=True,
         timeout=120,
+        cwd="/",  # Not the repository root, whose source package has no built extension.
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -68,7 +68,10 @@ def test_sharded_decode_matches_the_resident_model(
         state = model.load_context(cache, cache.init())
         logits, written, state = model.run_offloaded(cache, state, scan=scan)
         for got, want in zip(logits, resident_logits):
-            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+            # f32 rounding of two summation orders (tp4 partitions the projections 4 ways;
+            # tp2 and 2x2 came out exact): up to 1.7e-6 of the largest logit was seen, and
+            # the logits grow with each step (6.9, 10.6, 23.3); a wrong KV row is far above.
+            np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
         state = cache.drain(state)
         np.testing.assert_array_equal(cache.lengths(state), CONTEXT + len(logits))
         # Each shard holds exactly its sequences' and heads' rows, byte for byte.
