@@ -36,9 +36,13 @@ void Fill(std::vector<uint8_t>& buf, uint8_t value) { std::memset(buf.data(), va
 
 int main(int argc, char** argv) {
   const bool file_tier = argc > 1 && std::strcmp(argv[1], "file") == 0;
+  // "host-split": no debug delay, so that each wait reads on its own thread (ReadHere), and
+  // every read is split with the copy helper, which the three threads contend for.
+  const bool split = argc > 1 && std::strcmp(argv[1], "host-split") == 0;
   EngineOptions options;
   options.num_workers = 2;
-  options.debug_delay_us = 50;
+  options.debug_delay_us = split ? 0 : 50;
+  options.split_read_bytes = split ? kBlock : 0;
   auto engine = Engine::Create(options);
   CHECK(engine.ok());
   std::unique_ptr<Engine> e = std::move(*engine);
@@ -133,6 +137,10 @@ int main(int argc, char** argv) {
     });
   }
   for (auto& th : threads) th.join();
+  if (split && e->Stats().split_reads == 0) {
+    std::fprintf(stderr, "no read was split with the copy helper\n");
+    return 1;
+  }
   e->Shutdown();
   e.reset();
   if (failures.load() != 0) {
