@@ -109,7 +109,7 @@ class EngineConfig:
     max_inflight_bytes: int = 0
     max_bytes_per_second: float = 0.0
     worker_cpus: tuple[int, ...] = ()
-    split_read_bytes: int = 4 << 20
+    split_read_bytes: int = 1 << 20
     poison_fetches: bool = False
     debug_delay_us: int = 0
     record_timeline: bool = False

@@ -105,7 +105,7 @@ struct EngineOptions {
   std::vector<int> worker_cpus;
   // A memory tier's read at a wait of at least this many bytes is split between the
   // calling thread and a copy helper thread (pinned to worker_cpus[0] if set). 0: never.
-  uint64_t split_read_bytes = 4ull << 20;
+  uint64_t split_read_bytes = 1ull << 20;
   // Debug: fill fetch destinations with 0xFF (NaN in f32 and bf16) at submission, so any
   // read of a buffer before its wait sees NaN rather than plausible stale data.
   bool poison_fetches = false;

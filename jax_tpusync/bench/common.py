@@ -223,9 +223,9 @@ def add_engine_arguments(p, *, io_depth: bool = True) -> None:
     p.add_argument(
         "--split-read-bytes",
         type=lambda text: 0 if text.strip() == "0" else parse_bytes(text),
-        default=4 * MiB,
+        default=1 * MiB,
         help="engine split_read_bytes: host-tier reads at a wait this large are copied by two "
-        "threads (default 4M; 0: one)",
+        "threads (default 1M; 0: one)",
     )
     if io_depth:
         p.add_argument("--io-depth", type=int, default=4, help="engine io_depth (default 4)")
