@@ -7,6 +7,13 @@
 
 namespace tpusync {
 
+void PinThisThread(int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+}
+
 CopyHelper::CopyHelper(int cpu) : thread_([this, cpu] { Loop(cpu); }) {}
 
 CopyHelper::~CopyHelper() {
@@ -36,12 +43,7 @@ void CopyHelper::Join() {
 }
 
 void CopyHelper::Loop(int cpu) {
-  if (cpu >= 0) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(cpu, &set);
-    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-  }
+  if (cpu >= 0) PinThisThread(cpu);
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     cv_.wait(lock, [this] { return stop_ || task_; });

@@ -13,6 +13,9 @@
 
 namespace tpusync {
 
+// Pins the calling thread to `cpu` (the engine's workers and its copy helper).
+void PinThisThread(int cpu);
+
 class CopyHelper {
  public:
   // Pinned to `cpu` (< 0: not pinned).

@@ -1,7 +1,5 @@
 #include "engine.h"
 
-#include <pthread.h>
-#include <sched.h>
 #include <time.h>
 
 #include <algorithm>
@@ -17,13 +15,6 @@ namespace {
 constexpr size_t kMaxTimelineEvents = 1 << 20;
 
 int StatIndex(int tier, Direction d) { return tier * 2 + static_cast<int>(d); }
-
-void PinThisThread(int cpu) {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  CPU_SET(cpu, &set);
-  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-}
 
 }  // namespace
 
@@ -300,15 +291,18 @@ void Engine::RunJob(Job& job, IoContext& io) {
       job.request.direction == Direction::kTierToMemory) {
     AdviseDestinations(*job.tier, job.request.segments);
   }
-  Status status;
-  for (const Segment& s : job.request.segments) {
+  job.status = RunSegments(job, job.request.segments, io);
+}
+
+Status Engine::RunSegments(Job& job, const std::vector<Segment>& segments, IoContext& io) {
+  for (const Segment& s : segments) {
     if (s.bytes == 0) continue;
-    status = job.request.direction == Direction::kTierToMemory
-                 ? job.tier->Read(s.tier_offset, s.memory, s.bytes, io)
-                 : job.tier->Write(s.tier_offset, s.memory, s.bytes, io);
-    if (!status.ok()) break;
+    Status status = job.request.direction == Direction::kTierToMemory
+                        ? job.tier->Read(s.tier_offset, s.memory, s.bytes, io)
+                        : job.tier->Write(s.tier_offset, s.memory, s.bytes, io);
+    if (!status.ok()) return status;
   }
-  job.status = std::move(status);
+  return Status::Ok();
 }
 
 void Engine::FinishLocked(Job& job, Status status) {
@@ -694,22 +688,14 @@ void Engine::RunSplit(Job& job, IoContext& io) {
     seen += s.bytes;
   }
   Status helper_status;
-  auto copy = [&job](const std::vector<Segment>& segments, IoContext& ctx) {
-    for (const Segment& s : segments) {
-      if (s.bytes == 0) continue;
-      Status st = job.tier->Read(s.tier_offset, s.memory, s.bytes, ctx);
-      if (!st.ok()) return st;
-    }
-    return Status::Ok();
-  };
   IoContext helper_io(options_.io_chunk_bytes, options_.io_depth,
                       options_.huge_page_destinations);
   helper_io.cancelled = [&job] { return job.cancel.load(std::memory_order_relaxed); };
   const bool split = copy_helper_->TryStart(
-      [&] { helper_status = copy(there, helper_io); });
+      [&] { helper_status = RunSegments(job, there, helper_io); });
   if (!split) return RunJob(job, io);  // Another wait holds the helper.
   io.cancelled = [&job] { return job.cancel.load(std::memory_order_relaxed); };
-  Status status = copy(here, io);
+  Status status = RunSegments(job, here, io);
   copy_helper_->Join();
   job.status = status.ok() ? std::move(helper_status) : std::move(status);
   std::lock_guard<std::mutex> lock(mu_);

@@ -269,6 +269,8 @@ class Engine {
   std::shared_ptr<Job> NextRunnableLocked();
   void WorkerLoop(int index);
   void RunJob(Job& job, IoContext& io);
+  // Reads or writes (as `job` does) `segments`, a subset of `job`'s; stops at the first error.
+  Status RunSegments(Job& job, const std::vector<Segment>& segments, IoContext& io);
   void FinishLocked(Job& job, Status status);
   // Tier byte ranges and bytes of `job`'s request, as the scoreboard compares them.
   static void SetRanges(Job& job);
