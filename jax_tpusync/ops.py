@@ -65,7 +65,11 @@ _TARGETS = {
     "wait": "tpusync_wait",
     "write_back": "tpusync_write_back",
     "mark": "tpusync_mark",
+    "attend": "tpusync_attend",
 }
+
+# kv_dtype codes of :func:`attend_in_place` (engine/pool_attention.h).
+IN_PLACE_KV_DTYPES = {np.dtype(np.float32): 0, np.dtype(jnp.bfloat16): 1}
 
 NO_TICKET = -1
 INT32_MAX = int(np.iinfo(np.int32).max)
@@ -309,6 +313,74 @@ def write_back(
         target(engine_id, tier, first_block),
         *deps,
         **_attrs(regions),
+    )
+
+
+def attend_in_place(
+    engine_id: int,
+    tier: int,
+    q: jax.Array,  # f32[batch, q_len, num_q_heads, head_dim]
+    segments: jax.Array,  # int32[n, 4]: the unit's fetch segments into [2, batch, unit_len] rows
+    positions: jax.Array,  # int32[3, batch]: first key position, valid keys, first query position
+    tag: jax.Array,
+    *,
+    unit_len: int,
+    kv_dtype,
+    num_kv_heads: int,
+    scale: float,
+    soft_cap: float | None = None,
+    window: int | None = None,
+    deps: Sequence[jax.Array] = (),
+    regions: Regions | None = None,
+    owner: jax.Array | Sequence[int] | None = None,
+    first_block: jax.Array | int = 0,
+) -> tuple[jax.Array, jax.Array]:  # out f32[batch, q_len, num_q_heads, head_dim], lse f32[batch, q_len, num_q_heads]
+    """Attention of ``q`` over one unit's keys where they lie in a memory tier: nothing is
+    copied (CPU backend, host tier).
+
+    ``segments`` are the unit's fetch segments as :func:`wait_fetch` would take them into
+    a staging slot of ``unit_len`` rows (K rows, then V); sequence ``b``'s K and V segments
+    must cover exactly its valid keys, rows ``[0, positions[1, b])``, which sit at absolute
+    positions ``positions[0, b] + row``; its queries at ``positions[2, b] + t``. The op
+    runs after every earlier write-back of those bytes, like a fetch. Returns the unit's
+    normalized partial and log-sum-exp, as
+    :func:`~jax_tpusync.kernels.reference.chunk_attention_reference` does.
+    """
+    _check_segments(segments)
+    tag = _check_tag(tag)
+    kv_dtype = np.dtype(kv_dtype)
+    if kv_dtype not in IN_PLACE_KV_DTYPES:
+        raise ValueError(f"kv_dtype={kv_dtype} must be float32 or bfloat16 to be read in place")
+    if q.dtype != jnp.float32 or q.ndim != 4:
+        raise ValueError(f"q must be f32[batch, q_len, heads, head_dim]; got {q.dtype}{list(q.shape)}")
+    if positions.shape != (3, q.shape[0]) or positions.dtype != jnp.int32:
+        raise ValueError(
+            f"positions must be int32[3, batch={q.shape[0]}]; got {positions.dtype}{list(positions.shape)}"
+        )
+    if not isinstance(unit_len, (int, np.integer)) or unit_len < 1:
+        raise ValueError(f"unit_len={unit_len!r} must be an int >= 1")
+    if q.shape[2] % num_kv_heads:
+        raise ValueError(f"{q.shape[2]} query heads are not a multiple of {num_kv_heads} kv heads")
+    call = _ffi_call(
+        _TARGETS["attend"],
+        (_sds(q), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)),
+        has_side_effect=True,
+    )
+    return call(
+        q,
+        segments,
+        positions,
+        tag,
+        _check_owner(owner),
+        target(engine_id, tier, first_block),
+        *deps,
+        **_attrs(regions),
+        unit_len=np.int64(unit_len),
+        kv_dtype=np.int32(IN_PLACE_KV_DTYPES[kv_dtype]),
+        num_kv_heads=np.int32(num_kv_heads),
+        scale=np.float32(scale),
+        soft_cap=np.float32(0.0 if soft_cap is None else soft_cap),
+        window=np.int32(0 if window is None else window),
     )
 
 

@@ -702,6 +702,69 @@ void Engine::RunSplit(Job& job, IoContext& io) {
   stats_.split_reads += 1;
 }
 
+Status Engine::ReadInPlace(const FetchRequest& want, const InPlaceVisitor& visit) {
+  auto job = std::make_shared<Job>();
+  std::vector<const uint8_t*> src;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    job->request.tier = want.tier;
+    job->request.tag = want.tag;
+    job->request.direction = Direction::kTierToMemory;
+    TPUSYNC_RETURN_IF_ERROR(ValidateLocked(job->request));
+    job->tier = tiers_[want.tier].get();
+    if (job->tier->MappedAt(0) == nullptr) {
+      return FailedPrecondition("tier " + std::to_string(want.tier) + " (" +
+                                job->tier->Describe() +
+                                ") is not in memory: only a memory tier is read in place");
+    }
+    for (size_t i = 0; i < want.segments.size(); ++i) {
+      const FetchSegment& f = want.segments[i];
+      Status st = job->tier->CheckRange(f.tier_offset, f.bytes);
+      if (!st.ok()) return InvalidArgument("segment " + std::to_string(i) + ": " + st.detail());
+      const uint8_t* at = job->tier->MappedAt(f.tier_offset);
+      src.push_back(at);
+      // The job's segments name the tier bytes it holds; nothing is copied into `memory`.
+      job->request.segments.push_back({f.tier_offset, const_cast<uint8_t*>(at), f.bytes});
+    }
+  }
+  SetRanges(*job);
+  job->submit_ns = MonotonicNs();
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    // The transfers that must end first: every earlier one that writes these bytes. (A
+    // later one waits for this read, which is registered below before the lock drops.)
+    std::vector<std::shared_ptr<Job>> earlier;
+    for (const auto& other : active_) {
+      if (ConflictsLocked(*other, *job)) earlier.push_back(other);
+    }
+    done_cv_.wait(lock, [&] {
+      return stopping_ || std::all_of(earlier.begin(), earlier.end(), [](const auto& e) {
+               return e->state == Job::State::kDone;
+             });
+    });
+    TPUSYNC_RETURN_IF_ERROR(ValidateLocked(job->request));  // Closed, or a write-back failed.
+    job->ticket = NextTicketLocked();
+    active_.push_back(job);
+    BeginRunLocked(*job);
+  }
+  if (options_.debug_delay_us > 0) {
+    std::this_thread::sleep_for(std::chrono::microseconds(options_.debug_delay_us));
+  }
+  if (options_.max_bytes_per_second > 0) Pace(job->bytes);
+  Status status = visit(src, copy_helper_.get());
+  std::lock_guard<std::mutex> lock(mu_);
+  EndRunLocked(*job);
+  FinishLocked(*job, status);
+  // The wait is the time blocked on earlier writes; the visit itself is the op's compute.
+  stats_.waits += 1;
+  stats_.wait_ns += job->start_ns - job->submit_ns;
+  stats_.in_place_reads += 1;
+  if (options_.record_timeline && timeline_.waits.size() < kMaxTimelineEvents) {
+    timeline_.waits.push_back({job->ticket, job->request.tag, job->submit_ns, job->start_ns, true});
+  }
+  return job->status;
+}
+
 StatusOr<Ticket> Engine::RecordDeferred(TransferRequest request) {
   auto job = std::make_shared<Job>();
   job->request = std::move(request);

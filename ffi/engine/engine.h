@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -133,6 +134,7 @@ struct EngineStats {
   uint64_t prefetch_misses = 0;  // Waits that had to fetch (cold, or a stale prefetch).
   int64_t wait_ns = 0;           // Time callers spent blocked in waits.
   uint64_t split_reads = 0;      // Memory-tier reads copied half by the copy helper.
+  uint64_t in_place_reads = 0;   // Memory-tier reads consumed where they lie (ReadInPlace).
   uint64_t inflight_bytes_peak = 0;
   uint64_t landing_bytes = 0;  // Engine-owned landing memory, in use or pooled.
 };
@@ -218,6 +220,16 @@ class Engine {
   // one is dropped, a running one stops at its next chunk, and its landing buffer is
   // recycled when it ends. Unknown tickets are ignored. Never blocks.
   void Discard(Ticket ticket);
+
+  // A memory tier's read that copies nothing: hands `visit` the tier's own memory of each
+  // of `want`'s segments (src[i] for segment i) while those bytes are registered as a
+  // running read, so the visit starts only after every earlier transfer that writes them
+  // has ended (a failed one fails this call), and later writes of them wait for it.
+  // `helper`, null when the engine has none, may run a share of the visit's work. Counted
+  // as a fetch of those bytes and as a wait.
+  using InPlaceVisitor =
+      std::function<Status(const std::vector<const uint8_t*>& src, CopyHelper* helper)>;
+  Status ReadInPlace(const FetchRequest& want, const InPlaceVisitor& visit);
 
   // Streams: one per cache, so that only the newest state of a cache may drive it. Ops
   // carry (stream, epoch, generation): the epoch changes when the host starts the cache

@@ -73,6 +73,8 @@ class HostTier final : public Tier {
 
   bool DefersFetches() const override { return true; }
 
+  const uint8_t* MappedAt(uint64_t offset) const override { return data() + offset; }
+
   Status Read(uint64_t offset, void* dst, uint64_t bytes, IoContext& io) override {
     TPUSYNC_RETURN_IF_ERROR(CheckRange(offset, bytes));
     bool cancelled = false;

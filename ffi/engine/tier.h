@@ -75,6 +75,9 @@ class Tier {
   // buffer: true for memory, where a read costs the same at the wait as ahead of it, and a
   // read ahead would copy every byte twice (into landing memory, then into the operand).
   virtual bool DefersFetches() const { return false; }
+  // The tier's bytes at `offset` where they lie in this process's memory (a memory tier),
+  // for reads that copy nothing (Engine::ReadInPlace); null for any other tier.
+  virtual const uint8_t* MappedAt(uint64_t /*offset*/) const { return nullptr; }
   // Fetched bytes that went straight to the destination / through a bounce buffer.
   virtual uint64_t direct_read_bytes() const { return 0; }
   virtual uint64_t bounced_read_bytes() const { return 0; }

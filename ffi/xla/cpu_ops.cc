@@ -18,6 +18,14 @@
 //   Copies the bytes out of `src` (XLA may reuse it as soon as we return) and writes them
 //   to the tier in the background. The engine orders later fetches of the same bytes after it.
 // mark(x, tag, *deps) -> x   records a timestamp in the engine timeline (compute spans).
+// attend(q, segments, positions, tag, owner, target, *deps) -> (out, lse)
+//   Attention of q (f32[batch, q_len, q_heads, head_dim]) over one unit's keys where they
+//   lie in a memory tier (see engine/pool_attention.h): no byte is copied. `segments` are
+//   the unit's fetch segments into a staging slot of `unit_len` rows ([2, batch,
+//   unit_len] rows, K then V, which is never allocated); `positions` int32[3, batch] are
+//   (first key position, valid keys, first query position). Each sequence's K and V
+//   segments must cover exactly its valid keys' rows. out f32 like q, lse f32[batch,
+//   q_len, q_heads]: the unit's normalized partial and its log-sum-exp.
 //
 // Segments are int32[n, 4] rows (block, offset_in_block, memory_offset, bytes): two int32
 // fields address a 64-bit tier offset without requiring jax_enable_x64. `memory_offset` is
@@ -37,11 +45,14 @@
 // block). Every segment must lie inside one region and, with region_block_rows, inside the
 // block its row names, so a layer out of range or a row past its KV block fails loudly
 // instead of reading or overwriting a neighbour's KV (see regions.h).
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "engine/engine.h"
+#include "engine/pool_attention.h"
 #include "engine/regions.h"
 #include "engine/registry.h"
 #include "xla/ffi/api/ffi.h"
@@ -244,6 +255,155 @@ ffi::Error MarkImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> tag, ffi::RemainingA
   return ffi::Error::Success();
 }
 
+// One sequence's K (kv 0) or V (kv 1) rows of a unit: `rows` rows from unit row `row`.
+struct RowPiece {
+  int64_t row = 0;
+  int64_t rows = 0;
+  const uint8_t* data = nullptr;
+};
+
+// The unit's K and V rows of every sequence, paired into key spans. Every access is
+// checked against what it is for: segments hold whole rows, and each sequence's K and V
+// rows are exactly its valid keys' rows [0, valid[b]), no more, no fewer, no row twice.
+StatusOr<std::vector<KeySpan>> PairRows(const std::vector<FetchSegment>& segments,
+                                        const std::vector<const uint8_t*>& src,
+                                        const AttentionShape& shape, int64_t unit_len,
+                                        const int32_t* k_start, const int32_t* valid) {
+  const uint64_t row_bytes = shape.row_bytes();
+  const uint64_t seq_bytes = unit_len * row_bytes;
+  std::vector<std::vector<RowPiece>> pieces(2 * shape.batch);  // [kv * batch + b]
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const FetchSegment& f = segments[i];
+    if (f.dst_offset % row_bytes != 0 || f.bytes % row_bytes != 0) {
+      return InvalidArgument("segment " + std::to_string(i) + " is not whole rows of " +
+                             std::to_string(row_bytes) + " bytes");
+    }
+    uint64_t dst = f.dst_offset, done = 0;
+    while (done < f.bytes) {  // A segment may run on into the next sequence's rows.
+      const uint64_t which = dst / seq_bytes, in_seq = dst % seq_bytes;
+      const uint64_t take = std::min(f.bytes - done, seq_bytes - in_seq);
+      pieces[which].push_back({static_cast<int64_t>(in_seq / row_bytes),
+                               static_cast<int64_t>(take / row_bytes), src[i] + done});
+      dst += take;
+      done += take;
+    }
+  }
+  std::vector<KeySpan> spans;
+  for (int b = 0; b < shape.batch; ++b) {
+    if (valid[b] < 0 || valid[b] > unit_len) {
+      return InvalidArgument("sequence " + std::to_string(b) + " has " +
+                             std::to_string(valid[b]) + " valid keys in a unit of " +
+                             std::to_string(unit_len) + " rows");
+    }
+    auto& k = pieces[b];
+    auto& v = pieces[shape.batch + b];
+    for (auto* list : {&k, &v}) {
+      std::sort(list->begin(), list->end(),
+                [](const RowPiece& x, const RowPiece& y) { return x.row < y.row; });
+      int64_t next = 0;
+      for (const RowPiece& p : *list) {
+        if (p.row != next) {
+          return InvalidArgument(
+              "the " + std::string(list == &k ? "K" : "V") + " rows of sequence " +
+              std::to_string(b) + (p.row < next ? " overlap at row " : " skip to row ") +
+              std::to_string(p.row) + " (its " + std::to_string(valid[b]) +
+              " valid keys must be rows [0, " + std::to_string(valid[b]) + ") exactly)");
+        }
+        next += p.rows;
+      }
+      if (next != valid[b]) {
+        return InvalidArgument("the " + std::string(list == &k ? "K" : "V") +
+                               " rows of sequence " + std::to_string(b) + " cover " +
+                               std::to_string(next) + " rows, but it has " +
+                               std::to_string(valid[b]) + " valid keys");
+      }
+    }
+    // Walk both lists, cutting at every boundary of either.
+    size_t i = 0, j = 0;
+    int64_t ki = 0, vj = 0;  // Rows used of k[i], v[j].
+    for (int64_t row = 0; row < valid[b];) {
+      const int64_t n = std::min(k[i].rows - ki, v[j].rows - vj);
+      spans.push_back({b, static_cast<int32_t>(k_start[b] + row), static_cast<int32_t>(n),
+                       k[i].data + ki * row_bytes, v[j].data + vj * row_bytes});
+      row += n;
+      ki += n;
+      vj += n;
+      if (ki == k[i].rows) ++i, ki = 0;
+      if (vj == v[j].rows) ++j, vj = 0;
+    }
+  }
+  return spans;
+}
+
+ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> segments,
+                      ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> tag,
+                      ffi::Buffer<ffi::S32> owner, ffi::Buffer<ffi::S32> target,
+                      ffi::RemainingArgs /*deps*/, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                      ffi::Result<ffi::Buffer<ffi::F32>> lse, int64_t region_base,
+                      int64_t region_bytes, int64_t region_count, int32_t region_block_rows,
+                      int64_t unit_len, int32_t kv_dtype, int32_t num_kv_heads, float scale,
+                      float soft_cap, int32_t window) {
+  auto op = Bind(target);
+  if (!op.ok()) return ToFfiError(op.status());
+  Engine& engine = *op->engine;
+  StatusOr<int64_t> stream = CheckOwner(engine, owner);
+  if (!stream.ok()) return ToFfiError(stream.status());
+  auto dims = q.dimensions();
+  if (dims.size() != 4) return ToFfiError(InvalidArgument("q must be f32[batch, q_len, heads, dim]"));
+  AttentionShape shape;
+  shape.batch = static_cast<int32_t>(dims[0]);
+  shape.q_len = static_cast<int32_t>(dims[1]);
+  shape.num_q_heads = static_cast<int32_t>(dims[2]);
+  shape.head_dim = static_cast<int32_t>(dims[3]);
+  shape.num_kv_heads = num_kv_heads;
+  shape.kv_dtype = static_cast<KvDtype>(kv_dtype);
+  shape.scale = scale;
+  shape.soft_cap = soft_cap;
+  shape.window = window;
+  if (Status st = shape.Check(); !st.ok()) return ToFfiError(st);
+  auto pdims = positions.dimensions();
+  if (pdims.size() != 2 || pdims[0] != 3 || pdims[1] != shape.batch) {
+    return ToFfiError(InvalidArgument("positions must be int32[3, batch] (key start, valid "
+                                      "keys, query start)"));
+  }
+  if (unit_len < 1) return ToFfiError(InvalidArgument("unit_len must be >= 1"));
+  const uint64_t buffer = 2 * static_cast<uint64_t>(shape.batch) * unit_len * shape.row_bytes();
+  auto want = DecodeFetch(*op, segments, buffer, tag,
+                          MakeRegions(region_base, region_bytes, region_count,
+                                      region_block_rows),
+                          *stream);
+  if (!want.ok()) return ToFfiError(want.status());
+  const int32_t* k_start = positions.typed_data();
+  const int32_t* valid = k_start + shape.batch;
+  const int32_t* q_start = valid + shape.batch;
+  const float* queries = q.typed_data();
+  const uint64_t split_bytes = engine.options().split_read_bytes;
+  Status status = engine.ReadInPlace(
+      *want, [&](const std::vector<const uint8_t*>& src, CopyHelper* helper) -> Status {
+        auto spans = PairRows(want->segments, src, shape, unit_len, k_start, valid);
+        if (!spans.ok()) return spans.status();
+        AttentionPartial here(shape), there(shape);
+        uint64_t rows = 0;
+        for (const KeySpan& s : *spans) rows += s.rows;
+        std::vector<KeySpan> mine, theirs;
+        // Two threads, as for a copy of the same bytes (split_read_bytes of K and V).
+        const bool split = helper != nullptr && split_bytes > 0 &&
+                           2 * rows * shape.row_bytes() >= split_bytes;
+        if (split) SplitSpans(*spans, shape.row_bytes(), &mine, &theirs);
+        const bool helped = split && helper->TryStart([&] {
+          for (const KeySpan& s : theirs) there.Attend(queries, q_start, s);
+        });
+        for (const KeySpan& s : helped ? mine : *spans) here.Attend(queries, q_start, s);
+        if (helped) {
+          helper->Join();
+          here.MergeFrom(there);
+        }
+        here.Finish(out->typed_data(), lse->typed_data());
+        return Status::Ok();
+      });
+  return ToFfiError(status);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncStartCpu, StartImpl,
@@ -288,5 +448,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncMarkCpu, MarkImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("engine_id")
                                   .Attr<int32_t>("kind"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncAttendCpu, AttendImpl,
+                              WithTransferAttrs(ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>())
+                                  .Attr<int64_t>("unit_len")
+                                  .Attr<int32_t>("kv_dtype")
+                                  .Attr<int32_t>("num_kv_heads")
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("window"));
 
 }  // namespace tpusync

@@ -1,0 +1,353 @@
+#include "pool_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+
+namespace tpusync {
+namespace {
+
+// Rows per tile: the K and V rows of one kv head of a tile are converted to f32 once and
+// stay in L1 while every query head of its group attends to them.
+constexpr int kTile = 32;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// The inner loops are compiled twice, for AVX2 with FMA and for the baseline ISA, and the
+// CPU picks one at run time: the package builds without -march flags, so the same binary
+// runs anywhere, and these loops are the whole step's compute on the host tier.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define TPUSYNC_HAVE_AVX2_CLONE 1
+#define TPUSYNC_INLINE inline __attribute__((always_inline))
+#else
+#define TPUSYNC_HAVE_AVX2_CLONE 0
+#define TPUSYNC_INLINE inline
+#endif
+
+TPUSYNC_INLINE float Bf16ToF32(uint16_t bits) {
+  const uint32_t widened = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &widened, sizeof f);
+  return f;
+}
+
+// Eight f32 lanes (GCC/Clang vector extension): one AVX register in the AVX2 build, two
+// SSE registers in the baseline one. Loads and stores go through memcpy (no alignment).
+typedef float Lanes __attribute__((vector_size(32)));
+typedef int32_t IntLanes __attribute__((vector_size(32)));
+
+TPUSYNC_INLINE Lanes LoadLanes(const float* p) {
+  Lanes x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+
+TPUSYNC_INLINE void StoreLanes(float* p, Lanes x) { std::memcpy(p, &x, sizeof x); }
+
+// exp(x) of eight x <= 0, to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its
+// minimax polynomial (the classic single-precision coefficients), 2^n by the exponent
+// bits. (std::exp does not vectorize.) Below -87 (a weight under 1e-38) it returns exp(-87).
+TPUSYNC_INLINE Lanes ExpNonPositive(Lanes x) {
+  const Lanes floor_x = Lanes{} - 87.0f;
+  x = x < floor_x ? floor_x : x;
+  const Lanes t = x * 1.44269504088896341f + 0.5f;
+  IntLanes n = __builtin_convertvector(t, IntLanes);  // Truncates toward zero...
+  n += __builtin_convertvector(n, Lanes) > t;         // ...so step down (true is -1): floor.
+  const Lanes nf = __builtin_convertvector(n, Lanes);
+  const Lanes r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
+  Lanes p = Lanes{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const Lanes y = p * r * r + r + 1.0f;
+  const IntLanes bits = (n + 127) << 23;
+  Lanes scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+// `rows` rows of `values` values each, row i at src + i * row_bytes, as f32[rows][values].
+// Whole rows, in memory order: the hardware prefetcher follows one stream through the pool.
+TPUSYNC_INLINE void LoadRows(const uint8_t* src, uint64_t row_bytes, int rows, int values,
+                             KvDtype dtype, float* dst) {
+  for (int r = 0; r < rows; ++r) {
+    const uint8_t* row = src + r * row_bytes;
+    float* out = dst + static_cast<int64_t>(r) * values;
+    if (dtype == KvDtype::kBfloat16) {
+      for (int d = 0; d < values; ++d) {
+        uint16_t bits;
+        std::memcpy(&bits, row + 2 * d, sizeof bits);  // One load; rows need no alignment.
+        out[d] = Bf16ToF32(bits);
+      }
+    } else {
+      std::memcpy(out, row, 4 * static_cast<size_t>(values));
+    }
+  }
+}
+
+// The dot products of q (f32[n]) with four rows of k (f32[n] each, `stride` apart): four
+// independent chains of fused multiply-adds, so none waits on the one before.
+TPUSYNC_INLINE void Dot4(const float* q, const float* k, int64_t stride, int n, float* out) {
+  Lanes a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  int d = 0;
+  for (; d + 8 <= n; d += 8) {
+    const Lanes x = LoadLanes(q + d);
+    a0 += x * LoadLanes(k + d);
+    a1 += x * LoadLanes(k + stride + d);
+    a2 += x * LoadLanes(k + 2 * stride + d);
+    a3 += x * LoadLanes(k + 3 * stride + d);
+  }
+  float s[4] = {0, 0, 0, 0};
+  for (; d < n; ++d) {
+    for (int i = 0; i < 4; ++i) s[i] += q[d] * k[i * stride + d];
+  }
+  for (int j = 0; j < 8; ++j) {
+    s[0] += a0[j];
+    s[1] += a1[j];
+    s[2] += a2[j];
+    s[3] += a3[j];
+  }
+  for (int i = 0; i < 4; ++i) out[i] = s[i];
+}
+
+TPUSYNC_INLINE float Dot(const float* q, const float* k, int n) {
+  Lanes acc = {};
+  int d = 0;
+  for (; d + 8 <= n; d += 8) acc += LoadLanes(q + d) * LoadLanes(k + d);
+  float sum = 0;
+  for (; d < n; ++d) sum += q[d] * k[d];
+  for (int j = 0; j < 8; ++j) sum += acc[j];
+  return sum;
+}
+
+// a (f32[n]) += sum over rows r in [lo, hi) of p[r] * v[r] (row r at v + r * stride), 32
+// values of `a` at a time in four registers (four independent chains).
+TPUSYNC_INLINE void AddWeightedRows(float* a, const float* p, const float* v, int64_t stride,
+                                    int lo, int hi, int n) {
+  int d = 0;
+  for (; d + 32 <= n; d += 32) {
+    Lanes a0 = LoadLanes(a + d), a1 = LoadLanes(a + d + 8), a2 = LoadLanes(a + d + 16),
+          a3 = LoadLanes(a + d + 24);
+    for (int r = lo; r < hi; ++r) {
+      const float* row = v + r * stride + d;
+      a0 += p[r] * LoadLanes(row);
+      a1 += p[r] * LoadLanes(row + 8);
+      a2 += p[r] * LoadLanes(row + 16);
+      a3 += p[r] * LoadLanes(row + 24);
+    }
+    StoreLanes(a + d, a0);
+    StoreLanes(a + d + 8, a1);
+    StoreLanes(a + d + 16, a2);
+    StoreLanes(a + d + 24, a3);
+  }
+  for (; d + 8 <= n; d += 8) {
+    Lanes a0 = LoadLanes(a + d);
+    for (int r = lo; r < hi; ++r) a0 += p[r] * LoadLanes(v + r * stride + d);
+    StoreLanes(a + d, a0);
+  }
+  for (; d < n; ++d) {
+    for (int r = lo; r < hi; ++r) a[d] += p[r] * v[r * stride + d];
+  }
+}
+
+struct Tile {
+  std::vector<float> k, v;  // [kTile, num_kv_heads * head_dim] each: the tile's rows in f32.
+  alignas(32) float scores[kTile] = {};  // Every lane is exponentiated: keep them finite.
+};
+
+// One tile (rows [r0, r0 + n) of the span) for every kv head and query of the span's
+// sequence. acc/max/sum are the sequence's slices: [q_len, num_q_heads, (head_dim)].
+TPUSYNC_INLINE void AttendTileBody(const AttentionShape& s, const float* q, int32_t q_start, const KeySpan& span,
+                int r0, int n, Tile& tile, float* acc, float* max, float* sum) {
+  const int d_len = s.head_dim;
+  const int group = s.num_q_heads / s.num_kv_heads;
+  const uint64_t row_bytes = s.row_bytes();
+  const int row_values = s.num_kv_heads * d_len;
+  const int32_t first = span.position + r0;  // Absolute position of the tile's row 0.
+  bool loaded = false;
+  for (int h = 0; h < s.num_kv_heads; ++h) {
+    for (int t = 0; t < s.q_len; ++t) {
+      const int32_t q_pos = q_start + t;
+      // Visible rows of the tile: causal (position <= q_pos) and inside the window.
+      const int hi = static_cast<int>(std::min<int64_t>(n, int64_t{q_pos} - first + 1));
+      const int lo = s.window > 0 ? static_cast<int>(std::max<int64_t>(
+                                        0, int64_t{q_pos} - s.window + 1 - first))
+                                  : 0;
+      if (hi <= lo) continue;
+      if (!loaded) {
+        LoadRows(span.k + r0 * row_bytes, row_bytes, n, row_values, s.kv_dtype, tile.k.data());
+        LoadRows(span.v + r0 * row_bytes, row_bytes, n, row_values, s.kv_dtype, tile.v.data());
+        loaded = true;
+      }
+      for (int g = 0; g < group; ++g) {
+        const int head = h * group + g;
+        const float* qv = q + (static_cast<int64_t>(t) * s.num_q_heads + head) * d_len;
+        float* scores = tile.scores;
+        const float* k_head = tile.k.data() + h * d_len;
+        int r = lo;
+        for (; r + 4 <= hi; r += 4) Dot4(qv, k_head + r * row_values, row_values, d_len, scores + r);
+        for (; r < hi; ++r) scores[r] = Dot(qv, k_head + r * row_values, d_len);
+        float tile_max = kNegInf;
+        for (r = lo; r < hi; ++r) {
+          float x = s.scale * scores[r];
+          if (s.soft_cap > 0) x = s.soft_cap * std::tanh(x / s.soft_cap);
+          scores[r] = x;
+          tile_max = std::max(tile_max, x);
+        }
+        const int at = t * s.num_q_heads + head;
+        const float old_max = max[at];
+        const float new_max = std::max(old_max, tile_max);
+        float* a = acc + static_cast<int64_t>(at) * d_len;
+        if (old_max != new_max) {
+          const float alpha = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
+          for (int d = 0; d < d_len; ++d) a[d] *= alpha;
+          sum[at] *= alpha;
+        }
+        // The whole tile's lanes (those outside [lo, hi) are computed and never read).
+        for (int i = 0; i < kTile; i += 8) {
+          StoreLanes(scores + i, ExpNonPositive(LoadLanes(scores + i) - new_max));
+        }
+        float weights = 0;
+        for (r = lo; r < hi; ++r) weights += scores[r];
+        AddWeightedRows(a, scores, tile.v.data() + h * d_len, row_values, lo, hi, d_len);
+        sum[at] += weights;
+        max[at] = new_max;
+      }
+    }
+  }
+}
+
+void AttendTileBaseline(const AttentionShape& s, const float* q, int32_t q_start,
+                        const KeySpan& span, int r0, int n, Tile& tile, float* acc, float* max,
+                        float* sum) {
+  AttendTileBody(s, q, q_start, span, r0, n, tile, acc, max, sum);
+}
+
+#if TPUSYNC_HAVE_AVX2_CLONE
+__attribute__((target("avx2,fma"))) void AttendTileAvx2(const AttentionShape& s, const float* q,
+                                                        int32_t q_start, const KeySpan& span,
+                                                        int r0, int n, Tile& tile, float* acc,
+                                                        float* max, float* sum) {
+  AttendTileBody(s, q, q_start, span, r0, n, tile, acc, max, sum);
+}
+#endif
+
+using AttendTileFn = void (*)(const AttentionShape&, const float*, int32_t, const KeySpan&, int,
+                              int, Tile&, float*, float*, float*);
+
+AttendTileFn PickAttendTile() {
+#if TPUSYNC_HAVE_AVX2_CLONE
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AttendTileAvx2;
+#endif
+  return AttendTileBaseline;
+}
+
+const AttendTileFn AttendTile = PickAttendTile();
+
+}  // namespace
+
+uint64_t AttentionShape::row_bytes() const {
+  return static_cast<uint64_t>(num_kv_heads) * head_dim * (kv_dtype == KvDtype::kBfloat16 ? 2 : 4);
+}
+
+Status AttentionShape::Check() const {
+  if (batch < 1 || q_len < 1 || num_q_heads < 1 || num_kv_heads < 1 || head_dim < 1) {
+    return InvalidArgument("attention shape needs batch, q_len, heads and head_dim >= 1, got batch " +
+                           std::to_string(batch) + ", q_len " + std::to_string(q_len) +
+                           ", q heads " + std::to_string(num_q_heads) + ", kv heads " +
+                           std::to_string(num_kv_heads) + ", head_dim " +
+                           std::to_string(head_dim));
+  }
+  if (num_q_heads % num_kv_heads != 0) {
+    return InvalidArgument(std::to_string(num_q_heads) + " query heads are not a multiple of " +
+                           std::to_string(num_kv_heads) + " kv heads");
+  }
+  if (kv_dtype != KvDtype::kFloat32 && kv_dtype != KvDtype::kBfloat16) {
+    return InvalidArgument("kv dtype code " + std::to_string(static_cast<int>(kv_dtype)) +
+                           " is neither float32 (0) nor bfloat16 (1)");
+  }
+  return Status::Ok();
+}
+
+void SplitSpans(const std::vector<KeySpan>& spans, uint64_t row_bytes,
+                std::vector<KeySpan>* first, std::vector<KeySpan>* second) {
+  int64_t total = 0;
+  for (const KeySpan& s : spans) total += s.rows;
+  const int64_t half = total / 2;
+  int64_t seen = 0;
+  for (const KeySpan& s : spans) {
+    if (seen >= half) {
+      second->push_back(s);
+    } else if (seen + s.rows <= half) {
+      first->push_back(s);
+    } else {
+      const int32_t n = static_cast<int32_t>(half - seen);
+      KeySpan head = s, tail = s;
+      head.rows = n;
+      tail.rows = s.rows - n;
+      tail.position = s.position + n;
+      tail.k = s.k + n * row_bytes;
+      tail.v = s.v + n * row_bytes;
+      first->push_back(head);
+      second->push_back(tail);
+    }
+    seen += s.rows;
+  }
+}
+
+AttentionPartial::AttentionPartial(const AttentionShape& shape)
+    : shape_(shape),
+      acc_(static_cast<size_t>(shape.batch) * shape.q_len * shape.num_q_heads * shape.head_dim,
+           0.0f),
+      max_(static_cast<size_t>(shape.batch) * shape.q_len * shape.num_q_heads, kNegInf),
+      sum_(max_.size(), 0.0f) {}
+
+void AttentionPartial::Attend(const float* q, const int32_t* q_start, const KeySpan& span) {
+  const AttentionShape& s = shape_;
+  if (span.rows <= 0) return;
+  thread_local Tile tile;
+  const size_t tile_values = static_cast<size_t>(kTile) * s.num_kv_heads * s.head_dim;
+  if (tile.k.size() < tile_values) {
+    tile.k.assign(tile_values, 0.0f);
+    tile.v.assign(tile_values, 0.0f);
+  }
+  const int64_t per_seq = static_cast<int64_t>(s.q_len) * s.num_q_heads;
+  const int b = span.batch;
+  const float* q_seq = q + b * per_seq * s.head_dim;
+  for (int r0 = 0; r0 < span.rows; r0 += kTile) {
+    const int n = std::min(kTile, span.rows - r0);
+    AttendTile(s, q_seq, q_start[b], span, r0, n, tile, acc_.data() + b * per_seq * s.head_dim,
+               max_.data() + b * per_seq, sum_.data() + b * per_seq);
+  }
+}
+
+void AttentionPartial::MergeFrom(const AttentionPartial& other) {
+  const int d_len = shape_.head_dim;
+  for (size_t i = 0; i < max_.size(); ++i) {
+    const float m = std::max(max_[i], other.max_[i]);
+    if (m == kNegInf) continue;  // Neither saw a key.
+    const float a = max_[i] == kNegInf ? 0.0f : std::exp(max_[i] - m);
+    const float b = other.max_[i] == kNegInf ? 0.0f : std::exp(other.max_[i] - m);
+    float* x = acc_.data() + i * d_len;
+    const float* y = other.acc_.data() + i * d_len;
+    for (int d = 0; d < d_len; ++d) x[d] = a * x[d] + b * y[d];
+    sum_[i] = a * sum_[i] + b * other.sum_[i];
+    max_[i] = m;
+  }
+}
+
+void AttentionPartial::Finish(float* out, float* lse) const {
+  const int d_len = shape_.head_dim;
+  for (size_t i = 0; i < max_.size(); ++i) {
+    const bool seen = sum_[i] > 0;
+    const float inv = seen ? 1.0f / sum_[i] : 0.0f;
+    for (int d = 0; d < d_len; ++d) out[i * d_len + d] = seen ? acc_[i * d_len + d] * inv : 0.0f;
+    lse[i] = seen ? max_[i] + std::log(sum_[i]) : kNegInf;
+  }
+}
+
+}  // namespace tpusync
