@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_tpusync import blocks, mesh, ops, quantize
+from jax_tpusync import blocks, in_place, mesh, ops, quantize
 from jax_tpusync.cache import (
     INT32_MAX,
     NO_WINDOW,
@@ -602,6 +602,28 @@ def shard_attention(
 
     levels = _fetch_levels(spec, state)
 
+    def unit_in_place(chunk, carry):
+        # The unit's rows where the host tier holds them (jax_tpusync.in_place): no fetch,
+        # no staging, so nothing to prefetch either.
+        q_, out, lse, staging, tickets, slot = carry
+        lo, count = _unit_range(spec, layer, chunk, lengths)
+        o, l = in_place.attend_unit(
+            spec,
+            state,
+            layer,
+            q_,
+            _fetch_segments(spec, state, layer, lo, count, 0),
+            lo,
+            count,
+            tag=_tag(layer, chunk),
+            deps=(token, k, v, out),
+            owner=owner,
+            scale=scale,
+            soft_cap=soft_cap,
+        )
+        out, lse = kernel_reference.merge_partials(out, lse, o, l)
+        return q_, out, lse, staging, tickets, slot
+
     def unit_step(chunk, carry):
         q_, out, lse, staging, tickets, slot = carry
         # Start the unit `prefetch_depth` ahead into the slot consumed last (free now:
@@ -661,6 +683,8 @@ def shard_attention(
     out0 = jnp.zeros(q.shape, jnp.float32)
     lse0 = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
     carry = (q, out0, lse0, state.staging, state.tickets, state.slot)
+    if spec.reads_in_place and implementation == "xla":
+        unit_step = unit_in_place
     if spec.single_unit:
         carry = unit_step(jnp.int32(0), carry)
     else:

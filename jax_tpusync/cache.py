@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tpusync import blocks, ops, persistence, prefix, quantize, shared_blocks, spill
+from jax_tpusync import blocks, in_place, ops, persistence, prefix, quantize, shared_blocks, spill
 from jax_tpusync.engine import Engine, EngineConfig, page_offset
 
 logger = logging.getLogger(__name__)
@@ -117,6 +117,9 @@ class CacheSpec:
     # Two-level caches (jax_tpusync.spill): blocks per (layer, K|V) on the spill tier,
     # table ids [num_blocks, num_blocks + spill_blocks). 0: one tier.
     spill_blocks: int = 0
+    # A host tier's units are attended to where they lie in the pool, on the CPU backend
+    # (see jax_tpusync.in_place); False: they are copied into staging first.
+    reads_in_place: bool = False
 
     @property
     def itemsize(self) -> int:
@@ -334,6 +337,13 @@ class OffloadedKVCache:
         latest) are copied into the state they return.
         Not the default, so that a small cache exercises the same streaming path as a large
         one unless asked.
+      read_in_place: ``"auto"`` (default), ``True`` or ``False``. On the CPU backend a
+        host tier's pool is the step's own memory: with ``True`` (what ``"auto"`` picks
+        wherever it applies) each unit is attended to where the pool holds it, with no copy
+        into staging (see :mod:`jax_tpusync.in_place`: a host tier of bfloat16 or float32
+        rows, not quantized, not two-level, not resident, the ``"xla"`` attention). ``True``
+        where it cannot apply is refused, naming why; ``False`` copies every unit into
+        staging first, as on an accelerator.
       prefetch_depth: units fetched ahead (1: layer L+1 while layer L computes), an int
         in ``[1, MAX_PREFETCH_DEPTH]`` (64), or ``"auto"``: 1 on a host tier, 3 on a file
         tier or a two-level cache (:func:`auto_prefetch_depth`). When every layer's KV
@@ -416,6 +426,7 @@ class OffloadedKVCache:
         num_blocks: int | None = None,
         staging_bytes: int = 256 << 20,
         resident: bool | str = False,
+        read_in_place: bool | str = "auto",
         prefetch_depth: int | str = 1,
         sliding_window: int | Sequence[int | None] | None = None,
         prefetch_across_steps: bool = True,
@@ -565,6 +576,14 @@ class OffloadedKVCache:
                     f"row = {whole_cache_bytes} bytes, more than staging_bytes={staging_bytes}"
                 )
             resident = bool(fits and resident in (True, "auto"))
+            reads_in_place = in_place.decide(
+                read_in_place,
+                tier=tier,
+                dtype=dtype,
+                quantized=tier_dtype is not None,
+                two_level=bool(spill_blocks),
+                resident=resident,
+            )
             unit_row_bytes = num_slots * 2 * batch * row_bytes
             chunk_len = longest if resident else staging_bytes // unit_row_bytes
             if chunk_len < 1:
@@ -656,6 +675,7 @@ class OffloadedKVCache:
             tier_dtype=tier_dtype,
             resident=resident,
             spill_blocks=spill_blocks,
+            reads_in_place=reads_in_place,
         )
         self.tier = tier_index
         self.first_block = first_block

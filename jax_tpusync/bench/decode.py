@@ -24,7 +24,11 @@ that adds compute without adding KV). It runs as
   Built from :mod:`jax_tpusync.ops` with the same attention math; nothing is in flight while
   the step computes.
 * ``prefetch``: :func:`jax_tpusync.prefetching_attention`: layer-ahead and cross-step
-  prefetch.
+  prefetch. On the CPU backend a host tier's units are attended to where the pool holds
+  them (``read_in_place="auto"``, see :mod:`jax_tpusync.in_place`): nothing is copied.
+* ``copy`` (host tier): ``prefetch`` on a cache made with ``read_in_place=False``: every
+  unit is copied into staging inside its wait, then attended to, as on an accelerator
+  (skipped with a note on the file tier, where the two are the same).
 * ``resident_mode``: ``prefetch`` on a cache made with ``resident=True`` (every layer's
   KV in the state's staging, which must fit ``--staging-bytes``; skipped with a note
   otherwise): write-back only, no fetch. What a small experiment gets from the library.
@@ -70,7 +74,9 @@ add up (no overlap). It only means something when the two are of comparable size
 ``--baselines plain,tuned`` adds the ``plain_jax`` and ``tuned_jax`` rows: the decode step
 written in plain JAX over a NumPy memmap of the KV, without this library (see
 :mod:`jax_tpusync.bench.baselines`), timed in the same rotation.
-``prefetch_over_best_jax = t_prefetch / min(t_plain_jax, t_tuned_jax)``; ``memcpy_ms`` is one
+``prefetch_over_best_jax = t_prefetch / min(t_plain_jax, t_tuned_jax)`` and
+``library_over_best_jax``, the same for the faster of ``prefetch`` and ``resident_mode``
+(what the library offers at that context); ``memcpy_ms`` is one
 ``np.copyto`` of a step's KV bytes and ``host_over_floor = t_prefetch / max(t_resident,
 memcpy_ms)`` (a host-tier figure; computed whenever ``resident`` ran).
 
@@ -115,6 +121,7 @@ VARIANTS = (
     "transfer",
     "sync",
     "prefetch",
+    "copy",
     "resident_mode",
     "contiguous",
     "two_level",
@@ -135,6 +142,8 @@ COLUMNS = [
     ("t_transfer_ms", "transfer ms", ".1f"),
     ("t_sync_ms", "sync ms", ".1f"),
     ("t_prefetch_ms", "prefetch ms", ".1f"),
+    ("t_copy_ms", "copy ms", ".1f"),
+    ("copy_over_prefetch", "copy/pf", ".3f"),
     ("t_resident_mode_ms", "resident mode ms", ".1f"),
     ("t_contiguous_ms", "contiguous ms", ".1f"),
     ("paged_over_contiguous", "paged/contig", ".3f"),
@@ -154,6 +163,7 @@ COLUMNS = [
     ("t_plain_jax_ms", "plain jax ms", ".1f"),
     ("t_tuned_jax_ms", "tuned jax ms", ".1f"),
     ("prefetch_over_best_jax", "pf/best jax", ".3f"),
+    ("library_over_best_jax", "lib/best jax", ".3f"),
     ("memcpy_ms", "memcpy ms", ".1f"),
     ("host_over_floor", "pf/floor", ".3f"),
     ("tokens_per_s", "tok/s", ".2f"),
@@ -605,6 +615,13 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
                 )
             except ValueError as e:
                 resident_mode_note = f"skipped: {e}"
+        # The same KV, each unit copied into staging first (host tier only).
+        copy_cache, copy_note = None, None
+        if "copy" in variants_wanted:
+            if args.tier != "host":
+                copy_note = "skipped: only a host tier is read in place"
+            else:
+                copy_cache = new_cache(record=False, read_in_place=False)
         # The same KV on a two-level cache (host tier only): every block in DRAM, a file
         # tier behind it, so each unit is fetched from both tiers with nothing on the file.
         two_level, two_level_note = None, None
@@ -636,13 +653,18 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
         quant_state = quant.init([args.context] * shape.batch) if quant else None
         rm_state = resident_cache.init([args.context] * shape.batch) if resident_cache else None
         two_level_state = two_level.init([args.context] * shape.batch) if two_level else None
+        copy_state = copy_cache.init([args.context] * shape.batch) if copy_cache else None
         # Fill: the same random KV into every tier and the resident arrays.
         t0 = time.perf_counter()
         resident_kv = _fill(
             shape,
             max_len,
             [pf_cache]
-            + [c for c in (aux, contig, quant, resident_cache, two_level) if c is not None],
+            + [
+                c
+                for c in (aux, contig, quant, resident_cache, two_level, copy_cache)
+                if c is not None
+            ],
             args.seed,
             keep=bool(
                 {"resident", "compute", "platform", "jax_offload"} & set(variants_wanted)
@@ -658,6 +680,8 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
             rm_state = resident_cache.drain(rm_state)  # Its copy, refreshed from the tier.
         if two_level is not None:
             two_level_state = two_level.drain(two_level_state)
+        if copy_cache is not None:
+            copy_state = copy_cache.drain(copy_state)
         print(
             f"filled {args.context} tokens x {shape.layers} layers in "
             f"{time.perf_counter() - t0:.1f} s",
@@ -723,6 +747,7 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
 
         for name, other, other_state in (
             ("contiguous", contig, contig_state),
+            ("copy", copy_cache, copy_state),
             ("resident_mode", resident_cache, rm_state),
             ("two_level", two_level, two_level_state),
             ("quantized", quant, quant_state),
@@ -1127,6 +1152,8 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
         t_two = res["t_two_level_ms"]
         res["two_level_over_prefetch"] = t_two / t_pf if t_two else None
         res["two_level_note"] = two_level_note
+        res["copy_note"] = copy_note
+        res["copy_over_prefetch"] = res["t_copy_ms"] / t_pf if res["t_copy_ms"] else None
         res["block_tokens"] = spec.block_tokens
         fetch = pf_engine.stats()["tiers"][pf_cache.tier]["fetch"]
         res["fetch_segments"] = fetch["segments"]
@@ -1157,7 +1184,7 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
             )
             for n in ("sync", "jax_offload"):
                 res[f"{n}_max_abs_err"] = err(first_out[n], ref) if n in first_out else None
-            for n in ("resident_mode", "two_level"):  # Append a token per step too.
+            for n in ("copy", "resident_mode", "two_level"):  # Append a token per step too.
                 res[f"max_abs_err_{n}"] = None
                 if n in variants:
                     assert variants[n].steps == variants["resident"].steps
@@ -1174,7 +1201,7 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
                     )
         else:
             res["max_abs_err"] = res["max_abs_err_resident_mode"] = None
-            res["max_abs_err_two_level"] = None
+            res["max_abs_err_two_level"] = res["max_abs_err_copy"] = None
             res.update({f"max_abs_err_{n}": None for n in baselines.VARIANTS})
         res["output_abs_max"] = float(np.max(np.abs(first_out["prefetch"])))
         res["resident_mode_note"] = resident_mode_note
@@ -1190,6 +1217,8 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
         steps_timed = rounds * args.block  # Since reset_stats: every step of the timed rounds.
         res["prefetch_hits"] = pf_stats["prefetch_hits"]
         res["prefetch_misses"] = pf_stats["prefetch_misses"]
+        res["in_place_reads"] = pf_stats["in_place_reads"]
+        res["reads_in_place"] = spec.reads_in_place
         res["prefetch_wait_ms_per_step"] = pf_stats["wait_s"] * 1e3 / steps_timed
         pf_fetch = pf_stats["tiers"][0]["fetch"]
         res["prefetch_fetch_gbps_busy"] = pf_fetch["gbps"]
@@ -1365,6 +1394,9 @@ def _print_summary(res: dict[str, Any]) -> None:
         "prefetch": f"prefetching_attention ({f(res['tokens_per_s'], '.2f')} tok/s, "
         f"{f(res['prefetch_fetch_gbps'], '.2f')} GB/s of KV; {res['block_tokens']}-token "
         f"blocks, {res['fetch_bytes_per_segment'] / 1024:.0f} KiB per segment)",
+        "copy": res.get("copy_note")
+        or f"the same with read_in_place=False: each unit copied into staging "
+        f"(copy/prefetch {f(res.get('copy_over_prefetch'), '.3f')})",
         "resident_mode": res.get("resident_mode_note")
         or "prefetching_attention on a resident=True cache: write-back only, no fetch",
         "contiguous": f"the same, one KV block per sequence (paged/contiguous "
@@ -1397,6 +1429,7 @@ def _print_summary(res: dict[str, Any]) -> None:
     )
     print(
         f"plain JAX: t_prefetch/min(plain_jax, tuned_jax) {f(res['prefetch_over_best_jax'], '.3f')}"
+        f" (with resident mode: {f(res['library_over_best_jax'], '.3f')})"
         f" (memmap pages: {res['baseline_page_cache'] or '-'}), errors "
         f"{f(res['max_abs_err_plain_jax'], '.3g')} / {f(res['max_abs_err_tuned_jax'], '.3g')}; "
         f"memcpy of the step's KV {f(res['memcpy_ms'])} ms, t_prefetch/max(t_resident, memcpy) "
@@ -1408,7 +1441,8 @@ def _print_summary(res: dict[str, Any]) -> None:
         f"{f(res['prefetch_over_platform'], '.3f')}"
     )
     print(
-        f"prefetch hits {res['prefetch_hits']} misses {res['prefetch_misses']}, stalled "
+        f"prefetch hits {res['prefetch_hits']} misses {res['prefetch_misses']}, units read in "
+        f"place {res['in_place_reads']}, stalled "
         f"{res['prefetch_wait_ms_per_step']:.1f} ms/step in waits; device_bytes "
         f"{common.format_bytes(res['device_bytes'])} (by context: "
         f"{res['device_bytes_by_context']}), kv_bytes {common.format_bytes(res['kv_bytes'])}"

@@ -24,7 +24,8 @@ BASE = dict(num_layers=1, batch=1, max_len=8, num_kv_heads=1, head_dim=8)
 
 
 def _cache(**kwargs) -> tps.OffloadedKVCache:
-    return tps.OffloadedKVCache(**{**BASE, "dtype": jnp.float32, **kwargs})
+    # The streamed path (staging units, prefetches) unless a test asks for in-place reads.
+    return tps.OffloadedKVCache(**{**BASE, "dtype": jnp.float32, "read_in_place": False, **kwargs})
 
 
 def _kv(n, dtype=np.float32, batch=1, heads=1, dim=8, seed=0):
@@ -596,3 +597,52 @@ def test_traced_layer_out_of_range_is_refused_by_name(bad_layer):
         k, _ = cache.read_all(0, [4])
         np.testing.assert_array_equal(k[0, :3], 0)
         np.testing.assert_array_equal(k[0, 3], 1)
+
+
+# -- read_in_place -------------------------------------------------------------------------------
+
+
+def test_read_in_place_auto_applies_where_it_can(tmp_path):
+    """``"auto"`` (the default) reads a host tier of bf16 or f32 rows in place and anything
+    else through staging."""
+    base = {**BASE, "read_in_place": "auto"}
+    for dtype, want in ((jnp.bfloat16, True), (jnp.float32, True), (np.float16, False)):
+        with tps.OffloadedKVCache(**base, dtype=dtype) as cache:
+            assert cache.spec.reads_in_place is want, dtype
+    with tps.OffloadedKVCache(**BASE) as cache:  # The default.
+        assert cache.spec.reads_in_place
+    others = [
+        dict(tier="file", path=tmp_path),
+        dict(tier_dtype="int8"),
+        dict(resident=True),
+        dict(spill_path=tmp_path, spill_blocks=1),
+    ]
+    for extra in others:
+        with tps.OffloadedKVCache(**{**base, **extra}) as cache:
+            assert not cache.spec.reads_in_place, extra
+
+
+@pytest.mark.parametrize(
+    "extra, why",
+    [
+        (dict(tier="file"), r"tier='file' is not in memory \(only a host tier is\)"),
+        (dict(dtype=np.float16), r"dtype=float16 \(rows are read in place as bfloat16 or float32\)"),
+        (dict(tier_dtype="int8"), r"a quantized tier's rows are codes and scales"),
+        (dict(resident=True), r"a resident cache reads no unit at all"),
+        (dict(spill_blocks=1), r"a two-level cache's units also come from its spill file"),
+    ],
+)
+def test_read_in_place_true_where_it_cannot_apply_is_refused(tmp_path, extra, why):
+    extra = dict(extra)
+    if extra.get("tier") == "file":
+        extra["path"] = tmp_path
+    if "spill_blocks" in extra:
+        extra["spill_path"] = tmp_path
+    with pytest.raises(ValueError, match=r"read_in_place=True cannot apply: " + why):
+        _cache(**{"dtype": jnp.float32, **extra, "read_in_place": True})
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None, "AUTO"])
+def test_read_in_place_takes_true_false_or_auto(bad):
+    with pytest.raises(ValueError, match=r"read_in_place=.* must be True, False or 'auto'"):
+        _cache(read_in_place=bad)

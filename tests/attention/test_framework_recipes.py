@@ -63,8 +63,10 @@ def test_linen_init_writes_nothing_and_decode_matches_resident():
         ys, state, params = recipes.linen_decode(cache, _x(), STEPS)
         assert np.asarray(state.lengths).tolist() == [STEPS, STEPS]
     want = _resident(params, _x(), STEPS)
+    # Logits reach 14: float32 summed in another order (the host tier is attended to in
+    # place) differs by about 1e-6 of them.
     for got, ref in zip(ys, want):
-        np.testing.assert_allclose(got, ref, atol=1e-5)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("recipe", ["linen_collection_decode", "nnx_decode", "equinox_decode"])
@@ -74,6 +76,7 @@ def test_every_recipe_matches_linen(recipe):
     with recipes.new_cache() as cache:
         ys, state = getattr(recipes, recipe)(cache, _x(), STEPS, params)
         assert np.asarray(state.lengths).tolist() == [STEPS, STEPS]
-        assert cache.engine.stats()["prefetch_hits"] > 0
+        stats = cache.engine.stats()  # Every unit through the engine: read in place here.
+        assert stats["in_place_reads"] + stats["prefetch_hits"] > 0
     for got, ref in zip(ys, linen):
         np.testing.assert_allclose(got, ref, atol=1e-6)

@@ -31,7 +31,11 @@ STEPS = 6
 
 
 def _cache(tier, tmp_path, window, **kwargs):
+    """``tier="host-in-place"``: a host tier read in place; ``"host"`` streams through
+    staging (the buffers XLA may copy)."""
     extra = dict(path=tmp_path) if tier == "file" else {}
+    extra["read_in_place"] = tier == "host-in-place"
+    tier = "host" if tier == "host-in-place" else tier
     return tps.OffloadedKVCache(
         num_layers=LAYERS,
         batch=BATCH,
@@ -109,7 +113,7 @@ def _unchained_step(*, scan: bool, read_staging: bool):
     return jax.jit(step, donate_argnums=(3,))
 
 
-@pytest.mark.parametrize("tier", ("host", "file"))
+@pytest.mark.parametrize("tier", ("host", "host-in-place", "file"))
 @pytest.mark.parametrize(
     "window,scan,read_staging",
     [(5, False, False), (2, False, True), (5, True, False), (None, True, True)],
@@ -132,7 +136,10 @@ def test_graphs_that_invite_copies_are_never_stale(tier, window, scan, read_stag
                     err_msg=f"run {run} step {i}",
                 )  # fmt: skip
             stats = cache.engine.stats()
-            assert stats["prefetch_hits"] > 0  # The prefetches were used, not bypassed.
+            if tier == "host-in-place":  # Every unit read where the tier holds it.
+                assert stats["in_place_reads"] > 0 and stats["prefetch_hits"] == 0
+            else:
+                assert stats["prefetch_hits"] > 0  # The prefetches were used, not bypassed.
             cache.drain(state)
 
 

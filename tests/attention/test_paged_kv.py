@@ -19,6 +19,10 @@ KV_HEADS, Q_HEADS, HEAD_DIM = 2, 4, 8
 
 
 def _cache(tier="host", tmp_path=None, **kw):
+    """A small paged cache; ``tier="host-in-place"`` reads its host tier in place, every
+    other host cache streams through staging (the path whose prefetches are counted)."""
+    in_place = tier == "host-in-place"
+    tier = "host" if in_place else tier
     args = dict(
         num_layers=2,
         batch=2,
@@ -29,6 +33,7 @@ def _cache(tier="host", tmp_path=None, **kw):
         tier=tier,
         block_tokens=4,
         staging_bytes=1 << 20,
+        read_in_place=in_place,
     )
     if tier == "file":
         args["path"] = tmp_path
@@ -106,7 +111,7 @@ def test_the_default_block_fits_a_short_max_len():
         assert cache.spec.block_tokens == 256
 
 
-@pytest.mark.parametrize("tier", ("host", "file"))
+@pytest.mark.parametrize("tier", ("host", "host-in-place", "file"))
 def test_decode_through_fragmented_tables_matches_resident(tier, tmp_path):
     """Slots whose blocks interleave (0: blocks 1, 3, 5, ...; 1: 0, 2, 4, ...) decode
     across block boundaries, with units of 3 tokens (several per block, straddling them)."""
@@ -132,7 +137,7 @@ def test_decode_through_fragmented_tables_matches_resident(tier, tmp_path):
                 np.testing.assert_allclose(np.asarray(outs[layer]), want[layer], atol=1e-5)
             assert _lengths(state) == [b + 1 for b in before]
             state = cache.drain(state)  # read_all reads the tier: no write may be in flight.
-        assert cache.engine.stats()["prefetch_hits"] > 0
+        assert cache.engine.stats()["in_place_reads" if tier == "host-in-place" else "prefetch_hits"] > 0
 
 
 def test_consecutive_blocks_are_one_segment():

@@ -123,6 +123,9 @@ def test_decode_json_has_every_key(bench_run):
     # Every block of the two-level cache is in DRAM: the same outputs as resident.
     assert res["max_abs_err_two_level"] <= 1e-2 * max(1.0, res["output_abs_max"])
     assert res["two_level_over_prefetch"] > 0
+    # The host tier read in place (prefetch) and copied into staging (copy): same outputs.
+    assert res["max_abs_err_copy"] <= 1e-2 * max(1.0, res["output_abs_max"])
+    assert res["copy_over_prefetch"] > 0
     assert res["samples_per_variant"] >= 5
     assert res["units_per_layer"] > 1  # The tiny size still exercises the chunk loop.
     assert (

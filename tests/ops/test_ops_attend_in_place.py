@@ -235,7 +235,7 @@ def test_a_segment_must_lie_inside_the_units_rows(small_pool):
     assert max(m + n for _, m, n in segs) == end
     past = [list(s) for s in segs]
     past[-1][1] += p.row_bytes  # Sequence 1's last V block, one row later.
-    _refusal(p, past, [8, 8], r"tpusync: .*(memory|buffer|destination)")
+    _refusal(p, past, [8, 8], r"tpusync: segment \d+ covers bytes \[928, 1056\) of a 1024-byte buffer")
     assert p.engine.stats()["in_place_reads"] == 0
 
 
