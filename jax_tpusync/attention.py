@@ -17,7 +17,10 @@ it itself otherwise, so a skipped layer or a changed state costs time, never cor
 
 A resident cache (``spec.resident``: the state's staging holds every layer's KV) keeps
 step 1 as it is, writes the new rows into its device copy too, and replaces step 2 by
-attention over that copy: no fetch at all (see :func:`_resident_layer`).
+attention over that copy: no fetch at all (see :func:`_resident_layer`). A host tier read
+in place (``spec.reads_in_place``, the CPU backend's default) replaces each unit's fetch,
+wait and attention of step 2 by one call that attends to the unit's rows where the pool
+holds them (see :mod:`jax_tpusync.in_place`).
 """
 
 from __future__ import annotations
@@ -480,7 +483,9 @@ def prefetching_attention(
     attends over positions ``[0, length + q_len)`` (or the layer's sliding window), and
     starts fetching the KV the next call will need while this one computes. On a resident
     cache (``OffloadedKVCache(resident=True)``) it fetches nothing: it attends over the
-    state's device copy of the KV, which it updates alongside the write-back.
+    state's device copy of the KV, which it updates alongside the write-back. On a host
+    tier read in place (``read_in_place``, the CPU backend's default) it fetches nothing
+    either: each unit is attended to where the host pool holds it.
 
     Call it once per layer, layers in order 0..num_layers-1, every step; from a Python loop
     inside ``jit`` (``layer`` an int) or from ``lax.scan`` over stacked weights (``layer``

@@ -34,6 +34,11 @@ TPUSYNC_INLINE float Bf16ToF32(uint16_t bits) {
 
 // Eight f32 lanes (GCC/Clang vector extension): one AVX register in the AVX2 build, two
 // SSE registers in the baseline one. Loads and stores go through memcpy (no alignment).
+// They cross only always-inlined calls, so GCC's note that passing them changes the ABI
+// without AVX does not apply.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 typedef float Lanes __attribute__((vector_size(32)));
 typedef int32_t IntLanes __attribute__((vector_size(32)));
 
@@ -43,12 +48,15 @@ TPUSYNC_INLINE Lanes LoadLanes(const float* p) {
   return x;
 }
 
-TPUSYNC_INLINE void StoreLanes(float* p, Lanes x) { std::memcpy(p, &x, sizeof x); }
+TPUSYNC_INLINE void StoreLanes(float* p, const Lanes& x) { std::memcpy(p, &x, sizeof x); }
 
 // exp(x) of eight x <= 0, to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its
 // minimax polynomial (the classic single-precision coefficients), 2^n by the exponent
 // bits. (std::exp does not vectorize.) Below -87 (a weight under 1e-38) it returns exp(-87).
-TPUSYNC_INLINE Lanes ExpNonPositive(Lanes x) {
+// Vectors go through memory or references, never by value: a vector parameter draws
+// GCC's note on the 32-byte ABI change in the baseline build.
+TPUSYNC_INLINE void ExpNonPositive(float* values) {
+  Lanes x = LoadLanes(values);
   const Lanes floor_x = Lanes{} - 87.0f;
   x = x < floor_x ? floor_x : x;
   const Lanes t = x * 1.44269504088896341f + 0.5f;
@@ -66,7 +74,7 @@ TPUSYNC_INLINE Lanes ExpNonPositive(Lanes x) {
   const IntLanes bits = (n + 127) << 23;
   Lanes scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale;
+  StoreLanes(values, y * scale);
 }
 
 // `rows` rows of `values` values each, row i at src + i * row_bytes, as f32[rows][values].
@@ -88,84 +96,141 @@ TPUSYNC_INLINE void LoadRows(const uint8_t* src, uint64_t row_bytes, int rows, i
   }
 }
 
-// The dot products of q (f32[n]) with four rows of k (f32[n] each, `stride` apart): four
-// independent chains of fused multiply-adds, so none waits on the one before.
-TPUSYNC_INLINE void Dot4(const float* q, const float* k, int64_t stride, int n, float* out) {
-  Lanes a0 = {}, a1 = {}, a2 = {}, a3 = {};
-  int d = 0;
-  for (; d + 8 <= n; d += 8) {
-    const Lanes x = LoadLanes(q + d);
-    a0 += x * LoadLanes(k + d);
-    a1 += x * LoadLanes(k + stride + d);
-    a2 += x * LoadLanes(k + 2 * stride + d);
-    a3 += x * LoadLanes(k + 3 * stride + d);
-  }
-  float s[4] = {0, 0, 0, 0};
-  for (; d < n; ++d) {
-    for (int i = 0; i < 4; ++i) s[i] += q[d] * k[i * stride + d];
-  }
-  for (int j = 0; j < 8; ++j) {
-    s[0] += a0[j];
-    s[1] += a1[j];
-    s[2] += a2[j];
-    s[3] += a3[j];
-  }
-  for (int i = 0; i < 4; ++i) out[i] = s[i];
+// Horizontal sum of eight lanes.
+TPUSYNC_INLINE float Sum(const Lanes& x) {
+  float s = 0;
+  for (int j = 0; j < 8; ++j) s += x[j];
+  return s;
 }
 
-TPUSYNC_INLINE float Dot(const float* q, const float* k, int n) {
-  Lanes acc = {};
-  int d = 0;
-  for (; d + 8 <= n; d += 8) acc += LoadLanes(q + d) * LoadLanes(k + d);
-  float sum = 0;
-  for (; d < n; ++d) sum += q[d] * k[d];
-  for (int j = 0; j < 8; ++j) sum += acc[j];
-  return sum;
+// scores[h][r] = q_h . k_r for NH query heads (q_h at q + h * n) and rows r in [lo, hi)
+// (row r at k + r * stride), n values each. Four rows at a time: 4 * NH independent chains
+// of fused multiply-adds, and each K row loaded once for all NH heads.
+template <int NH>
+TPUSYNC_INLINE void Scores(const float* q, const float* k, int64_t stride, int lo, int hi, int n,
+                           float (*scores)[kTile]) {
+  int r = lo;
+  for (; r + 4 <= hi; r += 4) {
+    Lanes acc[NH][4] = {};
+    int d = 0;
+    for (; d + 8 <= n; d += 8) {
+      Lanes rows[4];
+      for (int i = 0; i < 4; ++i) rows[i] = LoadLanes(k + (r + i) * stride + d);
+      for (int h = 0; h < NH; ++h) {
+        const Lanes x = LoadLanes(q + h * n + d);
+        for (int i = 0; i < 4; ++i) acc[h][i] += x * rows[i];
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      for (int i = 0; i < 4; ++i) {
+        float tail = 0;
+        for (int e = d; e < n; ++e) tail += q[h * n + e] * k[(r + i) * stride + e];
+        scores[h][r + i] = Sum(acc[h][i]) + tail;
+      }
+    }
+  }
+  for (; r < hi; ++r) {
+    for (int h = 0; h < NH; ++h) {
+      Lanes acc = {};
+      int d = 0;
+      for (; d + 8 <= n; d += 8) acc += LoadLanes(q + h * n + d) * LoadLanes(k + r * stride + d);
+      float tail = 0;
+      for (; d < n; ++d) tail += q[h * n + d] * k[r * stride + d];
+      scores[h][r] = Sum(acc) + tail;
+    }
+  }
 }
 
-// a (f32[n]) += sum over rows r in [lo, hi) of p[r] * v[r] (row r at v + r * stride), 32
-// values of `a` at a time in four registers (four independent chains).
-TPUSYNC_INLINE void AddWeightedRows(float* a, const float* p, const float* v, int64_t stride,
-                                    int lo, int hi, int n) {
+// a_h (f32[n] at a + h * n) += sum over rows r in [lo, hi) of p[h][r] * v_r (row r at
+// v + r * stride), for NH heads: 32 values of each a_h at a time in registers (4 * NH
+// independent chains), each V row loaded once for all NH heads.
+template <int NH>
+TPUSYNC_INLINE void AddWeightedRows(float* a, const float (*p)[kTile], const float* v,
+                                    int64_t stride, int lo, int hi, int n) {
   int d = 0;
   for (; d + 32 <= n; d += 32) {
-    Lanes a0 = LoadLanes(a + d), a1 = LoadLanes(a + d + 8), a2 = LoadLanes(a + d + 16),
-          a3 = LoadLanes(a + d + 24);
-    for (int r = lo; r < hi; ++r) {
-      const float* row = v + r * stride + d;
-      a0 += p[r] * LoadLanes(row);
-      a1 += p[r] * LoadLanes(row + 8);
-      a2 += p[r] * LoadLanes(row + 16);
-      a3 += p[r] * LoadLanes(row + 24);
+    Lanes acc[NH][4];
+    for (int h = 0; h < NH; ++h) {
+      for (int i = 0; i < 4; ++i) acc[h][i] = LoadLanes(a + h * n + d + 8 * i);
     }
-    StoreLanes(a + d, a0);
-    StoreLanes(a + d + 8, a1);
-    StoreLanes(a + d + 16, a2);
-    StoreLanes(a + d + 24, a3);
+    for (int r = lo; r < hi; ++r) {
+      Lanes row[4];
+      for (int i = 0; i < 4; ++i) row[i] = LoadLanes(v + r * stride + d + 8 * i);
+      for (int h = 0; h < NH; ++h) {
+        for (int i = 0; i < 4; ++i) acc[h][i] += p[h][r] * row[i];
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      for (int i = 0; i < 4; ++i) StoreLanes(a + h * n + d + 8 * i, acc[h][i]);
+    }
   }
   for (; d + 8 <= n; d += 8) {
-    Lanes a0 = LoadLanes(a + d);
-    for (int r = lo; r < hi; ++r) a0 += p[r] * LoadLanes(v + r * stride + d);
-    StoreLanes(a + d, a0);
+    for (int h = 0; h < NH; ++h) {
+      Lanes acc = LoadLanes(a + h * n + d);
+      for (int r = lo; r < hi; ++r) acc += p[h][r] * LoadLanes(v + r * stride + d);
+      StoreLanes(a + h * n + d, acc);
+    }
   }
   for (; d < n; ++d) {
-    for (int r = lo; r < hi; ++r) a[d] += p[r] * v[r * stride + d];
+    for (int h = 0; h < NH; ++h) {
+      for (int r = lo; r < hi; ++r) a[h * n + d] += p[h][r] * v[r * stride + d];
+    }
   }
 }
 
 struct Tile {
   std::vector<float> k, v;  // [kTile, num_kv_heads * head_dim] each: the tile's rows in f32.
-  alignas(32) float scores[kTile] = {};  // Every lane is exponentiated: keep them finite.
+  // Two query heads' scores, then weights. Every lane is exponentiated: keep them finite.
+  alignas(32) float scores[2][kTile] = {};
 };
 
-// One tile (rows [r0, r0 + n) of the span) for every kv head and query of the span's
-// sequence. acc/max/sum are the sequence's slices: [q_len, num_q_heads, (head_dim)].
-TPUSYNC_INLINE void AttendTileBody(const AttentionShape& s, const float* q, int32_t q_start, const KeySpan& span,
-                int r0, int n, Tile& tile, float* acc, float* max, float* sum) {
+// Attends NH consecutive query heads of one kv head's group (the first, `head`, of query
+// t) to rows [lo, hi) of the tile held in `tile`: online softmax over acc/max/sum.
+template <int NH>
+TPUSYNC_INLINE void AttendHeads(const AttentionShape& s, const float* q, int t, int head, int h,
+                                int lo, int hi, Tile& tile, float* acc, float* max, float* sum) {
   const int d_len = s.head_dim;
+  const int row_values = s.num_kv_heads * d_len;
+  const int at = t * s.num_q_heads + head;  // The first head's (query, head) index.
+  Scores<NH>(q + static_cast<int64_t>(at) * d_len, tile.k.data() + h * d_len, row_values, lo,
+             hi, d_len, tile.scores);
+  for (int i = 0; i < NH; ++i) {
+    float* scores = tile.scores[i];
+    float tile_max = kNegInf;
+    for (int r = lo; r < hi; ++r) {
+      float x = s.scale * scores[r];
+      if (s.soft_cap > 0) x = s.soft_cap * std::tanh(x / s.soft_cap);
+      scores[r] = x;
+      tile_max = std::max(tile_max, x);
+    }
+    const float old_max = max[at + i];
+    const float new_max = std::max(old_max, tile_max);
+    if (old_max != new_max) {
+      const float alpha = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
+      float* a = acc + static_cast<int64_t>(at + i) * d_len;
+      for (int d = 0; d < d_len; ++d) a[d] *= alpha;
+      sum[at + i] *= alpha;
+    }
+    // The whole tile's lanes (those outside [lo, hi) are computed and never read).
+    for (int r = 0; r < kTile; ++r) scores[r] -= new_max;
+    for (int r = 0; r < kTile; r += 8) ExpNonPositive(scores + r);
+    float weights = 0;
+    for (int r = lo; r < hi; ++r) weights += scores[r];
+    sum[at + i] += weights;
+    max[at + i] = new_max;
+  }
+  AddWeightedRows<NH>(acc + static_cast<int64_t>(at) * d_len, tile.scores,
+                      tile.v.data() + h * d_len, row_values, lo, hi, d_len);
+}
+
+// One tile (rows [r0, r0 + n) of the span) for every kv head and query of the span's
+// sequence. q, acc, max, sum are the sequence's slices: [q_len, num_q_heads, (head_dim)].
+TPUSYNC_INLINE void AttendTileBody(const AttentionShape& s, const float* q, int32_t q_start,
+                                   const KeySpan& span, int r0, int n, Tile& tile, float* acc,
+                                   float* max, float* sum) {
   const int group = s.num_q_heads / s.num_kv_heads;
   const uint64_t row_bytes = s.row_bytes();
-  const int row_values = s.num_kv_heads * d_len;
+  const int row_values = s.num_kv_heads * s.head_dim;
   const int32_t first = span.position + r0;  // Absolute position of the tile's row 0.
   bool loaded = false;
   for (int h = 0; h < s.num_kv_heads; ++h) {
@@ -181,41 +246,20 @@ TPUSYNC_INLINE void AttendTileBody(const AttentionShape& s, const float* q, int3
         LoadRows(span.k + r0 * row_bytes, row_bytes, n, row_values, s.kv_dtype, tile.k.data());
         LoadRows(span.v + r0 * row_bytes, row_bytes, n, row_values, s.kv_dtype, tile.v.data());
         loaded = true;
+        // The next tile's rows, requested now so they arrive while this one computes: the
+        // K and V regions are two streams, which the hardware prefetcher alone left
+        // waiting on DRAM.
+        const int ahead = std::min(kTile, span.rows - r0 - n);
+        for (uint64_t b = 0; b < ahead * row_bytes; b += 64) {
+          __builtin_prefetch(span.k + (r0 + n) * row_bytes + b);
+          __builtin_prefetch(span.v + (r0 + n) * row_bytes + b);
+        }
       }
-      for (int g = 0; g < group; ++g) {
-        const int head = h * group + g;
-        const float* qv = q + (static_cast<int64_t>(t) * s.num_q_heads + head) * d_len;
-        float* scores = tile.scores;
-        const float* k_head = tile.k.data() + h * d_len;
-        int r = lo;
-        for (; r + 4 <= hi; r += 4) Dot4(qv, k_head + r * row_values, row_values, d_len, scores + r);
-        for (; r < hi; ++r) scores[r] = Dot(qv, k_head + r * row_values, d_len);
-        float tile_max = kNegInf;
-        for (r = lo; r < hi; ++r) {
-          float x = s.scale * scores[r];
-          if (s.soft_cap > 0) x = s.soft_cap * std::tanh(x / s.soft_cap);
-          scores[r] = x;
-          tile_max = std::max(tile_max, x);
-        }
-        const int at = t * s.num_q_heads + head;
-        const float old_max = max[at];
-        const float new_max = std::max(old_max, tile_max);
-        float* a = acc + static_cast<int64_t>(at) * d_len;
-        if (old_max != new_max) {
-          const float alpha = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
-          for (int d = 0; d < d_len; ++d) a[d] *= alpha;
-          sum[at] *= alpha;
-        }
-        // The whole tile's lanes (those outside [lo, hi) are computed and never read).
-        for (int i = 0; i < kTile; i += 8) {
-          StoreLanes(scores + i, ExpNonPositive(LoadLanes(scores + i) - new_max));
-        }
-        float weights = 0;
-        for (r = lo; r < hi; ++r) weights += scores[r];
-        AddWeightedRows(a, scores, tile.v.data() + h * d_len, row_values, lo, hi, d_len);
-        sum[at] += weights;
-        max[at] = new_max;
+      int g = 0;  // The group's query heads two at a time: K and V rows loaded once per pair.
+      for (; g + 2 <= group; g += 2) {
+        AttendHeads<2>(s, q, t, h * group + g, h, lo, hi, tile, acc, max, sum);
       }
+      if (g < group) AttendHeads<1>(s, q, t, h * group + g, h, lo, hi, tile, acc, max, sum);
     }
   }
 }

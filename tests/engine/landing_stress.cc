@@ -1,8 +1,9 @@
 // Stress of the engine core's fetch lifecycle, built with a sanitizer by
 // test_engine_sanitized.py: prefetches into landing memory that are consumed, discarded,
 // orphaned by a new epoch or left in flight at shutdown, interleaved with write-backs of
-// the same bytes, from several threads. Every consumed fetch must hold the bytes last
-// written; ASan/TSan report any use of freed memory or data race.
+// the same bytes, from several threads, and (host tier) reads of those bytes where they lie
+// (Engine::ReadInPlace). Every consumed fetch and every read in place must see the bytes
+// last written; ASan/TSan report any use of freed memory or data race.
 #include <atomic>
 #include <cstdio>
 #include <cstring>
@@ -127,6 +128,32 @@ int main(int argc, char** argv) {
             break;
           }
         }
+        if (!file_tier && round % 2 == 0) {
+          // Read where it lies (ReadInPlace): after the write-back of the same bytes, half
+          // of it checked on the copy helper where the engine has one.
+          FetchRequest here;
+          here.tier = t;
+          here.stream = stream;
+          here.segments.push_back({at, 0, kBlock});
+          Status read = e->ReadInPlace(
+              here, [&](const std::vector<const uint8_t*>& src, CopyHelper* helper) {
+                std::atomic<int> stale{0};
+                auto check = [&](uint64_t lo, uint64_t hi) {
+                  for (uint64_t i = lo; i < hi; ++i) {
+                    if (src[0][i] != value) {
+                      stale++;
+                      break;
+                    }
+                  }
+                };
+                const bool helped = helper && helper->TryStart([&] { check(kBlock / 2, kBlock); });
+                check(0, helped ? kBlock / 2 : kBlock);
+                if (helped) helper->Join();
+                if (stale.load() != 0) failures++;
+                return Status::Ok();
+              });
+          CHECK(read.ok());
+        }
       }
       // One fetch left in flight at shutdown on purpose.
       FetchRequest last;
@@ -137,6 +164,10 @@ int main(int argc, char** argv) {
     });
   }
   for (auto& th : threads) th.join();
+  if (!file_tier && e->Stats().in_place_reads == 0) {
+    std::fprintf(stderr, "nothing was read in place\n");
+    return 1;
+  }
   if (split && e->Stats().split_reads == 0) {
     std::fprintf(stderr, "no read was split with the copy helper\n");
     return 1;

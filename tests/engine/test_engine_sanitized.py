@@ -1,6 +1,7 @@
 """The engine core under AddressSanitizer and ThreadSanitizer: the fetch lifecycle stress
 (tests/engine/landing_stress.cc) with fetches consumed, discarded, orphaned by a new epoch
-and left in flight at shutdown, beside write-backs of the same bytes from three threads."""
+and left in flight at shutdown, and (host tier) reads in place, beside write-backs of the
+same bytes from three threads."""
 
 from __future__ import annotations
 
