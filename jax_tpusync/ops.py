@@ -334,7 +334,7 @@ def attend_in_place(
     regions: Regions | None = None,
     owner: jax.Array | Sequence[int] | None = None,
     first_block: jax.Array | int = 0,
-) -> tuple[jax.Array, jax.Array]:  # out f32[batch, q_len, num_q_heads, head_dim], lse f32[batch, q_len, num_q_heads]
+) -> tuple[jax.Array, jax.Array]:  # out f32 like q, lse f32[batch, q_len, num_q_heads]
     """Attention of ``q`` over one unit's keys where they lie in a memory tier: nothing is
     copied (CPU backend, host tier).
 
@@ -352,11 +352,11 @@ def attend_in_place(
     if kv_dtype not in IN_PLACE_KV_DTYPES:
         raise ValueError(f"kv_dtype={kv_dtype} must be float32 or bfloat16 to be read in place")
     if q.dtype != jnp.float32 or q.ndim != 4:
-        raise ValueError(f"q must be f32[batch, q_len, heads, head_dim]; got {q.dtype}{list(q.shape)}")
+        got = f"{q.dtype}{list(q.shape)}"
+        raise ValueError(f"q must be f32[batch, q_len, heads, head_dim]; got {got}")
     if positions.shape != (3, q.shape[0]) or positions.dtype != jnp.int32:
-        raise ValueError(
-            f"positions must be int32[3, batch={q.shape[0]}]; got {positions.dtype}{list(positions.shape)}"
-        )
+        got = f"{positions.dtype}{list(positions.shape)}"
+        raise ValueError(f"positions must be int32[3, batch={q.shape[0]}]; got {got}")
     if not isinstance(unit_len, (int, np.integer)) or unit_len < 1:
         raise ValueError(f"unit_len={unit_len!r} must be an int >= 1")
     if q.shape[2] % num_kv_heads:

@@ -300,7 +300,8 @@ uint64_t AttentionShape::row_bytes() const {
 
 Status AttentionShape::Check() const {
   if (batch < 1 || q_len < 1 || num_q_heads < 1 || num_kv_heads < 1 || head_dim < 1) {
-    return InvalidArgument("attention shape needs batch, q_len, heads and head_dim >= 1, got batch " +
+    return InvalidArgument("attention shape needs batch, q_len, heads and head_dim >= 1, got "
+                           "batch " +
                            std::to_string(batch) + ", q_len " + std::to_string(q_len) +
                            ", q heads " + std::to_string(num_q_heads) + ", kv heads " +
                            std::to_string(num_kv_heads) + ", head_dim " +

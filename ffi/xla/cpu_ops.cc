@@ -349,7 +349,9 @@ ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> segments,
   StatusOr<int64_t> stream = CheckOwner(engine, owner);
   if (!stream.ok()) return ToFfiError(stream.status());
   auto dims = q.dimensions();
-  if (dims.size() != 4) return ToFfiError(InvalidArgument("q must be f32[batch, q_len, heads, dim]"));
+  if (dims.size() != 4) {
+    return ToFfiError(InvalidArgument("q must be f32[batch, q_len, heads, dim]"));
+  }
   AttentionShape shape;
   shape.batch = static_cast<int32_t>(dims[0]);
   shape.q_len = static_cast<int32_t>(dims[1]);

@@ -626,7 +626,7 @@ def test_read_in_place_auto_applies_where_it_can(tmp_path):
     "extra, why",
     [
         (dict(tier="file"), r"tier='file' is not in memory \(only a host tier is\)"),
-        (dict(dtype=np.float16), r"dtype=float16 \(rows are read in place as bfloat16 or float32\)"),
+        (dict(dtype=np.float16), r"dtype=float16 \(rows are read in place as bfloat16 or f"),
         (dict(tier_dtype="int8"), r"a quantized tier's rows are codes and scales"),
         (dict(resident=True), r"a resident cache reads no unit at all"),
         (dict(spill_blocks=1), r"a two-level cache's units also come from its spill file"),

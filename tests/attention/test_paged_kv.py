@@ -137,7 +137,8 @@ def test_decode_through_fragmented_tables_matches_resident(tier, tmp_path):
                 np.testing.assert_allclose(np.asarray(outs[layer]), want[layer], atol=1e-5)
             assert _lengths(state) == [b + 1 for b in before]
             state = cache.drain(state)  # read_all reads the tier: no write may be in flight.
-        assert cache.engine.stats()["in_place_reads" if tier == "host-in-place" else "prefetch_hits"] > 0
+        used = "in_place_reads" if tier == "host-in-place" else "prefetch_hits"
+        assert cache.engine.stats()[used] > 0
 
 
 def test_consecutive_blocks_are_one_segment():

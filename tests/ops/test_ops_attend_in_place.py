@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax_tpusync.kernels import reference
 
 from jax_tpusync import ops
-from jax_tpusync.kernels import reference
 
 XlaError = getattr(jax.errors, "JaxRuntimeError", RuntimeError)
 TAG = np.array([0, 0], np.int32)
@@ -104,21 +104,38 @@ def test_matches_the_reference(make_engine, dtype, heads, split_read_bytes):
     q_heads, kv_heads, head_dim, q_len = heads
     e = make_engine(split_read_bytes=split_read_bytes)
     unit = 70
-    pool = Pool(e, batch=3, unit_len=unit, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                block_rows=16)
+    pool = Pool(
+        e, batch=3, unit_len=unit, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, block_rows=16
+    )
     valid = np.array([0, 37, unit], np.int32)
     k_start = np.array([5, 0, 200], np.int32)
     # Sequence 2's queries sit among its keys: the keys after each query are masked.
     q_start = k_start + np.array([0, 37, 40], np.int32)
-    q = jnp.asarray(np.random.default_rng(1).standard_normal((3, q_len, q_heads, head_dim)),
-                    jnp.float32)
+    q = jnp.asarray(
+        np.random.default_rng(1).standard_normal((3, q_len, q_heads, head_dim)), jnp.float32
+    )
     for window, soft_cap in ((None, None), (23, 30.0)):
-        out, lse = pool.attend(q, pool.segments(valid), k_start, valid, q_start,
-                               scale=0.3, soft_cap=soft_cap, window=window)
+        out, lse = pool.attend(
+            q,
+            pool.segments(valid),
+            k_start,
+            valid,
+            q_start,
+            scale=0.3,
+            soft_cap=soft_cap,
+            window=window,
+        )
         want_out, want_lse = reference.chunk_attention_reference(
-            q, jnp.asarray(pool.k), jnp.asarray(pool.v), jnp.asarray(k_start),
-            jnp.asarray(valid), jnp.asarray(q_start), scale=0.3, soft_cap=soft_cap,
-            window=window)
+            q,
+            jnp.asarray(pool.k),
+            jnp.asarray(pool.v),
+            jnp.asarray(k_start),
+            jnp.asarray(valid),
+            jnp.asarray(q_start),
+            scale=0.3,
+            soft_cap=soft_cap,
+            window=window,
+        )
         np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=2e-6, atol=2e-6)
         np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=2e-6, atol=2e-6)
         assert np.all(np.asarray(out)[0] == 0) and np.all(np.isneginf(np.asarray(lse)[0]))
@@ -132,8 +149,9 @@ def test_a_segment_running_on_into_the_next_sequence_is_cut_there(make_engine):
     sequence's K rows and the start of the next one's: each sequence attends to its own."""
     e = make_engine()
     unit = 8
-    pool = Pool(e, batch=2, unit_len=unit, kv_heads=2, head_dim=8, dtype=np.float32,
-                block_rows=unit)
+    pool = Pool(
+        e, batch=2, unit_len=unit, kv_heads=2, head_dim=8, dtype=np.float32, block_rows=unit
+    )
     rb, bb = pool.row_bytes, pool.block_bytes
     # Rewrite the tier so that sequence 0's K block is followed by sequence 1's.
     for b in range(2):
@@ -145,8 +163,14 @@ def test_a_segment_running_on_into_the_next_sequence_is_cut_there(make_engine):
     q = jnp.asarray(np.random.default_rng(2).standard_normal((2, 1, 4, 8)), jnp.float32)
     out, lse = pool.attend(q, segments, zero, valid, valid, scale=1.0)
     want, want_lse = reference.chunk_attention_reference(
-        q, jnp.asarray(pool.k), jnp.asarray(pool.v), jnp.asarray(zero), jnp.asarray(valid),
-        jnp.asarray(valid), scale=1.0)
+        q,
+        jnp.asarray(pool.k),
+        jnp.asarray(pool.v),
+        jnp.asarray(zero),
+        jnp.asarray(valid),
+        jnp.asarray(valid),
+        scale=1.0,
+    )
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-6, atol=2e-6)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=2e-6, atol=2e-6)
 
@@ -156,8 +180,9 @@ def test_it_reads_after_an_earlier_write_back_of_its_rows(make_engine):
     the new rows, never the old ones."""
     e = make_engine(debug_delay_us=50_000)
     unit = 16
-    pool = Pool(e, batch=1, unit_len=unit, kv_heads=1, head_dim=8, dtype=np.float32,
-                block_rows=unit)
+    pool = Pool(
+        e, batch=1, unit_len=unit, kv_heads=1, head_dim=8, dtype=np.float32, block_rows=unit
+    )
     new_k = np.full((unit, 1, 8), 3.0, np.float32)
     new_k[5] = 9.0
     segments = pool.segments([unit])
@@ -167,14 +192,30 @@ def test_it_reads_after_an_earlier_write_back_of_its_rows(make_engine):
         token = ops.write_back(e.id, pool.tier, src, k_rows, TAG)
         positions = jnp.asarray([[0], [unit], [unit]], jnp.int32)
         return ops.attend_in_place(
-            e.id, pool.tier, q, pool.rows(segments), positions, TAG, unit_len=unit,
-            kv_dtype=np.float32, num_kv_heads=1, scale=1.0, deps=(token,))
+            e.id,
+            pool.tier,
+            q,
+            pool.rows(segments),
+            positions,
+            TAG,
+            unit_len=unit,
+            kv_dtype=np.float32,
+            num_kv_heads=1,
+            scale=1.0,
+            deps=(token,),
+        )
 
     q = jnp.ones((1, 1, 1, 8), jnp.float32)
     _, lse = jax.jit(step)(q, jnp.asarray(new_k))
     _, want = reference.chunk_attention_reference(
-        q, jnp.asarray(new_k[None]), jnp.asarray(pool.v), jnp.zeros(1, jnp.int32),
-        jnp.full(1, unit, jnp.int32), jnp.full(1, unit, jnp.int32), scale=1.0)
+        q,
+        jnp.asarray(new_k[None]),
+        jnp.asarray(pool.v),
+        jnp.zeros(1, jnp.int32),
+        jnp.full(1, unit, jnp.int32),
+        jnp.full(1, unit, jnp.int32),
+        scale=1.0,
+    )
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want), rtol=1e-6)
 
 
@@ -183,14 +224,17 @@ def _refusal(pool, segments, valid, match):
     zero = np.zeros(pool.batch, np.int32)
     with pytest.raises(XlaError, match=match):
         jax.block_until_ready(
-            pool.attend(q, segments, zero, np.asarray(valid, np.int32), zero + pool.unit_len,
-                        scale=1.0))
+            pool.attend(
+                q, segments, zero, np.asarray(valid, np.int32), zero + pool.unit_len, scale=1.0
+            )
+        )
 
 
 @pytest.fixture
 def small_pool(make_engine):
-    return Pool(make_engine(), batch=2, unit_len=8, kv_heads=2, head_dim=4, dtype=np.float32,
-                block_rows=4)
+    return Pool(
+        make_engine(), batch=2, unit_len=8, kv_heads=2, head_dim=4, dtype=np.float32, block_rows=4
+    )
 
 
 def test_each_sequences_rows_must_be_exactly_its_valid_keys(small_pool):
@@ -200,8 +244,9 @@ def test_each_sequences_rows_must_be_exactly_its_valid_keys(small_pool):
     q = jnp.zeros((2, 1, 2, 4), jnp.float32)
     zero = np.zeros(2, np.int32)
     for valid in ([8, 8], [5, 0]):  # At the edge: a whole unit; a partial block and none.
-        jax.block_until_ready(p.attend(q, p.segments(valid), zero, np.asarray(valid, np.int32),
-                                       zero + 8, scale=1.0))
+        jax.block_until_ready(
+            p.attend(q, p.segments(valid), zero, np.asarray(valid, np.int32), zero + 8, scale=1.0)
+        )
     segs = p.segments([5, 8])
     short = [list(s) for s in segs]
     short[1][2] -= p.row_bytes  # Sequence 0's K: rows [0, 4), valid 5.
@@ -235,7 +280,9 @@ def test_a_segment_must_lie_inside_the_units_rows(small_pool):
     assert max(m + n for _, m, n in segs) == end
     past = [list(s) for s in segs]
     past[-1][1] += p.row_bytes  # Sequence 1's last V block, one row later.
-    _refusal(p, past, [8, 8], r"tpusync: segment \d+ covers bytes \[928, 1056\) of a 1024-byte buffer")
+    _refusal(
+        p, past, [8, 8], r"tpusync: segment \d+ covers bytes \[928, 1056\) of a 1024-byte buffer"
+    )
     assert p.engine.stats()["in_place_reads"] == 0
 
 
@@ -246,9 +293,21 @@ def test_only_a_memory_tier_is_read_in_place(make_engine, file_dir):
     positions = jnp.asarray([[0], [1], [1]], jnp.int32)
     with pytest.raises(XlaError, match=r"tpusync: tier 0 \(.*\) is not in memory"):
         jax.block_until_ready(
-            jax.jit(lambda q: ops.attend_in_place(
-                e.id, tier, q, segs, positions, TAG, unit_len=1, kv_dtype=np.float32,
-                num_kv_heads=2, scale=1.0))(jnp.zeros((1, 1, 2, 4), jnp.float32)))
+            jax.jit(
+                lambda q: ops.attend_in_place(
+                    e.id,
+                    tier,
+                    q,
+                    segs,
+                    positions,
+                    TAG,
+                    unit_len=1,
+                    kv_dtype=np.float32,
+                    num_kv_heads=2,
+                    scale=1.0,
+                )
+            )(jnp.zeros((1, 1, 2, 4), jnp.float32))
+        )
 
 
 def test_python_side_checks_name_the_argument(small_pool):
@@ -256,9 +315,11 @@ def test_python_side_checks_name_the_argument(small_pool):
     q = jnp.zeros((2, 1, 2, 4), jnp.float32)
     segs = p.rows(p.segments([8, 8]))
     pos = jnp.zeros((3, 2), jnp.int32)
-    call = lambda **kw: ops.attend_in_place(  # noqa: E731
-        p.engine.id, p.tier, kw.pop("q", q), segs, kw.pop("positions", pos), TAG,
-        **{**dict(unit_len=8, kv_dtype=np.float32, num_kv_heads=2, scale=1.0), **kw})
+
+    def call(q=q, positions=pos, **kw):
+        knobs = {"unit_len": 8, "kv_dtype": np.float32, "num_kv_heads": 2, "scale": 1.0, **kw}
+        return ops.attend_in_place(p.engine.id, p.tier, q, segs, positions, TAG, **knobs)
+
     with pytest.raises(ValueError, match=r"kv_dtype=float16 must be float32 or bfloat16"):
         call(kv_dtype=np.float16)
     with pytest.raises(ValueError, match=r"q must be f32\[batch, q_len, heads, head_dim\]"):
