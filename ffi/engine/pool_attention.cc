@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -282,10 +283,16 @@ __attribute__((target("avx2,fma"))) void AttendTileAvx2(const AttentionShape& s,
 using AttendTileFn = void (*)(const AttentionShape&, const float*, int32_t, const KeySpan&, int,
                               int, Tile&, float*, float*, float*);
 
+// TPUSYNC_CPU_ISA=baseline picks the baseline build on any CPU (how the tests run it on
+// one with AVX2).
 AttendTileFn PickAttendTile() {
 #if TPUSYNC_HAVE_AVX2_CLONE
+  const char* isa = std::getenv("TPUSYNC_CPU_ISA");
+  const bool baseline = isa != nullptr && std::strcmp(isa, "baseline") == 0;
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AttendTileAvx2;
+  if (!baseline && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    return AttendTileAvx2;
+  }
 #endif
   return AttendTileBaseline;
 }
@@ -293,6 +300,13 @@ AttendTileFn PickAttendTile() {
 const AttendTileFn AttendTile = PickAttendTile();
 
 }  // namespace
+
+const char* PoolAttentionIsa() {
+#if TPUSYNC_HAVE_AVX2_CLONE
+  if (AttendTile == AttendTileAvx2) return "avx2";
+#endif
+  return "baseline";
+}
 
 uint64_t AttentionShape::row_bytes() const {
   return static_cast<uint64_t>(num_kv_heads) * head_dim * (kv_dtype == KvDtype::kBfloat16 ? 2 : 4);

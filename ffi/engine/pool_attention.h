@@ -46,6 +46,9 @@ struct KeySpan {
   const uint8_t* v = nullptr;
 };
 
+// The build of the inner loops this CPU runs: "avx2" (AVX2 with FMA) or "baseline".
+const char* PoolAttentionIsa();
+
 // Cuts `spans` into two lists of (about) equal rows, cutting at most one span, for two
 // threads. Either list may be empty.
 void SplitSpans(const std::vector<KeySpan>& spans, uint64_t row_bytes,

@@ -14,6 +14,7 @@
 
 #include "engine/engine.h"
 #include "engine/io_context.h"
+#include "engine/pool_attention.h"
 #include "engine/registry.h"
 #include "engine/tier.h"
 #include "xla/cpu_ops.h"
@@ -305,6 +306,8 @@ NB_MODULE(_tpusync, m) {
     return nb::capsule(&EngineRegistry::Global(), "tpusync.EngineRegistry");
   });
   m.def("monotonic_ns", &MonotonicNs);
+  // Which build of the in-place attention's inner loops this CPU runs ("avx2", "baseline").
+  m.def("pool_attention_isa", [] { return std::string(PoolAttentionIsa()); });
   m.def("huge_page_bytes", [](uintptr_t address, size_t bytes) {
     return HugePageBytes(reinterpret_cast<const void*>(address), bytes);
   });

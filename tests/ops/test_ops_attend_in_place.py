@@ -4,6 +4,12 @@ tried at exactly its edge."""
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -330,3 +336,53 @@ def test_python_side_checks_name_the_argument(small_pool):
         call(unit_len=0)
     with pytest.raises(ValueError, match=r"2 query heads are not a multiple of 4 kv heads"):
         call(num_kv_heads=4)
+
+
+def test_the_baseline_build_matches_the_reference_too():
+    """The kernel is compiled for AVX2 with FMA and for the baseline ISA, picked per CPU at
+    load: the baseline one (forced by ``TPUSYNC_CPU_ISA=baseline``) gives the reference's
+    numbers as well, on a head_dim off both vector widths."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        import numpy as np, jax.numpy as jnp
+        from jax_tpusync import Engine, _tpusync
+        assert _tpusync.pool_attention_isa() == "baseline", _tpusync.pool_attention_isa()
+        from jax_tpusync.kernels import reference
+        sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+        from test_ops_attend_in_place import Pool
+        with Engine() as e:
+            pool = Pool(e, batch=2, unit_len=45, kv_heads=2, head_dim=44, dtype=jnp.bfloat16,
+                        block_rows=16)
+            valid = np.array([45, 20], np.int32)
+            start = np.zeros(2, np.int32)
+            q = jnp.asarray(np.random.default_rng(4).standard_normal((2, 2, 6, 44)), jnp.float32)
+            out, lse = pool.attend(q, pool.segments(valid), start, valid, valid - 1, scale=0.2)
+            want, want_lse = reference.chunk_attention_reference(
+                q, jnp.asarray(pool.k), jnp.asarray(pool.v), jnp.asarray(start),
+                jnp.asarray(valid), jnp.asarray(valid - 1), scale=0.2)
+            print(float(np.max(np.abs(np.asarray(out) - np.asarray(want)))),
+                  float(np.max(np.abs(np.asarray(lse) - np.asarray(want_lse)))))
+        """
+    )
+    env = {**os.environ, "TPUSYNC_CPU_ISA": "baseline"}
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd="/",
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out_err, lse_err = map(float, run.stdout.split()[-2:])
+    assert out_err <= 2e-6 and lse_err <= 2e-6, run.stdout
+
+
+def test_this_cpu_runs_the_build_it_supports():
+    from jax_tpusync import _tpusync
+
+    flags = pathlib.Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
+    has_avx2 = " avx2" in flags and " fma" in flags
+    assert _tpusync.pool_attention_isa() == ("avx2" if has_avx2 else "baseline")
