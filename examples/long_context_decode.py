@@ -266,9 +266,13 @@ def main(argv=None) -> int:
         tier_info = cache.engine.tier_info(cache.tier)
         print(
             f"KV cache: {gb(spec.kv_bytes)} on the {args.tier} tier ({tier_info.description}); "
-            f"device staging {gb(spec.device_bytes)} = {spec.num_slots} slots x "
-            f"{spec.chunk_len} tokens; {math.ceil(args.context / spec.chunk_len)} units "
-            f"per layer"
+            + (
+                "host tier read in place, no device staging; "
+                if spec.reads_in_place
+                else f"device staging {gb(spec.device_bytes)} = {spec.num_slots} slots x "
+                f"{spec.chunk_len} tokens; "
+            )
+            + f"{math.ceil(args.context / spec.chunk_len)} units per layer"
         )
 
         t0 = time.perf_counter()

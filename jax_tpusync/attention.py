@@ -572,6 +572,12 @@ def shard_attention(
         )
         if on_cpu:
             kernel_options["backend"] = "tpu"
+    if spec.reads_in_place and implementation != "xla":
+        raise ValueError(
+            f"implementation={implementation!r} attends over staging units, and this cache "
+            f"reads its host tier in place (read_in_place='auto' on the CPU backend), so its "
+            f"state has no staging: make it with read_in_place=False"
+        )
     if isinstance(layer, np.integer):
         layer = int(layer)
     if not isinstance(layer, int):
@@ -688,7 +694,7 @@ def shard_attention(
     out0 = jnp.zeros(q.shape, jnp.float32)
     lse0 = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
     carry = (q, out0, lse0, state.staging, state.tickets, state.slot)
-    if spec.reads_in_place and implementation == "xla":
+    if spec.reads_in_place:
         unit_step = unit_in_place
     if spec.single_unit:
         carry = unit_step(jnp.int32(0), carry)

@@ -158,15 +158,25 @@ class CacheSpec:
         return self.num_layers * 2 * self.num_blocks * self.block_bytes
 
     @property
+    def unit_staging_shape(self) -> tuple[int, ...]:
+        """[num_slots, 2, batch, chunk_len, *row_shape]: staging slots of ``chunk_len``-token
+        units, what a streamed state's staging is (and what ops over units take)."""
+        return _staging_shape(self.num_slots, self.batch, self.chunk_len, self.row_shape)
+
+    @property
     def staging_shape(self) -> tuple[int, ...]:
+        """The state's staging: unit slots; every layer's rows (resident); or slots of no
+        rows (read in place: no unit lands on the device)."""
         if self.resident:
             return _resident_shape(self.num_layers, self.batch, self.max_len, self.row_shape)
-        return _staging_shape(self.num_slots, self.batch, self.chunk_len, self.row_shape)
+        if self.reads_in_place:
+            return _staging_shape(self.num_slots, self.batch, 0, self.row_shape)
+        return self.unit_staging_shape
 
     @property
     def device_bytes(self) -> int:
         """Device memory the state's staging buffers take, independent of context length
-        (resident: the whole cache's rows)."""
+        (resident: the whole cache's rows; read in place: none)."""
         return math.prod(self.staging_shape) * np.dtype(self.staging_dtype).itemsize
 
     @property
@@ -341,9 +351,10 @@ class OffloadedKVCache:
         host tier's pool is the step's own memory: with ``True`` (what ``"auto"`` picks
         wherever it applies) each unit is attended to where the pool holds it, with no copy
         into staging (see :mod:`jax_tpusync.in_place`: a host tier of bfloat16 or float32
-        rows, not quantized, not two-level, not resident, the ``"xla"`` attention). ``True``
+        rows, not quantized, not two-level, not resident). Such a state allocates no staging
+        (``spec.device_bytes`` is 0), so it takes the ``"xla"`` attention only. ``True``
         where it cannot apply is refused, naming why; ``False`` copies every unit into
-        staging first, as on an accelerator.
+        staging first, as on an accelerator (and serves ``implementation="pallas"``).
       prefetch_depth: units fetched ahead (1: layer L+1 while layer L computes), an int
         in ``[1, MAX_PREFETCH_DEPTH]`` (64), or ``"auto"``: 1 on a host tier, 3 on a file
         tier or a two-level cache (:func:`auto_prefetch_depth`). When every layer's KV

@@ -13,8 +13,10 @@ those tier bytes, so it starts after every earlier write-back of them (a failed 
 it) and later writes wait for it. Nothing lands in staging, so nothing is prefetched.
 
 It applies to a host tier whose rows are bfloat16 or float32 values (not quantized codes,
-not float16), on one tier (not a two-level cache), streamed (not resident), with the
-plain-XLA attention on the CPU backend; anywhere else units go through staging as before.
+not float16), on one tier (not a two-level cache), streamed (not resident), on the CPU
+backend; anywhere else units go through staging as before. Such a cache's state holds no
+staging at all, so it takes the plain-XLA attention only (the Pallas kernels read units
+from staging).
 """
 
 from __future__ import annotations

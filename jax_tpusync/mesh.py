@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
@@ -257,6 +258,12 @@ class ShardedKVCache:
                     "this KVState was donated to a step (its buffers are gone); use the "
                     "state that step returned, or cache.recover() if the step failed"
                 )
+            if leaf.size == 0:  # No bytes to split (a cache read in place has no staging),
+                # and JAX reports such an array's pieces whole: each shard's is empty too.
+                for s in per_shard:
+                    with self._on(s):
+                        per_shard[s].append(jnp.zeros(leaf.shape[1:], leaf.dtype))
+                continue
             for piece in leaf.addressable_shards:  # One per shard: no axis replicates.
                 s = int(piece.index[0].start or 0)
                 if piece.data.shape[0] != 1 or s not in per_shard:

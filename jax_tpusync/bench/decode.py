@@ -839,7 +839,7 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
             # The staging slots hold the first units of layer 0 (no transfer ever refills them).
             k0, v0 = resident_kv[0]
             k0, v0 = k0.view(spec.staging_dtype), v0.view(spec.staging_dtype)
-            staged = np.zeros(spec.staging_shape, spec.staging_dtype)
+            staged = np.zeros(spec.unit_staging_shape, spec.staging_dtype)
             for s_ in range(slots):
                 n = max(0, min(chunk, k0.shape[1] - s_ * chunk))
                 staged[s_, 0, :, :n] = k0[:, s_ * chunk : s_ * chunk + n]
@@ -943,14 +943,14 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
                 variants["sync"] = _Variant(
                     "sync",
                     jax.jit(sync_step, donate_argnums=(2,)),
-                    jnp.zeros(aspec.staging_shape, aspec.staging_dtype),
+                    jnp.zeros(aspec.unit_staging_shape, aspec.staging_dtype),
                     (params, x0),
                 )
             if "transfer" in variants_wanted:
                 variants["transfer"] = _Variant(
                     "transfer",
                     jax.jit(transfer_step, donate_argnums=(1,)),
-                    jnp.zeros(aspec.staging_shape, aspec.staging_dtype),
+                    jnp.zeros(aspec.unit_staging_shape, aspec.staging_dtype),
                     (x0,),
                 )
 
@@ -1211,7 +1211,9 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
 
         res["device_bytes"] = spec.device_bytes
         res["kv_bytes"] = spec.kv_bytes
-        res["device_bytes_by_context"] = _device_bytes_by_context(args, shape, dtype)
+        res["device_bytes_by_context"] = _device_bytes_by_context(
+            args, shape, dtype, spec.reads_in_place
+        )
         res["resident_device_bytes"] = 2 * shape.layers * shape.batch * max_len * shape.row_bytes
 
         steps_timed = rounds * args.block  # Since reset_stats: every step of the timed rounds.
@@ -1305,8 +1307,9 @@ def _fetch_counters(engine) -> tuple[int, float]:
     )
 
 
-def _device_bytes_by_context(args, shape: Shape, dtype) -> dict[str, int]:
-    """device_bytes of the same cache configuration at 32K and 1M context (sparse file tier)."""
+def _device_bytes_by_context(args, shape: Shape, dtype, reads_in_place: bool) -> dict[str, int]:
+    """device_bytes of the same cache configuration at 32K and 1M context (on a sparse file
+    tier, as the configuration of a cache that ``reads_in_place`` or not)."""
     import jax_tpusync as tps
 
     out = {}
@@ -1327,7 +1330,8 @@ def _device_bytes_by_context(args, shape: Shape, dtype) -> dict[str, int]:
                 path=d,
                 staging_bytes=args.staging_bytes,
             ) as c:
-                out[str(n)] = c.spec.device_bytes
+                spec = dataclasses.replace(c.spec, reads_in_place=reads_in_place)
+                out[str(n)] = spec.device_bytes
     finally:
         shutil.rmtree(d, ignore_errors=True)
     return out

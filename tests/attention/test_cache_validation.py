@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import time
 
 import jax
@@ -646,3 +647,21 @@ def test_read_in_place_true_where_it_cannot_apply_is_refused(tmp_path, extra, wh
 def test_read_in_place_takes_true_false_or_auto(bad):
     with pytest.raises(ValueError, match=r"read_in_place=.* must be True, False or 'auto'"):
         _cache(read_in_place=bad)
+
+
+def test_a_cache_read_in_place_holds_no_staging_and_refuses_pallas():
+    """No unit lands on the device: the state's staging has no rows and device_bytes is 0
+    (streamed, the same cache takes its budget's slots); the Pallas kernels, which read
+    staging, are refused naming the way out."""
+    with _cache(read_in_place=True, staging_bytes=4096) as cache:
+        assert cache.spec.device_bytes == 0
+        state = cache.init()
+        assert state.staging.size == 0 and state.staging.shape[3] == 0
+        x = jnp.ones((1, 1, 1, 8), jnp.float32)
+        refused = r"implementation='pallas' attends over staging.*read_in_place=False"
+        with pytest.raises(ValueError, match=refused):
+            tps.prefetching_attention(x, x, x, state, layer=0, implementation="pallas")
+        out, state = _step()(x, x, x, state)  # The default, "xla", reads in place.
+        assert cache.engine.stats()["in_place_reads"] == 1
+    with _cache(read_in_place=False, staging_bytes=4096) as cache:
+        assert cache.spec.device_bytes == math.prod(cache.spec.unit_staging_shape) * 4 > 0
