@@ -70,6 +70,13 @@ class Pool:
         t, m, n = zip(*segments) if segments else ((), (), ())
         return jnp.asarray(ops.segment_rows(t, m, n, self.block_bytes))
 
+    def reference(self, q, k_start, valid, q_start, **kw):
+        """The jnp reference's (out, lse) over the pool's rows."""
+        k_start, valid, q_start = (jnp.asarray(x, jnp.int32) for x in (k_start, valid, q_start))
+        return reference.chunk_attention_reference(
+            q, jnp.asarray(self.k), jnp.asarray(self.v), k_start, valid, q_start, **kw
+        )
+
     def attend(self, q, segments, k_start, valid, q_start, **kw):
         positions = jnp.asarray(np.stack([k_start, valid, q_start]).astype(np.int32))
         fn = jax.jit(
@@ -131,16 +138,8 @@ def test_matches_the_reference(make_engine, dtype, heads, split_read_bytes):
             soft_cap=soft_cap,
             window=window,
         )
-        want_out, want_lse = reference.chunk_attention_reference(
-            q,
-            jnp.asarray(pool.k),
-            jnp.asarray(pool.v),
-            jnp.asarray(k_start),
-            jnp.asarray(valid),
-            jnp.asarray(q_start),
-            scale=0.3,
-            soft_cap=soft_cap,
-            window=window,
+        want_out, want_lse = pool.reference(
+            q, k_start, valid, q_start, scale=0.3, soft_cap=soft_cap, window=window
         )
         np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=2e-6, atol=2e-6)
         np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=2e-6, atol=2e-6)
@@ -168,15 +167,7 @@ def test_a_segment_running_on_into_the_next_sequence_is_cut_there(make_engine):
     zero = np.zeros(2, np.int32)
     q = jnp.asarray(np.random.default_rng(2).standard_normal((2, 1, 4, 8)), jnp.float32)
     out, lse = pool.attend(q, segments, zero, valid, valid, scale=1.0)
-    want, want_lse = reference.chunk_attention_reference(
-        q,
-        jnp.asarray(pool.k),
-        jnp.asarray(pool.v),
-        jnp.asarray(zero),
-        jnp.asarray(valid),
-        jnp.asarray(valid),
-        scale=1.0,
-    )
+    want, want_lse = pool.reference(q, zero, valid, valid, scale=1.0)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-6, atol=2e-6)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=2e-6, atol=2e-6)
 
@@ -348,7 +339,6 @@ def test_the_baseline_build_matches_the_reference_too():
         import numpy as np, jax.numpy as jnp
         from jax_tpusync import Engine, _tpusync
         assert _tpusync.pool_attention_isa() == "baseline", _tpusync.pool_attention_isa()
-        from jax_tpusync.kernels import reference
         sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
         from test_ops_attend_in_place import Pool
         with Engine() as e:
@@ -358,9 +348,7 @@ def test_the_baseline_build_matches_the_reference_too():
             start = np.zeros(2, np.int32)
             q = jnp.asarray(np.random.default_rng(4).standard_normal((2, 2, 6, 44)), jnp.float32)
             out, lse = pool.attend(q, pool.segments(valid), start, valid, valid - 1, scale=0.2)
-            want, want_lse = reference.chunk_attention_reference(
-                q, jnp.asarray(pool.k), jnp.asarray(pool.v), jnp.asarray(start),
-                jnp.asarray(valid), jnp.asarray(valid - 1), scale=0.2)
+            want, want_lse = pool.reference(q, start, valid, valid - 1, scale=0.2)
             print(float(np.max(np.abs(np.asarray(out) - np.asarray(want)))),
                   float(np.max(np.abs(np.asarray(lse) - np.asarray(want_lse)))))
         """
