@@ -379,15 +379,7 @@ def _attend(
             **kernel_options,
         )
 
-    if isinstance(layer, int):
-        return run(spec.windows[layer])
-    distinct = sorted(set(spec.windows), key=lambda w: -1 if w is None else w)
-    if len(distinct) == 1:
-        return run(distinct[0])
-    # A traced layer (scan) with mixed windows: the kernels take the window statically,
-    # so switch over the distinct values.
-    index = jnp.asarray([distinct.index(w) for w in spec.windows], jnp.int32)[layer]
-    return lax.switch(index, [functools.partial(run, w) for w in distinct])
+    return spec.with_layer_window(layer, run)
 
 
 def _layer_attend(spec: CacheSpec, layer, scale, soft_cap, implementation, kernel_options):

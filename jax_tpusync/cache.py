@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -212,6 +213,18 @@ class CacheSpec:
     def layer_span(self, window: int | None) -> int:
         """Most cached tokens one layer reads: all of max_len, or its window less one."""
         return self.max_len if window is None else min(self.max_len, max(window - 1, 1))
+
+    def with_layer_window(self, layer, run):
+        """``run(window)`` with ``layer``'s sliding window (None: global), which kernels
+        and ops take statically: a traced layer (scan) with mixed windows switches over
+        the distinct values."""
+        if isinstance(layer, int):
+            return run(self.windows[layer])
+        distinct = sorted(set(self.windows), key=lambda w: -1 if w is None else w)
+        if len(distinct) == 1:
+            return run(distinct[0])
+        index = jnp.asarray([distinct.index(w) for w in self.windows], jnp.int32)[layer]
+        return jax.lax.switch(index, [functools.partial(run, w) for w in distinct])
 
     def windows_array(self) -> jax.Array:
         return jnp.asarray([NO_WINDOW if w is None else w for w in self.windows], jnp.int32)

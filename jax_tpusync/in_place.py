@@ -27,12 +27,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jax_tpusync import ops
-
-CHOICES = (True, False, "auto")
-
 
 def why_not(
     *, tier: str, dtype, quantized: bool, two_level: bool, resident: bool, backend: str
@@ -56,7 +52,7 @@ def why_not(
 def decide(choice: Any, **config) -> bool:
     """``OffloadedKVCache(read_in_place=choice)``: True, False or ``"auto"`` (True where
     :func:`why_not` finds nothing against it); True where it cannot is refused, naming why."""
-    if not any(choice is c or (isinstance(choice, str) and choice == c) for c in CHOICES):
+    if not (isinstance(choice, bool) or (isinstance(choice, str) and choice == "auto")):
         raise ValueError(f"read_in_place={choice!r} must be True, False or 'auto'")
     if choice is False:
         return False
@@ -104,11 +100,4 @@ def attend_unit(
         owner=owner,
         first_block=state.target[2],
     )
-    if isinstance(layer, int):
-        return call(window=spec.windows[layer])
-    distinct = sorted(set(spec.windows), key=lambda w: -1 if w is None else w)
-    if len(distinct) == 1:
-        return call(window=distinct[0])
-    # A traced layer (scan) with mixed windows: the window is an attribute of the call.
-    index = jnp.asarray([distinct.index(w) for w in spec.windows], jnp.int32)[layer]
-    return lax.switch(index, [functools.partial(call, window=w) for w in distinct])
+    return spec.with_layer_window(layer, lambda window: call(window=window))

@@ -706,7 +706,7 @@ Status Engine::ReadInPlace(const FetchRequest& want, const InPlaceVisitor& visit
   auto job = std::make_shared<Job>();
   std::vector<const uint8_t*> src;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     job->request.tier = want.tier;
     job->request.tag = want.tag;
     job->request.direction = Direction::kTierToMemory;
@@ -717,20 +717,15 @@ Status Engine::ReadInPlace(const FetchRequest& want, const InPlaceVisitor& visit
                                 job->tier->Describe() +
                                 ") is not in memory: only a memory tier is read in place");
     }
-    for (size_t i = 0; i < want.segments.size(); ++i) {
-      const FetchSegment& f = want.segments[i];
-      Status st = job->tier->CheckRange(f.tier_offset, f.bytes);
-      if (!st.ok()) return InvalidArgument("segment " + std::to_string(i) + ": " + st.detail());
-      const uint8_t* at = job->tier->MappedAt(f.tier_offset);
+    for (const FetchSegment& f : want.segments) {
+      const uint8_t* at = job->tier->MappedAt(f.tier_offset);  // Not read before the check.
       src.push_back(at);
       // The job's segments name the tier bytes it holds; nothing is copied into `memory`.
       job->request.segments.push_back({f.tier_offset, const_cast<uint8_t*>(at), f.bytes});
     }
-  }
-  SetRanges(*job);
-  job->submit_ns = MonotonicNs();
-  {
-    std::unique_lock<std::mutex> lock(mu_);
+    TPUSYNC_RETURN_IF_ERROR(ValidateLocked(job->request));  // Every segment in range.
+    SetRanges(*job);
+    job->submit_ns = MonotonicNs();
     // The transfers that must end first: every earlier one that writes these bytes. (A
     // later one waits for this read, which is registered below before the lock drops.)
     std::vector<std::shared_ptr<Job>> earlier;
