@@ -16,7 +16,8 @@ The public surface:
 """
 
 from jax_tpusync.attention import prefetching_attention, resident_attention
-from jax_tpusync.cache import KVState, OffloadedKVCache
+from jax_tpusync.cache import OffloadedKVCache
+from jax_tpusync.state import KVState
 from jax_tpusync.engine import (
     Engine,
     EngineConfig,

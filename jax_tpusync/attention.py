@@ -35,13 +35,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_tpusync import blocks, in_place, mesh, ops, quantize
-from jax_tpusync.cache import (
+from jax_tpusync import backend, blocks, in_place, mesh, ops, quantize
+from jax_tpusync.backend import attends_in_blocks
+from jax_tpusync.state import (
     INT32_MAX,
     NO_WINDOW,
     CacheSpec,
     KVState,
-    attends_in_blocks,
     dtype_error,
     exact_cast_allowed,
 )
@@ -551,19 +551,14 @@ def shard_attention(
     spec = state.spec
     _validate(q, k, v, spec, layer)
     if implementation is None:
-        implementation = "xla" if jax.default_backend() == "cpu" else "pallas"
+        implementation = backend.default_implementation()
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
     if scale is None:
         scale = 1.0 / math.sqrt(spec.head_dim)
     kernel_options = {}
     if implementation == "pallas":
-        on_cpu = jax.default_backend() == "cpu"
-        kernel_options = dict(
-            block_kv=block_kv, interpret=on_cpu if interpret is None else interpret
-        )
-        if on_cpu:
-            kernel_options["backend"] = "tpu"
+        kernel_options = backend.pallas_options(block_kv, interpret)
     if spec.reads_in_place and implementation != "xla":
         raise ValueError(
             f"implementation={implementation!r} attends over staging units, and this cache "

@@ -36,15 +36,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tpusync import blocks, in_place, ops, persistence, prefix, quantize, shared_blocks, spill
+from jax_tpusync import (
+    backend,
+    blocks,
+    in_place,
+    ops,
+    persistence,
+    prefix,
+    quantize,
+    shared_blocks,
+    spill,
+)
+from jax_tpusync.state import (
+    INT32_MAX,
+    NO_WINDOW,
+    CacheSpec,
+    KVState,
+    dtype_error,
+    exact_cast_allowed,
+    staging_shape_of,
+)
 from jax_tpusync.engine import Engine, EngineConfig, page_offset
 
 logger = logging.getLogger(__name__)
 
-# Window value standing for "no sliding window" in traced per-layer window arrays.
-NO_WINDOW = np.iinfo(np.int32).max // 2
-
-INT32_MAX = int(np.iinfo(np.int32).max)
 
 # Most units a cache fetches ahead. The walk to the unit ahead is computed in closed form
 # (no trace-time loop), so this bounds staging slots, not compile time.
@@ -66,251 +81,6 @@ def auto_prefetch_depth(tier: str, two_level: bool = False) -> int:
 
 # Tokens per KV block unless the cache is given ``block_tokens``; smaller for a short max_len.
 DEFAULT_BLOCK_TOKENS = 256
-
-
-def _staging_shape(num_slots, batch, chunk_len, row_shape) -> tuple[int, ...]:
-    """[num_slots, 2 (K, V), batch, chunk_len, *row_shape]: a row is [num_kv_heads,
-    head_dim] values, or the [row_bytes] bytes of a quantized row."""
-    return (num_slots, 2, batch, chunk_len, *row_shape)
-
-
-def _resident_shape(num_layers, batch, max_len, row_shape) -> tuple[int, ...]:
-    """[num_layers, 2 (K, V), batch, max_len, *row_shape]: every layer's rows, by position."""
-    return (num_layers, 2, batch, max_len, *row_shape)
-
-
-def attends_in_blocks() -> bool:
-    """Whether the plain-XLA attention reads staged KV in blocks of rows (on CPU; see
-    ``attention.attend_valid_rows``), which is also when 16-bit KV is staged as words."""
-    return jax.default_backend() == "cpu"
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheSpec:
-    """Static description of an offloaded cache; hashable, so it rides in jit as aux data.
-
-    It holds the configuration only, nothing of one cache object (which engine, tier and
-    blocks is the state's ``target`` operand): two caches of one configuration share a
-    compiled step.
-    """
-
-    num_layers: int
-    batch: int
-    max_len: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: Any  # a numpy dtype
-    windows: tuple[int | None, ...]  # per layer; None: global attention
-    chunk_len: int  # tokens per staging unit
-    num_slots: int
-    prefetch_depth: int
-    block_tokens: int  # Token rows per KV block (a power of two).
-    num_blocks: int  # Physical KV blocks per (layer, K|V).
-    prefetch_across_steps: bool
-    # ``dtype``, uint16 words holding its bits (see OffloadedKVCache), or uint8 (quantized).
-    staging_dtype: Any
-    tier_dtype: Any = None  # Codes of quantized rows (int8, float8_e4m3fn), or None.
-    # Staging holds every layer's KV (see OffloadedKVCache's ``resident``); steps fetch nothing.
-    resident: bool = False
-    # A mesh cache's layout (jax_tpusync.mesh.MeshLayout): the other fields describe one
-    # shard, and every state leaf has a leading axis of shards. None: one device.
-    mesh: Any = None
-    # Two-level caches (jax_tpusync.spill): blocks per (layer, K|V) on the spill tier,
-    # table ids [num_blocks, num_blocks + spill_blocks). 0: one tier.
-    spill_blocks: int = 0
-    # A host tier's units are attended to where they lie in the pool, on the CPU backend
-    # (see jax_tpusync.in_place); False: they are copied into staging first.
-    reads_in_place: bool = False
-
-    @property
-    def itemsize(self) -> int:
-        return np.dtype(self.dtype).itemsize
-
-    @property
-    def quantized(self) -> bool:
-        """Rows on the tier (and in staging) are codes plus scales (see ``quantize``)."""
-        return self.tier_dtype is not None
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one token's K (or V) row on the tier and in staging."""
-        if self.quantized:
-            return quantize.row_bytes(self.num_kv_heads, self.head_dim)
-        return self.num_kv_heads * self.head_dim * self.itemsize
-
-    @property
-    def row_shape(self) -> tuple[int, ...]:
-        """A staged row's shape: [num_kv_heads, head_dim], or [row_bytes] quantized."""
-        return (self.row_bytes,) if self.quantized else (self.num_kv_heads, self.head_dim)
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one KV block: the tier's block size."""
-        return self.block_tokens * self.row_bytes
-
-    @property
-    def max_blocks(self) -> int:
-        """Block table entries per slot: the blocks of max_len tokens."""
-        return -(-self.max_len // self.block_tokens)
-
-    @property
-    def kv_bytes(self) -> int:
-        """Bytes the tier holds for the cache's blocks (every layer, K and V)."""
-        return self.num_layers * 2 * self.num_blocks * self.block_bytes
-
-    @property
-    def unit_staging_shape(self) -> tuple[int, ...]:
-        """[num_slots, 2, batch, chunk_len, *row_shape]: staging slots of ``chunk_len``-token
-        units, what a streamed state's staging is (and what ops over units take)."""
-        return _staging_shape(self.num_slots, self.batch, self.chunk_len, self.row_shape)
-
-    @property
-    def staging_shape(self) -> tuple[int, ...]:
-        """The state's staging: unit slots; every layer's rows (resident); or slots of no
-        rows (read in place: no unit lands on the device)."""
-        if self.resident:
-            return _resident_shape(self.num_layers, self.batch, self.max_len, self.row_shape)
-        if self.reads_in_place:
-            return _staging_shape(self.num_slots, self.batch, 0, self.row_shape)
-        return self.unit_staging_shape
-
-    @property
-    def device_bytes(self) -> int:
-        """Device memory the state's staging buffers take, independent of context length
-        (resident: the whole cache's rows; read in place: none)."""
-        return math.prod(self.staging_shape) * np.dtype(self.staging_dtype).itemsize
-
-    @property
-    def regions(self) -> ops.Regions:
-        """One region of KV blocks per (layer, K|V); every row inside the block it names."""
-        return ops.Regions(
-            base=0,
-            nbytes=self.num_blocks * self.block_bytes,
-            count=self.num_layers * 2,
-            block_rows=True,
-        )
-
-    @property
-    def levels(self) -> tuple[int, ...] | None:
-        """Block ids per tier of a two-level cache (DRAM, spill); None: one tier."""
-        return (self.num_blocks, self.spill_blocks) if self.spill_blocks else None
-
-    @property
-    def spill_regions(self) -> ops.Regions:
-        """:attr:`regions` of the spill tier."""
-        return dataclasses.replace(self.regions, nbytes=self.spill_blocks * self.block_bytes)
-
-    @property
-    def num_tickets(self) -> int:
-        """Tickets a state carries: one per staging slot and tier."""
-        return self.num_slots * (2 if self.spill_blocks else 1)
-
-    @property
-    def single_unit(self) -> bool:
-        """True when every layer's cached KV fits one staging unit (no chunk loop)."""
-        return self.chunk_len >= max(self.layer_span(w) for w in self.windows)
-
-    def layer_span(self, window: int | None) -> int:
-        """Most cached tokens one layer reads: all of max_len, or its window less one."""
-        return self.max_len if window is None else min(self.max_len, max(window - 1, 1))
-
-    def with_layer_window(self, layer, run):
-        """``run(window)`` with ``layer``'s sliding window (None: global), which kernels
-        and ops take statically: a traced layer (scan) with mixed windows switches over
-        the distinct values."""
-        if isinstance(layer, int):
-            return run(self.windows[layer])
-        distinct = sorted(set(self.windows), key=lambda w: -1 if w is None else w)
-        if len(distinct) == 1:
-            return run(distinct[0])
-        index = jnp.asarray([distinct.index(w) for w in self.windows], jnp.int32)[layer]
-        return jax.lax.switch(index, [functools.partial(run, w) for w in distinct])
-
-    def windows_array(self) -> jax.Array:
-        return jnp.asarray([NO_WINDOW if w is None else w for w in self.windows], jnp.int32)
-
-
-@jax.tree_util.register_pytree_node_class
-class KVState:
-    """What a jitted decode step carries (and donates) for an :class:`OffloadedKVCache`.
-
-    Fields (all device arrays):
-      lengths: int32[batch], tokens cached per slot.
-      block_table: int32[batch, max_blocks], physical KV block of each slot's positions
-        ``[i * block_tokens, (i + 1) * block_tokens)`` (-1: none).
-      capacity: int32[batch], tokens each slot may hold (its reserved blocks, at most
-        max_len); 0: the slot is inactive (no I/O, its length does not grow).
-      staging: [num_slots, 2, batch, chunk_len, *row_shape] fetch landing zone; resident
-        (``spec.resident``): [num_layers, 2, batch, max_len, *row_shape], every layer's rows
-        by position, equal to the tier at each active slot's positions ``[0, length)``.
-      tickets: int32[num_tickets], engine ticket of the fetch in flight into each slot (-1:
-        none); a two-level cache: the DRAM tier's per slot, then the spill tier's.
-      slot: int32[], the slot the next unit is consumed from.
-      token: int32[], orders engine calls (write-backs before later fetches).
-      owner: int32[3], (stream, epoch, generation): which cache stream, which start of it
-        and which step of it this state is for. The engine refuses ops of a state that a
-        newer one superseded (two steps from one parent, a state kept across
-        ``init()``/``drain()``), so two states can never write the same tier rows.
-      target: int32[6], (engine id, tier, first block, shard, spill tier, spill first
-        block): where the cache's blocks are, which shard of a mesh cache this is (0 on
-        one device), and where a two-level cache's spill blocks are (0, 0: none).
-
-    A mesh cache's state (``spec.mesh`` set) has a leading axis of shards on every field,
-    sharded over the mesh (see :mod:`jax_tpusync.mesh`).
-
-    The pytree structure depends on the :class:`CacheSpec` only, never on the cache object.
-    """
-
-    _FIELDS = (
-        "lengths",
-        "block_table",
-        "capacity",
-        "staging",
-        "tickets",
-        "slot",
-        "token",
-        "owner",
-        "target",
-    )
-
-    def __init__(
-        self,
-        spec: CacheSpec,
-        lengths,
-        block_table,
-        capacity,
-        staging,
-        tickets,
-        slot,
-        token,
-        owner,
-        target,
-    ):
-        self.spec = spec
-        self.lengths = lengths
-        self.block_table = block_table
-        self.capacity = capacity
-        self.staging = staging
-        self.tickets = tickets
-        self.slot = slot
-        self.token = token
-        self.owner = owner
-        self.target = target
-
-    def tree_flatten(self):
-        return tuple(getattr(self, name) for name in self._FIELDS), self.spec
-
-    @classmethod
-    def tree_unflatten(cls, spec, children):
-        return cls(spec, *children)
-
-    def replace(self, **changes) -> KVState:
-        fields = {name: getattr(self, name) for name in self._FIELDS}
-        fields.update(changes)
-        return KVState(self.spec, **fields)
-
-    def __repr__(self) -> str:
-        return f"KVState(lengths={self.lengths}, device_bytes={self.spec.device_bytes})"
 
 
 class OffloadedKVCache:
@@ -564,11 +334,7 @@ class OffloadedKVCache:
         # Where the attention reads staging in small blocks of rows (CPU), 16-bit KV is staged
         # as uint16 words: XLA's CPU backend slices 16-bit floats element by element but words
         # as fast as any integer (blocks from bfloat16 staging took twice as long).
-        staging_dtype = dtype
-        if dtype.itemsize == 2 and attends_in_blocks():
-            staging_dtype = np.dtype(np.uint16)
-        if tier_dtype is not None:
-            staging_dtype = np.dtype(np.uint8)
+        staging_dtype = backend.staging_dtype(dtype, tier_dtype is not None)
 
         self._first_staging: jax.Array | None = None  # Handed to the first init().
         self._owns_engine = not isinstance(engine, Engine)
@@ -645,7 +411,7 @@ class OffloadedKVCache:
                 alignment_offset = 0
                 if not resident:
                     self._first_staging = jnp.zeros(
-                        _staging_shape(num_slots, batch, chunk_len, row_shape), staging_dtype
+                        staging_shape_of(num_slots, batch, chunk_len, row_shape), staging_dtype
                     )
                     alignment_offset = page_offset(self._first_staging) or 0
                 tier_index = self.engine.add_file_tier(
@@ -662,7 +428,7 @@ class OffloadedKVCache:
             if spill_blocks:
                 # Fetches from the file land in staging: align them as for a file tier.
                 self._first_staging = jnp.zeros(
-                    _staging_shape(num_slots, batch, chunk_len, row_shape), staging_dtype
+                    staging_shape_of(num_slots, batch, chunk_len, row_shape), staging_dtype
                 )
                 spill_tier_blocks = num_layers * 2 * spill_blocks
                 _check_int32_layout(max_len, windows, chunk_len, block_bytes, spill_tier_blocks, 0)
@@ -1709,30 +1475,6 @@ def _settle_failed_steps(*, at_exit: bool = False) -> None:
 def _effect_only(x: jax.Array) -> jax.Array:
     jax.debug.callback(lambda: None, ordered=False)
     return x
-
-
-def exact_cast_allowed(src: Any, dst: Any) -> bool:
-    """Whether KV of dtype ``src`` may go into a cache of dtype ``dst`` without an explicit
-    cast: the same dtype, or a float dtype that ``np.can_cast(src, dst, "safe")`` converts
-    exactly (bfloat16 or float16 into float32). Integer sources are refused although some
-    convert exactly: integer KV is quantized data, whose values are not the KV."""
-    src, dst = np.dtype(src), np.dtype(dst)
-    if src == dst:
-        return True
-    return bool(np.issubdtype(src, np.floating) or src == np.dtype(jnp.bfloat16)) and np.can_cast(
-        src, dst, casting="safe"
-    )
-
-
-def dtype_error(name: str, src: Any, dst: Any) -> str:
-    """The message refusing ``name`` of dtype ``src`` for a cache of dtype ``dst``."""
-    dst_name = np.dtype(dst).name
-    return (
-        f"{name} has dtype {np.dtype(src).name} but the cache holds {dst_name}, and the "
-        f"conversion is not exact (only the same dtype or a float dtype that "
-        f"np.can_cast(..., casting='safe') allows is converted implicitly); pass "
-        f"{name}.astype({dst_name}) if the rounding is intended"
-    )
 
 
 def _as_cache_array(name: str, x: Any, dtype: Any) -> np.ndarray:

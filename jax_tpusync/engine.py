@@ -488,9 +488,9 @@ def page_offset(array) -> int | None:
     Ask the buffer itself: where XLA puts the next buffer depends on the allocator's
     history (glibc moves its mmap threshold), so a probe of the same size is unreliable.
     """
-    import jax
+    from jax_tpusync import backend
 
-    if jax.default_backend() != "cpu":
+    if not backend.is_cpu():
         return None
     try:
         return int(array.unsafe_buffer_pointer() % 4096)

@@ -28,16 +28,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tpusync import ops
+from jax_tpusync import backend, ops
 
-def why_not(
-    *, tier: str, dtype, quantized: bool, two_level: bool, resident: bool, backend: str
-) -> str | None:
+def why_not(*, tier: str, dtype, quantized: bool, two_level: bool, resident: bool) -> str | None:
     """Why a cache of this configuration cannot read in place, or None if it can."""
     if tier != "host":
         return f"tier={tier!r} is not in memory (only a host tier is)"
-    if backend != "cpu":
-        return f"the backend is {backend!r} (a host pool is device memory on the CPU backend only)"
+    if (blocker := backend.in_place_blocker()) is not None:
+        return blocker
     if quantized:
         return "a quantized tier's rows are codes and scales"
     if np.dtype(dtype) not in ops.IN_PLACE_KV_DTYPES:
@@ -56,7 +54,7 @@ def decide(choice: Any, **config) -> bool:
         raise ValueError(f"read_in_place={choice!r} must be True, False or 'auto'")
     if choice is False:
         return False
-    reason = why_not(backend=jax.default_backend(), **config)
+    reason = why_not(**config)
     if choice is True and reason is not None:
         raise ValueError(f"read_in_place=True cannot apply: {reason}")
     return reason is None

@@ -47,7 +47,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_tpusync import ops
-from jax_tpusync.cache import CacheSpec, KVState, OffloadedKVCache
+from jax_tpusync.cache import OffloadedKVCache
+from jax_tpusync.state import CacheSpec, KVState
 from jax_tpusync.engine import Engine, EngineConfig
 
 

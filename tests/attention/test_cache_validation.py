@@ -16,7 +16,8 @@ import pytest
 
 import jax_tpusync as tps
 from jax_tpusync import attention
-from jax_tpusync.cache import MAX_PREFETCH_DEPTH, NO_WINDOW
+from jax_tpusync.cache import MAX_PREFETCH_DEPTH
+from jax_tpusync.state import NO_WINDOW
 from jax_tpusync.kernels import reference as kref
 
 XlaError = getattr(jax.errors, "JaxRuntimeError", RuntimeError)
