@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_tpusync import backend, blocks, in_place, mesh, ops, quantize
+from jax_tpusync import backend, blocks, in_place, ops, quantize
 from jax_tpusync.backend import attends_in_blocks
 from jax_tpusync.state import (
     INT32_MAX,
@@ -46,6 +46,7 @@ from jax_tpusync.state import (
     exact_cast_allowed,
 )
 from jax_tpusync.kernels import reference as kernel_reference
+from jax_tpusync.step import sharded
 
 IMPLEMENTATIONS = ("xla", "pallas")
 
@@ -527,8 +528,8 @@ def prefetching_attention(
         interpret=interpret,
     )
     if spec.mesh is not None:
-        return mesh.sharded_attention(q, k, v, state, **options)
-    mesh.refuse_unsharded_cache(q, k, v)
+        return sharded.sharded_attention(q, k, v, state, **options)
+    sharded.refuse_unsharded_cache(q, k, v)
     return shard_attention(q, k, v, state, **options)
 
 
