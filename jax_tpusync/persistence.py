@@ -47,13 +47,14 @@ block; the unpinned ones cached, least recently used first as recorded), and wit
 root (a cache of another ``prefix_salt``) are never looked up: the unmapped ones are
 dropped on re-attach, the mapped ones stay until their sequences release them.
 
-Errors are :class:`PersistenceError`, a subclass of :class:`jax_tpusync.TpusyncError`.
+What a manifest holds, and how one is read and checked, is :mod:`jax_tpusync.manifest`;
+this module is the protocol that writes it. Errors are :class:`PersistenceError`, a
+subclass of :class:`jax_tpusync.TpusyncError` (defined there, and importable from here).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -66,27 +67,61 @@ import xxhash
 
 from jax_tpusync import prefix
 from jax_tpusync.blocks import NO_BLOCK
-from jax_tpusync.engine import Engine, TpusyncError
+from jax_tpusync.engine import Engine
+from jax_tpusync.manifest import (
+    CHECKSUM_ALGORITHM,
+    LAYOUT_VERSION,
+    MANIFEST_FORMAT,
+    MANIFEST_SUFFIX,
+    MANIFEST_VERSION,
+    READABLE_MANIFEST_VERSIONS,
+    SHM_DIRECTORY,
+    UNSPECIFIED_MODEL,
+    ChecksumMismatchError,
+    CommitError,
+    Geometry,
+    LayoutMismatchError,
+    MissingManifestError,
+    PersistenceError,
+    checked_commit,
+    entry_json,
+    manifest_json,
+    prefix_section,
+    read_manifest,
+    region_name,
+    region_of,
+    tier_paths,
+    write_json_atomically,
+)
 
 if TYPE_CHECKING:
     from jax_tpusync.cache import OffloadedKVCache
 
 logger = logging.getLogger(__name__)
 
-# Version of the tier byte layout that cache.py and blocks.py document (one region of KV
-# blocks per (layer, K|V), block tables mapping positions to blocks). Bump it when that
-# layout changes: a manifest of another version never attaches.
-LAYOUT_VERSION = 2
-
-MANIFEST_FORMAT = "jax_tpusync.kv_manifest"
-# 2: the manifest records the prefix index ("prefix"); version 1 manifests (no index) are
-# still read.
-MANIFEST_VERSION = 2
-READABLE_MANIFEST_VERSIONS = (1, 2)
-MANIFEST_SUFFIX = ".tpusync.manifest.json"
-SHM_DIRECTORY = "/dev/shm"
-CHECKSUM_ALGORITHM = "xxh3_64"
-UNSPECIFIED_MODEL = "unspecified"
+__all__ = [
+    "CHECKSUM_ALGORITHM",
+    "CHUNK_TARGET_BYTES",
+    "LAYOUT_VERSION",
+    "MANIFEST_FORMAT",
+    "MANIFEST_SUFFIX",
+    "MANIFEST_VERSION",
+    "READABLE_MANIFEST_VERSIONS",
+    "READ_BATCH_BYTES",
+    "SHM_DIRECTORY",
+    "UNSPECIFIED_MODEL",
+    "ChecksumMismatchError",
+    "CommitError",
+    "Geometry",
+    "LayoutMismatchError",
+    "MissingManifestError",
+    "Persistence",
+    "PersistenceError",
+    "VerifyResult",
+    "fault_hook",
+    "read_manifest",
+    "write_json_atomically",
+]
 
 # A chunk of about 4 MiB keeps the manifest small (a 1 GiB region is 256 checksums) while a
 # flipped bit is still located to a few thousand rows.
@@ -99,130 +134,8 @@ READ_BATCH_BYTES = 32 << 20
 # raises simulates a crash or failure at that point.
 fault_hook: Callable[[str], None] | None = None
 
-
-class PersistenceError(TpusyncError):
-    """Base class of persistence errors (a :class:`jax_tpusync.TpusyncError`)."""
-
-
-class LayoutMismatchError(PersistenceError):
-    """The persisted KV was written by a cache of another geometry or model."""
-
-
-class MissingManifestError(PersistenceError):
-    """A persistent tier holds data but no (readable) manifest says what it is."""
-
-
-class ChecksumMismatchError(PersistenceError):
-    """A chunk of committed rows, or an indexed prefix block, does not match its checksum.
-
-    Attributes:
-      layer, kv ("K" or "V"): the region; sequence and rows: the chunk's sequence and its
-      [start, stop) rows (None for a prefix block); block: the physical block of a prefix
-      block (None for a chunk of rows).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        layer: int,
-        kv: str,
-        sequence: int | None = None,
-        rows: tuple[int, int] | None = None,
-        block: int | None = None,
-    ):
-        super().__init__(message)
-        self.layer, self.kv, self.sequence, self.rows = layer, kv, sequence, rows
-        self.block = block
-
-
-class CommitError(PersistenceError):
-    """A commit could not be made; the manifest still describes the previous commit."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Geometry:
-    """What must match for a cache to re-attach to persisted KV."""
-
-    num_layers: int
-    batch: int
-    max_len: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    block_tokens: int | None  # None: not known yet (see ``of``)
-    num_blocks: int | None
-    layout_version: int
-    model_id: str
-    tier_dtype: str | None = None  # Quantized rows' code dtype; None: rows in ``dtype``.
-
-    @classmethod
-    def of(
-        cls,
-        num_layers: int,
-        batch: int,
-        max_len: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: Any,
-        model_id: str | None,
-        *,
-        block_tokens: int | None = None,
-        num_blocks: int | None = None,
-        tier_dtype: Any = None,
-    ) -> Geometry:
-        """The geometry of a cache made with these arguments, at this LAYOUT_VERSION.
-
-        ``block_tokens`` and ``num_blocks`` are the cache's resolved values (after its
-        defaults). Left None, :meth:`Persistence.prepare` does not compare them (the
-        engine still refuses a tier of another byte layout) and :meth:`Persistence.attach`
-        takes them from the opened cache's spec.
-        """
-        return cls(
-            num_layers=int(num_layers),
-            batch=int(batch),
-            max_len=int(max_len),
-            num_kv_heads=int(num_kv_heads),
-            head_dim=int(head_dim),
-            dtype=np.dtype(dtype).name,
-            block_tokens=None if block_tokens is None else int(block_tokens),
-            num_blocks=None if num_blocks is None else int(num_blocks),
-            layout_version=LAYOUT_VERSION,
-            model_id=UNSPECIFIED_MODEL if model_id is None else model_id,
-            tier_dtype=None if tier_dtype is None else np.dtype(tier_dtype).name,
-        )
-
-    def completed(self, spec: Any) -> Geometry:
-        """This geometry with the paging fields of a cache's spec filled in."""
-        return dataclasses.replace(self, block_tokens=spec.block_tokens, num_blocks=spec.num_blocks)
-
-    @property
-    def max_blocks(self) -> int:
-        """Block table entries per sequence."""
-        assert self.block_tokens, "paging fields unknown"
-        return -(-self.max_len // self.block_tokens)
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Geometry:
-        return cls(**{f.name: d.get(f.name) for f in dataclasses.fields(cls)})
-
-    def differences(self, ours: Geometry) -> list[str]:
-        """One ``"field: the tier holds X, this cache has Y"`` per differing field; paging
-        fields that ``ours`` does not know yet (None) are not compared."""
-        out = []
-        for f in dataclasses.fields(self):
-            held, have = getattr(self, f.name), getattr(ours, f.name)
-            if have is None and f.name in _PAGING_FIELDS:
-                continue
-            if held != have:
-                out.append(f"{f.name}: the tier holds {held!r}, this cache has {have!r}")
-        return out
-
-
-_PAGING_FIELDS = ("block_tokens", "num_blocks")
+# The commit check's former private name, which older tests call.
+_checked_commit = checked_commit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,15 +151,6 @@ class VerifyResult:
     @property
     def gb_per_s(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
-
-
-def _region_name(layer: int, kv: int, b: int) -> str:
-    return f"layer {layer} {'KV'[kv]} sequence {b}"
-
-
-def _region_of(region: int, batch: int) -> tuple[int, int, int]:
-    """(layer, kv, sequence) of logical region ``(layer * 2 + kv) * batch + sequence``."""
-    return region // (2 * batch), region // batch % 2, region % batch
 
 
 class Persistence:
@@ -288,9 +192,9 @@ class Persistence:
         # one that is no longer the index's was evicted since).
         self._shared = np.zeros(geometry.batch, np.int32)
         self._prefix_json: dict[str, Any] = {}
-        self._committed_entries: dict[bytes, prefix._Entry] = {}
+        self._committed_entries: dict[bytes, prefix.Entry] = {}
         self._evictions_seen = 0  # The index's eviction count when that was last checked.
-        self._entry_json: dict[bytes, tuple[prefix._Entry, dict[str, Any]]] = {}
+        self._entry_json: dict[bytes, tuple[prefix.Entry, dict[str, Any]]] = {}
         self._cache: OffloadedKVCache | None = None
 
     # -- opening ----------------------------------------------------------------------------
@@ -316,15 +220,10 @@ class Persistence:
           MissingManifestError: the data exists but its manifest does not, is unreadable, or
             describes an inconsistent commit (block tables, capacities, lengths, checksums).
         """
-        if tier == "file" and file_name:
-            directory = Path(os.fspath(path))
-            data_path = directory / f"{file_name}.tpusync"
-            manifest_path = directory / f"{file_name}{MANIFEST_SUFFIX}"
-        elif tier == "host" and shm_name:
-            data_path = Path(SHM_DIRECTORY) / shm_name
-            manifest_path = Path(SHM_DIRECTORY) / f"{shm_name}{MANIFEST_SUFFIX}"
-        else:
+        paths = tier_paths(tier, path, shm_name, file_name)
+        if paths is None:
             return None
+        data_path, manifest_path = paths
 
         restored = None
         if overwrite:
@@ -351,7 +250,7 @@ class Persistence:
                     + "; ".join(diffs)
                     + ". Use another name, or pass overwrite=True to discard it."
                 )
-            restored = _checked_commit(restored, held, manifest_path)
+            restored = checked_commit(restored, held, manifest_path)
         elif manifest_path.exists():
             # The data went (a reboot cleared shm, or the file was deleted): what the
             # manifest describes is lost, and the new tier starts empty.
@@ -445,7 +344,7 @@ class Persistence:
         self._write_manifest(session="open")
         return self._lengths.astype(np.int32)
 
-    def _restored_entries(self, manifest: dict[str, Any], root: bytes) -> list[prefix._Entry]:
+    def _restored_entries(self, manifest: dict[str, Any], root: bytes) -> list[prefix.Entry]:
         """The committed index as entries of this cache's index, in the recorded order,
         each with its reference count (the sequences whose shared prefix maps its block).
 
@@ -493,7 +392,7 @@ class Persistence:
             if parent is None or parent not in by_key:  # A first block.
                 parent = None if chain_root == root else chain_root
             out.append(
-                prefix._Entry(
+                prefix.Entry(
                     e["key"], parent, e["tokens"], e["block"], refs=count, sums=e["sums"]
                 )
             )
@@ -598,8 +497,7 @@ class Persistence:
         index = self._cache._prefix
         if index.evictions == self._evictions_seen:
             return
-        live = index._entries
-        if all(live.get(k) is e for k, e in self._committed_entries.items()):
+        if all(index.holds(e) for e in self._committed_entries.values()):
             self._evictions_seen = index.evictions
             return
         logger.info("evicted prefix blocks that the last commit indexes: committing first")
@@ -834,10 +732,10 @@ class Persistence:
                 self._tails[region] = (c, hi - lo, hasher)
         if bad:
             region, lo, hi = bad[0]
-            layer, kv, b = _region_of(region, spec.batch)
+            layer, kv, b = region_of(region, spec.batch)
             more = f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""
             raise ChecksumMismatchError(
-                f"committed KV is corrupt in {self.data_path}: {_region_name(layer, kv, b)}, "
+                f"committed KV is corrupt in {self.data_path}: {region_name(layer, kv, b)}, "
                 f"rows [{lo}, {hi}) do not match commit {self._commit}'s checksum{more}. "
                 "Pass overwrite=True to discard the cache, or verify=False to open it anyway.",
                 layer=layer,
@@ -865,7 +763,7 @@ class Persistence:
         for region, lo, hi, hasher in work:
             if hi <= lo:
                 continue
-            layer, kv, b = _region_of(region, spec.batch)
+            layer, kv, b = region_of(region, spec.batch)
             spans.append((cache.tier_rows(layer, kv, b, lo, hi), hasher))
         return self._hash_spans(spans)
 
@@ -882,7 +780,7 @@ class Persistence:
             for region in range(2 * spec.num_layers)
         ]
 
-    def _hash_blocks(self, entries: Sequence[prefix._Entry]) -> None:
+    def _hash_blocks(self, entries: Sequence[prefix.Entry]) -> None:
         """Sets each entry's ``sums``: xxh3-64 of its block in every (layer, K|V)."""
         if not entries:
             return
@@ -948,7 +846,7 @@ class Persistence:
                     pass
         return total
 
-    def _prefix_section(self, entries: Sequence[prefix._Entry], shared: np.ndarray) -> dict:
+    def _prefix_section(self, entries: Sequence[prefix.Entry], shared: np.ndarray) -> dict:
         """The manifest's "prefix": the index's root, the roots of first blocks chained
         from another one, the block checksum algorithm, each sequence's shared blocks and
         the entries in ``entries``' order (each with its block's checksums)."""
@@ -958,34 +856,16 @@ class Persistence:
             {e.parent for e in entries if e.parent is not None and e.parent not in keys}
         )
         num_layers = self._spec.num_layers
-        cache: dict[bytes, tuple[prefix._Entry, dict[str, Any]]] = {}
+        cache: dict[bytes, tuple[prefix.Entry, dict[str, Any]]] = {}
         out = []
         for e in entries:
             held = self._entry_json.get(e.key)
             if held is None or held[0] is not e:  # Made once per entry (its fields are fixed).
-                held = (
-                    e,
-                    {
-                        "key": e.key.hex(),
-                        "parent": None if e.parent is None else e.parent.hex(),
-                        "tokens": [int(t) for t in e.tokens],
-                        "block": int(e.block),
-                        "checksums": [
-                            [f"{e.sums[layer * 2 + kv]:016x}" for kv in range(2)]
-                            for layer in range(num_layers)
-                        ],
-                    },
-                )
+                held = (e, entry_json(e, num_layers))
             cache[e.key] = held
             out.append(held[1])
         self._entry_json = cache
-        return {
-            "root": index.root.hex(),
-            "foreign_roots": [r.hex() for r in foreign],
-            "checksum": CHECKSUM_ALGORITHM,
-            "shared": [int(n) for n in shared],
-            "entries": out,
-        }
+        return prefix_section(index.root, foreign, shared, out)
 
     # -- manifest ---------------------------------------------------------------------------
 
@@ -1000,32 +880,22 @@ class Persistence:
         capacity: np.ndarray | None = None,
         prefix_json: dict[str, Any] | None = None,
     ) -> None:
-        spec = self._spec
-        commit = self._commit if commit is None else commit
-        lengths = self._lengths if lengths is None else lengths
-        sums = self._sums if sums is None else sums
-        tables = self._tables if tables is None else tables
-        capacity = self._capacity if capacity is None else capacity
-        prefix_json = self._prefix_json if prefix_json is None else prefix_json
         now = time.time()
-        manifest = {
-            "format": MANIFEST_FORMAT,
-            "format_version": MANIFEST_VERSION,
-            "geometry": self.geometry.to_json(),
-            "model_id": self.geometry.model_id,
-            "tier": self.tier_kind,
-            "data": str(self.data_path),
-            "commit": commit,
-            "timestamp": now,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
-            "session": session,
-            "lengths": [int(n) for n in lengths],
-            "block_tables": np.asarray(tables).tolist(),
-            "capacity": [int(n) for n in capacity],
-            "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_rows": self._chunk_rows},
-            "checksums": _sums_to_json(sums, spec.num_layers, spec.batch),
-            "prefix": prefix_json,
-        }
+        manifest = manifest_json(
+            geometry=self.geometry,
+            tier=self.tier_kind,
+            data=self.data_path,
+            commit=self._commit if commit is None else commit,
+            session=session,
+            timestamp=now,
+            time_text=time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
+            lengths=self._lengths if lengths is None else lengths,
+            tables=self._tables if tables is None else tables,
+            capacity=self._capacity if capacity is None else capacity,
+            chunk_rows=self._chunk_rows,
+            sums=self._sums if sums is None else sums,
+            prefix_json=self._prefix_json if prefix_json is None else prefix_json,
+        )
         write_json_atomically(self.manifest_path, manifest)
 
 
@@ -1035,342 +905,3 @@ def _phased_buffer(nbytes: int, phase: int) -> np.ndarray:
     raw = np.empty(nbytes + 8192, np.uint8)
     start = (phase - raw.ctypes.data) % 4096
     return raw[start : start + nbytes]
-
-
-def _sums_to_json(sums: list[list[int]], num_layers: int, batch: int) -> list:
-    """[layer][kv][sequence] -> list of 16-digit hex checksums, one per chunk."""
-    return [
-        [[[f"{s:016x}" for s in sums[(layer * 2 + kv) * batch + b]] for b in range(batch)]
-         for kv in range(2)]
-        for layer in range(num_layers)
-    ]
-
-
-def _sums_from_json(nested: list, num_layers: int, batch: int) -> list[list[int]]:
-    return [
-        [int(s, 16) for s in nested[layer][kv][b]]
-        for layer in range(num_layers)
-        for kv in range(2)
-        for b in range(batch)
-    ]
-
-
-def read_manifest(path: Path) -> dict[str, Any]:
-    """Loads and sanity-checks a manifest.
-
-    Raises:
-      MissingManifestError: it cannot be read or is not a manifest of this format.
-    """
-    try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-        if manifest.get("format") != MANIFEST_FORMAT:
-            raise ValueError(f"format is {manifest.get('format')!r}, not {MANIFEST_FORMAT!r}")
-        if manifest.get("format_version") not in READABLE_MANIFEST_VERSIONS:
-            raise ValueError(
-                f"format_version {manifest.get('format_version')!r}; this build reads "
-                f"{', '.join(map(str, READABLE_MANIFEST_VERSIONS))}"
-            )
-        for key in ("geometry", "commit", "lengths", "checksum", "checksums"):
-            if key not in manifest:
-                raise ValueError(f"no {key!r}")
-    except (OSError, ValueError) as e:
-        raise MissingManifestError(
-            f"cannot use manifest {path}: {e}. Pass overwrite=True to discard the cache."
-        ) from e
-    return manifest
-
-
-def _checked_commit(manifest: dict[str, Any], held: Geometry, path: Path) -> dict[str, Any]:
-    """The commit a manifest describes, checked against its geometry ``held``: lengths,
-    block tables and capacities (int arrays), chunk_rows and checksums, and the prefix
-    index (see :func:`_checked_prefix`).
-
-    Each sequence holds blocks in the first ``ceil(capacity / block_tokens)`` entries of its
-    table row and none after them, every id in ``[0, num_blocks)``, and its length is at
-    most its capacity (0 for an inactive sequence) and at least its shared prefix. Its first
-    ``shared`` blocks are indexed, one chain from a first block; a block is held once,
-    except an indexed block, which any number of sequences may map within their shared
-    prefixes; an indexed block is never a sequence's private block.
-
-    Raises:
-      MissingManifestError: naming what is inconsistent.
-    """
-    try:
-        for name in ("block_tokens", "num_blocks"):
-            value = getattr(held, name)
-            if not _is_json_int(value) or value < 1:
-                raise ValueError(f"geometry.{name} is {value!r}, not a positive int")
-        batch, max_blocks = held.batch, held.max_blocks
-        commit = manifest["commit"]
-        if not _is_json_int(commit) or commit < 0:
-            raise ValueError(f"commit is {commit!r}, not an int >= 0")
-        lengths = _int_array(manifest["lengths"], (batch,), "lengths")
-        for key in ("block_tables", "capacity"):
-            if key not in manifest:
-                raise ValueError(f"no {key!r}")
-        tables = _int_array(manifest["block_tables"], (batch, max_blocks), "block_tables")
-        capacity = _int_array(manifest["capacity"], (batch,), "capacity")
-        if manifest.get("format_version", MANIFEST_VERSION) >= 2 and "prefix" not in manifest:
-            raise ValueError("no 'prefix'")
-        index = _checked_prefix(manifest.get("prefix"), held)
-        shared_counts, entries = index["shared"], index["entries"]
-        by_block = {e["block"]: i for i, e in enumerate(entries)}
-        keys = {e["key"] for e in entries}
-        holder: dict[int, int] = {}  # Private blocks: their sequence.
-        for b in range(batch):
-            row, cap, n = tables[b], int(capacity[b]), int(lengths[b])
-            shared = int(shared_counts[b])
-            for i, p in enumerate(row.tolist()):
-                if p != NO_BLOCK and not 0 <= p < held.num_blocks:
-                    raise ValueError(
-                        f"block_tables[{b}][{i}] = {p} is not a block id (-1 or in [0, "
-                        f"num_blocks={held.num_blocks}))"
-                    )
-                if i < shared:
-                    _check_shared_block(b, i, row, entries, by_block, keys)
-                    if p in holder:
-                        raise ValueError(
-                            f"block {p} is held twice (by sequence {holder[p]}, as a private "
-                            f"block, and sequence {b}); only an indexed block in each one's "
-                            "shared prefix may be"
-                        )
-                elif p >= 0:
-                    if p in by_block:
-                        raise ValueError(
-                            f"block {p} is indexed (prefix.entries[{by_block[p]}]) but "
-                            f"sequence {b} holds it as a private block (table entry {i}, past "
-                            f"its shared prefix of {shared} blocks)"
-                        )
-                    if p in holder:
-                        raise ValueError(
-                            f"block {p} is held twice (by sequence {holder[p]} and sequence "
-                            f"{b}); only an indexed block in each one's shared prefix may be"
-                        )
-                    holder[p] = b
-            if not 0 <= cap <= held.max_len:
-                raise ValueError(
-                    f"capacity[{b}] = {cap} is not in [0, max_len={held.max_len}]"
-                )
-            need = -(-cap // held.block_tokens)
-            if not ((row[:need] >= 0).all() and (row[need:] == NO_BLOCK).all()):
-                raise ValueError(
-                    f"sequence {b}'s capacity of {cap} tokens needs blocks in exactly its "
-                    f"first {need} table entries, but its table row is {row.tolist()}"
-                )
-            if not 0 <= n <= cap:
-                raise ValueError(
-                    f"lengths[{b}] = {n} is not in [0, {cap}] (sequence {b}'s capacity)"
-                )
-            if n < shared * held.block_tokens:
-                raise ValueError(
-                    f"lengths[{b}] = {n} is below sequence {b}'s shared prefix of "
-                    f"{shared * held.block_tokens} tokens ({shared} indexed blocks)"
-                )
-        checksum = manifest["checksum"]
-        chunk_rows = checksum.get("chunk_rows") if isinstance(checksum, dict) else None
-        if not _is_json_int(chunk_rows) or chunk_rows < 1:
-            raise ValueError(f"checksum.chunk_rows is {chunk_rows!r}, not a positive int")
-        if checksum.get("algorithm") != CHECKSUM_ALGORITHM:
-            raise ValueError(
-                f"checksum.algorithm is {checksum.get('algorithm')!r}, not {CHECKSUM_ALGORITHM!r}"
-            )
-        try:
-            sums = _sums_from_json(manifest["checksums"], held.num_layers, batch)
-        except (TypeError, ValueError, IndexError, KeyError) as e:
-            raise ValueError(f"checksums are not [layer][K|V][sequence] hex lists ({e})") from e
-        for region, chunks in enumerate(sums):
-            layer, kv, b = _region_of(region, batch)
-            want = -(-int(lengths[b]) // chunk_rows)
-            if len(chunks) != want:
-                raise ValueError(
-                    f"{_region_name(layer, kv, b)} has {len(chunks)} checksums for "
-                    f"{int(lengths[b])} rows of {chunk_rows}-row chunks ({want})"
-                )
-    except ValueError as e:
-        raise MissingManifestError(
-            f"cannot use manifest {path}: {e}. Pass overwrite=True to discard the cache."
-        ) from e
-    return {
-        "commit": int(commit),
-        "session": manifest.get("session"),
-        "lengths": lengths.astype(np.int64),
-        "block_tables": tables.astype(np.int32),
-        "capacity": capacity.astype(np.int32),
-        "chunk_rows": int(chunk_rows),
-        "sums": sums,
-        "root": index["root"],
-        "shared": index["shared"].astype(np.int32),
-        "entries": entries,
-    }
-
-
-def _checked_prefix(raw: Any, held: Geometry) -> dict[str, Any]:
-    """The manifest's prefix index, checked (raises ValueError naming what is wrong).
-
-    ``raw`` None (a version 1 manifest): an empty index. Each entry's key is 16 bytes (hex),
-    its parent null, an indexed key or one of ``foreign_roots``, its tokens
-    ``block_tokens`` ints, its block an id in ``[0, num_blocks)`` indexed once, its
-    checksums one hex digest per (layer, K|V); and its key is the chained digest of its
-    parent (the root for null) and its tokens, so a token or parent changed since the
-    commit is caught here.
-    """
-    batch, t = held.batch, held.block_tokens
-    if raw is None:
-        return dict(root=None, shared=np.zeros(batch, np.int64), entries=[])
-    if not isinstance(raw, dict):
-        raise ValueError(f"prefix is {type(raw).__name__}, not an object")
-    root = _hex_digest(raw.get("root"), "prefix.root")
-    if raw.get("checksum") != CHECKSUM_ALGORITHM:
-        raise ValueError(f"prefix.checksum is {raw.get('checksum')!r}, not {CHECKSUM_ALGORITHM!r}")
-    foreign_raw = raw.get("foreign_roots")
-    if not isinstance(foreign_raw, list):
-        raise ValueError(f"prefix.foreign_roots is {foreign_raw!r}, not a list")
-    foreign = {_hex_digest(r, f"prefix.foreign_roots[{i}]") for i, r in enumerate(foreign_raw)}
-    shared = _int_array(raw.get("shared"), (batch,), "prefix.shared")
-    recorded = raw.get("entries")
-    if not isinstance(recorded, list):
-        raise ValueError(f"prefix.entries is {type(recorded).__name__}, not a list")
-    entries: list[dict[str, Any]] = []
-    keys: dict[bytes, int] = {}
-    blocks: dict[int, int] = {}
-    for i, e in enumerate(recorded):
-        where = f"prefix.entries[{i}]"
-        if not isinstance(e, dict):
-            raise ValueError(f"{where} is {type(e).__name__}, not an object")
-        key = _hex_digest(e.get("key"), f"{where}.key")
-        parent = e.get("parent")
-        parent = None if parent is None else _hex_digest(parent, f"{where}.parent")
-        tokens = _int_array(e.get("tokens"), (t,), f"{where}.tokens")
-        block = e.get("block")
-        if not _is_json_int(block) or not 0 <= block < held.num_blocks:
-            raise ValueError(
-                f"{where}.block = {block!r} is not a block id in [0, num_blocks="
-                f"{held.num_blocks})"
-            )
-        if block in blocks:
-            raise ValueError(
-                f"block {block} is indexed twice (prefix.entries[{blocks[block]}] and {where})"
-            )
-        if key in keys:
-            raise ValueError(f"{where}.key is also prefix.entries[{keys[key]}]'s")
-        try:
-            sums = [
-                int(e["checksums"][layer][kv], 16)
-                for layer in range(held.num_layers)
-                for kv in range(2)
-            ]
-            if len(e["checksums"]) != held.num_layers or any(len(x) != 2 for x in e["checksums"]):
-                raise ValueError("wrong shape")
-        except (TypeError, ValueError, IndexError, KeyError) as err:
-            raise ValueError(
-                f"{where}.checksums are not [layer][K|V] hex digests ({err})"
-            ) from err
-        keys[key] = i
-        blocks[block] = i
-        entries.append(dict(key=key, parent=parent, tokens=tokens, block=block, sums=sums))
-    for i, e in enumerate(entries):
-        where = f"prefix.entries[{i}]"
-        parent = e["parent"]
-        if parent is not None and parent not in keys and parent not in foreign:
-            raise ValueError(
-                f"{where}.parent {parent.hex()} is neither an indexed key nor a root in "
-                "prefix.foreign_roots (a block's parent is indexed as long as it is)"
-            )
-        if prefix._chain(root if parent is None else parent, e["tokens"]) != e["key"]:
-            raise ValueError(
-                f"{where}.key does not match its parent and tokens (the xxh3-128 digest of "
-                f"the parent's key, or the root, and the block's token ids): block "
-                f"{e['block']}'s tokens or parent changed since the commit"
-            )
-    return dict(root=root, shared=shared, entries=entries)
-
-
-def _check_shared_block(
-    b: int,
-    i: int,
-    row: np.ndarray,
-    entries: list[dict[str, Any]],
-    by_block: dict[int, int],
-    keys: set[bytes],
-) -> None:
-    """Table entry ``i`` of sequence ``b`` lies in its shared prefix: it must be an indexed
-    block, a first block for ``i = 0``, else the child of entry ``i - 1``'s (checked
-    before it)."""
-    p = int(row[i])
-    if p < 0:
-        raise ValueError(
-            f"sequence {b}'s shared prefix covers table entry {i}, which holds no block"
-        )
-    if p not in by_block:
-        raise ValueError(
-            f"sequence {b} maps block {p} (table entry {i}) as shared, but no prefix entry "
-            "indexes it"
-        )
-    parent = entries[by_block[p]]["parent"]
-    if i == 0:
-        if parent is not None and parent in keys:
-            raise ValueError(
-                f"sequence {b}'s shared prefix starts at block {p}, which is not the first "
-                "block of a chain"
-            )
-    elif parent != entries[by_block[int(row[i - 1])]]["key"]:
-        raise ValueError(
-            f"sequence {b}'s shared prefix is not one chain: block {p} (table entry {i}) is "
-            f"not the child of block {int(row[i - 1])} (table entry {i - 1})"
-        )
-
-
-def _hex_digest(value: Any, name: str) -> bytes:
-    """A 16-byte digest from 32 hex digits; raises ValueError naming ``name``."""
-    try:
-        if not isinstance(value, str) or len(value) != 32:
-            raise ValueError
-        return bytes.fromhex(value)
-    except ValueError:
-        raise ValueError(f"{name} is {value!r}, not a 128-bit digest (32 hex digits)") from None
-
-
-def _is_json_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _int_array(value: Any, shape: tuple[int, ...], name: str) -> np.ndarray:
-    """``value`` (nested lists of ints) as an int64 array of ``shape``; raises ValueError."""
-
-    def check(v: Any, depth: int, where: str) -> None:
-        if depth == len(shape):
-            if not _is_json_int(v) or not -(2**62) <= v < 2**62:
-                raise ValueError(f"{name}{where} is {v!r}, not an int (of 63 bits)")
-            return
-        if not isinstance(v, list) or len(v) != shape[depth]:
-            got = len(v) if isinstance(v, list) else type(v).__name__
-            raise ValueError(
-                f"{name} must have shape {list(shape)}; {name}{where} has {got} entries, not "
-                f"{shape[depth]}"
-            )
-        for i, x in enumerate(v):
-            check(x, depth + 1, f"{where}[{i}]")
-
-    check(value, 0, "")
-    return np.asarray(value, np.int64).reshape(shape)
-
-
-def write_json_atomically(path: Path, obj: Any) -> None:
-    """Replaces ``path`` by ``obj`` as JSON so that a crash leaves the old or the new file."""
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    # The rename is durable only once the directory is.
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import numbers
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
@@ -45,9 +46,14 @@ if TYPE_CHECKING:
 # Bumped when the key derivation changes: keys of another version never match.
 KEY_VERSION = 1
 
+# Token ids are hashed (and stored) as int64: an id is an int in [0, TOKEN_ID_LIMIT).
+TOKEN_ID_LIMIT = 2**63
+
 
 @dataclasses.dataclass
-class _Entry:
+class Entry:
+    """One indexed block: its chained key, parent, token ids and physical block."""
+
     key: bytes
     # None: the first block of a sequence, chained from the index's root. A first block
     # chained from another root (restored from a tier written with another salt, kept only
@@ -78,7 +84,7 @@ class PrefixIndex:
         self.allocator = allocator
         self.block_tokens = block_tokens
         self.root = root
-        self._entries: dict[bytes, _Entry] = {}
+        self._entries: dict[bytes, Entry] = {}
         self._by_block: dict[int, bytes] = {}
         # Unpinned entries, least recently used first.
         self._lru: collections.OrderedDict[bytes, None] = collections.OrderedDict()
@@ -93,7 +99,7 @@ class PrefixIndex:
         key = self.root
         t = self.block_tokens
         for i in range(len(tokens) // t):
-            key = _chain(key, tokens[i * t : (i + 1) * t])
+            key = chain_key(key, tokens[i * t : (i + 1) * t])
             out.append(key)
         return out
 
@@ -136,6 +142,10 @@ class PrefixIndex:
         entry.block = int(block)
         entry.spill_hits = 0
         self._by_block[entry.block] = key
+
+    def holds(self, entry: Entry) -> bool:
+        """Whether ``entry`` (this index's object) is still indexed: not evicted since."""
+        return self._entries.get(entry.key) is entry
 
     def refs(self, block: int) -> int:
         key = self._by_block.get(block)
@@ -211,7 +221,7 @@ class PrefixIndex:
                 duplicates.append(block)  # Indexed already, or its parent was evicted.
                 parent = key
                 continue
-            entry = _Entry(key, parent, np.array(tokens[i * t : (i + 1) * t], np.int64), block)
+            entry = Entry(key, parent, np.array(tokens[i * t : (i + 1) * t], np.int64), block)
             self._entries[key] = entry
             self._by_block[block] = key
             if parent is not None:
@@ -230,7 +240,7 @@ class PrefixIndex:
             raise ValueError("adopt(): the key is indexed already")
         if parent is not None and parent not in self._entries:
             raise ValueError("adopt(): the parent block is not indexed")
-        entry = _Entry(key, parent, np.array(tokens, np.int64), int(block), refs=1)
+        entry = Entry(key, parent, np.array(tokens, np.int64), int(block), refs=1)
         self._entries[key] = entry
         self._by_block[int(block)] = key
         if parent is not None:
@@ -238,12 +248,12 @@ class PrefixIndex:
 
     # -- persistence -------------------------------------------------------------------------------
 
-    def entry(self, block: int) -> _Entry | None:
+    def entry(self, block: int) -> Entry | None:
         """The entry indexing physical ``block`` (None: not indexed)."""
         key = self._by_block.get(int(block))
         return None if key is None else self._entries[key]
 
-    def entries_in_order(self) -> list[_Entry]:
+    def entries_in_order(self) -> list[Entry]:
         """Every entry, the cached ones first in eviction order (least recently used
         first), then the pinned ones, a chain's later blocks before its earlier ones (the
         order in which :meth:`unpin` would make them cached). What a commit records."""
@@ -265,7 +275,7 @@ class PrefixIndex:
         pinned.sort(key=lambda e: -depth_of(e.key))
         return cached + pinned
 
-    def restore(self, entries: Sequence[_Entry]) -> None:
+    def restore(self, entries: Sequence[Entry]) -> None:
         """Re-attach: fills an empty index with ``entries`` (each with its ``refs``: the
         slots mapping it), the unpinned ones cached in the given order (least recently
         used first). Their blocks must already be allocated (the cache reserves them).
@@ -329,8 +339,52 @@ def root_key(salt: str | bytes, geometry: dict) -> bytes:
     return h.digest()
 
 
-def _chain(parent: bytes, tokens: np.ndarray) -> bytes:
+def chain_key(parent: bytes, tokens: np.ndarray) -> bytes:
+    """The key of a block holding token ids ``tokens`` after the block keyed ``parent`` (a
+    first block: ``parent`` is the index's root): the xxh3-128 digest of the parent's key
+    and the ids as int64."""
     h = xxhash.xxh3_128()
     h.update(parent)
     h.update(np.ascontiguousarray(tokens, dtype=np.int64).tobytes())
     return h.digest()
+
+
+def token_ids(tokens: Any) -> np.ndarray:
+    """``tokens`` (a 1-D sequence or array of ints) as int64[n] token ids.
+
+    Raises:
+      ValueError: not a 1-D sequence of ints (floats, bools, other ranks), or an id outside
+        [0, 2**63) (keys hash ids as int64: a larger one would wrap onto another id).
+    """
+    array = np.asarray(tokens)
+    if array.dtype.kind in "fO" and not hasattr(tokens, "dtype"):
+        # A list NumPy widened to float (ints past int64 beside others) or to objects
+        # (past uint64): look at the Python values themselves.
+        array = np.asarray(tokens, dtype=object)
+    if array.ndim != 1:
+        raise ValueError(
+            f"tokens must be a 1-D sequence of ints; got {array.dtype} of shape {array.shape}"
+        )
+    if array.size == 0:
+        return np.zeros(0, np.int64)
+    if array.dtype == object:  # Python ints past uint64, or mixed types.
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in array):
+            kinds = sorted({type(t).__name__ for t in array})
+            raise ValueError(f"tokens must be a 1-D sequence of ints; got {', '.join(kinds)}")
+    elif not np.issubdtype(array.dtype, np.integer) or array.dtype == np.bool_:
+        raise ValueError(
+            f"tokens must be a 1-D sequence of ints; got {array.dtype} of shape {array.shape}"
+        )
+    low, high = int(array.min()), int(array.max())  # Python ints: exact for any dtype.
+    if low < 0 or high >= TOKEN_ID_LIMIT:
+        i = int(np.argmax(array < 0)) if low < 0 else int(np.argmax(array == array.max()))
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"token id {bad} (tokens[{i}]) is not in [0, 2**63 - 1 = {TOKEN_ID_LIMIT - 1}]: "
+            "ids are hashed as int64"
+        )
+    return array.astype(np.int64)
+
+
+# Older spelling, read by modules not yet moved to the public name.
+_Entry = Entry

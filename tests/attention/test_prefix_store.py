@@ -261,7 +261,7 @@ def test_keys_chain_over_the_whole_prefix_and_the_salt():
 def test_a_digest_collision_cannot_map_wrong_kv(monkeypatch):
     """Even if two prefixes hashed alike, a lookup compares the stored tokens and parent."""
     index = _index()
-    monkeypatch.setattr(prefix, "_chain", lambda parent, tokens: b"\x00" * 16)
+    monkeypatch.setattr(prefix, "chain_key", lambda parent, tokens: b"\x00" * 16)
     tokens = np.arange(8)
     own = index.allocator.allocate(2)
     assert index.publish(tokens, own, shared=0) == [own[1]]  # Same (fake) key: a duplicate.

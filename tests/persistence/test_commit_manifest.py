@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import persistence
+from jax_tpusync import manifest, persistence
 
 LAYERS, BATCH, MAX_LEN, KV_HEADS, HEAD_DIM, Q_HEADS = 2, 2, 64, 2, 16, 4
 ROW_BYTES = KV_HEADS * HEAD_DIM * 4
@@ -148,7 +148,7 @@ def test_geometry_mismatch_names_the_field(where, field):
 def test_layout_version_mismatch_is_named(where, monkeypatch):
     make(where).close()
     held = persistence.LAYOUT_VERSION
-    monkeypatch.setattr(persistence, "LAYOUT_VERSION", held + 1)
+    monkeypatch.setattr(manifest, "LAYOUT_VERSION", held + 1)  # What Geometry.of records.
     with pytest.raises(
         persistence.LayoutMismatchError, match=f"layout_version: the tier holds {held}, "
     ):
