@@ -30,9 +30,7 @@ struct Engine::Job {
   Ticket ticket = kNoTicket;
   TransferRequest request;
   Tier* tier = nullptr;
-  uint64_t bytes = 0;
-  // Sorted tier byte ranges, widened to the tier's hazard granularity.
-  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  uint64_t bytes = 0;  // Its footprint, while it is active, is in the scoreboard.
   State state = State::kQueued;
   Status status;
   std::atomic<bool> cancel{false};
@@ -146,7 +144,7 @@ StatusOr<Ticket> Engine::Submit(TransferRequest request) {
     for (const Segment& s : request.segments) std::memset(s.memory, 0xFF, s.bytes);
   }
   job->request = std::move(request);
-  SetRanges(*job);
+  Footprint footprint = Measure(*job);
   job->submit_ns = MonotonicNs();
 
   std::lock_guard<std::mutex> lock(mu_);
@@ -154,24 +152,28 @@ StatusOr<Ticket> Engine::Submit(TransferRequest request) {
   job->ticket = NextTicketLocked();
   if (!job->request.detached) tickets_[job->ticket] = job;
   active_.push_back(job);
+  board_.AddQueued(job.get(), std::move(footprint));
   work_cv_.notify_all();
   return job->request.detached ? kNoTicket : job->ticket;
 }
 
-void Engine::SetRanges(Job& job) {
+Footprint Engine::Measure(Job& job) {
+  Footprint footprint;
+  footprint.resource = job.tier;
+  footprint.write = job.request.direction == Direction::kMemoryToTier;
   const uint64_t g = job.tier->hazard_granularity();
-  const uint64_t phase = job.tier->hazard_phase();  // Ranges compared in shifted offsets.
+  const uint64_t phase = job.tier->hazard_phase();
   for (const Segment& s : job.request.segments) {
-    if (s.bytes == 0) continue;
     job.bytes += s.bytes;
-    job.ranges.emplace_back(AlignDown(s.tier_offset + phase, g),
-                            AlignUp(s.tier_offset + s.bytes + phase, g));
+    footprint.Add(s.tier_offset, s.bytes, g, phase);
   }
-  std::sort(job.ranges.begin(), job.ranges.end());
+  footprint.Seal();
+  return footprint;
 }
 
 void Engine::BeginRunLocked(Job& job) {
   job.state = Job::State::kRunning;
+  board_.Start(&job);
   job.start_ns = MonotonicNs();
   inflight_bytes_ += job.bytes;
   stats_.inflight_bytes_peak = std::max(stats_.inflight_bytes_peak, inflight_bytes_);
@@ -190,42 +192,18 @@ void Engine::EndRunLocked(Job& job) {
   }
 }
 
-bool Engine::ConflictsLocked(const Job& a, const Job& b) const {
-  if (a.tier != b.tier) return false;
-  if (a.request.direction == Direction::kTierToMemory &&
-      b.request.direction == Direction::kTierToMemory) {
-    return false;  // Reads never conflict with reads.
-  }
-  if (a.ranges.empty() || b.ranges.empty()) return false;
-  // Both lists are sorted by start; a sweep finds any intersection.
-  size_t i = 0, j = 0;
-  while (i < a.ranges.size() && j < b.ranges.size()) {
-    const auto& x = a.ranges[i];
-    const auto& y = b.ranges[j];
-    if (x.first < y.second && y.first < x.second) return true;
-    if (x.second <= y.second) {
-      ++i;
-    } else {
-      ++j;
-    }
-  }
-  return false;
-}
-
 std::shared_ptr<Engine::Job> Engine::NextRunnableLocked() {
-  for (size_t j = 0; j < active_.size(); ++j) {
-    Job& job = *active_[j];
-    if (job.state != Job::State::kQueued) continue;
-    bool blocked = false;
-    for (size_t i = 0; i < j && !blocked; ++i) blocked = ConflictsLocked(*active_[i], job);
-    if (blocked) continue;
-    if (options_.max_inflight_bytes > 0 && inflight_bytes_ > 0 &&
-        inflight_bytes_ + job.bytes > options_.max_inflight_bytes) {
-      return nullptr;  // FIFO under the cap: a big request is not starved by small ones.
-    }
-    return active_[j];
+  // The earliest queued job that no earlier active job conflicts with.
+  Scoreboard::Key next = board_.FirstStartable();
+  if (next == nullptr) return nullptr;
+  auto it = std::find_if(active_.begin(), active_.end(),
+                         [next](const auto& job) { return job.get() == next; });
+  if (it == active_.end()) return nullptr;  // Not reached: the board mirrors active_.
+  if (options_.max_inflight_bytes > 0 && inflight_bytes_ > 0 &&
+      inflight_bytes_ + (*it)->bytes > options_.max_inflight_bytes) {
+    return nullptr;  // FIFO under the cap: a big request is not starved by small ones.
   }
-  return nullptr;
+  return *it;
 }
 
 void Engine::WorkerLoop(int index) {
@@ -330,6 +308,7 @@ void Engine::FinishLocked(Job& job, Status status) {
   }
   job.request.owned_memory.reset();
   if (job.discarded) ReleaseLandingLocked(job);
+  board_.Remove(&job);
   for (auto it = active_.begin(); it != active_.end(); ++it) {
     if (it->get() == &job) {
       active_.erase(it);
@@ -640,16 +619,15 @@ Status Engine::ReadHere(const TransferRequest& request, bool* ran) {
     job->tier = tiers_[job->request.tier].get();
     if (!job->tier->DefersFetches()) return Status::Ok();
   }
-  SetRanges(*job);
+  Footprint footprint = Measure(*job);
   job->submit_ns = MonotonicNs();
   {
     std::lock_guard<std::mutex> lock(mu_);
     TPUSYNC_RETURN_IF_ERROR(ValidateLocked(job->request));  // Closed meanwhile?
-    for (const auto& earlier : active_) {
-      if (ConflictsLocked(*earlier, *job)) return Status::Ok();  // Queue behind it.
-    }
+    if (board_.ConflictsWithAny(footprint)) return Status::Ok();  // Queue behind it.
     job->ticket = NextTicketLocked();
     active_.push_back(job);
+    board_.AddRunning(job.get(), std::move(footprint));
     BeginRunLocked(*job);
   }
   *ran = true;
@@ -724,13 +702,17 @@ Status Engine::ReadInPlace(const FetchRequest& want, const InPlaceVisitor& visit
       job->request.segments.push_back({f.tier_offset, const_cast<uint8_t*>(at), f.bytes});
     }
     TPUSYNC_RETURN_IF_ERROR(ValidateLocked(job->request));  // Every segment in range.
-    SetRanges(*job);
+    Footprint footprint = Measure(*job);
     job->submit_ns = MonotonicNs();
     // The transfers that must end first: every earlier one that writes these bytes. (A
     // later one waits for this read, which is registered below before the lock drops.)
+    // Held, not just named: a key is only unique while its job is alive.
+    const std::vector<Scoreboard::Key> keys = board_.Conflicting(footprint);
     std::vector<std::shared_ptr<Job>> earlier;
     for (const auto& other : active_) {
-      if (ConflictsLocked(*other, *job)) earlier.push_back(other);
+      if (std::find(keys.begin(), keys.end(), other.get()) != keys.end()) {
+        earlier.push_back(other);
+      }
     }
     done_cv_.wait(lock, [&] {
       return stopping_ || std::all_of(earlier.begin(), earlier.end(), [](const auto& e) {
@@ -740,6 +722,7 @@ Status Engine::ReadInPlace(const FetchRequest& want, const InPlaceVisitor& visit
     TPUSYNC_RETURN_IF_ERROR(ValidateLocked(job->request));  // Closed, or a write-back failed.
     job->ticket = NextTicketLocked();
     active_.push_back(job);
+    board_.AddRunning(job.get(), std::move(footprint));
     BeginRunLocked(*job);
   }
   if (options_.debug_delay_us > 0) {

@@ -21,6 +21,7 @@
 
 #include "copy_helper.h"
 #include "io_context.h"
+#include "scoreboard.h"
 #include "status.h"
 #include "tier.h"
 
@@ -277,15 +278,15 @@ class Engine {
   struct Job;
 
   Status ValidateLocked(const TransferRequest& request);
-  bool ConflictsLocked(const Job& a, const Job& b) const;
   std::shared_ptr<Job> NextRunnableLocked();
   void WorkerLoop(int index);
   void RunJob(Job& job, IoContext& io);
   // Reads or writes (as `job` does) `segments`, a subset of `job`'s; stops at the first error.
   Status RunSegments(Job& job, const std::vector<Segment>& segments, IoContext& io);
   void FinishLocked(Job& job, Status status);
-  // Tier byte ranges and bytes of `job`'s request, as the scoreboard compares them.
-  static void SetRanges(Job& job);
+  // Sets `job`'s bytes; returns its footprint (tier, direction and byte ranges widened to
+  // the tier's hazard pages) as the scoreboard compares it.
+  static Footprint Measure(Job& job);
   // Bookkeeping of a job that starts / stops running (in-flight bytes, busy time).
   void BeginRunLocked(Job& job);
   void EndRunLocked(Job& job);
@@ -316,6 +317,7 @@ class Engine {
   std::condition_variable done_cv_;
   std::vector<std::unique_ptr<Tier>> tiers_;
   std::deque<std::shared_ptr<Job>> active_;  // Queued and running jobs, in submission order.
+  Scoreboard board_;  // The footprints of active_'s jobs: which may run (see scoreboard.h).
   std::unordered_map<Ticket, std::shared_ptr<Job>> tickets_;  // Not yet consumed.
   Ticket last_ticket_ = 0;
   uint64_t inflight_bytes_ = 0;
