@@ -149,8 +149,14 @@ class SharedBlockDirectory:
             if magic != MAGIC or version != FORMAT_VERSION:
                 raise ValueError(f"not a version-{FORMAT_VERSION} block file")
             start = _PREAMBLE.size + header_bytes
+            if start > len(data):
+                raise ValueError(
+                    f"a header of {header_bytes} bytes runs past the end of the file "
+                    f"({len(data)} bytes)"
+                )
             header = json.loads(data[_PREAMBLE.size : start])
-        except (struct.error, ValueError, UnicodeDecodeError) as e:
+            _check_header(header)
+        except (struct.error, ValueError, RecursionError) as e:
             raise SharedBlockError(f"shared block {path}: unreadable header ({e})") from None
         expected = self._header(key, parent, tokens, 0)
         for field in ("key", "root", "num_layers", "block_tokens", "block_bytes"):
@@ -170,6 +176,41 @@ class SharedBlockDirectory:
             raise SharedBlockError(f"shared block {path}: checksum mismatch (corrupt file)")
         self.imported += 1
         return payload
+
+
+# The header's fields and what each must be (a file whose header is not of this shape is
+# corrupt: never compared, never used).
+_HEADER_FIELDS = {
+    "key": "a string",
+    "parent": "a string or null",
+    "root": "a string",
+    "num_layers": "an int",
+    "block_tokens": "an int",
+    "block_bytes": "an int",
+    "tokens": "a list of ints",
+    "xxh3_64": "an int",
+}
+
+
+def _check_header(header: object) -> None:
+    """Raises ValueError naming the first field of ``header`` that is not of its shape."""
+
+    def is_int(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not isinstance(header, dict):
+        raise ValueError(f"the header is {type(header).__name__}, not an object")
+    for field, want in _HEADER_FIELDS.items():
+        v = header.get(field)
+        ok = {
+            "a string": isinstance(v, str),
+            "a string or null": v is None or isinstance(v, str),
+            "an int": is_int(v),
+            "a list of ints": isinstance(v, list) and all(is_int(t) for t in v),
+        }[want]
+        if not ok:
+            shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+            raise ValueError(f"header field {field!r} is {shown}, not {want}")
 
 
 def _fsync_directory(path: Path) -> None:
