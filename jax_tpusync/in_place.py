@@ -17,18 +17,19 @@ not float16), on one tier (not a two-level cache), streamed (not resident), on t
 backend; anywhere else units go through staging as before. Such a cache's state holds no
 staging at all, so it takes the plain-XLA attention only (the Pallas kernels read units
 from staging).
+
+This module decides which caches read in place; the step's unit that does it is
+:mod:`jax_tpusync.step.in_place`.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_tpusync import backend, ops
+
 
 def why_not(*, tier: str, dtype, quantized: bool, two_level: bool, resident: bool) -> str | None:
     """Why a cache of this configuration cannot read in place, or None if it can."""
@@ -58,44 +59,3 @@ def decide(choice: Any, **config) -> bool:
     if choice is True and reason is not None:
         raise ValueError(f"read_in_place=True cannot apply: {reason}")
     return reason is None
-
-
-def attend_unit(
-    spec,
-    state,
-    layer,
-    q: jax.Array,  # [batch, q_len, num_q_heads, head_dim]
-    segments: jax.Array,  # int32[n, 4]: the unit's fetch segments into staging slot 0
-    lo: jax.Array,  # int32[batch]: the unit's first position
-    count: jax.Array,  # int32[batch]: its cached tokens per slot
-    *,
-    tag: jax.Array,
-    deps,
-    owner: jax.Array,
-    scale: float,
-    soft_cap: float | None,
-) -> tuple[jax.Array, jax.Array]:  # out f32[batch, q_len, num_q_heads, head_dim], lse f32[...]
-    """``(out, lse)`` of ``q`` over one unit's cached rows, read where the tier holds them:
-    what ``wait_fetch`` of ``segments`` and the attention over the staged unit compute."""
-    # An inactive slot's segments move no bytes (see attention._segments): nor may it attend.
-    valid = jnp.where(state.capacity > 0, count, 0).astype(jnp.int32)
-    positions = jnp.stack([lo, valid, state.lengths]).astype(jnp.int32)
-    call = functools.partial(
-        ops.attend_in_place,
-        state.target[0],
-        state.target[1],
-        q.astype(jnp.float32),
-        segments,
-        positions,
-        tag,
-        unit_len=spec.chunk_len,
-        kv_dtype=spec.dtype,
-        num_kv_heads=spec.num_kv_heads,
-        scale=scale,
-        soft_cap=soft_cap,
-        deps=deps,
-        regions=spec.regions,
-        owner=owner,
-        first_block=state.target[2],
-    )
-    return spec.with_layer_window(layer, lambda window: call(window=window))

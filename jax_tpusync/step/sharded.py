@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from jax_tpusync import ops
 from jax_tpusync.mesh_layout import MeshLayout
 from jax_tpusync.state import KVState
+from jax_tpusync.step import device
 
 
 
@@ -83,8 +84,6 @@ def _spec_axes(x: jax.Array) -> list:
 def sharded_attention(q, k, v, state: KVState, *, layer, **options) -> tuple[jax.Array, KVState]:
     """:func:`~jax_tpusync.prefetching_attention` of a mesh cache's global state (or, inside
     the caller's ``shard_map`` over the cache's axes, of the device's share)."""
-    from jax_tpusync import attention
-
     spec = state.spec
     layout: MeshLayout = spec.mesh
     shard_spec = dataclasses.replace(spec, mesh=None)
@@ -111,7 +110,7 @@ def sharded_attention(q, k, v, state: KVState, *, layer, **options) -> tuple[jax
     def body(q, k, v, leaves, layer):
         part = KVState(shard_spec, *[x[0] for x in leaves])
         guard = ops.shard_guard(part.target[3], layout.device_shard())
-        out, part = attention.shard_attention(
+        out, part = device.device_attention(
             q, k, v, part, layer=layer, shard_guard=guard, **options
         )
         return out, [x[None] for x in jax.tree_util.tree_leaves(part)]

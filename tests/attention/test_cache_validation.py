@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import attention
+from jax_tpusync.step import plan
 from jax_tpusync.cache import MAX_PREFETCH_DEPTH
 from jax_tpusync.state import NO_WINDOW
 from jax_tpusync.kernels import reference as kref
@@ -205,7 +205,7 @@ def _advance_unrolled(spec, layer, chunk, lengths, q_len: int):
     lens = lengths
     next_step = jnp.bool_(False)
     for _ in range(spec.prefetch_depth):
-        wrap_chunk = c + 1 >= attention._num_units(spec, l, lens)
+        wrap_chunk = c + 1 >= plan.num_units(spec, l, lens)
         c = jnp.where(wrap_chunk, 0, c + 1)
         l = jnp.where(wrap_chunk, l + 1, l)
         wrap_layer = l >= spec.num_layers
@@ -255,13 +255,13 @@ def test_advance_matches_the_unrolled_walk(base_spec, windows, chunk_len, depths
         lengths[:4] = [[0, 0], [spec.max_len - q_len] * 2, [chunk_len, 0], [1, chunk_len * 2]]
         layers = rng.integers(0, num_layers, size=n).astype(np.int32)
         units = np.asarray(
-            jax.vmap(lambda l, lens: attention._num_units(spec, l, lens))(layers, lengths)
+            jax.vmap(lambda l, lens: plan.num_units(spec, l, lens))(layers, lengths)
         )
         chunks = (rng.integers(0, 1 << 20, size=n) % (units + 1)).astype(np.int32)
 
         def both(layer, chunk, lens, spec=spec, q_len=q_len):
             return (
-                attention._advance(spec, layer, chunk, lens, q_len),
+                plan.advance(spec, layer, chunk, lens, q_len),
                 _advance_unrolled(spec, layer, chunk, lens, q_len),
             )
 
@@ -276,8 +276,8 @@ def test_units_per_layer_matches_num_units(base_spec):
     spec = dataclasses.replace(base_spec, num_layers=3, windows=(None, 5, 1), chunk_len=4)
     for lengths in ([0, 0], [1, 9], [63, 17], [64, 64]):
         lens = jnp.asarray(lengths, jnp.int32)
-        got = attention._units_per_layer(spec, lens)
-        want = [int(attention._num_units(spec, layer, lens)) for layer in range(3)]
+        got = plan.units_per_layer(spec, lens)
+        want = [int(plan.num_units(spec, layer, lens)) for layer in range(3)]
         assert np.asarray(got).tolist() == want
 
 
@@ -418,9 +418,7 @@ def test_num_blocks_at_the_tier_block_bound():
         assert cache.first_block + 2 * cache.spec.num_blocks == 2**31 - 2
         # Point the slot at the last physical block (K: tier block top - 1, V: 2 * top - 1),
         # as an allocator that handed out everything else would.
-        cache._allocator.reserve([top - 1])
-        cache._tables[0] = [top - 1, -1]
-        cache._capacity[0] = 2
+        cache.slots.place(0, [top - 1], 2)
         state = cache.init(lengths=[0], admit=False)
         ctx = np.asarray([[[1.5]]], np.float32)
         state = cache.load(state, 0, ctx[None], -ctx[None])
@@ -454,7 +452,7 @@ def test_max_len_at_the_unit_count_bound():
         tps.OffloadedKVCache(**TINY, max_len=top + 1, staging_bytes=staging)
     with tps.OffloadedKVCache(**TINY, max_len=top, staging_bytes=staging) as cache:
         assert cache.spec.chunk_len == 1024
-        units = attention._num_units(cache.spec, 0, jnp.asarray([top], jnp.int32))
+        units = plan.num_units(cache.spec, 0, jnp.asarray([top], jnp.int32))
         assert int(units) == top // 1024
         state = cache.load(cache.init(), 0, np.ones((1, 3, 1, 1), np.float32), np.ones((1, 3, 1, 1), np.float32))
         out, state = _step()(jnp.ones((1, 1, 1, 1)), jnp.ones((1, 1, 1, 1)), jnp.ones((1, 1, 1, 1)), state)

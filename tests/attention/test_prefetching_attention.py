@@ -206,10 +206,10 @@ def test_decoder_matches_resident(tier, staging_bytes, scan, tmp_path):
 
 def read_in_blocks_of(monkeypatch, rows: int, kv_heads: int = KV_HEADS) -> None:
     """Makes the plain-XLA attention read units in blocks of ``rows`` rows (as at scale)."""
-    from jax_tpusync import attention
+    from jax_tpusync.step import unit
 
-    monkeypatch.setattr(attention, "attends_in_blocks", lambda: True)
-    monkeypatch.setattr(attention, "ROW_BLOCK_BYTES", 4 * rows * BATCH * kv_heads * HEAD_DIM)
+    monkeypatch.setattr(unit, "attends_in_blocks", lambda: True)
+    monkeypatch.setattr(unit, "ROW_BLOCK_BYTES", 4 * rows * BATCH * kv_heads * HEAD_DIM)
 
 
 @pytest.mark.parametrize("tier,scan", [("file", False), ("host", True)])
@@ -235,9 +235,9 @@ def test_decoder_in_row_blocks_matches_resident(tier, scan, tmp_path, monkeypatc
             want, ck, cv, lengths = resident(x, ck, cv, lengths)
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
             with monkeypatch.context() as m:
-                from jax_tpusync import attention
+                from jax_tpusync.step import unit
 
-                m.setattr(attention, "attends_in_blocks", lambda: False)
+                m.setattr(unit, "attends_in_blocks", lambda: False)
                 oracle, ck2, cv2, lengths2 = unblocked(x, ck2, cv2, lengths2)
             np.testing.assert_allclose(np.asarray(got), np.asarray(oracle), rtol=1e-4, atol=1e-5)
 
@@ -674,12 +674,12 @@ def test_resident_attention_matches_reference_and_inserts_exactly(dtype, window,
 
 def test_staged_rows_reads_words_and_floats():
     """A traced slot and first row read the same rows from float staging and its words."""
-    from jax_tpusync import attention
+    from jax_tpusync.step import unit
 
     rng = np.random.default_rng(13)
     staging = jnp.asarray(rng.standard_normal((3, 2, BATCH, 8, KV_HEADS, HEAD_DIM)), jnp.bfloat16)
     words = jax.lax.bitcast_convert_type(staging, jnp.uint16)
-    read = jax.jit(lambda st, slot, start: attention.staged_rows(st, slot, start, 3, jnp.bfloat16))
+    read = jax.jit(lambda st, slot, start: unit.staged_rows(st, slot, start, 3, jnp.bfloat16))
     for slot, start in [(0, 0), (2, 5), (1, 2)]:
         for source in (staging, words):
             k, v = read(source, jnp.int32(slot), jnp.int32(start))
@@ -703,16 +703,16 @@ def test_staged_rows_reads_words_and_floats():
     ],
 )
 def test_row_block_len(unit_len, row_elements, want):
-    from jax_tpusync import attention
+    from jax_tpusync.step import unit
 
-    got = attention.row_block_len(unit_len, row_elements)
+    got = unit.row_block_len(unit_len, row_elements)
     assert got == want
     assert unit_len % got == 0
 
 
 def test_attend_valid_rows_attends_only_blocks_with_keys():
     """Blocks past every batch row's last key are skipped; the merge equals one call."""
-    from jax_tpusync import attention
+    from jax_tpusync.step import unit
 
     rng = np.random.default_rng(14)
     unit_len, block = 16, 4
@@ -736,7 +736,7 @@ def test_attend_valid_rows_attends_only_blocks_with_keys():
         )
 
     out, lse = jax.jit(
-        lambda: attention.attend_valid_rows(attend_rows, count, unit_len, block, q.shape)
+        lambda: unit.attend_valid_rows(attend_rows, count, unit_len, block, q.shape)
     )()
     assert starts == [0, 4, 8]  # Rows 12..15 hold no key of either batch row.
     want_out, want_lse = kref.chunk_attention_reference(

@@ -1,0 +1,115 @@
+"""One layer of one device's step: the checks, the write-back, then the cached KV.
+
+What :func:`~jax_tpusync.prefetching_attention` runs for a single-device cache, and for
+each shard of a mesh cache inside ``shard_map`` (:mod:`jax_tpusync.step.sharded`, whose
+write-backs lead with the shard's guard). The write-back goes first (see
+:mod:`jax_tpusync.step.streamed`); a resident cache then attends over its device copy
+(:mod:`jax_tpusync.step.resident`), any other streams its units or reads them in place
+(:func:`jax_tpusync.step.streamed.streamed_layer`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_tpusync import backend
+from jax_tpusync.state import CacheSpec, KVState, dtype_error, exact_cast_allowed
+from jax_tpusync.step import resident, streamed
+
+IMPLEMENTATIONS = ("xla", "pallas")
+
+
+def device_attention(
+    q: jax.Array,  # [batch, q_len, num_q_heads, head_dim]
+    k: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+    v: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+    state: KVState,
+    *,
+    layer: int | jax.Array,
+    implementation: str | None = None,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    block_kv: int | None = None,
+    interpret: bool | None = None,
+    shard_guard: jax.Array | None = None,  # int32[1, 4]: ops.shard_guard() of a mesh shard
+) -> tuple[jax.Array, KVState]:
+    """:func:`~jax_tpusync.prefetching_attention` of one device's cache (or one shard of a
+    mesh cache, whose write-backs lead with ``shard_guard``)."""
+    spec = state.spec
+    _validate(q, k, v, spec, layer)
+    if implementation is None:
+        implementation = backend.default_implementation()
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(spec.head_dim)
+    kernel_options = {}
+    if implementation == "pallas":
+        kernel_options = backend.pallas_options(block_kv, interpret)
+    if spec.reads_in_place and implementation != "xla":
+        raise ValueError(
+            f"implementation={implementation!r} attends over staging units, and this cache "
+            f"reads its host tier in place (read_in_place='auto' on the CPU backend), so its "
+            f"state has no staging: make it with read_in_place=False"
+        )
+    if isinstance(layer, np.integer):
+        layer = int(layer)
+    if not isinstance(layer, int):
+        layer = jnp.asarray(layer, jnp.int32)
+
+    # 1. New tokens go out first: later fetches of this layer are queued behind them.
+    token, new_kv, grow = streamed.write_back(spec, state, layer, k, v, shard_guard)
+    options = dict(
+        layer=layer,
+        implementation=implementation,
+        scale=scale,
+        soft_cap=soft_cap,
+        kernel_options=kernel_options,
+    )
+    if spec.resident:
+        return resident.resident_layer(q, k, v, state, new_kv, token, grow, **options)
+    return streamed.streamed_layer(q, k, v, state, token, grow, **options)
+
+
+def _validate(q, k, v, spec: CacheSpec, layer) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if jnp.ndim(x) != 4:
+            raise ValueError(
+                f"{name} must be rank 4 [batch, q_len, heads, head_dim]; got shape {jnp.shape(x)}"
+            )
+        if jnp.dtype(x.dtype) not in (
+            jnp.dtype(jnp.bfloat16),
+            jnp.dtype(jnp.float32),
+            jnp.dtype(jnp.float16),
+        ):
+            raise ValueError(f"{name}.dtype must be bfloat16, float16 or float32; got {x.dtype}")
+    b, t, hq, d = q.shape
+    want_kv = (spec.batch, t, spec.num_kv_heads, spec.head_dim)
+    if b != spec.batch:
+        raise ValueError(f"q has batch={b} but the cache was made for batch={spec.batch}")
+    if d != spec.head_dim:
+        raise ValueError(f"q has head_dim={d} but the cache has head_dim={spec.head_dim}")
+    for name, x in (("k", k), ("v", v)):
+        # Checked on dtypes at trace time: a rounding cast into the cache is the caller's.
+        if not exact_cast_allowed(x.dtype, spec.dtype):
+            raise ValueError(dtype_error(name, x.dtype, spec.dtype))
+        if tuple(x.shape) != want_kv:
+            raise ValueError(
+                f"{name} must be [batch, q_len, num_kv_heads, head_dim] = "
+                f"{list(want_kv)}; got {list(x.shape)}"
+            )
+    if hq % spec.num_kv_heads:
+        raise ValueError(f"num_q_heads={hq} must be a multiple of num_kv_heads={spec.num_kv_heads}")
+    if t > spec.max_len:
+        raise ValueError(f"q_len={t} exceeds max_len={spec.max_len}")
+    if isinstance(layer, (int, np.integer)):
+        if not 0 <= layer < spec.num_layers:
+            raise ValueError(
+                f"layer={layer} is out of range for a cache of {spec.num_layers} layers"
+            )
+    elif jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"layer must be an int or an integer scalar; got {layer!r}")

@@ -1,0 +1,101 @@
+"""A unit of host-tier KV attended to where it lies: no copy into the step's buffers (CPU
+backend).
+
+On the CPU backend a host tier's pool and the compiled step share one memory. A fetch from
+the pool can only run inside the op that needs its bytes (an XLA buffer is ours only while
+an op holds it, see :mod:`jax_tpusync.ops`), so there the copy stops the compute it was
+meant to overlap, and the attention then reads every copied byte back. Reading the pool
+in place removes both: one custom call per unit attends to the unit's rows through the
+state's block table, where the engine keeps them (``engine/pool_attention.cc``, f32
+arithmetic with the same masks as :func:`~jax_tpusync.kernels.reference.chunk_attention_reference`).
+
+Ordering is a fetch's: the call is registered with the engine's scoreboard as a read of
+those tier bytes, so it starts after every earlier write-back of them (a failed one fails
+it) and later writes wait for it. Nothing lands in staging, so nothing is prefetched.
+
+Which caches read in place is the cache's choice (:func:`jax_tpusync.in_place.decide`); the
+step only follows ``spec.reads_in_place``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_tpusync import ops
+from jax_tpusync.state import CacheSpec, KVState
+from jax_tpusync.step import plan
+
+
+def unit(
+    spec: CacheSpec,
+    state: KVState,
+    layer,
+    chunk,  # int or int32[]: the unit of the layer
+    q: jax.Array,  # [batch, q_len, num_q_heads, head_dim]
+    *,
+    deps,
+    owner: jax.Array,
+    scale: float,
+    soft_cap: float | None,
+) -> tuple[jax.Array, jax.Array]:  # out f32[batch, q_len, num_q_heads, head_dim], lse f32[...]
+    """``(out, lse)`` of ``q`` over unit ``(layer, chunk)`` of this step: its range, its
+    segments (as a fetch into staging slot 0 would move them) and :func:`attend_unit`."""
+    lo, count = plan.unit_range(spec, layer, chunk, state.lengths)
+    return attend_unit(
+        spec,
+        state,
+        layer,
+        q,
+        plan.fetch_segments(spec, state, layer, lo, count, 0),
+        lo,
+        count,
+        tag=plan.tag(layer, chunk),
+        deps=deps,
+        owner=owner,
+        scale=scale,
+        soft_cap=soft_cap,
+    )
+
+
+def attend_unit(
+    spec: CacheSpec,
+    state: KVState,
+    layer,
+    q: jax.Array,  # [batch, q_len, num_q_heads, head_dim]
+    segments: jax.Array,  # int32[n, 4]: the unit's fetch segments into staging slot 0
+    lo: jax.Array,  # int32[batch]: the unit's first position
+    count: jax.Array,  # int32[batch]: its cached tokens per slot
+    *,
+    tag: jax.Array,
+    deps,
+    owner: jax.Array,
+    scale: float,
+    soft_cap: float | None,
+) -> tuple[jax.Array, jax.Array]:  # out f32[batch, q_len, num_q_heads, head_dim], lse f32[...]
+    """``(out, lse)`` of ``q`` over one unit's cached rows, read where the tier holds them:
+    what ``wait_fetch`` of ``segments`` and the attention over the staged unit compute."""
+    # An inactive slot's segments move no bytes (see plan.segments): nor may it attend.
+    valid = jnp.where(state.capacity > 0, count, 0).astype(jnp.int32)
+    positions = jnp.stack([lo, valid, state.lengths]).astype(jnp.int32)
+    call = functools.partial(
+        ops.attend_in_place,
+        state.target[0],
+        state.target[1],
+        q.astype(jnp.float32),
+        segments,
+        positions,
+        tag,
+        unit_len=spec.chunk_len,
+        kv_dtype=spec.dtype,
+        num_kv_heads=spec.num_kv_heads,
+        scale=scale,
+        soft_cap=soft_cap,
+        deps=deps,
+        regions=spec.regions,
+        owner=owner,
+        first_block=state.target[2],
+    )
+    return spec.with_layer_window(layer, lambda window: call(window=window))

@@ -1,0 +1,226 @@
+"""The streamed step: one layer's write-back, then its cached KV unit by unit, each unit
+fetched into staging ``prefetch_depth`` units ahead of its attention.
+
+1. :func:`write_back` queues the new tokens' K/V to the tier (in the background);
+2. for each unit (a staging-sized chunk) of this layer's cached KV, :func:`streamed_layer`
+   starts the fetch of the unit ``prefetch_depth`` ahead (the next chunk, the next layer's
+   first chunk, or, from the last layer, the next step's first chunk; see
+   :func:`~jax_tpusync.step.plan.advance`), then waits for this unit (usually fetched
+   during the previous layer's compute) and attends to it;
+3. the new tokens attend to themselves and merge in (online softmax).
+
+The write-back comes first so that every later fetch of the same layer, including the
+next step's prefetch, is queued after it: the engine orders overlapping transfers by
+submission, so no fetch can see a cache without its newest tokens. Every wait checks that
+its unit's fetch is exactly the one needed (same tier bytes, same staging slot) and fetches
+it itself otherwise, so a skipped layer or a changed state costs time, never correctness.
+
+A host tier read in place (``spec.reads_in_place``) replaces each unit's fetch, wait and
+attention by one call that attends to the unit's rows where the pool holds them
+(:mod:`jax_tpusync.step.in_place`); nothing is prefetched then.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_tpusync import ops, quantize
+from jax_tpusync.kernels import reference as kernel_reference
+from jax_tpusync.state import CacheSpec, KVState
+from jax_tpusync.step import in_place, plan
+from jax_tpusync.step.unit import (
+    attend_valid_rows,
+    layer_attend,
+    staged_block_len,
+    staged_unit_rows,
+)
+
+
+def write_back(
+    spec: CacheSpec,
+    state: KVState,
+    layer,
+    k: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+    v: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+    shard_guard: jax.Array | None = None,  # int32[1, 4], leading the guards of a mesh shard
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queues the new tokens' write-back at each active slot's length; returns ``(token,
+    new_kv, grow)``: the op's token, the rows written ([2, batch, q_len, H, D] in the
+    cache's dtype, or uint8[2, batch, q_len, row_bytes] quantized) and int32[batch], the
+    tokens each slot takes this step (q_len active, 0 inactive)."""
+    eid, tier, first_block = state.target[0], state.target[1], state.target[2]
+    q_len = k.shape[1]
+    lengths = state.lengths
+    grow = jnp.where(state.capacity > 0, q_len, 0).astype(jnp.int32)
+    # Layer 0's write-back is the step's first engine op (every other op depends on it):
+    # it claims the state's step, so a second step from the same state is refused.
+    claim = jnp.concatenate([state.owner, jnp.asarray(layer == 0, jnp.int32)[None]])
+
+    write_segments = plan.write_segments(spec, state, layer, q_len)
+    if not isinstance(layer, int):
+        # The first engine call of the layer refuses an out-of-range traced layer.
+        write_segments = plan.refuse_bad_layer(spec, layer, write_segments)
+    # Capacity guards first (see ops.CAPACITY_GUARD): the write-back refuses the whole step,
+    # before any byte moves, if a slot would pass its capacity, naming it, instead of
+    # writing into whatever block lies next to its last one.
+    guards = [ops.capacity_guards(lengths, grow, state.capacity)]
+    if shard_guard is not None:  # First of all: the state must be this device's shard.
+        guards.insert(0, shard_guard)
+    write_segments = jnp.concatenate([*guards, write_segments])
+    new_kv = jnp.stack([k, v]).astype(spec.dtype)  # [2, batch, q_len, H, D]
+    if spec.quantized:
+        # Quantized here, fused into the step; the tokens themselves attend in full
+        # precision.
+        new_kv = quantize.quantize(new_kv, spec.tier_dtype)  # uint8[2, batch, q_len, row_bytes]
+    token = ops.write_back(
+        eid,
+        tier,
+        new_kv,
+        write_segments,
+        plan.tag(layer, -1),
+        deps=(state.token,),
+        regions=spec.regions,
+        owner=claim,
+        first_block=first_block,
+    )
+    return token, new_kv, grow
+
+
+def streamed_layer(
+    q: jax.Array,  # [batch, q_len, num_q_heads, head_dim]
+    k: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+    v: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+    state: KVState,
+    token: jax.Array,  # the write-back's token
+    grow: jax.Array,  # int32[batch]: tokens each slot takes this step
+    *,
+    layer,
+    implementation: str,
+    scale: float,
+    soft_cap: float | None,
+    kernel_options: dict,
+) -> tuple[jax.Array, KVState]:
+    """Steps 2 and 3 of one layer of a streamed cache, its write-back queued (``token``):
+    ``(out, state)``, ``out`` like ``q``."""
+    spec = state.spec
+    eid = state.target[0]
+    batch, q_len = q.shape[:2]
+    lengths = state.lengths
+    owner = jnp.concatenate([state.owner, jnp.zeros((1,), jnp.int32)])
+
+    num_units = plan.num_units(spec, layer, lengths)
+    attend = layer_attend(spec, layer, scale, soft_cap, implementation, kernel_options)
+
+    block_len = staged_block_len(spec) if implementation == "xla" else spec.chunk_len
+
+    levels = plan.fetch_levels(spec, state)
+
+    def unit_in_place(chunk, carry):
+        # The unit's rows where the host tier holds them (jax_tpusync.step.in_place): no
+        # fetch, no staging, so nothing to prefetch either.
+        q_, out, lse, staging, tickets, slot = carry
+        o, l = in_place.unit(
+            spec,
+            state,
+            layer,
+            chunk,
+            q_,
+            deps=(token, k, v, out),
+            owner=owner,
+            scale=scale,
+            soft_cap=soft_cap,
+        )
+        out, lse = kernel_reference.merge_partials(out, lse, o, l)
+        return q_, out, lse, staging, tickets, slot
+
+    def unit_staged(chunk, carry):
+        q_, out, lse, staging, tickets, slot = carry
+        # Start the unit `prefetch_depth` ahead into the slot consumed last (free now:
+        # `out` depends on its contents having been read). A two-level cache fetches
+        # each unit from both tiers, into the same slot (ticket level * num_slots + slot).
+        p_layer, p_chunk, p_lens, ok = plan.advance(spec, layer, chunk, lengths, grow)
+        p_slot = (slot + spec.prefetch_depth) % spec.num_slots
+        p_lo, p_count = plan.unit_range(spec, p_layer, p_chunk, p_lens)
+        p_count = jnp.where(ok, p_count, 0)
+        lo, count = plan.unit_range(spec, layer, chunk, lengths)
+        for level, (tier, first_block, regions) in enumerate(levels):
+            q_, p_ticket = ops.start_fetch(
+                eid,
+                tier,
+                q_,
+                plan.fetch_segments(spec, state, p_layer, p_lo, p_count, p_slot, level),
+                plan.tag(p_layer, p_chunk),
+                dst_bytes=spec.device_bytes,
+                deps=(token, out),
+                regions=regions,
+                retire=tickets[level * spec.num_slots + p_slot],
+                owner=owner,
+                first_block=first_block,
+            )
+            # Wait for this unit; q_ carries the previous layer's compute, `out` the last
+            # chunk's.
+            staging = ops.wait_fetch(
+                eid,
+                tier,
+                staging,
+                tickets[level * spec.num_slots + slot],
+                plan.fetch_segments(spec, state, layer, lo, count, slot, level),
+                plan.tag(layer, chunk),
+                deps=(q_, k, v, out),
+                regions=regions,
+                owner=owner,
+                first_block=first_block,
+            )
+            at = level * spec.num_slots
+            tickets = tickets.at[at + slot].set(ops.NO_TICKET).at[at + p_slot].set(p_ticket)
+        o, l = attend_valid_rows(
+            lambda start, n, valid: attend(
+                q_,
+                k_start=lo + start,
+                k_valid=valid,
+                q_start=lengths,
+                **staged_unit_rows(spec, staging, slot, start, n),
+            ),
+            count,
+            spec.chunk_len,
+            block_len,
+            q.shape,
+        )
+        out, lse = kernel_reference.merge_partials(out, lse, o, l)
+        return q_, out, lse, staging, tickets, (slot + 1) % spec.num_slots
+
+    unit_step = unit_in_place if spec.reads_in_place else unit_staged
+    out0 = jnp.zeros(q.shape, jnp.float32)
+    lse0 = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+    carry = (q, out0, lse0, state.staging, state.tickets, state.slot)
+    if spec.single_unit:
+        carry = unit_step(jnp.int32(0), carry)
+    else:
+        carry = lax.fori_loop(0, num_units, unit_step, carry)
+    q_, out, lse, staging, tickets, slot = carry
+
+    # 3. The new tokens attend to themselves (causally) and merge in.
+    new_start = lengths
+    o, l = attend(
+        q_,
+        k.astype(spec.dtype),
+        v.astype(spec.dtype),
+        new_start,
+        jnp.full((batch,), q_len, jnp.int32),
+        lengths,
+    )
+    out, _ = kernel_reference.merge_partials(out, lse, o, l)
+
+    new_lengths = jnp.where(layer == spec.num_layers - 1, lengths + grow, lengths)
+    state = state.replace(
+        lengths=new_lengths,
+        staging=staging,
+        tickets=tickets,
+        slot=slot,
+        token=token,
+        # Past the last layer the state is the next step's.
+        owner=state.owner.at[2].add(jnp.asarray(layer == spec.num_layers - 1, jnp.int32)),
+    )
+    return out.astype(q.dtype), state
