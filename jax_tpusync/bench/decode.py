@@ -520,7 +520,7 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
 
     import jax_tpusync as tps
     from jax_tpusync import ops
-    from jax_tpusync.attention import attend_valid_rows, staged_block_len, staged_rows
+    from jax_tpusync.step.unit import attend_valid_rows, staged_block_len, staged_rows
     from jax_tpusync.cache import auto_prefetch_depth
     from jax_tpusync.engine import huge_page_fraction
     from jax_tpusync.kernels import reference as kref
