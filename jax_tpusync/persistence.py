@@ -272,7 +272,7 @@ class Persistence:
         A new cache writes its first manifest (commit 0, lengths 0, no slot active). A
         re-attached one restores the last commit (its slots hold the committed blocks,
         capacities and shared prefixes again, its prefix index the committed entries:
-        ``cache._restore_slots``), verifies its checksums (rows and indexed blocks) if
+        ``cache.slots.restore``), verifies its checksums (rows and indexed blocks) if
         ``verify``, and records that a session is open (so the next one can tell whether
         this one committed at the end).
         """
@@ -294,7 +294,7 @@ class Persistence:
             self._sums = [[] for _ in range(self._num_regions)]
             self._tables = cache.block_tables
             self._capacity = cache.capacity
-            self._shared = cache._shared.copy()
+            self._shared = cache.slots.shared
             self._prefix_json = self._prefix_section([], self._shared)
             self._write_manifest(session="open")
             logger.info("new persistent KV cache; manifest %s", self.manifest_path)
@@ -307,12 +307,14 @@ class Persistence:
         self._chunk_rows = manifest["chunk_rows"]
         self._sums = manifest["sums"]
         self._shared = manifest["shared"]
-        entries = self._restored_entries(manifest, cache._prefix.root)
+        entries = self._restored_entries(manifest, cache.slots.prefix.root)
         # The slots hold their committed blocks again, the index its blocks (the ones a
         # slot maps pinned); later admits get other ones.
-        cache._restore_slots(self._tables, self._capacity, self._shared, entries)
+        cache.slots.restore(self._tables, self._capacity, self._shared, entries)
         self._committed_entries = {e.key: e for e in entries}
-        self._prefix_json = self._prefix_section(cache._prefix.entries_in_order(), self._shared)
+        self._prefix_json = self._prefix_section(
+            cache.slots.prefix.entries_in_order(), self._shared
+        )
         if manifest["session"] == "open":
             logger.warning(
                 "%s: the previous session ended without a final commit (a crash, a failed "
@@ -478,7 +480,7 @@ class Persistence:
         tables[slot] = NO_BLOCK
         capacity = cache.capacity
         capacity[slot] = 0
-        shared = cache._shared.copy()
+        shared = cache.slots.shared
         shared[slot] = 0
         logger.info("releasing sequence %d: committing it released first", slot)
         self._spec_engine.drain()
@@ -494,7 +496,7 @@ class Persistence:
           CommitError: that commit failed; the blocks must not be handed out (the next
             call tries again).
         """
-        index = self._cache._prefix
+        index = self._cache.slots.prefix
         if index.evictions == self._evictions_seen:
             return
         if all(index.holds(e) for e in self._committed_entries.values()):
@@ -545,9 +547,9 @@ class Persistence:
         lengths = np.asarray(lengths, np.int64).reshape(spec.batch)
         tables = cache.block_tables if tables is None else np.array(tables, np.int32)
         capacity = cache.capacity if capacity is None else np.array(capacity, np.int32)
-        shared = cache._shared.copy() if shared is None else np.array(shared, np.int32)
+        shared = cache.slots.shared if shared is None else np.array(shared, np.int32)
         lengths = np.maximum(lengths, shared.astype(np.int64) * spec.block_tokens)
-        index = cache._prefix
+        index = cache.slots.prefix
         try:
             for b in range(spec.batch):
                 if not 0 <= lengths[b] <= capacity[b]:
@@ -850,7 +852,7 @@ class Persistence:
         """The manifest's "prefix": the index's root, the roots of first blocks chained
         from another one, the block checksum algorithm, each sequence's shared blocks and
         the entries in ``entries``' order (each with its block's checksums)."""
-        index = self._cache._prefix
+        index = self._cache.slots.prefix
         keys = {e.key for e in entries}
         foreign = sorted(
             {e.parent for e in entries if e.parent is not None and e.parent not in keys}

@@ -120,10 +120,8 @@ def test_decode_through_fragmented_tables_matches_resident(tier, tmp_path):
         assert cache.spec.chunk_len == 3
         # Interleaved tables (slot 0: blocks 1, 3, 5, ...; slot 1: 0, 2, 4, ...), set up
         # host-side as an allocator with a fragmented history would leave them.
-        cache._allocator.allocate(16)
-        cache._tables[0] = np.arange(1, 16, 2)
-        cache._tables[1] = np.arange(0, 16, 2)
-        cache._capacity[:] = 32
+        cache.slots.place(0, np.arange(1, 16, 2), 32)
+        cache.slots.place(1, np.arange(0, 16, 2), 32)
         state = cache.init(admit=False)
         lengths = [9, 6]
         state = _fill(cache, state, lengths)

@@ -244,5 +244,5 @@ def test_quantized_and_plain_caches_never_share_prefix_keys():
         _cache(None, prefix_salt="m") as b,
         _cache("float8_e4m3fn", prefix_salt="m") as c,
     ):
-        roots = {a._prefix.root, b._prefix.root, c._prefix.root}
+        roots = {a.slots.prefix.root, b.slots.prefix.root, c.slots.prefix.root}
         assert len(roots) == 3

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import subprocess
 import sys
 import textwrap
@@ -118,40 +120,42 @@ def _publish_first_block(tmp_path):
     return path
 
 
-def test_a_flipped_last_payload_byte_is_an_error_naming_the_file(tmp_path):
+def test_a_flipped_last_payload_byte_is_a_miss_and_a_warning_naming_the_file(tmp_path, caplog):
     path = _publish_first_block(tmp_path)
     data = bytearray(path.read_bytes())
     data[-1] ^= 1  # The edge: the payload's last byte.
     path.write_bytes(bytes(data))
     with make_cache(tmp_path) as cache:
-        with pytest.raises(
-            shared_blocks.SharedBlockError, match=rf"shared block {path}: checksum mismatch"
-        ):
-            cache.admit(cache.init(admit=False), 0, tokens=TOKENS[:9], max_tokens=64)
-        # Nothing was mapped or kept pinned: the slot is still free and no block is used.
-        assert cache.free_blocks == cache.spec.num_blocks
+        with caplog.at_level(logging.WARNING, logger="jax_tpusync.levels"):
+            state, cached = cache.admit(cache.init(admit=False), 0, tokens=TOKENS[:9], max_tokens=64)
+        assert cached == 0
+        assert f"shared block {path}: checksum mismatch" in caplog.text
+        assert cache.prefix_stats["shared_damaged"] == 1
+        # Nothing of the damaged block was mapped or indexed: the slot got fresh blocks.
         assert cache.prefix_stats["indexed_blocks"] == 0
+        assert cache.free_blocks == cache.spec.num_blocks - 8
+        cache.release(state, 0)
 
 
-def test_a_truncated_file_and_a_foreign_header_are_errors(tmp_path):
+def test_a_truncated_file_and_a_foreign_header_are_misses(tmp_path, caplog):
     path = _publish_first_block(tmp_path)
     whole = path.read_bytes()
-    path.write_bytes(whole[:-1])
-    with make_cache(tmp_path) as cache:
-        with pytest.raises(shared_blocks.SharedBlockError, match=r"payload bytes, expected"):
-            cache.admit(cache.init(admit=False), 0, tokens=TOKENS[:9], max_tokens=64)
-    path.write_bytes(b"garbage!" + whole[8:])
-    with make_cache(tmp_path) as cache:
-        with pytest.raises(shared_blocks.SharedBlockError, match=r"unreadable header"):
-            cache.admit(cache.init(admit=False), 0, tokens=TOKENS[:9], max_tokens=64)
+    for damaged, message in ((whole[:-1], "payload bytes, expected"), (b"garbage!" + whole[8:], "unreadable header")):
+        path.write_bytes(damaged)
+        caplog.clear()
+        with make_cache(tmp_path) as cache:
+            with caplog.at_level(logging.WARNING, logger="jax_tpusync.levels"):
+                _, cached = cache.admit(cache.init(admit=False), 0, tokens=TOKENS[:9], max_tokens=64)
+            assert cached == 0
+            assert message in caplog.text and str(path) in caplog.text
 
 
 def test_a_file_holding_other_tokens_under_the_key_is_never_used(tmp_path):
     """A digest collision, forced: the file under block 0's key holds tokens that differ
     in their last id only. The match stops there; nothing is mapped."""
     with make_cache(tmp_path) as cache:
-        key = cache._prefix.keys(TOKENS[:8])[0]
-        directory = cache._shared_dir
+        key = cache.slots.prefix.keys(TOKENS[:8])[0]
+        directory = cache.slots.remote_levels[0]
         other = TOKENS[:8].copy()
         other[-1] += 1
         directory.publish(key, None, other, np.zeros(directory.payload_bytes, np.uint8))

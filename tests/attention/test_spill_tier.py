@@ -133,11 +133,11 @@ def test_demoted_prefix_blocks_are_read_in_place_from_the_spill_tier(tmp_path, t
             k, v = cache.read(state, layer, 1)
             _assert_rows(np.stack([k, v]), _kv(tokens, layer), tier_dtype)
         runs = cache.tier_runs(0, 0, 1, 0, 15)
-        assert [t for t, _, _ in runs] == [int(cache._target[4]), cache.tier]
+        assert [t for t, _, _ in runs] == [int(cache.target[4]), cache.tier]
         with pytest.raises(ValueError, match="include blocks on the spill tier: use tier_runs"):
             cache.tier_rows(0, 0, 1, 0, 15)
 
-        spill_tier = int(cache._target[4])
+        spill_tier = int(cache.target[4])
         before = cache.engine.stats()["tiers"][spill_tier]["fetch"]["bytes"]
         state = _decode_matches_resident(cache, state)
         fetched = cache.engine.stats()["tiers"][spill_tier]["fetch"]["bytes"] - before
@@ -176,9 +176,9 @@ def test_a_spill_block_is_promoted_at_its_promote_after_th_admission(tmp_path):
 def test_a_block_mapped_by_another_slot_is_not_promoted(tmp_path):
     with _cache(tmp_path, promote_after=1) as cache:
         state = _cache_doc_then_press(cache, cache.init(admit=False))
-        cache._spill.promote_after = None
+        cache.slots.mover.promote_after = None
         state, _ = cache.admit(state, 0, tokens=DOC, max_tokens=16)  # Maps the spill blocks.
-        cache._spill.promote_after = 1
+        cache.slots.mover.promote_after = 1
         state, cached = cache.admit(state, 1, tokens=DOC, max_tokens=16)
         assert cached == 8  # The prompt's last block is computed, not mapped.
         # Both slots map blocks 0 and 1: moving them would change slot 0's live table.

@@ -365,9 +365,9 @@ def test_shards_own_disjoint_tier_blocks_and_share_one_engine():
     with mesh_cache("2x2") as cache:
         engines = {c.engine for c in cache.shards.values()}
         assert engines == {cache.engine}
-        targets = [tuple(c._target[:3]) for c in cache.shards.values()]
+        targets = [tuple(c.target[:3]) for c in cache.shards.values()]
         assert len(set(targets)) == 4  # Each shard: its own tier allocation.
-        assert [int(c._target[3]) for c in cache.shards.values()] == [0, 1, 2, 3]
+        assert [int(c.target[3]) for c in cache.shards.values()] == [0, 1, 2, 3]
 
 
 def test_prefix_blocks_are_shared_per_shard(model):

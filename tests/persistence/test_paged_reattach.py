@@ -332,7 +332,7 @@ def test_bytes_outside_committed_rows_are_not_checked(where):
 def test_verify_refuses_a_slot_whose_blocks_moved_without_a_commit(where):
     decoded_cache(where, np.random.default_rng(7))
     with make(where) as cache:
-        cache._tables[[0, 2]] = cache._tables[[2, 0]]  # Behind the manifest's back.
+        cache.slots._tables[[0, 2]] = cache.slots._tables[[2, 0]]  # Behind the manifest's back.
         with pytest.raises(
             persistence.PersistenceError,
             match=r"sequence 0 no longer holds the KV blocks commit 5 recorded .*commit first",
@@ -346,7 +346,7 @@ def test_commit_past_a_slot_capacity_is_refused(where):
         with pytest.raises(
             persistence.CommitError, match=r"sequence 2's length 17 is not in \[0, 16\]"
         ):
-            cache._persistence.commit([0, 0, 17])
+            cache.persistence.commit([0, 0, 17])
         cache.close(state)
     assert json.loads(manifest_path(where).read_text())["commit"] == 1
 
@@ -357,7 +357,7 @@ def test_a_restore_over_held_blocks_changes_nothing(where):
         tables = np.full((BATCH, 8), -1, np.int32)
         tables[0, :2] = [15, 3]  # Block 15 is free, block 3 is held by slot 0.
         with pytest.raises(ValueError, match="block 3 is not free"):
-            cache._restore_slots(tables, [16, 0, 0])
+            cache.slots.restore(tables, [16, 0, 0])
         np.testing.assert_array_equal(cache.block_tables, TABLES)
         assert cache.free_blocks == 1
 

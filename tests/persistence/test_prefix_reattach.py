@@ -488,7 +488,7 @@ CHILD = textwrap.dedent(
     state = cache.commit(state)
     np.save({out!r} + "/a_blocks.npy", np.asarray(a_blocks))
     np.save({out!r} + "/b_blocks.npy", np.asarray(b_blocks))
-    np.save({out!r} + "/commit.npy", np.asarray(cache._persistence.commit_number))
+    np.save({out!r} + "/commit.npy", np.asarray(cache.persistence.commit_number))
     # Published after the commit: C's blocks, and its tail freed for slot 2.
     c = list(range(300, 312))
     state, _, c_blocks = t.serve(cache, state, 0, c, 16)

@@ -1,0 +1,399 @@
+"""A cache's configuration as values: frozen dataclasses, each checked when it is made.
+
+:class:`CacheConfig` gathers what :class:`~jax_tpusync.cache.OffloadedKVCache` takes as
+keywords (:meth:`CacheConfig.from_kwargs` is that constructor's parser), grouped by concern:
+
+* :class:`KVGeometry`: layers, batch, heads, dtypes, windows, blocks — what the KV is;
+* the tier, a value: :class:`HostTier` (DRAM, optionally a named ``/dev/shm`` segment),
+  :class:`FileTier` (a file in a directory) or :class:`TwoLevelTier` (DRAM over a spill
+  file);
+* :class:`StagingConfig`: the device budget and how units move through it;
+* :class:`PrefixConfig`: the prefix store's salt and shared directory;
+* :class:`PersistenceConfig`: what a persistent tier checks on re-attach.
+
+Everything here is checked before the cache creates anything (engine, tier, file or
+directory), so that a refused configuration leaves nothing behind. Turning a configuration
+into sizes is :mod:`jax_tpusync.layout`'s job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_tpusync import quantize
+from jax_tpusync.state import INT32_MAX
+
+# Most units a cache fetches ahead. The walk to the unit ahead is computed in closed form
+# (no trace-time loop), so this bounds staging slots, not compile time.
+MAX_PREFETCH_DEPTH = 64
+
+# Tokens per KV block unless the cache is given ``block_tokens``; smaller for a short max_len.
+DEFAULT_BLOCK_TOKENS = 256
+
+KV_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float16))
+
+
+def is_int(value: Any) -> bool:
+    """An int (Python or numpy), not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+@dataclasses.dataclass(frozen=True)
+class KVGeometry:
+    """What the cached KV is: its shape per layer and how the tier blocks it."""
+
+    num_layers: int
+    batch: int
+    max_len: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: Any = jnp.bfloat16
+    tier_dtype: Any = None  # None, or the one-byte codes' dtype (see jax_tpusync.quantize)
+    windows: tuple[int | None, ...] | int | None = None  # per layer; None: global
+    block_tokens: int | None = None  # None: DEFAULT_BLOCK_TOKENS, or less for a short max_len
+    num_blocks: int | None = None  # None: every slot at max_len
+
+    def __post_init__(self):
+        for name in ("num_layers", "batch", "max_len", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not is_int(value) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+            object.__setattr__(self, name, int(value))
+        if self.max_len > INT32_MAX:
+            raise ValueError(
+                f"max_len={self.max_len} must be at most 2**31 - 1 (positions are int32)"
+            )
+        dtype = np.dtype(self.dtype)
+        if dtype not in KV_DTYPES:
+            raise ValueError(f"dtype={dtype} must be bfloat16, float16 or float32")
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "tier_dtype", quantize.tier_dtype_of(self.tier_dtype))
+        object.__setattr__(self, "windows", normalize_windows(self.windows, self.num_layers))
+        block_tokens = self.block_tokens
+        if block_tokens is None:
+            block_tokens = min(DEFAULT_BLOCK_TOKENS, 1 << (self.max_len - 1).bit_length())
+        if not is_int(block_tokens) or block_tokens < 1 or block_tokens & (block_tokens - 1):
+            raise ValueError(f"block_tokens={block_tokens!r} must be a power of two (1, 2, 4, ...)")
+        object.__setattr__(self, "block_tokens", int(block_tokens))
+        num_blocks = self.num_blocks
+        if num_blocks is None:
+            num_blocks = self.batch * self.max_blocks
+        if not is_int(num_blocks) or num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks!r} must be a positive int")
+        object.__setattr__(self, "num_blocks", int(num_blocks))
+
+    @property
+    def max_blocks(self) -> int:
+        """Block table entries per slot: the blocks of max_len tokens."""
+        return -(-self.max_len // self.block_tokens)
+
+    @property
+    def quantized(self) -> bool:
+        return self.tier_dtype is not None
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's K (or V) row on the tier."""
+        if self.quantized:
+            return quantize.row_bytes(self.num_kv_heads, self.head_dim)
+        return self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """A staged row: [num_kv_heads, head_dim] values, or [row_bytes] quantized."""
+        return (self.row_bytes,) if self.quantized else (self.num_kv_heads, self.head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTier:
+    """Host DRAM: an anonymous pool, or a named ``/dev/shm`` segment that a restarted
+    process re-attaches to (``shm_name``)."""
+
+    shm_name: str | None = None
+
+    kind = "host"
+
+    @property
+    def persistent(self) -> bool:
+        return self.shm_name is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class FileTier:
+    """One file in directory ``path`` (local SSD or shared storage); a ``file_name``
+    makes it persistent (re-attached on reopen)."""
+
+    path: str | os.PathLike
+    file_name: str | None = None
+
+    kind = "file"
+
+    def __post_init__(self):
+        if self.path is None:
+            raise ValueError("tier='file' needs path=<directory>")
+
+    @property
+    def persistent(self) -> bool:
+        return self.file_name is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoLevelTier:
+    """DRAM over a spill file in ``spill_path`` (see :mod:`jax_tpusync.spill`): cached
+    prefix blocks that DRAM has no room for are demoted there instead of evicted.
+
+    ``spill_blocks``: blocks per (layer, K|V) on the spill file (None: 4x the DRAM tier's);
+    ``promote_after``: admissions mapping a spill block before it is copied back to DRAM
+    (None: never)."""
+
+    spill_path: str | os.PathLike
+    spill_blocks: int | None = None
+    promote_after: int | None = 2
+
+    kind = "host"
+    persistent = False
+    shm_name = None
+
+    def __post_init__(self):
+        if self.spill_blocks is not None and (not is_int(self.spill_blocks) or self.spill_blocks < 1):
+            raise ValueError(f"spill_blocks={self.spill_blocks!r} must be a positive int")
+        if self.promote_after is not None and (
+            not is_int(self.promote_after) or self.promote_after < 1
+        ):
+            raise ValueError(f"promote_after={self.promote_after!r} must be an int >= 1 or None")
+
+    def blocks_for(self, num_blocks: int) -> int:
+        """Spill blocks per (layer, K|V) behind ``num_blocks`` DRAM blocks."""
+        spill = 4 * num_blocks if self.spill_blocks is None else int(self.spill_blocks)
+        if num_blocks + spill > INT32_MAX:
+            raise ValueError(
+                f"num_blocks + spill_blocks = {num_blocks + spill} must fit int32 (one id "
+                f"space in the block tables)"
+            )
+        return spill
+
+
+Tier = HostTier | FileTier | TwoLevelTier
+
+
+@dataclasses.dataclass(frozen=True)
+class StagingConfig:
+    """The device side: the staging budget and how units move through it (see
+    :class:`~jax_tpusync.cache.OffloadedKVCache` for each field)."""
+
+    staging_bytes: int = 256 << 20
+    resident: bool | str = False
+    read_in_place: bool | str = "auto"
+    prefetch_depth: int | str = 1
+    prefetch_across_steps: bool = True
+    debug_poison: bool = False
+
+    def __post_init__(self):
+        depth = self.prefetch_depth
+        if not (isinstance(depth, str) and depth == "auto") and (
+            not is_int(depth) or not 1 <= depth <= MAX_PREFETCH_DEPTH
+        ):
+            raise ValueError(
+                f"prefetch_depth={depth!r} must be an int in [1, {MAX_PREFETCH_DEPTH}] "
+                f"or 'auto': "
+                f"each unit ahead takes a staging slot, and beyond a few units (3 hide a slow "
+                f"read in the benchmarks) more slots only shrink every unit"
+            )
+        if not is_int(self.staging_bytes) or not 1 <= self.staging_bytes <= INT32_MAX:
+            raise ValueError(
+                f"staging_bytes={self.staging_bytes!r} must be an int in [1, 2**31 - 1] (a "
+                f"segment's memory offset is int32)"
+            )
+        object.__setattr__(self, "staging_bytes", int(self.staging_bytes))
+        resident = self.resident
+        is_auto = isinstance(resident, str) and resident == "auto"
+        if not (isinstance(resident, (bool, np.bool_)) or is_auto):
+            raise ValueError(f"resident={resident!r} must be True, False or 'auto'")
+        object.__setattr__(self, "resident", resident if is_auto else bool(resident))
+        choice = self.read_in_place
+        if not (isinstance(choice, bool) or (isinstance(choice, str) and choice == "auto")):
+            raise ValueError(f"read_in_place={choice!r} must be True, False or 'auto'")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixConfig:
+    """The prefix store: ``salt`` keeps two models' blocks apart (default: the model id);
+    ``shared_dir`` is a directory other processes publish blocks to and import them from."""
+
+    salt: str | bytes | None = None
+    shared_dir: str | os.PathLike | None = None
+
+    def __post_init__(self):
+        if self.shared_dir is not None and os.path.exists(self.shared_dir):
+            if not os.path.isdir(self.shared_dir):
+                raise ValueError(
+                    f"shared_prefix_dir={os.fspath(self.shared_dir)!r} exists and is not a "
+                    f"directory"
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class PersistenceConfig:
+    """What a persistent tier's re-attach checks: the model id, the checksums (``verify``),
+    or nothing at all (``overwrite``: start empty)."""
+
+    model_id: str | None = None
+    verify: bool = True
+    overwrite: bool = False
+
+    def __post_init__(self):
+        if self.model_id is not None and not isinstance(self.model_id, str):
+            raise ValueError(f"model_id={self.model_id!r} must be a str or None")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """A whole cache's configuration (see :meth:`from_kwargs`)."""
+
+    geometry: KVGeometry
+    tier: Tier = HostTier()
+    staging: StagingConfig = StagingConfig()
+    prefix: PrefixConfig = PrefixConfig()
+    persistence: PersistenceConfig = PersistenceConfig()
+
+    def __post_init__(self):
+        tier, staging = self.tier, self.staging
+        if isinstance(tier, TwoLevelTier) and staging.resident is True:
+            raise ValueError("resident=True keeps every block on device: it takes no spill_path")
+
+    @property
+    def two_level(self) -> bool:
+        return isinstance(self.tier, TwoLevelTier)
+
+    @property
+    def spill_blocks(self) -> int:
+        """Spill blocks per (layer, K|V); 0 for a one-level tier."""
+        if not isinstance(self.tier, TwoLevelTier):
+            return 0
+        return self.tier.blocks_for(self.geometry.num_blocks)
+
+    @classmethod
+    def from_kwargs(
+        cls,
+        *,
+        num_layers: int,
+        batch: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: Any = jnp.bfloat16,
+        tier_dtype: Any = None,
+        tier: str = "host",
+        path: str | os.PathLike | None = None,
+        shm_name: str | None = None,
+        file_name: str | None = None,
+        block_tokens: int | None = None,
+        num_blocks: int | None = None,
+        staging_bytes: int = 256 << 20,
+        resident: bool | str = False,
+        read_in_place: bool | str = "auto",
+        prefetch_depth: int | str = 1,
+        sliding_window: int | Sequence[int | None] | None = None,
+        prefetch_across_steps: bool = True,
+        debug_poison: bool = False,
+        model_id: str | None = None,
+        verify: bool = True,
+        overwrite: bool = False,
+        prefix_salt: str | bytes | None = None,
+        shared_prefix_dir: str | os.PathLike | None = None,
+        spill_path: str | os.PathLike | None = None,
+        spill_blocks: int | None = None,
+        promote_after: int | None = 2,
+    ) -> CacheConfig:
+        """The configuration :class:`~jax_tpusync.cache.OffloadedKVCache`'s keywords
+        describe (the same names and meanings), every argument checked."""
+        geometry = KVGeometry(
+            num_layers=num_layers,
+            batch=batch,
+            max_len=max_len,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            tier_dtype=tier_dtype,
+            windows=sliding_window,
+            block_tokens=block_tokens,
+            num_blocks=num_blocks,
+        )
+        return cls(
+            geometry=geometry,
+            tier=tier_of(tier, path, shm_name, file_name, spill_path, spill_blocks, promote_after),
+            staging=StagingConfig(
+                staging_bytes=staging_bytes,
+                resident=resident,
+                read_in_place=read_in_place,
+                prefetch_depth=prefetch_depth,
+                prefetch_across_steps=prefetch_across_steps,
+                debug_poison=debug_poison,
+            ),
+            prefix=PrefixConfig(salt=prefix_salt, shared_dir=shared_prefix_dir),
+            persistence=PersistenceConfig(model_id=model_id, verify=verify, overwrite=overwrite),
+        )
+
+
+def tier_of(
+    tier: str,
+    path: Any = None,
+    shm_name: str | None = None,
+    file_name: str | None = None,
+    spill_path: Any = None,
+    spill_blocks: int | None = None,
+    promote_after: int | None = 2,
+) -> Tier:
+    """The tier value the keyword arguments name (``tier="host" | "file"`` and the
+    arguments each kind takes), refusing arguments of another kind."""
+    if tier not in ("host", "file"):
+        raise ValueError(f"tier={tier!r} must be 'host' or 'file'")
+    if tier == "file" and path is None:
+        raise ValueError("tier='file' needs path=<directory>")
+    if tier == "host" and (path is not None or file_name is not None):
+        raise ValueError("path and file_name apply to tier='file' only")
+    if tier == "file" and shm_name is not None:
+        raise ValueError("shm_name applies to tier='host' only")
+    if spill_path is None:
+        if spill_blocks is not None:
+            raise ValueError(f"spill_blocks={spill_blocks!r} needs spill_path=<directory>")
+        return HostTier(shm_name) if tier == "host" else FileTier(path, file_name)
+    if tier != "host":
+        raise ValueError(
+            f"spill_path puts a file tier behind the DRAM tier: it needs tier='host', not "
+            f"{tier!r} (a file tier's blocks are on the file already)"
+        )
+    if shm_name is not None or file_name is not None:
+        raise ValueError(
+            "a two-level cache (spill_path) does not persist across restarts: drop shm_name "
+            "/ file_name, or use a one-level persistent tier (or shared_prefix_dir)"
+        )
+    return TwoLevelTier(spill_path, spill_blocks, promote_after)
+
+
+def normalize_windows(sliding_window: Any, num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer windows from None, an int, or one ``int | None`` per layer."""
+    if sliding_window is None or is_int(sliding_window):
+        windows = (sliding_window,) * num_layers
+    elif isinstance(sliding_window, (str, bytes)) or not isinstance(sliding_window, Sequence):
+        raise ValueError(
+            f"sliding_window={sliding_window!r} must be None, an int or a sequence of "
+            f"{num_layers} ints or Nones"
+        )
+    else:
+        windows = tuple(sliding_window)
+        if len(windows) != num_layers:
+            raise ValueError(f"sliding_window has {len(windows)} entries for {num_layers} layers")
+    for layer, w in enumerate(windows):
+        if w is not None and (not is_int(w) or not 1 <= w <= INT32_MAX):
+            raise ValueError(
+                f"sliding window {w!r} of layer {layer} must be None or an int in "
+                f"[1, 2**31 - 1] (positions are int32)"
+            )
+    return tuple(None if w is None else int(w) for w in windows)

@@ -1,0 +1,170 @@
+"""Host-side reads and writes of a cache's rows, through the slots' block tables.
+
+What :meth:`~jax_tpusync.cache.OffloadedKVCache.load`, ``read``, ``read_all`` and resident
+mode's device copy move: rows of one (layer, K|V, slot) located block by block
+(:meth:`HostRows.runs`), batched into one engine request per tier, as the tier stores them
+(values in the cache's dtype, or quantized rows: codes then scales).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_tpusync import blocks, quantize
+from jax_tpusync.engine import Engine
+from jax_tpusync.levels import TierBlocks
+from jax_tpusync.slots import SlotTable
+from jax_tpusync.state import CacheSpec
+
+
+class HostRows:
+    """Row-level host I/O of one cache (its spec, engine, tier blocks and slot table)."""
+
+    def __init__(self, spec: CacheSpec, engine: Engine, store: TierBlocks, slots: SlotTable):
+        self.spec = spec
+        self.engine = engine
+        self.store = store
+        self.slots = slots
+
+    def runs(self, layer: int, kv: int, slot: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """``(tier, tier byte offset, bytes)`` runs holding positions ``[lo, hi)`` of
+        ``slot``'s K (``kv=0``) or V (1) in ``layer``; consecutive blocks merged. Raises if
+        a position has no block."""
+        spec = self.spec
+        out = []
+        table = self.slots.table_row(slot)
+        for block, row, n in blocks.row_runs(table, spec.block_tokens, lo, hi, spec.num_blocks):
+            tier, offset = self.store.locate(layer * 2 + kv, block)
+            out.append((tier, offset + row * spec.row_bytes, n * spec.row_bytes))
+        return out
+
+    def segments(self, layer: int, kv: int, start: np.ndarray, counts: np.ndarray):
+        """(tier, tier offset, memory offset, bytes) of rows ``[start[b], start[b] +
+        counts[b])`` of every slot, packed slot after slot in memory."""
+        rows = []
+        mem = 0
+        for b in range(self.spec.batch):
+            lo, hi = int(start[b]), int(start[b] + counts[b])
+            for tier, offset, n in self.runs(layer, kv, b, lo, hi):
+                rows.append((tier, offset, mem, n))
+                mem += n
+        return rows
+
+    def write(
+        self,
+        layer: int,
+        k: np.ndarray,  # [batch, n, num_kv_heads, head_dim], the cache's dtype
+        v: np.ndarray,  # [batch, n, num_kv_heads, head_dim]
+        starts: np.ndarray,  # int64[batch]
+        counts: np.ndarray,  # int64[batch]
+    ) -> None:
+        """Writes rows ``[starts[b], starts[b] + counts[b])`` of every slot (quantized on
+        the way, as the step's write-back would) and waits for them."""
+        spec = self.spec
+        tickets = []
+        for kv, x in enumerate((k, v)):
+            rows = [x[b, : counts[b]] for b in range(spec.batch)]
+            if spec.quantized:  # The bytes the step's write-back would write for them.
+                rows = [quantize.quantize_host(r, spec.tier_dtype) for r in rows]
+            packed = np.concatenate([r.reshape(-1) for r in rows])
+            segments = self.segments(layer, kv, starts, counts)
+            # A slot's own blocks are DRAM blocks (the caller refused its shared prefix).
+            assert all(tier == self.store.tier for tier, *_ in segments)
+            tickets.append(
+                self.engine.submit_write(
+                    self.store.tier, [r[1:] for r in segments], packed, layer=layer
+                )
+            )
+        for t in tickets:
+            self.engine.wait(t)
+
+    def read(self, layer: int, slot: int, start: int, stop: int, *, raw: bool = False):
+        """K and V of positions ``[start, stop)`` of ``slot`` (see ``cache.read``)."""
+        out = []
+        for kv in range(2):
+            buf = self.row_buffer((stop - start,))
+            rows, mem = [], 0
+            for tier, offset, n in self.runs(layer, kv, slot, start, stop):
+                rows.append((tier, offset, mem, n))
+                mem += n
+            self.engine.transfer(rows, buf, write=False)
+            out.append(self.from_rows(buf, raw=raw))
+        return out[0], out[1]
+
+    def read_all(self, layer: int, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """K and V of every slot's positions ``[0, counts[b])``, zeros past them: two
+        [batch, max_len, H, D] arrays."""
+        spec = self.spec
+        out = []
+        for kv in range(2):
+            buf = self.row_buffer((spec.batch, spec.max_len))
+            rows = []
+            for b in range(spec.batch):
+                mem = b * spec.max_len * spec.row_bytes
+                for tier, offset, n in self.runs(layer, kv, b, 0, int(counts[b])):
+                    rows.append((tier, offset, mem, n))
+                    mem += n
+            self.engine.transfer(rows, buf, write=False)
+            out.append(self.from_rows(buf))
+        return out[0], out[1]
+
+    def row_buffer(self, lead: tuple[int, ...]) -> np.ndarray:
+        """Zeros for ``lead`` rows as the tier stores them: [*lead, H, D] in the cache's
+        dtype, or uint8[*lead, row_bytes] quantized."""
+        spec = self.spec
+        if spec.quantized:
+            return np.zeros((*lead, spec.row_bytes), np.uint8)
+        return np.zeros((*lead, spec.num_kv_heads, spec.head_dim), spec.dtype)
+
+    def from_rows(self, rows: np.ndarray, *, raw: bool = False):
+        """Rows read from the tier as KV in the cache's dtype (or codes and scales)."""
+        spec = self.spec
+        if not spec.quantized:
+            return rows
+        stored = quantize.unpack_host(rows, spec.tier_dtype, spec.num_kv_heads, spec.head_dim)
+        if raw:
+            return stored
+        return quantize.dequantize_host(stored, spec.dtype)
+
+    def resident_copy(
+        self,
+        staging: jax.Array | None = None,  # spec.staging_shape; None: build it whole
+        *,
+        layer: int | None = None,
+        slot: int | None = None,
+    ) -> jax.Array:  # spec.staging_shape
+        """Resident staging holding the tier's rows of ``layer`` and ``slot`` (None: every
+        layer, every slot), the others kept from ``staging``.
+
+        Copies every position a slot's blocks hold (up to its capacity, not only its
+        length): a later load that extends the lengths refreshes only its own layer, so the
+        other layers' rows past the old lengths must already be there.
+        """
+        spec = self.spec
+        capacity = self.slots.capacity
+        layers = range(spec.num_layers) if layer is None else [layer]
+        slots: Sequence[int] = range(spec.batch) if slot is None else [slot]
+        buf = np.zeros((len(layers), 2, len(slots), spec.max_len, spec.row_bytes), np.uint8)
+        rows = []
+        for i, l in enumerate(layers):
+            for kv in range(2):
+                for j, b in enumerate(slots):
+                    mem = ((i * 2 + kv) * len(slots) + j) * spec.max_len * spec.row_bytes
+                    for _, offset, n in self.runs(l, kv, b, 0, int(capacity[b])):
+                        rows.append((offset, mem, n))
+                        mem += n
+        if rows:  # Ordered after the write-backs in flight to the same bytes.
+            self.engine.wait(self.engine.submit_read(self.store.tier, rows, buf))
+        # The tier's bytes as staging holds them (values, their uint16 words, or raw rows).
+        values = buf.view(spec.staging_dtype).reshape(buf.shape[:4] + spec.row_shape)
+        if layer is None and slot is None:
+            return jnp.asarray(values)
+        if layer is None:
+            return staging.at[:, :, slot].set(values[:, :, 0])
+        if slot is None:
+            return staging.at[layer].set(values[0])
+        return staging.at[layer, :, slot].set(values[0, :, 0])

@@ -1,0 +1,165 @@
+"""Storage levels: where a cache's block bytes live, behind small interfaces.
+
+Three roles, each an interface (a ``Protocol``) the slot table (:mod:`jax_tpusync.slots`)
+and the cache use, with one class per level that plays it:
+
+* :class:`BlockStore` — reads and writes whole blocks (every layer, K then V) of the
+  cache's own tiers. :class:`TierBlocks`: an engine tier allocation (host DRAM, a file, or
+  DRAM over a spill file), which also says where each block's rows are
+  (:meth:`TierBlocks.locate`, what the step's segments and host-side reads use).
+* :class:`RemoteLevel` — a level past the cache's own index that holds *published* prefix
+  blocks by their chained key, shared with other processes or hosts: lookup (``has``),
+  ``load`` (checked: a damaged or foreign block is a miss, never KV), ``publish``
+  (first writer wins), ``stats``. :class:`SharedDirectoryLevel`: one file per block in a
+  shared directory. Another level (a network store) is one more class of this shape.
+* :class:`SpillMover` — moves cached blocks between the two levels of a two-level cache
+  (:class:`jax_tpusync.spill.SpillTier`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from jax_tpusync import shared_blocks
+from jax_tpusync.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+class BlockStore(Protocol):
+    """Whole blocks of the cache's own tiers: ``uint8[regions * block_bytes]`` payloads
+    (every (layer, K|V) region of the block, in region order)."""
+
+    def read_blocks(self, blocks: Sequence[int]) -> list[np.ndarray]: ...
+
+    def write_block(self, block: int, payload: np.ndarray) -> None: ...
+
+
+class RemoteLevel(Protocol):
+    """Published prefix blocks by key, shared beyond this cache."""
+
+    def has(self, key: bytes) -> bool: ...
+
+    def load(self, key: bytes, parent: bytes | None, tokens: np.ndarray) -> np.ndarray | None: ...
+
+    def publish(
+        self, key: bytes, parent: bytes | None, tokens: np.ndarray, payload: np.ndarray
+    ) -> bool: ...
+
+    def stats(self) -> dict: ...
+
+    def describe(self) -> str: ...
+
+
+class SpillMover(Protocol):
+    """Moves cached blocks between DRAM and a spill level (see jax_tpusync.spill)."""
+
+    def demote(self, prefix: Any, want_free: int) -> None: ...
+
+    def admitted(self, prefix: Any, shared: list[int]) -> list[int]: ...
+
+    def stats(self) -> dict: ...
+
+
+class TierBlocks:
+    """One cache's block allocation on an engine tier (and its spill tier, if any).
+
+    Block ``b`` of region ``r`` (= layer * 2 + K|V) lies at tier block ``first_block + r *
+    num_blocks + b``; a two-level cache's ids past ``num_blocks`` are on the spill tier
+    (``locate`` asks the spill mover, which knows both allocations).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        tier: int,
+        first_block: int,
+        num_blocks: int,
+        regions: int,
+        block_bytes: int,
+        spill: Any = None,
+    ):
+        self.engine = engine
+        self.tier = tier
+        self.first_block = first_block
+        self.num_blocks = num_blocks
+        self.regions = regions
+        self.block_bytes = block_bytes
+        self.spill = spill
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.regions * self.block_bytes
+
+    def locate(self, region: int, block: int) -> tuple[int, int]:
+        """(tier, tier byte offset) of table id ``block`` in ``region``."""
+        if self.spill is not None:
+            return self.spill.locate(region, block)
+        offset = (self.first_block + region * self.num_blocks + block) * self.block_bytes
+        return self.tier, offset
+
+    def block_rows(self, block: int, at: int = 0) -> list[tuple[int, int, int, int]]:
+        """(tier, tier offset, memory offset, bytes) of ``block`` in every region, packed
+        in region order from memory byte ``at``."""
+        return [
+            (*self.locate(region, block), at + region * self.block_bytes, self.block_bytes)
+            for region in range(self.regions)
+        ]
+
+    def read_blocks(self, blocks: Sequence[int]) -> list[np.ndarray]:
+        """The payloads of ``blocks``, read in one request (after the writes in flight to
+        their bytes, which the engine orders first)."""
+        size = self.payload_bytes
+        buf = np.empty(len(blocks) * size, np.uint8)
+        rows = [r for j, b in enumerate(blocks) for r in self.block_rows(int(b), j * size)]
+        self.engine.transfer(rows, buf, write=False)
+        return [buf[j * size : (j + 1) * size] for j in range(len(blocks))]
+
+    def write_block(self, block: int, payload: np.ndarray) -> None:
+        self.engine.transfer(self.block_rows(block), payload, write=True)
+
+
+class SharedDirectoryLevel:
+    """A shared directory of published blocks (:mod:`jax_tpusync.shared_blocks`) as a
+    remote level: a damaged, truncated or foreign block file is a miss and a warning
+    naming the file, never an error that blocks every admission of the prompt."""
+
+    def __init__(self, path: str | os.PathLike, **layout: Any):
+        self.directory = shared_blocks.SharedBlockDirectory(path, **layout)
+        self.damaged = 0  # Block files refused on load.
+
+    def describe(self) -> str:
+        return f"shared directory {os.fspath(self.directory.path)!r}"
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.directory.payload_bytes
+
+    def has(self, key: bytes) -> bool:
+        return self.directory.has(key)
+
+    def load(self, key: bytes, parent: bytes | None, tokens: np.ndarray) -> np.ndarray | None:
+        try:
+            return self.directory.load(key, parent, tokens)
+        except shared_blocks.SharedBlockError as e:
+            self.damaged += 1
+            logger.warning("%s; treated as a miss", e)
+            return None
+
+    def publish(
+        self, key: bytes, parent: bytes | None, tokens: np.ndarray, payload: np.ndarray
+    ) -> bool:
+        return self.directory.publish(key, parent, tokens, payload)
+
+    def stats(self) -> dict:
+        return dict(
+            shared_published=self.directory.published,
+            shared_imported=self.directory.imported,
+            shared_damaged=self.damaged,
+        )

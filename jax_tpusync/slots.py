@@ -1,0 +1,403 @@
+"""The slot table: which blocks each sequence holds, and every decision about blocks.
+
+Host-side only (no jit, no engine): per slot a block table row, a capacity and a count of
+leading blocks mapped read-only from the prefix index; the allocators of every level; the
+prefix index; and the eviction policy, in one place:
+
+* **Demote before evicting.** When a reservation needs more DRAM blocks than are free, a
+  two-level cache first moves cached prefix blocks to its spill level (least recently used
+  first, through the ``mover``), and only then evicts cached blocks (least recently used
+  first, leaves before their parents) — never a block a slot maps.
+* **Validate and reserve first, then apply.** :meth:`SlotTable.admit` and
+  :meth:`SlotTable.release` check every argument and reserve every block before they change
+  a table; a refused call leaves the tables, capacities, allocators and pins as they were.
+  (Blocks imported from a remote level during a refused admit stay indexed as cached
+  blocks: content, not a slot's state.)
+
+The bytes behind the blocks are the caller's: the slot table reaches them only through the
+small interfaces of :mod:`jax_tpusync.levels` (a ``BlockStore`` that reads and writes whole
+blocks, ``RemoteLevel`` s holding published blocks by key, a ``SpillMover``), so it is tested
+with fakes of those, without an engine (``tests/slots``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jax_tpusync import blocks, prefix
+from jax_tpusync.levels import BlockStore, RemoteLevel, SpillMover
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """What :meth:`SlotTable.admit` gave a slot: ``cached`` tokens already on the tier
+    (its mapped prefix), out of a ``capacity`` of tokens."""
+
+    slot: int
+    cached: int
+    capacity: int
+
+
+class SlotTable:
+    """Block tables, capacities, allocators, the prefix index and the eviction policy.
+
+    Args:
+      batch: slots.
+      max_len: tokens a slot may hold at most.
+      block_tokens: token rows per block.
+      num_blocks: DRAM (first-level) blocks per (layer, K|V).
+      root: the prefix index's root key (salt, geometry, dtype, layout).
+      spill_blocks: blocks of a second level behind DRAM (0: none).
+      store: reads and writes whole blocks (for remote imports and exports); None: no
+        remote level may be used.
+      remote_levels: levels past the local index that hold published blocks by key (a
+        shared directory, ...), searched in order by :meth:`admit` and published to by
+        :meth:`release`.
+      before_reuse: called before a block that the last commit may index is rewritten
+        (a persistent cache commits its eviction first).
+      before_release: called with a slot before its private blocks are freed.
+    """
+
+    def __init__(
+        self,
+        *,
+        batch: int,
+        max_len: int,
+        block_tokens: int,
+        num_blocks: int,
+        root: bytes,
+        spill_blocks: int = 0,
+        store: BlockStore | None = None,
+        remote_levels: Sequence[RemoteLevel] = (),
+        before_reuse: Callable[[], None] | None = None,
+        before_release: Callable[[int], None] | None = None,
+    ):
+        self.batch = batch
+        self.max_len = max_len
+        self.block_tokens = block_tokens
+        self.num_blocks = num_blocks
+        self.max_blocks = -(-max_len // block_tokens)
+        self.dram = blocks.BlockAllocator(num_blocks)
+        self.allocators: Any = self.dram
+        if spill_blocks:
+            from jax_tpusync.spill import LevelAllocators
+
+            self.allocators = LevelAllocators(self.dram, blocks.BlockAllocator(spill_blocks))
+        self.prefix = prefix.PrefixIndex(self.allocators, block_tokens, root)
+        self.store = store
+        self.remote_levels = tuple(remote_levels)
+        self.mover: SpillMover | None = None
+        self._before_reuse = before_reuse or (lambda: None)
+        self._before_release = before_release or (lambda slot: None)
+        self._tables = np.full((batch, self.max_blocks), blocks.NO_BLOCK, np.int32)
+        self._capacity = np.zeros(batch, np.int32)
+        self._shared = np.zeros(batch, np.int32)  # Leading blocks mapped from the index.
+        self.publish_failures = 0  # Remote publishes that failed (release went on).
+
+    def use_mover(self, mover: SpillMover) -> None:
+        """The mover of blocks between the two levels of a two-level cache."""
+        self.mover = mover
+
+    # -- reading ----------------------------------------------------------------------------
+
+    @property
+    def tables(self) -> np.ndarray:
+        """int32[batch, max_blocks]: each slot's blocks (-1: none); a copy."""
+        return self._tables.copy()
+
+    @property
+    def capacity(self) -> np.ndarray:
+        """int32[batch]: tokens each slot may hold (0: inactive); a copy."""
+        return self._capacity.copy()
+
+    @property
+    def shared(self) -> np.ndarray:
+        """int32[batch]: leading blocks each slot maps read-only from the prefix index."""
+        return self._shared.copy()
+
+    @property
+    def free_blocks(self) -> int:
+        """DRAM blocks that neither a slot nor the prefix index holds."""
+        return self.dram.free_blocks
+
+    def table_row(self, slot: int) -> np.ndarray:
+        """int32[max_blocks]: ``slot``'s blocks (a view: do not modify)."""
+        return self._tables[slot]
+
+    def is_active(self, slot: int) -> bool:
+        return bool(self._capacity[slot] > 0)
+
+    def shared_tokens(self, slot: int) -> int:
+        """Tokens of ``slot``'s read-only prefix: rows a step or load must not write."""
+        return int(self._shared[slot]) * self.block_tokens
+
+    def check_slot(self, slot: Any) -> None:
+        if not _is_int(slot) or not 0 <= slot < self.batch:
+            raise ValueError(f"slot={slot!r} must be an int in [0, batch={self.batch})")
+
+    def stats(self) -> dict:
+        """The prefix index's counts, each remote level's and the spill mover's."""
+        p = self.prefix
+        out = dict(
+            indexed_blocks=len(p), cached_blocks=p.cached_blocks, hits=p.hits, evictions=p.evictions
+        )
+        for level in self.remote_levels:
+            out.update(level.stats())
+        if self.remote_levels:
+            out["shared_publish_failures"] = self.publish_failures
+        if self.mover is not None:
+            out.update(self.mover.stats())
+        return out
+
+    # -- the eviction policy ----------------------------------------------------------------
+
+    def make_room(self, count: int) -> bool:
+        """Whether ``count`` DRAM blocks are free, after demoting (two-level) or evicting
+        cached prefix blocks if not."""
+        if count > self.dram.free_blocks and self.mover is not None:
+            self.mover.demote(self.prefix, count)
+        short = count - self.dram.free_blocks
+        if short > 0:
+            in_dram = self.allocators.in_dram if self.mover is not None else None
+            self.prefix.evict(short, where=in_dram)
+        return count <= self.dram.free_blocks
+
+    def _allocate(self, count: int) -> np.ndarray:
+        """``count`` fresh DRAM blocks, room made first; raises naming the shortfall."""
+        if not self.make_room(count):
+            raise ValueError(
+                f"needs {count} KV blocks but only {self.dram.free_blocks} of "
+                f"{self.num_blocks} are free and none is left to evict (the others are "
+                f"held by active slots{', or pinned prefix blocks' if len(self.prefix) else ''}); "
+                f"release a slot, or make the cache with more num_blocks"
+            )
+        self._before_reuse()  # An evicted block the last commit indexes: commit it gone.
+        return self.dram.allocate(count)
+
+    # -- transactions -----------------------------------------------------------------------
+
+    def check_admit(self, slot: Any, max_tokens: Any, tokens: Any) -> tuple[int, np.ndarray | None]:
+        """``(max_tokens, token ids)`` of an admission, checked; changes nothing."""
+        self.check_slot(slot)
+        if max_tokens is None:
+            max_tokens = self.max_len
+        if not _is_int(max_tokens) or not 1 <= max_tokens <= self.max_len:
+            raise ValueError(
+                f"max_tokens={max_tokens!r} must be an int in [1, max_len={self.max_len}]"
+            )
+        if self._capacity[slot] > 0:
+            raise ValueError(
+                f"slot {slot} is active (capacity {int(self._capacity[slot])} tokens); "
+                f"release it before admitting another sequence"
+            )
+        ids = None
+        if tokens is not None:
+            ids = prefix.token_ids(tokens)
+            if len(ids) > max_tokens:
+                raise ValueError(f"tokens has {len(ids)} ids, more than max_tokens={max_tokens}")
+        return int(max_tokens), ids
+
+    def admit(
+        self, slot: int, max_tokens: int | None = None, tokens: Any = None
+    ) -> Admission:
+        """Gives ``slot`` blocks for ``max_tokens`` tokens, its longest cached prefix of
+        ``tokens`` (at most ``len(tokens) - 1`` tokens, whole blocks) mapped read-only
+        from the local index, then from the remote levels; the rest fresh.
+
+        All or nothing: a refusal (bad argument, active slot, too few blocks, a failed
+        import) unpins what it pinned and frees what it took.
+        """
+        max_tokens, ids = self.check_admit(slot, max_tokens, tokens)
+        shared: list[int] = []
+        try:
+            if ids is not None:
+                limit = max(len(ids) - 1, 0) // self.block_tokens
+                shared = self.prefix.match(ids, limit)
+                shared += self._import(ids, len(shared), limit)
+            n = -(-max_tokens // self.block_tokens)
+            fresh = self._allocate(n - len(shared))
+        except Exception:
+            self.prefix.unpin(shared)
+            raise
+        if self.mover is not None and shared:
+            try:
+                shared = self.mover.admitted(self.prefix, shared)
+            except Exception:
+                self.prefix.unpin(shared)
+                self.dram.free(fresh)
+                raise
+        self._tables[slot] = blocks.NO_BLOCK
+        self._tables[slot, : len(shared)] = shared
+        self._tables[slot, len(shared) : n] = fresh
+        self._capacity[slot] = max_tokens
+        self._shared[slot] = len(shared)
+        return Admission(slot, len(shared) * self.block_tokens, max_tokens)
+
+    def place(self, slot: int, block_ids: Sequence[int], capacity: int) -> None:
+        """Admits inactive ``slot`` onto exactly ``block_ids`` (taken from the free DRAM
+        blocks; refused, changing nothing, if one is not free) for ``capacity`` tokens:
+        tables an allocator with another history would have made (tests, tools)."""
+        self.check_slot(slot)
+        ids = [int(b) for b in block_ids]
+        if self._capacity[slot] > 0:
+            raise ValueError(f"slot {slot} is active; release it first")
+        if not 1 <= capacity <= min(self.max_len, len(ids) * self.block_tokens):
+            raise ValueError(
+                f"capacity={capacity} must be in [1, {min(self.max_len, len(ids) * self.block_tokens)}]"
+                f" (max_len, and the {len(ids)} blocks given)"
+            )
+        self.dram.reserve(ids)
+        self._tables[slot] = blocks.NO_BLOCK
+        self._tables[slot, : len(ids)] = ids
+        self._capacity[slot] = capacity
+        self._shared[slot] = 0
+
+    def admit_all(self) -> None:
+        """Admits every inactive slot for ``max_len`` tokens, or none (raises naming the
+        blocks it would need)."""
+        empty = [b for b in range(self.batch) if self._capacity[b] == 0]
+        need = len(empty) * self.max_blocks
+        if not self.make_room(need):
+            raise ValueError(
+                f"init() admits every slot for max_len={self.max_len} tokens, which needs "
+                f"{need} KV blocks, but {self.dram.free_blocks} of "
+                f"{self.num_blocks} are free; call init(admit=False) and admit() "
+                f"slots with smaller max_tokens"
+            )
+        for b in empty:
+            self.admit(b, self.max_len)
+
+    def check_release(self, slot: Any, length: int, tokens: Any) -> np.ndarray | None:
+        """The token ids of a release, checked; changes nothing."""
+        self.check_slot(slot)
+        if self._capacity[slot] == 0:
+            raise ValueError(f"slot {slot} is not active (nothing to release)")
+        if tokens is None:
+            return None
+        ids = prefix.token_ids(tokens)
+        if len(ids) < length:
+            raise ValueError(
+                f"tokens has {len(ids)} ids but slot {slot} holds {length} tokens: "
+                f"pass the ids of every token whose KV it holds"
+            )
+        return ids
+
+    def release(self, slot: int, length: int, tokens: Any = None) -> None:
+        """Frees ``slot``. With ``tokens`` (the ids of at least its ``length`` tokens, whose
+        blocks' writes have completed) its full blocks enter the prefix index, cached, and
+        are published to the remote levels that lack them; a failed publish is logged and
+        counted, never an error (publishing helps other processes; the slot is released)."""
+        ids = self.check_release(slot, length, tokens)
+        self._before_release(slot)
+        held = self._tables[slot][self._tables[slot] >= 0]
+        shared = int(self._shared[slot])
+        if ids is not None:
+            full = length // self.block_tokens
+            covered = ids[: full * self.block_tokens]
+            self._export(covered, held[:full])
+            duplicates = self.prefix.publish(covered, held[:full], shared)
+            self.allocators.free(np.asarray(duplicates + held[full:].tolist(), np.int64))
+        else:
+            self.prefix.unpin(held[:shared])
+            self.allocators.free(held[shared:])
+        self._tables[slot] = blocks.NO_BLOCK
+        self._capacity[slot] = 0
+        self._shared[slot] = 0
+
+    def restore(
+        self,
+        tables: np.ndarray,
+        capacity: np.ndarray,
+        shared: np.ndarray | None = None,
+        entries: Sequence[prefix.Entry] = (),
+    ) -> None:
+        """Re-attach: the slots hold the blocks, capacities and shared prefixes a commit
+        recorded (int32[batch, max_blocks], int32[batch], int32[batch], validated by the
+        manifest's reader), and the prefix index its ``entries`` (with their reference
+        counts). Raises, changing nothing, if a block is not free."""
+        tables = np.asarray(tables, np.int32).reshape(self._tables.shape)
+        capacity = np.asarray(capacity, np.int32).reshape(self._capacity.shape)
+        shared = np.zeros_like(self._shared) if shared is None else np.asarray(shared, np.int32)
+        # A block several slots map (indexed) is reserved once.
+        held = sorted({int(p) for p in tables[tables >= 0]} | {int(e.block) for e in entries})
+        self.dram.reserve(held)
+        try:
+            self.prefix.restore(entries)
+        except Exception:
+            self.dram.free(np.asarray(held, np.int64))
+            raise
+        self._tables[:] = tables
+        self._capacity[:] = capacity
+        self._shared[:] = shared.reshape(self._shared.shape)
+
+    # -- remote levels ----------------------------------------------------------------------
+
+    def _import(self, ids: np.ndarray, start: int, limit: int) -> list[int]:
+        """Blocks ``start`` .. of ``ids`` (at most ``limit`` in all) found in a remote level,
+        each written into a fresh block and indexed, pinned; stops at the first block no
+        level has (or when no block is free)."""
+        if not self.remote_levels or start >= limit:
+            return []
+        t = self.block_tokens
+        keys = self.prefix.keys(ids)[:limit]
+        out: list[int] = []
+        parent = keys[start - 1] if start else None
+        try:
+            for i in range(start, len(keys)):
+                block_ids = ids[i * t : (i + 1) * t]
+                payload = self._remote_load(keys[i], parent, block_ids)
+                if payload is None or not self.make_room(1):
+                    break
+                self._before_reuse()
+                block = int(self.dram.allocate(1)[0])
+                try:
+                    self.store.write_block(block, payload)
+                except Exception:
+                    self.dram.free(np.asarray([block], np.int64))
+                    raise
+                self.prefix.adopt(keys[i], parent, block_ids, block)
+                out.append(block)
+                parent = keys[i]
+        except Exception:
+            self.prefix.unpin(out)  # Those imported stay indexed, cached.
+            raise
+        return out
+
+    def _remote_load(self, key: bytes, parent: bytes | None, ids: np.ndarray):
+        for level in self.remote_levels:
+            payload = level.load(key, parent, ids)
+            if payload is not None:
+                return payload
+        return None
+
+    def _export(self, ids: np.ndarray, held: np.ndarray) -> None:
+        """Publishes the full blocks ``held`` (holding ``ids``) to every remote level that
+        lacks them; failures are logged once per release and counted."""
+        if not self.remote_levels or not len(held):
+            return
+        keys = self.prefix.keys(ids)
+        t = self.block_tokens
+        for level in self.remote_levels:
+            try:
+                missing = [i for i, key in enumerate(keys[: len(held)]) if not level.has(key)]
+                if not missing:
+                    continue
+                payloads = self.store.read_blocks([int(held[i]) for i in missing])
+                for j, i in enumerate(missing):
+                    parent = keys[i - 1] if i else None
+                    level.publish(keys[i], parent, ids[i * t : (i + 1) * t], payloads[j])
+            except Exception as e:  # noqa: BLE001 - publishing is a courtesy to others.
+                self.publish_failures += 1
+                logger.warning("publishing prefix blocks to %s failed (the slot is released): %s",
+                               level.describe(), e)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
