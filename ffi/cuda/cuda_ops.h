@@ -1,4 +1,6 @@
-// The CUDA backend of the in-graph transfer ops (see cuda_ops.cc for the design).
+// The CUDA backend of the in-graph transfer ops: the handlers (cuda_ops.cc), the device
+// agent behind them (device_context.h, which describes the design), the registry
+// attachment and the stats. The H2D benchmarks are in h2d_benchmark.h.
 //
 // This header is host-only C++: it needs the CUDA runtime headers but no nvcc.
 #ifndef TPUSYNC_CUDA_CUDA_OPS_H_
@@ -38,17 +40,6 @@ Status AsyncError();
 
 // The number of CUDA devices this process sees (0 without a driver or a GPU).
 int DeviceCount();
-
-// Benchmarks, run outside XLA on a private stream of `device`. Each returns GB/s per size.
-// Plain cudaMemcpyAsync from one pinned host buffer into device memory: the ceiling.
-StatusOr<std::vector<double>> MemcpyH2DGbps(int device, const std::vector<uint64_t>& sizes,
-                                            int iters);
-// The full start/wait path (descriptors staged on the stream, the agent, the engine's
-// landing memory, the wait's copy into the pinned mirror and its H2D), fetching `size`
-// bytes from tier byte `tier_offset`.
-StatusOr<std::vector<double>> EngineH2DGbps(int device, int64_t engine_id, int32_t tier,
-                                            uint64_t tier_offset,
-                                            const std::vector<uint64_t>& sizes, int iters);
 
 extern "C" {
 XLA_FFI_Error* TpusyncStartCuda(XLA_FFI_CallFrame* call_frame);

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cuda/cuda_ops.h"
+#include "cuda/h2d_benchmark.h"
 
 namespace nb = nanobind;
 

@@ -1,4 +1,5 @@
-// XLA FFI handlers (platform "cpu") for the in-graph transfer ops.
+// XLA FFI handlers (platform "cpu") for the in-graph transfer ops. Their signatures (each
+// operand, result and attribute, named) are in xla/op_signatures.h.
 //
 // start(passthrough, segments, tag, retire, owner, target, *deps) -> (passthrough, ticket)
 //   Queues a fetch of `segments` and returns at once. The fetch lands in memory the engine
@@ -56,7 +57,7 @@
 #include "engine/regions.h"
 #include "engine/registry.h"
 #include "xla/ffi/api/ffi.h"
-#include "xla/bindings.h"
+#include "xla/op_signatures.h"
 #include "xla/status_adapter.h"
 
 namespace tpusync {
@@ -93,10 +94,6 @@ StatusOr<Bound> Bind(const ffi::Buffer<ffi::S32>& target) {
   auto engine = LookupEngine(decoded->engine_id);
   if (!engine.ok()) return engine.status();
   return Bound{std::move(*engine), *decoded};
-}
-
-Regions MakeRegions(int64_t base, int64_t bytes, int64_t count, int32_t block_rows) {
-  return Regions{base, bytes, count, block_rows != 0};
 }
 
 // Decodes int32[n, 4] rows against a buffer of `buffer_bytes` (see DecodeRows).
@@ -408,65 +405,12 @@ ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> segments,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncStartCpu, StartImpl,
-                              WithTransferAttrs(ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::BufferR0<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::BufferR0<ffi::S32>>())
-                                  .Attr<int64_t>("dst_bytes"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWaitCpu, WaitImpl,
-                              WithTransferAttrs(ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::BufferR0<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()));
-
+// The signatures, operand by operand, are in xla/op_signatures.h (shared with CUDA).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncStartCpu, StartImpl, StartSignature(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWaitCpu, WaitImpl, WaitSignature(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWriteBackCpu, WriteBackImpl,
-                              WithTransferAttrs(ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::BufferR0<ffi::S32>>()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncMarkCpu, MarkImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("engine_id")
-                                  .Attr<int32_t>("kind"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncAttendCpu, AttendImpl,
-                              WithTransferAttrs(ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>())
-                                  .Attr<int64_t>("unit_len")
-                                  .Attr<int32_t>("kv_dtype")
-                                  .Attr<int32_t>("num_kv_heads")
-                                  .Attr<float>("scale")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int32_t>("window"));
+                              WriteBackSignature(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncMarkCpu, MarkImpl, MarkSignature(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncAttendCpu, AttendImpl, AttendSignature(ffi::Ffi::Bind()));
 
 }  // namespace tpusync
