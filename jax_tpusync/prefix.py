@@ -357,24 +357,21 @@ def token_ids(tokens: Any) -> np.ndarray:
         [0, 2**63) (keys hash ids as int64: a larger one would wrap onto another id).
     """
     array = np.asarray(tokens)
-    if array.dtype.kind in "fO" and not hasattr(tokens, "dtype"):
-        # A list NumPy widened to float (ints past int64 beside others) or to objects
-        # (past uint64): look at the Python values themselves.
-        array = np.asarray(tokens, dtype=object)
-    if array.ndim != 1:
+    python_ints = False
+    if array.ndim == 1 and array.dtype.kind in "fO" and not hasattr(tokens, "dtype"):
+        # NumPy widens a list of ints past int64 beside others to float, past uint64 to
+        # objects: the Python values themselves say whether they are ints.
+        values = np.asarray(tokens, dtype=object)
+        if all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in values):
+            array, python_ints = values, True
+    if array.ndim != 1 or not (
+        python_ints or (np.issubdtype(array.dtype, np.integer) and array.dtype != np.bool_)
+    ):
         raise ValueError(
             f"tokens must be a 1-D sequence of ints; got {array.dtype} of shape {array.shape}"
         )
     if array.size == 0:
         return np.zeros(0, np.int64)
-    if array.dtype == object:  # Python ints past uint64, or mixed types.
-        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in array):
-            kinds = sorted({type(t).__name__ for t in array})
-            raise ValueError(f"tokens must be a 1-D sequence of ints; got {', '.join(kinds)}")
-    elif not np.issubdtype(array.dtype, np.integer) or array.dtype == np.bool_:
-        raise ValueError(
-            f"tokens must be a 1-D sequence of ints; got {array.dtype} of shape {array.shape}"
-        )
     low, high = int(array.min()), int(array.max())  # Python ints: exact for any dtype.
     if low < 0 or high >= TOKEN_ID_LIMIT:
         i = int(np.argmax(array < 0)) if low < 0 else int(np.argmax(array == array.max()))

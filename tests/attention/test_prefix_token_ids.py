@@ -53,8 +53,10 @@ def test_ids_outside_the_range_are_refused_naming_it(tokens, bad, at):
 @pytest.mark.parametrize(
     "tokens,message",
     [
-        ([1.0, 2.0], r"1-D sequence of ints; got float"),
-        ([1, 2.5], r"1-D sequence of ints; got float, int"),
+        ([1.0, 2.0], r"1-D sequence of ints; got float64 of shape \(2,\)"),
+        ([1, 2.5], r"1-D sequence of ints; got float64 of shape \(2,\)"),
+        ([1, "a", 2**70], r"1-D sequence of ints; got object of shape \(3,\)"),
+        ([2**70, 1.5], r"1-D sequence of ints; got object of shape \(2,\)"),
         (np.array([1.0]), r"1-D sequence of ints; got float64 of shape \(1,\)"),
         ([True, False], r"got bool of shape \(2,\)"),
         ([[1, 2]], r"got int64 of shape \(1, 2\)"),
