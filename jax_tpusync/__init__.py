@@ -4,6 +4,7 @@ The public surface:
 
 * :class:`OffloadedKVCache` describes a cache kept in a host tier (DRAM or a file);
   ``cache.init()`` returns the :class:`KVState` a jitted step carries and donates.
+  :class:`ShardedKVCache` is one split over a device mesh; :func:`kv_cache` makes either.
 * :func:`prefetching_attention` replaces a model's attention call: it attends over the
   offloaded cache while the next layer's KV streams in.
 * :class:`Engine` is the async transfer engine underneath; :mod:`jax_tpusync.ops` has the
@@ -17,6 +18,7 @@ The public surface:
 
 from jax_tpusync.attention import prefetching_attention, resident_attention
 from jax_tpusync.cache import OffloadedKVCache
+from jax_tpusync.mesh import ShardedKVCache, kv_cache
 from jax_tpusync.state import KVState
 from jax_tpusync.engine import (
     Engine,
@@ -34,11 +36,13 @@ __all__ = [
     "KVState",
     "OffloadedKVCache",
     "QuantizedRows",
+    "ShardedKVCache",
     "TierInfo",
     "Timeline",
     "TpusyncError",
     "prefetching_attention",
     "resident_attention",
     "split_cpus",
+    "kv_cache",
 ]
 __version__ = "0.1.0"

@@ -38,7 +38,7 @@ from jax_tpusync.config import CacheConfig, is_int
 from jax_tpusync.engine import Engine, EngineConfig, page_offset
 from jax_tpusync.host_io import HostRows
 from jax_tpusync.levels import SharedDirectoryLevel, TierBlocks
-from jax_tpusync.slots import SlotTable
+from jax_tpusync.slots import Admission, SlotTable
 from jax_tpusync.spill import SpillTier
 from jax_tpusync.state import KVState, dtype_error, exact_cast_allowed, staging_shape_of
 
@@ -513,6 +513,12 @@ class OffloadedKVCache:
         """
         self._check_state(state)
         admission = self.slots.admit(slot, max_tokens, tokens)  # All or nothing.
+        return self.admitted(state, admission), admission.cached
+
+    def admitted(self, state: KVState, admission: Admission) -> KVState:
+        """The live state once the slot table made ``admission`` (:meth:`admit`'s second
+        half, which cannot be refused; a mesh cache admits every shard's slot first)."""
+        slot = admission.slot
         state = self.drain(state)
         lengths = np.asarray(state.lengths).copy()
         lengths[slot] = admission.cached
@@ -520,7 +526,7 @@ class OffloadedKVCache:
         state = self._with_slots(state, lengths)
         if self.spec.resident and admission.cached:  # The prefix's rows, as the tier has them.
             state = state.replace(staging=self.rows.resident_copy(state.staging, slot=slot))
-        return state, admission.cached
+        return state
 
     def release(
         self, state: KVState, slot: int, *, tokens: Sequence[int] | np.ndarray | None = None

@@ -75,8 +75,8 @@ def _layout_of(mesh: Any, kv_heads_axis: Any, batch_axis: Any) -> MeshLayout:
 
 
 class ShardedKVCache:
-    """An :class:`~jax_tpusync.OffloadedKVCache` split over the devices of a mesh; what
-    ``OffloadedKVCache(..., mesh=mesh, kv_heads_axis=..., batch_axis=...)`` returns.
+    """An :class:`~jax_tpusync.OffloadedKVCache` split over the devices of a mesh (or
+    ``jax_tpusync.kv_cache(..., mesh=mesh, kv_heads_axis=..., batch_axis=...)``).
 
     Takes :class:`~jax_tpusync.OffloadedKVCache`'s arguments, with ``batch`` and
     ``num_kv_heads`` global (each a multiple of its axis' size) and ``num_blocks`` and
@@ -137,6 +137,7 @@ class ShardedKVCache:
             for s in sorted(self._devices):
                 with self._on(s):
                     cache = OffloadedKVCache(
+                        shard=s,
                         batch=int(batch) // layout.dp,
                         num_kv_heads=int(num_kv_heads) // layout.tp,
                         engine=self.engine,
@@ -148,7 +149,6 @@ class ShardedKVCache:
                         else os.path.join(shared_prefix_dir, _heads_dir(s, layout, num_kv_heads)),
                         **options,
                     )
-                cache._target[3] = s
                 self.shards[s] = cache
         except Exception:
             self._close_shards()
@@ -276,11 +276,10 @@ class ShardedKVCache:
         return self._each(state, lambda s, c, part: c.commit(part))
 
     def lengths(self, state: KVState) -> np.ndarray:
-        """int32[batch]: the global slots' lengths in ``state`` (this process's shards)."""
-        out = np.zeros(self.batch, np.int32)
-        for s, part in self.split(state).items():
-            out[self.rows_of(s)] = np.asarray(part.lengths)
-        return out
+        """int32[batch]: the global slots' lengths in ``state`` (this process's shards);
+        refuses head shards of one slot that disagree."""
+        parts = self.split(state)
+        return self._gather(lambda s, c: parts[s].lengths)
 
     # -- slot lifecycle ---------------------------------------------------------------------
 
@@ -291,28 +290,129 @@ class ShardedKVCache:
         d, local = divmod(int(slot), self.shard_spec.batch)
         return local, [s for s in self.shards if self._place(s)[0] == d]
 
-    def admit(self, state: KVState, slot: int, **options: Any):
+    def admit(
+        self,
+        state: KVState,
+        slot: int,
+        *,
+        max_tokens: int | None = None,
+        tokens: Sequence[int] | np.ndarray | None = None,
+    ):
         """Admits global ``slot`` in each of its shards (every head shard of its batch
         share); returns ``(state, cached)`` (``cached`` None where this process holds none
-        of them). See :meth:`OffloadedKVCache.admit`."""
+        of them). See :meth:`OffloadedKVCache.admit`.
+
+        All shards or none: every holder's slot table admits first (a refusal in one undoes
+        the others' and raises, the state untouched); head shards whose prefix stores
+        differ (a block one of them lacks) all map the prefix the shortest one has."""
         local, holders = self._slot(slot)
-        cached = {}
+        parts = self.split(state)
+        admissions = self._admit_all(holders, local, max_tokens, tokens, None)
+        cached = {a.cached for a in admissions.values()}
+        if len(cached) > 1:
+            self._undo_admissions(admissions, local)
+            admissions = self._admit_all(holders, local, max_tokens, tokens, min(cached))
+            cached = {a.cached for a in admissions.values()}
+            if len(cached) > 1:
+                self._undo_admissions(admissions, local)
+                raise ValueError(f"head shards of slot {slot} map different prefixes: {cached}")
+        for s, admission in admissions.items():
+            with self._on(s):
+                parts[s] = self.shards[s].admitted(parts[s], admission)
+        return self._assemble(parts), cached.pop() if cached else None
 
-        def admit(s, c, part):
-            part, cached[s] = c.admit(part, local, **options)
-            return part
+    def _admit_all(self, holders, local, max_tokens, tokens, max_cached) -> dict:
+        """Each holder's slot-table admission, or none (undone, then raised)."""
+        done = {}
+        try:
+            for s in holders:
+                done[s] = self.shards[s].slots.admit(
+                    local, max_tokens, tokens, max_cached=max_cached
+                )
+        except Exception:
+            self._undo_admissions(done, local)
+            raise
+        return done
 
-        state = self._each(state, admit, holders)
-        counts = set(cached.values())
-        if len(counts) > 1:  # Head shards index the same tokens: this would be a bug.
-            raise AssertionError(f"head shards of slot {slot} cached {cached}")
-        return state, counts.pop() if counts else None
+    def _undo_admissions(self, admissions: dict, local: int) -> None:
+        for s in admissions:
+            self.shards[s].slots.release(local, 0)
 
-    def release(self, state: KVState, slot: int, **options: Any) -> KVState:
+    def release(
+        self, state: KVState, slot: int, *, tokens: Sequence[int] | np.ndarray | None = None
+    ) -> KVState:
         """Releases global ``slot`` in each of its shards (see
-        :meth:`OffloadedKVCache.release`)."""
+        :meth:`OffloadedKVCache.release`), after every shard has accepted the arguments:
+        a refusal changes no shard."""
         local, holders = self._slot(slot)
-        return self._each(state, lambda s, c, part: c.release(part, local, **options), holders)
+        parts = self.split(state)
+        for s in holders:
+            length = int(np.asarray(parts[s].lengths)[local])
+            self.shards[s].slots.check_release(local, length, tokens)
+        for s in holders:
+            with self._on(s):
+                parts[s] = self.shards[s].release(parts[s], local, tokens=tokens)
+        return self._assemble(parts)
+
+    # -- what the shards hold ---------------------------------------------------------------
+
+    def _gather(self, per_shard) -> np.ndarray:
+        """A [batch, ...] array of a per-slot quantity that head shards must agree on,
+        from ``per_shard(cache) -> [shard batch, ...]`` of every local shard; refuses head
+        shards of one slot that disagree (a torn host call) instead of picking one."""
+        out: dict[int, np.ndarray] = {}
+        for s, cache in self.shards.items():
+            value = np.asarray(per_shard(s, cache))
+            rows = self.rows_of(s)
+            for i, b in enumerate(range(rows.start, rows.stop)):
+                if b in out and not np.array_equal(out[b], value[i]):
+                    raise ValueError(
+                        f"the head shards of slot {b} disagree ({out[b].tolist()} vs "
+                        f"{value[i].tolist()} in shard {s}): a host call was torn"
+                    )
+                out.setdefault(b, value[i])
+        first = next(iter(out.values()))
+        full = np.zeros((self.batch, *first.shape), first.dtype)
+        for b, value in out.items():
+            full[b] = value
+        return full
+
+    @property
+    def capacity(self) -> np.ndarray:
+        """int32[batch]: tokens each global slot may hold (0: inactive)."""
+        return self._gather(lambda s, c: c.capacity)
+
+    @property
+    def block_tables(self) -> dict[int, np.ndarray]:
+        """``{shard: int32[shard batch, max_blocks]}``: each local shard's block tables
+        (block ids are per shard)."""
+        return {s: c.block_tables for s, c in self.shards.items()}
+
+    @property
+    def free_blocks(self) -> int:
+        """Free blocks of the local shard with the fewest (what an admission can count on)."""
+        return min(c.free_blocks for c in self.shards.values())
+
+    @property
+    def prefix_stats(self) -> dict[int, dict]:
+        """``{shard: its prefix_stats}`` for the local shards."""
+        return {s: c.prefix_stats for s, c in self.shards.items()}
+
+    @property
+    def committed_lengths(self) -> np.ndarray | None:
+        """int32[batch] of the last commit (None: not persistent); head shards must agree."""
+        if next(iter(self.shards.values())).committed_lengths is None:
+            return None
+        return self._gather(lambda s, c: c.committed_lengths)
+
+    def verify(self, state: KVState | None = None) -> dict[int, Any]:
+        """Every local shard's :meth:`OffloadedKVCache.verify`: ``{shard: result}``."""
+        parts = self.split(state) if state is not None else {}
+        out = {}
+        for s, c in self.shards.items():
+            with self._on(s):
+                out[s] = c.verify(parts.get(s))
+        return out
 
     # -- host-side bulk access --------------------------------------------------------------
 
@@ -415,3 +515,11 @@ def _heads_dir(s: int, layout: MeshLayout, num_kv_heads: int) -> str:
 
 def _outside_mesh():
     return jax.set_mesh(None) if hasattr(jax, "set_mesh") else contextlib.nullcontext()
+
+
+def kv_cache(*, mesh: Mesh | None = None, **options: Any) -> OffloadedKVCache | ShardedKVCache:
+    """A KV cache of ``options`` (:class:`OffloadedKVCache`'s arguments): one device's, or
+    with ``mesh`` (and ``kv_heads_axis`` / ``batch_axis``) a :class:`ShardedKVCache`."""
+    if mesh is None:
+        return OffloadedKVCache(**options)
+    return ShardedKVCache(mesh=mesh, **options)

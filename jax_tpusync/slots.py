@@ -205,11 +205,17 @@ class SlotTable:
         return int(max_tokens), ids
 
     def admit(
-        self, slot: int, max_tokens: int | None = None, tokens: Any = None
+        self,
+        slot: int,
+        max_tokens: int | None = None,
+        tokens: Any = None,
+        *,
+        max_cached: int | None = None,
     ) -> Admission:
         """Gives ``slot`` blocks for ``max_tokens`` tokens, its longest cached prefix of
         ``tokens`` (at most ``len(tokens) - 1`` tokens, whole blocks) mapped read-only
-        from the local index, then from the remote levels; the rest fresh.
+        from the local index, then from the remote levels; the rest fresh. ``max_cached``
+        caps the mapped prefix (tokens; a mesh cache gives every head shard the same).
 
         All or nothing: a refusal (bad argument, active slot, too few blocks, a failed
         import) unpins what it pinned and frees what it took.
@@ -219,6 +225,8 @@ class SlotTable:
         try:
             if ids is not None:
                 limit = max(len(ids) - 1, 0) // self.block_tokens
+                if max_cached is not None:
+                    limit = min(limit, max_cached // self.block_tokens)
                 shared = self.prefix.match(ids, limit)
                 shared += self._import(ids, len(shared), limit)
             n = -(-max_tokens // self.block_tokens)

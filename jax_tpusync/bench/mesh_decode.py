@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tpusync.bench import common
+from jax_tpusync.bench import common, tiny_decoder
 
 COLUMNS = [
     ("devices", "devices", "d"),
@@ -72,17 +72,15 @@ def run(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> list[dict[str
 
 def _one(args: argparse.Namespace, n: int, worker_cpus: tuple[int, ...]) -> dict[str, Any]:
     import jax
-    import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jax_tpusync as tps
-    from jax_tpusync.bench import decode
 
     tp = n if args.mesh == "tp" else 1
     dp = n if args.mesh == "dp" else 1
-    dtype = {"bf16": jnp.bfloat16, "f32": jnp.float32, "f16": jnp.float16}[args.dtype]
-    shape = decode.Shape(  # Global: the per-device shapes times the devices.
+    dtype = tiny_decoder.jnp_dtype(args.dtype)
+    shape = tiny_decoder.Shape(  # Global: the per-device shapes times the devices.
         layers=args.layers,
         batch=args.batch * dp,
         q_heads=args.q_heads * tp,
@@ -96,7 +94,7 @@ def _one(args: argparse.Namespace, n: int, worker_cpus: tuple[int, ...]) -> dict
     mesh = Mesh(devices, ("data", "model"))
     max_len = args.context + args.steps + 2
     directory = tempfile.mkdtemp(prefix="tpusync-mesh-", dir=os.path.abspath(args.path or "."))
-    cache = tps.OffloadedKVCache(
+    cache = tps.kv_cache(
         num_layers=shape.layers,
         batch=shape.batch,
         max_len=max_len,
@@ -113,15 +111,13 @@ def _one(args: argparse.Namespace, n: int, worker_cpus: tuple[int, ...]) -> dict
         batch_axis="data" if dp > 1 or tp == 1 else None,
     )
     try:
-        decode._fill(shape, max_len, [cache], args.seed, keep=False)
+        tiny_decoder.fill(shape, max_len, [cache], args.seed, keep=False)
         state = cache.init(np.full(shape.batch, args.context))
-        params = decode._init_params(shape, args.seed)
-
-        def attend(layer, q, k, v, state):
-            return tps.prefetching_attention(q, k, v, state, layer=layer)
-
+        params = tiny_decoder.init_step_params(shape, args.seed)
         step = jax.jit(
-            lambda params, x, state: decode._model(params, shape, x, state, attend),
+            lambda params, x, state: tiny_decoder.step(
+                params, shape, x, state, tiny_decoder.prefetch_attend
+            ),
             donate_argnums=(2,),
         )
         x = jax.device_put(
@@ -157,7 +153,7 @@ def _one(args: argparse.Namespace, n: int, worker_cpus: tuple[int, ...]) -> dict
             "fetch_bytes_per_shard_step": int(round(statistics.median(per_shard))),
             "fetch_bytes_by_shard": [int(round(b)) for b in per_shard],
             # A step reads the context plus the tokens decoded so far (at most `steps`).
-            "kv_bytes_per_shard_step": decode.Shape(
+            "kv_bytes_per_shard_step": tiny_decoder.Shape(
                 **{**vars(shape), "batch": spec.batch, "kv_heads": spec.num_kv_heads}
             ).kv_bytes_per_step,
             "device_bytes": spec.device_bytes,

@@ -14,7 +14,7 @@ H, QH, D, BT, NB = 2, 4, 8, 4, 8  # KV heads, query heads, head size, block toke
 LAYERS = 2
 
 
-def _cache(tmp_path, **kw):
+def _args(tmp_path, **kw):
     args = dict(
         num_layers=LAYERS,
         batch=2,
@@ -30,7 +30,11 @@ def _cache(tmp_path, **kw):
         staging_bytes=2 * 2 * 2 * 6 * H * D * 4,
     )
     args.update(kw)
-    return tps.OffloadedKVCache(**args)
+    return args
+
+
+def _cache(tmp_path, **kw):
+    return tps.OffloadedKVCache(**_args(tmp_path, **kw))
 
 
 def _kv(tokens, layer):
@@ -295,7 +299,7 @@ def test_a_mesh_two_level_cache_is_refused(tmp_path):
     with pytest.raises(
         ValueError, match=r"spill_path \(a two-level cache\) is not supported on a mesh"
     ):
-        _cache(tmp_path, mesh=mesh, kv_heads_axis="model")
+        tps.kv_cache(**_args(tmp_path), mesh=mesh, kv_heads_axis="model")
 
 
 def test_resident_auto_streams_a_two_level_cache(tmp_path):

@@ -35,7 +35,7 @@ def main() -> None:
     )
     mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     model = mesh_model.MeshTestModel()
-    cache = tps.OffloadedKVCache(
+    cache = tps.kv_cache(
         **model.cache_args(),
         mesh=mesh,
         kv_heads_axis="model",

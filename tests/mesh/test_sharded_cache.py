@@ -43,7 +43,7 @@ def resident_logits(model):
 
 def mesh_cache(name, tmp_path=None, tier="host", axis_types=AxisType.Auto, **overrides):
     extra = dict(tier="file", path=str(tmp_path)) if tier == "file" else {}
-    return tps.OffloadedKVCache(
+    return tps.kv_cache(
         **MeshTestModel.cache_args(**overrides),
         mesh=make_mesh(name, axis_types),
         **axes_of(name),
@@ -348,17 +348,19 @@ def test_mesh_arguments_are_checked(kwargs, message):
     args = MeshTestModel.cache_args()
     args.update(kwargs)
     if message is None:  # The edge: 6 heads split 3 per device is fine.
-        tps.OffloadedKVCache(mesh=make_mesh("2x2"), **args).close()
+        tps.kv_cache(mesh=make_mesh("2x2"), **args).close()
         return
     with pytest.raises(ValueError, match=message):
-        tps.OffloadedKVCache(mesh=make_mesh("2x2"), **args)
+        tps.kv_cache(mesh=make_mesh("2x2"), **args)
 
 
 def test_axes_without_a_mesh_are_refused():
     with pytest.raises(ValueError, match=r"name axes of a mesh: pass mesh= too"):
         tps.OffloadedKVCache(**MeshTestModel.cache_args(), kv_heads_axis="model")
     with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh; got str"):
-        tps.OffloadedKVCache(**MeshTestModel.cache_args(), mesh="2x2", kv_heads_axis="model")
+        tps.kv_cache(**MeshTestModel.cache_args(), mesh="2x2", kv_heads_axis="model")
+    with pytest.raises(TypeError, match=r"for a mesh use jax_tpusync.ShardedKVCache"):
+        tps.OffloadedKVCache(**MeshTestModel.cache_args(), mesh=make_mesh("2x2"))
 
 
 def test_shards_own_disjoint_tier_blocks_and_share_one_engine():
