@@ -134,9 +134,6 @@ READ_BATCH_BYTES = 32 << 20
 # raises simulates a crash or failure at that point.
 fault_hook: Callable[[str], None] | None = None
 
-# The commit check's former private name, which older tests call.
-_checked_commit = checked_commit
-
 
 @dataclasses.dataclass(frozen=True)
 class VerifyResult:

@@ -382,6 +382,3 @@ def token_ids(tokens: Any) -> np.ndarray:
         )
     return array.astype(np.int64)
 
-
-# Older spelling, read by modules not yet moved to the public name.
-_Entry = Entry

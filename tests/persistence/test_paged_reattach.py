@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import blocks, persistence
+from jax_tpusync import blocks, manifest, persistence
 
 LAYERS, BATCH, MAX_LEN, KV_HEADS, HEAD_DIM, Q_HEADS = 2, 3, 64, 2, 16, 4
 BLOCK_TOKENS, NUM_BLOCKS = 8, 16  # 8 blocks would hold a slot at max_len; 16 hold two.
@@ -486,7 +486,7 @@ def test_manifest_without_paging_geometry_is_refused():
     with pytest.raises(
         persistence.MissingManifestError, match="geometry.block_tokens is None, not a positive int"
     ):
-        persistence._checked_commit({}, held, Path("m.json"))
+        manifest.checked_commit({}, held, Path("m.json"))
 
 
 # -- the allocator's reserve ----------------------------------------------------------------
