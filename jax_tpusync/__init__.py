@@ -18,8 +18,6 @@ The public surface:
 
 from jax_tpusync.attention import prefetching_attention, resident_attention
 from jax_tpusync.cache import OffloadedKVCache
-from jax_tpusync.mesh import ShardedKVCache, kv_cache
-from jax_tpusync.state import KVState
 from jax_tpusync.engine import (
     Engine,
     EngineConfig,
@@ -28,7 +26,9 @@ from jax_tpusync.engine import (
     TpusyncError,
     split_cpus,
 )
+from jax_tpusync.mesh import ShardedKVCache, kv_cache
 from jax_tpusync.quantize import QuantizedRows
+from jax_tpusync.state import KVState
 
 __all__ = [
     "Engine",

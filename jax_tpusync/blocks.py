@@ -121,6 +121,29 @@ class BlockAllocator:
             self._free.insert(i, (first, n))
 
 
+class LevelAllocators:
+    """The DRAM allocator and the spill allocator behind one id space (see the module
+    docstring); what the prefix index frees evicted blocks through."""
+
+    def __init__(self, dram: BlockAllocator, spill: BlockAllocator):
+        self.dram = dram
+        self.spill = spill
+
+    def is_spilled(self, block: int) -> bool:
+        return block >= self.dram.num_blocks
+
+    def in_dram(self, block: int) -> bool:
+        return block < self.dram.num_blocks
+
+    def free(self, blocks: Sequence[int] | np.ndarray) -> None:
+        ids = np.asarray(blocks, np.int64)
+        nb = self.dram.num_blocks
+        if (ids < 0).any() or (ids >= nb + self.spill.num_blocks).any():
+            raise ValueError(f"blocks {ids.tolist()} are not all ids of the two levels")
+        self.dram.free(ids[ids < nb])
+        self.spill.free(ids[ids >= nb] - nb)
+
+
 def _runs(ids: Sequence[int] | np.ndarray) -> Iterator[tuple[int, int]]:
     """(first, count) of each run of consecutive ids in sorted ``ids``."""
     ids = np.asarray(ids, np.int64)

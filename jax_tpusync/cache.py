@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -101,7 +100,7 @@ class OffloadedKVCache:
       read_in_place: ``"auto"`` (default), ``True`` or ``False``. On the CPU backend a
         host tier's pool is the step's own memory: with ``True`` (what ``"auto"`` picks
         wherever it applies) each unit is attended to where the pool holds it, with no copy
-        into staging (see :mod:`jax_tpusync.in_place`: a host tier of bfloat16 or float32
+        into staging (see :mod:`jax_tpusync.step.in_place`: a host tier of bfloat16 or float32
         rows, not quantized, not two-level, not resident). Such a state allocates no staging
         (``spec.device_bytes`` is 0), so it takes the ``"xla"`` attention only. ``True``
         where it cannot apply is refused, naming why; ``False`` copies every unit into

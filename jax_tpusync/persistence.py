@@ -60,7 +60,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -93,9 +93,6 @@ from jax_tpusync.manifest import (
     tier_paths,
     write_json_atomically,
 )
-
-if TYPE_CHECKING:
-    from jax_tpusync.cache import OffloadedKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +189,8 @@ class Persistence:
         self._committed_entries: dict[bytes, prefix.Entry] = {}
         self._evictions_seen = 0  # The index's eviction count when that was last checked.
         self._entry_json: dict[bytes, tuple[prefix.Entry, dict[str, Any]]] = {}
-        self._cache: OffloadedKVCache | None = None
+        # The cache attached (its spec, engine, tier, slots): set by attach().
+        self._cache: Any = None
 
     # -- opening ----------------------------------------------------------------------------
 
@@ -263,7 +261,7 @@ class Persistence:
             restored=restored,
         )
 
-    def attach(self, cache: OffloadedKVCache, *, attached: bool, verify: bool) -> np.ndarray | None:
+    def attach(self, cache: Any, *, attached: bool, verify: bool) -> np.ndarray | None:
         """Binds to the opened cache; returns the restored lengths (None: a new cache).
 
         A new cache writes its first manifest (commit 0, lengths 0, no slot active). A

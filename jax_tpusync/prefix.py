@@ -33,15 +33,12 @@ import collections
 import dataclasses
 import numbers
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import xxhash
 
-from jax_tpusync.blocks import BlockAllocator
-
-if TYPE_CHECKING:
-    from jax_tpusync.spill import LevelAllocators
+from jax_tpusync.blocks import BlockAllocator, LevelAllocators
 
 # Bumped when the key derivation changes: keys of another version never match.
 KEY_VERSION = 1

@@ -87,9 +87,7 @@ class SlotTable:
         self.dram = blocks.BlockAllocator(num_blocks)
         self.allocators: Any = self.dram
         if spill_blocks:
-            from jax_tpusync.spill import LevelAllocators
-
-            self.allocators = LevelAllocators(self.dram, blocks.BlockAllocator(spill_blocks))
+            self.allocators = blocks.LevelAllocators(self.dram, blocks.BlockAllocator(spill_blocks))
         self.prefix = prefix.PrefixIndex(self.allocators, block_tokens, root)
         self.store = store
         self.remote_levels = tuple(remote_levels)

@@ -39,39 +39,15 @@ maps a spill block is refused by the engine before any byte moves
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jax_tpusync.blocks import BlockAllocator
+from jax_tpusync.blocks import LevelAllocators
 
 if TYPE_CHECKING:
     from jax_tpusync.engine import Engine
     from jax_tpusync.prefix import PrefixIndex
-
-
-class LevelAllocators:
-    """The DRAM allocator and the spill allocator behind one id space (see the module
-    docstring); what the prefix index frees evicted blocks through."""
-
-    def __init__(self, dram: BlockAllocator, spill: BlockAllocator):
-        self.dram = dram
-        self.spill = spill
-
-    def is_spilled(self, block: int) -> bool:
-        return block >= self.dram.num_blocks
-
-    def in_dram(self, block: int) -> bool:
-        return block < self.dram.num_blocks
-
-    def free(self, blocks: Sequence[int] | np.ndarray) -> None:
-        ids = np.asarray(blocks, np.int64)
-        nb = self.dram.num_blocks
-        if (ids < 0).any() or (ids >= nb + self.spill.num_blocks).any():
-            raise ValueError(f"blocks {ids.tolist()} are not all ids of the two levels")
-        self.dram.free(ids[ids < nb])
-        self.spill.free(ids[ids >= nb] - nb)
 
 
 class SpillTier:

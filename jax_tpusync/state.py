@@ -70,7 +70,7 @@ class CacheSpec:
     # table ids [num_blocks, num_blocks + spill_blocks). 0: one tier.
     spill_blocks: int = 0
     # A host tier's units are attended to where they lie in the pool, on the CPU backend
-    # (see jax_tpusync.in_place); False: they are copied into staging first.
+    # (see jax_tpusync.step.in_place); False: they are copied into staging first.
     reads_in_place: bool = False
 
     @property

@@ -24,8 +24,6 @@ from jax_tpusync.state import KVState
 from jax_tpusync.step import device
 
 
-
-
 def _manual_axes() -> tuple[str, ...]:
     """The mesh axes of the enclosing ``shard_map`` (none outside one)."""
     return tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
