@@ -1,7 +1,7 @@
 """Plain-JAX decode baselines for ``bench decode``: the step a user writes without this library.
 
 Both run the ``resident`` variant's model (the same parameters and per-layer math, through
-``decode._model`` on one layer at a time) over the same KV, and append the new token's K/V
+:func:`.tiny_decoder.step` on one layer at a time) over the same KV, and append the new token's K/V
 to it each step, like a real decode:
 
 * ``plain_jax`` (``--baselines plain``): the KV lives in a NumPy memmap file
@@ -50,11 +50,12 @@ import math
 import mmap
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from jax_tpusync.bench import tiny_decoder
 from jax_tpusync.bench.common import XLA_CPU_ALIGNMENT
 
 # --baselines values -> variant names (the decode bench has a ``plain`` variant already: the
@@ -99,6 +100,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def page_cache(args: argparse.Namespace) -> str:
+    """``--baseline-page-cache``, or its default: drop on the file tier, keep on the host's."""
+    return args.baseline_page_cache or ("drop" if args.tier == "file" else "keep")
+
+
 class MemmapDecode:
     """One plain-JAX decoder over a memmap'd KV cache (``plain_jax`` or ``tuned_jax``).
 
@@ -114,8 +120,7 @@ class MemmapDecode:
         lengths: np.ndarray,  # int32[B]: cached tokens per sequence
         params: list[dict[str, Any]],
         x0: Any,  # [B, 1, d_model]
-        shape: Any,  # decode.Shape
-        model: Callable,  # decode._model
+        shape: tiny_decoder.Shape,
         *,
         block_len: int,
         background: bool,
@@ -191,7 +196,7 @@ class MemmapDecode:
                 o, _ = kref.merge_partials(o, lse, o_new, lse_new)
                 return o.astype(q.dtype), (k, v)
 
-            x, (k_new, v_new) = model([p], shape, x, None, attend)
+            x, (k_new, v_new) = tiny_decoder.step([p], shape, x, None, attend)
             return x, k_new, v_new
 
         self.layer_jit = jax.jit(layer_step)
