@@ -32,14 +32,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tpusync import blocks, effects, layout, ops, persistence, prefix
+from jax_tpusync import blocks, effects, layout, ops, persistence
 from jax_tpusync.config import CacheConfig, is_int
-from jax_tpusync.engine import Engine, EngineConfig, page_offset
-from jax_tpusync.host_io import HostRows
+from jax_tpusync.engine import Engine, EngineConfig
+from jax_tpusync.host_io import HostRows, per_sequence
 from jax_tpusync.levels import SharedDirectoryLevel, TierBlocks
 from jax_tpusync.slots import Admission, SlotTable
 from jax_tpusync.spill import SpillTier
-from jax_tpusync.state import KVState, dtype_error, exact_cast_allowed, staging_shape_of
+from jax_tpusync.state import KVState, staging_shape_of
 
 logger = logging.getLogger(__name__)
 
@@ -53,103 +53,13 @@ __all__ = ["MAX_PREFETCH_DEPTH", "OffloadedKVCache", "auto_prefetch_depth"]
 class OffloadedKVCache:
     """A KV cache kept in a host tier and streamed through fixed device staging buffers.
 
-    Args:
-      num_layers: decoder layers.
-      batch: sequences.
-      max_len: tokens one sequence may hold (the most a slot can be admitted for). Every
-        segment field the in-graph ops carry (and the positions the attention computes)
-        is int32, which bounds it: ``max_len + chunk_len - 1`` must fit int32 for a layer
-        that reads the whole context, and the cache's last block index must too. The
-        constructor names the condition a larger value breaks.
-      num_kv_heads: KV heads (GQA/MQA: fewer than query heads).
-      head_dim: head size.
-      dtype: cache dtype (bf16, f16 or f32): what the model's K/V hold, and what
-        :meth:`read` returns.
-      tier_dtype: None (rows stored in ``dtype``), ``"int8"`` or ``"float8_e4m3fn"``:
-        K/V rows go to the tier (and through staging) as one-byte codes with one float32
-        scale per token per KV head, about half the bytes of bf16 (see
-        :mod:`jax_tpusync.quantize`). Quantized on the way out (in the step, and in
-        :meth:`load`); attention applies the scales inside its kernels. The current
-        step's own tokens attend in full precision.
-      tier: ``"host"`` (DRAM) or ``"file"`` (a file in ``path``).
-      path: directory of the file tier.
-      shm_name: host tier only: back it by POSIX shm so a restarted process re-attaches.
-      file_name: file tier only: a persistent file name (re-attached on reopen).
-      block_tokens: token rows per KV block, a power of two; default 256 (or the power of
-        two at or above max_len, if smaller). A sequence whose blocks are consecutive
-        reads a unit in one segment whatever the block size; smaller blocks waste less of
-        the last block of each sequence.
-      num_blocks: physical KV blocks per (layer, K|V) on the tier; default enough for
-        every slot at max_len (``batch * ceil(max_len / block_tokens)``). Fewer: slots are
-        admitted with smaller ``max_tokens`` (:meth:`admit`).
-      staging_bytes: device memory budget of the state's staging slots, an int in
-        ``[1, 2**31 - 1]`` that holds at least one token row per slot. Layers whose KV is
-        larger are processed in chunks.
-      resident: ``False`` (default): stream the KV through staging units. ``True``: keep
-        the whole cache on device in the state's staging, ``[num_layers, 2, batch,
-        max_len, *row_shape]``, which must fit ``staging_bytes`` (``num_layers x 2 x batch
-        x max_len x row_bytes`` bytes; refused, naming both, if not). ``"auto"``: resident
-        when it fits. A resident step fetches nothing: it writes its new tokens back to the
-        tier as a streaming step does (same capacity guards, same stale-state refusal) and
-        into the resident copy, and attends over the copy, so small caches run at resident
-        speed. Host-side changes of the tier (:meth:`load`, :meth:`admit` of a cached
-        prefix, :meth:`init`, :meth:`recover`, :meth:`drain` of a state older than the
-        latest) are copied into the state they return.
-        Not the default, so that a small cache exercises the same streaming path as a large
-        one unless asked.
-      read_in_place: ``"auto"`` (default), ``True`` or ``False``. On the CPU backend a
-        host tier's pool is the step's own memory: with ``True`` (what ``"auto"`` picks
-        wherever it applies) each unit is attended to where the pool holds it, with no copy
-        into staging (see :mod:`jax_tpusync.step.in_place`: a host tier of bfloat16 or float32
-        rows, not quantized, not two-level, not resident). Such a state allocates no staging
-        (``spec.device_bytes`` is 0), so it takes the ``"xla"`` attention only. ``True``
-        where it cannot apply is refused, naming why; ``False`` copies every unit into
-        staging first, as on an accelerator (and serves ``implementation="pallas"``).
-      prefetch_depth: units fetched ahead (1: layer L+1 while layer L computes), an int
-        in ``[1, MAX_PREFETCH_DEPTH]`` (64), or ``"auto"``: 1 on a host tier, 3 on a file
-        tier or a two-level cache (:func:`auto_prefetch_depth`). When every layer's KV
-        fits one staging unit the cache uses at most ``num_layers``
-        (``spec.prefetch_depth``): further ahead lies the step after next, which no
-        prefetch can serve.
-      sliding_window: None, an int for every layer, or a per-layer sequence of
-        ``int | None`` (ints in ``[1, 2**31 - 1]``): a sliding layer attends to (and
-        fetches) only its last W tokens.
-      prefetch_across_steps: the last layer's call fetches the next step's first unit.
-        The returned state then has a fetch in flight (into engine memory: dropping the
-        state is safe, the next step's wait copies it into staging).
+    Takes the keyword arguments :meth:`jax_tpusync.config.CacheConfig.from_kwargs`
+    documents (geometry, tier, staging, prefix store, persistence), plus:
+
       engine: an :class:`Engine` to use, an :class:`EngineConfig` for a new one, or None
         (a new engine with the default config).
-      debug_poison: fill fetch destinations with NaN until each fetch lands (an engine
-        bug that served bytes before they landed shows up as NaN).
-      model_id: persistent tiers: names the model whose KV this is (None: "unspecified").
-        Persisted KV re-attaches only to a cache of the same model_id and geometry.
-      verify: persistent tiers: on re-attach, check the committed rows' checksums
-        (:meth:`verify`) before returning.
-      overwrite: persistent tiers: discard existing data and manifest and start empty,
-        instead of refusing data that has no manifest or another geometry/model.
-      prefix_salt: what keeps two models' prefix blocks apart (weights name and version);
-        default ``model_id``. The cache adds its geometry, dtype and block size itself.
-        See :meth:`admit` (``tokens=``) and :mod:`jax_tpusync.prefix`.
-      shared_prefix_dir: a directory that several processes (or hosts, on shared
-        storage) publish prefix blocks to and import them from: :meth:`release` with
-        ``tokens`` writes each full block that has no file there yet, and :meth:`admit`
-        with ``tokens`` continues its match there past its own index. See
-        :mod:`jax_tpusync.shared_blocks` (one file per block, atomic rename, checksums).
-      spill_path: ``tier="host"`` only: a directory for a second, file tier behind the
-        DRAM tier (a two-level store, see :mod:`jax_tpusync.spill`). Cached prefix blocks
-        that DRAM has no room for are demoted there instead of evicted, and the step reads
-        them in place; sequences' own blocks stay in DRAM.
-      spill_blocks: blocks per (layer, K|V) on the spill tier, a positive int; default
-        ``4 * num_blocks``.
-      promote_after: admissions that map a spill block before it is copied back into
-        DRAM (at the next one, if DRAM has a free block and no other slot maps it), an
-        int >= 1, or None: never. Default 2.
-
-      mesh: a ``jax.sharding.Mesh`` to shard the cache over (returns a
-        :class:`jax_tpusync.mesh.ShardedKVCache`): each device keeps the sequences and KV
-        heads of its place in the mesh in tier blocks of its own.
-      kv_heads_axis: mesh axis the KV heads are split over (tensor parallel), or None.
-      batch_axis: mesh axis the batch is split over (data parallel), or None.
+      shard: which shard of a mesh cache this is (0 on one device; set by
+        :class:`jax_tpusync.mesh.ShardedKVCache`, which is what a mesh takes).
 
     Persistence (``shm_name`` or ``file_name``): see :mod:`jax_tpusync.persistence`. A new
     cache writes a manifest (commit 0); :meth:`commit` records the state's lengths and the
@@ -193,25 +103,7 @@ class OffloadedKVCache:
         spec = layout.plan(config)
         g, tier = config.geometry, config.tier
         # Checked before the tier opens, so that a mismatch touches nothing.
-        self.persistence = persistence.Persistence.prepare(
-            tier=tier.kind,
-            path=getattr(tier, "path", None),
-            shm_name=tier.shm_name if tier.kind == "host" else None,
-            file_name=getattr(tier, "file_name", None),
-            geometry=persistence.Geometry.of(
-                g.num_layers,
-                g.batch,
-                g.max_len,
-                g.num_kv_heads,
-                g.head_dim,
-                g.dtype,
-                config.persistence.model_id,
-                block_tokens=g.block_tokens,
-                num_blocks=g.num_blocks,
-                tier_dtype=g.tier_dtype,
-            ),
-            overwrite=config.persistence.overwrite,
-        )
+        self.persistence = persistence.Persistence.prepare_for(config)
         self.config = config
         self.spec = spec
         self._restored_lengths: np.ndarray | None = None  # init()'s default once re-attached.
@@ -243,78 +135,11 @@ class OffloadedKVCache:
     def _open(self, config: CacheConfig, shard: int) -> None:
         """Opens the tier(s), allocates the blocks, builds the slot table and re-attaches
         persisted KV."""
-        spec, g, tier = self.spec, config.geometry, config.tier
+        spec, g = self.spec, config.geometry
         engine = self.engine
-        block_bytes = spec.block_bytes
-        regions = g.num_layers * 2
-        if tier.kind == "host":
-            tier_index = engine.add_host_tier(
-                block_bytes=block_bytes, num_blocks=layout.tier_blocks(g), shm_name=tier.shm_name
-            )
-        else:
-            # The first state's staging buffer is allocated now, and the data shifted to its
-            # offset within a page, so fetches into it skip the bounce buffer. (Where XLA
-            # places a buffer depends on the allocator's history; asking for a probe buffer
-            # of the same size is not reliable.) Resident: no fetch lands in staging.
-            alignment_offset = 0
-            if not spec.resident:
-                self._first_staging = self._new_staging()
-                alignment_offset = page_offset(self._first_staging) or 0
-            tier_index = engine.add_file_tier(
-                tier.path,
-                block_bytes=block_bytes,
-                num_blocks=layout.tier_blocks(g),
-                file_name=tier.file_name,
-                alignment_offset=alignment_offset,
-            )
-        region_name = "kv" if tier.persistent else None
-        first_block = engine.allocate(tier_index, layout.tier_blocks(g), name=region_name)
-        layout.check_int32_layout(
-            g.max_len, g.windows, spec.chunk_len, block_bytes, layout.tier_blocks(g), first_block
-        )
-        spill_tier = spill_first = 0
-        if spec.spill_blocks:
-            # Fetches from the file land in staging: align them as for a file tier.
-            self._first_staging = self._new_staging()
-            spill_tier_blocks = layout.tier_blocks(g, spec.spill_blocks)
-            spill_tier = engine.add_file_tier(
-                tier.spill_path,
-                block_bytes=block_bytes,
-                num_blocks=spill_tier_blocks,
-                alignment_offset=page_offset(self._first_staging) or 0,
-            )
-            spill_first = engine.allocate(spill_tier, spill_tier_blocks)
-            layout.check_int32_layout(
-                g.max_len, g.windows, spec.chunk_len, block_bytes, spill_tier_blocks, spill_first
-            )
-        self.tier = tier_index
-        self.first_block = first_block
-        self._target = np.asarray(
-            [engine.id, tier_index, first_block, shard, spill_tier, spill_first], np.int64
-        )
-        self.store = TierBlocks(
-            engine,
-            tier=tier_index,
-            first_block=first_block,
-            num_blocks=g.num_blocks,
-            regions=regions,
-            block_bytes=block_bytes,
-        )
-        salt = config.prefix.salt
-        model_id = config.persistence.model_id
-        root = prefix.root_key(
-            model_id if salt is None and model_id is not None else (salt or ""),
-            dict(
-                num_layers=g.num_layers,
-                num_kv_heads=g.num_kv_heads,
-                head_dim=g.head_dim,
-                dtype=g.dtype.name,
-                block_tokens=g.block_tokens,
-                layout=persistence.LAYOUT_VERSION,
-                # Quantized blocks hold other bytes for the same tokens.
-                **({} if g.tier_dtype is None else dict(tier_dtype=g.tier_dtype.name)),
-            ),
-        )
+        # Everything that can fail for a reason of its own comes before the tier is
+        # opened, so that a refused cache leaves no tier file behind.
+        root = config.prefix_root(persistence.LAYOUT_VERSION)
         remote = []
         if config.prefix.shared_dir is not None:
             remote.append(
@@ -323,9 +148,17 @@ class OffloadedKVCache:
                     root=root,
                     num_layers=g.num_layers,
                     block_tokens=g.block_tokens,
-                    block_bytes=block_bytes,
+                    block_bytes=spec.block_bytes,
                 )
             )
+        # A file tier's first staging buffer is made now: its data is shifted to that
+        # buffer's offset within a page, so fetches into it skip the bounce buffer.
+        if config.tier.kind == "file" and not spec.resident or spec.spill_blocks:
+            self._first_staging = self._new_staging()
+        self.store = TierBlocks.open(engine, config, spec, self._first_staging)
+        self.tier = self.store.tier
+        self.first_block = self.store.first_block
+        self._target = np.asarray([engine.id, *self.store.target(shard)], np.int64)
         p = self.persistence
         self.slots = SlotTable(
             batch=g.batch,
@@ -342,13 +175,13 @@ class OffloadedKVCache:
         if spec.spill_blocks:
             mover = SpillTier(
                 engine,
-                dram_tier=tier_index,
-                spill_tier=spill_tier,
-                dram_first=first_block,
-                spill_first=spill_first,
+                dram_tier=self.tier,
+                spill_tier=self.store.spill_tier,
+                dram_first=self.first_block,
+                spill_first=self.store.spill_first,
                 allocators=self.slots.allocators,
-                regions=regions,
-                block_bytes=block_bytes,
+                regions=g.num_layers * 2,
+                block_bytes=spec.block_bytes,
                 promote_after=config.tier.promote_after,
             )
             self.slots.use_mover(mover)
@@ -364,7 +197,7 @@ class OffloadedKVCache:
         if p is not None:
             self._restored_lengths = p.attach(
                 self,
-                attached=engine.tier_info(tier_index).attached,
+                attached=engine.tier_info(self.tier).attached,
                 verify=config.persistence.verify,
             )
 
@@ -438,7 +271,7 @@ class OffloadedKVCache:
         elif staging is None:
             staging = jnp.zeros(spec.staging_shape, spec.staging_dtype)
         if not spec.resident:
-            self._note_staging_phase(staging)
+            self.store.note_staging_phase(staging)
         self._live_lengths = np.asarray(lengths, np.int32).copy()
         owner = self._new_owner()
         self._resident_epoch = int(np.asarray(owner)[1])
@@ -594,21 +427,6 @@ class OffloadedKVCache:
         epoch = self.engine.begin_epoch(self._stream)
         return jnp.asarray([self._stream, epoch, 1], jnp.int32)
 
-    def _note_staging_phase(self, staging: jax.Array) -> None:
-        """Logs when fetches into ``staging`` will go through bounce buffers."""
-        info = self.engine.tier_info(self.tier)
-        offset = page_offset(staging)
-        if not info.dio_alignment or offset is None:
-            return
-        # dio_alignment divides the page size, so the offset within a page decides.
-        phase = (offset - info.alignment_offset) % info.dio_alignment
-        if phase:
-            logger.info(
-                "staging buffer is %d bytes out of phase with the file tier's data: fetches "
-                "copy through bounce buffers (correct, slower)",
-                phase,
-            )
-
     def _check_state(self, state: KVState) -> None:
         if not isinstance(state, KVState):
             raise TypeError(f"expected a KVState, got {type(state).__name__}")
@@ -741,42 +559,11 @@ class OffloadedKVCache:
         spec = self.spec
         self._check_state(state)
         self._check_layer(layer)
-        k = _as_cache_array("k", k, spec.dtype)
-        v = _as_cache_array("v", v, spec.dtype)
-        want = (spec.batch, None, spec.num_kv_heads, spec.head_dim)
-        for name, x in (("k", k), ("v", v)):
-            if x.ndim != 4 or x.shape[0] != spec.batch or x.shape[2:] != want[2:]:
-                raise ValueError(
-                    f"{name} must be [batch={spec.batch}, n, num_kv_heads="
-                    f"{spec.num_kv_heads}, head_dim={spec.head_dim}]; got "
-                    f"{x.shape}"
-                )
-        if k.shape != v.shape:
-            raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
-        n = k.shape[1]
-        starts = _per_sequence("start", start, spec.batch)
-        counts = _per_sequence("lengths", n if lengths is None else lengths, spec.batch)
-        if (counts < 0).any() or (counts > n).any():
-            raise ValueError(f"lengths must be in [0, n={n}]; got {counts}")
-        capacity = self.slots.capacity
-        for b in range(spec.batch):
-            if starts[b] < 0:
-                raise ValueError(f"start={int(starts[b])} of slot {b} must be >= 0")
-            shared = self.slots.shared_tokens(b)
-            if counts[b] and starts[b] < shared:
-                raise ValueError(
-                    f"rows [{int(starts[b])}, {int(starts[b] + counts[b])}) of slot {b} "
-                    f"overlap its shared prefix [0, {shared}): those blocks are read-only"
-                )
-            if counts[b] and starts[b] + counts[b] > capacity[b]:
-                raise ValueError(
-                    f"start + lengths = {int(starts[b] + counts[b])} of slot {b} would "
-                    f"overflow its capacity of {int(capacity[b])} tokens"
-                    + (" (the slot is inactive: admit it first)" if not capacity[b] else "")
-                )
-        state = self.drain(state)
-        if self.persistence is not None:  # Committed rows may change: re-hash them.
+        k, v, starts, counts = self.rows.check_load(k, v, start, lengths)  # Refused: no change.
+        if self.persistence is not None:  # Committed rows may change: commit them gone.
+            jax.block_until_ready(state)  # The step that made it has finished writing.
             self.persistence.note_rows_written(layer, starts, counts)
+        state = self.drain(state)
         self.rows.write(layer, k, v, starts, counts)
         extent = self._loaded_extent[layer]
         written = counts > 0
@@ -838,7 +625,7 @@ class OffloadedKVCache:
         """
         spec = self.spec
         self._check_layer(layer)
-        counts = _per_sequence("lengths", spec.max_len if lengths is None else lengths, spec.batch)
+        counts = per_sequence("lengths", spec.max_len if lengths is None else lengths, spec.batch)
         if (counts < 0).any() or (counts > spec.max_len).any():
             raise ValueError(f"lengths must be in [0, max_len={spec.max_len}]; got {counts}")
         return self.rows.read_all(layer, np.minimum(counts, self.slots.capacity))
@@ -941,23 +728,3 @@ class OffloadedKVCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _as_cache_array(name: str, x: Any, dtype: Any) -> np.ndarray:
-    """``x`` as a numpy array of the cache's ``dtype``, converted only if exactly."""
-    x = np.asarray(x)
-    if not exact_cast_allowed(x.dtype, dtype):
-        raise ValueError(dtype_error(name, x.dtype, dtype))
-    return x.astype(dtype, copy=False)
-
-
-def _per_sequence(name: str, value: Any, batch: int) -> np.ndarray:
-    """int64[batch] from an int or one int per sequence."""
-    array = np.asarray(value)
-    if array.ndim > 1 or (array.ndim == 1 and array.shape != (batch,)):
-        raise ValueError(f"{name} must be an int or {batch} ints (one per sequence); got {value!r}")
-    if array.size and not (
-        np.issubdtype(array.dtype, np.integer) and not np.issubdtype(array.dtype, np.bool_)
-    ):
-        raise ValueError(f"{name} must hold ints; got {value!r}")
-    return np.broadcast_to(array.astype(np.int64), (batch,))

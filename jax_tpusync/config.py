@@ -26,7 +26,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tpusync import quantize
+from jax_tpusync import prefix, quantize
 from jax_tpusync.state import INT32_MAX
 
 # Most units a cache fetches ahead. The walk to the unit ahead is computed in closed form
@@ -161,7 +161,9 @@ class TwoLevelTier:
     shm_name = None
 
     def __post_init__(self):
-        if self.spill_blocks is not None and (not is_int(self.spill_blocks) or self.spill_blocks < 1):
+        if self.spill_blocks is not None and (
+            not is_int(self.spill_blocks) or self.spill_blocks < 1
+        ):
             raise ValueError(f"spill_blocks={self.spill_blocks!r} must be a positive int")
         if self.promote_after is not None and (
             not is_int(self.promote_after) or self.promote_after < 1
@@ -267,6 +269,24 @@ class CacheConfig:
         if isinstance(tier, TwoLevelTier) and staging.resident is True:
             raise ValueError("resident=True keeps every block on device: it takes no spill_path")
 
+    def prefix_root(self, layout_version: int) -> bytes:
+        """The prefix index's root key: the salt (default the model id), the geometry,
+        dtype, block size and tier layout — what keeps two caches' blocks apart."""
+        g, salt, model_id = self.geometry, self.prefix.salt, self.persistence.model_id
+        return prefix.root_key(
+            model_id if salt is None and model_id is not None else (salt or ""),
+            dict(
+                num_layers=g.num_layers,
+                num_kv_heads=g.num_kv_heads,
+                head_dim=g.head_dim,
+                dtype=g.dtype.name,
+                block_tokens=g.block_tokens,
+                layout=layout_version,
+                # Quantized blocks hold other bytes for the same tokens.
+                **({} if g.tier_dtype is None else dict(tier_dtype=g.tier_dtype.name)),
+            ),
+        )
+
     @property
     def two_level(self) -> bool:
         return isinstance(self.tier, TwoLevelTier)
@@ -312,7 +332,101 @@ class CacheConfig:
         promote_after: int | None = 2,
     ) -> CacheConfig:
         """The configuration :class:`~jax_tpusync.cache.OffloadedKVCache`'s keywords
-        describe (the same names and meanings), every argument checked."""
+        describe, every argument checked.
+
+        Args:
+          num_layers: decoder layers.
+          batch: sequences.
+          max_len: tokens one sequence may hold (the most a slot can be admitted for). Every
+            segment field the in-graph ops carry (and the positions the attention computes)
+            is int32, which bounds it: ``max_len + chunk_len - 1`` must fit int32 for a layer
+            that reads the whole context, and the cache's last block index must too. The
+            constructor names the condition a larger value breaks.
+          num_kv_heads: KV heads (GQA/MQA: fewer than query heads).
+          head_dim: head size.
+          dtype: cache dtype (bf16, f16 or f32): what the model's K/V hold, and what
+            :meth:`OffloadedKVCache.read` returns.
+          tier_dtype: None (rows stored in ``dtype``), ``"int8"`` or ``"float8_e4m3fn"``:
+            K/V rows go to the tier (and through staging) as one-byte codes with one float32
+            scale per token per KV head, about half the bytes of bf16 (see
+            :mod:`jax_tpusync.quantize`). Quantized on the way out (in the step, and in
+            :meth:`OffloadedKVCache.load`); attention applies the scales inside its kernels. The current
+            step's own tokens attend in full precision.
+          tier: ``"host"`` (DRAM) or ``"file"`` (a file in ``path``).
+          path: directory of the file tier.
+          shm_name: host tier only: back it by POSIX shm so a restarted process re-attaches.
+          file_name: file tier only: a persistent file name (re-attached on reopen).
+          block_tokens: token rows per KV block, a power of two; default 256 (or the power of
+            two at or above max_len, if smaller). A sequence whose blocks are consecutive
+            reads a unit in one segment whatever the block size; smaller blocks waste less of
+            the last block of each sequence.
+          num_blocks: physical KV blocks per (layer, K|V) on the tier; default enough for
+            every slot at max_len (``batch * ceil(max_len / block_tokens)``). Fewer: slots are
+            admitted with smaller ``max_tokens`` (:meth:`OffloadedKVCache.admit`).
+          staging_bytes: device memory budget of the state's staging slots, an int in
+            ``[1, 2**31 - 1]`` that holds at least one token row per slot. Layers whose KV is
+            larger are processed in chunks.
+          resident: ``False`` (default): stream the KV through staging units. ``True``: keep
+            the whole cache on device in the state's staging, ``[num_layers, 2, batch,
+            max_len, *row_shape]``, which must fit ``staging_bytes`` (``num_layers x 2 x batch
+            x max_len x row_bytes`` bytes; refused, naming both, if not). ``"auto"``: resident
+            when it fits. A resident step fetches nothing: it writes its new tokens back to the
+            tier as a streaming step does (same capacity guards, same stale-state refusal) and
+            into the resident copy, and attends over the copy, so small caches run at resident
+            speed. Host-side changes of the tier (:meth:`OffloadedKVCache.load`, :meth:`OffloadedKVCache.admit` of a cached
+            prefix, :meth:`OffloadedKVCache.init`, :meth:`OffloadedKVCache.recover`, :meth:`OffloadedKVCache.drain` of a state older than the
+            latest) are copied into the state they return.
+            Not the default, so that a small cache exercises the same streaming path as a large
+            one unless asked.
+          read_in_place: ``"auto"`` (default), ``True`` or ``False``. On the CPU backend a
+            host tier's pool is the step's own memory: with ``True`` (what ``"auto"`` picks
+            wherever it applies) each unit is attended to where the pool holds it, with no copy
+            into staging (see :mod:`jax_tpusync.step.in_place`: a host tier of bfloat16 or float32
+            rows, not quantized, not two-level, not resident). Such a state allocates no staging
+            (``spec.device_bytes`` is 0), so it takes the ``"xla"`` attention only. ``True``
+            where it cannot apply is refused, naming why; ``False`` copies every unit into
+            staging first, as on an accelerator (and serves ``implementation="pallas"``).
+          prefetch_depth: units fetched ahead (1: layer L+1 while layer L computes), an int
+            in ``[1, MAX_PREFETCH_DEPTH]`` (64), or ``"auto"``: 1 on a host tier, 3 on a file
+            tier or a two-level cache (:func:`auto_prefetch_depth`). When every layer's KV
+            fits one staging unit the cache uses at most ``num_layers``
+            (``spec.prefetch_depth``): further ahead lies the step after next, which no
+            prefetch can serve.
+          sliding_window: None, an int for every layer, or a per-layer sequence of
+            ``int | None`` (ints in ``[1, 2**31 - 1]``): a sliding layer attends to (and
+            fetches) only its last W tokens.
+          prefetch_across_steps: the last layer's call fetches the next step's first unit.
+            The returned state then has a fetch in flight (into engine memory: dropping the
+            state is safe, the next step's wait copies it into staging).
+          debug_poison: fill fetch destinations with NaN until each fetch lands (an engine
+            bug that served bytes before they landed shows up as NaN).
+          model_id: persistent tiers: names the model whose KV this is (None: "unspecified").
+            Persisted KV re-attaches only to a cache of the same model_id and geometry.
+          verify: persistent tiers: on re-attach, check the committed rows' checksums
+            (:meth:`OffloadedKVCache.verify`) before returning.
+          overwrite: persistent tiers: discard existing data and manifest and start empty,
+            instead of refusing data that has no manifest or another geometry/model.
+          prefix_salt: what keeps two models' prefix blocks apart (weights name and version);
+            default ``model_id``. The cache adds its geometry, dtype and block size itself.
+            See :meth:`OffloadedKVCache.admit` (``tokens=``) and :mod:`jax_tpusync.prefix`.
+          shared_prefix_dir: a directory that several processes (or hosts, on shared
+            storage) publish prefix blocks to and import them from: :meth:`OffloadedKVCache.release` with
+            ``tokens`` writes each full block that has no file there yet, and :meth:`OffloadedKVCache.admit`
+            with ``tokens`` continues its match there past its own index. See
+            :mod:`jax_tpusync.shared_blocks` (one file per block, atomic rename, checksums).
+          spill_path: ``tier="host"`` only: a directory for a second, file tier behind the
+            DRAM tier (a two-level store, see :mod:`jax_tpusync.spill`). Cached prefix blocks
+            that DRAM has no room for are demoted there instead of evicted, and the step reads
+            them in place; sequences' own blocks stay in DRAM.
+          spill_blocks: blocks per (layer, K|V) on the spill tier, a positive int; default
+            ``4 * num_blocks``.
+          promote_after: admissions that map a spill block before it is copied back into
+            DRAM (at the next one, if DRAM has a free block and no other slot maps it), an
+            int >= 1, or None: never. Default 2.
+
+        Raises:
+          ValueError: an argument out of its range; the message names it and the range.
+        """
         geometry = KVGeometry(
             num_layers=num_layers,
             batch=batch,

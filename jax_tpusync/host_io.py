@@ -9,6 +9,7 @@ mode's device copy move: rows of one (layer, K|V, slot) located block by block
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ from jax_tpusync import blocks, quantize
 from jax_tpusync.engine import Engine
 from jax_tpusync.levels import TierBlocks
 from jax_tpusync.slots import SlotTable
-from jax_tpusync.state import CacheSpec
+from jax_tpusync.state import CacheSpec, dtype_error, exact_cast_allowed
 
 
 class HostRows:
@@ -53,6 +54,45 @@ class HostRows:
                 rows.append((tier, offset, mem, n))
                 mem += n
         return rows
+
+    def check_load(self, k, v, start, lengths):
+        """``(k, v, starts, counts)`` of a :meth:`OffloadedKVCache.load`, checked against
+        the slots (capacity, read-only prefix); raises, changing nothing."""
+        spec = self.spec
+        k = as_cache_array("k", k, spec.dtype)
+        v = as_cache_array("v", v, spec.dtype)
+        want = (spec.batch, None, spec.num_kv_heads, spec.head_dim)
+        for name, x in (("k", k), ("v", v)):
+            if x.ndim != 4 or x.shape[0] != spec.batch or x.shape[2:] != want[2:]:
+                raise ValueError(
+                    f"{name} must be [batch={spec.batch}, n, num_kv_heads="
+                    f"{spec.num_kv_heads}, head_dim={spec.head_dim}]; got "
+                    f"{x.shape}"
+                )
+        if k.shape != v.shape:
+            raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+        n = k.shape[1]
+        starts = per_sequence("start", start, spec.batch)
+        counts = per_sequence("lengths", n if lengths is None else lengths, spec.batch)
+        if (counts < 0).any() or (counts > n).any():
+            raise ValueError(f"lengths must be in [0, n={n}]; got {counts}")
+        capacity = self.slots.capacity
+        for b in range(spec.batch):
+            if starts[b] < 0:
+                raise ValueError(f"start={int(starts[b])} of slot {b} must be >= 0")
+            shared = self.slots.shared_tokens(b)
+            if counts[b] and starts[b] < shared:
+                raise ValueError(
+                    f"rows [{int(starts[b])}, {int(starts[b] + counts[b])}) of slot {b} "
+                    f"overlap its shared prefix [0, {shared}): those blocks are read-only"
+                )
+            if counts[b] and starts[b] + counts[b] > capacity[b]:
+                raise ValueError(
+                    f"start + lengths = {int(starts[b] + counts[b])} of slot {b} would "
+                    f"overflow its capacity of {int(capacity[b])} tokens"
+                    + (" (the slot is inactive: admit it first)" if not capacity[b] else "")
+                )
+        return k, v, starts, counts
 
     def write(
         self,
@@ -168,3 +208,23 @@ class HostRows:
         if slot is None:
             return staging.at[layer].set(values[0])
         return staging.at[layer, :, slot].set(values[0, :, 0])
+
+
+def as_cache_array(name: str, x: Any, dtype: Any) -> np.ndarray:
+    """``x`` as a numpy array of the cache's ``dtype``, converted only if exactly."""
+    x = np.asarray(x)
+    if not exact_cast_allowed(x.dtype, dtype):
+        raise ValueError(dtype_error(name, x.dtype, dtype))
+    return x.astype(dtype, copy=False)
+
+
+def per_sequence(name: str, value: Any, batch: int) -> np.ndarray:
+    """int64[batch] from an int or one int per sequence."""
+    array = np.asarray(value)
+    if array.ndim > 1 or (array.ndim == 1 and array.shape != (batch,)):
+        raise ValueError(f"{name} must be an int or {batch} ints (one per sequence); got {value!r}")
+    if array.size and not (
+        np.issubdtype(array.dtype, np.integer) and not np.issubdtype(array.dtype, np.bool_)
+    ):
+        raise ValueError(f"{name} must hold ints; got {value!r}")
+    return np.broadcast_to(array.astype(np.int64), (batch,))

@@ -25,8 +25,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jax_tpusync import shared_blocks
-from jax_tpusync.engine import Engine
+from jax_tpusync import layout, shared_blocks
+from jax_tpusync.engine import Engine, page_offset
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +92,80 @@ class TierBlocks:
         self.regions = regions
         self.block_bytes = block_bytes
         self.spill = spill
+        self.spill_tier = self.spill_first = 0  # A two-level cache's spill allocation.
+
+    @classmethod
+    def open(cls, engine: Engine, config: Any, spec: Any, first_staging: Any) -> TierBlocks:
+        """Opens the tier a :class:`~jax_tpusync.config.CacheConfig` names on ``engine``
+        (and a two-level cache's spill file) and allocates the cache's blocks on it,
+        checking the int32 bounds with the first block each allocation got.
+
+        ``first_staging``: the first state's staging buffer, for a tier whose fetches land
+        in staging (a file): its data is shifted to that buffer's offset within a page.
+        (Where XLA places a buffer depends on the allocator's history; a probe buffer of
+        the same size is not reliable.)"""
+        g, tier = config.geometry, config.tier
+        block_bytes = spec.block_bytes
+        blocks = layout.tier_blocks(g)
+        phase = 0 if first_staging is None else (page_offset(first_staging) or 0)
+        if tier.kind == "host":
+            index = engine.add_host_tier(
+                block_bytes=block_bytes, num_blocks=blocks, shm_name=tier.shm_name
+            )
+        else:
+            index = engine.add_file_tier(
+                tier.path,
+                block_bytes=block_bytes,
+                num_blocks=blocks,
+                file_name=tier.file_name,
+                alignment_offset=phase,
+            )
+        first = engine.allocate(index, blocks, name="kv" if tier.persistent else None)
+        layout.check_int32_layout(g.max_len, g.windows, spec.chunk_len, block_bytes, blocks, first)
+        store = cls(
+            engine,
+            tier=index,
+            first_block=first,
+            num_blocks=g.num_blocks,
+            regions=g.num_layers * 2,
+            block_bytes=block_bytes,
+        )
+        if spec.spill_blocks:
+            spill_blocks = layout.tier_blocks(g, spec.spill_blocks)
+            store.spill_tier = engine.add_file_tier(
+                tier.spill_path,
+                block_bytes=block_bytes,
+                num_blocks=spill_blocks,
+                alignment_offset=phase,
+            )
+            store.spill_first = engine.allocate(store.spill_tier, spill_blocks)
+            layout.check_int32_layout(
+                g.max_len, g.windows, spec.chunk_len, block_bytes, spill_blocks, store.spill_first
+            )
+        return store
+
+    def target(self, shard: int) -> list[int]:
+        """(tier, first block, shard, spill tier, spill first block) of a state's target."""
+        return [self.tier, self.first_block, shard, self.spill_tier, self.spill_first]
 
     @property
     def payload_bytes(self) -> int:
         return self.regions * self.block_bytes
+
+    def note_staging_phase(self, staging: Any) -> None:
+        """Logs when fetches into ``staging`` will go through bounce buffers."""
+        info = self.engine.tier_info(self.tier)
+        offset = page_offset(staging)
+        if not info.dio_alignment or offset is None:
+            return
+        # dio_alignment divides the page size, so the offset within a page decides.
+        phase = (offset - info.alignment_offset) % info.dio_alignment
+        if phase:
+            logger.info(
+                "staging buffer is %d bytes out of phase with the file tier's data: fetches "
+                "copy through bounce buffers (correct, slower)",
+                phase,
+            )
 
     def locate(self, region: int, block: int) -> tuple[int, int]:
         """(tier, tier byte offset) of table id ``block`` in ``region``."""

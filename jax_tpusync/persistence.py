@@ -195,6 +195,31 @@ class Persistence:
     # -- opening ----------------------------------------------------------------------------
 
     @classmethod
+    def prepare_for(cls, config: Any) -> Persistence | None:
+        """:meth:`prepare` of a :class:`~jax_tpusync.config.CacheConfig`'s tier and
+        geometry (None: not a persistent tier)."""
+        g, tier = config.geometry, config.tier
+        return cls.prepare(
+            tier=tier.kind,
+            path=getattr(tier, "path", None),
+            shm_name=tier.shm_name if tier.kind == "host" else None,
+            file_name=getattr(tier, "file_name", None),
+            geometry=Geometry.of(
+                g.num_layers,
+                g.batch,
+                g.max_len,
+                g.num_kv_heads,
+                g.head_dim,
+                g.dtype,
+                config.persistence.model_id,
+                block_tokens=g.block_tokens,
+                num_blocks=g.num_blocks,
+                tier_dtype=g.tier_dtype,
+            ),
+            overwrite=config.persistence.overwrite,
+        )
+
+    @classmethod
     def prepare(
         cls,
         *,
@@ -329,8 +354,7 @@ class Persistence:
         if verify:
             result = self.verify()
             logger.info(
-                "verified %d chunks and %d prefix blocks (%.1f MiB) of committed KV at "
-                "%.2f GB/s",
+                "verified %d chunks and %d prefix blocks (%.1f MiB) of committed KV at %.2f GB/s",
                 result.chunks,
                 result.prefix_blocks,
                 result.bytes / 2**20,
@@ -389,9 +413,7 @@ class Persistence:
             if parent is None or parent not in by_key:  # A first block.
                 parent = None if chain_root == root else chain_root
             out.append(
-                prefix.Entry(
-                    e["key"], parent, e["tokens"], e["block"], refs=count, sums=e["sums"]
-                )
+                prefix.Entry(e["key"], parent, e["tokens"], e["block"], refs=count, sums=e["sums"])
             )
         if dropped or foreign:
             logger.info(
@@ -430,8 +452,20 @@ class Persistence:
         return spec.num_layers * 2 * spec.batch
 
     def note_rows_written(self, layer: int, starts: np.ndarray, counts: np.ndarray) -> None:
-        """Marks chunks that a host-side write (``load``) touches as needing a new checksum."""
+        """Call before a host-side write (``load``) of rows ``[starts[b], starts[b] +
+        counts[b])``: if it rewrites committed rows, commits each such sequence shortened
+        to its first rewritten row first (a crash before the next commit then re-attaches
+        to KV the checksums still cover), and marks the touched chunks for a new checksum."""
         spec = self._spec
+        starts = np.asarray(starts, np.int64)
+        rewrites = (np.asarray(counts) > 0) & (starts < self._lengths)
+        if rewrites.any():
+            shortened = np.where(rewrites, starts, self._lengths)
+            logger.info(
+                "load() rewrites committed rows: committing lengths %s first", shortened.tolist()
+            )
+            self._spec_engine.drain()
+            self.commit(shortened)
         r_rows = self._chunk_rows
         for kv in range(2):
             for b in range(spec.batch):

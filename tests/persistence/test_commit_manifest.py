@@ -472,8 +472,9 @@ def test_failure_before_manifest_write_keeps_the_old_commit(where, monkeypatch):
             raise OSError(28, f"No space left on device (at {stage})")
 
         monkeypatch.setattr(persistence, "fault_hook", fail)
+        # Rows past the committed lengths (a rewrite of committed rows commits first).
         rows = np.ones((BATCH, 3, KV_HEADS, HEAD_DIM), np.float32)
-        state = cache.load(state, 0, rows, rows, start=2)
+        state = cache.load(state, 0, rows, rows, start=CONTEXT)
         with pytest.raises(persistence.CommitError, match="No space left"):
             cache.commit(state)
         assert manifest_path(where).read_bytes() == before
@@ -482,3 +483,25 @@ def test_failure_before_manifest_write_keeps_the_old_commit(where, monkeypatch):
         state = cache.commit(cache.init(CONTEXT))
     assert json.loads(manifest_path(where).read_text())["commit"] == 2
     make(where).close()
+
+
+def test_a_load_over_committed_rows_commits_the_shorter_lengths_first(where):
+    """Rewriting rows [2, 5) of committed sequences: the manifest first says lengths 2, so a
+    crash before the next commit re-attaches (verified) to the rows the checksums cover,
+    never to a ChecksumMismatchError over the whole cache. The edge: a load starting exactly
+    at a committed length rewrites nothing and commits nothing."""
+    cache = make(where)
+    state, k, _ = load_context(cache)
+    state = cache.commit(state)
+    rows = np.ones((BATCH, 3, KV_HEADS, HEAD_DIM), np.float32)
+    state = cache.load(state, 0, rows, rows, start=CONTEXT)  # The edge: appends only.
+    assert cache.persistence.commit_number == 1
+    state = cache.load(state, 0, rows, rows, start=[2, int(CONTEXT[1])])
+    assert cache.persistence.commit_number == 2
+    assert cache.committed_lengths.tolist() == [2, int(CONTEXT[1])]
+    cache.engine.close()  # A crash before the next commit: no final commit is written.
+    with make(where) as again:  # verify=True: the committed rows' checksums hold.
+        assert again.committed_lengths.tolist() == [2, int(CONTEXT[1])]
+        state = again.init()
+        got_k, _ = again.read(state, 0, 0)
+        np.testing.assert_array_equal(got_k, k[0, 0, :2])
