@@ -13,8 +13,12 @@ Ordering is a fetch's: the call is registered with the engine's scoreboard as a 
 those tier bytes, so it starts after every earlier write-back of them (a failed one fails
 it) and later writes wait for it. Nothing lands in staging, so nothing is prefetched.
 
-Which caches read in place is the cache's choice (:func:`jax_tpusync.in_place.decide`); the
-step only follows ``spec.reads_in_place``.
+It applies to a host tier whose rows are bfloat16 or float32 values (not quantized codes,
+not float16), on one tier (not a two-level cache), streamed (not resident), on the CPU
+backend (:func:`jax_tpusync.layout.in_place_blocker` says why not elsewhere); anywhere else
+units go through staging. Such a cache's state holds no staging at all, so it takes the
+plain-XLA attention only (the Pallas kernels read units from staging). The step only
+follows ``spec.reads_in_place``.
 """
 
 from __future__ import annotations
