@@ -2,7 +2,7 @@
 
 The ops in :mod:`jax_tpusync.ops` lower to the same custom-call targets on every platform;
 this module adds the CUDA handlers from the optional extension ``jax_tpusync._tpusync_cuda``
-(built when a CUDA toolkit is found at build time, see ffi/cuda/cuda_ops.cc for the design).
+(built when a CUDA toolkit is found at build time, see ffi/cuda/device_context.h for the design).
 
 :func:`register` is a no-op returning ``False`` when the extension was not built or no CUDA
 GPU is visible, so CPU-only installs behave exactly as before. It initializes JAX's

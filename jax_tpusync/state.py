@@ -63,7 +63,7 @@ class CacheSpec:
     tier_dtype: Any = None  # Codes of quantized rows (int8, float8_e4m3fn), or None.
     # Staging holds every layer's KV (see OffloadedKVCache's ``resident``); steps fetch nothing.
     resident: bool = False
-    # A mesh cache's layout (jax_tpusync.mesh.MeshLayout): the other fields describe one
+    # A mesh cache's layout (jax_tpusync.mesh_layout.MeshLayout): the other fields describe one
     # shard, and every state leaf has a leading axis of shards. None: one device.
     mesh: Any = None
     # Two-level caches (jax_tpusync.spill): blocks per (layer, K|V) on the spill tier,

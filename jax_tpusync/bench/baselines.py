@@ -19,7 +19,7 @@ to it each step, like a real decode:
 
 The attention is a ``fori_loop`` of :func:`kernels.reference.chunk_attention_reference` over
 slices of the cache of as many rows as the resident step reads at a time
-(``attention.block_len_for``: 512 rows of 8 x 64 on a CPU, a whole unit elsewhere), keys at or
+(``step.unit.block_len_for``: 512 rows of 8 x 64 on a CPU, a whole unit elsewhere), keys at or
 past ``lengths`` masked, merged online with the new token's. So the compute costs about what
 the resident step's does and the rows differ in how the KV moves (per layer at 32K tokens on
 XLA's CPU backend: about 170 ms for one softmax over all keys, 45 ms in 4096-row slices, 30
