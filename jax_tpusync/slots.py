@@ -158,21 +158,33 @@ class SlotTable:
 
     def make_room(self, count: int) -> bool:
         """Whether ``count`` DRAM blocks are free, after demoting (two-level) or evicting
-        cached prefix blocks if not."""
-        if count > self.dram.free_blocks and self.mover is not None:
+        cached prefix blocks if not. When even that would not free enough, nothing is
+        demoted or evicted (a refused admission leaves the index as it was)."""
+        short = count - self.dram.free_blocks
+        if short <= 0:
+            return True
+        in_dram = self.allocators.in_dram if self.mover is not None else (lambda block: True)
+        if len(self.prefix.cached_where(in_dram, short)) < short:
+            return False
+        if self.mover is not None:
             self.mover.demote(self.prefix, count)
         short = count - self.dram.free_blocks
         if short > 0:
-            in_dram = self.allocators.in_dram if self.mover is not None else None
             self.prefix.evict(short, where=in_dram)
         return count <= self.dram.free_blocks
 
     def _allocate(self, count: int) -> np.ndarray:
         """``count`` fresh DRAM blocks, room made first; raises naming the shortfall."""
         if not self.make_room(count):
+            cached = self.prefix.cached_blocks
+            evictable = (
+                "none is left to evict"
+                if not cached
+                else f"evicting all {cached} cached prefix blocks would not make up the rest"
+            )
             raise ValueError(
                 f"needs {count} KV blocks but only {self.dram.free_blocks} of "
-                f"{self.num_blocks} are free and none is left to evict (the others are "
+                f"{self.num_blocks} are free and {evictable} (the others are "
                 f"held by active slots{', or pinned prefix blocks' if len(self.prefix) else ''}); "
                 f"release a slot, or make the cache with more num_blocks"
             )
@@ -220,23 +232,27 @@ class SlotTable:
         """
         max_tokens, ids = self.check_admit(slot, max_tokens, tokens)
         shared: list[int] = []
+        hits = 0  # Counted by the index's lookup: not hits if the admission is refused.
         try:
             if ids is not None:
                 limit = max(len(ids) - 1, 0) // self.block_tokens
                 if max_cached is not None:
                     limit = min(limit, max_cached // self.block_tokens)
                 shared = self.prefix.match(ids, limit)
+                hits = len(shared)
                 shared += self._import(ids, len(shared), limit)
             n = -(-max_tokens // self.block_tokens)
             fresh = self._allocate(n - len(shared))
         except Exception:
             self.prefix.unpin(shared)
+            self.prefix.hits -= hits
             raise
         if self.mover is not None and shared:
             try:
                 shared = self.mover.admitted(self.prefix, shared)
             except Exception:
                 self.prefix.unpin(shared)
+                self.prefix.hits -= hits
                 self.dram.free(fresh)
                 raise
         self._tables[slot] = blocks.NO_BLOCK
@@ -254,6 +270,11 @@ class SlotTable:
         ids = [int(b) for b in block_ids]
         if self._capacity[slot] > 0:
             raise ValueError(f"slot {slot} is active; release it first")
+        if len(ids) > self.max_blocks:
+            raise ValueError(
+                f"{len(ids)} blocks given, more than a slot's table holds "
+                f"(max_blocks={self.max_blocks})"
+            )
         if not 1 <= capacity <= min(self.max_len, len(ids) * self.block_tokens):
             raise ValueError(
                 f"capacity={capacity} must be in [1, {min(self.max_len, len(ids) * self.block_tokens)}]"
@@ -308,8 +329,14 @@ class SlotTable:
             full = length // self.block_tokens
             covered = ids[: full * self.block_tokens]
             self._export(covered, held[:full])
-            duplicates = self.prefix.publish(covered, held[:full], shared)
-            self.allocators.free(np.asarray(duplicates + held[full:].tolist(), np.int64))
+            # Mapped blocks past the tokens given (a length below the shared prefix) are
+            # indexed: unpinned (the later ones first, as the index orders eviction), never
+            # freed here.
+            self.prefix.unpin(held[full:shared])
+            duplicates = self.prefix.publish(covered, held[:full], min(shared, full))
+            self.allocators.free(
+                np.asarray(duplicates + held[max(full, shared) :].tolist(), np.int64)
+            )
         else:
             self.prefix.unpin(held[:shared])
             self.allocators.free(held[shared:])
