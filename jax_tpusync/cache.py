@@ -691,6 +691,21 @@ class OffloadedKVCache:
             self.engine.drain()
         return self.persistence.verify()
 
+    def restart_at(self, lengths: np.ndarray) -> None:
+        """A re-attached cache starts (``init()``'s default) from ``lengths``, at most the
+        committed ones, committed now: what a mesh cache does to bring head shards that a
+        crash left at different commits to their common rows (shorter committed rows stay
+        covered by the checksums)."""
+        p = self.persistence
+        lengths = np.asarray(lengths, np.int32)
+        if p is None or (lengths > p.committed_lengths).any() or (lengths < 0).any():
+            raise ValueError(
+                f"lengths {lengths.tolist()} must be in [0, committed lengths] of a persistent "
+                f"tier"
+            )
+        p.commit(lengths)
+        self._restored_lengths = lengths
+
     @property
     def committed_lengths(self) -> np.ndarray | None:
         """Per-sequence lengths of the last commit (None: not a persistent tier)."""

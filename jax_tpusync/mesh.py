@@ -34,6 +34,7 @@ another shard's.
 from __future__ import annotations
 
 import contextlib
+import logging
 import dataclasses
 import os
 from collections.abc import Sequence
@@ -48,6 +49,8 @@ from jax_tpusync.cache import OffloadedKVCache
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.mesh_layout import MeshLayout
 from jax_tpusync.state import CacheSpec, KVState
+
+logger = logging.getLogger(__name__)
 
 
 def _layout_of(mesh: Any, kv_heads_axis: Any, batch_axis: Any) -> MeshLayout:
@@ -157,6 +160,48 @@ class ShardedKVCache:
         self.spec = dataclasses.replace(self.shard_spec, mesh=layout)
         self.batch = int(batch)
         self.num_kv_heads = int(num_kv_heads)
+        if shm_name is not None or file_name is not None:
+            self._reconcile_commits()
+
+    def _reconcile_commits(self) -> None:
+        """Re-attach: brings the head shards of every slot to their common commit.
+
+        Each shard commits on its own, so a crash between two shards' manifest writes (in
+        a commit, or in the commit a release makes) leaves the head shards of a slot at
+        different commits. Their common state is the shorter one: a slot that one head
+        shard holds released is released in all (its KV is dropped), and a slot's length is
+        the smallest any head shard committed (the rows below it are committed, and
+        checksummed, in every shard). Logged as a warning naming the shards.
+        """
+        for d in range(self.layout.dp):
+            holders = [s for s in self.shards if self._place(s)[0] == d]
+            if len(holders) < 2:
+                continue
+            capacity = {s: self.shards[s].capacity for s in holders}
+            lengths = {s: self.shards[s].committed_lengths for s in holders}
+            active = np.logical_and.reduce([capacity[s] > 0 for s in holders])
+            common = np.minimum.reduce([lengths[s] for s in holders])
+            common = np.where(active, common, 0)
+            for s in holders:
+                cache = self.shards[s]
+                torn = (capacity[s] > 0) & ~active
+                if not (torn.any() or (lengths[s] != common).any()):
+                    continue
+                logger.warning(
+                    "re-attach: head shards %s of slots %s were left at different commits "
+                    "(shard %d: lengths %s); bringing them to their common lengths %s%s",
+                    holders,
+                    [self.rows_of(s).start + b for b in range(len(common))],
+                    s,
+                    lengths[s].tolist(),
+                    common.tolist(),
+                    f", releasing slots {np.flatnonzero(torn).tolist()} of shard {s}"
+                    if torn.any()
+                    else "",
+                )
+                for b in np.flatnonzero(torn):
+                    cache.slots.release(int(b), 0)
+                cache.restart_at(common)
 
     # -- global states <-> shard states -----------------------------------------------------
 

@@ -163,8 +163,11 @@ def sharded_attention(q, k, v, state: KVState, *, layer, **options) -> tuple[jax
     qkv = [_resharded(x, layout, layout.qkv_spec) for x in (q, k, v)]
     leaves = [_resharded(x, layout, layout.state_spec) for x in leaves]
     out, leaves = fn(*qkv, leaves, *traced)
-    if _is_explicit(layout.mesh):  # Typed as q came in, as single-device attention returns.
-        out = jax.sharding.reshard(out, jax.typeof(q).sharding)
+    # Typed as q came in, as single-device attention returns; q typed without a mesh (an
+    # Explicit mesh that no jax.set_mesh made current) has no sharding to keep.
+    q_sharding = jax.typeof(q).sharding
+    if _is_explicit(layout.mesh) and not q_sharding.mesh.empty:
+        out = jax.sharding.reshard(out, q_sharding)
     return out, jax.tree_util.tree_unflatten(tree, leaves)
 
 
