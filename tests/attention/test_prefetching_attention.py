@@ -825,7 +825,7 @@ def test_staging_out_of_phase_with_the_file_tier_is_logged(
     file_dir, monkeypatch, caplog, shift, logged
 ):
     """A staging buffer whose page offset differs from the tier's data says it will bounce."""
-    from jax_tpusync import cache as cache_module
+    from jax_tpusync import levels
 
     with tps.OffloadedKVCache(
         num_layers=1,
@@ -841,8 +841,8 @@ def test_staging_out_of_phase_with_the_file_tier_is_logged(
         if not info.dio_alignment:
             pytest.skip("the file tier has no O_DIRECT here")
         at = None if shift is None else (info.alignment_offset + shift) % 4096
-        monkeypatch.setattr(cache_module, "page_offset", lambda array: at)
-        with caplog.at_level("INFO", logger=cache_module.logger.name):
+        monkeypatch.setattr(levels, "page_offset", lambda array: at)
+        with caplog.at_level("INFO", logger=levels.logger.name):
             cache.init()
         phase_logs = [r for r in caplog.records if "out of phase" in r.getMessage()]
         assert bool(phase_logs) == logged
