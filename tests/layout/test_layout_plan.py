@@ -116,7 +116,7 @@ def test_plan_keeps_its_rules_across_shapes(kw):
     else:
         assert spec.chunk_len == longest
     in_place = (
-        kw["read_in_place"] != False  # noqa: E712 - "auto" or True.
+        kw["read_in_place"] is not False
         and kw["tier"] == "host"
         and kw["tier_dtype"] is None
         and np.dtype(kw["dtype"]) in (np.dtype(jnp.bfloat16), np.dtype(np.float32))
