@@ -101,7 +101,7 @@ class OffloadedKVCache:
         if isinstance(engine, Engine) and debug_poison and not engine.config.poison_fetches:
             raise ValueError("debug_poison needs an engine made with poison_fetches=True")
         spec = layout.plan(config)
-        g, tier = config.geometry, config.tier
+        tier = config.tier
         # Checked before the tier opens, so that a mismatch touches nothing.
         self.persistence = persistence.Persistence.prepare_for(config)
         self.config = config
@@ -275,17 +275,8 @@ class OffloadedKVCache:
         self._live_lengths = np.asarray(lengths, np.int32).copy()
         owner = self._new_owner()
         self._resident_epoch = int(np.asarray(owner)[1])
-        return KVState(
-            spec,
-            lengths=jnp.asarray(lengths, jnp.int32),
-            block_table=jnp.asarray(self.slots.tables),
-            capacity=jnp.asarray(self.slots.capacity),
-            staging=staging,
-            tickets=jnp.full((spec.num_tickets,), ops.NO_TICKET, jnp.int32),
-            slot=jnp.zeros((), jnp.int32),
-            token=jnp.zeros((), jnp.int32),
-            owner=owner,
-            target=jnp.asarray(self._target, jnp.int32),
+        return KVState.fresh(
+            spec, lengths, self.slots.tables, self.slots.capacity, staging, owner, self._target
         )
 
     def inert_state(self) -> KVState:
@@ -299,17 +290,14 @@ class OffloadedKVCache:
         at all, for shapes alone.)
         """
         spec = self.spec
-        return KVState(
+        return KVState.fresh(
             spec,
-            lengths=jnp.zeros((spec.batch,), jnp.int32),
-            block_table=jnp.full((spec.batch, spec.max_blocks), blocks.NO_BLOCK, jnp.int32),
-            capacity=jnp.zeros((spec.batch,), jnp.int32),
-            staging=jnp.zeros(spec.staging_shape, spec.staging_dtype),
-            tickets=jnp.full((spec.num_tickets,), ops.NO_TICKET, jnp.int32),
-            slot=jnp.zeros((), jnp.int32),
-            token=jnp.zeros((), jnp.int32),
-            owner=jnp.zeros((3,), jnp.int32),
-            target=jnp.asarray(self._target, jnp.int32),
+            np.zeros(spec.batch, np.int32),
+            np.full((spec.batch, spec.max_blocks), blocks.NO_BLOCK, np.int32),
+            np.zeros(spec.batch, np.int32),
+            jnp.zeros(spec.staging_shape, spec.staging_dtype),
+            jnp.zeros((3,), jnp.int32),  # An unchecked owner.
+            self._target,
         )
 
     # -- slot lifecycle ---------------------------------------------------------------------
@@ -533,12 +521,9 @@ class OffloadedKVCache:
           state: the cache's state; it is drained first (its prefetches may have read
             bytes this call overwrites) and the returned state is the live one.
           layer: which layer.
-          k: [batch, n, num_kv_heads, head_dim] keys (after RoPE, as the model caches them).
-            Its dtype must be the cache's, or one that converts to it exactly: a float
-            dtype with ``np.can_cast(k.dtype, cache_dtype, casting="safe")`` (bfloat16 or
-            float16 into a float32 cache). Anything else (float32 into bfloat16, float64,
-            integers, complex) is refused: cast it with ``.astype(...)`` if rounding is
-            what you want.
+          k: [batch, n, num_kv_heads, head_dim] keys (after RoPE, as the model caches them),
+            of the cache's dtype or one that converts to it exactly
+            (:func:`jax_tpusync.state.exact_cast_allowed`; cast it yourself otherwise).
           v: [batch, n, num_kv_heads, head_dim] values, same rule.
           start: first position written, per slot or for all; ``>= 0``.
           lengths: per-slot count of rows of ``k``/``v`` to write (ragged), in
@@ -700,8 +685,7 @@ class OffloadedKVCache:
         lengths = np.asarray(lengths, np.int32)
         if p is None or (lengths > p.committed_lengths).any() or (lengths < 0).any():
             raise ValueError(
-                f"lengths {lengths.tolist()} must be in [0, committed lengths] of a persistent "
-                f"tier"
+                f"lengths {lengths.tolist()} must be in [0, committed lengths] of a persistent tier"
             )
         p.commit(lengths)
         self._restored_lengths = lengths

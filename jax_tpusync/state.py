@@ -248,12 +248,39 @@ class KVState:
         self.owner = owner
         self.target = target
 
+    @classmethod
+    def fresh(cls, spec, lengths, block_table, capacity, staging, owner, target) -> KVState:
+        """A state with no fetch in flight, its first unit next: ``lengths`` int[batch],
+        ``block_table`` int[batch, max_blocks], ``capacity`` int[batch], ``staging`` of
+        ``spec.staging_shape``, ``owner`` int32[3], ``target`` int[6]."""
+        return cls(
+            spec,
+            lengths=jnp.asarray(lengths, jnp.int32),
+            block_table=jnp.asarray(block_table, jnp.int32),
+            capacity=jnp.asarray(capacity, jnp.int32),
+            staging=staging,
+            tickets=jnp.full((spec.num_tickets,), ops.NO_TICKET, jnp.int32),
+            slot=jnp.zeros((), jnp.int32),
+            token=jnp.zeros((), jnp.int32),
+            owner=owner,
+            target=jnp.asarray(target, jnp.int32),
+        )
+
     def tree_flatten(self):
         return tuple(getattr(self, name) for name in self._FIELDS), self.spec
 
     @classmethod
     def tree_unflatten(cls, spec, children):
         return cls(spec, *children)
+
+    def positions(self, q_len: int) -> jax.Array:
+        """int32[batch, q_len]: each slot's next ``q_len`` positions, ``lengths[:, None] +
+        arange(q_len)``: where a step's query row ``i`` of slot ``b`` sits (its RoPE
+        position), and where its K/V row goes if it is one of the slot's real rows (see
+        ``query_seq_lengths`` of :func:`~jax_tpusync.prefetching_attention`). A mesh
+        cache's global state: [shards, batch, q_len], each shard's slots."""
+        lengths = jnp.asarray(self.lengths, jnp.int32)
+        return lengths[..., None] + jnp.arange(q_len, dtype=jnp.int32)
 
     def replace(self, **changes) -> KVState:
         fields = {name: getattr(self, name) for name in self._FIELDS}
