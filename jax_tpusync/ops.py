@@ -70,6 +70,9 @@ _TARGETS = {
 
 # kv_dtype codes of :func:`attend_in_place` (engine/pool_attention.h).
 IN_PLACE_KV_DTYPES = {np.dtype(np.float32): 0, np.dtype(jnp.bfloat16): 1}
+# Its tier_dtype codes: rows of kv_dtype values (None), or quantized rows of these codes
+# with per-(token, head) float32 scales (jax_tpusync.quantize's layout).
+IN_PLACE_TIER_DTYPES = {None: 0, np.dtype(np.int8): 1, np.dtype(jnp.float8_e4m3fn): 2}
 
 NO_TICKET = -1
 INT32_MAX = int(np.iinfo(np.int32).max)
@@ -330,6 +333,7 @@ def attend_in_place(
     scale: float,
     soft_cap: float | None = None,
     window: int | None = None,
+    tier_dtype=None,
     deps: Sequence[jax.Array] = (),
     regions: Regions | None = None,
     owner: jax.Array | Sequence[int] | None = None,
@@ -345,12 +349,26 @@ def attend_in_place(
     runs after every earlier write-back of those bytes, like a fetch. Returns the unit's
     normalized partial and log-sum-exp, as
     :func:`~jax_tpusync.kernels.reference.chunk_attention_reference` does.
+
+    Rows are ``kv_dtype`` values ``[num_kv_heads, head_dim]``, or with ``tier_dtype``
+    (``int8`` or ``float8_e4m3fn``) a quantized tier's rows
+    (:func:`jax_tpusync.quantize.quantize`: codes, then one float32 scale per head, padded
+    to 16 bytes): the scales are applied as the reference's ``k_scale``/``v_scale`` are,
+    to the logits and to the weights of the V codes; nothing is dequantized.
     """
     _check_segments(segments)
     tag = _check_tag(tag)
     kv_dtype = np.dtype(kv_dtype)
     if kv_dtype not in IN_PLACE_KV_DTYPES:
         raise ValueError(f"kv_dtype={kv_dtype} must be float32 or bfloat16 to be read in place")
+    try:
+        tier_code = IN_PLACE_TIER_DTYPES.get(None if tier_dtype is None else np.dtype(tier_dtype))
+    except TypeError:
+        tier_code = None
+    if tier_code is None:
+        raise ValueError(
+            f"tier_dtype={tier_dtype!r} must be None, int8 or float8_e4m3fn to be read in place"
+        )
     if q.dtype != jnp.float32 or q.ndim != 4:
         got = f"{q.dtype}{list(q.shape)}"
         raise ValueError(f"q must be f32[batch, q_len, heads, head_dim]; got {got}")
@@ -377,6 +395,7 @@ def attend_in_place(
         **_attrs(regions),
         unit_len=np.int64(unit_len),
         kv_dtype=np.int32(IN_PLACE_KV_DTYPES[kv_dtype]),
+        tier_dtype=np.int32(tier_code),
         num_kv_heads=np.int32(num_kv_heads),
         scale=np.float32(scale),
         soft_cap=np.float32(0.0 if soft_cap is None else soft_cap),

@@ -78,14 +78,78 @@ TPUSYNC_INLINE void ExpNonPositive(float* values) {
   StoreLanes(values, y * scale);
 }
 
-// `rows` rows of `values` values each, row i at src + i * row_bytes, as f32[rows][values].
-// Whole rows, in memory order: the hardware prefetcher follows one stream through the pool.
+typedef int8_t CodeLanes __attribute__((vector_size(8)));    // Eight int8 codes.
+typedef uint8_t ByteLanes __attribute__((vector_size(8)));    // Eight fp8 codes' bytes.
+typedef uint32_t BitLanes __attribute__((vector_size(32)));   // Eight f32 bit patterns.
+
+// float8_e4m3fn (sign, 4 exponent bits of bias 7, 3 mantissa bits, no infinities) of every
+// byte: the scalar tail of a row whose length is not a multiple of eight. 0x7f and 0xff
+// (its NaNs) decode as +-480 here and in the vector path: a quantized tier never stores
+// them (its codes are clipped to +-448).
+struct Float8Table {
+  float value[256];
+  Float8Table() {
+    for (int c = 0; c < 256; ++c) {
+      const int e = (c >> 3) & 15, m = c & 7;
+      const float x = e == 0 ? std::ldexp(static_cast<float>(m), -9)
+                             : std::ldexp(1.0f + m / 8.0f, e - 7);
+      value[c] = c & 0x80 ? -x : x;
+    }
+  }
+};
+const Float8Table kFloat8;
+
+// n int8 codes as f32.
+TPUSYNC_INLINE void Int8Codes(const uint8_t* src, int n, float* dst) {
+  int d = 0;
+  for (; d + 8 <= n; d += 8) {
+    CodeLanes c;
+    std::memcpy(&c, src + d, sizeof c);
+    StoreLanes(dst + d, __builtin_convertvector(c, Lanes));
+  }
+  for (; d < n; ++d) dst[d] = static_cast<int8_t>(src[d]);
+}
+
+// n float8_e4m3fn codes as f32, eight at a time by their bits: a normal code's exponent and
+// mantissa move into an f32's and its exponent is rebiased (7 to 127); a subnormal one (no
+// exponent bits) is its mantissa times 2^-9. (No f32 subnormal is ever formed, so a
+// flush-to-zero mode cannot change the result.)
+TPUSYNC_INLINE void Float8Codes(const uint8_t* src, int n, float* dst) {
+  int d = 0;
+  for (; d + 8 <= n; d += 8) {
+    ByteLanes c;
+    std::memcpy(&c, src + d, sizeof c);
+    const BitLanes x = __builtin_convertvector(c, BitLanes);
+    const BitLanes normal_bits = ((x & 0x7f) << 20) + (120u << 23);
+    Lanes normal;
+    std::memcpy(&normal, &normal_bits, sizeof normal);
+    const Lanes subnormal = __builtin_convertvector(x & 7, Lanes) * 0.001953125f;
+    const Lanes magnitude = (x & 0x78) == 0 ? subnormal : normal;
+    BitLanes bits;
+    std::memcpy(&bits, &magnitude, sizeof bits);
+    bits |= (x & 0x80) << 24;
+    std::memcpy(dst + d, &bits, sizeof bits);
+  }
+  for (; d < n; ++d) dst[d] = kFloat8.value[src[d]];
+}
+
+// `rows` rows of `values` values each, row i at src + i * row_bytes, as f32[rows][values]
+// (codes' values, unscaled, for quantized rows; their f32[rows][heads] scales into
+// `scales`). Whole rows, in memory order: the hardware prefetcher follows one stream
+// through the pool.
 TPUSYNC_INLINE void LoadRows(const uint8_t* src, uint64_t row_bytes, int rows, int values,
-                             KvDtype dtype, float* dst) {
+                             int heads, KvDtype dtype, TierDtype tier_dtype, float* dst,
+                             float* scales) {
   for (int r = 0; r < rows; ++r) {
     const uint8_t* row = src + r * row_bytes;
     float* out = dst + static_cast<int64_t>(r) * values;
-    if (dtype == KvDtype::kBfloat16) {
+    if (tier_dtype == TierDtype::kInt8) {
+      Int8Codes(row, values, out);
+      std::memcpy(scales + r * heads, row + values, 4 * static_cast<size_t>(heads));
+    } else if (tier_dtype == TierDtype::kFloat8E4M3) {
+      Float8Codes(row, values, out);
+      std::memcpy(scales + r * heads, row + values, 4 * static_cast<size_t>(heads));
+    } else if (dtype == KvDtype::kBfloat16) {
       for (int d = 0; d < values; ++d) {
         uint16_t bits;
         std::memcpy(&bits, row + 2 * d, sizeof bits);  // One load; rows need no alignment.
@@ -181,8 +245,11 @@ TPUSYNC_INLINE void AddWeightedRows(float* a, const float (*p)[kTile], const flo
 
 struct Tile {
   std::vector<float> k, v;  // [kTile, num_kv_heads * head_dim] each: the tile's rows in f32.
+  std::vector<float> k_scale, v_scale;  // [kTile, num_kv_heads] each: quantized rows' scales.
   // Two query heads' scores, then weights. Every lane is exponentiated: keep them finite.
   alignas(32) float scores[2][kTile] = {};
+  // Quantized rows: the weights times each row's V scale, what accumulates the V codes.
+  alignas(32) float scaled[2][kTile] = {};
 };
 
 // Attends NH consecutive query heads of one kv head's group (the first, `head`, of query
@@ -195,8 +262,13 @@ TPUSYNC_INLINE void AttendHeads(const AttentionShape& s, const float* q, int t, 
   const int at = t * s.num_q_heads + head;  // The first head's (query, head) index.
   Scores<NH>(q + static_cast<int64_t>(at) * d_len, tile.k.data() + h * d_len, row_values, lo,
              hi, d_len, tile.scores);
+  const bool quantized = s.quantized();
+  const int heads = s.num_kv_heads;
   for (int i = 0; i < NH; ++i) {
     float* scores = tile.scores[i];
+    if (quantized) {  // (q . codes) * s_k, as the reference scales its logits.
+      for (int r = lo; r < hi; ++r) scores[r] *= tile.k_scale[r * heads + h];
+    }
     float tile_max = kNegInf;
     for (int r = lo; r < hi; ++r) {
       float x = s.scale * scores[r];
@@ -219,9 +291,13 @@ TPUSYNC_INLINE void AttendHeads(const AttentionShape& s, const float* q, int t, 
     for (int r = lo; r < hi; ++r) weights += scores[r];
     sum[at + i] += weights;
     max[at + i] = new_max;
+    if (quantized) {  // The sum stays unscaled; what multiplies the V codes is p * s_v.
+      for (int r = lo; r < hi; ++r) tile.scaled[i][r] = scores[r] * tile.v_scale[r * heads + h];
+    }
   }
-  AddWeightedRows<NH>(acc + static_cast<int64_t>(at) * d_len, tile.scores,
-                      tile.v.data() + h * d_len, row_values, lo, hi, d_len);
+  AddWeightedRows<NH>(acc + static_cast<int64_t>(at) * d_len,
+                      quantized ? tile.scaled : tile.scores, tile.v.data() + h * d_len,
+                      row_values, lo, hi, d_len);
 }
 
 // One tile (rows [r0, r0 + n) of the span) for every kv head and query of the span's
@@ -244,8 +320,10 @@ TPUSYNC_INLINE void AttendTileBody(const AttentionShape& s, const float* q, int3
                                   : 0;
       if (hi <= lo) continue;
       if (!loaded) {
-        LoadRows(span.k + r0 * row_bytes, row_bytes, n, row_values, s.kv_dtype, tile.k.data());
-        LoadRows(span.v + r0 * row_bytes, row_bytes, n, row_values, s.kv_dtype, tile.v.data());
+        LoadRows(span.k + r0 * row_bytes, row_bytes, n, row_values, s.num_kv_heads, s.kv_dtype,
+                 s.tier_dtype, tile.k.data(), tile.k_scale.data());
+        LoadRows(span.v + r0 * row_bytes, row_bytes, n, row_values, s.num_kv_heads, s.kv_dtype,
+                 s.tier_dtype, tile.v.data(), tile.v_scale.data());
         loaded = true;
         // The next tile's rows, requested now so they arrive while this one computes: the
         // K and V regions are two streams, which the hardware prefetcher alone left
@@ -308,7 +386,13 @@ const char* PoolAttentionIsa() {
   return "baseline";
 }
 
+uint64_t QuantizedRowBytes(int32_t num_kv_heads, int32_t head_dim) {
+  const uint64_t raw = static_cast<uint64_t>(num_kv_heads) * head_dim + 4ull * num_kv_heads;
+  return (raw + 15) / 16 * 16;
+}
+
 uint64_t AttentionShape::row_bytes() const {
+  if (quantized()) return QuantizedRowBytes(num_kv_heads, head_dim);
   return static_cast<uint64_t>(num_kv_heads) * head_dim * (kv_dtype == KvDtype::kBfloat16 ? 2 : 4);
 }
 
@@ -328,6 +412,11 @@ Status AttentionShape::Check() const {
   if (kv_dtype != KvDtype::kFloat32 && kv_dtype != KvDtype::kBfloat16) {
     return InvalidArgument("kv dtype code " + std::to_string(static_cast<int>(kv_dtype)) +
                            " is neither float32 (0) nor bfloat16 (1)");
+  }
+  if (tier_dtype != TierDtype::kNone && tier_dtype != TierDtype::kInt8 &&
+      tier_dtype != TierDtype::kFloat8E4M3) {
+    return InvalidArgument("tier dtype code " + std::to_string(static_cast<int>(tier_dtype)) +
+                           " is neither none (0), int8 (1) nor float8_e4m3fn (2)");
   }
   return Status::Ok();
 }
@@ -373,6 +462,11 @@ void AttentionPartial::Attend(const float* q, const int32_t* q_start, const KeyS
   if (tile.k.size() < tile_values) {
     tile.k.assign(tile_values, 0.0f);
     tile.v.assign(tile_values, 0.0f);
+  }
+  const size_t tile_scales = static_cast<size_t>(kTile) * s.num_kv_heads;
+  if (s.quantized() && tile.k_scale.size() < tile_scales) {
+    tile.k_scale.assign(tile_scales, 0.0f);
+    tile.v_scale.assign(tile_scales, 0.0f);
   }
   const int64_t per_seq = static_cast<int64_t>(s.q_len) * s.num_q_heads;
   const int b = span.batch;

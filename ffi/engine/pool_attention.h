@@ -8,6 +8,12 @@
 //
 // The numbers match kernels/reference.py's chunk_attention_reference (f32 arithmetic,
 // causal and sliding-window masks, soft cap, grouped-query heads), up to summation order.
+//
+// Rows are bf16 or f32 values, or quantized (jax_tpusync/quantize.py): per row
+// [num_kv_heads * head_dim one-byte codes][num_kv_heads f32 scales][zero padding to 16
+// bytes], codes int8 or float8_e4m3fn. The scales are applied inside the attention, as the
+// reference's k_scale/v_scale are: logits (q . codes_k) * s_k, and the weights times s_v
+// when they accumulate codes_v (the softmax's sum unscaled); no row is dequantized.
 
 #ifndef TPUSYNC_ENGINE_POOL_ATTENTION_H_
 #define TPUSYNC_ENGINE_POOL_ATTENTION_H_
@@ -21,6 +27,13 @@ namespace tpusync {
 
 enum class KvDtype : int32_t { kFloat32 = 0, kBfloat16 = 1 };
 
+// What a row holds: kNone, values of the KvDtype; else one-byte codes of this type and
+// per-(token, head) f32 scales (the KvDtype is then the cache's, and no byte of the row).
+enum class TierDtype : int32_t { kNone = 0, kInt8 = 1, kFloat8E4M3 = 2 };
+
+// Bytes of one quantized row (codes, scales, padding to 16 bytes), as quantize.row_bytes.
+uint64_t QuantizedRowBytes(int32_t num_kv_heads, int32_t head_dim);
+
 struct AttentionShape {
   int32_t batch = 0;
   int32_t q_len = 0;
@@ -28,10 +41,12 @@ struct AttentionShape {
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
   KvDtype kv_dtype = KvDtype::kFloat32;
+  TierDtype tier_dtype = TierDtype::kNone;
   float scale = 1.0f;
   float soft_cap = 0.0f;  // <= 0: none.
   int32_t window = 0;     // <= 0: none (full causal attention).
 
+  bool quantized() const { return tier_dtype != TierDtype::kNone; }
   uint64_t row_bytes() const;  // One token's K (or V) row: all kv heads.
   Status Check() const;
 };

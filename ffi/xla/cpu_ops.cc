@@ -26,7 +26,9 @@
 //   unit_len] rows, K then V, which is never allocated); `positions` int32[3, batch] are
 //   (first key position, valid keys, first query position). Each sequence's K and V
 //   segments must cover exactly its valid keys' rows. out f32 like q, lse f32[batch,
-//   q_len, q_heads]: the unit's normalized partial and its log-sum-exp.
+//   q_len, q_heads]: the unit's normalized partial and its log-sum-exp. Rows are kv_dtype
+//   values, or (tier_dtype != 0) a quantized tier's codes and per-head scales, which the
+//   attention applies (no row is dequantized).
 //
 // Segments are int32[n, 4] rows (block, offset_in_block, memory_offset, bytes): two int32
 // fields address a 64-bit tier offset without requiring jax_enable_x64. `memory_offset` is
@@ -338,8 +340,8 @@ ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> segments,
                       ffi::RemainingArgs /*deps*/, ffi::Result<ffi::Buffer<ffi::F32>> out,
                       ffi::Result<ffi::Buffer<ffi::F32>> lse, int64_t region_base,
                       int64_t region_bytes, int64_t region_count, int32_t region_block_rows,
-                      int64_t unit_len, int32_t kv_dtype, int32_t num_kv_heads, float scale,
-                      float soft_cap, int32_t window) {
+                      int64_t unit_len, int32_t kv_dtype, int32_t tier_dtype,
+                      int32_t num_kv_heads, float scale, float soft_cap, int32_t window) {
   auto op = Bind(target);
   if (!op.ok()) return ToFfiError(op.status());
   Engine& engine = *op->engine;
@@ -356,6 +358,7 @@ ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> segments,
   shape.head_dim = static_cast<int32_t>(dims[3]);
   shape.num_kv_heads = num_kv_heads;
   shape.kv_dtype = static_cast<KvDtype>(kv_dtype);
+  shape.tier_dtype = static_cast<TierDtype>(tier_dtype);
   shape.scale = scale;
   shape.soft_cap = soft_cap;
   shape.window = window;

@@ -105,8 +105,8 @@ auto MarkSignature(Binding&& binding) {
 }
 
 // tpusync_attend(q, segments, positions, tag, owner, target, *deps) -> (out, lse);
-// attributes: the region bounds, unit_len, kv_dtype, num_kv_heads, scale, soft_cap, window.
-// CPU only.
+// attributes: the region bounds, unit_len, kv_dtype, tier_dtype, num_kv_heads, scale,
+// soft_cap, window. CPU only.
 template <typename Binding>
 auto AttendSignature(Binding&& binding) {
   namespace ffi = xla::ffi;
@@ -122,6 +122,7 @@ auto AttendSignature(Binding&& binding) {
                                .template Ret<ffi::Buffer<ffi::F32>>())  // lse
       .template Attr<int64_t>("unit_len")      // Rows of one sequence's K (or V) in the unit.
       .template Attr<int32_t>("kv_dtype")      // KvDtype (engine/pool_attention.h).
+      .template Attr<int32_t>("tier_dtype")    // TierDtype: rows of codes + scales, or 0.
       .template Attr<int32_t>("num_kv_heads")
       .template Attr<float>("scale")           // Multiplies q . k.
       .template Attr<float>("soft_cap")        // <= 0: none.

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax_tpusync.kernels import reference
 
-from jax_tpusync import ops
+from jax_tpusync import ops, quantize
 
 XlaError = getattr(jax.errors, "JaxRuntimeError", RuntimeError)
 TAG = np.array([0, 0], np.int32)
@@ -24,12 +24,31 @@ TAG = np.array([0, 0], np.int32)
 
 class Pool:
     """A host tier holding per-sequence K and V rows in scattered blocks of ``block_rows``
-    rows, and the fetch segments of a unit of ``unit_len`` rows over them."""
+    rows, and the fetch segments of a unit of ``unit_len`` rows over them. With
+    ``tier_dtype`` the rows are a quantized tier's (codes, per-head scales, padding), each
+    (token, head) of its own magnitude, and the reference attends to what they stand for,
+    dequantized first."""
 
-    def __init__(self, engine, *, batch, unit_len, kv_heads, head_dim, dtype, block_rows, seed=0):
+    def __init__(
+        self,
+        engine,
+        *,
+        batch,
+        unit_len,
+        kv_heads,
+        head_dim,
+        dtype,
+        block_rows,
+        seed=0,
+        tier_dtype=None,
+    ):
         self.engine, self.batch, self.unit_len = engine, batch, unit_len
         self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, np.dtype(dtype)
-        self.row_bytes = kv_heads * head_dim * self.dtype.itemsize
+        self.tier_dtype = None if tier_dtype is None else np.dtype(tier_dtype)
+        if self.tier_dtype is None:
+            self.row_bytes = kv_heads * head_dim * self.dtype.itemsize
+        else:
+            self.row_bytes = quantize.row_bytes(kv_heads, head_dim)
         self.block_rows = block_rows
         self.block_bytes = block_rows * self.row_bytes
         blocks_per_seq = -(-unit_len // block_rows)
@@ -37,17 +56,56 @@ class Pool:
         self.tier = engine.add_host_tier(block_bytes=self.block_bytes, num_blocks=self.num_blocks)
         rng = np.random.default_rng(seed)
         shape = (batch, unit_len, kv_heads, head_dim)
-        self.k = rng.standard_normal(shape).astype(np.float32).astype(self.dtype)
-        self.v = rng.standard_normal(shape).astype(np.float32).astype(self.dtype)
+        if self.tier_dtype is None:
+            self.k = rng.standard_normal(shape).astype(np.float32).astype(self.dtype)
+            self.v = rng.standard_normal(shape).astype(np.float32).astype(self.dtype)
+            stored = (self.k, self.v)
+        else:
+            stored, values = [], []
+            for _ in range(2):
+                x = rng.standard_normal(shape).astype(np.float32)
+                x *= rng.uniform(0.05, 4.0, (*shape[:3], 1)).astype(np.float32)
+                rows = quantize.quantize_host(x, self.tier_dtype)
+                stored.append(rows)
+                values.append(self.dequantized(rows))
+            self.k, self.v = values
+        self.stored = stored
         # Block of (kv, sequence, i): a fixed shuffle, so no sequence's blocks are in order.
         order = rng.permutation(self.num_blocks)
         self.block_of = order.reshape(2, batch, blocks_per_seq)
-        for kv, rows in ((0, self.k), (1, self.v)):
+        for kv, rows in enumerate(stored):
             for b in range(batch):
                 for i in range(blocks_per_seq):
-                    chunk = rows[b, i * block_rows : (i + 1) * block_rows]
-                    at = int(self.block_of[kv, b, i]) * self.block_bytes
-                    engine.write(self.tier, at, np.ascontiguousarray(chunk).view(np.uint8))
+                    row = i * block_rows
+                    self.write_rows(kv, b, row, rows[b, row : row + block_rows])
+
+    def write_rows(self, kv, b, row, rows):
+        """Writes ``rows`` (stored form) as sequence ``b``'s K (kv 0) or V rows from ``row``
+        (within one block)."""
+        i, at = divmod(row, self.block_rows)
+        offset = int(self.block_of[kv, b, i]) * self.block_bytes + at * self.row_bytes
+        self.engine.write(self.tier, offset, np.array(rows, order="C").view(np.uint8))
+
+    def dequantized(self, rows: np.ndarray) -> np.ndarray:
+        """f32 values of quantized rows: codes times scales (the dequantize-first form)."""
+        stored = quantize.unpack_host(rows, self.tier_dtype, self.kv_heads, self.head_dim)
+        return quantize.dequantize_host(stored, np.float32)
+
+    def poison_after(self, valid):
+        """Rows past each sequence's valid keys become NaN scales and codes (0xff: int8 -1,
+        an fp8 NaN); unquantized rows NaN values. The op must never read them."""
+        for kv in range(2):
+            for b in range(self.batch):
+                for row in range(int(valid[b]), self.unit_len):
+                    if self.tier_dtype is None:
+                        bad = np.full((1, self.kv_heads, self.head_dim), np.nan, self.dtype)
+                    else:
+                        bad = np.full((1, self.row_bytes), 0xFF, np.uint8)
+                        at = self.kv_heads * self.head_dim
+                        bad[0, at : at + 4 * self.kv_heads] = np.full(
+                            self.kv_heads, np.nan, np.float32
+                        ).view(np.uint8)
+                    self.write_rows(kv, b, row, bad)
 
     def segments(self, valid) -> list[list[int]]:
         """[tier offset, memory offset, bytes] of rows [0, valid[b]) of every sequence."""
@@ -89,6 +147,7 @@ class Pool:
                 TAG,
                 unit_len=self.unit_len,
                 kv_dtype=self.dtype,
+                tier_dtype=self.tier_dtype,
                 num_kv_heads=self.kv_heads,
                 **kw,
             )
@@ -147,6 +206,122 @@ def test_matches_the_reference(make_engine, dtype, heads, split_read_bytes):
     stats = e.stats()
     assert stats["in_place_reads"] == 2
     assert stats["tiers"][pool.tier]["fetch"]["bytes"] == 2 * 2 * int(valid.sum()) * pool.row_bytes
+
+
+TIER_DTYPES = ["int8", "float8_e4m3fn"]
+
+
+@pytest.mark.parametrize("tier_dtype", TIER_DTYPES)
+@pytest.mark.parametrize("group", [1, 2, 4, 8], ids=lambda g: f"group{g}")
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"d{d}")
+def test_quantized_rows_match_the_dequantized_reference(make_engine, tier_dtype, group, head_dim):
+    """int8 and fp8 rows (codes and per-head scales, the scales applied in the kernel) give
+    the reference's numbers over the dequantized rows: GQA groups 1 to 8, head_dim 64 to
+    256, ragged sequences (no key, a partial last block and tile, a whole unit whose queries
+    sit among its keys), with a window and a soft cap or without; the rows past each
+    sequence's valid keys are NaN and never read."""
+    kv_heads = 2
+    e = make_engine()
+    unit = 70
+    pool = Pool(
+        e,
+        batch=3,
+        unit_len=unit,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=jnp.bfloat16,
+        block_rows=16,
+        tier_dtype=tier_dtype,
+        seed=group,
+    )
+    valid = np.array([0, 37, unit], np.int32)
+    pool.poison_after(valid)
+    k_start = np.array([5, 0, 200], np.int32)
+    q_start = k_start + np.array([0, 37, 40], np.int32)
+    rng = np.random.default_rng(head_dim)
+    q = jnp.asarray(rng.standard_normal((3, 2, kv_heads * group, head_dim)), jnp.float32)
+    scale = head_dim**-0.5
+    for window, soft_cap in ((None, None), (23, 5.0)):
+        kw = {"scale": scale, "soft_cap": soft_cap, "window": window}
+        out, lse = pool.attend(q, pool.segments(valid), k_start, valid, q_start, **kw)
+        want_out, want_lse = pool.reference(q, k_start, valid, q_start, **kw)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
+        assert np.all(np.asarray(out)[0] == 0) and np.all(np.isneginf(np.asarray(lse)[0]))
+    fetched = e.stats()["tiers"][pool.tier]["fetch"]["bytes"]
+    assert fetched == 2 * 2 * int(valid.sum()) * pool.row_bytes
+
+
+@pytest.mark.parametrize("tier_dtype", TIER_DTYPES)
+@pytest.mark.parametrize("split_read_bytes", [0, 1], ids=["one-thread", "two-threads"])
+def test_quantized_rows_off_the_vector_width_and_split_over_two_threads(
+    make_engine, tier_dtype, split_read_bytes
+):
+    """A row of 3 heads x 12 codes (36: the last four decoded past the eight-wide vector
+    loop) and 6 query heads, on one thread and split with the copy helper."""
+    e = make_engine(split_read_bytes=split_read_bytes)
+    pool = Pool(
+        e,
+        batch=2,
+        unit_len=50,
+        kv_heads=3,
+        head_dim=12,
+        dtype=np.float32,
+        block_rows=8,
+        tier_dtype=tier_dtype,
+    )
+    assert pool.row_bytes == 48  # 36 codes + 12 scale bytes.
+    valid = np.array([50, 19], np.int32)
+    pool.poison_after(valid)
+    start = np.array([0, 3], np.int32)
+    q = jnp.asarray(np.random.default_rng(5).standard_normal((2, 3, 6, 12)), jnp.float32)
+    out, lse = pool.attend(q, pool.segments(valid), start, valid, start + valid - 2, scale=0.4)
+    want, want_lse = pool.reference(q, start, valid, start + valid - 2, scale=0.4)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
+
+
+def test_every_fp8_code_decodes_to_its_value(make_engine):
+    """Rows of 4 heads x 64 codes hold every float8_e4m3fn code but its two NaNs (zeros,
+    subnormals, the largest +-448), in turn as the only key with a nonzero weight: the op's
+    output is each code's value times its scale, exactly as ml_dtypes converts it."""
+    e = make_engine()
+    heads, dim, unit = 4, 64, 8
+    pool = Pool(
+        e,
+        batch=1,
+        unit_len=unit,
+        kv_heads=heads,
+        head_dim=dim,
+        dtype=np.float32,
+        block_rows=unit,
+        tier_dtype="float8_e4m3fn",
+    )
+    codes = np.arange(256, dtype=np.uint8)
+    codes[0x7F], codes[0xFF] = 0x00, 0x80  # The NaNs: +0 and -0 instead.
+    rng = np.random.default_rng(6)
+    rows = np.zeros((unit, pool.row_bytes), np.uint8)
+    for r in range(unit):
+        rows[r, : heads * dim] = rng.permutation(codes)
+        rows[r, heads * dim : heads * dim + 4 * heads] = (
+            rng.uniform(0.5, 2.0, heads).astype(np.float32).view(np.uint8)
+        )
+    for kv in range(2):
+        pool.write_rows(kv, 0, 0, rows)
+    want_v = pool.dequantized(rows)  # [unit, heads, dim], via ml_dtypes.
+    assert np.isfinite(want_v).all()
+    # q = 0: every key weighs the same, so the output is the mean of the value rows.
+    q = jnp.zeros((1, 1, heads, dim), jnp.float32)
+    valid = np.array([unit], np.int32)
+    zero = np.zeros(1, np.int32)
+    out, _ = pool.attend(q, pool.segments(valid), zero, valid, valid, scale=1.0)
+    np.testing.assert_allclose(np.asarray(out)[0, 0], want_v.mean(axis=0), rtol=1e-6, atol=1e-4)
+    # One row at a time: a sequence of one valid key returns that row's values exactly.
+    for r in range(unit):
+        pool.write_rows(1, 0, 0, rows[r : r + 1])
+        one = np.array([1], np.int32)
+        out, _ = pool.attend(q, pool.segments(one), zero, one, one, scale=1.0)
+        np.testing.assert_array_equal(np.asarray(out)[0, 0], want_v[r])
 
 
 def test_a_segment_running_on_into_the_next_sequence_is_cut_there(make_engine):
@@ -268,6 +443,30 @@ def test_valid_keys_must_fit_the_unit_and_segments_whole_rows(small_pool):
     _refusal(p, partial, [5, 8], r"tpusync: segment \d+ is not whole rows of 32 bytes")
 
 
+def test_quantized_rows_are_checked_as_rows_of_their_own_size(make_engine):
+    """Quantized rows of 2 heads x 4 codes are 16 bytes (8 codes, 8 scale bytes): segments
+    are whole rows of that, and each sequence's rows exactly its valid keys, as for values."""
+    p = Pool(
+        make_engine(),
+        batch=2,
+        unit_len=8,
+        kv_heads=2,
+        head_dim=4,
+        dtype=np.float32,
+        block_rows=4,
+        tier_dtype="int8",
+    )
+    assert p.row_bytes == 16
+    partial = [list(s) for s in p.segments([5, 8])]
+    partial[1][2] -= 1
+    _refusal(p, partial, [5, 8], r"tpusync: segment \d+ is not whole rows of 16 bytes")
+    _refusal(p, p.segments([5, 8]), [6, 8], r"the K rows of sequence 0 cover 5 rows, but it has 6")
+    end = 2 * p.batch * p.unit_len * p.row_bytes
+    past = [list(s) for s in p.segments([8, 8])]
+    past[-1][1] += p.row_bytes
+    _refusal(p, past, [8, 8], rf"covers bytes \[{end - 4 * 16 + 16}, {end + 16}\) of a {end}-byte")
+
+
 def test_a_segment_must_lie_inside_the_units_rows(small_pool):
     """The unit's rows are [2, batch, unit_len] rows: a segment ending exactly at their end
     passes, one row further is refused before anything is read."""
@@ -319,6 +518,11 @@ def test_python_side_checks_name_the_argument(small_pool):
 
     with pytest.raises(ValueError, match=r"kv_dtype=float16 must be float32 or bfloat16"):
         call(kv_dtype=np.float16)
+    for bad in ("float8_e5m2", "float16", "int4", "nonsense"):
+        with pytest.raises(
+            ValueError, match=rf"tier_dtype='{bad}' must be None, int8 or float8_e4m3fn"
+        ):
+            call(tier_dtype=bad)
     with pytest.raises(ValueError, match=r"q must be f32\[batch, q_len, heads, head_dim\]"):
         call(q=q.astype(jnp.bfloat16))
     with pytest.raises(ValueError, match=r"positions must be int32\[3, batch=2\]"):
@@ -332,7 +536,8 @@ def test_python_side_checks_name_the_argument(small_pool):
 def test_the_baseline_build_matches_the_reference_too():
     """The kernel is compiled for AVX2 with FMA and for the baseline ISA, picked per CPU at
     load: the baseline one (forced by ``TPUSYNC_CPU_ISA=baseline``) gives the reference's
-    numbers as well, on a head_dim off both vector widths."""
+    numbers as well, on a head_dim off both vector widths, for bf16 values and for int8 and
+    fp8 rows."""
     script = textwrap.dedent(
         f"""
         import sys
@@ -351,6 +556,17 @@ def test_the_baseline_build_matches_the_reference_too():
             want, want_lse = pool.reference(q, start, valid, valid - 1, scale=0.2)
             print(float(np.max(np.abs(np.asarray(out) - np.asarray(want)))),
                   float(np.max(np.abs(np.asarray(lse) - np.asarray(want_lse)))))
+            # Quantized rows of 3 heads x 44 codes (132: four past the vector loop), a
+            # window and a soft cap.
+            for tier_dtype in ("int8", "float8_e4m3fn"):
+                pool = Pool(e, batch=2, unit_len=45, kv_heads=3, head_dim=44,
+                            dtype=jnp.bfloat16, block_rows=16, tier_dtype=tier_dtype)
+                pool.poison_after(valid)
+                kw = dict(scale=0.2, window=30, soft_cap=4.0)
+                out, lse = pool.attend(q, pool.segments(valid), start, valid, valid - 1, **kw)
+                want, want_lse = pool.reference(q, start, valid, valid - 1, **kw)
+                print(float(np.max(np.abs(np.asarray(out) - np.asarray(want))) / 10),
+                      float(np.max(np.abs(np.asarray(lse) - np.asarray(want_lse))) / 10))
         """
     )
     env = {**os.environ, "TPUSYNC_CPU_ISA": "baseline"}
@@ -364,8 +580,9 @@ def test_the_baseline_build_matches_the_reference_too():
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    out_err, lse_err = map(float, run.stdout.split()[-2:])
-    assert out_err <= 2e-6 and lse_err <= 2e-6, run.stdout
+    errors = list(map(float, run.stdout.split()[-6:]))
+    # (The quantized cases' errors are printed tenfold smaller: 1e-5 against their reference.)
+    assert len(errors) == 6 and max(errors) <= 2e-6, run.stdout
 
 
 def test_this_cpu_runs_the_build_it_supports():
