@@ -13,8 +13,9 @@ Ordering is a fetch's: the call is registered with the engine's scoreboard as a 
 those tier bytes, so it starts after every earlier write-back of them (a failed one fails
 it) and later writes wait for it. Nothing lands in staging, so nothing is prefetched.
 
-It applies to a host tier whose rows are bfloat16 or float32 values (not quantized codes,
-not float16), on one tier (not a two-level cache), streamed (not resident), on the CPU
+It applies to a host tier whose rows are bfloat16 or float32 values, or a quantized tier's
+int8 or float8_e4m3fn codes with their scales (applied inside the kernel; not float16
+values), on one tier (not a two-level cache), streamed (not resident), on the CPU
 backend (:func:`jax_tpusync.layout.in_place_blocker` says why not elsewhere); anywhere else
 units go through staging. Such a cache's state holds no staging at all, so it takes the
 plain-XLA attention only (the Pallas kernels read units from staging). The step only
@@ -94,6 +95,7 @@ def attend_unit(
         tag,
         unit_len=spec.chunk_len,
         kv_dtype=spec.dtype,
+        tier_dtype=spec.tier_dtype,
         num_kv_heads=spec.num_kv_heads,
         scale=scale,
         soft_cap=soft_cap,
