@@ -41,8 +41,10 @@ def in_place_blocker(
         return f"tier={tier!r} is not in memory (only a host tier is)"
     if (blocker := backend.in_place_blocker()) is not None:
         return blocker
-    if quantized:
-        return "a quantized tier's rows are codes and scales"
+    if quantized and np.dtype(dtype) not in ops.IN_PLACE_KV_DTYPES:
+        return (
+            f"dtype={np.dtype(dtype)} (a quantized tier is read in place for bfloat16 or float32)"
+        )
     if np.dtype(dtype) not in ops.IN_PLACE_KV_DTYPES:
         return f"dtype={np.dtype(dtype)} (rows are read in place as bfloat16 or float32)"
     if two_level:

@@ -603,17 +603,20 @@ def test_traced_layer_out_of_range_is_refused_by_name(bad_layer):
 
 
 def test_read_in_place_auto_applies_where_it_can(tmp_path):
-    """``"auto"`` (the default) reads a host tier of bf16 or f32 rows in place and anything
-    else through staging."""
+    """``"auto"`` (the default) reads a host tier of bf16 or f32 rows, or of a bf16 or f32
+    cache's quantized rows, in place and anything else through staging."""
     base = {**BASE, "read_in_place": "auto"}
     for dtype, want in ((jnp.bfloat16, True), (jnp.float32, True), (np.float16, False)):
         with tps.OffloadedKVCache(**base, dtype=dtype) as cache:
             assert cache.spec.reads_in_place is want, dtype
+        for tier_dtype in ("int8", "float8_e4m3fn"):
+            with tps.OffloadedKVCache(**base, dtype=dtype, tier_dtype=tier_dtype) as cache:
+                assert cache.spec.reads_in_place is want, (dtype, tier_dtype)
     with tps.OffloadedKVCache(**BASE) as cache:  # The default.
         assert cache.spec.reads_in_place
     others = [
         dict(tier="file", path=tmp_path),
-        dict(tier_dtype="int8"),
+        dict(tier="file", path=tmp_path, tier_dtype="int8"),
         dict(resident=True),
         dict(spill_path=tmp_path, spill_blocks=1),
     ]
@@ -627,7 +630,10 @@ def test_read_in_place_auto_applies_where_it_can(tmp_path):
     [
         (dict(tier="file"), r"tier='file' is not in memory \(only a host tier is\)"),
         (dict(dtype=np.float16), r"dtype=float16 \(rows are read in place as bfloat16 or f"),
-        (dict(tier_dtype="int8"), r"a quantized tier's rows are codes and scales"),
+        (
+            dict(dtype=np.float16, tier_dtype="int8"),
+            r"dtype=float16 \(a quantized tier is read in place for bfloat16 or float32\)",
+        ),
         (dict(resident=True), r"a resident cache reads no unit at all"),
         (dict(spill_blocks=1), r"a two-level cache's units also come from its spill file"),
     ],

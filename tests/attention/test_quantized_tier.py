@@ -129,6 +129,66 @@ def test_decode_matches_resident_attention_over_the_dequantized_tier(
             np.testing.assert_array_equal(v, held[layer][1][0, : lengths[0]])
 
 
+def _decode_outputs(cache, *, steps=3, seed=0, soft_cap=None):
+    """Loads a ragged context (one slot's context longer than a unit, one shorter), decodes
+    ``steps`` steps of fixed new tokens; returns every step's per-layer outputs."""
+    rng = np.random.default_rng(seed)
+    dtype = cache.spec.dtype
+    lengths = np.array([61, 23])
+    state = cache.init(np.zeros(BATCH, np.int32))
+    for layer in range(LAYERS):
+        kv = rng.standard_normal((2, BATCH, 61, KV_HEADS, HEAD_DIM)).astype(np.float32)
+        kv *= rng.uniform(0.1, 3.0, (2, BATCH, 61, KV_HEADS, 1)).astype(np.float32)
+        kv = kv.astype(dtype)
+        state = cache.load(state, layer, kv[0], kv[1], lengths=lengths)
+
+    def step(xs, state):
+        outs = []
+        for layer, (q, k, v) in enumerate(xs):
+            o, state = tps.prefetching_attention(q, k, v, state, layer=layer, soft_cap=soft_cap)
+            outs.append(o)
+        return outs, state
+
+    step = jax.jit(step, donate_argnums=(1,))
+    outs = []
+    for _ in range(steps):
+        xs = jax.tree.map(lambda x: x.astype(dtype), _new_kv(rng))
+        o, state = step(xs, state)
+        outs.append(np.stack([np.asarray(x).astype(np.float32) for x in o]))
+    return np.stack(outs)
+
+
+@pytest.mark.parametrize("tier_dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"sliding_window": (None, 17), "soft_cap": 3.0}, {"dtype": jnp.bfloat16}],
+    ids=["full", "window-softcap", "bf16"],
+)
+def test_read_in_place_equals_the_staged_path(tier_dtype, extra):
+    """A host tier of quantized rows attended to where it lies (codes and scales read by
+    the native kernel, no staging) decodes as the staged path does (the same rows copied
+    into staging, then XLA's attention over codes and scales): within 1e-5 in f32, also
+    with a sliding layer and a soft cap; bf16 KV as well (to bf16's rounding)."""
+    extra = dict(extra)
+    soft_cap = extra.pop("soft_cap", None)
+    outs = {}
+    for in_place in (True, False):
+        with _cache(tier_dtype, read_in_place=in_place, **extra) as cache:
+            assert cache.spec.reads_in_place is in_place
+            if in_place:
+                assert cache.spec.device_bytes == 0
+            outs[in_place] = _decode_outputs(cache, soft_cap=soft_cap)
+            reads = cache.engine.stats()["in_place_reads"]
+            assert (reads > 0) if in_place else (reads == 0)
+    got, want = outs[True], outs[False]
+    assert np.isfinite(got).all()
+    if extra.get("dtype") == jnp.bfloat16:
+        # Both round the same f32 partials to bf16 at the end of a layer.
+        np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+    else:
+        assert float(np.max(np.abs(got - want))) < 1e-5
+
+
 def test_load_then_read_raw_is_byte_exact_and_read_dequantizes_it():
     rng = np.random.default_rng(3)
     kv = rng.standard_normal((2, BATCH, 40, KV_HEADS, HEAD_DIM)).astype(np.float32)

@@ -118,7 +118,6 @@ def test_plan_keeps_its_rules_across_shapes(kw):
     in_place = (
         kw["read_in_place"] is not False
         and kw["tier"] == "host"
-        and kw["tier_dtype"] is None
         and np.dtype(kw["dtype"]) in (np.dtype(jnp.bfloat16), np.dtype(np.float32))
         and not resident
         and backend.in_place_blocker() is None
@@ -237,7 +236,10 @@ def test_tier_blocks_past_the_int32_block_index_are_refused():
             dict(tier="file", path="/nonexistent"),
             r"tier='file' is not in memory \(only a host tier is\)",
         ),
-        (dict(tier_dtype="int8"), "a quantized tier's rows are codes and scales"),
+        (
+            dict(tier_dtype="int8", dtype=jnp.float16),
+            r"dtype=float16 \(a quantized tier is read in place for bfloat16 or float32\)",
+        ),
         (
             dict(dtype=jnp.float16),
             r"dtype=float16 \(rows are read in place as bfloat16 or float32\)",
