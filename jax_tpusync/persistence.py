@@ -1,4 +1,4 @@
-"""Crash-consistent persistence of an offloaded KV cache: manifest, commits, checksums.
+"""Crash-consistent persistence of an offloaded KV cache: the commit protocol.
 
 A cache on a persistent tier (``shm_name=`` or ``file_name=``) keeps a *manifest* beside its
 data:
@@ -11,13 +11,11 @@ data:
 
 The manifest records the cache's geometry, its ``model_id``, a commit number, the committed
 length, block table row and capacity of every sequence (batch slot), and an xxh3-64
-checksum per *chunk* of committed rows. A chunk is a run of up to ``chunk_rows`` positions of
-one logical (layer, K|V, sequence) region, read through the sequence's block table (the KV
-is paged, see :mod:`jax_tpusync.blocks`: consecutive positions may live in blocks anywhere
-in the layer's region); chunk ``c`` covers positions ``[c * chunk_rows, min((c + 1) *
-chunk_rows, length))``, so the last chunk of a sequence may be partial and grows as decode
-appends. A re-attached cache restores the tables and capacities (its slots hold the same
-blocks, which the allocator no longer hands out) with the lengths.
+checksum per *chunk* of committed rows (a run of up to ``chunk_rows`` positions of one
+logical (layer, K|V, sequence) region, read through the sequence's block table: see
+:mod:`jax_tpusync.checksums`, which computes and checks them). A re-attached cache restores
+the tables and capacities (its slots hold the same blocks, which the allocator no longer
+hands out) with the lengths.
 
 Protocol. :meth:`Persistence.commit` runs between steps, after the engine has drained (so
 every write-back has landed or failed): it makes the data durable (``fsync`` of the file;
@@ -48,25 +46,25 @@ root (a cache of another ``prefix_salt``) are never looked up: the unmapped ones
 dropped on re-attach, the mapped ones stay until their sequences release them.
 
 What a manifest holds, and how one is read and checked, is :mod:`jax_tpusync.manifest`;
-this module is the protocol that writes it. Errors are :class:`PersistenceError`, a
+the checksums of rows and blocks are :mod:`jax_tpusync.checksums`; this module is the
+protocol that writes the manifest. Errors are :class:`PersistenceError`, a
 subclass of :class:`jax_tpusync.TpusyncError` (defined there, and importable from here).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from jax_tpusync import prefix
 from jax_tpusync.blocks import NO_BLOCK
+from jax_tpusync.checksums import Checksums, VerifyResult
 from jax_tpusync.engine import Engine
 from jax_tpusync.manifest import (
     CHECKSUM_ALGORITHM,
@@ -88,8 +86,6 @@ from jax_tpusync.manifest import (
     manifest_json,
     prefix_section,
     read_manifest,
-    region_name,
-    region_of,
     tier_paths,
     write_json_atomically,
 )
@@ -124,7 +120,7 @@ __all__ = [
 # flipped bit is still located to a few thousand rows.
 CHUNK_TARGET_BYTES = 4 << 20
 # Bytes read per engine request while hashing; two such buffers alternate, so the disk reads
-# one while the CPU hashes the other.
+# one while the CPU hashes the other. Both are read when used (a test may set them).
 READ_BATCH_BYTES = 32 << 20
 
 # Test hook: called with a stage name ("before_manifest_write") during a commit; a hook that
@@ -132,23 +128,13 @@ READ_BATCH_BYTES = 32 << 20
 fault_hook: Callable[[str], None] | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class VerifyResult:
-    """What :meth:`Persistence.verify` checked."""
-
-    chunks: int
-    bytes: int
-    seconds: float
-    skipped_chunks: int  # rewritten by load() since the last commit: no checksum yet
-    prefix_blocks: int = 0  # indexed prefix blocks checked (every layer, K and V)
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+def _read_batch_bytes() -> int:
+    return READ_BATCH_BYTES
 
 
 class Persistence:
-    """The manifest and checksums of one cache on a persistent tier.
+    """The manifest and commits of one cache on a persistent tier (its checksums: a
+    :class:`~jax_tpusync.checksums.Checksums`).
 
     Made by :meth:`prepare` before the tier is opened, bound to the cache by :meth:`attach`
     once it is. Not thread-safe: commit from the thread that drives the cache.
@@ -173,14 +159,8 @@ class Persistence:
         # The committed block tables (int32[batch, max_blocks]) and capacities (int32[batch]).
         self._tables = np.zeros((geometry.batch, 0), np.int32)
         self._capacity = np.zeros(geometry.batch, np.int32)
-        self._chunk_rows = 1
-        # Per logical region (layer * 2 + kv) * batch + b: checksums of its committed chunks.
-        self._sums: list[list[int]] = []
-        # Per region: (chunk, rows hashed, hasher) of its partial last chunk, so that the next
-        # commit hashes only the appended rows. Lost on restart (rebuilt by verify).
-        self._tails: dict[int, tuple[int, int, Any]] = {}
-        # Per region: chunks that load() rewrote since the last commit.
-        self._stale: dict[int, set[int]] = {}
+        # The committed chunk checksums (and the rows rewritten since): set by attach().
+        self._held_checksums: Checksums | None = None
         # The committed prefix index: per sequence its shared (indexed) leading blocks, the
         # manifest's "prefix" section, and the entries it records (the index's own objects:
         # one that is no longer the index's was evicted since).
@@ -310,8 +290,9 @@ class Persistence:
         # What the manifest records (prepare() had the paging fields if the cache gave them).
         self.geometry = self.geometry.completed(spec)
         if manifest is None:
-            self._chunk_rows = max(1, min(spec.max_len, CHUNK_TARGET_BYTES // spec.row_bytes))
-            self._sums = [[] for _ in range(self._num_regions)]
+            self._held_checksums = Checksums.empty(
+                cache, chunk_target_bytes=CHUNK_TARGET_BYTES, read_batch_bytes=_read_batch_bytes
+            )
             self._tables = cache.block_tables
             self._capacity = cache.capacity
             self._shared = cache.slots.shared
@@ -324,8 +305,12 @@ class Persistence:
         self._lengths = manifest["lengths"]
         self._tables = manifest["block_tables"]
         self._capacity = manifest["capacity"]
-        self._chunk_rows = manifest["chunk_rows"]
-        self._sums = manifest["sums"]
+        self._held_checksums = Checksums(
+            cache,
+            chunk_rows=manifest["chunk_rows"],
+            sums=manifest["sums"],
+            read_batch_bytes=_read_batch_bytes,
+        )
         self._shared = manifest["shared"]
         entries = self._restored_entries(manifest, cache.slots.prefix.root)
         # The slots hold their committed blocks again, the index its blocks (the ones a
@@ -445,18 +430,11 @@ class Persistence:
     def committed_capacity(self) -> np.ndarray:
         return self._capacity.copy()
 
-    @property
-    def _num_regions(self) -> int:
-        """Logical (layer, K|V, sequence) regions, each with its own chunks."""
-        spec = self._spec
-        return spec.num_layers * 2 * spec.batch
-
     def note_rows_written(self, layer: int, starts: np.ndarray, counts: np.ndarray) -> None:
         """Call before a host-side write (``load``) of rows ``[starts[b], starts[b] +
         counts[b])``: if it rewrites committed rows, commits each such sequence shortened
         to its first rewritten row first (a crash before the next commit then re-attaches
         to KV the checksums still cover), and marks the touched chunks for a new checksum."""
-        spec = self._spec
         starts = np.asarray(starts, np.int64)
         rewrites = (np.asarray(counts) > 0) & (starts < self._lengths)
         if rewrites.any():
@@ -466,15 +444,7 @@ class Persistence:
             )
             self._spec_engine.drain()
             self.commit(shortened)
-        r_rows = self._chunk_rows
-        for kv in range(2):
-            for b in range(spec.batch):
-                s, n = int(starts[b]), int(counts[b])
-                if n <= 0:
-                    continue
-                region = (layer * 2 + kv) * spec.batch + b
-                chunks = range(s // r_rows, (s + n - 1) // r_rows + 1)
-                self._stale.setdefault(region, set()).update(chunks)
+        self._checksums.mark_rewritten(layer, starts, counts)
 
     def note_init(self, lengths: np.ndarray) -> None:
         """A state starting below the committed lengths will overwrite committed rows:
@@ -545,6 +515,11 @@ class Persistence:
         assert self._cache is not None, "attach() first"
         return self._cache.engine
 
+    @property
+    def _checksums(self) -> Checksums:
+        assert self._held_checksums is not None, "attach() first"
+        return self._held_checksums
+
     # -- commit -----------------------------------------------------------------------------
 
     def commit(
@@ -587,7 +562,7 @@ class Persistence:
                         f"{int(capacity[b])}] (its capacity)"
                     )
             self._sync_data()
-            sums, tails = self._updated_checksums(lengths, tables)
+            update = self._checksums.updated(self._lengths, self._tables, lengths, tables)
             entries = index.entries_in_order()
             evictions = index.evictions
             # Blocks indexed since the last commit: durable now (synced above), hashed once.
@@ -599,7 +574,7 @@ class Persistence:
                 session=session,
                 commit=self._commit + 1,
                 lengths=lengths,
-                sums=sums,
+                sums=update.sums,
                 tables=tables,
                 capacity=capacity,
                 prefix_json=prefix_json,
@@ -612,8 +587,7 @@ class Persistence:
         self._commit += 1
         self._lengths = lengths
         self._tables, self._capacity = tables, capacity
-        self._sums, self._tails = sums, tails
-        self._stale.clear()
+        self._checksums.adopt(update)
         self._shared = shared
         self._prefix_json = prefix_json
         self._committed_entries = {e.key: e for e in entries}
@@ -633,57 +607,6 @@ class Persistence:
         finally:
             os.close(fd)
 
-    def _updated_checksums(
-        self, lengths: np.ndarray, tables: np.ndarray
-    ) -> tuple[list[list[int]], dict[int, tuple[int, int, Any]]]:
-        """New per-chunk checksums for ``lengths`` (rows in the blocks of ``tables``);
-        hashes only chunks that changed."""
-        spec = self._spec
-        rr = self._chunk_rows
-        sums = [list(s) for s in self._sums]
-        tails: dict[int, tuple[int, int, Any]] = {}
-        work: list[tuple[int, int, int, Any]] = []  # (region, lo, hi, hasher)
-        finish: list[tuple[int, int, Any, int]] = []  # (region, chunk, hasher, rows)
-        old_lengths = self._lengths.copy()
-        for b in range(spec.batch):
-            # Rows kept from the last commit must still be in the blocks it named; a
-            # sequence whose blocks moved is hashed afresh.
-            kept_blocks = -(-int(min(old_lengths[b], lengths[b])) // spec.block_tokens)
-            if not np.array_equal(self._tables[b, :kept_blocks], tables[b, :kept_blocks]):
-                old_lengths[b] = 0
-        for region in range(self._num_regions):
-            b = region % spec.batch
-            old, new = int(old_lengths[b]), int(lengths[b])
-            stale = self._stale.get(region, set())
-            nchunks = -(-new // rr)
-            kept = min(old, new) // rr  # Chunks below this are full and were committed.
-            del sums[region][nchunks:]
-            sums[region].extend([0] * (nchunks - len(sums[region])))
-            todo = sorted({c for c in stale if c < kept} | set(range(kept, nchunks)))
-            tail = self._tails.get(region) if old else None
-            if tail is not None and tail[0] not in todo and tail[0] * rr + tail[1] == new:
-                tails[region] = tail  # Unchanged partial last chunk.
-            for c in todo:
-                lo, hi = c * rr, min((c + 1) * rr, new)
-                if (
-                    tail is not None
-                    and c not in stale
-                    and tail[0] == c
-                    and lo + tail[1] == old
-                    and old <= hi
-                ):
-                    hasher, feed_lo = tail[2].copy(), old  # Continue: hash the appended rows.
-                else:
-                    hasher, feed_lo = xxhash.xxh3_64(), lo
-                work.append((region, feed_lo, hi, hasher))
-                finish.append((region, c, hasher, hi - lo))
-        self._hash_rows(work)
-        for region, c, hasher, rows in finish:
-            sums[region][c] = hasher.intdigest()
-            if rows < rr:
-                tails[region] = (c, rows, hasher)
-        return sums, tails
-
     # -- verify -----------------------------------------------------------------------------
 
     def verify(self) -> VerifyResult:
@@ -700,8 +623,6 @@ class Persistence:
             number of others.
         """
         spec = self._spec
-        rr = self._chunk_rows
-        t0 = time.perf_counter()
         tables = self._cache.block_tables
         for b in range(spec.batch):
             used = -(-int(self._lengths[b]) // spec.block_tokens)
@@ -712,170 +633,16 @@ class Persistence:
                     f"{self._tables[b, :used].tolist()}): it was released or re-admitted "
                     "without a commit, so its committed rows cannot be checked; commit first"
                 )
-        work, checks = [], []
-        skipped = 0
-        for region in range(self._num_regions):
-            b = region % spec.batch
-            n = int(self._lengths[b])
-            stale = self._stale.get(region, set())
-            for c in range(-(-n // rr)):
-                if c in stale:
-                    skipped += 1
-                    continue
-                lo, hi = c * rr, min((c + 1) * rr, n)
-                hasher = xxhash.xxh3_64()
-                work.append((region, lo, hi, hasher))
-                checks.append((region, c, lo, hi, hasher))
-        # Indexed blocks, checked first: a bad shared block also fails its sequences' chunks.
-        entries = list(self._committed_entries.values())
-        block_hashers = [[xxhash.xxh3_64() for _ in range(2 * spec.num_layers)] for _ in entries]
-        spans = [
-            item
-            for e, hashers in zip(entries, block_hashers)
-            for item in self._block_spans(e.block, hashers)
-        ]
-        nbytes = self._hash_spans(spans) + self._hash_rows(work)
-        bad_blocks = [
-            (e, i)
-            for e, hashers in zip(entries, block_hashers)
-            for i, h in enumerate(hashers)
-            if h.intdigest() != e.sums[i]
-        ]
-        if bad_blocks:
-            e, i = bad_blocks[0]
-            layer, kv = divmod(i, 2)
-            more = f" (and {len(bad_blocks) - 1} more)" if len(bad_blocks) > 1 else ""
-            raise ChecksumMismatchError(
-                f"committed KV is corrupt in {self.data_path}: layer {layer} {'KV'[kv]} "
-                f"prefix block {e.block} (indexed, shared between sequences) does not match "
-                f"commit {self._commit}'s checksum{more}. Pass overwrite=True to discard the "
-                "cache (verify=False would map the corrupt block into later sequences).",
-                layer=layer,
-                kv="KV"[kv],
-                block=e.block,
-            )
-        bad = []
-        for region, c, lo, hi, hasher in checks:
-            if hasher.intdigest() != self._sums[region][c]:
-                bad.append((region, lo, hi))
-            elif hi - lo < rr:
-                # A verified partial chunk: the next commit continues from it.
-                self._tails[region] = (c, hi - lo, hasher)
-        if bad:
-            region, lo, hi = bad[0]
-            layer, kv, b = region_of(region, spec.batch)
-            more = f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""
-            raise ChecksumMismatchError(
-                f"committed KV is corrupt in {self.data_path}: {region_name(layer, kv, b)}, "
-                f"rows [{lo}, {hi}) do not match commit {self._commit}'s checksum{more}. "
-                "Pass overwrite=True to discard the cache, or verify=False to open it anyway.",
-                layer=layer,
-                kv="KV"[kv],
-                sequence=b,
-                rows=(lo, hi),
-            )
-        return VerifyResult(
-            chunks=len(checks),
-            bytes=nbytes,
-            seconds=time.perf_counter() - t0,
-            skipped_chunks=skipped,
-            prefix_blocks=len(entries),
+        return self._checksums.verify(
+            self._lengths,
+            list(self._committed_entries.values()),
+            data_path=self.data_path,
+            commit=self._commit,
         )
-
-    # -- reading and hashing ----------------------------------------------------------------
-
-    def _hash_rows(self, work: Iterable[tuple[int, int, int, Any]]) -> int:
-        """Feeds positions [lo, hi) of each logical region to its hasher, reading them
-        through the sequence's block table (the cache's) with the engine; returns the
-        bytes hashed."""
-        spec = self._spec
-        cache = self._cache
-        spans = []
-        for region, lo, hi, hasher in work:
-            if hi <= lo:
-                continue
-            layer, kv, b = region_of(region, spec.batch)
-            spans.append((cache.tier_rows(layer, kv, b, lo, hi), hasher))
-        return self._hash_spans(spans)
-
-    def _block_spans(self, block: int, hashers: Sequence[Any]) -> list[tuple[list, Any]]:
-        """Work for :meth:`_hash_spans`: physical ``block`` in each (layer, K|V), fed to
-        ``hashers[layer * 2 + kv]``."""
-        spec = self._spec
-        first = self._cache.first_block
-        return [
-            (
-                [((first + region * spec.num_blocks + block) * spec.block_bytes, spec.block_bytes)],
-                hashers[region],
-            )
-            for region in range(2 * spec.num_layers)
-        ]
 
     def _hash_blocks(self, entries: Sequence[prefix.Entry]) -> None:
         """Sets each entry's ``sums``: xxh3-64 of its block in every (layer, K|V)."""
-        if not entries:
-            return
-        n = 2 * self._spec.num_layers
-        hashers = [[xxhash.xxh3_64() for _ in range(n)] for _ in entries]
-        self._hash_spans(
-            [item for e, h in zip(entries, hashers) for item in self._block_spans(e.block, h)]
-        )
-        for e, h in zip(entries, hashers):
-            e.sums = [x.intdigest() for x in h]
-
-    def _hash_spans(self, work: Sequence[tuple[list[tuple[int, int]], Any]]) -> int:
-        """Feeds each item's tier byte runs ``[(offset, bytes), ...]``, in order, to its
-        hasher, reading them with the engine.
-
-        Reads go in batches of up to READ_BATCH_BYTES into two alternating buffers: the next
-        batch is read while this one is hashed. Returns the bytes hashed.
-        """
-        cache = self._cache
-        engine = self._spec_engine
-        batches: list[list[tuple[list[tuple[int, int]], int, Any]]] = []
-        size = 0
-        for runs, hasher in work:
-            n = sum(m for _, m in runs)
-            if n <= 0:
-                continue
-            if not batches or size + n > READ_BATCH_BYTES:
-                batches.append([])
-                size = 0
-            batches[-1].append((runs, n, hasher))
-            size += n
-        if not batches:
-            return 0
-        biggest = max(sum(n for _, n, _ in batch) for batch in batches)
-        phase = engine.tier_info(cache.tier).alignment_offset
-        buffers = [_phased_buffer(biggest, phase) for _ in range(min(2, len(batches)))]
-
-        def submit(i: int) -> int:
-            segments, mem = [], 0
-            for runs, _, _ in batches[i]:
-                for offset, n in runs:
-                    segments.append((offset, mem, n))
-                    mem += n
-            return engine.submit_read(cache.tier, segments, buffers[i % 2])
-
-        total = 0
-        ticket: int | None = submit(0)
-        try:
-            for i, batch in enumerate(batches):
-                upcoming = submit(i + 1) if i + 1 < len(batches) else None
-                current, ticket = ticket, upcoming
-                engine.wait(current)
-                buf, mem = buffers[i % 2], 0
-                for _, n, hasher in batch:
-                    hasher.update(buf[mem : mem + n])
-                    mem += n
-                total += mem
-        finally:
-            if ticket is not None:  # An error mid-way: the read in flight still lands first.
-                try:
-                    engine.wait(ticket)
-                except Exception:  # noqa: BLE001 - the first error is the one raised.
-                    pass
-        return total
+        self._checksums.hash_blocks(entries)
 
     def _prefix_section(self, entries: Sequence[prefix.Entry], shared: np.ndarray) -> dict:
         """The manifest's "prefix": the index's root, the roots of first blocks chained
@@ -923,16 +690,8 @@ class Persistence:
             lengths=self._lengths if lengths is None else lengths,
             tables=self._tables if tables is None else tables,
             capacity=self._capacity if capacity is None else capacity,
-            chunk_rows=self._chunk_rows,
-            sums=self._sums if sums is None else sums,
+            chunk_rows=self._checksums.chunk_rows,
+            sums=self._checksums.sums if sums is None else sums,
             prefix_json=self._prefix_json if prefix_json is None else prefix_json,
         )
         write_json_atomically(self.manifest_path, manifest)
-
-
-def _phased_buffer(nbytes: int, phase: int) -> np.ndarray:
-    """A uint8 buffer starting ``phase`` bytes past a page: in the file tier's phase, so
-    O_DIRECT reads land in it directly instead of through a bounce buffer and a copy."""
-    raw = np.empty(nbytes + 8192, np.uint8)
-    start = (phase - raw.ctypes.data) % 4096
-    return raw[start : start + nbytes]

@@ -36,6 +36,7 @@ LAYERS: dict[str, int] = {
     "levels": 3,
     "slots": 3,
     "host_io": 3,
+    "checksums": 3,
     "persistence": 3,
     "cache": 4,
     "mesh": 5,
