@@ -44,6 +44,7 @@ def prefetching_attention(
     state: KVState,
     *,
     layer: int | jax.Array,
+    query_seq_lengths: jax.Array | None = None,
     implementation: str | None = None,
     scale: float | None = None,
     soft_cap: float | None = None,
@@ -76,6 +77,18 @@ def prefetching_attention(
       state: the cache state from :meth:`OffloadedKVCache.init` or the previous call.
       layer: the layer index, in ``[0, num_layers)``. A traced layer out of range fails
         when the step runs (the engine refuses its write-back: "layer out of range?").
+      query_seq_lengths: int32[batch] (may be traced) or None: how many of the step's
+        ``q_len`` rows are real for each slot ("ragged steps": one slot decoding 1 token
+        beside another prefilling a chunk of its prompt, in one compiled step; 0: the slot
+        takes no token this step and moves no byte). Query row ``i`` of slot ``b`` sits at
+        position ``lengths[b] + i`` (:meth:`KVState.positions`) and attends causally to the
+        cached keys and to the step's rows ``j <= i`` with ``j < query_seq_lengths[b]``
+        (sliding windows relative to that position). Rows past a slot's count are
+        padding: never written to the tier, never attended to as keys; their outputs are
+        unspecified but finite. Slot ``b``'s length grows by its count, and its capacity
+        guard checks ``length + count <= capacity``. Concrete values outside ``[0,
+        q_len]`` are refused; traced ones are clipped to it. Pass the same value to every
+        layer of a step. None (the default): every active slot takes all ``q_len`` rows.
       implementation: ``"xla"`` (plain jnp; default on CPU) or ``"pallas"`` (the decode
         kernel; default on GPU/TPU; TPU interpret mode on CPU).
       scale: softmax scale; default ``1 / sqrt(head_dim)`` (a model that pre-scales q
@@ -92,7 +105,7 @@ def prefetching_attention(
 
     Returns:
       ``(out, state)``: ``out`` shaped and typed like ``q``; the updated state (lengths grow
-      by ``q_len`` after the last layer).
+      by ``q_len``, or by ``query_seq_lengths``, after the last layer).
     """
     spec = state.spec if isinstance(state, KVState) else None
     if spec is None:
@@ -101,6 +114,7 @@ def prefetching_attention(
         )
     options = dict(
         layer=layer,
+        query_seq_lengths=query_seq_lengths,
         implementation=implementation,
         scale=scale,
         soft_cap=soft_cap,

@@ -18,7 +18,7 @@ import numpy as np
 
 from jax_tpusync import backend
 from jax_tpusync.state import CacheSpec, KVState, dtype_error, exact_cast_allowed
-from jax_tpusync.step import resident, streamed
+from jax_tpusync.step import plan, resident, streamed
 
 IMPLEMENTATIONS = ("xla", "pallas")
 
@@ -36,11 +36,15 @@ def device_attention(
     block_kv: int | None = None,
     interpret: bool | None = None,
     shard_guard: jax.Array | None = None,  # int32[1, 4]: ops.shard_guard() of a mesh shard
+    query_seq_lengths: jax.Array | None = None,  # int32[batch]: real rows per slot
 ) -> tuple[jax.Array, KVState]:
     """:func:`~jax_tpusync.prefetching_attention` of one device's cache (or one shard of a
     mesh cache, whose write-backs lead with ``shard_guard``)."""
     spec = state.spec
     _validate(q, k, v, spec, layer)
+    counts = plan.real_rows(
+        q.shape[1], plan.check_query_seq_lengths(query_seq_lengths, spec.batch, q.shape[1])
+    )
     if implementation is None:
         implementation = backend.default_implementation()
     if implementation not in IMPLEMENTATIONS:
@@ -62,13 +66,14 @@ def device_attention(
         layer = jnp.asarray(layer, jnp.int32)
 
     # 1. New tokens go out first: later fetches of this layer are queued behind them.
-    token, new_kv, grow = streamed.write_back(spec, state, layer, k, v, shard_guard)
+    token, new_kv, grow = streamed.write_back(spec, state, layer, k, v, shard_guard, counts)
     options = dict(
         layer=layer,
         implementation=implementation,
         scale=scale,
         soft_cap=soft_cap,
         kernel_options=kernel_options,
+        counts=counts,
     )
     if spec.resident:
         return resident.resident_layer(q, k, v, state, new_kv, token, grow, **options)

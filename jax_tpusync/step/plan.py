@@ -4,7 +4,9 @@ lie in the tier, and which unit comes ``prefetch_depth`` after another.
 A layer's cached KV (all of it, or its sliding window) is read in units of
 ``spec.chunk_len`` positions, layers in order, and past the last layer the walk enters the
 next step. Everything here is jnp, so the layer index may be traced (``lax.scan`` over
-stacked weights).
+stacked weights). A step's per-slot counts (``query_seq_lengths``: how many of its rows
+each slot takes) decide its write-back segments and the lengths the walk enters the next
+step at.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_tpusync import blocks
 from jax_tpusync.state import INT32_MAX, NO_WINDOW, CacheSpec, KVState
@@ -96,13 +99,70 @@ def fetch_levels(spec: CacheSpec, state: KVState) -> list[tuple[jax.Array, jax.A
     return levels
 
 
-def write_segments(spec: CacheSpec, state: KVState, layer, q_len: int) -> jax.Array:
-    """Segments writing [2, batch, q_len, H, D] new rows at each active slot's length."""
+def check_query_seq_lengths(query_seq_lengths, batch: int, q_len: int):
+    """Refuses ``query_seq_lengths`` (see :func:`~jax_tpusync.prefetching_attention`) that
+    is not int[batch], or, when concrete, has a value outside ``[0, q_len]``; returns it.
+    Traced values cannot be checked: the step clips them to ``[0, q_len]``."""
+    if query_seq_lengths is None:
+        return None
+    if isinstance(query_seq_lengths, (list, tuple)):
+        query_seq_lengths = np.asarray(query_seq_lengths)
+    shape = jnp.shape(query_seq_lengths)
+    if shape != (batch,):
+        raise ValueError(
+            f"query_seq_lengths must have shape (batch,) = ({batch},): the real rows of each "
+            f"slot; got shape {shape}"
+        )
+    if not jnp.issubdtype(jnp.result_type(query_seq_lengths), jnp.integer):
+        raise ValueError(
+            f"query_seq_lengths must be an integer array; got {jnp.result_type(query_seq_lengths)}"
+        )
+    try:
+        values = np.asarray(query_seq_lengths)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return query_seq_lengths
+    bad = np.flatnonzero((values < 0) | (values > q_len))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"query_seq_lengths[{b}]={int(values[b])} must be in [0, q_len={q_len}]")
+    return query_seq_lengths
+
+
+def real_rows(q_len: int, query_seq_lengths) -> jax.Array | None:
+    """int32[batch]: a step's real rows per slot, ``query_seq_lengths`` clipped to ``[0,
+    q_len]`` (None stays None: every row of every slot, the step's graph as it was before
+    per-slot counts)."""
+    if query_seq_lengths is None:
+        return None
+    return jnp.clip(jnp.asarray(query_seq_lengths, jnp.int32), 0, q_len)
+
+
+def step_grow(state: KVState, q_len: int, counts: jax.Array | None) -> jax.Array:
+    """int32[batch]: the tokens each slot takes this step: its real rows (``counts``, from
+    :func:`real_rows`; None: ``q_len``), 0 for an inactive slot."""
+    if counts is None:
+        return jnp.where(state.capacity > 0, q_len, 0).astype(jnp.int32)
+    return jnp.where(state.capacity > 0, counts, 0)
+
+
+def own_rows(batch: int, q_len: int, counts: jax.Array | None) -> jax.Array:
+    """int32[batch]: the step's own rows each slot's queries attend to (``k_valid`` of the
+    attention over the step's new K/V): its real rows; padding rows are never keys."""
+    return jnp.full((batch,), q_len, jnp.int32) if counts is None else counts
+
+
+def write_segments(
+    spec: CacheSpec, state: KVState, layer, q_len: int, counts: jax.Array | None = None
+) -> jax.Array:
+    """Segments writing [2, batch, q_len, H, D] new rows at each active slot's length: the
+    first ``counts[b]`` rows of slot ``b`` (None: all ``q_len``); its padding rows move no
+    byte."""
     b = jnp.arange(spec.batch, dtype=jnp.int32)
     kv = jnp.arange(2, dtype=jnp.int32)[:, None]
     mem = (kv * spec.batch + b) * (q_len * spec.row_bytes)
-    count = jnp.full((spec.batch,), q_len, jnp.int32)
-    return segments(spec, state, layer, state.lengths, count, mem, q_len)
+    if counts is None:
+        counts = jnp.full((spec.batch,), q_len, jnp.int32)
+    return segments(spec, state, layer, state.lengths, counts, mem, q_len)
 
 
 def units_per_layer(spec: CacheSpec, lengths: jax.Array) -> jax.Array:
@@ -143,7 +203,8 @@ def advance(spec: CacheSpec, layer, chunk, lengths, grow: jax.Array):
     """The unit ``prefetch_depth`` after (layer, chunk): (layer, chunk, lengths, ok).
 
     Past the last layer the walk enters the next step, whose lengths are ``lengths + grow``
-    (``grow``: int32[batch], q_len for active slots, 0 for inactive ones)
+    (``grow``: int32[batch], the tokens each slot takes this step: its count of real rows
+    (q_len when the step has no per-slot counts) for active slots, 0 for inactive ones)
     (and keeps them if it wraps again: a depth above the units of a step). ``ok`` is False
     where prefetching that unit could read bytes this step has not written yet (a
     next-step unit of a layer after the current one: only with tiny models) or where

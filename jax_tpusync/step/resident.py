@@ -46,18 +46,22 @@ def resident_layer(
     scale: float,
     soft_cap: float | None,
     kernel_options: dict,
+    counts: jax.Array | None = None,  # int32[batch]: real rows per slot (None: q_len)
 ) -> tuple[jax.Array, KVState]:
     """One layer of a step on a resident cache (``spec.resident``), its write-back queued.
 
     The new rows go into the state's copy of the layer at each active slot's length (the
-    same rows the tier gets), then ``q`` attends over the copy's rows of the layer (its
-    window) and the new tokens, in the operations of :func:`resident_attention` with
-    ``unit_len=None``. No fetch: the copy is the tier's rows (see ``OffloadedKVCache``).
+    same rows the tier gets: a slot's first ``counts[b]``), then ``q`` attends over the
+    copy's rows of the layer (its window) and the new tokens (a slot's real ones), in the
+    operations of :func:`resident_attention` with ``unit_len=None``. No fetch: the copy
+    is the tier's rows (see ``OffloadedKVCache``).
     """
     spec = state.spec
     batch, q_len = q.shape[:2]
     lengths = state.lengths
-    staging = _resident_insert(spec, state.staging, layer, new_kv, lengths, state.capacity > 0)
+    staging = _resident_insert(
+        spec, state.staging, layer, new_kv, lengths, state.capacity > 0, counts
+    )
     attend = layer_attend(spec, layer, scale, soft_cap, implementation, kernel_options)
     # The layer's rows as one unit: its own span when the layer is static; a traced layer
     # reads up to the longest (spec.chunk_len), its blocks bounded by the valid rows.
@@ -83,13 +87,13 @@ def resident_layer(
         block_len,
         q.shape,
     )
-    # The new tokens attend to themselves (causally) and merge in.
+    # The new tokens attend to themselves (causally; padding rows are no keys) and merge in.
     o, l = attend(
         q,
         k.astype(spec.dtype),
         v.astype(spec.dtype),
         lengths,
-        jnp.full((batch,), q_len, jnp.int32),
+        plan.own_rows(batch, q_len, counts),
         lengths,
     )
     out, _ = kernel_reference.merge_partials(out, lse, o, l)
@@ -110,16 +114,21 @@ def _resident_insert(
     new_kv: jax.Array,  # [2, batch, q_len, *row_shape]
     lengths: jax.Array,  # int32[batch]
     active: jax.Array,  # bool[batch]
+    counts: jax.Array | None = None,  # int32[batch]: real rows per slot (None: q_len)
 ) -> jax.Array:  # like staging
     """``staging`` with ``new_kv`` at rows ``[lengths[b], lengths[b] + q_len)`` of ``layer``
-    for each active slot; an inactive slot's rows are left as they are."""
+    for each active slot (its first ``counts[b]`` rows only); an inactive slot's rows, and
+    the positions of padding rows, are left as they are."""
     q_len = new_kv.shape[2]
     rows = new_kv
     if rows.dtype != staging.dtype:  # 16-bit KV staged as its uint16 words.
         rows = lax.bitcast_convert_type(rows, staging.dtype)
-    # Inactive slots point past max_len, where the scatter drops them.
+    # Inactive slots (and padding rows) point past max_len, where the scatter drops them.
     at = lengths[:, None] + jnp.arange(q_len, dtype=jnp.int32)  # [batch, q_len]
-    at = jnp.where(active[:, None], at, spec.max_len)
+    keep = active[:, None]
+    if counts is not None:
+        keep = keep & (jnp.arange(q_len, dtype=jnp.int32)[None, :] < counts[:, None])
+    at = jnp.where(keep, at, spec.max_len)
     b = jnp.arange(spec.batch, dtype=jnp.int32)[:, None]
     for kv in range(2):
         staging = staging.at[layer, kv, b, at].set(rows[kv], mode="drop")
@@ -160,6 +169,7 @@ def resident_attention(
     scale: float | None = None,
     soft_cap: float | None = None,
     kv_dtype: Any = None,
+    query_seq_lengths: jax.Array | None = None,  # int32[batch]: real rows per slot
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The same attention as :func:`~jax_tpusync.prefetching_attention` over a device-resident cache.
 
@@ -180,18 +190,26 @@ def resident_attention(
         updated in place.
       lengths: Cached tokens per batch row; ``lengths + q_len`` must not exceed
         ``max_len`` (checked when concrete; under ``jit`` the caller's duty, as the update
-        would otherwise overwrite the cache's last rows).
+        would otherwise overwrite the cache's last rows). With ``query_seq_lengths``,
+        ``lengths + query_seq_lengths`` must not (padding rows are dropped, never written).
       kv_dtype: The dtype the caches hold; required for ``uint16`` caches, else it must be
         theirs (default).
+      query_seq_lengths: int32[batch] or None, as in
+        :func:`~jax_tpusync.prefetching_attention`: how many of the ``q_len`` rows are real
+        for each batch row (clipped to ``[0, q_len]``). Only those are written to the
+        caches and attended to as keys; the outputs of the other rows are unspecified but
+        finite. None: all of them.
 
     Returns:
       ``(out, cache_k, cache_v)``: ``out`` like ``q``; the caches, in the form given, with
-      ``k``/``v`` written at ``lengths`` (the caller advances ``lengths`` once per step).
+      ``k``/``v`` written at ``lengths`` (the caller advances ``lengths`` once per step, by
+      ``q_len`` or by ``query_seq_lengths``).
     """
     kv_dtype = _resident_kv_dtype(cache_k, cache_v, kv_dtype)
     batch, q_len, _, head_dim = q.shape
     max_len = cache_k.shape[1]
-    _check_room(lengths, q_len, max_len)
+    counts = plan.real_rows(q_len, plan.check_query_seq_lengths(query_seq_lengths, batch, q_len))
+    _check_room(lengths, q_len if counts is None else counts, max_len)
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     lengths = jnp.asarray(lengths, jnp.int32)
@@ -210,9 +228,18 @@ def resident_attention(
     # kv_dtype). The new rows go in first and the caches ride through the loop, so the
     # update and the loop both work on the caller's (donated) buffers: updating after a
     # loop that read them made XLA copy each cache first. Rows at >= lengths are masked.
-    insert = jax.vmap(lambda c, x, at: lax.dynamic_update_slice_in_dim(c, x, at, axis=0))
-    words_k = insert(as_bits(cache_k), as_bits(k), lengths)
-    words_v = insert(as_bits(cache_v), as_bits(v), lengths)
+    if counts is None:
+        insert = jax.vmap(lambda c, x, at: lax.dynamic_update_slice_in_dim(c, x, at, axis=0))
+        words_k = insert(as_bits(cache_k), as_bits(k), lengths)
+        words_v = insert(as_bits(cache_v), as_bits(v), lengths)
+    else:
+        # Real rows only: padding rows point past max_len, where the scatter drops them (a
+        # slice update would clamp its start and shift a full row's chunk over cached keys).
+        i = jnp.arange(q_len, dtype=jnp.int32)[None, :]
+        at = jnp.where(i < counts[:, None], lengths[:, None] + i, max_len)
+        b = jnp.arange(batch, dtype=jnp.int32)[:, None]
+        words_k = as_bits(cache_k).at[b, at].set(as_bits(k), mode="drop")
+        words_v = as_bits(cache_v).at[b, at].set(as_bits(v), mode="drop")
 
     block_len = block_len_for(unit, batch * cache_k.shape[2] * head_dim)
 
@@ -247,7 +274,7 @@ def resident_attention(
     else:
         carry = lax.fori_loop(0, num_units, unit_step, carry)
     out, lse, words_k, words_v = carry
-    o, l = attend(q, k, v, lengths, jnp.full((batch,), q_len, jnp.int32), lengths)
+    o, l = attend(q, k, v, lengths, plan.own_rows(batch, q_len, counts), lengths)
     out, _ = kernel_reference.merge_partials(out, lse, o, l)
     # Back in the form given: a no-op for words.
     return (
@@ -257,19 +284,21 @@ def resident_attention(
     )
 
 
-def _check_room(lengths, q_len: int, max_len: int) -> None:
-    """Refuses concrete ``lengths`` that leave no room for the new tokens.
+def _check_room(lengths, count, max_len: int) -> None:
+    """Refuses concrete ``lengths`` that leave no room for the new tokens (``count``: q_len,
+    or the real rows per batch row).
 
     Traced lengths cannot be checked here; past the end, the update would land on the last
     rows (XLA clamps its start) and overwrite cached tokens.
     """
     try:
-        longest = int(np.max(np.asarray(lengths)))
+        longest = int(np.max(np.asarray(lengths) + np.asarray(count)))
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         return
-    if longest + q_len > max_len:
+    if longest > max_len:
+        what = "q_len" if isinstance(count, int) else "query_seq_lengths"
         raise ValueError(
-            f"lengths + q_len = {longest + q_len} exceeds max_len={max_len}: no room in the "
+            f"lengths + {what} = {longest} exceeds max_len={max_len}: no room in the "
             f"cache for the new tokens"
         )
 

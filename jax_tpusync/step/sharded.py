@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from jax_tpusync import ops
 from jax_tpusync.mesh_layout import MeshLayout
 from jax_tpusync.state import KVState
-from jax_tpusync.step import device
+from jax_tpusync.step import device, plan
 
 
 def _manual_axes() -> tuple[str, ...]:
@@ -79,9 +79,13 @@ def _spec_axes(x: jax.Array) -> list:
     return out
 
 
-def sharded_attention(q, k, v, state: KVState, *, layer, **options) -> tuple[jax.Array, KVState]:
+def sharded_attention(
+    q, k, v, state: KVState, *, layer, query_seq_lengths=None, **options
+) -> tuple[jax.Array, KVState]:
     """:func:`~jax_tpusync.prefetching_attention` of a mesh cache's global state (or, inside
-    the caller's ``shard_map`` over the cache's axes, of the device's share)."""
+    the caller's ``shard_map`` over the cache's axes, of the device's share).
+    ``query_seq_lengths`` is split over the batch axis as ``q`` is (``P(batch_axis)``), so
+    each shard takes its own slots' counts."""
     spec = state.spec
     layout: MeshLayout = spec.mesh
     shard_spec = dataclasses.replace(spec, mesh=None)
@@ -105,11 +109,11 @@ def sharded_attention(q, k, v, state: KVState, *, layer, **options) -> tuple[jax
                 f"{layout.kv_heads_axis!r} instead"
             )
 
-    def body(q, k, v, leaves, layer):
+    def body(q, k, v, leaves, layer, counts):
         part = KVState(shard_spec, *[x[0] for x in leaves])
         guard = ops.shard_guard(part.target[3], layout.device_shard())
         out, part = device.device_attention(
-            q, k, v, part, layer=layer, shard_guard=guard, **options
+            q, k, v, part, layer=layer, shard_guard=guard, query_seq_lengths=counts, **options
         )
         return out, [x[None] for x in jax.tree_util.tree_leaves(part)]
 
@@ -123,7 +127,7 @@ def sharded_attention(q, k, v, state: KVState, *, layer, **options) -> tuple[jax
                 f"(in_specs {layout.state_spec} for every state leaf): its leading axis has "
                 f"{leaves[0].shape[0]} shards here, not 1"
             )
-        out, leaves = body(q, k, v, leaves, layer)
+        out, leaves = body(q, k, v, leaves, layer, query_seq_lengths)
         return out, jax.tree_util.tree_unflatten(tree, leaves)
     if manual:
         raise ValueError(
@@ -145,24 +149,41 @@ def sharded_attention(q, k, v, state: KVState, *, layer, **options) -> tuple[jax
         )
     if q.shape[2] % want[1]:
         raise ValueError(f"num_q_heads={q.shape[2]} must be a multiple of num_kv_heads={want[1]}")
+    query_seq_lengths = plan.check_query_seq_lengths(query_seq_lengths, want[0], q.shape[1])
     state_specs = [layout.state_spec] * len(leaves)
     # A static layer stays a Python int (the kernels take its window statically); a traced
     # one goes in replicated.
     traced = () if isinstance(layer, int) else (jax.numpy.asarray(layer, jax.numpy.int32),)
+    # Per-slot counts go in split over the batch axis, as q's batch is.
+    counts_spec = P(layout.batch_axis)
+    counts = ()
+    if query_seq_lengths is not None:
+        counts = (_resharded(jax.numpy.asarray(query_seq_lengths), layout, counts_spec),)
 
-    def mapped(q, k, v, leaves, *traced_layer):
-        return body(q, k, v, leaves, traced_layer[0] if traced_layer else layer)
+    def mapped(q, k, v, leaves, *rest):
+        traced_layer, shard_counts = rest[: len(traced)], rest[len(traced) :]
+        return body(
+            q,
+            k,
+            v,
+            leaves,
+            traced_layer[0] if traced_layer else layer,
+            shard_counts[0] if shard_counts else None,
+        )
 
     fn = jax.shard_map(
         mapped,
         mesh=layout.mesh,
-        in_specs=(layout.qkv_spec,) * 3 + (state_specs,) + (P(),) * len(traced),
+        in_specs=(layout.qkv_spec,) * 3
+        + (state_specs,)
+        + (P(),) * len(traced)
+        + (counts_spec,) * len(counts),
         out_specs=(layout.qkv_spec, state_specs),
         check_vma=False,
     )
     qkv = [_resharded(x, layout, layout.qkv_spec) for x in (q, k, v)]
     leaves = [_resharded(x, layout, layout.state_spec) for x in leaves]
-    out, leaves = fn(*qkv, leaves, *traced)
+    out, leaves = fn(*qkv, leaves, *traced, *counts)
     # Typed as q came in, as single-device attention returns; q typed without a mesh (an
     # Explicit mesh that no jax.set_mesh made current) has no sharding to keep.
     q_sharding = jax.typeof(q).sharding

@@ -45,20 +45,22 @@ def write_back(
     k: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
     v: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
     shard_guard: jax.Array | None = None,  # int32[1, 4], leading the guards of a mesh shard
+    counts: jax.Array | None = None,  # int32[batch]: real rows per slot (plan.real_rows)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queues the new tokens' write-back at each active slot's length; returns ``(token,
-    new_kv, grow)``: the op's token, the rows written ([2, batch, q_len, H, D] in the
-    cache's dtype, or uint8[2, batch, q_len, row_bytes] quantized) and int32[batch], the
-    tokens each slot takes this step (q_len active, 0 inactive)."""
+    new_kv, grow)``: the op's token, the rows ([2, batch, q_len, H, D] in the cache's
+    dtype, or uint8[2, batch, q_len, row_bytes] quantized; of slot ``b`` only the first
+    ``counts[b]`` are written, None: all) and int32[batch], the tokens each slot takes
+    this step (its count, or q_len; 0 inactive), which its capacity guard checks."""
     eid, tier, first_block = state.target[0], state.target[1], state.target[2]
     q_len = k.shape[1]
     lengths = state.lengths
-    grow = jnp.where(state.capacity > 0, q_len, 0).astype(jnp.int32)
+    grow = plan.step_grow(state, q_len, counts)
     # Layer 0's write-back is the step's first engine op (every other op depends on it):
     # it claims the state's step, so a second step from the same state is refused.
     claim = jnp.concatenate([state.owner, jnp.asarray(layer == 0, jnp.int32)[None]])
 
-    write_segments = plan.write_segments(spec, state, layer, q_len)
+    write_segments = plan.write_segments(spec, state, layer, q_len, counts)
     if not isinstance(layer, int):
         # The first engine call of the layer refuses an out-of-range traced layer.
         write_segments = plan.refuse_bad_layer(spec, layer, write_segments)
@@ -101,9 +103,12 @@ def streamed_layer(
     scale: float,
     soft_cap: float | None,
     kernel_options: dict,
+    counts: jax.Array | None = None,  # int32[batch]: real rows per slot (None: q_len)
 ) -> tuple[jax.Array, KVState]:
     """Steps 2 and 3 of one layer of a streamed cache, its write-back queued (``token``):
-    ``(out, state)``, ``out`` like ``q``."""
+    ``(out, state)``, ``out`` like ``q``. Query row ``i`` of slot ``b`` sits at
+    ``lengths[b] + i`` and attends to the cached keys and to the step's rows ``j <= i``
+    with ``j < counts[b]``; the next step's prefetch walks ``lengths + grow``."""
     spec = state.spec
     eid = state.target[0]
     batch, q_len = q.shape[:2]
@@ -201,14 +206,15 @@ def streamed_layer(
         carry = lax.fori_loop(0, num_units, unit_step, carry)
     q_, out, lse, staging, tickets, slot = carry
 
-    # 3. The new tokens attend to themselves (causally) and merge in.
+    # 3. The new tokens attend to themselves (causally; a slot's padding rows are no keys)
+    # and merge in.
     new_start = lengths
     o, l = attend(
         q_,
         k.astype(spec.dtype),
         v.astype(spec.dtype),
         new_start,
-        jnp.full((batch,), q_len, jnp.int32),
+        plan.own_rows(batch, q_len, counts),
         lengths,
     )
     out, _ = kernel_reference.merge_partials(out, lse, o, l)
