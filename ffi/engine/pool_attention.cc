@@ -7,6 +7,10 @@
 #include <limits>
 #include <string>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 namespace tpusync {
 namespace {
 
@@ -15,8 +19,8 @@ namespace {
 constexpr int kTile = 32;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// The inner loops are compiled twice, for AVX2 with FMA and for the baseline ISA, and the
-// CPU picks one at run time: the package builds without -march flags, so the same binary
+// The inner loops are compiled twice, for AVX2 with FMA (and F16C, which converts fp8
+// codes) and for the baseline ISA, and the CPU picks one at run time: the package builds without -march flags, so the same binary
 // runs anywhere, and these loops are the whole step's compute on the host tier.
 #if defined(__x86_64__) && defined(__GNUC__)
 #define TPUSYNC_HAVE_AVX2_CLONE 1
@@ -78,9 +82,7 @@ TPUSYNC_INLINE void ExpNonPositive(float* values) {
   StoreLanes(values, y * scale);
 }
 
-typedef int8_t CodeLanes __attribute__((vector_size(8)));    // Eight int8 codes.
-typedef uint8_t ByteLanes __attribute__((vector_size(8)));    // Eight fp8 codes' bytes.
-typedef uint32_t BitLanes __attribute__((vector_size(32)));   // Eight f32 bit patterns.
+typedef uint32_t BitLanes __attribute__((vector_size(32)));  // Eight f32 bit patterns.
 
 // float8_e4m3fn (sign, 4 exponent bits of bias 7, 3 mantissa bits, no infinities) of every
 // byte: the scalar tail of a row whose length is not a multiple of eight. 0x7f and 0xff
@@ -99,44 +101,121 @@ struct Float8Table {
 };
 const Float8Table kFloat8;
 
-// n int8 codes as f32.
-TPUSYNC_INLINE void Int8Codes(const uint8_t* src, int n, float* dst) {
-  int d = 0;
-  for (; d + 8 <= n; d += 8) {
-    CodeLanes c;
-    std::memcpy(&c, src + d, sizeof c);
-    StoreLanes(dst + d, __builtin_convertvector(c, Lanes));
-  }
-  for (; d < n; ++d) dst[d] = static_cast<int8_t>(src[d]);
+// float8_e4m3fn codes (their bytes in 32-bit lanes) as f32 bits: a normal code's exponent
+// and mantissa move into an f32's and its exponent is rebiased (7 to 127); a subnormal one
+// (no exponent bits) is its mantissa times 2^-9. (No f32 subnormal is ever formed, so a
+// flush-to-zero mode cannot change the result.)
+TPUSYNC_INLINE void Float8Lanes(const BitLanes& x, float* dst) {
+  const BitLanes normal_bits = ((x & 0x7f) << 20) + (120u << 23);
+  Lanes normal;
+  std::memcpy(&normal, &normal_bits, sizeof normal);
+  IntLanes mantissa;
+  const BitLanes m = x & 7;
+  std::memcpy(&mantissa, &m, sizeof mantissa);
+  const Lanes subnormal = __builtin_convertvector(mantissa, Lanes) * 0.001953125f;
+  const Lanes magnitude = (x & 0x78) == 0 ? subnormal : normal;
+  BitLanes bits;
+  std::memcpy(&bits, &magnitude, sizeof bits);
+  bits |= (x & 0x80) << 24;
+  std::memcpy(dst, &bits, sizeof bits);
 }
 
-// n float8_e4m3fn codes as f32, eight at a time by their bits: a normal code's exponent and
-// mantissa move into an f32's and its exponent is rebiased (7 to 127); a subnormal one (no
-// exponent bits) is its mantissa times 2^-9. (No f32 subnormal is ever formed, so a
-// flush-to-zero mode cannot change the result.)
-TPUSYNC_INLINE void Float8Codes(const uint8_t* src, int n, float* dst) {
+// Eight bytes widened to 32-bit lanes, sign-extended (int8 codes) or zero-extended (fp8
+// codes' bytes), by intrinsics: GCC turns a vector-extension conversion of eight bytes
+// into scalar code. The baseline build's (SSE2 moves each byte to the top of its lane,
+// then shifts it down) and the AVX2 build's, which only a function built for AVX2 may
+// call: the intrinsics cannot be inlined elsewhere.
+template <bool kSigned>
+TPUSYNC_INLINE BitLanes WidenBaseline(const uint8_t* p) {
+  BitLanes out;
+#if defined(__x86_64__) && defined(__GNUC__)
+  const __m128i w16 = _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)),
+                                        _mm_setzero_si128());
+  __m128i half[2] = {_mm_unpacklo_epi16(_mm_setzero_si128(), w16),
+                     _mm_unpackhi_epi16(_mm_setzero_si128(), w16)};
+  for (__m128i& h : half) h = kSigned ? _mm_srai_epi32(_mm_slli_epi32(h, 8), 24) : _mm_srli_epi32(h, 16);
+  std::memcpy(&out, half, sizeof out);
+#else
+  for (int i = 0; i < 8; ++i) {
+    out[i] = kSigned ? static_cast<uint32_t>(static_cast<int32_t>(static_cast<int8_t>(p[i])))
+                     : p[i];
+  }
+#endif
+  return out;
+}
+
+// n int8 (kFloat8: float8_e4m3fn) codes from src as f32 at dst, eight at a time, then a
+// scalar tail (fp8's by its 256-entry table).
+template <bool kFloat8Codes>
+TPUSYNC_INLINE void CodesBaseline(const uint8_t* src, int n, float* dst) {
   int d = 0;
   for (; d + 8 <= n; d += 8) {
-    ByteLanes c;
-    std::memcpy(&c, src + d, sizeof c);
-    const BitLanes x = __builtin_convertvector(c, BitLanes);
-    const BitLanes normal_bits = ((x & 0x7f) << 20) + (120u << 23);
-    Lanes normal;
-    std::memcpy(&normal, &normal_bits, sizeof normal);
-    const Lanes subnormal = __builtin_convertvector(x & 7, Lanes) * 0.001953125f;
-    const Lanes magnitude = (x & 0x78) == 0 ? subnormal : normal;
-    BitLanes bits;
-    std::memcpy(&bits, &magnitude, sizeof bits);
-    bits |= (x & 0x80) << 24;
-    std::memcpy(dst + d, &bits, sizeof bits);
+    const BitLanes x = WidenBaseline<!kFloat8Codes>(src + d);
+    if constexpr (kFloat8Codes) {
+      Float8Lanes(x, dst + d);
+    } else {
+      IntLanes i;
+      std::memcpy(&i, &x, sizeof i);
+      StoreLanes(dst + d, __builtin_convertvector(i, Lanes));
+    }
   }
-  for (; d < n; ++d) dst[d] = kFloat8.value[src[d]];
+  for (; d < n; ++d) dst[d] = kFloat8Codes ? kFloat8.value[src[d]] : static_cast<int8_t>(src[d]);
+}
+
+#if TPUSYNC_HAVE_AVX2_CLONE
+// The AVX2 build's: int8 codes sign-extended and converted eight at a time; fp8 codes,
+// sixteen at a time, become f16 bits that stand for 2^-8 of their value (the byte in the
+// high half of a 16-bit lane, shifted down one with the sign bit kept: the 4 exponent bits
+// land in f16's 5-bit field of bias 15, 8 above e4m3's 7), converted by F16C and scaled by
+// 2^8. f16 subnormals (e4m3's) convert exactly whatever the DAZ mode: VCVTPH2PS ignores it.
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void Float8Avx2(
+    __m128i high_bytes, float* out) {  // Eight codes, each in the high byte of a 16-bit lane.
+  const __m128i f16 =
+      _mm_and_si128(_mm_srai_epi16(high_bytes, 1), _mm_set1_epi16(static_cast<short>(0xbfff)));
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtph_ps(f16), _mm256_set1_ps(256.0f)));
+}
+
+template <bool kFloat8Codes>
+__attribute__((target("avx2,fma,f16c"))) void CodesAvx2(const uint8_t* src, int n, float* dst) {
+  int d = 0;
+  if constexpr (kFloat8Codes) {
+    const __m128i zero = _mm_setzero_si128();
+    for (; d + 16 <= n; d += 16) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
+      Float8Avx2(_mm_unpacklo_epi8(zero, b), dst + d);
+      Float8Avx2(_mm_unpackhi_epi8(zero, b), dst + d + 8);
+    }
+    for (; d + 8 <= n; d += 8) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d));
+      Float8Avx2(_mm_unpacklo_epi8(zero, b), dst + d);
+    }
+  } else {
+    for (; d + 8 <= n; d += 8) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d));
+      _mm256_storeu_ps(dst + d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+    }
+  }
+  for (; d < n; ++d) dst[d] = kFloat8Codes ? kFloat8.value[src[d]] : static_cast<int8_t>(src[d]);
+}
+#endif
+
+// n codes of a quantized row as f32, by the build's conversion.
+template <bool kAvx2, bool kFloat8Codes>
+TPUSYNC_INLINE void Codes(const uint8_t* src, int n, float* dst) {
+#if TPUSYNC_HAVE_AVX2_CLONE
+  if constexpr (kAvx2) {
+    CodesAvx2<kFloat8Codes>(src, n, dst);
+    return;
+  }
+#endif
+  CodesBaseline<kFloat8Codes>(src, n, dst);
 }
 
 // `rows` rows of `values` values each, row i at src + i * row_bytes, as f32[rows][values]
 // (codes' values, unscaled, for quantized rows; their f32[rows][heads] scales into
 // `scales`). Whole rows, in memory order: the hardware prefetcher follows one stream
 // through the pool.
+template <bool kAvx2>
 TPUSYNC_INLINE void LoadRows(const uint8_t* src, uint64_t row_bytes, int rows, int values,
                              int heads, KvDtype dtype, TierDtype tier_dtype, float* dst,
                              float* scales) {
@@ -144,10 +223,10 @@ TPUSYNC_INLINE void LoadRows(const uint8_t* src, uint64_t row_bytes, int rows, i
     const uint8_t* row = src + r * row_bytes;
     float* out = dst + static_cast<int64_t>(r) * values;
     if (tier_dtype == TierDtype::kInt8) {
-      Int8Codes(row, values, out);
+      Codes<kAvx2, false>(row, values, out);
       std::memcpy(scales + r * heads, row + values, 4 * static_cast<size_t>(heads));
     } else if (tier_dtype == TierDtype::kFloat8E4M3) {
-      Float8Codes(row, values, out);
+      Codes<kAvx2, true>(row, values, out);
       std::memcpy(scales + r * heads, row + values, 4 * static_cast<size_t>(heads));
     } else if (dtype == KvDtype::kBfloat16) {
       for (int d = 0; d < values; ++d) {
@@ -302,6 +381,7 @@ TPUSYNC_INLINE void AttendHeads(const AttentionShape& s, const float* q, int t, 
 
 // One tile (rows [r0, r0 + n) of the span) for every kv head and query of the span's
 // sequence. q, acc, max, sum are the sequence's slices: [q_len, num_q_heads, (head_dim)].
+template <bool kAvx2>
 TPUSYNC_INLINE void AttendTileBody(const AttentionShape& s, const float* q, int32_t q_start,
                                    const KeySpan& span, int r0, int n, Tile& tile, float* acc,
                                    float* max, float* sum) {
@@ -320,9 +400,9 @@ TPUSYNC_INLINE void AttendTileBody(const AttentionShape& s, const float* q, int3
                                   : 0;
       if (hi <= lo) continue;
       if (!loaded) {
-        LoadRows(span.k + r0 * row_bytes, row_bytes, n, row_values, s.num_kv_heads, s.kv_dtype,
+        LoadRows<kAvx2>(span.k + r0 * row_bytes, row_bytes, n, row_values, s.num_kv_heads, s.kv_dtype,
                  s.tier_dtype, tile.k.data(), tile.k_scale.data());
-        LoadRows(span.v + r0 * row_bytes, row_bytes, n, row_values, s.num_kv_heads, s.kv_dtype,
+        LoadRows<kAvx2>(span.v + r0 * row_bytes, row_bytes, n, row_values, s.num_kv_heads, s.kv_dtype,
                  s.tier_dtype, tile.v.data(), tile.v_scale.data());
         loaded = true;
         // The next tile's rows, requested now so they arrive while this one computes: the
@@ -346,7 +426,7 @@ TPUSYNC_INLINE void AttendTileBody(const AttentionShape& s, const float* q, int3
 void AttendTileBaseline(const AttentionShape& s, const float* q, int32_t q_start,
                         const KeySpan& span, int r0, int n, Tile& tile, float* acc, float* max,
                         float* sum) {
-  AttendTileBody(s, q, q_start, span, r0, n, tile, acc, max, sum);
+  AttendTileBody<false>(s, q, q_start, span, r0, n, tile, acc, max, sum);
 }
 
 #if TPUSYNC_HAVE_AVX2_CLONE
@@ -354,7 +434,7 @@ __attribute__((target("avx2,fma"))) void AttendTileAvx2(const AttentionShape& s,
                                                         int32_t q_start, const KeySpan& span,
                                                         int r0, int n, Tile& tile, float* acc,
                                                         float* max, float* sum) {
-  AttendTileBody(s, q, q_start, span, r0, n, tile, acc, max, sum);
+  AttendTileBody<true>(s, q, q_start, span, r0, n, tile, acc, max, sum);
 }
 #endif
 
@@ -368,7 +448,8 @@ AttendTileFn PickAttendTile() {
   const char* isa = std::getenv("TPUSYNC_CPU_ISA");
   const bool baseline = isa != nullptr && std::strcmp(isa, "baseline") == 0;
   __builtin_cpu_init();
-  if (!baseline && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+  if (!baseline && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
     return AttendTileAvx2;
   }
 #endif

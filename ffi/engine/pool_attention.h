@@ -61,7 +61,8 @@ struct KeySpan {
   const uint8_t* v = nullptr;
 };
 
-// The build of the inner loops this CPU runs: "avx2" (AVX2 with FMA) or "baseline".
+// The build of the inner loops this CPU runs: "avx2" (AVX2 with FMA and F16C) or
+// "baseline".
 const char* PoolAttentionIsa();
 
 // Cuts `spans` into two lists of (about) equal rows, cutting at most one span, for two

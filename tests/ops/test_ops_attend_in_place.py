@@ -589,5 +589,5 @@ def test_this_cpu_runs_the_build_it_supports():
     from jax_tpusync import _tpusync
 
     flags = pathlib.Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
-    has_avx2 = " avx2" in flags and " fma" in flags
+    has_avx2 = all(f" {flag}" in flags for flag in ("avx2", "fma", "f16c"))
     assert _tpusync.pool_attention_isa() == ("avx2" if has_avx2 else "baseline")
