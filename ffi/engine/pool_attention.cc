@@ -20,8 +20,9 @@ constexpr int kTile = 32;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // The inner loops are compiled twice, for AVX2 with FMA (and F16C, which converts fp8
-// codes) and for the baseline ISA, and the CPU picks one at run time: the package builds without -march flags, so the same binary
-// runs anywhere, and these loops are the whole step's compute on the host tier.
+// codes) and for the baseline ISA, and the CPU picks one at run time: the package builds
+// without -march flags, so the same binary runs anywhere, and these loops are the whole
+// step's compute on the host tier.
 #if defined(__x86_64__) && defined(__GNUC__)
 #define TPUSYNC_HAVE_AVX2_CLONE 1
 #define TPUSYNC_INLINE inline __attribute__((always_inline))
@@ -121,10 +122,10 @@ TPUSYNC_INLINE void Float8Lanes(const BitLanes& x, float* dst) {
 }
 
 // Eight bytes widened to 32-bit lanes, sign-extended (int8 codes) or zero-extended (fp8
-// codes' bytes), by intrinsics: GCC turns a vector-extension conversion of eight bytes
-// into scalar code. The baseline build's (SSE2 moves each byte to the top of its lane,
-// then shifts it down) and the AVX2 build's, which only a function built for AVX2 may
-// call: the intrinsics cannot be inlined elsewhere.
+// codes' bytes), in the baseline build: SSE2 moves each byte to the top of its lane, then
+// shifts it down. (GCC turns a vector-extension conversion of eight bytes into scalar code,
+// hence intrinsics; the AVX2 build's are in CodesAvx2, a function built for AVX2, as
+// intrinsics cannot be inlined into one that is not.)
 template <bool kSigned>
 TPUSYNC_INLINE BitLanes WidenBaseline(const uint8_t* p) {
   BitLanes out;
@@ -133,7 +134,9 @@ TPUSYNC_INLINE BitLanes WidenBaseline(const uint8_t* p) {
                                         _mm_setzero_si128());
   __m128i half[2] = {_mm_unpacklo_epi16(_mm_setzero_si128(), w16),
                      _mm_unpackhi_epi16(_mm_setzero_si128(), w16)};
-  for (__m128i& h : half) h = kSigned ? _mm_srai_epi32(_mm_slli_epi32(h, 8), 24) : _mm_srli_epi32(h, 16);
+  for (__m128i& h : half) {
+    h = kSigned ? _mm_srai_epi32(_mm_slli_epi32(h, 8), 24) : _mm_srli_epi32(h, 16);
+  }
   std::memcpy(&out, half, sizeof out);
 #else
   for (int i = 0; i < 8; ++i) {
@@ -144,7 +147,7 @@ TPUSYNC_INLINE BitLanes WidenBaseline(const uint8_t* p) {
   return out;
 }
 
-// n int8 (kFloat8: float8_e4m3fn) codes from src as f32 at dst, eight at a time, then a
+// n int8 (kFloat8Codes: float8_e4m3fn) codes from src as f32 at dst, eight at a time, then a
 // scalar tail (fp8's by its 256-entry table).
 template <bool kFloat8Codes>
 TPUSYNC_INLINE void CodesBaseline(const uint8_t* src, int n, float* dst) {
@@ -400,10 +403,10 @@ TPUSYNC_INLINE void AttendTileBody(const AttentionShape& s, const float* q, int3
                                   : 0;
       if (hi <= lo) continue;
       if (!loaded) {
-        LoadRows<kAvx2>(span.k + r0 * row_bytes, row_bytes, n, row_values, s.num_kv_heads, s.kv_dtype,
-                 s.tier_dtype, tile.k.data(), tile.k_scale.data());
-        LoadRows<kAvx2>(span.v + r0 * row_bytes, row_bytes, n, row_values, s.num_kv_heads, s.kv_dtype,
-                 s.tier_dtype, tile.v.data(), tile.v_scale.data());
+        LoadRows<kAvx2>(span.k + r0 * row_bytes, row_bytes, n, row_values, s.num_kv_heads,
+                        s.kv_dtype, s.tier_dtype, tile.k.data(), tile.k_scale.data());
+        LoadRows<kAvx2>(span.v + r0 * row_bytes, row_bytes, n, row_values, s.num_kv_heads,
+                        s.kv_dtype, s.tier_dtype, tile.v.data(), tile.v_scale.data());
         loaded = true;
         // The next tile's rows, requested now so they arrive while this one computes: the
         // K and V regions are two streams, which the hardware prefetcher alone left
