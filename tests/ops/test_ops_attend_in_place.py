@@ -254,27 +254,32 @@ def test_quantized_rows_match_the_dequantized_reference(make_engine, tier_dtype,
 
 @pytest.mark.parametrize("tier_dtype", TIER_DTYPES)
 @pytest.mark.parametrize("split_read_bytes", [0, 1], ids=["one-thread", "two-threads"])
+@pytest.mark.parametrize(
+    "kv_heads, head_dim, row_bytes", [(3, 12, 48), (1, 13, 32)], ids=["3x12", "1x13"]
+)
 def test_quantized_rows_off_the_vector_width_and_split_over_two_threads(
-    make_engine, tier_dtype, split_read_bytes
+    make_engine, tier_dtype, split_read_bytes, kv_heads, head_dim, row_bytes
 ):
-    """A row of 3 heads x 12 codes (36: the last four decoded past the eight-wide vector
-    loop) and 6 query heads, on one thread and split with the copy helper."""
+    """Rows of 3 heads x 12 codes (36: two vectors of sixteen, then four decoded one at a
+    time) and of 1 x 13 (a vector of eight, then five), two query heads per kv head, on one
+    thread and split with the copy helper."""
     e = make_engine(split_read_bytes=split_read_bytes)
     pool = Pool(
         e,
         batch=2,
         unit_len=50,
-        kv_heads=3,
-        head_dim=12,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
         dtype=np.float32,
         block_rows=8,
         tier_dtype=tier_dtype,
     )
-    assert pool.row_bytes == 48  # 36 codes + 12 scale bytes.
+    assert pool.row_bytes == row_bytes  # Codes, 4 scale bytes a head, padding to 16.
     valid = np.array([50, 19], np.int32)
     pool.poison_after(valid)
     start = np.array([0, 3], np.int32)
-    q = jnp.asarray(np.random.default_rng(5).standard_normal((2, 3, 6, 12)), jnp.float32)
+    shape = (2, 3, 2 * kv_heads, head_dim)
+    q = jnp.asarray(np.random.default_rng(5).standard_normal(shape), jnp.float32)
     out, lse = pool.attend(q, pool.segments(valid), start, valid, start + valid - 2, scale=0.4)
     want, want_lse = pool.reference(q, start, valid, start + valid - 2, scale=0.4)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
