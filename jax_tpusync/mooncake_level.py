@@ -1,0 +1,634 @@
+"""A remote prefix level on a Mooncake Store: published prefix blocks in the DRAM of a pool
+of processes, found by their chained key from any host that reaches the pool's master.
+
+One more :class:`~jax_tpusync.levels.RemoteLevel` (the shape :class:`SharedDirectoryLevel`
+has): the slot table looks blocks up here past its own index on ``admit(tokens=...)``,
+stopping at the first block that no level has, and publishes full blocks here on
+``release(tokens=...)``.
+
+Objects. A block (``num_layers * 2 * block_bytes`` bytes: every (layer, K|V) region in
+region order) is stored as
+
+* one object per *layer range* (whole layers, about ``object_bytes`` each; a range's
+  regions are contiguous in the payload), named by the block's key, the range and the
+  xxh3-64 checksum of its bytes: ``<namespace>/<key hex>/<first>-<end>/<checksum hex>``;
+* one small *header* object, ``<namespace>/<key hex>/head``: a preamble (magic, format
+  version, length) and JSON naming the key, its parent, the index root, the geometry, the
+  block's token ids and each range's (first layer, end layer, checksum).
+
+The header is written after every range it names, so a header that can be read names
+ranges that were complete. Put never replaces an existing object (the first writer's value
+stays), and range names carry their checksum, so two processes publishing the same block
+at once (their KV may differ in the last bits) never mix one's ranges with the other's
+header.
+
+Every hit is checked like a shared directory's file: a header that cannot be parsed, was
+written for another root or geometry, or names other tokens or another parent (a digest
+collision), a range that is gone (evicted) or whose bytes do not match its checksum, is a
+miss and a warning naming the block, never KV.
+
+Faults. Every call to the store runs on one worker thread and is waited for at most
+``deadline_s``; a fault is a miss (``load`` returns None, ``has`` False, ``publish`` False),
+counted in :meth:`MooncakeStoreLevel.stats` and logged once per kind:
+
+* the master down or restarted (a restarted master has lost every object: its metadata is
+  the only record of them): calls fail (``unreachable``), or wait and pass the deadline
+  (``timeout``); either pauses the level for ``retry_after_s`` (calls are misses at once,
+  counted as ``skipped``), after which it tries again: the client finds a restarted master
+  by itself;
+* a peer that holds an object was killed (``transfer``, code -800);
+* a hung peer (``timeout``): unless the environment sets them, the engine's TCP timeouts
+  ``MC_TCP_PROGRESS_TIMEOUT_SEC`` / ``MC_TCP_STATUS_TIMEOUT_SEC`` default to the deadline,
+  so a stuck transfer ends; until the worker's call returns, later calls are misses at once;
+* a writer killed while putting (``not_ready``, -703): its objects never become readable;
+* a missing header (-704): a plain miss, not a fault; a missing range: ``evicted``;
+* a full pool (``full``, -200 on put): the master evicts old objects by itself and does not
+  tell clients, so a block's parent may go before the block: the slot table stops at the
+  first block no level has.
+
+Never fork a process after this level connected (the engine runs some thirty threads):
+start helper processes with ``subprocess`` or the ``spawn`` start method.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import queue
+import struct
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import xxhash
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"TPSYNCMC"
+FORMAT_VERSION = 1
+_PREAMBLE = struct.Struct("<8sII")  # magic, format version, JSON bytes
+
+# Fault kinds, each counted in stats() as mooncake_fault_<kind> and logged once.
+FAULT_KINDS = ("unreachable", "timeout", "transfer", "not_ready", "evicted", "full", "error")
+
+_FAULT_TEXT = {
+    "unreachable": "the Mooncake master at {master} cannot be reached",
+    "timeout": "a call to the Mooncake store at {master} took longer than {deadline} s",
+    "transfer": "a transfer from the Mooncake store failed (the process holding the object "
+    "is gone)",
+    "not_ready": "an object in the Mooncake store is not readable yet (its writer may have "
+    "died while putting it)",
+    "evicted": "a block's header is in the Mooncake store but a layer range it names is "
+    "gone (evicted)",
+    "full": "the Mooncake store has no room for a put",
+    "error": "the Mooncake store returned an error",
+}
+
+# Error codes of the store's client.
+_NOT_FOUND = -704
+_RPC_FAILED = -900
+_TRANSFER_FAILED = -800
+_REPLICA_NOT_READY = -703
+_NO_HANDLE = -200
+
+_INSTALL_HINT = (
+    "the Mooncake remote level needs the Mooncake Store client: "
+    "pip install 'jax-tpusync[mooncake]' (and the system library libibverbs1, even over "
+    "TCP: apt-get install libibverbs1 libnuma1)"
+)
+
+# Memory the client copies through (its own puts and gets); ours are zero-copy from
+# buffers registered with it, so this only has to exist.
+_LOCAL_BUFFER_BYTES = 4 << 20
+# The smallest segment the client accepts.
+MIN_SEGMENT_BYTES = 16 << 20
+
+
+def _import_store() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore  # noqa: PLC0415 - optional.
+    except ImportError as e:
+        raise ImportError(f"{_INSTALL_HINT} ({e})") from e
+    return MooncakeDistributedStore
+
+
+class _Fault(Exception):
+    """A call to the store failed: a miss of ``kind``."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(detail)
+        self.kind = kind
+
+
+class _Damaged(Exception):
+    """A block in the store that must not be used (corrupt, foreign, a collision)."""
+
+
+class _Deadline(Exception):
+    """The worker did not answer within the deadline (or is still in an earlier call)."""
+
+
+def _code_fault(code: int, what: str) -> _Fault:
+    kind = {
+        _RPC_FAILED: "unreachable",
+        _TRANSFER_FAILED: "transfer",
+        _REPLICA_NOT_READY: "not_ready",
+        _NO_HANDLE: "full",
+    }.get(code, "error")
+    return _Fault(kind, f"{what} returned {code}")
+
+
+class _Worker:
+    """One daemon thread that runs blocking calls, each waited for at most a deadline.
+
+    A call that passes its deadline keeps the thread until it returns; calls made in the
+    meantime are refused at once (``_Deadline``) instead of queueing behind it. A daemon
+    thread: a call stuck in the network never holds up the interpreter's exit."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._stuck: threading.Event | None = None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, done, out = job
+            try:
+                out.append((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller.
+                out.append((False, e))
+            done.set()
+
+    @property
+    def busy(self) -> bool:
+        if self._stuck is not None and self._stuck.is_set():
+            self._stuck = None
+        return self._stuck is not None
+
+    def call(self, fn: Callable[[], Any], deadline: float) -> Any:
+        if self.busy:
+            raise _Deadline("an earlier call to the store has not returned yet")
+        done = threading.Event()
+        out: list = []
+        self._jobs.put((fn, done, out))
+        if not done.wait(deadline):
+            self._stuck = done
+            raise _Deadline(f"no answer within {deadline} s")
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+
+class MooncakeStoreLevel:
+    """Published prefix blocks in a Mooncake Store (see the module's docstring).
+
+    Args:
+      master: ``host:port`` of the store's master (``mooncake_master --rpc_port``).
+      root: the prefix index's root key (salt, geometry, dtype, layout): written in every
+        header and checked on every hit.
+      num_layers, block_tokens, block_bytes: the cache's geometry (``block_bytes``: one
+        block of one layer's K or V).
+      local_host: the address other clients reach this one at (its NIC's address when the
+        pool spans hosts).
+      segment_bytes: DRAM this process gives the pool (at least 16 MiB; 0: none, a client
+        that only reads and puts into the others' segments).
+      object_bytes: about the size of one object: whole layers per object, at least one.
+      deadline_s: the longest any call waits for the store.
+      retry_after_s: how long the level stays a miss after the master could not be reached
+        or a call passed its deadline, before it tries again.
+      namespace: the first part of every object name.
+
+    The client connects at the first call (within its deadline), not here. Raises
+    ImportError (naming the package extra) if the Mooncake client is not installed.
+    """
+
+    def __init__(
+        self,
+        master: str = "127.0.0.1:50051",
+        *,
+        root: bytes,
+        num_layers: int,
+        block_tokens: int,
+        block_bytes: int,
+        local_host: str = "127.0.0.1",
+        segment_bytes: int = 256 << 20,
+        object_bytes: int = 1 << 20,
+        deadline_s: float = 3.0,
+        retry_after_s: float = 2.0,
+        namespace: str = "tpusync",
+    ):
+        for name, value in (
+            ("num_layers", num_layers),
+            ("block_tokens", block_tokens),
+            ("block_bytes", block_bytes),
+            ("object_bytes", object_bytes),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if not isinstance(segment_bytes, int) or not (
+            segment_bytes == 0 or segment_bytes >= MIN_SEGMENT_BYTES
+        ):
+            raise ValueError(
+                f"segment_bytes={segment_bytes!r} must be 0 or at least {MIN_SEGMENT_BYTES} "
+                f"(16 MiB, the client's smallest segment)"
+            )
+        if not deadline_s > 0 or not retry_after_s >= 0:
+            raise ValueError(
+                f"deadline_s={deadline_s!r} must be > 0 and retry_after_s={retry_after_s!r} >= 0"
+            )
+        if not isinstance(master, str) or ":" not in master:
+            raise ValueError(f"master={master!r} must be 'host:port'")
+        if not namespace or "/" in namespace:
+            raise ValueError(f"namespace={namespace!r} must be a non-empty name without '/'")
+        self._store_class = _import_store()
+        # The engine reads these when it starts: a hung peer then ends a transfer in about
+        # the deadline instead of 30 s. A user's own settings win.
+        seconds = str(max(1, math.ceil(deadline_s)))
+        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", seconds)
+        os.environ.setdefault("MC_TCP_STATUS_TIMEOUT_SEC", seconds)
+
+        self.master = master
+        self.root = bytes(root)
+        self.num_layers = num_layers
+        self.block_tokens = block_tokens
+        self.block_bytes = block_bytes
+        self.local_host = local_host
+        self.segment_bytes = segment_bytes
+        self.deadline_s = float(deadline_s)
+        self.retry_after_s = float(retry_after_s)
+        self.namespace = namespace
+        per_object = max(1, object_bytes // (2 * block_bytes))
+        self.layer_ranges = [
+            (lo, min(lo + per_object, num_layers)) for lo in range(0, num_layers, per_object)
+        ]
+        # Registered with the client once; a call that passed its deadline may still write
+        # here, so it lives as long as this level and nothing returned is a view of it.
+        self._header_capacity = 4096 + 24 * block_tokens
+        self._scratch = np.zeros(self._header_capacity + self.payload_bytes, np.uint8)
+        self._client: Any = None
+        self._worker = _Worker(f"mooncake-level-{master}")
+        self._lock = threading.Lock()
+        self._paused_until = 0.0
+        self._logged: set[str] = set()
+        self._closed = False
+        self.published = 0  # Blocks this process put.
+        self.imported = 0  # Blocks this process loaded, checked.
+        self.misses = 0  # Loads of a block that is not there (no header).
+        self.damaged = 0  # Blocks refused on load (corrupt, foreign, collision).
+        self.publish_failures = 0  # Publishes that a fault stopped.
+        self.skipped = 0  # Calls answered as misses while the level was paused.
+        self.bytes_loaded = 0
+        self.bytes_published = 0
+        self.faults = dict.fromkeys(FAULT_KINDS, 0)
+
+    # -- the RemoteLevel interface ----------------------------------------------------------
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.num_layers * 2 * self.block_bytes
+
+    def describe(self) -> str:
+        return f"Mooncake store at {self.master}"
+
+    def header_key(self, key: bytes) -> str:
+        return f"{self.namespace}/{key.hex()}/head"
+
+    def range_key(self, key: bytes, first: int, end: int, checksum: int) -> str:
+        return f"{self.namespace}/{key.hex()}/{first}-{end}/{checksum:016x}"
+
+    def has(self, key: bytes) -> bool:
+        """Whether ``key``'s header is in the store (False on any fault)."""
+        hkey = self.header_key(key)
+        return bool(self._run(lambda client: self._exists(client, hkey), False))
+
+    def load(self, key: bytes, parent: bytes | None, tokens: np.ndarray) -> np.ndarray | None:
+        """``key``'s payload (a fresh ``uint8[payload_bytes]``), checked against ``parent``,
+        ``tokens``, the root, the geometry and the checksums; None if it is not there, is
+        damaged or foreign (a warning names it), or on a fault (counted)."""
+        tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        fault = object()
+        try:
+            payload = self._run(lambda client: self._load(client, key, parent, tokens), fault)
+        except _Damaged as e:
+            self.damaged += 1
+            logger.warning("%s; treated as a miss", e)
+            return None
+        if payload is fault:
+            return None
+        if payload is None:
+            self.misses += 1
+            return None
+        self.imported += 1
+        self.bytes_loaded += payload.size
+        return payload
+
+    def publish(
+        self, key: bytes, parent: bytes | None, tokens: np.ndarray, payload: np.ndarray
+    ) -> bool:
+        """Puts one block (its ranges, then its header) unless its header is there; returns
+        whether it did. A fault is False, counted in ``publish_failures``, never raised."""
+        payload = np.ascontiguousarray(payload, np.uint8).reshape(-1)
+        if payload.size != self.payload_bytes:
+            raise ValueError(f"payload has {payload.size} bytes, not {self.payload_bytes}")
+        ranges = [
+            (lo, hi, xxhash.xxh3_64_intdigest(payload[self._span(lo, hi)]))
+            for lo, hi in self.layer_ranges
+        ]
+        header = self._header(key, parent, [int(t) for t in np.asarray(tokens).reshape(-1)], ranges)
+        if len(header) > self._header_capacity:
+            raise ValueError(f"a header of {len(header)} bytes is longer than {self._header_capacity}")
+        failed = object()
+        wrote = self._run(
+            lambda client: self._publish(client, key, payload, ranges, header), failed
+        )
+        if wrote is failed:
+            self.publish_failures += 1
+            return False
+        if wrote:
+            self.published += 1
+            self.bytes_published += payload.size
+        return bool(wrote)
+
+    def stats(self) -> dict:
+        out = dict(
+            mooncake_published=self.published,
+            mooncake_imported=self.imported,
+            mooncake_misses=self.misses,
+            mooncake_damaged=self.damaged,
+            mooncake_publish_failures=self.publish_failures,
+            mooncake_skipped=self.skipped,
+            mooncake_bytes_loaded=self.bytes_loaded,
+            mooncake_bytes_published=self.bytes_published,
+            mooncake_faults=sum(self.faults.values()),
+        )
+        out.update({f"mooncake_fault_{kind}": n for kind, n in self.faults.items()})
+        return out
+
+    def close(self) -> None:
+        """Leaves the pool (its objects in this process's segment go with it). A client
+        stuck in a call is left to its daemon thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._client is not None and not self._worker.busy:
+                client, self._client = self._client, None
+                try:
+                    self._worker.call(client.close, self.deadline_s)
+                except Exception as e:  # noqa: BLE001 - leaving is best effort.
+                    logger.debug("closing the Mooncake client: %s", e)
+            self._worker.stop()
+
+    def __enter__(self) -> MooncakeStoreLevel:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- calls, deadlines, faults -----------------------------------------------------------
+
+    def _run(self, fn: Callable[[Any], Any], default: Any) -> Any:
+        """``fn(client)`` on the worker within the deadline; ``default`` on a fault (counted,
+        logged once per kind) or while paused. Raises only ``_Damaged``."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.describe()}: the level is closed")
+            now = time.monotonic()
+            if now < self._paused_until:
+                self.skipped += 1
+                return default
+            try:
+                return self._worker.call(lambda: fn(self._connected()), self.deadline_s)
+            except _Deadline as e:
+                self._fault("timeout", str(e), pause=True)
+            except _Fault as e:
+                self._fault(e.kind, str(e), pause=e.kind == "unreachable")
+            return default
+
+    def _fault(self, kind: str, detail: str, *, pause: bool) -> None:
+        self.faults[kind] += 1
+        if pause:
+            self._paused_until = time.monotonic() + self.retry_after_s
+        text = _FAULT_TEXT[kind].format(master=self.master, deadline=self.deadline_s)
+        if kind not in self._logged:
+            self._logged.add(kind)
+            logger.warning(
+                "%s (%s): remote prefix blocks are misses%s (logged once; counted in "
+                "stats()['mooncake_fault_%s'])",
+                text,
+                detail,
+                f" for {self.retry_after_s} s, then retried" if pause else "",
+                kind,
+            )
+        else:
+            logger.debug("%s (%s)", text, detail)
+
+    def _connected(self) -> Any:
+        """The client, connected and with the scratch buffer registered (on the worker)."""
+        if self._client is None:
+            client = self._store_class()
+            rc = client.setup(
+                self.local_host,
+                "P2PHANDSHAKE",
+                self.segment_bytes,
+                _LOCAL_BUFFER_BYTES,
+                "tcp",
+                "",
+                self.master,
+            )
+            if rc != 0:
+                raise _Fault("unreachable", f"connecting returned {rc}")
+            rc = client.register_buffer(self._scratch.ctypes.data, self._scratch.nbytes)
+            if rc != 0:
+                client.close()
+                raise _Fault("error", f"registering the transfer buffer returned {rc}")
+            self._client = client
+        return self._client
+
+    # -- the work itself (on the worker thread) ---------------------------------------------
+
+    def _span(self, first: int, end: int) -> slice:
+        """The bytes of layers [first, end) in a payload."""
+        return slice(first * 2 * self.block_bytes, end * 2 * self.block_bytes)
+
+    def _exists(self, client: Any, hkey: str) -> bool:
+        rc = client.is_exist(hkey)
+        if rc < 0:
+            raise _code_fault(rc, "is_exist")
+        return rc == 1
+
+    def _header(self, key: bytes, parent: bytes | None, tokens: list[int], ranges: list) -> bytes:
+        body = json.dumps(
+            {
+                "key": key.hex(),
+                "parent": None if parent is None else parent.hex(),
+                "root": self.root.hex(),
+                "num_layers": self.num_layers,
+                "block_tokens": self.block_tokens,
+                "block_bytes": self.block_bytes,
+                "tokens": tokens,
+                "ranges": [list(r) for r in ranges],
+            },
+            separators=(",", ":"),
+        ).encode()
+        return _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(body)) + body
+
+    def _publish(self, client: Any, key: bytes, payload: np.ndarray, ranges: list, header: bytes):
+        hkey = self.header_key(key)
+        if self._exists(client, hkey):
+            return False
+        base = self._scratch.ctypes.data + self._header_capacity
+        body = self._scratch[self._header_capacity :]
+        body[:] = payload
+        spans = [self._span(lo, hi) for lo, hi, _ in ranges]
+        codes = client.batch_put_from(
+            [self.range_key(key, *r) for r in ranges],
+            [base + s.start for s in spans],
+            [s.stop - s.start for s in spans],
+        )
+        for code in codes:
+            if code < 0:
+                raise _code_fault(code, "putting a layer range")
+        self._scratch[: len(header)] = np.frombuffer(header, np.uint8)
+        code = client.put_from(hkey, self._scratch.ctypes.data, len(header))
+        if code < 0:
+            raise _code_fault(code, "putting a header")
+        return True
+
+    def _load(self, client: Any, key: bytes, parent: bytes | None, tokens: list[int]):
+        hkey = self.header_key(key)
+        name = f"block {key.hex()} in the {self.describe()}"
+        size = client.get_into(hkey, self._scratch.ctypes.data, self._header_capacity)
+        if size == _NOT_FOUND:
+            return None
+        if size < 0:
+            raise _code_fault(size, "getting a header")
+        ranges = self._checked_header(bytes(self._scratch[:size]), name, key, parent, tokens)
+        base = self._scratch.ctypes.data + self._header_capacity
+        spans = [self._span(lo, hi) for lo, hi, _ in ranges]
+        sizes = [s.stop - s.start for s in spans]
+        codes = client.batch_get_into(
+            [self.range_key(key, *r) for r in ranges], [base + s.start for s in spans], sizes
+        )
+        for (lo, hi, _), code, want in zip(ranges, codes, sizes):
+            if code == _NOT_FOUND:
+                raise _Fault("evicted", f"{name}: layers {lo}-{hi} are gone")
+            if code < 0:
+                raise _code_fault(code, f"getting layers {lo}-{hi} of {name}")
+            if code != want:
+                raise _Damaged(f"{name}: layers {lo}-{hi} hold {code} bytes, expected {want}")
+        body = self._scratch[self._header_capacity :]
+        for lo, hi, checksum in ranges:
+            if xxhash.xxh3_64_intdigest(body[self._span(lo, hi)]) != checksum:
+                raise _Damaged(f"{name}: layers {lo}-{hi}: checksum mismatch (corrupt object)")
+        return body.copy()
+
+    def _checked_header(
+        self, data: bytes, name: str, key: bytes, parent: bytes | None, tokens: list[int]
+    ) -> list[tuple[int, int, int]]:
+        """The (first, end, checksum) ranges of a header, after every check; raises
+        ``_Damaged`` naming what does not match."""
+        try:
+            magic, version, length = _PREAMBLE.unpack_from(data)
+            if magic != MAGIC or version != FORMAT_VERSION:
+                raise ValueError(f"not a version-{FORMAT_VERSION} block header")
+            if _PREAMBLE.size + length != len(data):
+                raise ValueError(f"{len(data)} bytes, the preamble says {_PREAMBLE.size + length}")
+            header = json.loads(data[_PREAMBLE.size :])
+            if not isinstance(header, dict):
+                raise ValueError(f"a {type(header).__name__}, not an object")
+        except (struct.error, ValueError, RecursionError) as e:
+            raise _Damaged(f"{name}: unreadable header ({e})") from None
+        for field, want in (
+            ("key", key.hex()),
+            ("root", self.root.hex()),
+            ("num_layers", self.num_layers),
+            ("block_tokens", self.block_tokens),
+            ("block_bytes", self.block_bytes),
+        ):
+            if header.get(field) != want:
+                raise _Damaged(f"{name}: {field} is {header.get(field)!r}, this cache's is {want!r}")
+        want_parent = None if parent is None else parent.hex()
+        if header.get("parent") != want_parent or header.get("tokens") != tokens:
+            raise _Damaged(
+                f"{name}: written for other tokens or another parent under the same key "
+                f"(a digest collision)"
+            )
+        ranges = header.get("ranges")
+        end = 0
+        out = []
+        for r in ranges if isinstance(ranges, list) else [None]:
+            if not (
+                isinstance(r, list)
+                and len(r) == 3
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in r)
+                and r[0] == end < r[1] <= self.num_layers
+                and 0 <= r[2] < 2**64
+            ):
+                raise _Damaged(f"{name}: header field 'ranges' is not a partition of the layers")
+            out.append((r[0], r[1], r[2]))
+            end = r[1]
+        if end != self.num_layers:
+            raise _Damaged(f"{name}: header field 'ranges' is not a partition of the layers")
+        return out
+
+
+def make_level(
+    spec: Any, *, root: bytes, num_layers: int, block_tokens: int, block_bytes: int
+) -> Any:
+    """A remote level from ``spec``: a level object (anything with ``has`` / ``load`` /
+    ``publish`` / ``stats`` / ``describe``), returned as it is, or a
+    ``"mooncake://host:port"`` address, optionally with ``?segment_mb=``, ``object_kb=``,
+    ``deadline_s=``, ``retry_after_s=``, ``local_host=``, ``namespace=``: a
+    :class:`MooncakeStoreLevel` for the cache's root and geometry."""
+    if not isinstance(spec, str):
+        missing = [m for m in ("has", "load", "publish", "stats", "describe") if not hasattr(spec, m)]
+        if missing:
+            raise TypeError(
+                f"remote level {spec!r} lacks {', '.join(missing)}: give a level object or "
+                f"'mooncake://host:port'"
+            )
+        return spec
+    url = urllib.parse.urlsplit(spec)
+    if url.scheme != "mooncake" or not url.hostname or url.port is None or url.path not in ("", "/"):
+        raise ValueError(f"remote level {spec!r}: expected 'mooncake://host:port[?option=value&...]'")
+    options: dict[str, Any] = {}
+    for name, values in urllib.parse.parse_qs(url.query, strict_parsing=bool(url.query)).items():
+        value = values[-1]
+        try:
+            if name == "segment_mb":
+                options["segment_bytes"] = int(value) << 20
+            elif name == "object_kb":
+                options["object_bytes"] = int(value) << 10
+            elif name in ("deadline_s", "retry_after_s"):
+                options[name] = float(value)
+            elif name in ("local_host", "namespace"):
+                options[name] = value
+            else:
+                raise ValueError(
+                    "known options: segment_mb, object_kb, deadline_s, retry_after_s, "
+                    "local_host, namespace"
+                )
+        except ValueError as e:
+            raise ValueError(f"remote level {spec!r}: option {name}={value!r}: {e}") from None
+    return MooncakeStoreLevel(
+        f"{url.hostname}:{url.port}",
+        root=root,
+        num_layers=num_layers,
+        block_tokens=block_tokens,
+        block_bytes=block_bytes,
+        **options,
+    )
