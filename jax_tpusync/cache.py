@@ -355,10 +355,12 @@ class OffloadedKVCache:
 
         Args:
           tokens: the sequence's token ids (at least its length of them: the tokens whose
-            KV the slot holds). Given, the slot's full blocks enter the prefix index
-            (after its write-backs have completed: the engine is drained first) and stay
-            on the tier, cached, for later sequences with the same prefix, until their
-            space is needed. Without it the slot's own blocks are freed at once. On a
+            KV the slot holds; they must agree with its recorded ids, :meth:`tokens`).
+            Given, or recorded for its whole length (its prompt and
+            :meth:`extend_tokens`), the slot's full blocks enter the prefix index (after
+            its write-backs have completed: the engine is drained first) and stay on the
+            tier, cached, for later sequences with the same prefix, until their space is
+            needed. Otherwise the slot's own blocks are freed at once. On a
             persistent tier the slot is committed released first (its private blocks may
             be rewritten); the blocks it indexes join the committed index at the next
             commit.
@@ -369,15 +371,28 @@ class OffloadedKVCache:
         self._check_state(state)
         self.slots.check_slot(slot)
         length = int(np.asarray(state.lengths)[slot])
-        self.slots.check_release(slot, length, tokens)  # Refused here: nothing changed.
+        publishes = self.slots.check_release(slot, length, tokens)  # Refused: no change.
         state = self.drain(state)
-        if tokens is not None:
+        if publishes is not None:
             self.engine.drain()  # Its blocks are published only once fully written.
         self.slots.release(slot, length, tokens)
         lengths = np.asarray(state.lengths).copy()
         lengths[slot] = 0
         self._loaded_extent[:, slot] = 0
         return self._with_slots(state, lengths)
+
+    def tokens(self, slot: int) -> np.ndarray:
+        """int64[n]: ``slot``'s recorded token ids: its prompt (:meth:`admit`), then what
+        :meth:`extend_tokens` added; restored by a re-attach up to the committed length."""
+        self.slots.check_slot(slot)
+        return self.slots.history.ids(slot)
+
+    def extend_tokens(self, slot: int, ids: Sequence[int] | np.ndarray) -> None:
+        """Records ``ids`` after ``slot``'s token ids (a serving loop's sampled tokens, fed
+        back as the next step's inputs), so that :meth:`release` publishes its blocks and
+        :meth:`commit` persists its ids without the caller keeping them. Refused past the
+        slot's capacity, or for an inactive slot."""
+        self.slots.extend_history(slot, ids)
 
     @property
     def prefix_stats(self) -> dict:

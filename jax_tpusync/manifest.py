@@ -38,6 +38,7 @@ import numpy as np
 from jax_tpusync import prefix
 from jax_tpusync.blocks import NO_BLOCK
 from jax_tpusync.engine import TpusyncError
+from jax_tpusync.history import decode_ids
 
 # Version of the tier byte layout that cache.py and blocks.py document (one region of KV
 # blocks per (layer, K|V), block tables mapping positions to blocks). Bump it when that
@@ -263,8 +264,10 @@ def region_of(region: int, batch: int) -> tuple[int, int, int]:
 def sums_to_json(sums: list[list[int]], num_layers: int, batch: int) -> list:
     """Per-region chunk checksums -> [layer][kv][sequence] lists of 16-digit hex digests."""
     return [
-        [[[f"{s:016x}" for s in sums[(layer * 2 + kv) * batch + b]] for b in range(batch)]
-         for kv in range(2)]
+        [
+            [[f"{s:016x}" for s in sums[(layer * 2 + kv) * batch + b]] for b in range(batch)]
+            for kv in range(2)
+        ]
         for layer in range(num_layers)
     ]
 
@@ -300,7 +303,9 @@ def hex_sum(value: Any, name: str) -> int:
         if len(raw) != 8:
             raise ValueError
     except ValueError:
-        raise ValueError(f"{name} is {_short(value)}, not a 64-bit digest (16 hex digits)") from None
+        raise ValueError(
+            f"{name} is {_short(value)}, not a 64-bit digest (16 hex digits)"
+        ) from None
     return int.from_bytes(raw, "big")
 
 
@@ -370,9 +375,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
         if not isinstance(manifest, dict):
             raise ValueError(f"it holds {_json_kind(manifest)}, not an object")
         if manifest.get("format") != MANIFEST_FORMAT:
-            raise ValueError(
-                f"format is {_short(manifest.get('format'))}, not {MANIFEST_FORMAT!r}"
-            )
+            raise ValueError(f"format is {_short(manifest.get('format'))}, not {MANIFEST_FORMAT!r}")
         version = manifest.get("format_version")
         if not is_json_int(version) or version not in READABLE_MANIFEST_VERSIONS:
             raise ValueError(
@@ -476,9 +479,7 @@ def checked_commit(manifest: Any, held: Geometry, path: Path) -> dict[str, Any]:
                         )
                     holder[p] = b
             if not 0 <= cap <= held.max_len:
-                raise ValueError(
-                    f"capacity[{b}] = {cap} is not in [0, max_len={held.max_len}]"
-                )
+                raise ValueError(f"capacity[{b}] = {cap} is not in [0, max_len={held.max_len}]")
             need = -(-cap // held.block_tokens)
             if not ((row[:need] >= 0).all() and (row[need:] == NO_BLOCK).all()):
                 raise ValueError(
@@ -517,11 +518,13 @@ def checked_commit(manifest: Any, held: Geometry, path: Path) -> dict[str, Any]:
                     f"{region_name(layer, kv, b)} has {len(chunks)} checksums for "
                     f"{int(lengths[b])} rows of {chunk_rows}-row chunks ({want})"
                 )
+        tokens = checked_tokens(manifest.get("tokens"), lengths)
     except ValueError as e:
         raise MissingManifestError(
             f"cannot use manifest {path}: {e}. Pass overwrite=True to discard the cache."
         ) from e
     return {
+        "tokens": tokens,
         "commit": int(commit),
         "session": session,
         "lengths": lengths.astype(np.int64),
@@ -533,6 +536,28 @@ def checked_commit(manifest: Any, held: Geometry, path: Path) -> dict[str, Any]:
         "shared": index["shared"].astype(np.int32),
         "entries": entries,
     }
+
+
+def checked_tokens(raw: Any, lengths: np.ndarray) -> list[np.ndarray]:
+    """Each sequence's committed token ids (``"tokens"``: one base64 string of int64 ids per
+    sequence, at most its length of them; absent in older manifests: none recorded).
+    Raises ValueError naming the sequence and what is wrong."""
+    if raw is None:
+        return [np.zeros(0, np.int64) for _ in lengths]
+    if not isinstance(raw, list) or len(raw) != len(lengths):
+        raise ValueError(f"'tokens' is {_json_kind(raw)}, not a list of {len(lengths)} strings")
+    out = []
+    for b, text in enumerate(raw):
+        try:
+            ids = decode_ids(text)
+        except ValueError as e:
+            raise ValueError(f"tokens of sequence {b}: {e}") from None
+        if len(ids) > lengths[b]:
+            raise ValueError(
+                f"sequence {b} records {len(ids)} token ids, more than its length {int(lengths[b])}"
+            )
+        out.append(ids)
+    return out
 
 
 def checked_prefix(raw: Any, held: Geometry) -> dict[str, Any]:
@@ -602,9 +627,7 @@ def checked_prefix(raw: Any, held: Geometry) -> dict[str, Any]:
                 for kv in range(2):
                     sums.append(hex_sum(digests[layer][kv], f"{where}.checksums[{layer}][{kv}]"))
         except ValueError as err:
-            raise ValueError(
-                f"{where}.checksums are not [layer][K|V] hex digests ({err})"
-            ) from err
+            raise ValueError(f"{where}.checksums are not [layer][K|V] hex digests ({err})") from err
         keys[key] = i
         blocks[block] = i
         entries.append(dict(key=key, parent=parent, tokens=tokens, block=block, sums=sums))
@@ -671,8 +694,7 @@ def entry_json(entry: prefix.Entry, num_layers: int) -> dict[str, Any]:
         "tokens": [int(t) for t in entry.tokens],
         "block": int(entry.block),
         "checksums": [
-            [f"{entry.sums[layer * 2 + kv]:016x}" for kv in range(2)]
-            for layer in range(num_layers)
+            [f"{entry.sums[layer * 2 + kv]:016x}" for kv in range(2)] for layer in range(num_layers)
         ],
     }
 
@@ -707,6 +729,7 @@ def manifest_json(
     chunk_rows: int,
     sums: list[list[int]],
     prefix_json: dict[str, Any],
+    tokens: list[str] | None = None,
 ) -> dict[str, Any]:
     """A manifest of this format and version (see the module's docstring)."""
     return {
@@ -726,6 +749,7 @@ def manifest_json(
         "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_rows": chunk_rows},
         "checksums": sums_to_json(sums, geometry.num_layers, geometry.batch),
         "prefix": prefix_json,
+        **({} if tokens is None else {"tokens": tokens}),
     }
 
 

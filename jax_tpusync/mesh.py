@@ -399,6 +399,24 @@ class ShardedKVCache:
                 parts[s] = self.shards[s].release(parts[s], local, tokens=tokens)
         return self._assemble(parts)
 
+    def tokens(self, slot: int) -> np.ndarray:
+        """Global ``slot``'s recorded token ids (see :meth:`OffloadedKVCache.tokens`)."""
+        local, holders = self._slot(slot)
+        if not holders:
+            raise ValueError(f"slot {slot} is held by no shard of this process")
+        return self.shards[holders[0]].tokens(local)
+
+    def extend_tokens(self, slot: int, ids: Sequence[int] | np.ndarray) -> None:
+        """Records ``ids`` after global ``slot``'s token ids in each of its shards, after
+        every shard has accepted them (see :meth:`OffloadedKVCache.extend_tokens`)."""
+        local, holders = self._slot(slot)
+        for s in holders:  # Checked everywhere first: the same checks in every shard.
+            self.shards[s].slots.check_slot(local)
+            if not self.shards[s].capacity[local]:
+                raise ValueError(f"slot {slot} is not active (admit it first)")
+        for s in holders:
+            self.shards[s].extend_tokens(local, ids)
+
     # -- what the shards hold ---------------------------------------------------------------
 
     def _gather(self, per_shard) -> np.ndarray:

@@ -166,6 +166,7 @@ class Persistence:
         # one that is no longer the index's was evicted since).
         self._shared = np.zeros(geometry.batch, np.int32)
         self._prefix_json: dict[str, Any] = {}
+        self._tokens_json: list[str] | None = None  # The committed token ids per slot.
         self._committed_entries: dict[bytes, prefix.Entry] = {}
         self._evictions_seen = 0  # The index's eviction count when that was last checked.
         self._entry_json: dict[bytes, tuple[prefix.Entry, dict[str, Any]]] = {}
@@ -297,6 +298,7 @@ class Persistence:
             self._capacity = cache.capacity
             self._shared = cache.slots.shared
             self._prefix_json = self._prefix_section([], self._shared)
+            self._tokens_json = cache.slots.history.to_json(self._lengths)
             self._write_manifest(session="open")
             logger.info("new persistent KV cache; manifest %s", self.manifest_path)
             return None
@@ -316,6 +318,9 @@ class Persistence:
         # The slots hold their committed blocks again, the index its blocks (the ones a
         # slot maps pinned); later admits get other ones.
         cache.slots.restore(self._tables, self._capacity, self._shared, entries)
+        for b, ids in enumerate(manifest["tokens"]):
+            cache.slots.history.set(b, ids)
+        self._tokens_json = cache.slots.history.to_json(self._lengths)
         self._committed_entries = {e.key: e for e in entries}
         self._prefix_json = self._prefix_section(
             cache.slots.prefix.entries_in_order(), self._shared
@@ -568,6 +573,7 @@ class Persistence:
             # Blocks indexed since the last commit: durable now (synced above), hashed once.
             self._hash_blocks([e for e in entries if e.sums is None])
             prefix_json = self._prefix_section(entries, shared)
+            tokens_json = cache.slots.history.to_json(lengths)
             if fault_hook is not None:
                 fault_hook("before_manifest_write")
             self._write_manifest(
@@ -578,6 +584,7 @@ class Persistence:
                 tables=tables,
                 capacity=capacity,
                 prefix_json=prefix_json,
+                tokens_json=tokens_json,
             )
         except Exception as e:
             raise CommitError(
@@ -590,6 +597,7 @@ class Persistence:
         self._checksums.adopt(update)
         self._shared = shared
         self._prefix_json = prefix_json
+        self._tokens_json = tokens_json
         self._committed_entries = {e.key: e for e in entries}
         self._evictions_seen = evictions
         return self._commit
@@ -677,6 +685,7 @@ class Persistence:
         tables: np.ndarray | None = None,
         capacity: np.ndarray | None = None,
         prefix_json: dict[str, Any] | None = None,
+        tokens_json: list[str] | None = None,
     ) -> None:
         now = time.time()
         manifest = manifest_json(
@@ -693,5 +702,6 @@ class Persistence:
             chunk_rows=self._checksums.chunk_rows,
             sums=self._checksums.sums if sums is None else sums,
             prefix_json=self._prefix_json if prefix_json is None else prefix_json,
+            tokens=self._tokens_json if tokens_json is None else tokens_json,
         )
         write_json_atomically(self.manifest_path, manifest)

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from jax_tpusync import blocks, prefix
+from jax_tpusync.history import TokenHistory
 from jax_tpusync.levels import BlockStore, RemoteLevel, SpillMover
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class SlotTable:
         self._tables = np.full((batch, self.max_blocks), blocks.NO_BLOCK, np.int32)
         self._capacity = np.zeros(batch, np.int32)
         self._shared = np.zeros(batch, np.int32)  # Leading blocks mapped from the index.
+        self.history = TokenHistory(batch)  # Each slot's token ids (see jax_tpusync.history).
         self.publish_failures = 0  # Remote publishes that failed (release went on).
 
     def use_mover(self, mover: SpillMover) -> None:
@@ -260,6 +262,7 @@ class SlotTable:
         self._tables[slot, len(shared) : n] = fresh
         self._capacity[slot] = max_tokens
         self._shared[slot] = len(shared)
+        self.history.set(slot, [] if ids is None else ids)
         return Admission(slot, len(shared) * self.block_tokens, max_tokens)
 
     def place(self, slot: int, block_ids: Sequence[int], capacity: int) -> None:
@@ -285,6 +288,7 @@ class SlotTable:
         self._tables[slot, : len(ids)] = ids
         self._capacity[slot] = capacity
         self._shared[slot] = 0
+        self.history.clear(slot)
 
     def admit_all(self) -> None:
         """Admits every inactive slot for ``max_len`` tokens, or none (raises naming the
@@ -302,17 +306,30 @@ class SlotTable:
             self.admit(b, self.max_len)
 
     def check_release(self, slot: Any, length: int, tokens: Any) -> np.ndarray | None:
-        """The token ids of a release, checked; changes nothing."""
+        """The token ids a release publishes under, checked; changes nothing.
+
+        ``tokens`` given: at least ``length`` ids, agreeing with the slot's history where
+        both have ids. None: the slot's history if it holds all ``length`` ids (nothing is
+        published otherwise)."""
         self.check_slot(slot)
         if self._capacity[slot] == 0:
             raise ValueError(f"slot {slot} is not active (nothing to release)")
         if tokens is None:
+            if length and self.history.count(slot) >= length:
+                return self.history.ids(slot, length)
             return None
         ids = prefix.token_ids(tokens)
         if len(ids) < length:
             raise ValueError(
                 f"tokens has {len(ids)} ids but slot {slot} holds {length} tokens: "
                 f"pass the ids of every token whose KV it holds"
+            )
+        at = self.history.first_difference(slot, ids[:length])
+        if at is not None:
+            raise ValueError(
+                f"tokens[{at}]={int(ids[at])} differs from slot {slot}'s recorded token "
+                f"{int(self.history.ids(slot)[at])} (its prompt and the tokens it was "
+                f"extended with): its KV is not that token's"
             )
         return ids
 
@@ -343,6 +360,20 @@ class SlotTable:
         self._tables[slot] = blocks.NO_BLOCK
         self._capacity[slot] = 0
         self._shared[slot] = 0
+        self.history.clear(slot)
+
+    def extend_history(self, slot: int, ids: Any) -> None:
+        """Appends ``ids`` to active ``slot``'s token history, up to its capacity."""
+        self.check_slot(slot)
+        if self._capacity[slot] == 0:
+            raise ValueError(f"slot {slot} is not active (admit it first)")
+        ids = prefix.token_ids(ids)
+        if self.history.count(slot) + len(ids) > self._capacity[slot]:
+            raise ValueError(
+                f"slot {slot} would record {self.history.count(slot) + len(ids)} token ids, "
+                f"more than its capacity of {int(self._capacity[slot])} tokens"
+            )
+        self.history.extend(slot, ids)
 
     def restore(
         self,
@@ -428,8 +459,11 @@ class SlotTable:
                     level.publish(keys[i], parent, ids[i * t : (i + 1) * t], payloads[j])
             except Exception as e:  # noqa: BLE001 - publishing is a courtesy to others.
                 self.publish_failures += 1
-                logger.warning("publishing prefix blocks to %s failed (the slot is released): %s",
-                               level.describe(), e)
+                logger.warning(
+                    "publishing prefix blocks to %s failed (the slot is released): %s",
+                    level.describe(),
+                    e,
+                )
 
 
 def _is_int(value: Any) -> bool:

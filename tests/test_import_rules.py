@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "spill": 2,
     "shared_blocks": 2,
     "manifest": 2,
+    "history": 2,
     "mesh_layout": 2,
     "config": 3,
     "layout": 3,

@@ -195,13 +195,16 @@ def test_restored_shared_blocks_stay_pinned(where):
         with pytest.raises(ValueError, match="needs 1 KV blocks but only 0 of 10 are free and no"):
             cache.admit(state, 2, max_tokens=4)
         assert_kv(cache, state, 1, B)
-        # Released, slot 1's shared blocks become cached again (and evictable).
+        # Released, slot 1's shared blocks become cached again (and evictable), and its own
+        # full block is published under the ids the commit restored (its token history).
+        np.testing.assert_array_equal(cache.tokens(1), B)
         state = cache.release(state, 1)
-        assert cache.prefix_stats["cached_blocks"] == 2
-        state, cached = cache.admit(state, 1, tokens=B, max_tokens=16)
-        assert cached == 8
+        assert cache.prefix_stats["cached_blocks"] == 3
+        state, cached = cache.admit(state, 1, tokens=B + [1], max_tokens=16)
+        assert cached == 12
         np.testing.assert_array_equal(cache.block_tables[1, :2], a_blocks[:2])
-        assert_kv(cache, state, 1, B[:8])
+        np.testing.assert_array_equal(cache.block_tables[1, 2], b_blocks[2])
+        assert_kv(cache, state, 1, B[:12])
         cache.close(state)
 
 
