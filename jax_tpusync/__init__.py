@@ -29,6 +29,7 @@ from jax_tpusync.engine import (
 from jax_tpusync.mesh import ShardedKVCache, kv_cache
 from jax_tpusync.quantize import QuantizedRows
 from jax_tpusync.state import KVState
+from jax_tpusync.xla_cpu import setup as setup_cpu
 
 __all__ = [
     "Engine",
@@ -42,6 +43,7 @@ __all__ = [
     "TpusyncError",
     "prefetching_attention",
     "resident_attention",
+    "setup_cpu",
     "split_cpus",
     "kv_cache",
 ]

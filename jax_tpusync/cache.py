@@ -35,7 +35,7 @@ import numpy as np
 from jax_tpusync import blocks, effects, layout, ops, persistence
 from jax_tpusync.config import CacheConfig, is_int
 from jax_tpusync.engine import Engine, EngineConfig
-from jax_tpusync.host_io import HostRows, per_sequence
+from jax_tpusync.host_io import HostRows, one_slot_load, per_sequence
 from jax_tpusync.levels import SharedDirectoryLevel, TierBlocks
 from jax_tpusync.slots import Admission, SlotTable
 from jax_tpusync.spill import SpillTier
@@ -527,6 +527,7 @@ class OffloadedKVCache:
         *,
         start: int | Sequence[int] = 0,
         lengths: Sequence[int] | None = None,
+        slot: int | None = None,
     ) -> KVState:
         """Bulk-writes existing KV of one layer to the tier, host-side.
 
@@ -544,6 +545,8 @@ class OffloadedKVCache:
           lengths: per-slot count of rows of ``k``/``v`` to write (ragged), in
             ``[0, n]``; default n. ``start + lengths`` must not exceed the slot's capacity
             (a slot with rows to write must be active).
+          slot: one slot's rows only: ``k``/``v`` are then [n, num_kv_heads, head_dim],
+            written from position ``start`` (an int) of that slot; no other slot changes.
 
         Returns:
           The state, whose lengths never shrink: sequence ``b``'s length becomes the
@@ -559,6 +562,8 @@ class OffloadedKVCache:
         spec = self.spec
         self._check_state(state)
         self._check_layer(layer)
+        if slot is not None:
+            k, v, start, lengths = one_slot_load(self.spec.batch, slot, k, v, start, lengths)
         k, v, starts, counts = self.rows.check_load(k, v, start, lengths)  # Refused: no change.
         if self.persistence is not None:  # Committed rows may change: commit them gone.
             jax.block_until_ready(state)  # The step that made it has finished writing.

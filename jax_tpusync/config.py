@@ -192,7 +192,7 @@ class StagingConfig:
     staging_bytes: int = 256 << 20
     resident: bool | str = False
     read_in_place: bool | str = "auto"
-    prefetch_depth: int | str = 1
+    prefetch_depth: int | str = "auto"
     prefetch_across_steps: bool = True
     debug_poison: bool = False
 
@@ -318,7 +318,7 @@ class CacheConfig:
         staging_bytes: int = 256 << 20,
         resident: bool | str = False,
         read_in_place: bool | str = "auto",
-        prefetch_depth: int | str = 1,
+        prefetch_depth: int | str = "auto",
         sliding_window: int | Sequence[int | None] | None = None,
         prefetch_across_steps: bool = True,
         debug_poison: bool = False,
@@ -387,8 +387,8 @@ class CacheConfig:
             where it cannot apply is refused, naming why; ``False`` copies every unit into
             staging first, as on an accelerator (and serves ``implementation="pallas"``).
           prefetch_depth: units fetched ahead (1: layer L+1 while layer L computes), an int
-            in ``[1, MAX_PREFETCH_DEPTH]`` (64), or ``"auto"``: 1 on a host tier, 3 on a file
-            tier or a two-level cache (:func:`auto_prefetch_depth`). When every layer's KV
+            in ``[1, MAX_PREFETCH_DEPTH]`` (64), or ``"auto"`` (the default): 1 on a host
+            tier, 3 on a file tier or a two-level cache (:func:`auto_prefetch_depth`). When every layer's KV
             fits one staging unit the cache uses at most ``num_layers``
             (``spec.prefetch_depth``): further ahead lies the step after next, which no
             prefetch can serve.

@@ -228,3 +228,32 @@ def per_sequence(name: str, value: Any, batch: int) -> np.ndarray:
     ):
         raise ValueError(f"{name} must hold ints; got {value!r}")
     return np.broadcast_to(array.astype(np.int64), (batch,))
+
+
+def one_slot_load(batch: int, slot: Any, k: Any, v: Any, start: Any, lengths: Any):
+    """``load(..., slot=)``'s arguments as a whole-batch load that writes ``slot`` only:
+    ``k``/``v`` [n, H, D] seen as [batch, n, H, D] (no copy), counts n for ``slot`` and 0
+    for every other slot."""
+    if not (isinstance(slot, (int, np.integer)) and not isinstance(slot, bool)) or not (
+        0 <= slot < batch
+    ):
+        raise ValueError(f"slot={slot!r} must be an int in [0, batch={batch})")
+    if lengths is not None:
+        raise ValueError("lengths= is per slot of a whole-batch load; with slot= pass k[:n]")
+    if not (isinstance(start, (int, np.integer)) and not isinstance(start, bool)):
+        raise ValueError(f"with slot=, start={start!r} must be an int (that slot's position)")
+    k, v = np.asarray(k), np.asarray(v)
+    for name, x in (("k", k), ("v", v)):
+        if x.ndim != 3:
+            raise ValueError(
+                f"with slot=, {name} must be [n, num_kv_heads, head_dim]; got {x.shape}"
+            )
+    n = k.shape[0]
+    counts = [n if b == slot else 0 for b in range(batch)]
+    starts = [int(start) if b == slot else 0 for b in range(batch)]
+    return (
+        np.broadcast_to(k[None], (batch, *k.shape)),
+        np.broadcast_to(v[None], (batch, *v.shape)),
+        starts,
+        counts,
+    )

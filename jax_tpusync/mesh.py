@@ -34,8 +34,8 @@ another shard's.
 from __future__ import annotations
 
 import contextlib
-import logging
 import dataclasses
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -47,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jax_tpusync.cache import OffloadedKVCache
 from jax_tpusync.engine import Engine, EngineConfig
+from jax_tpusync.host_io import one_slot_load
 from jax_tpusync.mesh_layout import MeshLayout
 from jax_tpusync.state import CacheSpec, KVState
 
@@ -488,9 +489,13 @@ class ShardedKVCache:
         *,
         start: int | Sequence[int] = 0,
         lengths: Sequence[int] | None = None,
+        slot: int | None = None,
     ) -> KVState:
         """Bulk-writes one layer's global KV, ``k``/``v`` [batch, n, num_kv_heads,
-        head_dim], each shard its share (see :meth:`OffloadedKVCache.load`)."""
+        head_dim] (with ``slot``: that global slot's [n, num_kv_heads, head_dim]), each
+        shard its share (see :meth:`OffloadedKVCache.load`)."""
+        if slot is not None:
+            k, v, start, lengths = one_slot_load(self.batch, slot, k, v, start, lengths)
         k, v = np.asarray(k), np.asarray(v)
         for name, x in (("k", k), ("v", v)):
             if x.ndim != 4 or x.shape[0] != self.batch or x.shape[2] != self.num_kv_heads:

@@ -328,8 +328,9 @@ class Persistence:
         if manifest["session"] == "open":
             logger.warning(
                 "%s: the previous session ended without a final commit (a crash, a failed "
-                "write-back, or close() without a state); restored commit %d. Rows from "
-                "these lengths on were not committed and are dropped: %s",
+                "write-back, or close() without a state); restored commit %d, which ends "
+                "at %s. Rows written past those since, if any, were not committed and are "
+                "not used (none are lost if the session stopped right after that commit)",
                 self.data_path,
                 self._commit,
                 ", ".join(f"sequence {b} from row {n}" for b, n in enumerate(self._lengths)),

@@ -23,6 +23,9 @@ from __future__ import annotations
 import mmap
 import os
 import pathlib
+from typing import Any
+
+from jax_tpusync.engine import EngineConfig, split_cpus
 
 SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
 
@@ -74,3 +77,25 @@ def use_memory_scheduler() -> str:
         return "unknown"
     os.environ["XLA_FLAGS"] = f"{flags} {SCHEDULER_FLAG}=false".strip()
     return "set"
+
+
+def setup(engine_cpus: int = 1, **engine_options: Any) -> EngineConfig:
+    """The one setup call for JAX's CPU backend, first thing in a script (before JAX
+    computes anything): asks for the memory-minimizing schedule
+    (:func:`use_memory_scheduler`), keeps ``engine_cpus`` CPUs for the engine's workers
+    (:func:`jax_tpusync.split_cpus`, where the process has more CPUs than that), and
+    returns the :class:`~jax_tpusync.EngineConfig` to give the caches
+    (``engine=...``), with ``engine_options`` (its other fields).
+
+    Raises:
+      RuntimeError: JAX's backends already started (naming what to do instead).
+    """
+    if _backends_started():
+        raise RuntimeError(
+            "tpusync: setup_cpu() must run before JAX starts its backends (before the first "
+            "computation or jax.devices()): XLA reads its flags and sizes its thread pools "
+            "once, at that moment"
+        )
+    use_memory_scheduler()
+    workers = split_cpus(engine_cpus)
+    return EngineConfig(worker_cpus=tuple(workers), **engine_options)

@@ -162,3 +162,21 @@ def test_a_manifest_with_malformed_token_ids_is_refused_by_name(tmp_path):
         path.write_text(json.dumps(manifest))
         with pytest.raises(persistence.MissingManifestError, match=message):
             make(tier="file", path=str(tmp_path), file_name="kv")
+
+
+def test_load_of_one_slot_writes_that_slot_only():
+    with make() as cache:
+        state = cache.init()
+        rows = np.arange(3 * HEADS * DIM, dtype=np.float32).reshape(3, HEADS, DIM)
+        for layer in range(LAYERS):
+            state = cache.load(state, layer, rows, -rows, slot=1, start=0)
+        assert np.asarray(state.lengths).tolist() == [0, 3]
+        k, v = cache.read(state, 0, 1)
+        np.testing.assert_array_equal(k, rows)
+        np.testing.assert_array_equal(v, -rows)
+        with pytest.raises(
+            ValueError, match=r"with slot=, k must be \[n, num_kv_heads, head_dim\]"
+        ):
+            cache.load(state, 0, rows[None], rows[None], slot=1)
+        with pytest.raises(ValueError, match=r"slot=2 must be an int in \[0, batch=2\)"):
+            cache.load(state, 0, rows, rows, slot=2)

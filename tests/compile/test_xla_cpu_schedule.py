@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import jax
 import pytest
@@ -85,3 +86,31 @@ def test_a_jaxlib_without_the_flag_is_left_alone(monkeypatch):
     monkeypatch.setattr(xla_cpu, "_jaxlib_knows", lambda flag: False)
     assert xla_cpu.use_memory_scheduler() == "unknown"
     assert os.environ["XLA_FLAGS"] == ""
+
+
+def test_setup_cpu_sets_the_schedule_and_keeps_a_cpu_for_the_engine():
+    """The one setup call: the schedule flag set and an EngineConfig with the engine's CPUs
+    (none kept where the process has a single CPU); refused once JAX runs."""
+    script = textwrap.dedent(
+        """
+        import os
+        import jax_tpusync as tps
+        config = tps.setup_cpu()
+        assert "--xla_cpu_enable_concurrency_optimized_scheduler=false" in os.environ["XLA_FLAGS"]
+        allowed = len(os.sched_getaffinity(0)) + len(config.worker_cpus)
+        assert len(config.worker_cpus) == (1 if allowed > 1 else 0), config
+        import jax
+        jax.devices()
+        try:
+            tps.setup_cpu()
+        except RuntimeError as e:
+            print(e)
+        """
+    )
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "setup_cpu() must run before JAX starts its backends" in proc.stdout

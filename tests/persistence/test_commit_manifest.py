@@ -391,7 +391,7 @@ def test_restart_after_sigkill_restores_the_commit(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="jax_tpusync.persistence"):
         cache = make(where)
     with cache:
-        assert "not committed and are dropped" in caplog.text
+        assert "were not committed and are not used" in caplog.text
         state = cache.init()
         np.testing.assert_array_equal(np.asarray(state.lengths), lengths)
         for layer in range(LAYERS):
