@@ -381,8 +381,8 @@ class CacheConfig:
           read_in_place: ``"auto"`` (default), ``True`` or ``False``. On the CPU backend a
             host tier's pool is the step's own memory: with ``True`` (what ``"auto"`` picks
             wherever it applies) each unit is attended to where the pool holds it, with no copy
-            into staging (see :mod:`jax_tpusync.step.in_place`: a host tier of bfloat16 or float32
-            rows, not quantized, not two-level, not resident). Such a state allocates no staging
+            into staging (see :mod:`jax_tpusync.step.in_place`: a host tier of a bfloat16 or
+            float32 cache, its rows plain or quantized, not two-level, not resident). Such a state allocates no staging
             (``spec.device_bytes`` is 0), so it takes the ``"xla"`` attention only. ``True``
             where it cannot apply is refused, naming why; ``False`` copies every unit into
             staging first, as on an accelerator (and serves ``implementation="pallas"``).
