@@ -19,6 +19,9 @@ physical blocks, consecutive where it can. Device side: the state carries
 ``prefetch_depth + 1`` staging slots of one *unit* each (``chunk_len`` tokens of one layer,
 K and V, all sequences), bounded by ``staging_bytes`` whatever the context length; or the
 whole cache (resident mode); or nothing (read in place, CPU).
+
+(Length: about 750 lines, a third of them the docstrings that are the cache's API reference;
+what is left is wiring, each decision living in the modules above.)
 """
 
 from __future__ import annotations

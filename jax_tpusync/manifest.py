@@ -18,11 +18,16 @@ for where, and for the commit protocol that writes it)::
     prefix          (version 2) the prefix index: {"root", "foreign_roots", "checksum",
                     "shared": int[batch], "entries": [{"key", "parent", "tokens", "block",
                     "checksums": [layer][K|V] digests}, ...]}
+    tokens          (optional) per sequence, base64 of its committed token ids (int64,
+                    little-endian; at most its length of them; see jax_tpusync.history)
 
 :func:`read_manifest` loads one and checks its envelope, :func:`checked_commit` checks the
 commit it describes against its geometry; both raise :class:`MissingManifestError` naming
 the file and what is wrong, whatever the JSON holds. Errors are :class:`PersistenceError`,
 a subclass of :class:`jax_tpusync.TpusyncError`.
+
+(Length: about 800 lines, because every field of the schema has its own checks and its own
+error message naming the file and the field; splitting them would scatter one schema.)
 """
 
 from __future__ import annotations
