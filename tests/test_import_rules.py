@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
     "step": 6,
     "attention": 7,
     "bench": 8,
+    "serving": 8,
     "__init__": 9,
 }
 
