@@ -66,6 +66,7 @@ _TARGETS = {
     "write_back": "tpusync_write_back",
     "mark": "tpusync_mark",
     "attend": "tpusync_attend",
+    "attend_landed": "tpusync_attend_landed",
 }
 
 # kv_dtype codes of :func:`attend_in_place` (engine/pool_attention.h).
@@ -319,6 +320,41 @@ def write_back(
     )
 
 
+def _attend_attrs(q, positions, unit_len, kv_dtype, num_kv_heads, scale, soft_cap, window,
+                  tier_dtype) -> dict:
+    """The checked attributes of :func:`attend_in_place` and :func:`attend_landed`."""
+    kv_dtype = np.dtype(kv_dtype)
+    if kv_dtype not in IN_PLACE_KV_DTYPES:
+        raise ValueError(f"kv_dtype={kv_dtype} must be float32 or bfloat16 to be read in place")
+    try:
+        tier_code = IN_PLACE_TIER_DTYPES.get(None if tier_dtype is None else np.dtype(tier_dtype))
+    except TypeError:
+        tier_code = None
+    if tier_code is None:
+        raise ValueError(
+            f"tier_dtype={tier_dtype!r} must be None, int8 or float8_e4m3fn to be read in place"
+        )
+    if q.dtype != jnp.float32 or q.ndim != 4:
+        got = f"{q.dtype}{list(q.shape)}"
+        raise ValueError(f"q must be f32[batch, q_len, heads, head_dim]; got {got}")
+    if positions.shape != (3, q.shape[0]) or positions.dtype != jnp.int32:
+        got = f"{positions.dtype}{list(positions.shape)}"
+        raise ValueError(f"positions must be int32[3, batch={q.shape[0]}]; got {got}")
+    if not isinstance(unit_len, (int, np.integer)) or unit_len < 1:
+        raise ValueError(f"unit_len={unit_len!r} must be an int >= 1")
+    if q.shape[2] % num_kv_heads:
+        raise ValueError(f"{q.shape[2]} query heads are not a multiple of {num_kv_heads} kv heads")
+    return dict(
+        unit_len=np.int64(unit_len),
+        kv_dtype=np.int32(IN_PLACE_KV_DTYPES[kv_dtype]),
+        tier_dtype=np.int32(tier_code),
+        num_kv_heads=np.int32(num_kv_heads),
+        scale=np.float32(scale),
+        soft_cap=np.float32(0.0 if soft_cap is None else soft_cap),
+        window=np.int32(0 if window is None else window),
+    )
+
+
 def attend_in_place(
     engine_id: int,
     tier: int,
@@ -358,27 +394,9 @@ def attend_in_place(
     """
     _check_segments(segments)
     tag = _check_tag(tag)
-    kv_dtype = np.dtype(kv_dtype)
-    if kv_dtype not in IN_PLACE_KV_DTYPES:
-        raise ValueError(f"kv_dtype={kv_dtype} must be float32 or bfloat16 to be read in place")
-    try:
-        tier_code = IN_PLACE_TIER_DTYPES.get(None if tier_dtype is None else np.dtype(tier_dtype))
-    except TypeError:
-        tier_code = None
-    if tier_code is None:
-        raise ValueError(
-            f"tier_dtype={tier_dtype!r} must be None, int8 or float8_e4m3fn to be read in place"
-        )
-    if q.dtype != jnp.float32 or q.ndim != 4:
-        got = f"{q.dtype}{list(q.shape)}"
-        raise ValueError(f"q must be f32[batch, q_len, heads, head_dim]; got {got}")
-    if positions.shape != (3, q.shape[0]) or positions.dtype != jnp.int32:
-        got = f"{positions.dtype}{list(positions.shape)}"
-        raise ValueError(f"positions must be int32[3, batch={q.shape[0]}]; got {got}")
-    if not isinstance(unit_len, (int, np.integer)) or unit_len < 1:
-        raise ValueError(f"unit_len={unit_len!r} must be an int >= 1")
-    if q.shape[2] % num_kv_heads:
-        raise ValueError(f"{q.shape[2]} query heads are not a multiple of {num_kv_heads} kv heads")
+    attrs = _attend_attrs(
+        q, positions, unit_len, kv_dtype, num_kv_heads, scale, soft_cap, window, tier_dtype
+    )
     call = _ffi_call(
         _TARGETS["attend"],
         (_sds(q), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)),
@@ -393,13 +411,67 @@ def attend_in_place(
         target(engine_id, tier, first_block),
         *deps,
         **_attrs(regions),
-        unit_len=np.int64(unit_len),
-        kv_dtype=np.int32(IN_PLACE_KV_DTYPES[kv_dtype]),
-        tier_dtype=np.int32(tier_code),
-        num_kv_heads=np.int32(num_kv_heads),
-        scale=np.float32(scale),
-        soft_cap=np.float32(0.0 if soft_cap is None else soft_cap),
-        window=np.int32(0 if window is None else window),
+        **attrs,
+    )
+
+
+def attend_landed(
+    engine_id: int,
+    tier: int,
+    q: jax.Array,  # f32[batch, q_len, num_q_heads, head_dim]
+    ticket: jax.Array,  # int32[]: the fetch started for this unit (NO_TICKET: none)
+    segments: jax.Array,  # int32[n, 4]: the unit's fetch segments into [2, batch, unit_len] rows
+    positions: jax.Array,  # int32[3, batch]: first key position, valid keys, first query position
+    tag: jax.Array,
+    *,
+    unit_len: int,
+    kv_dtype,
+    num_kv_heads: int,
+    scale: float,
+    soft_cap: float | None = None,
+    window: int | None = None,
+    tier_dtype=None,
+    deps: Sequence[jax.Array] = (),
+    regions: Regions | None = None,
+    owner: jax.Array | Sequence[int] | None = None,
+    first_block: jax.Array | int = 0,
+) -> tuple[jax.Array, jax.Array]:  # out f32 like q, lse f32[batch, q_len, num_q_heads]
+    """:func:`attend_in_place`'s attention over a unit that :func:`start_fetch` fetched
+    ahead (``ticket``) into the engine's landing memory, read where it landed: nothing is
+    copied into an XLA buffer (CPU backend, a file tier).
+
+    Wait and attention in one op: it waits for the fetch to end, compares it with
+    ``segments`` as :func:`wait_fetch` does (tier bytes and offsets; ``start_fetch`` must
+    have been given these segments and ``dst_bytes=2 * batch * unit_len * row_bytes``), and
+    reads the unit again itself if it differs, failed or is :data:`NO_TICKET`; the landing
+    buffer is held until the attention ends. Consumes the ticket. On a memory tier it
+    reads in place as :func:`attend_in_place` does. Segments, positions and rows are
+    :func:`attend_in_place`'s, with the same checks.
+    """
+    _check_segments(segments)
+    tag = _check_tag(tag)
+    attrs = _attend_attrs(
+        q, positions, unit_len, kv_dtype, num_kv_heads, scale, soft_cap, window, tier_dtype
+    )
+    ticket = jnp.asarray(ticket, dtype=jnp.int32)
+    if ticket.shape != ():
+        raise ValueError(f"ticket must be an int32 scalar; got shape {ticket.shape}")
+    call = _ffi_call(
+        _TARGETS["attend_landed"],
+        (_sds(q), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)),
+        has_side_effect=True,
+    )
+    return call(
+        q,
+        ticket,
+        segments,
+        positions,
+        tag,
+        _check_owner(owner),
+        target(engine_id, tier, first_block),
+        *deps,
+        **_attrs(regions),
+        **attrs,
     )
 
 

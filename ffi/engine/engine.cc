@@ -743,6 +743,123 @@ Status Engine::ReadInPlace(const FetchRequest& want, const InPlaceVisitor& visit
   return job->status;
 }
 
+Status Engine::VisitLanded(Ticket ticket, const FetchRequest& want,
+                           const InPlaceVisitor& visit, bool* hit) {
+  *hit = false;
+  std::vector<FetchSegment> wanted;
+  for (const FetchSegment& s : want.segments) {
+    if (s.bytes > 0) wanted.push_back(s);
+  }
+  bool defers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TransferRequest probe;
+    probe.tier = want.tier;
+    TPUSYNC_RETURN_IF_ERROR(ValidateLocked(probe));
+    defers = tiers_[want.tier]->DefersFetches();
+  }
+  // The job whose landing buffer is visited. Held by this call alone: its ticket is
+  // consumed before anything is read, so neither Discard nor a new epoch can recycle it.
+  std::shared_ptr<Job> landed;
+  if (ticket != kNoTicket) {
+    std::shared_ptr<Job> job;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = tickets_.find(ticket);
+      if (it == tickets_.end()) {
+        return NotFound("unknown ticket " + std::to_string(ticket) +
+                        " (never issued by this engine, or already waited)");
+      }
+      job = it->second;
+    }
+    Status st = Wait(ticket);  // Consumes the ticket; returns once the fetch has ended.
+    const TransferRequest& have = job->request;
+    const bool matches = st.ok() && have.tier == want.tier && have.fetch == wanted &&
+                         (have.landing != nullptr || have.deferred || wanted.empty());
+    if (matches && (have.deferred || wanted.empty())) {
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.prefetch_hits += 1;
+      *hit = true;
+    } else if (matches) {
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.prefetch_hits += 1;
+      *hit = true;
+      landed = std::move(job);
+    } else {
+      // A stale, mismatched or failed prefetch: never trusted; its buffer goes back unread.
+      std::lock_guard<std::mutex> lock(mu_);
+      ReleaseLandingLocked(*job);
+    }
+  }
+  if (defers) {  // A memory tier: its bytes are read where they lie (ordered as a fetch).
+    if (!*hit) {
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.prefetch_misses += 1;
+    }
+    return ReadInPlace(want, visit);
+  }
+  if (!landed && !*hit) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.prefetch_misses += 1;
+    }
+    if (!wanted.empty()) {
+      // Fetched now, into a fresh landing buffer, through the queue (so ordered after
+      // every earlier write-back of the same bytes). Of no stream: a new epoch must not
+      // discard a fetch that this call is about to read.
+      FetchRequest now = want;
+      now.segments = wanted;
+      now.stream = 0;
+      StatusOr<Ticket> t = SubmitFetch(std::move(now));
+      if (!t.ok()) return t.status();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = tickets_.find(*t);
+        if (it == tickets_.end()) {
+          return Cancelled("the fetch of ticket " + std::to_string(*t) +
+                           " was dropped before it was read (the engine closed?)");
+        }
+        landed = it->second;
+      }
+      Status st = Wait(*t);
+      if (!st.ok() || !landed->request.landing) {
+        std::lock_guard<std::mutex> lock(mu_);
+        ReleaseLandingLocked(*landed);
+        return st.ok() ? Internal("a fetch of file bytes landed nowhere") : st;
+      }
+    }
+  }
+  std::vector<const uint8_t*> src;
+  if (landed) {
+    for (const Segment& s : landed->request.segments) src.push_back(s.memory);
+  }
+  if (src.size() != wanted.size()) {
+    if (landed) {
+      std::lock_guard<std::mutex> lock(mu_);
+      ReleaseLandingLocked(*landed);
+    }
+    return Internal("a landed fetch has " + std::to_string(src.size()) + " segments, " +
+                    std::to_string(wanted.size()) + " were asked for");
+  }
+  {
+    // Counted as running, so that Shutdown keeps the copy helper until the visit ends.
+    std::lock_guard<std::mutex> lock(mu_);
+    Status open = stopping_ ? FailedPrecondition("engine is closed") : Status::Ok();
+    if (!open.ok()) {
+      if (landed) ReleaseLandingLocked(*landed);
+      return open;
+    }
+    visits_ += 1;
+  }
+  Status status = visit(src, copy_helper_.get());
+  std::lock_guard<std::mutex> lock(mu_);
+  if (landed) ReleaseLandingLocked(*landed);  // Only now may another fetch land in it.
+  stats_.landed_reads += 1;
+  visits_ -= 1;
+  done_cv_.notify_all();
+  return status;
+}
+
 StatusOr<Ticket> Engine::RecordDeferred(TransferRequest request) {
   auto job = std::make_shared<Job>();
   job->request = std::move(request);
@@ -913,10 +1030,12 @@ void Engine::Shutdown() {
   work_cv_.notify_all();
   done_cv_.notify_all();
   for (std::thread& w : workers) w.join();
-  // Reads running on their callers' threads (ReadHere) end before the engine is closed.
+  // Reads running on their callers' threads (ReadHere, ReadInPlace) and visits of landed
+  // fetches (VisitLanded) end before the engine is closed.
   std::unique_lock<std::mutex> lock(mu_);
   done_cv_.wait(lock, [&] {
-    return std::none_of(active_.begin(), active_.end(),
+    return visits_ == 0 &&
+           std::none_of(active_.begin(), active_.end(),
                         [](const auto& job) { return job->state == Job::State::kRunning; });
   });
   lock.unlock();

@@ -136,6 +136,7 @@ struct EngineStats {
   int64_t wait_ns = 0;           // Time callers spent blocked in waits.
   uint64_t split_reads = 0;      // Memory-tier reads copied half by the copy helper.
   uint64_t in_place_reads = 0;   // Memory-tier reads consumed where they lie (ReadInPlace).
+  uint64_t landed_reads = 0;     // Fetches consumed where they landed (VisitLanded).
   uint64_t inflight_bytes_peak = 0;
   uint64_t landing_bytes = 0;  // Engine-owned landing memory, in use or pooled.
 };
@@ -231,6 +232,18 @@ class Engine {
   using InPlaceVisitor =
       std::function<Status(const std::vector<const uint8_t*>& src, CopyHelper* helper)>;
   Status ReadInPlace(const FetchRequest& want, const InPlaceVisitor& visit);
+  // The consumer side of a prefetch that is read where it landed, with no copy into an
+  // operand: waits for `ticket`'s fetch and, if it fetched exactly `want` (tier bytes and
+  // offsets, as CompleteFetch compares them), hands `visit` its landing memory (src[i] for
+  // want's segment i, zero-byte segments dropped) and holds that buffer until `visit`
+  // returns: it is not pooled, freed or handed to another fetch meanwhile (the ticket is
+  // consumed first, so no Discard or new epoch can reach it). Otherwise (no ticket, a
+  // different fetch, a failed one) the prefetch's buffer is recycled unread and `want` is
+  // fetched now into a fresh landing buffer, waited for and visited (a miss). Nothing is
+  // visited before its fetch has ended. On a tier that DefersFetches() (memory) the bytes
+  // are visited where the tier holds them (ReadInPlace). Consumes the ticket either way.
+  Status VisitLanded(Ticket ticket, const FetchRequest& want, const InPlaceVisitor& visit,
+                     bool* hit);
 
   // Streams: one per cache, so that only the newest state of a cache may drive it. Ops
   // carry (stream, epoch, generation): the epoch changes when the host starts the cache
@@ -332,6 +345,7 @@ class Engine {
   std::vector<std::shared_ptr<HugePageBuffer>> free_landing_;  // Pooled, smallest first.
   uint64_t free_landing_bytes_ = 0;
   uint64_t landing_bytes_ = 0;
+  int visits_ = 0;  // VisitLanded calls visiting landing memory now.
   std::mutex pace_mu_;
   int64_t pace_next_ns_ = 0;
   std::vector<std::thread> workers_;

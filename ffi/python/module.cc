@@ -246,6 +246,7 @@ class PyEngine {
     d["prefetch_misses"] = s.prefetch_misses;
     d["split_reads"] = s.split_reads;
     d["in_place_reads"] = s.in_place_reads;
+    d["landed_reads"] = s.landed_reads;
     d["wait_s"] = s.wait_ns * 1e-9;
     d["inflight_bytes_peak"] = s.inflight_bytes_peak;
     d["landing_bytes"] = s.landing_bytes;
@@ -298,6 +299,8 @@ NB_MODULE(_tpusync, m) {
     d["tpusync_write_back"] = HandlerCapsule(reinterpret_cast<void*>(TpusyncWriteBackCpu));
     d["tpusync_mark"] = HandlerCapsule(reinterpret_cast<void*>(TpusyncMarkCpu));
     d["tpusync_attend"] = HandlerCapsule(reinterpret_cast<void*>(TpusyncAttendCpu));
+    d["tpusync_attend_landed"] =
+        HandlerCapsule(reinterpret_cast<void*>(TpusyncAttendLandedCpu));
     return d;
   });
   // The process-wide engine registry, for the optional CUDA module (`_tpusync_cuda`),

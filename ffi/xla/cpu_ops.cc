@@ -29,6 +29,13 @@
 //   q_len, q_heads]: the unit's normalized partial and its log-sum-exp. Rows are kv_dtype
 //   values, or (tier_dtype != 0) a quantized tier's codes and per-head scales, which the
 //   attention applies (no row is dequantized).
+// attend_landed(q, ticket, segments, positions, tag, owner, target, *deps) -> (out, lse)
+//   attend's attention over a unit that `ticket` fetched ahead into the engine's landing
+//   memory (a file tier), read where it landed: the op waits for the fetch, compares it
+//   with `segments` as wait does (a different, failed or missing fetch is read again now,
+//   never trusted), and attends over the landing buffer, which the engine holds (not
+//   pooled, freed or handed to another fetch) until the attention ends. No XLA buffer but
+//   this op's out and lse is written. On a memory tier it reads in place as attend does.
 //
 // Segments are int32[n, 4] rows (block, offset_in_block, memory_offset, bytes): two int32
 // fields address a 64-bit tier offset without requiring jax_enable_x64. `memory_offset` is
@@ -334,6 +341,83 @@ StatusOr<std::vector<KeySpan>> PairRows(const std::vector<FetchSegment>& segment
   return spans;
 }
 
+// What an attend op reads: its shape, its unit's fetch and each sequence's positions.
+struct AttendPlan {
+  AttentionShape shape;
+  FetchRequest want;
+  int64_t unit_len = 0;
+  const int32_t* k_start = nullptr;  // [batch] first key position
+  const int32_t* valid = nullptr;    // [batch] valid keys
+  const int32_t* q_start = nullptr;  // [batch] first query position
+};
+
+StatusOr<AttendPlan> PlanAttend(const Bound& op, int64_t stream, const ffi::Buffer<ffi::F32>& q,
+                                const ffi::Buffer<ffi::S32>& segments,
+                                const ffi::Buffer<ffi::S32>& positions,
+                                const ffi::Buffer<ffi::S32>& tag, const Regions& regions,
+                                int64_t unit_len, int32_t kv_dtype, int32_t tier_dtype,
+                                int32_t num_kv_heads, float scale, float soft_cap,
+                                int32_t window) {
+  auto dims = q.dimensions();
+  if (dims.size() != 4) return InvalidArgument("q must be f32[batch, q_len, heads, dim]");
+  AttendPlan plan;
+  AttentionShape& shape = plan.shape;
+  shape.batch = static_cast<int32_t>(dims[0]);
+  shape.q_len = static_cast<int32_t>(dims[1]);
+  shape.num_q_heads = static_cast<int32_t>(dims[2]);
+  shape.head_dim = static_cast<int32_t>(dims[3]);
+  shape.num_kv_heads = num_kv_heads;
+  shape.kv_dtype = static_cast<KvDtype>(kv_dtype);
+  shape.tier_dtype = static_cast<TierDtype>(tier_dtype);
+  shape.scale = scale;
+  shape.soft_cap = soft_cap;
+  shape.window = window;
+  TPUSYNC_RETURN_IF_ERROR(shape.Check());
+  auto pdims = positions.dimensions();
+  if (pdims.size() != 2 || pdims[0] != 3 || pdims[1] != shape.batch) {
+    return InvalidArgument("positions must be int32[3, batch] (key start, valid keys, query "
+                           "start)");
+  }
+  if (unit_len < 1) return InvalidArgument("unit_len must be >= 1");
+  plan.unit_len = unit_len;
+  const uint64_t buffer = 2 * static_cast<uint64_t>(shape.batch) * unit_len * shape.row_bytes();
+  auto want = DecodeFetch(op, segments, buffer, tag, regions, stream);
+  if (!want.ok()) return want.status();
+  plan.want = std::move(*want);
+  plan.k_start = positions.typed_data();
+  plan.valid = plan.k_start + shape.batch;
+  plan.q_start = plan.valid + shape.batch;
+  return plan;
+}
+
+// The attention of `queries` over the unit's rows wherever they are (src[i]: segment i's
+// bytes), into out and lse. Every row is checked against the sequence it belongs to first.
+Status AttendRows(const AttendPlan& plan, const float* queries, uint64_t split_bytes,
+                  const std::vector<const uint8_t*>& src, CopyHelper* helper, float* out,
+                  float* lse) {
+  const AttentionShape& shape = plan.shape;
+  auto spans = PairRows(plan.want.segments, src, shape, plan.unit_len, plan.k_start, plan.valid);
+  if (!spans.ok()) return spans.status();
+  AttentionPartial here(shape), there(shape);
+  uint64_t rows = 0;
+  for (const KeySpan& s : *spans) rows += s.rows;
+  std::vector<KeySpan> mine, theirs;
+  // Two threads, as for a copy of the same bytes (split_read_bytes of K and V).
+  const bool split =
+      helper != nullptr && split_bytes > 0 && 2 * rows * shape.row_bytes() >= split_bytes;
+  if (split) SplitSpans(*spans, shape.row_bytes(), &mine, &theirs);
+  const bool helped = split && helper->TryStart([&] {
+    for (const KeySpan& s : theirs) there.Attend(queries, plan.q_start, s);
+  });
+  for (const KeySpan& s : helped ? mine : *spans) here.Attend(queries, plan.q_start, s);
+  if (helped) {
+    helper->Join();
+    here.MergeFrom(there);
+  }
+  here.Finish(out, lse);
+  return Status::Ok();
+}
+
 ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> segments,
                       ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> tag,
                       ffi::Buffer<ffi::S32> owner, ffi::Buffer<ffi::S32> target,
@@ -347,62 +431,51 @@ ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> segments,
   Engine& engine = *op->engine;
   StatusOr<int64_t> stream = CheckOwner(engine, owner);
   if (!stream.ok()) return ToFfiError(stream.status());
-  auto dims = q.dimensions();
-  if (dims.size() != 4) {
-    return ToFfiError(InvalidArgument("q must be f32[batch, q_len, heads, dim]"));
-  }
-  AttentionShape shape;
-  shape.batch = static_cast<int32_t>(dims[0]);
-  shape.q_len = static_cast<int32_t>(dims[1]);
-  shape.num_q_heads = static_cast<int32_t>(dims[2]);
-  shape.head_dim = static_cast<int32_t>(dims[3]);
-  shape.num_kv_heads = num_kv_heads;
-  shape.kv_dtype = static_cast<KvDtype>(kv_dtype);
-  shape.tier_dtype = static_cast<TierDtype>(tier_dtype);
-  shape.scale = scale;
-  shape.soft_cap = soft_cap;
-  shape.window = window;
-  if (Status st = shape.Check(); !st.ok()) return ToFfiError(st);
-  auto pdims = positions.dimensions();
-  if (pdims.size() != 2 || pdims[0] != 3 || pdims[1] != shape.batch) {
-    return ToFfiError(InvalidArgument("positions must be int32[3, batch] (key start, valid "
-                                      "keys, query start)"));
-  }
-  if (unit_len < 1) return ToFfiError(InvalidArgument("unit_len must be >= 1"));
-  const uint64_t buffer = 2 * static_cast<uint64_t>(shape.batch) * unit_len * shape.row_bytes();
-  auto want = DecodeFetch(*op, segments, buffer, tag,
-                          MakeRegions(region_base, region_bytes, region_count,
-                                      region_block_rows),
-                          *stream);
-  if (!want.ok()) return ToFfiError(want.status());
-  const int32_t* k_start = positions.typed_data();
-  const int32_t* valid = k_start + shape.batch;
-  const int32_t* q_start = valid + shape.batch;
-  const float* queries = q.typed_data();
+  auto plan = PlanAttend(*op, *stream, q, segments, positions, tag,
+                         MakeRegions(region_base, region_bytes, region_count, region_block_rows),
+                         unit_len, kv_dtype, tier_dtype, num_kv_heads, scale, soft_cap, window);
+  if (!plan.ok()) return ToFfiError(plan.status());
   const uint64_t split_bytes = engine.options().split_read_bytes;
   Status status = engine.ReadInPlace(
-      *want, [&](const std::vector<const uint8_t*>& src, CopyHelper* helper) -> Status {
-        auto spans = PairRows(want->segments, src, shape, unit_len, k_start, valid);
-        if (!spans.ok()) return spans.status();
-        AttentionPartial here(shape), there(shape);
-        uint64_t rows = 0;
-        for (const KeySpan& s : *spans) rows += s.rows;
-        std::vector<KeySpan> mine, theirs;
-        // Two threads, as for a copy of the same bytes (split_read_bytes of K and V).
-        const bool split = helper != nullptr && split_bytes > 0 &&
-                           2 * rows * shape.row_bytes() >= split_bytes;
-        if (split) SplitSpans(*spans, shape.row_bytes(), &mine, &theirs);
-        const bool helped = split && helper->TryStart([&] {
-          for (const KeySpan& s : theirs) there.Attend(queries, q_start, s);
-        });
-        for (const KeySpan& s : helped ? mine : *spans) here.Attend(queries, q_start, s);
-        if (helped) {
-          helper->Join();
-          here.MergeFrom(there);
-        }
-        here.Finish(out->typed_data(), lse->typed_data());
-        return Status::Ok();
+      plan->want, [&](const std::vector<const uint8_t*>& src, CopyHelper* helper) {
+        return AttendRows(*plan, q.typed_data(), split_bytes, src, helper, out->typed_data(),
+                          lse->typed_data());
       });
+  return ToFfiError(status);
+}
+
+ffi::Error AttendLandedImpl(ffi::Buffer<ffi::F32> q, ffi::BufferR0<ffi::S32> ticket,
+                            ffi::Buffer<ffi::S32> segments, ffi::Buffer<ffi::S32> positions,
+                            ffi::Buffer<ffi::S32> tag, ffi::Buffer<ffi::S32> owner,
+                            ffi::Buffer<ffi::S32> target, ffi::RemainingArgs /*deps*/,
+                            ffi::Result<ffi::Buffer<ffi::F32>> out,
+                            ffi::Result<ffi::Buffer<ffi::F32>> lse, int64_t region_base,
+                            int64_t region_bytes, int64_t region_count,
+                            int32_t region_block_rows, int64_t unit_len, int32_t kv_dtype,
+                            int32_t tier_dtype, int32_t num_kv_heads, float scale,
+                            float soft_cap, int32_t window) {
+  auto op = Bind(target);
+  if (!op.ok()) return ToFfiError(op.status());
+  Engine& engine = *op->engine;
+  StatusOr<int64_t> stream = CheckOwner(engine, owner);
+  if (!stream.ok()) return ToFfiError(stream.status());
+  auto plan = PlanAttend(*op, *stream, q, segments, positions, tag,
+                         MakeRegions(region_base, region_bytes, region_count, region_block_rows),
+                         unit_len, kv_dtype, tier_dtype, num_kv_heads, scale, soft_cap, window);
+  if (!plan.ok()) {
+    // The ticket is this op's to consume: a refused op leaves no fetch behind it.
+    if (ticket.typed_data()[0] != kNoTicket) engine.Discard(ticket.typed_data()[0]);
+    return ToFfiError(plan.status());
+  }
+  const uint64_t split_bytes = engine.options().split_read_bytes;
+  bool hit = false;
+  Status status = engine.VisitLanded(
+      ticket.typed_data()[0], plan->want,
+      [&](const std::vector<const uint8_t*>& src, CopyHelper* helper) {
+        return AttendRows(*plan, q.typed_data(), split_bytes, src, helper, out->typed_data(),
+                          lse->typed_data());
+      },
+      &hit);
   return ToFfiError(status);
 }
 
@@ -415,5 +488,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncWriteBackCpu, WriteBackImpl,
                               WriteBackSignature(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncMarkCpu, MarkImpl, MarkSignature(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncAttendCpu, AttendImpl, AttendSignature(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncAttendLandedCpu, AttendLandedImpl,
+                              AttendLandedSignature(ffi::Ffi::Bind()));
 
 }  // namespace tpusync

@@ -11,6 +11,7 @@ XLA_FFI_Error* TpusyncWaitCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* TpusyncWriteBackCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* TpusyncMarkCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* TpusyncAttendCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* TpusyncAttendLandedCpu(XLA_FFI_CallFrame* call_frame);
 }
 }  // namespace tpusync
 

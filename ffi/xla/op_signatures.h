@@ -129,6 +129,31 @@ auto AttendSignature(Binding&& binding) {
       .template Attr<int32_t>("window");       // Sliding window in keys; <= 0: none.
 }
 
+// tpusync_attend_landed(q, ticket, segments, positions, tag, owner, target, *deps)
+//   -> (out, lse); attributes: attend's. CPU only.
+template <typename Binding>
+auto AttendLandedSignature(Binding&& binding) {
+  namespace ffi = xla::ffi;
+  return WithTransferAttrs(std::forward<Binding>(binding)
+                               .template Arg<ffi::Buffer<ffi::F32>>()    // q
+                               .template Arg<ffi::BufferR0<ffi::S32>>()  // ticket (-1: none)
+                               .template Arg<ffi::Buffer<ffi::S32>>()    // segments
+                               .template Arg<ffi::Buffer<ffi::S32>>()    // positions [3, batch]
+                               .template Arg<ffi::Buffer<ffi::S32>>()    // tag
+                               .template Arg<ffi::Buffer<ffi::S32>>()    // owner
+                               .template Arg<ffi::Buffer<ffi::S32>>()    // target
+                               .RemainingArgs()                          // deps
+                               .template Ret<ffi::Buffer<ffi::F32>>()    // out, like q
+                               .template Ret<ffi::Buffer<ffi::F32>>())   // lse
+      .template Attr<int64_t>("unit_len")
+      .template Attr<int32_t>("kv_dtype")
+      .template Attr<int32_t>("tier_dtype")
+      .template Attr<int32_t>("num_kv_heads")
+      .template Attr<float>("scale")
+      .template Attr<float>("soft_cap")
+      .template Attr<int32_t>("window");
+}
+
 // tpusync_pointer_kind(x) -> kind: diagnostics, CUDA only (see cuda/cuda_ops.h).
 template <typename Binding>
 auto PointerKindSignature(Binding&& binding) {
