@@ -36,9 +36,10 @@ def in_place_blocker(
     *, tier: str, dtype, quantized: bool, two_level: bool, resident: bool
 ) -> str | None:
     """Why a cache of this configuration cannot attend to its tier in place (see
-    :mod:`jax_tpusync.step.in_place`), or None if it can."""
-    if tier != "host":
-        return f"tier={tier!r} is not in memory (only a host tier is)"
+    :mod:`jax_tpusync.step.in_place`), or None if it can: a host tier where its pool holds
+    the rows, a file tier where each unit's fetch landed in the engine's memory."""
+    if tier not in ("host", "file"):
+        return f"tier={tier!r} is neither in memory nor fetched into the engine's memory"
     if (blocker := backend.in_place_blocker()) is not None:
         return blocker
     if quantized and np.dtype(dtype) not in ops.IN_PLACE_KV_DTYPES:
@@ -145,6 +146,7 @@ def plan(config: CacheConfig) -> CacheSpec:
         resident=resident,
         spill_blocks=spill_blocks,
         reads_in_place=reads_in_place,
+        attends_landed=reads_in_place and config.tier.kind == "file",
     )
 
 

@@ -72,6 +72,9 @@ class CacheSpec:
     # A host tier's units are attended to where they lie in the pool, on the CPU backend
     # (see jax_tpusync.step.in_place); False: they are copied into staging first.
     reads_in_place: bool = False
+    # Of such a cache, a file tier's: each unit is still fetched ahead (prefetch_depth),
+    # into the engine's landing memory, and attended where it landed (ops.attend_landed).
+    attends_landed: bool = False
 
     @property
     def itemsize(self) -> int:

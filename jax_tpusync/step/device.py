@@ -57,7 +57,7 @@ def device_attention(
     if spec.reads_in_place and implementation != "xla":
         raise ValueError(
             f"implementation={implementation!r} attends over staging units, and this cache "
-            f"reads its host tier in place (read_in_place='auto' on the CPU backend), so its "
+            f"reads its tier in place (read_in_place='auto' on the CPU backend), so its "
             f"state has no staging: make it with read_in_place=False"
         )
     if isinstance(layer, np.integer):

@@ -65,6 +65,47 @@ def unit(
     )
 
 
+def landed_unit(
+    spec: CacheSpec,
+    state: KVState,
+    layer,
+    chunk,  # int or int32[]: the unit of the layer
+    q: jax.Array,  # [batch, q_len, num_q_heads, head_dim]
+    ticket: jax.Array,  # int32[]: the fetch started for this unit (NO_TICKET: none)
+    *,
+    deps,
+    owner: jax.Array,
+    scale: float,
+    soft_cap: float | None,
+) -> tuple[jax.Array, jax.Array]:  # out f32[batch, q_len, num_q_heads, head_dim], lse f32[...]
+    """``(out, lse)`` of ``q`` over unit ``(layer, chunk)`` of a file tier, attended where
+    ``ticket``'s fetch (started ahead with this unit's :func:`~jax_tpusync.step.plan.fetch_segments`
+    into slot 0 and :func:`landed_bytes`) landed in the engine's memory; a fetch that is
+    not this unit's is read again, never trusted."""
+    lo, count = plan.unit_range(spec, layer, chunk, state.lengths)
+    return attend_unit(
+        spec,
+        state,
+        layer,
+        q,
+        plan.fetch_segments(spec, state, layer, lo, count, 0),
+        lo,
+        count,
+        tag=plan.tag(layer, chunk),
+        deps=deps,
+        owner=owner,
+        scale=scale,
+        soft_cap=soft_cap,
+        ticket=ticket,
+    )
+
+
+def landed_bytes(spec: CacheSpec) -> int:
+    """Bytes of the one staging slot that a landed unit's segments address (never
+    allocated: the fetch lands in the engine's memory): ``start_fetch``'s ``dst_bytes``."""
+    return 2 * spec.batch * spec.chunk_len * spec.row_bytes
+
+
 def attend_unit(
     spec: CacheSpec,
     state: KVState,
@@ -79,17 +120,21 @@ def attend_unit(
     owner: jax.Array,
     scale: float,
     soft_cap: float | None,
+    ticket: jax.Array | None = None,  # int32[]: the unit's fetch ahead (a file tier's)
 ) -> tuple[jax.Array, jax.Array]:  # out f32[batch, q_len, num_q_heads, head_dim], lse f32[...]
-    """``(out, lse)`` of ``q`` over one unit's cached rows, read where the tier holds them:
+    """``(out, lse)`` of ``q`` over one unit's cached rows, read where the tier holds them
+    (or, with ``ticket``, where that fetch of ``segments`` landed in the engine's memory):
     what ``wait_fetch`` of ``segments`` and the attention over the staged unit compute."""
     # An inactive slot's segments move no bytes (see plan.segments): nor may it attend.
     valid = jnp.where(state.capacity > 0, count, 0).astype(jnp.int32)
     positions = jnp.stack([lo, valid, state.lengths]).astype(jnp.int32)
+    q = q.astype(jnp.float32)
+    if ticket is None:
+        op = functools.partial(ops.attend_in_place, state.target[0], state.target[1], q)
+    else:
+        op = functools.partial(ops.attend_landed, state.target[0], state.target[1], q, ticket)
     call = functools.partial(
-        ops.attend_in_place,
-        state.target[0],
-        state.target[1],
-        q.astype(jnp.float32),
+        op,
         segments,
         positions,
         tag,

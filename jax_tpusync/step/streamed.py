@@ -17,7 +17,10 @@ it itself otherwise, so a skipped layer or a changed state costs time, never cor
 
 A host tier read in place (``spec.reads_in_place``) replaces each unit's fetch, wait and
 attention by one call that attends to the unit's rows where the pool holds them
-(:mod:`jax_tpusync.step.in_place`); nothing is prefetched then.
+(:mod:`jax_tpusync.step.in_place`); nothing is prefetched then. A file tier read in place
+(``spec.attends_landed``) still starts each fetch ``prefetch_depth`` units ahead, into the
+engine's landing memory, and replaces the wait and the attention by one call that waits
+and attends where the unit landed: nothing is copied into staging.
 """
 
 from __future__ import annotations
@@ -196,7 +199,50 @@ def streamed_layer(
         out, lse = kernel_reference.merge_partials(out, lse, o, l)
         return q_, out, lse, staging, tickets, (slot + 1) % spec.num_slots
 
-    unit_step = unit_in_place if spec.reads_in_place else unit_staged
+    def unit_landed(chunk, carry):
+        # A file tier read in place (jax_tpusync.step.in_place): the unit `prefetch_depth`
+        # ahead is started as into staging, but lands in the engine's memory only, and this
+        # unit is waited for and attended where it landed in one op: no copy into staging.
+        # Every unit's segments address staging slot 0 (no slot is allocated); the tickets
+        # still rotate over the slots.
+        q_, out, lse, staging, tickets, slot = carry
+        p_layer, p_chunk, p_lens, ok = plan.advance(spec, layer, chunk, lengths, grow)
+        p_slot = (slot + spec.prefetch_depth) % spec.num_slots
+        p_lo, p_count = plan.unit_range(spec, p_layer, p_chunk, p_lens)
+        p_count = jnp.where(ok, p_count, 0)
+        q_, p_ticket = ops.start_fetch(
+            eid,
+            state.target[1],
+            q_,
+            plan.fetch_segments(spec, state, p_layer, p_lo, p_count, 0),
+            plan.tag(p_layer, p_chunk),
+            dst_bytes=in_place.landed_bytes(spec),
+            deps=(token, out),
+            regions=spec.regions,
+            retire=tickets[p_slot],
+            owner=owner,
+            first_block=state.target[2],
+        )
+        o, l = in_place.landed_unit(
+            spec,
+            state,
+            layer,
+            chunk,
+            q_,
+            tickets[slot],
+            deps=(token, k, v, out),
+            owner=owner,
+            scale=scale,
+            soft_cap=soft_cap,
+        )
+        out, lse = kernel_reference.merge_partials(out, lse, o, l)
+        tickets = tickets.at[slot].set(ops.NO_TICKET).at[p_slot].set(p_ticket)
+        return q_, out, lse, staging, tickets, (slot + 1) % spec.num_slots
+
+    if spec.attends_landed:
+        unit_step = unit_landed
+    else:
+        unit_step = unit_in_place if spec.reads_in_place else unit_staged
     out0 = jnp.zeros(q.shape, jnp.float32)
     lse0 = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
     carry = (q, out0, lse0, state.staging, state.tickets, state.slot)

@@ -614,9 +614,11 @@ def test_read_in_place_auto_applies_where_it_can(tmp_path):
                 assert cache.spec.reads_in_place is want, (dtype, tier_dtype)
     with tps.OffloadedKVCache(**BASE) as cache:  # The default.
         assert cache.spec.reads_in_place
+    for extra in (dict(), dict(tier_dtype="int8")):  # A file tier's landed units too.
+        with tps.OffloadedKVCache(**base, tier="file", path=tmp_path, **extra) as cache:
+            assert cache.spec.reads_in_place and cache.spec.attends_landed, extra
     others = [
-        dict(tier="file", path=tmp_path),
-        dict(tier="file", path=tmp_path, tier_dtype="int8"),
+        dict(tier="file", path=tmp_path, dtype=np.float16),
         dict(resident=True),
         dict(spill_path=tmp_path, spill_blocks=1),
     ]
@@ -628,7 +630,6 @@ def test_read_in_place_auto_applies_where_it_can(tmp_path):
 @pytest.mark.parametrize(
     "extra, why",
     [
-        (dict(tier="file"), r"tier='file' is not in memory \(only a host tier is\)"),
         (dict(dtype=np.float16), r"dtype=float16 \(rows are read in place as bfloat16 or f"),
         (
             dict(dtype=np.float16, tier_dtype="int8"),

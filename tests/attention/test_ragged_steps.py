@@ -27,6 +27,11 @@ PATHS = {
     "streamed-host": (dict(read_in_place=False, staging_bytes=CHUNKED), {}, 3),
     "in-place-host": (dict(read_in_place=True, staging_bytes=CHUNKED), {}, 3),
     "file": (dict(tier="file", staging_bytes=CHUNKED, prefetch_depth=2), {}, 3),
+    "file-staged": (
+        dict(tier="file", read_in_place=False, staging_bytes=CHUNKED, prefetch_depth=2),
+        {},
+        3,
+    ),
     "resident": (dict(resident=True), {}, 3),
     "int8": (dict(tier_dtype="int8", read_in_place=False, staging_bytes=CHUNKED // 2), {}, 3),
     "int8-in-place": (dict(tier_dtype="int8", read_in_place=True, block_tokens=8), {}, 2),
@@ -210,8 +215,10 @@ def test_ragged_steps_match_per_slot_attention(path, tmp_path):
                     held[layer, 1, b, n : n + c] = as_tier_holds(v[layer, b, :c], cache)
             lengths = lengths + counts
             np.testing.assert_array_equal(lengths_of(cache, state), lengths)
-        if path == "prefetch-across-steps" or path == "file":
+        if path in ("prefetch-across-steps", "file", "file-staged"):
             stats = cache.engine.stats()
+            # A file tier read in place attends each unit where it landed; staged, none.
+            assert (stats["landed_reads"] > 0) == (path != "file-staged"), stats
             # The next step's units were walked at the per-slot lengths: only the first
             # prefetch_depth units were cold (a walk at lengths + q_len misses every step's).
             depth = cache.spec.prefetch_depth

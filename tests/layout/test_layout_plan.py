@@ -117,12 +117,13 @@ def test_plan_keeps_its_rules_across_shapes(kw):
         assert spec.chunk_len == longest
     in_place = (
         kw["read_in_place"] is not False
-        and kw["tier"] == "host"
+        and kw["tier"] in ("host", "file")
         and np.dtype(kw["dtype"]) in (np.dtype(jnp.bfloat16), np.dtype(np.float32))
         and not resident
         and backend.in_place_blocker() is None
     )
     assert spec.reads_in_place == in_place
+    assert spec.attends_landed == (in_place and kw["tier"] == "file")
     if resident:
         assert spec.device_bytes == whole
     elif in_place:
@@ -232,10 +233,6 @@ def test_tier_blocks_past_the_int32_block_index_are_refused():
 @pytest.mark.parametrize(
     "kw, why",
     [
-        (
-            dict(tier="file", path="/nonexistent"),
-            r"tier='file' is not in memory \(only a host tier is\)",
-        ),
         (
             dict(tier_dtype="int8", dtype=jnp.float16),
             r"dtype=float16 \(a quantized tier is read in place for bfloat16 or float32\)",
