@@ -41,6 +41,7 @@ class Pool:
         block_rows,
         seed=0,
         tier_dtype=None,
+        add_tier=None,  # (block_bytes=, num_blocks=) -> tier; None: a host tier
     ):
         self.engine, self.batch, self.unit_len = engine, batch, unit_len
         self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, np.dtype(dtype)
@@ -53,7 +54,8 @@ class Pool:
         self.block_bytes = block_rows * self.row_bytes
         blocks_per_seq = -(-unit_len // block_rows)
         self.num_blocks = 2 * batch * blocks_per_seq
-        self.tier = engine.add_host_tier(block_bytes=self.block_bytes, num_blocks=self.num_blocks)
+        add_tier = add_tier or engine.add_host_tier
+        self.tier = add_tier(block_bytes=self.block_bytes, num_blocks=self.num_blocks)
         rng = np.random.default_rng(seed)
         shape = (batch, unit_len, kv_heads, head_dim)
         if self.tier_dtype is None:
