@@ -31,6 +31,8 @@ SUBCOMMANDS: tuple[str, ...] = (
     "contention",
     "prefix",
     "quality",
+    "serve",
+    "prefill",
 )
 
 

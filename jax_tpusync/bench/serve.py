@@ -1,0 +1,233 @@
+"""``serve``: one mixed step (a prompt chunk beside decoding slots) against the same work
+as two steps.
+
+A cache of ``--batch`` slots (:mod:`.serving_model`'s decoder, bf16): ``--prefill-slots``
+slots prefill a ``--chunk``-token chunk of their prompt (starting at ``--prefill-start``)
+while the other slots decode one token each over ``--context`` tokens of cached KV. The same
+work runs two ways, alternated (``--repeats`` rounds, each from the same lengths):
+
+* ``mixed``: one step of T = chunk, counts ``[chunk, 1, 1, ...]``, as
+  :class:`jax_tpusync.serving.ServingLoop` runs it;
+* ``separate``: a prefill step of T = chunk (counts ``[chunk, 0, ...]``) then a decode step
+  of T = 1 (counts ``[0, 1, ...]``).
+
+Reported: each step's median time (the step called until its logits are on the host),
+tokens per second (prompt tokens plus decoded tokens over the time), and per-request
+latency: a decoding slot waits ``mixed`` for its token in the mixed schedule and
+``prefill + decode`` in the separate one (its decode step queues behind the prefill step);
+the prefilling request's chunk takes ``mixed`` against ``prefill``. ``decode_only_ms``: a
+T = 1 step with every non-prefilling slot decoding and nothing else, what those slots pay
+with no prompt in the batch. Every step computes ``batch x T`` rows (the batch is the
+cache's), so the mixed step's extra cost over the prefill step is the decode slots'
+attention over their context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from jax_tpusync.bench import common, serving_model, tiny_decoder
+
+COLUMNS = [
+    ("tier", "tier", "s"),
+    ("context", "context", "d"),
+    ("chunk", "chunk", "d"),
+    ("mixed_ms", "mixed ms", ".1f"),
+    ("separate_ms", "separate ms", ".1f"),
+    ("separate_prefill_ms", "prefill ms", ".1f"),
+    ("separate_decode_ms", "decode ms", ".1f"),
+    ("decode_only_ms", "decode-only ms", ".1f"),
+    ("mixed_tokens_per_s", "mixed tok/s", ".0f"),
+    ("separate_tokens_per_s", "separate tok/s", ".0f"),
+    ("mixed_over_separate", "mixed/separate", ".3f"),
+]
+
+MODEL = tiny_decoder.Decoder(
+    layers=4, d_model=512, q_heads=8, kv_heads=2, head_dim=64, ffn=1024, vocab=1024
+)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Registers the ``serve`` subcommand."""
+    p = subparsers.add_parser(
+        "serve",
+        help="a mixed prefill + decode step against the same work as separate steps",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--tiers", nargs="+", choices=("host", "file"), default=["host"])
+    p.add_argument("--path", default=None, help="directory of the file tier (default: cwd)")
+    p.add_argument("--context", type=int, nargs="+", default=[4096], help="decode slots' context")
+    p.add_argument("--chunk", type=int, default=512, help="prompt tokens per prefill step")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prefill-slots", type=int, default=1)
+    p.add_argument("--prefill-start", type=int, default=0, help="prompt tokens already cached")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    tiny_decoder.add_arguments(p, defaults=MODEL)
+    p.add_argument("--block-tokens", type=int, default=256)
+    p.add_argument("--staging-bytes", type=common.parse_bytes, default=32 * common.MiB)
+    p.add_argument("--prefetch-depth", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    common.add_engine_arguments(p)
+    common.add_cpu_arguments(p)
+    p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
+    p.set_defaults(run=run, columns=COLUMNS)
+    return p
+
+
+def start_jax(args) -> tuple[int, ...]:
+    """CPU split and XLA's CPU schedule, before JAX starts; returns the engine's CPUs."""
+    from jax_tpusync import xla_cpu
+
+    worker_cpus = common.apply_cpu_arguments(args)
+    try:
+        args.xla_cpu_schedule = xla_cpu.use_memory_scheduler()
+    except RuntimeError:  # A process that computed already (tests): as it is.
+        args.xla_cpu_schedule = "backends already started"
+    return worker_cpus
+
+
+def depth(text):
+    return text if text == "auto" else int(text)
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    worker_cpus = start_jax(args)
+    import jax.numpy as jnp
+
+    if not 1 <= args.prefill_slots < args.batch:
+        raise SystemExit("--prefill-slots must be in [1, batch)")
+    model = tiny_decoder.Decoder.of(args)
+    params = serving_model.init_params(model, args.seed, jnp.bfloat16)
+    step = serving_model.make_step(model)
+    rows = []
+    for tier in args.tiers:
+        for context in args.context:
+            path = None
+            if tier == "file":
+                path = tempfile.mkdtemp(
+                    prefix="tpusync-serve-", dir=os.path.abspath(args.path or os.getcwd())
+                )
+            try:
+                rows.append(_measure(args, tier, path, context, worker_cpus, model, params, step))
+            finally:
+                if path:
+                    shutil.rmtree(path, ignore_errors=True)
+    return rows
+
+
+def _measure(args, tier, path, context, worker_cpus, model, params, step) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    import jax_tpusync as tps
+
+    batch, chunk, p = args.batch, args.chunk, args.prefill_slots
+    rounds = args.warmup + args.repeats
+    max_len = max(context + 2 * rounds + 2, args.prefill_start + chunk)
+    max_len = -(-max_len // args.block_tokens) * args.block_tokens
+    base = np.full(batch, context, np.int32)
+    base[:p] = args.prefill_start
+    rng = np.random.default_rng(args.seed + 1)
+    with tps.OffloadedKVCache(
+        num_layers=model.layers,
+        batch=batch,
+        max_len=max_len,
+        num_kv_heads=model.kv_heads,
+        head_dim=model.head_dim,
+        dtype=jnp.bfloat16,
+        tier=tier,
+        path=path,
+        block_tokens=args.block_tokens,
+        staging_bytes=args.staging_bytes,
+        prefetch_depth=depth(args.prefetch_depth),
+        engine=common.engine_config(args, worker_cpus),
+    ) as cache:
+        state = cache.init()
+        n = int(base.max())
+        for layer in range(model.layers):  # Random KV: the decoders' context.
+            kv = rng.standard_normal((2, batch, n, model.kv_heads, model.head_dim), np.float32)
+            state = cache.load(
+                state, layer, kv[0].astype(jnp.bfloat16), kv[1].astype(jnp.bfloat16), lengths=base
+            )
+        del kv
+        prompt = rng.integers(0, model.vocab, (batch, chunk)).astype(np.int32)
+        decoded = rng.integers(0, model.vocab, (batch, 1)).astype(np.int32)
+        holder = {"state": state}
+
+        def call(tokens, counts):
+            st = holder["state"]
+            logits, holder["state"] = step(
+                params, jnp.asarray(tokens), st.positions(tokens.shape[1]), jnp.asarray(counts), st
+            )
+            np.asarray(logits[:, 0, :1])  # The host has (a row of) the logits: the step ended.
+
+        prefill_counts = np.where(np.arange(batch) < p, chunk, 0).astype(np.int32)
+        decode_counts = np.where(np.arange(batch) < p, 0, 1).astype(np.int32)
+        parts: dict[str, list[float]] = {"prefill": [], "decode": []}
+
+        def reset():
+            # A fresh state at the same lengths: each round does the same work.
+            holder["state"] = cache.init(lengths=base, admit=False)
+
+        def mixed() -> float:
+            reset()
+            tokens = prompt.copy()
+            tokens[p:, 0] = decoded[p:, 0]
+            s, _ = common.timed(lambda: call(tokens, prefill_counts + decode_counts))
+            return s
+
+        def separate() -> float:
+            reset()
+            a, _ = common.timed(lambda: call(prompt, prefill_counts))
+            b, _ = common.timed(lambda: call(decoded, decode_counts))
+            parts["prefill"].append(a)
+            parts["decode"].append(b)
+            return a + b
+
+        def decode_only() -> float:
+            reset()
+            s, _ = common.timed(lambda: call(decoded, decode_counts))
+            return s
+
+        samples = common.interleaved(
+            {"mixed": mixed, "separate": separate, "decode_only": decode_only},
+            args.repeats,
+            args.warmup,
+        )
+        cache.close(holder["state"])
+    med = {k: v.median for k, v in samples.items()}
+    prefill = float(np.median(parts["prefill"][args.warmup :]))
+    decode = float(np.median(parts["decode"][args.warmup :]))
+    tokens = p * chunk + (batch - p)
+    row = dict(
+        tier=tier,
+        context=context,
+        chunk=chunk,
+        batch=batch,
+        prefill_slots=p,
+        prefill_start=args.prefill_start,
+        mixed_ms=med["mixed"] * 1e3,
+        separate_ms=med["separate"] * 1e3,
+        separate_prefill_ms=prefill * 1e3,
+        separate_decode_ms=decode * 1e3,
+        decode_only_ms=med["decode_only"] * 1e3,
+        mixed_tokens_per_s=tokens / med["mixed"],
+        separate_tokens_per_s=tokens / med["separate"],
+        mixed_over_separate=med["mixed"] / med["separate"],
+        latency_ms={
+            "decode_token_mixed": med["mixed"] * 1e3,
+            "decode_token_separate": med["separate"] * 1e3,
+            "prefill_chunk_mixed": med["mixed"] * 1e3,
+            "prefill_chunk_separate": prefill * 1e3,
+        },
+        samples_ms={k: [s * 1e3 for s in v.seconds] for k, v in samples.items()},
+    )
+    return row

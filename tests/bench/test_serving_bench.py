@@ -1,0 +1,72 @@
+"""bench serve and bench prefill at tiny sizes: every row and key is there, and the timed
+work is what the rows say."""
+
+from __future__ import annotations
+
+import json
+
+from jax_tpusync.bench import __main__ as bench_main
+from jax_tpusync.bench import common
+
+TINY_MODEL = [
+    "--layers", "2", "--d-model", "32", "--q-heads", "2", "--kv-heads", "1",
+    "--head-dim", "16", "--ffn", "32", "--vocab", "64",
+]  # fmt: skip
+
+
+def run_bench(argv, out):
+    args = bench_main.build_parser().parse_args([*argv, *TINY_MODEL, "--json", str(out)])
+    results = args.run(args)
+    bench_main.print_results(results, args.columns)
+    common.write_json(args.json, args.subcommand, args, results)
+    return json.loads(out.read_text())
+
+
+def test_serve_bench_tiny(tmp_path):
+    doc = run_bench(
+        [
+            "serve", "--tiers", "host", "file", "--path", str(tmp_path),
+            "--context", "40", "--chunk", "16", "--batch", "4", "--prefill-slots", "1",
+            "--repeats", "2", "--block-tokens", "16", "--staging-bytes", "64K",
+            "--engine-cpus", "0",
+        ],
+        tmp_path / "serve.json",
+    )  # fmt: skip
+    rows = doc["results"]
+    assert [r["tier"] for r in rows] == ["host", "file"]
+    for r in rows:
+        assert r["mixed_ms"] > 0 and r["separate_ms"] > 0 and r["decode_only_ms"] > 0
+        assert abs(r["mixed_tokens_per_s"] * r["mixed_ms"] / 1e3 - (16 + 3)) < 1e-6
+        assert r["separate_ms"] >= r["separate_prefill_ms"]
+        assert len(r["samples_ms"]["mixed"]) == 2
+        assert set(r["latency_ms"]) == {
+            "decode_token_mixed",
+            "decode_token_separate",
+            "prefill_chunk_mixed",
+            "prefill_chunk_separate",
+        }
+
+
+def test_prefill_bench_tiny(tmp_path):
+    doc = run_bench(
+        [
+            "prefill", "--tiers", "host", "file", "--path", str(tmp_path),
+            "--contexts", "48", "--chunk", "16", "--block-len", "16",
+            "--block-tokens", "16", "--staging-bytes", "64K", "--floor-chunks", "2",
+            "--engine-cpus", "0",
+        ],
+        tmp_path / "prefill.json",
+    )  # fmt: skip
+    rows = doc["results"]
+    assert [(r["context"], r["variant"]) for r in rows] == [
+        (48, v) for v in ("plain_jax", "host", "file")
+    ]
+    for r in rows:
+        assert len(r["chunk_ms"]) == r["context"] // 16 and r["tokens_per_s"] > 0
+        assert r["floor_chunk_ms"] > 0 and 0 <= r["cached_attention_share"] <= 1
+        if r["variant"] != "plain_jax":
+            assert r["over_plain"] > 0
+            # Each chunk's K/V written once: layers x K|V x context rows of 1 x 16 bf16.
+            assert r["written_bytes"] == 2 * 2 * r["context"] * 32
+        if r["variant"] == "host":
+            assert set(r["targets"]) == {"host tier >= 0.9 x plain JAX"}
