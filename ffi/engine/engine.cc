@@ -357,6 +357,29 @@ Status Engine::Wait(Ticket ticket, int64_t timeout_ns) {
   return job->status;
 }
 
+Status Engine::TakeTicket(Ticket ticket, std::shared_ptr<Job>* out) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = tickets_.find(ticket);
+  if (it == tickets_.end()) {
+    return NotFound("unknown ticket " + std::to_string(ticket) +
+                    " (never issued by this engine, or already waited)");
+  }
+  std::shared_ptr<Job> job = it->second;
+  // Consumed before the wait: from here on no Discard, new epoch or closed stream can
+  // reach the job (nor recycle its landing buffer); only this caller holds it.
+  tickets_.erase(it);
+  const int64_t begin = MonotonicNs();
+  done_cv_.wait(lock, [&] { return job->state == Job::State::kDone; });
+  const int64_t end = MonotonicNs();
+  stats_.waits += 1;
+  stats_.wait_ns += end - begin;
+  if (options_.record_timeline && timeline_.waits.size() < kMaxTimelineEvents) {
+    timeline_.waits.push_back({ticket, job->request.tag, begin, end, true});
+  }
+  *out = job;
+  return job->status;
+}
+
 StatusOr<bool> Engine::Poll(Ticket ticket) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = tickets_.find(ticket);
@@ -525,16 +548,8 @@ Status Engine::CompleteFetch(Ticket ticket, const FetchRequest& want, uint8_t* d
   }
   if (ticket != kNoTicket) {
     std::shared_ptr<Job> job;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = tickets_.find(ticket);
-      if (it == tickets_.end()) {
-        return NotFound("unknown ticket " + std::to_string(ticket) +
-                        " (never issued by this engine, or already waited)");
-      }
-      job = it->second;
-    }
-    Status st = Wait(ticket);
+    Status st = TakeTicket(ticket, &job);
+    if (!job) return st;  // Unknown.
     const TransferRequest& have = job->request;
     const bool matches = have.tier == want.tier && have.fetch == wanted &&
                          (have.landing != nullptr || have.deferred || wanted.empty());
@@ -763,16 +778,8 @@ Status Engine::VisitLanded(Ticket ticket, const FetchRequest& want,
   std::shared_ptr<Job> landed;
   if (ticket != kNoTicket) {
     std::shared_ptr<Job> job;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = tickets_.find(ticket);
-      if (it == tickets_.end()) {
-        return NotFound("unknown ticket " + std::to_string(ticket) +
-                        " (never issued by this engine, or already waited)");
-      }
-      job = it->second;
-    }
-    Status st = Wait(ticket);  // Consumes the ticket; returns once the fetch has ended.
+    Status st = TakeTicket(ticket, &job);  // Returns once the fetch has ended.
+    if (!job) return st;  // Unknown.
     const TransferRequest& have = job->request;
     const bool matches = st.ok() && have.tier == want.tier && have.fetch == wanted &&
                          (have.landing != nullptr || have.deferred || wanted.empty());
@@ -812,16 +819,8 @@ Status Engine::VisitLanded(Ticket ticket, const FetchRequest& want,
       now.stream = 0;
       StatusOr<Ticket> t = SubmitFetch(std::move(now));
       if (!t.ok()) return t.status();
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = tickets_.find(*t);
-        if (it == tickets_.end()) {
-          return Cancelled("the fetch of ticket " + std::to_string(*t) +
-                           " was dropped before it was read (the engine closed?)");
-        }
-        landed = it->second;
-      }
-      Status st = Wait(*t);
+      Status st = TakeTicket(*t, &landed);
+      if (!landed) return st;
       if (!st.ok() || !landed->request.landing) {
         std::lock_guard<std::mutex> lock(mu_);
         ReleaseLandingLocked(*landed);

@@ -310,6 +310,10 @@ class Engine {
   void RunSplit(Job& job, IoContext& io);
   void Pace(uint64_t bytes);
   Ticket NextTicketLocked();
+  // Consumes `ticket` (atomically with its lookup, so that no Discard or new epoch can
+  // reach its job afterwards), waits for its transfer to end, and hands back the job and
+  // its status (*out stays null for an unknown ticket). Counted as a wait.
+  Status TakeTicket(Ticket ticket, std::shared_ptr<Job>* out);
   std::shared_ptr<HugePageBuffer> AcquireLanding(uint64_t bytes);
   void ReleaseLandingLocked(Job& job);
   void DiscardLocked(Job& job);

@@ -2,9 +2,15 @@
 // test_engine_sanitized.py: prefetches into landing memory that are consumed, discarded,
 // orphaned by a new epoch or left in flight at shutdown, interleaved with write-backs of
 // the same bytes, from several threads, and (host tier) reads of those bytes where they lie
-// (Engine::ReadInPlace). Every consumed fetch and every read in place must see the bytes
-// last written; ASan/TSan report any use of freed memory or data race.
+// (Engine::ReadInPlace), and fetches visited where they landed (Engine::VisitLanded: hits,
+// mismatches, no ticket, and a visit racing a new epoch of its stream from another thread).
+// Every consumed fetch, read in place or landed visit must see the bytes last written,
+// throughout the visit; fetches are poisoned at submission, so a landing buffer handed to
+// another fetch while a visit still reads it is overwritten by that submitting thread: a
+// data race for TSan, stale bytes for the check. ASan/TSan report any use of freed memory
+// or data race.
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -33,6 +39,18 @@ constexpr int kRounds = 300;
 
 void Fill(std::vector<uint8_t>& buf, uint8_t value) { std::memset(buf.data(), value, buf.size()); }
 
+// True if every one of `bytes` bytes at `p` is `value`, checked twice with a pause between,
+// so that a buffer reused under the visit is seen (and raced) while it is read.
+bool HoldsThroughout(const uint8_t* p, uint64_t bytes, uint8_t value) {
+  for (int pass = 0; pass < 2; ++pass) {
+    for (uint64_t i = 0; i < bytes; ++i) {
+      if (p[i] != value) return false;
+    }
+    if (pass == 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -44,6 +62,7 @@ int main(int argc, char** argv) {
   options.num_workers = 2;
   options.debug_delay_us = split ? 0 : 50;
   options.split_read_bytes = split ? kBlock : 0;
+  options.poison_fetches = true;  // Each fetch's landing buffer is written at submission.
   auto engine = Engine::Create(options);
   CHECK(engine.ok());
   std::unique_ptr<Engine> e = std::move(*engine);
@@ -67,6 +86,18 @@ int main(int argc, char** argv) {
   const int t = *index;
 
   std::atomic<int> failures{0};
+  std::atomic<int> landed_visits{0};
+  std::atomic<bool> done{false};
+  // A stream whose epochs another thread keeps starting over: its fetches are discarded
+  // at any moment, except one whose landing buffer a visit already holds.
+  const int64_t shared = e->OpenStream();
+  CHECK(e->BeginEpoch(shared).ok());
+  std::thread epochs([&] {
+    while (!done.load()) {
+      CHECK(e->BeginEpoch(shared).ok());
+      std::this_thread::sleep_for(std::chrono::microseconds(300));
+    }
+  });
   std::vector<std::thread> threads;
   for (int id = 0; id < kThreads; ++id) {
     threads.emplace_back([&, id] {
@@ -95,9 +126,20 @@ int main(int argc, char** argv) {
         fetch.segments.push_back({at, kBlock / 2, kBlock});
         auto ticket = e->SubmitFetch(fetch);
         CHECK(ticket.ok());
+        // A visit of landed bytes: each must be the write ordered before the fetch.
+        auto visit_value = [&](const std::vector<const uint8_t*>& src, CopyHelper*) {
+          CHECK(src.size() == 1);
+          if (!HoldsThroughout(src[0], kBlock, value)) failures++;
+          landed_visits++;
+          return Status::Ok();
+        };
         switch (round % 4) {
           case 0: {  // Consumed: must see the write ordered before it.
             bool hit = false;
+            if (round % 8 == 4) {  // Where it landed.
+              CHECK(e->VisitLanded(*ticket, fetch, visit_value, &hit).ok());
+              break;
+            }
             CHECK(e->CompleteFetch(*ticket, fetch, dst.data(), dst.size(), &hit).ok());
             for (uint64_t i = 0; i < kBlock; ++i) {
               if (dst[kBlock / 2 + i] != value) {
@@ -117,6 +159,11 @@ int main(int argc, char** argv) {
             FetchRequest other = fetch;
             other.segments[0].dst_offset = 0;
             bool hit = true;
+            if (round % 8 == 7) {  // Where its own fetch landed.
+              CHECK(e->VisitLanded(*ticket, other, visit_value, &hit).ok());
+              CHECK(!hit);
+              break;
+            }
             CHECK(e->CompleteFetch(*ticket, other, dst.data(), dst.size(), &hit).ok());
             CHECK(!hit);
             for (uint64_t i = 0; i < kBlock; ++i) {
@@ -127,6 +174,23 @@ int main(int argc, char** argv) {
             }
             break;
           }
+        }
+        if (round % 3 == 1) {
+          // No ticket: read now into fresh landing memory (on a host tier, in place).
+          bool hit = true;
+          CHECK(e->VisitLanded(kNoTicket, fetch, visit_value, &hit).ok());
+          CHECK(!hit);
+        }
+        if (round % 3 == 2) {
+          // A fetch of the shared stream, whose epoch may start over before the visit takes
+          // it (then it is gone: "unknown ticket") but never while the visit reads it.
+          FetchRequest racing = fetch;
+          racing.stream = shared;
+          auto t2 = e->SubmitFetch(racing);
+          CHECK(t2.ok());
+          bool hit = false;
+          Status st = e->VisitLanded(*t2, racing, visit_value, &hit);
+          CHECK(st.ok() || st.code() == StatusCode::kNotFound);
         }
         if (!file_tier && round % 2 == 0) {
           // Read where it lies (ReadInPlace): after the write-back of the same bytes, half
@@ -164,6 +228,12 @@ int main(int argc, char** argv) {
     });
   }
   for (auto& th : threads) th.join();
+  done = true;
+  epochs.join();
+  if (landed_visits.load() == 0) {
+    std::fprintf(stderr, "nothing was visited where it landed\n");
+    return 1;
+  }
   if (!file_tier && e->Stats().in_place_reads == 0) {
     std::fprintf(stderr, "nothing was read in place\n");
     return 1;

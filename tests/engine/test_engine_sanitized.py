@@ -1,7 +1,8 @@
 """The engine core under AddressSanitizer and ThreadSanitizer: the fetch lifecycle stress
 (tests/engine/landing_stress.cc) with fetches consumed, discarded, orphaned by a new epoch
-and left in flight at shutdown, and (host tier) reads in place, beside write-backs of the
-same bytes from three threads."""
+and left in flight at shutdown, visited where they landed (a new epoch racing the visit from
+another thread), and (host tier) reads in place, beside write-backs of the same bytes from
+three threads."""
 
 from __future__ import annotations
 
@@ -35,10 +36,11 @@ def _build(tmp_path: Path, sanitizer: str) -> Path:
 
 
 # ASan over the file tier (its paths include the host tier's landing and pooling), TSan over
-# the host tier (deferred reads on the workers) and the host tier's reads at the wait split
-# with the copy helper ("host-split"): each build costs the suite about 40 s.
+# the host tier (deferred reads on the workers), the host tier's reads at the wait split
+# with the copy helper ("host-split") and the file tier (visits of landed fetches beside
+# fetches that reuse pooled landing buffers): each build costs the suite about 40 s.
 @pytest.mark.parametrize(
-    "sanitizer,modes", [("address", ("file",)), ("thread", ("host", "host-split"))]
+    "sanitizer,modes", [("address", ("file",)), ("thread", ("host", "host-split", "file"))]
 )
 def test_fetch_lifecycle_is_clean_under_sanitizers(tmp_path, sanitizer, modes):
     exe = _build(tmp_path, sanitizer)
