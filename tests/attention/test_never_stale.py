@@ -31,11 +31,12 @@ STEPS = 6
 
 
 def _cache(tier, tmp_path, window, **kwargs):
-    """``tier="host-in-place"``: a host tier read in place; ``"host"`` streams through
-    staging (the buffers XLA may copy)."""
-    extra = dict(path=tmp_path) if tier == "file" else {}
-    extra["read_in_place"] = tier == "host-in-place"
-    tier = "host" if tier == "host-in-place" else tier
+    """``tier="host-in-place"``: a host tier read in place; ``"file-in-place"``: a file
+    tier's units fetched ahead and attended where they landed in engine memory; ``"host"``
+    and ``"file"`` stream through staging (the buffers XLA may copy)."""
+    extra = dict(path=tmp_path) if tier.startswith("file") else {}
+    extra["read_in_place"] = tier.endswith("-in-place")
+    tier = tier.removesuffix("-in-place")
     return tps.OffloadedKVCache(
         num_layers=LAYERS,
         batch=BATCH,
@@ -113,7 +114,7 @@ def _unchained_step(*, scan: bool, read_staging: bool):
     return jax.jit(step, donate_argnums=(3,))
 
 
-@pytest.mark.parametrize("tier", ("host", "host-in-place", "file"))
+@pytest.mark.parametrize("tier", ("host", "host-in-place", "file", "file-in-place"))
 @pytest.mark.parametrize(
     "window,scan,read_staging",
     [(5, False, False), (2, False, True), (5, True, False), (None, True, True)],
@@ -138,6 +139,8 @@ def test_graphs_that_invite_copies_are_never_stale(tier, window, scan, read_stag
             stats = cache.engine.stats()
             if tier == "host-in-place":  # Every unit read where the tier holds it.
                 assert stats["in_place_reads"] > 0 and stats["prefetch_hits"] == 0
+            elif tier == "file-in-place":  # Fetched ahead, read where it landed.
+                assert stats["landed_reads"] > 0 and stats["prefetch_hits"] > 0
             else:
                 assert stats["prefetch_hits"] > 0  # The prefetches were used, not bypassed.
             cache.drain(state)
@@ -189,7 +192,9 @@ _LOOP = textwrap.dedent(
     import jax_tpusync as tps
 
     tier, staging, mode, path = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    extra = dict(path=path) if tier == "file" else {}
+    extra = dict(path=path) if tier.startswith("file") else {}
+    if tier == "file-staged":  # Units copied into staging, not attended where they land.
+        tier, extra["read_in_place"] = "file", False
     layers, batch, heads, dim = 2, 2, 4, 64
     cache = tps.OffloadedKVCache(
         num_layers=layers, batch=batch, max_len=8192, num_kv_heads=heads, head_dim=dim,
@@ -251,10 +256,14 @@ def _run_loop(tier, staging, mode, path, sigint_after=None):
     return proc.returncode, out, err
 
 
-@pytest.mark.parametrize("tier,staging", [("host", 4 << 20), ("host", 256 << 10), ("file", 4 << 20)])
+@pytest.mark.parametrize(
+    "tier,staging",
+    [("host", 4 << 20), ("host", 256 << 10), ("file", 4 << 20), ("file-staged", 4 << 20)],
+)
 def test_dropping_a_state_mid_fetch_does_not_crash(tier, staging, tmp_path):
     """Before, this was SIGSEGV (3 of 3 runs) or malloc heap corruption: the engine wrote
-    into staging XLA had freed. Fetches now land in engine memory."""
+    into staging XLA had freed. Fetches now land in engine memory (a file tier's units are
+    attended there, or copied into staging: "file-staged")."""
     code, out, err = _run_loop(tier, staging, "drop", tmp_path)
     assert code == 0 and "done" in out, err[-3000:]
 
@@ -270,7 +279,7 @@ def test_ctrl_c_in_a_decode_loop_exits_cleanly(tier, delay, tmp_path):
     assert "Segmentation fault" not in err and "Fatal Python error" not in err
 
 
-@pytest.mark.parametrize("tier", ("host", "file"))
+@pytest.mark.parametrize("tier", ("host", "file", "file-in-place"))
 def test_skipping_a_layer_refetches_and_is_counted(tier, tmp_path):
     """A step that skips layer 1 stays correct: layer 2's wait finds the prefetch of layer 1
     instead of its own and reads its unit itself (a counted miss)."""
