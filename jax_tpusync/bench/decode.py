@@ -26,9 +26,10 @@ that adds compute without adding KV). It runs as
 * ``prefetch``: :func:`jax_tpusync.prefetching_attention`: layer-ahead and cross-step
   prefetch. On the CPU backend a host tier's units are attended to where the pool holds
   them (``read_in_place="auto"``, see :mod:`jax_tpusync.in_place`): nothing is copied.
-* ``copy`` (host tier): ``prefetch`` on a cache made with ``read_in_place=False``: every
-  unit is copied into staging inside its wait, then attended to, as on an accelerator
-  (skipped with a note on the file tier, where the two are the same).
+* ``copy``: ``prefetch`` on a cache made with ``read_in_place=False``: every unit is
+  copied into staging inside its wait (a file tier's from the landing memory its fetch
+  ahead filled), then attended to, as on an accelerator (skipped with a note where
+  ``prefetch`` does not read in place, where the two are the same).
 * ``resident_mode``: ``prefetch`` on a cache made with ``resident=True`` (every layer's
   KV in the state's staging, which must fit ``--staging-bytes``; skipped with a note
   otherwise): write-back only, no fetch. What a small experiment gets from the library.

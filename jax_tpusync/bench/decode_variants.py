@@ -428,9 +428,9 @@ def _prefetch(b: Bench) -> Step:
 
 
 def _copy_cache(b: Bench):
-    """The same KV, each unit copied into staging first (host tier only)."""
-    if b.args.tier != "host":
-        raise Skip("skipped: only a host tier is read in place")
+    """The same KV, each unit copied into staging first (where ``prefetch`` reads in place)."""
+    if not b.spec.reads_in_place:
+        raise Skip("skipped: this cache is not read in place")
     return b.new_cache(read_in_place=False)
 
 
