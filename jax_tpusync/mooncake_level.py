@@ -111,7 +111,7 @@ MIN_SEGMENT_BYTES = 16 << 20
 
 def _import_store() -> Any:
     try:
-        from mooncake.store import MooncakeDistributedStore  # noqa: PLC0415 - optional.
+        from mooncake.store import MooncakeDistributedStore  # Optional: imported when used.
     except ImportError as e:
         raise ImportError(f"{_INSTALL_HINT} ({e})") from e
     return MooncakeDistributedStore
@@ -289,7 +289,7 @@ class MooncakeStoreLevel:
         self.misses = 0  # Loads of a block that is not there (no header).
         self.damaged = 0  # Blocks refused on load (corrupt, foreign, collision).
         self.publish_failures = 0  # Publishes that a fault stopped.
-        self.skipped = 0  # Calls answered as misses while the level was paused.
+        self.skipped = 0  # Calls answered as misses while paused, or once closed.
         self.bytes_loaded = 0
         self.bytes_published = 0
         self.faults = dict.fromkeys(FAULT_KINDS, 0)
@@ -349,7 +349,9 @@ class MooncakeStoreLevel:
         ]
         header = self._header(key, parent, [int(t) for t in np.asarray(tokens).reshape(-1)], ranges)
         if len(header) > self._header_capacity:
-            raise ValueError(f"a header of {len(header)} bytes is longer than {self._header_capacity}")
+            raise ValueError(
+                f"a header of {len(header)} bytes is longer than {self._header_capacity}"
+            )
         failed = object()
         wrote = self._run(
             lambda client: self._publish(client, key, payload, ranges, header), failed
@@ -378,8 +380,9 @@ class MooncakeStoreLevel:
         return out
 
     def close(self) -> None:
-        """Leaves the pool (its objects in this process's segment go with it). A client
-        stuck in a call is left to its daemon thread."""
+        """Leaves the pool (its objects in this process's segment go with it); every later
+        call is a miss (counted as ``skipped``). A client stuck in a call is left to its
+        daemon thread."""
         with self._lock:
             if self._closed:
                 return
@@ -402,12 +405,9 @@ class MooncakeStoreLevel:
 
     def _run(self, fn: Callable[[Any], Any], default: Any) -> Any:
         """``fn(client)`` on the worker within the deadline; ``default`` on a fault (counted,
-        logged once per kind) or while paused. Raises only ``_Damaged``."""
+        logged once per kind), while paused or once closed. Raises only ``_Damaged``."""
         with self._lock:
-            if self._closed:
-                raise RuntimeError(f"{self.describe()}: the level is closed")
-            now = time.monotonic()
-            if now < self._paused_until:
+            if self._closed or time.monotonic() < self._paused_until:
                 self.skipped += 1
                 return default
             try:
@@ -416,6 +416,10 @@ class MooncakeStoreLevel:
                 self._fault("timeout", str(e), pause=True)
             except _Fault as e:
                 self._fault(e.kind, str(e), pause=e.kind == "unreachable")
+            except _Damaged:
+                raise
+            except Exception as e:  # noqa: BLE001 - the client's own errors: a miss, logged.
+                self._fault("error", f"{type(e).__name__}: {e}", pause=False)
             return default
 
     def _fault(self, kind: str, detail: str, *, pause: bool) -> None:
@@ -430,7 +434,7 @@ class MooncakeStoreLevel:
                 "stats()['mooncake_fault_%s'])",
                 text,
                 detail,
-                f" for {self.retry_after_s} s, then retried" if pause else "",
+                f" for {self.retry_after_s} s, then retried" if pause else " when it happens",
                 kind,
             )
         else:
@@ -560,7 +564,9 @@ class MooncakeStoreLevel:
             ("block_bytes", self.block_bytes),
         ):
             if header.get(field) != want:
-                raise _Damaged(f"{name}: {field} is {header.get(field)!r}, this cache's is {want!r}")
+                raise _Damaged(
+                    f"{name}: {field} is {header.get(field)!r}, this cache's is {want!r}"
+                )
         want_parent = None if parent is None else parent.hex()
         if header.get("parent") != want_parent or header.get("tokens") != tokens:
             raise _Damaged(
@@ -595,7 +601,9 @@ def make_level(
     ``deadline_s=``, ``retry_after_s=``, ``local_host=``, ``namespace=``: a
     :class:`MooncakeStoreLevel` for the cache's root and geometry."""
     if not isinstance(spec, str):
-        missing = [m for m in ("has", "load", "publish", "stats", "describe") if not hasattr(spec, m)]
+        missing = [
+            m for m in ("has", "load", "publish", "stats", "describe") if not hasattr(spec, m)
+        ]
         if missing:
             raise TypeError(
                 f"remote level {spec!r} lacks {', '.join(missing)}: give a level object or "
@@ -603,8 +611,15 @@ def make_level(
             )
         return spec
     url = urllib.parse.urlsplit(spec)
-    if url.scheme != "mooncake" or not url.hostname or url.port is None or url.path not in ("", "/"):
-        raise ValueError(f"remote level {spec!r}: expected 'mooncake://host:port[?option=value&...]'")
+    if (
+        url.scheme != "mooncake"
+        or not url.hostname
+        or url.port is None
+        or url.path not in ("", "/")
+    ):
+        raise ValueError(
+            f"remote level {spec!r}: expected 'mooncake://host:port[?option=value&...]'"
+        )
     options: dict[str, Any] = {}
     for name, values in urllib.parse.parse_qs(url.query, strict_parsing=bool(url.query)).items():
         value = values[-1]
