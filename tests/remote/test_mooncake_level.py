@@ -304,6 +304,10 @@ def test_missing_key_is_a_plain_miss(mooncake_master, caplog):
     s = lv.stats()
     assert s["mooncake_misses"] == 1 and s["mooncake_faults"] == 0
     lv.close()
+    # A closed level is a miss too (a cache may outlive it).
+    assert lv.load(keys[0], parents[0], blocks[0]) is None and not lv.has(keys[0])
+    assert not lv.publish(keys[0], parents[0], blocks[0], payload_of(lv, 0))
+    assert lv.stats()["mooncake_skipped"] == 3
 
 
 def test_collision_and_damaged_blocks_are_misses_with_a_warning(mooncake_master, caplog):
@@ -401,22 +405,27 @@ def test_a_hung_master_is_a_miss_within_the_deadline(make_master):
     assert lv.publish(keys[0], parents[0], blocks[0], payload_of(lv, 0))
     master.pause()
     try:
+        # A call waits at most the deadline (the client may also give up sooner by itself).
         got, seconds = timed(lv.has, keys[1])
-        assert got is False and 0.9 < seconds < 2.0
-        # While that call is stuck, the next ones are misses at once.
-        got, seconds = timed(lv.load, keys[1], parents[1], blocks[1])
-        assert got is None and seconds < 0.2
-        time.sleep(0.6)  # Past retry_after_s: the worker is still stuck, refused at once.
-        got, seconds = timed(lv.has, keys[0])
-        assert got is False and seconds < 0.2
+        assert got is False and seconds < 2.0, (seconds, lv.stats())
+        if lv.stats()["mooncake_fault_timeout"]:
+            # That call is still stuck: the next ones are misses at once, even past
+            # retry_after_s.
+            for pause in (0.0, 0.6):
+                time.sleep(pause)
+                got, seconds = timed(lv.load, keys[1], parents[1], blocks[1])
+                assert got is None and seconds < 0.2, (seconds, lv.stats())
+        got, seconds = timed(lv.load, keys[0], parents[0], blocks[0])
+        assert seconds < 2.0, (seconds, lv.stats())
     finally:
         master.resume()
+    s = lv.stats()
+    assert s["mooncake_fault_timeout"] + s["mooncake_fault_unreachable"] >= 1, s
     deadline = time.monotonic() + 15
     while not lv.publish(keys[1], parents[1], blocks[1], payload_of(lv, 1)):
         assert time.monotonic() < deadline, lv.stats()
         time.sleep(0.25)
     np.testing.assert_array_equal(lv.load(keys[1], parents[1], blocks[1]), payload_of(lv, 1))
-    assert lv.stats()["mooncake_fault_timeout"] >= 2
     lv.close()
 
 
