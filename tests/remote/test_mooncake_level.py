@@ -429,6 +429,26 @@ def test_a_hung_master_is_a_miss_within_the_deadline(make_master):
     lv.close()
 
 
+def test_objects_a_killed_writer_left_unfinished_are_misses(mooncake_master):
+    lv = level(mooncake_master.address)
+    client = raw_client(mooncake_master.address)
+    keys, parents, blocks = chain(2, start=800_000)
+    assert lv.publish(keys[0], parents[0], blocks[0], payload_of(lv, 0))
+    # A put started and never finished, as a writer killed mid-put leaves it: the header
+    # of one block, a layer range of another.
+    assert client.batch_put_session_start([lv.header_key(keys[1])], [100]) == [0]
+    _, header = _header(client, lv, keys[0])
+    name = lv.range_key(keys[0], *header["ranges"][0])
+    assert client.remove(name, True) == 0
+    assert client.batch_put_session_start([name], [8192]) == [0]
+    for i in (0, 1):
+        got, seconds = timed(lv.load, keys[i], parents[i], blocks[i])
+        assert got is None and seconds < 1.0
+    assert lv.stats()["mooncake_fault_not_ready"] == 2
+    client.close()
+    lv.close()
+
+
 HOLDER = """
     import sys, time
     import numpy as np
