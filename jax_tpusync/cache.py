@@ -40,6 +40,7 @@ from jax_tpusync.config import CacheConfig, is_int
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.host_io import HostRows, one_slot_load, per_sequence
 from jax_tpusync.levels import SharedDirectoryLevel, TierBlocks
+from jax_tpusync.mooncake_level import make_level
 from jax_tpusync.slots import Admission, SlotTable
 from jax_tpusync.spill import SpillTier
 from jax_tpusync.state import KVState, staging_shape_of
@@ -154,6 +155,19 @@ class OffloadedKVCache:
                     block_bytes=spec.block_bytes,
                 )
             )
+        self._owned_levels: list[Any] = []  # Network levels this cache opened (and closes).
+        if config.prefix.remote is not None:
+            remote.append(
+                make_level(
+                    config.prefix.remote,
+                    root=root,
+                    num_layers=g.num_layers,
+                    block_tokens=g.block_tokens,
+                    block_bytes=spec.block_bytes,
+                )
+            )
+            if isinstance(config.prefix.remote, str):
+                self._owned_levels.append(remote[-1])
         # A file tier's first staging buffer is made now: its data is shifted to that
         # buffer's offset within a page, so fetches into it skip the bounce buffer.
         if config.tier.kind == "file" and not spec.resident or spec.spill_blocks:
@@ -737,6 +751,8 @@ class OffloadedKVCache:
                 self._commit(state, session="closed")
             except Exception as e:  # noqa: BLE001 - reported; the last commit stands.
                 logger.error("final commit failed; the last successful commit stands: %s", e)
+        for level in getattr(self, "_owned_levels", ()):
+            level.close()
         if not self.engine.closed:
             self.engine.close_stream(self._stream)
         if self._owns_engine:

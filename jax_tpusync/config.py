@@ -226,12 +226,21 @@ class StagingConfig:
 @dataclasses.dataclass(frozen=True)
 class PrefixConfig:
     """The prefix store: ``salt`` keeps two models' blocks apart (default: the model id);
-    ``shared_dir`` is a directory other processes publish blocks to and import them from."""
+    ``shared_dir`` is a directory other processes publish blocks to and import them from;
+    ``remote`` a network level past both (a ``RemoteLevel`` object, or
+    ``"mooncake://host:port[?options]"`` for a Mooncake Store, see
+    :mod:`jax_tpusync.mooncake_level`)."""
 
     salt: str | bytes | None = None
     shared_dir: str | os.PathLike | None = None
+    remote: Any = None
 
     def __post_init__(self):
+        if isinstance(self.remote, str) and not self.remote.startswith("mooncake://"):
+            raise ValueError(
+                f"remote_prefix={self.remote!r} must be a 'mooncake://host:port' address or a "
+                f"RemoteLevel object"
+            )
         if self.shared_dir is not None and os.path.exists(self.shared_dir):
             if not os.path.isdir(self.shared_dir):
                 raise ValueError(
@@ -327,6 +336,7 @@ class CacheConfig:
         overwrite: bool = False,
         prefix_salt: str | bytes | None = None,
         shared_prefix_dir: str | os.PathLike | None = None,
+        remote_prefix: Any = None,
         spill_path: str | os.PathLike | None = None,
         spill_blocks: int | None = None,
         promote_after: int | None = 2,
@@ -414,6 +424,10 @@ class CacheConfig:
             ``tokens`` writes each full block that has no file there yet, and :meth:`OffloadedKVCache.admit`
             with ``tokens`` continues its match there past its own index. See
             :mod:`jax_tpusync.shared_blocks` (one file per block, atomic rename, checksums).
+          remote_prefix: a network level searched after the shared directory and
+            published to with it: ``"mooncake://host:port[?options]"`` (a Mooncake Store,
+            :mod:`jax_tpusync.mooncake_level`; needs the ``mooncake`` extra) or any
+            :class:`jax_tpusync.levels.RemoteLevel`. Its faults are misses, never errors.
           spill_path: ``tier="host"`` only: a directory for a second, file tier behind the
             DRAM tier (a two-level store, see :mod:`jax_tpusync.spill`). Cached prefix blocks
             that DRAM has no room for are demoted there instead of evicted, and the step reads
@@ -450,7 +464,9 @@ class CacheConfig:
                 prefetch_across_steps=prefetch_across_steps,
                 debug_poison=debug_poison,
             ),
-            prefix=PrefixConfig(salt=prefix_salt, shared_dir=shared_prefix_dir),
+            prefix=PrefixConfig(
+                salt=prefix_salt, shared_dir=shared_prefix_dir, remote=remote_prefix
+            ),
             persistence=PersistenceConfig(model_id=model_id, verify=verify, overwrite=overwrite),
         )
 

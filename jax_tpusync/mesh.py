@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
@@ -106,6 +107,7 @@ class ShardedKVCache:
         shm_name: str | None = None,
         file_name: str | None = None,
         shared_prefix_dir: str | os.PathLike | None = None,
+        remote_prefix: str | None = None,
         **options: Any,
     ):
         if options.get("spill_path") is not None:
@@ -151,6 +153,10 @@ class ShardedKVCache:
                         shared_prefix_dir=None
                         if shared_prefix_dir is None
                         else os.path.join(shared_prefix_dir, _heads_dir(s, layout, num_kv_heads)),
+                        # Likewise a namespace per head range on a network level.
+                        remote_prefix=_heads_address(
+                            remote_prefix, _heads_dir(s, layout, num_kv_heads)
+                        ),
                         **options,
                     )
                 self.shards[s] = cache
@@ -573,6 +579,22 @@ class ShardedKVCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _heads_address(remote: Any, heads: str) -> str | None:
+    """A ``mooncake://`` address whose namespace names the head range ``heads`` (a head
+    shard's blocks hold its heads only); a level object cannot be split so."""
+    if remote is None:
+        return None
+    if not isinstance(remote, str):
+        raise ValueError(
+            "a mesh cache's remote_prefix must be a 'mooncake://host:port' address (each head "
+            "range gets a namespace of its own), not a level object"
+        )
+    url = urllib.parse.urlsplit(remote)
+    query = dict(urllib.parse.parse_qsl(url.query))
+    query["namespace"] = f"{query.get('namespace', 'tpusync')}-{heads}"
+    return urllib.parse.urlunsplit(url._replace(query=urllib.parse.urlencode(query)))
 
 
 def _heads_dir(s: int, layout: MeshLayout, num_kv_heads: int) -> str:

@@ -574,3 +574,29 @@ def test_without_the_client_the_error_names_the_extra_and_the_system_library(mon
     monkeypatch.setitem(sys.modules, "mooncake.store", None)
     with pytest.raises(ImportError, match=r"jax-tpusync\[mooncake\].*libibverbs1"):
         level("127.0.0.1:1")
+
+
+def test_a_cache_built_with_remote_prefix_publishes_and_finds_its_blocks(mooncake_master):
+    """The constructor's ``remote_prefix="mooncake://..."``: the level is the cache's own
+    (closed with it), searched after the local index."""
+    address = f"mooncake://{mooncake_master.address}?segment_mb=16&deadline_s=3"
+    with make_cache(model_id="mooncake-test-wired", remote_prefix=address) as cache:
+        state = cache.init(admit=False)
+        state, _ = write_and_release(cache, state, 0, TOKENS[:17])  # 2 full blocks.
+        assert cache.prefix_stats["mooncake_published"] == 2
+        p = cache.slots.prefix
+        p.evict(p.cached_blocks)
+        state, cached = cache.admit(state, 1, tokens=TOKENS[:17], max_tokens=64)
+        assert cached == 16 and cache.prefix_stats["mooncake_imported"] == 2
+        assert_kv(cache, state, 1, TOKENS[:16])
+    with pytest.raises(ValueError, match=r"remote_prefix='redis://x:1' must be a 'mooncake://host:port'"):
+        make_cache(remote_prefix="redis://x:1")
+
+
+def test_a_mesh_gives_each_head_range_its_own_namespace():
+    from jax_tpusync import mesh
+
+    got = mesh._heads_address("mooncake://127.0.0.1:9?segment_mb=16", "heads0-2")
+    assert got == "mooncake://127.0.0.1:9?segment_mb=16&namespace=tpusync-heads0-2"
+    with pytest.raises(ValueError, match=r"must be a 'mooncake://host:port' address"):
+        mesh._heads_address(object(), "heads0-2")
