@@ -52,7 +52,7 @@ def test_prefill_bench_tiny(tmp_path):
         [
             "prefill", "--tiers", "host", "file", "--path", str(tmp_path),
             "--contexts", "48", "--chunk", "16", "--block-len", "16",
-            "--block-tokens", "16", "--staging-bytes", "64K", "--floor-chunks", "2",
+            "--block-tokens", "16", "--staging-bytes", "64K", "--floor-chunks", "2", "--repeats", "2",
             "--engine-cpus", "0",
         ],
         tmp_path / "prefill.json",
