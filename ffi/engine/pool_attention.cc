@@ -250,29 +250,52 @@ TPUSYNC_INLINE float Sum(const Lanes& x) {
   return s;
 }
 
+// The sums of eight vectors' lanes, as one vector (lane i: the sum of x[i]): three rounds
+// of pairwise shuffles and adds (7 adds, no lane leaves a register), where eight
+// horizontal sums took 56 scalar adds and their extractions (a head_dim of 64 spent as
+// much on them as on its multiply-adds).
+TPUSYNC_INLINE void SumsOfEight(const Lanes* x, float* out) {
+  Lanes t[4], u[2];
+  for (int i = 0; i < 4; ++i) {  // [x0 (0+1), x1 (0+1), x0 (2+3), x1 (2+3), ...] pairs.
+    t[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  }
+  for (int i = 0; i < 2; ++i) {  // [x0, x1, x2, x3 (lanes 0-3), x0, x1, x2, x3 (4-7)].
+    u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  StoreLanes(out, __builtin_shufflevector(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+                      __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15));
+}
+
 // scores[h][r] = q_h . k_r for NH query heads (q_h at q + h * n) and rows r in [lo, hi)
-// (row r at k + r * stride), n values each. Four rows at a time: 4 * NH independent chains
-// of fused multiply-adds, and each K row loaded once for all NH heads.
+// (row r at k + r * stride), n values each. 8 / NH rows at a time: eight independent
+// chains of fused multiply-adds, each K row loaded once for all NH heads, their eight
+// sums reduced together (SumsOfEight).
 template <int NH>
 TPUSYNC_INLINE void Scores(const float* q, const float* k, int64_t stride, int lo, int hi, int n,
                            float (*scores)[kTile]) {
+  static_assert(NH == 1 || NH == 2, "eight chains: one or two heads");
+  constexpr int kRows = 8 / NH;
   int r = lo;
-  for (; r + 4 <= hi; r += 4) {
-    Lanes acc[NH][4] = {};
+  for (; r + kRows <= hi; r += kRows) {
+    Lanes acc[NH * kRows] = {};  // [h * kRows + i]
     int d = 0;
     for (; d + 8 <= n; d += 8) {
-      Lanes rows[4];
-      for (int i = 0; i < 4; ++i) rows[i] = LoadLanes(k + (r + i) * stride + d);
+      Lanes rows[kRows];
+      for (int i = 0; i < kRows; ++i) rows[i] = LoadLanes(k + (r + i) * stride + d);
       for (int h = 0; h < NH; ++h) {
         const Lanes x = LoadLanes(q + h * n + d);
-        for (int i = 0; i < 4; ++i) acc[h][i] += x * rows[i];
+        for (int i = 0; i < kRows; ++i) acc[h * kRows + i] += x * rows[i];
       }
     }
+    alignas(32) float sums[8];
+    SumsOfEight(acc, sums);
     for (int h = 0; h < NH; ++h) {
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < kRows; ++i) {
         float tail = 0;
         for (int e = d; e < n; ++e) tail += q[h * n + e] * k[(r + i) * stride + e];
-        scores[h][r + i] = Sum(acc[h][i]) + tail;
+        scores[h][r + i] = sums[h * kRows + i] + tail;
       }
     }
   }
