@@ -34,6 +34,7 @@ def _cache(tier="host", tmp_path=None, **kw):
         block_tokens=4,
         staging_bytes=1 << 20,
         read_in_place=in_place,
+        prefetch_depth=1,  # The staging sizes below count 2 slots.
     )
     if tier == "file":
         args["path"] = tmp_path
