@@ -67,6 +67,7 @@ _TARGETS = {
     "mark": "tpusync_mark",
     "attend": "tpusync_attend",
     "attend_landed": "tpusync_attend_landed",
+    "attend_spilled": "tpusync_attend_spilled",
 }
 
 # kv_dtype codes of :func:`attend_in_place` (engine/pool_attention.h).
@@ -471,6 +472,68 @@ def attend_landed(
         target(engine_id, tier, first_block),
         *deps,
         **_attrs(regions),
+        **attrs,
+    )
+
+
+def attend_spilled(
+    engine_id: int,
+    tier: int,
+    q: jax.Array,  # f32[batch, q_len, num_q_heads, head_dim]
+    spill_ticket: jax.Array,  # int32[]: the spill tier's fetch of this unit (NO_TICKET: none)
+    segments: jax.Array,  # int32[n, 4]: the unit's rows on the memory tier
+    spill_segments: jax.Array,  # int32[m, 4]: its rows on the spill tier
+    positions: jax.Array,  # int32[3, batch]: first key position, valid keys, first query position
+    tag: jax.Array,
+    *,
+    spill_tier: int,
+    unit_len: int,
+    kv_dtype,
+    num_kv_heads: int,
+    scale: float,
+    soft_cap: float | None = None,
+    window: int | None = None,
+    tier_dtype=None,
+    deps: Sequence[jax.Array] = (),
+    regions: Regions | None = None,
+    spill_regions: Regions | None = None,
+    owner: jax.Array | Sequence[int] | None = None,
+    first_block: jax.Array | int = 0,
+    spill_first_block: jax.Array | int = 0,
+) -> tuple[jax.Array, jax.Array]:  # out f32 like q, lse f32[batch, q_len, num_q_heads]
+    """A two-level cache's unit (CPU backend): its rows on the memory tier (``segments``)
+    read where they lie, as :func:`attend_in_place` does, and its rows on the spill tier
+    (``spill_segments``) where ``spill_ticket``'s fetch landed, as :func:`attend_landed`
+    does, attended together. Each sequence's rows, both tiers together, must be exactly
+    its valid keys."""
+    _check_segments(segments)
+    _check_segments(spill_segments)
+    tag = _check_tag(tag)
+    attrs = _attend_attrs(
+        q, positions, unit_len, kv_dtype, num_kv_heads, scale, soft_cap, window, tier_dtype
+    )
+    spill_ticket = jnp.asarray(spill_ticket, dtype=jnp.int32)
+    if spill_ticket.shape != ():
+        raise ValueError(f"spill_ticket must be an int32 scalar; got shape {spill_ticket.shape}")
+    spill_attrs = {f"spill_{k}": v for k, v in _attrs(spill_regions).items()}
+    call = _ffi_call(
+        _TARGETS["attend_spilled"],
+        (_sds(q), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)),
+        has_side_effect=True,
+    )
+    return call(
+        q,
+        spill_ticket,
+        segments,
+        spill_segments,
+        positions,
+        tag,
+        _check_owner(owner),
+        target(engine_id, tier, first_block),
+        target(engine_id, spill_tier, spill_first_block),
+        *deps,
+        **_attrs(regions),
+        **spill_attrs,
         **attrs,
     )
 

@@ -301,6 +301,8 @@ NB_MODULE(_tpusync, m) {
     d["tpusync_attend"] = HandlerCapsule(reinterpret_cast<void*>(TpusyncAttendCpu));
     d["tpusync_attend_landed"] =
         HandlerCapsule(reinterpret_cast<void*>(TpusyncAttendLandedCpu));
+    d["tpusync_attend_spilled"] =
+        HandlerCapsule(reinterpret_cast<void*>(TpusyncAttendSpilledCpu));
     return d;
   });
   // The process-wide engine registry, for the optional CUDA module (`_tpusync_cuda`),

@@ -36,6 +36,11 @@
 //   never trusted), and attends over the landing buffer, which the engine holds (not
 //   pooled, freed or handed to another fetch) until the attention ends. No XLA buffer but
 //   this op's out and lse is written. On a memory tier it reads in place as attend does.
+// attend_spilled(q, spill_ticket, segments, spill_segments, positions, tag, owner, target,
+//     spill_target, *deps) -> (out, lse)
+//   A two-level cache's unit: its memory tier's rows (`segments`, `target`) read where they
+//   lie, as attend does, and its spill tier's (`spill_segments`, `spill_target`) where
+//   `spill_ticket`'s fetch landed, as attend_landed does, attended together in one pass.
 //
 // Segments are int32[n, 4] rows (block, offset_in_block, memory_offset, bytes): two int32
 // fields address a 64-bit tier offset without requiring jax_enable_x64. `memory_offset` is
@@ -479,6 +484,70 @@ ffi::Error AttendLandedImpl(ffi::Buffer<ffi::F32> q, ffi::BufferR0<ffi::S32> tic
   return ToFfiError(status);
 }
 
+ffi::Error AttendSpilledImpl(ffi::Buffer<ffi::F32> q, ffi::BufferR0<ffi::S32> spill_ticket,
+                             ffi::Buffer<ffi::S32> segments, ffi::Buffer<ffi::S32> spill_segments,
+                             ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> tag,
+                             ffi::Buffer<ffi::S32> owner, ffi::Buffer<ffi::S32> target,
+                             ffi::Buffer<ffi::S32> spill_target, ffi::RemainingArgs /*deps*/,
+                             ffi::Result<ffi::Buffer<ffi::F32>> out,
+                             ffi::Result<ffi::Buffer<ffi::F32>> lse, int64_t region_base,
+                             int64_t region_bytes, int64_t region_count,
+                             int32_t region_block_rows, int64_t spill_region_base,
+                             int64_t spill_region_bytes, int64_t spill_region_count,
+                             int32_t spill_region_block_rows, int64_t unit_len,
+                             int32_t kv_dtype, int32_t tier_dtype, int32_t num_kv_heads,
+                             float scale, float soft_cap, int32_t window) {
+  const Ticket ticket = spill_ticket.typed_data()[0];
+  auto op = Bind(target);
+  if (!op.ok()) return ToFfiError(op.status());
+  auto spill = Bind(spill_target);
+  if (!spill.ok()) return ToFfiError(spill.status());
+  Engine& engine = *op->engine;
+  if (spill->engine.get() != &engine) {
+    return ToFfiError(InvalidArgument("target and spill_target name different engines"));
+  }
+  StatusOr<int64_t> stream = CheckOwner(engine, owner);
+  if (!stream.ok()) return ToFfiError(stream.status());
+  auto plan = PlanAttend(*op, *stream, q, segments, positions, tag,
+                         MakeRegions(region_base, region_bytes, region_count, region_block_rows),
+                         unit_len, kv_dtype, tier_dtype, num_kv_heads, scale, soft_cap, window);
+  StatusOr<FetchRequest> spilled = InvalidArgument("not decoded");
+  if (plan.ok()) {
+    const uint64_t buffer =
+        2 * static_cast<uint64_t>(plan->shape.batch) * unit_len * plan->shape.row_bytes();
+    spilled = DecodeFetch(*spill, spill_segments, buffer, tag,
+                          MakeRegions(spill_region_base, spill_region_bytes, spill_region_count,
+                                      spill_region_block_rows),
+                          *stream);
+  }
+  if (!plan.ok() || !spilled.ok()) {
+    if (ticket != kNoTicket) engine.Discard(ticket);  // Nobody else will consume it.
+    return ToFfiError(plan.ok() ? spilled.status() : plan.status());
+  }
+  // The unit's rows on both tiers, attended together: the spill tier's where its fetch
+  // landed (held until the attention ends), the memory tier's where they lie (ordered after
+  // earlier write-backs of them). Each sequence's rows, both tiers together, must be
+  // exactly its valid keys.
+  const uint64_t split_bytes = engine.options().split_read_bytes;
+  bool hit = false;
+  Status status = engine.VisitLanded(
+      ticket, *spilled,
+      [&](const std::vector<const uint8_t*>& spill_src, CopyHelper*) {
+        return engine.ReadInPlace(
+            plan->want, [&](const std::vector<const uint8_t*>& src, CopyHelper* helper) {
+              AttendPlan both = *plan;
+              std::vector<const uint8_t*> rows = src;
+              both.want.segments.insert(both.want.segments.end(), spilled->segments.begin(),
+                                        spilled->segments.end());
+              rows.insert(rows.end(), spill_src.begin(), spill_src.end());
+              return AttendRows(both, q.typed_data(), split_bytes, rows, helper,
+                                out->typed_data(), lse->typed_data());
+            });
+      },
+      &hit);
+  return ToFfiError(status);
+}
+
 }  // namespace
 
 // The signatures, operand by operand, are in xla/op_signatures.h (shared with CUDA).
@@ -490,5 +559,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncMarkCpu, MarkImpl, MarkSignature(ffi::Ffi::
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncAttendCpu, AttendImpl, AttendSignature(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncAttendLandedCpu, AttendLandedImpl,
                               AttendLandedSignature(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TpusyncAttendSpilledCpu, AttendSpilledImpl,
+                              AttendSpilledSignature(ffi::Ffi::Bind()));
 
 }  // namespace tpusync

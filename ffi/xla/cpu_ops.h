@@ -12,6 +12,7 @@ XLA_FFI_Error* TpusyncWriteBackCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* TpusyncMarkCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* TpusyncAttendCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* TpusyncAttendLandedCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* TpusyncAttendSpilledCpu(XLA_FFI_CallFrame* call_frame);
 }
 }  // namespace tpusync
 

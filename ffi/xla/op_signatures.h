@@ -154,6 +154,38 @@ auto AttendLandedSignature(Binding&& binding) {
       .template Attr<int32_t>("window");
 }
 
+// tpusync_attend_spilled(q, spill_ticket, segments, spill_segments, positions, tag, owner,
+//   target, spill_target, *deps) -> (out, lse); attributes: the region bounds of the
+//   memory tier, spill_region_* those of the spill tier, and attend's. CPU only.
+template <typename Binding>
+auto AttendSpilledSignature(Binding&& binding) {
+  namespace ffi = xla::ffi;
+  return WithTransferAttrs(std::forward<Binding>(binding)
+                               .template Arg<ffi::Buffer<ffi::F32>>()    // q
+                               .template Arg<ffi::BufferR0<ffi::S32>>()  // spill ticket
+                               .template Arg<ffi::Buffer<ffi::S32>>()    // segments
+                               .template Arg<ffi::Buffer<ffi::S32>>()    // spill segments
+                               .template Arg<ffi::Buffer<ffi::S32>>()    // positions [3, batch]
+                               .template Arg<ffi::Buffer<ffi::S32>>()    // tag
+                               .template Arg<ffi::Buffer<ffi::S32>>()    // owner
+                               .template Arg<ffi::Buffer<ffi::S32>>()    // target
+                               .template Arg<ffi::Buffer<ffi::S32>>()    // spill target
+                               .RemainingArgs()                          // deps
+                               .template Ret<ffi::Buffer<ffi::F32>>()    // out, like q
+                               .template Ret<ffi::Buffer<ffi::F32>>())   // lse
+      .template Attr<int64_t>("spill_region_base")
+      .template Attr<int64_t>("spill_region_bytes")
+      .template Attr<int64_t>("spill_region_count")
+      .template Attr<int32_t>("spill_region_block_rows")
+      .template Attr<int64_t>("unit_len")
+      .template Attr<int32_t>("kv_dtype")
+      .template Attr<int32_t>("tier_dtype")
+      .template Attr<int32_t>("num_kv_heads")
+      .template Attr<float>("scale")
+      .template Attr<float>("soft_cap")
+      .template Attr<int32_t>("window");
+}
+
 // tpusync_pointer_kind(x) -> kind: diagnostics, CUDA only (see cuda/cuda_ops.h).
 template <typename Binding>
 auto PointerKindSignature(Binding&& binding) {
