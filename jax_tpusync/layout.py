@@ -37,7 +37,8 @@ def in_place_blocker(
 ) -> str | None:
     """Why a cache of this configuration cannot attend to its tier in place (see
     :mod:`jax_tpusync.step.in_place`), or None if it can: a host tier where its pool holds
-    the rows, a file tier where each unit's fetch landed in the engine's memory."""
+    the rows, a file tier (or a two-level cache's spill file) where each unit's fetch
+    landed in the engine's memory."""
     if tier not in ("host", "file"):
         return f"tier={tier!r} is neither in memory nor fetched into the engine's memory"
     if (blocker := backend.in_place_blocker()) is not None:
@@ -48,8 +49,6 @@ def in_place_blocker(
         )
     if np.dtype(dtype) not in ops.IN_PLACE_KV_DTYPES:
         return f"dtype={np.dtype(dtype)} (rows are read in place as bfloat16 or float32)"
-    if two_level:
-        return "a two-level cache's units also come from its spill file"
     if resident:
         return "a resident cache reads no unit at all"
     return None
@@ -146,7 +145,7 @@ def plan(config: CacheConfig) -> CacheSpec:
         resident=resident,
         spill_blocks=spill_blocks,
         reads_in_place=reads_in_place,
-        attends_landed=reads_in_place and config.tier.kind == "file",
+        attends_landed=reads_in_place and (config.tier.kind == "file" or two_level),
     )
 
 

@@ -72,8 +72,9 @@ class CacheSpec:
     # A host tier's units are attended to where they lie in the pool, on the CPU backend
     # (see jax_tpusync.step.in_place); False: they are copied into staging first.
     reads_in_place: bool = False
-    # Of such a cache, a file tier's: each unit is still fetched ahead (prefetch_depth),
-    # into the engine's landing memory, and attended where it landed (ops.attend_landed).
+    # Of such a cache, a file tier's (or a two-level cache's spill tier's): each unit is
+    # still fetched ahead (prefetch_depth), into the engine's landing memory, and attended
+    # where it landed (ops.attend_landed; ops.attend_spilled with the DRAM tier's rows).
     attends_landed: bool = False
 
     @property

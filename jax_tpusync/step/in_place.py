@@ -83,6 +83,9 @@ def landed_unit(
     into slot 0 and :func:`landed_bytes`) landed in the engine's memory; a fetch that is
     not this unit's is read again, never trusted."""
     lo, count = plan.unit_range(spec, layer, chunk, state.lengths)
+    spill = None
+    if spec.spill_blocks:  # A two-level cache: the fetch ahead was its spill tier's.
+        spill = plan.fetch_segments(spec, state, layer, lo, count, 0, level=1)
     return attend_unit(
         spec,
         state,
@@ -97,6 +100,7 @@ def landed_unit(
         scale=scale,
         soft_cap=soft_cap,
         ticket=ticket,
+        spill_segments=spill,
     )
 
 
@@ -121,21 +125,38 @@ def attend_unit(
     scale: float,
     soft_cap: float | None,
     ticket: jax.Array | None = None,  # int32[]: the unit's fetch ahead (a file tier's)
+    spill_segments: jax.Array | None = None,  # int32[m, 4]: a two-level cache's spill rows
 ) -> tuple[jax.Array, jax.Array]:  # out f32[batch, q_len, num_q_heads, head_dim], lse f32[...]
     """``(out, lse)`` of ``q`` over one unit's cached rows, read where the tier holds them
-    (or, with ``ticket``, where that fetch of ``segments`` landed in the engine's memory):
-    what ``wait_fetch`` of ``segments`` and the attention over the staged unit compute."""
+    (or, with ``ticket``, where that fetch of ``segments`` landed in the engine's memory;
+    with ``spill_segments`` too, ``segments`` where the memory tier holds them and
+    ``spill_segments`` where ``ticket``, the spill tier's fetch, landed): what
+    ``wait_fetch`` of ``segments`` and the attention over the staged unit compute."""
     # An inactive slot's segments move no bytes (see plan.segments): nor may it attend.
     valid = jnp.where(state.capacity > 0, count, 0).astype(jnp.int32)
     positions = jnp.stack([lo, valid, state.lengths]).astype(jnp.int32)
     q = q.astype(jnp.float32)
-    if ticket is None:
-        op = functools.partial(ops.attend_in_place, state.target[0], state.target[1], q)
+    eid, tier = state.target[0], state.target[1]
+    rows = (segments,)
+    if spill_segments is not None:
+        op = functools.partial(
+            ops.attend_spilled,
+            eid,
+            tier,
+            q,
+            ticket,
+            spill_tier=state.target[4],
+            spill_first_block=state.target[5],
+            spill_regions=spec.spill_regions,
+        )
+        rows = (segments, spill_segments)
+    elif ticket is None:
+        op = functools.partial(ops.attend_in_place, eid, tier, q)
     else:
-        op = functools.partial(ops.attend_landed, state.target[0], state.target[1], q, ticket)
+        op = functools.partial(ops.attend_landed, eid, tier, q, ticket)
     call = functools.partial(
         op,
-        segments,
+        *rows,
         positions,
         tag,
         unit_len=spec.chunk_len,

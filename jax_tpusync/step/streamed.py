@@ -205,23 +205,28 @@ def streamed_layer(
         # unit is waited for and attended where it landed in one op: no copy into staging.
         # Every unit's segments address staging slot 0 (no slot is allocated); the tickets
         # still rotate over the slots.
+        # A two-level cache fetches ahead from its spill tier only (level 1's tickets); its
+        # memory tier's rows are read where they lie.
         q_, out, lse, staging, tickets, slot = carry
         p_layer, p_chunk, p_lens, ok = plan.advance(spec, layer, chunk, lengths, grow)
         p_slot = (slot + spec.prefetch_depth) % spec.num_slots
         p_lo, p_count = plan.unit_range(spec, p_layer, p_chunk, p_lens)
         p_count = jnp.where(ok, p_count, 0)
+        level = 1 if spec.spill_blocks else 0
+        tier, first_block, regions = levels[level]
+        at = level * spec.num_slots
         q_, p_ticket = ops.start_fetch(
             eid,
-            state.target[1],
+            tier,
             q_,
-            plan.fetch_segments(spec, state, p_layer, p_lo, p_count, 0),
+            plan.fetch_segments(spec, state, p_layer, p_lo, p_count, 0, level),
             plan.tag(p_layer, p_chunk),
             dst_bytes=in_place.landed_bytes(spec),
             deps=(token, out),
-            regions=spec.regions,
-            retire=tickets[p_slot],
+            regions=regions,
+            retire=tickets[at + p_slot],
             owner=owner,
-            first_block=state.target[2],
+            first_block=first_block,
         )
         o, l = in_place.landed_unit(
             spec,
@@ -229,14 +234,14 @@ def streamed_layer(
             layer,
             chunk,
             q_,
-            tickets[slot],
+            tickets[at + slot],
             deps=(token, k, v, out),
             owner=owner,
             scale=scale,
             soft_cap=soft_cap,
         )
         out, lse = kernel_reference.merge_partials(out, lse, o, l)
-        tickets = tickets.at[slot].set(ops.NO_TICKET).at[p_slot].set(p_ticket)
+        tickets = tickets.at[at + slot].set(ops.NO_TICKET).at[at + p_slot].set(p_ticket)
         return q_, out, lse, staging, tickets, (slot + 1) % spec.num_slots
 
     if spec.attends_landed:

@@ -614,13 +614,18 @@ def test_read_in_place_auto_applies_where_it_can(tmp_path):
                 assert cache.spec.reads_in_place is want, (dtype, tier_dtype)
     with tps.OffloadedKVCache(**BASE) as cache:  # The default.
         assert cache.spec.reads_in_place
-    for extra in (dict(), dict(tier_dtype="int8")):  # A file tier's landed units too.
-        with tps.OffloadedKVCache(**base, tier="file", path=tmp_path, **extra) as cache:
+    landed = [  # Units fetched ahead and attended where they landed.
+        dict(tier="file", path=tmp_path),
+        dict(tier="file", path=tmp_path, tier_dtype="int8"),
+        dict(spill_path=tmp_path, spill_blocks=1),
+    ]
+    for extra in landed:
+        with tps.OffloadedKVCache(**{**base, **extra}) as cache:
             assert cache.spec.reads_in_place and cache.spec.attends_landed, extra
     others = [
         dict(tier="file", path=tmp_path, dtype=np.float16),
         dict(resident=True),
-        dict(spill_path=tmp_path, spill_blocks=1),
+        dict(spill_path=tmp_path, spill_blocks=1, dtype=np.float16),
     ]
     for extra in others:
         with tps.OffloadedKVCache(**{**base, **extra}) as cache:
@@ -636,7 +641,6 @@ def test_read_in_place_auto_applies_where_it_can(tmp_path):
             r"dtype=float16 \(a quantized tier is read in place for bfloat16 or float32\)",
         ),
         (dict(resident=True), r"a resident cache reads no unit at all"),
-        (dict(spill_blocks=1), r"a two-level cache's units also come from its spill file"),
     ],
 )
 def test_read_in_place_true_where_it_cannot_apply_is_refused(tmp_path, extra, why):

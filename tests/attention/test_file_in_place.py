@@ -13,6 +13,11 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
+from jax_tpusync import backend
+
+pytestmark = pytest.mark.skipif(
+    backend.in_place_blocker() is not None, reason="a file tier is read in place on CPU only"
+)
 
 LAYERS, BATCH, MAX_LEN, HEAD_DIM = 3, 3, 96, 16
 START = np.array([70, 0, 41])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
+from jax_tpusync import backend
 
 H, QH, D, BT, NB = 2, 4, 8, 4, 8  # KV heads, query heads, head size, block tokens, DRAM blocks
 LAYERS = 2
@@ -120,8 +121,16 @@ def _cache_doc_then_press(cache, state):
 
 
 @pytest.mark.parametrize("tier_dtype", [None, "int8"])
-def test_demoted_prefix_blocks_are_read_in_place_from_the_spill_tier(tmp_path, tier_dtype):
-    with _cache(tmp_path, promote_after=None, tier_dtype=tier_dtype) as cache:
+@pytest.mark.parametrize("read_in_place", ["auto", False], ids=["landed", "staged"])
+def test_demoted_prefix_blocks_are_read_in_place_from_the_spill_tier(
+    tmp_path, tier_dtype, read_in_place
+):
+    """Units that straddle the tiers: attended where the spill fetch landed and the DRAM
+    rows lie (CPU backend's default), or copied into staging from both."""
+    kw = dict(promote_after=None, tier_dtype=tier_dtype, read_in_place=read_in_place)
+    with _cache(tmp_path, **kw) as cache:
+        landing = read_in_place == "auto" and backend.in_place_blocker() is None
+        assert cache.spec.attends_landed == landing
         state = _cache_doc_then_press(cache, cache.init(admit=False))
         assert cache.prefix_stats["spill_free_blocks"] == 8 - 3
         tokens = DOC + [5, 6, 7]
@@ -145,6 +154,8 @@ def test_demoted_prefix_blocks_are_read_in_place_from_the_spill_tier(tmp_path, t
         before = cache.engine.stats()["tiers"][spill_tier]["fetch"]["bytes"]
         state = _decode_matches_resident(cache, state)
         fetched = cache.engine.stats()["tiers"][spill_tier]["fetch"]["bytes"] - before
+        landed = cache.engine.stats()["landed_reads"]
+        assert (landed > 0) == cache.spec.attends_landed
         # 3 steps x 2 layers x K|V x 12 shared rows, each unit read once (some twice: the
         # last layer's cross-step prefetch is retired by the host's drain).
         row = H * D * 4

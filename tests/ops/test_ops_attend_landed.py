@@ -294,3 +294,44 @@ def test_python_side_checks_name_the_argument(pool16):
         call(kv_dtype=np.float16)
     with pytest.raises(ValueError, match=r"unit_len=0 must be an int >= 1"):
         call(unit_len=0)
+
+
+def test_a_unit_across_two_tiers_is_attended_in_one_pass(make_engine, file_dir):
+    """attend_spilled: a two-level cache's unit, every other block on the spill file (fetched
+    ahead, read where it landed) and the rest in DRAM (read where it lies): the reference's
+    numbers; a spill fetch of other bytes is read again; rows on neither tier are refused."""
+    e = make_engine()
+    shape = dict(batch=3, unit_len=40, kv_heads=2, head_dim=16, dtype=np.float32, block_rows=8)
+    dram = Pool(e, **shape)  # The same seed: both tiers hold the same rows in the same blocks.
+    spill = file_pool(e, file_dir, **shape)
+    valid = np.array([40, 0, 21], np.int32)
+    segments = dram.segments(valid)
+    mine, theirs = segments[0::2], segments[1::2]
+    k_start = np.array([0, 7, 100], np.int32)
+    q_start = k_start + valid
+    q = jnp.asarray(np.random.default_rng(4).standard_normal((3, 1, 4, 16)), jnp.float32)
+    positions = jnp.asarray(np.stack([k_start, valid, q_start]))
+
+    def run(dram_rows, spill_rows, fetched_rows, **kw):
+        def step(q):
+            q, t = ops.start_fetch(
+                e.id, spill.tier, q, spill.rows(fetched_rows), TAG, dst_bytes=unit_bytes(spill)
+            )
+            return ops.attend_spilled(
+                e.id, dram.tier, q, t, dram.rows(dram_rows), spill.rows(spill_rows), positions,
+                TAG, spill_tier=spill.tier, unit_len=40, kv_dtype=np.float32, num_kv_heads=2,
+                scale=0.25, **kw,
+            )  # fmt: skip
+
+        return jax.jit(step)(q)
+
+    want = dram.reference(q, k_start, valid, q_start, scale=0.25, window=30)
+    for fetched in (theirs, theirs[1:]):  # The unit's spill rows; other rows (a miss).
+        out, lse = run(mine, theirs, fetched, window=30)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want[0]), rtol=2e-6, atol=2e-6)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(want[1]), rtol=2e-6, atol=2e-6)
+    stats = e.stats()
+    assert stats["prefetch_hits"] == 1 and stats["prefetch_misses"] == 1
+    assert stats["in_place_reads"] == 2 and stats["landed_reads"] == 2
+    with pytest.raises(XlaError, match=r"the K rows of sequence 0 skip to row 16"):
+        jax.block_until_ready(run(mine, theirs[1:], theirs[1:]))
