@@ -1,5 +1,5 @@
-"""A unit of host-tier KV attended to where it lies: no copy into the step's buffers (CPU
-backend).
+"""A unit of KV attended to where it lies (a host tier) or where its fetch landed (a file
+tier): no copy into the step's buffers (CPU backend).
 
 On the CPU backend a host tier's pool and the compiled step share one memory. A fetch from
 the pool can only run inside the op that needs its bytes (an XLA buffer is ours only while
@@ -13,13 +13,22 @@ Ordering is a fetch's: the call is registered with the engine's scoreboard as a 
 those tier bytes, so it starts after every earlier write-back of them (a failed one fails
 it) and later writes wait for it. Nothing lands in staging, so nothing is prefetched.
 
-It applies to a host tier whose rows are bfloat16 or float32 values, or a quantized tier's
-int8 or float8_e4m3fn codes with their scales (applied inside the kernel; not float16
-values), on one tier (not a two-level cache), streamed (not resident), on the CPU
-backend (:func:`jax_tpusync.layout.in_place_blocker` says why not elsewhere); anywhere else
-units go through staging. Such a cache's state holds no staging at all, so it takes the
-plain-XLA attention only (the Pallas kernels read units from staging). The step only
-follows ``spec.reads_in_place``.
+A file tier's unit (``spec.attends_landed``) is read where its fetch *landed*: the step
+still starts each unit's fetch ``prefetch_depth`` units ahead, into the engine's landing
+memory, and :func:`landed_unit` is one custom call that waits for the unit's ticket,
+compares the fetch with the one it needs (a different, failed or missing fetch is read
+again, never trusted) and attends over the landing buffer, which the engine holds until
+the attention ends. No XLA buffer but the call's own outputs is written. A two-level
+cache's unit is attended over both tiers in one call: its DRAM rows where they lie, its
+spill file's rows where their fetch landed.
+
+It applies to rows of bfloat16 or float32 values, or a quantized tier's int8 or
+float8_e4m3fn codes with their scales (applied inside the kernel; not float16 values),
+streamed (not resident), on the CPU backend (:func:`jax_tpusync.layout.in_place_blocker`
+says why not elsewhere); anywhere else units go through staging. Such a cache's state
+holds no staging at all, so it takes the plain-XLA attention only (the Pallas kernels read
+units from staging). The step only follows ``spec.reads_in_place`` and
+``spec.attends_landed``.
 """
 
 from __future__ import annotations
