@@ -129,6 +129,7 @@ def test_token_ids_survive_commit_sigkill_and_reattach(tmp_path):
         text=True,
         timeout=300,
         env=dict(os.environ),
+        cwd="/",  # Not the source tree, whose package has no built extension.
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     with make(tier="file", path=str(data), file_name="kv") as cache:

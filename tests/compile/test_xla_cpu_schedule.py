@@ -110,7 +110,8 @@ def test_setup_cpu_sets_the_schedule_and_keeps_a_cpu_for_the_engine():
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
+        cwd="/",  # Not the source tree, whose package has no built extension.
     )
     assert proc.returncode == 0, proc.stderr
     assert "setup_cpu() must run before JAX starts its backends" in proc.stdout

@@ -56,7 +56,8 @@ def test_a_kill_between_the_shards_commits_reattaches_to_the_common_lengths(tmp_
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
     script = CHILD.format(test_dir=str(Path(__file__).parent), path=str(data))
     proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
+        cwd="/",  # Not the source tree, whose package has no built extension.
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     mesh = jax.make_mesh((1, 2), ("data", "model"))

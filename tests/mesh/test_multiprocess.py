@@ -58,7 +58,9 @@ def test_two_processes_decode_their_own_shards(tmp_path):
     assert [r["shards"] for r in reports] == [[0, 1], [2, 3]]
     assert [r["rows"] for r in reports] == [[0, 1], [2, 3]]
     for r in reports:
-        assert r["max_err"] <= 1e-5, r
+        # A file tier is read where its units land, by the engine's attention, which sums
+        # in another order than XLA's (as a host tier read in place: 4e-5 of these logits).
+        assert r["max_err"] <= 4e-5, r
         assert r["tier_exact"], r
     # One directory, one file per shard, written by both processes.
     assert sorted(p.name for p in tmp_path.glob("kv-shard*.tpusync")) == [

@@ -160,6 +160,7 @@ def run_python(code: str, *args: str, timeout: float = SUBPROCESS_TIMEOUT, **kw)
         capture_output=True,
         text=True,
         timeout=timeout,
+        cwd=kw.pop("cwd", "/"),  # Not the source tree, whose package has no built extension.
         **kw,
     )
 
@@ -470,6 +471,7 @@ def test_a_killed_holder_is_a_miss_within_the_deadline(make_master):
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
+        cwd="/",  # Not the source tree, whose package has no built extension.
     )
     try:
         line = holder.stdout.readline()  # Bounded by the holder's own sleep and the kill below.
