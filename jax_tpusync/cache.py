@@ -170,7 +170,10 @@ class OffloadedKVCache:
                 self._owned_levels.append(remote[-1])
         # A file tier's first staging buffer is made now: its data is shifted to that
         # buffer's offset within a page, so fetches into it skip the bounce buffer.
-        if config.tier.kind == "file" and not spec.resident or spec.spill_blocks:
+        # (A state read in place has no staging: its units stay in engine memory.)
+        if (config.tier.kind == "file" or spec.spill_blocks) and not (
+            spec.resident or spec.reads_in_place
+        ):
             self._first_staging = self._new_staging()
         self.store = TierBlocks.open(engine, config, spec, self._first_staging)
         self.tier = self.store.tier

@@ -539,3 +539,15 @@ def test_a_refused_step_prints_no_traceback_at_exit(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "refused: True" in done.stdout
     assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_every_state_of_a_file_tier_read_in_place_has_one_shape(tmp_path):
+    """The first state is shaped like the later ones (no unit-sized staging kept for a
+    file tier whose units are read where they land): one compiled step serves them all."""
+    with _cache("file", tmp_path, read_in_place="auto") as cache:
+        if not cache.spec.reads_in_place:
+            pytest.skip("this backend reads a file tier through staging")
+        first = cache.init()
+        assert first.staging.shape == cache.spec.staging_shape == cache.inert_state().staging.shape
+        again = cache.drain(first)
+        assert again.staging.shape == first.staging.shape
