@@ -57,9 +57,10 @@ def prefetching_attention(
     attends over positions ``[0, length + q_len)`` (or the layer's sliding window), and
     starts fetching the KV the next call will need while this one computes. On a resident
     cache (``OffloadedKVCache(resident=True)``) it fetches nothing: it attends over the
-    state's device copy of the KV, which it updates alongside the write-back. On a host
-    tier read in place (``read_in_place``, the CPU backend's default) it fetches nothing
-    either: each unit is attended to where the host pool holds it.
+    state's device copy of the KV, which it updates alongside the write-back. On a tier
+    read in place (``read_in_place``, the CPU backend's default) nothing is copied into
+    staging: a host tier's units are attended to where the pool holds them, a file tier's
+    where their fetch (started layer-ahead, as always) landed in engine memory.
 
     Call it once per layer, layers in order 0..num_layers-1, every step; from a Python loop
     inside ``jit`` (``layer`` an int) or from ``lax.scan`` over stacked weights (``layer``

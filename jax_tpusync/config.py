@@ -388,14 +388,17 @@ class CacheConfig:
             latest) are copied into the state they return.
             Not the default, so that a small cache exercises the same streaming path as a large
             one unless asked.
-          read_in_place: ``"auto"`` (default), ``True`` or ``False``. On the CPU backend a
-            host tier's pool is the step's own memory: with ``True`` (what ``"auto"`` picks
-            wherever it applies) each unit is attended to where the pool holds it, with no copy
-            into staging (see :mod:`jax_tpusync.step.in_place`: a host tier of a bfloat16 or
-            float32 cache, its rows plain or quantized, not two-level, not resident). Such a state allocates no staging
-            (``spec.device_bytes`` is 0), so it takes the ``"xla"`` attention only. ``True``
-            where it cannot apply is refused, naming why; ``False`` copies every unit into
-            staging first, as on an accelerator (and serves ``implementation="pallas"``).
+          read_in_place: ``"auto"`` (default), ``True`` or ``False``. On the CPU backend the
+            engine's memory is the step's own: with ``True`` (what ``"auto"`` picks wherever
+            it applies) each unit is attended to where the engine holds it, with no copy into
+            staging — a host tier's rows where the pool keeps them, a file tier's (and a
+            two-level cache's spill) units where their fetch landed, still fetched
+            ``prefetch_depth`` ahead (see :mod:`jax_tpusync.step.in_place`: a bfloat16 or
+            float32 cache, its rows plain or quantized, not resident). Such a state
+            allocates no staging (``spec.device_bytes`` is 0), so it takes the ``"xla"``
+            attention only. ``True`` where it cannot apply is refused, naming why;
+            ``False`` copies every unit into staging first, as on an accelerator (and
+            serves ``implementation="pallas"``).
           prefetch_depth: units fetched ahead (1: layer L+1 while layer L computes), an int
             in ``[1, MAX_PREFETCH_DEPTH]`` (64), or ``"auto"`` (the default): 1 on a host
             tier, 3 on a file tier or a two-level cache (:func:`auto_prefetch_depth`). When every layer's KV
