@@ -20,7 +20,7 @@ physical blocks, consecutive where it can. Device side: the state carries
 K and V, all sequences), bounded by ``staging_bytes`` whatever the context length; or the
 whole cache (resident mode); or nothing (read in place, CPU).
 
-(Length: about 750 lines, a third of them the docstrings that are the cache's API reference;
+(Length: under 800 lines, a third of them the docstrings that are the cache's API reference;
 what is left is wiring, each decision living in the modules above.)
 """
 

@@ -26,7 +26,7 @@ commit it describes against its geometry; both raise :class:`MissingManifestErro
 the file and what is wrong, whatever the JSON holds. Errors are :class:`PersistenceError`,
 a subclass of :class:`jax_tpusync.TpusyncError`.
 
-(Length: about 800 lines, because every field of the schema has its own checks and its own
+(Length: a little over 800 lines, because every field of the schema has its own checks and its own
 error message naming the file and the field; splitting them would scatter one schema.)
 """
 
