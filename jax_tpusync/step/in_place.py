@@ -15,7 +15,7 @@ it) and later writes wait for it. Nothing lands in staging, so nothing is prefet
 
 A file tier's unit (``spec.attends_landed``) is read where its fetch *landed*: the step
 still starts each unit's fetch ``prefetch_depth`` units ahead, into the engine's landing
-memory, and :func:`landed_unit` is one custom call that waits for the unit's ticket,
+memory, and :func:`unit` with a ticket is one custom call that waits for the unit's ticket,
 compares the fetch with the one it needs (a different, failed or missing fetch is read
 again, never trusted) and attends over the landing buffer, which the engine holds until
 the attention ends. No XLA buffer but the call's own outputs is written. A two-level
@@ -49,6 +49,7 @@ def unit(
     layer,
     chunk,  # int or int32[]: the unit of the layer
     q: jax.Array,  # [batch, q_len, num_q_heads, head_dim]
+    ticket: jax.Array | None = None,  # int32[]: the unit's fetch ahead (a file tier's)
     *,
     deps,
     owner: jax.Array,
@@ -56,44 +57,15 @@ def unit(
     soft_cap: float | None,
 ) -> tuple[jax.Array, jax.Array]:  # out f32[batch, q_len, num_q_heads, head_dim], lse f32[...]
     """``(out, lse)`` of ``q`` over unit ``(layer, chunk)`` of this step: its range, its
-    segments (as a fetch into staging slot 0 would move them) and :func:`attend_unit`."""
-    lo, count = plan.unit_range(spec, layer, chunk, state.lengths)
-    return attend_unit(
-        spec,
-        state,
-        layer,
-        q,
-        plan.fetch_segments(spec, state, layer, lo, count, 0),
-        lo,
-        count,
-        tag=plan.tag(layer, chunk),
-        deps=deps,
-        owner=owner,
-        scale=scale,
-        soft_cap=soft_cap,
-    )
+    segments (as a fetch into staging slot 0 would move them) and :func:`attend_unit`.
 
-
-def landed_unit(
-    spec: CacheSpec,
-    state: KVState,
-    layer,
-    chunk,  # int or int32[]: the unit of the layer
-    q: jax.Array,  # [batch, q_len, num_q_heads, head_dim]
-    ticket: jax.Array,  # int32[]: the fetch started for this unit (NO_TICKET: none)
-    *,
-    deps,
-    owner: jax.Array,
-    scale: float,
-    soft_cap: float | None,
-) -> tuple[jax.Array, jax.Array]:  # out f32[batch, q_len, num_q_heads, head_dim], lse f32[...]
-    """``(out, lse)`` of ``q`` over unit ``(layer, chunk)`` of a file tier, attended where
-    ``ticket``'s fetch (started ahead with this unit's :func:`~jax_tpusync.step.plan.fetch_segments`
-    into slot 0 and :func:`landed_bytes`) landed in the engine's memory; a fetch that is
-    not this unit's is read again, never trusted."""
+    Without ``ticket`` the rows are read where a memory tier holds them. With it (a file
+    tier, or a two-level cache's spill tier) they are attended where that fetch, started
+    ahead with these segments and :func:`landed_bytes`, landed in the engine's memory; a
+    fetch that is not this unit's is read again, never trusted."""
     lo, count = plan.unit_range(spec, layer, chunk, state.lengths)
     spill = None
-    if spec.spill_blocks:  # A two-level cache: the fetch ahead was its spill tier's.
+    if ticket is not None and spec.spill_blocks:  # The fetch ahead was the spill tier's.
         spill = plan.fetch_segments(spec, state, layer, lo, count, 0, level=1)
     return attend_unit(
         spec,

@@ -228,7 +228,7 @@ def streamed_layer(
             owner=owner,
             first_block=first_block,
         )
-        o, l = in_place.landed_unit(
+        o, l = in_place.unit(
             spec,
             state,
             layer,
