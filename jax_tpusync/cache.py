@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tpusync import blocks, effects, layout, ops, persistence
+from jax_tpusync import blocks, effects, layout, ops, persistence, window_ring
 from jax_tpusync.config import CacheConfig, is_int
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.host_io import HostRows, one_slot_load, per_sequence
@@ -191,6 +191,7 @@ class OffloadedKVCache:
             remote_levels=remote,
             before_reuse=None if p is None else p.note_evicted,
             before_release=None if p is None else p.note_release,
+            ring_blocks=spec.ring_blocks,
         )
         if spec.spill_blocks:
             mover = SpillTier(
@@ -585,6 +586,11 @@ class OffloadedKVCache:
         if slot is not None:
             k, v, start, lengths = one_slot_load(self.spec.batch, slot, k, v, start, lengths)
         k, v, starts, counts = self.rows.check_load(k, v, start, lengths)  # Refused: no change.
+        if spec.ring_blocks:  # Only the rows the window can still read (and no two alike).
+            furthest = np.maximum(self._loaded_extent[layer], np.asarray(state.lengths))
+            starts, counts, skip = window_ring.clip_rows(starts, counts, furthest, spec.windows[0])
+            k = np.stack([np.roll(k[b], -int(skip[b]), axis=0) for b in range(spec.batch)])
+            v = np.stack([np.roll(v[b], -int(skip[b]), axis=0) for b in range(spec.batch)])
         if self.persistence is not None:  # Committed rows may change: commit them gone.
             jax.block_until_ready(state)  # The step that made it has finished writing.
             self.persistence.note_rows_written(layer, starts, counts)
@@ -635,7 +641,22 @@ class OffloadedKVCache:
             )
         if raw and not self.spec.quantized:
             raise ValueError("raw=True reads codes and scales: this cache's tier is not quantized")
+        if self.spec.ring_blocks and start < (kept := int(self.kept_from(state)[slot])):
+            raise ValueError(
+                f"[start, stop) = [{start}, {stop}) reaches before position {kept}: slot "
+                f"{slot} keeps only its sliding window (max_step_tokens), positions [{kept}, "
+                f"{length})"
+            )
         return self.rows.read(layer, slot, start, stop, raw=raw)
+
+    def kept_from(self, state: KVState) -> np.ndarray:
+        """int64[batch]: each slot's first position the tier still holds: 0, or for a
+        cache that keeps only its window (``max_step_tokens``) the window's first cached
+        key (:func:`jax_tpusync.window_ring.kept_from`)."""
+        lengths = np.asarray(state.lengths)
+        if not self.spec.ring_blocks:
+            return np.zeros(lengths.shape, np.int64)
+        return window_ring.kept_from(lengths, self.spec.windows[0])
 
     def read_all(
         self,
@@ -646,14 +667,20 @@ class OffloadedKVCache:
         arrays, through the slots' block tables.
 
         Positions at or past ``lengths[b]`` (if given; an int or one per slot, in
-        ``[0, max_len]``) or past a slot's capacity are zero. For checks and debugging.
+        ``[0, max_len]``) or past a slot's capacity are zero; so are, in a cache that keeps
+        only its window (``max_step_tokens``), the positions before the window of a slot
+        of ``lengths[b]`` tokens. For checks and debugging.
         """
         spec = self.spec
         self._check_layer(layer)
         counts = per_sequence("lengths", spec.max_len if lengths is None else lengths, spec.batch)
         if (counts < 0).any() or (counts > spec.max_len).any():
             raise ValueError(f"lengths must be in [0, max_len={spec.max_len}]; got {counts}")
-        return self.rows.read_all(layer, np.minimum(counts, self.slots.capacity))
+        counts = np.minimum(counts, self.slots.capacity)
+        starts = np.zeros_like(counts)
+        if spec.ring_blocks:
+            starts = window_ring.kept_from(counts, spec.windows[0])
+        return self.rows.read_all(layer, counts, starts)
 
     def _check_layer(self, layer: Any) -> None:
         if not is_int(layer) or not 0 <= layer < self.spec.num_layers:

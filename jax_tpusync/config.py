@@ -26,7 +26,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tpusync import prefix, quantize
+from jax_tpusync import prefix, quantize, window_ring
 from jax_tpusync.state import INT32_MAX
 
 # Most units a cache fetches ahead. The walk to the unit ahead is computed in closed form
@@ -57,7 +57,11 @@ class KVGeometry:
     tier_dtype: Any = None  # None, or the one-byte codes' dtype (see jax_tpusync.quantize)
     windows: tuple[int | None, ...] | int | None = None  # per layer; None: global
     block_tokens: int | None = None  # None: DEFAULT_BLOCK_TOKENS, or less for a short max_len
-    num_blocks: int | None = None  # None: every slot at max_len
+    num_blocks: int | None = None  # None: every slot at max_len (or its ring)
+    # Most rows one step appends to a slot, when every layer shares one sliding window:
+    # each slot then keeps a ring of blocks covering its window (jax_tpusync.window_ring).
+    # None: every slot keeps max_len tokens.
+    step_tokens: int | None = None
 
     def __post_init__(self):
         for name in ("num_layers", "batch", "max_len", "num_kv_heads", "head_dim"):
@@ -81,17 +85,46 @@ class KVGeometry:
         if not is_int(block_tokens) or block_tokens < 1 or block_tokens & (block_tokens - 1):
             raise ValueError(f"block_tokens={block_tokens!r} must be a power of two (1, 2, 4, ...)")
         object.__setattr__(self, "block_tokens", int(block_tokens))
+        if self.step_tokens is not None:
+            self._check_ring()
         num_blocks = self.num_blocks
         if num_blocks is None:
-            num_blocks = self.batch * self.max_blocks
+            num_blocks = self.batch * self.slot_blocks
         if not is_int(num_blocks) or num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks!r} must be a positive int")
         object.__setattr__(self, "num_blocks", int(num_blocks))
+
+    def _check_ring(self) -> None:
+        step = self.step_tokens
+        if not is_int(step) or not 1 <= step <= self.max_len:
+            raise ValueError(
+                f"max_step_tokens={step!r} must be an int in [1, max_len={self.max_len}]"
+            )
+        object.__setattr__(self, "step_tokens", int(step))
+        if len(set(self.windows)) != 1 or self.windows[0] is None:
+            raise ValueError(
+                f"max_step_tokens={step} keeps only each slot's window, which needs every "
+                f"layer to share one sliding window; the cache's windows are "
+                f"{sorted(set(self.windows), key=str)} (a model of mixed layers takes "
+                f"jax_tpusync.HybridKVCache, one group per kind of layer)"
+            )
+
+    @property
+    def ring_blocks(self) -> int:
+        """Blocks of each slot's ring (jax_tpusync.window_ring), or 0: no ring."""
+        if self.step_tokens is None:
+            return 0
+        return window_ring.ring_blocks(self.windows[0], self.step_tokens, self.block_tokens)
 
     @property
     def max_blocks(self) -> int:
         """Block table entries per slot: the blocks of max_len tokens."""
         return -(-self.max_len // self.block_tokens)
+
+    @property
+    def slot_blocks(self) -> int:
+        """Blocks one slot holds at most: its ring, or the blocks of max_len tokens."""
+        return min(self.ring_blocks, self.max_blocks) if self.ring_blocks else self.max_blocks
 
     @property
     def quantized(self) -> bool:
@@ -277,6 +310,11 @@ class CacheConfig:
         tier, staging = self.tier, self.staging
         if isinstance(tier, TwoLevelTier) and staging.resident is True:
             raise ValueError("resident=True keeps every block on device: it takes no spill_path")
+        if self.geometry.ring_blocks and staging.resident is True:
+            raise ValueError(
+                "resident=True copies every position to the device; a cache with "
+                "max_step_tokens keeps only each slot's window: drop one of them"
+            )
 
     def prefix_root(self, layout_version: int) -> bytes:
         """The prefix index's root key: the salt (default the model id), the geometry,
@@ -329,6 +367,7 @@ class CacheConfig:
         read_in_place: bool | str = "auto",
         prefetch_depth: int | str = "auto",
         sliding_window: int | Sequence[int | None] | None = None,
+        max_step_tokens: int | None = None,
         prefetch_across_steps: bool = True,
         debug_poison: bool = False,
         model_id: str | None = None,
@@ -408,6 +447,15 @@ class CacheConfig:
           sliding_window: None, an int for every layer, or a per-layer sequence of
             ``int | None`` (ints in ``[1, 2**31 - 1]``): a sliding layer attends to (and
             fetches) only its last W tokens.
+          max_step_tokens: None (default), or, when every layer shares one sliding window
+            W, the most rows one step appends to a slot (its ``q_len``; a decode step 1, a
+            chunked prefill its chunk): each slot then keeps only a ring of blocks covering
+            its last ``W - 1 + max_step_tokens`` tokens (:mod:`jax_tpusync.window_ring`),
+            so the tier, the fetches and the persistence of the cache are independent of
+            the context length; the rows before a slot's window are overwritten (``read``
+            refuses them, a ``load`` writes only the rows the window keeps), and a step of
+            more rows is refused when it is traced. Prefix reuse (``tokens=``) does not map
+            ring blocks.
           prefetch_across_steps: the last layer's call fetches the next step's first unit.
             The returned state then has a fetch in flight (into engine memory: dropping the
             state is safe, the next step's wait copies it into staging).
@@ -455,6 +503,7 @@ class CacheConfig:
             windows=sliding_window,
             block_tokens=block_tokens,
             num_blocks=num_blocks,
+            step_tokens=max_step_tokens,
         )
         return cls(
             geometry=geometry,

@@ -135,17 +135,22 @@ class HostRows:
             out.append(self.from_rows(buf, raw=raw))
         return out[0], out[1]
 
-    def read_all(self, layer: int, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """K and V of every slot's positions ``[0, counts[b])``, zeros past them: two
-        [batch, max_len, H, D] arrays."""
+    def read_all(
+        self, layer: int, counts: np.ndarray, starts: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """K and V of every slot's positions ``[starts[b], counts[b])`` (``starts``
+        default 0), zeros elsewhere: two [batch, max_len, H, D] arrays."""
         spec = self.spec
+        if starts is None:
+            starts = np.zeros_like(counts)
         out = []
         for kv in range(2):
             buf = self.row_buffer((spec.batch, spec.max_len))
             rows = []
             for b in range(spec.batch):
-                mem = b * spec.max_len * spec.row_bytes
-                for tier, offset, n in self.runs(layer, kv, b, 0, int(counts[b])):
+                lo = int(starts[b])
+                mem = (b * spec.max_len + lo) * spec.row_bytes
+                for tier, offset, n in self.runs(layer, kv, b, lo, int(counts[b])):
                     rows.append((tier, offset, mem, n))
                     mem += n
             self.engine.transfer(rows, buf, write=False)

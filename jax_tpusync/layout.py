@@ -85,7 +85,10 @@ def plan(config: CacheConfig) -> CacheSpec:
             f"row = {whole_cache_bytes} bytes, more than staging_bytes={staging.staging_bytes}"
         )
     # A spill block has no resident copy: "auto" stays streamed on a two-level cache.
-    resident = bool(fits and staging.resident in (True, "auto") and not two_level)
+    # A ring (bounded window) keeps no copy of each position: "auto" stays streamed.
+    resident = bool(
+        fits and staging.resident in (True, "auto") and not two_level and not g.ring_blocks
+    )
     reads_in_place = False
     if staging.read_in_place is not False:
         reason = in_place_blocker(
@@ -146,6 +149,7 @@ def plan(config: CacheConfig) -> CacheSpec:
         spill_blocks=spill_blocks,
         reads_in_place=reads_in_place,
         attends_landed=reads_in_place and (config.tier.kind == "file" or two_level),
+        step_tokens=g.step_tokens or 0,
     )
 
 

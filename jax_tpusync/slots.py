@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tpusync import blocks, prefix
+from jax_tpusync import blocks, prefix, window_ring
 from jax_tpusync.history import TokenHistory
 from jax_tpusync.levels import BlockStore, RemoteLevel, SpillMover
 
@@ -64,6 +64,10 @@ class SlotTable:
       before_reuse: called before a block that the last commit may index is rewritten
         (a persistent cache commits its eviction first).
       before_release: called with a slot before its private blocks are freed.
+      ring_blocks: a cache of one sliding window whose slots keep only it: each slot
+        holds this many blocks whatever its capacity, its table row tiled over them (see
+        :mod:`jax_tpusync.window_ring`); its blocks are never shared with the prefix index.
+        0: a slot holds the blocks of its capacity.
     """
 
     def __init__(
@@ -79,8 +83,10 @@ class SlotTable:
         remote_levels: Sequence[RemoteLevel] = (),
         before_reuse: Callable[[], None] | None = None,
         before_release: Callable[[int], None] | None = None,
+        ring_blocks: int = 0,
     ):
         self.batch = batch
+        self.ring_blocks = ring_blocks
         self.max_len = max_len
         self.block_tokens = block_tokens
         self.num_blocks = num_blocks
@@ -126,6 +132,24 @@ class SlotTable:
     def free_blocks(self) -> int:
         """DRAM blocks that neither a slot nor the prefix index holds."""
         return self.dram.free_blocks
+
+    def blocks_for(self, max_tokens: int) -> int:
+        """Blocks a slot admitted for ``max_tokens`` tokens holds."""
+        n = -(-max_tokens // self.block_tokens)
+        return min(n, self.ring_blocks) if self.ring_blocks else n
+
+    def held_blocks(self, slot: int) -> np.ndarray:
+        """The distinct blocks ``slot``'s table names, in table order (a ring's once)."""
+        row = self._tables[slot]
+        row = row[row >= 0]
+        return row[: self.ring_blocks] if self.ring_blocks else row
+
+    def _set_row(self, slot: int, ids: Sequence[int] | np.ndarray) -> None:
+        self._tables[slot] = blocks.NO_BLOCK
+        if self.ring_blocks and len(ids):
+            self._tables[slot] = window_ring.tiled_table(np.asarray(ids), self.max_blocks)
+        else:
+            self._tables[slot, : len(ids)] = ids
 
     def table_row(self, slot: int) -> np.ndarray:
         """int32[max_blocks]: ``slot``'s blocks (a view: do not modify)."""
@@ -236,14 +260,14 @@ class SlotTable:
         shared: list[int] = []
         hits = 0  # Counted by the index's lookup: not hits if the admission is refused.
         try:
-            if ids is not None:
+            if ids is not None and not self.ring_blocks:  # A ring's blocks are its own.
                 limit = max(len(ids) - 1, 0) // self.block_tokens
                 if max_cached is not None:
                     limit = min(limit, max_cached // self.block_tokens)
                 shared = self.prefix.match(ids, limit)
                 hits = len(shared)
                 shared += self._import(ids, len(shared), limit)
-            n = -(-max_tokens // self.block_tokens)
+            n = self.blocks_for(max_tokens)
             fresh = self._allocate(n - len(shared))
         except Exception:
             self.prefix.unpin(shared)
@@ -257,9 +281,7 @@ class SlotTable:
                 self.prefix.hits -= hits
                 self.dram.free(fresh)
                 raise
-        self._tables[slot] = blocks.NO_BLOCK
-        self._tables[slot, : len(shared)] = shared
-        self._tables[slot, len(shared) : n] = fresh
+        self._set_row(slot, np.concatenate([np.asarray(shared, np.int32), fresh]).astype(np.int32))
         self._capacity[slot] = max_tokens
         self._shared[slot] = len(shared)
         self.history.set(slot, [] if ids is None else ids)
@@ -273,19 +295,24 @@ class SlotTable:
         ids = [int(b) for b in block_ids]
         if self._capacity[slot] > 0:
             raise ValueError(f"slot {slot} is active; release it first")
+        if self.ring_blocks and len(ids) != self.blocks_for(capacity):
+            raise ValueError(
+                f"{len(ids)} blocks given for a ring of {self.blocks_for(capacity)} blocks "
+                f"(capacity {capacity})"
+            )
         if len(ids) > self.max_blocks:
             raise ValueError(
                 f"{len(ids)} blocks given, more than a slot's table holds "
                 f"(max_blocks={self.max_blocks})"
             )
-        if not 1 <= capacity <= min(self.max_len, len(ids) * self.block_tokens):
+        most = self.max_len if self.ring_blocks else len(ids) * self.block_tokens
+        if not 1 <= capacity <= min(self.max_len, most):
             raise ValueError(
-                f"capacity={capacity} must be in [1, {min(self.max_len, len(ids) * self.block_tokens)}]"
+                f"capacity={capacity} must be in [1, {min(self.max_len, most)}]"
                 f" (max_len, and the {len(ids)} blocks given)"
             )
         self.dram.reserve(ids)
-        self._tables[slot] = blocks.NO_BLOCK
-        self._tables[slot, : len(ids)] = ids
+        self._set_row(slot, ids)
         self._capacity[slot] = capacity
         self._shared[slot] = 0
         self.history.clear(slot)
@@ -294,7 +321,7 @@ class SlotTable:
         """Admits every inactive slot for ``max_len`` tokens, or none (raises naming the
         blocks it would need)."""
         empty = [b for b in range(self.batch) if self._capacity[b] == 0]
-        need = len(empty) * self.max_blocks
+        need = len(empty) * self.blocks_for(self.max_len)
         if not self.make_room(need):
             raise ValueError(
                 f"init() admits every slot for max_len={self.max_len} tokens, which needs "
@@ -340,9 +367,9 @@ class SlotTable:
         counted, never an error (publishing helps other processes; the slot is released)."""
         ids = self.check_release(slot, length, tokens)
         self._before_release(slot)
-        held = self._tables[slot][self._tables[slot] >= 0]
+        held = self.held_blocks(slot)
         shared = int(self._shared[slot])
-        if ids is not None:
+        if ids is not None and not self.ring_blocks:  # A ring's blocks hold no prefix.
             full = length // self.block_tokens
             covered = ids[: full * self.block_tokens]
             self._export(covered, held[:full])

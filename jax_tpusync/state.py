@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tpusync import ops, quantize
+from jax_tpusync import ops, quantize, window_ring
 
 # Window value standing for "no sliding window" in traced per-layer window arrays.
 NO_WINDOW = np.iinfo(np.int32).max // 2
@@ -76,6 +76,16 @@ class CacheSpec:
     # still fetched ahead (prefetch_depth), into the engine's landing memory, and attended
     # where it landed (ops.attend_landed; ops.attend_spilled with the DRAM tier's rows).
     attends_landed: bool = False
+    # Most rows one step appends, when each slot keeps a ring of blocks covering its window
+    # (every layer shares one window; see jax_tpusync.window_ring); 0: no ring.
+    step_tokens: int = 0
+
+    @property
+    def ring_blocks(self) -> int:
+        """Blocks of each slot's ring, or 0: every slot keeps all its positions."""
+        if not self.step_tokens:
+            return 0
+        return window_ring.ring_blocks(self.windows[0], self.step_tokens, self.block_tokens)
 
     @property
     def itemsize(self) -> int:

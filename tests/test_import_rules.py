@@ -23,6 +23,7 @@ LAYERS: dict[str, int] = {
     "xla_cpu": 0,
     "backend": 0,
     "effects": 0,
+    "window_ring": 0,
     "_cuda": 0,
     "ops": 1,
     "state": 2,

@@ -111,6 +111,13 @@ def _validate(q, k, v, spec: CacheSpec, layer) -> None:
         raise ValueError(f"num_q_heads={hq} must be a multiple of num_kv_heads={spec.num_kv_heads}")
     if t > spec.max_len:
         raise ValueError(f"q_len={t} exceeds max_len={spec.max_len}")
+    if spec.step_tokens and t > spec.step_tokens:
+        # Its rows would overwrite ring entries that this step's window still reads.
+        raise ValueError(
+            f"q_len={t} exceeds max_step_tokens={spec.step_tokens}: the cache keeps only "
+            f"each slot's window plus that many new rows (make it with a larger "
+            f"max_step_tokens, or split the step)"
+        )
     if isinstance(layer, (int, np.integer)):
         if not 0 <= layer < spec.num_layers:
             raise ValueError(

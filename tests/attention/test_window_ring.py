@@ -1,0 +1,207 @@
+"""A cache whose layers share one sliding window keeps only that window (``max_step_tokens``):
+a ring of blocks per slot, reused as the sequence advances. Attention through many wraps
+against the whole history in NumPy, exactly at the window's edges, on every path."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tpusync as tps
+from jax_tpusync import window_ring
+
+LAYERS, BATCH, KV_HEADS, Q_HEADS, HEAD_DIM = 2, 3, 2, 4, 8
+WINDOW, BLOCK, STEP = 6, 4, 4  # Ring: (6 + 4 - 3) // 4 + 2 = 3 blocks = 12 tokens.
+MAX_LEN = 256
+SCALE = 1 / np.sqrt(HEAD_DIM)
+ROW_BYTES = KV_HEADS * HEAD_DIM * 4
+
+PATHS = {
+    "in-place-host": dict(read_in_place=True),
+    "streamed-host": dict(read_in_place=False, staging_bytes=2 * 2 * BATCH * 2 * ROW_BYTES),
+    "file": dict(tier="file", prefetch_depth=2),
+    "file-staged": dict(tier="file", read_in_place=False),
+    "int8": dict(tier_dtype="int8", read_in_place=False),
+}
+
+
+def make_cache(path, tmp_path, **overrides):
+    options = dict(PATHS.get(path, {}), **overrides)
+    if options.get("tier") == "file":
+        options["path"] = str(tmp_path)
+    return tps.OffloadedKVCache(
+        num_layers=LAYERS,
+        batch=BATCH,
+        max_len=MAX_LEN,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype=jnp.float32,
+        block_tokens=BLOCK,
+        sliding_window=WINDOW,
+        max_step_tokens=STEP,
+        **options,
+    )
+
+
+def make_step(q_len):
+    def step(q, k, v, counts, state):
+        outs = []
+        for layer in range(LAYERS):
+            o, state = tps.prefetching_attention(
+                q[layer], k[layer], v[layer], state, layer=layer, query_seq_lengths=counts
+            )
+            outs.append(o)
+        return jnp.stack(outs), state
+
+    return jax.jit(step, donate_argnums=(4,))
+
+
+def windowed(q, keys, values, position, window):
+    """f64 attention of one query row (at ``position``) over ``keys[: position + 1]``,
+    those within ``window`` of it."""
+    group = Q_HEADS // KV_HEADS
+    lo = max(0, position - window + 1)
+    out = np.zeros((Q_HEADS, HEAD_DIM))
+    for h in range(Q_HEADS):
+        kk = keys[lo : position + 1, h // group].astype(np.float64)
+        logits = kk @ q[h].astype(np.float64) * SCALE
+        p = np.exp(logits - logits.max())
+        out[h] = (p / p.sum()) @ values[lo : position + 1, h // group].astype(np.float64)
+    return out
+
+
+def run_against_history(cache, rng, schedule, start=None, tol=2e-5):
+    """Runs the steps of ``schedule`` (per step, int[BATCH] real rows) and checks every
+    real row against the whole history; returns the history [L, 2, B, n, H, D]."""
+    history = np.zeros((LAYERS, 2, BATCH, MAX_LEN, KV_HEADS, HEAD_DIM), np.float32)
+    lengths = np.zeros(BATCH, np.int64)
+    state = cache.init()
+    if start is not None:  # A long context loaded first: only its window is written.
+        n = int(start)
+        for layer in range(LAYERS):
+            history[layer, :, :, :n] = rng.standard_normal((2, BATCH, n, KV_HEADS, HEAD_DIM))
+            state = cache.load(state, layer, history[layer, 0, :, :n], history[layer, 1, :, :n])
+        lengths[:] = n
+    step = make_step(STEP)
+    for counts in schedule:
+        counts = np.asarray(counts)
+        shape = (LAYERS, BATCH, STEP)
+        q = rng.standard_normal((*shape, Q_HEADS, HEAD_DIM)).astype(np.float32)
+        k = rng.standard_normal((*shape, KV_HEADS, HEAD_DIM)).astype(np.float32)
+        v = rng.standard_normal((*shape, KV_HEADS, HEAD_DIM)).astype(np.float32)
+        outs, state = step(q, k, v, jnp.asarray(counts, jnp.int32), state)
+        outs = np.asarray(outs)
+        for layer in range(LAYERS):
+            for b in range(BATCH):
+                n, c = int(lengths[b]), int(counts[b])
+                history[layer, 0, b, n : n + c] = k[layer, b, :c]
+                history[layer, 1, b, n : n + c] = v[layer, b, :c]
+                for i in range(c):
+                    want = windowed(
+                        q[layer, b, i], history[layer, 0, b], history[layer, 1, b], n + i, WINDOW
+                    )
+                    np.testing.assert_allclose(
+                        outs[layer, b, i],
+                        want,
+                        rtol=tol,
+                        atol=tol,
+                        err_msg=f"layer {layer} slot {b} position {n + i}",
+                    )
+        lengths += counts
+        np.testing.assert_array_equal(np.asarray(state.lengths), lengths)
+    return cache.drain(state), history, lengths
+
+
+# Lengths walk through W-1, W, W+1, every block boundary and many ring wraps (the ring is
+# 12 tokens: 70 tokens wrap it 5 times); slot 1 takes whole steps that cross the wrap, slot
+# 2 is idle some steps.
+SCHEDULE = [[1, 4, 0]] * 3 + [[1, 3, 2], [2, 4, 4], [1, 1, 0], [4, 4, 3]] * 7
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_ring_matches_the_whole_history(path, tmp_path):
+    rng = np.random.default_rng(sum(map(ord, path)))
+    tol = 0.06 if path == "int8" else 2e-5
+    with make_cache(path, tmp_path) as cache:
+        ring = window_ring.ring_blocks(WINDOW, STEP, BLOCK)
+        assert cache.spec.ring_blocks == ring == 3
+        # The tier holds each slot's ring, whatever max_len.
+        assert cache.spec.num_blocks == BATCH * ring
+        state, history, lengths = run_against_history(cache, rng, SCHEDULE, tol=tol)
+        assert lengths.max() > 4 * ring * BLOCK  # Several wraps.
+        if path != "int8":
+            for layer in range(LAYERS):
+                for b in range(BATCH):
+                    lo = int(window_ring.kept_from(lengths[b], WINDOW))
+                    k, v = cache.read(state, layer, b, lo)
+                    np.testing.assert_array_equal(k, history[layer, 0, b, lo : lengths[b]])
+                    np.testing.assert_array_equal(v, history[layer, 1, b, lo : lengths[b]])
+
+
+@pytest.mark.parametrize("length", [WINDOW - 1, WINDOW, WINDOW + 1, 2 * BLOCK, 11, 12, 13])
+def test_window_edges_after_a_loaded_context(length, tmp_path):
+    """A loaded context of exactly W-1, W, W+1 tokens, a block boundary and the ring's own
+    size (12) +-1, then steps: only the window's rows were written, and they are right."""
+    rng = np.random.default_rng(length)
+    with make_cache("in-place-host", tmp_path) as cache:
+        run_against_history(cache, rng, [[1, 4, 2], [4, 1, 3], [2, 2, 4]], start=length)
+
+
+def test_a_long_load_writes_only_the_window(tmp_path):
+    """A 200-token load into a 12-token ring: the kept rows are the last W - 1."""
+    rng = np.random.default_rng(1)
+    with make_cache("in-place-host", tmp_path) as cache:
+        state = cache.init()
+        k = rng.standard_normal((BATCH, 200, KV_HEADS, HEAD_DIM)).astype(np.float32)
+        v = rng.standard_normal((BATCH, 200, KV_HEADS, HEAD_DIM)).astype(np.float32)
+        for layer in range(LAYERS):
+            state = cache.load(state, layer, k, v)
+        np.testing.assert_array_equal(np.asarray(state.lengths), [200] * BATCH)
+        lo = 200 - WINDOW + 1
+        got_k, got_v = cache.read(state, 1, 2, lo)
+        np.testing.assert_array_equal(got_k, k[2, lo:])
+        np.testing.assert_array_equal(got_v, v[2, lo:])
+        # One position before the window is refused, by name.
+        with pytest.raises(ValueError, match=r"reaches before position 195: slot 2 keeps only"):
+            cache.read(state, 1, 2, lo - 1)
+        full_k, _ = cache.read_all(1, lengths=200)
+        np.testing.assert_array_equal(full_k[2, lo:200], k[2, lo:])
+        assert not full_k[2, :lo].any()
+
+
+def test_a_step_longer_than_max_step_tokens_is_refused(tmp_path):
+    with make_cache("in-place-host", tmp_path) as cache:
+        state = cache.init()
+        x = jnp.zeros((BATCH, STEP + 1, Q_HEADS, HEAD_DIM), jnp.float32)
+        kv = jnp.zeros((BATCH, STEP + 1, KV_HEADS, HEAD_DIM), jnp.float32)
+        with pytest.raises(ValueError, match=r"q_len=5 exceeds max_step_tokens=4"):
+            tps.prefetching_attention(x, kv, kv, state, layer=0)
+        # Exactly max_step_tokens passes.
+        out, _ = tps.prefetching_attention(x[:, :STEP], kv[:, :STEP], kv[:, :STEP], state, layer=0)
+        assert out.shape == (BATCH, STEP, Q_HEADS, HEAD_DIM)
+
+
+def test_refusals_name_the_problem():
+    common = dict(num_layers=2, batch=1, max_len=64, num_kv_heads=1, head_dim=8, block_tokens=4)
+    with pytest.raises(ValueError, match=r"needs every layer to share one sliding window"):
+        tps.OffloadedKVCache(sliding_window=[4, None], max_step_tokens=2, **common)
+    with pytest.raises(ValueError, match=r"needs every layer to share one sliding window"):
+        tps.OffloadedKVCache(max_step_tokens=2, **common)
+    with pytest.raises(ValueError, match=r"max_step_tokens=0 must be an int in \[1, max_len=64\]"):
+        tps.OffloadedKVCache(sliding_window=4, max_step_tokens=0, **common)
+    with pytest.raises(ValueError, match=r"resident=True copies every position"):
+        tps.OffloadedKVCache(sliding_window=4, max_step_tokens=2, resident=True, **common)
+
+
+def test_ring_blocks_arithmetic_at_its_edges():
+    """The ring covers every span of W + step - 1 positions, wherever it starts in a block,
+    and one block fewer would not (a span starting on a block's last row needs them all)."""
+    for window in range(1, 20):
+        for step in range(1, 10):
+            for bt in (1, 2, 4, 8):
+                r = window_ring.ring_blocks(window, step, bt)
+                span = window + step - 1
+                worst = max((s + span - 1) // bt - s // bt + 1 for s in range(bt))
+                assert worst == r, (window, step, bt)
