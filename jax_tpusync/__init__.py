@@ -4,7 +4,9 @@ The public surface:
 
 * :class:`OffloadedKVCache` describes a cache kept in a host tier (DRAM or a file);
   ``cache.init()`` returns the :class:`KVState` a jitted step carries and donates.
-  :class:`ShardedKVCache` is one split over a device mesh; :func:`kv_cache` makes either.
+  :class:`ShardedKVCache` is one split over a device mesh; :class:`HybridKVCache` one for
+  a model whose layers differ in KV geometry (sliding and global layers, layers reading
+  another's KV), its state a :class:`HybridState`; :func:`kv_cache` makes any of them.
 * :func:`prefetching_attention` replaces a model's attention call: it attends over the
   offloaded cache while the next layer's KV streams in.
 * :class:`Engine` is the async transfer engine underneath; :mod:`jax_tpusync.ops` has the
@@ -26,6 +28,8 @@ from jax_tpusync.engine import (
     TpusyncError,
     split_cpus,
 )
+from jax_tpusync.hybrid import HybridKVCache
+from jax_tpusync.layer_groups import HybridState
 from jax_tpusync.mesh import ShardedKVCache, kv_cache
 from jax_tpusync.quantize import QuantizedRows
 from jax_tpusync.state import KVState
@@ -34,6 +38,8 @@ from jax_tpusync.xla_cpu import setup as setup_cpu
 __all__ = [
     "Engine",
     "EngineConfig",
+    "HybridKVCache",
+    "HybridState",
     "KVState",
     "OffloadedKVCache",
     "QuantizedRows",

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import jax
 
+from jax_tpusync.layer_groups import HybridState
 from jax_tpusync.state import KVState
-from jax_tpusync.step import device, sharded
+from jax_tpusync.step import device, hybrid, sharded
 from jax_tpusync.step.device import IMPLEMENTATIONS
 from jax_tpusync.step.resident import resident_attention
 
@@ -39,9 +40,9 @@ __all__ = ["IMPLEMENTATIONS", "prefetching_attention", "resident_attention"]
 
 def prefetching_attention(
     q: jax.Array,  # [batch, q_len, num_q_heads, head_dim]
-    k: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
-    v: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
-    state: KVState,
+    k: jax.Array | None,  # [batch, q_len, num_kv_heads, head_dim]
+    v: jax.Array | None,  # [batch, q_len, num_kv_heads, head_dim]
+    state: KVState | HybridState,
     *,
     layer: int | jax.Array,
     query_seq_lengths: jax.Array | None = None,
@@ -75,7 +76,8 @@ def prefetching_attention(
         float16 into a float32 cache); float32 into a 16-bit cache is refused at trace
         time, cast it with ``.astype(...)``.
       v: the new tokens' values, same rule.
-      state: the cache state from :meth:`OffloadedKVCache.init` or the previous call.
+      state: the cache state from :meth:`OffloadedKVCache.init` (or
+        :meth:`~jax_tpusync.hybrid.HybridKVCache.init`) or the previous call.
       layer: the layer index, in ``[0, num_layers)``. A traced layer out of range fails
         when the step runs (the engine refuses its write-back: "layer out of range?").
       query_seq_lengths: int32[batch] (may be traced) or None: how many of the step's
@@ -104,15 +106,15 @@ def prefetching_attention(
     ``shard_map`` over the cache's axes it takes each device's share (see
     :mod:`jax_tpusync.mesh` and :mod:`jax_tpusync.step.sharded`).
 
+    A hybrid cache (:class:`~jax_tpusync.hybrid.HybridKVCache`: layers of several KV
+    geometries, sliding layers that keep only their window, layers that read another
+    layer's KV) takes each layer's own shapes; a layer that reads another layer's KV
+    (``kv_sharing``) passes ``k=None, v=None`` (see :mod:`jax_tpusync.step.hybrid`).
+
     Returns:
       ``(out, state)``: ``out`` shaped and typed like ``q``; the updated state (lengths grow
       by ``q_len``, or by ``query_seq_lengths``, after the last layer).
     """
-    spec = state.spec if isinstance(state, KVState) else None
-    if spec is None:
-        raise TypeError(
-            f"state must be a KVState (from OffloadedKVCache.init()), got {type(state).__name__}"
-        )
     options = dict(
         layer=layer,
         query_seq_lengths=query_seq_lengths,
@@ -122,6 +124,18 @@ def prefetching_attention(
         block_kv=block_kv,
         interpret=interpret,
     )
+    if isinstance(state, HybridState):
+        return hybrid.hybrid_attention(q, k, v, state, **options)
+    spec = state.spec if isinstance(state, KVState) else None
+    if spec is None:
+        raise TypeError(
+            f"state must be a KVState (from OffloadedKVCache.init()), got {type(state).__name__}"
+        )
+    if k is None or v is None:
+        raise ValueError(
+            "k and v are None: only a layer of a hybrid cache that reads another layer's KV "
+            "(HybridKVCache's kv_sharing) passes None"
+        )
     if spec.mesh is not None:
         return sharded.sharded_attention(q, k, v, state, **options)
     sharded.refuse_unsharded_cache(q, k, v)

@@ -66,6 +66,12 @@ class KVGeometry:
     def __post_init__(self):
         for name in ("num_layers", "batch", "max_len", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
+            if name in ("num_kv_heads", "head_dim") and isinstance(value, (list, tuple)):
+                raise ValueError(
+                    f"{name}={value!r} gives one value per layer: a cache whose layers differ "
+                    f"in KV geometry is a jax_tpusync.HybridKVCache (jax_tpusync.kv_cache() "
+                    f"picks it)"
+                )
             if not is_int(value) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive int")
             object.__setattr__(self, name, int(value))
@@ -310,6 +316,12 @@ class CacheConfig:
         tier, staging = self.tier, self.staging
         if isinstance(tier, TwoLevelTier) and staging.resident is True:
             raise ValueError("resident=True keeps every block on device: it takes no spill_path")
+        if self.geometry.ring_blocks and tier.persistent:
+            raise ValueError(
+                "a cache with max_step_tokens overwrites its committed rows as its window "
+                "moves, so no commit would survive a crash: drop shm_name / file_name, or "
+                "max_step_tokens (a hybrid cache: bound_windows=False)"
+            )
         if self.geometry.ring_blocks and staging.resident is True:
             raise ValueError(
                 "resident=True copies every position to the device; a cache with "

@@ -49,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax_tpusync.cache import OffloadedKVCache
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.host_io import one_slot_load
+from jax_tpusync.hybrid import HybridKVCache
 from jax_tpusync.mesh_layout import MeshLayout
 from jax_tpusync.state import CacheSpec, KVState
 
@@ -607,9 +608,19 @@ def _outside_mesh():
     return jax.set_mesh(None) if hasattr(jax, "set_mesh") else contextlib.nullcontext()
 
 
-def kv_cache(*, mesh: Mesh | None = None, **options: Any) -> OffloadedKVCache | ShardedKVCache:
+def kv_cache(
+    *, mesh: Mesh | None = None, **options: Any
+) -> OffloadedKVCache | ShardedKVCache | HybridKVCache:
     """A KV cache of ``options`` (:class:`OffloadedKVCache`'s arguments): one device's, or
-    with ``mesh`` (and ``kv_heads_axis`` / ``batch_axis``) a :class:`ShardedKVCache`."""
+    with ``mesh`` (and ``kv_heads_axis`` / ``batch_axis``) a :class:`ShardedKVCache`; a
+    :class:`~jax_tpusync.hybrid.HybridKVCache` when ``num_kv_heads`` or ``head_dim`` is
+    given per layer or ``kv_sharing`` is given."""
+    per_layer = any(
+        isinstance(options.get(name), (list, tuple)) for name in ("num_kv_heads", "head_dim")
+    )
+    if per_layer or options.get("kv_sharing") is not None:
+        return HybridKVCache(mesh=mesh, **options)
+    options.pop("kv_sharing", None)
     if mesh is None:
         return OffloadedKVCache(**options)
     return ShardedKVCache(mesh=mesh, **options)

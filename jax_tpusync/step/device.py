@@ -42,8 +42,64 @@ def device_attention(
     mesh cache, whose write-backs lead with ``shard_guard``)."""
     spec = state.spec
     _validate(q, k, v, spec, layer)
+    layer, counts, options = _step_options(
+        q, spec, layer, implementation, scale, soft_cap, block_kv, interpret, query_seq_lengths
+    )
+
+    # 1. New tokens go out first: later fetches of this layer are queued behind them.
+    token, new_kv, grow = streamed.write_back(spec, state, layer, k, v, shard_guard, counts)
+    if spec.resident:
+        return resident.resident_layer(q, k, v, state, new_kv, token, grow, **options)
+    return streamed.streamed_layer(q, k, v, state, token, grow, **options)
+
+
+def device_read_attention(
+    q: jax.Array,  # [batch, q_len, num_q_heads, head_dim]
+    k: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]: the source layer's new rows
+    v: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+    state: KVState,
+    *,
+    layer: int | jax.Array,
+    step_lengths: jax.Array,  # int32[batch]: the lengths the step began with
+    implementation: str | None = None,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    block_kv: int | None = None,
+    interpret: bool | None = None,
+    query_seq_lengths: jax.Array | None = None,
+) -> tuple[jax.Array, KVState]:
+    """A layer that reads ``layer``'s KV instead of storing its own (a hybrid model's
+    ``kv_sharing``): the attention of that layer as of the step's start (``step_lengths``,
+    its cached rows; ``k``/``v``, the rows it added this step), with no write-back.
+
+    It walks ``layer``'s units again (on a host tier read in place that reads them where
+    they lie; a fetched tier fetches the ones its prefetch chain does not hold, so the
+    following layers' prefetches stay as they were). Only the state's staging, tickets and
+    slot change: its lengths, token and owner stay the step's.
+    """
+    spec = state.spec
+    _validate(q, k, v, spec, layer)
+    layer, counts, options = _step_options(
+        q, spec, layer, implementation, scale, soft_cap, block_kv, interpret, query_seq_lengths
+    )
+    view = state.replace(lengths=jnp.asarray(step_lengths, jnp.int32))
+    grow = plan.step_grow(view, q.shape[1], counts)
+    if spec.resident:
+        # The rows go into the device copy again where the source put them: the same bytes.
+        new_kv = streamed.new_rows(spec, k, v)
+        out, after = resident.resident_layer(q, k, v, view, new_kv, state.token, grow, **options)
+    else:
+        out, after = streamed.streamed_layer(q, k, v, view, state.token, grow, **options)
+    return out, state.replace(staging=after.staging, tickets=after.tickets, slot=after.slot)
+
+
+def _step_options(
+    q, spec: CacheSpec, layer, implementation, scale, soft_cap, block_kv, interpret, counts
+):
+    """``(layer, counts, options)``: the layer as an int or int32 scalar, the real rows per
+    slot (:func:`plan.real_rows`) and the keyword options of a layer's attention."""
     counts = plan.real_rows(
-        q.shape[1], plan.check_query_seq_lengths(query_seq_lengths, spec.batch, q.shape[1])
+        q.shape[1], plan.check_query_seq_lengths(counts, spec.batch, q.shape[1])
     )
     if implementation is None:
         implementation = backend.default_implementation()
@@ -64,9 +120,6 @@ def device_attention(
         layer = int(layer)
     if not isinstance(layer, int):
         layer = jnp.asarray(layer, jnp.int32)
-
-    # 1. New tokens go out first: later fetches of this layer are queued behind them.
-    token, new_kv, grow = streamed.write_back(spec, state, layer, k, v, shard_guard, counts)
     options = dict(
         layer=layer,
         implementation=implementation,
@@ -75,9 +128,7 @@ def device_attention(
         kernel_options=kernel_options,
         counts=counts,
     )
-    if spec.resident:
-        return resident.resident_layer(q, k, v, state, new_kv, token, grow, **options)
-    return streamed.streamed_layer(q, k, v, state, token, grow, **options)
+    return layer, counts, options
 
 
 def _validate(q, k, v, spec: CacheSpec, layer) -> None:

@@ -74,11 +74,7 @@ def write_back(
     if shard_guard is not None:  # First of all: the state must be this device's shard.
         guards.insert(0, shard_guard)
     write_segments = jnp.concatenate([*guards, write_segments])
-    new_kv = jnp.stack([k, v]).astype(spec.dtype)  # [2, batch, q_len, H, D]
-    if spec.quantized:
-        # Quantized here, fused into the step; the tokens themselves attend in full
-        # precision.
-        new_kv = quantize.quantize(new_kv, spec.tier_dtype)  # uint8[2, batch, q_len, row_bytes]
+    new_kv = new_rows(spec, k, v)
     token = ops.write_back(
         eid,
         tier,
@@ -91,6 +87,16 @@ def write_back(
         first_block=first_block,
     )
     return token, new_kv, grow
+
+
+def new_rows(spec: CacheSpec, k: jax.Array, v: jax.Array) -> jax.Array:
+    """The rows a write-back writes for ``k``/``v`` ([batch, q_len, H, D]): [2, batch,
+    q_len, H, D] in the cache's dtype, or uint8[2, batch, q_len, row_bytes] quantized
+    (fused into the step; the tokens themselves attend in full precision)."""
+    new_kv = jnp.stack([k, v]).astype(spec.dtype)
+    if spec.quantized:
+        new_kv = quantize.quantize(new_kv, spec.tier_dtype)
+    return new_kv
 
 
 def streamed_layer(

@@ -1,0 +1,443 @@
+"""The KV cache of a hybrid model: one offloaded cache per geometry group of layers.
+
+:class:`HybridKVCache` takes per-layer ``num_kv_heads``, ``head_dim`` and ``sliding_window``
+(an int for every layer, or one value per layer) and ``kv_sharing`` (per layer, None or an
+earlier layer whose KV it reads), groups the layers by geometry
+(:func:`jax_tpusync.layer_groups.plan_groups`) and makes one
+:class:`~jax_tpusync.cache.OffloadedKVCache` per group, all on one engine:
+
+* a **global** group holds every slot's whole context, as any cache does;
+* a **sliding** group keeps, per slot, only a ring of blocks covering its window plus one
+  step's rows (``max_step_tokens``; :mod:`jax_tpusync.window_ring`): its tier bytes, the
+  bytes a step fetches from it and its host-side rows are independent of the context
+  length (``bound_windows=False`` keeps every position instead);
+* a layer that **reads another layer's KV** has no group, tier bytes or write-back: it
+  attends over its source's rows.
+
+The state (:class:`~jax_tpusync.layer_groups.HybridState`) carries every group's state;
+:func:`~jax_tpusync.prefetching_attention` takes it as it takes a
+:class:`~jax_tpusync.KVState`, each layer with its own shapes. The host-side methods act on
+every group at once, all of them or none: an admission that one group refuses is undone in
+the others, and a refused call changes nothing.
+
+What a hybrid cache does not do (yet), each refused by name: a device mesh; prefix reuse
+across requests when a group keeps only its window (the groups' rows of a cached prefix
+must all be there: admissions then map no prefix, and ``release`` publishes none);
+persistence with bounded windows (a ring overwrites committed rows).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_tpusync.cache import OffloadedKVCache
+from jax_tpusync.config import is_int, normalize_windows
+from jax_tpusync.engine import Engine, EngineConfig
+from jax_tpusync.layer_groups import HybridState, LayerGroups, plan_groups
+from jax_tpusync.manifest import MANIFEST_SUFFIX
+from jax_tpusync.state import KVState
+
+logger = logging.getLogger(__name__)
+
+# Rows a step may add per slot unless told (a decode step adds 1, a prefill chunk its size).
+DEFAULT_STEP_TOKENS = 512
+
+LAYERS_SUFFIX = ".tpusync.layers.json"
+
+
+class HybridKVCache:
+    """A KV cache for a model whose layers differ in KV geometry (see the module).
+
+    Args:
+      num_layers, batch, max_len: as :class:`~jax_tpusync.OffloadedKVCache`.
+      num_kv_heads, head_dim: an int (every layer) or one per layer.
+      sliding_window: None, an int, or one ``int | None`` per layer.
+      kv_sharing: None, or per layer None (it stores its KV) or the index of an earlier
+        layer of the same geometry and window whose KV it reads; such a layer calls
+        ``prefetching_attention(q, None, None, state, layer=l)``.
+      max_step_tokens: the most rows one step appends to a slot (1 for decode; the chunk of
+        a chunked prefill). Sizes the sliding groups' rings and the rows kept for reading
+        layers; a step of more rows is refused when traced. Default 512.
+      bound_windows: sliding groups keep only their window (default True).
+      engine: an :class:`Engine`, an :class:`EngineConfig` for a new one, or None.
+      staging_bytes: the device budget, split over the groups in proportion to the bytes
+        one token of each group's layers takes.
+      shm_name / file_name: persistence; each group persists under ``<name>.g<i>``, and a
+        ``<name>.tpusync.layers.json`` beside it records every layer's geometry, which a
+        re-attach compares layer by layer.
+      **options: every other :class:`~jax_tpusync.OffloadedKVCache` argument (tier, path,
+        dtype, tier_dtype, block_tokens, read_in_place, prefetch_depth, model_id, ...),
+        given to every group.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        batch: int,
+        max_len: int,
+        num_kv_heads: int | Sequence[int],
+        head_dim: int | Sequence[int],
+        sliding_window: int | Sequence[int | None] | None = None,
+        kv_sharing: Sequence[int | None] | None = None,
+        max_step_tokens: int = DEFAULT_STEP_TOKENS,
+        bound_windows: bool = True,
+        engine: Engine | EngineConfig | None = None,
+        staging_bytes: int = 256 << 20,
+        shm_name: str | None = None,
+        file_name: str | None = None,
+        mesh: Any = None,
+        **options: Any,
+    ):
+        if mesh is not None:
+            raise ValueError(
+                "HybridKVCache runs on one device: a mesh of hybrid groups is not supported "
+                "yet (each geometry group would need its own head split)"
+            )
+        for name in ("num_blocks", "resident", "max_step_tokens_per_group"):
+            if name in options:
+                raise ValueError(f"{name} is per group in a hybrid cache and cannot be given")
+        if not is_int(num_layers) or num_layers < 1:
+            raise ValueError(f"num_layers={num_layers!r} must be a positive int")
+        if not is_int(max_step_tokens) or not 1 <= max_step_tokens <= max_len:
+            raise ValueError(f"max_step_tokens={max_step_tokens!r} must be an int in [1, max_len]")
+        windows = normalize_windows(sliding_window, num_layers)
+        self.plan: LayerGroups = plan_groups(
+            num_layers, num_kv_heads, head_dim, windows, kv_sharing
+        )
+        self.batch = batch
+        self.max_step_tokens = int(max_step_tokens)
+        self.dtype = np.dtype(options.get("dtype", jnp.bfloat16))
+        self._owns_engine = not isinstance(engine, Engine)
+        self.engine = engine if isinstance(engine, Engine) else Engine(engine or EngineConfig())
+        self.groups: list[OffloadedKVCache] = []
+        try:
+            self._check_layers_record(shm_name, file_name, options)
+            weights = [len(g.layers) * g.num_kv_heads * g.head_dim for g in self.plan.groups]
+            for i, group in enumerate(self.plan.groups):
+                share = max(1, staging_bytes * weights[i] // sum(weights))
+                bounded = bound_windows and group.window is not None
+                self.groups.append(
+                    OffloadedKVCache(
+                        num_layers=len(group.layers),
+                        batch=batch,
+                        max_len=max_len,
+                        num_kv_heads=group.num_kv_heads,
+                        head_dim=group.head_dim,
+                        sliding_window=group.window,
+                        max_step_tokens=self.max_step_tokens if bounded else None,
+                        engine=self.engine,
+                        staging_bytes=share,
+                        shm_name=None if shm_name is None else f"{shm_name}.g{i}",
+                        file_name=None if file_name is None else f"{file_name}.g{i}",
+                        prefix_salt=self._group_salt(options, group.layers),
+                        **{k: v for k, v in options.items() if k != "prefix_salt"},
+                    )
+                )
+            self._reconcile_commits()
+        except Exception:
+            self.close()
+            raise
+
+    # -- construction -----------------------------------------------------------------------
+
+    @staticmethod
+    def _group_salt(options: dict, layers: tuple[int, ...]) -> str:
+        """Two groups of one geometry (a sliding and a global group of Gemma 3) hold other
+        layers' KV: their prefix blocks are kept apart by the layers they hold."""
+        base = options.get("prefix_salt") or options.get("model_id") or ""
+        if isinstance(base, bytes):
+            base = base.hex()
+        return f"{base}|layers {list(layers)}"
+
+    def _layers_record(self) -> dict:
+        return {
+            "layers": [
+                {
+                    "num_kv_heads": self.plan.group(l).num_kv_heads,
+                    "head_dim": self.plan.group(l).head_dim,
+                    "sliding_window": self.plan.group(l).window,
+                    "kv_sharing": self.plan.source_of[l],
+                }
+                for l in range(self.plan.num_layers)
+            ]
+        }
+
+    def _check_layers_record(self, shm_name, file_name, options) -> None:
+        """A persistent hybrid cache records its layers beside its groups; a re-attach with
+        other layers is refused naming the first layer that differs (before any group's
+        tier is opened)."""
+        if shm_name is None and file_name is None:
+            self._record_path = None
+            return
+        if file_name is not None:
+            directory = options.get("path")
+            if directory is None:
+                raise ValueError("tier='file' needs path=<directory>")
+            path = Path(directory) / f"{file_name}{LAYERS_SUFFIX}"
+        else:
+            path = Path("/dev/shm") / f"{shm_name}{LAYERS_SUFFIX}"
+        self._record_path = path
+        mine = self._layers_record()
+        group0 = (path.parent / f"{file_name or shm_name}.g0{MANIFEST_SUFFIX}").exists()
+        if path.exists() and not options.get("overwrite", False):
+            theirs = json.loads(path.read_text())
+            for l, (a, b) in enumerate(zip(theirs["layers"], mine["layers"])):
+                if a != b:
+                    raise ValueError(
+                        f"the persisted hybrid cache at {path} has layer {l} as {a}, this "
+                        f"cache has it as {b} (pass overwrite=True to start empty)"
+                    )
+            if len(theirs["layers"]) != len(mine["layers"]):
+                raise ValueError(
+                    f"the persisted hybrid cache at {path} has {len(theirs['layers'])} "
+                    f"layers, this cache {len(mine['layers'])} (pass overwrite=True to start "
+                    f"empty)"
+                )
+        elif group0 and not options.get("overwrite", False):
+            raise ValueError(
+                f"{path.parent} holds a cache's groups but no record of its layers ({path}): "
+                f"pass overwrite=True to start empty"
+            )
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(mine))
+        os.replace(tmp, path)
+
+    def _reconcile_commits(self) -> None:
+        """Re-attach: each group commits on its own, so a crash between two groups' commits
+        leaves them at different lengths; their common state is the shorter one (a slot one
+        group holds released is released in all)."""
+        committed = [g.committed_lengths for g in self.groups]
+        if committed[0] is None:
+            return
+        capacity = [g.capacity for g in self.groups]
+        active = np.logical_and.reduce([c > 0 for c in capacity])
+        common = np.where(active, np.minimum.reduce(committed), 0)
+        for i, g in enumerate(self.groups):
+            torn = (capacity[i] > 0) & ~active
+            if not (torn.any() or (committed[i] != common).any()):
+                continue
+            logger.warning(
+                "re-attach: layer group %d was left at another commit (lengths %s); bringing "
+                "every group to their common lengths %s",
+                i,
+                committed[i].tolist(),
+                common.tolist(),
+            )
+            for b in np.flatnonzero(torn):
+                g.slots.release(int(b), 0)
+            g.restart_at(common)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _state(self, parts: Sequence[KVState], pending=None) -> HybridState:
+        if pending is None:
+            pending = []
+            for source in self.plan.sources:
+                g = self.plan.group(source)
+                pending.append(
+                    jnp.zeros(
+                        (2, self.batch, self.max_step_tokens, g.num_kv_heads, g.head_dim),
+                        self.dtype,
+                    )
+                )
+        # A buffer of its own: the state is donated, and one buffer cannot be donated twice.
+        step_lengths = jnp.array(parts[0].lengths, jnp.int32, copy=True)
+        return HybridState(self.plan, parts, step_lengths, pending)
+
+    def split(self, state: HybridState) -> list[KVState]:
+        """Every group's state of ``state`` (refusing one of another cache)."""
+        if not isinstance(state, HybridState) or state.plan != self.plan:
+            raise ValueError(f"expected a HybridState of this cache; got {type(state).__name__}")
+        return list(state.groups)
+
+    def _each(self, state: HybridState | None, fn) -> HybridState:
+        parts = [None] * len(self.groups) if state is None else self.split(state)
+        out = [fn(g, p) for g, p in zip(self.groups, parts)]
+        return self._state(out, None if state is None else state.pending)
+
+    def init(self, lengths=None, *, admit: bool = True) -> HybridState:
+        """A fresh state of every group (see :meth:`OffloadedKVCache.init`)."""
+        if admit:  # Every group's blocks, or none.
+            empty = [b for b in range(self.batch) if not self.groups[0].capacity[b]]
+            done: list[tuple[OffloadedKVCache, int]] = []
+            try:
+                for g in self.groups:
+                    for b in empty:
+                        if not g.capacity[b]:
+                            g.slots.admit(b, None)
+                            done.append((g, b))
+            except Exception:
+                for g, b in done:
+                    g.slots.release(b, 0)
+                raise
+        return self._state([g.init(lengths, admit=False) for g in self.groups])
+
+    def inert_state(self) -> HybridState:
+        return self._state([g.inert_state() for g in self.groups])
+
+    def drain(self, state: HybridState) -> HybridState:
+        return self._each(state, lambda g, p: g.drain(p))
+
+    def recover(self) -> HybridState:
+        """The live state after a failed step (see :meth:`OffloadedKVCache.recover`); the
+        groups' lengths are brought to their common ones (a step that failed after some
+        groups' last layers added its tokens to those only)."""
+        parts = [g.recover() for g in self.groups]
+        lengths = np.minimum.reduce([np.asarray(p.lengths) for p in parts])
+        if any((np.asarray(p.lengths) != lengths).any() for p in parts):
+            parts = [g.init(lengths, admit=False) for g in self.groups]
+        return self._state(parts)
+
+    def commit(self, state: HybridState) -> HybridState:
+        return self._each(state, lambda g, p: g.commit(p))
+
+    def lengths(self, state: HybridState) -> np.ndarray:
+        return np.asarray(self.split(state)[0].lengths)
+
+    # -- slot lifecycle ---------------------------------------------------------------------
+
+    def admit(
+        self,
+        state: HybridState,
+        slot: int,
+        *,
+        max_tokens: int | None = None,
+        tokens: Sequence[int] | np.ndarray | None = None,
+    ) -> tuple[HybridState, int]:
+        """Admits ``slot`` in every group; returns ``(state, cached)``. All groups or none;
+        groups whose prefix stores differ all map the prefix the shortest one has (0 when
+        a group keeps only its window)."""
+        parts = self.split(state)
+        admissions = self._admit_all(slot, max_tokens, tokens, None)
+        cached = {a.cached for a in admissions}
+        if len(cached) > 1:
+            self._undo(admissions, slot)
+            admissions = self._admit_all(slot, max_tokens, tokens, min(cached))
+            cached = {a.cached for a in admissions}
+            if len(cached) > 1:  # pragma: no cover - a lower cap maps a prefix all have.
+                self._undo(admissions, slot)
+                raise ValueError(f"layer groups of slot {slot} map different prefixes: {cached}")
+        parts = [g.admitted(p, a) for g, p, a in zip(self.groups, parts, admissions)]
+        return self._state(parts, state.pending), cached.pop()
+
+    def _admit_all(self, slot, max_tokens, tokens, max_cached) -> list:
+        done = []
+        try:
+            for g in self.groups:
+                done.append(g.slots.admit(slot, max_tokens, tokens, max_cached=max_cached))
+        except Exception:
+            self._undo(done, slot)
+            raise
+        return done
+
+    def _undo(self, admissions, slot: int) -> None:
+        for g, _ in zip(self.groups, admissions):
+            g.slots.release(slot, 0)
+
+    def release(self, state: HybridState, slot: int, *, tokens=None) -> HybridState:
+        """Releases ``slot`` in every group, once every group accepted the arguments."""
+        parts = self.split(state)
+        for g, p in zip(self.groups, parts):
+            g.slots.check_release(slot, int(np.asarray(p.lengths)[slot]), tokens)
+        parts = [g.release(p, slot, tokens=tokens) for g, p in zip(self.groups, parts)]
+        return self._state(parts, state.pending)
+
+    def tokens(self, slot: int) -> np.ndarray:
+        return self.groups[0].tokens(slot)
+
+    def extend_tokens(self, slot: int, ids) -> None:
+        for g in self.groups:  # The same checks in every group first.
+            g.slots.check_slot(slot)
+            if not g.capacity[slot]:
+                raise ValueError(f"slot {slot} is not active (admit it first)")
+        for g in self.groups:
+            g.extend_tokens(slot, ids)
+
+    @property
+    def capacity(self) -> np.ndarray:
+        return self.groups[0].capacity
+
+    # -- host-side rows ---------------------------------------------------------------------
+
+    def _stored(self, layer: Any, what: str) -> tuple[OffloadedKVCache, int]:
+        if not is_int(layer) or not 0 <= layer < self.plan.num_layers:
+            raise ValueError(
+                f"layer={layer!r} is out of range for a cache of {self.plan.num_layers} layers"
+            )
+        source = self.plan.source_of[layer]
+        if source is not None and what == "load":
+            raise ValueError(
+                f"layer {layer} reads layer {source}'s KV (kv_sharing) and stores none: load "
+                f"layer {source}"
+            )
+        return self.groups[self.plan.group_of[layer]], self.plan.local_of[layer]
+
+    def load(self, state: HybridState, layer: int, k, v, **options) -> HybridState:
+        """Bulk-writes one layer's KV (see :meth:`OffloadedKVCache.load`; a sliding group
+        that keeps only its window writes the rows the window keeps)."""
+        group, local = self._stored(layer, "load")
+        parts = self.split(state)
+        i = self.plan.group_of[layer]
+        parts[i] = group.load(parts[i], local, k, v, **options)
+        return self._state(parts, state.pending)
+
+    def read(self, state: HybridState, layer: int, slot: int, start: int = 0, stop=None, **kw):
+        """Host-side K and V of one slot's positions in ``layer`` (its source's, for a
+        reading layer); see :meth:`OffloadedKVCache.read`."""
+        group, local = self._stored(layer, "read")
+        return group.read(
+            self.split(state)[self.plan.group_of[layer]], local, slot, start, stop, **kw
+        )
+
+    # -- what the groups hold ---------------------------------------------------------------
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the tier holds for every group's blocks (K and V, every stored layer)."""
+        return sum(g.spec.kv_bytes for g in self.groups)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(g.spec.device_bytes for g in self.groups)
+
+    @property
+    def committed_lengths(self) -> np.ndarray | None:
+        committed = [g.committed_lengths for g in self.groups]
+        return None if committed[0] is None else np.minimum.reduce(committed)
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def close(self, state: HybridState | None = None) -> None:
+        parts = [None] * len(self.groups) if state is None else list(state.groups)
+        for g, p in zip(self.groups, parts):
+            g.close(p)
+        if self._owns_engine and not self.engine.closed:
+            self.engine.close()
+
+    def __enter__(self) -> HybridKVCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def describe_bytes(cache: HybridKVCache) -> dict:
+    """Per group: its layers, geometry and tier bytes (for benchmarks and logs)."""
+    return {
+        f"group {i}": {
+            "layers": list(group.layers),
+            "geometry": group.describe(),
+            "kv_bytes": cache.groups[i].spec.kv_bytes,
+            "ring_blocks": cache.groups[i].spec.ring_blocks,
+        }
+        for i, group in enumerate(cache.plan.groups)
+    }

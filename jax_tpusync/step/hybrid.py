@@ -1,0 +1,195 @@
+"""One layer of a hybrid model's step: the layer's group, then that group's attention.
+
+A :class:`~jax_tpusync.layer_groups.HybridState` holds one state per geometry group (see
+:mod:`jax_tpusync.layer_groups`). A model layer that stores KV runs the ordinary
+single-device (or mesh) step on its group's state, as that group's layer ``local_of[l]``: so
+each group keeps its own layer-ahead prefetch chain, from one of its layers to its next one
+(several model layers later: more compute to hide the fetch behind). A layer some other
+layer reads also leaves its new rows in the state. A layer that reads another layer's KV
+(``kv_sharing``) attends over its source's rows as of the step's start plus the rows the
+source left, with no write-back (:func:`jax_tpusync.step.device.device_read_attention`).
+
+``layer`` may be traced (``lax.scan`` over a repeating block of layers): the groups whose
+KV shapes match the call's ``k`` (or, for ``k=None``, the groups with reading layers) are
+switched over; in each, a model layer of another group maps to layer -1, which the engine
+refuses when the step runs ("layer out of range?").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_tpusync.layer_groups import HybridState, LayerGroups
+from jax_tpusync.state import KVState
+from jax_tpusync.step import device, sharded
+
+
+def hybrid_attention(
+    q: jax.Array,  # [batch, q_len, num_q_heads, head_dim]
+    k: jax.Array | None,  # [batch, q_len, num_kv_heads, head_dim], or None: a reading layer
+    v: jax.Array | None,
+    state: HybridState,
+    *,
+    layer: int | jax.Array,
+    query_seq_lengths: jax.Array | None = None,
+    **options,
+) -> tuple[jax.Array, HybridState]:
+    """:func:`~jax_tpusync.prefetching_attention` of a hybrid cache's state."""
+    plan = state.plan
+    if (k is None) != (v is None):
+        raise ValueError("pass both k and v, or (a layer that reads another's KV) neither")
+    if isinstance(layer, np.integer):
+        layer = int(layer)
+    options = dict(options, query_seq_lengths=query_seq_lengths)
+    if isinstance(layer, int):
+        if not 0 <= layer < plan.num_layers:
+            raise ValueError(
+                f"layer={layer} is out of range for a cache of {plan.num_layers} layers"
+            )
+        source = plan.source_of[layer]
+        if source is None and k is None:
+            raise ValueError(
+                f"{plan.describe_layer(layer)} stores its own KV: pass its k and v (only a "
+                f"layer that reads another's KV, kv_sharing, passes None)"
+            )
+        if source is not None and k is not None:
+            raise ValueError(
+                f"layer {layer} reads layer {source}'s KV (kv_sharing): call it with k=None, "
+                f"v=None (it writes nothing)"
+            )
+        if source is None:
+            return _store_layer(q, k, v, state, layer, plan.group_of[layer], options)
+        return _read_layer(q, state, layer, plan.group_of[layer], options)
+    layer = jnp.asarray(layer, jnp.int32)
+    if jnp.ndim(layer) != 0 or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise ValueError(f"layer must be an int or an integer scalar; got {layer!r}")
+    return _traced_layer(q, k, v, state, layer, options)
+
+
+def _group_attention(q, k, v, gs: KVState, layer, options):
+    if gs.spec.mesh is not None:
+        return sharded.sharded_attention(q, k, v, gs, layer=layer, **options)
+    return device.device_attention(q, k, v, gs, layer=layer, **options)
+
+
+def _store_layer(q, k, v, state: HybridState, layer, g: int, options, local=None):
+    """A layer that stores its KV (``layer`` static, or traced with ``local`` given)."""
+    plan = state.plan
+    gs = state.groups[g]
+    if local is None:
+        local = plan.local_of[layer]
+    out, after = _group_attention(q, k, v, gs, local, options)
+    # Layer 0 opens the step: its lengths are every slot's as the step began.
+    step_lengths = jnp.where(jnp.asarray(layer) == 0, gs.lengths, state.step_lengths)
+    state = state.with_group(g, after).replace(step_lengths=step_lengths)
+    pending = list(state.pending)
+    for i, source in enumerate(plan.sources):
+        if plan.group_of[source] != g:
+            continue
+        if isinstance(layer, int) and layer != source:
+            continue
+        pending[i] = _kept_rows(pending[i], k, v, jnp.asarray(layer) == source, source)
+    return out, state.replace(pending=tuple(pending))
+
+
+def _kept_rows(buffer, k, v, is_source, source: int):
+    """``buffer`` ([2, batch, max_step_tokens, H, D]) with ``k``/``v`` in its first rows
+    where ``is_source``."""
+    q_len, most = k.shape[1], buffer.shape[2]
+    if q_len > most:
+        raise ValueError(
+            f"q_len={q_len} exceeds max_step_tokens={most}: the rows of layer {source}, "
+            f"which another layer reads, are kept for at most that many"
+        )
+    rows = jnp.stack([k, v]).astype(buffer.dtype)
+    updated = lax.dynamic_update_slice(buffer, rows, (0, 0, 0, 0, 0))
+    return jnp.where(is_source, updated, buffer)
+
+
+def _read_layer(q, state: HybridState, layer, g: int, options, local=None, rows=None):
+    """A layer that reads its source's KV (static, or traced with ``local``/``rows``)."""
+    plan = state.plan
+    gs = state.groups[g]
+    q_len = q.shape[1]
+    if local is None:
+        source = plan.source_of[layer]
+        local = plan.local_of[layer]
+        rows = state.pending[plan.pending_index(source)]
+    if q_len > rows.shape[2]:
+        raise ValueError(f"q_len={q_len} exceeds max_step_tokens={rows.shape[2]}")
+    k, v = rows[0, :, :q_len], rows[1, :, :q_len]
+    if gs.spec.mesh is not None:
+        raise ValueError("a layer that reads another's KV runs on one device's cache")
+    out, after = device.device_read_attention(
+        q, k, v, gs, layer=local, step_lengths=state.step_lengths, **options
+    )
+    return out, state.with_group(g, after)
+
+
+def _traced_layer(q, k, v, state: HybridState, layer: jax.Array, options):
+    """A traced ``layer``: switch over the groups that can serve this call's shapes."""
+    plan: LayerGroups = state.plan
+    reading = k is None
+    if reading:
+        candidates = [
+            g
+            for g, grp in enumerate(plan.groups)
+            if grp.head_dim == q.shape[3]
+            and q.shape[2] % grp.num_kv_heads == 0
+            and any(
+                plan.group_of[l] == g and plan.source_of[l] is not None
+                for l in range(plan.num_layers)
+            )
+        ]
+    else:
+        candidates = [
+            g
+            for g, grp in enumerate(plan.groups)
+            if (grp.num_kv_heads, grp.head_dim) == tuple(k.shape[2:])
+        ]
+    if not candidates:
+        what = (
+            "reads another layer's KV"
+            if reading
+            else f"has KV heads x head_dim {tuple(k.shape[2:])}"
+        )
+        raise ValueError(
+            f"no layer group of this cache {what}: groups are {[g.describe() for g in plan.groups]}"
+        )
+
+    def member(l: int, g: int) -> bool:
+        return plan.group_of[l] == g and (plan.source_of[l] is not None) == reading
+
+    which = np.zeros(plan.num_layers, np.int32)
+    for l in range(plan.num_layers):
+        for c, g in enumerate(candidates):
+            if member(l, g):
+                which[l] = c
+
+    def branch(g: int):
+        local = jnp.asarray(
+            [plan.local_of[l] if member(l, g) else -1 for l in range(plan.num_layers)], jnp.int32
+        )[layer]
+        if not reading:
+            return lambda: _store_layer(q, k, v, state, layer, g, options, local=local)
+        # The rows its source left: the source of this layer, among the group's sources.
+        mine = [i for i, s in enumerate(plan.sources) if plan.group_of[s] == g]
+        source = jnp.asarray(
+            [
+                -1 if plan.source_of[l] is None else plan.source_of[l]
+                for l in range(plan.num_layers)
+            ],
+            jnp.int32,
+        )[layer]
+        rows = state.pending[mine[0]]
+        for i in mine[1:]:
+            rows = jnp.where(source == plan.sources[i], state.pending[i], rows)
+        return lambda: _read_layer(q, state, layer, g, options, local=local, rows=rows)
+
+    branches = [branch(g) for g in candidates]
+    if len(branches) == 1:
+        return branches[0]()
+    return lax.switch(jnp.asarray(which)[layer], branches)

@@ -1,0 +1,338 @@
+"""Hybrid models (HybridKVCache): a Gemma-3-like decoder (five sliding layers per global one)
+and a Gemma-4-like one (sliding and global layers of other KV heads and head sizes, late
+layers that read an earlier layer's KV, attention scale 1.0), their attention swapped for
+``prefetching_attention``, against the same decoder over a plain in-memory KV history:
+ragged chunks, decode through several window wraps, a slot released and re-admitted."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tpusync as tps
+
+BATCH, MAX_LEN, STEP, BLOCK, D_MODEL, Q_HEADS = 2, 128, 4, 4, 32, 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A tiny decoder: per layer its KV heads, head size, window, RoPE base and source."""
+
+    kv_heads: tuple[int, ...]
+    head_dims: tuple[int, ...]
+    windows: tuple[int | None, ...]
+    sharing: tuple[int | None, ...]
+    scale: float | None  # None: 1/sqrt(head_dim)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.kv_heads)
+
+    def theta(self, layer: int) -> float:  # Sliding layers: local RoPE base; global: long.
+        return 10_000.0 if self.windows[layer] is not None else 1_000_000.0
+
+    def weights(self, seed: int) -> list[dict]:
+        rng = np.random.default_rng(seed)
+        out = []
+        for l in range(self.num_layers):
+            h, d = self.kv_heads[l], self.head_dims[l]
+            w = {
+                "q": rng.standard_normal((D_MODEL, Q_HEADS * d)) / np.sqrt(D_MODEL),
+                "o": rng.standard_normal((Q_HEADS * d, D_MODEL)) / np.sqrt(Q_HEADS * d),
+            }
+            if self.sharing[l] is None:
+                w["k"] = rng.standard_normal((D_MODEL, h * d)) / np.sqrt(D_MODEL)
+                w["v"] = rng.standard_normal((D_MODEL, h * d)) / np.sqrt(D_MODEL)
+            out.append({k: v.astype(np.float32) for k, v in w.items()})
+        return out
+
+
+GEMMA3 = Model(
+    kv_heads=(2,) * 6,
+    head_dims=(16,) * 6,
+    windows=(8, 8, 8, 8, 8, None),
+    sharing=(None,) * 6,
+    scale=None,
+)
+# Sliding layers 2 KV heads x 16, global ones 1 x 32; layers 5..7 read layers 3 and 4.
+GEMMA4 = Model(
+    kv_heads=(2, 2, 1, 2, 1, 2, 1, 2),
+    head_dims=(16, 16, 32, 16, 32, 16, 32, 16),
+    windows=(8, 8, None, 8, None, 8, None, 8),
+    sharing=(None, None, None, None, None, 3, 4, 3),
+    scale=1.0,
+)
+
+
+def rope(x, positions, theta):
+    """x [..., T, H, D] rotated by positions [..., T] (half-split RoPE)."""
+    d = x.shape[-1] // 2
+    freq = theta ** (-np.arange(d) / d)
+    angle = positions[..., None, None] * freq  # [..., T, 1, d]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    x1, x2 = x[..., :d], x[..., d:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x.dtype)
+
+
+def projections(model, w, l, x, positions):
+    b, t, _ = x.shape
+    d = model.head_dims[l]
+    q = rope((x @ w["q"]).reshape(b, t, Q_HEADS, d), positions, model.theta(l))
+    if model.sharing[l] is not None:
+        return q, None, None
+    h = model.kv_heads[l]
+    k = rope((x @ w["k"]).reshape(b, t, h, d), positions, model.theta(l))
+    v = (x @ w["v"]).reshape(b, t, h, d)
+    return q, k, v
+
+
+def make_step(model, weights, *, scan=False, period=6):
+    """jit(step)(x [B, STEP, D_MODEL], counts, state) -> (x, state) through the cache; with
+    ``scan``, a ``lax.scan`` over blocks of ``period`` layers (``layer`` traced), a Python
+    loop inside each block (its layer kinds static, as a model's block code has them)."""
+
+    def layer_fn(x, positions, counts, state, l, w, kind=None):
+        kind = l if kind is None else kind  # The layer whose kind (RoPE, sizes) this is.
+        q, k, v = projections(model, w, kind, x, positions)
+        out, state = tps.prefetching_attention(
+            q, k, v, state, layer=l, query_seq_lengths=counts, scale=model.scale
+        )
+        return x + jnp.tanh(out.reshape(*x.shape[:2], -1) @ w["o"]), state
+
+    def step(x, counts, state):
+        positions = state.positions(x.shape[1])
+        if not scan:
+            for l in range(model.num_layers):
+                x, state = layer_fn(x, positions, counts, state, l, weights[l])
+            return x, state
+        blocks = model.num_layers // period
+        stacked = [
+            jax.tree.map(lambda *a: jnp.stack(a), *weights[i::period]) for i in range(period)
+        ]
+
+        def body(carry, xs):
+            x, state = carry
+            ws, block = xs
+            for i in range(period):
+                x, state = layer_fn(x, positions, counts, state, block * period + i, ws[i], kind=i)
+            return (x, state), None
+
+        (x, state), _ = jax.lax.scan(body, (x, state), (stacked, jnp.arange(blocks)))
+        return x, state
+
+    return jax.jit(step, donate_argnums=(2,))
+
+
+class Reference:
+    """The same decoder over a plain KV history per layer and slot (NumPy, float64)."""
+
+    def __init__(self, model, weights):
+        self.model, self.weights = model, weights
+        self.kv = [
+            np.zeros((2, BATCH, MAX_LEN, model.kv_heads[l], model.head_dims[l]))
+            for l in range(model.num_layers)
+        ]
+        self.lengths = np.zeros(BATCH, np.int64)
+
+    def reset(self, slot):
+        self.lengths[slot] = 0
+
+    def step(self, x, counts):
+        m = self.model
+        x = np.asarray(x, np.float64)
+        positions = jnp.asarray(self.lengths[:, None] + np.arange(x.shape[1]), jnp.float32)
+        for l in range(m.num_layers):
+            q, k, v = projections(m, self.weights[l], l, jnp.asarray(x, jnp.float32), positions)
+            q = np.asarray(q, np.float64)
+            store = self.kv[l if m.sharing[l] is None else m.sharing[l]]
+            if k is not None:
+                for b in range(BATCH):
+                    n, c = self.lengths[b], counts[b]
+                    store[0, b, n : n + c] = np.asarray(k)[b, :c]
+                    store[1, b, n : n + c] = np.asarray(v)[b, :c]
+            scale = m.scale if m.scale is not None else 1 / np.sqrt(m.head_dims[l])
+            group = Q_HEADS // m.kv_heads[l]
+            out = np.zeros_like(q)
+            for b in range(BATCH):
+                for i in range(counts[b]):
+                    p = self.lengths[b] + i
+                    lo = 0 if m.windows[l] is None else max(0, p - m.windows[l] + 1)
+                    for h in range(Q_HEADS):
+                        keys = store[0, b, lo : p + 1, h // group]
+                        logits = keys @ q[b, i, h] * scale
+                        e = np.exp(logits - logits.max())
+                        out[b, i, h] = (e / e.sum()) @ store[1, b, lo : p + 1, h // group]
+            x = x + np.tanh(out.reshape(*x.shape[:2], -1) @ self.weights[l]["o"])
+        self.lengths += counts
+        return x
+
+
+def make_cache(model, tmp_path=None, **options):
+    if options.get("tier") == "file":
+        options.setdefault("path", str(tmp_path))
+    return tps.kv_cache(
+        num_layers=model.num_layers,
+        batch=BATCH,
+        max_len=MAX_LEN,
+        num_kv_heads=list(model.kv_heads),
+        head_dim=list(model.head_dims),
+        sliding_window=list(model.windows),
+        kv_sharing=list(model.sharing),
+        max_step_tokens=STEP,
+        block_tokens=BLOCK,
+        dtype=jnp.float32,
+        **options,
+    )
+
+
+# Per step, the real rows of each slot: ragged prefill chunks, then decode, through 3+ wraps
+# of a sliding group's ring (16 tokens); slot 1 idles some steps.
+SCHEDULE = [[4, 3], [4, 4], [2, 0]] + [[1, 1], [1, 0], [4, 1]] * 9
+
+
+def run(cache, model, weights, schedule, *, seed=0, scan=False, reference=None, state=None):
+    rng = np.random.default_rng(seed)
+    step = make_step(model, weights, scan=scan)
+    ref = reference or Reference(model, weights)
+    state = cache.init() if state is None else state
+    for counts in schedule:
+        counts = np.asarray(counts)
+        x = rng.standard_normal((BATCH, STEP, D_MODEL)).astype(np.float32)
+        got, state = step(jnp.asarray(x), jnp.asarray(counts, jnp.int32), state)
+        want = ref.step(x, counts)
+        for b in range(BATCH):
+            np.testing.assert_allclose(
+                np.asarray(got)[b, : counts[b]],
+                want[b, : counts[b]],
+                rtol=2e-4,
+                atol=2e-4,
+                err_msg=f"slot {b} at length {ref.lengths[b] - counts[b]}",
+            )
+        np.testing.assert_array_equal(np.asarray(state.lengths), ref.lengths)
+    return state, ref
+
+
+PATHS = {
+    "in-place-host": {},
+    "streamed-host": dict(read_in_place=False, staging_bytes=1 << 16),
+    "file": dict(tier="file", prefetch_depth=2),
+    "file-staged": dict(tier="file", read_in_place=False, staging_bytes=1 << 16),
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("name", ["gemma3", "gemma4"])
+def test_hybrid_decoder_matches_a_plain_history(name, path, tmp_path):
+    model = {"gemma3": GEMMA3, "gemma4": GEMMA4}[name]
+    weights = model.weights(1)
+    with make_cache(model, tmp_path, **PATHS[path]) as cache:
+        assert isinstance(cache, tps.HybridKVCache)
+        state, ref = run(cache, model, weights, SCHEDULE)
+        assert ref.lengths.max() > 3 * 16  # Three wraps of the sliding rings.
+        # Slot 1 leaves; a new sequence takes it: every layer, the reading ones included,
+        # sees only the new sequence's KV.
+        state = cache.release(state, 1)
+        state, cached = cache.admit(state, 1)
+        assert cached == 0
+        ref.reset(1)
+        run(cache, model, weights, [[1, 4], [1, 2], [1, 1]], seed=5, reference=ref, state=state)
+
+
+def test_scan_over_the_repeating_block_of_layers(tmp_path):
+    """``lax.scan`` over two of Gemma 3's 6-layer blocks (``layer`` traced: each call
+    switches over the groups whose shapes match)."""
+    model = dataclasses.replace(
+        GEMMA3,
+        kv_heads=(2,) * 12,
+        head_dims=(16,) * 12,
+        windows=GEMMA3.windows * 2,
+        sharing=(None,) * 12,
+    )
+    weights = model.weights(2)
+    with make_cache(model) as cache:
+        run(cache, model, weights, SCHEDULE[:8], scan=True)
+
+
+def test_tier_bytes_follow_the_global_layers():
+    """Sliding groups hold a ring per slot; reading layers hold nothing."""
+    with make_cache(GEMMA4) as cache:
+        by_group = {g.window: c.spec for g, c in zip(cache.plan.groups, cache.groups)}
+        row = 2 * 16 * 4
+        assert by_group[8].num_blocks == BATCH * 4  # (8 + 4 - 3) // 4 + 2 = 4 blocks.
+        assert by_group[8].num_layers == 3 and by_group[None].num_layers == 2
+        global_bytes = 2 * 2 * BATCH * MAX_LEN * 32 * 4  # 2 layers, K and V, 1 x 32 f32.
+        assert by_group[None].kv_bytes == global_bytes
+        assert by_group[8].kv_bytes == 3 * 2 * BATCH * 16 * row
+        assert cache.kv_bytes == global_bytes + by_group[8].kv_bytes
+    with make_cache(GEMMA4, bound_windows=False) as unbounded:
+        sliding = [c.spec for c in unbounded.groups if c.spec.windows[0] is not None][0]
+        assert sliding.num_blocks == BATCH * MAX_LEN // BLOCK
+
+
+def test_refusals_name_the_layer():
+    common = dict(num_layers=3, batch=1, max_len=32, block_tokens=4, max_step_tokens=2)
+    with pytest.raises(ValueError, match=r"num_kv_heads has 2 entries for 3 layers"):
+        tps.HybridKVCache(num_kv_heads=[1, 2], head_dim=8, **common)
+    with pytest.raises(ValueError, match=r"kv_sharing\[1\]=2: a layer reads the KV of an earlier"):
+        tps.HybridKVCache(num_kv_heads=1, head_dim=8, kv_sharing=[None, 2, None], **common)
+    with pytest.raises(
+        ValueError, match=r"layer 2 \(1 KV heads x 16, global\) cannot read layer 0"
+    ):
+        tps.HybridKVCache(num_kv_heads=1, head_dim=[8, 8, 16], kv_sharing=[None, None, 0], **common)
+    with pytest.raises(ValueError, match=r"layer 1 reads layer 0's KV itself"):
+        tps.HybridKVCache(num_kv_heads=1, head_dim=8, kv_sharing=[None, 0, 1], **common)
+    with pytest.raises(ValueError, match=r"kv_sharing has 2 entries for 3 layers"):
+        tps.HybridKVCache(num_kv_heads=1, head_dim=8, kv_sharing=[None, 0], **common)
+    with pytest.raises(
+        ValueError,
+        match=r"gives one value per layer: a cache whose layers differ in KV geometry is a jax_tpusync.HybridKVCache",
+    ):
+        tps.OffloadedKVCache(
+            num_kv_heads=[1, 1, 1],
+            head_dim=8,
+            **{k: v for k, v in common.items() if k != "max_step_tokens"},
+        )
+    with tps.HybridKVCache(
+        num_kv_heads=1, head_dim=8, kv_sharing=[None, 0, None], **common
+    ) as cache:
+        state = cache.init()
+        q = jnp.zeros((1, 2, 2, 8), jnp.float32)
+        kv = jnp.zeros((1, 2, 1, 8), jnp.bfloat16)
+        with pytest.raises(
+            ValueError, match=r"layer 1 reads layer 0's KV \(kv_sharing\): call it with k=None"
+        ):
+            tps.prefetching_attention(q, kv, kv, state, layer=1)
+        with pytest.raises(
+            ValueError, match=r"layer 2 \(1 KV heads x 8, global\) stores its own KV"
+        ):
+            tps.prefetching_attention(q, None, None, state, layer=2)
+        with pytest.raises(
+            ValueError, match=r"reads layer 0's KV \(kv_sharing\) and stores none: load"
+        ):
+            cache.load(state, 1, np.zeros((1, 2, 1, 8)), np.zeros((1, 2, 1, 8)))
+
+
+def test_persistence_reattaches_per_layer_geometry(tmp_path):
+    """Each group persists on its own; the layers' record is checked layer by layer."""
+    weights = GEMMA4.weights(3)
+    opts = dict(tier="file", path=str(tmp_path), file_name="kv", bound_windows=False)
+    with make_cache(GEMMA4, **opts) as cache:
+        state, ref = run(cache, GEMMA4, weights, SCHEDULE[:5])
+        state = cache.commit(state)
+        cache.close(state)
+    record = json.loads((tmp_path / "kv.tpusync.layers.json").read_text())
+    assert record["layers"][6] == dict(
+        num_kv_heads=1, head_dim=32, sliding_window=None, kv_sharing=4
+    )
+    with make_cache(GEMMA4, **opts) as cache:
+        state = cache.init(admit=False)
+        np.testing.assert_array_equal(np.asarray(state.lengths), ref.lengths)
+        run(cache, GEMMA4, weights, SCHEDULE[5:8], seed=9, reference=ref, state=state)
+    other = dataclasses.replace(GEMMA4, sharing=(None,) * 5 + (3, 4, None))
+    with pytest.raises(ValueError, match=r"has layer 7 as .* this cache has it as"):
+        make_cache(other, **opts)
