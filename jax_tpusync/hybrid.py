@@ -68,8 +68,9 @@ class HybridKVCache:
         layers; a step of more rows is refused when traced. Default 512.
       bound_windows: sliding groups keep only their window (default True).
       engine: an :class:`Engine`, an :class:`EngineConfig` for a new one, or None.
-      staging_bytes: the device budget, split over the groups in proportion to the bytes
-        one token of each group's layers takes.
+      staging_bytes: the device budget, split over the groups: a sliding group takes what
+        whole units of its window need, the global groups the rest, in proportion to the
+        bytes one token of their layers takes.
       shm_name / file_name: persistence; each group persists under ``<name>.g<i>``, and a
         ``<name>.tpusync.layers.json`` beside it records every layer's geometry, which a
         re-attach compares layer by layer.
@@ -121,9 +122,9 @@ class HybridKVCache:
         self.groups: list[OffloadedKVCache] = []
         try:
             self._check_layers_record(shm_name, file_name, options)
-            weights = [len(g.layers) * g.num_kv_heads * g.head_dim for g in self.plan.groups]
+            shares = self._staging_shares(staging_bytes, batch, options)
             for i, group in enumerate(self.plan.groups):
-                share = max(1, staging_bytes * weights[i] // sum(weights))
+                share = shares[i]
                 bounded = bound_windows and group.window is not None
                 self.groups.append(
                     OffloadedKVCache(
@@ -148,6 +149,26 @@ class HybridKVCache:
             raise
 
     # -- construction -----------------------------------------------------------------------
+
+    def _staging_shares(self, budget: int, batch: int, options: dict) -> list[int]:
+        """The device budget per group: a sliding group gets what whole units of its window
+        take (four staging slots of them, at most an equal share), the global groups the
+        rest, in proportion to their bytes per token (their units span the context)."""
+        itemsize = np.dtype(options.get("dtype", jnp.bfloat16)).itemsize
+        row = [g.num_kv_heads * g.head_dim * itemsize for g in self.plan.groups]
+        groups = self.plan.groups
+        shares = [0] * len(groups)
+        for i, g in enumerate(groups):
+            if g.window is not None:
+                whole = 4 * 2 * batch * (g.window + self.max_step_tokens) * row[i]
+                shares[i] = max(1, min(whole, budget // len(groups)))
+        rest = budget - sum(shares)
+        weights = {i: len(g.layers) * row[i] for i, g in enumerate(groups) if g.window is None}
+        for i, w in weights.items():
+            shares[i] = max(1, rest * w // sum(weights.values()))
+        if not weights:  # Only sliding groups: the budget left over is theirs.
+            shares = [s + rest // len(groups) for s in shares]
+        return shares
 
     @staticmethod
     def _group_salt(options: dict, layers: tuple[int, ...]) -> str:

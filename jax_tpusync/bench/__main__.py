@@ -33,6 +33,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "quality",
     "serve",
     "prefill",
+    "hybrid",
 )
 
 

@@ -1,0 +1,279 @@
+"""``hybrid``: a hybrid model's decode step, grouped by KV geometry, against one geometry.
+
+Two scaled-down shapes of today's hybrid models, decoded at ``--contexts`` tokens on each
+of ``--tiers``, two caches side by side in one run:
+
+* ``gemma3``: 6 layers, five sliding (window ``--window``) per global one, every layer
+  2 KV heads x 64 (Gemma 3's pattern; its 27B has 16 x 128 and window 1024);
+* ``gemma4``: 6 layers: sliding layers of 4 KV heads x 32, global ones of 1 x 64 (Gemma 4
+  31B's ratios: 16 x 256 and 4 x 512), layers 3..5 storing no KV: they read layers 1, 1
+  and 2 (its E2B/E4B ``kv_sharing``); attention scale 1.0.
+
+``uniform`` is the cache one geometry gives (:class:`~jax_tpusync.OffloadedKVCache`): every
+layer at the largest KV heads x head size, every layer holding every position (its sliding
+layers still fetch only their window), the reading layers storing copies. ``hybrid`` is
+:class:`~jax_tpusync.HybridKVCache`. Per row: tier bytes (``kv_bytes``), the bytes one
+step attends over (``step_bytes``: what a file tier fetches; a host tier read in place
+reads them where they lie), the bytes the engine fetched per step (``fetched``), and the
+median step time (``time/uniform``: hybrid's over uniform's). ``tier/global`` is the tier
+bytes over the global layers' own KV, ``step/global`` the step bytes over what the global
+layers read (a layer reading a global layer's KV reads it too): the floors no layout goes
+under (target <= 1.1 for hybrid).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from jax_tpusync.bench import common
+
+COLUMNS = [
+    ("model", "model", "s"),
+    ("tier", "tier", "s"),
+    ("context", "context", "d"),
+    ("cache", "cache", "s"),
+    ("kv_bytes", "tier bytes", "bytes"),
+    ("step_bytes", "step bytes", "bytes"),
+    ("fetched_bytes_per_step", "fetched/step", "bytes"),
+    ("step_ms", "step ms", ".2f"),
+    ("kv_over_global", "tier/global", ".3f"),
+    ("step_bytes_over_global", "step/global", ".3f"),
+    ("time_over_uniform", "time/uniform", ".3f"),
+]
+
+Q_HEADS = 4
+
+
+def shapes(window: int) -> dict[str, dict[str, Any]]:
+    """Per model: per-layer KV heads, head sizes, windows, sources, attention scale."""
+    s, g = window, None
+    return {
+        "gemma3": dict(
+            heads=[2] * 6,
+            dims=[64] * 6,
+            windows=[s, s, s, s, s, g],
+            sharing=[None] * 6,
+            scale=None,
+        ),
+        "gemma4": dict(
+            heads=[4, 4, 1, 4, 4, 1],
+            dims=[32, 32, 64, 32, 32, 64],
+            windows=[s, s, g, s, s, g],
+            sharing=[None, None, None, 1, 1, 2],
+            scale=1.0,
+        ),
+    }
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Registers the ``hybrid`` subcommand."""
+    p = subparsers.add_parser(
+        "hybrid",
+        help="hybrid model decode: KV geometry groups and bounded windows vs one geometry",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--models", nargs="+", choices=("gemma3", "gemma4"), default=["gemma3", "gemma4"]
+    )
+    p.add_argument("--contexts", type=int, nargs="+", default=[131072, 1048576])
+    p.add_argument("--tiers", nargs="+", choices=("host", "file"), default=["host", "file"])
+    p.add_argument("--path", default=None, help="directory of the file tier (default: a temp dir)")
+    p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=8, help="timed decode steps per cache")
+    p.add_argument("--staging-bytes", type=common.parse_bytes, default=32 * common.MiB)
+    p.add_argument("--load-chunk", type=int, default=65536, help="tokens per load() call")
+    p.add_argument("--json", default="bench_hybrid.json")
+    p.set_defaults(run=run, columns=COLUMNS)
+    return p
+
+
+def _caches(tps, model: dict, tier: str, context: int, path: str | None, staging: int):
+    """(uniform, hybrid) caches of ``model`` at ``context`` tokens, batch 1, bf16."""
+    import jax.numpy as jnp
+
+    common_args = dict(
+        num_layers=len(model["heads"]),
+        batch=1,
+        max_len=context + 64,
+        dtype=jnp.bfloat16,
+        tier=tier,
+        staging_bytes=staging,
+        **({"path": path} if tier == "file" else {}),
+    )
+    uniform = tps.OffloadedKVCache(
+        num_kv_heads=max(model["heads"]),
+        head_dim=max(model["dims"]),
+        sliding_window=model["windows"],
+        **common_args,
+    )
+    hybrid = tps.HybridKVCache(
+        num_kv_heads=model["heads"],
+        head_dim=model["dims"],
+        sliding_window=model["windows"],
+        kv_sharing=model["sharing"],
+        max_step_tokens=1,
+        **common_args,
+    )
+    return uniform, hybrid
+
+
+def _load(cache, state, layers, heads, dims, context: int, chunk: int, rng, sharing=None):
+    """Random KV for every stored layer's positions [0, context)."""
+    import jax.numpy as jnp
+
+    for layer in range(layers):
+        if sharing is not None and sharing[layer] is not None:
+            continue
+        for lo, n in common.chunks(context, chunk):
+            kv = rng.standard_normal((2, 1, n, heads[layer], dims[layer]), np.float32)
+            kv = jnp.asarray(kv, jnp.bfloat16)
+            state = cache.load(state, layer, kv[0], kv[1], start=lo)
+    return state
+
+
+def _step(tps, heads, dims, sharing, scale):
+    import jax
+    import jax.numpy as jnp
+
+    def step(qkv, state):
+        outs = []
+        for layer, (q, k, v) in enumerate(qkv):
+            if sharing is not None and sharing[layer] is not None:
+                k = v = None
+            out, state = tps.prefetching_attention(q, k, v, state, layer=layer, scale=scale)
+            outs.append(out)
+        return outs, state
+
+    def inputs(rng):
+        out = []
+        for h, d in zip(heads, dims):
+            q = jnp.asarray(rng.standard_normal((1, 1, Q_HEADS, d)), jnp.bfloat16)
+            k = jnp.asarray(rng.standard_normal((1, 1, h, d)), jnp.bfloat16)
+            out.append((q, k, k))
+        return out
+
+    return jax.jit(step, donate_argnums=(1,)), inputs
+
+
+def _step_bytes(model: dict, context: int, uniform: bool) -> int:
+    """Bytes one decode step attends over at ``context`` (K and V of every layer's span)."""
+    total = 0
+    for layer, w in enumerate(model["windows"]):
+        h, d = (
+            (max(model["heads"]), max(model["dims"]))
+            if uniform
+            else (model["heads"][layer], model["dims"][layer])
+        )
+        span = context if w is None else min(w - 1, context)
+        total += 2 * span * h * d * 2
+    return total
+
+
+def _global_bytes(model: dict, context: int, *, reading: bool) -> int:
+    """The global layers' own KV (``reading``: and the reads of the layers that read it):
+    what no layout can avoid storing (reading)."""
+    return sum(
+        2 * context * model["heads"][l] * model["dims"][l] * 2
+        for l, w in enumerate(model["windows"])
+        if w is None and (reading or model["sharing"][l] is None)
+    )
+
+
+def _measure(tps, cache, model, context, args, rng, *, uniform: bool) -> dict[str, Any]:
+    layers = len(model["heads"])
+    if uniform:
+        heads = [max(model["heads"])] * layers
+        dims = [max(model["dims"])] * layers
+        sharing = None
+    else:
+        heads, dims, sharing = model["heads"], model["dims"], model["sharing"]
+    state = cache.init()
+    t0 = time.perf_counter()
+    state = _load(cache, state, layers, heads, dims, context, args.load_chunk, rng, sharing)
+    load_s = time.perf_counter() - t0
+    step, inputs = _step(tps, heads, dims, sharing, model["scale"])
+    qkv = inputs(rng)
+    outs, state = step(qkv, state)  # Compile, and the first fetches.
+    jax_block(outs)
+    engine = cache.engine
+    engine.reset_stats()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        outs, state = step(qkv, state)
+        jax_block(outs)
+        times.append(time.perf_counter() - t0)
+    fetched = sum(t["fetch"]["bytes"] for t in engine.stats()["tiers"]) / args.steps
+    kv_bytes = cache.kv_bytes if not uniform else cache.spec.kv_bytes
+    cache.drain(state)
+    return dict(
+        kv_bytes=kv_bytes,
+        step_bytes=_step_bytes(model, context, uniform),
+        fetched_bytes_per_step=fetched,
+        step_ms=statistics.median(times) * 1e3,
+        step_ms_all=[t * 1e3 for t in times],
+        load_s=load_s,
+    )
+
+
+def jax_block(x) -> None:
+    import jax
+
+    jax.block_until_ready(x)
+
+
+def run(args) -> list[dict[str, Any]]:
+    import jax_tpusync as tps
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for name in args.models:
+        model = shapes(args.window)[name]
+        for tier in args.tiers:
+            for context in args.contexts:
+                directory = None
+                if tier == "file":
+                    directory = tempfile.mkdtemp(
+                        prefix="tpusync-hybrid-", dir=args.path or os.getcwd()
+                    )
+                try:
+                    uniform, hybrid = _caches(
+                        tps, model, tier, context, directory, args.staging_bytes
+                    )
+                    with uniform, hybrid:
+                        results = {
+                            "uniform": _measure(
+                                tps, uniform, model, context, args, rng, uniform=True
+                            ),
+                            "hybrid": _measure(
+                                tps, hybrid, model, context, args, rng, uniform=False
+                            ),
+                        }
+                finally:
+                    if directory:
+                        shutil.rmtree(directory, ignore_errors=True)
+                stored = _global_bytes(model, context, reading=False)
+                read = _global_bytes(model, context, reading=True)
+                for cache_name, r in results.items():
+                    row = dict(model=name, tier=tier, context=context, cache=cache_name, **r)
+                    row["global_bytes"] = stored
+                    row["global_step_bytes"] = read
+                    row["kv_over_global"] = r["kv_bytes"] / stored
+                    row["step_bytes_over_global"] = r["step_bytes"] / read
+                    row["time_over_uniform"] = r["step_ms"] / results["uniform"]["step_ms"]
+                    rows.append(row)
+                    print(
+                        f"{name} {tier} {context}: {cache_name} {r['step_ms']:.2f} ms/step, "
+                        f"tier {common.format_bytes(r['kv_bytes'])}, load {r['load_s']:.1f} s",
+                        flush=True,
+                    )
+    return rows
