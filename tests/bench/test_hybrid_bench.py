@@ -1,0 +1,41 @@
+"""bench hybrid at a tiny size: both caches of both shapes on both tiers, and the bytes the
+rows report are the layouts' own (tier bytes from the specs, fetched bytes from the engine)."""
+
+from __future__ import annotations
+
+import json
+
+from jax_tpusync.bench import __main__ as bench_main
+from jax_tpusync.bench import common
+
+
+def test_hybrid_bench_tiny(tmp_path):
+    out = tmp_path / "hybrid.json"
+    argv = [
+        "hybrid", "--contexts", "2048", "--window", "64", "--steps", "2",
+        "--path", str(tmp_path), "--load-chunk", "1024", "--staging-bytes", "1M",
+        "--json", str(out),
+    ]  # fmt: skip
+    args = bench_main.build_parser().parse_args(argv)
+    results = args.run(args)
+    bench_main.print_results(results, args.columns)
+    common.write_json(args.json, args.subcommand, args, results)
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["model"], r["tier"], r["cache"]) for r in rows] == [
+        (m, t, c)
+        for m in ("gemma3", "gemma4")
+        for t in ("host", "file")
+        for c in ("uniform", "hybrid")
+    ]
+    for uniform, hybrid in zip(rows[::2], rows[1::2]):
+        # The one-geometry cache holds every layer's whole context (and max_len's 64 spare
+        # tokens): 6x the global layer's (Gemma 3), 24x (Gemma 4: 4x wider rows); hybrid the
+        # global layer's and a ring of 2 blocks of 256 tokens per sliding layer.
+        want = 6.0 if uniform["model"] == "gemma3" else 24.0
+        assert want <= uniform["kv_over_global"] <= want * 1.15
+        assert 1.0 < hybrid["kv_over_global"] < uniform["kv_over_global"] / 2
+        assert hybrid["time_over_uniform"] > 0 and uniform["time_over_uniform"] == 1.0
+        if hybrid["tier"] == "file":  # A step fetches what it attends over (and re-fetches
+            # units a reading layer took from its source's prefetch chain).
+            fetched, attended = hybrid["fetched_bytes_per_step"], hybrid["step_bytes"]
+            assert 0.95 * attended <= fetched <= 1.25 * attended
