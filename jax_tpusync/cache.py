@@ -228,6 +228,16 @@ class OffloadedKVCache:
         return jnp.zeros(shape, spec.staging_dtype)
 
     @property
+    def batch(self) -> int:
+        """Slots (sequences) of the cache."""
+        return self.spec.batch
+
+    @property
+    def max_len(self) -> int:
+        """Tokens one slot may hold at most."""
+        return self.spec.max_len
+
+    @property
     def target(self) -> np.ndarray:
         """int64[6]: (engine id, tier, first block, shard, spill tier, spill first block),
         what the state's ``target`` carries (see :class:`KVState`); a copy."""

@@ -115,6 +115,7 @@ class HybridKVCache:
             num_layers, num_kv_heads, head_dim, windows, kv_sharing
         )
         self.batch = batch
+        self.max_len = max_len
         self.max_step_tokens = int(max_step_tokens)
         self.dtype = np.dtype(options.get("dtype", jnp.bfloat16))
         self._owns_engine = not isinstance(engine, Engine)

@@ -171,6 +171,11 @@ class ShardedKVCache:
         if shm_name is not None or file_name is not None:
             self._reconcile_commits()
 
+    @property
+    def max_len(self) -> int:
+        """Tokens one slot may hold at most."""
+        return self.spec.max_len
+
     def _reconcile_commits(self) -> None:
         """Re-attach: brings the head shards of every slot to their common commit.
 

@@ -144,7 +144,8 @@ class ServingLoop:
     """Drives a step function over a cache's slots with continuous batching.
 
     Args:
-      cache: an :class:`~jax_tpusync.OffloadedKVCache` whose slots are all inactive (a
+      cache: an :class:`~jax_tpusync.OffloadedKVCache` (or a sharded or hybrid cache) whose
+        slots are all inactive (a
         fresh cache; ``cache.init(admit=False)`` makes the first state unless ``state`` is
         given).
       step: the jitted step (see the module's docstring for its contract).
@@ -188,8 +189,8 @@ class ServingLoop:
         self.chunk, self.decode_width = chunk, decode_width or chunk
         self.seed, self.clock = seed, clock
         self.state = cache.init(admit=False) if state is None else state
-        self.batch = int(cache.spec.batch)
-        self.max_len = int(cache.spec.max_len)
+        self.batch = int(cache.batch)
+        self.max_len = int(cache.max_len)
         self.waiting: collections.deque[Completion] = collections.deque()
         self.slots: list[_Active | None] = [None] * self.batch
         self.completions: list[Completion] = []

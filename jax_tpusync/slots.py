@@ -142,7 +142,9 @@ class SlotTable:
         """The distinct blocks ``slot``'s table names, in table order (a ring's once)."""
         row = self._tables[slot]
         row = row[row >= 0]
-        return row[: self.ring_blocks] if self.ring_blocks else row
+        if self.ring_blocks:  # The table repeats the ring; a short slot's ring is shorter.
+            return row[: self.blocks_for(int(self._capacity[slot]))]
+        return row
 
     def _set_row(self, slot: int, ids: Sequence[int] | np.ndarray) -> None:
         self._tables[slot] = blocks.NO_BLOCK

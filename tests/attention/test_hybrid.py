@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import quantize
+from jax_tpusync import quantize, serving
 
 BATCH, MAX_LEN, STEP, BLOCK, D_MODEL, Q_HEADS = 2, 128, 4, 4, 32, 4
 
@@ -392,3 +392,51 @@ def test_prefix_reuse_maps_every_group_or_none():
             np.testing.assert_array_equal(np.asarray(state.lengths), [0, want])
             groups_lengths = {int(np.asarray(g.lengths)[1]) for g in state.groups}
             assert groups_lengths == {want}
+
+
+VOCAB = 48
+
+
+def test_serving_loop_drives_a_hybrid_cache():
+    """``ServingLoop`` over the Gemma-4-like decoder with an embedding and logits: requests
+    of different prompt lengths, batched, generate what the plain history generates for
+    each request alone (greedy)."""
+    model = GEMMA4
+    weights = model.weights(6)
+    rng = np.random.default_rng(6)
+    embed = rng.standard_normal((VOCAB, D_MODEL)).astype(np.float32)
+    unembed = (rng.standard_normal((D_MODEL, VOCAB)) / np.sqrt(D_MODEL)).astype(np.float32)
+
+    def forward(tokens, positions, counts, state):
+        x = jnp.asarray(embed)[tokens]
+        for l in range(model.num_layers):
+            q, k, v = projections(model, weights[l], l, x, positions)
+            out, state = tps.prefetching_attention(
+                q, k, v, state, layer=l, query_seq_lengths=counts, scale=model.scale
+            )
+            x = x + jnp.tanh(out.reshape(*x.shape[:2], -1) @ weights[l]["o"])
+        return x @ unembed, state
+
+    step = jax.jit(lambda params, t, p, c, s: forward(t, p, c, s), donate_argnums=(4,))
+
+    def alone(prompt, new):
+        ref = Reference(model, weights)
+        ids, out = list(prompt), []
+        fed = 0
+        while len(out) < new:
+            n = min(STEP, len(ids) - fed)
+            x = np.zeros((BATCH, STEP, D_MODEL), np.float32)
+            x[0, :n] = embed[ids[fed : fed + n]]
+            logits = ref.step(x, np.array([n, 0])) @ unembed
+            fed += n
+            if fed == len(ids):
+                out.append(int(np.argmax(logits[0, n - 1])))
+                ids.append(out[-1])
+        return out
+
+    prompts = [rng.integers(0, VOCAB, n) for n in (7, 13, 2)]
+    with make_cache(model) as cache:
+        loop = serving.ServingLoop(cache, step, None, chunk=STEP)
+        done = loop.run([serving.Request(p, max_new_tokens=6) for p in prompts])
+    for prompt, completion in zip(prompts, done):
+        assert completion.tokens == alone(prompt, 6)

@@ -205,3 +205,20 @@ def test_ring_blocks_arithmetic_at_its_edges():
                 span = window + step - 1
                 worst = max((s + span - 1) // bt - s // bt + 1 for s in range(bt))
                 assert worst == r, (window, step, bt)
+
+
+@pytest.mark.parametrize("max_tokens", [1, BLOCK, BLOCK + 1, 3 * BLOCK, 3 * BLOCK + 1, MAX_LEN])
+def test_admit_and_release_at_every_ring_size(max_tokens, tmp_path):
+    """A slot admitted for fewer tokens than the ring holds gets fewer blocks (it never
+    wraps); one admitted for more gets the ring; release frees each block once."""
+    with make_cache("in-place-host", tmp_path) as cache:
+        state = cache.init(admit=False)
+        free = cache.free_blocks
+        state, _ = cache.admit(state, 1, max_tokens=max_tokens)
+        held = min(-(-max_tokens // BLOCK), cache.spec.ring_blocks)
+        assert cache.free_blocks == free - held
+        table = cache.block_tables[1]
+        assert len(set(table.tolist())) == held
+        np.testing.assert_array_equal(table, table[np.arange(len(table)) % held])
+        state = cache.release(state, 1)
+        assert cache.free_blocks == free
