@@ -28,9 +28,9 @@ from jax_tpusync.engine import (
     TpusyncError,
     split_cpus,
 )
-from jax_tpusync.hybrid import HybridKVCache
+from jax_tpusync.hybrid import HybridKVCache, kv_cache
 from jax_tpusync.layer_groups import HybridState
-from jax_tpusync.mesh import ShardedKVCache, kv_cache
+from jax_tpusync.mesh import ShardedKVCache
 from jax_tpusync.quantize import QuantizedRows
 from jax_tpusync.state import KVState
 from jax_tpusync.xla_cpu import setup as setup_cpu

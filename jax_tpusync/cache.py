@@ -363,8 +363,32 @@ class OffloadedKVCache:
             (free, or cached in the prefix index and not mapped by any slot).
         """
         self._check_state(state)
-        admission = self.slots.admit(slot, max_tokens, tokens)  # All or nothing.
+        admission = self.reserve(slot, max_tokens, tokens)  # All or nothing.
         return self.admitted(state, admission), admission.cached
+
+    def reserve(
+        self,
+        slot: int,
+        max_tokens: int | None = None,
+        tokens: Sequence[int] | np.ndarray | None = None,
+        *,
+        max_cached: int | None = None,
+    ) -> Admission:
+        """:meth:`admit`'s first half: the slot table admits ``slot`` (or raises, changing
+        nothing), no state changes; then :meth:`admitted` (which cannot be refused) or
+        :meth:`cancel`. ``max_cached`` caps the mapped prefix (tokens): a cache made of
+        several (mesh shards, a hybrid model's layer groups) maps what all of them have."""
+        return self.slots.admit(slot, max_tokens, tokens, max_cached=max_cached)
+
+    def cancel(self, admission: Admission) -> None:
+        """Undoes a :meth:`reserve` that was not :meth:`admitted`."""
+        self.slots.release(admission.slot, 0)
+
+    def check_release(self, state: KVState, slot: int, tokens=None) -> None:
+        """Refuses, changing nothing, a :meth:`release` of ``slot`` the cache would refuse."""
+        self._check_state(state)
+        self.slots.check_slot(slot)
+        self.slots.check_release(slot, int(np.asarray(state.lengths)[slot]), tokens)
 
     def admitted(self, state: KVState, admission: Admission) -> KVState:
         """The live state once the slot table made ``admission`` (:meth:`admit`'s second

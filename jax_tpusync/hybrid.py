@@ -20,7 +20,9 @@ The state (:class:`~jax_tpusync.layer_groups.HybridState`) carries every group's
 every group at once, all of them or none: an admission that one group refuses is undone in
 the others, and a refused call changes nothing.
 
-What a hybrid cache does not do (yet), each refused by name: a device mesh; prefix reuse
+On a device mesh each group is a :class:`~jax_tpusync.ShardedKVCache`, its KV heads split
+over the mesh. What a hybrid cache does not do (yet), each refused by name: ``kv_sharing``
+or persistence on a mesh; prefix reuse
 across requests when a group keeps only its window (the groups' rows of a cached prefix
 must all be there: admissions then map no prefix, and ``release`` publishes none);
 persistence with bounded windows (a ring overwrites committed rows).
@@ -43,6 +45,7 @@ from jax_tpusync.config import is_int, normalize_windows
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.layer_groups import HybridState, LayerGroups, plan_groups
 from jax_tpusync.manifest import MANIFEST_SUFFIX
+from jax_tpusync.mesh import ShardedKVCache
 from jax_tpusync.state import KVState
 
 logger = logging.getLogger(__name__)
@@ -96,12 +99,19 @@ class HybridKVCache:
         shm_name: str | None = None,
         file_name: str | None = None,
         mesh: Any = None,
+        kv_heads_axis: str | None = None,
+        batch_axis: str | None = None,
         **options: Any,
     ):
-        if mesh is not None:
+        if mesh is not None and kv_sharing is not None and any(s is not None for s in kv_sharing):
             raise ValueError(
-                "HybridKVCache runs on one device: a mesh of hybrid groups is not supported "
-                "yet (each geometry group would need its own head split)"
+                "kv_sharing on a mesh is not supported yet: a layer reading another's KV runs "
+                "on one device's cache"
+            )
+        if mesh is not None and (shm_name is not None or file_name is not None):
+            raise ValueError(
+                "a persistent hybrid cache on a mesh is not supported yet (its groups' "
+                "shards would need one common commit): drop shm_name / file_name or mesh"
             )
         for name in ("num_blocks", "resident", "max_step_tokens_per_group"):
             if name in options:
@@ -120,15 +130,22 @@ class HybridKVCache:
         self.dtype = np.dtype(options.get("dtype", jnp.bfloat16))
         self._owns_engine = not isinstance(engine, Engine)
         self.engine = engine if isinstance(engine, Engine) else Engine(engine or EngineConfig())
-        self.groups: list[OffloadedKVCache] = []
+        self.mesh = mesh
+        self.groups: list[OffloadedKVCache | ShardedKVCache] = []
         try:
             self._check_layers_record(shm_name, file_name, options)
             shares = self._staging_shares(staging_bytes, batch, options)
             for i, group in enumerate(self.plan.groups):
                 share = shares[i]
                 bounded = bound_windows and group.window is not None
+                make = OffloadedKVCache
+                if mesh is not None:  # Each group's KV heads split over the mesh's axis.
+                    options = dict(
+                        options, mesh=mesh, kv_heads_axis=kv_heads_axis, batch_axis=batch_axis
+                    )
+                    make = ShardedKVCache
                 self.groups.append(
-                    OffloadedKVCache(
+                    make(
                         num_layers=len(group.layers),
                         batch=batch,
                         max_len=max_len,
@@ -288,20 +305,11 @@ class HybridKVCache:
 
     def init(self, lengths=None, *, admit: bool = True) -> HybridState:
         """A fresh state of every group (see :meth:`OffloadedKVCache.init`)."""
-        if admit:  # Every group's blocks, or none.
-            empty = [b for b in range(self.batch) if not self.groups[0].capacity[b]]
-            done: list[tuple[OffloadedKVCache, int]] = []
-            try:
-                for g in self.groups:
-                    for b in empty:
-                        if not g.capacity[b]:
-                            g.slots.admit(b, None)
-                            done.append((g, b))
-            except Exception:
-                for g, b in done:
-                    g.slots.release(b, 0)
-                raise
-        return self._state([g.init(lengths, admit=False) for g in self.groups])
+        if lengths is not None:
+            lengths = np.asarray(lengths)
+            if lengths.shape != (self.batch,):
+                raise ValueError(f"lengths must have shape ({self.batch},); got {lengths.shape}")
+        return self._state([g.init(lengths, admit=admit) for g in self.groups])
 
     def inert_state(self) -> HybridState:
         return self._state([g.inert_state() for g in self.groups])
@@ -323,7 +331,11 @@ class HybridKVCache:
         return self._each(state, lambda g, p: g.commit(p))
 
     def lengths(self, state: HybridState) -> np.ndarray:
-        return np.asarray(self.split(state)[0].lengths)
+        """int32[batch]: every slot's length in ``state``."""
+        group, part = self.groups[0], self.split(state)[0]
+        if isinstance(group, ShardedKVCache):
+            return group.lengths(part)
+        return np.asarray(part.lengths)
 
     # -- slot lifecycle ---------------------------------------------------------------------
 
@@ -339,37 +351,41 @@ class HybridKVCache:
         groups whose prefix stores differ all map the prefix the shortest one has (0 when
         a group keeps only its window)."""
         parts = self.split(state)
-        admissions = self._admit_all(slot, max_tokens, tokens, None)
-        cached = {a.cached for a in admissions}
-        if len(cached) > 1:
-            self._undo(admissions, slot)
-            admissions = self._admit_all(slot, max_tokens, tokens, min(cached))
-            cached = {a.cached for a in admissions}
-            if len(cached) > 1:  # pragma: no cover - a lower cap maps a prefix all have.
-                self._undo(admissions, slot)
-                raise ValueError(f"layer groups of slot {slot} map different prefixes: {cached}")
-        parts = [g.admitted(p, a) for g, p, a in zip(self.groups, parts, admissions)]
+        reservations = self._reserve_all(slot, max_tokens, tokens, None)
+        cached = {r.cached for r in reservations}
+        while len(cached) > 1:  # Each retry maps less: it ends at a prefix every group has.
+            self._cancel(reservations)
+            reservations = self._reserve_all(slot, max_tokens, tokens, min(cached))
+            cached = {r.cached for r in reservations}
+        parts = [g.admitted(p, r) for g, p, r in zip(self.groups, parts, reservations)]
         return self._state(parts, state.pending), cached.pop()
 
-    def _admit_all(self, slot, max_tokens, tokens, max_cached) -> list:
+    def _reserve_all(self, slot, max_tokens, tokens, max_cached) -> list:
+        """Every group's reservation of ``slot``, or none (undone, then raised)."""
+        self._check_slot(slot)
         done = []
         try:
             for g in self.groups:
-                done.append(g.slots.admit(slot, max_tokens, tokens, max_cached=max_cached))
+                done.append(g.reserve(slot, max_tokens, tokens, max_cached=max_cached))
         except Exception:
-            self._undo(done, slot)
+            self._cancel(done)
             raise
         return done
 
-    def _undo(self, admissions, slot: int) -> None:
-        for g, _ in zip(self.groups, admissions):
-            g.slots.release(slot, 0)
+    def _cancel(self, reservations) -> None:
+        for g, r in zip(self.groups, reservations):
+            g.cancel(r)
+
+    def _check_slot(self, slot: Any) -> None:
+        if not is_int(slot) or not 0 <= slot < self.batch:
+            raise ValueError(f"slot={slot!r} must be an int in [0, batch={self.batch})")
 
     def release(self, state: HybridState, slot: int, *, tokens=None) -> HybridState:
         """Releases ``slot`` in every group, once every group accepted the arguments."""
         parts = self.split(state)
+        self._check_slot(slot)
         for g, p in zip(self.groups, parts):
-            g.slots.check_release(slot, int(np.asarray(p.lengths)[slot]), tokens)
+            g.check_release(p, slot, tokens)
         parts = [g.release(p, slot, tokens=tokens) for g, p in zip(self.groups, parts)]
         return self._state(parts, state.pending)
 
@@ -377,8 +393,8 @@ class HybridKVCache:
         return self.groups[0].tokens(slot)
 
     def extend_tokens(self, slot: int, ids) -> None:
+        self._check_slot(slot)
         for g in self.groups:  # The same checks in every group first.
-            g.slots.check_slot(slot)
             if not g.capacity[slot]:
                 raise ValueError(f"slot {slot} is not active (admit it first)")
         for g in self.groups:
@@ -425,11 +441,12 @@ class HybridKVCache:
     @property
     def kv_bytes(self) -> int:
         """Bytes the tier holds for every group's blocks (K and V, every stored layer)."""
-        return sum(g.spec.kv_bytes for g in self.groups)
+        return sum(g.spec.kv_bytes * _shards(g) for g in self.groups)
 
     @property
     def device_bytes(self) -> int:
-        return sum(g.spec.device_bytes for g in self.groups)
+        """Device memory of every group's staging (every shard's, on a mesh)."""
+        return sum(g.spec.device_bytes * _shards(g) for g in self.groups)
 
     @property
     def committed_lengths(self) -> np.ndarray | None:
@@ -458,8 +475,32 @@ def describe_bytes(cache: HybridKVCache) -> dict:
         f"group {i}": {
             "layers": list(group.layers),
             "geometry": group.describe(),
-            "kv_bytes": cache.groups[i].spec.kv_bytes,
+            "kv_bytes": cache.groups[i].spec.kv_bytes * _shards(cache.groups[i]),
             "ring_blocks": cache.groups[i].spec.ring_blocks,
         }
         for i, group in enumerate(cache.plan.groups)
     }
+
+
+def _shards(group) -> int:
+    """Shards of a group's cache: a spec describes one."""
+    mesh = group.spec.mesh
+    return 1 if mesh is None else mesh.num_shards
+
+
+def kv_cache(
+    *, mesh: Any = None, **options: Any
+) -> OffloadedKVCache | ShardedKVCache | HybridKVCache:
+    """A KV cache of ``options`` (:class:`~jax_tpusync.OffloadedKVCache`'s arguments): one
+    device's, or with ``mesh`` (and ``kv_heads_axis`` / ``batch_axis``) a
+    :class:`~jax_tpusync.ShardedKVCache`; a :class:`HybridKVCache` when ``num_kv_heads`` or
+    ``head_dim`` is given per layer or ``kv_sharing`` is given."""
+    per_layer = any(
+        isinstance(options.get(name), (list, tuple)) for name in ("num_kv_heads", "head_dim")
+    )
+    if per_layer or options.get("kv_sharing") is not None:
+        return HybridKVCache(mesh=mesh, **options)
+    options.pop("kv_sharing", None)
+    if mesh is None:
+        return OffloadedKVCache(**options)
+    return ShardedKVCache(mesh=mesh, **options)

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_tpusync.state import KVState
@@ -190,12 +191,20 @@ class HybridState:
 
     @property
     def lengths(self) -> jax.Array:
-        """int32[batch]: tokens cached per slot (the same in every group between steps)."""
-        return self.groups[0].lengths
+        """int32[batch]: tokens cached per slot (the same in every group between steps); a
+        mesh cache's groups hold [shards, batch / dp] each, read as the global slots."""
+        lengths = self.groups[0].lengths
+        layout = self.groups[0].spec.mesh
+        if layout is None:
+            return lengths
+        # Shard d * tp + t holds slots [d * b, (d + 1) * b), every t alike (a reduction
+        # over t, where a slice of a sharded axis would not lower).
+        return lengths.reshape(layout.dp, layout.tp, -1).max(axis=1).reshape(-1)
 
     def positions(self, q_len: int) -> jax.Array:
-        """int32[batch, q_len]: each slot's next positions (see :meth:`KVState.positions`)."""
-        return self.groups[0].positions(q_len)
+        """int32[batch, q_len]: each slot's next positions, ``lengths[:, None] +
+        arange(q_len)`` (the global slots' on a mesh)."""
+        return self.lengths[:, None] + jnp.arange(q_len, dtype=jnp.int32)
 
     def replace(self, **changes) -> HybridState:
         fields = dict(groups=self.groups, step_lengths=self.step_lengths, pending=self.pending)

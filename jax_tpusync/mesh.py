@@ -49,7 +49,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax_tpusync.cache import OffloadedKVCache
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.host_io import one_slot_load
-from jax_tpusync.hybrid import HybridKVCache
 from jax_tpusync.mesh_layout import MeshLayout
 from jax_tpusync.state import CacheSpec, KVState
 
@@ -78,6 +77,18 @@ def _layout_of(mesh: Any, kv_heads_axis: Any, batch_axis: Any) -> MeshLayout:
                 f"sequences, not replicated or split over head_dim)"
             )
     return MeshLayout(mesh, batch_axis, kv_heads_axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshAdmission:
+    """What :meth:`ShardedKVCache.reserve` made: each holder shard's slot-table admission
+    of global ``slot`` (``local`` within its shards) and the prefix tokens they all map
+    (None: this process holds none of the slot's shards)."""
+
+    slot: int
+    local: int
+    admissions: dict
+    cached: int | None
 
 
 class ShardedKVCache:
@@ -363,21 +374,52 @@ class ShardedKVCache:
         All shards or none: every holder's slot table admits first (a refusal in one undoes
         the others' and raises, the state untouched); head shards whose prefix stores
         differ (a block one of them lacks) all map the prefix the shortest one has."""
+        reservation = self.reserve(slot, max_tokens, tokens)
+        return self.admitted(state, reservation), reservation.cached
+
+    def reserve(
+        self,
+        slot: int,
+        max_tokens: int | None = None,
+        tokens: Sequence[int] | np.ndarray | None = None,
+        *,
+        max_cached: int | None = None,
+    ) -> MeshAdmission:
+        """:meth:`admit`'s first half: every holder shard's slot table admits ``slot`` (all
+        or none, raising), changing no state; then :meth:`admitted` (which cannot be
+        refused) or :meth:`cancel`. ``max_cached`` caps the mapped prefix (tokens)."""
         local, holders = self._slot(slot)
-        parts = self.split(state)
-        admissions = self._admit_all(holders, local, max_tokens, tokens, None)
+        admissions = self._admit_all(holders, local, max_tokens, tokens, max_cached)
         cached = {a.cached for a in admissions.values()}
         if len(cached) > 1:
+            cap = min(cached) if max_cached is None else min(min(cached), max_cached)
             self._undo_admissions(admissions, local)
-            admissions = self._admit_all(holders, local, max_tokens, tokens, min(cached))
+            admissions = self._admit_all(holders, local, max_tokens, tokens, cap)
             cached = {a.cached for a in admissions.values()}
             if len(cached) > 1:
                 self._undo_admissions(admissions, local)
                 raise ValueError(f"head shards of slot {slot} map different prefixes: {cached}")
-        for s, admission in admissions.items():
+        return MeshAdmission(slot, local, admissions, cached.pop() if cached else None)
+
+    def cancel(self, reservation: MeshAdmission) -> None:
+        """Undoes a :meth:`reserve` that was not :meth:`admitted`."""
+        self._undo_admissions(reservation.admissions, reservation.local)
+
+    def admitted(self, state: KVState, reservation: MeshAdmission) -> KVState:
+        """The live state once :meth:`reserve` made ``reservation``."""
+        parts = self.split(state)
+        for s, admission in reservation.admissions.items():
             with self._on(s):
                 parts[s] = self.shards[s].admitted(parts[s], admission)
-        return self._assemble(parts), cached.pop() if cached else None
+        return self._assemble(parts)
+
+    def check_release(self, state: KVState, slot: int, tokens=None) -> None:
+        """Refuses, changing nothing, a :meth:`release` that a shard would refuse."""
+        local, holders = self._slot(slot)
+        parts = self.split(state)
+        for s in holders:
+            length = int(np.asarray(parts[s].lengths)[local])
+            self.shards[s].slots.check_release(local, length, tokens)
 
     def _admit_all(self, holders, local, max_tokens, tokens, max_cached) -> dict:
         """Each holder's slot-table admission, or none (undone, then raised)."""
@@ -403,10 +445,8 @@ class ShardedKVCache:
         :meth:`OffloadedKVCache.release`), after every shard has accepted the arguments:
         a refusal changes no shard."""
         local, holders = self._slot(slot)
+        self.check_release(state, slot, tokens)
         parts = self.split(state)
-        for s in holders:
-            length = int(np.asarray(parts[s].lengths)[local])
-            self.shards[s].slots.check_release(local, length, tokens)
         for s in holders:
             with self._on(s):
                 parts[s] = self.shards[s].release(parts[s], local, tokens=tokens)
@@ -611,21 +651,3 @@ def _heads_dir(s: int, layout: MeshLayout, num_kv_heads: int) -> str:
 
 def _outside_mesh():
     return jax.set_mesh(None) if hasattr(jax, "set_mesh") else contextlib.nullcontext()
-
-
-def kv_cache(
-    *, mesh: Mesh | None = None, **options: Any
-) -> OffloadedKVCache | ShardedKVCache | HybridKVCache:
-    """A KV cache of ``options`` (:class:`OffloadedKVCache`'s arguments): one device's, or
-    with ``mesh`` (and ``kv_heads_axis`` / ``batch_axis``) a :class:`ShardedKVCache`; a
-    :class:`~jax_tpusync.hybrid.HybridKVCache` when ``num_kv_heads`` or ``head_dim`` is
-    given per layer or ``kv_sharing`` is given."""
-    per_layer = any(
-        isinstance(options.get(name), (list, tuple)) for name in ("num_kv_heads", "head_dim")
-    )
-    if per_layer or options.get("kv_sharing") is not None:
-        return HybridKVCache(mesh=mesh, **options)
-    options.pop("kv_sharing", None)
-    if mesh is None:
-        return OffloadedKVCache(**options)
-    return ShardedKVCache(mesh=mesh, **options)

@@ -440,3 +440,22 @@ def test_serving_loop_drives_a_hybrid_cache():
         done = loop.run([serving.Request(p, max_new_tokens=6) for p in prompts])
     for prompt, completion in zip(prompts, done):
         assert completion.tokens == alone(prompt, 6)
+
+
+def test_hybrid_groups_on_a_mesh():
+    """Gemma 3's groups, each split over a 2 x 2 mesh (slots over ``data``, each group's
+    KV heads over ``model``), against the plain history."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    mesh = jax.make_mesh((2, 2), ("data", "model"))
+    weights = GEMMA3.weights(7)
+    with make_cache(GEMMA3, mesh=mesh, batch_axis="data", kv_heads_axis="model") as cache:
+        assert all(isinstance(g, tps.ShardedKVCache) for g in cache.groups)
+        state, ref = run(cache, GEMMA3, weights, SCHEDULE[:9])
+        np.testing.assert_array_equal(cache.lengths(state), ref.lengths)
+        state = cache.release(state, 0)
+        state, _ = cache.admit(state, 0)
+        ref.reset(0)
+        run(cache, GEMMA3, weights, [[4, 1], [2, 1]], seed=8, reference=ref, state=state)
+    with pytest.raises(ValueError, match=r"kv_sharing on a mesh is not supported yet"):
+        make_cache(GEMMA4, mesh=mesh, batch_axis="data", kv_heads_axis="model")
