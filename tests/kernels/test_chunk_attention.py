@@ -572,6 +572,24 @@ KERNEL_CASES = {
         block_kv=None,
         op=lambda *args, **kw: jax.jit(functools.partial(kernels.chunk_attention, **kw))(*args),
     ),
+    # Gemma 4's global layers: head_dim 512, GQA 4 (a VMEM tile of 512 lanes).
+    "bf16_gqa4_head_dim_512": dict(
+        shape=dict(
+            batch=1,
+            q_len=2,
+            num_q_heads=4,
+            num_kv_heads=1,
+            head_dim=512,
+            chunk_len=32,
+            k_valid=[27],
+            k_start=[3],
+            q_start=[30],
+        ),
+        dtype=jnp.bfloat16,
+        window=None,
+        soft_cap=None,
+        block_kv=16,
+    ),
     # Sliding window plus causality leaves some queries with nothing visible.
     "bf16_gqa2_masked_rows": dict(
         shape=dict(
@@ -702,6 +720,25 @@ GPU_CASES = {
             dtype=jnp.bfloat16,
             window=25,
             soft_cap=10.0,
+            block_kv=16,
+        ),
+        num_splits=2,
+    ),
+    # Gemma 4's global layers: head_dim 512.
+    "bf16_head_dim_512": dict(
+        case=dict(
+            shape=dict(
+                batch=1,
+                q_len=1,
+                num_q_heads=2,
+                num_kv_heads=1,
+                head_dim=512,
+                chunk_len=32,
+                k_valid=[29],
+            ),
+            dtype=jnp.bfloat16,
+            window=None,
+            soft_cap=None,
             block_kv=16,
         ),
         num_splits=2,
