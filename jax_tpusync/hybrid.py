@@ -21,8 +21,8 @@ every group at once, all of them or none: an admission that one group refuses is
 the others, and a refused call changes nothing.
 
 On a device mesh each group is a :class:`~jax_tpusync.ShardedKVCache`, its KV heads split
-over the mesh. What a hybrid cache does not do (yet), each refused by name: ``kv_sharing``
-or persistence on a mesh; prefix reuse
+over the mesh. What a hybrid cache does not do (yet), each refused by name: persistence on
+a mesh; prefix reuse
 across requests when a group keeps only its window (the groups' rows of a cached prefix
 must all be there: admissions then map no prefix, and ``release`` publishes none);
 persistence with bounded windows (a ring overwrites committed rows).
@@ -37,8 +37,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_tpusync.cache import OffloadedKVCache
 from jax_tpusync.config import is_int, normalize_windows
@@ -103,11 +105,6 @@ class HybridKVCache:
         batch_axis: str | None = None,
         **options: Any,
     ):
-        if mesh is not None and kv_sharing is not None and any(s is not None for s in kv_sharing):
-            raise ValueError(
-                "kv_sharing on a mesh is not supported yet: a layer reading another's KV runs "
-                "on one device's cache"
-            )
         if mesh is not None and (shm_name is not None or file_name is not None):
             raise ValueError(
                 "a persistent hybrid cache on a mesh is not supported yet (its groups' "
@@ -282,12 +279,14 @@ class HybridKVCache:
             pending = []
             for source in self.plan.sources:
                 g = self.plan.group(source)
-                pending.append(
-                    jnp.zeros(
-                        (2, self.batch, self.max_step_tokens, g.num_kv_heads, g.head_dim),
-                        self.dtype,
-                    )
+                rows = jnp.zeros(
+                    (2, self.batch, self.max_step_tokens, g.num_kv_heads, g.head_dim), self.dtype
                 )
+                if self.mesh is not None:  # Split as the step's k/v are: slots, KV heads.
+                    layout = self.groups[0].spec.mesh
+                    spec = PartitionSpec(None, layout.batch_axis, None, layout.kv_heads_axis)
+                    rows = jax.device_put(rows, NamedSharding(self.mesh, spec))
+                pending.append(rows)
         # A buffer of its own: the state is donated, and one buffer cannot be donated twice.
         step_lengths = jnp.array(parts[0].lengths, jnp.int32, copy=True)
         return HybridState(self.plan, parts, step_lengths, pending)

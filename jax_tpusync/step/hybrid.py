@@ -104,9 +104,18 @@ def _kept_rows(buffer, k, v, is_source, source: int):
             f"q_len={q_len} exceeds max_step_tokens={most}: the rows of layer {source}, "
             f"which another layer reads, are kept for at most that many"
         )
-    rows = jnp.stack([k, v]).astype(buffer.dtype)
+    rows = _typed_like(jnp.stack([k, v]).astype(buffer.dtype), buffer)
     updated = lax.dynamic_update_slice(buffer, rows, (0, 0, 0, 0, 0))
     return jnp.where(is_source, updated, buffer)
+
+
+def _typed_like(x: jax.Array, ref: jax.Array) -> jax.Array:
+    """``x`` resharded as ``ref`` is, where ``ref``'s type carries an (explicit) sharding:
+    such arrays combine only when their shardings are equal."""
+    sharding = jax.typeof(ref).sharding
+    if sharding.mesh.empty or jax.typeof(x).sharding == sharding:
+        return x
+    return jax.sharding.reshard(x, sharding)
 
 
 def _read_layer(q, state: HybridState, layer, g: int, options, local=None, rows=None):
@@ -122,10 +131,13 @@ def _read_layer(q, state: HybridState, layer, g: int, options, local=None, rows=
         raise ValueError(f"q_len={q_len} exceeds max_step_tokens={rows.shape[2]}")
     k, v = rows[0, :, :q_len], rows[1, :, :q_len]
     if gs.spec.mesh is not None:
-        raise ValueError("a layer that reads another's KV runs on one device's cache")
-    out, after = device.device_read_attention(
-        q, k, v, gs, layer=local, step_lengths=state.step_lengths, **options
-    )
+        out, after = sharded.sharded_attention(
+            q, k, v, gs, layer=local, step_lengths=state.step_lengths, **options
+        )
+    else:
+        out, after = device.device_read_attention(
+            q, k, v, gs, layer=local, step_lengths=state.step_lengths, **options
+        )
     return out, state.with_group(g, after)
 
 

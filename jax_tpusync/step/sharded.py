@@ -80,12 +80,15 @@ def _spec_axes(x: jax.Array) -> list:
 
 
 def sharded_attention(
-    q, k, v, state: KVState, *, layer, query_seq_lengths=None, **options
+    q, k, v, state: KVState, *, layer, query_seq_lengths=None, step_lengths=None, **options
 ) -> tuple[jax.Array, KVState]:
     """:func:`~jax_tpusync.prefetching_attention` of a mesh cache's global state (or, inside
     the caller's ``shard_map`` over the cache's axes, of the device's share).
     ``query_seq_lengths`` is split over the batch axis as ``q`` is (``P(batch_axis)``), so
-    each shard takes its own slots' counts."""
+    each shard takes its own slots' counts. With ``step_lengths`` ([shards, batch] like the
+    state's lengths) each shard runs a layer that reads ``layer``'s KV instead
+    (:func:`~jax_tpusync.step.device.device_read_attention`; ``k``/``v`` the rows that
+    layer added this step)."""
     spec = state.spec
     layout: MeshLayout = spec.mesh
     shard_spec = dataclasses.replace(spec, mesh=None)
@@ -109,12 +112,24 @@ def sharded_attention(
                 f"{layout.kv_heads_axis!r} instead"
             )
 
-    def body(q, k, v, leaves, layer, counts):
+    def body(q, k, v, leaves, layer, counts, shard_step_lengths=None):
         part = KVState(shard_spec, *[x[0] for x in leaves])
-        guard = ops.shard_guard(part.target[3], layout.device_shard())
-        out, part = device.device_attention(
-            q, k, v, part, layer=layer, shard_guard=guard, query_seq_lengths=counts, **options
-        )
+        if shard_step_lengths is not None:
+            out, part = device.device_read_attention(
+                q,
+                k,
+                v,
+                part,
+                layer=layer,
+                step_lengths=shard_step_lengths[0],
+                query_seq_lengths=counts,
+                **options,
+            )
+        else:
+            guard = ops.shard_guard(part.target[3], layout.device_shard())
+            out, part = device.device_attention(
+                q, k, v, part, layer=layer, shard_guard=guard, query_seq_lengths=counts, **options
+            )
         return out, [x[None] for x in jax.tree_util.tree_leaves(part)]
 
     leaves, tree = jax.tree_util.tree_flatten(state)
@@ -127,7 +142,7 @@ def sharded_attention(
                 f"(in_specs {layout.state_spec} for every state leaf): its leading axis has "
                 f"{leaves[0].shape[0]} shards here, not 1"
             )
-        out, leaves = body(q, k, v, leaves, layer, query_seq_lengths)
+        out, leaves = body(q, k, v, leaves, layer, query_seq_lengths, step_lengths)
         return out, jax.tree_util.tree_unflatten(tree, leaves)
     if manual:
         raise ValueError(
@@ -160,8 +175,13 @@ def sharded_attention(
     if query_seq_lengths is not None:
         counts = (_resharded(jax.numpy.asarray(query_seq_lengths), layout, counts_spec),)
 
+    # The step's starting lengths of a reading layer go in split as the state's are.
+    reads = () if step_lengths is None else (_resharded(step_lengths, layout, layout.state_spec),)
+
     def mapped(q, k, v, leaves, *rest):
-        traced_layer, shard_counts = rest[: len(traced)], rest[len(traced) :]
+        traced_layer = rest[: len(traced)]
+        shard_counts = rest[len(traced) : len(traced) + len(counts)]
+        shard_reads = rest[len(traced) + len(counts) :]
         return body(
             q,
             k,
@@ -169,6 +189,7 @@ def sharded_attention(
             leaves,
             traced_layer[0] if traced_layer else layer,
             shard_counts[0] if shard_counts else None,
+            shard_reads[0] if shard_reads else None,
         )
 
     fn = jax.shard_map(
@@ -177,13 +198,14 @@ def sharded_attention(
         in_specs=(layout.qkv_spec,) * 3
         + (state_specs,)
         + (P(),) * len(traced)
-        + (counts_spec,) * len(counts),
+        + (counts_spec,) * len(counts)
+        + (layout.state_spec,) * len(reads),
         out_specs=(layout.qkv_spec, state_specs),
         check_vma=False,
     )
     qkv = [_resharded(x, layout, layout.qkv_spec) for x in (q, k, v)]
     leaves = [_resharded(x, layout, layout.state_spec) for x in leaves]
-    out, leaves = fn(*qkv, leaves, *traced, *counts)
+    out, leaves = fn(*qkv, leaves, *traced, *counts, *reads)
     # Typed as q came in, as single-device attention returns; q typed without a mesh (an
     # Explicit mesh that no jax.set_mesh made current) has no sharding to keep.
     q_sharding = jax.typeof(q).sharding

@@ -457,5 +457,18 @@ def test_hybrid_groups_on_a_mesh():
         state, _ = cache.admit(state, 0)
         ref.reset(0)
         run(cache, GEMMA3, weights, [[4, 1], [2, 1]], seed=8, reference=ref, state=state)
-    with pytest.raises(ValueError, match=r"kv_sharing on a mesh is not supported yet"):
-        make_cache(GEMMA4, mesh=mesh, batch_axis="data", kv_heads_axis="model")
+
+
+def test_layers_reading_another_layers_kv_on_a_mesh():
+    """Gemma 4's shape over 2 devices (its global layers' single KV head cannot split, so
+    the slots do): the reading layers' attention runs in each shard."""
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
+    mesh = jax.make_mesh((2,), ("data",))
+    weights = GEMMA4.weights(8)
+    with make_cache(GEMMA4, mesh=mesh, batch_axis="data") as cache:
+        state, ref = run(cache, GEMMA4, weights, SCHEDULE[:9])
+        state = cache.release(state, 1)
+        state, _ = cache.admit(state, 1)
+        ref.reset(1)
+        run(cache, GEMMA4, weights, [[1, 4], [2, 1]], seed=9, reference=ref, state=state)
