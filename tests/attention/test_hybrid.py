@@ -472,3 +472,60 @@ def test_layers_reading_another_layers_kv_on_a_mesh():
         state, _ = cache.admit(state, 1)
         ref.reset(1)
         run(cache, GEMMA4, weights, [[1, 4], [2, 1]], seed=9, reference=ref, state=state)
+
+
+def test_scan_over_reading_layers():
+    """Layers 4..7 read layers 2 (sliding) and 3 (global) in turn; a ``lax.scan`` over them
+    in pairs (``layer`` traced, ``k=None``) switches over the reading groups; layers 0..3 run
+    in a Python loop first."""
+    model = Model(
+        kv_heads=(2, 2, 2, 1, 2, 1, 2, 1),
+        head_dims=(16, 16, 16, 32, 16, 32, 16, 32),
+        windows=(8, 8, 8, None, 8, None, 8, None),
+        sharing=(None, None, None, None, 2, 3, 2, 3),
+        scale=1.0,
+    )
+    weights = model.weights(10)
+    stacked = [jax.tree.map(lambda *a: jnp.stack(a), *weights[4 + i :: 2]) for i in range(2)]
+
+    def step(x, counts, state):
+        positions = state.positions(x.shape[1])
+
+        def layer_fn(x, state, l, w, kind):
+            q, _, _ = projections(model, w, kind, x, positions)
+            out, state = tps.prefetching_attention(
+                q, None, None, state, layer=l, query_seq_lengths=counts, scale=model.scale
+            )
+            return x + jnp.tanh(out.reshape(*x.shape[:2], -1) @ w["o"]), state
+
+        for l in range(4):
+            q, k, v = projections(model, weights[l], l, x, positions)
+            out, state = tps.prefetching_attention(
+                q, k, v, state, layer=l, query_seq_lengths=counts, scale=model.scale
+            )
+            x = x + jnp.tanh(out.reshape(*x.shape[:2], -1) @ weights[l]["o"])
+
+        def body(carry, xs):
+            x, state = carry
+            ws, block = xs
+            for i in range(2):
+                x, state = layer_fn(x, state, 4 + 2 * block + i, ws[i], kind=4 + i)
+            return (x, state), None
+
+        (x, state), _ = jax.lax.scan(body, (x, state), (stacked, jnp.arange(2)))
+        return x, state
+
+    step = jax.jit(step, donate_argnums=(2,))
+    rng = np.random.default_rng(10)
+    with make_cache(model) as cache:
+        ref = Reference(model, weights)
+        state = cache.init()
+        for counts in SCHEDULE[:8]:
+            counts = np.asarray(counts)
+            x = rng.standard_normal((BATCH, STEP, D_MODEL)).astype(np.float32)
+            got, state = step(jnp.asarray(x), jnp.asarray(counts, jnp.int32), state)
+            want = ref.step(x, counts)
+            for b in range(BATCH):
+                np.testing.assert_allclose(
+                    np.asarray(got)[b, : counts[b]], want[b, : counts[b]], rtol=2e-4, atol=2e-4
+                )
