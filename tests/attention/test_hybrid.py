@@ -529,3 +529,18 @@ def test_scan_over_reading_layers():
                 np.testing.assert_allclose(
                     np.asarray(got)[b, : counts[b]], want[b, : counts[b]], rtol=2e-4, atol=2e-4
                 )
+
+
+def test_a_traced_layer_of_no_group_is_refused_by_shape():
+    with make_cache(GEMMA4) as cache:
+        state = cache.init()
+        q = jnp.zeros((BATCH, 1, Q_HEADS, 8), jnp.float32)
+        kv = jnp.zeros((BATCH, 1, 3, 8), jnp.float32)
+        with pytest.raises(
+            ValueError, match=r"no layer group of this cache has KV heads x head_dim \(3, 8\)"
+        ):
+            tps.prefetching_attention(q, kv, kv, state, layer=jnp.int32(1))
+        with pytest.raises(
+            ValueError, match=r"no layer group of this cache reads another layer's KV"
+        ):
+            tps.prefetching_attention(q, None, None, state, layer=jnp.int32(5))
