@@ -192,6 +192,7 @@ class OffloadedKVCache:
             before_reuse=None if p is None else p.note_evicted,
             before_release=None if p is None else p.note_release,
             ring_blocks=spec.ring_blocks,
+            window=spec.windows[0] if spec.ring_blocks else None,
         )
         if spec.spill_blocks:
             mover = SpillTier(
@@ -436,6 +437,24 @@ class OffloadedKVCache:
         self._loaded_extent[:, slot] = 0
         return self._with_slots(state, lengths)
 
+    def publish_windows(self, state: KVState, slot: int) -> int:
+        """A cache that keeps only its sliding window (``max_step_tokens``): copies the full
+        blocks ``slot`` completed since its last call, while its ring still holds them, into
+        the index of cached windows (:mod:`jax_tpusync.window_prefix`), keyed by its
+        recorded token ids; a later :meth:`admit` whose prompt starts with them copies the
+        window of the longest such prefix into its ring. Call it between the steps of a
+        prompt's chunked prefill (:class:`~jax_tpusync.serving.ServingLoop` does): a ring
+        overwrites a block once the window has passed it, so by :meth:`release` (which
+        publishes the last windows too) the blocks of a shared document's end are gone.
+        Returns the blocks copied (0 for a cache that keeps every position: its blocks
+        enter the prefix index at release). The state stays live (the engine orders the
+        copies after the step's write-backs).
+        """
+        self._check_state(state)
+        self.slots.check_slot(slot)
+        jax.block_until_ready(state.lengths)  # The step's write-backs are submitted.
+        return self.slots.publish_window(slot, int(np.asarray(state.lengths)[slot]))
+
     def tokens(self, slot: int) -> np.ndarray:
         """int64[n]: ``slot``'s recorded token ids: its prompt (:meth:`admit`), then what
         :meth:`extend_tokens` added; restored by a re-attach up to the committed length."""
@@ -623,6 +642,8 @@ class OffloadedKVCache:
         if spec.ring_blocks:  # Only the rows the window can still read (and no two alike).
             furthest = np.maximum(self._loaded_extent[layer], np.asarray(state.lengths))
             starts, counts, skip = window_ring.clip_rows(starts, counts, furthest, spec.windows[0])
+            for b in np.flatnonzero(counts):  # Rows before them are not the sequence's now.
+                self.slots.note_written(int(b), int(starts[b]))
             k = np.stack([np.roll(k[b], -int(skip[b]), axis=0) for b in range(spec.batch)])
             v = np.stack([np.roll(v[b], -int(skip[b]), axis=0) for b in range(spec.batch)])
         if self.persistence is not None:  # Committed rows may change: commit them gone.

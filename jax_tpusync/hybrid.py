@@ -43,7 +43,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_tpusync.cache import OffloadedKVCache
-from jax_tpusync.config import is_int, normalize_windows
+from jax_tpusync import window_ring
+from jax_tpusync.config import DEFAULT_BLOCK_TOKENS, is_int, normalize_windows
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.layer_groups import HybridState, LayerGroups, plan_groups
 from jax_tpusync.manifest import MANIFEST_SUFFIX
@@ -72,6 +73,9 @@ class HybridKVCache:
         a chunked prefill). Sizes the sliding groups' rings and the rows kept for reading
         layers; a step of more rows is refused when traced. Default 512.
       bound_windows: sliding groups keep only their window (default True).
+      window_cache_blocks: blocks per bounded sliding group (per layer, K and V) beyond
+        the slots' rings, for cached prefixes' windows (:meth:`publish_windows`); default
+        one ring per slot (``batch`` rings: a window per slot's prompt). 0: none.
       engine: an :class:`Engine`, an :class:`EngineConfig` for a new one, or None.
       staging_bytes: the device budget, split over the groups: a sliding group takes what
         whole units of its window need, the global groups the rest, in proportion to the
@@ -96,6 +100,7 @@ class HybridKVCache:
         kv_sharing: Sequence[int | None] | None = None,
         max_step_tokens: int = DEFAULT_STEP_TOKENS,
         bound_windows: bool = True,
+        window_cache_blocks: int | None = None,
         engine: Engine | EngineConfig | None = None,
         staging_bytes: int = 256 << 20,
         shm_name: str | None = None,
@@ -135,6 +140,18 @@ class HybridKVCache:
             for i, group in enumerate(self.plan.groups):
                 share = shares[i]
                 bounded = bound_windows and group.window is not None
+                num_blocks = None
+                if bounded:
+                    ring = window_ring.ring_blocks(
+                        group.window, self.max_step_tokens, self._block_tokens(options, max_len)
+                    )
+                    ring = min(ring, -(-max_len // self._block_tokens(options, max_len)))
+                    extra = batch * ring if window_cache_blocks is None else window_cache_blocks
+                    if not is_int(extra) or extra < 0:
+                        raise ValueError(
+                            f"window_cache_blocks={window_cache_blocks!r} must be an int >= 0"
+                        )
+                    num_blocks = batch * ring + int(extra)
                 make = OffloadedKVCache
                 if mesh is not None:  # Each group's KV heads split over the mesh's axis.
                     options = dict(
@@ -150,6 +167,7 @@ class HybridKVCache:
                         head_dim=group.head_dim,
                         sliding_window=group.window,
                         max_step_tokens=self.max_step_tokens if bounded else None,
+                        num_blocks=num_blocks,
                         engine=self.engine,
                         staging_bytes=share,
                         shm_name=None if shm_name is None else f"{shm_name}.g{i}",
@@ -164,6 +182,14 @@ class HybridKVCache:
             raise
 
     # -- construction -----------------------------------------------------------------------
+
+    @staticmethod
+    def _block_tokens(options: dict, max_len: int) -> int:
+        """The groups' block size (as :class:`~jax_tpusync.config.KVGeometry` defaults it)."""
+        given = options.get("block_tokens")
+        if given is not None:
+            return given
+        return min(DEFAULT_BLOCK_TOKENS, 1 << (max_len - 1).bit_length())
 
     def _staging_shares(self, budget: int, batch: int, options: dict) -> list[int]:
         """The device budget per group: a sliding group gets what whole units of its window
@@ -387,6 +413,17 @@ class HybridKVCache:
             g.check_release(p, slot, tokens)
         parts = [g.release(p, slot, tokens=tokens) for g, p in zip(self.groups, parts)]
         return self._state(parts, state.pending)
+
+    def publish_windows(self, state: HybridState, slot: int) -> int:
+        """Every sliding group's :meth:`OffloadedKVCache.publish_windows` (between the
+        steps of a prompt's prefill: later prompts sharing its prefix then find their
+        windows); returns the blocks copied."""
+        self._check_slot(slot)
+        return sum(
+            g.publish_windows(p, slot)
+            for g, p in zip(self.groups, self.split(state))
+            if isinstance(g, OffloadedKVCache) and g.spec.ring_blocks
+        )
 
     def tokens(self, slot: int) -> np.ndarray:
         return self.groups[0].tokens(slot)

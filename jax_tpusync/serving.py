@@ -265,6 +265,7 @@ class ServingLoop:
         if not active:
             return False
         prefilling = any(s.pending.size for _, s in active)
+        prompt_slots = [b for b, s in active if s.pending.size]
         width = self.chunk if prefilling else self.decode_width
         tokens = np.zeros((self.batch, width), np.int32)
         counts = np.zeros(self.batch, np.int32)
@@ -291,6 +292,13 @@ class ServingLoop:
         self.steps += 1
         self.step_widths[width] += 1
         self.step_seconds += now - t0
+        # A cache that keeps only sliding windows copies the blocks a prompt chunk completed
+        # while its ring still holds them, so that later prompts with this prefix find
+        # their windows (see jax_tpusync.window_prefix).
+        publish = getattr(self.cache, "publish_windows", None)
+        if publish is not None:
+            for b in prompt_slots:
+                publish(self.state, b)
         for b, s in active:
             if s.pending.size:
                 continue  # Mid-prompt: no token yet.

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from jax_tpusync import blocks, prefix, window_ring
+from jax_tpusync.window_prefix import WindowIndex
 from jax_tpusync.history import TokenHistory
 from jax_tpusync.levels import BlockStore, RemoteLevel, SpillMover
 
@@ -68,6 +69,9 @@ class SlotTable:
         holds this many blocks whatever its capacity, its table row tiled over them (see
         :mod:`jax_tpusync.window_ring`); its blocks are never shared with the prefix index.
         0: a slot holds the blocks of its capacity.
+      window: a ring cache's sliding window: its cached prefixes are kept as the blocks
+        their windows can see, copies in a :class:`~jax_tpusync.window_prefix.WindowIndex`
+        (:meth:`publish_window`), which an admission copies into its ring.
     """
 
     def __init__(
@@ -84,9 +88,15 @@ class SlotTable:
         before_reuse: Callable[[], None] | None = None,
         before_release: Callable[[int], None] | None = None,
         ring_blocks: int = 0,
+        window: int | None = None,
     ):
         self.batch = batch
         self.ring_blocks = ring_blocks
+        self.windows = WindowIndex(block_tokens, window) if ring_blocks else None
+        # A ring slot's blocks published so far, and its first row ever written (rows
+        # before it were not, and a block holding one is never published).
+        self._published = np.zeros(batch, np.int64)
+        self._written_from = np.zeros(batch, np.int64)
         self.max_len = max_len
         self.block_tokens = block_tokens
         self.num_blocks = num_blocks
@@ -180,6 +190,9 @@ class SlotTable:
             out["shared_publish_failures"] = self.publish_failures
         if self.mover is not None:
             out.update(self.mover.stats())
+        if self.windows is not None:
+            w = self.windows
+            out.update(window_blocks=len(w), window_hits=w.hits, window_evictions=w.evictions)
         return out
 
     # -- the eviction policy ----------------------------------------------------------------
@@ -190,6 +203,11 @@ class SlotTable:
         demoted or evicted (a refused admission leaves the index as it was)."""
         short = count - self.dram.free_blocks
         if short <= 0:
+            return True
+        if self.windows is not None:  # A ring cache's cached blocks are window copies.
+            if len(self.windows) < short:
+                return False
+            self.dram.free(np.asarray(self.windows.evict(short), np.int64))
             return True
         in_dram = self.allocators.in_dram if self.mover is not None else (lambda block: True)
         if len(self.prefix.cached_where(in_dram, short)) < short:
@@ -259,6 +277,8 @@ class SlotTable:
         import) unpins what it pinned and frees what it took.
         """
         max_tokens, ids = self.check_admit(slot, max_tokens, tokens)
+        if self.ring_blocks:
+            return self._admit_ring(slot, max_tokens, ids, max_cached)
         shared: list[int] = []
         hits = 0  # Counted by the index's lookup: not hits if the admission is refused.
         try:
@@ -288,6 +308,79 @@ class SlotTable:
         self._shared[slot] = len(shared)
         self.history.set(slot, [] if ids is None else ids)
         return Admission(slot, len(shared) * self.block_tokens, max_tokens)
+
+    def _admit_ring(
+        self, slot: int, max_tokens: int, ids: np.ndarray | None, max_cached: int | None
+    ) -> Admission:
+        """A ring slot: fresh blocks; with ``ids``, the window of their longest cached
+        prefix (:class:`WindowIndex`) copied in, so the slot starts at that length."""
+        cached, payloads, first = 0, [], 0
+        if ids is not None and self.store is not None:
+            t = self.block_tokens
+            limit = max(len(ids) - 1, 0) // t
+            if max_cached is not None:
+                limit = min(limit, max_cached // t)
+            keys = self.prefix.keys(ids)
+            parents = [self.prefix.root, *keys[:-1]]
+            cached, found = self.windows.lookup(keys, parents, ids, limit)
+            if found:  # Read before allocating: the allocation may evict them.
+                payloads = self.store.read_blocks(found)
+                first = cached // t - len(found)
+        n = self.blocks_for(max_tokens)
+        try:
+            fresh = self._allocate(n)  # Raises, changing no table.
+        except Exception:
+            self.windows.hits -= len(payloads)  # Not hits: the admission is refused.
+            raise
+        for j, payload in enumerate(payloads):
+            self.store.write_block(int(fresh[(first + j) % n]), payload)
+        self._set_row(slot, fresh)
+        self._capacity[slot] = max_tokens
+        self._shared[slot] = 0
+        self._published[slot] = cached // self.block_tokens
+        self._written_from[slot] = first * self.block_tokens
+        self.history.set(slot, [] if ids is None else ids)
+        return Admission(slot, cached, max_tokens)
+
+    def publish_window(self, slot: int, length: int, ids: np.ndarray | None = None) -> int:
+        """Copies ``slot``'s full blocks that it completed since its last publish (of its
+        ``length`` rows, the tokens ``ids`` or its recorded history) into the window index,
+        while its ring still holds them; returns the blocks copied. A block whose rows the
+        ring no longer holds (or never had) is passed over; one indexed already is kept.
+        Stops quietly when no block is free (publishing is a courtesy to later requests).
+        The caller has let the slot's write-backs be submitted (the engine orders this
+        read after them)."""
+        if not self.ring_blocks or self.store is None or not self.is_active(slot):
+            return 0
+        if ids is None:
+            ids = self.history.ids(slot)
+        t = self.block_tokens
+        full = min(length, len(ids)) // t
+        start = int(self._published[slot])
+        if full <= start:
+            return 0
+        keys = self.prefix.keys(ids[: full * t])
+        oldest = (length - 1) // t - self.blocks_for(int(self._capacity[slot])) + 1
+        copied = 0
+        for i in range(start, full):
+            if keys[i] in self.windows or i < oldest or i * t < self._written_from[slot]:
+                continue
+            if not self.make_room(1):
+                break
+            block = int(self.dram.allocate(1)[0])
+            (payload,) = self.store.read_blocks([int(self._tables[slot, i])])
+            self.store.write_block(block, payload)
+            parent = keys[i - 1] if i else self.prefix.root
+            self.windows.put(keys[i], parent, ids[i * t : (i + 1) * t], block)
+            copied += 1
+        self._published[slot] = full
+        return copied
+
+    def note_written(self, slot: int, start: int) -> None:
+        """A host-side write put rows from ``start`` into ring ``slot`` (rows before it are
+        no longer known to be the sequence's: they are not published)."""
+        if self.ring_blocks and start > self._written_from[slot]:
+            self._written_from[slot] = start
 
     def place(self, slot: int, block_ids: Sequence[int], capacity: int) -> None:
         """Admits inactive ``slot`` onto exactly ``block_ids`` (taken from the free DRAM
@@ -369,6 +462,8 @@ class SlotTable:
         counted, never an error (publishing helps other processes; the slot is released)."""
         ids = self.check_release(slot, length, tokens)
         self._before_release(slot)
+        if ids is not None and self.ring_blocks:  # Its last windows, before the ring goes.
+            self.publish_window(slot, length, ids)
         held = self.held_blocks(slot)
         shared = int(self._shared[slot])
         if ids is not None and not self.ring_blocks:  # A ring's blocks hold no prefix.

@@ -296,12 +296,16 @@ def test_tier_bytes_follow_the_global_layers():
     with make_cache(GEMMA4) as cache:
         by_group = {g.window: c.spec for g, c in zip(cache.plan.groups, cache.groups)}
         row = 2 * 16 * 4
-        assert by_group[8].num_blocks == BATCH * 4  # (8 + 4 - 3) // 4 + 2 = 4 blocks.
+        # A ring of (8 + 4 - 3) // 4 + 2 = 4 blocks per slot, and as many again for cached
+        # prefixes' windows (window_cache_blocks).
+        assert by_group[8].num_blocks == 2 * BATCH * 4
         assert by_group[8].num_layers == 3 and by_group[None].num_layers == 2
         global_bytes = 2 * 2 * BATCH * MAX_LEN * 32 * 4  # 2 layers, K and V, 1 x 32 f32.
         assert by_group[None].kv_bytes == global_bytes
-        assert by_group[8].kv_bytes == 3 * 2 * BATCH * 16 * row
+        assert by_group[8].kv_bytes == 3 * 2 * 2 * BATCH * 16 * row
         assert cache.kv_bytes == global_bytes + by_group[8].kv_bytes
+    with make_cache(GEMMA4, window_cache_blocks=0) as lean:
+        assert lean.groups[0].spec.num_blocks == BATCH * 4
     with make_cache(GEMMA4, bound_windows=False) as unbounded:
         sliding = [c.spec for c in unbounded.groups if c.spec.windows[0] is not None][0]
         assert sliding.num_blocks == BATCH * MAX_LEN // BLOCK
@@ -372,21 +376,31 @@ def test_persistence_reattaches_per_layer_geometry(tmp_path):
 
 
 def test_prefix_reuse_maps_every_group_or_none():
-    """With every position kept (``bound_windows=False``) a released sequence's blocks are
-    reused by the next one with its prompt, in every group alike; a group that keeps only
-    its window maps none, and then no group does (each group's rows must all be there)."""
+    """A released sequence's prefix is reused by the next one with its prompt, in every
+    group alike: kept whole (``bound_windows=False``) or as the sliding group's window
+    copied at release (the sequence ended right past its prompt, so the ring still held
+    it); with no room for window copies no group maps anything (each group's rows must
+    all be there)."""
     weights = GEMMA4.weights(4)
     prompt = np.arange(100, 100 + 13)
     step = make_step(GEMMA4, weights)
-    for bounded, want in ((False, 12), (True, 0)):
-        with make_cache(GEMMA4, bound_windows=bounded) as cache:
+    for options, want in (
+        (dict(bound_windows=False), 12),
+        ({}, 12),
+        (dict(window_cache_blocks=0), 0),
+    ):
+        with make_cache(GEMMA4, **options) as cache:
             state = cache.init(admit=False)
+            if not want:  # The other slot's ring takes the rest of the sliding pool.
+                state, _ = cache.admit(state, 1)
             state, cached = cache.admit(state, 0, tokens=prompt)
             assert cached == 0
             x = np.random.default_rng(0).standard_normal((BATCH, STEP, D_MODEL)).astype(np.float32)
             for _ in range(4):  # 13 prompt tokens: chunks of 4, 4, 4, 1.
                 state = step(jnp.asarray(x), jnp.asarray([4, 0], jnp.int32), state)[1]
             state = cache.release(state, 0, tokens=np.concatenate([prompt, [0, 0, 0]]))
+            if not want:
+                state = cache.release(state, 1)
             state, cached = cache.admit(state, 1, tokens=prompt)
             assert cached == want
             np.testing.assert_array_equal(np.asarray(state.lengths), [0, want])
@@ -438,8 +452,15 @@ def test_serving_loop_drives_a_hybrid_cache():
     with make_cache(model) as cache:
         loop = serving.ServingLoop(cache, step, None, chunk=STEP)
         done = loop.run([serving.Request(p, max_new_tokens=6) for p in prompts])
-    for prompt, completion in zip(prompts, done):
-        assert completion.tokens == alone(prompt, 6)
+        for prompt, completion in zip(prompts, done):
+            assert completion.tokens == alone(prompt, 6)
+        # A later request sharing the second prompt's first 10 tokens: every group maps its
+        # 8-token prefix (the global group its blocks, the sliding group a copy of the
+        # window the loop kept as the prompt was prefilled), and it generates the same.
+        later = np.concatenate([prompts[1][:10], [5, 6, 7]])
+        (again,) = loop.run([serving.Request(later, max_new_tokens=6)])
+        assert again.cached == 8
+        assert again.tokens == alone(later, 6)
 
 
 def test_hybrid_groups_on_a_mesh():

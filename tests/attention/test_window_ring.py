@@ -222,3 +222,76 @@ def test_admit_and_release_at_every_ring_size(max_tokens, tmp_path):
         np.testing.assert_array_equal(table, table[np.arange(len(table)) % held])
         state = cache.release(state, 1)
         assert cache.free_blocks == free
+
+
+def _steps(cache, state, slot, rows, history, lengths, rng, step):
+    """Feeds ``rows`` rows to ``slot`` (chunks of STEP; the other slots idle) and checks
+    every output against ``history`` (the slot's whole KV, extended here); publishes the
+    completed windows after each step."""
+    fed = 0
+    while fed < rows:
+        n = min(STEP, rows - fed)
+        counts = np.zeros(BATCH, np.int64)
+        counts[slot] = n
+        shape = (LAYERS, BATCH, STEP)
+        q = rng.standard_normal((*shape, Q_HEADS, HEAD_DIM)).astype(np.float32)
+        k = rng.standard_normal((*shape, KV_HEADS, HEAD_DIM)).astype(np.float32)
+        v = rng.standard_normal((*shape, KV_HEADS, HEAD_DIM)).astype(np.float32)
+        outs, state = step(q, k, v, jnp.asarray(counts, jnp.int32), state)
+        outs = np.asarray(outs)
+        p0 = int(lengths[slot])
+        for layer in range(LAYERS):
+            history[layer, 0, p0 : p0 + n] = k[layer, slot, :n]
+            history[layer, 1, p0 : p0 + n] = v[layer, slot, :n]
+            for i in range(n):
+                want = windowed(
+                    q[layer, slot, i], history[layer, 0], history[layer, 1], p0 + i, WINDOW
+                )
+                np.testing.assert_allclose(outs[layer, slot, i], want, rtol=2e-5, atol=2e-5)
+        lengths[slot] += n
+        fed += n
+        cache.publish_windows(state, slot)
+    return state
+
+
+@pytest.mark.parametrize(
+    "full_pool, shared, expect",
+    [
+        (False, 17, 16),  # The longest block-aligned common prefix.
+        (False, 16, 16),  # Exactly at a block boundary.
+        (False, 8, 8),  # A window reaching back to position 3: blocks 0 and 1.
+        (False, 3, 0),  # Less than a block in common.
+        (True, 17, 0),  # No free block for copies: nothing cached, nothing found.
+    ],
+)
+def test_a_prompts_windows_are_found_by_the_next_prompt(full_pool, shared, expect, tmp_path):
+    """A's prompt is prefilled in steps, its completed blocks copied as it goes; B, whose
+    prompt shares A's first ``shared`` tokens, starts from the longest prefix whose window
+    blocks are all cached, with A's rows there, and attends exactly as over the whole
+    history. With no room for copies, B starts from 0 (never from stale rows)."""
+    rng = np.random.default_rng(shared + full_pool)
+    with make_cache("in-place-host", tmp_path) as cache:  # One ring per slot, no spare.
+        step = make_step(STEP)
+        state = cache.init(admit=False)
+        if full_pool:  # The other slots hold the rest of the pool.
+            state, _ = cache.admit(state, 1)
+            state, _ = cache.admit(state, 2)
+        prompt_a = np.arange(100, 123)
+        state, cached = cache.admit(state, 0, tokens=prompt_a)
+        assert cached == 0
+        history_a = np.zeros((LAYERS, 2, MAX_LEN, KV_HEADS, HEAD_DIM), np.float32)
+        lengths = np.zeros(BATCH, np.int64)
+        state = _steps(cache, state, 0, 23, history_a, lengths, rng, step)
+        state = cache.release(state, 0)
+        if full_pool:
+            state = cache.release(state, 1)
+        prompt_b = np.concatenate([prompt_a[:shared], 900 + np.arange(19 - shared)])
+        state, cached = cache.admit(state, 1, tokens=prompt_b)
+        assert cached == expect
+        np.testing.assert_array_equal(np.asarray(state.lengths)[1], expect)
+        lengths[:] = 0
+        lengths[1] = cached
+        history_b = np.zeros_like(history_a)
+        history_b[:, :, :cached] = history_a[:, :, :cached]  # The same tokens' KV.
+        _steps(cache, state, 1, len(prompt_b) - cached + 5, history_b, lengths, rng, step)
+        assert (cache.prefix_stats["window_hits"] > 0) == (expect > 0)
