@@ -21,11 +21,11 @@ every group at once, all of them or none: an admission that one group refuses is
 the others, and a refused call changes nothing.
 
 On a device mesh each group is a :class:`~jax_tpusync.ShardedKVCache`, its KV heads split
-over the mesh. What a hybrid cache does not do (yet), each refused by name: persistence on
-a mesh; prefix reuse
-across requests when a group keeps only its window (the groups' rows of a cached prefix
-must all be there: admissions then map no prefix, and ``release`` publishes none);
-persistence with bounded windows (a ring overwrites committed rows).
+over the mesh. Prefix reuse works across the groups: a sliding group finds a cached
+prefix's window among copies made as prompts were prefilled (:meth:`publish_windows`,
+:mod:`jax_tpusync.window_prefix`). What a hybrid cache does not do (yet): persistence with
+bounded windows (a ring overwrites committed rows) or on a mesh (refused by name); window
+copies on a mesh (a mesh hybrid cache with bounded windows reuses no prefix).
 """
 
 from __future__ import annotations
