@@ -330,6 +330,15 @@ class Engine:
         d = self._impl.tier_info(tier)
         return TierInfo(index=tier, **d)
 
+    def mapped_memory(self, tier: int) -> tuple[int, int]:
+        """(address, bytes) of a host tier's data in this process: tier byte offset ``o``
+        is at ``address + o``. For registering the pool with another engine that reads or
+        writes it in place (a network transfer engine); such writes bypass this engine's
+        ordering, so the caller keeps them off blocks in use. Raises ValueError for a file
+        tier (not mapped in memory)."""
+        address, nbytes = self._impl.mapped_memory(tier)
+        return int(address), int(nbytes)
+
     @staticmethod
     def unlink_shm(shm_name: str) -> None:
         """Removes a persistent shm segment made by ``add_host_tier(shm_name=...)``."""

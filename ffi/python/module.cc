@@ -129,6 +129,18 @@ class PyEngine {
     return d;
   }
 
+  // (address, bytes) of a host tier's mapped data, which another engine (a network
+  // transfer engine) may register and read or write in place.
+  nb::tuple MappedMemory(int tier) {
+    Tier* t = ValueOrThrow(engine().GetTier(tier));
+    const uint8_t* base = t->MappedAt(0);
+    if (base == nullptr) {
+      ThrowIfError(InvalidArgument("tier " + std::to_string(tier) + " (" + t->Describe() +
+                                   ") is not mapped in memory: only a host tier is"));
+    }
+    return nb::make_tuple(reinterpret_cast<uintptr_t>(base), t->capacity_bytes());
+  }
+
   uint64_t Allocate(int tier, uint64_t count, const std::string& name) {
     return ValueOrThrow(ValueOrThrow(engine().GetTier(tier))->AllocateBlocks(count, name));
   }
@@ -336,6 +348,7 @@ NB_MODULE(_tpusync, m) {
            nb::arg("allow_direct_io"), nb::arg("alignment_offset"),
            nb::arg("read_only") = false)
       .def("tier_info", &PyEngine::TierInfo, nb::arg("tier"))
+      .def("mapped_memory", &PyEngine::MappedMemory, nb::arg("tier"))
       .def("allocate", &PyEngine::Allocate, nb::arg("tier"), nb::arg("count"), nb::arg("name"))
       .def("free", &PyEngine::Free, nb::arg("tier"), nb::arg("first"), nb::arg("count"))
       .def("submit", &PyEngine::Submit, nb::arg("tier"), nb::arg("write"),
