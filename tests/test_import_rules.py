@@ -46,6 +46,7 @@ LAYERS: dict[str, int] = {
     "cache": 4,
     "mesh": 5,
     "hybrid": 5,
+    "pd_transfer": 5,
     "step": 6,
     "attention": 7,
     "bench": 8,
