@@ -89,11 +89,13 @@ def serve_rows(queue, tokens_len: int, fragment: bool) -> None:
 
     from jax_tpusync.pd_transfer import KVSender
 
-    cache = make_cache(batch=3, num_blocks=3 * (MAX_LEN // BLOCK))
+    # 7 blocks: slot 0 takes two, slot 1 one, slot 0 leaves: free {0, 1, 3, 4, 5, 6},
+    # and 5 blocks for slot 2 cannot be one run.
+    cache = make_cache(batch=3, num_blocks=7 if fragment else None)
     state = cache.init(admit=False)
     slot = 2
-    if fragment:  # Slot 0 takes one block, slot 1 the next; slot 0 leaves a gap.
-        state, _ = cache.admit(state, 0, max_tokens=BLOCK)
+    if fragment:
+        state, _ = cache.admit(state, 0, max_tokens=2 * BLOCK)
         state, _ = cache.admit(state, 1, max_tokens=BLOCK)
         state = cache.release(state, 0)
     state, _ = cache.admit(state, slot, max_tokens=tokens_len)

@@ -95,10 +95,9 @@ def test_decode_after_transfer_equals_local_prefill():
 
 def test_byte_exact_into_non_contiguous_blocks():
     n = 37
-    blocks = pd_peers.MAX_LEN // pd_peers.BLOCK
-    cache = pd_peers.make_cache(batch=4, num_blocks=4 * blocks)
+    # 6 blocks: slots 0, 1, 2 take one each, 0 and 2 leave: free {0, 2, 3, 4, 5}.
+    cache = pd_peers.make_cache(batch=4, num_blocks=6)
     state = cache.init(admit=False)
-    # Gaps in the decode pool: slots 0..2 take one block each, 0 and 2 leave.
     for s in range(3):
         state, _ = cache.admit(state, s, max_tokens=pd_peers.BLOCK)
     state = cache.release(state, 0)
@@ -106,7 +105,7 @@ def test_byte_exact_into_non_contiguous_blocks():
     with peer(pd_peers.serve_rows, n, True) as (proc, queue), KVReceiver(cache, deadline_s=60) as rx:
         address = queue.get(timeout=TIMEOUT)
         runs = None
-        state, got = rx.receive(state, 3, np.arange(n), prefill=address)
+        state, got = rx.receive(state, 3, np.arange(n), prefill=address, max_tokens=n)
         runs = rx.destination_runs(3, 0, n)
         summary = queue.get(timeout=TIMEOUT)
         proc.join(TIMEOUT)
