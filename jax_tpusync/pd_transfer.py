@@ -166,6 +166,27 @@ def _check_cache(cache: Any, role: str) -> tuple[int, int]:
         ) from None
 
 
+def pool_runs(
+    cache: OffloadedKVCache, pool_address: int, slot: int, lo: int, hi: int
+) -> list[list[list[int]]]:
+    """Per region (layer * 2 + K|V): ``[address, bytes]`` runs of positions ``[lo, hi)`` of
+    ``slot``, in ``cache``'s host pool mapped at ``pool_address`` in this process. Raises
+    ValueError for blocks on a two-level cache's spill tier."""
+    out = []
+    for layer in range(cache.spec.num_layers):
+        for kv in (0, 1):
+            runs = []
+            for tier, offset, n in cache.tier_runs(layer, kv, slot, lo, hi):
+                if tier != cache.tier:
+                    raise ValueError(
+                        f"slot {slot}'s blocks include blocks on the spill tier: P/D moves "
+                        f"only blocks in the DRAM pool"
+                    )
+                runs.append([pool_address + offset, n])
+            out.append(runs)
+    return out
+
+
 def _check_deadline(deadline_s: Any) -> float:
     if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not (
         math.isfinite(deadline_s) and deadline_s > 0
@@ -316,20 +337,7 @@ class KVReceiver:
     def destination_runs(self, slot: int, lo: int, hi: int) -> list[list[list[int]]]:
         """Per region (layer * 2 + K|V): ``[address, bytes]`` runs of positions ``[lo,
         hi)`` of ``slot`` in this process's pool."""
-        cache = self.cache
-        out = []
-        for layer in range(cache.spec.num_layers):
-            for kv in (0, 1):
-                runs = []
-                for tier, offset, n in cache.tier_runs(layer, kv, slot, lo, hi):
-                    if tier != cache.tier:
-                        raise ValueError(
-                            f"slot {slot}'s blocks include blocks on the spill tier: P/D "
-                            f"writes only into the DRAM pool"
-                        )
-                    runs.append([self.pool_address + offset, n])
-                out.append(runs)
-        return out
+        return pool_runs(self.cache, self.pool_address, slot, lo, hi)
 
     def receive(
         self,
@@ -610,29 +618,20 @@ class KVSender:
     def _pairs(self, slot: int, request: PrefillRequest) -> list[tuple[int, int, int]]:
         """(source address, destination address, bytes) writes: each region's source runs
         and destination runs walked together, split where either one ends."""
-        cache = self.cache
         out = []
         n = int(request.tokens.size)
-        for layer in range(cache.spec.num_layers):
-            for kv in (0, 1):
-                src = []
-                for tier, offset, size in cache.tier_runs(layer, kv, slot, request.start, n):
-                    if tier != cache.tier:
-                        raise ValueError(
-                            f"slot {slot}'s blocks include blocks on the spill tier: P/D "
-                            f"writes only from the DRAM pool"
-                        )
-                    src.append([self.pool_address + offset, size])
-                dst = [list(r) for r in request.runs[layer * 2 + kv]]
-                i = j = 0
-                while i < len(src) and j < len(dst):
-                    size = min(src[i][1], dst[j][1])
-                    out.append((src[i][0], dst[j][0], size))
-                    for run in (src[i], dst[j]):
-                        run[0] += size
-                        run[1] -= size
-                    i += src[i][1] == 0
-                    j += dst[j][1] == 0
+        sources = pool_runs(self.cache, self.pool_address, slot, request.start, n)
+        for region, src in enumerate(sources):
+            dst = [list(r) for r in request.runs[region]]
+            i = j = 0
+            while i < len(src) and j < len(dst):
+                size = min(src[i][1], dst[j][1])
+                out.append((src[i][0], dst[j][0], size))
+                for run in (src[i], dst[j]):
+                    run[0] += size
+                    run[1] -= size
+                i += src[i][1] == 0
+                j += dst[j][1] == 0
         return out
 
     def _write(self, request: PrefillRequest, pairs: list[tuple[int, int, int]]) -> None:

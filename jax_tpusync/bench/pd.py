@@ -1,0 +1,298 @@
+"""``pd``: time to move one sequence's KV from a prefill process to a decode process.
+
+For each shape (tokens x layers x KV heads x head size, bfloat16), a prefill process
+(started with ``spawn``) holds the sequence's KV in a host-tier cache; this process, the
+decode side, receives it into a slot of its own cache three ways, side by side:
+
+* ``pd``: :class:`jax_tpusync.pd_transfer.KVReceiver` / ``KVSender``: one-sided writes
+  from the prefill pool into the decode pool over a Mooncake TransferEngine (TCP), with
+  the control round trip (request, completion message) included;
+* ``socket``: the same bytes over one plain TCP socket, ``sendall`` from the prefill
+  pool and ``recv_into`` the decode pool (zero copy in Python on both ends);
+* ``recompute``: prefilling the sequence here instead (the benchmarks' tiny decoder of that
+  KV shape, chunked, on this machine's backend), with ``--recompute``.
+
+The first P/D transfer (right after the engines' handshake) is timed apart; then each way
+runs ``--repeats`` times, interleaved, and the median is kept. The first transfer of each
+shape is checked byte-exact (a checksum of the slot's rows on both sides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import os
+import socket
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from jax_tpusync.bench import common
+
+# name: (tokens, layers, kv heads, head size)
+SHAPES = {
+    "readme-8k": (8192, 4, 8, 64),
+    "readme-32k": (32768, 4, 8, 64),
+    "8b-8k": (8192, 8, 8, 128),
+}
+
+COLUMNS = [
+    ("shape", "shape", "s"),
+    ("nbytes", "KV", "bytes"),
+    ("pd_first_s", "pd first s", ".3f"),
+    ("pd_s", "pd s", ".3f"),
+    ("socket_s", "socket s", ".3f"),
+    ("pd_gbps", "pd GB/s", ".2f"),
+    ("socket_gbps", "socket GB/s", ".2f"),
+    ("pd_over_socket", "pd/socket rate", ".2f"),
+    ("recompute_s", "recompute s", ".2f"),
+    ("byte_exact", "exact", "")
+]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Registers the ``pd`` subcommand."""
+    p = subparsers.add_parser(
+        "pd",
+        help="prefill-to-decode KV transfer (Mooncake TransferEngine) vs a plain socket",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    p.add_argument("--block-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch-bytes", type=common.parse_bytes, default=64 * common.MiB)
+    p.add_argument("--deadline-s", type=float, default=120.0)
+    p.add_argument(
+        "--recompute",
+        nargs="*",
+        choices=sorted(SHAPES),
+        default=["readme-8k"],
+        help="shapes whose prefill is also timed here (slow on a CPU)",
+    )
+    p.add_argument("--chunk", type=int, default=1024, help="recompute prefill chunk tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
+    p.set_defaults(run=run, columns=COLUMNS)
+    return p
+
+
+def _cache(tokens: int, layers: int, heads: int, dim: int, block_tokens: int, **kw: Any):
+    import jax.numpy as jnp
+
+    import jax_tpusync as tps
+
+    return tps.OffloadedKVCache(
+        num_layers=layers,
+        batch=1,
+        max_len=tokens,
+        num_kv_heads=heads,
+        head_dim=dim,
+        dtype=jnp.bfloat16,
+        block_tokens=block_tokens,
+        model_id="bench-pd",
+        **kw,
+    )
+
+
+def _pool_view(cache: Any, address: int, nbytes: int) -> np.ndarray:
+    """A uint8 view of ``nbytes`` of ``cache``'s host pool at ``address``."""
+    base, size = cache.engine.mapped_memory(cache.tier)
+    assert base <= address and address + nbytes <= base + size
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+
+
+def _slot_checksum(cache: Any, state: Any, n: int) -> int:
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    for layer in range(cache.spec.num_layers):
+        for rows in cache.read(state, layer, 0, 0, n):
+            h.update(np.ascontiguousarray(np.asarray(rows)).view(np.uint8))
+    return h.intdigest()
+
+
+def prefill_process(commands: Any, replies: Any, args: dict) -> None:
+    """The prefill side: per shape, a cache holding random KV in slot 0, a KVSender and a
+    plain socket server; serves what ``commands`` asks for."""
+    os.chdir("/")
+    from jax_tpusync.pd_transfer import KVSender, pool_runs, recv_message
+
+    while True:
+        command = commands.get()
+        if command is None:
+            return
+        tokens, layers, heads, dim = SHAPES[command]
+        cache = _cache(tokens, layers, heads, dim, args["block_tokens"])
+        state = cache.init(admit=False)
+        state, _ = cache.admit(state, 0, max_tokens=tokens)
+        rng = np.random.default_rng(args["seed"])
+        for layer in range(layers):
+            k = rng.standard_normal((tokens, heads, dim), np.float32).astype(cache.spec.dtype)
+            state = cache.load(state, layer, k, -k, slot=0)
+        state = cache.drain(state)
+        checksum = _slot_checksum(cache, state, tokens)
+        # The slot's runs in this pool, region after region (what the socket sends).
+        runs = pool_runs(cache, cache.engine.mapped_memory(cache.tier)[0], 0, 0, tokens)
+        listener = socket.create_server(("127.0.0.1", 0))
+        with KVSender(
+            cache, deadline_s=args["deadline_s"], batch_bytes=args["batch_bytes"]
+        ) as sender:
+            replies.put(
+                dict(pd=sender.address, socket="127.0.0.1:%d" % listener.getsockname()[1],
+                     checksum=checksum)
+            )
+            while (what := commands.get()) != "next":
+                if what == "pd":
+                    request = sender.accept(timeout=args["deadline_s"])
+                    state, _ = sender.send(request, state, 0)
+                else:
+                    listener.settimeout(args["deadline_s"])
+                    conn, _ = listener.accept()
+                    with conn:
+                        recv_message(conn, time.monotonic() + args["deadline_s"])
+                        for region in runs:
+                            for address, nbytes in region:
+                                conn.sendall(_pool_view(cache, address, nbytes))
+        listener.close()
+        cache.close(state)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    import multiprocessing
+
+    from jax_tpusync.pd_transfer import KVReceiver, send_message
+
+    ctx = multiprocessing.get_context("spawn")
+    commands, replies = ctx.Queue(), ctx.Queue()
+    child_args = dict(
+        block_tokens=args.block_tokens,
+        seed=args.seed,
+        deadline_s=args.deadline_s,
+        batch_bytes=args.batch_bytes,
+    )
+    here = os.getcwd()
+    os.chdir("/")
+    child = ctx.Process(target=prefill_process, args=(commands, replies, child_args), daemon=True)
+    try:
+        child.start()
+    finally:
+        os.chdir(here)
+    results = []
+    try:
+        for name in args.shapes:
+            tokens, layers, heads, dim = SHAPES[name]
+            commands.put(name)
+            peer = _reply(replies, child, 600)
+            cache = _cache(tokens, layers, heads, dim, args.block_tokens)
+            state = cache.init(admit=False)
+            ids = np.arange(tokens) % 1000
+            row = dict(shape=name, tokens=tokens, layers=layers, kv_heads=heads, head_dim=dim)
+            with KVReceiver(cache, deadline_s=args.deadline_s) as rx:
+
+                def pd() -> float:
+                    nonlocal state
+                    commands.put("pd")
+                    state, got = rx.receive(state, 0, ids, prefill=peer["pd"], max_tokens=tokens)
+                    row["nbytes"] = got.nbytes
+                    return got.seconds
+
+                def sock() -> float:
+                    nonlocal state
+                    state, _ = cache.admit(state, 0, max_tokens=tokens)
+                    runs = rx.destination_runs(0, 0, tokens)
+                    views = [_pool_view(cache, a, n) for region in runs for a, n in region]
+                    commands.put("socket")
+                    begin = time.perf_counter()
+                    host, port = peer["socket"].split(":")
+                    with socket.create_connection((host, int(port)), timeout=args.deadline_s) as s:
+                        send_message(s, dict(tokens=tokens), time.monotonic() + args.deadline_s)
+                        for view in views:
+                            got = 0
+                            while got < view.size:
+                                got += s.recv_into(memoryview(view)[got:])
+                    return time.perf_counter() - begin
+
+                def release() -> None:
+                    nonlocal state
+                    state = cache.release(state, 0)
+
+                row["pd_first_s"] = pd()
+                row["byte_exact"] = _slot_checksum(cache, state, tokens) == peer["checksum"]
+                release()
+                times: dict[str, list[float]] = {"pd": [], "socket": []}
+                for _ in range(args.repeats):
+                    for way, fn in (("pd", pd), ("socket", sock)):
+                        times[way].append(fn())
+                        release()
+            commands.put("next")
+            cache.close(state)
+            row["pd_s"] = statistics.median(times["pd"])
+            row["socket_s"] = statistics.median(times["socket"])
+            row["pd_gbps"] = row["nbytes"] / row["pd_s"] / 1e9
+            row["socket_gbps"] = row["nbytes"] / row["socket_s"] / 1e9
+            row["pd_over_socket"] = row["pd_gbps"] / row["socket_gbps"]
+            row["pd_all_s"] = times["pd"]
+            row["socket_all_s"] = times["socket"]
+            row["recompute_s"] = (
+                _recompute(args, tokens, layers, heads, dim) if name in args.recompute else None
+            )
+            print(
+                f"{name}: {common.format_bytes(row['nbytes'])} pd {row['pd_s']:.3f} s, socket "
+                f"{row['socket_s']:.3f} s ({row['pd_over_socket']:.2f}x the socket's rate)",
+                flush=True,
+            )
+            results.append(row)
+    finally:
+        commands.put(None)
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+    return results
+
+
+def _reply(replies: Any, child: Any, timeout: float) -> Any:
+    """The prefill process's next reply; raises if it died or passed ``timeout``."""
+    import queue
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            return replies.get(timeout=1.0)
+        except queue.Empty:
+            if not child.is_alive():
+                raise SystemExit(f"the prefill process died (exit code {child.exitcode})")
+    raise SystemExit(f"the prefill process did not answer within {timeout} s")
+
+
+def _recompute(args, tokens: int, layers: int, heads: int, dim: int) -> float:
+    """Seconds to prefill ``tokens`` here: the tiny decoder with this KV shape, chunked."""
+    import jax
+
+    from jax_tpusync.bench import tiny_decoder
+
+    d = heads * dim
+    cfg = tiny_decoder.Decoder(
+        layers=layers, d_model=d, q_heads=heads, kv_heads=heads, head_dim=dim, ffn=2 * d
+    )
+    params = tiny_decoder.init_params(cfg, args.seed)
+    step = jax.jit(functools.partial(tiny_decoder.forward, cfg), donate_argnums=(2,))
+    cache = _cache(tokens, layers, heads, dim, args.block_tokens)
+    state = cache.init(admit=False)
+    ids = (np.arange(tokens) % cfg.vocab).astype(np.int32)
+    chunk = min(args.chunk, tokens)
+    state, _ = cache.admit(state, 0, max_tokens=tokens)  # Compiles the chunk shape.
+    logits, state = step(params, ids[None, :chunk], state)
+    jax.block_until_ready(logits)
+    state = cache.release(state, 0)
+    state, _ = cache.admit(state, 0, max_tokens=tokens)
+    begin = time.perf_counter()
+    for lo, hi in common.chunks(tokens, chunk):
+        logits, state = step(params, ids[None, lo:hi], state)
+    jax.block_until_ready(logits)
+    seconds = time.perf_counter() - begin
+    cache.close(state)
+    return seconds
