@@ -65,6 +65,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--block-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-bytes", type=common.parse_bytes, default=64 * common.MiB)
+    p.add_argument("--piece-bytes", type=common.parse_bytes, default=common.MiB)
     p.add_argument("--deadline-s", type=float, default=120.0)
     p.add_argument(
         "--recompute",
@@ -139,7 +140,10 @@ def prefill_process(commands: Any, replies: Any, args: dict) -> None:
         runs = pool_runs(cache, cache.engine.mapped_memory(cache.tier)[0], 0, 0, tokens)
         listener = socket.create_server(("127.0.0.1", 0))
         with KVSender(
-            cache, deadline_s=args["deadline_s"], batch_bytes=args["batch_bytes"]
+            cache,
+            deadline_s=args["deadline_s"],
+            batch_bytes=args["batch_bytes"],
+            piece_bytes=args["piece_bytes"],
         ) as sender:
             replies.put(
                 dict(pd=sender.address, socket="127.0.0.1:%d" % listener.getsockname()[1],
@@ -173,6 +177,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         seed=args.seed,
         deadline_s=args.deadline_s,
         batch_bytes=args.batch_bytes,
+        piece_bytes=args.piece_bytes,
     )
     here = os.getcwd()
     os.chdir("/")
