@@ -295,8 +295,8 @@ def _recompute(args, tokens: int, layers: int, heads: int, dim: int) -> float:
     state = cache.release(state, 0)
     state, _ = cache.admit(state, 0, max_tokens=tokens)
     begin = time.perf_counter()
-    for lo, hi in common.chunks(tokens, chunk):
-        logits, state = step(params, ids[None, lo:hi], state)
+    for lo, n in common.chunks(tokens, chunk):
+        logits, state = step(params, ids[None, lo : lo + n], state)
     jax.block_until_ready(logits)
     seconds = time.perf_counter() - begin
     cache.close(state)
