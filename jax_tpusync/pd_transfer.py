@@ -188,8 +188,10 @@ def pool_runs(
 
 
 def _check_deadline(deadline_s: Any) -> float:
-    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not (
-        math.isfinite(deadline_s) and deadline_s > 0
+    if (
+        isinstance(deadline_s, bool)
+        or not isinstance(deadline_s, (int, float))
+        or not (math.isfinite(deadline_s) and deadline_s > 0)
     ):
         raise ValueError(f"deadline_s={deadline_s!r} must be a finite number > 0")
     return float(deadline_s)
@@ -414,7 +416,7 @@ class KVReceiver:
             try:
                 send_message(sock, request, deadline)
                 reply = recv_message(sock, deadline)
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 raise PDTransferError(
                     f"no completion message within the deadline ({self.deadline_s} s): the "
                     f"prefill process is hung or too slow"
@@ -438,7 +440,7 @@ class KVReceiver:
     def __enter__(self) -> KVReceiver:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -508,7 +510,7 @@ class KVSender:
         self._listener.settimeout(wait)
         try:
             conn, peer = self._listener.accept()
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             raise PDTransferError(f"no P/D request within {wait:.3g} s") from None
         deadline = time.monotonic() + self.deadline_s
         peer = "%s:%d" % peer[:2]
@@ -706,5 +708,5 @@ class KVSender:
     def __enter__(self) -> KVSender:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -49,7 +49,7 @@ COLUMNS = [
     ("socket_gbps", "socket GB/s", ".2f"),
     ("pd_over_socket", "pd/socket rate", ".2f"),
     ("recompute_s", "recompute s", ".2f"),
-    ("byte_exact", "exact", "")
+    ("byte_exact", "exact", ""),
 ]
 
 
@@ -146,8 +146,11 @@ def prefill_process(commands: Any, replies: Any, args: dict) -> None:
             piece_bytes=args["piece_bytes"],
         ) as sender:
             replies.put(
-                dict(pd=sender.address, socket="127.0.0.1:%d" % listener.getsockname()[1],
-                     checksum=checksum)
+                dict(
+                    pd=sender.address,
+                    socket="127.0.0.1:%d" % listener.getsockname()[1],
+                    checksum=checksum,
+                )
             )
             while (what := commands.get()) != "next":
                 if what == "pd":

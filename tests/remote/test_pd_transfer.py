@@ -22,12 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_tpusync import pd_transfer
 from jax_tpusync.bench import tiny_decoder
-from jax_tpusync.pd_transfer import KVReceiver, KVSender, PDTransferError
+from jax_tpusync.pd_transfer import KVReceiver, PDTransferError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # pd_peers, here and in children.
-import pd_peers  # noqa: E402
+import pd_peers
 
 TIMEOUT = 120  # The longest any child may live.
 
@@ -102,7 +101,10 @@ def test_byte_exact_into_non_contiguous_blocks():
         state, _ = cache.admit(state, s, max_tokens=pd_peers.BLOCK)
     state = cache.release(state, 0)
     state = cache.release(state, 2)
-    with peer(pd_peers.serve_rows, n, True) as (proc, queue), KVReceiver(cache, deadline_s=60) as rx:
+    with (
+        peer(pd_peers.serve_rows, n, True) as (proc, queue),
+        KVReceiver(cache, deadline_s=60) as rx,
+    ):
         address = queue.get(timeout=TIMEOUT)
         runs = None
         state, got = rx.receive(state, 3, np.arange(n), prefill=address, max_tokens=n)
@@ -114,8 +116,12 @@ def test_byte_exact_into_non_contiguous_blocks():
     for layer in range(pd_peers.MODEL["layers"]):
         k, v = cache.read(state, layer, 3)
         want_k, want_v = pd_peers.rows(layer, n)
-        np.testing.assert_array_equal(np.asarray(k).view(np.uint16), np.asarray(want_k).view(np.uint16))
-        np.testing.assert_array_equal(np.asarray(v).view(np.uint16), np.asarray(want_v).view(np.uint16))
+        np.testing.assert_array_equal(
+            np.asarray(k).view(np.uint16), np.asarray(want_k).view(np.uint16)
+        )
+        np.testing.assert_array_equal(
+            np.asarray(v).view(np.uint16), np.asarray(want_v).view(np.uint16)
+        )
     cache.close(state)
 
 
@@ -136,9 +142,10 @@ def test_dead_or_hung_prefill_is_a_refusal_within_the_deadline(mode):
     cache = pd_peers.make_cache()
     state = cache.init(admit=False)
     deadline = 4.0
-    with peer(pd_peers.serve_prefill, mode) as (proc, queue), KVReceiver(
-        cache, deadline_s=deadline
-    ) as rx:
+    with (
+        peer(pd_peers.serve_prefill, mode) as (proc, queue),
+        KVReceiver(cache, deadline_s=deadline) as rx,
+    ):
         address = queue.get(timeout=TIMEOUT)
         match = "went away" if mode == "kill" else "no completion message within the deadline"
         _assert_refused(cache, rx, state, address, deadline, match)
