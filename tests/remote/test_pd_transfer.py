@@ -165,3 +165,20 @@ def test_no_prefill_process_is_a_refusal():
             address = "127.0.0.1:%d" % s.getsockname()[1]
         _assert_refused(cache, rx, state, address, 2.0, "cannot reach the prefill process")
     cache.close(state)
+
+
+def test_a_cache_off_a_host_tier_is_refused(tmp_path):
+    cache = pd_peers.make_cache(tier="file", path=str(tmp_path))
+    with pytest.raises(ValueError, match="not mapped in memory: only a host tier is"):
+        cache.engine.mapped_memory(cache.tier)
+    with pytest.raises(ValueError, match=r"KVReceiver needs a cache on a host tier"):
+        KVReceiver(cache)
+    cache.close()
+
+
+@pytest.mark.parametrize("deadline", [0, -1.0, float("inf"), True])
+def test_deadline_must_be_positive_and_finite(deadline):
+    cache = pd_peers.make_cache()
+    with pytest.raises(ValueError, match="must be a finite number > 0"):
+        KVReceiver(cache, deadline_s=deadline)
+    cache.close()
