@@ -30,10 +30,11 @@ def test_hybrid_bench_tiny(tmp_path):
     for uniform, hybrid in zip(rows[::2], rows[1::2]):
         # The one-geometry cache holds every layer's whole context (and max_len's 64 spare
         # tokens): 6x the global layer's (Gemma 3), 24x (Gemma 4: 4x wider rows); hybrid the
-        # global layer's and a ring of 2 blocks of 256 tokens per sliding layer.
+        # global layer's, and per sliding layer a ring of 2 blocks of 256 tokens and as many
+        # spare blocks for cached windows.
         want = 6.0 if uniform["model"] == "gemma3" else 24.0
         assert want <= uniform["kv_over_global"] <= want * 1.15
-        assert 1.0 < hybrid["kv_over_global"] < uniform["kv_over_global"] / 2
+        assert 1.0 < hybrid["kv_over_global"] < 0.6 * uniform["kv_over_global"]
         assert hybrid["time_over_uniform"] > 0 and uniform["time_over_uniform"] == 1.0
         if hybrid["tier"] == "file":  # A step fetches what it attends over (and re-fetches
             # units a reading layer took from its source's prefetch chain).
