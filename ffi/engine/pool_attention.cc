@@ -409,15 +409,15 @@ TPUSYNC_INLINE void AttendHeads(const AttentionShape& s, const float* q, int t, 
 // sequence. q, acc, max, sum are the sequence's slices: [q_len, num_q_heads, (head_dim)].
 template <bool kAvx2>
 TPUSYNC_INLINE void AttendTileBody(const AttentionShape& s, const float* q, int32_t q_start,
-                                   const KeySpan& span, int r0, int n, Tile& tile, float* acc,
-                                   float* max, float* sum) {
+                                   int q_rows, const KeySpan& span, int r0, int n, Tile& tile,
+                                   float* acc, float* max, float* sum) {
   const int group = s.num_q_heads / s.num_kv_heads;
   const uint64_t row_bytes = s.row_bytes();
   const int row_values = s.num_kv_heads * s.head_dim;
   const int32_t first = span.position + r0;  // Absolute position of the tile's row 0.
   bool loaded = false;
   for (int h = 0; h < s.num_kv_heads; ++h) {
-    for (int t = 0; t < s.q_len; ++t) {
+    for (int t = 0; t < q_rows; ++t) {
       const int32_t q_pos = q_start + t;
       // Visible rows of the tile: causal (position <= q_pos) and inside the window.
       const int hi = static_cast<int>(std::min<int64_t>(n, int64_t{q_pos} - first + 1));
@@ -449,49 +449,456 @@ TPUSYNC_INLINE void AttendTileBody(const AttentionShape& s, const float* q, int3
   }
 }
 
-void AttendTileBaseline(const AttentionShape& s, const float* q, int32_t q_start,
-                        const KeySpan& span, int r0, int n, Tile& tile, float* acc, float* max,
-                        float* sum) {
-  AttendTileBody<false>(s, q, q_start, span, r0, n, tile, acc, max, sum);
+// ---- Many query rows (a prefill chunk): blocks of keys against panels of query rows ----
+//
+// With many (query, head) rows per kv head (a chunk of a prefill, not a decode step), the
+// work is two matrix products per block of keys, S = Q K^T and O += P V, and the per-row
+// cost of the online softmax (its rescale of the output row, its max and sum) is paid
+// once per block of kBlock keys rather than per tile of 32. A block's K rows of one kv head
+// are converted to f32 and transposed ([head_dim][kBlock]), its V rows converted
+// ([kBlock][head_dim]); both stay in L2 while every query row of the head's group passes
+// over them, kPanel rows at a time: the scores of a panel's rows against 2 vectors of keys
+// accumulate in registers over head_dim (a broadcast query value times two vectors of K,
+// no horizontal sums), and the output rows take their P V 2 vectors of head_dim at a time,
+// the rescale by the new max folded into their load.
+
+// Rows (keys) per block of the many-query path.
+constexpr int kBlock = 128;
+// The most (query, head) rows of a panel (the AVX-512 build's; 24 accumulators of 32
+// registers).
+constexpr int kMaxPanel = 12;
+// Rows (query rows times the group's heads) per kv head from which a sequence takes the
+// many-query path; below it (decode steps) the tile path, whose K stays untransposed.
+constexpr int kManyRows = 16;
+
+template <int W>
+struct Simd;
+template <>
+struct Simd<8> {
+  typedef float F __attribute__((vector_size(32)));
+  typedef int32_t I __attribute__((vector_size(32)));
+};
+template <>
+struct Simd<16> {
+  typedef float F __attribute__((vector_size(64)));
+  typedef int32_t I __attribute__((vector_size(64)));
+};
+
+template <int W>
+TPUSYNC_INLINE typename Simd<W>::F LoadW(const float* p) {
+  typename Simd<W>::F x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+
+template <int W>
+TPUSYNC_INLINE void StoreW(float* p, const typename Simd<W>::F& x) {
+  std::memcpy(p, &x, sizeof x);
+}
+
+// exp(x) of W lanes x <= 0: ExpNonPositive's polynomial, on Simd<W> vectors.
+template <int W>
+TPUSYNC_INLINE void ExpW(float* values) {
+  using F = typename Simd<W>::F;
+  using I = typename Simd<W>::I;
+  F x = LoadW<W>(values);
+  const F floor_x = F{} - 87.0f;
+  x = x < floor_x ? floor_x : x;
+  const F t = x * 1.44269504088896341f + 0.5f;
+  I n = __builtin_convertvector(t, I);
+  n += __builtin_convertvector(n, F) > t;
+  const F nf = __builtin_convertvector(n, F);
+  const F r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
+  F p = F{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const F y = p * r * r + r + 1.0f;
+  const I bits = (n + 127) << 23;
+  F scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  StoreW<W>(values, y * scale);
+}
+
+// One block's rows, for one kv head at a time.
+struct Block {
+  std::vector<float> kt;      // [head_dim][kBlock]: the head's K, transposed.
+  std::vector<float> v;       // [kBlock][head_dim]: its V.
+  std::vector<float> k_rows;  // [kBlock][head_dim]: K before the transposition.
+  std::vector<float> spare;   // [head_dim]: the output row of a panel's unused rows.
+  std::vector<float> q;       // [head_dim][kMaxPanel]: a panel's query rows, packed.
+  alignas(64) float k_scale[kBlock] = {};  // Quantized rows' scales of the head.
+  alignas(64) float v_scale[kBlock] = {};
+  alignas(64) float p[kMaxPanel][kBlock] = {};       // A panel's scores, then weights.
+  alignas(64) float scaled[kMaxPanel][kBlock] = {};  // Quantized: weights times V scales.
+
+  void Reserve(int head_dim) {
+    const size_t values = static_cast<size_t>(kBlock) * head_dim;
+    if (kt.size() < values) {
+      kt.assign(values, 0.0f);
+      v.assign(values, 0.0f);
+      k_rows.assign(values, 0.0f);
+      spare.assign(head_dim, 0.0f);
+      q.assign(static_cast<size_t>(head_dim) * kMaxPanel, 0.0f);
+    }
+  }
+};
+
+// Head h of `n` rows (row r at src + r * row_bytes) as f32[n][head_dim] at dst (codes'
+// values, unscaled, for quantized rows; their scales of head h at scales[r]).
+template <bool kAvx2>
+TPUSYNC_INLINE void LoadHead(const AttentionShape& s, const uint8_t* src, uint64_t row_bytes,
+                             int n, int h, float* dst, float* scales) {
+  const int d_len = s.head_dim;
+  const uint64_t scale_at = static_cast<uint64_t>(s.num_kv_heads) * d_len + 4ull * h;
+  for (int r = 0; r < n; ++r) {
+    const uint8_t* row = src + r * row_bytes;
+    float* out = dst + static_cast<int64_t>(r) * d_len;
+    if (s.tier_dtype == TierDtype::kInt8) {
+      Codes<kAvx2, false>(row + static_cast<int64_t>(h) * d_len, d_len, out);
+      std::memcpy(scales + r, row + scale_at, 4);
+    } else if (s.tier_dtype == TierDtype::kFloat8E4M3) {
+      Codes<kAvx2, true>(row + static_cast<int64_t>(h) * d_len, d_len, out);
+      std::memcpy(scales + r, row + scale_at, 4);
+    } else if (s.kv_dtype == KvDtype::kBfloat16) {
+      const uint8_t* head = row + 2 * static_cast<int64_t>(h) * d_len;
+      for (int d = 0; d < d_len; ++d) {
+        uint16_t bits;
+        std::memcpy(&bits, head + 2 * d, sizeof bits);
+        out[d] = Bf16ToF32(bits);
+      }
+    } else {
+      std::memcpy(out, row + 4 * static_cast<int64_t>(h) * d_len, 4 * static_cast<size_t>(d_len));
+    }
+  }
+}
+
+// kt[d][c] = rows[c][d] for c < n; columns [n, cols) zero.
+TPUSYNC_INLINE void Transpose(const float* rows, int n, int cols, int d_len, float* kt) {
+  int c = 0;
+  for (; c + 8 <= n; c += 8) {  // Eight rows at a time: each kt row written 32 bytes at once.
+    for (int d = 0; d < d_len; ++d) {
+      float* out = kt + static_cast<int64_t>(d) * kBlock + c;
+      for (int j = 0; j < 8; ++j) out[j] = rows[static_cast<int64_t>(c + j) * d_len + d];
+    }
+  }
+  for (; c < n; ++c) {
+    for (int d = 0; d < d_len; ++d) kt[static_cast<int64_t>(d) * kBlock + c] = rows[c * d_len + d];
+  }
+  for (int d = 0; d < d_len; ++d) {
+    for (int z = n; z < cols; ++z) kt[static_cast<int64_t>(d) * kBlock + z] = 0.0f;
+  }
+}
+
+// p[i][c] = q_i . k_c for the panel's MR rows (q_i packed: q[d * MR + i]) and columns
+// c < cols (a multiple of W) of the transposed block kt: 2 vectors of columns at a time,
+// MR x 2 accumulators over head_dim, each query value broadcast once for both.
+template <int W, int MR>
+TPUSYNC_INLINE void PanelScores(const float* q, const float* kt, int d_len, int cols,
+                                float (*p)[kBlock]) {
+  using F = typename Simd<W>::F;
+  int c = 0;
+  for (; c + 2 * W <= cols; c += 2 * W) {
+    F acc[MR][2] = {};
+    for (int d = 0; d < d_len; ++d) {
+      const float* k = kt + static_cast<int64_t>(d) * kBlock + c;
+      const F k0 = LoadW<W>(k), k1 = LoadW<W>(k + W);
+      for (int i = 0; i < MR; ++i) {
+        const float x = q[d * MR + i];
+        acc[i][0] += x * k0;
+        acc[i][1] += x * k1;
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      StoreW<W>(p[i] + c, acc[i][0]);
+      StoreW<W>(p[i] + c + W, acc[i][1]);
+    }
+  }
+  if (c < cols) {  // One vector of columns left.
+    F acc[MR] = {};
+    for (int d = 0; d < d_len; ++d) {
+      const F k0 = LoadW<W>(kt + static_cast<int64_t>(d) * kBlock + c);
+      for (int i = 0; i < MR; ++i) acc[i] += q[d * MR + i] * k0;
+    }
+    for (int i = 0; i < MR; ++i) StoreW<W>(p[i] + c, acc[i]);
+  }
+}
+
+// out_i = out_i * alpha[i] + sum over c < n of p[i][c] * v_c (out_i at arow[i], f32[d_len];
+// v_c at v + c * d_len) for the panel's MR rows: 2 vectors of head_dim at a time (MR x 2
+// accumulators over the block's rows), then one, then one value at a time.
+template <int W, int MR>
+TPUSYNC_INLINE void PanelValues(float* const* arow, const float* alpha, const float (*p)[kBlock],
+                                const float* v, int n, int d_len) {
+  using F = typename Simd<W>::F;
+  int d = 0;
+  for (; d + 2 * W <= d_len; d += 2 * W) {
+    F acc[MR][2];
+    for (int i = 0; i < MR; ++i) {
+      acc[i][0] = LoadW<W>(arow[i] + d) * alpha[i];
+      acc[i][1] = LoadW<W>(arow[i] + d + W) * alpha[i];
+    }
+    for (int c = 0; c < n; ++c) {
+      const float* row = v + static_cast<int64_t>(c) * d_len + d;
+      const F v0 = LoadW<W>(row), v1 = LoadW<W>(row + W);
+      for (int i = 0; i < MR; ++i) {
+        acc[i][0] += p[i][c] * v0;
+        acc[i][1] += p[i][c] * v1;
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      StoreW<W>(arow[i] + d, acc[i][0]);
+      StoreW<W>(arow[i] + d + W, acc[i][1]);
+    }
+  }
+  for (; d + W <= d_len; d += W) {
+    F acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = LoadW<W>(arow[i] + d) * alpha[i];
+    for (int c = 0; c < n; ++c) {
+      const F v0 = LoadW<W>(v + static_cast<int64_t>(c) * d_len + d);
+      for (int i = 0; i < MR; ++i) acc[i] += p[i][c] * v0;
+    }
+    for (int i = 0; i < MR; ++i) StoreW<W>(arow[i] + d, acc[i]);
+  }
+  for (; d < d_len; ++d) {
+    for (int i = 0; i < MR; ++i) {
+      float a = arow[i][d] * alpha[i];
+      for (int c = 0; c < n; ++c) a += p[i][c] * v[static_cast<int64_t>(c) * d_len + d];
+      arow[i][d] = a;
+    }
+  }
+}
+
+// Row i of a panel after PanelScores: its logits (k scale, scale, soft cap), masked to its
+// visible columns [lo, hi), its online-softmax step (new max, the old partial's rescale
+// `alpha`, the sum) and its weights in p (zero outside [lo, hi)), times the V scales in
+// `scaled` for quantized rows. Columns [0, cols) are computed, cols a multiple of W.
+template <int W>
+TPUSYNC_INLINE float SoftmaxRow(const AttentionShape& s, const Block& blk, float* p,
+                                float* scaled, int lo, int hi, int n, int cols, float* max,
+                                float* sum) {
+  using F = typename Simd<W>::F;
+  // Column indices as floats (exact below 2^24), compared one condition per select: a
+  // float compare feeding a select stays a vector compare and blend in every build, where
+  // an integer vector compare, or the AND of two masks, is done lane by lane in some.
+  F column;
+  for (int j = 0; j < W; ++j) column[j] = static_cast<float>(j);
+  // Vectors, not scalars, on both sides of each compare (GCC lowers a vector-scalar
+  // compare of 16 lanes lane by lane).
+  const F first = F{} + static_cast<float>(lo), end = F{} + static_cast<float>(hi);
+  const bool quantized = s.quantized();
+  if (quantized) {  // (q . codes) * s_k, as the reference scales its logits.
+    for (int c = 0; c < cols; c += W) StoreW<W>(p + c, LoadW<W>(p + c) * LoadW<W>(blk.k_scale + c));
+  }
+  for (int c = 0; c < cols; c += W) StoreW<W>(p + c, LoadW<W>(p + c) * s.scale);
+  if (s.soft_cap > 0) {
+    for (int c = 0; c < n; ++c) p[c] = s.soft_cap * std::tanh(p[c] / s.soft_cap);
+  }
+  const F neg_inf = F{} + kNegInf;
+  F top = neg_inf;
+  const F step = F{} + static_cast<float>(W);
+  F at = column;
+  for (int c = 0; c < cols; c += W, at += step) {
+    F x = LoadW<W>(p + c);
+    x = at >= first ? x : neg_inf;
+    x = at < end ? x : neg_inf;
+    top = x > top ? x : top;
+  }
+  float block_max = kNegInf;
+  for (int j = 0; j < W; ++j) block_max = std::max(block_max, top[j]);
+  const float old_max = *max;
+  const float new_max = std::max(old_max, block_max);
+  const float alpha = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
+  const F zero = F{};
+  F total = zero;
+  at = column;
+  const F shift = F{} + new_max;
+  for (int c = 0; c < cols; c += W, at += step) {
+    StoreW<W>(p + c, LoadW<W>(p + c) - shift);
+    ExpW<W>(p + c);
+    F w = LoadW<W>(p + c);
+    w = at >= first ? w : zero;
+    w = at < end ? w : zero;
+    StoreW<W>(p + c, w);
+    total += w;
+    if (quantized) StoreW<W>(scaled + c, w * LoadW<W>(blk.v_scale + c));
+  }
+  float weights = 0;
+  for (int j = 0; j < W; ++j) weights += total[j];
+  *sum = *sum * alpha + weights;
+  *max = new_max;
+  return alpha;
+}
+
+// Every query row of the sequence (q, acc, max, sum its slices: [q_len, num_q_heads,
+// (head_dim)]) below q_rows over the span's visible keys, by blocks of kBlock rows and
+// panels of MR (query, head) rows of one kv head.
+template <int W, int MR, bool kAvx2>
+TPUSYNC_INLINE void AttendMany(const AttentionShape& s, const float* q, int32_t q_start,
+                               int q_rows, const KeySpan& span, float* acc, float* max,
+                               float* sum) {
+  static_assert(MR <= kMaxPanel, "a panel's rows fit the block's buffers");
+  thread_local Block blk;
+  const int d_len = s.head_dim;
+  blk.Reserve(d_len);
+  const int group = s.num_q_heads / s.num_kv_heads;
+  const uint64_t row_bytes = s.row_bytes();
+  for (int r0 = 0; r0 < span.rows; r0 += kBlock) {
+    const int n = std::min(kBlock, span.rows - r0);
+    const int32_t first = span.position + r0;  // Absolute position of the block's row 0.
+    // The queries that see a row of the block: causal (q_pos >= first) and, with a window,
+    // q_pos - window + 1 <= first + n - 1.
+    const int t_lo = static_cast<int>(std::clamp<int64_t>(int64_t{first} - q_start, 0, q_rows));
+    const int t_hi = s.window > 0 ? static_cast<int>(std::clamp<int64_t>(
+                                        int64_t{first} + n - 1 + s.window - q_start, 0, q_rows))
+                                  : q_rows;
+    if (t_lo >= t_hi) continue;
+    // The next block's rows, requested while this one computes (two streams, K and V).
+    const int ahead = std::min(kBlock, span.rows - r0 - n);
+    for (uint64_t b = 0; b < ahead * row_bytes; b += 64) {
+      __builtin_prefetch(span.k + (r0 + n) * row_bytes + b);
+      __builtin_prefetch(span.v + (r0 + n) * row_bytes + b);
+    }
+    const int cols = (n + W - 1) / W * W;
+    for (int h = 0; h < s.num_kv_heads; ++h) {
+      LoadHead<kAvx2>(s, span.k + r0 * row_bytes, row_bytes, n, h, blk.k_rows.data(),
+                      blk.k_scale);
+      LoadHead<kAvx2>(s, span.v + r0 * row_bytes, row_bytes, n, h, blk.v.data(), blk.v_scale);
+      Transpose(blk.k_rows.data(), n, cols, d_len, blk.kt.data());
+      for (int c = n; c < cols; ++c) blk.k_scale[c] = blk.v_scale[c] = 0.0f;
+      // Rows m = t * group + g (query t, head h * group + g) in [t_lo, t_hi) * group.
+      const int m_hi = t_hi * group;
+      for (int m0 = t_lo * group; m0 < m_hi; m0 += MR) {
+        const int rows = std::min(MR, m_hi - m0);
+        float* arow[MR];
+        float alpha[MR];
+        for (int i = 0; i < MR; ++i) {
+          const int m = m0 + std::min(i, rows - 1);  // A panel's unused rows repeat its last.
+          const int t = m / group;
+          const int64_t at = static_cast<int64_t>(t) * s.num_q_heads + h * group + m % group;
+          const float* row = q + at * d_len;
+          for (int d = 0; d < d_len; ++d) blk.q[d * MR + i] = row[d];
+          arow[i] = i < rows ? acc + at * d_len : blk.spare.data();
+        }
+        PanelScores<W, MR>(blk.q.data(), blk.kt.data(), d_len, cols, blk.p);
+        for (int i = 0; i < MR; ++i) {
+          int lo = 0, hi = 0;  // Row i's visible columns (none for an unused row).
+          const int m = m0 + i;
+          const int t = m / group;
+          if (i < rows) {
+            const int64_t q_pos = int64_t{q_start} + t;
+            hi = static_cast<int>(std::min<int64_t>(n, q_pos - first + 1));
+            lo = s.window > 0
+                     ? static_cast<int>(std::max<int64_t>(0, q_pos - s.window + 1 - first))
+                     : 0;
+          }
+          if (hi <= lo) {  // Nothing to see: the row's partial stays as it is.
+            std::memset(blk.p[i], 0, sizeof blk.p[i]);
+            std::memset(blk.scaled[i], 0, sizeof blk.scaled[i]);
+            alpha[i] = 1.0f;
+            continue;
+          }
+          const int64_t at = static_cast<int64_t>(t) * s.num_q_heads + h * group + m % group;
+          alpha[i] = SoftmaxRow<W>(s, blk, blk.p[i], blk.scaled[i], lo, hi, n, cols, max + at,
+                                   sum + at);
+        }
+        PanelValues<W, MR>(arow, alpha, s.quantized() ? blk.scaled : blk.p,
+                           blk.v.data(), n, d_len);
+      }
+    }
+  }
+}
+
+// The span's visible keys for every query row below q_rows of one sequence: the
+// many-query path with enough rows per kv head, else tile by tile.
+template <int kIsa>  // 0: baseline, 1: AVX2 with FMA, 2: AVX-512.
+TPUSYNC_INLINE void AttendSpanBody(const AttentionShape& s, const float* q, int32_t q_start,
+                                   int q_rows, const KeySpan& span, float* acc, float* max,
+                                   float* sum) {
+  constexpr bool kAvx2 = kIsa >= 1;
+  if (q_rows <= 0 || span.rows <= 0) return;
+  if (q_rows * (s.num_q_heads / s.num_kv_heads) >= kManyRows) {
+    if constexpr (kIsa == 2) {
+      AttendMany<16, 12, true>(s, q, q_start, q_rows, span, acc, max, sum);
+    } else if constexpr (kIsa == 1) {
+      AttendMany<8, 6, true>(s, q, q_start, q_rows, span, acc, max, sum);
+    } else {
+      AttendMany<8, 3, false>(s, q, q_start, q_rows, span, acc, max, sum);
+    }
+    return;
+  }
+  thread_local Tile tile;
+  const size_t tile_values = static_cast<size_t>(kTile) * s.num_kv_heads * s.head_dim;
+  if (tile.k.size() < tile_values) {
+    tile.k.assign(tile_values, 0.0f);
+    tile.v.assign(tile_values, 0.0f);
+  }
+  const size_t tile_scales = static_cast<size_t>(kTile) * s.num_kv_heads;
+  if (s.quantized() && tile.k_scale.size() < tile_scales) {
+    tile.k_scale.assign(tile_scales, 0.0f);
+    tile.v_scale.assign(tile_scales, 0.0f);
+  }
+  for (int r0 = 0; r0 < span.rows; r0 += kTile) {
+    const int n = std::min(kTile, span.rows - r0);
+    AttendTileBody<kAvx2>(s, q, q_start, q_rows, span, r0, n, tile, acc, max, sum);
+  }
+}
+
+void AttendSpanBaseline(const AttentionShape& s, const float* q, int32_t q_start, int q_rows,
+                        const KeySpan& span, float* acc, float* max, float* sum) {
+  AttendSpanBody<0>(s, q, q_start, q_rows, span, acc, max, sum);
 }
 
 #if TPUSYNC_HAVE_AVX2_CLONE
-__attribute__((target("avx2,fma"))) void AttendTileAvx2(const AttentionShape& s, const float* q,
-                                                        int32_t q_start, const KeySpan& span,
-                                                        int r0, int n, Tile& tile, float* acc,
+__attribute__((target("avx2,fma"))) void AttendSpanAvx2(const AttentionShape& s, const float* q,
+                                                        int32_t q_start, int q_rows,
+                                                        const KeySpan& span, float* acc,
                                                         float* max, float* sum) {
-  AttendTileBody<true>(s, q, q_start, span, r0, n, tile, acc, max, sum);
+  AttendSpanBody<1>(s, q, q_start, q_rows, span, acc, max, sum);
+}
+
+__attribute__((target("avx512f,avx2,fma"))) void AttendSpanAvx512(
+    const AttentionShape& s, const float* q, int32_t q_start, int q_rows, const KeySpan& span,
+    float* acc, float* max, float* sum) {
+  AttendSpanBody<2>(s, q, q_start, q_rows, span, acc, max, sum);
 }
 #endif
 
-using AttendTileFn = void (*)(const AttentionShape&, const float*, int32_t, const KeySpan&, int,
-                              int, Tile&, float*, float*, float*);
+using AttendSpanFn = void (*)(const AttentionShape&, const float*, int32_t, int, const KeySpan&,
+                              float*, float*, float*);
 
-// TPUSYNC_CPU_ISA=baseline picks the baseline build on any CPU (how the tests run it on
-// one with AVX2).
-AttendTileFn PickAttendTile() {
+constexpr const char* kIsaNames[] = {"baseline", "avx2", "avx512"};
+
+// The best build this CPU runs (0 baseline, 1 AVX2 with FMA and F16C, 2 AVX-512 too);
+// TPUSYNC_CPU_ISA=baseline or avx2 picks a lower one (how the tests run each build).
+int PickIsa() {
 #if TPUSYNC_HAVE_AVX2_CLONE
   const char* isa = std::getenv("TPUSYNC_CPU_ISA");
-  const bool baseline = isa != nullptr && std::strcmp(isa, "baseline") == 0;
+  const std::string want = isa == nullptr ? "" : isa;
   __builtin_cpu_init();
-  if (!baseline && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c")) {
-    return AttendTileAvx2;
-  }
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  if (want == "baseline" || !avx2) return 0;
+  if (want == "avx2" || !__builtin_cpu_supports("avx512f")) return 1;
+  return 2;
+#else
+  return 0;
 #endif
-  return AttendTileBaseline;
 }
 
-const AttendTileFn AttendTile = PickAttendTile();
+const int AttendSpanIsa = PickIsa();
+
+const AttendSpanFn AttendSpan =
+#if TPUSYNC_HAVE_AVX2_CLONE
+    AttendSpanIsa == 2 ? AttendSpanAvx512 : AttendSpanIsa == 1 ? AttendSpanAvx2 :
+#endif
+                       AttendSpanBaseline;
 
 }  // namespace
 
-const char* PoolAttentionIsa() {
-#if TPUSYNC_HAVE_AVX2_CLONE
-  if (AttendTile == AttendTileAvx2) return "avx2";
-#endif
-  return "baseline";
-}
+const char* PoolAttentionIsa() { return kIsaNames[AttendSpanIsa]; }
 
 uint64_t QuantizedRowBytes(int32_t num_kv_heads, int32_t head_dim) {
   const uint64_t raw = static_cast<uint64_t>(num_kv_heads) * head_dim + 4ull * num_kv_heads;
@@ -561,28 +968,15 @@ AttentionPartial::AttentionPartial(const AttentionShape& shape)
       max_(static_cast<size_t>(shape.batch) * shape.q_len * shape.num_q_heads, kNegInf),
       sum_(max_.size(), 0.0f) {}
 
-void AttentionPartial::Attend(const float* q, const int32_t* q_start, const KeySpan& span) {
+void AttentionPartial::Attend(const float* q, const int32_t* q_start, const int32_t* q_rows,
+                              const KeySpan& span) {
   const AttentionShape& s = shape_;
-  if (span.rows <= 0) return;
-  thread_local Tile tile;
-  const size_t tile_values = static_cast<size_t>(kTile) * s.num_kv_heads * s.head_dim;
-  if (tile.k.size() < tile_values) {
-    tile.k.assign(tile_values, 0.0f);
-    tile.v.assign(tile_values, 0.0f);
-  }
-  const size_t tile_scales = static_cast<size_t>(kTile) * s.num_kv_heads;
-  if (s.quantized() && tile.k_scale.size() < tile_scales) {
-    tile.k_scale.assign(tile_scales, 0.0f);
-    tile.v_scale.assign(tile_scales, 0.0f);
-  }
   const int64_t per_seq = static_cast<int64_t>(s.q_len) * s.num_q_heads;
   const int b = span.batch;
-  const float* q_seq = q + b * per_seq * s.head_dim;
-  for (int r0 = 0; r0 < span.rows; r0 += kTile) {
-    const int n = std::min(kTile, span.rows - r0);
-    AttendTile(s, q_seq, q_start[b], span, r0, n, tile, acc_.data() + b * per_seq * s.head_dim,
-               max_.data() + b * per_seq, sum_.data() + b * per_seq);
-  }
+  const int rows = q_rows == nullptr ? s.q_len : std::clamp(q_rows[b], 0, s.q_len);
+  AttendSpan(s, q + b * per_seq * s.head_dim, q_start[b], rows, span,
+             acc_.data() + b * per_seq * s.head_dim, max_.data() + b * per_seq,
+             sum_.data() + b * per_seq);
 }
 
 void AttentionPartial::MergeFrom(const AttentionPartial& other) {

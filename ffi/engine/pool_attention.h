@@ -61,8 +61,8 @@ struct KeySpan {
   const uint8_t* v = nullptr;
 };
 
-// The build of the inner loops this CPU runs: "avx2" (AVX2 with FMA and F16C) or
-// "baseline".
+// The build of the inner loops this CPU runs: "avx512" (AVX-512F, with AVX2, FMA and
+// F16C), "avx2" (AVX2 with FMA and F16C) or "baseline".
 const char* PoolAttentionIsa();
 
 // Cuts `spans` into two lists of (about) equal rows, cutting at most one span, for two
@@ -77,8 +77,11 @@ class AttentionPartial {
   explicit AttentionPartial(const AttentionShape& shape);
 
   // Attends the queries q (f32[batch, q_len, num_q_heads, head_dim]; query t of sequence b
-  // at absolute position q_start[b] + t) to the span's visible keys.
-  void Attend(const float* q, const int32_t* q_start, const KeySpan& span);
+  // at absolute position q_start[b] + t) to the span's visible keys. Only sequence b's
+  // first q_rows[b] queries attend (clamped to [0, q_len]; q_rows null: all q_len): the
+  // others are a step's padding rows, which cost nothing and see no key (out 0, lse -inf).
+  void Attend(const float* q, const int32_t* q_start, const int32_t* q_rows,
+              const KeySpan& span);
   // Folds in another partial over a disjoint set of keys.
   void MergeFrom(const AttentionPartial& other);
   // out f32[batch, q_len, num_q_heads, head_dim] (normalized), lse f32[batch, q_len,

@@ -412,9 +412,9 @@ Status AttendRows(const AttendPlan& plan, const float* queries, uint64_t split_b
       helper != nullptr && split_bytes > 0 && 2 * rows * shape.row_bytes() >= split_bytes;
   if (split) SplitSpans(*spans, shape.row_bytes(), &mine, &theirs);
   const bool helped = split && helper->TryStart([&] {
-    for (const KeySpan& s : theirs) there.Attend(queries, plan.q_start, s);
+    for (const KeySpan& s : theirs) there.Attend(queries, plan.q_start, nullptr, s);
   });
-  for (const KeySpan& s : helped ? mine : *spans) here.Attend(queries, plan.q_start, s);
+  for (const KeySpan& s : helped ? mine : *spans) here.Attend(queries, plan.q_start, nullptr, s);
   if (helped) {
     helper->Join();
     here.MergeFrom(there);

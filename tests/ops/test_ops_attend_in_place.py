@@ -597,4 +597,6 @@ def test_this_cpu_runs_the_build_it_supports():
 
     flags = pathlib.Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
     has_avx2 = all(f" {flag}" in flags for flag in ("avx2", "fma", "f16c"))
-    assert _tpusync.pool_attention_isa() == ("avx2" if has_avx2 else "baseline")
+    has_avx512 = has_avx2 and " avx512f" in flags
+    want = "avx512" if has_avx512 else "avx2" if has_avx2 else "baseline"
+    assert _tpusync.pool_attention_isa() == want
