@@ -338,9 +338,9 @@ def _attend_attrs(q, positions, unit_len, kv_dtype, num_kv_heads, scale, soft_ca
     if q.dtype != jnp.float32 or q.ndim != 4:
         got = f"{q.dtype}{list(q.shape)}"
         raise ValueError(f"q must be f32[batch, q_len, heads, head_dim]; got {got}")
-    if positions.shape != (3, q.shape[0]) or positions.dtype != jnp.int32:
+    if positions.shape not in ((3, q.shape[0]), (4, q.shape[0])) or positions.dtype != jnp.int32:
         got = f"{positions.dtype}{list(positions.shape)}"
-        raise ValueError(f"positions must be int32[3, batch={q.shape[0]}]; got {got}")
+        raise ValueError(f"positions must be int32[3 or 4, batch={q.shape[0]}]; got {got}")
     if not isinstance(unit_len, (int, np.integer)) or unit_len < 1:
         raise ValueError(f"unit_len={unit_len!r} must be an int >= 1")
     if q.shape[2] % num_kv_heads:
@@ -361,7 +361,7 @@ def attend_in_place(
     tier: int,
     q: jax.Array,  # f32[batch, q_len, num_q_heads, head_dim]
     segments: jax.Array,  # int32[n, 4]: the unit's fetch segments into [2, batch, unit_len] rows
-    positions: jax.Array,  # int32[3, batch]: first key position, valid keys, first query position
+    positions: jax.Array,  # int32[3 or 4, batch]: key start, valid keys, query start[, real rows]
     tag: jax.Array,
     *,
     unit_len: int,
@@ -382,7 +382,9 @@ def attend_in_place(
     ``segments`` are the unit's fetch segments as :func:`wait_fetch` would take them into
     a staging slot of ``unit_len`` rows (K rows, then V); sequence ``b``'s K and V segments
     must cover exactly its valid keys, rows ``[0, positions[1, b])``, which sit at absolute
-    positions ``positions[0, b] + row``; its queries at ``positions[2, b] + t``. The op
+    positions ``positions[0, b] + row``; its queries at ``positions[2, b] + t``; with a
+    fourth row only its first ``positions[3, b]`` queries (in ``[0, q_len]``) attend, the
+    others (a step's padding rows) cost nothing and get out 0, lse -inf. The op
     runs after every earlier write-back of those bytes, like a fetch. Returns the unit's
     normalized partial and log-sum-exp, as
     :func:`~jax_tpusync.kernels.reference.chunk_attention_reference` does.
@@ -422,7 +424,7 @@ def attend_landed(
     q: jax.Array,  # f32[batch, q_len, num_q_heads, head_dim]
     ticket: jax.Array,  # int32[]: the fetch started for this unit (NO_TICKET: none)
     segments: jax.Array,  # int32[n, 4]: the unit's fetch segments into [2, batch, unit_len] rows
-    positions: jax.Array,  # int32[3, batch]: first key position, valid keys, first query position
+    positions: jax.Array,  # int32[3 or 4, batch]: key start, valid keys, query start[, real rows]
     tag: jax.Array,
     *,
     unit_len: int,
@@ -483,7 +485,7 @@ def attend_spilled(
     spill_ticket: jax.Array,  # int32[]: the spill tier's fetch of this unit (NO_TICKET: none)
     segments: jax.Array,  # int32[n, 4]: the unit's rows on the memory tier
     spill_segments: jax.Array,  # int32[m, 4]: its rows on the spill tier
-    positions: jax.Array,  # int32[3, batch]: first key position, valid keys, first query position
+    positions: jax.Array,  # int32[3 or 4, batch]: key start, valid keys, query start[, real rows]
     tag: jax.Array,
     *,
     spill_tier: int,

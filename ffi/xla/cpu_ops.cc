@@ -354,6 +354,7 @@ struct AttendPlan {
   const int32_t* k_start = nullptr;  // [batch] first key position
   const int32_t* valid = nullptr;    // [batch] valid keys
   const int32_t* q_start = nullptr;  // [batch] first query position
+  const int32_t* q_rows = nullptr;   // [batch] real query rows (null: every row is real)
 };
 
 StatusOr<AttendPlan> PlanAttend(const Bound& op, int64_t stream, const ffi::Buffer<ffi::F32>& q,
@@ -379,9 +380,9 @@ StatusOr<AttendPlan> PlanAttend(const Bound& op, int64_t stream, const ffi::Buff
   shape.window = window;
   TPUSYNC_RETURN_IF_ERROR(shape.Check());
   auto pdims = positions.dimensions();
-  if (pdims.size() != 2 || pdims[0] != 3 || pdims[1] != shape.batch) {
-    return InvalidArgument("positions must be int32[3, batch] (key start, valid keys, query "
-                           "start)");
+  if (pdims.size() != 2 || (pdims[0] != 3 && pdims[0] != 4) || pdims[1] != shape.batch) {
+    return InvalidArgument("positions must be int32[3 or 4, batch] (key start, valid keys, "
+                           "query start[, real query rows])");
   }
   if (unit_len < 1) return InvalidArgument("unit_len must be >= 1");
   plan.unit_len = unit_len;
@@ -392,6 +393,17 @@ StatusOr<AttendPlan> PlanAttend(const Bound& op, int64_t stream, const ffi::Buff
   plan.k_start = positions.typed_data();
   plan.valid = plan.k_start + shape.batch;
   plan.q_start = plan.valid + shape.batch;
+  if (pdims[0] == 4) {
+    plan.q_rows = plan.q_start + shape.batch;
+    for (int32_t b = 0; b < shape.batch; ++b) {
+      if (plan.q_rows[b] < 0 || plan.q_rows[b] > shape.q_len) {
+        return InvalidArgument("positions[3, " + std::to_string(b) + "] = " +
+                               std::to_string(plan.q_rows[b]) +
+                               " real query rows must be in [0, q_len = " +
+                               std::to_string(shape.q_len) + "]");
+      }
+    }
+  }
   return plan;
 }
 
@@ -403,6 +415,11 @@ Status AttendRows(const AttendPlan& plan, const float* queries, uint64_t split_b
   const AttentionShape& shape = plan.shape;
   auto spans = PairRows(plan.want.segments, src, shape, plan.unit_len, plan.k_start, plan.valid);
   if (!spans.ok()) return spans.status();
+  if (plan.q_rows != nullptr) {  // A sequence without real query rows reads no key.
+    spans->erase(std::remove_if(spans->begin(), spans->end(),
+                                [&](const KeySpan& s) { return plan.q_rows[s.batch] == 0; }),
+                 spans->end());
+  }
   AttentionPartial here(shape), there(shape);
   uint64_t rows = 0;
   for (const KeySpan& s : *spans) rows += s.rows;
@@ -412,9 +429,9 @@ Status AttendRows(const AttendPlan& plan, const float* queries, uint64_t split_b
       helper != nullptr && split_bytes > 0 && 2 * rows * shape.row_bytes() >= split_bytes;
   if (split) SplitSpans(*spans, shape.row_bytes(), &mine, &theirs);
   const bool helped = split && helper->TryStart([&] {
-    for (const KeySpan& s : theirs) there.Attend(queries, plan.q_start, nullptr, s);
+    for (const KeySpan& s : theirs) there.Attend(queries, plan.q_start, plan.q_rows, s);
   });
-  for (const KeySpan& s : helped ? mine : *spans) here.Attend(queries, plan.q_start, nullptr, s);
+  for (const KeySpan& s : helped ? mine : *spans) here.Attend(queries, plan.q_start, plan.q_rows, s);
   if (helped) {
     helper->Join();
     here.MergeFrom(there);

@@ -113,7 +113,7 @@ auto AttendSignature(Binding&& binding) {
   return WithTransferAttrs(std::forward<Binding>(binding)
                                .template Arg<ffi::Buffer<ffi::F32>>()   // q
                                .template Arg<ffi::Buffer<ffi::S32>>()   // segments
-                               .template Arg<ffi::Buffer<ffi::S32>>()   // positions [3, batch]
+                               .template Arg<ffi::Buffer<ffi::S32>>()   // positions [3 or 4, batch]
                                .template Arg<ffi::Buffer<ffi::S32>>()   // tag
                                .template Arg<ffi::Buffer<ffi::S32>>()   // owner
                                .template Arg<ffi::Buffer<ffi::S32>>()   // target
@@ -138,7 +138,7 @@ auto AttendLandedSignature(Binding&& binding) {
                                .template Arg<ffi::Buffer<ffi::F32>>()    // q
                                .template Arg<ffi::BufferR0<ffi::S32>>()  // ticket (-1: none)
                                .template Arg<ffi::Buffer<ffi::S32>>()    // segments
-                               .template Arg<ffi::Buffer<ffi::S32>>()    // positions [3, batch]
+                               .template Arg<ffi::Buffer<ffi::S32>>()    // positions [3 or 4, batch]
                                .template Arg<ffi::Buffer<ffi::S32>>()    // tag
                                .template Arg<ffi::Buffer<ffi::S32>>()    // owner
                                .template Arg<ffi::Buffer<ffi::S32>>()    // target
@@ -165,7 +165,7 @@ auto AttendSpilledSignature(Binding&& binding) {
                                .template Arg<ffi::BufferR0<ffi::S32>>()  // spill ticket
                                .template Arg<ffi::Buffer<ffi::S32>>()    // segments
                                .template Arg<ffi::Buffer<ffi::S32>>()    // spill segments
-                               .template Arg<ffi::Buffer<ffi::S32>>()    // positions [3, batch]
+                               .template Arg<ffi::Buffer<ffi::S32>>()    // positions [3 or 4, batch]
                                .template Arg<ffi::Buffer<ffi::S32>>()    // tag
                                .template Arg<ffi::Buffer<ffi::S32>>()    // owner
                                .template Arg<ffi::Buffer<ffi::S32>>()    // target

@@ -55,9 +55,11 @@ def unit(
     owner: jax.Array,
     scale: float,
     soft_cap: float | None,
+    counts: jax.Array | None = None,  # int32[batch]: real query rows per slot (None: q_len)
 ) -> tuple[jax.Array, jax.Array]:  # out f32[batch, q_len, num_q_heads, head_dim], lse f32[...]
     """``(out, lse)`` of ``q`` over unit ``(layer, chunk)`` of this step: its range, its
     segments (as a fetch into staging slot 0 would move them) and :func:`attend_unit`.
+    Only slot ``b``'s first ``counts[b]`` query rows attend (the rest are padding).
 
     Without ``ticket`` the rows are read where a memory tier holds them. With it (a file
     tier, or a two-level cache's spill tier) they are attended where that fetch, started
@@ -82,6 +84,7 @@ def unit(
         soft_cap=soft_cap,
         ticket=ticket,
         spill_segments=spill,
+        counts=counts,
     )
 
 
@@ -107,15 +110,20 @@ def attend_unit(
     soft_cap: float | None,
     ticket: jax.Array | None = None,  # int32[]: the unit's fetch ahead (a file tier's)
     spill_segments: jax.Array | None = None,  # int32[m, 4]: a two-level cache's spill rows
+    counts: jax.Array | None = None,  # int32[batch]: real query rows per slot (None: q_len)
 ) -> tuple[jax.Array, jax.Array]:  # out f32[batch, q_len, num_q_heads, head_dim], lse f32[...]
     """``(out, lse)`` of ``q`` over one unit's cached rows, read where the tier holds them
     (or, with ``ticket``, where that fetch of ``segments`` landed in the engine's memory;
     with ``spill_segments`` too, ``segments`` where the memory tier holds them and
     ``spill_segments`` where ``ticket``, the spill tier's fetch, landed): what
-    ``wait_fetch`` of ``segments`` and the attention over the staged unit compute."""
+    ``wait_fetch`` of ``segments`` and the attention over the staged unit compute, for
+    the real rows (``counts``); padding rows cost nothing (out 0, lse -inf)."""
     # An inactive slot's segments move no bytes (see plan.segments): nor may it attend.
     valid = jnp.where(state.capacity > 0, count, 0).astype(jnp.int32)
-    positions = jnp.stack([lo, valid, state.lengths]).astype(jnp.int32)
+    rows = [lo, valid, state.lengths]
+    if counts is not None:
+        rows.append(counts)
+    positions = jnp.stack(rows).astype(jnp.int32)
     q = q.astype(jnp.float32)
     eid, tier = state.target[0], state.target[1]
     rows = (segments,)

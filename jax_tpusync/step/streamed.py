@@ -130,6 +130,11 @@ def streamed_layer(
     block_len = staged_block_len(spec) if implementation == "xla" else spec.chunk_len
 
     levels = plan.fetch_levels(spec, state)
+    # A slot without real rows this step attends to no cached key: the blocked XLA
+    # attention then stops at the last block another slot needs.
+    keys_for = (
+        (lambda count: count) if counts is None else (lambda count: jnp.where(counts > 0, count, 0))
+    )
 
     def unit_in_place(chunk, carry):
         # The unit's rows where the host tier holds them (jax_tpusync.step.in_place): no
@@ -145,6 +150,7 @@ def streamed_layer(
             owner=owner,
             scale=scale,
             soft_cap=soft_cap,
+            counts=counts,
         )
         out, lse = kernel_reference.merge_partials(out, lse, o, l)
         return q_, out, lse, staging, tickets, slot
@@ -197,7 +203,7 @@ def streamed_layer(
                 q_start=lengths,
                 **staged_unit_rows(spec, staging, slot, start, n),
             ),
-            count,
+            keys_for(count),
             spec.chunk_len,
             block_len,
             q.shape,
@@ -245,6 +251,7 @@ def streamed_layer(
             owner=owner,
             scale=scale,
             soft_cap=soft_cap,
+            counts=counts,
         )
         out, lse = kernel_reference.merge_partials(out, lse, o, l)
         tickets = tickets.at[at + slot].set(ops.NO_TICKET).at[at + p_slot].set(p_ticket)

@@ -137,8 +137,11 @@ class Pool:
             q, jnp.asarray(self.k), jnp.asarray(self.v), k_start, valid, q_start, **kw
         )
 
-    def attend(self, q, segments, k_start, valid, q_start, **kw):
-        positions = jnp.asarray(np.stack([k_start, valid, q_start]).astype(np.int32))
+    def attend(self, q, segments, k_start, valid, q_start, q_rows=None, **kw):
+        """The op's (out, lse); with ``q_rows`` only each sequence's first q_rows[b] queries
+        attend (positions' fourth row)."""
+        rows = [k_start, valid, q_start] + ([] if q_rows is None else [q_rows])
+        positions = jnp.asarray(np.stack(rows).astype(np.int32))
         fn = jax.jit(
             lambda q, s, p: ops.attend_in_place(
                 self.engine.id,
@@ -532,7 +535,7 @@ def test_python_side_checks_name_the_argument(small_pool):
             call(tier_dtype=bad)
     with pytest.raises(ValueError, match=r"q must be f32\[batch, q_len, heads, head_dim\]"):
         call(q=q.astype(jnp.bfloat16))
-    with pytest.raises(ValueError, match=r"positions must be int32\[3, batch=2\]"):
+    with pytest.raises(ValueError, match=r"positions must be int32\[3 or 4, batch=2\]"):
         call(positions=jnp.zeros((3, 1), jnp.int32))
     with pytest.raises(ValueError, match=r"unit_len=0 must be an int >= 1"):
         call(unit_len=0)
