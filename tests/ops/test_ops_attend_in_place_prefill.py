@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from test_ops_attend_in_place import Pool  # noqa: E402
+from test_ops_attend_in_place import Pool
 
 XlaError = getattr(jax.errors, "JaxRuntimeError", RuntimeError)
 
@@ -131,8 +131,9 @@ def test_real_rows_must_lie_in_zero_to_q_len(make_engine):
     pool.attend(q, pool.segments(valid), zero, valid, valid, np.array([0, 3]), scale=1.0)
     for bad, b in ((np.array([4, 3]), 0), (np.array([0, -1]), 1)):
         with pytest.raises(
-            XlaError, match=rf"positions\[3, {b}\] = {bad[b]} real query rows must be in "
-            r"\[0, q_len = 3\]"
+            XlaError,
+            match=rf"positions\[3, {b}\] = {bad[b]} real query rows must be in "
+            r"\[0, q_len = 3\]",
         ):
             out, _ = pool.attend(q, pool.segments(valid), zero, valid, valid, bad, scale=1.0)
             out.block_until_ready()
