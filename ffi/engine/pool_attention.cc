@@ -471,8 +471,15 @@ constexpr int kMaxPanel = 12;
 // many-query path; below it (decode steps) the tile path, whose K stays untransposed.
 constexpr int kManyRows = 16;
 
+// W f32 lanes (GCC/Clang vector extension): 4 in the baseline build (one SSE register:
+// wider vectors live on the stack there), 8 in the AVX2 one, 16 in the AVX-512 one.
 template <int W>
 struct Simd;
+template <>
+struct Simd<4> {
+  typedef float F __attribute__((vector_size(16)));
+  typedef int32_t I __attribute__((vector_size(16)));
+};
 template <>
 struct Simd<8> {
   typedef float F __attribute__((vector_size(32)));
@@ -680,14 +687,6 @@ TPUSYNC_INLINE float SoftmaxRow(const AttentionShape& s, const Block& blk, float
                                 float* scaled, int lo, int hi, int n, int cols, float* max,
                                 float* sum) {
   using F = typename Simd<W>::F;
-  // Column indices as floats (exact below 2^24), compared one condition per select: a
-  // float compare feeding a select stays a vector compare and blend in every build, where
-  // an integer vector compare, or the AND of two masks, is done lane by lane in some.
-  F column;
-  for (int j = 0; j < W; ++j) column[j] = static_cast<float>(j);
-  // Vectors, not scalars, on both sides of each compare (GCC lowers a vector-scalar
-  // compare of 16 lanes lane by lane).
-  const F first = F{} + static_cast<float>(lo), end = F{} + static_cast<float>(hi);
   const bool quantized = s.quantized();
   if (quantized) {  // (q . codes) * s_k, as the reference scales its logits.
     for (int c = 0; c < cols; c += W) StoreW<W>(p + c, LoadW<W>(p + c) * LoadW<W>(blk.k_scale + c));
@@ -696,14 +695,15 @@ TPUSYNC_INLINE float SoftmaxRow(const AttentionShape& s, const Block& blk, float
   if (s.soft_cap > 0) {
     for (int c = 0; c < n; ++c) p[c] = s.soft_cap * std::tanh(p[c] / s.soft_cap);
   }
-  const F neg_inf = F{} + kNegInf;
-  F top = neg_inf;
-  const F step = F{} + static_cast<float>(W);
-  F at = column;
-  for (int c = 0; c < cols; c += W, at += step) {
-    F x = LoadW<W>(p + c);
-    x = at >= first ? x : neg_inf;
-    x = at < end ? x : neg_inf;
+  // Masked columns (outside [lo, hi): before a window, after the query, past the block)
+  // are set one by one, before the max and again after the exponentials: a block of
+  // whole visible rows has none, and vector selects cost more than they save (GCC 12
+  // lowers those of 16 lanes lane by lane: the AVX-512 build ran at half its speed).
+  for (int c = 0; c < lo; ++c) p[c] = kNegInf;
+  for (int c = hi; c < cols; ++c) p[c] = kNegInf;
+  F top = F{} + kNegInf;
+  for (int c = 0; c < cols; c += W) {
+    const F x = LoadW<W>(p + c);
     top = x > top ? x : top;
   }
   float block_max = kNegInf;
@@ -711,17 +711,16 @@ TPUSYNC_INLINE float SoftmaxRow(const AttentionShape& s, const Block& blk, float
   const float old_max = *max;
   const float new_max = std::max(old_max, block_max);
   const float alpha = old_max == kNegInf ? 0.0f : std::exp(old_max - new_max);
-  const F zero = F{};
-  F total = zero;
-  at = column;
   const F shift = F{} + new_max;
-  for (int c = 0; c < cols; c += W, at += step) {
+  for (int c = 0; c < cols; c += W) {
     StoreW<W>(p + c, LoadW<W>(p + c) - shift);
-    ExpW<W>(p + c);
-    F w = LoadW<W>(p + c);
-    w = at >= first ? w : zero;
-    w = at < end ? w : zero;
-    StoreW<W>(p + c, w);
+    ExpW<W>(p + c);  // (-inf clamps to exp(-87): zeroed below.)
+  }
+  for (int c = 0; c < lo; ++c) p[c] = 0.0f;
+  for (int c = hi; c < cols; ++c) p[c] = 0.0f;
+  F total = F{};
+  for (int c = 0; c < cols; c += W) {
+    const F w = LoadW<W>(p + c);
     total += w;
     if (quantized) StoreW<W>(scaled + c, w * LoadW<W>(blk.v_scale + c));
   }
@@ -825,7 +824,7 @@ TPUSYNC_INLINE void AttendSpanBody(const AttentionShape& s, const float* q, int3
     } else if constexpr (kIsa == 1) {
       AttendMany<8, 6, true>(s, q, q_start, q_rows, span, acc, max, sum);
     } else {
-      AttendMany<8, 3, false>(s, q, q_start, q_rows, span, acc, max, sum);
+      AttendMany<4, 4, false>(s, q, q_start, q_rows, span, acc, max, sum);
     }
     return;
   }
