@@ -65,7 +65,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--block-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-bytes", type=common.parse_bytes, default=64 * common.MiB)
-    p.add_argument("--piece-bytes", type=common.parse_bytes, default=common.MiB)
+    p.add_argument("--piece-bytes", type=common.parse_bytes, default=4 * common.MiB)
     p.add_argument("--deadline-s", type=float, default=120.0)
     p.add_argument(
         "--recompute",
