@@ -201,11 +201,18 @@ def run(args: argparse.Namespace) -> list[dict]:
             row = dict(shape=name, tokens=tokens, layers=layers, kv_heads=heads, head_dim=dim)
             with KVReceiver(cache, deadline_s=args.deadline_s) as rx:
 
+                calls = 0
+
                 def pd() -> float:
-                    nonlocal state
+                    nonlocal state, calls
                     commands.put("pd")
-                    state, got = rx.receive(state, 0, ids, prefill=peer["pd"], max_tokens=tokens)
-                    row["nbytes"] = got.nbytes
+                    # Other ids each call: the decode cache's prefix index (the released
+                    # slot's blocks) must not hold a prefix, or only the rest would be sent.
+                    calls += 1
+                    state, got = rx.receive(
+                        state, 0, ids + 1000 * calls, prefill=peer["pd"], max_tokens=tokens
+                    )
+                    assert got.cached == 0 and got.nbytes == row.setdefault("nbytes", got.nbytes)
                     return got.seconds
 
                 def sock() -> float:
