@@ -639,18 +639,17 @@ class OffloadedKVCache:
         if slot is not None:
             k, v, start, lengths = one_slot_load(self.spec.batch, slot, k, v, start, lengths)
         k, v, starts, counts = self.rows.check_load(k, v, start, lengths)  # Refused: no change.
+        skip = None
         if spec.ring_blocks:  # Only the rows the window can still read (and no two alike).
             furthest = np.maximum(self._loaded_extent[layer], np.asarray(state.lengths))
             starts, counts, skip = window_ring.clip_rows(starts, counts, furthest, spec.windows[0])
             for b in np.flatnonzero(counts):  # Rows before them are not the sequence's now.
                 self.slots.note_written(int(b), int(starts[b]))
-            k = np.stack([np.roll(k[b], -int(skip[b]), axis=0) for b in range(spec.batch)])
-            v = np.stack([np.roll(v[b], -int(skip[b]), axis=0) for b in range(spec.batch)])
         if self.persistence is not None:  # Committed rows may change: commit them gone.
             jax.block_until_ready(state)  # The step that made it has finished writing.
             self.persistence.note_rows_written(layer, starts, counts)
         state = self.drain(state)
-        self.rows.write(layer, k, v, starts, counts)
+        self.rows.write(layer, k, v, starts, counts, skip)
         extent = self._loaded_extent[layer]
         written = counts > 0
         extent[written] = np.maximum(extent[written], (starts + counts)[written])

@@ -101,13 +101,16 @@ class HostRows:
         v: np.ndarray,  # [batch, n, num_kv_heads, head_dim]
         starts: np.ndarray,  # int64[batch]
         counts: np.ndarray,  # int64[batch]
+        skip: np.ndarray | None = None,  # int64[batch]: rows of k/v before each slot's first
     ) -> None:
-        """Writes rows ``[starts[b], starts[b] + counts[b])`` of every slot (quantized on
-        the way, as the step's write-back would) and waits for them."""
+        """Writes rows ``[starts[b], starts[b] + counts[b])`` of every slot from rows
+        ``skip[b]`` on of ``k``/``v`` (quantized on the way, as the step's write-back would)
+        and waits for them."""
         spec = self.spec
         tickets = []
         for kv, x in enumerate((k, v)):
-            rows = [x[b, : counts[b]] for b in range(spec.batch)]
+            first = np.zeros(spec.batch, np.int64) if skip is None else skip
+            rows = [x[b, first[b] : first[b] + counts[b]] for b in range(spec.batch)]
             if spec.quantized:  # The bytes the step's write-back would write for them.
                 rows = [quantize.quantize_host(r, spec.tier_dtype) for r in rows]
             packed = np.concatenate([r.reshape(-1) for r in rows])
