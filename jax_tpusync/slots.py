@@ -361,19 +361,25 @@ class SlotTable:
             return 0
         keys = self.prefix.keys(ids[: full * t])
         oldest = (length - 1) // t - self.blocks_for(int(self._capacity[slot])) + 1
+        fresh = [
+            i
+            for i in range(start, full)
+            if keys[i] not in self.windows and i >= oldest and i * t >= self._written_from[slot]
+        ]
+        self._published[slot] = full
+        if not fresh:
+            return 0
+        # One read for all of them (the ring's own blocks: no eviction below touches them).
+        payloads = self.store.read_blocks([int(self._tables[slot, i]) for i in fresh])
         copied = 0
-        for i in range(start, full):
-            if keys[i] in self.windows or i < oldest or i * t < self._written_from[slot]:
-                continue
+        for i, payload in zip(fresh, payloads):
             if not self.make_room(1):
                 break
             block = int(self.dram.allocate(1)[0])
-            (payload,) = self.store.read_blocks([int(self._tables[slot, i])])
             self.store.write_block(block, payload)
             parent = keys[i - 1] if i else self.prefix.root
             self.windows.put(keys[i], parent, ids[i * t : (i + 1) * t], block)
             copied += 1
-        self._published[slot] = full
         return copied
 
     def note_written(self, slot: int, start: int) -> None:
