@@ -39,7 +39,7 @@ from jax_tpusync import blocks, effects, layout, ops, persistence, window_ring
 from jax_tpusync.config import CacheConfig, is_int
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.host_io import HostRows, one_slot_load, per_sequence
-from jax_tpusync.levels import SharedDirectoryLevel, TierBlocks
+from jax_tpusync.levels import InPlaceRemoteLevel, SharedDirectoryLevel, TierBlocks
 from jax_tpusync.mooncake_level import make_level
 from jax_tpusync.slots import Admission, SlotTable
 from jax_tpusync.spill import SpillTier
@@ -176,6 +176,11 @@ class OffloadedKVCache:
         ):
             self._first_staging = self._new_staging()
         self.store = TierBlocks.open(engine, config, spec, self._first_staging)
+        if self.store.memory is not None:  # Levels that can read blocks into it, in place.
+            pool = self.store.memory
+            for level in remote:
+                if isinstance(level, InPlaceRemoteLevel):
+                    level.use_memory(pool.ctypes.data, pool.nbytes)
         self.tier = self.store.tier
         self.first_block = self.store.first_block
         self._target = np.asarray([engine.id, *self.store.target(shard)], np.int64)

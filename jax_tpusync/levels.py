@@ -11,17 +11,22 @@ and the cache use, with one class per level that plays it:
   blocks by their chained key, shared with other processes or hosts: lookup (``has``),
   ``load`` (checked: a damaged or foreign block is a miss, never KV), ``publish``
   (first writer wins), ``stats``. :class:`SharedDirectoryLevel`: one file per block in a
-  shared directory. Another level (a network store) is one more class of this shape.
+  shared directory. A level that can also write blocks straight into the tier's memory
+  (:class:`InPlaceRemoteLevel`: a network store, see :mod:`jax_tpusync.mooncake_level`)
+  is used that way when the tier is in memory: a run of blocks looked up in one request,
+  then read into free tier blocks with no copy, checked where it landed.
 * :class:`SpillMover` — moves cached blocks between the two levels of a two-level cache
   (:class:`jax_tpusync.spill.SpillTier`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -39,6 +44,10 @@ class BlockStore(Protocol):
 
     def write_block(self, block: int, payload: np.ndarray) -> None: ...
 
+    def block_memory(self, block: int) -> list[np.ndarray] | None: ...
+
+    def quiesce(self) -> None: ...
+
 
 class RemoteLevel(Protocol):
     """Published prefix blocks by key, shared beyond this cache."""
@@ -54,6 +63,39 @@ class RemoteLevel(Protocol):
     def stats(self) -> dict: ...
 
     def describe(self) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class InPlaceLoad:
+    """What :meth:`InPlaceRemoteLevel.load_into` did: the first ``loaded`` destinations hold
+    their blocks, checked; destinations ``[loaded, busy_until)`` may still be written by a
+    call that passed its deadline, until the level is ``settled()``; the rest are untouched.
+    """
+
+    loaded: int
+    busy_until: int = 0
+
+
+@runtime_checkable
+class InPlaceRemoteLevel(RemoteLevel, Protocol):
+    """A remote level that reads blocks straight into the tier's memory.
+
+    ``wanted``: ``(key, parent, tokens)`` of consecutive blocks of a prompt, from its first
+    missing block on. ``destinations``: per block, ``uint8[block_bytes]`` views of its
+    bytes in every region (region order), inside the memory given to :meth:`use_memory`.
+    """
+
+    def use_memory(self, address: int, nbytes: int) -> None: ...
+
+    def lookup(self, wanted: Sequence[tuple[bytes, bytes | None, np.ndarray]]) -> int: ...
+
+    def load_into(
+        self,
+        wanted: Sequence[tuple[bytes, bytes | None, np.ndarray]],
+        destinations: Sequence[Sequence[np.ndarray]],
+    ) -> InPlaceLoad: ...
+
+    def settled(self) -> bool: ...
 
 
 class SpillMover(Protocol):
@@ -93,6 +135,13 @@ class TierBlocks:
         self.block_bytes = block_bytes
         self.spill = spill
         self.spill_tier = self.spill_first = 0  # A two-level cache's spill allocation.
+        self.memory: np.ndarray | None = None  # uint8[tier bytes]: a host tier, mapped.
+        try:
+            address, nbytes = engine.mapped_memory(tier)
+        except ValueError:  # A file tier: not in memory.
+            pass
+        else:
+            self.memory = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
 
     @classmethod
     def open(cls, engine: Engine, config: Any, spec: Any, first_staging: Any) -> TierBlocks:
@@ -181,6 +230,23 @@ class TierBlocks:
             (*self.locate(region, block), at + region * self.block_bytes, self.block_bytes)
             for region in range(self.regions)
         ]
+
+    def block_memory(self, block: int) -> list[np.ndarray] | None:
+        """``uint8[block_bytes]`` views of DRAM ``block``'s bytes in every region (region
+        order) in the tier's memory, for another engine to write in place; None when the
+        tier is not in memory. Call :meth:`quiesce` before writing through them."""
+        if self.memory is None or block >= self.num_blocks:
+            return None
+        return [
+            self.memory[offset : offset + self.block_bytes]
+            for offset in (self.locate(region, block)[1] for region in range(self.regions))
+        ]
+
+    def quiesce(self) -> None:
+        """Waits for every transfer this engine has in flight: writes through
+        :meth:`block_memory` bypass the engine's ordering, so a freed block must not still
+        be the target or source of one."""
+        self.engine.drain()
 
     def read_blocks(self, blocks: Sequence[int]) -> list[np.ndarray]:
         """The payloads of ``blocks``, read in one request (after the writes in flight to

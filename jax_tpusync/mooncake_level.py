@@ -52,6 +52,7 @@ start helper processes with ``subprocess`` or the ``spawn`` start method.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -66,6 +67,9 @@ from typing import Any
 
 import numpy as np
 import xxhash
+
+from jax_tpusync import transfer_memory
+from jax_tpusync.levels import InPlaceLoad
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +99,7 @@ _RPC_FAILED = -900
 _TRANSFER_FAILED = -800
 _REPLICA_NOT_READY = -703
 _NO_HANDLE = -200
+_INVALID = -600  # Also a buffer of another size than the object.
 
 _INSTALL_HINT = (
     "the Mooncake remote level needs the Mooncake Store client: "
@@ -107,6 +112,10 @@ _INSTALL_HINT = (
 _LOCAL_BUFFER_BYTES = 4 << 20
 # The smallest segment the client accepts.
 MIN_SEGMENT_BYTES = 16 << 20
+# Headers looked up in one request, and the most bytes of layer ranges read into the pool in
+# one request (each request has its own deadline: a long prefix is many requests).
+HEADER_BATCH = 32
+LOAD_BATCH_BYTES = 64 << 20
 
 
 def _import_store() -> Any:
@@ -210,6 +219,14 @@ class MooncakeStoreLevel:
       retry_after_s: how long the level stays a miss after the master could not be reached
         or a call passed its deadline, before it tries again.
       namespace: the first part of every object name.
+      transfer_engine: a started ``mooncake.engine.TransferEngine`` for the client to use
+        (one engine per process serves this level and P/D transfer,
+        :mod:`jax_tpusync.pd_transfer`); None: the client starts its own.
+
+    A cache on a host tier gives the level its pool (:meth:`use_memory`): blocks are then
+    looked up a run at a time and read straight into free tier blocks, checked where they
+    landed (:meth:`lookup`, :meth:`load_into`); otherwise through :meth:`load`, one block
+    at a time via a buffer of the level's own.
 
     The client connects at the first call (within its deadline), not here. Raises
     ImportError (naming the package extra) if the Mooncake client is not installed.
@@ -229,6 +246,7 @@ class MooncakeStoreLevel:
         deadline_s: float = 3.0,
         retry_after_s: float = 2.0,
         namespace: str = "tpusync",
+        transfer_engine: Any = None,
     ):
         for name, value in (
             ("num_layers", num_layers),
@@ -277,7 +295,12 @@ class MooncakeStoreLevel:
         # Registered with the client once; a call that passed its deadline may still write
         # here, so it lives as long as this level and nothing returned is a view of it.
         self._header_capacity = 4096 + 24 * block_tokens
-        self._scratch = np.zeros(self._header_capacity + self.payload_bytes, np.uint8)
+        self._payload_at = HEADER_BATCH * self._header_capacity  # Header slots, then a payload.
+        self._scratch = np.zeros(self._payload_at + self.payload_bytes, np.uint8)
+        self._engine = transfer_engine
+        self._memory: list[tuple[int, int]] = []  # Pools given by use_memory().
+        self._registered: list[int] = []  # Addresses registered with the client/engine.
+        self._ranges: dict[bytes, list] = {}  # Checked ranges of the last lookup()'s blocks.
         self._client: Any = None
         self._worker = _Worker(f"mooncake-level-{master}")
         self._lock = threading.Lock()
@@ -364,6 +387,124 @@ class MooncakeStoreLevel:
             self.bytes_published += payload.size
         return bool(wrote)
 
+    # -- reading blocks straight into a pool (the InPlaceRemoteLevel interface) -------------
+
+    def use_memory(self, address: int, nbytes: int) -> None:
+        """Registers a pool (a host tier's memory) that :meth:`load_into` reads into; at
+        the next connection if not connected. A fault is logged, counted and leaves the
+        pool unregistered (loads into it then fail: misses)."""
+        self._memory.append((int(address), int(nbytes)))
+        if self._client is not None:
+            self._run(lambda client: self._register(address, nbytes), None)
+
+    def settled(self) -> bool:
+        """Whether no call that passed its deadline is still running (one may still write
+        into the destinations of a :meth:`load_into`)."""
+        return not self._worker.busy
+
+    def lookup(self, wanted: list[tuple[bytes, bytes | None, np.ndarray]]) -> int:
+        """How many of ``wanted``'s blocks, from the first, have a header in the store that
+        passes every check (``HEADER_BATCH`` headers per request); 0 on a fault. A damaged
+        header ends the run with a warning naming the block."""
+        self._ranges = {}
+        items = [(k, p, [int(t) for t in np.asarray(ids).reshape(-1)]) for k, p, ids in wanted]
+        result = self._run(lambda client: self._lookup(client, items), (0, None))
+        found, damaged = result
+        if damaged is not None:
+            self.damaged += 1
+            logger.warning("%s; treated as a miss", damaged)
+        elif found < len(items):
+            self.misses += 1
+        return found
+
+    def load_into(
+        self,
+        wanted: list[tuple[bytes, bytes | None, np.ndarray]],
+        destinations: list[list[np.ndarray]],
+    ) -> InPlaceLoad:
+        """Reads ``wanted``'s blocks (found by the last :meth:`lookup`) into
+        ``destinations`` (per block, ``uint8[block_bytes]`` views of its regions in a pool
+        given to :meth:`use_memory`), each layer range scattered into its regions with no
+        copy, at most ``LOAD_BATCH_BYTES`` per request; then checks each range's checksum
+        where it landed. Stops at the first block that is gone, damaged (a warning) or hit
+        by a fault (counted); destinations of a request that passed its deadline are
+        reported busy until :meth:`settled`."""
+        if len(destinations) != len(wanted):
+            raise ValueError(f"{len(destinations)} destinations for {len(wanted)} blocks")
+        for key, _, _ in wanted:
+            if key not in self._ranges:
+                raise ValueError(f"block {key.hex()} was not found by the last lookup()")
+        regions = 2 * self.num_layers
+        for views in destinations:
+            if len(views) != regions or any(v.nbytes != self.block_bytes for v in views):
+                raise ValueError(
+                    f"a destination must be {regions} views of {self.block_bytes} bytes"
+                )
+        loaded = 0
+        for first, end in self._load_batches(len(wanted)):
+            requests = [
+                (
+                    self.range_key(wanted[j][0], lo, hi, checksum),
+                    [v.ctypes.data for v in destinations[j][2 * lo : 2 * hi]],
+                    [self.block_bytes] * (2 * (hi - lo)),
+                )
+                for j in range(first, end)
+                for lo, hi, checksum in self._ranges[wanted[j][0]]
+            ]
+            began: list[bool] = []
+            failed = object()
+            codes = self._run(
+                functools.partial(self._get_ranges, requests=requests, began=began), failed
+            )
+            if codes is failed:
+                busy = end if began and not self.settled() else 0
+                return InPlaceLoad(loaded, busy)
+            at = 0
+            for j in range(first, end):
+                ranges = self._ranges[wanted[j][0]]
+                problem = self._check_landed(wanted[j][0], ranges, codes[at:], destinations[j])
+                at += len(ranges)
+                if problem is not None:
+                    return InPlaceLoad(loaded)
+                loaded += 1
+                self.imported += 1
+                self.bytes_loaded += self.payload_bytes
+        return InPlaceLoad(loaded)
+
+    def _load_batches(self, count: int) -> list[tuple[int, int]]:
+        """[first, end) runs of blocks, each at most LOAD_BATCH_BYTES (at least one block)."""
+        per = max(1, LOAD_BATCH_BYTES // self.payload_bytes)
+        return [(i, min(i + per, count)) for i in range(0, count, per)]
+
+    def _check_landed(
+        self, key: bytes, ranges: list, codes: list[int], views: list[np.ndarray]
+    ) -> str | None:
+        """None if every range of ``key`` arrived whole and matches its checksum where it
+        landed; else counts the fault or the damage, logs it, and says what."""
+        name = f"block {key.hex()} in the {self.describe()}"
+        for (lo, hi, checksum), code in zip(ranges, codes):
+            want = 2 * (hi - lo) * self.block_bytes
+            if code == _NOT_FOUND:
+                self._fault("evicted", f"{name}: layers {lo}-{hi} are gone", pause=False)
+                return "evicted"
+            if code == _INVALID or (code >= 0 and code != want):
+                problem = f"{name}: layers {lo}-{hi} do not hold {want} bytes ({code})"
+            elif code < 0:
+                fault = _code_fault(code, f"getting layers {lo}-{hi} of {name}")
+                self._fault(fault.kind, str(fault), pause=fault.kind == "unreachable")
+                return fault.kind
+            else:
+                digest = xxhash.xxh3_64()
+                for view in views[2 * lo : 2 * hi]:
+                    digest.update(view)
+                if digest.intdigest() == checksum:
+                    continue
+                problem = f"{name}: layers {lo}-{hi}: checksum mismatch (corrupt object)"
+            self.damaged += 1
+            logger.warning("%s; treated as a miss", problem)
+            return problem
+        return None
+
     def stats(self) -> dict:
         out = dict(
             mooncake_published=self.published,
@@ -389,8 +530,13 @@ class MooncakeStoreLevel:
             self._closed = True
             if self._client is not None and not self._worker.busy:
                 client, self._client = self._client, None
+
+                def leave() -> None:
+                    self._unregister_all(client)
+                    client.close()
+
                 try:
-                    self._worker.call(client.close, self.deadline_s)
+                    self._worker.call(leave, self.deadline_s)
                 except Exception as e:  # noqa: BLE001 - leaving is best effort.
                     logger.debug("closing the Mooncake client: %s", e)
             self._worker.stop()
@@ -441,10 +587,11 @@ class MooncakeStoreLevel:
             logger.debug("%s (%s)", text, detail)
 
     def _connected(self) -> Any:
-        """The client, connected and with the scratch buffer registered (on the worker)."""
+        """The client, connected, with the scratch buffer and the pools registered (on the
+        worker)."""
         if self._client is None:
             client = self._store_class()
-            rc = client.setup(
+            args = [
                 self.local_host,
                 "P2PHANDSHAKE",
                 self.segment_bytes,
@@ -452,15 +599,40 @@ class MooncakeStoreLevel:
                 "tcp",
                 "",
                 self.master,
-            )
+            ]
+            if self._engine is not None:
+                args.append(self._engine.get_engine())
+            rc = client.setup(*args)
             if rc != 0:
                 raise _Fault("unreachable", f"connecting returned {rc}")
-            rc = client.register_buffer(self._scratch.ctypes.data, self._scratch.nbytes)
-            if rc != 0:
-                client.close()
-                raise _Fault("error", f"registering the transfer buffer returned {rc}")
             self._client = client
+            try:
+                self._register(self._scratch.ctypes.data, self._scratch.nbytes)
+                for address, nbytes in self._memory:
+                    self._register(address, nbytes)
+            except _Fault:
+                self._client = None
+                self._unregister_all(client)
+                client.close()
+                raise
         return self._client
+
+    def _register(self, address: int, nbytes: int) -> None:
+        if self._engine is not None:  # Shared: counted, so P/D may register it too.
+            rc = transfer_memory.register(self._engine, address, nbytes)
+        else:
+            rc = self._client.register_buffer(address, nbytes)
+        if rc != 0:
+            raise _Fault("error", f"registering {nbytes} bytes of memory returned {rc}")
+        self._registered.append(address)
+
+    def _unregister_all(self, client: Any) -> None:
+        for address in self._registered:
+            if self._engine is not None:
+                transfer_memory.unregister(self._engine, address)
+            else:
+                client.unregister_buffer(address)
+        self._registered = []
 
     # -- the work itself (on the worker thread) ---------------------------------------------
 
@@ -494,8 +666,8 @@ class MooncakeStoreLevel:
         hkey = self.header_key(key)
         if self._exists(client, hkey):
             return False
-        base = self._scratch.ctypes.data + self._header_capacity
-        body = self._scratch[self._header_capacity :]
+        base = self._scratch.ctypes.data + self._payload_at
+        body = self._scratch[self._payload_at :]
         body[:] = payload
         spans = [self._span(lo, hi) for lo, hi, _ in ranges]
         codes = client.batch_put_from(
@@ -521,7 +693,7 @@ class MooncakeStoreLevel:
         if size < 0:
             raise _code_fault(size, "getting a header")
         ranges = self._checked_header(bytes(self._scratch[:size]), name, key, parent, tokens)
-        base = self._scratch.ctypes.data + self._header_capacity
+        base = self._scratch.ctypes.data + self._payload_at
         spans = [self._span(lo, hi) for lo, hi, _ in ranges]
         sizes = [s.stop - s.start for s in spans]
         codes = client.batch_get_into(
@@ -534,11 +706,47 @@ class MooncakeStoreLevel:
                 raise _code_fault(code, f"getting layers {lo}-{hi} of {name}")
             if code != want:
                 raise _Damaged(f"{name}: layers {lo}-{hi} hold {code} bytes, expected {want}")
-        body = self._scratch[self._header_capacity :]
+        body = self._scratch[self._payload_at :]
         for lo, hi, checksum in ranges:
             if xxhash.xxh3_64_intdigest(body[self._span(lo, hi)]) != checksum:
                 raise _Damaged(f"{name}: layers {lo}-{hi}: checksum mismatch (corrupt object)")
         return body.copy()
+
+    def _lookup(self, client: Any, items: list) -> tuple[int, str | None]:
+        """(blocks found, from the first, whose headers pass every check; why the run
+        ended if a header was damaged). A fault before the first block is raised; after
+        it, the run ends there (the next lookup meets it again)."""
+        found = 0
+        base = self._scratch.ctypes.data
+        cap = self._header_capacity
+        for first in range(0, len(items), HEADER_BATCH):
+            batch = items[first : first + HEADER_BATCH]
+            sizes = client.batch_get_into(
+                [self.header_key(key) for key, _, _ in batch],
+                [base + j * cap for j in range(len(batch))],
+                [cap] * len(batch),
+            )
+            for j, ((key, parent, tokens), size) in enumerate(zip(batch, sizes)):
+                if size == _NOT_FOUND:
+                    return found, None
+                if size < 0:
+                    if found:
+                        return found, None
+                    raise _code_fault(size, "getting a header")
+                name = f"block {key.hex()} in the {self.describe()}"
+                data = bytes(self._scratch[j * cap : j * cap + size])
+                try:
+                    self._ranges[key] = self._checked_header(data, name, key, parent, tokens)
+                except _Damaged as e:
+                    return found, str(e)
+                found += 1
+        return found, None
+
+    def _get_ranges(self, client: Any, requests: list, began: list[bool]) -> list[int]:
+        """One request reading each (object, region pointers, region sizes) in place."""
+        began.append(True)
+        keys, pointers, sizes = (list(x) for x in zip(*requests))
+        return list(client.batch_get_into_multi_buffers(keys, pointers, sizes))
 
     def _checked_header(
         self, data: bytes, name: str, key: bytes, parent: bytes | None, tokens: list[int]

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 
 from jax_tpusync import blocks, prefix, window_ring
-from jax_tpusync.window_prefix import WindowIndex
 from jax_tpusync.history import TokenHistory
-from jax_tpusync.levels import BlockStore, RemoteLevel, SpillMover
+from jax_tpusync.levels import BlockStore, InPlaceRemoteLevel, RemoteLevel, SpillMover
+from jax_tpusync.window_prefix import WindowIndex
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,9 @@ class SlotTable:
         self._shared = np.zeros(batch, np.int32)  # Leading blocks mapped from the index.
         self.history = TokenHistory(batch)  # Each slot's token ids (see jax_tpusync.history).
         self.publish_failures = 0  # Remote publishes that failed (release went on).
+        # Blocks a remote level's call that passed its deadline may still write, with that
+        # level: freed once it has settled.
+        self._held_aside: list[tuple[np.ndarray, InPlaceRemoteLevel]] = []
 
     def use_mover(self, mover: SpillMover) -> None:
         """The mover of blocks between the two levels of a two-level cache."""
@@ -188,6 +191,7 @@ class SlotTable:
             out.update(level.stats())
         if self.remote_levels:
             out["shared_publish_failures"] = self.publish_failures
+            out["blocks_held_aside"] = sum(len(held) for held, _ in self._held_aside)
         if self.mover is not None:
             out.update(self.mover.stats())
         if self.windows is not None:
@@ -201,6 +205,8 @@ class SlotTable:
         """Whether ``count`` DRAM blocks are free, after demoting (two-level) or evicting
         cached prefix blocks if not. When even that would not free enough, nothing is
         demoted or evicted (a refused admission leaves the index as it was)."""
+        if self._held_aside:
+            self._settle_held_aside()
         short = count - self.dram.free_blocks
         if short <= 0:
             return True
@@ -209,15 +215,21 @@ class SlotTable:
                 return False
             self.dram.free(np.asarray(self.windows.evict(short), np.int64))
             return True
-        in_dram = self.allocators.in_dram if self.mover is not None else (lambda block: True)
-        if len(self.prefix.cached_where(in_dram, short)) < short:
+        if len(self._evictable(short)) < short:
             return False
         if self.mover is not None:
             self.mover.demote(self.prefix, count)
         short = count - self.dram.free_blocks
         if short > 0:
-            self.prefix.evict(short, where=in_dram)
+            self.prefix.evict(short, where=self._in_dram)
         return count <= self.dram.free_blocks
+
+    def _in_dram(self, block: int) -> bool:
+        return self.mover is None or self.allocators.in_dram(block)
+
+    def _evictable(self, limit: int) -> list[bytes]:
+        """Keys of up to ``limit`` cached DRAM blocks that eviction (or demotion) can free."""
+        return self.prefix.cached_where(self._in_dram, limit)
 
     def _allocate(self, count: int) -> np.ndarray:
         """``count`` fresh DRAM blocks, room made first; raises naming the shortfall."""
@@ -539,37 +551,90 @@ class SlotTable:
         level has (or when no block is free)."""
         if not self.remote_levels or start >= limit:
             return []
-        t = self.block_tokens
+        self._settle_held_aside()
         keys = self.prefix.keys(ids)[:limit]
         out: list[int] = []
-        parent = keys[start - 1] if start else None
         try:
-            for i in range(start, len(keys)):
-                block_ids = ids[i * t : (i + 1) * t]
-                payload = self._remote_load(keys[i], parent, block_ids)
-                if payload is None or not self.make_room(1):
+            while start + len(out) < limit:
+                run = self._import_run(ids, keys, start + len(out))
+                if not run:
                     break
-                self._before_reuse()
-                block = int(self.dram.allocate(1)[0])
-                try:
-                    self.store.write_block(block, payload)
-                except Exception:
-                    self.dram.free(np.asarray([block], np.int64))
-                    raise
-                self.prefix.adopt(keys[i], parent, block_ids, block)
-                out.append(block)
-                parent = keys[i]
+                out += run
         except Exception:
             self.prefix.unpin(out)  # Those imported stay indexed, cached.
             raise
         return out
 
-    def _remote_load(self, key: bytes, parent: bytes | None, ids: np.ndarray):
+    def _import_run(self, ids: np.ndarray, keys: list[bytes], pos: int) -> list[int]:
+        """Blocks from ``pos`` on from the first level that has block ``pos``: a run of
+        them from a level that reads in place, else that one block."""
+        t = self.block_tokens
+        wanted = [
+            (keys[i], keys[i - 1] if i else None, ids[i * t : (i + 1) * t])
+            for i in range(pos, len(keys))
+        ]
+        in_memory = self.store is not None and self.store.block_memory(0) is not None
         for level in self.remote_levels:
-            payload = level.load(key, parent, ids)
-            if payload is not None:
-                return payload
-        return None
+            if in_memory and isinstance(level, InPlaceRemoteLevel):
+                found = level.lookup(wanted)
+                if found:
+                    return self._import_in_place(level, wanted[: self._room_up_to(found)])
+                continue
+            payload = level.load(*wanted[0])
+            if payload is None:
+                continue
+            if not self.make_room(1):
+                return []
+            self._before_reuse()
+            block = int(self.dram.allocate(1)[0])
+            try:
+                self.store.write_block(block, payload)
+            except Exception:
+                self.dram.free(np.asarray([block], np.int64))
+                raise
+            self.prefix.adopt(*wanted[0], block)
+            return [block]
+        return []
+
+    def _import_in_place(self, level: InPlaceRemoteLevel, wanted: list) -> list[int]:
+        """``wanted``'s blocks read by ``level`` straight into fresh blocks (room made);
+        those it checked are indexed, pinned. Blocks a stuck call may still write are held
+        aside until the level has settled (:meth:`_settle_held_aside`), the rest freed."""
+        if not wanted:
+            return []
+        self._before_reuse()
+        fresh = self.dram.allocate(len(wanted))
+        try:
+            self.store.quiesce()
+            result = level.load_into(wanted, [self.store.block_memory(int(b)) for b in fresh])
+        except Exception:
+            self.dram.free(fresh)
+            raise
+        loaded = fresh[: result.loaded]
+        for (key, parent, tokens), block in zip(wanted, loaded):
+            self.prefix.adopt(key, parent, tokens, int(block))
+        busy = fresh[result.loaded : max(result.busy_until, result.loaded)]
+        if len(busy):
+            self._held_aside.append((busy, level))
+        self.dram.free(fresh[result.loaded + len(busy) :])
+        return [int(b) for b in loaded]
+
+    def _settle_held_aside(self) -> None:
+        """Frees the blocks held aside whose level's stuck call has returned."""
+        still = []
+        for held, level in self._held_aside:
+            if level.settled():
+                self.dram.free(held)
+            else:
+                still.append((held, level))
+        self._held_aside = still
+
+    def _room_up_to(self, count: int) -> int:
+        """The most blocks, up to ``count``, that :meth:`make_room` can free; made free."""
+        free = self.dram.free_blocks
+        if count > free:
+            count = free + len(self._evictable(count - free))
+        return count if count and self.make_room(count) else 0
 
     def _export(self, ids: np.ndarray, held: np.ndarray) -> None:
         """Publishes the full blocks ``held`` (holding ``ids``) to every remote level that

@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "backend": 0,
     "effects": 0,
     "window_ring": 0,
+    "transfer_memory": 0,
     "window_prefix": 2,
     "_cuda": 0,
     "ops": 1,

@@ -176,8 +176,9 @@ PEER = """
     # A client that gives the pool no memory: what it publishes lives in the first
     # process's segment, and outlives this process.
     level = t.attach(cache, sys.argv[1], segment_bytes=0)
-    # Slot 1 holds every other block: the imports land in blocks 1, 3, 5, 7.
-    cache.slots.place(1, [0, 2, 4, 6], 32)
+    # Slot 1 holds every other block of the pool: the imports land in blocks 1, 3, 5, 7.
+    assert cache.free_blocks == 16
+    cache.slots.place(1, [0, 2, 4, 6, 8, 10, 12, 14], 64)
     state = cache.init(admit=False)
     start = time.perf_counter()
     state, cached = cache.admit(state, 0, tokens=t.TOKENS[:41], max_tokens=64)
@@ -235,37 +236,62 @@ def test_a_remote_hit_after_the_local_index_was_cleared(mooncake_master):
 
 
 class BlockBytes:
-    """A BlockStore of whole payloads by block id."""
+    """A BlockStore over one pool laid out as a tier is (region-major: block ``b`` of
+    region ``r`` at ``(r * num_blocks + b) * block_bytes``); ``in_memory``: it hands the
+    level its pool, which then reads blocks straight into it."""
 
-    def __init__(self, size: int):
-        self.size = size
-        self.blocks: dict[int, np.ndarray] = {}
+    def __init__(self, lv: MooncakeStoreLevel, num_blocks: int = 16, in_memory: bool = True):
+        self.num_blocks = num_blocks
+        self.regions = 2 * lv.num_layers
+        self.block_bytes = lv.block_bytes
+        self.pool = np.zeros(self.regions * num_blocks * lv.block_bytes, np.uint8)
+        self.in_memory = in_memory
+        self.quiesced = 0
+        if in_memory:
+            lv.use_memory(self.pool.ctypes.data, self.pool.nbytes)
+
+    def _views(self, block: int) -> list[np.ndarray]:
+        n, size = self.num_blocks, self.block_bytes
+        return [
+            self.pool[(r * n + block) * size : (r * n + block + 1) * size]
+            for r in range(self.regions)
+        ]
+
+    def payload(self, block: int) -> np.ndarray:
+        return np.concatenate(self._views(int(block)))
 
     def read_blocks(self, blocks):
-        return [self.blocks[int(b)].copy() for b in blocks]
+        return [self.payload(b) for b in blocks]
 
     def write_block(self, block, payload):
-        assert payload.size == self.size
-        self.blocks[int(block)] = np.array(payload, np.uint8)
+        for view, part in zip(self._views(int(block)), np.split(payload, self.regions)):
+            view[:] = part
+
+    def block_memory(self, block):
+        return self._views(int(block)) if self.in_memory else None
+
+    def quiesce(self):
+        self.quiesced += 1
 
 
-def table(store, lv, num_blocks=16):
+def table(store, lv):
     return SlotTable(
         batch=2,
         max_len=64 * BLOCK,
         block_tokens=BLOCK,
-        num_blocks=num_blocks,
+        num_blocks=store.num_blocks,
         root=ROOT,
         store=store,
         remote_levels=[lv],
     )
 
 
-def test_the_slot_table_publishes_and_a_fresh_table_imports(mooncake_master):
+@pytest.mark.parametrize("in_memory", [True, False], ids=["in-place", "copied"])
+def test_the_slot_table_publishes_and_a_fresh_table_imports(mooncake_master, in_memory):
     writer, reader = level(mooncake_master.address), level(mooncake_master.address, segment_bytes=0)
     assert len(writer.layer_ranges) == 4
-    tokens = np.arange(5000, 5000 + 4 * BLOCK + 3)
-    store = BlockBytes(writer.payload_bytes)
+    tokens = np.arange(5000, 5000 + 4 * BLOCK + 3) + 1000 * in_memory
+    store = BlockBytes(writer)
     t = table(store, writer)
     t.admit(0, 64, tokens)
     held = t.table_row(0)[:4]
@@ -273,12 +299,15 @@ def test_the_slot_table_publishes_and_a_fresh_table_imports(mooncake_master):
         store.write_block(int(b), payload_of(writer, 100 + i))
     t.release(0, len(tokens), tokens)
     assert writer.stats()["mooncake_published"] == 4
-    other = BlockBytes(reader.payload_bytes)
+    other = BlockBytes(reader, in_memory=in_memory)
     t2 = table(other, reader)
+    t2.admit(0, 8, np.arange(8))  # Slot 0 takes block 0: the imports do not start at 0.
     admission = t2.admit(1, 64, tokens)
     assert admission.cached == 4 * BLOCK
     for i, b in enumerate(t2.table_row(1)[:4]):
-        np.testing.assert_array_equal(other.blocks[int(b)], payload_of(writer, 100 + i))
+        np.testing.assert_array_equal(other.payload(b), payload_of(writer, 100 + i))
+    assert t2.table_row(1)[:4].tolist() == [1, 2, 3, 4]
+    assert other.quiesced == int(in_memory)  # Once, before the one in-place request.
     # Published again by the reader: every block is there already, nothing is put.
     t2.release(1, len(tokens), tokens)
     assert reader.stats()["mooncake_published"] == 0
@@ -359,6 +388,92 @@ def test_collision_and_damaged_blocks_are_misses_with_a_warning(mooncake_master,
     assert s["mooncake_damaged"] == 6 and s["mooncake_fault_evicted"] == 1
     assert s["mooncake_imported"] == 1
     client.close()
+    lv.close()
+
+
+def _in_place(lv, keys, parents, blocks, store, ids):
+    """lookup() then load_into() of the chain into blocks ``ids`` of ``store``."""
+    wanted = list(zip(keys, parents, blocks))
+    found = lv.lookup(wanted)
+    return found, lv.load_into(wanted[:found], [store.block_memory(b) for b in ids[:found]])
+
+
+def test_in_place_loads_land_byte_exact_in_scattered_blocks_and_are_checked_there(
+    mooncake_master, caplog
+):
+    lv = level(mooncake_master.address)
+    client = raw_client(mooncake_master.address)
+    keys, parents, blocks = chain(5, start=710_000)
+    for i in range(5):
+        assert lv.publish(keys[i], parents[i], blocks[i], payload_of(lv, i))
+    store = BlockBytes(lv, num_blocks=16)
+    ids = [9, 2, 14, 5, 11]
+    found, got = _in_place(lv, keys, parents, blocks, store, ids)
+    assert found == 5 and got.loaded == 5 and got.busy_until == 0
+    for i, b in enumerate(ids):
+        np.testing.assert_array_equal(store.payload(b), payload_of(lv, i))
+    untouched = [b for b in range(16) if b not in ids]
+    assert not store.pool.reshape(lv.num_layers * 2, 16, -1)[:, untouched].any()
+
+    def loaded_with_warning(expect_found, expect_loaded, text, **change):
+        caplog.clear()
+        store.pool[:] = 0
+        k, p, b = list(keys), list(parents), list(blocks)
+        for i, tokens in change.get("tokens", {}).items():
+            b[i] = tokens
+        with caplog.at_level(logging.WARNING, LOGGER):
+            found, got = _in_place(lv, k, p, b, store, ids)
+        assert (found, got.loaded, got.busy_until) == (expect_found, expect_loaded, 0)
+        for i in range(expect_loaded):  # The blocks before the bad one are whole.
+            np.testing.assert_array_equal(store.payload(ids[i]), payload_of(lv, i))
+        assert text in " ".join(r.getMessage() for r in caplog.records)
+
+    # A collision stops the lookup at that block.
+    loaded_with_warning(1, 1, "collision", tokens={1: blocks[1] + 1})
+    # A flipped byte in block 3's second range: blocks 0-2 loaded, 3 refused.
+    _, header = _header(client, lv, keys[3])
+    name = lv.range_key(keys[3], *header["ranges"][1])
+    body = bytearray(client.get(name))
+    body[5] ^= 0x01
+    assert client.upsert(name, bytes(body)) == 0
+    loaded_with_warning(5, 3, "checksum mismatch")
+    # An object of another size under a range's name: longer is damaged; shorter the
+    # client reports as a failed transfer (as for a holder that is gone): a miss either way.
+    assert client.upsert(name, bytes(body) + b"x") == 0
+    loaded_with_warning(5, 3, "do not hold")
+    assert client.upsert(name, bytes(body[:-1])) == 0
+    loaded_with_warning(5, 3, "transfer from the Mooncake store failed")
+    # A range gone: a miss, counted as evicted.
+    _, header = _header(client, lv, keys[2])
+    assert client.remove(lv.range_key(keys[2], *header["ranges"][0]), True) == 0
+    loaded_with_warning(5, 2, "gone (evicted)")
+    s = lv.stats()
+    assert s["mooncake_damaged"] == 3 and s["mooncake_fault_evicted"] == 1
+    assert s["mooncake_fault_transfer"] == 1
+    assert s["mooncake_imported"] == 5 + 1 + 3 + 3 + 3 + 2
+    # A header gone ends the lookup there (eviction may take a parent before a child).
+    assert client.remove(lv.header_key(keys[1]), True) == 0
+    assert lv.lookup(list(zip(keys, parents, blocks))) == 1
+    client.close()
+    lv.close()
+
+
+def test_load_into_refuses_what_was_not_looked_up_and_bad_destinations(mooncake_master):
+    lv = level(mooncake_master.address)
+    keys, parents, blocks = chain(2, start=720_000)
+    assert lv.publish(keys[0], parents[0], blocks[0], payload_of(lv, 0))
+    store = BlockBytes(lv, num_blocks=4)
+    wanted = list(zip(keys, parents, blocks))
+    assert lv.lookup(wanted) == 1
+    with pytest.raises(ValueError, match="was not found by the last lookup"):
+        lv.load_into(wanted, [store.block_memory(0), store.block_memory(1)])
+    with pytest.raises(ValueError, match="1 destinations for 2 blocks"):
+        lv.load_into(wanted, [store.block_memory(0)])
+    views = store.block_memory(0)
+    for bad in (views[:-1], [*views[:-1], views[-1][:-1]]):
+        with pytest.raises(ValueError, match="must be 8 views of 4096 bytes"):
+            lv.load_into(wanted[:1], [bad])
+    assert lv.load_into(wanted[:1], [views]).loaded == 1
     lv.close()
 
 
@@ -498,6 +613,46 @@ def test_a_killed_holder_is_a_miss_within_the_deadline(make_master):
             holder.wait(timeout=10)
 
 
+def test_a_holder_hung_during_an_in_place_load_leaves_its_destinations_busy_until_settled(
+    make_master,
+):
+    master = make_master()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(HOLDER), master.address, str(HERE)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd="/",
+    )
+    try:
+        assert holder.stdout.readline().strip() == "published", "the holder process failed"
+        reader = level(master.address, segment_bytes=0, deadline_s=1.0)
+        store = BlockBytes(reader, num_blocks=8)
+        keys, parents, blocks = chain(3, start=500_000)
+        wanted = list(zip(keys, parents, blocks))
+        assert reader.lookup(wanted) == 3
+        os.kill(holder.pid, signal.SIGSTOP)
+        # One block (its 4 objects): the engine times out the objects' transfers one
+        # after another, so a stuck call on many objects stays stuck longer.
+        got, seconds = timed(reader.load_into, wanted[:1], [store.block_memory(4)])
+        assert seconds < 1.5, seconds
+        if got.busy_until:  # The call passed its deadline: it may still write there.
+            assert (got.loaded, got.busy_until) == (0, 1)
+            assert not reader.settled()
+            assert reader.stats()["mooncake_fault_timeout"] == 1
+            # The engine's own timeouts end the stuck call; bounded wait.
+            deadline = time.monotonic() + 40
+            while not reader.settled():
+                assert time.monotonic() < deadline, "the stuck call never returned"
+                time.sleep(0.1)
+        else:  # The client gave up by itself within the deadline: nothing in flight.
+            assert got.loaded == 0 and reader.settled()
+        reader.close()
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=10)
+
+
 def _leading(present: list[bool]) -> int:
     return present.index(False) if False in present else len(present)
 
@@ -509,13 +664,11 @@ def test_a_full_pool_publishes_or_counts_and_admits_stop_at_the_first_missing_bl
     reader = level(master.address, segment_bytes=0, **geometry)
 
     def admitted(tokens, first_payload):
-        store = BlockBytes(reader.payload_bytes)
-        t = table(store, reader, num_blocks=64)
+        store = BlockBytes(reader, num_blocks=64)
+        t = table(store, reader)
         cached = t.admit(0, len(tokens), tokens).cached
         for i, b in enumerate(t.table_row(0)[: cached // BLOCK]):
-            np.testing.assert_array_equal(
-                store.blocks[int(b)], payload_of(writer, first_payload + i)
-            )
+            np.testing.assert_array_equal(store.payload(b), payload_of(writer, first_payload + i))
         return cached
 
     # A chain whose third block is gone (as eviction may leave it, parents before

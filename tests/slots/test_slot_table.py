@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jax_tpusync import prefix
+from jax_tpusync.levels import InPlaceLoad
 from jax_tpusync.slots import SlotTable
 
 BT = 4
@@ -273,6 +274,12 @@ class FakeStore:
     def write_block(self, block, payload):
         self.blocks[int(block)] = np.array(payload, np.uint8)
 
+    def block_memory(self, block):
+        return None  # Not in memory: remote levels load through write_block.
+
+    def quiesce(self):
+        pass
+
 
 class FakeRemote:
     """A RemoteLevel: published blocks by key, checked as a shared directory checks them."""
@@ -350,6 +357,123 @@ def test_release_publishes_and_a_fresh_table_imports_through_the_remote_level():
     fresh.release(1, 13, seq(13))
     assert remote.loads == loads  # Every block is there already: nothing republished.
     assert fresh.admit(2, 16, seq(13)).cached == 12 and remote.loads == loads
+
+
+class MemoryStore(FakeStore):
+    """A BlockStore whose blocks are in memory (one region of PAYLOAD bytes per block)."""
+
+    def __init__(self, num_blocks: int = 16):
+        super().__init__()
+        self.pool = np.zeros((num_blocks, PAYLOAD), np.uint8)
+        self.quiesced = 0
+
+    def read_blocks(self, blocks):
+        return [self.pool[int(b)].copy() for b in blocks]
+
+    def write_block(self, block, payload):
+        self.pool[int(block)] = payload
+
+    def block_memory(self, block):
+        return [self.pool[int(block)]]
+
+    def quiesce(self):
+        self.quiesced += 1
+
+
+class FakeInPlaceRemote(FakeRemote):
+    """An InPlaceRemoteLevel: ``lookup`` finds the leading published blocks; ``load_into``
+    writes them into the destinations, or, ``stuck``, writes none, reports them busy and
+    is not settled until ``stuck`` is cleared."""
+
+    def __init__(self):
+        super().__init__()
+        self.stuck = False
+        self.lookups: list[int] = []
+        self.loaded_into: list[list[int]] = []
+
+    def use_memory(self, address, nbytes):
+        pass
+
+    def lookup(self, wanted):
+        n = 0
+        for key, parent, tokens in wanted:
+            found = self.files.get(key)
+            if found is None or found[0] != parent or not np.array_equal(found[1], tokens):
+                break
+            n += 1
+        self.lookups.append(n)
+        return n
+
+    def load_into(self, wanted, destinations):
+        if self.stuck:
+            return InPlaceLoad(0, len(wanted))
+        self.loaded_into.append([int(d[0].ctypes.data) for d in destinations])
+        for (key, _, _), (view,) in zip(wanted, destinations):
+            view[:] = self.files[key][2]
+        return InPlaceLoad(len(wanted))
+
+    def settled(self):
+        return not self.stuck
+
+
+def test_an_in_place_level_reads_a_run_of_blocks_into_fresh_blocks_in_one_request():
+    remote = FakeInPlaceRemote()
+    _publisher(remote, seq(14))
+    loads = remote.loads
+    store = MemoryStore()
+    t = make_table(store=store, remote_levels=[remote])
+    t.admit(0, 4, seq(4, 100))  # Block 0 taken: the imports start at block 1.
+    assert t.admit(1, 16, seq(13)).cached == 12
+    assert remote.lookups == [3] and len(remote.loaded_into) == 1 and store.quiesced == 1
+    for i, b in enumerate(t.table_row(1)[:3]):
+        assert b == i + 1
+        np.testing.assert_array_equal(store.pool[b], _payload(i))
+    assert remote.loads == loads  # Never through the copying load().
+    assert t.stats()["indexed_blocks"] == 3 and t.prefix.refs(1) == 1
+
+
+def test_in_place_imports_take_only_the_room_eviction_can_make():
+    remote = FakeInPlaceRemote()
+    _publisher(remote, seq(14))  # Blocks of seq(12) published.
+    store = MemoryStore(num_blocks=8)
+    t = make_table(store=store, remote_levels=[remote], num_blocks=8)
+    t.admit(0, 16, seq(16, 500))  # 4 blocks held.
+    released(t, 1, seq(8, 900))  # 2 blocks cached (evictable).
+    assert t.free_blocks == 2
+    # 3 found, room for 2 free + 2 evictable: all 3 imported (one cached block evicted),
+    # then the fresh fourth block evicts the other.
+    assert t.admit(2, 16, seq(13)).cached == 12
+    assert t.stats()["evictions"] == 2 and t.free_blocks == 0
+    np.testing.assert_array_equal(store.pool[t.table_row(2)[2]], _payload(2))
+    t.release(2, 12, seq(12))
+    t.release(0, 0)
+    # Exactly the room: 3 found + 1 fresh block, 4 free (2 held by slot 3).
+    t2 = make_table(store=MemoryStore(num_blocks=6), remote_levels=[remote], num_blocks=6)
+    t2.admit(3, 8, seq(8, 700))
+    assert t2.admit(2, 16, seq(13)).cached == 12 and t2.free_blocks == 0
+    # Room for 2 of the 3: those imported, then the admission is refused (they stay cached).
+    t3 = make_table(store=MemoryStore(num_blocks=4), remote_levels=[remote], num_blocks=4)
+    t3.admit(3, 8, seq(8, 700))
+    with pytest.raises(ValueError, match="needs 2 KV blocks but only 0"):
+        t3.admit(2, 16, seq(13))
+    assert t3.stats()["indexed_blocks"] == 2 and t3.stats()["cached_blocks"] == 2
+
+
+def test_blocks_a_stuck_load_may_still_write_are_held_aside_until_the_level_settles():
+    remote = FakeInPlaceRemote()
+    _publisher(remote, seq(14))
+    t = make_table(store=MemoryStore(), remote_levels=[remote])
+    remote.stuck = True
+    assert t.admit(1, 16, seq(13)).cached == 0  # A miss: fresh blocks, nothing mapped.
+    held = t.stats()["blocks_held_aside"]
+    assert held == 3 and t.free_blocks == 16 - 4 - 3
+    t.release(1, 0)
+    t.admit(1, 4, seq(4, 300))  # Still stuck: still held, never handed out.
+    assert t.stats()["blocks_held_aside"] == 3 and t.free_blocks == 16 - 1 - 3
+    t.release(1, 0)
+    remote.stuck = False
+    assert t.admit(1, 16, seq(13)).cached == 12  # Settled: freed, then the run imported.
+    assert t.stats()["blocks_held_aside"] == 0 and t.free_blocks == 16 - 4
 
 
 def test_a_remote_load_that_raises_propagates_with_every_pin_undone():
