@@ -32,11 +32,28 @@ reading from the file tier instead of DRAM, ``decode_private_spill_over_host`` (
 plain host tier measured in the same run, if ``host`` is among ``--tiers``) the cost of a
 second fetch per unit with nothing on the file tier. No restart row (a two-level cache
 does not persist).
+
+``--remote mooncake`` (or ``--remote-master HOST:PORT``, a running master): a remote row.
+The first host or file tier's cache is opened with ``remote_prefix=`` a Mooncake Store
+(:mod:`jax_tpusync.mooncake_level`), so that its ``release(tokens=...)`` of request 0
+publishes the prompt's full blocks there; after its private prefill, a second cache of the
+same configuration, its local index empty and its client giving the pool no memory, admits
+the last request: its prefix is found only in the remote level, so ``ttft_remote`` is the
+import of every prefix block over the network plus the unique tokens' prefill, against the
+full prefill and the local hit (``ttft_cached``) of that run. The first tokens (argmax of
+the first logits) are compared, and the level's counts reported (blocks and bytes loaded,
+misses, faults). Both caches connect to the store before any timing (an admit of other
+tokens: a miss); with the remote level on, the publishing cache's timed admits include its
+one lookup past the local index (a miss). Without ``--remote-master`` the benchmark starts
+a ``mooncake_master`` on free loopback ports and stops it at exit
+(:mod:`jax_tpusync.bench.mooncake_master`); object names carry the run's own namespace, so a
+running master's earlier objects are never hit.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -46,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tpusync.bench import common, tiny_decoder
+from jax_tpusync.bench import common, mooncake_master, tiny_decoder
 
 COLUMNS = [
     ("tier", "tier", "s"),
@@ -62,8 +79,15 @@ COLUMNS = [
     ("decode_shared_over_private", "shared/private", ".3f"),
     ("tier_blocks_used", "blocks used", "d"),
     ("tier_blocks_unshared", "blocks unshared", "d"),
+    ("ttft_remote_ms", "TTFT remote ms", ".1f"),
+    ("ttft_remote_over_full", "remote/full", ".3f"),
     ("logits_max_abs_err", "logits err", ".2g"),
+    ("first_token", "first token", "s"),
 ]
+
+# The master starts evicting at 90% of the pool (its eviction_high_watermark_ratio): the
+# publishing cache's segment leaves room above what the run publishes.
+_SEGMENT_FILL = 0.8
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -89,6 +113,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--prefetch-depth", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, metavar="OUT.png", help="bar chart of the TTFTs")
+    p.add_argument(
+        "--remote",
+        choices=("mooncake",),
+        default=None,
+        help="add a remote row: the prefix admitted by a fresh cache from a Mooncake Store",
+    )
+    p.add_argument(
+        "--remote-master",
+        default=None,
+        metavar="HOST:PORT",
+        help="a running mooncake_master for the remote row (implies --remote mooncake); "
+        "default: one of the benchmark's own on loopback",
+    )
     common.add_engine_arguments(p)
     common.add_cpu_arguments(p)
     p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
@@ -106,6 +143,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise SystemExit("--requests must be >= 2 (one full prefill, then cached ones)")
     if args.prefix_tokens % args.block_tokens:
         raise SystemExit("--prefix-tokens must be a multiple of --block-tokens (full blocks)")
+    if args.remote_master is not None:
+        args.remote = "mooncake"
+    remote_tier = None
+    if args.remote:
+        remote_tier = next((t for t in args.tiers if t in ("host", "file")), None)
+        if remote_tier is None:
+            raise SystemExit(
+                "--remote needs host or file among --tiers (the cache that publishes the prefix)"
+            )
     model = tiny_decoder.Decoder.of(args)
     params = tiny_decoder.init_params(model, args.seed)
     rng = np.random.default_rng(args.seed + 1)
@@ -119,22 +165,35 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     blocks_per_seq = -(-max_len // args.block_tokens)
     step = jax.jit(functools.partial(tiny_decoder.forward, model), donate_argnums=(2,))
     results = []
-    for tier in args.tiers:
-        path = None
-        if tier in ("file", "spill"):
-            path = tempfile.mkdtemp(
-                prefix="tpusync-prefix-", dir=os.path.abspath(args.path or os.getcwd())
-            )
-        try:
-            results.append(
-                _one_tier(
-                    args, tier, path, worker_cpus, params, prompts, max_len, blocks_per_seq, step
+    with contextlib.ExitStack() as stack:
+        master = args.remote_master
+        if args.remote and master is None:
+            master = stack.enter_context(mooncake_master.LocalMaster()).address
+            print(f"started a mooncake_master at {master}", flush=True)
+        for tier in args.tiers:
+            path = None
+            if tier in ("file", "spill"):
+                path = tempfile.mkdtemp(
+                    prefix="tpusync-prefix-", dir=os.path.abspath(args.path or os.getcwd())
                 )
-            )
-        finally:
-            if path:
-                shutil.rmtree(path, ignore_errors=True)
-    by_tier = {r["tier"]: r for r in results}
+            remote = _remote_urls(args, master, len(prompts), blocks_per_seq)
+            try:
+                results += _one_tier(
+                    args,
+                    tier,
+                    path,
+                    worker_cpus,
+                    params,
+                    prompts,
+                    max_len,
+                    blocks_per_seq,
+                    step,
+                    remote if tier == remote_tier else None,
+                )
+            finally:
+                if path:
+                    shutil.rmtree(path, ignore_errors=True)
+    by_tier = {r["tier"]: r for r in results if "publisher_tier" not in r}
     if "spill" in by_tier and "host" in by_tier:
         by_tier["spill"]["decode_private_spill_over_host"] = (
             by_tier["spill"]["decode_private_ms"] / by_tier["host"]["decode_private_ms"]
@@ -144,7 +203,26 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
-def _one_tier(args, tier, path, worker_cpus, params, prompts, max_len, blocks_per_seq, step):
+def _remote_urls(args, master, requests: int, blocks_per_seq: int) -> tuple[str, str] | None:
+    """(the publishing cache's, the reading cache's) ``remote_prefix`` addresses, or None
+    without a master. The publisher's segment holds every block the run publishes (each
+    request's full blocks, and the decoded ones); the reader gives the pool no memory."""
+    if master is None:
+        return None
+    payload = args.layers * 2 * args.block_tokens * args.kv_heads * args.head_dim * 2  # bf16
+    published = blocks_per_seq + requests * (-(-args.unique_tokens // args.block_tokens) + 1)
+    segment_mb = max(16, -(-int(published * payload / _SEGMENT_FILL) // common.MiB))
+    # A namespace of this run's own: the same seed makes the same keys in every run.
+    query = f"namespace=bench-prefix-{os.getpid()}-{time.time_ns()}"
+    return (
+        f"mooncake://{master}?segment_mb={segment_mb}&{query}",
+        f"mooncake://{master}?segment_mb=0&{query}",
+    )
+
+
+def _one_tier(
+    args, tier, path, worker_cpus, params, prompts, max_len, blocks_per_seq, step, remote
+):
     import jax.numpy as jnp
 
     import jax_tpusync as tps
@@ -165,7 +243,7 @@ def _one_tier(args, tier, path, worker_cpus, params, prompts, max_len, blocks_pe
         where = dict(spill_path=path, spill_blocks=2 * blocks_per_seq, promote_after=None)
         tier, path = "host", None
 
-    def open_cache(**kwargs):
+    def open_cache(where=where, **kwargs):
         return tps.OffloadedKVCache(
             num_layers=args.layers,
             batch=1,
@@ -185,8 +263,20 @@ def _one_tier(args, tier, path, worker_cpus, params, prompts, max_len, blocks_pe
             **kwargs,
         )
 
+    open_reader = None
+    if remote is not None:
+        writer_url, reader_url = remote
+        publisher = open_cache
+        reader_where = {"file_name": "prefix-remote", "overwrite": True} if tier == "file" else {}
+
+        def open_cache(where=where, remote_prefix=writer_url, **kwargs):
+            return publisher(where, remote_prefix=remote_prefix, **kwargs)
+
+        def open_reader():  # Its own tier (a plain host tier, or another file): nothing local.
+            return publisher(reader_where, remote_prefix=reader_url)
+
     try:
-        return _measure(args, tier, open_cache, params, prompts, max_len, step)
+        return _measure(args, tier, open_cache, open_reader, params, prompts, max_len, step)
     finally:
         if "shm_name" in where:
             _remove_shm(where["shm_name"])
@@ -205,7 +295,7 @@ def _remove_shm(name: str) -> None:
         pass
 
 
-def _measure(args, tier, open_cache, params, prompts, max_len, step):
+def _measure(args, tier, open_cache, open_reader, params, prompts, max_len, step):
     import jax
     import jax.numpy as jnp
 
@@ -247,6 +337,12 @@ def _measure(args, tier, open_cache, params, prompts, max_len, step):
                 times.append(time.perf_counter() - t0)
             return times, state
 
+        # Other tokens than the prompts': an admit that connects to the remote level (a miss).
+        other_ids = np.random.default_rng(args.seed + 2).integers(
+            0, args.vocab, 2 * args.block_tokens
+        )
+        if open_reader is not None:
+            state, _ = _connect(cache, state, other_ids, max_len)
         cache.engine.reset_stats()
         ttft_full, _, state, _ = prefill(state, prompts[0], share=True)
         state = cache.release(state, 0, tokens=prompts[0])
@@ -280,12 +376,15 @@ def _measure(args, tier, open_cache, params, prompts, max_len, step):
         decoded = np.concatenate([prompts[-1], np.zeros(args.decode_steps, np.int64)])
         state = cache.release(state, 0, tokens=decoded)
         stats = cache.prefix_stats
+        remote_hit = None
+        if open_reader is not None:  # While this cache, whose segment holds the blocks, is open.
+            remote_hit = _remote_hit(open_reader, prefill, prompts[-1], other_ids, max_len)
         cache.close(state)  # Commits the state, and the prefix index with it.
     ttft_restart = reattach = restart_logits = restart_cached = None
     if not two_level:
         # A restart: the tier and its committed prefix index re-attached by a new cache.
         t0 = time.perf_counter()
-        reopened = open_cache()
+        reopened = open_cache(remote_prefix=None)
         reattach = time.perf_counter() - t0
         with reopened:
             state = reopened.init(admit=False)
@@ -321,6 +420,7 @@ def _measure(args, tier, open_cache, params, prompts, max_len, step):
         decode_shared_ms=statistics.median(shared_decode) * 1e3,
         decode_private_ms=statistics.median(private_decode) * 1e3,
         logits_max_abs_err=float(np.max(np.abs(last_logits - full_logits))),
+        first_token=_same_token(last_logits, full_logits),
         prefix_index=stats,
     )
     res["ttft_cached_over_full"] = res["ttft_cached_ms"] / res["ttft_full_ms"]
@@ -343,7 +443,77 @@ def _measure(args, tier, open_cache, params, prompts, max_len, step):
         f"{res['logits_max_abs_err']:.2g}",
         flush=True,
     )
-    return res
+    if remote_hit is None:
+        return [res]
+    return [res, _remote_row(res, remote_hit, full_logits, stats, len(prompts[-1]))]
+
+
+def _connect(cache, state, other_ids, max_len):
+    """Admits and releases ``other_ids`` (no prefix of theirs is anywhere): the cache's
+    remote level connects to the store, outside any timing. (state, seconds)."""
+    t0 = time.perf_counter()
+    state, _ = cache.admit(state, 0, tokens=other_ids, max_tokens=max_len)
+    state = cache.release(state, 0)
+    return state, time.perf_counter() - t0
+
+
+def _remote_hit(open_reader, prefill, prompt, other_ids, max_len) -> dict:
+    """``prompt`` prefilled by a fresh cache whose prefix is only in the remote level."""
+    with open_reader() as reader:
+        state = reader.init(admit=False)
+        state, connect = _connect(reader, state, other_ids, max_len)
+        before = reader.prefix_stats
+        ttft, logits, state, cached = prefill(state, prompt, share=True, cache=reader)
+        after = reader.prefix_stats
+        reader.close(state)
+    delta = {k: after[k] - before.get(k, 0) for k in after if k.startswith("mooncake_")}
+    return {"ttft": ttft, "logits": logits, "cached": cached, "connect": connect, "stats": delta}
+
+
+def _remote_row(local, hit, full_logits, publisher_stats, prompt_len) -> dict:
+    """The remote row: the remote hit against the full prefill and local hit of ``local``."""
+    row = {
+        "tier": f"{local['tier']} <- mooncake",
+        "publisher_tier": local["tier"],
+        "prefix_tokens": local["prefix_tokens"],
+        "unique_tokens": local["unique_tokens"],
+        "block_tokens": local["block_tokens"],
+        "ttft_full_ms": local["ttft_full_ms"],
+        "ttft_cached_ms": local["ttft_cached_ms"],
+        "ttft_remote_ms": hit["ttft"] * 1e3,
+        "remote_connect_ms": hit["connect"] * 1e3,
+        "tokens_cached_remote": hit["cached"],
+        "hit_rate": hit["cached"] / prompt_len,
+        "blocks_imported": hit["stats"]["mooncake_imported"],
+        "bytes_loaded": hit["stats"]["mooncake_bytes_loaded"],
+        "logits_max_abs_err": float(np.max(np.abs(hit["logits"] - full_logits))),
+        "first_token": _same_token(hit["logits"], full_logits),
+        "first_token_full": int(np.argmax(full_logits[0])),
+        "first_token_remote": int(np.argmax(hit["logits"][0])),
+        # The reader's counts during the timed admit; the publisher's over the whole run.
+        "remote_level": hit["stats"],
+        "publisher_level": {k: v for k, v in publisher_stats.items() if k.startswith("mooncake_")},
+    }
+    row["ttft_remote_over_full"] = row["ttft_remote_ms"] / row["ttft_full_ms"]
+    row["ttft_remote_over_cached"] = row["ttft_remote_ms"] / row["ttft_cached_ms"]
+    row["targets"] = {
+        "ttft remote hit <= 0.2 x full prefill": row["ttft_remote_over_full"] <= 0.2,
+        "remote hit's first token = full prefill's": row["first_token"] == "same",
+    }
+    print(
+        f"{row['tier']}: TTFT remote {row['ttft_remote_ms']:.0f} ms "
+        f"({row['ttft_remote_over_full']:.3f}x full, {row['ttft_remote_over_cached']:.2f}x "
+        f"cached), {row['blocks_imported']} blocks ({common.format_bytes(row['bytes_loaded'])}) "
+        f"imported, first token {row['first_token']}, faults "
+        f"{hit['stats']['mooncake_faults']}",
+        flush=True,
+    )
+    return row
+
+
+def _same_token(logits, full_logits) -> str:
+    """Whether the first token (the argmax of [1, vocab] logits) equals the full prefill's."""
+    return "same" if np.argmax(logits[0]) == np.argmax(full_logits[0]) else "differs"
 
 
 def _chunks_tail(length: int, start: int, chunk: int) -> int:
@@ -359,20 +529,27 @@ def _plot(results, out: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    remote = {r["publisher_tier"]: r["ttft_remote_ms"] for r in results if "publisher_tier" in r}
+    results = [
+        dict(r, ttft_remote_ms=remote.get(r["tier"])) for r in results if "publisher_tier" not in r
+    ]
     names = [r["tier"] for r in results]
     x = np.arange(len(names))
-    bars = (
+    bars = [
         ("ttft_full_ms", "full prefill"),
         ("ttft_cached_ms", "prefix cached"),
         ("ttft_restart_ms", "cached, after a restart"),
-    )
+    ]
+    if remote:
+        bars.append(("ttft_remote_ms", "from the remote level only"))
+    width = 0.8 / len(bars)
     for i, (key, label) in enumerate(bars):
         heights = [r[key] or 0 for r in results]  # No restart bar for a two-level cache.
-        ax.bar(x + (i - 1) * 0.27, heights, 0.27, label=label)
+        ax.bar(x + (i - (len(bars) - 1) / 2) * width, heights, width, label=label)
     ax.set_xticks(x, names)
     ax.set_yscale("log")  # The cached bars are a hundredth of the full prefill's.
     ax.set_ylabel("time to first token (ms)")
     ax.set_title(f"{results[0]['prefix_tokens']}-token shared prefix")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize="small")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize="small")
     fig.tight_layout()
     fig.savefig(out, dpi=120)

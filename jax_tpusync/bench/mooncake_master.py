@@ -1,0 +1,120 @@
+"""A ``mooncake_master`` of a benchmark's own: started on free loopback ports, waited for
+within a bound, stopped by its pid.
+
+The master holds only metadata (which object lives in which client's segment); the bytes
+live in the segments the clients give the pool, so a master of one's own is enough for a
+benchmark whose clients all run on this host.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Self
+
+BINARY = "mooncake_master"
+
+
+def find_binary() -> str | None:
+    """The ``mooncake_master`` next to the interpreter (the Mooncake wheel installs it
+    there), else the one on ``PATH``; None if neither exists."""
+    here = Path(sys.executable).parent / BINARY
+    return str(here) if here.exists() else shutil.which(BINARY)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listened on a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalMaster:
+    """A ``mooncake_master`` on ``127.0.0.1``; ``address`` is ``127.0.0.1:<port>``.
+
+    A context manager: ``__enter__`` starts it and waits (at most ``start_timeout_s``) until
+    it accepts connections, ``__exit__`` stops it (SIGTERM, then SIGKILL after
+    ``stop_timeout_s``). Its output goes to ``log`` (a file in the temp directory), which
+    the errors name.
+    """
+
+    def __init__(
+        self,
+        *extra_flags: str,
+        binary: str | None = None,
+        start_timeout_s: float = 15.0,
+        stop_timeout_s: float = 5.0,
+    ):
+        self.binary = binary or find_binary()
+        if self.binary is None:
+            raise FileNotFoundError(
+                f"no {BINARY} next to {sys.executable} or on PATH: "
+                f"pip install 'jax-tpusync[mooncake]', or give a running master's host:port"
+            )
+        self.extra_flags = extra_flags
+        self.start_timeout_s = start_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log = os.path.join(tempfile.gettempdir(), f"tpusync-mooncake-master-{self.port}.log")
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        return [
+            self.binary,
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={self.port}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={self.metrics_port}",
+            "--rpc_thread_num=2",
+            *self.extra_flags,
+        ]
+
+    def start(self) -> None:
+        if self.proc is not None:
+            raise RuntimeError(f"the master at {self.address} was already started")
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{BINARY} exited with {self.proc.returncode} before listening on "
+                    f"{self.address} (its output: {self.log})"
+                )
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(
+            f"{BINARY} did not listen on {self.address} within {self.start_timeout_s} s "
+            f"(its output: {self.log})"
+        )
+
+    def stop(self) -> None:
+        """Ends the master by its pid (SIGTERM, then SIGKILL); a no-op once it exited."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=self.stop_timeout_s)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
