@@ -145,10 +145,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise SystemExit("--prefix-tokens must be a multiple of --block-tokens (full blocks)")
     if args.remote_master is not None:
         args.remote = "mooncake"
-    remote_tier = None
+    remote_at = None  # The index in --tiers of the tier that gets the remote row.
     if args.remote:
-        remote_tier = next((t for t in args.tiers if t in ("host", "file")), None)
-        if remote_tier is None:
+        remote_at = next((i for i, t in enumerate(args.tiers) if t in ("host", "file")), None)
+        if remote_at is None:
             raise SystemExit(
                 "--remote needs host or file among --tiers (the cache that publishes the prefix)"
             )
@@ -170,13 +170,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         if args.remote and master is None:
             master = stack.enter_context(mooncake_master.LocalMaster()).address
             print(f"started a mooncake_master at {master}", flush=True)
-        for tier in args.tiers:
+        remote = _remote_urls(args, master, len(prompts), blocks_per_seq)
+        for i, tier in enumerate(args.tiers):
             path = None
             if tier in ("file", "spill"):
                 path = tempfile.mkdtemp(
                     prefix="tpusync-prefix-", dir=os.path.abspath(args.path or os.getcwd())
                 )
-            remote = _remote_urls(args, master, len(prompts), blocks_per_seq)
             try:
                 results += _one_tier(
                     args,
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     max_len,
                     blocks_per_seq,
                     step,
-                    remote if tier == remote_tier else None,
+                    remote if i == remote_at else None,
                 )
             finally:
                 if path:
