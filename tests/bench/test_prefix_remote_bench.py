@@ -57,7 +57,7 @@ def _why_unavailable() -> str | None:
 
 
 @pytest.fixture
-def mooncake():
+def mooncake_usable():
     why = _why_unavailable()
     if why is None:
         return
@@ -106,7 +106,7 @@ def check_remote_row(row: dict, tier: str, local: dict) -> None:
     assert row["targets"]["remote hit's first token = full prefill's"]
 
 
-def test_remote_row_with_a_master_of_the_benchmarks_own(tmp_path, mooncake, capsys):
+def test_remote_row_with_a_master_of_the_benchmarks_own(tmp_path, mooncake_usable, capsys):
     png = tmp_path / "prefix.png"
     rows = run_bench(tmp_path, "--tiers", "host", "--remote", "mooncake", "--plot", str(png))
     assert [r["tier"] for r in rows] == ["host", "host <- mooncake"]
@@ -122,7 +122,7 @@ def test_remote_row_with_a_master_of_the_benchmarks_own(tmp_path, mooncake, caps
 
 
 def test_remote_row_on_a_running_master_publishes_from_the_first_file_or_host_tier(
-    tmp_path, mooncake
+    tmp_path, mooncake_usable
 ):
     with mooncake_master.LocalMaster() as master:
         rows = run_bench(tmp_path, "--tiers", "file", "host", "--remote-master", master.address)
@@ -182,7 +182,7 @@ def test_without_a_binary_the_error_names_the_extra(monkeypatch):
         mooncake_master.LocalMaster()
 
 
-def test_a_master_started_twice_is_refused(tmp_path, mooncake):
+def test_a_master_started_twice_is_refused(tmp_path, mooncake_usable):
     master = mooncake_master.LocalMaster()
     with master, pytest.raises(RuntimeError, match="was already started"):
         master.start()
