@@ -166,7 +166,7 @@ class OffloadedKVCache:
                     block_bytes=spec.block_bytes,
                 )
             )
-            if isinstance(config.prefix.remote, str):
+            if remote[-1] is not config.prefix.remote:  # Made here (an address, a factory).
                 self._owned_levels.append(remote[-1])
         # A file tier's first staging buffer is made now: its data is shifted to that
         # buffer's offset within a page, so fetches into it skip the bounce buffer.

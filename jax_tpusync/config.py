@@ -489,8 +489,11 @@ class CacheConfig:
             :mod:`jax_tpusync.shared_blocks` (one file per block, atomic rename, checksums).
           remote_prefix: a network level searched after the shared directory and
             published to with it: ``"mooncake://host:port[?options]"`` (a Mooncake Store,
-            :mod:`jax_tpusync.mooncake_level`; needs the ``mooncake`` extra) or any
-            :class:`jax_tpusync.levels.RemoteLevel`. Its faults are misses, never errors.
+            :mod:`jax_tpusync.mooncake_level`; needs the ``mooncake`` extra), a factory of a
+            level called with the cache's root and geometry (e.g. ``functools.partial(
+            MooncakeStoreLevel, "host:port", transfer_engine=engine)``: one engine for the
+            store and P/D transfer), or any :class:`jax_tpusync.levels.RemoteLevel`. Its
+            faults are misses, never errors.
           spill_path: ``tier="host"`` only: a directory for a second, file tier behind the
             DRAM tier (a two-level store, see :mod:`jax_tpusync.spill`). Cached prefix blocks
             that DRAM has no room for are demoted there instead of evicted, and the step reads

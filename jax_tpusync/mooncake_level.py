@@ -804,18 +804,26 @@ def make_level(
     spec: Any, *, root: bytes, num_layers: int, block_tokens: int, block_bytes: int
 ) -> Any:
     """A remote level from ``spec``: a level object (anything with ``has`` / ``load`` /
-    ``publish`` / ``stats`` / ``describe``), returned as it is, or a
-    ``"mooncake://host:port"`` address, optionally with ``?segment_mb=``, ``object_kb=``,
-    ``deadline_s=``, ``retry_after_s=``, ``local_host=``, ``namespace=``: a
-    :class:`MooncakeStoreLevel` for the cache's root and geometry."""
+    ``publish`` / ``stats`` / ``describe``), returned as it is; a factory (any other
+    callable, e.g. ``functools.partial(MooncakeStoreLevel, "host:port",
+    transfer_engine=engine)``), called with the cache's ``root``, ``num_layers``,
+    ``block_tokens`` and ``block_bytes``; or a ``"mooncake://host:port"`` address,
+    optionally with ``?segment_mb=``, ``object_kb=``, ``deadline_s=``, ``retry_after_s=``,
+    ``local_host=``, ``namespace=``: a :class:`MooncakeStoreLevel` for the cache's root and
+    geometry."""
+    geometry = dict(
+        root=root, num_layers=num_layers, block_tokens=block_tokens, block_bytes=block_bytes
+    )
     if not isinstance(spec, str):
         missing = [
             m for m in ("has", "load", "publish", "stats", "describe") if not hasattr(spec, m)
         ]
+        if missing and callable(spec):
+            return make_level(spec(**geometry), **geometry)
         if missing:
             raise TypeError(
-                f"remote level {spec!r} lacks {', '.join(missing)}: give a level object or "
-                f"'mooncake://host:port'"
+                f"remote level {spec!r} lacks {', '.join(missing)}: give a level object, a "
+                f"factory of one, or 'mooncake://host:port'"
             )
         return spec
     url = urllib.parse.urlsplit(spec)
@@ -847,11 +855,4 @@ def make_level(
                 )
         except ValueError as e:
             raise ValueError(f"remote level {spec!r}: option {name}={value!r}: {e}") from None
-    return MooncakeStoreLevel(
-        f"{url.hostname}:{url.port}",
-        root=root,
-        num_layers=num_layers,
-        block_tokens=block_tokens,
-        block_bytes=block_bytes,
-        **options,
-    )
+    return MooncakeStoreLevel(f"{url.hostname}:{url.port}", **geometry, **options)

@@ -6,6 +6,7 @@ wait is bounded and every subprocess has a timeout."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -713,6 +714,16 @@ def test_make_level():
     assert lv.deadline_s == 0.5 and lv.layer_ranges == [(0, 2)]
     lv.close()
     assert make_level(lv, **geometry) is lv
+    made = make_level(
+        functools.partial(MooncakeStoreLevel, "127.0.0.1:2", namespace="f"), **geometry
+    )
+    assert (made.master, made.namespace, made.root, made.block_bytes) == (
+        "127.0.0.1:2",
+        "f",
+        ROOT,
+        1024,
+    )
+    made.close()
     for bad in (
         "redis://h:1",
         "mooncake://h",
@@ -744,7 +755,9 @@ def test_a_cache_built_with_remote_prefix_publishes_and_finds_its_blocks(mooncak
         state, cached = cache.admit(state, 1, tokens=TOKENS[:17], max_tokens=64)
         assert cached == 16 and cache.prefix_stats["mooncake_imported"] == 2
         assert_kv(cache, state, 1, TOKENS[:16])
-    with pytest.raises(ValueError, match=r"remote_prefix='redis://x:1' must be a 'mooncake://host:port'"):
+    with pytest.raises(
+        ValueError, match=r"remote_prefix='redis://x:1' must be a 'mooncake://host:port'"
+    ):
         make_cache(remote_prefix="redis://x:1")
 
 
