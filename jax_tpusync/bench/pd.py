@@ -12,6 +12,11 @@ decode side, receives it into a slot of its own cache three ways, side by side:
 * ``recompute``: prefilling the sequence here instead (the benchmarks' tiny decoder of that
   KV shape, chunked, on this machine's backend), with ``--recompute``.
 
+Over loopback by default. ``--prefill-netns NS --prefill-host A --decode-host B``, run
+inside another network namespace (``ip netns exec NS2 python -m jax_tpusync.bench pd
+...``), puts the prefill process in namespace ``NS`` (joined before it opens a socket; needs
+root): the two sides then talk over whatever links the namespaces, e.g. a veth pair.
+
 The first P/D transfer (right after the engines' handshake) is timed apart; then each way
 runs ``--repeats`` times, interleaved, and the median is kept. The first transfer of each
 shape is checked byte-exact (a checksum of the slot's rows on both sides).
@@ -61,7 +66,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        type=_shape,
+        default=list(SHAPES),
+        help=f"named shapes ({', '.join(SHAPES)}) or TOKENSxLAYERSxHEADSxDIM",
+    )
     p.add_argument("--block-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-bytes", type=common.parse_bytes, default=64 * common.MiB)
@@ -70,15 +81,39 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--recompute",
         nargs="*",
-        choices=sorted(SHAPES),
+        type=_shape,
         default=["readme-8k"],
         help="shapes whose prefill is also timed here (slow on a CPU)",
     )
     p.add_argument("--chunk", type=int, default=1024, help="recompute prefill chunk tokens")
+    p.add_argument("--prefill-host", default="127.0.0.1", help="the prefill side's address")
+    p.add_argument("--decode-host", default="127.0.0.1", help="this (decode) side's address")
+    p.add_argument(
+        "--prefill-netns",
+        default=None,
+        metavar="NAME",
+        help="network namespace (/var/run/netns/NAME) the prefill process joins",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
     p.set_defaults(run=run, columns=COLUMNS)
     return p
+
+
+def _shape(text: str) -> str:
+    """A shape's name, or ``TOKENSxLAYERSxHEADSxDIM`` (added to SHAPES under that name)."""
+    if text in SHAPES:
+        return text
+    try:
+        dims = tuple(int(v) for v in text.split("x"))
+    except ValueError:
+        dims = ()
+    if len(dims) != 4 or min(dims) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a shape ({', '.join(SHAPES)}) nor TOKENSxLAYERSxHEADSxDIM"
+        )
+    SHAPES[text] = dims
+    return text
 
 
 def _cache(tokens: int, layers: int, heads: int, dim: int, block_tokens: int, **kw: Any):
@@ -120,13 +155,17 @@ def prefill_process(commands: Any, replies: Any, args: dict) -> None:
     """The prefill side: per shape, a cache holding random KV in slot 0, a KVSender and a
     plain socket server; serves what ``commands`` asks for."""
     os.chdir("/")
+    if args["netns"]:
+        _join_netns(args["netns"])
     from jax_tpusync.pd_transfer import KVSender, pool_runs, recv_message
+
+    host = args["host"]
 
     while True:
         command = commands.get()
         if command is None:
             return
-        tokens, layers, heads, dim = SHAPES[command]
+        tokens, layers, heads, dim = command
         cache = _cache(tokens, layers, heads, dim, args["block_tokens"])
         state = cache.init(admit=False)
         state, _ = cache.admit(state, 0, max_tokens=tokens)
@@ -138,9 +177,10 @@ def prefill_process(commands: Any, replies: Any, args: dict) -> None:
         checksum = _slot_checksum(cache, state, tokens)
         # The slot's runs in this pool, region after region (what the socket sends).
         runs = pool_runs(cache, cache.engine.mapped_memory(cache.tier)[0], 0, 0, tokens)
-        listener = socket.create_server(("127.0.0.1", 0))
+        listener = socket.create_server((host, 0))
         with KVSender(
             cache,
+            host=host,
             deadline_s=args["deadline_s"],
             batch_bytes=args["batch_bytes"],
             piece_bytes=args["piece_bytes"],
@@ -148,7 +188,7 @@ def prefill_process(commands: Any, replies: Any, args: dict) -> None:
             replies.put(
                 dict(
                     pd=sender.address,
-                    socket="127.0.0.1:%d" % listener.getsockname()[1],
+                    socket="%s:%d" % (host, listener.getsockname()[1]),
                     checksum=checksum,
                 )
             )
@@ -173,6 +213,13 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     from jax_tpusync.pd_transfer import KVReceiver, send_message
 
+    if args.prefill_netns is not None and not os.path.exists(
+        f"/var/run/netns/{args.prefill_netns}"
+    ):
+        raise SystemExit(
+            f"--prefill-netns {args.prefill_netns}: no /var/run/netns/{args.prefill_netns} "
+            f"(make it with 'ip netns add', as root)"
+        )
     ctx = multiprocessing.get_context("spawn")
     commands, replies = ctx.Queue(), ctx.Queue()
     child_args = dict(
@@ -181,6 +228,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         deadline_s=args.deadline_s,
         batch_bytes=args.batch_bytes,
         piece_bytes=args.piece_bytes,
+        host=args.prefill_host,
+        netns=args.prefill_netns,
     )
     here = os.getcwd()
     os.chdir("/")
@@ -193,14 +242,18 @@ def run(args: argparse.Namespace) -> list[dict]:
     try:
         for name in args.shapes:
             tokens, layers, heads, dim = SHAPES[name]
-            commands.put(name)
+            commands.put(SHAPES[name])
             peer = _reply(replies, child, 600)
             cache = _cache(tokens, layers, heads, dim, args.block_tokens)
             state = cache.init(admit=False)
             ids = np.arange(tokens) % 1000
             row = dict(shape=name, tokens=tokens, layers=layers, kv_heads=heads, head_dim=dim)
-            with KVReceiver(cache, deadline_s=args.deadline_s) as rx:
-
+            row["link"] = (
+                "loopback"
+                if args.prefill_netns is None
+                else f"{args.decode_host} -> netns {args.prefill_netns} {args.prefill_host}"
+            )
+            with KVReceiver(cache, host=args.decode_host, deadline_s=args.deadline_s) as rx:
                 calls = 0
 
                 def pd() -> float:
@@ -267,6 +320,17 @@ def run(args: argparse.Namespace) -> list[dict]:
         if child.is_alive():
             child.kill()
     return results
+
+
+def _join_netns(name: str) -> None:
+    """Moves this process (before it starts threads or opens sockets) into the network
+    namespace ``/var/run/netns/<name>`` (``ip netns add``)."""
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/var/run/netns/{name}") as ns:
+        if libc.setns(ns.fileno(), clone_newnet) != 0:
+            err = ctypes.get_errno()
+            raise SystemExit(f"joining network namespace {name!r}: {os.strerror(err)}")
 
 
 def _reply(replies: Any, child: Any, timeout: float) -> Any:

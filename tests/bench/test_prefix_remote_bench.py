@@ -21,7 +21,6 @@ matplotlib.use("Agg")
 from jax_tpusync.bench import __main__ as bench_main
 from jax_tpusync.bench import common, mooncake_master
 
-REQUIRED = os.environ.get("TPUSYNC_REQUIRE_MOONCAKE") == "1"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BLOCK_PAYLOAD = 2 * 2 * 16 * 1 * 16 * 2  # layers x (K, V) x block tokens x heads x dim x bf16
 
@@ -43,30 +42,6 @@ TINY = [
     "--staging-bytes", "64K",
     "--engine-cpus", "0",
 ]  # fmt: skip
-
-
-def _why_unavailable() -> str | None:
-    """None if the Mooncake client and master can be used here, else why not."""
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError as e:
-        return f"import mooncake.store: {e}"
-    if mooncake_master.find_binary() is None:
-        return "no mooncake_master next to the interpreter or on PATH"
-    return None
-
-
-@pytest.fixture
-def mooncake_usable():
-    why = _why_unavailable()
-    if why is None:
-        return
-    if REQUIRED:
-        pytest.fail(
-            f"TPUSYNC_REQUIRE_MOONCAKE=1 but the Mooncake client cannot be used: {why} "
-            f"(pip install 'jax-tpusync[mooncake]'; apt-get install libibverbs1 libnuma1)"
-        )
-    pytest.skip(f"Mooncake client unavailable: {why}")
 
 
 def run_bench(tmp_path, *extra: str) -> list[dict]:

@@ -1,0 +1,44 @@
+"""The P/D benchmark at a tiny shape: a prefill process and this one, the KV moved over a
+Mooncake TransferEngine and over a socket side by side, checked byte-exact; and its
+refusals. Skips without the Mooncake client unless TPUSYNC_REQUIRE_MOONCAKE=1 (CI)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jax_tpusync.bench import __main__ as bench_main
+from jax_tpusync.bench import common
+
+
+def run_bench(tmp_path, *extra: str) -> list[dict]:
+    out = tmp_path / "pd.json"
+    args = bench_main.build_parser().parse_args(
+        ["pd", "--repeats", "1", "--recompute", "--block-tokens", "16", "--json", str(out), *extra]
+    )
+    results = args.run(args)
+    bench_main.print_results(results, args.columns)
+    common.write_json(args.json, args.subcommand, args, results)
+    return json.loads(out.read_text())["results"]
+
+
+def test_a_tiny_shape_moves_byte_exact_both_ways(tmp_path, mooncake_usable):
+    (row,) = run_bench(tmp_path, "--shapes", "200x2x2x32", "--piece-bytes", "4K")
+    assert row["shape"] == "200x2x2x32" and row["link"] == "loopback"
+    assert row["byte_exact"] is True
+    assert row["nbytes"] == 200 * 2 * 2 * 2 * 32 * 2  # tokens x layers x K|V x heads x dim x bf16
+    assert row["pd_s"] > 0 and row["socket_s"] > 0
+    assert row["pd_over_socket"] == pytest.approx(row["socket_s"] / row["pd_s"])
+
+
+@pytest.mark.parametrize("shape", ["1x2x3", "0x1x1x1", "ax1x1x1", "nope"])
+def test_a_shape_that_is_not_one_is_refused_by_name(shape, capsys):
+    with pytest.raises(SystemExit):
+        bench_main.build_parser().parse_args(["pd", "--shapes", shape, "--json", "-"])
+    assert "nor TOKENSxLAYERSxHEADSxDIM" in capsys.readouterr().err
+
+
+def test_a_namespace_that_does_not_exist_is_refused_before_any_process_starts(tmp_path):
+    with pytest.raises(SystemExit, match="no /var/run/netns/tpsync-no-such-ns"):
+        run_bench(tmp_path, "--shapes", "16x1x1x8", "--prefill-netns", "tpsync-no-such-ns")
