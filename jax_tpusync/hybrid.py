@@ -42,8 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jax_tpusync import persistence, window_ring
 from jax_tpusync.cache import OffloadedKVCache
-from jax_tpusync import window_ring
 from jax_tpusync.config import DEFAULT_BLOCK_TOKENS, is_int, normalize_windows
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.layer_groups import HybridState, LayerGroups, plan_groups
@@ -280,11 +280,8 @@ class HybridKVCache:
         committed = [g.committed_lengths for g in self.groups]
         if committed[0] is None:
             return
-        capacity = [g.capacity for g in self.groups]
-        active = np.logical_and.reduce([c > 0 for c in capacity])
-        common = np.where(active, np.minimum.reduce(committed), 0)
-        for i, g in enumerate(self.groups):
-            torn = (capacity[i] > 0) & ~active
+        common, torn_in = persistence.common_commit([g.capacity for g in self.groups], committed)
+        for i, (g, torn) in enumerate(zip(self.groups, torn_in)):
             if not (torn.any() or (committed[i] != common).any()):
                 continue
             logger.warning(

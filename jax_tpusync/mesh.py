@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jax_tpusync import persistence
 from jax_tpusync.cache import OffloadedKVCache
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.host_io import one_slot_load
@@ -201,14 +202,12 @@ class ShardedKVCache:
             holders = [s for s in self.shards if self._place(s)[0] == d]
             if len(holders) < 2:
                 continue
-            capacity = {s: self.shards[s].capacity for s in holders}
             lengths = {s: self.shards[s].committed_lengths for s in holders}
-            active = np.logical_and.reduce([capacity[s] > 0 for s in holders])
-            common = np.minimum.reduce([lengths[s] for s in holders])
-            common = np.where(active, common, 0)
-            for s in holders:
+            common, torn_in = persistence.common_commit(
+                [self.shards[s].capacity for s in holders], [lengths[s] for s in holders]
+            )
+            for s, torn in zip(holders, torn_in):
                 cache = self.shards[s]
-                torn = (capacity[s] > 0) & ~active
                 if not (torn.any() or (lengths[s] != common).any()):
                     continue
                 logger.warning(

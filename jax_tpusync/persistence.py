@@ -706,3 +706,19 @@ class Persistence:
             tokens=self._tokens_json if tokens_json is None else tokens_json,
         )
         write_json_atomically(self.manifest_path, manifest)
+
+
+def common_commit(
+    capacities: Sequence[np.ndarray], lengths: Sequence[np.ndarray]
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The commit that parts committing on their own (a slot's head shards, a hybrid
+    cache's layer groups) all hold, after a crash between their commits: a slot is active
+    only if every part holds it, at the shortest length any part committed (the rows below
+    it are committed, and checksummed, in every part). Returns int[batch] of those lengths
+    and, per part, bool[batch] of the slots it holds active that must be released.
+
+    ``capacities``, ``lengths``: per part, int[batch] of its slots' capacities and
+    committed lengths."""
+    active = np.logical_and.reduce([c > 0 for c in capacities])
+    common = np.where(active, np.minimum.reduce(list(lengths)), 0)
+    return common, [(c > 0) & ~active for c in capacities]
