@@ -8,8 +8,8 @@ Two roles, one object each:
   TransferEngine; :meth:`KVReceiver.receive` reserves a slot for the prompt, sends the
   prefill process the prompt, its session and where each (layer, K|V) run of the slot's
   blocks lies in the pool, waits for the completion message, then admits the slot at the
-  prompt's length. Any failure cancels the reservation (the slot stays inactive, the
-  blocks free) and raises :class:`PDTransferError` saying why.
+  prompt's length. A failure cancels the reservation (the slot stays inactive) and raises
+  :class:`PDTransferError` saying why; see "Late writes" for its blocks.
 * :class:`KVSender` (the prefill process): registers its own pool, listens for requests
   on a control socket; :meth:`KVSender.accept` takes one, the caller prefills the prompt
   into a slot of its cache, and :meth:`KVSender.send` writes that slot's rows straight from
@@ -17,12 +17,20 @@ Two roles, one object each:
   message (with any JSON the caller adds, e.g. the first sampled token).
   :meth:`KVSender.serve_one` does the three.
 
+Mesh caches: either side may be a :class:`~jax_tpusync.ShardedKVCache`. Each head shard's
+pool is registered, the request carries the runs of each head range's pool, and the
+sender writes each of its head shards' rows into the decode pool of the same head range
+(no shard sends another's heads). Both sides must split the heads the same way (the
+layout's ``head_split``) and all of a slot's head shards must be in the one process on
+each side; the batch split may differ.
+
 Control channel: one TCP connection per transfer carrying length-prefixed JSON (a 4-byte
 big-endian length, then UTF-8): the request (protocol version, token ids, the first
-position to send, the decode engine's session, the cache layout, the destination runs) and
-one reply (``ok`` with the bytes written and the caller's JSON, or an error). The bytes
-themselves go only through the TransferEngine. The completion message is sent after every
-write returned success, so a slot is admitted only with whole blocks.
+position to send, the decode engine's session, the layout, per head range the destination
+runs) and one reply (``ok`` with the bytes written, per head range too, and the caller's
+JSON; or an error and whether any write was submitted). The bytes themselves go only
+through the TransferEngine. The completion message is sent after every write returned
+success, so a slot is admitted only with whole blocks.
 
 If the decode cache already holds a prefix of the prompt (its prefix index), only the rest
 is sent: the request's first position is the reservation's cached length.
@@ -34,13 +42,25 @@ happen. Unless the environment sets them, ``MC_TCP_PROGRESS_TIMEOUT_SEC`` and
 ``MC_TCP_STATUS_TIMEOUT_SEC`` default to the deadline so the engine's own transfers end
 too. The sender keeps at most ``batch_bytes`` of writes in flight and checks the control
 connection before each write: once the decode side has given up (closed it), a prefill
-process that was paused and resumes stops at its next write. (Writes already in flight
-when the decode side gave up can still land in blocks it freed; keep ``batch_bytes``
-small where a paused prefill process is a real risk.)
+process that was paused and resumes stops at its next write.
 
-Both caches must have the same row layout (layers, heads, head size, dtype, block size;
-checked) on a host tier (the pool must be mapped memory); a cache that keeps only its
-window (``max_step_tokens``) and a two-level cache's spill blocks are refused.
+Late writes: writes already in flight when the decode side gives up can still land (the
+engine's TCP timeouts end them). So once the request went out, a failed receive holds the
+blocks it named (the positions to be written, not a mapped prefix) out of the cache's
+allocator for ``quarantine_s`` (default twice the engine's longest TCP timeout plus 1 s)
+while the slot itself is inactive; :meth:`KVReceiver.reclaim` (called by every receive,
+and waiting by :meth:`KVReceiver.close`) frees them once that time has passed, and a
+receive into a slot still in quarantine is refused. A failure before the request went out
+(the prefill process cannot be reached), or a refusal the sender answered before it
+submitted any write, frees them at once. The quarantine covers writes the engine ends
+within its timeouts; a prefill process frozen for longer than the quarantine, with writes
+submitted, may still land them when it resumes (its timers were frozen too): keep
+``batch_bytes`` small where that is a real risk, or raise ``quarantine_s``.
+
+Both caches must have the same layout (layers, heads and their split over shards, head
+size, dtype, block size; checked, a refusal names each field that differs) on a host tier
+(the pool must be mapped memory); a cache that keeps only its window
+(``max_step_tokens``) and a two-level cache's spill blocks are refused.
 
 Never fork a process after an engine started here (it runs many threads): start helper
 processes with ``subprocess`` or the ``spawn`` start method.
@@ -59,23 +79,27 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
 from jax_tpusync.cache import OffloadedKVCache
 from jax_tpusync.config import is_int
+from jax_tpusync.mesh import MeshAdmission, ShardedKVCache
 from jax_tpusync.state import KVState
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 64 << 20  # The longest control message either side accepts.
 # One engine write's most bytes: 4 MiB pieces, all in flight, measured fastest over TCP on a
 # 2-core machine (1 MiB pieces cost more per-request overhead, 16 MiB ones less parallelism).
 PIECE_BYTES = 4 << 20
 WARMUP_BYTES = 4096  # The first write to a new session (it opens the engine's connection).
 _POLL_MIN_S, _POLL_MAX_S = 1e-4, 1e-3  # Sleeps between completion polls (doubling).
+# The engine's TCP timeouts (seconds) when the environment sets none.
+MOONCAKE_TCP_TIMEOUT_S = 30.0
+_TCP_TIMEOUT_VARIABLES = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
 _LENGTH = struct.Struct(">I")
 
 _INSTALL_HINT = (
@@ -93,8 +117,9 @@ class PDTransferError(RuntimeError):
 class Received:
     """What :meth:`KVReceiver.receive` admitted: ``slot`` at ``length`` tokens, of which
     ``cached`` were already in the decode cache (prefix index) and the rest, ``nbytes``
-    bytes, were written by the prefill process in ``seconds`` (request to completion
-    message); ``extra``: the JSON the prefill side sent with it."""
+    bytes (``head_bytes``: per head range, in head order), were written by the prefill
+    process in ``seconds`` (request to completion message); ``extra``: the JSON the
+    prefill side sent with it."""
 
     slot: int
     length: int
@@ -102,6 +127,7 @@ class Received:
     nbytes: int
     seconds: float
     extra: Any
+    head_bytes: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -113,9 +139,12 @@ class PrefillRequest:
     tokens: np.ndarray
     start: int
     session: str
-    runs: list  # Per region (layer * 2 + K|V): [[address, bytes], ...] in the decode pool.
+    # Per head range, in head order: {"heads": [lo, hi], "runs": per region (layer * 2 +
+    # K|V) [[address, bytes], ...] in the decode pool of that head range}.
+    shards: list
     peer: str
     conn: socket.socket | None = dataclasses.field(default=None, repr=False)
+    writes_submitted: bool = False  # Whether any write went to the engine (may land).
 
     @property
     def answered(self) -> bool:
@@ -124,36 +153,84 @@ class PrefillRequest:
 
 @dataclasses.dataclass(frozen=True)
 class Sent:
-    """What :meth:`KVSender.send` wrote: ``nbytes`` in ``segments`` writes, ``seconds``."""
+    """What :meth:`KVSender.send` wrote: ``nbytes`` (``head_bytes``: per head range, in
+    head order) in ``segments`` writes, ``seconds``."""
 
     nbytes: int
     segments: int
     seconds: float
+    head_bytes: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Quarantine:
+    """A failed transfer's blocks held aside (:meth:`KVReceiver.reclaim` frees them once
+    ``until``, on the receiver's clock, has passed): per pool, the block ids writes may
+    still land in."""
+
+    slot: int
+    until: float
+    blocks: tuple  # ((OffloadedKVCache, int32[k] block ids), ...)
 
 
 # -- shared helpers ------------------------------------------------------------------------------
 
 
-def layout_of(cache: OffloadedKVCache) -> dict:
-    """The row layout two caches must share for one's rows to be the other's bytes."""
-    spec = cache.spec
-    return dict(
-        num_layers=spec.num_layers,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        dtype=np.dtype(spec.dtype).name,
-        tier_dtype=None if spec.tier_dtype is None else np.dtype(spec.tier_dtype).name,
-        block_tokens=spec.block_tokens,
-        row_bytes=spec.row_bytes,
-    )
+@dataclasses.dataclass(frozen=True)
+class HeadPool:
+    """One head range's host pool: ``cache`` (a one-device cache, or shard ``shard`` of a
+    mesh cache) holds KV heads ``heads`` (lo, hi) of the model in its pool, mapped at
+    ``address`` (``nbytes`` long) in this process."""
+
+    shard: int | None
+    cache: OffloadedKVCache
+    heads: tuple[int, int]
+    address: int
+    nbytes: int
 
 
-def _check_cache(cache: Any, role: str) -> tuple[int, int]:
-    """(address, bytes) of ``cache``'s host pool, after refusing what cannot take part."""
-    if not isinstance(cache, OffloadedKVCache):
-        raise TypeError(
-            f"{role} needs an OffloadedKVCache (one device's cache); got {type(cache).__name__}"
-        )
+def head_split(cache: OffloadedKVCache | ShardedKVCache) -> list[list[int]]:
+    """``[[lo, hi], ...]``: the KV head ranges ``cache``'s shards hold, in head order (one
+    range, all heads, for a one-device cache)."""
+    if isinstance(cache, ShardedKVCache):
+        tp, per = cache.layout.tp, cache.shard_spec.num_kv_heads
+        return [[t * per, (t + 1) * per] for t in range(tp)]
+    return [[0, cache.spec.num_kv_heads]]
+
+
+def layout_of(cache: OffloadedKVCache | ShardedKVCache) -> dict:
+    """The layout two caches must share for one's rows to be the other's bytes: the row
+    layout of one head range's pool and how the heads are split over pools."""
+    spec = cache.shard_spec if isinstance(cache, ShardedKVCache) else cache.spec
+    return {
+        "num_layers": spec.num_layers,
+        "num_kv_heads": sum(hi - lo for lo, hi in head_split(cache)),
+        "head_split": head_split(cache),
+        "head_dim": spec.head_dim,
+        "dtype": np.dtype(spec.dtype).name,
+        "tier_dtype": None if spec.tier_dtype is None else np.dtype(spec.tier_dtype).name,
+        "block_tokens": spec.block_tokens,
+        "row_bytes": spec.row_bytes,
+    }
+
+
+def layout_mismatch(ours: dict, theirs: Any) -> str | None:
+    """What differs between layout ``ours`` and ``theirs`` (None: nothing), naming each
+    field: "head_split [[0, 1], [1, 2]] here, [[0, 2]] there"."""
+    if not isinstance(theirs, dict):
+        return f"the layout is {theirs!r}, not a dict"
+    fields = sorted(set(ours) | set(theirs))
+    diff = [
+        f"{k} {ours.get(k)!r} here, {theirs.get(k)!r} there"
+        for k in fields
+        if ours.get(k) != theirs.get(k)
+    ]
+    return "; ".join(diff) or None
+
+
+def _check_pool(cache: Any, role: str) -> tuple[int, int]:
+    """(address, bytes) of a one-device cache's host pool, after refusing what cannot take
+    part."""
     if cache.spec.ring_blocks:
         raise ValueError(
             f"{role}: a cache that keeps only its window (max_step_tokens) cannot take part in "
@@ -169,6 +246,48 @@ def _check_cache(cache: Any, role: str) -> tuple[int, int]:
             f"{role} needs a cache on a host tier (tier='host'): the TransferEngine reads and "
             f"writes the pool in memory ({e})"
         ) from None
+
+
+def head_pools(cache: Any, role: str) -> list[HeadPool]:
+    """The pools of ``cache`` (a one-device cache: one; a mesh cache: one per local shard),
+    after refusing a cache that cannot take part (the message says why)."""
+    if isinstance(cache, ShardedKVCache):
+        out = []
+        for s in sorted(cache.shards):
+            heads = cache.heads_of(s)
+            address, nbytes = _check_pool(cache.shards[s], role)
+            out.append(HeadPool(s, cache.shards[s], (heads.start, heads.stop), address, nbytes))
+        return out
+    if not isinstance(cache, OffloadedKVCache):
+        raise TypeError(
+            f"{role} needs an OffloadedKVCache or a ShardedKVCache; got {type(cache).__name__}"
+        )
+    address, nbytes = _check_pool(cache, role)
+    return [HeadPool(None, cache, (0, cache.spec.num_kv_heads), address, nbytes)]
+
+
+def slot_pools(
+    cache: OffloadedKVCache | ShardedKVCache, pools: list[HeadPool], slot: Any
+) -> list[tuple[HeadPool, int]]:
+    """``(pool, slot within it)`` of every head range of global ``slot``, in head order.
+    Raises ValueError for a bad slot, or one whose head ranges this process does not all
+    hold (a multi-process mesh)."""
+    if not is_int(slot) or not 0 <= slot < cache.batch:
+        raise ValueError(f"slot={slot!r} must be an int in [0, batch={cache.batch})")
+    if not isinstance(cache, ShardedKVCache):
+        return [(pools[0], int(slot))]
+    out = []
+    for pool in pools:
+        rows = cache.rows_of(pool.shard)
+        if rows.start <= slot < rows.stop:
+            out.append((pool, int(slot) - rows.start))
+    if len(out) != len(head_split(cache)):
+        raise ValueError(
+            f"slot {slot}'s KV heads are split over {len(head_split(cache))} devices, of which "
+            f"this process holds {len(out)}: P/D transfer needs all of a slot's head shards "
+            f"in one process"
+        )
+    return out
 
 
 def pool_runs(
@@ -202,6 +321,27 @@ def _check_deadline(deadline_s: Any) -> float:
     return float(deadline_s)
 
 
+def engine_tcp_timeout_s() -> float:
+    """The longest of the engine's TCP timeouts (``MC_TCP_PROGRESS_TIMEOUT_SEC``,
+    ``MC_TCP_STATUS_TIMEOUT_SEC``) as the environment sets them now (an engine reads them
+    when it starts), :data:`MOONCAKE_TCP_TIMEOUT_S` for one not set. Raises ValueError for
+    a value that is not a positive number of seconds."""
+    out = 0.0
+    for name in _TCP_TIMEOUT_VARIABLES:
+        value = os.environ.get(name)
+        if value is None:
+            out = max(out, MOONCAKE_TCP_TIMEOUT_S)
+            continue
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"{name}={value!r} must be a positive number of seconds")
+        out = max(out, seconds)
+    return out
+
+
 def _start_engine(host: str, deadline_s: float) -> tuple[Any, str]:
     """A TransferEngine on ``host`` (TCP, peers found by handshake) and its session."""
     try:
@@ -211,8 +351,8 @@ def _start_engine(host: str, deadline_s: float) -> tuple[Any, str]:
     # Read when the engine starts: a hung peer then ends a transfer within about the
     # deadline instead of 30 s. A user's own settings win.
     seconds = str(max(1, math.ceil(deadline_s)))
-    os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", seconds)
-    os.environ.setdefault("MC_TCP_STATUS_TIMEOUT_SEC", seconds)
+    for name in _TCP_TIMEOUT_VARIABLES:
+        os.environ.setdefault(name, seconds)
     engine = TransferEngine()
     rc = engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
     if rc != 0:
@@ -220,13 +360,27 @@ def _start_engine(host: str, deadline_s: float) -> tuple[Any, str]:
     return engine, f"{host}:{engine.get_rpc_port()}"
 
 
-def _register(engine: Any, address: int, nbytes: int, role: str) -> None:
-    rc = engine.register_memory(address, nbytes)
-    if rc != 0:
-        raise PDTransferError(
-            f"{role}: registering the cache's host pool ({nbytes} bytes) with the "
-            f"TransferEngine returned {rc}"
-        )
+def _register(engine: Any, pools: list[HeadPool], role: str) -> None:
+    """Registers every pool with ``engine``; all or none (the ones done are unregistered
+    before raising)."""
+    done = []
+    try:
+        for pool in pools:
+            rc = engine.register_memory(pool.address, pool.nbytes)
+            if rc != 0:
+                raise PDTransferError(
+                    f"{role}: registering the cache's host pool ({pool.nbytes} bytes) with the "
+                    f"TransferEngine returned {rc}"
+                )
+            done.append(pool)
+    except BaseException:
+        _unregister(engine, done)
+        raise
+
+
+def _unregister(engine: Any, pools: list[HeadPool]) -> None:
+    for pool in pools:
+        engine.unregister_memory(pool.address)
 
 
 def send_message(sock: socket.socket, message: Any, deadline: float) -> None:
@@ -302,49 +456,132 @@ def _bounded(fn: Callable[[], Any], seconds: float, what: str) -> Any:
 
 
 class KVReceiver:
-    """The decode side: receives sequences' KV into ``cache``'s host pool.
+    """The decode side: receives sequences' KV into ``cache``'s host pool (a mesh cache:
+    each head shard's pool receives its heads).
 
     Args:
-      cache: the decode cache (host tier, same row layout as the prefill cache's).
+      cache: the decode cache (host tier, same layout as the prefill cache's: row layout
+        and head split), an :class:`~jax_tpusync.OffloadedKVCache` or a
+        :class:`~jax_tpusync.ShardedKVCache`.
       host: the address the prefill process reaches this engine at (its NIC's address when
         the two run on different hosts).
       deadline_s: the longest one :meth:`receive` waits in all (connect, request, the
         prefill itself and the writes, the completion message).
+      quarantine_s: how long a failed transfer's blocks are held aside once the request
+        went out (writes already in flight may still land); None: twice the engine's
+        longest TCP timeout plus 1 s (:func:`default_quarantine_s`; the timeouts default
+        to the deadline). 0: freed at once.
       transfer_engine: a started ``mooncake.engine.TransferEngine`` to share (one per
         process), with ``session`` its ``host:rpc_port``; None: one is started here.
+      clock: the time quarantines are counted in (``time.monotonic``).
 
     Raises:
-      TypeError, ValueError: a cache that cannot take part (the message says why).
+      TypeError, ValueError: a cache that cannot take part (the message says why), a bad
+        deadline or quarantine.
       ImportError: Mooncake is not installed (the message names the package extra).
     """
 
     def __init__(
         self,
-        cache: OffloadedKVCache,
+        cache: OffloadedKVCache | ShardedKVCache,
         *,
         host: str = "127.0.0.1",
         deadline_s: float = 30.0,
+        quarantine_s: float | None = None,
         transfer_engine: Any = None,
         session: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.deadline_s = _check_deadline(deadline_s)
+        if quarantine_s is not None and (
+            isinstance(quarantine_s, bool)
+            or not isinstance(quarantine_s, (int, float))
+            or not (math.isfinite(quarantine_s) and quarantine_s >= 0)
+        ):
+            raise ValueError(f"quarantine_s={quarantine_s!r} must be None or a finite number >= 0")
         self.cache = cache
-        self.pool_address, self.pool_bytes = _check_cache(cache, "KVReceiver")
+        self.pools = head_pools(cache, "KVReceiver")
         if (transfer_engine is None) != (session is None):
             raise ValueError("give transfer_engine and its session together, or neither")
         if transfer_engine is None:
             transfer_engine, session = _start_engine(host, self.deadline_s)
+        self.quarantine_s = default_quarantine_s() if quarantine_s is None else float(quarantine_s)
         self.engine = transfer_engine
         self.session = session
-        _register(self.engine, self.pool_address, self.pool_bytes, "KVReceiver")
+        _register(self.engine, self.pools, "KVReceiver")
         self.layout = layout_of(cache)
+        self.clock = clock
         self.received = 0
         self.failed = 0
+        self._quarantine: dict[int, Quarantine] = {}
+
+    @property
+    def pool_address(self) -> int:
+        """The first head range's pool address in this process (a one-device cache's pool)."""
+        return self.pools[0].address
 
     def destination_runs(self, slot: int, lo: int, hi: int) -> list[list[list[int]]]:
         """Per region (layer * 2 + K|V): ``[address, bytes]`` runs of positions ``[lo,
-        hi)`` of ``slot`` in this process's pool."""
-        return pool_runs(self.cache, self.pool_address, slot, lo, hi)
+        hi)`` of ``slot`` in this process's pool (a one-device cache, or a mesh cache of
+        one head range; otherwise see :meth:`head_runs`)."""
+        targets = slot_pools(self.cache, self.pools, slot)
+        if len(targets) != 1:
+            raise ValueError(
+                f"slot {slot}'s heads lie in {len(targets)} pools (one per head shard): use "
+                f"head_runs()"
+            )
+        ((pool, local),) = targets
+        return pool_runs(pool.cache, pool.address, local, lo, hi)
+
+    def head_runs(self, slot: int, lo: int, hi: int) -> list[dict]:
+        """Per head range of ``slot``, in head order: ``{"heads": [lo, hi], "runs": per
+        region [[address, bytes], ...]}`` of positions ``[lo, hi)`` in that range's pool."""
+        return [
+            {"heads": list(pool.heads), "runs": pool_runs(pool.cache, pool.address, local, lo, hi)}
+            for pool, local in slot_pools(self.cache, self.pools, slot)
+        ]
+
+    @property
+    def quarantined(self) -> dict[int, float]:
+        """``{slot: seconds until its blocks are freed}`` of the failed transfers whose
+        blocks are held aside (see :meth:`reclaim`)."""
+        now = self.clock()
+        return {slot: max(0.0, q.until - now) for slot, q in self._quarantine.items()}
+
+    def reclaim(self, wait: bool = False) -> list[int]:
+        """Frees the blocks of every quarantine whose time has passed (with ``wait``: of
+        every quarantine, after sleeping until the last one's time); returns their slots.
+        Runs at the start of every :meth:`receive`, and with ``wait`` in :meth:`close`."""
+        if wait and self._quarantine:
+            time.sleep(max(0.0, *(q.until - self.clock() for q in self._quarantine.values())))
+        now = self.clock()
+        freed = []
+        for slot, q in list(self._quarantine.items()):
+            if wait or now >= q.until:
+                for cache, ids in q.blocks:
+                    cache.slots.dram.free(ids)
+                del self._quarantine[slot]
+                freed.append(slot)
+        return freed
+
+    def _hold(
+        self, reservation: Any, targets: list[tuple[HeadPool, int]], lo: int, hi: int
+    ) -> None:
+        """Cancels ``reservation`` (the slot becomes inactive, its prefix unpinned, its
+        blocks past position ``hi`` free) but holds the blocks of positions ``[lo, hi)``
+        (those the request named: writes can land in them) out of the allocators until
+        the quarantine has passed."""
+        held = []
+        for pool, local in targets:
+            slots = pool.cache.slots
+            first = max(lo // slots.block_tokens, slots.shared_tokens(local) // slots.block_tokens)
+            ids = slots.held_blocks(local)[first : -(-hi // slots.block_tokens)]
+            held.append((pool.cache, np.asarray(ids[ids < slots.dram.num_blocks], np.int64)))
+        self.cache.cancel(reservation)
+        for cache, ids in held:
+            cache.slots.dram.reserve(ids)  # Just freed by the cancel: cannot be refused.
+        until = self.clock() + self.quarantine_s
+        self._quarantine[reservation.slot] = Quarantine(reservation.slot, until, tuple(held))
 
     def receive(
         self,
@@ -360,63 +597,97 @@ class KVReceiver:
         admitted at ``len(tokens)`` and what was received.
 
         Raises:
-          ValueError: a bad slot, tokens or max_tokens, or too few free blocks (from the
-            reservation; nothing changed).
+          ValueError: a bad slot, tokens or max_tokens, too few free blocks (from the
+            reservation), or a slot whose last transfer's blocks are still quarantined
+            (nothing changed).
           PDTransferError: the transfer failed (the message says why); the reservation
             was cancelled: the slot is inactive and ``state`` is still the live state.
+            Once the request went out, the slot's own blocks stay held aside until the
+            quarantine has passed (writes in flight may still land in them); a failure
+            before (the prefill process cannot be reached) frees them at once.
         """
         start_time = time.monotonic()
         deadline = start_time + self.deadline_s
+        self.reclaim()
+        if slot in self._quarantine:
+            left = self._quarantine[slot].until - self.clock()
+            raise ValueError(
+                f"slot {slot} is quarantined after a failed transfer (writes may still land in "
+                f"its blocks): it frees in {left:.3g} s (reclaim())"
+            )
         host, port = _split_address(prefill)
         ids = np.asarray(tokens)
         if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(f"tokens must be a non-empty 1-D sequence of ints; got {tokens!r}")
-        admission = self.cache.reserve(slot, max_tokens, ids)  # Refused: nothing changed.
+        targets = slot_pools(self.cache, self.pools, slot)
+        reservation = self.cache.reserve(slot, max_tokens, ids)  # Refused: nothing changed.
+        cached = int(reservation.cached)
         n = int(ids.size)
+        may_write = False  # Whether the prefill process may have started writing.
         try:
-            runs = self.destination_runs(slot, admission.cached, n)
-            request = dict(
-                version=PROTOCOL_VERSION,
-                op="prefill",
-                tokens=[int(t) for t in ids],
-                start=admission.cached,
-                session=self.session,
-                layout=self.layout,
-                runs=runs,
-            )
-            reply = self._exchange(host, port, request, deadline)
-            want = sum(r[1] for region in runs for r in region)
-            if reply.get("nbytes") != want:
+            shards = [
+                {"heads": list(p.heads), "runs": pool_runs(p.cache, p.address, local, cached, n)}
+                for p, local in targets
+            ]
+            request = {
+                "version": PROTOCOL_VERSION,
+                "op": "prefill",
+                "tokens": [int(t) for t in ids],
+                "start": cached,
+                "session": self.session,
+                "layout": self.layout,
+                "shards": shards,
+            }
+            sock = self._connect(host, port, deadline)
+            may_write = True
+            reply = self._exchange(sock, request, deadline)
+            if not reply.get("ok"):
+                may_write = reply.get("writes_submitted") is not False
+                raise PDTransferError(f"the prefill process refused: {reply.get('error')}")
+            want = [sum(r[1] for region in shard["runs"] for r in region) for shard in shards]
+            if reply.get("nbytes") != sum(want) or reply.get("head_bytes") != want:
                 raise PDTransferError(
-                    f"the prefill process reported {reply.get('nbytes')!r} bytes written, "
-                    f"expected {want}"
+                    f"the prefill process reported {reply.get('nbytes')!r} bytes written "
+                    f"({reply.get('head_bytes')!r} per head range), expected {sum(want)} "
+                    f"({want})"
                 )
         except Exception as e:
-            self.cache.cancel(admission)
             self.failed += 1
             reason = e if isinstance(e, PDTransferError) else f"{type(e).__name__}: {e}"
+            if may_write and self.quarantine_s > 0:
+                self._hold(reservation, targets, cached, n)
+                held = (
+                    f", its blocks held aside for {self.quarantine_s:.3g} s (writes may still "
+                    f"land in them)"
+                )
+            else:
+                self.cache.cancel(reservation)
+                held = ""
             raise PDTransferError(
                 f"P/D transfer of {n} tokens into slot {slot} from {host}:{port} failed, the "
-                f"slot was left unadmitted: {reason}"
+                f"slot was left unadmitted{held}: {reason}"
             ) from e
-        state = self.cache.admitted(state, dataclasses.replace(admission, cached=n))
+        state = self.cache.admitted(state, _admitted_at(reservation, n))
         self.received += 1
         return state, Received(
             slot=slot,
             length=n,
-            cached=admission.cached,
-            nbytes=want,
+            cached=cached,
+            nbytes=sum(want),
             seconds=time.monotonic() - start_time,
             extra=reply.get("extra"),
+            head_bytes=tuple(want),
         )
 
-    def _exchange(self, host: str, port: int, request: dict, deadline: float) -> dict:
+    def _connect(self, host: str, port: int, deadline: float) -> socket.socket:
         try:
-            sock = socket.create_connection(
+            return socket.create_connection(
                 (host, port), timeout=max(1e-3, deadline - time.monotonic())
             )
         except OSError as e:
             raise PDTransferError(f"cannot reach the prefill process ({e})") from None
+
+    def _exchange(self, sock: socket.socket, request: dict, deadline: float) -> dict:
         with sock:
             try:
                 send_message(sock, request, deadline)
@@ -432,31 +703,57 @@ class KVReceiver:
                 raise PDTransferError(f"unreadable reply from the prefill process ({e})") from None
         if not isinstance(reply, dict) or reply.get("version") != PROTOCOL_VERSION:
             raise PDTransferError(f"the prefill process answered in another protocol: {reply!r}")
-        if not reply.get("ok"):
-            raise PDTransferError(f"the prefill process refused: {reply.get('error')}")
         return reply
 
     def close(self) -> None:
-        """Unregisters the pool from the TransferEngine (the engine itself stays)."""
+        """Waits out the quarantines (writes may still land in their blocks) and frees
+        them, then unregisters the pools from the TransferEngine (the engine itself
+        stays)."""
+        self.reclaim(wait=True)
         if self.engine is not None:
-            self.engine.unregister_memory(self.pool_address)
+            _unregister(self.engine, self.pools)
             self.engine = None
 
-    def __enter__(self) -> KVReceiver:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
+def default_quarantine_s() -> float:
+    """How long a failed transfer's blocks are held aside by default: twice the engine's
+    longest TCP timeout (:func:`engine_tcp_timeout_s`: a write in progress when the
+    decode side gave up, and one the prefill side submitted just before it noticed, each
+    end within it) plus 1 s."""
+    return 2 * engine_tcp_timeout_s() + 1.0
+
+
+def _admitted_at(reservation: Any, n: int) -> Any:
+    """``reservation`` (a cache's Admission or a mesh cache's MeshAdmission) admitted at
+    ``n`` tokens."""
+    if isinstance(reservation, MeshAdmission):
+        return dataclasses.replace(
+            reservation,
+            cached=n,
+            admissions={
+                s: dataclasses.replace(a, cached=n) for s, a in reservation.admissions.items()
+            },
+        )
+    return dataclasses.replace(reservation, cached=n)
+
+
 # -- the prefill role --------------------------------------------------------------------------
 
 
 class KVSender:
-    """The prefill side: writes slots of ``cache`` into decode processes' pools.
+    """The prefill side: writes slots of ``cache`` into decode processes' pools (a mesh
+    cache: each head shard's rows into the decode pool of the same head range).
 
     Args:
-      cache: the prefill cache (host tier, same row layout as the decode caches').
+      cache: the prefill cache (host tier, same layout as the decode caches': row layout
+        and head split), an :class:`~jax_tpusync.OffloadedKVCache` or a
+        :class:`~jax_tpusync.ShardedKVCache`.
       host, port: where the control socket listens (port 0: a free one; see
         :attr:`address`) and the TransferEngine's host.
       deadline_s: the longest one call waits (accepting and reading a request; sending
@@ -470,7 +767,7 @@ class KVSender:
 
     def __init__(
         self,
-        cache: OffloadedKVCache,
+        cache: OffloadedKVCache | ShardedKVCache,
         *,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -488,7 +785,7 @@ class KVSender:
         if not is_int(port) or not 0 <= port < 65536:
             raise ValueError(f"port={port!r} must be an int in [0, 65535]")
         self.cache = cache
-        self.pool_address, self.pool_bytes = _check_cache(cache, "KVSender")
+        self.pools = head_pools(cache, "KVSender")
         if (transfer_engine is None) != (session is None):
             raise ValueError("give transfer_engine and its session together, or neither")
         self.batch_bytes = int(batch_bytes)
@@ -499,14 +796,19 @@ class KVSender:
                 transfer_engine, session = _start_engine(host, self.deadline_s)
             self.engine = transfer_engine
             self.session = session
-            _register(self.engine, self.pool_address, self.pool_bytes, "KVSender")
+            _register(self.engine, self.pools, "KVSender")
         except BaseException:
             self._listener.close()
             raise
-        self.address = "%s:%d" % self._listener.getsockname()[:2]
+        self.address = "{}:{}".format(*self._listener.getsockname()[:2])
         self.sent = 0
         self.failed = 0
         self._warm: set[str] = set()  # Sessions already written to (connection open).
+
+    @property
+    def pool_address(self) -> int:
+        """The first head range's pool address in this process (a one-device cache's pool)."""
+        return self.pools[0].address
 
     def accept(self, timeout: float | None = None) -> PrefillRequest:
         """The next request (waits at most ``timeout`` s, default the deadline), checked:
@@ -519,14 +821,14 @@ class KVSender:
         except TimeoutError:
             raise PDTransferError(f"no P/D request within {wait:.3g} s") from None
         deadline = time.monotonic() + self.deadline_s
-        peer = "%s:%d" % peer[:2]
+        peer = "{}:{}".format(*peer[:2])
         try:
             message = recv_message(conn, deadline)
         except Exception as e:  # noqa: BLE001 - a peer that sent nothing readable.
             conn.close()
             raise PDTransferError(f"reading a P/D request from {peer}: {e}") from None
         request = PrefillRequest(
-            tokens=np.zeros(0, np.int64), start=0, session="", runs=[], peer=peer, conn=conn
+            tokens=np.zeros(0, np.int64), start=0, session="", shards=[], peer=peer, conn=conn
         )
         problem = self._check_request(message)
         if problem is not None:
@@ -535,42 +837,55 @@ class KVSender:
         request.tokens = np.asarray(message["tokens"], np.int64)
         request.start = message["start"]
         request.session = message["session"]
-        request.runs = message["runs"]
+        request.shards = message["shards"]
         return request
 
     def _check_request(self, m: Any) -> str | None:
         if not isinstance(m, dict) or m.get("version") != PROTOCOL_VERSION:
             return f"not a version-{PROTOCOL_VERSION} P/D request"
-        if m.get("layout") != self.layout:
-            return f"layout {m.get('layout')!r} is not this cache's {self.layout!r}"
+        mismatch = layout_mismatch(self.layout, m.get("layout"))
+        if mismatch is not None:
+            return f"layout differs: {mismatch} (the prefill cache's here, the decode one's there)"
         tokens, start = m.get("tokens"), m.get("start")
         if not (isinstance(tokens, list) and tokens and all(is_int(t) for t in tokens)):
             return "tokens must be a non-empty list of ints"
         if not (is_int(start) and 0 <= start < len(tokens)):
             return f"start={start!r} must be in [0, {len(tokens)})"
-        runs = m.get("runs")
         regions = 2 * self.layout["num_layers"]
         want = (len(tokens) - start) * self.layout["row_bytes"]
+        split = self.layout["head_split"]
+        shards = m.get("shards")
         if not (
-            isinstance(runs, list)
-            and len(runs) == regions
-            and all(
-                isinstance(region, list)
-                and all(
-                    isinstance(r, list) and len(r) == 2 and all(is_int(v) and v > 0 for v in r)
-                    for r in region
-                )
-                and sum(r[1] for r in region) == want
-                for region in runs
-            )
+            isinstance(shards, list)
+            and [s.get("heads") if isinstance(s, dict) else None for s in shards] == split
         ):
-            return f"runs must be {regions} lists of [address, bytes] covering {want} bytes each"
+            return f"shards must be one per head range {split}, in order"
+        for shard in shards:
+            runs = shard.get("runs")
+            if not (
+                isinstance(runs, list)
+                and len(runs) == regions
+                and all(
+                    isinstance(region, list)
+                    and all(
+                        isinstance(r, list) and len(r) == 2 and all(is_int(v) and v > 0 for v in r)
+                        for r in region
+                    )
+                    and sum(r[1] for r in region) == want
+                    for region in runs
+                )
+            ):
+                return (
+                    f"the runs of heads {shard['heads']} must be {regions} lists of "
+                    f"[address, bytes] covering {want} bytes each"
+                )
         if not isinstance(m.get("session"), str) or not m["session"]:
             return "session must be a non-empty string"
         return None
 
     def fail(self, request: PrefillRequest, reason: str) -> None:
-        """Tells the decode process the request failed (best effort) and closes it."""
+        """Tells the decode process the request failed, and whether any write was
+        submitted (best effort), and closes it."""
         conn, request.conn = request.conn, None
         if conn is None:
             return
@@ -578,7 +893,12 @@ class KVSender:
         try:
             send_message(
                 conn,
-                dict(version=PROTOCOL_VERSION, ok=False, error=str(reason)),
+                {
+                    "version": PROTOCOL_VERSION,
+                    "ok": False,
+                    "error": str(reason),
+                    "writes_submitted": request.writes_submitted,
+                },
                 time.monotonic() + self.deadline_s,
             )
         except OSError as e:
@@ -590,31 +910,49 @@ class KVSender:
         self, request: PrefillRequest, state: KVState, slot: int, *, extra: Any = None
     ) -> tuple[KVState, Sent]:
         """Writes positions ``[request.start, len(request.tokens))`` of ``slot`` (which
-        holds at least that many tokens in ``state``) into the decode pool, then the
+        holds at least that many tokens in ``state``) into the decode pool (a mesh cache:
+        each head shard's rows into the decode pool of its head range), then the
         completion message with ``extra`` (JSON); returns the live state.
 
         Raises:
           PDTransferError: a write or the message failed (the decode side was told when
-            it could still be reached); ValueError: ``slot`` holds too few tokens.
+            it could still be reached); ValueError: ``slot`` holds too few tokens, or is
+            not this process's (a mesh cache must hold all of its head shards).
         """
         if request.answered:
             raise ValueError("this request was already answered")
         begin = time.monotonic()
         cache = self.cache
         n = int(request.tokens.size)
-        length = int(np.asarray(state.lengths)[slot])
+        try:
+            targets = slot_pools(cache, self.pools, slot)
+        except ValueError as e:
+            self.fail(request, f"the prefill slot cannot be sent: {e}")
+            raise
+        lengths = cache.lengths(state) if isinstance(cache, ShardedKVCache) else state.lengths
+        length = int(np.asarray(lengths)[slot])
         if length < n:
             self.fail(request, f"the prefill slot holds {length} tokens, not {n}")
             raise ValueError(f"slot {slot} holds {length} tokens; the request needs {n}")
         state = cache.drain(state)
         cache.engine.drain()  # The step's write-backs are on the tier.
         try:
-            pairs = self._pairs(slot, request)
-            nbytes = sum(p[2] for p in pairs)
+            per_head = [
+                self._pairs(pool, local, shard, request)
+                for (pool, local), shard in zip(targets, request.shards)
+            ]
+            head_bytes = [sum(p[2] for p in pairs) for pairs in per_head]
+            pairs = [p for head in per_head for p in head]
             self._write(request, pairs)
             send_message(
                 request.conn,
-                dict(version=PROTOCOL_VERSION, ok=True, nbytes=nbytes, extra=extra),
+                {
+                    "version": PROTOCOL_VERSION,
+                    "ok": True,
+                    "nbytes": sum(head_bytes),
+                    "head_bytes": head_bytes,
+                    "extra": extra,
+                },
                 time.monotonic() + self.deadline_s,
             )
         except Exception as e:
@@ -626,16 +964,24 @@ class KVSender:
         conn, request.conn = request.conn, None
         conn.close()
         self.sent += 1
-        return state, Sent(nbytes=nbytes, segments=len(pairs), seconds=time.monotonic() - begin)
+        return state, Sent(
+            nbytes=sum(head_bytes),
+            segments=len(pairs),
+            seconds=time.monotonic() - begin,
+            head_bytes=tuple(head_bytes),
+        )
 
-    def _pairs(self, slot: int, request: PrefillRequest) -> list[tuple[int, int, int]]:
-        """(source address, destination address, bytes) writes: each region's source runs
-        and destination runs walked together, split where either one ends."""
+    def _pairs(
+        self, pool: HeadPool, local: int, shard: dict, request: PrefillRequest
+    ) -> list[tuple[int, int, int]]:
+        """(source address, destination address, bytes) writes of one head range: each
+        region's source runs (``local`` of ``pool``) and the destination runs (``shard``'s)
+        walked together, split where either one ends."""
         out = []
         n = int(request.tokens.size)
-        sources = pool_runs(self.cache, self.pool_address, slot, request.start, n)
+        sources = pool_runs(pool.cache, pool.address, local, request.start, n)
         for region, src in enumerate(sources):
-            dst = [list(r) for r in request.runs[region]]
+            dst = [list(r) for r in shard["runs"][region]]
             i = j = 0
             while i < len(src) and j < len(dst):
                 size = min(src[i][1], dst[j][1], self.piece_bytes)
@@ -663,6 +1009,7 @@ class KVSender:
             # slow; one small write first, bounded, so the rest starts on a warm connection.
             src, dst, size = pairs[0]
             first = (src, dst, min(size, WARMUP_BYTES))
+            request.writes_submitted = True
             rc = _bounded(
                 lambda: engine.transfer_sync_write(session, *first),
                 self.deadline_s,
@@ -684,6 +1031,7 @@ class KVSender:
                 if ready:  # The decode side only ever closes the connection before our reply.
                     raise PDTransferError("the decode process closed the connection (it gave up)")
                 src, dst, size = pairs[i]
+                request.writes_submitted = True
                 rid = engine.transfer_submit_write(session, src, dst, size)
                 if rid < 0:
                     raise PDTransferError(
@@ -738,13 +1086,13 @@ class KVSender:
         return state, slot, sent
 
     def close(self) -> None:
-        """Stops listening and unregisters the pool (the engine itself stays)."""
+        """Stops listening and unregisters the pools (the engine itself stays)."""
         self._listener.close()
         if self.engine is not None:
-            self.engine.unregister_memory(self.pool_address)
+            _unregister(self.engine, self.pools)
             self.engine = None
 
-    def __enter__(self) -> KVSender:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -8,7 +8,15 @@ import os
 import signal
 
 # A tiny decoder (jax_tpusync.bench.tiny_decoder) and its cache.
-MODEL = dict(layers=2, d_model=64, q_heads=4, kv_heads=2, head_dim=16, ffn=64, vocab=97)
+MODEL = {
+    "layers": 2,
+    "d_model": 64,
+    "q_heads": 4,
+    "kv_heads": 2,
+    "head_dim": 16,
+    "ffn": 64,
+    "vocab": 97,
+}
 BLOCK, MAX_LEN, SEED = 8, 64, 3
 
 
@@ -24,19 +32,61 @@ def make_cache(batch: int = 2, num_blocks: int | None = None, **overrides):
 
     import jax_tpusync as tps
 
-    args = dict(
-        num_layers=MODEL["layers"],
-        batch=batch,
-        max_len=MAX_LEN,
-        num_kv_heads=MODEL["kv_heads"],
-        head_dim=MODEL["head_dim"],
-        dtype=jnp.bfloat16,
-        block_tokens=BLOCK,
-        num_blocks=num_blocks,
-        model_id="pd-test",
-    )
+    args = {
+        "num_layers": MODEL["layers"],
+        "batch": batch,
+        "max_len": MAX_LEN,
+        "num_kv_heads": MODEL["kv_heads"],
+        "head_dim": MODEL["head_dim"],
+        "dtype": jnp.bfloat16,
+        "block_tokens": BLOCK,
+        "num_blocks": num_blocks,
+        "model_id": "pd-test",
+    }
     args.update(overrides)
     return tps.OffloadedKVCache(**args)
+
+
+def make_mesh_cache(devices, batch: int = 2, **overrides):
+    """A mesh cache over ``devices`` (one axis, "model"): each device holds
+    ``kv_heads / len(devices)`` of the KV heads of every slot."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import jax_tpusync as tps
+
+    args = {
+        "mesh": Mesh(np.asarray(devices), ("model",)),
+        "kv_heads_axis": "model",
+        "num_layers": MODEL["layers"],
+        "batch": batch,
+        "max_len": MAX_LEN,
+        "num_kv_heads": MODEL["kv_heads"],
+        "head_dim": MODEL["head_dim"],
+        "dtype": jnp.bfloat16,
+        "block_tokens": BLOCK,
+        "model_id": "pd-test",
+    }
+    args.update(overrides)
+    return tps.ShardedKVCache(**args)
+
+
+def shard_kv(cache, state, slot: int, n: int) -> dict:
+    """``{(lo, hi): [(k, v) per layer]}``: each head shard's first ``n`` rows of ``slot``,
+    as uint16 views (bfloat16 bytes) of [n, its heads, head_dim]."""
+    import numpy as np
+
+    parts = cache.split(state)
+    out = {}
+    for s, shard in cache.shards.items():
+        local = slot - cache.rows_of(s).start
+        heads = cache.heads_of(s)
+        out[(heads.start, heads.stop)] = [
+            tuple(np.asarray(x).view(np.uint16) for x in shard.read(parts[s], layer, local, 0, n))
+            for layer in range(MODEL["layers"])
+        ]
+    return out
 
 
 def prefill_tokens(step, params, cache, state, slot, tokens):
@@ -77,8 +127,8 @@ def serve_prefill(queue, mode: str = "ok", deadline_s: float = 10.0) -> None:
         if mode == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         state, first = prefill_tokens(step, params, cache, state, 0, request.tokens)
-        state, sent = sender.send(request, state, 0, extra=dict(first_token=first))
-        queue.put(dict(nbytes=sent.nbytes, segments=sent.segments))
+        state, sent = sender.send(request, state, 0, extra={"first_token": first})
+        queue.put({"nbytes": sent.nbytes, "segments": sent.segments})
     cache.close(state)
 
 
@@ -106,7 +156,7 @@ def serve_rows(queue, tokens_len: int, fragment: bool) -> None:
         queue.put(sender.address)
         request = sender.accept(timeout=60)
         state, sent = sender.send(request, state, slot)
-        queue.put(dict(nbytes=sent.nbytes, segments=sent.segments))
+        queue.put({"nbytes": sent.nbytes, "segments": sent.segments})
     cache.close(state)
 
 
@@ -119,3 +169,39 @@ def rows(layer: int, n: int):
     shape = (n, MODEL["kv_heads"], MODEL["head_dim"])
     base = np.arange(np.prod(shape), dtype=np.float32).reshape(shape) / 7 + 1000 * layer
     return jnp.asarray(base, jnp.bfloat16), jnp.asarray(-base - 0.5, jnp.bfloat16)
+
+
+def serve_mesh_prefill(queue, devices: int = 2) -> None:
+    """A prefill process on a mesh of ``devices`` CPU devices (head shards): serves one
+    request with the tiny decoder; puts its address, then what it sent and each head
+    shard's KV of the slot."""
+    import sys
+
+    os.chdir("/")
+    assert "jax" not in sys.modules, "jax was imported before its device count was set"
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    import functools
+
+    import jax
+
+    from jax_tpusync.bench import tiny_decoder
+    from jax_tpusync.pd_transfer import KVSender
+
+    assert jax.device_count() == devices, jax.devices()
+    cfg, params = model()
+    step = jax.jit(functools.partial(tiny_decoder.forward, cfg), donate_argnums=(2,))
+    cache = make_mesh_cache(jax.devices())
+    state = cache.init(admit=False)
+    with KVSender(cache, deadline_s=30.0, batch_bytes=4096) as sender:
+        queue.put(sender.address)
+        request = sender.accept(timeout=60)
+        state, first = prefill_tokens(step, params, cache, state, 0, request.tokens)
+        state, sent = sender.send(request, state, 0, extra={"first_token": first})
+        queue.put(
+            {
+                "nbytes": sent.nbytes,
+                "head_bytes": sent.head_bytes,
+                "kv": shard_kv(cache, state, 0, len(request.tokens)),
+            }
+        )
+    cache.close(state)

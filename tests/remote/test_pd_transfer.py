@@ -13,7 +13,9 @@ import functools
 import multiprocessing
 import os
 import signal
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_tpusync import pd_transfer
 from jax_tpusync.bench import tiny_decoder
-from jax_tpusync.pd_transfer import KVReceiver, PDTransferError
+from jax_tpusync.pd_transfer import KVReceiver, KVSender, PDTransferError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # pd_peers, here and in children.
 import pd_peers
@@ -107,7 +110,7 @@ def test_byte_exact_into_non_contiguous_blocks():
     ):
         address = queue.get(timeout=TIMEOUT)
         runs = None
-        state, got = rx.receive(state, 3, np.arange(n), prefill=address, max_tokens=n)
+        state, _got = rx.receive(state, 3, np.arange(n), prefill=address, max_tokens=n)
         runs = rx.destination_runs(3, 0, n)
         summary = queue.get(timeout=TIMEOUT)
         proc.join(TIMEOUT)
@@ -125,7 +128,9 @@ def test_byte_exact_into_non_contiguous_blocks():
     cache.close(state)
 
 
-def _assert_refused(cache, rx, state, address, deadline, match):
+def _assert_refused(cache, rx, state, address, deadline, match, *, held: bool):
+    """A refused receive into slot 0 within the deadline: the slot inactive, its blocks
+    free (``held``: held aside in quarantine instead); returns the free blocks before."""
     free = cache.free_blocks
     begin = time.monotonic()
     with pytest.raises(PDTransferError, match=match) as info:
@@ -133,8 +138,15 @@ def _assert_refused(cache, rx, state, address, deadline, match):
     took = time.monotonic() - begin
     assert took < deadline + 2.0, took
     assert "slot 0 from" in str(info.value) and "left unadmitted" in str(info.value)
-    assert int(cache.capacity[0]) == 0 and cache.free_blocks == free
-    return took
+    assert int(cache.capacity[0]) == 0
+    if held:
+        assert "held aside" in str(info.value)
+        assert list(rx.quarantined) == [0]
+        assert cache.free_blocks == free - 3  # 20 tokens: 3 blocks of 8.
+    else:
+        assert rx.quarantined == {}
+        assert cache.free_blocks == free
+    return free
 
 
 @pytest.mark.parametrize("mode", ["kill", "stop"])
@@ -143,12 +155,17 @@ def test_dead_or_hung_prefill_is_a_refusal_within_the_deadline(mode):
     state = cache.init(admit=False)
     deadline = 4.0
     with (
-        peer(pd_peers.serve_prefill, mode) as (proc, queue),
-        KVReceiver(cache, deadline_s=deadline) as rx,
+        peer(pd_peers.serve_prefill, mode) as (_proc, queue),
+        KVReceiver(cache, deadline_s=deadline, quarantine_s=1.0) as rx,
     ):
         address = queue.get(timeout=TIMEOUT)
         match = "went away" if mode == "kill" else "no completion message within the deadline"
-        _assert_refused(cache, rx, state, address, deadline, match)
+        # The request went out: writes may be in flight, so the blocks are held aside.
+        free = _assert_refused(cache, rx, state, address, deadline, match, held=True)
+        with pytest.raises(ValueError, match=r"slot 0 is quarantined .* frees in"):
+            rx.receive(state, 0, np.arange(20), prefill=address)
+        assert rx.reclaim(wait=True) == [0]
+        assert cache.free_blocks == free and rx.quarantined == {}
     # The slot can be used again.
     state, _ = cache.admit(state, 0, max_tokens=20)
     cache.close(state)
@@ -157,13 +174,14 @@ def test_dead_or_hung_prefill_is_a_refusal_within_the_deadline(mode):
 def test_no_prefill_process_is_a_refusal():
     cache = pd_peers.make_cache()
     state = cache.init(admit=False)
-    with KVReceiver(cache, deadline_s=2.0) as rx:
-        import socket
-
+    with KVReceiver(cache, deadline_s=2.0, quarantine_s=60.0) as rx:
         with socket.socket() as s:  # A port nobody listens on.
             s.bind(("127.0.0.1", 0))
-            address = "127.0.0.1:%d" % s.getsockname()[1]
-        _assert_refused(cache, rx, state, address, 2.0, "cannot reach the prefill process")
+            address = f"127.0.0.1:{s.getsockname()[1]}"
+        # Nothing went out: the blocks are free at once, whatever the quarantine.
+        _assert_refused(
+            cache, rx, state, address, 2.0, "cannot reach the prefill process", held=False
+        )
     cache.close(state)
 
 
@@ -181,4 +199,579 @@ def test_deadline_must_be_positive_and_finite(deadline):
     cache = pd_peers.make_cache()
     with pytest.raises(ValueError, match="must be a finite number > 0"):
         KVReceiver(cache, deadline_s=deadline)
+    cache.close()
+
+
+@pytest.mark.parametrize("quarantine", [-1.0, float("inf"), True, "1"])
+def test_quarantine_must_be_none_or_finite_and_not_negative(quarantine):
+    cache = pd_peers.make_cache()
+    with pytest.raises(ValueError, match="must be None or a finite number >= 0"):
+        KVReceiver(cache, quarantine_s=quarantine, transfer_engine=FakeEngine(), session="d:1")
+    cache.close()
+
+
+# -- faults a real engine cannot make on cue: a stand-in engine ---------------------------------
+
+N = 20  # Tokens of the fake transfers: 20 rows of 64 bytes per (layer, K|V), 3 blocks of 8.
+
+
+class FakeEngine:
+    """A TransferEngine stand-in: writes move no bytes; ``submit`` is what a submission
+    returns when negative, ``status(request id)`` its status, ``warm`` what the first
+    (synchronous) write to a session returns."""
+
+    def __init__(self, *, submit=0, status=lambda rid: 1, warm=0):
+        self.submit, self.status, self.warm = submit, status, warm
+        self.registered: dict[int, int] = {}
+        self.submitted: list[int] = []
+
+    def register_memory(self, address, nbytes):
+        self.registered[address] = nbytes
+        return 0
+
+    def unregister_memory(self, address):
+        del self.registered[address]
+        return 0
+
+    def transfer_sync_write(self, session, src, dst, size):
+        return self.warm
+
+    def transfer_submit_write(self, session, src, dst, size):
+        if self.submit < 0:
+            return self.submit
+        self.submitted.append(size)
+        return len(self.submitted)
+
+    def transfer_check_status(self, rid):
+        return self.status(rid)
+
+
+@contextlib.contextmanager
+def fake_pair(
+    engine, *, sender_deadline=0.5, receiver_deadline=5.0, quarantine_s=0.0, rx_blocks=None, **kw
+):
+    """A receiver and a sender in this process over ``engine``; the sender's slot 0 holds
+    N tokens; the decode cache has ``rx_blocks`` blocks. Yields (decode cache, receiver,
+    sender, prefill state)."""
+    tx_cache = pd_peers.make_cache(batch=1)
+    tx_state = tx_cache.init(admit=False)
+    tx_state, _ = tx_cache.admit(tx_state, 0, max_tokens=N)
+    for layer in range(pd_peers.MODEL["layers"]):
+        tx_state = tx_cache.load(tx_state, layer, *pd_peers.rows(layer, N), slot=0)
+    rx_cache = pd_peers.make_cache(num_blocks=rx_blocks)
+    rx = KVReceiver(
+        rx_cache,
+        deadline_s=receiver_deadline,
+        quarantine_s=quarantine_s,
+        transfer_engine=engine,
+        session="decode:1",
+        clock=kw.pop("clock", time.monotonic),
+    )
+    tx = KVSender(
+        tx_cache, deadline_s=sender_deadline, transfer_engine=engine, session="prefill:1", **kw
+    )
+    try:
+        yield rx_cache, rx, tx, tx_state
+    finally:
+        tx.close()
+        rx.clock = time.monotonic  # A fake clock's quarantines end here, not in its future.
+        rx.close()
+        tx_cache.close()
+        rx_cache.close()
+
+
+@contextlib.contextmanager
+def receiving(rx, state, slot=0):
+    """``rx.receive(state, slot, N tokens)`` from ``rx``'s peer on a thread; yields a dict
+    that holds its "error" (or "result") once the block exits (joined, bounded)."""
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["result"] = rx.receive(state, slot, np.arange(N), prefill=outcome["address"])
+        except Exception as e:  # noqa: BLE001 - checked by the test.
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    outcome["start"] = thread.start
+    yield outcome
+    thread.join(30)
+    assert not thread.is_alive(), "the receive did not end"
+
+
+def _send_fails(engine, match, *, told, **kw):
+    """A transfer whose send fails with ``match``; the decode side's error names ``told``."""
+    with fake_pair(engine, **kw) as (rx_cache, rx, tx, tx_state):
+        free = rx_cache.free_blocks
+        state = rx_cache.init(admit=False)
+        with receiving(rx, state) as outcome:
+            outcome["address"] = tx.address
+            outcome["start"]()
+            request = tx.accept(timeout=10)
+            begin = time.monotonic()
+            with pytest.raises(PDTransferError, match=match):
+                tx.send(request, tx_state, 0)
+            took = time.monotonic() - begin
+        assert request.answered and tx.failed == 1
+        error = str(outcome["error"])
+        assert "slot 0 from" in error and told in error, error
+        assert int(rx_cache.capacity[0]) == 0 and rx_cache.free_blocks == free
+        return took, engine
+
+
+def test_a_refused_submission_fails_the_send_and_the_decode_side_is_told():
+    took, engine = _send_fails(
+        FakeEngine(submit=-2),
+        r"submitting a write to decode:1 returned -2: the decode process is gone",
+        told="refused: writing the KV failed: submitting a write to decode:1 returned -2",
+    )
+    assert engine.submitted == [] and took < 1.0
+
+
+def test_a_failed_first_write_fails_the_send_and_the_decode_side_is_told():
+    _send_fails(
+        FakeEngine(warm=-1),
+        r"the TransferEngine's writes to decode:1 failed \(-1\)",
+        told="refused: writing the KV failed: the TransferEngine's writes to decode:1 failed (-1)",
+    )
+
+
+def test_a_failed_write_status_fails_the_send_and_the_decode_side_is_told():
+    _send_fails(
+        FakeEngine(status=lambda rid: -1),
+        r"the TransferEngine's writes to decode:1 failed \(-1\)",
+        told="refused: writing the KV failed: the TransferEngine's writes to decode:1 failed (-1)",
+    )
+
+
+def test_a_write_never_acknowledged_fails_the_send_at_its_deadline():
+    took, engine = _send_fails(
+        FakeEngine(status=lambda rid: 0),
+        r"a write of \d+ bytes to decode:1 was not acknowledged within 0.5 s",
+        told="was not acknowledged within 0.5 s",
+        sender_deadline=0.5,
+    )
+    assert 0.5 <= took < 2.0, took
+    assert engine.submitted  # Some were in flight.
+
+
+def test_a_write_acknowledged_at_its_deadline_is_not_a_failure():
+    """The guard is "longer than the deadline since submission": a write acknowledged
+    just inside it passes."""
+    polls: dict[int, float] = {}
+
+    def status(rid):
+        first = polls.setdefault(rid, time.monotonic())
+        return 1 if time.monotonic() - first > 0.3 else 0
+
+    with fake_pair(FakeEngine(status=status), sender_deadline=0.5) as (rx_cache, rx, tx, tx_state):
+        state = rx_cache.init(admit=False)
+        with receiving(rx, state) as outcome:
+            outcome["address"] = tx.address
+            outcome["start"]()
+            request = tx.accept(timeout=10)
+            tx_state, sent = tx.send(request, tx_state, 0)
+        assert "error" not in outcome, outcome.get("error")
+        assert sent.nbytes == 2 * pd_peers.MODEL["layers"] * N * 64
+
+
+def test_the_send_stops_once_the_decode_side_gives_up():
+    """The decode side's deadline passes while a write is pending; the sender sees the
+    closed control connection before its next write and stops."""
+    gave_up = threading.Event()
+    engine = FakeEngine(status=lambda rid: 1 if gave_up.is_set() else 0)
+    kw = {"sender_deadline": 10.0, "receiver_deadline": 0.5, "piece_bytes": 256, "batch_bytes": 256}
+    with fake_pair(engine, **kw) as (rx_cache, rx, tx, tx_state):
+        free = rx_cache.free_blocks
+        state = rx_cache.init(admit=False)
+        with receiving(rx, state) as outcome:
+            outcome["address"] = tx.address
+            outcome["start"]()
+            request = tx.accept(timeout=10)
+            watcher = threading.Thread(
+                target=lambda: (time.sleep(0.5), _wait_for(outcome), gave_up.set()), daemon=True
+            )
+            watcher.start()
+            begin = time.monotonic()
+            with pytest.raises(PDTransferError, match=r"closed the connection \(it gave up\)"):
+                tx.send(request, tx_state, 0)
+            took = time.monotonic() - begin
+            watcher.join(10)
+        assert took < 3.0, took
+        # One write was in flight when the decode side gave up; none was submitted after.
+        assert engine.submitted == [256]
+        assert "no completion message within the deadline" in str(outcome["error"])
+        assert int(rx_cache.capacity[0]) == 0 and rx_cache.free_blocks == free
+
+
+def _wait_for(outcome, timeout=10.0):
+    end = time.monotonic() + timeout
+    while "error" not in outcome and "result" not in outcome and time.monotonic() < end:
+        time.sleep(0.01)
+
+
+# -- quarantine of blocks writes may still land in ----------------------------------------------
+
+
+def test_a_failure_after_writes_holds_the_blocks_until_exactly_the_quarantine():
+    now = [100.0]
+    engine = FakeEngine(status=lambda rid: -1)
+    with fake_pair(engine, quarantine_s=10.0, clock=lambda: now[0], rx_blocks=11) as (
+        rx_cache,
+        rx,
+        tx,
+        tx_state,
+    ):
+        free = rx_cache.free_blocks
+        state = rx_cache.init(admit=False)
+        with receiving(rx, state) as outcome:
+            outcome["address"] = tx.address
+            outcome["start"]()
+            request = tx.accept(timeout=10)
+            with pytest.raises(PDTransferError, match="writes to decode:1 failed"):
+                tx.send(request, tx_state, 0)
+        error = str(outcome["error"])
+        assert "held aside for 10 s (writes may still land in them)" in error, error
+        assert int(rx_cache.capacity[0]) == 0  # Inactive: no state shows it.
+        assert rx_cache.free_blocks == free - 3 and rx.quarantined == {0: 10.0}
+        # Other slots are served meanwhile, from the other blocks.
+        state, _ = rx_cache.admit(state, 1, max_tokens=8 * pd_peers.BLOCK)
+        assert rx_cache.free_blocks == 0
+        with pytest.raises(ValueError, match="needs 3 KV blocks but only 0 of 11 are free"):
+            rx_cache.admit(state, 0, max_tokens=N)
+        state = rx_cache.release(state, 1)
+        now[0] = 110.0 - 1e-6
+        assert rx.reclaim() == [] and rx_cache.free_blocks == free - 3
+        with pytest.raises(ValueError, match=r"slot 0 is quarantined .*: it frees in 1e-06 s"):
+            rx.receive(state, 0, np.arange(N), prefill=tx.address)
+        now[0] = 110.0
+        assert rx.reclaim() == [0]
+        assert rx_cache.free_blocks == free and rx.quarantined == {}
+
+
+def test_receive_reclaims_expired_quarantines_first():
+    now = [0.0]
+    with fake_pair(FakeEngine(status=lambda rid: -1), quarantine_s=5.0, clock=lambda: now[0]) as (
+        rx_cache,
+        rx,
+        tx,
+        tx_state,
+    ):
+        free = rx_cache.free_blocks
+        state = rx_cache.init(admit=False)
+        with receiving(rx, state) as outcome:
+            outcome["address"] = tx.address
+            outcome["start"]()
+            with pytest.raises(PDTransferError):
+                tx.send(tx.accept(timeout=10), tx_state, 0)
+        assert rx_cache.free_blocks == free - 3
+        tx.engine.status = lambda rid: 1
+        now[0] = 5.0
+        with receiving(rx, state) as outcome:
+            outcome["address"] = tx.address
+            outcome["start"]()
+            tx.send(tx.accept(timeout=10), tx_state, 0)
+        state, got = outcome["result"]
+        assert got.slot == 0 and got.length == N and rx.quarantined == {}
+        assert rx_cache.free_blocks == free - 8  # Slot 0 admitted at max_len: 8 blocks.
+
+
+def test_a_refusal_before_any_write_frees_the_blocks_at_once():
+    """A request refused before a write was submitted (the prefill raised) leaves nothing
+    in flight: no quarantine."""
+    with fake_pair(FakeEngine(), quarantine_s=60.0) as (rx_cache, rx, tx, tx_state):
+        free = rx_cache.free_blocks
+        state = rx_cache.init(admit=False)
+        with receiving(rx, state) as outcome:
+            outcome["address"] = tx.address
+            outcome["start"]()
+
+            def prefill(state, tokens):
+                raise RuntimeError("out of memory")
+
+            with pytest.raises(RuntimeError, match="out of memory"):
+                tx.serve_one(tx_state, prefill, timeout=10)
+        assert "refused: the prefill raised RuntimeError: out of memory" in str(outcome["error"])
+        assert rx.quarantined == {} and rx_cache.free_blocks == free
+
+
+def test_the_default_quarantine_is_twice_the_longest_tcp_timeout_plus_one(monkeypatch):
+    cache = pd_peers.make_cache()
+    for progress, status, want in (("3", "5", 11.0), ("7", None, 61.0), (None, None, 61.0)):
+        for name, value in (
+            ("MC_TCP_PROGRESS_TIMEOUT_SEC", progress),
+            ("MC_TCP_STATUS_TIMEOUT_SEC", status),
+        ):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        rx = KVReceiver(cache, transfer_engine=FakeEngine(), session="d:1")
+        assert rx.quarantine_s == want
+        rx.close()
+    monkeypatch.setenv("MC_TCP_STATUS_TIMEOUT_SEC", "soon")
+    with pytest.raises(ValueError, match="MC_TCP_STATUS_TIMEOUT_SEC='soon' must be a positive"):
+        KVReceiver(cache, transfer_engine=FakeEngine(), session="d:1")
+    cache.close()
+
+
+# -- mesh caches: each head shard sends its own heads -------------------------------------------
+
+
+needs_two_devices = pytest.mark.skipif(
+    jax.device_count() < 2,
+    reason="needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count)",
+)
+
+
+@needs_two_devices
+def test_mesh_decode_after_transfer_equals_local_prefill_and_each_shard_sends_its_heads():
+    cfg, params = pd_peers.model()
+    step = decode_step(cfg)
+    prompt = np.random.default_rng(1).integers(0, cfg.vocab, 29)
+    devices = jax.devices()[:2]
+    local = pd_peers.make_mesh_cache(devices)
+    state = local.init(admit=False)
+    state, first = pd_peers.prefill_tokens(step, params, local, state, 1, prompt)
+    want_kv = pd_peers.shard_kv(local, state, 1, len(prompt))
+    want, state = one_token(step, params, local, state, 1, first)
+    local.close(state)
+
+    cache = pd_peers.make_mesh_cache(devices)
+    state = cache.init(admit=False)
+    with (
+        peer(pd_peers.serve_mesh_prefill) as (proc, queue),
+        KVReceiver(cache, deadline_s=60) as rx,
+    ):
+        address = queue.get(timeout=TIMEOUT)
+        state, got = rx.receive(state, 1, prompt, prefill=address)
+        summary = queue.get(timeout=TIMEOUT)
+        proc.join(TIMEOUT)
+    share = 2 * cfg.layers * len(prompt) * cache.shard_spec.row_bytes  # One head shard's.
+    assert got.head_bytes == tuple(summary["head_bytes"]) == (share, share)
+    assert got.nbytes == summary["nbytes"] == 2 * share
+    assert got.extra["first_token"] == first
+    # Each head shard holds the bytes the prefill process's shard of its heads held.
+    got_kv = pd_peers.shard_kv(cache, state, 1, len(prompt))
+    assert sorted(got_kv) == sorted(summary["kv"]) == [(0, 1), (1, 2)]
+    for heads, layers in got_kv.items():
+        for (k, v), (pk, pv), (wk, wv) in zip(layers, summary["kv"][heads], want_kv[heads]):
+            np.testing.assert_array_equal(k, pk)
+            np.testing.assert_array_equal(v, pv)
+            np.testing.assert_array_equal(k, wk)
+            np.testing.assert_array_equal(v, wv)
+    logits, state = one_token(step, params, cache, state, 1, got.extra["first_token"])
+    np.testing.assert_array_equal(logits, want)
+    cache.close(state)
+
+
+@needs_two_devices
+def test_a_head_split_that_differs_is_refused_naming_it():
+    """A one-device prefill cache (all heads in one pool) cannot write a 2-way head split;
+    refused before any write, so the decode blocks are free at once."""
+    decode = pd_peers.make_mesh_cache(jax.devices()[:2])
+    prefill = pd_peers.make_cache(batch=1)
+    engine = FakeEngine()
+    with (
+        KVReceiver(decode, quarantine_s=60.0, transfer_engine=engine, session="decode:1") as rx,
+        KVSender(prefill, transfer_engine=engine, session="prefill:1") as tx,
+    ):
+        free = decode.free_blocks
+        state = decode.init(admit=False)
+        with receiving(rx, state) as outcome:
+            outcome["address"] = tx.address
+            outcome["start"]()
+            with pytest.raises(
+                PDTransferError,
+                match=r"layout differs: head_split \[\[0, 2\]\] here, \[\[0, 1\], \[1, 2\]\] "
+                r"there; row_bytes 64 here, 32 there",
+            ):
+                tx.accept(timeout=10)
+        assert "refused: layout differs: head_split" in str(outcome["error"])
+        assert rx.quarantined == {} and decode.free_blocks == free
+        assert int(decode.capacity[0]) == 0
+    decode.close()
+    prefill.close()
+
+
+@needs_two_devices
+def test_a_mesh_slot_whose_head_shards_are_not_all_here_is_refused():
+    """receive() needs every head shard of the slot in this process (a check a
+    multi-process mesh meets): here a pool list without shard 1 stands for one."""
+    cache = pd_peers.make_mesh_cache(jax.devices()[:2])
+    with KVReceiver(cache, transfer_engine=FakeEngine(), session="decode:1") as rx:
+        rx.pools = rx.pools[:1]
+        with pytest.raises(
+            ValueError,
+            match=r"slot 1's KV heads are split over 2 devices, of which this "
+            r"process holds 1",
+        ):
+            rx.receive(cache.init(admit=False), 1, np.arange(N), prefill="127.0.0.1:1")
+        with pytest.raises(ValueError, match=r"slot=2 must be an int in \[0, batch=2\)"):
+            rx.receive(cache.init(admit=False), 2, np.arange(N), prefill="127.0.0.1:1")
+        rx.pools = pd_transfer.head_pools(cache, "KVReceiver")
+    cache.close()
+
+
+@needs_two_devices
+def test_a_mesh_receivers_runs_are_per_head_range():
+    cache = pd_peers.make_mesh_cache(jax.devices()[:2])
+    state = cache.init(admit=False)
+    state, _ = cache.admit(state, 0, max_tokens=2 * pd_peers.BLOCK)
+    with KVReceiver(cache, transfer_engine=FakeEngine(), session="decode:1") as rx:
+        runs = rx.head_runs(0, 0, 2 * pd_peers.BLOCK)
+        assert [r["heads"] for r in runs] == [[0, 1], [1, 2]]
+        row = cache.shard_spec.row_bytes
+        for r in runs:
+            assert len(r["runs"]) == 2 * pd_peers.MODEL["layers"]
+            assert all(sum(n for _, n in region) == 16 * row for region in r["runs"])
+        with pytest.raises(
+            ValueError, match=r"slot 0's heads lie in 2 pools .*: use head_runs\(\)"
+        ):
+            rx.destination_runs(0, 0, 16)
+    cache.close(state)
+
+
+@needs_two_devices
+def test_a_mesh_sender_refuses_a_slot_whose_head_shards_are_not_all_here():
+    cache = pd_peers.make_mesh_cache(jax.devices()[:2])
+    engine = FakeEngine()
+    with (
+        KVReceiver(cache, quarantine_s=60.0, transfer_engine=engine, session="decode:1") as rx,
+        KVSender(
+            pd_peers.make_mesh_cache(jax.devices()[2:4]),
+            transfer_engine=engine,
+            session="prefill:1",
+        ) as tx,
+    ):
+        state = cache.init(admit=False)
+        with receiving(rx, state) as outcome:
+            outcome["address"] = tx.address
+            outcome["start"]()
+            request = tx.accept(timeout=10)
+            tx.pools = tx.pools[1:]
+            with pytest.raises(ValueError, match="slot 0's KV heads are split over 2 devices"):
+                tx.send(request, tx.cache.init(admit=False), 0)
+        assert "refused: the prefill slot cannot be sent: slot 0's KV heads" in str(
+            outcome["error"]
+        )
+        assert rx.quarantined == {}  # Refused before any write.
+        tx.pools = pd_transfer.head_pools(tx.cache, "KVSender")
+    tx.cache.close()
+    cache.close()
+
+
+# -- the control channel, with a stand-in peer ---------------------------------------------------
+
+
+@contextlib.contextmanager
+def fake_prefill(reply):
+    """A control socket that takes one request and answers ``reply`` (a dict); yields
+    (its address, the request it got, once the block exits)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    got: dict = {}
+
+    def serve():
+        server.settimeout(10)
+        conn, _ = server.accept()
+        with conn:
+            got.update(pd_transfer.recv_message(conn, time.monotonic() + 10))
+            pd_transfer.send_message(conn, reply, time.monotonic() + 10)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield "127.0.0.1:{}".format(*server.getsockname()[1:2]), got
+    finally:
+        thread.join(10)
+        server.close()
+
+
+@pytest.mark.parametrize(
+    "reply, match",
+    [
+        (
+            {"version": 2, "ok": True, "nbytes": 5, "head_bytes": [5], "extra": None},
+            (
+                r"the prefill process reported 5 bytes written \(\[5\] per head range\), "
+                r"expected 5120 \(\[5120\]\)"
+            ),
+        ),
+        (
+            {"version": 2, "ok": True, "nbytes": 5120, "head_bytes": [4000, 1120], "extra": None},
+            r"reported 5120 bytes written \(\[4000, 1120\] per head range\), expected 5120",
+        ),
+        ({"version": 1, "ok": True}, "the prefill process answered in another protocol"),
+    ],
+)
+def test_a_reply_that_does_not_add_up_is_a_refusal_with_the_blocks_held(reply, match):
+    cache = pd_peers.make_cache()
+    state = cache.init(admit=False)
+    with KVReceiver(
+        cache, quarantine_s=60.0, transfer_engine=FakeEngine(), session="decode:1"
+    ) as rx:
+        free = cache.free_blocks
+        with fake_prefill(reply) as (address, request), pytest.raises(PDTransferError, match=match):
+            rx.receive(state, 0, np.arange(N), prefill=address)
+        assert request["start"] == 0 and [s["heads"] for s in request["shards"]] == [[0, 2]]
+        assert cache.free_blocks == free - 3 and list(rx.quarantined) == [0]
+        rx.clock = lambda: time.monotonic() + 60.0
+        assert rx.reclaim() == [0] and cache.free_blocks == free
+    cache.close(state)
+
+
+def _request(**changes):
+    layout = {
+        "num_layers": 2,
+        "num_kv_heads": 2,
+        "head_split": [[0, 2]],
+        "head_dim": 16,
+        "dtype": "bfloat16",
+        "tier_dtype": None,
+        "block_tokens": 8,
+        "row_bytes": 64,
+    }
+    runs = [[[4096, 128]] for _ in range(4)]
+    message = {
+        "version": 2,
+        "op": "prefill",
+        "tokens": [1, 2],
+        "start": 0,
+        "session": "decode:1",
+        "layout": layout,
+        "shards": [{"heads": [0, 2], "runs": runs}],
+    }
+    message.update(changes)
+    return message
+
+
+@pytest.mark.parametrize(
+    "message, match",
+    [
+        (_request(version=1), "not a version-2 P/D request"),
+        (
+            _request(layout={"num_layers": 2}),
+            r"layout differs: block_tokens 8 here, None there; dtype",
+        ),
+        (_request(tokens=[]), "tokens must be a non-empty list of ints"),
+        (_request(start=2), r"start=2 must be in \[0, 2\)"),
+        (_request(shards=[]), r"shards must be one per head range \[\[0, 2\]\], in order"),
+        (
+            _request(shards=[{"heads": [0, 2], "runs": [[[4096, 64]]] * 4}]),
+            r"the runs of heads \[0, 2\] must be 4 lists of \[address, bytes\] covering 128",
+        ),
+        (_request(session=""), "session must be a non-empty string"),
+    ],
+)
+def test_a_malformed_request_is_refused_before_any_write(message, match):
+    cache = pd_peers.make_cache(batch=1)
+    with (
+        KVSender(cache, transfer_engine=FakeEngine(), session="prefill:1") as tx,
+        socket.create_connection(tx.address.split(":")) as conn,
+    ):
+        pd_transfer.send_message(conn, message, time.monotonic() + 10)
+        with pytest.raises(PDTransferError, match="refused a P/D request from .*: " + match):
+            tx.accept(timeout=10)
+        reply = pd_transfer.recv_message(conn, time.monotonic() + 10)
+    assert reply["ok"] is False and reply["writes_submitted"] is False
     cache.close()
