@@ -977,6 +977,8 @@ class KVSender:
         """(source address, destination address, bytes) writes of one head range: each
         region's source runs (``local`` of ``pool``) and the destination runs (``shard``'s)
         walked together, split where either one ends."""
+        if list(pool.heads) != shard["heads"]:  # accept() checked the order; kept so.
+            raise ValueError(f"heads {shard['heads']} sent to the pool of heads {pool.heads}")
         out = []
         n = int(request.tokens.size)
         sources = pool_runs(pool.cache, pool.address, local, request.start, n)

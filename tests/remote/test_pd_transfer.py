@@ -775,3 +775,95 @@ def test_a_malformed_request_is_refused_before_any_write(message, match):
         reply = pd_transfer.recv_message(conn, time.monotonic() + 10)
     assert reply["ok"] is False and reply["writes_submitted"] is False
     cache.close()
+
+
+@needs_two_devices
+def test_a_mesh_failure_after_writes_holds_each_head_shards_blocks():
+    decode = pd_peers.make_mesh_cache(jax.devices()[:2])
+    prefill = pd_peers.make_mesh_cache(jax.devices()[2:4], batch=2)
+    tx_state = prefill.init(admit=False)
+    tx_state, _ = prefill.admit(tx_state, 0, max_tokens=N)
+    for layer in range(pd_peers.MODEL["layers"]):
+        tx_state = prefill.load(tx_state, layer, *pd_peers.rows(layer, N), slot=0)
+    engine = FakeEngine(status=lambda rid: -1)
+    with (
+        KVReceiver(decode, quarantine_s=60.0, transfer_engine=engine, session="decode:1") as rx,
+        KVSender(prefill, transfer_engine=engine, session="prefill:1") as tx,
+    ):
+        free = {s: c.free_blocks for s, c in decode.shards.items()}
+        state = decode.init(admit=False)
+        with receiving(rx, state, slot=1) as outcome:
+            outcome["address"] = tx.address
+            outcome["start"]()
+            with pytest.raises(PDTransferError, match="writes to decode:1 failed"):
+                tx.send(tx.accept(timeout=10), tx_state, 0)
+        assert "held aside for 60 s" in str(outcome["error"])
+        assert int(decode.capacity[1]) == 0 and list(rx.quarantined) == [1]
+        assert {s: c.free_blocks for s, c in decode.shards.items()} == {
+            s: n - 3 for s, n in free.items()
+        }
+        rx.clock = lambda: time.monotonic() + 60.0
+        assert rx.reclaim() == [1]
+        assert {s: c.free_blocks for s, c in decode.shards.items()} == free
+    prefill.close(tx_state)
+    decode.close(state)
+
+
+@needs_two_devices
+def test_a_head_range_is_never_written_into_another_ones_pool():
+    """The sender pairs each of its head shards with the decode pool of the same heads;
+    pools listed out of order are refused, not written crosswise."""
+    decode = pd_peers.make_mesh_cache(jax.devices()[:2])
+    prefill = pd_peers.make_mesh_cache(jax.devices()[2:4])
+    tx_state = prefill.init(admit=False)
+    tx_state, _ = prefill.admit(tx_state, 0, max_tokens=N)
+    for layer in range(pd_peers.MODEL["layers"]):
+        tx_state = prefill.load(tx_state, layer, *pd_peers.rows(layer, N), slot=0)
+    engine = FakeEngine()
+    with (
+        KVReceiver(decode, quarantine_s=0.0, transfer_engine=engine, session="decode:1") as rx,
+        KVSender(prefill, transfer_engine=engine, session="prefill:1") as tx,
+    ):
+        state = decode.init(admit=False)
+        with receiving(rx, state) as outcome:
+            outcome["address"] = tx.address
+            outcome["start"]()
+            request = tx.accept(timeout=10)
+            tx.pools = tx.pools[::-1]
+            with pytest.raises(
+                PDTransferError, match=r"heads \[0, 1\] sent to the pool of heads \(1, 2\)"
+            ):
+                tx.send(request, tx_state, 0)
+            tx.pools = tx.pools[::-1]
+        assert "heads [0, 1] sent to the pool of heads (1, 2)" in str(outcome["error"])
+        assert engine.submitted == []
+    prefill.close(tx_state)
+    decode.close(state)
+
+
+def test_the_quarantine_holds_only_the_blocks_the_request_named():
+    """A prompt whose first 2 blocks the decode cache's prefix index holds: the request
+    names positions [16, 20), one block; only it is held (the prefix stays indexed, the
+    rest of the slot's capacity is freed)."""
+    engine = FakeEngine(status=lambda rid: -1)
+    with fake_pair(engine, quarantine_s=60.0) as (rx_cache, rx, tx, tx_state):
+        state = rx_cache.init(admit=False)
+        state, _ = rx_cache.admit(state, 1, tokens=np.arange(16))
+        for layer in range(pd_peers.MODEL["layers"]):
+            state = rx_cache.load(state, layer, *pd_peers.rows(layer, 16), slot=1)
+        state = rx_cache.release(state, 1, tokens=np.arange(16))
+        free = rx_cache.free_blocks
+        with receiving(rx, state) as outcome:
+            outcome["address"] = tx.address
+            outcome["start"]()
+            request = tx.accept(timeout=10)
+            assert request.start == 16
+            with pytest.raises(PDTransferError, match="writes to decode:1 failed"):
+                tx.send(request, tx_state, 0)
+        assert "held aside" in str(outcome["error"])
+        assert rx_cache.free_blocks == free - 1
+        rx.clock = lambda: time.monotonic() + 60.0
+        assert rx.reclaim() == [0] and rx_cache.free_blocks == free
+        # The prefix is still indexed: a new admission maps it.
+        state, cached = rx_cache.admit(state, 0, tokens=np.arange(N))
+        assert cached == 16
