@@ -503,6 +503,8 @@ class KVReceiver:
         self.pools = head_pools(cache, "KVReceiver")
         if (transfer_engine is None) != (session is None):
             raise ValueError("give transfer_engine and its session together, or neither")
+        if quarantine_s is None:
+            engine_tcp_timeout_s()  # Refuses a bad setting before an engine starts.
         if transfer_engine is None:
             transfer_engine, session = _start_engine(host, self.deadline_s)
         self.quarantine_s = default_quarantine_s() if quarantine_s is None else float(quarantine_s)

@@ -867,3 +867,18 @@ def test_the_quarantine_holds_only_the_blocks_the_request_named():
         # The prefix is still indexed: a new admission maps it.
         state, cached = rx_cache.admit(state, 0, tokens=np.arange(N))
         assert cached == 16
+
+
+def test_a_prefill_slot_shorter_than_the_request_is_refused_and_the_decode_side_told():
+    with fake_pair(FakeEngine(), quarantine_s=60.0) as (rx_cache, rx, tx, tx_state):
+        free = rx_cache.free_blocks
+        state = rx_cache.init(admit=False)
+        with receiving(rx, state) as outcome:
+            outcome["address"] = tx.address
+            outcome["start"]()
+            request = tx.accept(timeout=10)
+            short = tx_state.replace(lengths=tx_state.lengths - 1)  # 19 tokens in slot 0.
+            with pytest.raises(ValueError, match=r"slot 0 holds 19 tokens; the request needs 20"):
+                tx.send(request, short, 0)
+        assert "refused: the prefill slot holds 19 tokens, not 20" in str(outcome["error"])
+        assert rx.quarantined == {} and rx_cache.free_blocks == free
