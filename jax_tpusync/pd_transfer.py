@@ -517,11 +517,6 @@ class KVReceiver:
         self.failed = 0
         self._quarantine: dict[int, Quarantine] = {}
 
-    @property
-    def pool_address(self) -> int:
-        """The first head range's pool address in this process (a one-device cache's pool)."""
-        return self.pools[0].address
-
     def destination_runs(self, slot: int, lo: int, hi: int) -> list[list[list[int]]]:
         """Per region (layer * 2 + K|V): ``[address, bytes]`` runs of positions ``[lo,
         hi)`` of ``slot`` in this process's pool (a one-device cache, or a mesh cache of
@@ -806,11 +801,6 @@ class KVSender:
         self.sent = 0
         self.failed = 0
         self._warm: set[str] = set()  # Sessions already written to (connection open).
-
-    @property
-    def pool_address(self) -> int:
-        """The first head range's pool address in this process (a one-device cache's pool)."""
-        return self.pools[0].address
 
     def accept(self, timeout: float | None = None) -> PrefillRequest:
         """The next request (waits at most ``timeout`` s, default the deadline), checked:

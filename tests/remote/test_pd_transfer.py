@@ -223,7 +223,8 @@ class FakeEngine:
     def __init__(self, *, submit=0, status=lambda rid: 1, warm=0):
         self.submit, self.status, self.warm = submit, status, warm
         self.registered: dict[int, int] = {}
-        self.submitted: list[int] = []
+        self.submitted: list[int] = []  # Sizes of the writes submitted, in order.
+        self.times: list[float] = []  # When each was submitted (time.monotonic()).
 
     def register_memory(self, address, nbytes):
         self.registered[address] = nbytes
@@ -240,6 +241,7 @@ class FakeEngine:
         if self.submit < 0:
             return self.submit
         self.submitted.append(size)
+        self.times.append(time.monotonic())
         return len(self.submitted)
 
     def transfer_check_status(self, rid):
@@ -355,16 +357,12 @@ def test_a_write_never_acknowledged_fails_the_send_at_its_deadline():
     assert engine.submitted  # Some were in flight.
 
 
-def test_a_write_acknowledged_at_its_deadline_is_not_a_failure():
-    """The guard is "longer than the deadline since submission": a write acknowledged
-    just inside it passes."""
-    polls: dict[int, float] = {}
-
-    def status(rid):
-        first = polls.setdefault(rid, time.monotonic())
-        return 1 if time.monotonic() - first > 0.3 else 0
-
-    with fake_pair(FakeEngine(status=status), sender_deadline=0.5) as (rx_cache, rx, tx, tx_state):
+def test_a_write_acknowledged_within_its_deadline_is_not_a_failure():
+    """The guard is "longer than the deadline since submission": writes acknowledged
+    0.3 s after their submission pass a 0.5 s deadline."""
+    engine = FakeEngine()
+    engine.status = lambda rid: int(time.monotonic() - engine.times[rid - 1] > 0.3)
+    with fake_pair(engine, sender_deadline=0.5) as (rx_cache, rx, tx, tx_state):
         state = rx_cache.init(admit=False)
         with receiving(rx, state) as outcome:
             outcome["address"] = tx.address
@@ -753,6 +751,7 @@ def _request(**changes):
             _request(layout={"num_layers": 2}),
             r"layout differs: block_tokens 8 here, None there; dtype",
         ),
+        (_request(layout=[1]), r"layout differs: the layout is \[1\], not a dict"),
         (_request(tokens=[]), "tokens must be a non-empty list of ints"),
         (_request(start=2), r"start=2 must be in \[0, 2\)"),
         (_request(shards=[]), r"shards must be one per head range \[\[0, 2\]\], in order"),
@@ -882,3 +881,9 @@ def test_a_prefill_slot_shorter_than_the_request_is_refused_and_the_decode_side_
                 tx.send(request, short, 0)
         assert "refused: the prefill slot holds 19 tokens, not 20" in str(outcome["error"])
         assert rx.quarantined == {} and rx_cache.free_blocks == free
+
+
+@pytest.mark.parametrize("role", [KVReceiver, KVSender])
+def test_a_cache_of_another_kind_is_refused(role):
+    with pytest.raises(TypeError, match=r"needs an OffloadedKVCache or a ShardedKVCache; got dict"):
+        role({}, transfer_engine=FakeEngine(), session="d:1")
