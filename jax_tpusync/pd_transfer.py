@@ -83,6 +83,7 @@ from typing import Any, Self
 
 import numpy as np
 
+from jax_tpusync import transfer_memory
 from jax_tpusync.cache import OffloadedKVCache
 from jax_tpusync.config import is_int
 from jax_tpusync.mesh import MeshAdmission, ShardedKVCache
@@ -162,7 +163,7 @@ class Sent:
     head_bytes: tuple[int, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Quarantine:
     """A failed transfer's blocks held aside (:meth:`KVReceiver.reclaim` frees them once
     ``until``, on the receiver's clock, has passed): per pool, the block ids writes may
@@ -171,6 +172,7 @@ class Quarantine:
     slot: int
     until: float
     blocks: tuple  # ((OffloadedKVCache, int32[k] block ids), ...)
+    passed: bool = False  # Reclaimed (with wait=True: before its time).
 
 
 # -- shared helpers ------------------------------------------------------------------------------
@@ -366,7 +368,8 @@ def _register(engine: Any, pools: list[HeadPool], role: str) -> None:
     done = []
     try:
         for pool in pools:
-            rc = engine.register_memory(pool.address, pool.nbytes)
+            # Counted: a remote prefix level on the same engine may register it too.
+            rc = transfer_memory.register(engine, pool.address, pool.nbytes)
             if rc != 0:
                 raise PDTransferError(
                     f"{role}: registering the cache's host pool ({pool.nbytes} bytes) with the "
@@ -380,7 +383,7 @@ def _register(engine: Any, pools: list[HeadPool], role: str) -> None:
 
 def _unregister(engine: Any, pools: list[HeadPool]) -> None:
     for pool in pools:
-        engine.unregister_memory(pool.address)
+        transfer_memory.unregister(engine, pool.address)
 
 
 def send_message(sock: socket.socket, message: Any, deadline: float) -> None:
@@ -555,8 +558,9 @@ class KVReceiver:
         freed = []
         for slot, q in list(self._quarantine.items()):
             if wait or now >= q.until:
-                for cache, ids in q.blocks:
-                    cache.slots.dram.free(ids)
+                q.passed = True
+                for cache, _ in q.blocks:
+                    cache.slots.free_settled()
                 del self._quarantine[slot]
                 freed.append(slot)
         return freed
@@ -575,10 +579,10 @@ class KVReceiver:
             ids = slots.held_blocks(local)[first : -(-hi // slots.block_tokens)]
             held.append((pool.cache, np.asarray(ids[ids < slots.dram.num_blocks], np.int64)))
         self.cache.cancel(reservation)
-        for cache, ids in held:
-            cache.slots.dram.reserve(ids)  # Just freed by the cancel: cannot be refused.
-        until = self.clock() + self.quarantine_s
-        self._quarantine[reservation.slot] = Quarantine(reservation.slot, until, tuple(held))
+        q = Quarantine(reservation.slot, self.clock() + self.quarantine_s, tuple(held))
+        for cache, ids in held:  # Just freed by the cancel: cannot be refused.
+            cache.slots.hold_aside(ids, lambda q=q: q.passed or self.clock() >= q.until)
+        self._quarantine[reservation.slot] = q
 
     def receive(
         self,

@@ -116,9 +116,10 @@ class SlotTable:
         self._shared = np.zeros(batch, np.int32)  # Leading blocks mapped from the index.
         self.history = TokenHistory(batch)  # Each slot's token ids (see jax_tpusync.history).
         self.publish_failures = 0  # Remote publishes that failed (release went on).
-        # Blocks a remote level's call that passed its deadline may still write, with that
-        # level: freed once it has settled.
-        self._held_aside: list[tuple[np.ndarray, InPlaceRemoteLevel]] = []
+        # Blocks something outside this table may still write (a remote level's call that
+        # passed its deadline, a peer's late writes), each run with the test that says it
+        # no longer can: freed once it passes.
+        self._held_aside: list[tuple[np.ndarray, Callable[[], bool]]] = []
 
     def use_mover(self, mover: SpillMover) -> None:
         """The mover of blocks between the two levels of a two-level cache."""
@@ -206,7 +207,7 @@ class SlotTable:
         cached prefix blocks if not. When even that would not free enough, nothing is
         demoted or evicted (a refused admission leaves the index as it was)."""
         if self._held_aside:
-            self._settle_held_aside()
+            self.free_settled()
         short = count - self.dram.free_blocks
         if short <= 0:
             return True
@@ -551,7 +552,7 @@ class SlotTable:
         level has (or when no block is free)."""
         if not self.remote_levels or start >= limit:
             return []
-        self._settle_held_aside()
+        self.free_settled()
         keys = self.prefix.keys(ids)[:limit]
         out: list[int] = []
         try:
@@ -599,7 +600,7 @@ class SlotTable:
     def _import_in_place(self, level: InPlaceRemoteLevel, wanted: list) -> list[int]:
         """``wanted``'s blocks read by ``level`` straight into fresh blocks (room made);
         those it checked are indexed, pinned. Blocks a stuck call may still write are held
-        aside until the level has settled (:meth:`_settle_held_aside`), the rest freed."""
+        aside until the level has settled (:meth:`hold_aside`), the rest freed."""
         if not wanted:
             return []
         self._before_reuse()
@@ -615,19 +616,30 @@ class SlotTable:
             self.prefix.adopt(key, parent, tokens, int(block))
         busy = fresh[result.loaded : max(result.busy_until, result.loaded)]
         if len(busy):
-            self._held_aside.append((busy, level))
+            self._held_aside.append((busy, level.settled))
         self.dram.free(fresh[result.loaded + len(busy) :])
         return [int(b) for b in loaded]
 
-    def _settle_held_aside(self) -> None:
-        """Frees the blocks held aside whose level's stuck call has returned."""
-        still = []
-        for held, level in self._held_aside:
-            if level.settled():
+    def hold_aside(self, blocks: Sequence[int] | np.ndarray, settled: Callable[[], bool]) -> None:
+        """Takes free DRAM ``blocks`` out of the allocator until ``settled()`` is true: blocks
+        just freed that something outside this table may still write (a peer's writes in
+        flight after a transfer failed). Refused (ValueError) if one is not free."""
+        held = np.asarray(blocks, np.int64).reshape(-1)
+        self.dram.reserve(held)
+        self._held_aside.append((held, settled))
+
+    def free_settled(self) -> int:
+        """Frees the blocks held aside whose test now passes; returns how many. (Also runs
+        whenever blocks are needed.)"""
+        freed, still = 0, []
+        for held, settled in self._held_aside:
+            if settled():
                 self.dram.free(held)
+                freed += len(held)
             else:
-                still.append((held, level))
+                still.append((held, settled))
         self._held_aside = still
+        return freed
 
     def _room_up_to(self, count: int) -> int:
         """The most blocks, up to ``count``, that :meth:`make_room` can free; made free."""

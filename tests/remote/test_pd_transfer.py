@@ -887,3 +887,57 @@ def test_a_prefill_slot_shorter_than_the_request_is_refused_and_the_decode_side_
 def test_a_cache_of_another_kind_is_refused(role):
     with pytest.raises(TypeError, match=r"needs an OffloadedKVCache or a ShardedKVCache; got dict"):
         role({}, transfer_engine=FakeEngine(), session="d:1")
+
+
+def test_one_transfer_engine_serves_the_store_level_and_pd(mooncake_master):
+    """A decode process with one TransferEngine: P/D writes into its pool, its remote prefix
+    level publishes the received prompt and later reads it back into the same pool; the
+    pool is registered with the engine once, counted per holder."""
+    from mooncake.engine import TransferEngine
+
+    from jax_tpusync import transfer_memory
+    from jax_tpusync.mooncake_level import MooncakeStoreLevel
+
+    engine = TransferEngine()
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    session = f"127.0.0.1:{engine.get_rpc_port()}"
+    level = functools.partial(
+        MooncakeStoreLevel,
+        mooncake_master.address,
+        transfer_engine=engine,
+        segment_bytes=16 << 20,
+        namespace="pd-shared-engine",
+    )
+    cfg, params = pd_peers.model()
+    step = decode_step(cfg)
+    prompt = np.random.default_rng(5).integers(0, cfg.vocab, 29)  # 3 full blocks.
+    cache = pd_peers.make_cache(remote_prefix=level)
+    pool = cache.store.memory.ctypes.data
+    state = cache.init(admit=False)
+    with (
+        peer(pd_peers.serve_prefill) as (proc, queue),
+        KVReceiver(cache, transfer_engine=engine, session=session, deadline_s=60) as rx,
+    ):
+        assert transfer_memory.registrations(engine, pool) == 1  # The receiver's.
+        address = queue.get(timeout=TIMEOUT)
+        state, got = rx.receive(state, 1, prompt, prefill=address)
+        queue.get(timeout=TIMEOUT)
+        proc.join(TIMEOUT)
+        want, state = one_token(step, params, cache, state, 1, got.extra["first_token"])
+        held = np.append(prompt, got.extra["first_token"])  # The prompt and the first token.
+        state = cache.release(state, 1, tokens=held)  # Publishes 3 blocks: connects.
+        assert cache.prefix_stats["mooncake_published"] == 3
+        assert transfer_memory.registrations(engine, pool) == 2  # And the level's.
+    assert transfer_memory.registrations(engine, pool) == 1
+    p = cache.slots.prefix
+    p.evict(p.cached_blocks)  # Only the store has the prompt now.
+    state, cached = cache.admit(state, 1, tokens=prompt)
+    assert cached == 24 and cache.prefix_stats["mooncake_imported"] == 3
+    # The rest of the prompt on top of the imported blocks, then the same first step.
+    ids = np.zeros((cache.batch, 29 - 24), np.int32)
+    ids[1] = prompt[24:]
+    logits, state = step(params, jnp.asarray(ids), state)
+    assert int(np.argmax(np.asarray(logits)[1])) == got.extra["first_token"]
+    again, state = one_token(step, params, cache, state, 1, got.extra["first_token"])
+    np.testing.assert_array_equal(again, want)
+    cache.close(state)
