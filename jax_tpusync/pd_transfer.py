@@ -477,6 +477,9 @@ class KVReceiver:
       transfer_engine: a started ``mooncake.engine.TransferEngine`` to share (one per
         process), with ``session`` its ``host:rpc_port``; None: one is started here.
       clock: the time quarantines are counted in (``time.monotonic``).
+      populate: fault the pools' pages in now (their contents kept;
+        :func:`jax_tpusync.transfer_memory.populate`) rather than during the first
+        transfers into them.
 
     Raises:
       TypeError, ValueError: a cache that cannot take part (the message says why), a bad
@@ -494,6 +497,7 @@ class KVReceiver:
         transfer_engine: Any = None,
         session: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        populate: bool = True,
     ):
         self.deadline_s = _check_deadline(deadline_s)
         if quarantine_s is not None and (
@@ -514,6 +518,9 @@ class KVReceiver:
         self.engine = transfer_engine
         self.session = session
         _register(self.engine, self.pools, "KVReceiver")
+        if populate:
+            for pool in self.pools:
+                transfer_memory.populate(pool.address, pool.nbytes)
         self.layout = layout_of(cache)
         self.clock = clock
         self.received = 0

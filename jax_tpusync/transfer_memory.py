@@ -10,8 +10,15 @@ unregistration leaves it.
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import mmap
 import threading
 from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable, keeping their contents.
 
 _lock = threading.Lock()
 # (id(engine), address) -> [engine, bytes, registrations]; the engine is kept so its id
@@ -57,3 +64,20 @@ def registrations(engine: Any, address: int) -> int:
     with _lock:
         entry = _registered.get((id(engine), int(address)))
         return 0 if entry is None else entry[2]
+
+
+def populate(address: int, nbytes: int) -> bool:
+    """Faults ``[address, address + nbytes)`` in, writable, without changing a byte
+    (``madvise(MADV_POPULATE_WRITE)``), so the first transfer into memory that was never
+    written does not pay a page fault per page (on a virtual machine about 27 us per 4 KiB
+    page: about 1.8 s for 256 MiB, against 25 ms populated in one call). Returns whether
+    it did: False where the kernel lacks it (before Linux 5.14) or refused, logged."""
+    page = mmap.PAGESIZE
+    first = int(address) // page * page
+    length = -(-(int(address) + int(nbytes) - first) // page) * page
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), _MADV_POPULATE_WRITE)
+    if rc != 0:
+        logger.debug("populating %d bytes at %#x: errno %d", length, first, ctypes.get_errno())
+        return False
+    return True
