@@ -68,6 +68,7 @@ processes with ``subprocess`` or the ``spawn`` start method.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import logging
@@ -91,7 +92,7 @@ from jax_tpusync.state import KVState
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 64 << 20  # The longest control message either side accepts.
 # One engine write's most bytes: 4 MiB pieces, all in flight, measured fastest over TCP on a
 # 2-core machine (1 MiB pieces cost more per-request overhead, 16 MiB ones less parallelism).
@@ -386,6 +387,25 @@ def _unregister(engine: Any, pools: list[HeadPool]) -> None:
         transfer_memory.unregister(engine, pool.address)
 
 
+def encode_tokens(ids: np.ndarray) -> str:
+    """Token ids as the request carries them: base64 of little-endian int64 (a JSON list
+    of 32K ids costs about 13 ms to write and read, this about 4)."""
+    return base64.b64encode(np.asarray(ids, "<i8").tobytes()).decode("ascii")
+
+
+def decode_tokens(text: Any) -> np.ndarray | None:
+    """int64[n] ids from :func:`encode_tokens`'s text; None if it is not such a text."""
+    if not isinstance(text, str):
+        return None
+    try:
+        data = base64.b64decode(text, validate=True)
+    except ValueError:
+        return None
+    if len(data) % 8:
+        return None
+    return np.frombuffer(data, "<i8").astype(np.int64)
+
+
 def send_message(sock: socket.socket, message: Any, deadline: float) -> None:
     """Writes one length-prefixed JSON message, done by ``deadline`` (time.monotonic())."""
     data = json.dumps(message, separators=(",", ":")).encode()
@@ -640,7 +660,7 @@ class KVReceiver:
             request = {
                 "version": PROTOCOL_VERSION,
                 "op": "prefill",
-                "tokens": [int(t) for t in ids],
+                "tokens": encode_tokens(ids),
                 "start": cached,
                 "session": self.session,
                 "layout": self.layout,
@@ -837,7 +857,7 @@ class KVSender:
         if problem is not None:
             self.fail(request, problem)
             raise PDTransferError(f"refused a P/D request from {peer}: {problem}")
-        request.tokens = np.asarray(message["tokens"], np.int64)
+        request.tokens = decode_tokens(message["tokens"])
         request.start = message["start"]
         request.session = message["session"]
         request.shards = message["shards"]
@@ -849,9 +869,9 @@ class KVSender:
         mismatch = layout_mismatch(self.layout, m.get("layout"))
         if mismatch is not None:
             return f"layout differs: {mismatch} (the prefill cache's here, the decode one's there)"
-        tokens, start = m.get("tokens"), m.get("start")
-        if not (isinstance(tokens, list) and tokens and all(is_int(t) for t in tokens)):
-            return "tokens must be a non-empty list of ints"
+        tokens, start = decode_tokens(m.get("tokens")), m.get("start")
+        if tokens is None or not tokens.size:
+            return "tokens must be base64 of little-endian int64 ids, at least one"
         if not (is_int(start) and 0 <= start < len(tokens)):
             return f"start={start!r} must be in [0, {len(tokens)})"
         regions = 2 * self.layout["num_layers"]

@@ -689,14 +689,14 @@ def fake_prefill(reply):
     "reply, match",
     [
         (
-            {"version": 2, "ok": True, "nbytes": 5, "head_bytes": [5], "extra": None},
+            {"version": 3, "ok": True, "nbytes": 5, "head_bytes": [5], "extra": None},
             (
                 r"the prefill process reported 5 bytes written \(\[5\] per head range\), "
                 r"expected 5120 \(\[5120\]\)"
             ),
         ),
         (
-            {"version": 2, "ok": True, "nbytes": 5120, "head_bytes": [4000, 1120], "extra": None},
+            {"version": 3, "ok": True, "nbytes": 5120, "head_bytes": [4000, 1120], "extra": None},
             r"reported 5120 bytes written \(\[4000, 1120\] per head range\), expected 5120",
         ),
         ({"version": 1, "ok": True}, "the prefill process answered in another protocol"),
@@ -731,9 +731,9 @@ def _request(**changes):
     }
     runs = [[[4096, 128]] for _ in range(4)]
     message = {
-        "version": 2,
+        "version": 3,
         "op": "prefill",
-        "tokens": [1, 2],
+        "tokens": pd_transfer.encode_tokens(np.array([1, 2])),
         "start": 0,
         "session": "decode:1",
         "layout": layout,
@@ -746,13 +746,16 @@ def _request(**changes):
 @pytest.mark.parametrize(
     "message, match",
     [
-        (_request(version=1), "not a version-2 P/D request"),
+        (_request(version=2), "not a version-3 P/D request"),
         (
             _request(layout={"num_layers": 2}),
             r"layout differs: block_tokens 8 here, None there; dtype",
         ),
         (_request(layout=[1]), r"layout differs: the layout is \[1\], not a dict"),
-        (_request(tokens=[]), "tokens must be a non-empty list of ints"),
+        (_request(tokens=""), "tokens must be base64 of little-endian int64 ids, at least one"),
+        (_request(tokens=[1, 2]), "tokens must be base64 of little-endian int64 ids"),
+        (_request(tokens="AAAA"), "tokens must be base64 of little-endian int64 ids"),  # 3 bytes
+        (_request(tokens="not base64!"), "tokens must be base64 of little-endian int64 ids"),
         (_request(start=2), r"start=2 must be in \[0, 2\)"),
         (_request(shards=[]), r"shards must be one per head range \[\[0, 2\]\], in order"),
         (
