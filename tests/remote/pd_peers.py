@@ -103,11 +103,16 @@ def prefill_tokens(step, params, cache, state, slot, tokens):
     return state, int(np.argmax(np.asarray(logits)[slot]))
 
 
-def serve_prefill(queue, mode: str = "ok", deadline_s: float = 10.0) -> None:
+def serve_prefill(
+    queue, mode: str = "ok", deadline_s: float = 10.0, host: str = "127.0.0.1", netns=None
+) -> None:
     """A prefill process: puts its address on ``queue``, serves one request with the tiny
     decoder (mode "ok"), or misbehaves once the request is in ("kill": dies; "stop":
-    stops itself)."""
+    stops itself). ``netns``: a network namespace (/var/run/netns/NAME) it joins first,
+    listening at ``host`` there."""
     os.chdir("/")
+    if netns is not None:
+        join_netns(netns)
     import functools
 
     import jax
@@ -119,7 +124,7 @@ def serve_prefill(queue, mode: str = "ok", deadline_s: float = 10.0) -> None:
     step = jax.jit(functools.partial(tiny_decoder.forward, cfg), donate_argnums=(2,))
     cache = make_cache(batch=1)
     state = cache.init(admit=False)
-    with KVSender(cache, deadline_s=deadline_s) as sender:
+    with KVSender(cache, host=host, deadline_s=deadline_s) as sender:
         queue.put(sender.address)
         request = sender.accept(timeout=60)
         if mode == "kill":
@@ -205,3 +210,14 @@ def serve_mesh_prefill(queue, devices: int = 2) -> None:
             }
         )
     cache.close(state)
+
+
+def join_netns(name: str) -> None:
+    """Moves this process (before it opens a socket or starts a thread) into the network
+    namespace /var/run/netns/<name>."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/var/run/netns/{name}") as ns:
+        if libc.setns(ns.fileno(), 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns into {name}")
