@@ -62,22 +62,20 @@ size, dtype, block size; checked, a refusal names each field that differs) on a 
 (the pool must be mapped memory); a cache that keeps only its window
 (``max_step_tokens``) and a two-level cache's spill blocks are refused.
 
+The control channel's messages are in :mod:`jax_tpusync.pd_channel`; where a cache's KV
+lies (its pools per head range, a slot's runs) in :mod:`jax_tpusync.pd_pools`.
+
 Never fork a process after an engine started here (it runs many threads): start helper
 processes with ``subprocess`` or the ``spawn`` start method.
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import json
 import logging
 import math
-import os
 import select
 import socket
-import struct
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Self
@@ -88,31 +86,38 @@ from jax_tpusync import transfer_memory
 from jax_tpusync.cache import OffloadedKVCache
 from jax_tpusync.config import is_int
 from jax_tpusync.mesh import MeshAdmission, ShardedKVCache
+from jax_tpusync.pd_channel import (
+    PROTOCOL_VERSION,
+    PDTransferError,
+    bounded,
+    check_deadline,
+    decode_tokens,
+    encode_tokens,
+    engine_tcp_timeout_s,
+    recv_message,
+    send_message,
+    split_address,
+    start_engine,
+)
+from jax_tpusync.pd_pools import (
+    HeadPool,
+    head_pools,
+    layout_mismatch,
+    layout_of,
+    pool_runs,
+    register_pools,
+    slot_pools,
+    unregister_pools,
+)
 from jax_tpusync.state import KVState
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 3
-MAX_MESSAGE_BYTES = 64 << 20  # The longest control message either side accepts.
 # One engine write's most bytes: 4 MiB pieces, all in flight, measured fastest over TCP on a
 # 2-core machine (1 MiB pieces cost more per-request overhead, 16 MiB ones less parallelism).
 PIECE_BYTES = 4 << 20
 WARMUP_BYTES = 4096  # The first write to a new session (it opens the engine's connection).
 _POLL_MIN_S, _POLL_MAX_S = 1e-4, 1e-3  # Sleeps between completion polls (doubling).
-# The engine's TCP timeouts (seconds) when the environment sets none.
-MOONCAKE_TCP_TIMEOUT_S = 30.0
-_TCP_TIMEOUT_VARIABLES = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
-_LENGTH = struct.Struct(">I")
-
-_INSTALL_HINT = (
-    "P/D transfer needs the Mooncake TransferEngine: pip install 'jax-tpusync[mooncake]' "
-    "(and the system library libibverbs1, even over TCP: apt-get install libibverbs1 libnuma1)"
-)
-
-
-class PDTransferError(RuntimeError):
-    """A P/D transfer that did not happen: the message says why (and for a receiver, that
-    the slot was left unadmitted)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,305 +181,6 @@ class Quarantine:
     passed: bool = False  # Reclaimed (with wait=True: before its time).
 
 
-# -- shared helpers ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadPool:
-    """One head range's host pool: ``cache`` (a one-device cache, or shard ``shard`` of a
-    mesh cache) holds KV heads ``heads`` (lo, hi) of the model in its pool, mapped at
-    ``address`` (``nbytes`` long) in this process."""
-
-    shard: int | None
-    cache: OffloadedKVCache
-    heads: tuple[int, int]
-    address: int
-    nbytes: int
-
-
-def head_split(cache: OffloadedKVCache | ShardedKVCache) -> list[list[int]]:
-    """``[[lo, hi], ...]``: the KV head ranges ``cache``'s shards hold, in head order (one
-    range, all heads, for a one-device cache)."""
-    if isinstance(cache, ShardedKVCache):
-        tp, per = cache.layout.tp, cache.shard_spec.num_kv_heads
-        return [[t * per, (t + 1) * per] for t in range(tp)]
-    return [[0, cache.spec.num_kv_heads]]
-
-
-def layout_of(cache: OffloadedKVCache | ShardedKVCache) -> dict:
-    """The layout two caches must share for one's rows to be the other's bytes: the row
-    layout of one head range's pool and how the heads are split over pools."""
-    spec = cache.shard_spec if isinstance(cache, ShardedKVCache) else cache.spec
-    return {
-        "num_layers": spec.num_layers,
-        "num_kv_heads": sum(hi - lo for lo, hi in head_split(cache)),
-        "head_split": head_split(cache),
-        "head_dim": spec.head_dim,
-        "dtype": np.dtype(spec.dtype).name,
-        "tier_dtype": None if spec.tier_dtype is None else np.dtype(spec.tier_dtype).name,
-        "block_tokens": spec.block_tokens,
-        "row_bytes": spec.row_bytes,
-    }
-
-
-def layout_mismatch(ours: dict, theirs: Any) -> str | None:
-    """What differs between layout ``ours`` and ``theirs`` (None: nothing), naming each
-    field: "head_split [[0, 1], [1, 2]] here, [[0, 2]] there"."""
-    if not isinstance(theirs, dict):
-        return f"the layout is {theirs!r}, not a dict"
-    fields = sorted(set(ours) | set(theirs))
-    diff = [
-        f"{k} {ours.get(k)!r} here, {theirs.get(k)!r} there"
-        for k in fields
-        if ours.get(k) != theirs.get(k)
-    ]
-    return "; ".join(diff) or None
-
-
-def _check_pool(cache: Any, role: str) -> tuple[int, int]:
-    """(address, bytes) of a one-device cache's host pool, after refusing what cannot take
-    part."""
-    if cache.spec.ring_blocks:
-        raise ValueError(
-            f"{role}: a cache that keeps only its window (max_step_tokens) cannot take part in "
-            f"P/D transfer (its positions wrap around a ring of blocks)"
-        )
-    info = cache.engine.tier_info(cache.tier)
-    if info.read_only:
-        raise ValueError(f"{role}: the cache's tier is attached read-only")
-    try:
-        return cache.engine.mapped_memory(cache.tier)
-    except ValueError as e:
-        raise ValueError(
-            f"{role} needs a cache on a host tier (tier='host'): the TransferEngine reads and "
-            f"writes the pool in memory ({e})"
-        ) from None
-
-
-def head_pools(cache: Any, role: str) -> list[HeadPool]:
-    """The pools of ``cache`` (a one-device cache: one; a mesh cache: one per local shard),
-    after refusing a cache that cannot take part (the message says why)."""
-    if isinstance(cache, ShardedKVCache):
-        out = []
-        for s in sorted(cache.shards):
-            heads = cache.heads_of(s)
-            address, nbytes = _check_pool(cache.shards[s], role)
-            out.append(HeadPool(s, cache.shards[s], (heads.start, heads.stop), address, nbytes))
-        return out
-    if not isinstance(cache, OffloadedKVCache):
-        raise TypeError(
-            f"{role} needs an OffloadedKVCache or a ShardedKVCache; got {type(cache).__name__}"
-        )
-    address, nbytes = _check_pool(cache, role)
-    return [HeadPool(None, cache, (0, cache.spec.num_kv_heads), address, nbytes)]
-
-
-def slot_pools(
-    cache: OffloadedKVCache | ShardedKVCache, pools: list[HeadPool], slot: Any
-) -> list[tuple[HeadPool, int]]:
-    """``(pool, slot within it)`` of every head range of global ``slot``, in head order.
-    Raises ValueError for a bad slot, or one whose head ranges this process does not all
-    hold (a multi-process mesh)."""
-    if not is_int(slot) or not 0 <= slot < cache.batch:
-        raise ValueError(f"slot={slot!r} must be an int in [0, batch={cache.batch})")
-    if not isinstance(cache, ShardedKVCache):
-        return [(pools[0], int(slot))]
-    out = []
-    for pool in pools:
-        rows = cache.rows_of(pool.shard)
-        if rows.start <= slot < rows.stop:
-            out.append((pool, int(slot) - rows.start))
-    if len(out) != len(head_split(cache)):
-        raise ValueError(
-            f"slot {slot}'s KV heads are split over {len(head_split(cache))} devices, of which "
-            f"this process holds {len(out)}: P/D transfer needs all of a slot's head shards "
-            f"in one process"
-        )
-    return out
-
-
-def pool_runs(
-    cache: OffloadedKVCache, pool_address: int, slot: int, lo: int, hi: int
-) -> list[list[list[int]]]:
-    """Per region (layer * 2 + K|V): ``[address, bytes]`` runs of positions ``[lo, hi)`` of
-    ``slot``, in ``cache``'s host pool mapped at ``pool_address`` in this process. Raises
-    ValueError for blocks on a two-level cache's spill tier."""
-    out = []
-    for layer in range(cache.spec.num_layers):
-        for kv in (0, 1):
-            runs = []
-            for tier, offset, n in cache.tier_runs(layer, kv, slot, lo, hi):
-                if tier != cache.tier:
-                    raise ValueError(
-                        f"slot {slot}'s blocks include blocks on the spill tier: P/D moves "
-                        f"only blocks in the DRAM pool"
-                    )
-                runs.append([pool_address + offset, n])
-            out.append(runs)
-    return out
-
-
-def _check_deadline(deadline_s: Any) -> float:
-    if (
-        isinstance(deadline_s, bool)
-        or not isinstance(deadline_s, (int, float))
-        or not (math.isfinite(deadline_s) and deadline_s > 0)
-    ):
-        raise ValueError(f"deadline_s={deadline_s!r} must be a finite number > 0")
-    return float(deadline_s)
-
-
-def engine_tcp_timeout_s() -> float:
-    """The longest of the engine's TCP timeouts (``MC_TCP_PROGRESS_TIMEOUT_SEC``,
-    ``MC_TCP_STATUS_TIMEOUT_SEC``) as the environment sets them now (an engine reads them
-    when it starts), :data:`MOONCAKE_TCP_TIMEOUT_S` for one not set. Raises ValueError for
-    a value that is not a positive number of seconds."""
-    out = 0.0
-    for name in _TCP_TIMEOUT_VARIABLES:
-        value = os.environ.get(name)
-        if value is None:
-            out = max(out, MOONCAKE_TCP_TIMEOUT_S)
-            continue
-        try:
-            seconds = float(value)
-        except ValueError:
-            seconds = math.nan
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise ValueError(f"{name}={value!r} must be a positive number of seconds")
-        out = max(out, seconds)
-    return out
-
-
-def _start_engine(host: str, deadline_s: float) -> tuple[Any, str]:
-    """A TransferEngine on ``host`` (TCP, peers found by handshake) and its session."""
-    try:
-        from mooncake.engine import TransferEngine  # Optional: imported when used.
-    except ImportError as e:
-        raise ImportError(f"{_INSTALL_HINT} ({e})") from e
-    # Read when the engine starts: a hung peer then ends a transfer within about the
-    # deadline instead of 30 s. A user's own settings win.
-    seconds = str(max(1, math.ceil(deadline_s)))
-    for name in _TCP_TIMEOUT_VARIABLES:
-        os.environ.setdefault(name, seconds)
-    engine = TransferEngine()
-    rc = engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
-    if rc != 0:
-        raise PDTransferError(f"starting a Mooncake TransferEngine on {host} returned {rc}")
-    return engine, f"{host}:{engine.get_rpc_port()}"
-
-
-def _register(engine: Any, pools: list[HeadPool], role: str) -> None:
-    """Registers every pool with ``engine``; all or none (the ones done are unregistered
-    before raising)."""
-    done = []
-    try:
-        for pool in pools:
-            # Counted: a remote prefix level on the same engine may register it too.
-            rc = transfer_memory.register(engine, pool.address, pool.nbytes)
-            if rc != 0:
-                raise PDTransferError(
-                    f"{role}: registering the cache's host pool ({pool.nbytes} bytes) with the "
-                    f"TransferEngine returned {rc}"
-                )
-            done.append(pool)
-    except BaseException:
-        _unregister(engine, done)
-        raise
-
-
-def _unregister(engine: Any, pools: list[HeadPool]) -> None:
-    for pool in pools:
-        transfer_memory.unregister(engine, pool.address)
-
-
-def encode_tokens(ids: np.ndarray) -> str:
-    """Token ids as the request carries them: base64 of little-endian int64 (a JSON list
-    of 32K ids costs about 13 ms to write and read, this about 4)."""
-    return base64.b64encode(np.asarray(ids, "<i8").tobytes()).decode("ascii")
-
-
-def decode_tokens(text: Any) -> np.ndarray | None:
-    """int64[n] ids from :func:`encode_tokens`'s text; None if it is not such a text."""
-    if not isinstance(text, str):
-        return None
-    try:
-        data = base64.b64decode(text, validate=True)
-    except ValueError:
-        return None
-    if len(data) % 8:
-        return None
-    return np.frombuffer(data, "<i8").astype(np.int64)
-
-
-def send_message(sock: socket.socket, message: Any, deadline: float) -> None:
-    """Writes one length-prefixed JSON message, done by ``deadline`` (time.monotonic())."""
-    data = json.dumps(message, separators=(",", ":")).encode()
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise PDTransferError(f"a control message of {len(data)} bytes is over {MAX_MESSAGE_BYTES}")
-    sock.settimeout(max(1e-3, deadline - time.monotonic()))
-    sock.sendall(_LENGTH.pack(len(data)) + data)
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("no complete message before the deadline")
-        sock.settimeout(left)
-        chunk = sock.recv(min(n - len(out), 1 << 20))
-        if not chunk:
-            raise ConnectionError("the peer closed the connection")
-        out += chunk
-    return bytes(out)
-
-
-def recv_message(sock: socket.socket, deadline: float) -> Any:
-    """Reads one length-prefixed JSON message, done by ``deadline`` (time.monotonic())."""
-    (n,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size, deadline))
-    if n > MAX_MESSAGE_BYTES:
-        raise PDTransferError(f"a control message of {n} bytes is over {MAX_MESSAGE_BYTES}")
-    return json.loads(_recv_exact(sock, n, deadline))
-
-
-def _split_address(address: Any) -> tuple[str, int]:
-    if isinstance(address, tuple) and len(address) == 2:
-        host, port = address
-    elif isinstance(address, str) and address.count(":") == 1:
-        host, port = address.split(":")
-    else:
-        raise ValueError(f"address {address!r} must be 'host:port' or (host, port)")
-    try:
-        port = int(port)
-    except ValueError:
-        raise ValueError(f"address {address!r}: the port is not an int") from None
-    if not 0 < port < 65536:
-        raise ValueError(f"address {address!r}: port {port} is out of [1, 65535]")
-    return str(host), port
-
-
-def _bounded(fn: Callable[[], Any], seconds: float, what: str) -> Any:
-    """``fn()`` on a daemon thread, waited for at most ``seconds``; a call that passes it
-    is left to its thread (the engine's own timeouts end it) and raises here."""
-    out: list = []
-
-    def run() -> None:
-        try:
-            out.append((True, fn()))
-        except BaseException as e:  # noqa: BLE001 - handed to the caller.
-            out.append((False, e))
-
-    thread = threading.Thread(target=run, name="pd-transfer", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        raise PDTransferError(f"{what} did not finish within {seconds:.3g} s")
-    ok, value = out[0]
-    if not ok:
-        raise value
-    return value
-
-
 # -- the decode role ---------------------------------------------------------------------------
 
 
@@ -519,7 +225,7 @@ class KVReceiver:
         clock: Callable[[], float] = time.monotonic,
         populate: bool = True,
     ):
-        self.deadline_s = _check_deadline(deadline_s)
+        self.deadline_s = check_deadline(deadline_s)
         if quarantine_s is not None and (
             isinstance(quarantine_s, bool)
             or not isinstance(quarantine_s, (int, float))
@@ -533,11 +239,11 @@ class KVReceiver:
         if quarantine_s is None:
             engine_tcp_timeout_s()  # Refuses a bad setting before an engine starts.
         if transfer_engine is None:
-            transfer_engine, session = _start_engine(host, self.deadline_s)
+            transfer_engine, session = start_engine(host, self.deadline_s)
         self.quarantine_s = default_quarantine_s() if quarantine_s is None else float(quarantine_s)
         self.engine = transfer_engine
         self.session = session
-        _register(self.engine, self.pools, "KVReceiver")
+        register_pools(self.engine, self.pools, "KVReceiver")
         if populate:
             for pool in self.pools:
                 transfer_memory.populate(pool.address, pool.nbytes)
@@ -643,7 +349,7 @@ class KVReceiver:
                 f"slot {slot} is quarantined after a failed transfer (writes may still land in "
                 f"its blocks): it frees in {left:.3g} s (reclaim())"
             )
-        host, port = _split_address(prefill)
+        host, port = split_address(prefill)
         ids = np.asarray(tokens)
         if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(f"tokens must be a non-empty 1-D sequence of ints; got {tokens!r}")
@@ -739,7 +445,7 @@ class KVReceiver:
         stays)."""
         self.reclaim(wait=True)
         if self.engine is not None:
-            _unregister(self.engine, self.pools)
+            unregister_pools(self.engine, self.pools)
             self.engine = None
 
     def __enter__(self) -> Self:
@@ -805,7 +511,7 @@ class KVSender:
         transfer_engine: Any = None,
         session: str | None = None,
     ):
-        self.deadline_s = _check_deadline(deadline_s)
+        self.deadline_s = check_deadline(deadline_s)
         for name, value in (("batch_bytes", batch_bytes), ("piece_bytes", piece_bytes)):
             if not is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
@@ -821,10 +527,10 @@ class KVSender:
         self._listener = socket.create_server((host, port))
         try:
             if transfer_engine is None:
-                transfer_engine, session = _start_engine(host, self.deadline_s)
+                transfer_engine, session = start_engine(host, self.deadline_s)
             self.engine = transfer_engine
             self.session = session
-            _register(self.engine, self.pools, "KVSender")
+            register_pools(self.engine, self.pools, "KVSender")
         except BaseException:
             self._listener.close()
             raise
@@ -837,7 +543,7 @@ class KVSender:
         """The next request (waits at most ``timeout`` s, default the deadline), checked:
         a request in another protocol or for another layout is answered with an error and
         raises :class:`PDTransferError`, as does no request in time."""
-        wait = self.deadline_s if timeout is None else _check_deadline(timeout)
+        wait = self.deadline_s if timeout is None else check_deadline(timeout)
         self._listener.settimeout(wait)
         try:
             conn, peer = self._listener.accept()
@@ -1035,7 +741,7 @@ class KVSender:
             src, dst, size = pairs[0]
             first = (src, dst, min(size, WARMUP_BYTES))
             request.writes_submitted = True
-            rc = _bounded(
+            rc = bounded(
                 lambda: engine.transfer_sync_write(session, *first),
                 self.deadline_s,
                 f"the first write to {session}",
@@ -1114,7 +820,7 @@ class KVSender:
         """Stops listening and unregisters the pools (the engine itself stays)."""
         self._listener.close()
         if self.engine is not None:
-            _unregister(self.engine, self.pools)
+            unregister_pools(self.engine, self.pools)
             self.engine = None
 
     def __enter__(self) -> Self:
