@@ -57,7 +57,6 @@ import json
 import logging
 import math
 import os
-import queue
 import struct
 import threading
 import time
@@ -69,6 +68,7 @@ import numpy as np
 import xxhash
 
 from jax_tpusync import transfer_memory
+from jax_tpusync.deadline_worker import DeadlinePassed, DeadlineWorker
 from jax_tpusync.levels import InPlaceLoad
 
 logger = logging.getLogger(__name__)
@@ -138,10 +138,6 @@ class _Damaged(Exception):
     """A block in the store that must not be used (corrupt, foreign, a collision)."""
 
 
-class _Deadline(Exception):
-    """The worker did not answer within the deadline (or is still in an earlier call)."""
-
-
 def _code_fault(code: int, what: str) -> _Fault:
     kind = {
         _RPC_FAILED: "unreachable",
@@ -150,55 +146,6 @@ def _code_fault(code: int, what: str) -> _Fault:
         _NO_HANDLE: "full",
     }.get(code, "error")
     return _Fault(kind, f"{what} returned {code}")
-
-
-class _Worker:
-    """One daemon thread that runs blocking calls, each waited for at most a deadline.
-
-    A call that passes its deadline keeps the thread until it returns; calls made in the
-    meantime are refused at once (``_Deadline``) instead of queueing behind it. A daemon
-    thread: a call stuck in the network never holds up the interpreter's exit."""
-
-    def __init__(self, name: str):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._stuck: threading.Event | None = None
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            fn, done, out = job
-            try:
-                out.append((True, fn()))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller.
-                out.append((False, e))
-            done.set()
-
-    @property
-    def busy(self) -> bool:
-        if self._stuck is not None and self._stuck.is_set():
-            self._stuck = None
-        return self._stuck is not None
-
-    def call(self, fn: Callable[[], Any], deadline: float) -> Any:
-        if self.busy:
-            raise _Deadline("an earlier call to the store has not returned yet")
-        done = threading.Event()
-        out: list = []
-        self._jobs.put((fn, done, out))
-        if not done.wait(deadline):
-            self._stuck = done
-            raise _Deadline(f"no answer within {deadline} s")
-        ok, value = out[0]
-        if not ok:
-            raise value
-        return value
-
-    def stop(self) -> None:
-        self._jobs.put(None)
 
 
 class MooncakeStoreLevel:
@@ -302,7 +249,7 @@ class MooncakeStoreLevel:
         self._registered: list[int] = []  # Addresses registered with the client/engine.
         self._ranges: dict[bytes, list] = {}  # Checked ranges of the last lookup()'s blocks.
         self._client: Any = None
-        self._worker = _Worker(f"mooncake-level-{master}")
+        self._worker = DeadlineWorker(f"mooncake-level-{master}")
         self._lock = threading.Lock()
         self._paused_until = 0.0
         self._logged: set[str] = set()
@@ -560,7 +507,7 @@ class MooncakeStoreLevel:
                 return default
             try:
                 return self._worker.call(lambda: fn(self._connected()), self.deadline_s)
-            except _Deadline as e:
+            except DeadlinePassed as e:
                 self._fault("timeout", str(e), pause=True)
             except _Fault as e:
                 self._fault(e.kind, str(e), pause=e.kind == "unreachable")

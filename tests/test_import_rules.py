@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "window_ring": 0,
     "transfer_memory": 0,
     "pd_channel": 0,
+    "deadline_worker": 0,
     "window_prefix": 2,
     "_cuda": 0,
     "ops": 1,
