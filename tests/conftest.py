@@ -1,5 +1,5 @@
-"""Fixtures shared by the engine and op tests: engines that always close, and directories
-where a file tier really uses O_DIRECT."""
+"""Fixtures shared by the engine and op tests: engines that always close, directories where
+a file tier really uses O_DIRECT, and whether the Mooncake client can be used."""
 
 from __future__ import annotations
 
@@ -64,3 +64,25 @@ def make_engine():
     yield make
     for e in engines:
         e.close()
+
+
+@pytest.fixture(scope="session")
+def mooncake_usable():
+    """Skips a test where the Mooncake client or its master is missing; fails it instead
+    where TPUSYNC_REQUIRE_MOONCAKE=1 (CI, where they install)."""
+    from jax_tpusync.bench.mooncake_master import find_binary
+
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as e:
+        why = f"import mooncake.store: {e}"
+    else:
+        why = None if find_binary() else "no mooncake_master next to the interpreter or on PATH"
+    if why is None:
+        return
+    if os.environ.get("TPUSYNC_REQUIRE_MOONCAKE") == "1":
+        pytest.fail(
+            f"TPUSYNC_REQUIRE_MOONCAKE=1 but the Mooncake client cannot be used: {why} "
+            f"(pip install 'jax-tpusync[mooncake]'; apt-get install libibverbs1 libnuma1)"
+        )
+    pytest.skip(f"Mooncake client unavailable: {why}")

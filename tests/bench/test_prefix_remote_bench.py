@@ -9,7 +9,6 @@ where they fail instead."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import stat
 

@@ -768,4 +768,3 @@ def test_a_mesh_gives_each_head_range_its_own_namespace():
     assert got == "mooncake://127.0.0.1:9?segment_mb=16&namespace=tpusync-heads0-2"
     with pytest.raises(ValueError, match=r"must be a 'mooncake://host:port' address"):
         mesh._heads_address(object(), "heads0-2")
-

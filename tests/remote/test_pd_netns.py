@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pd_peers
-from test_pd_transfer import TIMEOUT, decode_step, one_token, peer
+from test_pd_transfer import TIMEOUT, decode_step, local_first_step, one_token, peer
 
 from jax_tpusync.pd_transfer import KVReceiver
 
@@ -61,11 +61,7 @@ def test_pd_over_a_veth_pair_equals_a_local_prefill(veth_pair):
     cfg, params = pd_peers.model()
     step = decode_step(cfg)
     prompt = np.random.default_rng(11).integers(0, cfg.vocab, 45)
-    local = pd_peers.make_cache()
-    state = local.init(admit=False)
-    state, first = pd_peers.prefill_tokens(step, params, local, state, 1, prompt)
-    want, state = one_token(step, params, local, state, 1, first)
-    local.close(state)
+    first, want = local_first_step(step, params, prompt)
 
     cache = pd_peers.make_cache()
     state = cache.init(admit=False)

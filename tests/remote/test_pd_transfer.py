@@ -68,16 +68,22 @@ def one_token(step, params, cache, state, slot, token):
     return np.asarray(logits)[slot], state
 
 
-def test_decode_after_transfer_equals_local_prefill():
-    cfg, params = pd_peers.model()
-    step = decode_step(cfg)
-    prompt = np.random.default_rng(0).integers(0, cfg.vocab, 37)
-    # Local: prefill and decode in one cache.
+def local_first_step(step, params, prompt):
+    """(first token, logits of the step after it) with the prompt prefilled locally, in
+    slot 1 of a cache of the peers' shape: what a transfer must reproduce."""
     local = pd_peers.make_cache()
     state = local.init(admit=False)
     state, first = pd_peers.prefill_tokens(step, params, local, state, 1, prompt)
     want, state = one_token(step, params, local, state, 1, first)
     local.close(state)
+    return first, want
+
+
+def test_decode_after_transfer_equals_local_prefill():
+    cfg, params = pd_peers.model()
+    step = decode_step(cfg)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab, 37)
+    first, want = local_first_step(step, params, prompt)
 
     cache = pd_peers.make_cache()
     state = cache.init(admit=False)
@@ -283,19 +289,20 @@ def fake_pair(
 
 
 @contextlib.contextmanager
-def receiving(rx, state, slot=0):
-    """``rx.receive(state, slot, N tokens)`` from ``rx``'s peer on a thread; yields a dict
-    that holds its "error" (or "result") once the block exits (joined, bounded)."""
+def receiving(rx, state, address, slot=0):
+    """``rx.receive(state, slot, N tokens)`` from the peer at ``address``, started on a
+    thread; yields a dict that holds its "error" (or "result") once the block exits
+    (joined, bounded)."""
     outcome: dict = {}
 
     def run():
         try:
-            outcome["result"] = rx.receive(state, slot, np.arange(N), prefill=outcome["address"])
+            outcome["result"] = rx.receive(state, slot, np.arange(N), prefill=address)
         except Exception as e:  # noqa: BLE001 - checked by the test.
             outcome["error"] = e
 
     thread = threading.Thread(target=run, daemon=True)
-    outcome["start"] = thread.start
+    thread.start()
     yield outcome
     thread.join(30)
     assert not thread.is_alive(), "the receive did not end"
@@ -306,9 +313,7 @@ def _send_fails(engine, match, *, told, **kw):
     with fake_pair(engine, **kw) as (rx_cache, rx, tx, tx_state):
         free = rx_cache.free_blocks
         state = rx_cache.init(admit=False)
-        with receiving(rx, state) as outcome:
-            outcome["address"] = tx.address
-            outcome["start"]()
+        with receiving(rx, state, tx.address) as outcome:
             request = tx.accept(timeout=10)
             begin = time.monotonic()
             with pytest.raises(PDTransferError, match=match):
@@ -364,9 +369,7 @@ def test_a_write_acknowledged_within_its_deadline_is_not_a_failure():
     engine.status = lambda rid: int(time.monotonic() - engine.times[rid - 1] > 0.3)
     with fake_pair(engine, sender_deadline=0.5) as (rx_cache, rx, tx, tx_state):
         state = rx_cache.init(admit=False)
-        with receiving(rx, state) as outcome:
-            outcome["address"] = tx.address
-            outcome["start"]()
+        with receiving(rx, state, tx.address) as outcome:
             request = tx.accept(timeout=10)
             tx_state, sent = tx.send(request, tx_state, 0)
         assert "error" not in outcome, outcome.get("error")
@@ -382,9 +385,7 @@ def test_the_send_stops_once_the_decode_side_gives_up():
     with fake_pair(engine, **kw) as (rx_cache, rx, tx, tx_state):
         free = rx_cache.free_blocks
         state = rx_cache.init(admit=False)
-        with receiving(rx, state) as outcome:
-            outcome["address"] = tx.address
-            outcome["start"]()
+        with receiving(rx, state, tx.address) as outcome:
             request = tx.accept(timeout=10)
             watcher = threading.Thread(
                 target=lambda: (time.sleep(0.5), _wait_for(outcome), gave_up.set()), daemon=True
@@ -422,9 +423,7 @@ def test_a_failure_after_writes_holds_the_blocks_until_exactly_the_quarantine():
     ):
         free = rx_cache.free_blocks
         state = rx_cache.init(admit=False)
-        with receiving(rx, state) as outcome:
-            outcome["address"] = tx.address
-            outcome["start"]()
+        with receiving(rx, state, tx.address) as outcome:
             request = tx.accept(timeout=10)
             with pytest.raises(PDTransferError, match="writes to decode:1 failed"):
                 tx.send(request, tx_state, 0)
@@ -457,17 +456,13 @@ def test_receive_reclaims_expired_quarantines_first():
     ):
         free = rx_cache.free_blocks
         state = rx_cache.init(admit=False)
-        with receiving(rx, state) as outcome:
-            outcome["address"] = tx.address
-            outcome["start"]()
+        with receiving(rx, state, tx.address) as outcome:
             with pytest.raises(PDTransferError):
                 tx.send(tx.accept(timeout=10), tx_state, 0)
         assert rx_cache.free_blocks == free - 3
         tx.engine.status = lambda rid: 1
         now[0] = 5.0
-        with receiving(rx, state) as outcome:
-            outcome["address"] = tx.address
-            outcome["start"]()
+        with receiving(rx, state, tx.address) as outcome:
             tx.send(tx.accept(timeout=10), tx_state, 0)
         state, got = outcome["result"]
         assert got.slot == 0 and got.length == N and rx.quarantined == {}
@@ -480,9 +475,7 @@ def test_a_refusal_before_any_write_frees_the_blocks_at_once():
     with fake_pair(FakeEngine(), quarantine_s=60.0) as (rx_cache, rx, tx, tx_state):
         free = rx_cache.free_blocks
         state = rx_cache.init(admit=False)
-        with receiving(rx, state) as outcome:
-            outcome["address"] = tx.address
-            outcome["start"]()
+        with receiving(rx, state, tx.address) as outcome:
 
             def prefill(state, tokens):
                 raise RuntimeError("out of memory")
@@ -576,9 +569,7 @@ def test_a_head_split_that_differs_is_refused_naming_it():
     ):
         free = decode.free_blocks
         state = decode.init(admit=False)
-        with receiving(rx, state) as outcome:
-            outcome["address"] = tx.address
-            outcome["start"]()
+        with receiving(rx, state, tx.address) as outcome:
             with pytest.raises(
                 PDTransferError,
                 match=r"layout differs: head_split \[\[0, 2\]\] here, \[\[0, 1\], \[1, 2\]\] "
@@ -643,9 +634,7 @@ def test_a_mesh_sender_refuses_a_slot_whose_head_shards_are_not_all_here():
         ) as tx,
     ):
         state = cache.init(admit=False)
-        with receiving(rx, state) as outcome:
-            outcome["address"] = tx.address
-            outcome["start"]()
+        with receiving(rx, state, tx.address) as outcome:
             request = tx.accept(timeout=10)
             tx.pools = tx.pools[1:]
             with pytest.raises(ValueError, match="slot 0's KV heads are split over 2 devices"):
@@ -794,9 +783,7 @@ def test_a_mesh_failure_after_writes_holds_each_head_shards_blocks():
     ):
         free = {s: c.free_blocks for s, c in decode.shards.items()}
         state = decode.init(admit=False)
-        with receiving(rx, state, slot=1) as outcome:
-            outcome["address"] = tx.address
-            outcome["start"]()
+        with receiving(rx, state, tx.address, slot=1) as outcome:
             with pytest.raises(PDTransferError, match="writes to decode:1 failed"):
                 tx.send(tx.accept(timeout=10), tx_state, 0)
         assert "held aside for 60 s" in str(outcome["error"])
@@ -827,9 +814,7 @@ def test_a_head_range_is_never_written_into_another_ones_pool():
         KVSender(prefill, transfer_engine=engine, session="prefill:1") as tx,
     ):
         state = decode.init(admit=False)
-        with receiving(rx, state) as outcome:
-            outcome["address"] = tx.address
-            outcome["start"]()
+        with receiving(rx, state, tx.address) as outcome:
             request = tx.accept(timeout=10)
             tx.pools = tx.pools[::-1]
             with pytest.raises(
@@ -855,9 +840,7 @@ def test_the_quarantine_holds_only_the_blocks_the_request_named():
             state = rx_cache.load(state, layer, *pd_peers.rows(layer, 16), slot=1)
         state = rx_cache.release(state, 1, tokens=np.arange(16))
         free = rx_cache.free_blocks
-        with receiving(rx, state) as outcome:
-            outcome["address"] = tx.address
-            outcome["start"]()
+        with receiving(rx, state, tx.address) as outcome:
             request = tx.accept(timeout=10)
             assert request.start == 16
             with pytest.raises(PDTransferError, match="writes to decode:1 failed"):
@@ -875,9 +858,7 @@ def test_a_prefill_slot_shorter_than_the_request_is_refused_and_the_decode_side_
     with fake_pair(FakeEngine(), quarantine_s=60.0) as (rx_cache, rx, tx, tx_state):
         free = rx_cache.free_blocks
         state = rx_cache.init(admit=False)
-        with receiving(rx, state) as outcome:
-            outcome["address"] = tx.address
-            outcome["start"]()
+        with receiving(rx, state, tx.address) as outcome:
             request = tx.accept(timeout=10)
             short = tx_state.replace(lengths=tx_state.lengths - 1)  # 19 tokens in slot 0.
             with pytest.raises(ValueError, match=r"slot 0 holds 19 tokens; the request needs 20"):
