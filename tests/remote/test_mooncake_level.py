@@ -641,11 +641,15 @@ def test_a_holder_hung_during_an_in_place_load_leaves_its_destinations_busy_unti
             assert (got.loaded, got.busy_until) == (0, 1)
             assert not reader.settled()
             assert reader.stats()["mooncake_fault_timeout"] == 1
-            # The engine's own timeouts end the stuck call; bounded wait.
-            deadline = time.monotonic() + 40
+            time.sleep(0.5)
+            assert not reader.settled()  # Still stuck while the holder is.
+            # The holder resumes: the stuck call ends (its bytes may land now, after
+            # load_into returned: why the destinations stay busy until it has settled).
+            os.kill(holder.pid, signal.SIGCONT)
+            deadline = time.monotonic() + 30
             while not reader.settled():
                 assert time.monotonic() < deadline, "the stuck call never returned"
-                time.sleep(0.1)
+                time.sleep(0.05)
         else:  # The client gave up by itself within the deadline: nothing in flight.
             assert got.loaded == 0 and reader.settled()
         reader.close()
