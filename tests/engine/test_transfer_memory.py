@@ -75,8 +75,11 @@ def test_populate_keeps_every_byte(offset):
     view = data[offset:]  # Page-aligned or not, at either end.
     before = view.copy()
     populated = transfer_memory.populate(view.ctypes.data, view.nbytes)
-    assert populated == _kernel_at_least(5, 14)
     np.testing.assert_array_equal(view, before)
+    if not _kernel_at_least(5, 14):
+        assert not populated  # The advice does not exist there.
+    elif not populated:  # A sandbox (seccomp, gVisor) may refuse it: then it is a no-op.
+        pytest.skip("this kernel refused MADV_POPULATE_WRITE")
 
 
 def test_populate_of_fresh_memory_leaves_it_zero():
