@@ -78,7 +78,8 @@ class InPlaceLoad:
 
 @runtime_checkable
 class InPlaceRemoteLevel(RemoteLevel, Protocol):
-    """A remote level that reads blocks straight into the tier's memory.
+    """A remote level that reads blocks straight into the tier's memory, and looks up and
+    publishes runs of blocks a request at a time (``missing``, ``publish_many``).
 
     ``wanted``: ``(key, parent, tokens)`` of consecutive blocks of a prompt, from its first
     missing block on. ``destinations``: per block, ``uint8[block_bytes]`` views of its
@@ -96,6 +97,12 @@ class InPlaceRemoteLevel(RemoteLevel, Protocol):
     ) -> InPlaceLoad: ...
 
     def settled(self) -> bool: ...
+
+    def missing(self, keys: list[bytes]) -> list[int]: ...
+
+    def publish_many(
+        self, items: list[tuple[bytes, bytes | None, np.ndarray, np.ndarray]]
+    ) -> int: ...
 
 
 class SpillMover(Protocol):

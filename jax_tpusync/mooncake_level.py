@@ -116,6 +116,7 @@ MIN_SEGMENT_BYTES = 16 << 20
 # one request (each request has its own deadline: a long prefix is many requests).
 HEADER_BATCH = 32
 LOAD_BATCH_BYTES = 64 << 20
+PUBLISH_BATCH_BYTES = 16 << 20  # Blocks put in one request (copied into the level's buffer).
 
 
 def _import_store() -> Any:
@@ -242,8 +243,12 @@ class MooncakeStoreLevel:
         # Registered with the client once; a call that passed its deadline may still write
         # here, so it lives as long as this level and nothing returned is a view of it.
         self._header_capacity = 4096 + 24 * block_tokens
-        self._payload_at = HEADER_BATCH * self._header_capacity  # Header slots, then a payload.
-        self._scratch = np.zeros(self._payload_at + self.payload_bytes, np.uint8)
+        # Header slots, then payloads: as many as one publish request takes (at least one).
+        self._payload_at = HEADER_BATCH * self._header_capacity
+        self._payload_slots = max(1, min(HEADER_BATCH, PUBLISH_BATCH_BYTES // self.payload_bytes))
+        self._scratch = np.zeros(
+            self._payload_at + self._payload_slots * self.payload_bytes, np.uint8
+        )
         self._engine = transfer_engine
         self._memory: list[tuple[int, int]] = []  # Pools given by use_memory().
         self._registered: list[int] = []  # Addresses registered with the client/engine.
@@ -310,6 +315,54 @@ class MooncakeStoreLevel:
     ) -> bool:
         """Puts one block (its ranges, then its header) unless its header is there; returns
         whether it did. A fault is False, counted in ``publish_failures``, never raised."""
+        key, payload, ranges, header = self._prepare(key, parent, tokens, payload)
+        failed = object()
+        wrote = self._run(
+            lambda client: self._publish(client, key, payload, ranges, header), failed
+        )
+        if wrote is failed:
+            self.publish_failures += 1
+            return False
+        if wrote:
+            self.published += 1
+            self.bytes_published += payload.size
+        return bool(wrote)
+
+    def missing(self, keys: list[bytes]) -> list[int]:
+        """Indexes of ``keys`` whose headers are not in the store, asked in one request;
+        every index on a fault (counted): publishing them again is harmless."""
+        names = [self.header_key(key) for key in keys]
+        return self._run(lambda client: self._missing(client, names), list(range(len(keys))))
+
+    def publish_many(self, items: list[tuple[bytes, bytes | None, np.ndarray, np.ndarray]]) -> int:
+        """Puts blocks ``(key, parent, tokens, payload)`` (those :meth:`missing` named):
+        per batch of at most ``HEADER_BATCH`` blocks and ``PUBLISH_BATCH_BYTES`` (at least
+        one block), one request puts their layer ranges, then one their headers (a header
+        only after all its ranges went in). Returns how many blocks it put; a fault ends
+        it (the rest counted in ``publish_failures``), never raised."""
+        prepared = [self._prepare(*item) for item in items]
+        put = 0
+        per = self._payload_slots
+        for first in range(0, len(prepared), per):
+            batch = prepared[first : first + per]
+            result = self._run(
+                functools.partial(self._publish_batch, batch=batch), (0, len(batch), "fault")
+            )
+            wrote, failed, fault = result
+            put += wrote
+            self.published += wrote
+            self.bytes_published += wrote * self.payload_bytes
+            if fault is not None:
+                if fault != "fault":
+                    self._fault(*fault, pause=fault[0] == "unreachable")
+                self.publish_failures += len(prepared) - first - wrote
+                return put
+        return put
+
+    def _prepare(
+        self, key: bytes, parent: bytes | None, tokens: np.ndarray, payload: np.ndarray
+    ) -> tuple[bytes, np.ndarray, list, bytes]:
+        """(key, payload, checksummed ranges, header) of a block to publish, checked."""
         payload = np.ascontiguousarray(payload, np.uint8).reshape(-1)
         if payload.size != self.payload_bytes:
             raise ValueError(f"payload has {payload.size} bytes, not {self.payload_bytes}")
@@ -322,17 +375,7 @@ class MooncakeStoreLevel:
             raise ValueError(
                 f"a header of {len(header)} bytes is longer than {self._header_capacity}"
             )
-        failed = object()
-        wrote = self._run(
-            lambda client: self._publish(client, key, payload, ranges, header), failed
-        )
-        if wrote is failed:
-            self.publish_failures += 1
-            return False
-        if wrote:
-            self.published += 1
-            self.bytes_published += payload.size
-        return bool(wrote)
+        return key, payload, ranges, header
 
     # -- reading blocks straight into a pool (the InPlaceRemoteLevel interface) -------------
 
@@ -618,7 +661,7 @@ class MooncakeStoreLevel:
         if self._exists(client, hkey):
             return False
         base = self._scratch.ctypes.data + self._payload_at
-        body = self._scratch[self._payload_at :]
+        body = self._scratch[self._payload_at : self._payload_at + self.payload_bytes]
         body[:] = payload
         spans = [self._span(lo, hi) for lo, hi, _ in ranges]
         codes = client.batch_put_from(
@@ -634,6 +677,50 @@ class MooncakeStoreLevel:
         if code < 0:
             raise _code_fault(code, "putting a header")
         return True
+
+    def _missing(self, client: Any, names: list[str]) -> list[int]:
+        found = client.batch_is_exist(names)
+        for code in found:
+            if code < 0:
+                raise _code_fault(code, "batch_is_exist")
+        return [i for i, code in enumerate(found) if code != 1]
+
+    def _publish_batch(self, client: Any, batch: list) -> tuple[int, int, tuple | None]:
+        """(blocks put, blocks not put, (fault kind, detail) or None): the batch's ranges in
+        one request, then the headers of the blocks whose ranges all went in."""
+        base = self._scratch.ctypes.data
+        keys, pointers, sizes, owner = [], [], [], []
+        for j, (key, payload, ranges, _) in enumerate(batch):
+            at = self._payload_at + j * self.payload_bytes
+            self._scratch[at : at + self.payload_bytes] = payload
+            for lo, hi, checksum in ranges:
+                span = self._span(lo, hi)
+                keys.append(self.range_key(key, lo, hi, checksum))
+                pointers.append(base + at + span.start)
+                sizes.append(span.stop - span.start)
+                owner.append(j)
+        codes = client.batch_put_from(keys, pointers, sizes)
+        whole = [True] * len(batch)
+        fault = None
+        for j, code in zip(owner, codes):
+            if code < 0:
+                whole[j] = False
+                fault = fault or _code_fault(code, "putting a layer range")
+        cap = self._header_capacity
+        names, pointers, sizes = [], [], []
+        for j, (key, _, _, header) in enumerate(batch):
+            if whole[j]:
+                self._scratch[j * cap : j * cap + len(header)] = np.frombuffer(header, np.uint8)
+                names.append(self.header_key(key))
+                pointers.append(base + j * cap)
+                sizes.append(len(header))
+        put = 0
+        for code in client.batch_put_from(names, pointers, sizes) if names else []:
+            if code < 0:
+                fault = fault or _code_fault(code, "putting a header")
+            else:
+                put += 1
+        return put, len(batch) - put, None if fault is None else (fault.kind, str(fault))
 
     def _load(self, client: Any, key: bytes, parent: bytes | None, tokens: list[int]):
         hkey = self.header_key(key)
@@ -657,7 +744,7 @@ class MooncakeStoreLevel:
                 raise _code_fault(code, f"getting layers {lo}-{hi} of {name}")
             if code != want:
                 raise _Damaged(f"{name}: layers {lo}-{hi} hold {code} bytes, expected {want}")
-        body = self._scratch[self._payload_at :]
+        body = self._scratch[self._payload_at : self._payload_at + self.payload_bytes]
         for lo, hi, checksum in ranges:
             if xxhash.xxh3_64_intdigest(body[self._span(lo, hi)]) != checksum:
                 raise _Damaged(f"{name}: layers {lo}-{hi}: checksum mismatch (corrupt object)")

@@ -657,13 +657,22 @@ class SlotTable:
         t = self.block_tokens
         for level in self.remote_levels:
             try:
-                missing = [i for i, key in enumerate(keys[: len(held)]) if not level.has(key)]
+                if isinstance(level, InPlaceRemoteLevel):  # A request per run, not per block.
+                    missing = level.missing(keys[: len(held)])
+                else:
+                    missing = [i for i, key in enumerate(keys[: len(held)]) if not level.has(key)]
                 if not missing:
                     continue
                 payloads = self.store.read_blocks([int(held[i]) for i in missing])
-                for j, i in enumerate(missing):
-                    parent = keys[i - 1] if i else None
-                    level.publish(keys[i], parent, ids[i * t : (i + 1) * t], payloads[j])
+                items = [
+                    (keys[i], keys[i - 1] if i else None, ids[i * t : (i + 1) * t], payloads[j])
+                    for j, i in enumerate(missing)
+                ]
+                if isinstance(level, InPlaceRemoteLevel):
+                    level.publish_many(items)
+                    continue
+                for item in items:
+                    level.publish(*item)
             except Exception as e:  # noqa: BLE001 - publishing is a courtesy to others.
                 self.publish_failures += 1
                 logger.warning(

@@ -23,7 +23,12 @@ import pytest
 
 import jax_tpusync as tps
 from jax_tpusync import prefix
-from jax_tpusync.mooncake_level import MooncakeStoreLevel, make_level
+from jax_tpusync.mooncake_level import (
+    HEADER_BATCH,
+    PUBLISH_BATCH_BYTES,
+    MooncakeStoreLevel,
+    make_level,
+)
 from jax_tpusync.slots import SlotTable
 
 LAYERS, HEADS, DIM, BLOCK = 2, 2, 16, 8
@@ -456,6 +461,36 @@ def test_in_place_loads_land_byte_exact_in_scattered_blocks_and_are_checked_ther
     assert client.remove(lv.header_key(keys[1]), True) == 0
     assert lv.lookup(list(zip(keys, parents, blocks))) == 1
     client.close()
+    lv.close()
+
+
+def test_runs_of_blocks_are_published_a_batch_a_request_and_read_back(make_master):
+    master = make_master()
+    lv = level(master.address, segment_bytes=32 << 20)
+    # A batch is HEADER_BATCH blocks here (their bytes fit): 40 blocks are two, 32 and 8.
+    assert HEADER_BATCH == 32 and PUBLISH_BATCH_BYTES // lv.payload_bytes >= 32
+    keys, parents, blocks = chain(40, start=730_000)
+    assert lv.missing(keys) == list(range(40))
+    items = [(keys[i], parents[i], blocks[i], payload_of(lv, 300 + i)) for i in range(40)]
+    assert lv.publish_many(items[:3]) == 3
+    assert lv.missing(keys) == list(range(3, 40))
+    assert lv.publish_many([items[i] for i in lv.missing(keys)]) == 37
+    assert lv.missing(keys) == [] and lv.stats()["mooncake_published"] == 40
+    store = BlockBytes(lv, num_blocks=48)
+    wanted = list(zip(keys, parents, blocks))
+    assert lv.lookup(wanted) == 40
+    ids = list(range(47, 7, -1))  # Scattered, backwards.
+    assert lv.load_into(wanted, [store.block_memory(b) for b in ids]).loaded == 40
+    for i, b in enumerate(ids):
+        np.testing.assert_array_equal(store.payload(b), payload_of(lv, 300 + i))
+    # The master gone: a miss within the deadline, every block counted, nothing raised.
+    master.kill()
+    more = chain(2, start=740_000)
+    got, seconds = timed(
+        lv.publish_many, [(more[0][i], more[1][i], more[2][i], payload_of(lv, i)) for i in (0, 1)]
+    )
+    assert got == 0 and seconds < lv.deadline_s + 1.0
+    assert lv.stats()["mooncake_publish_failures"] == 2
     lv.close()
 
 

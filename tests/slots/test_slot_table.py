@@ -415,6 +415,12 @@ class FakeInPlaceRemote(FakeRemote):
     def settled(self):
         return not self.stuck
 
+    def missing(self, keys):
+        return [i for i, key in enumerate(keys) if key not in self.files]
+
+    def publish_many(self, items):
+        return sum(self.publish(*item) for item in items)
+
 
 def test_an_in_place_level_reads_a_run_of_blocks_into_fresh_blocks_in_one_request():
     remote = FakeInPlaceRemote()
