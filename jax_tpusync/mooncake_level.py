@@ -293,40 +293,32 @@ class MooncakeStoreLevel:
         """``key``'s payload (a fresh ``uint8[payload_bytes]``), checked against ``parent``,
         ``tokens``, the root, the geometry and the checksums; None if it is not there, is
         damaged or foreign (a warning names it), or on a fault (counted)."""
-        tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
-        fault = object()
-        try:
-            payload = self._run(lambda client: self._load(client, key, parent, tokens), fault)
-        except _Damaged as e:
-            self.damaged += 1
-            logger.warning("%s; treated as a miss", e)
+        # The in-place path with the level's own buffer as the destination: one set of
+        # checks for both.
+        wanted = [(key, parent, tokens)]
+        if not self.lookup(wanted):
             return None
-        if payload is fault:
+        body = self._scratch[self._payload_at : self._payload_at + self.payload_bytes]
+        views = [
+            body[r * self.block_bytes : (r + 1) * self.block_bytes]
+            for r in range(2 * self.num_layers)
+        ]
+        if self.load_into(wanted, [views]).loaded != 1:
             return None
-        if payload is None:
-            self.misses += 1
-            return None
-        self.imported += 1
-        self.bytes_loaded += payload.size
-        return payload
+        return body.copy()
 
     def publish(
         self, key: bytes, parent: bytes | None, tokens: np.ndarray, payload: np.ndarray
     ) -> bool:
         """Puts one block (its ranges, then its header) unless its header is there; returns
         whether it did. A fault is False, counted in ``publish_failures``, never raised."""
-        key, payload, ranges, header = self._prepare(key, parent, tokens, payload)
-        failed = object()
-        wrote = self._run(
-            lambda client: self._publish(client, key, payload, ranges, header), failed
-        )
-        if wrote is failed:
+        item = (key, parent, tokens, payload)
+        self._prepare(*item)  # Refuses a bad payload before any call.
+        missing = self._run(lambda client: self._missing(client, [self.header_key(key)]), None)
+        if missing is None:  # A fault: counted as a publish that did not happen.
             self.publish_failures += 1
             return False
-        if wrote:
-            self.published += 1
-            self.bytes_published += payload.size
-        return bool(wrote)
+        return bool(missing) and self.publish_many([item]) == 1
 
     def missing(self, keys: list[bytes]) -> list[int]:
         """Indexes of ``keys`` whose headers are not in the store, asked in one request;
@@ -543,7 +535,7 @@ class MooncakeStoreLevel:
 
     def _run(self, fn: Callable[[Any], Any], default: Any) -> Any:
         """``fn(client)`` on the worker within the deadline; ``default`` on a fault (counted,
-        logged once per kind), while paused or once closed. Raises only ``_Damaged``."""
+        logged once per kind), while paused or once closed. Never raises."""
         with self._lock:
             if self._closed or time.monotonic() < self._paused_until:
                 self.skipped += 1
@@ -554,8 +546,6 @@ class MooncakeStoreLevel:
                 self._fault("timeout", str(e), pause=True)
             except _Fault as e:
                 self._fault(e.kind, str(e), pause=e.kind == "unreachable")
-            except _Damaged:
-                raise
             except Exception as e:  # noqa: BLE001 - the client's own errors: a miss, logged.
                 self._fault("error", f"{type(e).__name__}: {e}", pause=False)
             return default
@@ -656,28 +646,6 @@ class MooncakeStoreLevel:
         ).encode()
         return _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(body)) + body
 
-    def _publish(self, client: Any, key: bytes, payload: np.ndarray, ranges: list, header: bytes):
-        hkey = self.header_key(key)
-        if self._exists(client, hkey):
-            return False
-        base = self._scratch.ctypes.data + self._payload_at
-        body = self._scratch[self._payload_at : self._payload_at + self.payload_bytes]
-        body[:] = payload
-        spans = [self._span(lo, hi) for lo, hi, _ in ranges]
-        codes = client.batch_put_from(
-            [self.range_key(key, *r) for r in ranges],
-            [base + s.start for s in spans],
-            [s.stop - s.start for s in spans],
-        )
-        for code in codes:
-            if code < 0:
-                raise _code_fault(code, "putting a layer range")
-        self._scratch[: len(header)] = np.frombuffer(header, np.uint8)
-        code = client.put_from(hkey, self._scratch.ctypes.data, len(header))
-        if code < 0:
-            raise _code_fault(code, "putting a header")
-        return True
-
     def _missing(self, client: Any, names: list[str]) -> list[int]:
         found = client.batch_is_exist(names)
         for code in found:
@@ -721,34 +689,6 @@ class MooncakeStoreLevel:
             else:
                 put += 1
         return put, len(batch) - put, None if fault is None else (fault.kind, str(fault))
-
-    def _load(self, client: Any, key: bytes, parent: bytes | None, tokens: list[int]):
-        hkey = self.header_key(key)
-        name = f"block {key.hex()} in the {self.describe()}"
-        size = client.get_into(hkey, self._scratch.ctypes.data, self._header_capacity)
-        if size == _NOT_FOUND:
-            return None
-        if size < 0:
-            raise _code_fault(size, "getting a header")
-        ranges = self._checked_header(bytes(self._scratch[:size]), name, key, parent, tokens)
-        base = self._scratch.ctypes.data + self._payload_at
-        spans = [self._span(lo, hi) for lo, hi, _ in ranges]
-        sizes = [s.stop - s.start for s in spans]
-        codes = client.batch_get_into(
-            [self.range_key(key, *r) for r in ranges], [base + s.start for s in spans], sizes
-        )
-        for (lo, hi, _), code, want in zip(ranges, codes, sizes):
-            if code == _NOT_FOUND:
-                raise _Fault("evicted", f"{name}: layers {lo}-{hi} are gone")
-            if code < 0:
-                raise _code_fault(code, f"getting layers {lo}-{hi} of {name}")
-            if code != want:
-                raise _Damaged(f"{name}: layers {lo}-{hi} hold {code} bytes, expected {want}")
-        body = self._scratch[self._payload_at : self._payload_at + self.payload_bytes]
-        for lo, hi, checksum in ranges:
-            if xxhash.xxh3_64_intdigest(body[self._span(lo, hi)]) != checksum:
-                raise _Damaged(f"{name}: layers {lo}-{hi}: checksum mismatch (corrupt object)")
-        return body.copy()
 
     def _lookup(self, client: Any, items: list) -> tuple[int, str | None]:
         """(blocks found, from the first, whose headers pass every check; why the run

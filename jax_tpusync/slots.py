@@ -554,10 +554,16 @@ class SlotTable:
             return []
         self.free_settled()
         keys = self.prefix.keys(ids)[:limit]
+        t = self.block_tokens
+        wanted = [
+            (keys[i], keys[i - 1] if i else None, ids[i * t : (i + 1) * t])
+            for i in range(start, len(keys))
+        ]
+        in_memory = self.store is not None and self.store.block_memory(0) is not None
         out: list[int] = []
         try:
-            while start + len(out) < limit:
-                run = self._import_run(ids, keys, start + len(out))
+            while len(out) < len(wanted):
+                run = self._import_run(wanted, len(out), in_memory)
                 if not run:
                     break
                 out += run
@@ -566,22 +572,18 @@ class SlotTable:
             raise
         return out
 
-    def _import_run(self, ids: np.ndarray, keys: list[bytes], pos: int) -> list[int]:
-        """Blocks from ``pos`` on from the first level that has block ``pos``: a run of
-        them from a level that reads in place, else that one block."""
-        t = self.block_tokens
-        wanted = [
-            (keys[i], keys[i - 1] if i else None, ids[i * t : (i + 1) * t])
-            for i in range(pos, len(keys))
-        ]
-        in_memory = self.store is not None and self.store.block_memory(0) is not None
+    def _import_run(self, wanted: list, pos: int, in_memory: bool) -> list[int]:
+        """Blocks ``wanted[pos:]`` ((key, parent, token ids) each) from the first level that
+        has ``wanted[pos]``: a run of them from a level that reads in place (when the tier
+        is ``in_memory``), else that one block."""
         for level in self.remote_levels:
             if in_memory and isinstance(level, InPlaceRemoteLevel):
-                found = level.lookup(wanted)
+                found = level.lookup(wanted[pos:])
                 if found:
-                    return self._import_in_place(level, wanted[: self._room_up_to(found)])
+                    run = wanted[pos : pos + self._room_up_to(found)]
+                    return self._import_in_place(level, run)
                 continue
-            payload = level.load(*wanted[0])
+            payload = level.load(*wanted[pos])
             if payload is None:
                 continue
             if not self.make_room(1):
@@ -593,7 +595,7 @@ class SlotTable:
             except Exception:
                 self.dram.free(np.asarray([block], np.int64))
                 raise
-            self.prefix.adopt(*wanted[0], block)
+            self.prefix.adopt(*wanted[pos], block)
             return [block]
         return []
 
