@@ -312,13 +312,12 @@ class MooncakeStoreLevel:
     ) -> bool:
         """Puts one block (its ranges, then its header) unless its header is there; returns
         whether it did. A fault is False, counted in ``publish_failures``, never raised."""
-        item = (key, parent, tokens, payload)
-        self._prepare(*item)  # Refuses a bad payload before any call.
+        prepared = self._prepare(key, parent, tokens, payload)  # Refused before any call.
         missing = self._run(lambda client: self._missing(client, [self.header_key(key)]), None)
         if missing is None:  # A fault: counted as a publish that did not happen.
             self.publish_failures += 1
             return False
-        return bool(missing) and self.publish_many([item]) == 1
+        return bool(missing) and self._put_prepared([prepared]) == 1
 
     def missing(self, keys: list[bytes]) -> list[int]:
         """Indexes of ``keys`` whose headers are not in the store, asked in one request;
@@ -332,7 +331,10 @@ class MooncakeStoreLevel:
         one block), one request puts their layer ranges, then one their headers (a header
         only after all its ranges went in). Returns how many blocks it put; a fault ends
         it (the rest counted in ``publish_failures``), never raised."""
-        prepared = [self._prepare(*item) for item in items]
+        return self._put_prepared([self._prepare(*item) for item in items])
+
+    def _put_prepared(self, prepared: list) -> int:
+        """:meth:`publish_many` of blocks :meth:`_prepare` checked."""
         put = 0
         per = self._payload_slots
         for first in range(0, len(prepared), per):
