@@ -147,8 +147,10 @@ def test_decode_matches_resident_attention_over_the_tier(tier, use_scan, dtype, 
         row_bytes = KV_HEADS * HEAD_DIM * np.dtype(dtype).itemsize
         assert spec.device_bytes == LAYERS * 2 * BATCH * MAX_LEN * row_bytes
         state = _fill(cache, cache.init(), [9, 6])
+        cache.engine.drain()
         writes = cache.engine.stats()["tiers"][cache.tier]["write_back"]["requests"]
         state = _decode_and_check(cache, state, _step(dtype, use_scan), 4)
+        cache.engine.drain()  # Write-backs are detached: a step may return before its last ends.
         stats = cache.engine.stats()
         assert stats["prefetch_hits"] == 0 and stats["prefetch_misses"] == 0
         # Every layer of every step wrote back.
