@@ -38,50 +38,82 @@ TPUSYNC_INLINE float Bf16ToF32(uint16_t bits) {
   return f;
 }
 
-// Eight f32 lanes (GCC/Clang vector extension): one AVX register in the AVX2 build, two
-// SSE registers in the baseline one. Loads and stores go through memcpy (no alignment).
-// They cross only always-inlined calls, so GCC's note that passing them changes the ABI
-// without AVX does not apply.
+// W f32 lanes (GCC/Clang vector extension). The tile path uses 8 in every build (one AVX
+// register in the AVX2 build, two SSE registers in the baseline one); the many-query path
+// 4 in the baseline build (wider vectors live on the stack there), 8 in the AVX2 one, 16 in
+// the AVX-512 one. Loads and stores go through memcpy (no alignment). They cross only
+// always-inlined calls, so GCC's note that passing them changes the ABI without AVX does
+// not apply.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
-typedef float Lanes __attribute__((vector_size(32)));
-typedef int32_t IntLanes __attribute__((vector_size(32)));
+template <int W>
+struct Simd;
+template <>
+struct Simd<4> {
+  typedef float F __attribute__((vector_size(16)));
+  typedef int32_t I __attribute__((vector_size(16)));
+};
+template <>
+struct Simd<8> {
+  typedef float F __attribute__((vector_size(32)));
+  typedef int32_t I __attribute__((vector_size(32)));
+};
+template <>
+struct Simd<16> {
+  typedef float F __attribute__((vector_size(64)));
+  typedef int32_t I __attribute__((vector_size(64)));
+};
 
-TPUSYNC_INLINE Lanes LoadLanes(const float* p) {
-  Lanes x;
+template <int W>
+TPUSYNC_INLINE typename Simd<W>::F LoadW(const float* p) {
+  typename Simd<W>::F x;
   std::memcpy(&x, p, sizeof x);
   return x;
 }
 
-TPUSYNC_INLINE void StoreLanes(float* p, const Lanes& x) { std::memcpy(p, &x, sizeof x); }
+template <int W>
+TPUSYNC_INLINE void StoreW(float* p, const typename Simd<W>::F& x) {
+  std::memcpy(p, &x, sizeof x);
+}
 
-// exp(x) of eight x <= 0, to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its
-// minimax polynomial (the classic single-precision coefficients), 2^n by the exponent
+// exp(x) of W lanes x <= 0, to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by
+// its minimax polynomial (the classic single-precision coefficients), 2^n by the exponent
 // bits. (std::exp does not vectorize.) Below -87 (a weight under 1e-38) it returns exp(-87).
 // Vectors go through memory or references, never by value: a vector parameter draws
-// GCC's note on the 32-byte ABI change in the baseline build.
-TPUSYNC_INLINE void ExpNonPositive(float* values) {
-  Lanes x = LoadLanes(values);
-  const Lanes floor_x = Lanes{} - 87.0f;
+// GCC's note on the ABI change of wide vectors in the baseline build.
+template <int W>
+TPUSYNC_INLINE void ExpW(float* values) {
+  using F = typename Simd<W>::F;
+  using I = typename Simd<W>::I;
+  F x = LoadW<W>(values);
+  const F floor_x = F{} - 87.0f;
   x = x < floor_x ? floor_x : x;
-  const Lanes t = x * 1.44269504088896341f + 0.5f;
-  IntLanes n = __builtin_convertvector(t, IntLanes);  // Truncates toward zero...
-  n += __builtin_convertvector(n, Lanes) > t;         // ...so step down (true is -1): floor.
-  const Lanes nf = __builtin_convertvector(n, Lanes);
-  const Lanes r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
-  Lanes p = Lanes{} + 1.9875691500e-4f;
+  const F t = x * 1.44269504088896341f + 0.5f;
+  I n = __builtin_convertvector(t, I);
+  n += __builtin_convertvector(n, F) > t;
+  const F nf = __builtin_convertvector(n, F);
+  const F r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
+  F p = F{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const Lanes y = p * r * r + r + 1.0f;
-  const IntLanes bits = (n + 127) << 23;
-  Lanes scale;
+  const F y = p * r * r + r + 1.0f;
+  const I bits = (n + 127) << 23;
+  F scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  StoreLanes(values, y * scale);
+  StoreW<W>(values, y * scale);
 }
+
+// Eight lanes: the tile path's width in both builds.
+typedef Simd<8>::F Lanes;
+typedef Simd<8>::I IntLanes;
+
+TPUSYNC_INLINE Lanes LoadLanes(const float* p) { return LoadW<8>(p); }
+TPUSYNC_INLINE void StoreLanes(float* p, const Lanes& x) { StoreW<8>(p, x); }
+TPUSYNC_INLINE void ExpNonPositive(float* values) { ExpW<8>(values); }
 
 typedef uint32_t BitLanes __attribute__((vector_size(32)));  // Eight f32 bit patterns.
 
@@ -470,64 +502,6 @@ constexpr int kMaxPanel = 12;
 // Rows (query rows times the group's heads) per kv head from which a sequence takes the
 // many-query path; below it (decode steps) the tile path, whose K stays untransposed.
 constexpr int kManyRows = 16;
-
-// W f32 lanes (GCC/Clang vector extension): 4 in the baseline build (one SSE register:
-// wider vectors live on the stack there), 8 in the AVX2 one, 16 in the AVX-512 one.
-template <int W>
-struct Simd;
-template <>
-struct Simd<4> {
-  typedef float F __attribute__((vector_size(16)));
-  typedef int32_t I __attribute__((vector_size(16)));
-};
-template <>
-struct Simd<8> {
-  typedef float F __attribute__((vector_size(32)));
-  typedef int32_t I __attribute__((vector_size(32)));
-};
-template <>
-struct Simd<16> {
-  typedef float F __attribute__((vector_size(64)));
-  typedef int32_t I __attribute__((vector_size(64)));
-};
-
-template <int W>
-TPUSYNC_INLINE typename Simd<W>::F LoadW(const float* p) {
-  typename Simd<W>::F x;
-  std::memcpy(&x, p, sizeof x);
-  return x;
-}
-
-template <int W>
-TPUSYNC_INLINE void StoreW(float* p, const typename Simd<W>::F& x) {
-  std::memcpy(p, &x, sizeof x);
-}
-
-// exp(x) of W lanes x <= 0: ExpNonPositive's polynomial, on Simd<W> vectors.
-template <int W>
-TPUSYNC_INLINE void ExpW(float* values) {
-  using F = typename Simd<W>::F;
-  using I = typename Simd<W>::I;
-  F x = LoadW<W>(values);
-  const F floor_x = F{} - 87.0f;
-  x = x < floor_x ? floor_x : x;
-  const F t = x * 1.44269504088896341f + 0.5f;
-  I n = __builtin_convertvector(t, I);
-  n += __builtin_convertvector(n, F) > t;
-  const F nf = __builtin_convertvector(n, F);
-  const F r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
-  F p = F{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const F y = p * r * r + r + 1.0f;
-  const I bits = (n + 127) << 23;
-  F scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  StoreW<W>(values, y * scale);
-}
 
 // One block's rows, for one kv head at a time.
 struct Block {
