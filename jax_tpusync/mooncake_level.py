@@ -374,14 +374,16 @@ class MooncakeStoreLevel:
     # -- reading blocks straight into a pool (the InPlaceRemoteLevel interface) -------------
 
     def use_memory(self, address: int, nbytes: int) -> None:
-        """Registers a pool (a host tier's memory) that :meth:`load_into` reads into, and
-        faults its pages in (:func:`jax_tpusync.transfer_memory.populate`); at the next
-        connection if not connected. A fault is logged, counted and leaves the
-        pool unregistered (loads into it then fail: misses)."""
+        """Registers a pool (a host tier's memory) that :meth:`load_into` reads into: now if
+        connected, else at the connection. Its pages are faulted in here, in the caller's
+        thread (:func:`jax_tpusync.transfer_memory.populate`): a virtual machine's first
+        touch of a fresh 512 MiB pool took 3.5 s, which inside a call would pass its
+        deadline and turn the first admissions into misses. A fault registering is logged,
+        counted and leaves the pool unregistered (loads into it then fail: misses)."""
+        transfer_memory.populate(address, nbytes)
         self._memory.append((int(address), int(nbytes)))
         if self._client is not None:
             self._run(lambda client: self._register(address, nbytes), None)
-            transfer_memory.populate(address, nbytes)
 
     def settled(self) -> bool:
         """Whether no call that passed its deadline is still running (one may still write
@@ -594,8 +596,6 @@ class MooncakeStoreLevel:
                 self._register(self._scratch.ctypes.data, self._scratch.nbytes)
                 for address, nbytes in self._memory:
                     self._register(address, nbytes)
-                    # Faulted in now, not a page at a time by the first loads into it.
-                    transfer_memory.populate(address, nbytes)
             except _Fault:
                 self._client = None
                 self._unregister_all(client)

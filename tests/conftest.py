@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 
 # Four simulated CPU devices for the mesh tests (tests/mesh); every other test runs on the
@@ -86,3 +87,39 @@ def mooncake_usable():
             f"(pip install 'jax-tpusync[mooncake]'; apt-get install libibverbs1 libnuma1)"
         )
     pytest.skip(f"Mooncake client unavailable: {why}")
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def veth_pair():
+    """(namespace, its address, this end's address): a network namespace with one end of a
+    veth pair, the other end here; removed at teardown (which removes the pair too). Needs
+    root: skipped otherwise, and wherever the kernel or container refuses them."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to make a network namespace and a veth pair")
+    tag = os.getpid() % 100_000
+    ns, inner, outer = f"tpsync-ns-{tag}", f"tpsI{tag}", f"tpsO{tag}"
+    subnet = f"10.{200 + tag % 50}.{tag % 250}"
+    inner_ip, outer_ip = f"{subnet}.1", f"{subnet}.2"
+    steps = [
+        ("netns", "add", ns),
+        ("link", "add", outer, "type", "veth", "peer", "name", inner),
+        ("link", "set", inner, "netns", ns),
+        ("-n", ns, "addr", "add", f"{inner_ip}/24", "dev", inner),
+        ("-n", ns, "link", "set", inner, "up"),
+        ("-n", ns, "link", "set", "lo", "up"),
+        ("addr", "add", f"{outer_ip}/24", "dev", outer),
+        ("link", "set", outer, "up"),
+    ]
+    try:
+        for step in steps:
+            done = _ip(*step)
+            if done.returncode != 0:
+                pytest.skip(f"ip {' '.join(step)}: {done.stderr.strip()}")
+        yield ns, inner_ip, outer_ip
+    finally:
+        _ip("link", "del", outer)
+        _ip("netns", "del", ns)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import datetime
 import json
@@ -449,3 +450,57 @@ def direct_read_fraction(info) -> float:
     """Share of a tier's fetched bytes that O_DIRECT put straight into the destination."""
     total = info.direct_read_bytes + info.bounced_read_bytes
     return info.direct_read_bytes / total if total else 0.0
+
+
+# -- network namespaces (benchmarks between two "hosts" over a veth pair) --------------------
+
+NETNS_DIRECTORY = "/var/run/netns"
+
+
+def require_netns(flag: str, name: str | None) -> None:
+    """Refuses (SystemExit naming ``flag``) a network namespace that ``ip netns add`` has not
+    made; before any process starts, so that a typo costs nothing."""
+    if name is not None and not os.path.exists(os.path.join(NETNS_DIRECTORY, name)):
+        raise SystemExit(
+            f"{flag} {name}: no {NETNS_DIRECTORY}/{name} (make it with 'ip netns add', as root)"
+        )
+
+
+def join_netns(name: str) -> None:
+    """Moves this process into the network namespace ``NETNS_DIRECTORY/<name>``; call it
+    before the process starts threads or opens sockets (a thread keeps its namespace)."""
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(os.path.join(NETNS_DIRECTORY, name)) as ns:
+        if libc.setns(ns.fileno(), clone_newnet) != 0:
+            err = ctypes.get_errno()
+            raise SystemExit(f"joining network namespace {name!r}: {os.strerror(err)}")
+
+
+def child_reply(replies: Any, child: Any, timeout: float, who: str) -> Any:
+    """The next item ``child`` (a multiprocessing process, ``who`` in errors) put on
+    ``replies``; SystemExit if it died or did not answer within ``timeout`` seconds."""
+    import queue
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            return replies.get(timeout=min(1.0, max(0.01, end - time.monotonic())))
+        except queue.Empty:
+            if not child.is_alive():
+                raise SystemExit(f"{who} died (exit code {child.exitcode})") from None
+    raise SystemExit(f"{who} did not answer within {timeout} s")
+
+
+def start_child(ctx: Any, target: Callable[..., None], *args: Any) -> Any:
+    """A daemon process of ``ctx`` (a multiprocessing context, e.g. spawn) running
+    ``target(*args)``, started from ``/``: a spawned interpreter imports the package
+    installed, not one in the caller's working directory."""
+    child = ctx.Process(target=target, args=args, daemon=True)
+    here = os.getcwd()
+    os.chdir("/")
+    try:
+        child.start()
+    finally:
+        os.chdir(here)
+    return child

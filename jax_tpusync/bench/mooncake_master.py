@@ -29,15 +29,17 @@ def find_binary() -> str | None:
     return str(here) if here.exists() else shutil.which(BINARY)
 
 
-def free_port() -> int:
-    """A TCP port on loopback that nothing listened on a moment ago."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listened on a moment ago."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
 class LocalMaster:
-    """A ``mooncake_master`` on ``127.0.0.1``; ``address`` is ``127.0.0.1:<port>``.
+    """A ``mooncake_master`` on ``host`` (loopback by default; an address of this host's, e.g.
+    one end of a veth pair, for clients in another network namespace); ``address`` is
+    ``<host>:<port>``. Its metrics port stays on loopback.
 
     A context manager: ``__enter__`` starts it and waits (at most ``start_timeout_s``) until
     it accepts connections, ``__exit__`` stops it (SIGTERM, then SIGKILL after
@@ -49,6 +51,7 @@ class LocalMaster:
         self,
         *extra_flags: str,
         binary: str | None = None,
+        host: str = "127.0.0.1",
         start_timeout_s: float = 15.0,
         stop_timeout_s: float = 5.0,
     ):
@@ -61,16 +64,17 @@ class LocalMaster:
         self.extra_flags = extra_flags
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
-        self.port = free_port()
+        self.host = host
+        self.port = free_port(host)
         self.metrics_port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self.address = f"{host}:{self.port}"
         self.log = os.path.join(tempfile.gettempdir(), f"tpusync-mooncake-master-{self.port}.log")
         self.proc: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
         return [
             self.binary,
-            "--rpc_address=127.0.0.1",
+            f"--rpc_address={self.host}",
             f"--rpc_port={self.port}",
             "--metrics_host=127.0.0.1",
             f"--metrics_port={self.metrics_port}",
@@ -91,7 +95,7 @@ class LocalMaster:
                     f"{self.address} (its output: {self.log})"
                 )
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                socket.create_connection((self.host, self.port), timeout=0.2).close()
                 return
             except OSError:
                 time.sleep(0.05)

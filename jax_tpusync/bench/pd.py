@@ -156,7 +156,7 @@ def prefill_process(commands: Any, replies: Any, args: dict) -> None:
     plain socket server; serves what ``commands`` asks for."""
     os.chdir("/")
     if args["netns"]:
-        _join_netns(args["netns"])
+        common.join_netns(args["netns"])
     from jax_tpusync.pd_transfer import KVSender, pool_runs, recv_message
 
     host = args["host"]
@@ -213,13 +213,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     from jax_tpusync.pd_transfer import KVReceiver, send_message
 
-    if args.prefill_netns is not None and not os.path.exists(
-        f"/var/run/netns/{args.prefill_netns}"
-    ):
-        raise SystemExit(
-            f"--prefill-netns {args.prefill_netns}: no /var/run/netns/{args.prefill_netns} "
-            f"(make it with 'ip netns add', as root)"
-        )
+    common.require_netns("--prefill-netns", args.prefill_netns)
     ctx = multiprocessing.get_context("spawn")
     commands, replies = ctx.Queue(), ctx.Queue()
     child_args = dict(
@@ -231,19 +225,13 @@ def run(args: argparse.Namespace) -> list[dict]:
         host=args.prefill_host,
         netns=args.prefill_netns,
     )
-    here = os.getcwd()
-    os.chdir("/")
-    child = ctx.Process(target=prefill_process, args=(commands, replies, child_args), daemon=True)
-    try:
-        child.start()
-    finally:
-        os.chdir(here)
+    child = common.start_child(ctx, prefill_process, commands, replies, child_args)
     results = []
     try:
         for name in args.shapes:
             tokens, layers, heads, dim = SHAPES[name]
             commands.put(SHAPES[name])
-            peer = _reply(replies, child, 600)
+            peer = common.child_reply(replies, child, 600, "the prefill process")
             cache = _cache(tokens, layers, heads, dim, args.block_tokens)
             state = cache.init(admit=False)
             ids = np.arange(tokens) % 1000
@@ -320,31 +308,6 @@ def run(args: argparse.Namespace) -> list[dict]:
         if child.is_alive():
             child.kill()
     return results
-
-
-def _join_netns(name: str) -> None:
-    """Moves this process (before it starts threads or opens sockets) into the network
-    namespace ``/var/run/netns/<name>`` (``ip netns add``)."""
-    clone_newnet = 0x40000000
-    libc = ctypes.CDLL(None, use_errno=True)
-    with open(f"/var/run/netns/{name}") as ns:
-        if libc.setns(ns.fileno(), clone_newnet) != 0:
-            err = ctypes.get_errno()
-            raise SystemExit(f"joining network namespace {name!r}: {os.strerror(err)}")
-
-
-def _reply(replies: Any, child: Any, timeout: float) -> Any:
-    """The prefill process's next reply; raises if it died or passed ``timeout``."""
-    import queue
-
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            return replies.get(timeout=1.0)
-        except queue.Empty:
-            if not child.is_alive():
-                raise SystemExit(f"the prefill process died (exit code {child.exitcode})")
-    raise SystemExit(f"the prefill process did not answer within {timeout} s")
 
 
 def _recompute(args, tokens: int, layers: int, heads: int, dim: int) -> float:

@@ -48,12 +48,21 @@ one lookup past the local index (a miss). Without ``--remote-master`` the benchm
 a ``mooncake_master`` on free loopback ports and stops it at exit
 (:mod:`jax_tpusync.bench.mooncake_master`); object names carry the run's own namespace, so a
 running master's earlier objects are never hit.
+
+Over loopback by default. ``--reader-netns NS --publisher-host A --reader-host B`` (implies
+``--remote mooncake``) puts the reading cache in a process of its own (started with
+``spawn``) that joins network namespace ``NS`` before it opens a socket (needs root), so
+the blocks cross whatever links the namespaces, e.g. a veth pair: the publisher (and the
+benchmark's master, unless ``--remote-master``) are at ``A``, the reader at ``B``. The
+reader compiles its step before the timed admit, like the in-process one.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import functools
 import os
 import shutil
 import statistics
@@ -124,8 +133,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=None,
         metavar="HOST:PORT",
         help="a running mooncake_master for the remote row (implies --remote mooncake); "
-        "default: one of the benchmark's own on loopback",
+        "default: one of the benchmark's own at --publisher-host",
     )
+    p.add_argument(
+        "--reader-netns",
+        default=None,
+        metavar="NAME",
+        help="network namespace (/var/run/netns/NAME) the remote row's reader process joins "
+        "(implies --remote mooncake)",
+    )
+    p.add_argument("--publisher-host", default="127.0.0.1", help="the publishing cache's address")
+    p.add_argument("--reader-host", default="127.0.0.1", help="the reading cache's address")
     common.add_engine_arguments(p)
     common.add_cpu_arguments(p)
     p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
@@ -135,15 +153,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     worker_cpus = common.apply_cpu_arguments(args)  # Before JAX starts its backend.
-    import functools
-
-    import jax
-
     if args.requests < 2:
         raise SystemExit("--requests must be >= 2 (one full prefill, then cached ones)")
     if args.prefix_tokens % args.block_tokens:
         raise SystemExit("--prefix-tokens must be a multiple of --block-tokens (full blocks)")
-    if args.remote_master is not None:
+    common.require_netns("--reader-netns", args.reader_netns)
+    if args.remote_master is not None or args.reader_netns is not None:
         args.remote = "mooncake"
     remote_at = None  # The index in --tiers of the tier that gets the remote row.
     if args.remote:
@@ -152,8 +167,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             raise SystemExit(
                 "--remote needs host or file among --tiers (the cache that publishes the prefix)"
             )
-    model = tiny_decoder.Decoder.of(args)
-    params = tiny_decoder.init_params(model, args.seed)
+    params, step = _model(args)
     rng = np.random.default_rng(args.seed + 1)
     prefix_ids = rng.integers(0, args.vocab, args.prefix_tokens)
     prompts = [
@@ -163,12 +177,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     prompt_len = len(prompts[0])
     max_len = prompt_len + args.decode_steps + 1
     blocks_per_seq = -(-max_len // args.block_tokens)
-    step = jax.jit(functools.partial(tiny_decoder.forward, model), donate_argnums=(2,))
     results = []
     with contextlib.ExitStack() as stack:
         master = args.remote_master
         if args.remote and master is None:
-            master = stack.enter_context(mooncake_master.LocalMaster()).address
+            local = mooncake_master.LocalMaster(host=args.publisher_host)
+            master = stack.enter_context(local).address
             print(f"started a mooncake_master at {master}", flush=True)
         remote = _remote_urls(args, master, len(prompts), blocks_per_seq)
         for i, tier in enumerate(args.tiers):
@@ -203,9 +217,18 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
+def _model(args):
+    """(params, jitted step) of the benchmark's tiny decoder: the same in every process."""
+    import jax
+
+    model = tiny_decoder.Decoder.of(args)
+    params = tiny_decoder.init_params(model, args.seed)
+    return params, jax.jit(functools.partial(tiny_decoder.forward, model), donate_argnums=(2,))
+
+
 def _remote_urls(args, master, requests: int, blocks_per_seq: int) -> tuple[str, str] | None:
     """(the publishing cache's, the reading cache's) ``remote_prefix`` addresses, or None
-    without a master. The publisher's segment holds every block the run publishes (each
+    without a master; each names the address other clients reach it at. The publisher's segment holds every block the run publishes (each
     request's full blocks, and the decoded ones); the reader gives the pool no memory."""
     if master is None:
         return None
@@ -215,19 +238,63 @@ def _remote_urls(args, master, requests: int, blocks_per_seq: int) -> tuple[str,
     # A namespace of this run's own: the same seed makes the same keys in every run.
     query = f"namespace=bench-prefix-{os.getpid()}-{time.time_ns()}"
     return (
-        f"mooncake://{master}?segment_mb={segment_mb}&{query}",
-        f"mooncake://{master}?segment_mb=0&{query}",
+        f"mooncake://{master}?segment_mb={segment_mb}&local_host={args.publisher_host}&{query}",
+        f"mooncake://{master}?segment_mb=0&local_host={args.reader_host}&{query}",
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recipe:
+    """How this run makes a cache of one tier; picklable, so that a reader process makes
+    the same cache (``where``: the tier's place, e.g. its shm or file name)."""
+
+    args: argparse.Namespace
+    tier: str
+    path: str | None
+    worker_cpus: tuple[int, ...]
+    max_len: int
+    num_blocks: int
+
+    def open(self, where: dict, **kwargs):
+        import jax.numpy as jnp
+
+        import jax_tpusync as tps
+
+        args = self.args
+        return tps.OffloadedKVCache(
+            num_layers=args.layers,
+            batch=1,
+            max_len=self.max_len,
+            num_kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            dtype=jnp.bfloat16,
+            tier=self.tier,
+            path=self.path,
+            block_tokens=args.block_tokens,
+            num_blocks=self.num_blocks,
+            staging_bytes=args.staging_bytes,
+            prefetch_depth=args.prefetch_depth,
+            engine=common.engine_config(args, self.worker_cpus),
+            model_id="bench-prefix",
+            **where,
+            **kwargs,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reader:
+    """The cache that finds the prefix in the remote level alone: its tier's place, its
+    ``remote_prefix`` address, and the network namespace of its process (None: it runs in
+    this process)."""
+
+    where: dict
+    url: str
+    netns: str | None = None
 
 
 def _one_tier(
     args, tier, path, worker_cpus, params, prompts, max_len, blocks_per_seq, step, remote
 ):
-    import jax.numpy as jnp
-
-    import jax_tpusync as tps
-
-    config = common.engine_config(args, worker_cpus)
     # One copy of the prefix, R tails, a private copy for the decode comparison, slack.
     num_blocks = 2 * blocks_per_seq + len(prompts) * (
         -(-args.unique_tokens // args.block_tokens) + 2
@@ -242,41 +309,19 @@ def _one_tier(
         num_blocks = blocks_per_seq + 1
         where = dict(spill_path=path, spill_blocks=2 * blocks_per_seq, promote_after=None)
         tier, path = "host", None
-
-    def open_cache(where=where, **kwargs):
-        return tps.OffloadedKVCache(
-            num_layers=args.layers,
-            batch=1,
-            max_len=max_len,
-            num_kv_heads=args.kv_heads,
-            head_dim=args.head_dim,
-            dtype=jnp.bfloat16,
-            tier=tier,
-            path=path,
-            block_tokens=args.block_tokens,
-            num_blocks=num_blocks,
-            staging_bytes=args.staging_bytes,
-            prefetch_depth=args.prefetch_depth,
-            engine=config,
-            model_id="bench-prefix",
-            **where,
-            **kwargs,
-        )
-
-    open_reader = None
+    recipe = _Recipe(args, tier, path, worker_cpus, max_len, num_blocks)
+    reader = writer_url = None
     if remote is not None:
         writer_url, reader_url = remote
-        publisher = open_cache
+        # Its own tier (a plain host tier, or another file): nothing local.
         reader_where = {"file_name": "prefix-remote", "overwrite": True} if tier == "file" else {}
+        reader = _Reader(reader_where, reader_url, args.reader_netns)
 
-        def open_cache(where=where, remote_prefix=writer_url, **kwargs):
-            return publisher(where, remote_prefix=remote_prefix, **kwargs)
-
-        def open_reader():  # Its own tier (a plain host tier, or another file): nothing local.
-            return publisher(reader_where, remote_prefix=reader_url)
+    def open_cache(**kwargs):
+        return recipe.open(where, **{"remote_prefix": writer_url, **kwargs})
 
     try:
-        return _measure(args, tier, open_cache, open_reader, params, prompts, max_len, step)
+        return _measure(args, recipe, open_cache, reader, params, prompts, step)
     finally:
         if "shm_name" in where:
             _remove_shm(where["shm_name"])
@@ -295,37 +340,18 @@ def _remove_shm(name: str) -> None:
         pass
 
 
-def _measure(args, tier, open_cache, open_reader, params, prompts, max_len, step):
+def _measure(args, recipe, open_cache, reader, params, prompts, step):
     import jax
     import jax.numpy as jnp
 
+    tier, max_len = recipe.tier, recipe.max_len
     cache = open_cache(overwrite=True)
     with cache:
-        # Compile every chunk shape on a state that moves no bytes.
-        for n in {
-            args.chunk,
-            *(
-                _chunks_tail(len(p), c, args.chunk)
-                for p in prompts
-                for c in (0, args.prefix_tokens)
-            ),
-        } - {0}:
-            jax.block_until_ready(step(params, jnp.zeros((1, n), jnp.int32), cache.inert_state()))
-        jax.block_until_ready(step(params, jnp.zeros((1, 1), jnp.int32), cache.inert_state()))
+        _compile(args, step, params, cache, prompts)
         state = cache.init(admit=False)
 
         def prefill(state, tokens, *, share: bool, cache=cache):
-            """(seconds to first token, logits, state, cached tokens)."""
-            t0 = time.perf_counter()
-            state, cached = cache.admit(
-                state, 0, tokens=tokens if share else None, max_tokens=max_len
-            )
-            logits = None
-            for lo in range(cached, len(tokens), args.chunk):
-                chunk = jnp.asarray(tokens[lo : lo + args.chunk][None], jnp.int32)
-                logits, state = step(params, chunk, state)
-            logits = np.asarray(logits)
-            return time.perf_counter() - t0, logits, state, cached
+            return _prefill(args, max_len, step, params, cache, state, tokens, share=share)
 
         def decode(state, steps):
             times = []
@@ -341,7 +367,7 @@ def _measure(args, tier, open_cache, open_reader, params, prompts, max_len, step
         other_ids = np.random.default_rng(args.seed + 2).integers(
             0, args.vocab, 2 * args.block_tokens
         )
-        if open_reader is not None:
+        if reader is not None:
             state, _ = _connect(cache, state, other_ids, max_len)
         cache.engine.reset_stats()
         ttft_full, _, state, _ = prefill(state, prompts[0], share=True)
@@ -377,8 +403,11 @@ def _measure(args, tier, open_cache, open_reader, params, prompts, max_len, step
         state = cache.release(state, 0, tokens=decoded)
         stats = cache.prefix_stats
         remote_hit = None
-        if open_reader is not None:  # While this cache, whose segment holds the blocks, is open.
-            remote_hit = _remote_hit(open_reader, prefill, prompts[-1], other_ids, max_len)
+        if reader is not None:  # While this cache, whose segment holds the blocks, is open.
+            if reader.netns is None:
+                remote_hit = _remote_hit(recipe, reader, step, params, prompts[-1], other_ids)
+            else:
+                remote_hit = _remote_hit_in_namespace(recipe, reader, prompts[-1], other_ids)
         cache.close(state)  # Commits the state, and the prefix index with it.
     ttft_restart = reattach = restart_logits = restart_cached = None
     if not two_level:
@@ -445,7 +474,39 @@ def _measure(args, tier, open_cache, open_reader, params, prompts, max_len, step
     )
     if remote_hit is None:
         return [res]
-    return [res, _remote_row(res, remote_hit, full_logits, stats, len(prompts[-1]))]
+    row = _remote_row(res, remote_hit, full_logits, stats, len(prompts[-1]))
+    row["link"] = (
+        "loopback"
+        if reader.netns is None
+        else f"{args.publisher_host} -> netns {reader.netns} {args.reader_host}"
+    )
+    return [res, row]
+
+
+def _compile(args, step, params, cache, prompts) -> None:
+    """Compiles every chunk shape the prompts' prefills and the decode take, on a state
+    that moves no bytes."""
+    import jax
+    import jax.numpy as jnp
+
+    tails = {_chunks_tail(len(p), c, args.chunk) for p in prompts for c in (0, args.prefix_tokens)}
+    for n in ({args.chunk, 1} | tails) - {0}:
+        jax.block_until_ready(step(params, jnp.zeros((1, n), jnp.int32), cache.inert_state()))
+
+
+def _prefill(args, max_len, step, params, cache, state, tokens, *, share: bool):
+    """``tokens`` prefilled into slot 0, its cached prefix mapped if ``share``: (seconds to
+    the first token's logits, those logits, state, cached tokens)."""
+    import jax.numpy as jnp
+
+    t0 = time.perf_counter()
+    state, cached = cache.admit(state, 0, tokens=tokens if share else None, max_tokens=max_len)
+    logits = None
+    for lo in range(cached, len(tokens), args.chunk):
+        chunk = jnp.asarray(tokens[lo : lo + args.chunk][None], jnp.int32)
+        logits, state = step(params, chunk, state)
+    logits = np.asarray(logits)
+    return time.perf_counter() - t0, logits, state, cached
 
 
 def _connect(cache, state, other_ids, max_len):
@@ -457,17 +518,57 @@ def _connect(cache, state, other_ids, max_len):
     return state, time.perf_counter() - t0
 
 
-def _remote_hit(open_reader, prefill, prompt, other_ids, max_len) -> dict:
+def _remote_hit(recipe, reader, step, params, prompt, other_ids) -> dict:
     """``prompt`` prefilled by a fresh cache whose prefix is only in the remote level."""
-    with open_reader() as reader:
-        state = reader.init(admit=False)
-        state, connect = _connect(reader, state, other_ids, max_len)
-        before = reader.prefix_stats
-        ttft, logits, state, cached = prefill(state, prompt, share=True, cache=reader)
-        after = reader.prefix_stats
-        reader.close(state)
+    args = recipe.args
+    with recipe.open(reader.where, remote_prefix=reader.url) as cache:
+        _compile(args, step, params, cache, [prompt])  # Its own states: nothing compiles timed.
+        state = cache.init(admit=False)
+        state, connect = _connect(cache, state, other_ids, recipe.max_len)
+        before = cache.prefix_stats
+        ttft, logits, state, cached = _prefill(
+            args, recipe.max_len, step, params, cache, state, prompt, share=True
+        )
+        after = cache.prefix_stats
+        cache.close(state)
     delta = {k: after[k] - before.get(k, 0) for k in after if k.startswith("mooncake_")}
-    return {"ttft": ttft, "logits": logits, "cached": cached, "connect": connect, "stats": delta}
+    return {
+        "ttft": ttft,
+        "logits": logits,
+        "cached": cached,
+        "connect": connect,
+        "connect_faults": before.get("mooncake_faults", 0),
+        "stats": delta,
+    }
+
+
+def _remote_hit_in_namespace(recipe, reader, prompt, other_ids) -> dict:
+    """:func:`_remote_hit` in a process of its own that joins ``reader.netns`` first."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    replies = ctx.Queue()
+    child = common.start_child(ctx, _reader_process, recipe, reader, prompt, other_ids, replies)
+    try:
+        got = common.child_reply(replies, child, 600, f"the reader process (netns {reader.netns})")
+        if isinstance(got, str):
+            raise SystemExit(got)
+        child.join(60)
+        return got
+    finally:
+        if child.is_alive():
+            child.kill()
+
+
+def _reader_process(recipe, reader, prompt, other_ids, replies) -> None:
+    """The remote row's reader, in a spawned process: joins the namespace, then puts the
+    hit (or what went wrong, as a string) on ``replies``."""
+    try:
+        common.join_netns(reader.netns)
+        params, step = _model(recipe.args)
+        replies.put(_remote_hit(recipe, reader, step, params, prompt, other_ids))
+    except BaseException as e:  # noqa: BLE001 - told to the parent, which stops the run.
+        replies.put(f"the reader process (netns {reader.netns}): {type(e).__name__}: {e}")
 
 
 def _remote_row(local, hit, full_logits, publisher_stats, prompt_len) -> dict:
@@ -482,6 +583,8 @@ def _remote_row(local, hit, full_logits, publisher_stats, prompt_len) -> dict:
         "ttft_cached_ms": local["ttft_cached_ms"],
         "ttft_remote_ms": hit["ttft"] * 1e3,
         "remote_connect_ms": hit["connect"] * 1e3,
+        # A fault while connecting pauses the level: the timed admit would then be a miss.
+        "remote_connect_faults": hit["connect_faults"],
         "tokens_cached_remote": hit["cached"],
         "hit_rate": hit["cached"] / prompt_len,
         "blocks_imported": hit["stats"]["mooncake_imported"],
@@ -499,6 +602,7 @@ def _remote_row(local, hit, full_logits, publisher_stats, prompt_len) -> dict:
     row["targets"] = {
         "ttft remote hit <= 0.2 x full prefill": row["ttft_remote_over_full"] <= 0.2,
         "remote hit's first token = full prefill's": row["first_token"] == "same",
+        "the reader connected without a fault": row["remote_connect_faults"] == 0,
     }
     print(
         f"{row['tier']}: TTFT remote {row['ttft_remote_ms']:.0f} ms "

@@ -76,8 +76,11 @@ def check_remote_row(row: dict, tier: str, local: dict) -> None:
     assert set(row["targets"]) == {
         "ttft remote hit <= 0.2 x full prefill",
         "remote hit's first token = full prefill's",
+        "the reader connected without a fault",
     }
     assert row["targets"]["remote hit's first token = full prefill's"]
+    assert row["remote_connect_faults"] == 0
+    assert row["targets"]["the reader connected without a fault"]
 
 
 def test_remote_row_with_a_master_of_the_benchmarks_own(tmp_path, mooncake_usable, capsys):
@@ -85,6 +88,7 @@ def test_remote_row_with_a_master_of_the_benchmarks_own(tmp_path, mooncake_usabl
     rows = run_bench(tmp_path, "--tiers", "host", "--remote", "mooncake", "--plot", str(png))
     assert [r["tier"] for r in rows] == ["host", "host <- mooncake"]
     check_remote_row(rows[1], "host", rows[0])
+    assert rows[1]["link"] == "loopback"
     assert rows[0]["first_token"] == "same"
     assert png.read_bytes()[:8] == PNG_MAGIC
     out = capsys.readouterr().out
@@ -107,6 +111,28 @@ def test_remote_row_on_a_running_master_publishes_from_the_first_file_or_host_ti
     assert rows[0]["tokens_prefilled_full"] == 76  # Nothing cached for the full prefill.
     assert again[0]["tokens_prefilled_full"] == 76
     check_remote_row(again[1], "file", again[0])
+
+
+def test_remote_row_with_the_reader_in_another_namespace_over_a_veth_pair(
+    tmp_path, mooncake_usable, veth_pair
+):
+    ns, reader_ip, publisher_ip = veth_pair
+    rows = run_bench(
+        tmp_path,
+        "--tiers", "host",
+        "--reader-netns", ns,
+        "--publisher-host", publisher_ip,
+        "--reader-host", reader_ip,
+    )  # fmt: skip
+    assert [r["tier"] for r in rows] == ["host", "host <- mooncake"]
+    check_remote_row(rows[1], "host", rows[0])
+    assert rows[1]["link"] == f"{publisher_ip} -> netns {ns} {reader_ip}"
+
+
+def test_a_reader_namespace_that_does_not_exist_is_refused_before_anything_starts(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="--reader-netns tpsync-no-such-ns: no /var/run/netns/"):
+        run_bench(tmp_path, "--tiers", "host", "--reader-netns", "tpsync-no-such-ns")
+    assert "started a mooncake_master" not in capsys.readouterr().out
 
 
 def test_remote_needs_a_host_or_file_tier(tmp_path):

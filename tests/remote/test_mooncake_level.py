@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import prefix
+from jax_tpusync import prefix, transfer_memory
 from jax_tpusync.mooncake_level import (
     HEADER_BATCH,
     PUBLISH_BATCH_BYTES,
@@ -741,6 +741,19 @@ def test_a_full_pool_publishes_or_counts_and_admits_stop_at_the_first_missing_bl
     )
     writer.close()
     reader.close()
+
+
+def test_a_pool_is_faulted_in_when_given_not_inside_a_calls_deadline(monkeypatch):
+    """use_memory populates the pool at once, in the caller's thread, connected or not: a
+    first touch inside the first call would count against that call's deadline."""
+    populated = []
+    monkeypatch.setattr(transfer_memory, "populate", lambda a, n: populated.append((a, n)))
+    lv = level("127.0.0.1:1", deadline_s=0.5)  # Nothing listens there: never connected.
+    pool = np.zeros(1 << 16, np.uint8)
+    lv.use_memory(pool.ctypes.data, pool.nbytes)
+    assert populated == [(pool.ctypes.data, pool.nbytes)]
+    assert lv.stats()["mooncake_faults"] == 0  # No call was made.
+    lv.close()
 
 
 # -- the factory and the optional import -------------------------------------------------------

@@ -5,55 +5,16 @@ skipped otherwise, and wherever the kernel or container refuses them."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pd_peers
 from test_pd_transfer import TIMEOUT, decode_step, local_first_step, one_token, peer
 
 from jax_tpusync.pd_transfer import KVReceiver
-
-
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-
-
-@pytest.fixture
-def veth_pair():
-    """(namespace, its address, this end's address): a namespace with one end of a veth
-    pair, the other end here; removed at teardown (which removes the pair too)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 to make a network namespace and a veth pair")
-    tag = os.getpid() % 100_000
-    ns, inner, outer = f"tpsync-pd-{tag}", f"tpsP{tag}", f"tpsD{tag}"
-    subnet = f"10.{200 + tag % 50}.{tag % 250}"
-    prefill_ip, decode_ip = f"{subnet}.1", f"{subnet}.2"
-    steps = [
-        ("netns", "add", ns),
-        ("link", "add", outer, "type", "veth", "peer", "name", inner),
-        ("link", "set", inner, "netns", ns),
-        ("-n", ns, "addr", "add", f"{prefill_ip}/24", "dev", inner),
-        ("-n", ns, "link", "set", inner, "up"),
-        ("-n", ns, "link", "set", "lo", "up"),
-        ("addr", "add", f"{decode_ip}/24", "dev", outer),
-        ("link", "set", outer, "up"),
-    ]
-    try:
-        for step in steps:
-            done = _ip(*step)
-            if done.returncode != 0:
-                pytest.skip(f"ip {' '.join(step)}: {done.stderr.strip()}")
-        yield ns, prefill_ip, decode_ip
-    finally:
-        _ip("link", "del", outer)
-        _ip("netns", "del", ns)
 
 
 def test_pd_over_a_veth_pair_equals_a_local_prefill(veth_pair):

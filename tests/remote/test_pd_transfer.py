@@ -26,6 +26,7 @@ import pytest
 
 from jax_tpusync import pd_transfer
 from jax_tpusync.bench import tiny_decoder
+from jax_tpusync.bench.common import start_child
 from jax_tpusync.pd_transfer import KVReceiver, KVSender, PDTransferError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # pd_peers, here and in children.
@@ -40,13 +41,7 @@ def peer(target, *args):
     (process, queue); killed at exit if still alive."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=target, args=(queue, *args), daemon=True)
-    here = os.getcwd()
-    os.chdir("/")
-    try:
-        proc.start()
-    finally:
-        os.chdir(here)
+    proc = start_child(ctx, target, queue, *args)
     try:
         yield proc, queue
     finally:
