@@ -20,6 +20,9 @@ import pytest
 import jax_tpusync as tps
 from jax_tpusync import manifest, persistence
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tier_files, here and in children.
+from tier_files import data_path, manifest_path  # noqa: E402
+
 LAYERS, BATCH, MAX_LEN, KV_HEADS, HEAD_DIM, Q_HEADS = 2, 2, 64, 2, 16, 4
 ROW_BYTES = KV_HEADS * HEAD_DIM * 4
 CHUNK_ROWS = 8  # Small chunks, so that sequences span full and partial chunks.
@@ -45,18 +48,6 @@ def make(where, **kwargs) -> tps.OffloadedKVCache:
     args.update(where)
     args.update(kwargs)
     return tps.OffloadedKVCache(**args)
-
-
-def manifest_path(where) -> Path:
-    if where["tier"] == "file":
-        return Path(where["path"]) / (where["file_name"] + persistence.MANIFEST_SUFFIX)
-    return Path(persistence.SHM_DIRECTORY) / (where["shm_name"] + persistence.MANIFEST_SUFFIX)
-
-
-def data_path(where) -> Path:
-    if where["tier"] == "file":
-        return Path(where["path"]) / (where["file_name"] + ".tpusync")
-    return Path(persistence.SHM_DIRECTORY) / where["shm_name"]
 
 
 def load_context(cache, seed=0):
@@ -401,9 +392,10 @@ def test_restart_after_sigkill_restores_the_commit(tmp_path, caplog):
         # The restored cache decodes on from the commit and commits again.
         _, state = decode_step()(*new_rows(np.random.default_rng(4)), state)
         cache.close(state)
-    assert json.loads((data / ("kv" + persistence.MANIFEST_SUFFIX)).read_text())["lengths"] == (
-        lengths + 1
-    ).tolist()
+    assert (
+        json.loads((data / ("kv" + persistence.MANIFEST_SUFFIX)).read_text())["lengths"]
+        == (lengths + 1).tolist()
+    )
 
 
 class FileSizeLimit:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import jax
@@ -14,6 +15,9 @@ import pytest
 
 import jax_tpusync as tps
 from jax_tpusync import blocks, manifest, persistence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tier_files, here and in children.
+from tier_files import data_path, manifest_path  # noqa: E402
 
 LAYERS, BATCH, MAX_LEN, KV_HEADS, HEAD_DIM, Q_HEADS = 2, 3, 64, 2, 16, 4
 BLOCK_TOKENS, NUM_BLOCKS = 8, 16  # 8 blocks would hold a slot at max_len; 16 hold two.
@@ -53,18 +57,6 @@ def make(where, **kwargs) -> tps.OffloadedKVCache:
     args.update(where)
     args.update(kwargs)
     return tps.OffloadedKVCache(**args)
-
-
-def manifest_path(where) -> Path:
-    if where["tier"] == "file":
-        return Path(where["path"]) / (where["file_name"] + persistence.MANIFEST_SUFFIX)
-    return Path(persistence.SHM_DIRECTORY) / (where["shm_name"] + persistence.MANIFEST_SUFFIX)
-
-
-def data_path(where) -> Path:
-    if where["tier"] == "file":
-        return Path(where["path"]) / (where["file_name"] + ".tpusync")
-    return Path(persistence.SHM_DIRECTORY) / where["shm_name"]
 
 
 def fragmented_state(cache):

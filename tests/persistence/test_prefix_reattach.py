@@ -20,6 +20,9 @@ import pytest
 import jax_tpusync as tps
 from jax_tpusync import persistence
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tier_files, here and in children.
+from tier_files import data_path, manifest_path  # noqa: E402
+
 LAYERS, BATCH, MAX_LEN, KV_HEADS, HEAD_DIM, Q_HEADS = 2, 3, 32, 2, 8, 4
 BT, NUM_BLOCKS = 4, 24
 ROW_BYTES = KV_HEADS * HEAD_DIM * 4
@@ -52,18 +55,6 @@ def make(where, **kwargs) -> tps.OffloadedKVCache:
     args.update(where)
     args.update(kwargs)
     return tps.OffloadedKVCache(**args)
-
-
-def manifest_path(where) -> Path:
-    if where["tier"] == "file":
-        return Path(where["path"]) / (where["file_name"] + persistence.MANIFEST_SUFFIX)
-    return Path(persistence.SHM_DIRECTORY) / (where["shm_name"] + persistence.MANIFEST_SUFFIX)
-
-
-def data_path(where) -> Path:
-    if where["tier"] == "file":
-        return Path(where["path"]) / (where["file_name"] + ".tpusync")
-    return Path(persistence.SHM_DIRECTORY) / where["shm_name"]
 
 
 def manifest(where) -> dict:
@@ -437,9 +428,7 @@ BAD_INDEXES = {
 def test_an_inconsistent_index_is_refused(where, case):
     edit, message = BAD_INDEXES[case]
     a_blocks, b_blocks = shared_session(where)
-    message = message.format(
-        a1=a_blocks[1], a2=a_blocks[2], b2=b_blocks[2], b3=b_blocks[3]
-    )
+    message = message.format(a1=a_blocks[1], a2=a_blocks[2], b2=b_blocks[2], b3=b_blocks[3])
     good = manifest_path(where).read_text()
     m = json.loads(good)
     edit(m, a_blocks, b_blocks)
