@@ -184,7 +184,29 @@ class Quarantine:
 # -- the decode role ---------------------------------------------------------------------------
 
 
-class KVReceiver:
+class _Role:
+    """What both roles share: pools registered with a TransferEngine (``engine``,
+    ``pools``), unregistered at close; a context manager."""
+
+    engine: Any
+    pools: Any
+
+    def _unregister(self) -> None:
+        if self.engine is not None:
+            unregister_pools(self.engine, self.pools)
+            self.engine = None
+
+    def close(self) -> None:
+        self._unregister()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class KVReceiver(_Role):
     """The decode side: receives sequences' KV into ``cache``'s host pool (a mesh cache:
     each head shard's pool receives its heads).
 
@@ -444,15 +466,7 @@ class KVReceiver:
         them, then unregisters the pools from the TransferEngine (the engine itself
         stays)."""
         self.reclaim(wait=True)
-        if self.engine is not None:
-            unregister_pools(self.engine, self.pools)
-            self.engine = None
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._unregister()
 
 
 def default_quarantine_s() -> float:
@@ -480,7 +494,7 @@ def _admitted_at(reservation: Any, n: int) -> Any:
 # -- the prefill role --------------------------------------------------------------------------
 
 
-class KVSender:
+class KVSender(_Role):
     """The prefill side: writes slots of ``cache`` into decode processes' pools (a mesh
     cache: each head shard's rows into the decode pool of the same head range).
 
@@ -819,12 +833,4 @@ class KVSender:
     def close(self) -> None:
         """Stops listening and unregisters the pools (the engine itself stays)."""
         self._listener.close()
-        if self.engine is not None:
-            unregister_pools(self.engine, self.pools)
-            self.engine = None
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._unregister()

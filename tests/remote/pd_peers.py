@@ -27,12 +27,11 @@ def model():
     return cfg, tiny_decoder.init_params(cfg, SEED)
 
 
-def make_cache(batch: int = 2, num_blocks: int | None = None, **overrides):
+def cache_args(batch: int) -> dict:
+    """The keyword arguments both cache kinds share: the tiny model's KV geometry."""
     import jax.numpy as jnp
 
-    import jax_tpusync as tps
-
-    args = {
+    return {
         "num_layers": MODEL["layers"],
         "batch": batch,
         "max_len": MAX_LEN,
@@ -40,36 +39,26 @@ def make_cache(batch: int = 2, num_blocks: int | None = None, **overrides):
         "head_dim": MODEL["head_dim"],
         "dtype": jnp.bfloat16,
         "block_tokens": BLOCK,
-        "num_blocks": num_blocks,
         "model_id": "pd-test",
     }
-    args.update(overrides)
-    return tps.OffloadedKVCache(**args)
+
+
+def make_cache(batch: int = 2, num_blocks: int | None = None, **overrides):
+    import jax_tpusync as tps
+
+    return tps.OffloadedKVCache(**{**cache_args(batch), "num_blocks": num_blocks, **overrides})
 
 
 def make_mesh_cache(devices, batch: int = 2, **overrides):
     """A mesh cache over ``devices`` (one axis, "model"): each device holds
     ``kv_heads / len(devices)`` of the KV heads of every slot."""
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh
 
     import jax_tpusync as tps
 
-    args = {
-        "mesh": Mesh(np.asarray(devices), ("model",)),
-        "kv_heads_axis": "model",
-        "num_layers": MODEL["layers"],
-        "batch": batch,
-        "max_len": MAX_LEN,
-        "num_kv_heads": MODEL["kv_heads"],
-        "head_dim": MODEL["head_dim"],
-        "dtype": jnp.bfloat16,
-        "block_tokens": BLOCK,
-        "model_id": "pd-test",
-    }
-    args.update(overrides)
-    return tps.ShardedKVCache(**args)
+    mesh = {"mesh": Mesh(np.asarray(devices), ("model",)), "kv_heads_axis": "model"}
+    return tps.ShardedKVCache(**{**mesh, **cache_args(batch), **overrides})
 
 
 def shard_kv(cache, state, slot: int, n: int) -> dict:
