@@ -84,6 +84,8 @@ class InPlaceRemoteLevel(RemoteLevel, Protocol):
     ``wanted``: ``(key, parent, tokens)`` of consecutive blocks of a prompt, from its first
     missing block on. ``destinations``: per block, ``uint8[block_bytes]`` views of its
     bytes in every region (region order), inside the memory given to :meth:`use_memory`.
+    ``publish_many``'s payloads: a block's bytes, or its regions in the same form (read
+    only during the call).
     """
 
     def use_memory(self, address: int, nbytes: int) -> None: ...
@@ -100,9 +102,7 @@ class InPlaceRemoteLevel(RemoteLevel, Protocol):
 
     def missing(self, keys: list[bytes]) -> list[int]: ...
 
-    def publish_many(
-        self, items: list[tuple[bytes, bytes | None, np.ndarray, np.ndarray]]
-    ) -> int: ...
+    def publish_many(self, items: list[tuple[bytes, bytes | None, np.ndarray, Any]]) -> int: ...
 
 
 class SpillMover(Protocol):

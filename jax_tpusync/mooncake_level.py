@@ -325,12 +325,16 @@ class MooncakeStoreLevel:
         names = [self.header_key(key) for key in keys]
         return self._run(lambda client: self._missing(client, names), list(range(len(keys))))
 
-    def publish_many(self, items: list[tuple[bytes, bytes | None, np.ndarray, np.ndarray]]) -> int:
+    def publish_many(self, items: list[tuple[bytes, bytes | None, np.ndarray, Any]]) -> int:
         """Puts blocks ``(key, parent, tokens, payload)`` (those :meth:`missing` named):
         per batch of at most ``HEADER_BATCH`` blocks and ``PUBLISH_BATCH_BYTES`` (at least
         one block), one request puts their layer ranges, then one their headers (a header
         only after all its ranges went in). Returns how many blocks it put; a fault ends
-        it (the rest counted in ``publish_failures``), never raised."""
+        it (the rest counted in ``publish_failures``), never raised.
+
+        ``payload``: the block's bytes (``uint8[payload_bytes]``) or its regions (views of
+        a pool, as ``block_memory`` gives them); read only during this call, on this
+        thread (checksummed, then copied batch by batch into the level's buffer)."""
         return self._put_prepared([self._prepare(*item) for item in items])
 
     def _put_prepared(self, prepared: list) -> int:
@@ -340,7 +344,9 @@ class MooncakeStoreLevel:
         for first in range(0, len(prepared), per):
             batch = prepared[first : first + per]
             result = self._run(
-                functools.partial(self._publish_batch, batch=batch), (0, len(batch), "fault")
+                functools.partial(self._publish_batch, batch=batch),
+                (0, len(batch), "fault"),
+                stage=functools.partial(self._stage, batch),
             )
             wrote, failed, fault = result
             put += wrote
@@ -354,22 +360,42 @@ class MooncakeStoreLevel:
         return put
 
     def _prepare(
-        self, key: bytes, parent: bytes | None, tokens: np.ndarray, payload: np.ndarray
-    ) -> tuple[bytes, np.ndarray, list, bytes]:
-        """(key, payload, checksummed ranges, header) of a block to publish, checked."""
-        payload = np.ascontiguousarray(payload, np.uint8).reshape(-1)
-        if payload.size != self.payload_bytes:
-            raise ValueError(f"payload has {payload.size} bytes, not {self.payload_bytes}")
-        ranges = [
-            (lo, hi, xxhash.xxh3_64_intdigest(payload[self._span(lo, hi)]))
-            for lo, hi in self.layer_ranges
-        ]
+        self, key: bytes, parent: bytes | None, tokens: np.ndarray, payload: Any
+    ) -> tuple[bytes, list[np.ndarray], list, bytes]:
+        """(key, the payload's regions, checksummed ranges, header) of a block to publish,
+        checked. ``payload``: ``uint8[payload_bytes]``, or the block's ``2 * num_layers``
+        regions of ``block_bytes`` each (views of a pool, in region order)."""
+        regions = self._regions(payload)
+        ranges = []
+        for lo, hi in self.layer_ranges:
+            digest = xxhash.xxh3_64()  # Over the range's regions in order: their bytes joined.
+            for region in regions[2 * lo : 2 * hi]:
+                digest.update(region)
+            ranges.append((lo, hi, digest.intdigest()))
         header = self._header(key, parent, [int(t) for t in np.asarray(tokens).reshape(-1)], ranges)
         if len(header) > self._header_capacity:
             raise ValueError(
                 f"a header of {len(header)} bytes is longer than {self._header_capacity}"
             )
-        return key, payload, ranges, header
+        return key, regions, ranges, header
+
+    def _regions(self, payload: Any) -> list[np.ndarray]:
+        """``payload`` as its ``2 * num_layers`` regions of ``block_bytes``, checked."""
+        size = self.block_bytes
+        if isinstance(payload, np.ndarray):
+            payload = np.ascontiguousarray(payload, np.uint8).reshape(-1)
+            if payload.size != self.payload_bytes:
+                raise ValueError(f"payload has {payload.size} bytes, not {self.payload_bytes}")
+            return [payload[r * size : (r + 1) * size] for r in range(2 * self.num_layers)]
+        regions = [np.asarray(region).reshape(-1) for region in payload]
+        if len(regions) != 2 * self.num_layers or any(
+            r.dtype != np.uint8 or r.size != size for r in regions
+        ):
+            raise ValueError(
+                f"a payload given as regions needs {2 * self.num_layers} uint8 views of "
+                f"{size} bytes, not {[(str(r.dtype), r.size) for r in regions]}"
+            )
+        return regions
 
     # -- reading blocks straight into a pool (the InPlaceRemoteLevel interface) -------------
 
@@ -537,14 +563,22 @@ class MooncakeStoreLevel:
 
     # -- calls, deadlines, faults -----------------------------------------------------------
 
-    def _run(self, fn: Callable[[Any], Any], default: Any) -> Any:
+    def _run(
+        self, fn: Callable[[Any], Any], default: Any, stage: Callable[[], None] | None = None
+    ) -> Any:
         """``fn(client)`` on the worker within the deadline; ``default`` on a fault (counted,
-        logged once per kind), while paused or once closed. Never raises."""
+        logged once per kind), while paused or once closed. Never raises. ``stage`` runs
+        first, on this thread, once no earlier call is still running (it fills the buffer
+        that ``fn`` sends: a call that passed its deadline may still be reading it)."""
         with self._lock:
             if self._closed or time.monotonic() < self._paused_until:
                 self.skipped += 1
                 return default
             try:
+                if stage is not None:
+                    if self._worker.busy:
+                        raise DeadlinePassed("an earlier call to the store has not returned yet")
+                    stage()
                 return self._worker.call(lambda: fn(self._connected()), self.deadline_s)
             except DeadlinePassed as e:
                 self._fault("timeout", str(e), pause=True)
@@ -655,14 +689,24 @@ class MooncakeStoreLevel:
                 raise _code_fault(code, "batch_is_exist")
         return [i for i, code in enumerate(found) if code != 1]
 
+    def _stage(self, batch: list) -> None:
+        """Copies the batch's payloads into the level's registered buffer (block ``j`` at
+        payload slot ``j``), on the caller's thread: the caller's memory (the pool's
+        blocks, which may be reused once the call returns) is read only here."""
+        size = self.block_bytes
+        for j, (_, regions, _, _) in enumerate(batch):
+            at = self._payload_at + j * self.payload_bytes
+            for r, region in enumerate(regions):
+                self._scratch[at + r * size : at + (r + 1) * size] = region
+
     def _publish_batch(self, client: Any, batch: list) -> tuple[int, int, tuple | None]:
-        """(blocks put, blocks not put, (fault kind, detail) or None): the batch's ranges in
-        one request, then the headers of the blocks whose ranges all went in."""
+        """(blocks put, blocks not put, (fault kind, detail) or None): the batch's ranges
+        (staged by :meth:`_stage`) in one request, then the headers of the blocks whose
+        ranges all went in."""
         base = self._scratch.ctypes.data
         keys, pointers, sizes, owner = [], [], [], []
-        for j, (key, payload, ranges, _) in enumerate(batch):
+        for j, (key, _, ranges, _) in enumerate(batch):
             at = self._payload_at + j * self.payload_bytes
-            self._scratch[at : at + self.payload_bytes] = payload
             for lo, hi, checksum in ranges:
                 span = self._span(lo, hi)
                 keys.append(self.range_key(key, lo, hi, checksum))

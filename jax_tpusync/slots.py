@@ -665,7 +665,7 @@ class SlotTable:
                     missing = [i for i, key in enumerate(keys[: len(held)]) if not level.has(key)]
                 if not missing:
                     continue
-                payloads = self.store.read_blocks([int(held[i]) for i in missing])
+                payloads = self._payloads([int(held[i]) for i in missing], level)
                 items = [
                     (keys[i], keys[i - 1] if i else None, ids[i * t : (i + 1) * t], payloads[j])
                     for j, i in enumerate(missing)
@@ -682,6 +682,17 @@ class SlotTable:
                     level.describe(),
                     e,
                 )
+
+    def _payloads(self, block_ids: list[int], level: Any) -> list[Any]:
+        """What ``level`` publishes of blocks ``block_ids``: views of their bytes where the tier is
+        in memory and the level takes regions (no copy; the engine is drained first, so
+        no write to them is in flight), else their bytes read through the engine."""
+        if isinstance(level, InPlaceRemoteLevel):
+            views = [self.store.block_memory(b) for b in block_ids]
+            if all(v is not None for v in views):
+                self.store.quiesce()
+                return views
+        return self.store.read_blocks(block_ids)
 
 
 def _is_int(value: Any) -> bool:

@@ -124,7 +124,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _measure(args, tier, path, context, worker_cpus, model, params, step) -> dict[str, Any]:
-    import jax
     import jax.numpy as jnp
 
     import jax_tpusync as tps

@@ -483,6 +483,26 @@ def test_runs_of_blocks_are_published_a_batch_a_request_and_read_back(make_maste
     assert lv.load_into(wanted, [store.block_memory(b) for b in ids]).loaded == 40
     for i, b in enumerate(ids):
         np.testing.assert_array_equal(store.payload(b), payload_of(lv, 300 + i))
+    # Published from views of scattered blocks of a pool (as a release on a host tier
+    # does): the same objects as from contiguous bytes, read back byte-exact.
+    pool = BlockBytes(lv, num_blocks=8)
+    views_of = {i: pool.block_memory(b) for i, b in zip(range(3), (6, 1, 4))}
+    for i, views in views_of.items():
+        for r, view in enumerate(views):
+            view[:] = payload_of(lv, 500 + i)[r * lv.block_bytes : (r + 1) * lv.block_bytes]
+    fresh = chain(3, start=750_000)
+    items = [(fresh[0][i], fresh[1][i], fresh[2][i], views_of[i]) for i in range(3)]
+    assert lv.publish_many(items) == 3
+    pool.pool[:] = 0  # Reused at once: what was published is the store's.
+    wanted = list(zip(*fresh))
+    assert lv.lookup(wanted) == 3
+    assert lv.load_into(wanted, [store.block_memory(b) for b in (0, 1, 2)]).loaded == 3
+    for i in range(3):
+        np.testing.assert_array_equal(store.payload(i), payload_of(lv, 500 + i))
+    views = views_of[0]
+    for bad in (views[:-1], [*views[:-1], views[-1][:-1]], [*views[:-1], views[-1].view(np.int8)]):
+        with pytest.raises(ValueError, match="a payload given as regions needs 8 uint8 views"):
+            lv.publish_many([(fresh[0][0], None, fresh[2][0], bad)])
     # The master gone: a miss within the deadline, every block counted, nothing raised.
     master.kill()
     more = chain(2, start=740_000)
@@ -567,6 +587,12 @@ def test_a_hung_master_is_a_miss_within_the_deadline(make_master):
                 time.sleep(pause)
                 got, seconds = timed(lv.load, keys[1], parents[1], blocks[1])
                 assert got is None and seconds < 0.2, (seconds, lv.stats())
+            # A publish too, before it stages anything into the buffer the stuck call owns.
+            failures = lv.stats()["mooncake_publish_failures"]
+            item = (keys[1], parents[1], blocks[1], payload_of(lv, 1))
+            got, seconds = timed(lv.publish_many, [item])
+            assert got == 0 and seconds < 0.2, (seconds, lv.stats())
+            assert lv.stats()["mooncake_publish_failures"] == failures + 1
         got, seconds = timed(lv.load, keys[0], parents[0], blocks[0])
         assert seconds < 2.0, (seconds, lv.stats())
     finally:

@@ -388,6 +388,7 @@ class FakeInPlaceRemote(FakeRemote):
     def __init__(self):
         super().__init__()
         self.stuck = False
+        self.published_views = 0  # Blocks published from views of the pool, not copies.
         self.lookups: list[int] = []
         self.loaded_into: list[list[int]] = []
 
@@ -419,7 +420,38 @@ class FakeInPlaceRemote(FakeRemote):
         return [i for i, key in enumerate(keys) if key not in self.files]
 
     def publish_many(self, items):
-        return sum(self.publish(*item) for item in items)
+        """Payloads may be a pool's views (read only during the call): copied here."""
+        self.published_views += sum(not isinstance(item[3], np.ndarray) for item in items)
+        return sum(
+            self.publish(key, parent, tokens, np.concatenate([np.ravel(r) for r in payload]))
+            if not isinstance(payload, np.ndarray)
+            else self.publish(key, parent, tokens, payload)
+            for key, parent, tokens, payload in items
+        )
+
+
+def test_an_in_place_level_publishes_from_views_of_the_pool_after_draining_the_engine():
+    remote = FakeInPlaceRemote()
+    store = MemoryStore()
+    t = make_table(store=store, remote_levels=[remote])
+    t.admit(0, 16, seq(14))
+    for i, b in enumerate(t.table_row(0)[:4]):
+        store.pool[int(b)] = _payload(i)
+    t.release(0, 14, seq(14))
+    # The three full blocks, read where they lie (no read_blocks copy), the engine drained.
+    assert remote.published_views == 3 and store.quiesced == 1
+    store.pool[:] = 0  # The pool reused: what was published is the level's.
+    fresh_store = MemoryStore()
+    fresh = make_table(store=fresh_store, remote_levels=[remote])
+    assert fresh.admit(0, 16, seq(13)).cached == 12
+    for i, b in enumerate(fresh.table_row(0)[:3]):
+        np.testing.assert_array_equal(fresh_store.pool[int(b)], _payload(i))
+
+
+def test_a_tier_not_in_memory_publishes_copies_read_through_the_engine():
+    remote = FakeInPlaceRemote()
+    _publisher(remote, seq(14))  # A FakeStore: no block_memory.
+    assert remote.published_views == 0 and len(remote.files) == 3
 
 
 def test_an_in_place_level_reads_a_run_of_blocks_into_fresh_blocks_in_one_request():
