@@ -13,6 +13,10 @@ small decoder (:mod:`jax_tpusync.bench.tiny_decoder`) prefills each request in c
   per request; ``logits_max_abs_err``: the last request's first logits, cached prefix vs
   its full prefill.
 
+* ``release_first``: the first request's release, which indexes its blocks (and, with a
+  remote level, publishes them: ``publish_release_ms`` and ``blocks_published`` in the
+  remote row);
+
 * ``ttft_restart``: the last request again after the cache was closed (its state
   committed: the prefix index with it) and re-opened from the tier as a restarted process
   would (shm for the host tier, the named file for the file tier), so its prefix comes from
@@ -371,7 +375,13 @@ def _measure(args, recipe, open_cache, reader, params, prompts, step):
             state, _ = _connect(cache, state, other_ids, max_len)
         cache.engine.reset_stats()
         ttft_full, _, state, _ = prefill(state, prompts[0], share=True)
+        # The first release indexes the prompt's blocks and, with a remote level, publishes
+        # them: a cost the serving loop pays on its thread.
+        published = cache.prefix_stats.get("mooncake_published", 0)
+        t0 = time.perf_counter()
         state = cache.release(state, 0, tokens=prompts[0])
+        release_first = time.perf_counter() - t0
+        published = cache.prefix_stats.get("mooncake_published", 0) - published
         two_level = cache.spec.spill_blocks > 0
         if two_level:  # A sequence taking every DRAM block: the prefix is demoted.
             state, _ = cache.admit(state, 0, max_tokens=max_len)
@@ -429,6 +439,8 @@ def _measure(args, recipe, open_cache, reader, params, prompts, step):
         requests=len(prompts),
         block_tokens=args.block_tokens,
         ttft_full_ms=ttft_full * 1e3,
+        release_first_ms=release_first * 1e3,
+        blocks_published_first_release=published,
         ttft_cached_ms=statistics.median(ttft_cached) * 1e3,
         ttft_cached_ms_all=[t * 1e3 for t in ttft_cached],
         ttft_restart_ms=None if two_level else ttft_restart * 1e3,
@@ -582,6 +594,9 @@ def _remote_row(local, hit, full_logits, publisher_stats, prompt_len) -> dict:
         "ttft_full_ms": local["ttft_full_ms"],
         "ttft_cached_ms": local["ttft_cached_ms"],
         "ttft_remote_ms": hit["ttft"] * 1e3,
+        # What publishing cost the publisher: its first release, which put every block.
+        "publish_release_ms": local["release_first_ms"],
+        "blocks_published": local["blocks_published_first_release"],
         "remote_connect_ms": hit["connect"] * 1e3,
         # A fault while connecting pauses the level: the timed admit would then be a miss.
         "remote_connect_faults": hit["connect_faults"],

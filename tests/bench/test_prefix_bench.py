@@ -70,6 +70,7 @@ def test_prefix_bench_tiny(tmp_path):
     for r in doc["results"]:
         assert r["ttft_full_ms"] > 0 and r["ttft_cached_ms"] > 0
         assert r["tokens_prefilled_full"] == 76
+        assert r["release_first_ms"] > 0 and r["blocks_published_first_release"] == 0
         assert r["tokens_prefilled_cached"] == [12, 12]  # The prefix's 4 blocks are mapped.
         assert r["hit_rate"] == 128 / 152
         assert r["logits_max_abs_err"] < 0.05, r["logits_max_abs_err"]  # bf16 model.

@@ -69,6 +69,9 @@ def check_remote_row(row: dict, tier: str, local: dict) -> None:
     assert level["mooncake_imported"] == 4 and level["mooncake_faults"] == 0
     assert level["mooncake_misses"] == 0 and level["mooncake_damaged"] == 0
     assert row["publisher_level"]["mooncake_published"] >= 4
+    # The first release published the first prompt's 4 full blocks (76 tokens, 16 a block).
+    assert row["blocks_published"] == 4 and row["publish_release_ms"] > 0
+    assert row["publish_release_ms"] == local["release_first_ms"]
     assert row["publisher_level"]["mooncake_faults"] == 0
     assert row["first_token"] == "same"
     assert row["first_token_remote"] == row["first_token_full"]
