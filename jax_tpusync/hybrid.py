@@ -72,7 +72,9 @@ class HybridKVCache:
       max_step_tokens: the most rows one step appends to a slot (1 for decode; the chunk of
         a chunked prefill). Sizes the sliding groups' rings and the rows kept for reading
         layers; a step of more rows is refused when traced. Default 512.
-      bound_windows: sliding groups keep only their window (default True).
+      bound_windows: sliding groups keep only their window (default True). Their cached
+        prefixes are window copies kept in this process: ``shared_prefix_dir`` and
+        ``remote_prefix`` need ``bound_windows=False`` (refused otherwise).
       window_cache_blocks: blocks per bounded sliding group (per layer, K and V) beyond
         the slots' rings, for cached prefixes' windows (:meth:`publish_windows`); default
         one ring per slot (``batch`` rings: a window per slot's prompt). 0: none.
@@ -126,6 +128,18 @@ class HybridKVCache:
         self.plan: LayerGroups = plan_groups(
             num_layers, num_kv_heads, head_dim, windows, kv_sharing
         )
+        shared_levels = [
+            name for name in ("shared_prefix_dir", "remote_prefix") if options.get(name) is not None
+        ]
+        if bound_windows and shared_levels and any(g.window is not None for g in self.plan.groups):
+            # A bounded group keeps only its window's blocks (copies, not a chain from the
+            # first token), so it can neither publish a prompt's blocks nor find them there:
+            # every admission would map nothing in it, and so (every group or none) nothing.
+            raise ValueError(
+                f"{' and '.join(shared_levels)} with bounded sliding windows is not supported "
+                f"yet (a window group keeps no chain of full blocks to publish or find): give "
+                f"bound_windows=False, whose window groups keep full blocks like the others"
+            )
         self.batch = batch
         self.max_len = max_len
         self.max_step_tokens = int(max_step_tokens)

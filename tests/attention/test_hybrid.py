@@ -354,6 +354,40 @@ def test_refusals_name_the_layer():
             cache.load(state, 1, np.zeros((1, 2, 1, 8)), np.zeros((1, 2, 1, 8)))
 
 
+def test_shared_levels_need_full_blocks_in_every_group(tmp_path):
+    """A shared directory or a remote store holds chains of full blocks; a bounded window
+    group keeps only window copies, so the pair is refused, by name, exactly when a group
+    is bounded; with bound_windows=False a prompt released by one cache is admitted by a
+    fresh one from the directory alone, in every group, rows equal."""
+    common = dict(num_layers=3, batch=1, max_len=32, num_kv_heads=1, head_dim=8, block_tokens=4)
+    common.update(max_step_tokens=4, dtype=jnp.float32, model_id="hybrid-shared")
+    shared = dict(shared_prefix_dir=str(tmp_path / "shared"))
+    for level in (shared, dict(remote_prefix="mooncake://127.0.0.1:1")):
+        with pytest.raises(ValueError, match=r"with bounded sliding windows is not supported"):
+            tps.HybridKVCache(sliding_window=[8, 8, None], **common, **level)
+    # No sliding group, or windows kept whole: accepted.
+    tps.HybridKVCache(**{**common, "head_dim": [8, 8, 16]}, sliding_window=None, **shared).close()
+    prompt = np.arange(200, 214)  # 3 full blocks of 4, then 2 tokens.
+    rows = np.random.default_rng(5).standard_normal((3, 2, 1, 14, 1, 8)).astype(np.float32)
+    options = dict(sliding_window=[8, 8, None], bound_windows=False, **common, **shared)
+    with tps.HybridKVCache(**options) as writer:
+        state = writer.init(admit=False)
+        state, _ = writer.admit(state, 0, tokens=prompt)
+        for layer in range(3):
+            state = writer.load(state, layer, rows[layer, 0], rows[layer, 1], lengths=[14])
+        state = writer.release(writer.drain(state), 0, tokens=prompt)
+        writer.close(state)
+    with tps.HybridKVCache(**options) as reader:
+        state = reader.init(admit=False)
+        state, cached = reader.admit(state, 0, tokens=prompt)
+        assert cached == 12
+        for layer in range(3):
+            k, v = reader.read(reader.drain(state), layer, 0, 0, 12)
+            np.testing.assert_array_equal(np.asarray(k), rows[layer, 0, 0, :12])
+            np.testing.assert_array_equal(np.asarray(v), rows[layer, 1, 0, :12])
+        reader.close(state)
+
+
 def test_persistence_reattaches_per_layer_geometry(tmp_path):
     """Each group persists on its own; the layers' record is checked layer by layer."""
     weights = GEMMA4.weights(3)
