@@ -73,8 +73,8 @@ class HybridKVCache:
         a chunked prefill). Sizes the sliding groups' rings and the rows kept for reading
         layers; a step of more rows is refused when traced. Default 512.
       bound_windows: sliding groups keep only their window (default True). Their cached
-        prefixes are window copies kept in this process: ``shared_prefix_dir`` and
-        ``remote_prefix`` need ``bound_windows=False`` (refused otherwise).
+        prefixes are window copies, which ``shared_prefix_dir`` / ``remote_prefix`` publish
+        and import block by block (not on a mesh yet: refused there).
       window_cache_blocks: blocks per bounded sliding group (per layer, K and V) beyond
         the slots' rings, for cached prefixes' windows (:meth:`publish_windows`); default
         one ring per slot (``batch`` rings: a window per slot's prompt). 0: none.
@@ -131,13 +131,14 @@ class HybridKVCache:
         shared_levels = [
             name for name in ("shared_prefix_dir", "remote_prefix") if options.get(name) is not None
         ]
-        if bound_windows and shared_levels and any(g.window is not None for g in self.plan.groups):
-            # A bounded group keeps only its window's blocks (copies, not a chain from the
-            # first token), so it can neither publish a prompt's blocks nor find them there:
-            # every admission would map nothing in it, and so (every group or none) nothing.
+        bounded_groups = bound_windows and any(g.window is not None for g in self.plan.groups)
+        if mesh is not None and bounded_groups and shared_levels:
+            # A mesh's bounded groups publish no window copies (publish_windows acts on
+            # one-device groups): every admission would map nothing in them, and so (every
+            # group or none) nothing, after importing the global groups' blocks for nothing.
             raise ValueError(
-                f"{' and '.join(shared_levels)} with bounded sliding windows is not supported "
-                f"yet (a window group keeps no chain of full blocks to publish or find): give "
+                f"{' and '.join(shared_levels)} on a mesh with bounded sliding windows is not "
+                f"supported yet (a mesh's window groups publish no window copies): give "
                 f"bound_windows=False, whose window groups keep full blocks like the others"
             )
         self.batch = batch

@@ -336,6 +336,8 @@ class SlotTable:
             keys = self.prefix.keys(ids)
             parents = [self.prefix.root, *keys[:-1]]
             cached, found = self.windows.lookup(keys, parents, ids, limit)
+            if cached < limit * t and self._import_window(keys, ids, limit):
+                cached, found = self.windows.lookup(keys, parents, ids, limit)
             if found:  # Read before allocating: the allocation may evict them.
                 payloads = self.store.read_blocks(found)
                 first = cached // t - len(found)
@@ -384,7 +386,7 @@ class SlotTable:
             return 0
         # One read for all of them (the ring's own blocks: no eviction below touches them).
         payloads = self.store.read_blocks([int(self._tables[slot, i]) for i in fresh])
-        copied = 0
+        copied = []
         for i, payload in zip(fresh, payloads):
             if not self.make_room(1):
                 break
@@ -392,8 +394,9 @@ class SlotTable:
             self.store.write_block(block, payload)
             parent = keys[i - 1] if i else self.prefix.root
             self.windows.put(keys[i], parent, ids[i * t : (i + 1) * t], block)
-            copied += 1
-        return copied
+            copied.append((keys[i], keys[i - 1] if i else None, ids[i * t : (i + 1) * t], block))
+        self._export_blocks(copied)  # Whole blocks of the chain, as a release publishes them.
+        return len(copied)
 
     def note_written(self, slot: int, start: int) -> None:
         """A host-side write put rows from ``start`` into ring ``slot`` (rows before it are
@@ -559,11 +562,10 @@ class SlotTable:
             (keys[i], keys[i - 1] if i else None, ids[i * t : (i + 1) * t])
             for i in range(start, len(keys))
         ]
-        in_memory = self.store is not None and self.store.block_memory(0) is not None
         out: list[int] = []
         try:
             while len(out) < len(wanted):
-                run = self._import_run(wanted, len(out), in_memory)
+                run = self._import_run(wanted, len(out), self.prefix.adopt)
                 if not run:
                     break
                 out += run
@@ -572,16 +574,45 @@ class SlotTable:
             raise
         return out
 
-    def _import_run(self, wanted: list, pos: int, in_memory: bool) -> list[int]:
+    def _import_window(self, keys: list[bytes], ids: np.ndarray, limit: int) -> int:
+        """The blocks a ring slot's window needs for a cached prefix of ``limit`` blocks (those
+        covering ``[P - W + 1, P)``) that the window index lacks, imported from the remote
+        levels into it as window copies; returns how many. Stops at the first block no
+        level has (or when no block is free); blocks imported stay cached."""
+        if not self.remote_levels or limit <= 0:
+            return 0
+        self.free_settled()
+        t = self.block_tokens
+        first = max(0, limit * t - self.windows.window + 1) // t
+        wanted = [
+            (keys[i], keys[i - 1] if i else None, ids[i * t : (i + 1) * t])
+            for i in range(first, limit)
+            if keys[i] not in self.windows
+        ]
+
+        def adopt(key: bytes, parent: bytes | None, tokens: np.ndarray, block: int) -> None:
+            self.windows.put(key, self.prefix.root if parent is None else parent, tokens, block)
+
+        done = 0
+        while done < len(wanted):
+            run = self._import_run(wanted, done, adopt)
+            if not run:
+                break
+            done += len(run)
+        return done
+
+    def _import_run(self, wanted: list, pos: int, adopt: Callable[..., None]) -> list[int]:
         """Blocks ``wanted[pos:]`` ((key, parent, token ids) each) from the first level that
         has ``wanted[pos]``: a run of them from a level that reads in place (when the tier
-        is ``in_memory``), else that one block."""
+        is in memory), else that one block; each handed to ``adopt(key, parent, tokens,
+        block)`` (the prefix index's, or the window index's)."""
+        in_memory = self.store is not None and self.store.block_memory(0) is not None
         for level in self.remote_levels:
             if in_memory and isinstance(level, InPlaceRemoteLevel):
                 found = level.lookup(wanted[pos:])
                 if found:
                     run = wanted[pos : pos + self._room_up_to(found)]
-                    return self._import_in_place(level, run)
+                    return self._import_in_place(level, run, adopt)
                 continue
             payload = level.load(*wanted[pos])
             if payload is None:
@@ -595,14 +626,16 @@ class SlotTable:
             except Exception:
                 self.dram.free(np.asarray([block], np.int64))
                 raise
-            self.prefix.adopt(*wanted[pos], block)
+            adopt(*wanted[pos], block)
             return [block]
         return []
 
-    def _import_in_place(self, level: InPlaceRemoteLevel, wanted: list) -> list[int]:
+    def _import_in_place(
+        self, level: InPlaceRemoteLevel, wanted: list, adopt: Callable[..., None]
+    ) -> list[int]:
         """``wanted``'s blocks read by ``level`` straight into fresh blocks (room made);
-        those it checked are indexed, pinned. Blocks a stuck call may still write are held
-        aside until the level has settled (:meth:`hold_aside`), the rest freed."""
+        those it checked are handed to ``adopt``. Blocks a stuck call may still write are
+        held aside until the level has settled (:meth:`hold_aside`), the rest freed."""
         if not wanted:
             return []
         self._before_reuse()
@@ -615,7 +648,7 @@ class SlotTable:
             raise
         loaded = fresh[: result.loaded]
         for (key, parent, tokens), block in zip(wanted, loaded):
-            self.prefix.adopt(key, parent, tokens, int(block))
+            adopt(key, parent, tokens, int(block))
         busy = fresh[result.loaded : max(result.busy_until, result.loaded)]
         if len(busy):
             self._held_aside.append((busy, level.settled))
@@ -647,7 +680,12 @@ class SlotTable:
         """The most blocks, up to ``count``, that :meth:`make_room` can free; made free."""
         free = self.dram.free_blocks
         if count > free:
-            count = free + len(self._evictable(count - free))
+            evictable = (
+                len(self.windows)
+                if self.windows is not None
+                else len(self._evictable(count - free))
+            )
+            count = free + min(evictable, count - free)
         return count if count and self.make_room(count) else 0
 
     def _export(self, ids: np.ndarray, held: np.ndarray) -> None:
@@ -657,19 +695,30 @@ class SlotTable:
             return
         keys = self.prefix.keys(ids)
         t = self.block_tokens
+        self._export_blocks(
+            [
+                (keys[i], keys[i - 1] if i else None, ids[i * t : (i + 1) * t], int(held[i]))
+                for i in range(len(held))
+            ]
+        )
+
+    def _export_blocks(self, entries: list[tuple[bytes, bytes | None, np.ndarray, int]]) -> None:
+        """Publishes blocks ``(key, parent or None for a first block, token ids, block)`` to
+        every remote level that lacks them; failures are logged and counted, never raised
+        (publishing is a courtesy to others)."""
+        if not self.remote_levels or not entries:
+            return
+        keys = [key for key, _, _, _ in entries]
         for level in self.remote_levels:
             try:
                 if isinstance(level, InPlaceRemoteLevel):  # A request per run, not per block.
-                    missing = level.missing(keys[: len(held)])
+                    missing = level.missing(keys)
                 else:
-                    missing = [i for i, key in enumerate(keys[: len(held)]) if not level.has(key)]
+                    missing = [i for i, key in enumerate(keys) if not level.has(key)]
                 if not missing:
                     continue
-                payloads = self._payloads([int(held[i]) for i in missing], level)
-                items = [
-                    (keys[i], keys[i - 1] if i else None, ids[i * t : (i + 1) * t], payloads[j])
-                    for j, i in enumerate(missing)
-                ]
+                payloads = self._payloads([entries[i][3] for i in missing], level)
+                items = [(*entries[i][:3], payloads[j]) for j, i in enumerate(missing)]
                 if isinstance(level, InPlaceRemoteLevel):
                     level.publish_many(items)
                     continue
@@ -678,7 +727,8 @@ class SlotTable:
             except Exception as e:  # noqa: BLE001 - publishing is a courtesy to others.
                 self.publish_failures += 1
                 logger.warning(
-                    "publishing prefix blocks to %s failed (the slot is released): %s",
+                    "publishing prefix blocks to %s failed (others miss them; nothing here "
+                    "changes): %s",
                     level.describe(),
                     e,
                 )

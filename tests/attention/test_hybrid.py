@@ -354,38 +354,78 @@ def test_refusals_name_the_layer():
             cache.load(state, 1, np.zeros((1, 2, 1, 8)), np.zeros((1, 2, 1, 8)))
 
 
-def test_shared_levels_need_full_blocks_in_every_group(tmp_path):
-    """A shared directory or a remote store holds chains of full blocks; a bounded window
-    group keeps only window copies, so the pair is refused, by name, exactly when a group
-    is bounded; with bound_windows=False a prompt released by one cache is admitted by a
-    fresh one from the directory alone, in every group, rows equal."""
-    common = dict(num_layers=3, batch=1, max_len=32, num_kv_heads=1, head_dim=8, block_tokens=4)
-    common.update(max_step_tokens=4, dtype=jnp.float32, model_id="hybrid-shared")
-    shared = dict(shared_prefix_dir=str(tmp_path / "shared"))
-    for level in (shared, dict(remote_prefix="mooncake://127.0.0.1:1")):
-        with pytest.raises(ValueError, match=r"with bounded sliding windows is not supported"):
-            tps.HybridKVCache(sliding_window=[8, 8, None], **common, **level)
-    # No sliding group, or windows kept whole: accepted.
-    tps.HybridKVCache(**{**common, "head_dim": [8, 8, 16]}, sliding_window=None, **shared).close()
-    prompt = np.arange(200, 214)  # 3 full blocks of 4, then 2 tokens.
-    rows = np.random.default_rng(5).standard_normal((3, 2, 1, 14, 1, 8)).astype(np.float32)
-    options = dict(sliding_window=[8, 8, None], bound_windows=False, **common, **shared)
-    with tps.HybridKVCache(**options) as writer:
+@pytest.fixture(params=("directory", "mooncake"))
+def shared_level(request, tmp_path):
+    """``(cache options of a writer, of a reader, the level's stats prefix)``: a shared
+    directory, or a Mooncake store (a master of the test's own)."""
+    if request.param == "directory":
+        where = dict(shared_prefix_dir=str(tmp_path / "shared"))
+        yield where, where, "shared"
+        return
+    request.getfixturevalue("mooncake_usable")
+    from jax_tpusync.bench.mooncake_master import LocalMaster
+
+    with LocalMaster() as master:
+        url = f"mooncake://{master.address}?deadline_s=5&segment_mb="
+        yield dict(remote_prefix=url + "16"), dict(remote_prefix=url + "0"), "mooncake"
+
+
+@pytest.mark.parametrize("bound_windows", (True, False))
+def test_a_prompt_is_shared_beyond_the_process_in_every_group(bound_windows, shared_level):
+    """A prompt released by one cache is admitted by a fresh one from a shared directory or
+    a Mooncake store alone: the global groups import the chain of full blocks, a bounded
+    sliding group only its window's blocks (published as its window copies were made);
+    the fresh cache's next step equals the first one's."""
+    writer_level, reader_level, stats = shared_level
+    weights = GEMMA4.weights(4)
+    prompt = np.arange(100, 100 + 13)
+    step = make_step(GEMMA4, weights)
+    x = np.random.default_rng(0).standard_normal((BATCH, STEP, D_MODEL)).astype(np.float32)
+    counts = jnp.asarray([4, 0], jnp.int32)
+    with make_cache(GEMMA4, bound_windows=bound_windows, **writer_level) as writer:
         state = writer.init(admit=False)
         state, _ = writer.admit(state, 0, tokens=prompt)
-        for layer in range(3):
-            state = writer.load(state, layer, rows[layer, 0], rows[layer, 1], lengths=[14])
-        state = writer.release(writer.drain(state), 0, tokens=prompt)
+        for _ in range(3):  # The prompt's first 12 tokens.
+            state = step(jnp.asarray(x), counts, state)[1]
+        want, state = step(jnp.asarray(x), counts, state)  # Tokens 12-15.
+        want = np.asarray(want)[0]
+        state = writer.release(state, 0, tokens=np.concatenate([prompt, [0, 0, 0]]))
+        # The reader while the writer is open: a Mooncake client's objects go with it.
+        with make_cache(GEMMA4, bound_windows=bound_windows, **reader_level) as reader:
+            check_fresh_reader(reader, prompt, step, x, counts, want, bound_windows, stats)
         writer.close(state)
-    with tps.HybridKVCache(**options) as reader:
-        state = reader.init(admit=False)
-        state, cached = reader.admit(state, 0, tokens=prompt)
-        assert cached == 12
-        for layer in range(3):
-            k, v = reader.read(reader.drain(state), layer, 0, 0, 12)
-            np.testing.assert_array_equal(np.asarray(k), rows[layer, 0, 0, :12])
-            np.testing.assert_array_equal(np.asarray(v), rows[layer, 1, 0, :12])
-        reader.close(state)
+
+
+def check_fresh_reader(reader, prompt, step, x, counts, want, bound_windows, stats) -> None:
+    """``reader`` maps ``prompt``'s first 12 tokens in every group from the shared level
+    alone (a bounded sliding group its window's two blocks, the others the chain's three),
+    and its step over tokens 12-15 gives ``want``."""
+    state = reader.init(admit=False)
+    state, cached = reader.admit(state, 0, tokens=prompt)
+    assert cached == 12
+    assert {int(np.asarray(g.lengths)[0]) for g in state.groups} == {12}
+    imported = [g.prefix_stats[f"{stats}_imported"] for g in reader.groups]
+    window_blocks = 2  # Rows [5, 12) of an 8-token window: blocks 1 and 2.
+    bounded = [bound_windows and g.window is not None for g in reader.plan.groups]
+    assert imported == [window_blocks if b else 3 for b in bounded]
+    got, state = step(jnp.asarray(x), counts, state)
+    np.testing.assert_allclose(np.asarray(got)[0], want, atol=1e-5)
+    reader.close(state)
+
+
+def test_shared_levels_on_a_mesh_with_bounded_windows_are_refused(tmp_path):
+    """A mesh's bounded groups publish no window copies: refused by name, and only then."""
+    mesh = jax.make_mesh((1,), ("model",))
+    common = dict(num_layers=3, batch=1, max_len=32, num_kv_heads=1, head_dim=8, block_tokens=4)
+    common.update(max_step_tokens=4, dtype=jnp.float32, mesh=mesh, kv_heads_axis="model")
+    for level in (
+        dict(shared_prefix_dir=str(tmp_path / "shared")),
+        dict(remote_prefix="mooncake://127.0.0.1:1"),
+    ):
+        with pytest.raises(ValueError, match=r"on a mesh with bounded sliding windows is not"):
+            tps.HybridKVCache(sliding_window=[8, 8, None], **common, **level)
+    level = dict(shared_prefix_dir=str(tmp_path / "shared"))
+    tps.HybridKVCache(sliding_window=[8, 8, None], bound_windows=False, **common, **level).close()
 
 
 def test_persistence_reattaches_per_layer_geometry(tmp_path):

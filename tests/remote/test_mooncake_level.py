@@ -841,39 +841,6 @@ def test_a_cache_built_with_remote_prefix_publishes_and_finds_its_blocks(mooncak
         make_cache(remote_prefix="redis://x:1")
 
 
-def test_a_hybrid_cache_with_windows_kept_whole_shares_every_group_through_the_store(
-    mooncake_master,
-):
-    """Each layer group is a cache of its own geometry and salt: all publish, and a fresh
-    hybrid cache (a client giving the pool nothing) maps the prompt in every group."""
-    address = f"mooncake://{mooncake_master.address}?deadline_s=3&namespace=hybrid-{os.getpid()}"
-    options = dict(
-        num_layers=3, batch=1, max_len=32, num_kv_heads=1, head_dim=[8, 8, 16],
-        sliding_window=[8, 8, None], bound_windows=False, max_step_tokens=4,
-        block_tokens=4, dtype=jnp.float32, model_id="hybrid-remote",
-    )  # fmt: skip
-    prompt = np.arange(300, 314)  # 3 full blocks of 4, then 2 tokens.
-    rng = np.random.default_rng(6)
-    rows = [rng.standard_normal((2, 1, 14, 1, d)).astype(np.float32) for d in (8, 8, 16)]
-    with tps.HybridKVCache(**options, remote_prefix=address + "&segment_mb=16") as writer:
-        state = writer.init(admit=False)
-        state, _ = writer.admit(state, 0, tokens=prompt)
-        for layer in range(3):
-            state = writer.load(state, layer, rows[layer][0], rows[layer][1], lengths=[14])
-        state = writer.release(writer.drain(state), 0, tokens=prompt)
-        with tps.HybridKVCache(**options, remote_prefix=address + "&segment_mb=0") as reader:
-            got = reader.init(admit=False)
-            got, cached = reader.admit(got, 0, tokens=prompt)
-            assert cached == 12
-            assert [g.prefix_stats["mooncake_imported"] for g in reader.groups] == [3, 3]
-            for layer in range(3):
-                k, v = reader.read(reader.drain(got), layer, 0, 0, 12)
-                np.testing.assert_array_equal(np.asarray(k), rows[layer][0, 0, :12])
-                np.testing.assert_array_equal(np.asarray(v), rows[layer][1, 0, :12])
-            reader.close(got)
-        writer.close(state)
-
-
 def test_a_mesh_gives_each_head_range_its_own_namespace():
     from jax_tpusync import mesh
 
