@@ -643,15 +643,21 @@ HOLDER = """
 """
 
 
-def test_a_killed_holder_is_a_miss_within_the_deadline(make_master):
-    master = make_master()
-    holder = subprocess.Popen(
+def start_holder(master) -> subprocess.Popen:
+    """A process that publishes blocks 500_000.. into its own segment, says "published",
+    then sleeps (the holder of those objects)."""
+    return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(HOLDER), master.address, str(HERE)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
         cwd="/",  # Not the source tree, whose package has no built extension.
     )
+
+
+def test_a_killed_holder_is_a_miss_within_the_deadline(make_master):
+    master = make_master()
+    holder = start_holder(master)
     try:
         line = holder.stdout.readline()  # Bounded by the holder's own sleep and the kill below.
         assert line.strip() == "published", "the holder process failed"
@@ -681,13 +687,7 @@ def test_a_holder_hung_during_an_in_place_load_leaves_its_destinations_busy_unti
     make_master,
 ):
     master = make_master()
-    holder = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(HOLDER), master.address, str(HERE)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        cwd="/",
-    )
+    holder = start_holder(master)
     try:
         assert holder.stdout.readline().strip() == "published", "the holder process failed"
         reader = level(master.address, segment_bytes=0, deadline_s=1.0)
