@@ -734,9 +734,9 @@ class SlotTable:
                 )
 
     def _payloads(self, block_ids: list[int], level: Any) -> list[Any]:
-        """What ``level`` publishes of blocks ``block_ids``: views of their bytes where the tier is
-        in memory and the level takes regions (no copy; the engine is drained first, so
-        no write to them is in flight), else their bytes read through the engine."""
+        """What ``level`` publishes of blocks ``block_ids``: views of their bytes where the
+        tier is in memory and the level takes regions (no copy; the engine is drained first,
+        so no write to them is in flight), else their bytes read through the engine."""
         if isinstance(level, InPlaceRemoteLevel):
             views = [self.store.block_memory(b) for b in block_ids]
             if all(v is not None for v in views):

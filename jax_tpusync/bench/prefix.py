@@ -232,8 +232,9 @@ def _model(args):
 
 def _remote_urls(args, master, requests: int, blocks_per_seq: int) -> tuple[str, str] | None:
     """(the publishing cache's, the reading cache's) ``remote_prefix`` addresses, or None
-    without a master; each names the address other clients reach it at. The publisher's segment holds every block the run publishes (each
-    request's full blocks, and the decoded ones); the reader gives the pool no memory."""
+    without a master; each names the address other clients reach it at. The publisher's
+    segment holds every block the run publishes (each request's full blocks, and the
+    decoded ones); the reader gives the pool no memory."""
     if master is None:
         return None
     payload = args.layers * 2 * args.block_tokens * args.kv_heads * args.head_dim * 2  # bf16
