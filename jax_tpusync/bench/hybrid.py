@@ -19,11 +19,22 @@ median step time (``time/uniform``: hybrid's over uniform's). ``tier/global`` is
 bytes over the global layers' own KV, ``step/global`` the step bytes over what the global
 layers read (a layer reading a global layer's KV reads it too): the floors no layout goes
 under (target <= 1.1 for hybrid).
+
+``--remote mooncake`` (or ``--remote-master HOST:PORT``): per model, tier and context up to
+``--remote-max-context``, two more rows (``uniform <- mooncake``, ``hybrid <- mooncake``):
+each cache, opened with ``remote_prefix=`` a Mooncake Store, loads the context, and its
+release publishes it (the global layers' chain of full blocks; a bounded sliding group's
+window copies); then a fresh cache of the same kind, its client giving the pool no memory,
+admits the same token ids from the store alone. Reported: the tokens it mapped, the bytes
+it imported (``imported``), ``imported/uniform`` (hybrid's over the one geometry's), the
+admission's and the publishing release's seconds. The benchmark starts a master of its own
+on loopback unless given one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -47,6 +58,10 @@ COLUMNS = [
     ("kv_over_global", "tier/global", ".3f"),
     ("step_bytes_over_global", "step/global", ".3f"),
     ("time_over_uniform", "time/uniform", ".3f"),
+    ("cached_tokens", "mapped", "d"),
+    ("imported_bytes", "imported", "bytes"),
+    ("imported_over_uniform", "imported/uniform", ".3f"),
+    ("admit_ms", "admit ms", ".1f"),
 ]
 
 Q_HEADS = 4
@@ -91,6 +106,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--steps", type=int, default=8, help="timed decode steps per cache")
     p.add_argument("--staging-bytes", type=common.parse_bytes, default=32 * common.MiB)
     p.add_argument("--load-chunk", type=int, default=65536, help="tokens per load() call")
+    p.add_argument(
+        "--remote",
+        choices=("mooncake",),
+        default=None,
+        help="add rows of a prefix shared through a Mooncake Store",
+    )
+    p.add_argument(
+        "--remote-master",
+        default=None,
+        metavar="HOST:PORT",
+        help="a running mooncake_master (implies --remote mooncake); default: one of the "
+        "benchmark's own on loopback",
+    )
+    p.add_argument(
+        "--remote-max-context",
+        type=int,
+        default=131072,
+        help="the longest context that gets remote rows (the store holds a copy of the KV)",
+    )
+    p.add_argument("--block-tokens", type=int, default=256)
     p.add_argument("--json", default="bench_hybrid.json")
     p.set_defaults(run=run, columns=COLUMNS)
     return p
@@ -98,6 +133,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def _caches(tps, model: dict, tier: str, context: int, path: str | None, staging: int):
     """(uniform, hybrid) caches of ``model`` at ``context`` tokens, batch 1, bf16."""
+    return tuple(
+        _cache(tps, kind, model, tier, context, path, staging) for kind in ("uniform", "hybrid")
+    )
+
+
+def _cache(tps, kind: str, model: dict, tier: str, context: int, path, staging: int, **extra):
+    """The ``kind`` ("uniform" or "hybrid") cache of ``model`` at ``context`` tokens, batch
+    1, bf16; ``extra``: more arguments (a block size, a remote level)."""
     import jax.numpy as jnp
 
     common_args = dict(
@@ -108,14 +151,16 @@ def _caches(tps, model: dict, tier: str, context: int, path: str | None, staging
         tier=tier,
         staging_bytes=staging,
         **({"path": path} if tier == "file" else {}),
+        **extra,
     )
-    uniform = tps.OffloadedKVCache(
-        num_kv_heads=max(model["heads"]),
-        head_dim=max(model["dims"]),
-        sliding_window=model["windows"],
-        **common_args,
-    )
-    hybrid = tps.HybridKVCache(
+    if kind == "uniform":
+        return tps.OffloadedKVCache(
+            num_kv_heads=max(model["heads"]),
+            head_dim=max(model["dims"]),
+            sliding_window=model["windows"],
+            **common_args,
+        )
+    return tps.HybridKVCache(
         num_kv_heads=model["heads"],
         head_dim=model["dims"],
         sliding_window=model["windows"],
@@ -123,7 +168,6 @@ def _caches(tps, model: dict, tier: str, context: int, path: str | None, staging
         max_step_tokens=1,
         **common_args,
     )
-    return uniform, hybrid
 
 
 def _load(cache, state, layers, heads, dims, context: int, chunk: int, rng, sharing=None):
@@ -225,6 +269,88 @@ def _measure(tps, cache, model, context, args, rng, *, uniform: bool) -> dict[st
     )
 
 
+def _remote(tps, model, tier, context, args, rng, master: str, directory) -> dict[str, dict]:
+    """Per cache kind: the context published by one cache's release, admitted by a fresh
+    one from the store alone (see the module's docstring)."""
+    ids = rng.integers(0, 50_000, context)
+    namespace = f"bench-hybrid-{os.getpid()}-{time.time_ns()}"
+    url = f"mooncake://{master}?namespace={namespace}&deadline_s=30&segment_mb="
+    out = {}
+    layers = len(model["heads"])
+    # The store holds the context once per cache kind: the uniform copy is the largest.
+    segment_mb = max(64, 3 * _uniform_bytes(model, context) // common.MiB)
+    for kind in ("uniform", "hybrid"):
+        extra = dict(block_tokens=args.block_tokens, model_id=f"bench-hybrid-{kind}")
+        where = (tps, kind, model, tier, context, directory, args.staging_bytes)
+        with _cache(*where, remote_prefix=url + str(segment_mb), **extra) as writer:
+            uniform = kind == "uniform"
+            heads = [max(model["heads"])] * layers if uniform else model["heads"]
+            dims = [max(model["dims"])] * layers if uniform else model["dims"]
+            state = writer.init(admit=False)
+            state, _ = writer.admit(state, 0, tokens=ids, max_tokens=context + 64)
+            if uniform:
+                state = _load(writer, state, layers, heads, dims, context, args.load_chunk, rng)
+            else:  # As a chunked prefill does: windows published block by block as they pass.
+                state = _load_publishing(writer, state, model, context, args.block_tokens, rng)
+            t0 = time.perf_counter()
+            state = writer.release(state, 0, tokens=ids)
+            publish_s = time.perf_counter() - t0
+            # While the writer is open: its client's segment holds the objects.
+            with _cache(*where, remote_prefix=url + "0", **extra) as reader:
+                got = reader.init(admit=False)
+                t0 = time.perf_counter()
+                got, cached = reader.admit(got, 0, tokens=ids, max_tokens=context + 64)
+                admit_s = time.perf_counter() - t0
+                levels = _level_stats(reader)
+                reader.close(reader.drain(got))
+            writer.close(state)
+        out[kind] = dict(
+            cached_tokens=int(cached),
+            imported_bytes=int(levels["mooncake_bytes_loaded"]),
+            imported_blocks=int(levels["mooncake_imported"]),
+            faults=int(levels["mooncake_faults"]),
+            admit_ms=admit_s * 1e3,
+            publish_release_ms=publish_s * 1e3,
+        )
+    out["hybrid"]["imported_over_uniform"] = (
+        out["hybrid"]["imported_bytes"] / out["uniform"]["imported_bytes"]
+    )
+    out["uniform"]["imported_over_uniform"] = 1.0
+    return out
+
+
+def _load_publishing(cache, state, model: dict, context: int, block_tokens: int, rng):
+    """Random KV for every stored layer's positions [0, context), a block at a time, each
+    block's window copy made (and published) once all layers hold it, as
+    :class:`~jax_tpusync.serving.ServingLoop` does between prefill steps."""
+    import jax.numpy as jnp
+
+    stored = [l for l, src in enumerate(model["sharing"]) if src is None]
+    for lo, n in common.chunks(context, block_tokens):
+        for layer in stored:
+            shape = (2, 1, n, model["heads"][layer], model["dims"][layer])
+            kv = jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
+            state = cache.load(state, layer, kv[0], kv[1], start=lo)
+        cache.publish_windows(state, 0)
+    return state
+
+
+def _uniform_bytes(model: dict, context: int) -> int:
+    """The one-geometry cache's KV of ``context`` tokens (bf16)."""
+    return 2 * context * len(model["heads"]) * max(model["heads"]) * max(model["dims"]) * 2
+
+
+def _level_stats(cache) -> dict[str, int]:
+    """The Mooncake level's counts, summed over a hybrid cache's groups."""
+    parts = getattr(cache, "groups", [cache])
+    total: dict[str, int] = {}
+    for part in parts:
+        for key, value in part.prefix_stats.items():
+            if key.startswith("mooncake_"):
+                total[key] = total.get(key, 0) + value
+    return total
+
+
 def jax_block(x) -> None:
     import jax
 
@@ -236,6 +362,20 @@ def run(args) -> list[dict[str, Any]]:
 
     rng = np.random.default_rng(0)
     rows = []
+    if args.remote_master is not None:
+        args.remote = "mooncake"
+    with contextlib.ExitStack() as stack:
+        master = args.remote_master
+        if args.remote and master is None:
+            from jax_tpusync.bench import mooncake_master
+
+            master = stack.enter_context(mooncake_master.LocalMaster()).address
+            print(f"started a mooncake_master at {master}", flush=True)
+        _run(tps, args, rng, rows, master)
+    return rows
+
+
+def _run(tps, args, rng, rows: list, master: str | None) -> None:
     for name in args.models:
         model = shapes(args.window)[name]
         for tier in args.tiers:
@@ -258,6 +398,9 @@ def run(args) -> list[dict[str, Any]]:
                                 tps, hybrid, model, context, args, rng, uniform=False
                             ),
                         }
+                    remote = None
+                    if master is not None and context <= args.remote_max_context:
+                        remote = _remote(tps, model, tier, context, args, rng, master, directory)
                 finally:
                     if directory:
                         shutil.rmtree(directory, ignore_errors=True)
@@ -276,4 +419,19 @@ def run(args) -> list[dict[str, Any]]:
                         f"tier {common.format_bytes(r['kv_bytes'])}, load {r['load_s']:.1f} s",
                         flush=True,
                     )
-    return rows
+                for cache_name, r in (remote or {}).items():
+                    rows.append(
+                        dict(
+                            model=name,
+                            tier=tier,
+                            context=context,
+                            cache=f"{cache_name} <- mooncake",
+                            **r,
+                        )
+                    )
+                    print(
+                        f"{name} {tier} {context}: {cache_name} <- mooncake: mapped "
+                        f"{r['cached_tokens']}, imported {common.format_bytes(r['imported_bytes'])}"
+                        f" ({r['imported_over_uniform']:.3f}x uniform) in {r['admit_ms']:.0f} ms",
+                        flush=True,
+                    )

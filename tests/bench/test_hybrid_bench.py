@@ -40,3 +40,35 @@ def test_hybrid_bench_tiny(tmp_path):
             # units a reading layer took from its source's prefetch chain).
             fetched, attended = hybrid["fetched_bytes_per_step"], hybrid["step_bytes"]
             assert 0.95 * attended <= fetched <= 1.25 * attended
+
+
+def test_hybrid_bench_remote_rows_import_the_global_chain_and_the_windows(
+    tmp_path, mooncake_usable
+):
+    """Through a Mooncake store (the benchmark's own master): each fresh cache maps the
+    context; the hybrid one imports the global layers' chain and, per sliding layer, only
+    the blocks of one window."""
+    argv = [
+        "hybrid", "--contexts", "2048", "--window", "64", "--steps", "1", "--tiers", "host",
+        "--models", "gemma3", "gemma4", "--load-chunk", "1024", "--staging-bytes", "1M",
+        "--block-tokens", "16", "--remote", "mooncake", "--json", str(tmp_path / "h.json"),
+    ]  # fmt: skip
+    args = bench_main.build_parser().parse_args(argv)
+    rows = {(r["model"], r["cache"]): r for r in args.run(args)}
+    block = 16 * 2 * 2  # Tokens x (K, V) x bf16, per KV head x head size.
+    mapped = 2048 - 16  # Whole blocks, the last token left to compute.
+    for model in ("gemma3", "gemma4"):
+        uniform, hybrid = rows[model, "uniform <- mooncake"], rows[model, "hybrid <- mooncake"]
+        assert uniform["cached_tokens"] == hybrid["cached_tokens"] == mapped
+        assert uniform["faults"] == hybrid["faults"] == 0
+    # Gemma 3: 6 layers of 2 x 64; its hybrid cache: the global layer's 127 blocks and, per
+    # sliding layer, the 4 blocks covering [1969, 2032) (window 64).
+    g3u, g3h = rows["gemma3", "uniform <- mooncake"], rows["gemma3", "hybrid <- mooncake"]
+    assert g3u["imported_bytes"] == 127 * 6 * 2 * 64 * block
+    assert g3h["imported_bytes"] == (127 * 1 + 4 * 5) * 2 * 64 * block
+    assert g3h["imported_over_uniform"] == g3h["imported_bytes"] / g3u["imported_bytes"]
+    # Gemma 4: uniform 6 layers of 4 x 64; hybrid: one stored global layer of 1 x 64 (127
+    # blocks), 2 stored sliding layers of 4 x 32 (4 blocks); layers 3-5 read others' KV.
+    g4u, g4h = rows["gemma4", "uniform <- mooncake"], rows["gemma4", "hybrid <- mooncake"]
+    assert g4u["imported_bytes"] == 127 * 6 * 4 * 64 * block
+    assert g4h["imported_bytes"] == (127 * 1 * 64 + 4 * 2 * 4 * 32) * block
