@@ -74,7 +74,7 @@ class HybridKVCache:
         layers; a step of more rows is refused when traced. Default 512.
       bound_windows: sliding groups keep only their window (default True). Their cached
         prefixes are window copies, which ``shared_prefix_dir`` / ``remote_prefix`` publish
-        and import block by block (not on a mesh yet: refused there).
+        and import block by block.
       window_cache_blocks: blocks per bounded sliding group (per layer, K and V) beyond
         the slots' rings, for cached prefixes' windows (:meth:`publish_windows`); default
         one ring per slot (``batch`` rings: a window per slot's prompt). 0: none.
@@ -128,19 +128,6 @@ class HybridKVCache:
         self.plan: LayerGroups = plan_groups(
             num_layers, num_kv_heads, head_dim, windows, kv_sharing
         )
-        shared_levels = [
-            name for name in ("shared_prefix_dir", "remote_prefix") if options.get(name) is not None
-        ]
-        bounded_groups = bound_windows and any(g.window is not None for g in self.plan.groups)
-        if mesh is not None and bounded_groups and shared_levels:
-            # A mesh's bounded groups publish no window copies (publish_windows acts on
-            # one-device groups): every admission would map nothing in them, and so (every
-            # group or none) nothing, after importing the global groups' blocks for nothing.
-            raise ValueError(
-                f"{' and '.join(shared_levels)} on a mesh with bounded sliding windows is not "
-                f"supported yet (a mesh's window groups publish no window copies): give "
-                f"bound_windows=False, whose window groups keep full blocks like the others"
-            )
         self.batch = batch
         self.max_len = max_len
         self.max_step_tokens = int(max_step_tokens)
@@ -434,7 +421,7 @@ class HybridKVCache:
         return sum(
             g.publish_windows(p, slot)
             for g, p in zip(self.groups, self.split(state))
-            if isinstance(g, OffloadedKVCache) and g.spec.ring_blocks
+            if g.spec.ring_blocks
         )
 
     def tokens(self, slot: int) -> np.ndarray:

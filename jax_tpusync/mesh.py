@@ -451,6 +451,18 @@ class ShardedKVCache:
                 parts[s] = self.shards[s].release(parts[s], local, tokens=tokens)
         return self._assemble(parts)
 
+    def publish_windows(self, state: KVState, slot: int) -> int:
+        """Each of global ``slot``'s shards' :meth:`OffloadedKVCache.publish_windows` (a
+        cache that keeps only its sliding window: each head shard copies, and publishes,
+        its own heads' window blocks); returns the blocks copied, summed over shards."""
+        local, holders = self._slot(slot)
+        parts = self.split(state)
+        copied = 0
+        for s in holders:
+            with self._on(s):
+                copied += self.shards[s].publish_windows(parts[s], local)
+        return copied
+
     def tokens(self, slot: int) -> np.ndarray:
         """Global ``slot``'s recorded token ids (see :meth:`OffloadedKVCache.tokens`)."""
         local, holders = self._slot(slot)

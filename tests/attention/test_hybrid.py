@@ -413,19 +413,37 @@ def check_fresh_reader(reader, prompt, step, x, counts, want, bound_windows, sta
     reader.close(state)
 
 
-def test_shared_levels_on_a_mesh_with_bounded_windows_are_refused(tmp_path):
-    """A mesh's bounded groups publish no window copies: refused by name, and only then."""
-    mesh = jax.make_mesh((1,), ("model",))
-    common = dict(num_layers=3, batch=1, max_len=32, num_kv_heads=1, head_dim=8, block_tokens=4)
-    common.update(max_step_tokens=4, dtype=jnp.float32, mesh=mesh, kv_heads_axis="model")
-    for level in (
-        dict(shared_prefix_dir=str(tmp_path / "shared")),
-        dict(remote_prefix="mooncake://127.0.0.1:1"),
-    ):
-        with pytest.raises(ValueError, match=r"on a mesh with bounded sliding windows is not"):
-            tps.HybridKVCache(sliding_window=[8, 8, None], **common, **level)
-    level = dict(shared_prefix_dir=str(tmp_path / "shared"))
-    tps.HybridKVCache(sliding_window=[8, 8, None], bound_windows=False, **common, **level).close()
+def test_a_mesh_hybrid_cache_shares_its_windows_through_a_directory(tmp_path):
+    """Gemma 3's groups on a 2 x 2 mesh (slots over ``data``, KV heads over ``model``),
+    bounded windows: each head shard publishes its own heads' window copies (between
+    prefill steps and at release) into its head range's directory, and a fresh mesh cache
+    maps the prompt in every group; its next step equals the first cache's."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    mesh = jax.make_mesh((2, 2), ("data", "model"))
+    options = dict(mesh=mesh, batch_axis="data", kv_heads_axis="model")
+    options.update(shared_prefix_dir=str(tmp_path / "shared"))
+    step = make_step(GEMMA3, GEMMA3.weights(4))
+    prompt = np.arange(100, 113)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((BATCH, STEP, D_MODEL)), jnp.float32)
+    counts = jnp.asarray([4, 0], jnp.int32)
+    with make_cache(GEMMA3, **options) as writer:
+        state = writer.init(admit=False)
+        state, _ = writer.admit(state, 0, tokens=prompt)
+        copied = 0
+        for _ in range(3):  # The prompt's first 12 tokens, windows copied as they pass.
+            state = step(x, counts, state)[1]
+            copied += writer.publish_windows(state, 0)
+        assert copied > 0
+        want, state = step(x, counts, state)
+        writer.close(writer.release(state, 0, tokens=np.concatenate([prompt, [0, 0, 0]])))
+    with make_cache(GEMMA3, **options) as reader:
+        state = reader.init(admit=False)
+        state, cached = reader.admit(state, 0, tokens=prompt)
+        assert cached == 12
+        got, state = step(x, counts, state)
+        np.testing.assert_allclose(np.asarray(got)[0], np.asarray(want)[0], atol=1e-5)
+        reader.close(state)
 
 
 def test_persistence_reattaches_per_layer_geometry(tmp_path):
