@@ -504,3 +504,16 @@ def start_child(ctx: Any, target: Callable[..., None], *args: Any) -> Any:
     finally:
         os.chdir(here)
     return child
+
+
+def add_remote_arguments(p, rows: str, master_default: str) -> None:
+    """``--remote mooncake`` (``rows``: what it adds) and ``--remote-master HOST:PORT``
+    (``master_default``: where the benchmark's own master runs without it)."""
+    p.add_argument("--remote", choices=("mooncake",), default=None, help=f"add {rows}")
+    p.add_argument(
+        "--remote-master",
+        default=None,
+        metavar="HOST:PORT",
+        help=f"a running mooncake_master (implies --remote mooncake); default: one of the "
+        f"benchmark's own {master_default}",
+    )

@@ -65,9 +65,7 @@ def row(
         kv_bytes_per_step=shape.kv_bytes_per_step,
         direct_io=pf_tier.direct_io if args.tier == "file" else None,
         direct_read_fraction=common.direct_read_fraction(pf_tier),
-        transfer_direct_read_fraction=(
-            common.direct_read_fraction(aux_tier) if aux_tier else None
-        ),
+        transfer_direct_read_fraction=(common.direct_read_fraction(aux_tier) if aux_tier else None),
         # Whether sync and transfer read the prefetching cache's own file (no longer, on the
         # file tier: see decode_variants._aux_cache).
         transfer_same_file=bool(
@@ -190,9 +188,7 @@ def row(
     pf_fetch = pf_stats["tiers"][0]["fetch"]
     res["prefetch_fetch_gbps_busy"] = pf_fetch["gbps"]
     res["prefetch_fetch_gbps"] = shape.kv_bytes_per_step / (t_pf / 1e3) / 1e9
-    res["transfer_fetch_gbps"] = (
-        shape.kv_bytes_per_step / (t_xfer / 1e3) / 1e9 if t_xfer else None
-    )
+    res["transfer_fetch_gbps"] = shape.kv_bytes_per_step / (t_xfer / 1e3) / 1e9 if t_xfer else None
     res["transfer_fetch_gbps_busy"] = (
         aux_fetch["bytes"] / aux_fetch["busy"] / 1e9 if aux_fetch["busy"] else None
     )

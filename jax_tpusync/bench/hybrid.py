@@ -106,18 +106,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--steps", type=int, default=8, help="timed decode steps per cache")
     p.add_argument("--staging-bytes", type=common.parse_bytes, default=32 * common.MiB)
     p.add_argument("--load-chunk", type=int, default=65536, help="tokens per load() call")
-    p.add_argument(
-        "--remote",
-        choices=("mooncake",),
-        default=None,
-        help="add rows of a prefix shared through a Mooncake Store",
-    )
-    p.add_argument(
-        "--remote-master",
-        default=None,
-        metavar="HOST:PORT",
-        help="a running mooncake_master (implies --remote mooncake); default: one of the "
-        "benchmark's own on loopback",
+    common.add_remote_arguments(
+        p, "rows of a prefix shared through a Mooncake Store", "on loopback"
     )
     p.add_argument(
         "--remote-max-context",

@@ -126,19 +126,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--prefetch-depth", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, metavar="OUT.png", help="bar chart of the TTFTs")
-    p.add_argument(
-        "--remote",
-        choices=("mooncake",),
-        default=None,
-        help="add a remote row: the prefix admitted by a fresh cache from a Mooncake Store",
-    )
-    p.add_argument(
-        "--remote-master",
-        default=None,
-        metavar="HOST:PORT",
-        help="a running mooncake_master for the remote row (implies --remote mooncake); "
-        "default: one of the benchmark's own at --publisher-host",
-    )
+    common.add_remote_arguments(
+        p, "a remote row: the prefix admitted by a fresh cache from a Mooncake Store",
+        "at --publisher-host",
+    )  # fmt: skip
     p.add_argument(
         "--reader-netns",
         default=None,
