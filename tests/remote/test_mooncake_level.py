@@ -550,7 +550,7 @@ def test_master_killed_then_restarted_is_a_miss_and_loses_every_object(make_mast
             lambda: lv.publish(keys[2], parents[2], blocks[2], payload_of(lv, 2)),
         ):
             got, seconds = timed(call)
-            assert got in (None, False) and seconds < 2.5
+            assert got in (None, False) and seconds < 3.5
     assert any(
         "cannot be reached" in r.getMessage() or "longer than" in r.getMessage()
         for r in caplog.records
@@ -579,7 +579,7 @@ def test_a_hung_master_is_a_miss_within_the_deadline(make_master):
     try:
         # A call waits at most the deadline (the client may also give up sooner by itself).
         got, seconds = timed(lv.has, keys[1])
-        assert got is False and seconds < 2.0, (seconds, lv.stats())
+        assert got is False and seconds < 2.5, (seconds, lv.stats())
         if lv.stats()["mooncake_fault_timeout"]:
             # That call is still stuck: the next ones are misses at once, even past
             # retry_after_s.
@@ -596,7 +596,7 @@ def test_a_hung_master_is_a_miss_within_the_deadline(make_master):
                 assert got == 0 and seconds < 0.5, (seconds, lv.stats())
                 assert lv.stats()["mooncake_publish_failures"] == failures + 1
         got, seconds = timed(lv.load, keys[0], parents[0], blocks[0])
-        assert seconds < 2.0, (seconds, lv.stats())
+        assert seconds < 2.5, (seconds, lv.stats())
     finally:
         master.resume()
     s = lv.stats()
@@ -623,7 +623,7 @@ def test_objects_a_killed_writer_left_unfinished_are_misses(mooncake_master):
     assert client.batch_put_session_start([name], [8192]) == [0]
     for i in (0, 1):
         got, seconds = timed(lv.load, keys[i], parents[i], blocks[i])
-        assert got is None and seconds < 1.0
+        assert got is None and seconds < 2.0
     assert lv.stats()["mooncake_fault_not_ready"] == 2
     client.close()
     lv.close()
@@ -670,7 +670,7 @@ def test_a_killed_holder_is_a_miss_within_the_deadline(make_master):
         holder.wait(timeout=10)
         for i in (1, 2):
             got, seconds = timed(reader.load, keys[i], parents[i], blocks[i])
-            assert got is None and seconds < 2.5
+            assert got is None and seconds < 3.5
         s = reader.stats()
         assert s["mooncake_imported"] == 1
         assert (
@@ -699,7 +699,7 @@ def test_a_holder_hung_during_an_in_place_load_leaves_its_destinations_busy_unti
         # One block (its 4 objects): the engine times out the objects' transfers one
         # after another, so a stuck call on many objects stays stuck longer.
         got, seconds = timed(reader.load_into, wanted[:1], [store.block_memory(4)])
-        assert seconds < 1.5, seconds
+        assert seconds < 2.5, seconds
         if got.busy_until:  # The call passed its deadline: it may still write there.
             assert (got.loaded, got.busy_until) == (0, 1)
             assert not reader.settled()
