@@ -4,33 +4,17 @@ unless TPUSYNC_REQUIRE_MOONCAKE=1 (CI)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "prefill_decode.py"
-
-
-def test_prefill_decode_tiny(tmp_path, mooncake_usable):
-    out = tmp_path / "pd.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(EXAMPLE),
-            "--requests", "2",
-            "--prompt-tokens", "40",
-            "--max-new-tokens", "4",
-            "--layers", "2",
-            "--block-tokens", "16",
-            "--json", str(out),
-        ],
-        check=True,
+def test_prefill_decode_tiny(run_example, mooncake_usable):
+    doc = run_example(
+        "prefill_decode.py",
+        "--requests", "2",
+        "--prompt-tokens", "40",
+        "--max-new-tokens", "4",
+        "--layers", "2",
+        "--block-tokens", "16",
         timeout=180,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )  # fmt: skip
-    doc = json.loads(out.read_text())
     assert doc["all_match"] is True
     rows = doc["requests"]
     assert len(rows) == 2

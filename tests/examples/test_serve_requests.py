@@ -3,37 +3,21 @@ after the first, with tokens equal to the resident run's."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve_requests.py"
-
-
-def test_serve_requests_tiny(tmp_path):
-    out = tmp_path / "serve.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(EXAMPLE),
-            "--requests", "6",
-            "--rate", "200",
-            "--system-tokens", "32",
-            "--question-tokens", "1", "40",
-            "--max-new-tokens", "5",
-            "--batch", "3",
-            "--chunk", "16",
-            "--block-tokens", "16",
-            "--path", str(tmp_path),
-            "--json", str(out),
-        ],
-        check=True,
+def test_serve_requests_tiny(run_example, tmp_path):
+    doc = run_example(
+        "serve_requests.py",
+        "--requests", "6",
+        "--rate", "200",
+        "--system-tokens", "32",
+        "--question-tokens", "1", "40",
+        "--max-new-tokens", "5",
+        "--batch", "3",
+        "--chunk", "16",
+        "--block-tokens", "16",
+        "--path", str(tmp_path),
         timeout=120,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )  # fmt: skip
-    doc = json.loads(out.read_text())
     assert doc["all_finished"] and doc["tokens_match"] is True
     rows = doc["requests"]
     assert len(rows) == 6
@@ -43,4 +27,4 @@ def test_serve_requests_tiny(tmp_path):
     # Three slots, six requests: the later ones start after a release, from its blocks.
     assert max(r["cached_tokens"] for r in rows[3:]) >= 32
     assert set(doc["loop"]["steps_by_width"]) == {"1", "16"}
-    assert not [p for p in tmp_path.iterdir() if p != out]  # The tier file is gone.
+    assert [p.name for p in tmp_path.iterdir()] == ["serve_requests.json"]  # No tier file left.
