@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tpusync.bench import common
+from jax_tpusync.bench import common, mooncake_master
 
 COLUMNS = [
     ("model", "model", "s"),
@@ -352,16 +352,8 @@ def run(args) -> list[dict[str, Any]]:
 
     rng = np.random.default_rng(0)
     rows = []
-    if args.remote_master is not None:
-        args.remote = "mooncake"
     with contextlib.ExitStack() as stack:
-        master = args.remote_master
-        if args.remote and master is None:
-            from jax_tpusync.bench import mooncake_master
-
-            master = stack.enter_context(mooncake_master.LocalMaster()).address
-            print(f"started a mooncake_master at {master}", flush=True)
-        _run(tps, args, rng, rows, master)
+        _run(tps, args, rng, rows, mooncake_master.for_run(args, stack))
     return rows
 
 

@@ -16,8 +16,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 BINARY = "mooncake_master"
 
@@ -122,3 +123,16 @@ class LocalMaster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def for_run(args: Any, stack: ExitStack, host: str = "127.0.0.1") -> str | None:
+    """The master a benchmark run with ``--remote`` / ``--remote-master`` uses: the one it
+    was given, else one of its own at ``host`` (stopped when ``stack`` closes); None when
+    the run has no remote rows."""
+    if args.remote_master is not None:
+        return args.remote_master
+    if not args.remote:
+        return None
+    master = stack.enter_context(LocalMaster(host=host)).address
+    print(f"started a mooncake_master at {master}", flush=True)
+    return master

@@ -174,11 +174,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     blocks_per_seq = -(-max_len // args.block_tokens)
     results = []
     with contextlib.ExitStack() as stack:
-        master = args.remote_master
-        if args.remote and master is None:
-            local = mooncake_master.LocalMaster(host=args.publisher_host)
-            master = stack.enter_context(local).address
-            print(f"started a mooncake_master at {master}", flush=True)
+        master = mooncake_master.for_run(args, stack, host=args.publisher_host)
         remote = _remote_urls(args, master, len(prompts), blocks_per_seq)
         for i, tier in enumerate(args.tiers):
             path = None
