@@ -802,18 +802,51 @@ class OffloadedKVCache:
             self.engine.drain()
         return self.persistence.verify()
 
-    def restart_at(self, lengths: np.ndarray) -> None:
+    def restart_at(
+        self, lengths: np.ndarray, tokens: Sequence[np.ndarray] | None = None
+    ) -> None:
         """A re-attached cache starts (``init()``'s default) from ``lengths``, at most the
-        committed ones, committed now: what a mesh cache does to bring head shards that a
-        crash left at different commits to their common rows (shorter committed rows stay
-        covered by the checksums)."""
+        committed ones and at least each slot's shared prefix, committed now: what a mesh
+        or hybrid cache does to bring the parts that a crash left at different commits to
+        their common rows (shorter committed rows stay covered by the checksums). Each
+        slot's token ids are cut at its new length, or set to ``tokens[b]`` (at most
+        ``lengths[b]`` ids: the ids every part agrees on), so that no id past the rows kept
+        is taken for theirs. Raises (ValueError, CommitError), changing nothing."""
         p = self.persistence
         lengths = np.asarray(lengths, np.int32)
-        if p is None or (lengths > p.committed_lengths).any() or (lengths < 0).any():
+        if (
+            p is None
+            or lengths.shape != (self.spec.batch,)
+            or (lengths > p.committed_lengths).any()
+            or (lengths < 0).any()
+        ):
             raise ValueError(
                 f"lengths {lengths.tolist()} must be in [0, committed lengths] of a persistent tier"
             )
-        p.commit(lengths)
+        shared = self.slots.shared.astype(np.int64) * self.spec.block_tokens
+        for b in np.flatnonzero(lengths < shared):
+            raise ValueError(
+                f"lengths[{b}]={int(lengths[b])} ends inside slot {b}'s shared prefix of "
+                f"{int(shared[b])} tokens (mapped blocks are committed whole): release it first"
+            )
+        if tokens is not None and (
+            len(tokens) != self.spec.batch
+            or any(len(t) > n for t, n in zip(tokens, lengths.tolist()))
+        ):
+            raise ValueError("tokens must hold, per slot, at most lengths[b] token ids")
+        history = self.slots.history
+        before = [history.ids(b) for b in range(self.spec.batch)]
+        for b in range(self.spec.batch):
+            if tokens is None:
+                history.truncate(b, int(lengths[b]))
+            else:
+                history.set(b, tokens[b])
+        try:
+            p.commit(lengths)
+        except Exception:
+            for b, ids in enumerate(before):
+                history.set(b, ids)
+            raise
         self._restored_lengths = lengths
 
     @property

@@ -277,25 +277,39 @@ class HybridKVCache:
 
     def _reconcile_commits(self) -> None:
         """Re-attach: each group commits on its own, so a crash between two groups' commits
-        leaves them at different lengths; their common state is the shorter one (a slot one
-        group holds released is released in all)."""
+        leaves them at different commits. Their common state is the shorter one, every part
+        of it: a slot one group holds released is released in all; a slot's rows and token
+        ids end at the shortest length any group committed (ids past it are not its KV's,
+        and a release would index blocks under them)."""
         committed = [g.committed_lengths for g in self.groups]
         if committed[0] is None:
             return
-        common, torn_in = persistence.common_commit([g.capacity for g in self.groups], committed)
+        common, torn_in = persistence.common_commit(
+            [g.capacity for g in self.groups],
+            committed,
+            [g.slots.shared.astype(np.int64) * g.spec.block_tokens for g in self.groups],
+        )
+        for g, torn in zip(self.groups, torn_in):
+            for b in np.flatnonzero(torn):
+                g.slots.release(int(b), 0)
+        tokens = persistence.agree_tokens([g.slots.history for g in self.groups], common)
         for i, (g, torn) in enumerate(zip(self.groups, torn_in)):
-            if not (torn.any() or (committed[i] != common).any()):
+            history = g.slots.history
+            if not (
+                torn.any()
+                or (committed[i] != common).any()
+                or any(history.count(b) != len(ids) for b, ids in enumerate(tokens))
+            ):
                 continue
             logger.warning(
                 "re-attach: layer group %d was left at another commit (lengths %s); bringing "
-                "every group to their common lengths %s",
+                "every group to their common lengths %s%s",
                 i,
                 committed[i].tolist(),
                 common.tolist(),
+                f", releasing slots {np.flatnonzero(torn).tolist()}" if torn.any() else "",
             )
-            for b in np.flatnonzero(torn):
-                g.slots.release(int(b), 0)
-            g.restart_at(common)
+            g.restart_at(common, tokens)
 
     # -- state ------------------------------------------------------------------------------
 

@@ -193,22 +193,34 @@ class ShardedKVCache:
 
         Each shard commits on its own, so a crash between two shards' manifest writes (in
         a commit, or in the commit a release makes) leaves the head shards of a slot at
-        different commits. Their common state is the shorter one: a slot that one head
-        shard holds released is released in all (its KV is dropped), and a slot's length is
-        the smallest any head shard committed (the rows below it are committed, and
-        checksummed, in every shard). Logged as a warning naming the shards.
+        different commits. Their common state is the shorter one, every part of it: a slot
+        that one head shard holds released is released in all (its KV is dropped), and a
+        slot's rows and token ids end at the smallest length any head shard committed (the
+        rows below it are committed, and checksummed, in every shard; ids past it are not
+        its KV's). Logged as a warning naming the shards.
         """
         for d in range(self.layout.dp):
             holders = [s for s in self.shards if self._place(s)[0] == d]
             if len(holders) < 2:
                 continue
+            caches = [self.shards[s] for s in holders]
             lengths = {s: self.shards[s].committed_lengths for s in holders}
             common, torn_in = persistence.common_commit(
-                [self.shards[s].capacity for s in holders], [lengths[s] for s in holders]
+                [c.capacity for c in caches],
+                [lengths[s] for s in holders],
+                [c.slots.shared.astype(np.int64) * c.spec.block_tokens for c in caches],
             )
-            for s, torn in zip(holders, torn_in):
-                cache = self.shards[s]
-                if not (torn.any() or (lengths[s] != common).any()):
+            for cache, torn in zip(caches, torn_in):
+                for b in np.flatnonzero(torn):
+                    cache.slots.release(int(b), 0)
+            tokens = persistence.agree_tokens([c.slots.history for c in caches], common)
+            for s, cache, torn in zip(holders, caches, torn_in):
+                history = cache.slots.history
+                if not (
+                    torn.any()
+                    or (lengths[s] != common).any()
+                    or any(history.count(b) != len(ids) for b, ids in enumerate(tokens))
+                ):
                     continue
                 logger.warning(
                     "re-attach: head shards %s of slots %s were left at different commits "
@@ -222,9 +234,7 @@ class ShardedKVCache:
                     if torn.any()
                     else "",
                 )
-                for b in np.flatnonzero(torn):
-                    cache.slots.release(int(b), 0)
-                cache.restart_at(common)
+                cache.restart_at(common, tokens)
 
     # -- global states <-> shard states -----------------------------------------------------
 

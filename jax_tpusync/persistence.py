@@ -709,7 +709,9 @@ class Persistence:
 
 
 def common_commit(
-    capacities: Sequence[np.ndarray], lengths: Sequence[np.ndarray]
+    capacities: Sequence[np.ndarray],
+    lengths: Sequence[np.ndarray],
+    shared: Sequence[np.ndarray] | None = None,
 ) -> tuple[np.ndarray, list[np.ndarray]]:
     """The commit that parts committing on their own (a slot's head shards, a hybrid
     cache's layer groups) all hold, after a crash between their commits: a slot is active
@@ -718,7 +720,32 @@ def common_commit(
     and, per part, bool[batch] of the slots it holds active that must be released.
 
     ``capacities``, ``lengths``: per part, int[batch] of its slots' capacities and
-    committed lengths."""
+    committed lengths. ``shared``: per part, int[batch] of the tokens each slot maps
+    read-only from the prefix index; a slot whose common length ends inside such a prefix
+    is released in every part (a mapped prefix is committed whole, so that part cannot be
+    brought below it: a crash between a release's and the next admission's commits can
+    leave one part holding the new sequence's prefix and another the old one at 0 rows)."""
     active = np.logical_and.reduce([c > 0 for c in capacities])
     common = np.where(active, np.minimum.reduce(list(lengths)), 0)
+    if shared is not None:
+        active &= common >= np.maximum.reduce(list(shared))
+        common = np.where(active, common, 0)
     return common, [(c > 0) & ~active for c in capacities]
+
+
+def agree_tokens(histories: Sequence[Any], lengths: np.ndarray) -> list[np.ndarray]:
+    """Per slot, the token ids that parts of one cache (see :func:`common_commit`) all
+    record for its first ``lengths[b]`` positions: each part's ids cut at the common
+    length, then at the first position where two parts differ (ids past the common commit
+    are not the KV's: a slot published under them would index blocks under other tokens).
+    ``histories``: per part, its :class:`~jax_tpusync.history.TokenHistory`."""
+    out = []
+    for b, n in enumerate(np.asarray(lengths).tolist()):
+        ids = [h.ids(b, int(n)) for h in histories]
+        agreed = min(len(i) for i in ids)
+        for other in ids[1:]:
+            differ = np.flatnonzero(other[:agreed] != ids[0][:agreed])
+            if len(differ):
+                agreed = int(differ[0])
+        out.append(ids[0][:agreed])
+    return out

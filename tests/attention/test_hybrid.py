@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import quantize, serving
+from jax_tpusync import persistence, quantize, serving
 
 BATCH, MAX_LEN, STEP, BLOCK, D_MODEL, Q_HEADS = 2, 128, 4, 4, 32, 4
 
@@ -657,3 +658,118 @@ def test_a_traced_layer_of_no_group_is_refused_by_shape():
             ValueError, match=r"no layer group of this cache reads another layer's KV"
         ):
             tps.prefetching_attention(q, None, None, state, layer=jnp.int32(5))
+
+
+def fail_at_manifest_write(monkeypatch, nth: int) -> list[str]:
+    """From now on, the ``nth`` manifest write (counting from 1) raises as a crash there
+    would stop it: the groups committed before it keep their new manifests, the others
+    their old ones. Returns the stages seen."""
+    seen: list[str] = []
+
+    def hook(stage: str) -> None:
+        seen.append(stage)
+        if len(seen) == nth:
+            raise RuntimeError("killed at a group's manifest write")
+
+    monkeypatch.setattr(persistence, "fault_hook", hook)
+    return seen
+
+
+def test_a_crash_between_group_commits_brings_every_group_to_the_common_commit(
+    tmp_path, monkeypatch, caplog
+):
+    """Killed after group 0 committed 12 rows and before group 1 did (at the second
+    manifest write of the commit): the re-attached cache holds 8 rows in every group, and
+    the slot's token ids end there too, so a continued slot released without ``tokens=``
+    indexes its blocks under the tokens whose KV they hold (rows 8-11 are the continued
+    sequence's, not the first prompt's)."""
+    weights = GEMMA4.weights(11)
+    step = make_step(GEMMA4, weights)
+    opts = dict(tier="file", path=str(tmp_path), file_name="kv", bound_windows=False)
+    prompt = np.arange(200, 212)
+    rng = np.random.default_rng(11)
+    chunk = [jnp.asarray(rng.standard_normal((BATCH, STEP, D_MODEL)), jnp.float32) for _ in range(4)]
+    counts = jnp.asarray([4, 0], jnp.int32)
+    with make_cache(GEMMA4, **opts) as cache:
+        state = cache.init(admit=False)
+        state, _ = cache.admit(state, 0, tokens=prompt)
+        for x in chunk[:2]:
+            state = step(x, counts, state)[1]
+        state = cache.commit(state)  # 8 rows in every group.
+        state = step(chunk[2], counts, state)[1]
+        seen = fail_at_manifest_write(monkeypatch, 2)
+        with pytest.raises(persistence.CommitError, match="killed at a group's manifest write"):
+            cache.commit(state)
+        assert len(seen) == 2
+        monkeypatch.setattr(persistence, "fault_hook", None)
+        assert [int(g.committed_lengths[0]) for g in cache.groups] == [12, 8]
+    with caplog.at_level(logging.WARNING, logger="jax_tpusync.hybrid"):
+        cache = make_cache(GEMMA4, **opts)
+    assert "left at another commit" in caplog.text
+    with cache:
+        np.testing.assert_array_equal(cache.committed_lengths, [8, 0])
+        for g in cache.groups:
+            np.testing.assert_array_equal(g.committed_lengths, [8, 0])
+            np.testing.assert_array_equal(g.tokens(0), prompt[:8])
+        np.testing.assert_array_equal(cache.tokens(0), prompt[:8])
+        state = cache.init(admit=False)
+        assert {int(np.asarray(g.lengths)[0]) for g in state.groups} == {8}
+        # The slot goes on with other tokens: rows 8-11 are theirs.
+        state = step(chunk[3], counts, state)[1]
+        other = np.arange(900, 904)
+        cache.extend_tokens(0, other)
+        np.testing.assert_array_equal(cache.tokens(0), np.concatenate([prompt[:8], other]))
+        continued = [cache.read(state, l, 0, 8, 12) for l in (0, 2)]
+        state = cache.release(state, 0)
+        # The first prompt's third block was never committed: only 8 of its tokens map.
+        state, cached = cache.admit(state, 1, tokens=np.concatenate([prompt, [7]]))
+        assert cached == 8
+        state = cache.release(state, 1)
+        # The continued sequence's tokens map all 12, rows 8-11 its own.
+        state, cached = cache.admit(state, 1, tokens=np.concatenate([prompt[:8], other, [7]]))
+        assert cached == 12
+        for l, (k, v) in zip((0, 2), continued):
+            got_k, got_v = cache.read(state, l, 1, 8, 12)
+            np.testing.assert_array_equal(got_k, k)
+            np.testing.assert_array_equal(got_v, v)
+        cache.close(state)
+
+
+def test_a_crash_between_group_commits_of_a_reused_slot_releases_it_in_every_group(
+    tmp_path, monkeypatch
+):
+    """Slot 0 held an empty sequence (committed at 0 rows) and was released without a
+    commit; the next sequence in it maps a 12-token cached prefix, and the commit that
+    records it reaches group 0 only. Group 0 cannot be brought below the prefix it maps,
+    group 1 holds the old sequence: re-attach releases the slot in both, and the cached
+    prefix still maps."""
+    weights = GEMMA4.weights(12)
+    step = make_step(GEMMA4, weights)
+    opts = dict(tier="file", path=str(tmp_path), file_name="kv", bound_windows=False)
+    prompt = np.arange(300, 313)
+    x = jnp.asarray(np.random.default_rng(12).standard_normal((BATCH, STEP, D_MODEL)), jnp.float32)
+    with make_cache(GEMMA4, **opts) as cache:
+        state = cache.init(admit=False)
+        state, _ = cache.admit(state, 1, tokens=prompt)
+        for _ in range(3):
+            state = step(x, jnp.asarray([0, 4], jnp.int32), state)[1]
+        state = cache.release(state, 1, tokens=prompt)
+        state, _ = cache.admit(state, 0)
+        state = cache.commit(state)  # Slot 0 active at 0 rows; the prefix indexed.
+        state = cache.release(state, 0)  # Nothing of it committed: no commit.
+        state, cached = cache.admit(state, 0, tokens=prompt)
+        assert cached == 12
+        fail_at_manifest_write(monkeypatch, 2)
+        with pytest.raises(persistence.CommitError):
+            cache.commit(state)
+        monkeypatch.setattr(persistence, "fault_hook", None)
+    with make_cache(GEMMA4, **opts) as cache:
+        np.testing.assert_array_equal(cache.capacity, [0, 0])
+        for g in cache.groups:
+            np.testing.assert_array_equal(g.capacity, [0, 0])
+            np.testing.assert_array_equal(g.committed_lengths, [0, 0])
+            assert len(g.tokens(0)) == 0
+        state = cache.init(admit=False)
+        state, cached = cache.admit(state, 0, tokens=prompt)
+        assert cached == 12
+        cache.close(state)

@@ -17,6 +17,7 @@ import pytest
 from mesh_model import BATCH, HEAD_DIM, KV_HEADS, LAYERS, MeshTestModel
 
 import jax_tpusync as tps
+from jax_tpusync import persistence
 
 CHILD = textwrap.dedent(
     """
@@ -130,4 +131,69 @@ def test_a_slot_released_in_one_head_shard_only_is_released_in_all(tmp_path, tor
         k, _ = cache.read(state, 0, 0)
         np.testing.assert_array_equal(k, model.context_k[0, 0, :4])
         assert k.shape == (4, KV_HEADS, HEAD_DIM)
+        cache.close(state)
+
+
+def test_a_crash_between_the_shards_commits_cuts_every_shards_token_ids_there(
+    tmp_path, monkeypatch
+):
+    """A commit that reached head shard 0 only (8 rows; shard 1 keeps 5): re-attach brings
+    the slot's token ids to 5 in every shard too, so a continued slot released without
+    ``tokens=`` indexes its blocks under the ids whose KV they hold."""
+    mesh = jax.make_mesh((1, 2), ("data", "model"))
+    args = dict(
+        **MeshTestModel.cache_args(block_tokens=4),
+        mesh=mesh,
+        kv_heads_axis="model",
+        tier="file",
+        path=str(tmp_path),
+        file_name="kv",
+    )
+    model = MeshTestModel()
+    ids = np.arange(300, 308)
+
+    def load_rows(cache, state, lo, hi, seed):
+        k = np.zeros((BATCH, hi - lo, KV_HEADS, HEAD_DIM), np.float32)
+        k[0] = np.random.default_rng(seed).standard_normal(k.shape[1:])
+        for layer in range(LAYERS):
+            state = cache.load(state, layer, k, -k, start=lo, lengths=[hi - lo, 0, 0, 0])
+        return state, k[0]
+
+    with tps.kv_cache(**args) as cache:
+        state = cache.init(admit=False)
+        state, _ = cache.admit(state, 0, tokens=ids)
+        state, _ = load_rows(cache, state, 0, 5, seed=1)
+        state = cache.commit(state)
+        state, _ = load_rows(cache, state, 5, 8, seed=2)
+        seen = []
+
+        def kill_at_second_shard(stage):
+            seen.append(stage)
+            if len(seen) == 2:  # Shard 0's manifest is written; shard 1's is not.
+                raise RuntimeError("killed at shard 1's manifest write")
+
+        monkeypatch.setattr(persistence, "fault_hook", kill_at_second_shard)
+        with pytest.raises(persistence.CommitError, match="killed at shard 1's manifest write"):
+            cache.commit(state)
+        monkeypatch.setattr(persistence, "fault_hook", None)
+        assert [int(c.committed_lengths[0]) for c in cache.shards.values()] == [8, 5]
+    with tps.kv_cache(**args) as cache:
+        np.testing.assert_array_equal(cache.committed_lengths, [5, 0, 0, 0])
+        for shard in cache.shards.values():
+            np.testing.assert_array_equal(shard.tokens(0), ids[:5])
+        np.testing.assert_array_equal(cache.tokens(0), ids[:5])
+        state = cache.init(admit=False)
+        state, rows = load_rows(cache, state, 5, 8, seed=3)
+        other = np.arange(900, 903)
+        cache.extend_tokens(0, other)
+        state = cache.release(state, 0)
+        # The first ids' rows 5-7 were never committed: their second block is not indexed.
+        state, cached = cache.admit(state, 1, tokens=np.concatenate([ids, [7]]))
+        assert cached == 4
+        state = cache.release(state, 1)
+        state, cached = cache.admit(state, 1, tokens=np.concatenate([ids[:5], other, [7]]))
+        assert cached == 8
+        k, v = cache.read(state, 0, 1, 5, 8)
+        np.testing.assert_array_equal(k, rows)
+        np.testing.assert_array_equal(v, -rows)
         cache.close(state)
