@@ -802,9 +802,7 @@ class OffloadedKVCache:
             self.engine.drain()
         return self.persistence.verify()
 
-    def restart_at(
-        self, lengths: np.ndarray, tokens: Sequence[np.ndarray] | None = None
-    ) -> None:
+    def restart_at(self, lengths: np.ndarray, tokens: Sequence[np.ndarray] | None = None) -> None:
         """A re-attached cache starts (``init()``'s default) from ``lengths``, at most the
         committed ones and at least each slot's shared prefix, committed now: what a mesh
         or hybrid cache does to bring the parts that a crash left at different commits to

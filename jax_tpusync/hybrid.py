@@ -42,12 +42,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_tpusync import persistence, window_ring
+from jax_tpusync import layout, persistence, window_ring
 from jax_tpusync.cache import OffloadedKVCache
-from jax_tpusync.config import DEFAULT_BLOCK_TOKENS, is_int, normalize_windows
+from jax_tpusync.config import DEFAULT_BLOCK_TOKENS, CacheConfig, is_int, normalize_windows
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.layer_groups import HybridState, LayerGroups, plan_groups
-from jax_tpusync.manifest import MANIFEST_SUFFIX
+from jax_tpusync.manifest import SHM_DIRECTORY, tier_paths
 from jax_tpusync.mesh import ShardedKVCache
 from jax_tpusync.state import KVState
 
@@ -72,9 +72,9 @@ class HybridKVCache:
       max_step_tokens: the most rows one step appends to a slot (1 for decode; the chunk of
         a chunked prefill). Sizes the sliding groups' rings and the rows kept for reading
         layers; a step of more rows is refused when traced. Default 512.
-      bound_windows: sliding groups keep only their window (default True). Their cached
-        prefixes are window copies, which ``shared_prefix_dir`` / ``remote_prefix`` publish
-        and import block by block.
+      bound_windows: a bool: sliding groups keep only their window (default True). Their
+        cached prefixes are window copies, which ``shared_prefix_dir`` / ``remote_prefix``
+        publish and import block by block. A persistent cache needs False.
       window_cache_blocks: blocks per bounded sliding group (per layer, K and V) beyond
         the slots' rings, for cached prefixes' windows (:meth:`publish_windows`); default
         one ring per slot (``batch`` rings: a window per slot's prompt). 0: none.
@@ -84,7 +84,9 @@ class HybridKVCache:
         bytes one token of their layers takes.
       shm_name / file_name: persistence; each group persists under ``<name>.g<i>``, and a
         ``<name>.tpusync.layers.json`` beside it records every layer's geometry, which a
-        re-attach compares layer by layer.
+        re-attach compares layer by layer. A re-attach brings groups that a crash left at
+        different commits to their common one (rows and token ids alike). A refused
+        construction leaves nothing on disk.
       **options: every other :class:`~jax_tpusync.OffloadedKVCache` argument (tier, path,
         dtype, tier_dtype, block_tokens, read_in_place, prefetch_depth, model_id, ...),
         given to every group.
@@ -112,78 +114,137 @@ class HybridKVCache:
         batch_axis: str | None = None,
         **options: Any,
     ):
-        if mesh is not None and (shm_name is not None or file_name is not None):
+        # Every argument is checked, and every group's configuration planned, before
+        # anything (engine, record, tier) is made: a refused cache changes nothing.
+        persistent = shm_name is not None or file_name is not None
+        if mesh is not None and persistent:
             raise ValueError(
                 "a persistent hybrid cache on a mesh is not supported yet (its groups' "
                 "shards would need one common commit): drop shm_name / file_name or mesh"
             )
+        if mesh is None and (kv_heads_axis is not None or batch_axis is not None):
+            raise ValueError(
+                f"kv_heads_axis={kv_heads_axis!r} and batch_axis={batch_axis!r} name axes of "
+                f"a mesh: pass mesh= too"
+            )
         for name in ("num_blocks", "resident", "max_step_tokens_per_group"):
             if name in options:
                 raise ValueError(f"{name} is per group in a hybrid cache and cannot be given")
-        if not is_int(num_layers) or num_layers < 1:
-            raise ValueError(f"num_layers={num_layers!r} must be a positive int")
+        for name, value in (("num_layers", num_layers), ("batch", batch), ("max_len", max_len)):
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
         if not is_int(max_step_tokens) or not 1 <= max_step_tokens <= max_len:
-            raise ValueError(f"max_step_tokens={max_step_tokens!r} must be an int in [1, max_len]")
+            raise ValueError(
+                f"max_step_tokens={max_step_tokens!r} must be an int in [1, max_len={max_len}]"
+            )
+        if not isinstance(bound_windows, (bool, np.bool_)):
+            raise ValueError(f"bound_windows={bound_windows!r} must be a bool (True or False)")
+        if window_cache_blocks is not None and (
+            not is_int(window_cache_blocks) or window_cache_blocks < 0
+        ):
+            raise ValueError(
+                f"window_cache_blocks={window_cache_blocks!r} must be None or an int >= 0"
+            )
+        if not is_int(staging_bytes) or staging_bytes < 1:
+            raise ValueError(f"staging_bytes={staging_bytes!r} must be a positive int")
+        if engine is not None and not isinstance(engine, (Engine, EngineConfig)):
+            raise TypeError(
+                f"engine must be an Engine, an EngineConfig or None; got {type(engine).__name__}"
+            )
+        for name, value in (("shm_name", shm_name), ("file_name", file_name)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name}={value!r} must be a non-empty str or None")
+        block_tokens = options.get("block_tokens")
+        if block_tokens is not None and (not is_int(block_tokens) or block_tokens < 1):
+            raise ValueError(f"block_tokens={block_tokens!r} must be a power of two (1, 2, 4, ...)")
+        try:
+            self.dtype = np.dtype(options.get("dtype", jnp.bfloat16))
+        except TypeError:
+            raise ValueError(
+                f"dtype={options.get('dtype')!r} must be bfloat16, float16 or float32"
+            ) from None
+        bound_windows = bool(bound_windows)
         windows = normalize_windows(sliding_window, num_layers)
         self.plan: LayerGroups = plan_groups(
             num_layers, num_kv_heads, head_dim, windows, kv_sharing
         )
+        if persistent and bound_windows and any(g.window is not None for g in self.plan.groups):
+            raise ValueError(
+                "bound_windows=True keeps only each sliding group's window, whose ring "
+                "overwrites committed rows as it moves, so no commit would survive a crash: "
+                "pass bound_windows=False to persist a hybrid cache (shm_name / file_name), "
+                "or drop them"
+            )
         self.batch = batch
         self.max_len = max_len
         self.max_step_tokens = int(max_step_tokens)
-        self.dtype = np.dtype(options.get("dtype", jnp.bfloat16))
-        self._owns_engine = not isinstance(engine, Engine)
-        self.engine = engine if isinstance(engine, Engine) else Engine(engine or EngineConfig())
         self.mesh = mesh
         self.groups: list[OffloadedKVCache | ShardedKVCache] = []
+        made = self._group_arguments(
+            bound_windows,
+            window_cache_blocks,
+            staging_bytes,
+            shm_name,
+            file_name,
+            options,
+            (kv_heads_axis, batch_axis),
+        )
+        record = self._check_layers_record(shm_name, file_name, options)
+        self._owns_engine = not isinstance(engine, Engine)
+        self.engine = engine if isinstance(engine, Engine) else Engine(engine or EngineConfig())
+        undo: list = []  # What a failed construction puts back on disk.
         try:
-            self._check_layers_record(shm_name, file_name, options)
-            shares = self._staging_shares(staging_bytes, batch, options)
-            for i, group in enumerate(self.plan.groups):
-                share = shares[i]
-                bounded = bound_windows and group.window is not None
-                num_blocks = None
-                if bounded:
-                    ring = window_ring.ring_blocks(
-                        group.window, self.max_step_tokens, self._block_tokens(options, max_len)
-                    )
-                    ring = min(ring, -(-max_len // self._block_tokens(options, max_len)))
-                    extra = batch * ring if window_cache_blocks is None else window_cache_blocks
-                    if not is_int(extra) or extra < 0:
-                        raise ValueError(
-                            f"window_cache_blocks={window_cache_blocks!r} must be an int >= 0"
-                        )
-                    num_blocks = batch * ring + int(extra)
-                make = OffloadedKVCache
-                if mesh is not None:  # Each group's KV heads split over the mesh's axis.
-                    options = dict(
-                        options, mesh=mesh, kv_heads_axis=kv_heads_axis, batch_axis=batch_axis
-                    )
-                    make = ShardedKVCache
-                self.groups.append(
-                    make(
-                        num_layers=len(group.layers),
-                        batch=batch,
-                        max_len=max_len,
-                        num_kv_heads=group.num_kv_heads,
-                        head_dim=group.head_dim,
-                        sliding_window=group.window,
-                        max_step_tokens=self.max_step_tokens if bounded else None,
-                        num_blocks=num_blocks,
-                        engine=self.engine,
-                        staging_bytes=share,
-                        shm_name=None if shm_name is None else f"{shm_name}.g{i}",
-                        file_name=None if file_name is None else f"{file_name}.g{i}",
-                        prefix_salt=self._group_salt(options, group.layers),
-                        **{k: v for k, v in options.items() if k != "prefix_salt"},
-                    )
-                )
+            undo = self._write_layers_record(record, shm_name, file_name, options)
+            for make, kwargs in made:
+                self.groups.append(make(engine=self.engine, **kwargs))
             self._reconcile_commits()
         except Exception:
             self.close()
+            self._remove(undo)
             raise
 
     # -- construction -----------------------------------------------------------------------
+
+    def _group_arguments(
+        self, bound_windows, window_cache_blocks, staging_bytes, shm_name, file_name, options, axes
+    ) -> list[tuple[Any, dict]]:
+        """Per group, its cache's class and keyword arguments (but the engine), each
+        group's configuration checked as its cache will check it (one device's: a mesh
+        group's shards check theirs as they open)."""
+        batch, max_len, mesh = self.batch, self.max_len, self.mesh
+        shares = self._staging_shares(staging_bytes, batch, options)
+        out = []
+        for i, group in enumerate(self.plan.groups):
+            bounded = bound_windows and group.window is not None
+            num_blocks = None
+            if bounded:
+                t = self._block_tokens(options, max_len)
+                ring = window_ring.ring_blocks(group.window, self.max_step_tokens, t)
+                ring = min(ring, -(-max_len // t))
+                extra = batch * ring if window_cache_blocks is None else window_cache_blocks
+                num_blocks = batch * ring + int(extra)
+            kwargs = dict(
+                num_layers=len(group.layers),
+                batch=batch,
+                max_len=max_len,
+                num_kv_heads=group.num_kv_heads,
+                head_dim=group.head_dim,
+                sliding_window=group.window,
+                max_step_tokens=self.max_step_tokens if bounded else None,
+                num_blocks=num_blocks,
+                staging_bytes=shares[i],
+                shm_name=None if shm_name is None else f"{shm_name}.g{i}",
+                file_name=None if file_name is None else f"{file_name}.g{i}",
+                prefix_salt=self._group_salt(options, group.layers),
+                **{k: v for k, v in options.items() if k != "prefix_salt"},
+            )
+            if mesh is not None:  # Each group's KV heads split over the mesh's axis.
+                kwargs.update(mesh=mesh, kv_heads_axis=axes[0], batch_axis=axes[1])
+                out.append((ShardedKVCache, kwargs))
+                continue
+            layout.plan(CacheConfig.from_kwargs(**kwargs))
+            out.append((OffloadedKVCache, kwargs))
+        return out
 
     @staticmethod
     def _block_tokens(options: dict, max_len: int) -> int:
@@ -235,45 +296,99 @@ class HybridKVCache:
             ]
         }
 
-    def _check_layers_record(self, shm_name, file_name, options) -> None:
+    def _check_layers_record(self, shm_name, file_name, options) -> Path | None:
         """A persistent hybrid cache records its layers beside its groups; a re-attach with
         other layers is refused naming the first layer that differs (before any group's
-        tier is opened)."""
+        tier is opened). Returns the record's path (None: not persistent). A record with no
+        group's manifest beside it describes no KV (a crash before any group was made):
+        it is replaced, not compared."""
         if shm_name is None and file_name is None:
             self._record_path = None
-            return
+            return None
         if file_name is not None:
-            directory = options.get("path")
-            if directory is None:
-                raise ValueError("tier='file' needs path=<directory>")
-            path = Path(directory) / f"{file_name}{LAYERS_SUFFIX}"
+            path = Path(options["path"]) / f"{file_name}{LAYERS_SUFFIX}"
         else:
-            path = Path("/dev/shm") / f"{shm_name}{LAYERS_SUFFIX}"
+            path = Path(SHM_DIRECTORY) / f"{shm_name}{LAYERS_SUFFIX}"
         self._record_path = path
-        mine = self._layers_record()
-        group0 = (path.parent / f"{file_name or shm_name}.g0{MANIFEST_SUFFIX}").exists()
-        if path.exists() and not options.get("overwrite", False):
-            theirs = json.loads(path.read_text())
-            for l, (a, b) in enumerate(zip(theirs["layers"], mine["layers"])):
-                if a != b:
-                    raise ValueError(
-                        f"the persisted hybrid cache at {path} has layer {l} as {a}, this "
-                        f"cache has it as {b} (pass overwrite=True to start empty)"
-                    )
-            if len(theirs["layers"]) != len(mine["layers"]):
-                raise ValueError(
-                    f"the persisted hybrid cache at {path} has {len(theirs['layers'])} "
-                    f"layers, this cache {len(mine['layers'])} (pass overwrite=True to start "
-                    f"empty)"
-                )
-        elif group0 and not options.get("overwrite", False):
+        if options.get("overwrite", False):
+            return path
+        held = any(m.exists() for _, m in self._group_paths(shm_name, file_name, options))
+        if not held:
+            return path
+        if not path.exists():
             raise ValueError(
                 f"{path.parent} holds a cache's groups but no record of its layers ({path}): "
                 f"pass overwrite=True to start empty"
             )
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(mine))
-        os.replace(tmp, path)
+        theirs = json.loads(path.read_text())
+        mine = self._layers_record()
+        for l, (a, b) in enumerate(zip(theirs["layers"], mine["layers"])):
+            if a != b:
+                raise ValueError(
+                    f"the persisted hybrid cache at {path} has layer {l} as {a}, this "
+                    f"cache has it as {b} (pass overwrite=True to start empty)"
+                )
+        if len(theirs["layers"]) != len(mine["layers"]):
+            raise ValueError(
+                f"the persisted hybrid cache at {path} has {len(theirs['layers'])} "
+                f"layers, this cache {len(mine['layers'])} (pass overwrite=True to start "
+                f"empty)"
+            )
+        return path
+
+    def _group_paths(self, shm_name, file_name, options) -> list[tuple[Path, Path]]:
+        """Each group's (data, manifest) paths."""
+        tier = options.get("tier", "host")
+        return [
+            tier_paths(
+                tier,
+                options.get("path"),
+                None if shm_name is None else f"{shm_name}.g{i}",
+                None if file_name is None else f"{file_name}.g{i}",
+            )
+            for i in range(len(self.plan.groups))
+        ]
+
+    def _write_layers_record(self, path, shm_name, file_name, options) -> list:
+        """Writes the record of the layers (atomically) unless it holds them already;
+        returns what a failed construction puts back: ``(path, its earlier text or None,
+        shm segment name or None)`` of the record and of every group file not made yet."""
+        if path is None:
+            return []
+        mine = self._layers_record()
+        before = path.read_text() if path.exists() else None
+        undo = []
+        for i, (data, manifest) in enumerate(self._group_paths(shm_name, file_name, options)):
+            segment = None if shm_name is None else f"{shm_name}.g{i}"
+            undo += [(data, None, segment), (manifest, None, None)]
+        undo = [u for u in undo if not u[0].exists()]
+        try:
+            same = before is not None and json.loads(before) == mine
+        except ValueError:
+            same = False
+        if not same:
+            undo.append((path, before, None))
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(mine))
+            os.replace(tmp, path)
+        return undo
+
+    @staticmethod
+    def _remove(undo: list) -> None:
+        """Puts back what :meth:`_write_layers_record` listed: files made since removed,
+        a record replaced written back (never raises: the construction's error is what
+        the caller sees)."""
+        for path, text, segment in undo:
+            try:
+                if text is not None:
+                    path.write_text(text)
+                elif segment is not None:
+                    if path.exists():
+                        Engine.unlink_shm(segment)
+                else:
+                    path.unlink(missing_ok=True)
+            except Exception as e:  # noqa: BLE001 - cleanup: report and go on.
+                logger.warning("could not remove %s after a refused construction: %s", path, e)
 
     def _reconcile_commits(self) -> None:
         """Re-attach: each group commits on its own, so a crash between two groups' commits

@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import uuid
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -688,7 +691,9 @@ def test_a_crash_between_group_commits_brings_every_group_to_the_common_commit(
     opts = dict(tier="file", path=str(tmp_path), file_name="kv", bound_windows=False)
     prompt = np.arange(200, 212)
     rng = np.random.default_rng(11)
-    chunk = [jnp.asarray(rng.standard_normal((BATCH, STEP, D_MODEL)), jnp.float32) for _ in range(4)]
+    chunk = [
+        jnp.asarray(rng.standard_normal((BATCH, STEP, D_MODEL)), jnp.float32) for _ in range(4)
+    ]
     counts = jnp.asarray([4, 0], jnp.int32)
     with make_cache(GEMMA4, **opts) as cache:
         state = cache.init(admit=False)
@@ -773,3 +778,124 @@ def test_a_crash_between_group_commits_of_a_reused_slot_releases_it_in_every_gro
         state, cached = cache.admit(state, 0, tokens=prompt)
         assert cached == 12
         cache.close(state)
+
+
+HYBRID_ARGS = dict(
+    num_layers=3,
+    batch=1,
+    max_len=32,
+    block_tokens=4,
+    max_step_tokens=2,
+    num_kv_heads=1,
+    head_dim=8,
+    sliding_window=[4, None, 4],
+)
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (dict(bound_windows="no"), ValueError, r"bound_windows='no' must be a bool"),
+        (dict(bound_windows=1), ValueError, r"bound_windows=1 must be a bool"),
+        (dict(max_len="32"), ValueError, r"max_len='32' must be a positive int"),
+        (dict(batch="1"), ValueError, r"batch='1' must be a positive int"),
+        (dict(batch=0), ValueError, r"batch=0 must be a positive int"),
+        (
+            dict(max_step_tokens=33),
+            ValueError,
+            r"max_step_tokens=33 must be an int in \[1, max_len=32\]",
+        ),
+        (
+            dict(window_cache_blocks="2"),
+            ValueError,
+            r"window_cache_blocks='2' must be None or an int >= 0",
+        ),
+        (
+            dict(window_cache_blocks=-1, bound_windows=False),
+            ValueError,
+            r"window_cache_blocks=-1 must be None or an int >= 0",
+        ),
+        (dict(staging_bytes="x"), ValueError, r"staging_bytes='x' must be a positive int"),
+        (
+            dict(engine="e"),
+            TypeError,
+            r"engine must be an Engine, an EngineConfig or None; got str",
+        ),
+        (dict(shm_name=5), ValueError, r"shm_name=5 must be a non-empty str or None"),
+        (dict(file_name="", tier="file"), ValueError, r"file_name='' must be a non-empty str"),
+        (dict(kv_heads_axis="model"), ValueError, r"kv_heads_axis='model' .* name axes of a mesh"),
+        (dict(dtype="no such dtype"), ValueError, r"dtype='no such dtype' must be bfloat16"),
+        (dict(block_tokens="4"), ValueError, r"block_tokens='4' must be a power of two"),
+        (dict(block_tokens=3), ValueError, r"block_tokens=3 must be a power of two"),
+    ],
+)
+def test_a_bad_constructor_argument_is_named(change, error, message, tmp_path):
+    args = dict(HYBRID_ARGS, **change)
+    if args.get("tier") == "file":
+        args["path"] = str(tmp_path)
+    with pytest.raises(error, match=message):
+        tps.HybridKVCache(**args)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture
+def hybrid_shm_name():
+    """A unique shm name; every file of a hybrid cache of that name is removed at
+    teardown."""
+    name = f"tpusync-test-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    yield name
+    for path in Path(persistence.SHM_DIRECTORY).glob(f"{name}*"):
+        if path.name.endswith(".json"):
+            path.unlink(missing_ok=True)
+        else:
+            tps.Engine.unlink_shm(path.name)
+
+
+def persisted_files(tmp_path, shm_name) -> list[str]:
+    return sorted(p.name for p in tmp_path.iterdir()) + sorted(
+        p.name for p in Path(persistence.SHM_DIRECTORY).glob(f"{shm_name}*")
+    )
+
+
+@pytest.mark.parametrize("tier", ("file", "host"))
+def test_a_refused_persistent_hybrid_cache_changes_nothing_on_disk(tmp_path, hybrid_shm_name, tier):
+    """Bounded windows cannot persist: the refusal writes no record of the layers (which
+    would refuse the next cache of that name), and a valid cache of the name opens."""
+    where = (
+        dict(tier="file", path=str(tmp_path), file_name="kv")
+        if tier == "file"
+        else dict(shm_name=hybrid_shm_name)
+    )
+    with pytest.raises(
+        ValueError, match=r"bound_windows=True keeps only each sliding group's window, whose ring"
+    ):
+        make_cache(GEMMA4, **where)
+    assert persisted_files(tmp_path, hybrid_shm_name) == []
+    with make_cache(GEMMA4, bound_windows=False, **where) as cache:
+        state = cache.init()
+        cache.close(cache.commit(state))
+    assert persisted_files(tmp_path, hybrid_shm_name) != []
+
+
+def test_a_group_refused_after_another_opened_leaves_nothing_behind(tmp_path):
+    """Group 1's tier file is there without a manifest, so group 1 refuses after group 0
+    made its tier and manifest: those and the record of the layers are removed again."""
+    stray = tmp_path / "kv.g1.tpusync"
+    stray.write_bytes(bytes(4096))
+    opts = dict(tier="file", path=str(tmp_path), file_name="kv", bound_windows=False)
+    with pytest.raises(persistence.MissingManifestError, match=r"kv.g1.tpusync holds KV but"):
+        make_cache(GEMMA4, **opts)
+    assert persisted_files(tmp_path, "no shm") == ["kv.g1.tpusync"]
+
+
+def test_a_record_of_layers_without_any_group_is_replaced(tmp_path):
+    """A record of the layers with no group beside it (a crash after it was written and
+    before any group was made) describes no KV: a cache of other layers replaces it."""
+    (tmp_path / "kv.tpusync.layers.json").write_text(json.dumps({"layers": []}))
+    opts = dict(tier="file", path=str(tmp_path), file_name="kv", bound_windows=False)
+    with make_cache(GEMMA4, **opts) as cache:
+        cache.close(cache.commit(cache.init()))
+    record = json.loads((tmp_path / "kv.tpusync.layers.json").read_text())
+    assert len(record["layers"]) == GEMMA4.num_layers
+    with make_cache(GEMMA4, **opts) as cache:  # Now it holds groups: compared, and equal.
+        np.testing.assert_array_equal(cache.committed_lengths, [0, 0])

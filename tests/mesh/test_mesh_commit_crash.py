@@ -149,7 +149,6 @@ def test_a_crash_between_the_shards_commits_cuts_every_shards_token_ids_there(
         path=str(tmp_path),
         file_name="kv",
     )
-    model = MeshTestModel()
     ids = np.arange(300, 308)
 
     def load_rows(cache, state, lo, hi, seed):
