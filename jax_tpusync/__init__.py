@@ -7,6 +7,10 @@ The public surface:
   :class:`ShardedKVCache` is one split over a device mesh; :class:`HybridKVCache` one for
   a model whose layers differ in KV geometry (sliding and global layers, layers reading
   another's KV), its state a :class:`HybridState`; :func:`kv_cache` makes any of them.
+* :class:`HostPoolKVCache` is the TPU data path: its pool is a ``pinned_host`` JAX array
+  that the step carries (state: :class:`PoolState`), each layer's units copied to the
+  device one unit ahead by the compiled step itself, no custom call (it runs, and is
+  tested, on the CPU backend too).
 * :func:`prefetching_attention` replaces a model's attention call: it attends over the
   offloaded cache while the next layer's KV streams in.
 * :class:`Engine` is the async transfer engine underneath; :mod:`jax_tpusync.ops` has the
@@ -28,9 +32,11 @@ from jax_tpusync.engine import (
     TpusyncError,
     split_cpus,
 )
+from jax_tpusync.host_pool import PoolState
 from jax_tpusync.hybrid import HybridKVCache, kv_cache
 from jax_tpusync.layer_groups import HybridState
 from jax_tpusync.mesh import ShardedKVCache
+from jax_tpusync.pool_cache import HostPoolKVCache
 from jax_tpusync.quantize import QuantizedRows
 from jax_tpusync.state import KVState
 from jax_tpusync.xla_cpu import setup as setup_cpu
@@ -40,8 +46,10 @@ __all__ = [
     "EngineConfig",
     "HybridKVCache",
     "HybridState",
+    "HostPoolKVCache",
     "KVState",
     "OffloadedKVCache",
+    "PoolState",
     "QuantizedRows",
     "ShardedKVCache",
     "TierInfo",

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import jax
 
+from jax_tpusync.host_pool import PoolState
 from jax_tpusync.layer_groups import HybridState
 from jax_tpusync.state import KVState
 from jax_tpusync.step import device, hybrid, sharded
@@ -42,7 +43,7 @@ def prefetching_attention(
     q: jax.Array,  # [batch, q_len, num_q_heads, head_dim]
     k: jax.Array | None,  # [batch, q_len, num_kv_heads, head_dim]
     v: jax.Array | None,  # [batch, q_len, num_kv_heads, head_dim]
-    state: KVState | HybridState,
+    state: KVState | HybridState | PoolState,
     *,
     layer: int | jax.Array,
     query_seq_lengths: jax.Array | None = None,
@@ -106,6 +107,11 @@ def prefetching_attention(
     ``shard_map`` over the cache's axes it takes each device's share (see
     :mod:`jax_tpusync.mesh` and :mod:`jax_tpusync.step.sharded`).
 
+    A host-pool cache (:class:`~jax_tpusync.pool_cache.HostPoolKVCache`, the TPU data
+    path: the pool a ``pinned_host`` array the state carries) copies each layer's units to
+    the device one unit ahead with JAX memory kinds, no custom call
+    (:mod:`jax_tpusync.step.host_pool`).
+
     A hybrid cache (:class:`~jax_tpusync.hybrid.HybridKVCache`: layers of several KV
     geometries, sliding layers that keep only their window, layers that read another
     layer's KV) takes each layer's own shapes; a layer that reads another layer's KV
@@ -126,6 +132,10 @@ def prefetching_attention(
     )
     if isinstance(state, HybridState):
         return hybrid.hybrid_attention(q, k, v, state, **options)
+    if isinstance(state, PoolState):
+        if k is None or v is None:
+            raise ValueError("k and v are None: a host-pool cache stores every layer's own KV")
+        return device.pool_attention(q, k, v, state, **options)
     spec = state.spec if isinstance(state, KVState) else None
     if spec is None:
         raise TypeError(

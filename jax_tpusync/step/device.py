@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tpusync import backend
+from jax_tpusync.host_pool import PoolState
 from jax_tpusync.state import CacheSpec, KVState, dtype_error, exact_cast_allowed
-from jax_tpusync.step import plan, resident, streamed
+from jax_tpusync.step import host_pool, plan, resident, streamed
 
 IMPLEMENTATIONS = ("xla", "pallas")
 
@@ -51,6 +52,30 @@ def device_attention(
     if spec.resident:
         return resident.resident_layer(q, k, v, state, new_kv, token, grow, **options)
     return streamed.streamed_layer(q, k, v, state, token, grow, **options)
+
+
+def pool_attention(
+    q: jax.Array,  # [batch, q_len, num_q_heads, head_dim]
+    k: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+    v: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+    state: PoolState,
+    *,
+    layer: int | jax.Array,
+    implementation: str | None = None,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    block_kv: int | None = None,
+    interpret: bool | None = None,
+    query_seq_lengths: jax.Array | None = None,  # int32[batch]: real rows per slot
+) -> tuple[jax.Array, PoolState]:
+    """:func:`~jax_tpusync.prefetching_attention` of a host-pool cache (the TPU data path:
+    :mod:`jax_tpusync.step.host_pool`)."""
+    spec = state.spec
+    _validate(q, k, v, spec, layer)
+    _, _, options = _step_options(
+        q, spec, layer, implementation, scale, soft_cap, block_kv, interpret, query_seq_lengths
+    )
+    return host_pool.pool_layer(q, k, v, state, **options)
 
 
 def device_read_attention(

@@ -1,0 +1,431 @@
+"""The host-pool cache: the paged KV cache of the TPU data path, whose pool is a JAX array
+in ``pinned_host`` memory (:mod:`jax_tpusync.host_pool`) that every step carries.
+
+The host side is the one every cache uses (:class:`~jax_tpusync.slots.SlotTable`: block
+tables, capacities, the prefix index), over a pool that lives in the state instead of in
+the C++ engine: no in-graph custom call is involved, so the step compiles for TPUs (and
+runs on any backend with ``pinned_host`` memory; the CPU backend is how it is tested).
+Host-side writes and reads of the pool (:meth:`HostPoolKVCache.load`,
+:meth:`HostPoolKVCache.read`) are small jitted programs that move whole blocks, between
+steps; they take the state and return the new one, as the step does.
+
+What this cache does not do yet (each refused by name at construction): file tiers,
+persistence (``shm_name``/``file_name``), shared and remote prefix levels, spill tiers,
+resident mode, rings of bounded windows (``max_step_tokens``), ``prefetch_depth`` above 1,
+meshes and hybrid layer groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_tpusync import quantize
+from jax_tpusync.config import CacheConfig
+from jax_tpusync.host_pool import (
+    PoolLayout,
+    PoolState,
+    into_pool,
+    pool_rows_of,
+    pool_sharding,
+    to_device,
+)
+from jax_tpusync.slots import SlotTable
+from jax_tpusync.state import CacheSpec, dtype_error, exact_cast_allowed
+
+logger = logging.getLogger(__name__)
+
+# Salts the prefix index's root key: blocks of this layout are this layout's alone.
+POOL_LAYOUT_VERSION = 1
+
+# Keywords of CacheConfig this cache takes at their defaults only, with why.
+_NOT_YET = {
+    "tier": ("host", "the pool is host memory"),
+    "path": (None, "file tiers are not on the host-pool path yet"),
+    "shm_name": (None, "persistence is not on the host-pool path yet"),
+    "file_name": (None, "persistence is not on the host-pool path yet"),
+    "shared_prefix_dir": (None, "prefix levels beyond the pool are not on the host-pool path yet"),
+    "remote_prefix": (None, "prefix levels beyond the pool are not on the host-pool path yet"),
+    "spill_path": (None, "spill tiers are not on the host-pool path yet"),
+    "spill_blocks": (None, "spill tiers are not on the host-pool path yet"),
+    "max_step_tokens": (None, "rings of bounded windows are not on the host-pool path yet"),
+    "resident": (False, "a resident cache needs no pool"),
+    "read_in_place": ("auto", "the pool is always copied to the device by unit"),
+    "debug_poison": (False, "poisoned fetches are an engine feature"),
+}
+
+
+def pool_spec(config: CacheConfig) -> CacheSpec:
+    """The :class:`CacheSpec` of a host-pool cache: units of whole blocks, two of them on
+    the device at a time (the one attended and the one in flight) within
+    ``staging_bytes``."""
+    g, staging = config.geometry, config.staging
+    depth = staging.prefetch_depth
+    if depth not in ("auto", 1):
+        raise ValueError(
+            f"prefetch_depth={depth!r}: the host-pool path prefetches one unit ahead "
+            f"(prefetch_depth=1 or 'auto')"
+        )
+    probe = CacheSpec(
+        num_layers=g.num_layers,
+        batch=g.batch,
+        max_len=g.max_len,
+        num_kv_heads=g.num_kv_heads,
+        head_dim=g.head_dim,
+        dtype=np.dtype(g.dtype),
+        windows=tuple(g.windows),
+        chunk_len=g.block_tokens,
+        num_slots=2,
+        prefetch_depth=1,
+        block_tokens=g.block_tokens,
+        num_blocks=g.num_blocks,
+        prefetch_across_steps=staging.prefetch_across_steps,
+        staging_dtype=np.dtype(np.uint8) if g.quantized else np.dtype(g.dtype),
+        tier_dtype=g.tier_dtype,
+    )
+    layout = PoolLayout(probe)
+    unit_block_bytes = 2 * g.batch * g.block_tokens * layout.row_width * layout.dtype.itemsize
+    units = staging.staging_bytes // unit_block_bytes
+    if units < 1:
+        raise ValueError(
+            f"staging_bytes={staging.staging_bytes} cannot hold two units of one block: "
+            f"2 x batch {g.batch} x block_tokens {g.block_tokens} x "
+            f"{layout.row_width * layout.dtype.itemsize} bytes per token row (K and V) = "
+            f"{unit_block_bytes} bytes at least"
+        )
+    longest = max(probe.layer_span(w) for w in probe.windows)
+    needed = -(-longest // g.block_tokens) + 1  # A window's span may straddle one more block.
+    chunk_len = min(units, needed) * g.block_tokens
+    return dataclasses.replace(probe, chunk_len=chunk_len)
+
+
+class HostPoolKVCache:
+    """A paged KV cache in a ``pinned_host`` pool, streamed to the device by unit.
+
+    Takes :meth:`jax_tpusync.config.CacheConfig.from_kwargs`'s keywords (geometry,
+    ``block_tokens``/``num_blocks``, ``staging_bytes``, ``tier_dtype``, ``sliding_window``,
+    ``prefetch_across_steps``, ``prefix_salt``), plus ``device``: where the pool's host
+    memory and the staging are (default: the first device). ``staging_bytes`` bounds the
+    device memory the state's units take: two units (the one attended and the one in
+    flight), each of whole blocks.
+
+    Raises:
+      ValueError: an argument out of range, or one of the features this path does not
+        have yet (named with the reason).
+    """
+
+    def __init__(self, *, device: jax.Device | None = None, **options: Any):
+        for name, (default, why) in _NOT_YET.items():
+            if name in options and options[name] != default:
+                raise ValueError(f"{name}={options[name]!r}: {why} (host-pool cache)")
+        config = CacheConfig.from_kwargs(**options)
+        self.spec = pool_spec(config)
+        self.config = config
+        self.layout = PoolLayout(self.spec)
+        if device is None:
+            device = jax.devices()[0]
+        if not isinstance(device, jax.Device):
+            raise TypeError(f"device must be a jax.Device; got {type(device).__name__}")
+        self.device = device
+        g = config.geometry
+        self.slots = SlotTable(
+            batch=g.batch,
+            max_len=g.max_len,
+            block_tokens=g.block_tokens,
+            num_blocks=g.num_blocks,
+            root=config.prefix_root(POOL_LAYOUT_VERSION),
+        )
+        self._pool: jax.Array | None = None  # Until init() hands it to the first state.
+        self._closed = False
+        logger.info(
+            "host-pool KV cache: %.1f MiB pool, %.1f MiB staging, chunk_len=%d",
+            self.layout.pool_bytes / 2**20,
+            2 * self.layout.staging_bytes / 2**20,
+            self.spec.chunk_len,
+        )
+
+    # -- state ------------------------------------------------------------------------------
+
+    @property
+    def batch(self) -> int:
+        return self.spec.batch
+
+    @property
+    def max_len(self) -> int:
+        return self.spec.max_len
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the state's staging takes: two units and their tails."""
+        return 2 * self.layout.staging_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        """Host memory of the pool (every layer's blocks and the sink)."""
+        return self.layout.pool_bytes
+
+    def init(
+        self, lengths: Sequence[int] | np.ndarray | None = None, *, admit: bool = True
+    ) -> PoolState:
+        """The first state: a zeroed pool in the device's pinned host memory; ``lengths``
+        and ``admit`` as :meth:`jax_tpusync.OffloadedKVCache.init`'s. Once only: later
+        states come from the step and this cache's methods."""
+        self._check_open()
+        if self._pool is not None:
+            raise ValueError("init() was called already: use the state the last call returned")
+        spec = self.spec
+        lengths = np.zeros(spec.batch, np.int64) if lengths is None else np.asarray(lengths)
+        if lengths.shape != (spec.batch,):
+            raise ValueError(f"lengths must have shape ({spec.batch},); got {lengths.shape}")
+        if admit:
+            self.slots.admit_all()
+        capacity = self.slots.capacity
+        for b in range(spec.batch):
+            if not 0 <= lengths[b] <= capacity[b]:
+                raise ValueError(
+                    f"lengths[{b}]={int(lengths[b])} must be in [0, {int(capacity[b])}] "
+                    f"(slot {b}'s capacity)"
+                )
+        pool = jax.device_put(
+            np.zeros(self.layout.pool_shape, self.layout.dtype), pool_sharding(self.device)
+        )
+        self._pool = pool
+        return PoolState.fresh(spec, lengths, self.slots.tables, capacity, pool)
+
+    def check(self, state: PoolState) -> None:
+        """Refuses a state that is not this cache's live one, or whose steps were refused
+        for a slot (a step that would have passed its capacity)."""
+        self._check_open()
+        if not isinstance(state, PoolState):
+            raise TypeError(f"expected a PoolState, got {type(state).__name__}")
+        if state.spec != self.spec:
+            raise ValueError("state belongs to another cache (its spec differs)")
+        if state.pool.is_deleted():
+            raise ValueError(
+                "this PoolState was donated to a step (its pool is gone); use the state "
+                "that step returned"
+            )
+        refused = np.asarray(state.refused)
+        for b in np.flatnonzero(refused):
+            raise ValueError(
+                f"slot {b}: {int(refused[b])} tokens of its steps were refused (they would "
+                f"have passed its capacity of {int(np.asarray(state.capacity)[b])} tokens); "
+                f"its length stayed at {int(np.asarray(state.lengths)[b])}. Release the slot "
+                f"and admit it with a larger max_tokens"
+            )
+
+    def _with_slots(self, state: PoolState, lengths: np.ndarray) -> PoolState:
+        return state.replace(
+            lengths=jnp.asarray(lengths, jnp.int32),
+            block_table=jnp.asarray(self.slots.tables),
+            capacity=jnp.asarray(self.slots.capacity),
+        ).unstaged()
+
+    # -- slot lifecycle ---------------------------------------------------------------------
+
+    def admit(
+        self,
+        state: PoolState,
+        slot: int,
+        *,
+        max_tokens: int | None = None,
+        tokens: Sequence[int] | np.ndarray | None = None,
+    ) -> tuple[PoolState, int]:
+        """Reserves blocks for a new sequence in ``slot``; returns ``(state, cached)``, as
+        :meth:`jax_tpusync.OffloadedKVCache.admit` does (a prefix of ``tokens`` that the
+        prefix index holds is mapped read-only)."""
+        self.check(state)
+        admission = self.slots.admit(slot, max_tokens, tokens)  # All or nothing.
+        lengths = np.asarray(state.lengths).copy()
+        lengths[slot] = admission.cached
+        return self._with_slots(state, lengths), admission.cached
+
+    def release(
+        self, state: PoolState, slot: int, *, tokens: Sequence[int] | np.ndarray | None = None
+    ) -> PoolState:
+        """Frees ``slot``; with ``tokens`` (or a recorded history) its full blocks enter the
+        prefix index, as :meth:`jax_tpusync.OffloadedKVCache.release`."""
+        self.check(state)
+        self.slots.check_slot(slot)
+        length = int(np.asarray(state.lengths)[slot])
+        self.slots.check_release(slot, length, tokens)  # Refused: no change.
+        jax.block_until_ready(state.pool)  # Its blocks are indexed once written.
+        self.slots.release(slot, length, tokens)
+        lengths = np.asarray(state.lengths).copy()
+        lengths[slot] = 0
+        return self._with_slots(state, lengths)
+
+    def tokens(self, slot: int) -> np.ndarray:
+        self.slots.check_slot(slot)
+        return self.slots.history.ids(slot)
+
+    def extend_tokens(self, slot: int, ids: Sequence[int] | np.ndarray) -> None:
+        self.slots.extend_history(slot, ids)
+
+    # -- host-side rows ---------------------------------------------------------------------
+
+    def load(
+        self,
+        state: PoolState,
+        layer: int,
+        slot: int,
+        k: jax.Array | np.ndarray,  # [n, num_kv_heads, head_dim]
+        v: jax.Array | np.ndarray,  # [n, num_kv_heads, head_dim]
+        *,
+        start: int = 0,
+    ) -> PoolState:
+        """Writes ``n`` rows of one slot's K/V in ``layer`` from position ``start``; the
+        slot's length becomes ``start + n`` if that is more. Whole blocks move: a block
+        the rows fill in part is read first and written back with the rows in it.
+
+        Raises:
+          ValueError: a bad layer or slot, rows past the slot's capacity, shapes that are
+            not [n, num_kv_heads, head_dim], a dtype that does not convert exactly, rows
+            into blocks the slot shares with the prefix index; nothing is written.
+        """
+        spec = self.spec
+        self.check(state)
+        self._check_layer(layer)
+        self.slots.check_slot(slot)
+        k, v = np.asarray(k), np.asarray(v)
+        want = (spec.num_kv_heads, spec.head_dim)
+        for name, x in (("k", k), ("v", v)):
+            if x.ndim != 3 or x.shape[1:] != want or x.shape[0] != k.shape[0]:
+                raise ValueError(
+                    f"{name} must be [n, num_kv_heads, head_dim] = [n, {want[0]}, {want[1]}] "
+                    f"with the same n as k; got {list(x.shape)}"
+                )
+            if not exact_cast_allowed(x.dtype, spec.dtype):
+                raise ValueError(dtype_error(name, x.dtype, spec.dtype))
+        n = k.shape[0]
+        capacity = int(self.slots.capacity[slot])
+        if not (isinstance(start, (int, np.integer)) and 0 <= start and start + n <= capacity):
+            raise ValueError(
+                f"rows [start, start + n) = [{start}, {start + n}) must lie in [0, {capacity}] "
+                f"(slot {slot}'s capacity)"
+            )
+        shared = self.slots.shared_tokens(slot)
+        if n and start < shared:
+            raise ValueError(
+                f"start={start} is inside slot {slot}'s shared prefix of {shared} tokens "
+                f"(blocks other sequences read)"
+            )
+        if n == 0:
+            return state
+        bt = spec.block_tokens
+        first, end = start // bt, -(-(start + n) // bt)
+        table = self.slots.table_row(slot)[first:end]
+        rows = self.layout.host_rows(layer, table)
+        old = self._read_rows(state, rows)  # [blocks * bt, row_width]
+        new = np.asarray(_pool_rows_host(spec, self.layout, k, v))
+        old[start - first * bt : start - first * bt + n] = new
+        pool = _write_blocks(self.layout, state.pool, old, self.layout.block_row(layer, table))
+        lengths = np.asarray(state.lengths).copy()
+        lengths[slot] = max(int(lengths[slot]), start + n)
+        return state.replace(pool=pool, lengths=jnp.asarray(lengths, jnp.int32)).unstaged()
+
+    def read(
+        self, state: PoolState, layer: int, slot: int, start: int = 0, stop: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of positions ``[start, stop)`` of one slot's K and V in ``layer``:
+        two [stop - start, num_kv_heads, head_dim] arrays in the cache's dtype (decoded
+        from a quantized pool)."""
+        spec = self.spec
+        self.check(state)
+        self._check_layer(layer)
+        self.slots.check_slot(slot)
+        length = int(np.asarray(state.lengths)[slot])
+        stop = length if stop is None else stop
+        if not (
+            isinstance(start, (int, np.integer))
+            and isinstance(stop, (int, np.integer))
+            and 0 <= start <= stop <= length
+        ):
+            raise ValueError(
+                f"[start, stop) = [{start}, {stop}) must lie in [0, {length}] (slot {slot}'s "
+                f"length)"
+            )
+        bt = spec.block_tokens
+        first, end = start // bt, max(-(-stop // bt), start // bt)
+        table = self.slots.table_row(slot)[first:end]
+        rows = self._read_rows(state, self.layout.host_rows(layer, table))
+        rows = rows[start - first * bt : stop - first * bt]
+        return _kv_of_rows(spec, self.layout, rows)
+
+    def _read_rows(self, state: PoolState, rows: np.ndarray) -> np.ndarray:
+        """Copies of the pool rows ``rows`` (whole blocks, in order), as a numpy array."""
+        if rows.size == 0:
+            return np.zeros((0, self.layout.row_width), self.layout.dtype)
+        starts = rows[:: self.spec.block_tokens]
+        return np.array(_read_blocks(self.layout, state.pool, starts))
+
+    def _check_layer(self, layer: Any) -> None:
+        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.spec.num_layers:
+            raise ValueError(
+                f"layer={layer!r} is out of range for a cache of {self.spec.num_layers} layers"
+            )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this cache is closed")
+
+    def close(self) -> None:
+        """Forgets the pool (the live state still holds it until dropped)."""
+        self._closed = True
+        self._pool = None
+
+    def __enter__(self) -> HostPoolKVCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _pool_rows_host(spec: CacheSpec, layout: PoolLayout, k: np.ndarray, v: np.ndarray):
+    """[n, row_width] pool rows of host K/V [n, H, D] (quantized when the pool is)."""
+    return pool_rows_of(layout, jnp.asarray(k)[None], jnp.asarray(v)[None])[0]
+
+
+def _kv_of_rows(spec: CacheSpec, layout: PoolLayout, rows: np.ndarray):
+    """K and V [n, H, D] of pool rows [n, row_width], in the cache's dtype."""
+    half = layout.half_width
+    if not spec.quantized:
+        shape = (rows.shape[0], spec.num_kv_heads, spec.head_dim)
+        return rows[:, :half].reshape(shape), rows[:, half:].reshape(shape)
+    return tuple(
+        quantize.dequantize_host(
+            quantize.unpack_host(part, spec.tier_dtype, spec.num_kv_heads, spec.head_dim),
+            spec.dtype,
+        )
+        for part in (rows[:, :half], rows[:, half:])
+    )
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _read_blocks(layout: PoolLayout, pool: jax.Array, starts: jax.Array) -> jax.Array:
+    """[len(starts) * block_tokens, row_width]: the blocks at pool rows ``starts``."""
+    bt = layout.spec.block_tokens
+    return jnp.concatenate(
+        [
+            to_device(jax.lax.dynamic_slice(pool, (starts[i], 0), (bt, layout.row_width)))
+            for i in range(starts.shape[0])
+        ]
+    )
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _write_blocks(layout: PoolLayout, pool: jax.Array, rows: jax.Array, starts: jax.Array):
+    """``pool`` with the blocks ``rows`` ([n * block_tokens, row_width]) at pool rows
+    ``starts``."""
+    bt = layout.spec.block_tokens
+    for i in range(starts.shape[0]):
+        block = jax.lax.dynamic_slice_in_dim(rows, i * bt, bt)
+        pool = jax.lax.dynamic_update_slice(pool, into_pool(pool, block), (starts[i], 0))
+    return pool

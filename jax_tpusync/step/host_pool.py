@@ -1,0 +1,260 @@
+"""The host-pool step: one layer over a paged pool in host memory, each unit copied to the
+device one unit ahead of its attention, with plain JAX memory kinds (the TPU data path).
+
+The pool is a ``pinned_host`` array the state carries (:mod:`jax_tpusync.host_pool`). One
+layer of a step:
+
+1. the new rows go into the pool: each slot's aligned write group at its length (the
+   group's older rows, fetched with the layer's first unit, then the new rows) is copied
+   to host memory and written in place;
+2. for each unit (``chunk_len`` positions of every slot, whole blocks) of the layer's
+   cached KV: copy the *next* unit (the layer's next one, the next layer's first, or past
+   the last layer the next step's first) from the updated pool to the device, then attend
+   to this one. The first unit was copied by the previous layer (or step); it is used only
+   if the pool rows it came from are the rows this layer needs (``staged_at``), else it is
+   copied again here;
+3. the new tokens attend to themselves and merge in (online softmax).
+
+Why this bounds device memory and overlaps: every copy reads the pool *after* the write of
+the layer that issues it (the pool is threaded through the step), and that write needs the
+layer's new K/V, which need the previous layer's output. So the compiler cannot start
+layer L+1's copy before layer L's projections, nor keep more than the unit being attended
+and the unit in flight: the device holds two units, at any context length. Inside a layer
+the units go through a loop whose carry is the unit in flight, the same bound.
+
+Writes are whole aligned groups (:attr:`~jax_tpusync.host_pool.PoolLayout.write_rows`
+rows): the compiler slices host memory in 32-bit sublanes. A write past a slot's capacity
+goes to the pool's sink block instead, and the slot's step is refused (its length does not
+grow; ``state.refused`` counts the tokens, and the cache refuses the state afterwards).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_tpusync.host_pool import PoolLayout, PoolState, into_pool, pool_rows_of, to_device
+from jax_tpusync.kernels import reference as kernel_reference
+from jax_tpusync.step import plan
+from jax_tpusync.step.unit import attend_valid_rows, block_len_for, layer_attend, rows_as_kv
+
+
+def block_rows(
+    layout: PoolLayout,
+    block_table: jax.Array,  # int32[batch, max_blocks]
+    capacity: jax.Array,  # int32[batch]
+    layer,
+    index: jax.Array,  # int32[batch, n]: block index within each slot
+) -> jax.Array:  # int32[batch, n]
+    """Pool row of each slot's block ``index`` in ``layer``; the sink's where the slot has
+    no such block (past its capacity, an inactive slot, an empty table entry)."""
+    spec = layout.spec
+    clipped = jnp.clip(index, 0, spec.max_blocks - 1)
+    block = jnp.take_along_axis(block_table, clipped, axis=1)
+    has = (index < spec.max_blocks) & (index * spec.block_tokens < capacity[:, None])
+    has &= block >= 0
+    return jnp.where(has, layout.block_row(jnp.asarray(layer, jnp.int32), block), layout.sink_row)
+
+
+def unit_rows(
+    layout: PoolLayout, state: PoolState, layer, unit, lengths: jax.Array
+) -> jax.Array:  # int32[batch, blocks_per_unit + 1]
+    """Pool rows of unit ``unit`` of ``layer`` at ``lengths``: each block's first row, then
+    the write group at each slot's length (its tail)."""
+    spec = layout.spec
+    bt = spec.block_tokens
+    first = plan.layer_start(spec, layer, lengths) // bt + unit * layout.blocks_per_unit
+    index = first[:, None] + jnp.arange(layout.blocks_per_unit, dtype=jnp.int32)
+    rows = block_rows(layout, state.block_table, state.capacity, layer, index)
+    tail_at = lengths - lengths % layout.write_rows
+    tail_block = block_rows(
+        layout, state.block_table, state.capacity, layer, (tail_at // bt)[:, None]
+    )
+    tail = jnp.where(
+        tail_block[:, 0] == layout.sink_row, layout.sink_row, tail_block[:, 0] + tail_at % bt
+    )
+    return jnp.concatenate([rows, tail[:, None]], axis=1)
+
+
+def fetch(
+    layout: PoolLayout,
+    pool: jax.Array,  # [pool_rows, row_width], host memory
+    rows: jax.Array,  # int32[batch, blocks_per_unit + 1]: from unit_rows
+) -> tuple[jax.Array, jax.Array]:
+    """(staging [batch, chunk_len, row_width], tail [batch, write_rows, row_width]): the
+    unit's blocks and tails copied to the device, one copy per block."""
+    spec = layout.spec
+    width = layout.row_width
+    slots, tails = [], []
+    for b in range(spec.batch):
+        pieces = [
+            to_device(lax.dynamic_slice(pool, (rows[b, j], 0), (spec.block_tokens, width)))
+            for j in range(layout.blocks_per_unit)
+        ]
+        slots.append(jnp.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0])
+        tails.append(
+            to_device(lax.dynamic_slice(pool, (rows[b, -1], 0), (layout.write_rows, width)))
+        )
+    return jnp.stack(slots), jnp.stack(tails)
+
+
+def write_rows(
+    layout: PoolLayout,
+    state: PoolState,
+    pool: jax.Array,  # [pool_rows, row_width], host memory
+    layer,
+    rows: jax.Array,  # [batch, q_len, row_width]: the step's new rows
+    tail: jax.Array,  # [batch, write_rows, row_width]: each slot's group at its length
+    grow: jax.Array,  # int32[batch]: rows each slot takes (0: none written)
+) -> jax.Array:
+    """The pool with each slot's first ``grow[b]`` rows written at its length, in aligned
+    groups (the group's rows before the length rewritten with ``tail``'s values)."""
+    spec = layout.spec
+    group = layout.write_rows
+    batch, q_len, width = rows.shape
+    num_groups = -(-(group - 1 + q_len) // group)
+    lengths = state.lengths
+    offset = lengths % group
+    buffer = jnp.zeros((batch, num_groups * group, width), rows.dtype).at[:, :group].set(tail)
+    buffer = jax.vmap(lambda buf, new, at: lax.dynamic_update_slice(buf, new, (at, 0)))(
+        buffer, rows, offset
+    )
+    used = jnp.where(grow > 0, (offset + grow + group - 1) // group, 0)
+    first = lengths - offset
+    bt = spec.block_tokens
+
+    def write_group(j, pool):
+        at = first + j * group
+        start = block_rows(layout, state.block_table, state.capacity, layer, (at // bt)[:, None])
+        start = start[:, 0]
+        row = jnp.where((j < used) & (start != layout.sink_row), start + at % bt, layout.sink_row)
+        for b in range(batch):
+            piece = lax.dynamic_slice(buffer[b], (j * group, 0), (group, width))
+            pool = lax.dynamic_update_slice(pool, into_pool(pool, piece), (row[b], 0))
+        return pool
+
+    if num_groups <= 2:
+        for j in range(num_groups):
+            pool = write_group(j, pool)
+        return pool
+    return lax.fori_loop(0, jnp.max(used), write_group, pool)
+
+
+def unit_kv(layout: PoolLayout, staging: jax.Array) -> dict[str, jax.Array]:
+    """Staged rows [batch, n, row_width] as the attention's ``k``/``v`` (and scales)."""
+    spec = layout.spec
+    half = layout.half_width
+    lead = staging.shape[:2]
+    k_rows = staging[..., :half].reshape(*lead, *spec.row_shape)
+    v_rows = staging[..., half:].reshape(*lead, *spec.row_shape)
+    return rows_as_kv(spec, k_rows, v_rows)
+
+
+def pool_layer(
+    q: jax.Array,  # [batch, q_len, num_q_heads, head_dim]
+    k: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+    v: jax.Array,  # [batch, q_len, num_kv_heads, head_dim]
+    state: PoolState,
+    *,
+    layer,
+    implementation: str,
+    scale: float,
+    soft_cap: float | None,
+    kernel_options: dict,
+    counts: jax.Array | None = None,  # int32[batch]: real rows per slot (None: q_len)
+) -> tuple[jax.Array, PoolState]:
+    """One layer of a step over a host pool: ``(out, state)``, ``out`` like ``q``."""
+    spec = state.spec
+    layout = PoolLayout(spec)
+    batch, q_len = q.shape[:2]
+    lengths = state.lengths
+    active = state.capacity > 0
+    wanted = jnp.where(active, q_len if counts is None else counts, 0).astype(jnp.int32)
+    # A step that would pass a slot's capacity is refused for that slot: nothing of it is
+    # written where anything reads, and its length stays.
+    over = active & (lengths + wanted > state.capacity)
+    grow = jnp.where(over, 0, wanted)
+    last_layer = jnp.asarray(layer, jnp.int32) == spec.num_layers - 1
+
+    # The first unit: staged by the previous layer if it came from the rows needed now.
+    need = unit_rows(layout, state, layer, 0, lengths)
+    hit = jnp.all(state.staged_at == need)
+    staging, tail = lax.cond(
+        hit,
+        lambda: (state.staging, state.tail),
+        lambda: fetch(layout, state.pool, need),
+    )
+
+    # 1. The new rows go into the pool; every later copy reads the pool after them.
+    pool = write_rows(layout, state, state.pool, layer, pool_rows_of(layout, k, v), tail, grow)
+
+    # 2. The layer's units, each attended while the next one is copied.
+    attend = layer_attend(spec, layer, scale, soft_cap, implementation, kernel_options)
+    block_len = (
+        block_len_for(spec.chunk_len, batch * spec.num_kv_heads * spec.head_dim)
+        if implementation == "xla"
+        else spec.chunk_len
+    )
+    first_block = plan.layer_start(spec, layer, lengths) // spec.block_tokens
+    # Units start at a block boundary, so a window's keys may need one more than its span.
+    span = jnp.max(lengths - first_block * spec.block_tokens)
+    num_units = jnp.maximum(1, (span + spec.chunk_len - 1) // spec.chunk_len)
+    takes_keys = grow > 0 if counts is not None else active
+
+    def next_unit(unit):
+        """(layer, unit, lengths) of the unit after ``unit`` of this layer."""
+        more = unit + 1 < num_units
+        next_layer = jnp.where(last_layer, 0, jnp.asarray(layer, jnp.int32) + 1)
+        return (
+            jnp.where(more, jnp.asarray(layer, jnp.int32), next_layer),
+            jnp.where(more, unit + 1, 0),
+            jnp.where(more | ~last_layer, lengths, lengths + grow),
+        )
+
+    def unit_step(unit, carry):
+        out, lse, staging, _tail, _staged_at = carry
+        n_layer, n_unit, n_lengths = next_unit(unit)
+        n_rows = unit_rows(layout, state, n_layer, n_unit, n_lengths)
+        n_staging, n_tail = fetch(layout, pool, n_rows)
+        k_start = (first_block + unit * layout.blocks_per_unit) * spec.block_tokens
+        valid = jnp.where(takes_keys, jnp.clip(lengths - k_start, 0, spec.chunk_len), 0)
+        o, l = attend_valid_rows(
+            lambda start, n, valid_rows: attend(
+                q,
+                k_start=k_start + start,
+                k_valid=valid_rows,
+                q_start=lengths,
+                **unit_kv(layout, lax.dynamic_slice_in_dim(staging, start, n, axis=1)),
+            ),
+            valid,
+            spec.chunk_len,
+            block_len,
+            q.shape,
+        )
+        out, lse = kernel_reference.merge_partials(out, lse, o, l)
+        return out, lse, n_staging, n_tail, n_rows
+
+    out0 = jnp.zeros(q.shape, jnp.float32)
+    lse0 = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+    carry = (out0, lse0, staging, tail, need)
+    if layout.single_unit:
+        carry = unit_step(jnp.int32(0), carry)
+    else:
+        carry = lax.fori_loop(0, num_units, unit_step, carry)
+    out, lse, staging, tail, staged_at = carry
+
+    # 3. The new tokens attend to themselves (a slot's padding rows are no keys).
+    own = plan.own_rows(batch, q_len, counts)
+    o, l = attend(q, k.astype(spec.dtype), v.astype(spec.dtype), lengths, own, lengths)
+    out, _ = kernel_reference.merge_partials(out, lse, o, l)
+
+    state = state.replace(
+        lengths=jnp.where(last_layer, lengths + grow, lengths),
+        pool=pool,
+        staging=staging,
+        tail=tail,
+        staged_at=staged_at,
+        refused=state.refused + jnp.where(last_layer & over, wanted, 0),
+    )
+    return out.astype(q.dtype), state

@@ -1,0 +1,261 @@
+"""The host-pool data path (the TPU one) on the CPU backend: its steps against resident
+attention, its host-side rows byte-exact, its guards at their edges."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tpusync as tps
+from jax_tpusync.host_pool import PoolLayout
+
+HEADS, Q_HEADS, HEAD_DIM = 2, 4, 16
+TOLERANCE = {np.dtype(np.float32): 1e-5, np.dtype(jnp.bfloat16): 2e-2}
+
+
+def make_cache(num_layers=3, batch=2, max_len=64, block_tokens=8, **options):
+    options.setdefault("dtype", jnp.float32)
+    # Two units of 16 tokens (two blocks of 8) per slot, K and V.
+    itemsize = np.dtype(options["dtype"]).itemsize
+    options.setdefault("staging_bytes", 2 * batch * 16 * 2 * HEADS * HEAD_DIM * itemsize)
+    return tps.HostPoolKVCache(
+        num_layers=num_layers,
+        batch=batch,
+        max_len=max_len,
+        num_kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+        block_tokens=block_tokens,
+        **options,
+    )
+
+
+def decode_step(num_layers, windows, dtype):
+    """A jitted step of ``num_layers`` attention calls on given q/k/v (a model's shape
+    without its weights), the state donated."""
+
+    def step(state, qs, ks, vs, counts):
+        outs = []
+        for layer in range(num_layers):
+            out, state = tps.prefetching_attention(
+                qs[layer], ks[layer], vs[layer], state, layer=layer, query_seq_lengths=counts
+            )
+            outs.append(out)
+        return jnp.stack(outs), state
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def run_against_resident(cache, steps, windows, dtype, seed=0, tolerance=None):
+    """Runs ``steps`` (q_len, counts or None) through the cache and resident attention
+    from an empty context; returns the worst difference of real rows."""
+    spec = cache.spec
+    num_layers, batch, max_len = spec.num_layers, spec.batch, spec.max_len
+    rng = np.random.default_rng(seed)
+    state = cache.init()
+    step = decode_step(num_layers, windows, dtype)
+    cache_k = jnp.zeros((num_layers, batch, max_len, HEADS, HEAD_DIM), dtype)
+    cache_v = jnp.zeros_like(cache_k)
+    lengths = np.zeros(batch, np.int32)
+    worst = 0.0
+    for q_len, counts in steps:
+        shape = (num_layers, batch, q_len)
+        qs = jnp.asarray(rng.standard_normal((*shape, Q_HEADS, HEAD_DIM)), dtype)
+        ks = jnp.asarray(rng.standard_normal((*shape, HEADS, HEAD_DIM)), dtype)
+        vs = jnp.asarray(rng.standard_normal((*shape, HEADS, HEAD_DIM)), dtype)
+        counts_arg = None if counts is None else jnp.asarray(counts, jnp.int32)
+        out, state = step(state, qs, ks, vs, counts_arg)
+        real = np.ones((batch, q_len), bool)
+        if counts is not None:
+            real = np.arange(q_len)[None] < np.asarray(counts)[:, None]
+        for layer in range(num_layers):
+            ref, new_k, new_v = tps.resident_attention(
+                qs[layer],
+                ks[layer],
+                vs[layer],
+                cache_k[layer],
+                cache_v[layer],
+                jnp.asarray(lengths),
+                window=windows[layer],
+                query_seq_lengths=counts_arg,
+            )
+            cache_k = cache_k.at[layer].set(new_k)
+            cache_v = cache_v.at[layer].set(new_v)
+            diff = jnp.abs(out[layer].astype(jnp.float32) - ref.astype(jnp.float32))
+            worst = max(worst, float(jnp.max(jnp.where(real[..., None, None], diff, 0))))
+        lengths = lengths + (q_len if counts is None else np.asarray(counts, np.int32))
+        np.testing.assert_array_equal(np.asarray(state.lengths), lengths)
+    return state, worst, (cache_k, cache_v, lengths)
+
+
+STEPS = [(5, None), (1, None), (1, None), (7, [7, 3]), (1, None), (3, [0, 3]), (9, None)]
+STEPS += [(1, None)] * 6
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("windows", [(None, None, None), (None, 5, 12)], ids=["global", "windows"])
+def test_steps_equal_resident_attention(dtype, windows):
+    cache = make_cache(dtype=dtype, sliding_window=list(windows))
+    assert not cache.layout.single_unit  # Several units per layer: the loop and its prefetch.
+    state, worst, (ref_k, ref_v, lengths) = run_against_resident(cache, STEPS, windows, dtype)
+    assert worst <= TOLERANCE[np.dtype(dtype)]
+    # What the steps wrote is the resident cache's rows, byte for byte.
+    for layer in range(3):
+        for slot in range(2):
+            k, v = cache.read(state, layer, slot)
+            np.testing.assert_array_equal(k, np.asarray(ref_k[layer, slot, : lengths[slot]]))
+            np.testing.assert_array_equal(v, np.asarray(ref_v[layer, slot, : lengths[slot]]))
+
+
+def test_single_unit_layers_and_a_state_that_stays_on_the_host():
+    cache = make_cache(staging_bytes=1 << 20)
+    assert cache.layout.single_unit
+    state, worst, _ = run_against_resident(cache, STEPS[:5], (None,) * 3, np.float32)
+    assert worst <= 1e-5
+    assert state.pool.sharding.memory_kind == "pinned_host"
+    assert state.staging.sharding.memory_kind == "device"
+
+
+@pytest.mark.parametrize("tier_dtype", ["int8", "float8_e4m3fn"])
+def test_quantized_pool_equals_resident_attention_over_decoded_rows(tier_dtype):
+    # Quantized rows: compare against attention over the rows the pool holds, decoded.
+    cache = make_cache(tier_dtype=tier_dtype)
+    state, worst, (ref_k, ref_v, lengths) = run_against_resident(
+        cache, STEPS[:4], (None,) * 3, np.float32
+    )
+    k, _ = cache.read(state, 0, 0)
+    scale = float(np.max(np.abs(np.asarray(ref_k[0, 0, : lengths[0]]))))
+    assert np.max(np.abs(k - np.asarray(ref_k[0, 0, : lengths[0]]))) <= 0.1 * scale
+    assert worst <= 0.25
+
+
+def test_load_then_decode_reads_the_loaded_rows():
+    cache = make_cache()
+    state = cache.init()
+    rng = np.random.default_rng(1)
+    context = 21
+    loaded = {}
+    for layer in range(3):
+        for slot in range(2):
+            k = rng.standard_normal((context, HEADS, HEAD_DIM)).astype(np.float32)
+            v = rng.standard_normal((context, HEADS, HEAD_DIM)).astype(np.float32)
+            state = cache.load(state, layer, slot, k, v)
+            loaded[layer, slot] = (k, v)
+    np.testing.assert_array_equal(np.asarray(state.lengths), [context, context])
+    k, v = cache.read(state, 2, 1, 3, 17)
+    np.testing.assert_array_equal(k, loaded[2, 1][0][3:17])
+    np.testing.assert_array_equal(v, loaded[2, 1][1][3:17])
+    # A patch inside a block keeps the rows around it.
+    patch = np.ones((2, HEADS, HEAD_DIM), np.float32)
+    state = cache.load(state, 1, 0, patch, -patch, start=9)
+    k, v = cache.read(state, 1, 0)
+    np.testing.assert_array_equal(k[9:11], patch)
+    np.testing.assert_array_equal(k[:9], loaded[1, 0][0][:9])
+    np.testing.assert_array_equal(k[11:], loaded[1, 0][0][11:])
+
+    q = jnp.asarray(rng.standard_normal((2, 1, Q_HEADS, HEAD_DIM)), jnp.float32)
+    new = jnp.asarray(rng.standard_normal((2, 1, HEADS, HEAD_DIM)), jnp.float32)
+    out, state = jax.jit(
+        lambda s: tps.prefetching_attention(q, new, new, s, layer=0), donate_argnums=0
+    )(state)
+    cache_k = np.zeros((2, 64, HEADS, HEAD_DIM), np.float32)
+    cache_v = np.zeros_like(cache_k)
+    for slot in range(2):
+        cache_k[slot, :context], cache_v[slot, :context] = loaded[0, slot]
+    ref, _, _ = tps.resident_attention(
+        q, new, new, jnp.asarray(cache_k), jnp.asarray(cache_v), jnp.asarray([context] * 2)
+    )
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
+
+
+def test_admit_maps_a_released_prefix_and_continues_it():
+    cache = make_cache(batch=2)
+    state = cache.init(admit=False)
+    prompt = np.arange(100, 120)
+    state, cached = cache.admit(state, 0, max_tokens=32, tokens=prompt)
+    assert cached == 0
+    rng = np.random.default_rng(2)
+    k = rng.standard_normal((20, HEADS, HEAD_DIM)).astype(np.float32)
+    for layer in range(3):
+        state = cache.load(state, layer, 0, k, -k)
+    state = cache.release(state, 0, tokens=prompt)
+    state, cached = cache.admit(state, 1, max_tokens=32, tokens=prompt)
+    assert cached == 16  # Two full blocks of 8, at most len - 1 tokens.
+    got_k, got_v = cache.read(state, 2, 1)
+    np.testing.assert_array_equal(got_k, k[:16])
+    np.testing.assert_array_equal(got_v, -k[:16])
+    with pytest.raises(ValueError, match="inside slot 1's shared prefix of 16 tokens"):
+        cache.load(state, 0, 1, k[:1], k[:1], start=15)
+    state = cache.load(state, 0, 1, k[:1], k[:1], start=16)  # The first private row.
+
+
+def test_a_step_past_capacity_is_refused_for_its_slot_alone():
+    cache = make_cache(batch=2)
+    state = cache.init(admit=False)
+    state, _ = cache.admit(state, 0, max_tokens=10)
+    state, _ = cache.admit(state, 1, max_tokens=40)
+    layout = PoolLayout(cache.spec)
+    sink_before = np.array(state.pool[layout.sink_row :])
+    step = decode_step(3, (None,) * 3, np.float32)
+    rng = np.random.default_rng(3)
+
+    def run(state, q_len):
+        shape = (3, 2, q_len)
+        qs = jnp.asarray(rng.standard_normal((*shape, Q_HEADS, HEAD_DIM)), jnp.float32)
+        ks = jnp.asarray(rng.standard_normal((*shape, HEADS, HEAD_DIM)), jnp.float32)
+        return step(state, qs, ks, ks, None)[1]
+
+    state = run(state, 10)  # Exactly slot 0's capacity: accepted.
+    cache.check(state)
+    np.testing.assert_array_equal(np.asarray(state.lengths), [10, 10])
+    state = run(state, 1)  # One past it: refused for slot 0, slot 1 goes on.
+    np.testing.assert_array_equal(np.asarray(state.lengths), [10, 11])
+    np.testing.assert_array_equal(np.asarray(state.refused), [1, 0])
+    assert not np.array_equal(np.array(state.pool[layout.sink_row :]), sink_before)
+    with pytest.raises(ValueError, match=r"slot 0: 1 tokens of its steps were refused .*10 tokens"):
+        cache.check(state)
+    with pytest.raises(ValueError, match="slot 0: 1 tokens"):
+        cache.release(state, 1)
+
+
+def test_a_donated_state_is_refused():
+    cache = make_cache()
+    state = cache.init()
+    step = decode_step(3, (None,) * 3, np.float32)
+    x = jnp.zeros((3, 2, 1, Q_HEADS, HEAD_DIM), jnp.float32)
+    kv = jnp.zeros((3, 2, 1, HEADS, HEAD_DIM), jnp.float32)
+    step(state, x, kv, kv, None)
+    with pytest.raises(ValueError, match="donated to a step"):
+        cache.read(state, 0, 0)
+
+
+def test_guards_name_the_argument_at_their_edges():
+    with pytest.raises(ValueError, match="tier='file': the pool is host memory"):
+        make_cache(tier="file", path="/tmp")
+    with pytest.raises(ValueError, match="shm_name='x': persistence is not on the host-pool"):
+        make_cache(shm_name="x")
+    with pytest.raises(ValueError, match="prefetch_depth=2: the host-pool path prefetches one"):
+        make_cache(prefetch_depth=2)
+    make_cache(prefetch_depth=1)
+    row = 2 * HEADS * HEAD_DIM * 4
+    smallest = 2 * 2 * 8 * row  # Two units of one block, batch 2, f32.
+    make_cache(staging_bytes=smallest)
+    with pytest.raises(ValueError, match=f"staging_bytes={smallest - 1} cannot hold two units"):
+        make_cache(staging_bytes=smallest - 1)
+    cache = make_cache()
+    state = cache.init(admit=False)
+    state, _ = cache.admit(state, 0, max_tokens=16)
+    rows = np.zeros((16, HEADS, HEAD_DIM), np.float32)
+    state = cache.load(state, 0, 0, rows, rows)  # Up to the capacity exactly.
+    with pytest.raises(ValueError, match=r"\[start, start \+ n\) = \[1, 17\) must lie in \[0, 16\]"):
+        cache.load(state, 0, 0, rows, rows, start=1)
+    with pytest.raises(ValueError, match="layer=3 is out of range for a cache of 3 layers"):
+        cache.load(state, 3, 0, rows, rows)
+    with pytest.raises(ValueError, match="k has dtype float64"):
+        cache.load(state, 0, 0, rows.astype(np.float64), rows)
+    with pytest.raises(ValueError, match=r"\[start, stop\) = \[0, 17\) must lie in \[0, 16\]"):
+        cache.read(state, 0, 0, 0, 17)
+    cache.read(state, 0, 0, 0, 16)
+    with pytest.raises(ValueError, match="init\\(\\) was called already"):
+        cache.init()
