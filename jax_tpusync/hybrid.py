@@ -514,16 +514,25 @@ class HybridKVCache:
         return self._state(parts, state.pending), cached.pop()
 
     def _reserve_all(self, slot, max_tokens, tokens, max_cached) -> list:
-        """Every group's reservation of ``slot``, or none (undone, then raised)."""
+        """Every group's reservation of ``slot``, or none (undone, then raised). Groups that
+        keep every position reserve first, and a group that keeps only its window looks for
+        no longer prefix than they all map (the prefix every group maps is the shortest one
+        anyway, and a window's search asks its levels about every block it considers)."""
         self._check_slot(slot)
-        done = []
+        order = sorted(range(len(self.groups)), key=lambda i: bool(self.groups[i].spec.ring_blocks))
+        done: dict[int, Any] = {}
         try:
-            for g in self.groups:
-                done.append(g.reserve(slot, max_tokens, tokens, max_cached=max_cached))
+            for i in order:
+                g, cap = self.groups[i], max_cached
+                found = [r.cached for r in done.values() if r.cached is not None]
+                if g.spec.ring_blocks and found:
+                    cap = min(found) if cap is None else min(cap, *found)
+                done[i] = g.reserve(slot, max_tokens, tokens, max_cached=cap)
         except Exception:
-            self._cancel(done)
+            for i, r in done.items():
+                self.groups[i].cancel(r)
             raise
-        return done
+        return [done[i] for i in range(len(self.groups))]
 
     def _cancel(self, reservations) -> None:
         for g, r in zip(self.groups, reservations):

@@ -575,31 +575,70 @@ class SlotTable:
         return out
 
     def _import_window(self, keys: list[bytes], ids: np.ndarray, limit: int) -> int:
-        """The blocks a ring slot's window needs for a cached prefix of ``limit`` blocks (those
-        covering ``[P - W + 1, P)``) that the window index lacks, imported from the remote
-        levels into it as window copies; returns how many. Stops at the first block no
-        level has (or when no block is free); blocks imported stay cached."""
+        """The window blocks of the longest cached prefix, at most ``limit`` blocks, whose
+        window (the blocks covering ``[P - W + 1, P)``) the window index holds or a remote
+        level has whole, imported into the index as window copies; returns how many were
+        imported. A block that no level has, or none has whole (damaged), rules out every
+        prefix whose window covers it, and the search goes on with the prefixes below it:
+        a damaged last block costs the prompt that block, not its whole prefix. Blocks
+        imported stay cached. Stops when no block is free."""
         if not self.remote_levels or limit <= 0:
             return 0
         self.free_settled()
-        t = self.block_tokens
-        first = max(0, limit * t - self.windows.window + 1) // t
-        wanted = [
-            (keys[i], keys[i - 1] if i else None, ids[i * t : (i + 1) * t])
-            for i in range(first, limit)
-            if keys[i] not in self.windows
-        ]
+        t, window = self.block_tokens, self.windows.window
+        held: dict[int, bool] = {}  # Block -> indexed here or found in a level.
+
+        def window_of(n: int) -> range:
+            return range(max(0, n * t - window + 1) // t, n)
 
         def adopt(key: bytes, parent: bytes | None, tokens: np.ndarray, block: int) -> None:
             self.windows.put(key, self.prefix.root if parent is None else parent, tokens, block)
 
-        done = 0
-        while done < len(wanted):
-            run = self._import_run(wanted, done, adopt)
-            if not run:
-                break
-            done += len(run)
+        self._find_remote(keys, window_of(limit), held)
+        done, n = 0, limit
+        while n > 0:
+            span = window_of(n)
+            gaps = [i for i in span if not held[i]]
+            if gaps:  # Every prefix between the gap and n needs the gap's block.
+                n = gaps[-1]
+                self._find_remote(keys, range(n), held)  # Once: every window below.
+                continue
+            need = [i for i in span if keys[i] not in self.windows]
+            wanted = [(keys[i], keys[i - 1] if i else None, ids[i * t : (i + 1) * t]) for i in need]
+            got = 0
+            while got < len(wanted):
+                run = self._import_run(wanted, got, adopt)
+                if not run:
+                    break
+                got += len(run)
+            done += got
+            if got == len(wanted):
+                return done
+            if not self.dram.free_blocks and not len(self.windows):
+                return done  # No room for another block.
+            n = need[got]  # Damaged (or gone since it was found): the prefixes below it.
+            held[n] = False
+            self._find_remote(keys, range(n), held)
         return done
+
+    def _find_remote(self, keys: list[bytes], blocks: range, held: dict[int, bool]) -> None:
+        """Records in ``held`` whether each of ``blocks`` not recorded yet is in the window
+        index or in some remote level (a level that answers for many keys at once is asked
+        once for all of them)."""
+        ask = [i for i in blocks if i not in held]
+        for i in ask:
+            held[i] = keys[i] in self.windows
+        for level in self.remote_levels:
+            ask = [i for i in ask if not held[i]]
+            if not ask:
+                return
+            if isinstance(level, InPlaceRemoteLevel):
+                missing = set(level.missing([keys[i] for i in ask]))
+                for j, i in enumerate(ask):
+                    held[i] = j not in missing
+            else:
+                for i in ask:
+                    held[i] = level.has(keys[i])
 
     def _import_run(self, wanted: list, pos: int, adopt: Callable[..., None]) -> list[int]:
         """Blocks ``wanted[pos:]`` ((key, parent, token ids) each) from the first level that

@@ -899,3 +899,65 @@ def test_a_record_of_layers_without_any_group_is_replaced(tmp_path):
     assert len(record["layers"]) == GEMMA4.num_layers
     with make_cache(GEMMA4, **opts) as cache:  # Now it holds groups: compared, and equal.
         np.testing.assert_array_equal(cache.committed_lengths, [0, 0])
+
+
+def damage_block(cache, group: int, ids, block: int, kind: str):
+    """Flips a byte of block ``block`` (of the tokens ``ids``) that group ``group`` of
+    ``cache`` published to its shared level (a directory's file, or a Mooncake object)."""
+    g = cache.groups[group]
+    key = g.slots.prefix.keys(np.asarray(ids))[block]
+    level = g.slots.remote_levels[0]
+    if kind == "shared":
+        path = level.directory.file_of(key)
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(bytes(data))
+        return None
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 4 << 20, "tcp", "", level.master) == 0
+    header = json.loads(client.get(level.header_key(key))[16:])
+    name = level.range_key(key, *header["ranges"][0])
+    body = bytearray(client.get(name))
+    body[-1] ^= 1
+    assert client.upsert(name, bytes(body)) == 0
+    return client  # Kept open while the object is read (it holds the damaged copy).
+
+
+def test_a_damaged_last_window_block_maps_the_longest_intact_prefix(shared_level):
+    """The shared level's copy of the sliding group's block 2 is damaged: a fresh reader
+    of the 13-token prompt cannot map 12 tokens (their window needs blocks 1 and 2), but
+    maps 8, whose window (blocks 0 and 1) and global blocks are whole, and its step over
+    tokens 8-11 equals the writer's."""
+    writer_level, reader_level, stats = shared_level
+    weights = GEMMA4.weights(4)
+    prompt = np.arange(100, 100 + 13)
+    step = make_step(GEMMA4, weights)
+    x = np.random.default_rng(0).standard_normal((BATCH, STEP, D_MODEL)).astype(np.float32)
+    counts = jnp.asarray([4, 0], jnp.int32)
+    with make_cache(GEMMA4, **writer_level) as writer:
+        sliding = next(i for i, g in enumerate(writer.plan.groups) if g.window is not None)
+        state = writer.init(admit=False)
+        state, _ = writer.admit(state, 0, tokens=prompt)
+        for _ in range(2):
+            state = step(jnp.asarray(x), counts, state)[1]
+        want, state = step(jnp.asarray(x), counts, state)  # Tokens 8-11.
+        want = np.asarray(want)[0]
+        state = step(jnp.asarray(x), counts, state)[1]
+        state = writer.release(state, 0, tokens=np.concatenate([prompt, [0, 0, 0]]))
+        keep = damage_block(writer, sliding, prompt[:12], 2, stats)
+        with make_cache(GEMMA4, **reader_level) as reader:
+            state = reader.init(admit=False)
+            state, cached = reader.admit(state, 0, tokens=prompt)
+            assert cached == 8
+            assert {int(np.asarray(g.lengths)[0]) for g in state.groups} == {8}
+            s = reader.groups[sliding].prefix_stats
+            assert s[f"{stats}_damaged"] >= 1  # Block 2 (a Mooncake run may ask twice).
+            assert s[f"{stats}_imported"] == 2  # Blocks 0 and 1, the 8-token window.
+            got, state = step(jnp.asarray(x), counts, state)
+            np.testing.assert_allclose(np.asarray(got)[0], want, atol=1e-5)
+            reader.close(state)
+        if keep is not None:
+            keep.close()
+        writer.close(state)

@@ -295,3 +295,48 @@ def test_a_prompts_windows_are_found_by_the_next_prompt(full_pool, shared, expec
         history_b[:, :, :cached] = history_a[:, :, :cached]  # The same tokens' KV.
         _steps(cache, state, 1, len(prompt_b) - cached + 5, history_b, lengths, rng, step)
         assert (cache.prefix_stats["window_hits"] > 0) == (expect > 0)
+
+
+@pytest.mark.parametrize(
+    "damaged, expect",
+    [
+        (None, 16),  # Blocks 4-5 are the reader's own tokens: 16's window (2-3) is whole.
+        (3, 12),  # The last block of 16's window is damaged: 12's (blocks 1-2) is whole.
+        (2, 8),  # 16's and 12's windows both need block 2: 8's (blocks 0-1) is whole.
+    ],
+)
+def test_a_fresh_cache_maps_the_longest_prefix_whose_window_a_directory_holds_whole(
+    damaged, expect, tmp_path
+):
+    """A publishes its 23-token prompt's windows to a shared directory. A fresh cache
+    admits a prompt sharing A's first 16 tokens and going on with others: the window of
+    its longest candidate prefix is not in the directory, nor is, with a damaged block,
+    the window of every prefix that needs that block; it maps the longest prefix whose
+    window blocks are all there and whole, and attends as over the whole history."""
+    rng = np.random.default_rng(40 + (damaged or 0))
+    shared = dict(shared_prefix_dir=str(tmp_path / "shared"))
+    step = make_step(STEP)
+    prompt_a = np.arange(100, 123)
+    history_a = np.zeros((LAYERS, 2, MAX_LEN, KV_HEADS, HEAD_DIM), np.float32)
+    with make_cache("in-place-host", tmp_path, **shared) as cache:
+        state = cache.init(admit=False)
+        state, _ = cache.admit(state, 0, tokens=prompt_a)
+        state = _steps(cache, state, 0, 23, history_a, np.zeros(BATCH, np.int64), rng, step)
+        cache.close(cache.release(state, 0))
+        if damaged is not None:
+            key = cache.slots.prefix.keys(prompt_a[: 4 * (damaged + 1)])[damaged]
+            path = cache.slots.remote_levels[0].directory.file_of(key)
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 1
+            path.write_bytes(bytes(data))
+    prompt_b = np.concatenate([prompt_a[:16], 900 + np.arange(10)])
+    with make_cache("in-place-host", tmp_path, **shared) as cache:
+        state = cache.init(admit=False)
+        state, cached = cache.admit(state, 1, tokens=prompt_b)
+        assert cached == expect
+        assert cache.prefix_stats["shared_damaged"] == (damaged is not None)
+        lengths = np.zeros(BATCH, np.int64)
+        lengths[1] = cached
+        history_b = np.zeros_like(history_a)
+        history_b[:, :, :cached] = history_a[:, :, :cached]  # The same tokens' KV.
+        _steps(cache, state, 1, len(prompt_b) - cached + 3, history_b, lengths, rng, step)
