@@ -35,6 +35,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "prefill",
     "hybrid",
     "pd",
+    "tpu-compile",
 )
 
 
@@ -46,7 +47,7 @@ def build_parser(subcommands: Sequence[str] = SUBCOMMANDS) -> argparse.ArgumentP
     )
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
     for name in subcommands:
-        module = importlib.import_module(f"jax_tpusync.bench.{name}")
+        module = importlib.import_module(f"jax_tpusync.bench.{name.replace('-', '_')}")
         module.add_parser(sub)
     return parser
 

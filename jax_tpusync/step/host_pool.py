@@ -40,6 +40,12 @@ from jax_tpusync.step import plan
 from jax_tpusync.step.unit import attend_valid_rows, block_len_for, layer_attend, rows_as_kv
 
 
+# Name scopes of a layer's unit copies and attention: the compiled program's schedule is
+# checked by them (which copy starts before which attention, and ends after it).
+FETCH_SCOPE = "tpusync_fetch_unit"
+ATTEND_SCOPE = "tpusync_attend_unit"
+
+
 def block_rows(
     layout: PoolLayout,
     block_table: jax.Array,  # int32[batch, max_blocks]
@@ -216,22 +222,24 @@ def pool_layer(
         out, lse, staging, _tail, _staged_at = carry
         n_layer, n_unit, n_lengths = next_unit(unit)
         n_rows = unit_rows(layout, state, n_layer, n_unit, n_lengths)
-        n_staging, n_tail = fetch(layout, pool, n_rows)
+        with jax.named_scope(FETCH_SCOPE):
+            n_staging, n_tail = fetch(layout, pool, n_rows)
         k_start = (first_block + unit * layout.blocks_per_unit) * spec.block_tokens
         valid = jnp.where(takes_keys, jnp.clip(lengths - k_start, 0, spec.chunk_len), 0)
-        o, l = attend_valid_rows(
-            lambda start, n, valid_rows: attend(
-                q,
-                k_start=k_start + start,
-                k_valid=valid_rows,
-                q_start=lengths,
-                **unit_kv(layout, lax.dynamic_slice_in_dim(staging, start, n, axis=1)),
-            ),
-            valid,
-            spec.chunk_len,
-            block_len,
-            q.shape,
-        )
+        with jax.named_scope(ATTEND_SCOPE):
+            o, l = attend_valid_rows(
+                lambda start, n, valid_rows: attend(
+                    q,
+                    k_start=k_start + start,
+                    k_valid=valid_rows,
+                    q_start=lengths,
+                    **unit_kv(layout, lax.dynamic_slice_in_dim(staging, start, n, axis=1)),
+                ),
+                valid,
+                spec.chunk_len,
+                block_len,
+                q.shape,
+            )
         out, lse = kernel_reference.merge_partials(out, lse, o, l)
         return out, lse, n_staging, n_tail, n_rows
 

@@ -248,7 +248,9 @@ def test_guards_name_the_argument_at_their_edges():
     state, _ = cache.admit(state, 0, max_tokens=16)
     rows = np.zeros((16, HEADS, HEAD_DIM), np.float32)
     state = cache.load(state, 0, 0, rows, rows)  # Up to the capacity exactly.
-    with pytest.raises(ValueError, match=r"\[start, start \+ n\) = \[1, 17\) must lie in \[0, 16\]"):
+    with pytest.raises(
+        ValueError, match=r"\[start, start \+ n\) = \[1, 17\) must lie in \[0, 16\]"
+    ):
         cache.load(state, 0, 0, rows, rows, start=1)
     with pytest.raises(ValueError, match="layer=3 is out of range for a cache of 3 layers"):
         cache.load(state, 3, 0, rows, rows)

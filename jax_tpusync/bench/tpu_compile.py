@@ -1,0 +1,439 @@
+"""``bench tpu-compile``: the host-pool decode step compiled for TPUs, on a machine without one.
+
+libtpu (``pip install "jax[tpu]"``) compiles programs for TPU topologies it is told of
+(:func:`jax.experimental.topologies.get_topology_desc`) with XLA's TPU compiler and Mosaic,
+on any Linux x86_64 host: nothing runs, but what the compiler accepts, the device memory
+it plans and the order it schedules copies and compute in are the chip's. Per topology and
+context this compiles three decode steps of one model (:class:`tiny_decoder.Shape`):
+
+* ``ours``: :class:`~jax_tpusync.HostPoolKVCache`'s step (the pool in ``pinned_host``);
+* ``plain``: the way a model is written with JAX memory kinds alone: each layer's KV kept
+  in ``pinned_host`` and brought in with ``jax.device_put`` inside the step;
+* ``resident``: the KV in device memory (what does not fit at long contexts).
+
+and reports each one's device bytes (arguments, temporaries and outputs the compiled
+program places in device memory), the compiler's cost analysis, whether every unit copy of
+ours is started before the attention it overlaps and waited for after it (read off the
+scheduled program), and a projected step time: the KV bytes a step reads over a host link
+of ``--link-gbps`` (default 23.75 GB/s per chip: TPU Sync's published 190 GB/s of
+contiguous host-to-device copies per 8-chip Ironwood host). A projection, not a measurement:
+nothing here ran on a TPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Any
+
+TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "tpu7x:2x2x1")
+# libtpu refuses to start without an accelerator type and worker list; any valid pair lets
+# it compile for every topology named later.
+LIBTPU_ENVIRONMENT = {"TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_WORKER_HOSTNAMES": "localhost"}
+DEFAULT_LINK_GBPS = 190 / 8
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "tpu-compile",
+        help="compile the host-pool decode step for TPU topologies (libtpu; nothing runs)",
+    )
+    p.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES))
+    p.add_argument("--contexts", nargs="+", type=int, default=[32768, 262144, 1048576])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-tokens", type=int, default=256)
+    p.add_argument("--staging-mib", type=int, default=64, help="staging_bytes of ours, MiB")
+    p.add_argument("--implementation", choices=("xla", "pallas"), default="pallas")
+    p.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS)
+    p.add_argument("--json", default="tpu_compile.json")
+    p.set_defaults(run=run, columns=COLUMNS)
+
+
+COLUMNS = [
+    ("topology", "topology", ""),
+    ("context", "context", ""),
+    ("ours_device_mib", "ours MiB", ".1f"),
+    ("plain_device_mib", "plain MiB", ".1f"),
+    ("resident_device_mib", "resident MiB", ".1f"),
+    ("weights_mib", "weights MiB", ".1f"),
+    ("staging_mib", "staging MiB", ".1f"),
+    ("overlapped", "copies overlapped", ""),
+    ("projected_step_ms", "projected ms", ".2f"),
+]
+
+
+def prepare_libtpu() -> None:
+    """Sets what libtpu needs before JAX starts a backend; the programs run nowhere."""
+    for name, value in LIBTPU_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def tpu_device(topology: str):
+    """The first device of a TPU ``topology`` (``v5e:2x2``...), compile-only."""
+    prepare_libtpu()
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
+
+
+def device_bytes(compiled) -> int:
+    """Device memory the program places: arguments, temporaries and outputs not aliased."""
+    m = compiled.memory_analysis()
+    return (
+        m.argument_size_in_bytes
+        + m.temp_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+
+
+def abstract_params(shape, sharding) -> list[dict]:
+    """The step's weights as shapes (:func:`tiny_decoder.init_step_params`'s structure)."""
+    import jax
+
+    d, kv = shape.d_model, shape.kv_heads * shape.head_dim
+    dims = {"wq": (d, d), "wk": (d, kv), "wv": (d, kv), "wo": (d, d)}
+    if shape.ffn:
+        dims.update(w1=(d, shape.ffn), w2=(shape.ffn, d))
+    return [
+        {
+            name: jax.ShapeDtypeStruct(dim, shape.dtype, sharding=sharding)
+            for name, dim in dims.items()
+        }
+        for _ in range(shape.layers)
+    ]
+
+
+def compile_ours(shape, device, *, block_tokens: int, staging_bytes: int, implementation: str):
+    """(compiled step, cache spec) of the host-pool decode step at ``shape.context``."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    import jax_tpusync as tps
+    from jax_tpusync.bench import tiny_decoder
+    from jax_tpusync.config import CacheConfig
+    from jax_tpusync.host_pool import PoolLayout, PoolState
+    from jax_tpusync.pool_cache import pool_spec
+
+    config = CacheConfig.from_kwargs(
+        num_layers=shape.layers,
+        batch=shape.batch,
+        max_len=shape.context,
+        num_kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        dtype=shape.dtype,
+        block_tokens=block_tokens,
+        staging_bytes=staging_bytes,
+    )
+    spec = pool_spec(config)
+    layout = PoolLayout(spec)
+    on_device = SingleDeviceSharding(device)
+    on_host = SingleDeviceSharding(device, memory_kind="pinned_host")
+
+    def sds(dims, dtype, sharding=on_device):
+        return jax.ShapeDtypeStruct(dims, dtype, sharding=sharding)
+
+    b = spec.batch
+    state = PoolState(
+        spec,
+        sds((b,), jnp.int32),
+        sds((b, spec.max_blocks), jnp.int32),
+        sds((b,), jnp.int32),
+        sds(layout.pool_shape, layout.dtype, on_host),
+        sds(layout.staging_shape, layout.dtype),
+        sds(layout.tail_shape, layout.dtype),
+        sds((b, layout.blocks_per_unit + 1), jnp.int32),
+        sds((b,), jnp.int32),
+    )
+    options: dict[str, Any] = dict(implementation=implementation)
+    if implementation == "pallas":
+        options.update(interpret=False)  # The kernel for the target TPU, through Mosaic.
+
+    def attend(layer, q, k, v, state):
+        return tps.prefetching_attention(q, k, v, state, layer=layer, **options)
+
+    def step(params, x, state):
+        return tiny_decoder.step(params, shape, x, state, attend)
+
+    args = (abstract_params(shape, on_device), sds((b, 1, shape.d_model), shape.dtype), state)
+    shardings = jax.tree.map(lambda a: a.sharding, args)
+    with _pallas_for_tpu(implementation):
+        compiled = (
+            jax.jit(
+                step,
+                in_shardings=shardings,
+                out_shardings=(on_device, shardings[2]),
+                donate_argnums=2,
+            )
+            .trace(*args)
+            .lower()
+            .compile()
+        )
+    return compiled, spec
+
+
+class _pallas_for_tpu:
+    """Makes the Pallas kernels target a TPU (not interpret mode) while compiling on a
+    machine whose default backend is the CPU."""
+
+    def __init__(self, implementation: str):
+        self.active = implementation == "pallas"
+
+    def __enter__(self):
+        if self.active:
+            from jax_tpusync import backend
+
+            self.saved = backend.pallas_options
+            backend.pallas_options = lambda block_kv, interpret: dict(
+                block_kv=block_kv, interpret=False, backend="tpu"
+            )
+
+    def __exit__(self, *exc):
+        if self.active:
+            from jax_tpusync import backend
+
+            backend.pallas_options = self.saved
+
+
+def compile_plain(shape, device, *, resident: bool):
+    """The same model with its KV in ``pinned_host`` arrays brought in per layer by
+    ``jax.device_put`` inside the step (``resident=False``), or in device memory."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from jax_tpusync.bench import tiny_decoder
+
+    on_device = SingleDeviceSharding(device)
+    kv_sharding = on_device if resident else SingleDeviceSharding(device, memory_kind="pinned_host")
+    b, t = shape.batch, shape.context
+    kv = jax.ShapeDtypeStruct(
+        (shape.layers, 2, b, t, shape.kv_heads, shape.head_dim), shape.dtype, sharding=kv_sharding
+    )
+
+    def attend(layer, q, k, v, cache):
+        layer_kv = cache[layer] if resident else jax.device_put(cache[layer], on_device)
+        groups = shape.q_heads // shape.kv_heads
+        keys = jnp.repeat(layer_kv[0], groups, axis=2)  # [B, T, Hq, D]
+        values = jnp.repeat(layer_kv[1], groups, axis=2)
+        logits = jnp.einsum("bqhd,bthd->bhqt", q, keys, preferred_element_type=jnp.float32)
+        weights = jax.nn.softmax(logits / shape.head_dim**0.5, axis=-1).astype(q.dtype)
+        return jnp.einsum("bhqt,bthd->bqhd", weights, values), cache
+
+    def step(params, x, cache):
+        return tiny_decoder.step(params, shape, x, cache, attend)
+
+    args = (
+        abstract_params(shape, on_device),
+        jax.ShapeDtypeStruct((b, 1, shape.d_model), shape.dtype, sharding=on_device),
+        kv,
+    )
+    shardings = jax.tree.map(lambda a: a.sharding, args)
+    return (
+        jax.jit(step, in_shardings=shardings, out_shardings=(on_device, kv_sharding))
+        .trace(*args)
+        .lower()
+        .compile()
+    )
+
+
+_OUT_OF_MEMORY = re.compile(r"memory required for HLO temporaries \(([0-9.]+)([KMGT])\)")
+
+
+def fitted_mib(build) -> tuple[float | None, str]:
+    """(device MiB, "") of the program ``build()`` compiles, or (None, why) when the
+    compiler refuses it for want of device memory (the MiB it needed, from its message)."""
+    try:
+        return device_bytes(build()) / 2**20, ""
+    except Exception as error:
+        message = str(error)
+        if "RESOURCE_EXHAUSTED" not in message:
+            raise
+        need = _OUT_OF_MEMORY.search(message)
+        if need:
+            scale = {"K": 2**-10, "M": 1, "G": 2**10, "T": 2**20}[need.group(2)]
+            return (
+                None,
+                f"does not fit: needs {float(need.group(1)) * scale:.0f} MiB of temporaries",
+            )
+        return None, "does not fit: " + message.splitlines()[0][:160]
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*.*?\b([a-z][a-z0-9-]*)\(")
+
+
+def schedule_overlap(hlo_text: str, fetch_scope: str, attend_scope: str) -> dict:
+    """Whether each unit copy of the scheduled program overlaps an attention.
+
+    In every computation (a loop body is one unit: the copy of the next unit and the
+    attention of this one) that holds both, every copy of the fetch scope must start before
+    the computation's first attention instruction and be waited for after its last one.
+    Returns counts: computations checked, copies, copies started before the attention, and
+    copies that also end after it (the compiler may wait for one of a unit's copies before
+    the attention begins, once the work between its start and the attention is done).
+    """
+    checked = copies = started_before = overlapped = 0
+    for body in re.split(r"\n(?=\S)", hlo_text):
+        starts: dict[str, int] = {}
+        dones: dict[str, int] = {}
+        attend_at: list[int] = []
+        for index, line in enumerate(body.splitlines()):
+            match = _INSTRUCTION.match(line)
+            if not match:
+                continue
+            name, opcode = match.groups()
+            if opcode.endswith("-start") and fetch_scope in line:
+                starts[name] = index
+            elif opcode.endswith("-done"):
+                operand = re.search(r"-done\(%(\S+?)\)", line)
+                if operand and operand.group(1) in starts:
+                    dones[operand.group(1)] = index
+            elif attend_scope in line and opcode in ("fusion", "custom-call", "dot", "convolution"):
+                attend_at.append(index)
+        if not starts or not attend_at:
+            continue
+        checked += 1
+        for name, start in starts.items():
+            copies += 1
+            done = dones.get(name, -1)
+            started_before += start < min(attend_at)
+            overlapped += start < min(attend_at) and done > max(attend_at)
+    return dict(
+        computations=checked, copies=copies, started_before=started_before, overlapped=overlapped
+    )
+
+
+def measure(kind: str, topology: str, shape, options: dict) -> dict:
+    """Compiles one program (``ours``, ``plain`` or ``resident``) in this process; returns
+    what :func:`run` reports of it."""
+    from jax_tpusync.host_pool import PoolLayout
+    from jax_tpusync.step.host_pool import ATTEND_SCOPE, FETCH_SCOPE
+
+    device = tpu_device(topology)
+    if kind != "ours":
+        mib, note = fitted_mib(lambda: compile_plain(shape, device, resident=kind == "resident"))
+        return dict(device_mib=mib, note=note)
+    began = time.perf_counter()
+    compiled, spec = compile_ours(shape, device, **options)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return dict(
+        device_mib=device_bytes(compiled) / 2**20,
+        note="",
+        compile_s=time.perf_counter() - began,
+        chunk_len=spec.chunk_len,
+        staging_mib=2 * PoolLayout(spec).staging_bytes / 2**20,
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        overlap=schedule_overlap(compiled.as_text(), FETCH_SCOPE, ATTEND_SCOPE),
+    )
+
+
+def measure_in_child(kind: str, topology: str, shape, options: dict) -> dict:
+    """:func:`measure` in a child process: the TPU compiler aborts the process on some
+    programs (seen with the plain memory-kinds step at 1M tokens on TPU7x), which must cost
+    one row's cell, not the run."""
+    request = dict(kind=kind, topology=topology, shape=dataclasses.asdict(shape), options=options)
+    request["shape"]["dtype"] = "bf16"
+    child = subprocess.run(
+        [sys.executable, "-m", "jax_tpusync.bench.tpu_compile", json.dumps(request)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **LIBTPU_ENVIRONMENT, "JAX_PLATFORMS": "cpu"},
+    )
+    for line in reversed(child.stdout.splitlines()):
+        if line.startswith(REPLY):
+            return json.loads(line[len(REPLY) :])
+    failed = [x for x in child.stderr.splitlines() if "Check failed" in x or "Error" in x]
+    why = failed[-1].strip()[:200] if failed else f"exit status {child.returncode}"
+    if kind == "ours":
+        raise RuntimeError(f"the host-pool step did not compile for {topology}: {why}")
+    return dict(device_mib=None, note=f"the compiler aborted: {why}")
+
+
+REPLY = "tpu-compile-reply: "
+
+
+def run(args) -> list[dict]:
+    prepare_libtpu()
+    import jax.numpy as jnp
+
+    from jax_tpusync.bench import tiny_decoder
+
+    rows = []
+    for topology in args.topologies:
+        for context in args.contexts:
+            shape = tiny_decoder.Shape(
+                layers=args.layers,
+                batch=args.batch,
+                q_heads=args.q_heads,
+                kv_heads=args.kv_heads,
+                head_dim=args.head_dim,
+                ffn=0,
+                context=context,
+                dtype=jnp.bfloat16,
+            )
+            options = dict(
+                block_tokens=args.block_tokens,
+                staging_bytes=args.staging_mib << 20,
+                implementation=args.implementation,
+            )
+            ours = measure_in_child("ours", topology, shape, options)
+            plain = measure_in_child("plain", topology, shape, options)
+            resident = measure_in_child("resident", topology, shape, options)
+            d, kv = shape.d_model, shape.kv_heads * shape.head_dim
+            weights = shape.layers * 2 * d * (d + kv) * 2  # wq, wk, wv, wo in bf16
+            kv_bytes = shape.kv_bytes_per_step
+            overlap = ours["overlap"]
+            rows.append(
+                dict(
+                    topology=topology,
+                    context=context,
+                    implementation=args.implementation,
+                    ours_device_mib=ours["device_mib"],
+                    plain_device_mib=plain["device_mib"],
+                    plain_note=plain["note"],
+                    resident_device_mib=resident["device_mib"],
+                    resident_note=resident["note"],
+                    weights_mib=weights / 2**20,
+                    staging_mib=ours["staging_mib"],
+                    chunk_len=ours["chunk_len"],
+                    kv_mib_per_step=kv_bytes / 2**20,
+                    flops=ours["flops"],
+                    bytes_accessed=ours["bytes_accessed"],
+                    overlapped=f"{overlap['overlapped']}/{overlap['copies']}",
+                    overlap=overlap,
+                    link_gbps=args.link_gbps,
+                    projected_step_ms=kv_bytes / (args.link_gbps * 1e9) * 1e3,
+                    compile_s=ours["compile_s"],
+                    ran_on_tpu=False,
+                )
+            )
+            print(f"{topology} {context}: compiled in {ours['compile_s']:.1f} s", file=sys.stderr)
+    return rows
+
+
+def _child_main(request_json: str) -> None:
+    request = json.loads(request_json)
+    prepare_libtpu()
+    from jax_tpusync.bench import tiny_decoder
+
+    fields = dict(request["shape"], dtype=tiny_decoder.jnp_dtype(request["shape"]["dtype"]))
+    shape = tiny_decoder.Shape(**fields)
+    reply = measure(request["kind"], request["topology"], shape, request["options"])
+    print(REPLY + json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1])

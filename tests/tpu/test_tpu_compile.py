@@ -1,0 +1,85 @@
+"""The host-pool decode step compiled for a TPU (libtpu's compiler; nothing runs).
+
+``python -m jax_tpusync.bench tpu-compile`` in a child process (libtpu reads its settings
+when JAX starts): the step must compile for a v5e with the Pallas attention kernel through
+Mosaic, hold the same device memory at 32K and 1M tokens (weights plus its staging), start
+every unit copy before the attention it overlaps, and beat the plain memory-kinds step,
+which keeps every layer's KV on the device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+# libtpu's wheels are Linux x86_64 only: there the test extra installs it, and a missing
+# one is a failure, not a skip.
+REQUIRED = sys.platform == "linux" and platform.machine() == "x86_64"
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    if importlib.util.find_spec("libtpu") is None:
+        if REQUIRED:
+            pytest.fail("libtpu is not installed: pip install '.[test]' installs it here")
+        pytest.skip("libtpu has no wheel for this platform")
+    out = tmp_path_factory.mktemp("tpu") / "tpu_compile.json"
+    command = [
+        sys.executable, "-m", "jax_tpusync.bench", "tpu-compile",
+        "--topologies", "v5e:2x2", "--contexts", "32768", "1048576", "--json", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {row["context"]: row for row in json.loads(out.read_text())["results"]}
+
+
+def test_device_memory_is_weights_plus_staging_at_any_context(report):
+    short, long = report[32768], report[1048576]
+    for row in (short, long):
+        assert row["ours_device_mib"] <= 1.1 * (row["weights_mib"] + row["staging_mib"]), row
+        assert row["ran_on_tpu"] is False
+    assert (
+        abs(long["ours_device_mib"] - short["ours_device_mib"]) <= 0.01 * short["ours_device_mib"]
+    )
+
+
+def test_plain_memory_kinds_keep_every_layer_on_the_device(report):
+    short = report[32768]
+    assert short["plain_device_mib"] >= short["kv_mib_per_step"]  # Every layer's KV at once.
+    long = report[1048576]
+    # At 1M tokens it needs 32 GiB of KV: more than a v5e's 16 GiB, refused by the compiler.
+    assert long["plain_device_mib"] is None and "does not fit" in long["plain_note"]
+
+
+def test_every_unit_copy_starts_before_the_attention_it_overlaps(report):
+    for row in report.values():
+        overlap = row["overlap"]
+        assert overlap["computations"] == 8  # One unit loop per layer.
+        assert overlap["started_before"] == overlap["copies"] > 0
+        # The compiler waits for at most one copy per unit before the attention begins.
+        assert overlap["overlapped"] >= overlap["copies"] - overlap["computations"]
+
+
+def test_the_schedule_check_finds_a_copy_waited_for_too_early():
+    from jax_tpusync.bench.tpu_compile import schedule_overlap
+
+    start = '  %c = f32[8] dynamic-slice-start(%p), metadata={op_name="a/tpusync_fetch_unit/b"}'
+    done = "  %d = f32[8] dynamic-slice-done(%c)"
+    attend = '  %a = f32[8] fusion(%p), metadata={op_name="a/tpusync_attend_unit/b"}'
+
+    def check(*lines):
+        body = "\n".join(["%body (p: f32[]) -> f32[] {", *lines, "}"])
+        return schedule_overlap(body, "tpusync_fetch_unit", "tpusync_attend_unit")
+
+    assert check(start, attend, done) == dict(
+        computations=1, copies=1, started_before=1, overlapped=1
+    )
+    assert check(start, done, attend)["overlapped"] == 0
+    assert check(attend, start, done)["started_before"] == 0
