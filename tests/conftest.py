@@ -14,6 +14,11 @@ _DEVICES_FLAG = "--xla_force_host_platform_device_count"
 if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}=4".strip()
 
+# libtpu (installed for tests/tpu's compile-only checks) takes a host-wide lock file when
+# JAX starts unless told not to: with it, the test processes and the compiles they spawn
+# would refuse each other.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 import pytest  # noqa: E402
 
 from jax_tpusync.engine import Engine, EngineConfig  # noqa: E402

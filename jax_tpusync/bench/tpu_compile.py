@@ -34,7 +34,13 @@ from typing import Any
 TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "tpu7x:2x2x1")
 # libtpu refuses to start without an accelerator type and worker list; any valid pair lets
 # it compile for every topology named later.
-LIBTPU_ENVIRONMENT = {"TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_WORKER_HOSTNAMES": "localhost"}
+# libtpu also takes a lock file that lets one process on a host use it at a time: these
+# compile-only processes share the host with each other and with other JAX processes.
+LIBTPU_ENVIRONMENT = {
+    "TPU_ACCELERATOR_TYPE": "v5litepod-4",
+    "TPU_WORKER_HOSTNAMES": "localhost",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+}
 DEFAULT_LINK_GBPS = 190 / 8
 
 
