@@ -1,0 +1,445 @@
+"""A weight store in a directory that publishers and pullers share on one host (``/dev/shm``
+for memory speed, or any local or shared file system): one subdirectory per version, one
+data file and one part manifest per publishing process.
+
+Layout of ``<directory>/v<version, 12 digits>/``:
+
+* ``part-<p>-of-<n>.bin``: process ``p``'s unique shards (of ``n`` publishing processes),
+  raw bytes in C order, each starting at a 64-byte aligned offset;
+* ``part-<p>-of-<n>.json``: its manifest: every leaf's path, shape and dtype, and for each
+  shard this process wrote, its index box and where its bytes lie.
+
+Each file is written under a temporary name and renamed into place (``os.replace``), the
+manifest after its data, so a manifest that can be read names bytes that are all there.
+A version is *complete* when the manifests of all ``n`` processes are present; a puller
+reads only complete versions, so it never sees a mix of two versions, and a version a
+killed publisher left without some process's manifest is refused by name
+(:class:`IncompleteVersionError`). Versions are immutable once written: publishing a
+process's part of a version twice is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import mmap
+import os
+import re
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from jax_tpusync.weight_plan import Box, SourceLayout, box_volume, layout_fingerprint
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+ALIGNMENT = 64  # Each shard's bytes start at a multiple of this in its data file.
+_VERSION_DIR = re.compile(r"^v(\d{12})$")
+_PART_MANIFEST = re.compile(r"^part-(\d{5})-of-(\d{5})\.json$")
+MAX_VERSION = 10**12 - 1
+MAX_PROCESSES = 10**5 - 1
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync that did not happen; the message says why. Nothing was changed."""
+
+
+class IncompleteVersionError(WeightSyncError):
+    """A version some publishing process never finished (it died, or is still writing when
+    the deadline passed). ``version`` and ``missing`` (the processes whose part is absent)
+    say which."""
+
+    def __init__(self, message: str, *, version: int, missing: tuple[int, ...]):
+        super().__init__(message)
+        self.version = version
+        self.missing = missing
+
+
+class VersionNotFoundError(WeightSyncError):
+    """A version no publisher has started (or one already retired)."""
+
+
+def check_version(version: object) -> int:
+    """``version`` as an int, or ValueError naming it (an int in [0, 10**12))."""
+    if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+        raise TypeError(f"version={version!r} must be an int, got {type(version).__name__}")
+    if not 0 <= int(version) <= MAX_VERSION:
+        raise ValueError(f"version={version!r} must be in [0, {MAX_VERSION}]")
+    return int(version)
+
+
+def check_timeout(name: str, value: object) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (math.isfinite(value) and value >= 0)
+    ):
+        raise ValueError(f"{name}={value!r} must be a finite number of seconds >= 0")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredShard:
+    """One published shard: its box, the process whose data file holds it, where."""
+
+    box: Box
+    process: int
+    offset: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredLeaf:
+    """One array of a version: its shards sorted by box (the plan numbers them so)."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    shards: tuple[StoredShard, ...]
+
+    def layout(self) -> SourceLayout:
+        return SourceLayout(self.path, self.shape, self.dtype, tuple(s.box for s in self.shards))
+
+
+@dataclasses.dataclass(frozen=True)
+class VersionManifest:
+    """A complete version: every leaf with all of its shards, the data file of each
+    process, and the fingerprint of the publisher's layout."""
+
+    version: int
+    num_processes: int
+    leaves: tuple[StoredLeaf, ...]
+    data_files: tuple[Path, ...]
+    fingerprint: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for leaf in self.leaves for s in leaf.shards)
+
+
+class PartWriter:
+    """Writes one process's part of a version: :meth:`add` each leaf, then :meth:`commit`
+    (the manifest goes in last) or :meth:`abort` (nothing of this part stays)."""
+
+    def __init__(self, store: WeightStore, version: int, process: int, num_processes: int,
+                 *, fsync: bool = False):
+        self.version = version
+        self.process = process
+        self.num_processes = num_processes
+        self.fsync = fsync
+        self.directory = store.version_dir(version)
+        stem = f"part-{process:05d}-of-{num_processes:05d}"
+        self.data_path = self.directory / f"{stem}.bin"
+        self.manifest_path = self.directory / f"{stem}.json"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if self.manifest_path.exists():
+            raise ValueError(
+                f"version {version}: process {process} already published its part "
+                f"({self.manifest_path}); versions are immutable, publish a new version"
+            )
+        suffix = f".tmp-{os.getpid()}-{id(self):x}"
+        self._data_tmp = self.data_path.with_name(self.data_path.name + suffix)
+        self._manifest_tmp = self.manifest_path.with_name(self.manifest_path.name + suffix)
+        self._file = open(self._data_tmp, "wb")  # noqa: SIM115 - closed by commit/abort.
+        self._offset = 0
+        self._leaves: list[dict] = []
+        self._paths: set[str] = set()
+        self.nbytes = 0
+
+    def add(self, path: str, shape: tuple[int, ...], dtype: str,
+            shards: Sequence[tuple[Box, np.ndarray]]) -> None:
+        """Appends a leaf: ``shards`` are this process's unique shards of it as (box, data),
+        possibly none (its shards are replicas another process writes)."""
+        if path in self._paths:
+            raise ValueError(f"leaf {path} added twice to version {self.version}'s part")
+        self._paths.add(path)
+        records = []
+        for box, data in shards:
+            data = np.ascontiguousarray(data)
+            if tuple(data.shape) != tuple(b - a for a, b in box) or data.dtype.name != dtype:
+                raise ValueError(
+                    f"leaf {path}: shard {box} data is {data.dtype.name}{list(data.shape)}, "
+                    f"expected {dtype} of its box"
+                )
+            pad = -self._offset % ALIGNMENT
+            if pad:
+                self._file.write(b"\0" * pad)
+                self._offset += pad
+            raw = data.reshape(-1).view(np.uint8)
+            self._file.write(memoryview(raw))
+            records.append({"box": [list(r) for r in box], "offset": self._offset,
+                            "nbytes": raw.nbytes})
+            self._offset += raw.nbytes
+            self.nbytes += raw.nbytes
+        self._leaves.append({"path": path, "shape": list(shape), "dtype": dtype,
+                             "shards": records})
+
+    def commit(self) -> None:
+        """Renames the data file into place, then writes the manifest (atomically, last)."""
+        self._file.flush()
+        if self.fsync:
+            os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._data_tmp, self.data_path)
+        doc = {
+            "format": FORMAT_VERSION,
+            "version": self.version,
+            "process": self.process,
+            "num_processes": self.num_processes,
+            "data_bytes": self._offset,
+            "leaves": self._leaves,
+        }
+        with open(self._manifest_tmp, "w") as f:
+            json.dump(doc, f)
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+        os.replace(self._manifest_tmp, self.manifest_path)
+        if self.fsync:
+            fd = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def abort(self) -> None:
+        """Removes what this part wrote (its manifest was never written)."""
+        self._file.close()
+        for p in (self._data_tmp, self._manifest_tmp):
+            p.unlink(missing_ok=True)
+
+
+class OpenVersion:
+    """A complete version's data files, mapped read-only. A mapping stays readable if the
+    version is retired meanwhile (the files are unlinked, not truncated)."""
+
+    def __init__(self, manifest: VersionManifest):
+        self.manifest = manifest
+        self._maps: list[mmap.mmap | None] = []
+        try:
+            for path in manifest.data_files:
+                with open(path, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    self._maps.append(
+                        mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+                    )
+        except FileNotFoundError as e:
+            self.close()
+            raise WeightSyncError(
+                f"weights version {manifest.version} was retired while opening it "
+                f"({e.filename} is gone): pull again (or keep more versions)"
+            ) from None
+
+    def shard(self, leaf: StoredLeaf, index: int) -> np.ndarray:
+        """A read-only view of ``leaf``'s shard number ``index`` (shape of its box)."""
+        s = leaf.shards[index]
+        dtype = np.dtype(leaf.dtype)
+        shape = tuple(b - a for a, b in s.box)
+        buf = self._maps[s.process]
+        if buf is None:  # An empty data file holds only empty shards.
+            return np.empty(shape, dtype)
+        return np.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=s.offset).reshape(
+            shape
+        )
+
+    def close(self) -> None:
+        for m in self._maps:
+            if m is not None:
+                try:
+                    m.close()
+                except BufferError:  # A view is still alive: the mapping goes with it.
+                    pass
+        self._maps = []
+
+    def __enter__(self) -> OpenVersion:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class WeightStore:
+    """The versions in ``directory`` (created when missing)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"directory={directory!r} must be a path")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def version_dir(self, version: int) -> Path:
+        return self.directory / f"v{version:012d}"
+
+    def versions(self) -> list[int]:
+        """Every version with a directory, complete or not, oldest first."""
+        out = []
+        for entry in os.scandir(self.directory):
+            m = _VERSION_DIR.match(entry.name)
+            if m and entry.is_dir():
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def parts(self, version: int) -> tuple[int | None, set[int]]:
+        """``(number of publishing processes, the processes whose manifest is present)``;
+        ``(None, set())`` for a version with no manifest yet."""
+        try:
+            names = os.listdir(self.version_dir(version))
+        except FileNotFoundError:
+            return None, set()
+        counts, present = set(), set()
+        for name in names:
+            m = _PART_MANIFEST.match(name)
+            if m:
+                present.add(int(m.group(1)))
+                counts.add(int(m.group(2)))
+        if len(counts) > 1:
+            raise WeightSyncError(
+                f"weights version {version}: its parts disagree on the number of publishing "
+                f"processes ({sorted(counts)})"
+            )
+        return (counts.pop() if counts else None), present
+
+    def is_complete(self, version: int) -> bool:
+        n, present = self.parts(version)
+        return n is not None and present == set(range(n))
+
+    def latest_complete(self) -> int | None:
+        """The newest complete version, or None."""
+        for v in reversed(self.versions()):
+            if self.is_complete(v):
+                return v
+        return None
+
+    def read_manifest(self, version: int) -> VersionManifest:
+        """The manifest of a complete version, checked: every part names the same leaves,
+        their shards tile each array, each data file has its full length. Raises
+        IncompleteVersionError or WeightSyncError."""
+        n, present = self.parts(version)
+        if n is None:
+            if not self.version_dir(version).exists():
+                raise VersionNotFoundError(
+                    f"weights version {version} not found in {self.directory} "
+                    f"(versions present: {self.versions()})"
+                )
+            raise IncompleteVersionError(
+                f"weights version {version} is incomplete: no process has finished its part",
+                version=version, missing=(),
+            )
+        missing = tuple(sorted(set(range(n)) - present))
+        if missing:
+            raise IncompleteVersionError(
+                f"weights version {version} is incomplete: no part from process(es) "
+                f"{list(missing)} of {n} publishing processes",
+                version=version, missing=missing,
+            )
+        directory = self.version_dir(version)
+        docs = []
+        for p in range(n):
+            path = directory / f"part-{p:05d}-of-{n:05d}.json"
+            try:
+                doc = json.loads(path.read_text())
+            except FileNotFoundError:
+                raise WeightSyncError(
+                    f"weights version {version} was retired while reading it: pull again"
+                ) from None
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise WeightSyncError(f"weights version {version}: {path} is not JSON: {e}") from None
+            if doc.get("format") != FORMAT_VERSION or doc.get("version") != version:
+                raise WeightSyncError(
+                    f"weights version {version}: {path} has format {doc.get('format')!r} and "
+                    f"version {doc.get('version')!r}, expected {FORMAT_VERSION} and {version}"
+                )
+            docs.append(doc)
+        data_files = tuple(directory / f"part-{p:05d}-of-{n:05d}.bin" for p in range(n))
+        for p, (doc, data) in enumerate(zip(docs, data_files, strict=True)):
+            try:
+                size = data.stat().st_size
+            except FileNotFoundError:
+                raise WeightSyncError(f"weights version {version}: {data} is missing") from None
+            if size != doc["data_bytes"]:
+                raise WeightSyncError(
+                    f"weights version {version}: process {p}'s data file {data} has {size} "
+                    f"bytes, its manifest says {doc['data_bytes']} (damaged)"
+                )
+        leaves = []
+        first = docs[0]["leaves"]
+        for p, doc in enumerate(docs):
+            if [(leaf["path"], leaf["shape"], leaf["dtype"]) for leaf in doc["leaves"]] != [
+                (leaf["path"], leaf["shape"], leaf["dtype"]) for leaf in first
+            ]:
+                raise WeightSyncError(
+                    f"weights version {version}: process {p}'s part names other leaves (paths, "
+                    f"shapes or dtypes) than process 0's"
+                )
+        for i, leaf in enumerate(first):
+            shards = []
+            for p, doc in enumerate(docs):
+                for s in doc["leaves"][i]["shards"]:
+                    box = tuple((int(a), int(b)) for a, b in s["box"])
+                    shards.append(StoredShard(box, p, int(s["offset"]), int(s["nbytes"])))
+            shards.sort(key=lambda s: s.box)
+            stored = StoredLeaf(leaf["path"], tuple(leaf["shape"]), leaf["dtype"], tuple(shards))
+            try:
+                stored.layout().check()
+            except ValueError as e:
+                raise WeightSyncError(f"weights version {version}: {e}") from None
+            item = np.dtype(stored.dtype).itemsize
+            for s in shards:
+                if s.nbytes != box_volume(s.box) * item:
+                    raise WeightSyncError(
+                        f"weights version {version}: leaf {stored.path} shard {s.box} has "
+                        f"{s.nbytes} bytes, its box holds {box_volume(s.box) * item}"
+                    )
+            leaves.append(stored)
+        leaves = tuple(leaves)
+        fingerprint = layout_fingerprint([leaf.layout() for leaf in leaves])
+        return VersionManifest(version, n, leaves, data_files, fingerprint)
+
+    def wait_manifest(self, version: int, timeout_s: float, poll_s: float = 0.01) -> VersionManifest:
+        """:meth:`read_manifest`, once the version is complete or the deadline has passed
+        (then its error says how long was waited)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.read_manifest(version)
+            except IncompleteVersionError as e:
+                if time.monotonic() >= deadline:
+                    raise IncompleteVersionError(
+                        f"{e} after waiting {timeout_s:g} s (a publishing process died, or has "
+                        f"not finished)",
+                        version=version, missing=e.missing,
+                    ) from None
+            except VersionNotFoundError as e:
+                if time.monotonic() >= deadline:
+                    raise VersionNotFoundError(f"{e} after waiting {timeout_s:g} s") from None
+            time.sleep(poll_s)
+
+    def retire(self, keep: int) -> list[int]:
+        """Removes every version older than the ``keep`` newest complete ones (complete or
+        not); returns them. A version is renamed aside first, so no reader sees it half
+        removed; a reader that has it open keeps reading it."""
+        complete = [v for v in self.versions() if self.is_complete(v)]
+        if len(complete) <= keep:
+            return []
+        oldest_kept = complete[-keep]
+        removed = []
+        for v in self.versions():
+            if v >= oldest_kept:
+                break
+            src = self.version_dir(v)
+            aside = self.directory / f".retired-{src.name}-{os.getpid()}"
+            try:
+                os.replace(src, aside)
+            except FileNotFoundError:
+                continue
+            shutil.rmtree(aside, ignore_errors=True)
+            removed.append(v)
+        if removed:
+            logger.debug("retired weight versions %s", removed)
+        return removed
