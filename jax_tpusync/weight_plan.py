@@ -246,6 +246,10 @@ class PlanCache:
     def __len__(self) -> int:
         return len(self._plans)
 
+    def plans(self) -> dict[Hashable, WeightPlan]:
+        """The cached plans by key, least recently used first."""
+        return dict(self._plans)
+
     def get(
         self,
         fingerprint: str,

@@ -161,7 +161,9 @@ class PartWriter:
         self._paths.add(path)
         records = []
         for box, data in shards:
-            data = np.ascontiguousarray(data)
+            data = np.asarray(data)
+            if not data.flags.c_contiguous:  # (ascontiguousarray would make a scalar 1-D)
+                data = data.copy(order="C")
             if tuple(data.shape) != tuple(b - a for a, b in box) or data.dtype.name != dtype:
                 raise ValueError(
                     f"leaf {path}: shard {box} data is {data.dtype.name}{list(data.shape)}, "
