@@ -31,12 +31,21 @@ token fed back as an input (``cache.extend_tokens`` when fed). The cache therefo
 KV of the prompt and of every decode input, but not of the last sampled token, which is
 never fed: a request of ``max_new_tokens`` tokens needs ``len(prompt) + max_new_tokens - 1``
 tokens of capacity.
+
+Guards: :meth:`ServingLoop.submit` checks every field of a request (ids are ints in
+``[0, vocab_size)``, never truncated; the request must fit what the cache can ever give one
+slot) and refuses a bad one with a ``TypeError`` / ``ValueError`` naming the field, queueing
+nothing (:mod:`jax_tpusync.serving_checks`). What can still fail for one request at run
+time (its sampler raises or returns no token id; its admission is refused with nothing
+else running) ends that request only: ``finish_reason == "error"`` and ``error`` says why;
+the others go on. A failure of the step itself concerns every slot and is raised.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -44,6 +53,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax_tpusync import serving_checks as checks
+from jax_tpusync.config import is_int
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Completion", "Request", "Sampler", "ServingLoop", "greedy"]
 
@@ -83,6 +97,9 @@ class Completion:
 
     ``tokens``: the ids generated so far; ``cached``: prompt tokens whose KV the prefix
     index already held (not prefilled); ``slot``: where it ran (None before admission).
+    ``finish_reason``: "length", "stop", or "error" for a request that failed on its own
+    (its sampler raised or returned no token id, or its admission was refused with nothing
+    else running): ``error`` says why, ``tokens`` holds what it generated before.
     """
 
     index: int
@@ -94,7 +111,8 @@ class Completion:
     admitted: float | None = None
     first_token: float | None = None
     finished: float | None = None
-    finish_reason: str | None = None  # "length" or "stop"
+    finish_reason: str | None = None  # "length", "stop" or "error"
+    error: str | None = None  # Why a request ended with finish_reason "error".
 
     @property
     def done(self) -> bool:
@@ -123,12 +141,14 @@ class Completion:
             queue_s=None if self.admitted is None else self.admitted - self.arrival,
             ttft_s=self.ttft,
             time_per_output_token_s=self.time_per_output_token,
+            error=self.error,
         )
 
 
 @dataclasses.dataclass
 class _Active:
     completion: Completion
+    checked: checks.CheckedRequest
     rng: np.random.Generator
     pending: np.ndarray  # Prompt ids still to prefill.
     next_input: int | None = None  # The last sampled id, fed by the next step.
@@ -145,22 +165,35 @@ class ServingLoop:
 
     Args:
       cache: an :class:`~jax_tpusync.OffloadedKVCache` (or a sharded or hybrid cache) whose
-        slots are all inactive (a
-        fresh cache; ``cache.init(admit=False)`` makes the first state unless ``state`` is
-        given).
+        slots are all inactive (a fresh cache; ``cache.init(admit=False)`` makes the first
+        state unless ``state`` is given).
       step: the jitted step (see the module's docstring for its contract).
       params: passed through as the step's first argument.
-      chunk: prompt tokens fed per slot and step while prefilling (the prefill bucket).
-      decode_width: T of steps in which no slot prefills (default 1); None: every step
-        has T = ``chunk`` (one compiled step in all, each decode step computing ``chunk``
-        rows per slot).
+      chunk: prompt tokens fed per slot and step while prefilling (the prefill bucket), an
+        int >= 1.
+      decode_width: T of steps in which no slot prefills (default 1), an int in
+        ``[1, chunk]``; None: every step has T = ``chunk`` (one compiled step in all, each
+        decode step computing ``chunk`` rows per slot).
       state: the cache's live state to start from (every slot inactive).
-      seed: the default seed of the requests' samplers.
+      seed: the default seed of the requests' samplers, an int >= 0.
       clock: seconds, for the request times.
+      vocab_size: the model's vocabulary: token ids (prompts, stop tokens, sampled ids)
+        must be in ``[0, vocab_size)``. None: read from the step's logits.
+
+    The step is traced once here (``jax.eval_shape`` at the prefill width: no compile, and
+    its first real call reuses the trace) to check its contract and read the vocabulary
+    from its logits. :meth:`warmup` compiles it.
 
     Between steps, finished requests release their slots and waiting ones are admitted in
-    arrival order (a request the pool has no blocks for waits while others run; with no
-    request running it is refused).
+    arrival order (a request the pool has no blocks for waits while others run; one
+    refused with nothing else running ends with an error).
+
+    Raises:
+      TypeError, ValueError: an argument of the wrong kind or out of range (the message
+        names it); a step that fails when traced with the loop's inputs or does not return
+        ``(logits [batch, chunk, vocab], state)``; a ``vocab_size`` other than the
+        logits'. A refused loop changes nothing (the step is traced on a state that is not
+        live).
     """
 
     def __init__(
@@ -174,51 +207,113 @@ class ServingLoop:
         state: Any = None,
         seed: int = 0,
         clock: Callable[[], float] = time.perf_counter,
+        vocab_size: int | None = None,
     ):
-        if chunk < 1:
-            raise ValueError(f"chunk must be >= 1; got {chunk}")
-        if decode_width is not None and not 1 <= decode_width <= chunk:
-            raise ValueError(f"decode_width must be in [1, chunk={chunk}] or None")
+        checks.check_cache(cache)
+        checks.check_callable("step", step, "step(params, tokens, positions, counts, state)")
+        chunk = checks.check_int("chunk", chunk, 1)
+        if decode_width is not None:
+            if not is_int(decode_width) or not 1 <= decode_width <= chunk:
+                raise (ValueError if is_int(decode_width) else TypeError)(
+                    f"decode_width must be None or an int in [1, chunk={chunk}]; "
+                    f"got {decode_width!r}"
+                )
+            decode_width = int(decode_width)
+        seed = checks.check_int("seed", seed, 0)
+        checks.check_callable("clock", clock, "clock() -> seconds")
+        if vocab_size is not None and (not is_int(vocab_size) or vocab_size < 1):
+            raise (ValueError if is_int(vocab_size) else TypeError)(
+                f"vocab_size must be None or an int >= 1; got {vocab_size!r}"
+            )
+        if state is not None and not callable(getattr(state, "positions", None)):
+            raise TypeError(
+                "state must be None or the cache's live state (every slot inactive); "
+                f"got {type(state).__name__}"
+            )
         if np.any(np.asarray(cache.capacity) != 0):
             raise ValueError(
                 "every slot of the cache must be inactive (a fresh cache, or one whose "
                 "slots were released); active: "
                 f"{np.flatnonzero(np.asarray(cache.capacity)).tolist()}"
             )
+        self.batch = int(cache.batch)
+        self.max_len = int(cache.max_len)
+        # Traced on a state that is not live (a given state is not consumed), so that a
+        # refused step or vocab_size leaves the cache as it was.
+        live = state is not None or not hasattr(cache, "inert_state")
+        if state is None and live:
+            state = cache.init(admit=False)  # A cache with no inert state: traced on this.
+        traced_vocab = _check_step(
+            step, params, self.batch, chunk, state if live else cache.inert_state()
+        )
+        if vocab_size is not None and vocab_size != traced_vocab:
+            raise ValueError(
+                f"vocab_size={vocab_size} but the step's logits have {traced_vocab} entries "
+                "per row"
+            )
+        if state is None:
+            state = cache.init(admit=False)
+        self.vocab_size = traced_vocab
         self.cache, self.step_fn, self.params = cache, step, params
         self.chunk, self.decode_width = chunk, decode_width or chunk
         self.seed, self.clock = seed, clock
-        self.state = cache.init(admit=False) if state is None else state
-        self.batch = int(cache.batch)
-        self.max_len = int(cache.max_len)
+        self.state = state
+        # The most tokens of KV one request may need, and what sets it.
+        self.max_request_tokens, self._limit_reason = checks.slot_limit(cache)
         self.waiting: collections.deque[Completion] = collections.deque()
+        self._checked: dict[int, checks.CheckedRequest] = {}  # Of the waiting requests.
         self.slots: list[_Active | None] = [None] * self.batch
         self.completions: list[Completion] = []
         self.steps = 0
         self.step_widths: collections.Counter[int] = collections.Counter()
         self.step_seconds = 0.0
+        # Seconds of each width's first call made by warmup() (compile included), and the
+        # widths whose first call was a request's step (that step's time holds a compile).
+        self.warmup_seconds: dict[int, float] = {}
+        self.compiled_in_steps: set[int] = set()
 
     # -- requests -----------------------------------------------------------------------
+
+    def check(self, request: Request) -> checks.CheckedRequest:
+        """Checks every field of ``request`` as :meth:`submit` does; queues nothing.
+
+        Raises:
+          TypeError, ValueError: naming the field and its value (ids must be ints in
+            ``[0, vocab_size)``; a prompt 1-D and non-empty; ``max_new_tokens`` an int
+            >= 1; ``stop_tokens`` a sequence of ids; ``sampler`` None or a callable;
+            ``seed`` None, an int >= 0 or a sequence of them), or a request that needs
+            more tokens of KV (``len(prompt) + max_new_tokens - 1``) than the cache can
+            ever give one slot (:attr:`max_request_tokens`: its ``max_len``, or its pool).
+        """
+        if not isinstance(request, Request):
+            raise TypeError(f"request must be a serving.Request; got {type(request).__name__}")
+        return checks.check_request(
+            request, self.vocab_size, (self.max_request_tokens, self._limit_reason)
+        )
 
     def submit(self, request: Request, *, arrival: float | None = None) -> Completion:
         """Queues ``request``; returns its :class:`Completion` (filled in as it runs).
 
         ``arrival``: when it arrived on the loop's clock (default now), for its TTFT.
+
+        Raises:
+          TypeError, ValueError: a bad request (see :meth:`check`) or arrival; nothing
+            is queued.
         """
-        prompt = np.asarray(request.prompt, np.int64).reshape(-1)
-        if prompt.size < 1 or request.max_new_tokens < 1:
-            raise ValueError("a request needs at least one prompt token and max_new_tokens >= 1")
-        need = prompt.size + request.max_new_tokens - 1
-        if need > self.max_len:
-            raise ValueError(
-                f"request needs {need} tokens of KV (prompt {prompt.size} + max_new_tokens "
-                f"{request.max_new_tokens} - 1); the cache's max_len is {self.max_len}"
-            )
+        checked = self.check(request)
+        if arrival is not None:
+            arrival = checks.check_arrival("arrival", arrival, optional=True)
+        return self._enqueue(request, checked, arrival)
+
+    def _enqueue(
+        self, request: Request, checked: checks.CheckedRequest, arrival: float | None
+    ) -> Completion:
         done = Completion(
             len(self.completions), request, self.clock() if arrival is None else arrival
         )
         self.completions.append(done)
         self.waiting.append(done)
+        self._checked[done.index] = checked
         return done
 
     @property
@@ -226,40 +321,105 @@ class ServingLoop:
         """Whether a request is waiting or running."""
         return bool(self.waiting) or any(s is not None for s in self.slots)
 
+    def _fail(self, done: Completion, error: str, now: float | None = None) -> None:
+        """Ends one request with ``error``; the others go on."""
+        done.finished = self.clock() if now is None else now
+        done.finish_reason, done.error = "error", error
+        logger.warning("request %d ended with an error: %s", done.index, error)
+
     def _admit_waiting(self) -> None:
         while self.waiting:
             free = [b for b, s in enumerate(self.slots) if s is None]
             if not free:
                 return
             done = self.waiting[0]
-            req = done.request
-            prompt = np.asarray(req.prompt, np.int64).reshape(-1)
+            req, checked = done.request, self._checked[done.index]
             try:
                 self.state, cached = self.cache.admit(
                     self.state,
                     free[0],
-                    tokens=prompt,
-                    max_tokens=prompt.size + req.max_new_tokens - 1,
+                    tokens=checked.prompt.astype(np.int64),
+                    max_tokens=checked.need,
                 )
-            except ValueError:
+            except ValueError as e:
                 if any(s is not None for s in self.slots):
                     return  # Blocks come back as running requests finish.
-                raise
+                # Refused with nothing else running: waiting would not change it.
+                self.waiting.popleft()
+                del self._checked[done.index]
+                self._fail(done, f"admission refused: {e}")
+                continue
             self.waiting.popleft()
+            del self._checked[done.index]
             seed = req.seed if req.seed is not None else (self.seed, done.index)
             done.slot, done.cached, done.admitted = free[0], int(cached), self.clock()
-            self.slots[free[0]] = _Active(done, np.random.default_rng(seed), prompt[cached:])
+            self.slots[free[0]] = _Active(
+                done, checked, np.random.default_rng(seed), checked.prompt[cached:]
+            )
 
     def _release(self, b: int) -> None:
         # Publishes the slot's full blocks under its recorded ids (prompt + fed tokens).
         self.state = self.cache.release(self.state, b)
         self.slots[b] = None
 
+    def _sample(self, active: _Active, logits: np.ndarray) -> tuple[int | None, str | None]:
+        """``(token, None)``, or ``(None, why)`` when the request's sampler fails."""
+        sampler = active.completion.request.sampler or greedy
+        try:
+            token = sampler(logits, active.rng)
+        except Exception as e:  # noqa: BLE001 - the request's own code: it alone ends.
+            return None, f"sampler failed: {e!r}"
+        if not is_int(token) or not 0 <= token < self.vocab_size:
+            return None, f"sampler returned {token!r}, {checks.token_id_error(self.vocab_size)}"
+        return int(token), None
+
     # -- the loop -----------------------------------------------------------------------
+
+    def _run_step(self, tokens: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Runs the step once; returns each slot's logits row ``counts[b] - 1``.
+
+        tokens int32[batch, T], counts int32[batch] -> f32[batch, vocab] on the host.
+        """
+        width = tokens.shape[1]
+        positions = self.state.positions(width)
+        logits, self.state = self.step_fn(
+            self.params, jnp.asarray(tokens), positions, jnp.asarray(counts), self.state
+        )
+        if width > 1:
+            logits = _rows_at(logits, jnp.asarray(np.maximum(counts - 1, 0)))
+        else:
+            logits = logits[:, 0]
+        return np.asarray(logits)  # Waits for the step.
+
+    def warmup(self) -> dict[int, float]:
+        """Compiles every step the loop will run before the first request, so that its
+        TTFT and time per token hold no compile.
+
+        Runs the step once at each width the loop uses (``chunk``, and ``decode_width``)
+        with every count 0: no slot takes a token, nothing is written, the cache's slots
+        stay as they are. Also compiles the loop's own small functions (taking each
+        slot's logits row). Returns (and keeps in :meth:`stats`, apart from the steps'
+        seconds) the seconds of each width's run, its compile included.
+        """
+        for width in sorted({self.chunk, self.decode_width}, reverse=True):
+            t0 = self.clock()
+            self._run_step(
+                np.zeros((self.batch, width), np.int32), np.zeros(self.batch, np.int32)
+            )
+            self.warmup_seconds[width] = self.clock() - t0
+        logger.info(
+            "serving loop warm-up: %s",
+            ", ".join(f"T={w}: {s:.3f} s" for w, s in sorted(self.warmup_seconds.items())),
+        )
+        return dict(self.warmup_seconds)
 
     def step(self) -> bool:
         """Admits what it can, runs one step over the running requests, samples, releases
-        the finished ones. Returns False if nothing was running (no step ran)."""
+        the finished ones. Returns False if nothing was running (no step ran).
+
+        A request whose sampler fails ends with ``finish_reason == "error"`` (its slot
+        released); an exception of the step itself concerns every slot and is raised.
+        """
         self._admit_waiting()
         active = [(b, s) for b, s in enumerate(self.slots) if s is not None]
         if not active:
@@ -278,16 +438,10 @@ class ServingLoop:
                 tokens[b, 0], counts[b] = s.next_input, 1
                 # Recorded when fed: the slot's ids stay those of the KV it holds.
                 self.cache.extend_tokens(b, [s.next_input])
+        if width not in self.warmup_seconds and width not in self.step_widths:
+            self.compiled_in_steps.add(width)  # This step's time holds its compile.
         t0 = self.clock()
-        positions = self.state.positions(width)
-        logits, self.state = self.step_fn(
-            self.params, jnp.asarray(tokens), positions, jnp.asarray(counts), self.state
-        )
-        if width > 1:
-            logits = _rows_at(logits, jnp.asarray(np.maximum(counts - 1, 0)))
-        else:
-            logits = logits[:, 0]
-        logits = np.asarray(logits)  # Waits for the step.
+        logits = self._run_step(tokens, counts)
         now = self.clock()
         self.steps += 1
         self.step_widths[width] += 1
@@ -302,16 +456,20 @@ class ServingLoop:
         for b, s in active:
             if s.pending.size:
                 continue  # Mid-prompt: no token yet.
-            done, req = s.completion, s.completion.request
-            token = int((req.sampler or greedy)(logits[b], s.rng))
+            done, checked = s.completion, s.checked
+            token, error = self._sample(s, logits[b])
+            if error is not None:
+                self._fail(done, error, now)
+                self._release(b)
+                continue
             done.tokens.append(token)
             if done.first_token is None:
                 done.first_token = now
             reason = (
                 "stop"
-                if token in req.stop_tokens
+                if token in checked.stop_tokens
                 else "length"
-                if len(done.tokens) >= req.max_new_tokens
+                if len(done.tokens) >= checked.max_new_tokens
                 else None
             )
             if reason:
@@ -333,11 +491,40 @@ class ServingLoop:
 
         ``on_finish(completion)`` is called once per finished request (a progress bar).
         Returns the completions of ``requests`` in order.
+
+        Raises:
+          TypeError, ValueError: a bad request (the message starts ``requests[i]:``), a
+            bad arrival or ``on_finish``; checked before anything is submitted.
         """
+        if isinstance(requests, Request):
+            raise TypeError(
+                "requests must be an iterable of Request; got one Request (pass [request])"
+            )
+        if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
+            raise TypeError(
+                f"requests must be an iterable of Request; got {type(requests).__name__}"
+            )
         requests = list(requests)
-        offsets = [0.0] * len(requests) if arrivals is None else [float(a) for a in arrivals]
-        if len(offsets) != len(requests):
-            raise ValueError("arrivals must have one offset per request")
+        checked = []
+        for i, request in enumerate(requests):
+            try:
+                checked.append(self.check(request))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"requests[{i}]: {e}") from e
+        if arrivals is None:
+            offsets = [0.0] * len(requests)
+        else:
+            if isinstance(arrivals, (str, bytes)) or not isinstance(arrivals, Iterable):
+                raise TypeError(
+                    f"arrivals must be None or a sequence of seconds; got {type(arrivals).__name__}"
+                )
+            offsets = [checks.check_arrival(f"arrivals[{i}]", a) for i, a in enumerate(arrivals)]
+            if len(offsets) != len(requests):
+                raise ValueError(
+                    f"arrivals must have one offset per request; got {len(offsets)} for "
+                    f"{len(requests)} requests"
+                )
+        checks.check_callable("on_finish", on_finish, "on_finish(completion)", optional=True)
         start = self.clock()
         order = sorted(range(len(requests)), key=offsets.__getitem__)
         mine: list[Completion | None] = [None] * len(requests)
@@ -347,7 +534,7 @@ class ServingLoop:
             now = self.clock()
             while pos < len(order) and start + offsets[order[pos]] <= now:
                 i = order[pos]
-                mine[i] = self.submit(requests[i], arrival=start + offsets[i])
+                mine[i] = self._enqueue(requests[i], checked[i], start + offsets[i])
                 pos += 1
             if not self.step() and pos < len(order):
                 time.sleep(max(0.0, start + offsets[order[pos]] - self.clock()))
@@ -359,11 +546,57 @@ class ServingLoop:
         return mine  # type: ignore[return-value]
 
     def stats(self) -> dict[str, Any]:
-        """Steps run, by width, and the seconds spent in them (dispatch to logits)."""
+        """Steps run, by width, and the seconds spent in them (dispatch to logits);
+        :meth:`warmup`'s seconds by width apart (compile included, not in the steps'), and
+        the widths whose compile fell in a request's step instead (no warm-up)."""
         return dict(
             steps=self.steps,
             steps_by_width={int(k): v for k, v in sorted(self.step_widths.items())},
             step_seconds=self.step_seconds,
+            warmup_seconds_by_width={int(k): v for k, v in sorted(self.warmup_seconds.items())},
+            compiled_in_steps=sorted(self.compiled_in_steps),
             requests=len(self.completions),
             finished=sum(c.done for c in self.completions),
+            errors=sum(c.finish_reason == "error" for c in self.completions),
         )
+
+
+def _describe(value: Any) -> str:
+    """``value`` in a message: an array's dtype and shape, else its type."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{np.dtype(value.dtype).name}{list(value.shape)}"
+    return type(value).__name__
+
+
+def _check_step(step: Callable, params: Any, batch: int, chunk: int, state: Any) -> int:
+    """Traces ``step`` at the prefill width (``jax.eval_shape``: nothing runs or compiles;
+    a jitted step's first call reuses the trace) and checks what it returns; returns the
+    vocabulary (the logits' last dimension)."""
+    call = f"step(params, tokens int32[{batch}, {chunk}], positions, counts int32[{batch}], state)"
+    tokens = jnp.asarray(np.zeros((batch, chunk), np.int32))  # As the loop makes them.
+    counts = jnp.asarray(np.zeros(batch, np.int32))
+    try:
+        out = jax.eval_shape(step, params, tokens, state.positions(chunk), counts, state)
+    except Exception as e:
+        raise TypeError(
+            f"{call} failed when traced with the loop's inputs (jax.eval_shape): "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    expect = f"step must return (logits [{batch}, {chunk}, vocab], state)"
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError(f"{expect}; {call} returned {_describe(out)}")
+    logits, new_state = out
+    shape = tuple(getattr(logits, "shape", ()))
+    if (
+        len(shape) != 3
+        or shape[:2] != (batch, chunk)
+        or shape[2] < 1
+        or not jnp.issubdtype(logits.dtype, jnp.floating)
+    ):
+        raise TypeError(f"{expect} with float logits; its logits are {_describe(logits)}")
+    if jax.tree.structure(new_state) != jax.tree.structure(state):
+        raise TypeError(
+            f"{expect}; its state ({type(new_state).__name__}) is not of the structure of "
+            f"the state it was given ({type(state).__name__})"
+        )
+    return int(shape[2])

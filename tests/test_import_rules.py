@@ -60,6 +60,7 @@ LAYERS: dict[str, int] = {
     "attention": 7,
     "bench": 8,
     "serving": 8,
+    "serving_checks": 8,
     "__init__": 9,
 }
 
