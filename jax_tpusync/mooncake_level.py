@@ -56,7 +56,9 @@ import functools
 import json
 import logging
 import math
+import numbers
 import os
+import socket
 import struct
 import threading
 import time
@@ -117,6 +119,24 @@ MIN_SEGMENT_BYTES = 16 << 20
 HEADER_BATCH = 32
 LOAD_BATCH_BYTES = 64 << 20
 PUBLISH_BATCH_BYTES = 16 << 20  # Blocks put in one request (copied into the level's buffer).
+# The longest deadline_s: a call waited for longer than an hour is a hang by another name
+# (and the engine's TCP timeouts are whole seconds of a C int).
+MAX_DEADLINE_S = 3600.0
+
+# The client's setup() and close() hold this interpreter's GIL while they wait for the master
+# (measured: 8 s with the master stopped, until it resumed; 91 s with it killed), so no
+# deadline can be kept around them from another thread. Before either, the master is asked
+# with a plain socket (which releases the GIL) whether it answers at all: a few bytes that
+# are not a request of its protocol, which a running master answers by closing the
+# connection. A master that refuses or says nothing within the deadline is unreachable;
+# the client is then neither set up nor closed. Masters that did not answer, by address:
+# (until when every level of this process treats them as unreachable without asking, why).
+_PROBE = b"\0" * 64
+_UNANSWERED: dict[str, tuple[float, str]] = {}
+_UNANSWERED_LOCK = threading.Lock()
+# Clients of masters that did not answer when their level closed: closing them would hold
+# the GIL until the master answers; kept referenced (freeing one closes it too).
+_ABANDONED: list[Any] = []
 
 
 def _import_store() -> Any:
@@ -147,6 +167,49 @@ def _code_fault(code: int, what: str) -> _Fault:
         _NO_HANDLE: "full",
     }.get(code, "error")
     return _Fault(kind, f"{what} returned {code}")
+
+
+def _is_seconds(value: Any) -> bool:
+    """A real number, not a bool or NaN."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def split_master(master: Any) -> tuple[str, int]:
+    """(host, port) of a master's ``host:port`` (``[v6 address]:port``); a ValueError
+    naming ``master`` otherwise."""
+    if isinstance(master, str):
+        host, sep, port = master.rpartition(":")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        if (
+            sep
+            and host
+            and not any(c.isspace() or c in "/[]" for c in host)
+            and port.isascii()
+            and port.isdigit()
+            and 0 < int(port) < 65536
+        ):
+            return host, int(port)
+    raise ValueError(f"master={master!r} must be 'host:port' (a port in 1-65535)")
+
+
+def probe_master(host: str, port: int, timeout: float) -> str | None:
+    """None if the master at ``host:port`` answered :data:`_PROBE` within ``timeout``
+    seconds (with bytes, or by closing the connection); else why not. Only socket calls,
+    which release the GIL."""
+    start = time.monotonic()
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as conn:
+            conn.settimeout(max(1e-3, timeout - (time.monotonic() - start)))
+            conn.sendall(_PROBE)
+            conn.recv(1)  # b"" (closed) or an answer: either way the master runs.
+    except TimeoutError:
+        return f"it did not answer within {timeout:.3g} s"
+    except (ConnectionResetError, BrokenPipeError):
+        return None  # It closed the connection on the bytes it did not expect.
+    except OSError as e:
+        return f"connecting to it failed ({e})"
+    return None
 
 
 class MooncakeStoreLevel:
@@ -211,14 +274,27 @@ class MooncakeStoreLevel:
                 f"segment_bytes={segment_bytes!r} must be 0 or at least {MIN_SEGMENT_BYTES} "
                 f"(16 MiB, the client's smallest segment)"
             )
-        if not deadline_s > 0 or not retry_after_s >= 0:
+        if not _is_seconds(deadline_s) or not 0 < deadline_s <= MAX_DEADLINE_S:
             raise ValueError(
-                f"deadline_s={deadline_s!r} must be > 0 and retry_after_s={retry_after_s!r} >= 0"
+                f"deadline_s={deadline_s!r} must be a number of seconds > 0 and at most "
+                f"{MAX_DEADLINE_S:g}"
             )
-        if not isinstance(master, str) or ":" not in master:
-            raise ValueError(f"master={master!r} must be 'host:port'")
-        if not namespace or "/" in namespace:
+        if not _is_seconds(retry_after_s) or not 0 <= retry_after_s < math.inf:
+            raise ValueError(
+                f"retry_after_s={retry_after_s!r} must be a finite number of seconds >= 0"
+            )
+        split_master(master)
+        if not isinstance(namespace, str) or not namespace or "/" in namespace:
             raise ValueError(f"namespace={namespace!r} must be a non-empty name without '/'")
+        if (
+            not isinstance(local_host, str)
+            or not local_host
+            or any(c.isspace() or c == "/" for c in local_host)
+        ):
+            raise ValueError(
+                f"local_host={local_host!r} must be this host's name or address (non-empty, "
+                f"no spaces or '/')"
+            )
         self._store_class = _import_store()
         # The engine reads these when it starts: a hung peer then ends a transfer in about
         # the deadline instead of 30 s. A user's own settings win.
@@ -259,15 +335,42 @@ class MooncakeStoreLevel:
         self._paused_until = 0.0
         self._logged: set[str] = set()
         self._closed = False
-        self.published = 0  # Blocks this process put.
         self.imported = 0  # Blocks this process loaded, checked.
         self.misses = 0  # Loads of a block that is not there (no header).
-        self.damaged = 0  # Blocks refused on load (corrupt, foreign, collision).
-        self.publish_failures = 0  # Publishes that a fault stopped.
+        self.damaged = 0  # Blocks refused on load (corrupt, foreign, collision, size).
         self.skipped = 0  # Calls answered as misses while paused, or once closed.
         self.bytes_loaded = 0
-        self.bytes_published = 0
         self.faults = dict.fromkeys(FAULT_KINDS, 0)
+        # Publishes: [blocks put, blocks not put, bytes put], counted by the caller's thread
+        # and (for a request that passed its deadline, once it returned) by the worker's;
+        # each list has one writer, so no count is lost. ``_in_flight``: blocks of requests
+        # that passed their deadline, less those the worker has counted since.
+        self._put_here = [0, 0, 0]
+        self._put_late = [0, 0, 0]
+        self._in_flight_sent = 0
+        self._in_flight_done = 0
+
+    @property
+    def published(self) -> int:
+        """Blocks this process put (a request that passed its deadline counts once it
+        returned)."""
+        return self._put_here[0] + self._put_late[0]
+
+    @property
+    def publish_failures(self) -> int:
+        """Blocks a publish did not put: a fault stopped it, it was never sent (paused, a
+        call still stuck), or a request that passed its deadline returned without them."""
+        return self._put_here[1] + self._put_late[1]
+
+    @property
+    def bytes_published(self) -> int:
+        return self._put_here[2] + self._put_late[2]
+
+    @property
+    def publishes_in_flight(self) -> int:
+        """Blocks of publish requests that passed their deadline and have not returned: in
+        neither count above until they do (they may still reach the store)."""
+        return self._in_flight_sent - self._in_flight_done
 
     # -- the RemoteLevel interface ----------------------------------------------------------
 
@@ -315,7 +418,7 @@ class MooncakeStoreLevel:
         prepared = self._prepare(key, parent, tokens, payload)  # Refused before any call.
         missing = self._run(lambda client: self._missing(client, [self.header_key(key)]), None)
         if missing is None:  # A fault: counted as a publish that did not happen.
-            self.publish_failures += 1
+            self._put_here[1] += 1
             return False
         return bool(missing) and self._put_prepared([prepared]) == 1
 
@@ -347,17 +450,31 @@ class MooncakeStoreLevel:
                 functools.partial(self._publish_batch, batch=batch),
                 (0, len(batch), "fault"),
                 stage=functools.partial(self._stage, batch),
+                late=functools.partial(self._count_late_publish, len(batch)),
+                in_flight=(0, 0, "in flight"),
             )
             wrote, failed, fault = result
             put += wrote
-            self.published += wrote
-            self.bytes_published += wrote * self.payload_bytes
+            self._put_here[0] += wrote
+            self._put_here[2] += wrote * self.payload_bytes
             if fault is not None:
-                if fault != "fault":
+                if fault == "in flight":  # Counted by _count_late_publish once it returns.
+                    self._in_flight_sent += len(batch)
+                elif fault != "fault":
                     self._fault(*fault, pause=fault[0] == "unreachable")
-                self.publish_failures += len(prepared) - first - wrote
+                # This batch's blocks that did not go in, and the later batches, never sent.
+                self._put_here[1] += failed + len(prepared) - first - len(batch)
                 return put
         return put
+
+    def _count_late_publish(self, blocks: int, ok: bool, value: Any) -> None:
+        """On the worker: what a publish request that passed its deadline did, once it
+        returned."""
+        wrote = value[0] if ok else 0
+        self._put_late[0] += wrote
+        self._put_late[1] += blocks - wrote
+        self._put_late[2] += wrote * self.payload_bytes
+        self._in_flight_done += blocks
 
     def _prepare(
         self, key: bytes, parent: bytes | None, tokens: np.ndarray, payload: Any
@@ -473,10 +590,14 @@ class MooncakeStoreLevel:
             if codes is failed:
                 busy = end if began and not self.settled() else 0
                 return InPlaceLoad(loaded, busy)
+            codes, stored = codes
             at = 0
             for j in range(first, end):
                 ranges = self._ranges[wanted[j][0]]
-                problem = self._check_landed(wanted[j][0], ranges, codes[at:], destinations[j])
+                sizes = [stored.get(at + r) for r in range(len(ranges))]
+                problem = self._check_landed(
+                    wanted[j][0], ranges, codes[at:], sizes, destinations[j]
+                )
                 at += len(ranges)
                 if problem is not None:
                     return InPlaceLoad(loaded)
@@ -491,17 +612,34 @@ class MooncakeStoreLevel:
         return [(i, min(i + per, count)) for i in range(0, count, per)]
 
     def _check_landed(
-        self, key: bytes, ranges: list, codes: list[int], views: list[np.ndarray]
+        self,
+        key: bytes,
+        ranges: list,
+        codes: list[int],
+        stored: list[int | None],
+        views: list[np.ndarray],
     ) -> str | None:
         """None if every range of ``key`` arrived whole and matches its checksum where it
-        landed; else counts the fault or the damage, logs it, and says what."""
+        landed; else counts the fault or the damage, logs it, and says what. ``stored``:
+        per range, the object's size in the store where its code may mean another size
+        (see :meth:`_get_ranges`), else None."""
         name = f"block {key.hex()} in the {self.describe()}"
-        for (lo, hi, checksum), code in zip(ranges, codes):
+        for (lo, hi, checksum), code, size in zip(ranges, codes, stored):
             want = 2 * (hi - lo) * self.block_bytes
+            if size is not None and size >= 0 and size != want:
+                code = size  # Another size: damaged, whatever the read returned.
+            elif size == _NOT_FOUND:
+                code = _NOT_FOUND  # Gone between the read and the size.
             if code == _NOT_FOUND:
                 self._fault("evicted", f"{name}: layers {lo}-{hi} are gone", pause=False)
                 return "evicted"
-            if code == _INVALID or (code >= 0 and code != want):
+            if code >= 0 and code != want:
+                object_name = self.range_key(key, lo, hi, checksum)
+                problem = (
+                    f"{name}: object {object_name!r} (layers {lo}-{hi}) holds {code} bytes, "
+                    f"not {want}: {'truncated' if code < want else 'size mismatch'}"
+                )
+            elif code == _INVALID:
                 problem = f"{name}: layers {lo}-{hi} do not hold {want} bytes ({code})"
             elif code < 0:
                 fault = _code_fault(code, f"getting layers {lo}-{hi} of {name}")
@@ -526,6 +664,7 @@ class MooncakeStoreLevel:
             mooncake_misses=self.misses,
             mooncake_damaged=self.damaged,
             mooncake_publish_failures=self.publish_failures,
+            mooncake_publish_in_flight=self.publishes_in_flight,
             mooncake_skipped=self.skipped,
             mooncake_bytes_loaded=self.bytes_loaded,
             mooncake_bytes_published=self.bytes_published,
@@ -536,18 +675,34 @@ class MooncakeStoreLevel:
 
     def close(self) -> None:
         """Leaves the pool (its objects in this process's segment go with it); every later
-        call is a miss (counted as ``skipped``). A client stuck in a call is left to its
-        daemon thread."""
+        call is a miss (counted as ``skipped``). Returns within about the deadline: a
+        client stuck in a call is left to its daemon thread, and one whose master does not
+        answer is left open (closing it would hold the GIL until the master answers; the
+        client's own exit handler closes it when the interpreter exits)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            if self._client is not None and not self._worker.busy:
-                client, self._client = self._client, None
+            client, self._client = self._client, None
+            if client is not None and self._worker.busy:
+                _ABANDONED.append(client)
+            elif client is not None:
+                try:
+                    self._reach_master()
+                except _Fault as e:
+                    _ABANDONED.append(client)
+                    logger.warning(
+                        "the Mooncake master at %s does not answer (%s): this level's client "
+                        "is left open, not closed",
+                        self.master,
+                        e,
+                    )
+                    leave = functools.partial(self._unregister_all, client)  # Local only.
+                else:
 
-                def leave() -> None:
-                    self._unregister_all(client)
-                    client.close()
+                    def leave() -> None:
+                        self._unregister_all(client)
+                        client.close()
 
                 try:
                     self._worker.call(leave, self.deadline_s)
@@ -564,24 +719,40 @@ class MooncakeStoreLevel:
     # -- calls, deadlines, faults -----------------------------------------------------------
 
     def _run(
-        self, fn: Callable[[Any], Any], default: Any, stage: Callable[[], None] | None = None
+        self,
+        fn: Callable[[Any], Any],
+        default: Any,
+        stage: Callable[[], None] | None = None,
+        late: Callable[[bool, Any], None] | None = None,
+        in_flight: Any = None,
     ) -> Any:
         """``fn(client)`` on the worker within the deadline; ``default`` on a fault (counted,
         logged once per kind), while paused or once closed. Never raises. ``stage`` runs
         first, on this thread, once no earlier call is still running (it fills the buffer
-        that ``fn`` sends: a call that passed its deadline may still be reading it)."""
+        that ``fn`` sends: a call that passed its deadline may still be reading it). A call
+        that passed its deadline returns ``in_flight`` if ``late`` is given, which then gets
+        the call's outcome on the worker once it returns.
+
+        Not connected yet, the master is first asked whether it answers at all (see
+        ``_PROBE``), within the same deadline: the client's ``setup()`` would hold the GIL
+        for as long as it waits for the master."""
         with self._lock:
             if self._closed or time.monotonic() < self._paused_until:
                 self.skipped += 1
                 return default
             try:
+                if self._worker.busy:
+                    raise DeadlinePassed("an earlier call to the store has not returned yet")
+                deadline = self.deadline_s
+                if self._client is None:
+                    deadline -= self._reach_master()
                 if stage is not None:
-                    if self._worker.busy:
-                        raise DeadlinePassed("an earlier call to the store has not returned yet")
                     stage()
-                return self._worker.call(lambda: fn(self._connected()), self.deadline_s)
+                return self._worker.call(lambda: fn(self._connected()), deadline, late=late)
             except DeadlinePassed as e:
                 self._fault("timeout", str(e), pause=True)
+                if e.running and late is not None:
+                    return in_flight
             except _Fault as e:
                 self._fault(e.kind, str(e), pause=e.kind == "unreachable")
             except Exception as e:  # noqa: BLE001 - the client's own errors: a miss, logged.
@@ -605,6 +776,32 @@ class MooncakeStoreLevel:
             )
         else:
             logger.debug("%s (%s)", text, detail)
+
+    def _reach_master(self) -> float:
+        """Seconds spent making sure the master answers before the client is set up or
+        closed (both hold the GIL while they wait for it); a ``_Fault("unreachable")`` if
+        it does not, or if it did not answer any level of this process within the last
+        ``retry_after_s`` (so that the groups of a hybrid cache, a level each, wait once)."""
+        start = time.monotonic()
+        with _UNANSWERED_LOCK:
+            until, why = _UNANSWERED.get(self.master, (0.0, ""))
+        if start < until:
+            raise _Fault("unreachable", f"{why}; asked again in {until - start:.1f} s")
+        host, port = split_master(self.master)
+        try:
+            why = self._worker.call(
+                functools.partial(probe_master, host, port, self.deadline_s), self.deadline_s
+            )
+        except DeadlinePassed:  # The worker keeps the probe until its own timeout ends it.
+            why = f"it did not answer within {self.deadline_s:.3g} s"
+        with _UNANSWERED_LOCK:
+            if why is None:
+                _UNANSWERED.pop(self.master, None)
+            else:
+                _UNANSWERED[self.master] = (time.monotonic() + self.retry_after_s, why)
+        if why is not None:
+            raise _Fault("unreachable", why)
+        return time.monotonic() - start
 
     def _connected(self) -> Any:
         """The client, connected, with the scratch buffer and the pools registered (on the
@@ -766,11 +963,22 @@ class MooncakeStoreLevel:
                 found += 1
         return found, None
 
-    def _get_ranges(self, client: Any, requests: list, began: list[bool]) -> list[int]:
-        """One request reading each (object, region pointers, region sizes) in place."""
+    def _get_ranges(
+        self, client: Any, requests: list, began: list[bool]
+    ) -> tuple[list[int], dict[int, int]]:
+        """One request reading each (object, region pointers, region sizes) in place: its
+        codes, and the stored size of each object whose code may mean another size than
+        asked for (the client fails a shorter object as a failed transfer, a longer one as
+        invalid), so that a truncated object is not taken for a holder that is gone."""
         began.append(True)
         keys, pointers, sizes = (list(x) for x in zip(*requests))
-        return list(client.batch_get_into_multi_buffers(keys, pointers, sizes))
+        codes = list(client.batch_get_into_multi_buffers(keys, pointers, sizes))
+        stored = {
+            i: int(client.get_size(keys[i]))
+            for i, code in enumerate(codes)
+            if code in (_TRANSFER_FAILED, _INVALID)
+        }
+        return codes, stored
 
     def _checked_header(
         self, data: bytes, name: str, key: bytes, parent: bytes | None, tokens: list[int]
@@ -850,18 +1058,26 @@ def make_level(
                 f"factory of one, or 'mooncake://host:port'"
             )
         return spec
-    url = urllib.parse.urlsplit(spec)
-    if (
-        url.scheme != "mooncake"
-        or not url.hostname
-        or url.port is None
-        or url.path not in ("", "/")
-    ):
+    try:
+        url = urllib.parse.urlsplit(spec)
+        port = url.port  # A ValueError if it is not a port number.
+    except ValueError as e:
+        raise ValueError(
+            f"remote level {spec!r}: {e} (expected 'mooncake://host:port[?option=value&...]')"
+        ) from None
+    if url.scheme != "mooncake" or not url.hostname or port is None or url.path not in ("", "/"):
         raise ValueError(
             f"remote level {spec!r}: expected 'mooncake://host:port[?option=value&...]'"
         )
     options: dict[str, Any] = {}
-    for name, values in urllib.parse.parse_qs(url.query, strict_parsing=bool(url.query)).items():
+    try:
+        # Blank values kept: an empty option is refused by name, not silently dropped.
+        query = urllib.parse.parse_qs(
+            url.query, keep_blank_values=True, strict_parsing=bool(url.query)
+        )
+    except ValueError as e:
+        raise ValueError(f"remote level {spec!r}: {e} (expected option=value&...)") from None
+    for name, values in query.items():
         value = values[-1]
         try:
             if name == "segment_mb":
@@ -879,4 +1095,8 @@ def make_level(
                 )
         except ValueError as e:
             raise ValueError(f"remote level {spec!r}: option {name}={value!r}: {e}") from None
-    return MooncakeStoreLevel(f"{url.hostname}:{url.port}", **geometry, **options)
+    host = f"[{url.hostname}]" if ":" in url.hostname else url.hostname
+    try:
+        return MooncakeStoreLevel(f"{host}:{port}", **geometry, **options)
+    except ValueError as e:
+        raise ValueError(f"remote level {spec!r}: {e}") from None

@@ -9,11 +9,14 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +28,7 @@ import jax_tpusync as tps
 from jax_tpusync import prefix, transfer_memory
 from jax_tpusync.mooncake_level import (
     HEADER_BATCH,
+    MAX_DEADLINE_S,
     PUBLISH_BATCH_BYTES,
     MooncakeStoreLevel,
     make_level,
@@ -148,6 +152,44 @@ def timed(fn, *args):
     t = time.monotonic()
     out = fn(*args)
     return out, time.monotonic() - t
+
+
+class Heartbeat:
+    """A thread that ticks every 0.1 s and keeps its longest gap between ticks: a call that
+    holds the GIL (or blocks the process) stalls it for as long."""
+
+    def __init__(self):
+        self.gap = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, daemon=True)
+
+    def _tick(self):
+        last = time.monotonic()
+        while not self._stop.wait(0.1):
+            now = time.monotonic()
+            self.gap = max(self.gap, now - last)
+            last = now
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+
+def resume_later(master, seconds: float) -> subprocess.Popen:
+    """Resumes a paused master after ``seconds`` from outside this interpreter (a thread of
+    it cannot run while a call holds the GIL): a frozen call then fails the test's time
+    bounds instead of hanging it. Kill the returned process to cancel."""
+    return subprocess.Popen(["sh", "-c", f"sleep {seconds} && kill -CONT {master.proc.pid}"])
+
+
+def cancel(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
 
 
 def raw_client(master: str):
@@ -443,19 +485,19 @@ def test_in_place_loads_land_byte_exact_in_scattered_blocks_and_are_checked_ther
     body[5] ^= 0x01
     assert client.upsert(name, bytes(body)) == 0
     loaded_with_warning(5, 3, "checksum mismatch")
-    # An object of another size under a range's name: longer is damaged; shorter the
-    # client reports as a failed transfer (as for a holder that is gone): a miss either way.
+    # An object of another size under a range's name, damaged and named with both sizes
+    # (the client fails a shorter one as a failed transfer, as for a holder that is gone).
     assert client.upsert(name, bytes(body) + b"x") == 0
-    loaded_with_warning(5, 3, "do not hold")
+    loaded_with_warning(5, 3, f"object {name!r} (layers 1-2) holds 8193 bytes, not 8192: size")
     assert client.upsert(name, bytes(body[:-1])) == 0
-    loaded_with_warning(5, 3, "transfer from the Mooncake store failed")
+    loaded_with_warning(5, 3, f"object {name!r} (layers 1-2) holds 8191 bytes, not 8192: trunc")
     # A range gone: a miss, counted as evicted.
     _, header = _header(client, lv, keys[2])
     assert client.remove(lv.range_key(keys[2], *header["ranges"][0]), True) == 0
     loaded_with_warning(5, 2, "gone (evicted)")
     s = lv.stats()
-    assert s["mooncake_damaged"] == 3 and s["mooncake_fault_evicted"] == 1
-    assert s["mooncake_fault_transfer"] == 1
+    assert s["mooncake_damaged"] == 4 and s["mooncake_fault_evicted"] == 1
+    assert s["mooncake_fault_transfer"] == 0
     assert s["mooncake_imported"] == 5 + 1 + 3 + 3 + 3 + 2
     # A header gone ends the lookup there (eviction may take a parent before a child).
     assert client.remove(lv.header_key(keys[1]), True) == 0
@@ -606,6 +648,162 @@ def test_a_hung_master_is_a_miss_within_the_deadline(make_master):
         assert time.monotonic() < deadline, lv.stats()
         time.sleep(0.25)
     np.testing.assert_array_equal(lv.load(keys[1], parents[1], blocks[1]), payload_of(lv, 1))
+    lv.close()
+
+
+# The client's setup() and close() hold the GIL while they wait for the master: a first
+# call (the client connects then) or a close must never reach them while it does not answer.
+DEADLINE = 1.0
+WITHIN = DEADLINE + 1.5  # The deadline, and room for a loaded 2-core runner.
+STILL = 1.0  # The longest a 0.1 s heartbeat may stall.
+
+
+def recovers(lv, start: int) -> None:
+    """``lv`` connects and publishes (bounded) once its master answers again."""
+    keys, parents, blocks = chain(1, start=start)
+    deadline = time.monotonic() + 20
+    while not lv.publish(keys[0], parents[0], blocks[0], payload_of(lv, 0)):
+        assert time.monotonic() < deadline, lv.stats()
+        time.sleep(0.25)
+    np.testing.assert_array_equal(lv.load(keys[0], parents[0], blocks[0]), payload_of(lv, 0))
+
+
+def test_a_first_call_to_a_stopped_master_is_a_miss_within_the_deadline(make_master, caplog):
+    master = make_master()
+    master.pause()
+    net = resume_later(master, 30)
+    try:
+        lv = level(master.address, deadline_s=DEADLINE, retry_after_s=0.5)
+        keys, parents, blocks = chain(2, start=420_000)
+        with caplog.at_level(logging.WARNING, LOGGER), Heartbeat() as beat:
+            got, seconds = timed(lv.has, keys[0])
+            assert got is False and seconds < WITHIN, (seconds, lv.stats())
+            time.sleep(0.6)  # Past retry_after_s: asked again, a miss again.
+            got, seconds = timed(lv.load, keys[1], parents[1], blocks[1])
+            assert got is None and seconds < WITHIN, (seconds, lv.stats())
+        assert beat.gap < STILL, beat.gap
+        assert lv.stats()["mooncake_fault_unreachable"] == 2
+        assert "did not answer within 1 s" in caplog.text
+    finally:
+        master.resume()
+        cancel(net)
+    recovers(lv, 421_000)
+    lv.close()
+
+
+def test_a_first_call_to_a_killed_master_is_a_miss_at_once(make_master, caplog):
+    master = make_master()
+    master.kill()
+    lv = level(master.address, deadline_s=DEADLINE, retry_after_s=0.5)
+    keys, parents, blocks = chain(1, start=430_000)
+    with caplog.at_level(logging.WARNING, LOGGER), Heartbeat() as beat:
+        got, seconds = timed(lv.publish, keys[0], parents[0], blocks[0], payload_of(lv, 0))
+    assert got is False and seconds < WITHIN and beat.gap < STILL, (seconds, beat.gap)
+    s = lv.stats()
+    assert s["mooncake_fault_unreachable"] == 1 and s["mooncake_publish_failures"] == 1
+    assert "cannot be reached" in caplog.text and "connecting to it failed" in caplog.text
+    master.start()
+    recovers(lv, 431_000)
+    lv.close()
+
+
+@pytest.mark.parametrize("how", ["stopped", "killed"])
+def test_closing_a_level_whose_master_does_not_answer_returns_within_the_deadline(
+    make_master, caplog, how
+):
+    master = make_master()
+    lv = level(master.address, deadline_s=DEADLINE)
+    keys, parents, blocks = chain(1, start=440_000)
+    assert lv.publish(keys[0], parents[0], blocks[0], payload_of(lv, 0))  # Connected.
+    master.pause() if how == "stopped" else master.kill()
+    net = resume_later(master, 30) if how == "stopped" else None
+    try:
+        with caplog.at_level(logging.WARNING, LOGGER), Heartbeat() as beat:
+            _, seconds = timed(lv.close)
+        assert seconds < WITHIN and beat.gap < STILL, (seconds, beat.gap)
+        assert "is left open, not closed" in caplog.text
+        assert not lv.has(keys[0]) and lv.stats()["mooncake_skipped"] == 1
+    finally:
+        if net is not None:
+            master.resume()
+            cancel(net)
+
+
+def test_a_hybrid_cache_waits_for_a_stopped_master_once_not_once_per_group(make_master):
+    """Each group of a hybrid cache has a level (a client) of its own: the first that finds
+    the master silent tells the others, which do not ask again within retry_after_s."""
+    master = make_master()
+    address = f"mooncake://{master.address}?segment_mb=16&deadline_s=2&retry_after_s=30"
+    with tps.HybridKVCache(
+        num_layers=2,
+        batch=2,
+        max_len=64,
+        num_kv_heads=[2, 1],
+        head_dim=[16, 32],
+        dtype=jnp.float32,
+        block_tokens=BLOCK,
+        max_step_tokens=8,
+        model_id="mooncake-test-hybrid-stopped",
+        remote_prefix=address,
+    ) as cache:
+        levels = [g.slots.remote_levels[-1] for g in cache.groups]
+        assert len(levels) == 2 and levels[0] is not levels[1]
+        state = cache.init(admit=False)
+        # Warm, without a call to the store (no full block): the first call is below.
+        state, cached = cache.admit(state, 0, tokens=TOKENS[:5])
+        state = cache.release(state, 0)
+        master.pause()
+        net = resume_later(master, 30)
+        try:
+            with Heartbeat() as beat:
+                (state, cached), seconds = timed(
+                    lambda: cache.admit(state, 0, tokens=TOKENS[:33], max_tokens=64)
+                )
+            assert cached == 0
+            # One wait of the deadline (2 s), not one per group (4 s).
+            assert seconds < 2.0 + 1.5 and beat.gap < STILL, (seconds, beat.gap)
+            faults = [lv.stats()["mooncake_fault_unreachable"] for lv in levels]
+            assert faults == [1, 1], [lv.stats() for lv in levels]
+            _, seconds = timed(cache.close, state)
+            assert seconds < 1.5
+        finally:
+            master.resume()
+            cancel(net)
+
+
+def test_publish_counts_tell_what_reached_the_store_after_a_stop_during_a_release(make_master):
+    """48 blocks published while the master is stopped: the first request (32 blocks)
+    passes its deadline and reaches the store once the master resumes, the other 16 are
+    never sent. The counts say so: in flight, then published; only the 16 failed."""
+    master = make_master()
+    lv = level(master.address, deadline_s=DEADLINE, retry_after_s=0.5)
+    # One request of 32 blocks, then one of 16.
+    assert HEADER_BATCH == 32 and PUBLISH_BATCH_BYTES // lv.payload_bytes >= 32
+    keys, parents, blocks = chain(48, start=450_000)
+    assert lv.missing(keys) == list(range(48))  # Connected.
+    items = [(keys[i], parents[i], blocks[i], payload_of(lv, i)) for i in range(48)]
+    master.pause()
+    net = resume_later(master, 30)
+    try:
+        got, seconds = timed(lv.publish_many, items)
+        assert got == 0 and seconds < WITHIN, (seconds, lv.stats())
+        s = lv.stats()
+        assert s["mooncake_publish_in_flight"] == 32, s
+        assert s["mooncake_publish_failures"] == 16 and s["mooncake_published"] == 0, s
+    finally:
+        master.resume()
+        cancel(net)
+    deadline = time.monotonic() + 30
+    while not lv.settled():
+        assert time.monotonic() < deadline, "the stuck request never returned"
+        time.sleep(0.05)
+    time.sleep(0.6)  # Past retry_after_s.
+    s = lv.stats()
+    in_store = 48 - len(lv.missing(keys))
+    assert s["mooncake_publish_in_flight"] == 0
+    assert s["mooncake_published"] == in_store == 32, (s, in_store)
+    assert s["mooncake_publish_failures"] == 16, s
+    assert s["mooncake_bytes_published"] == 32 * lv.payload_bytes
     lv.close()
 
 
@@ -814,6 +1012,72 @@ def test_make_level():
             make_level(bad, **geometry)
     with pytest.raises(TypeError, match="lacks"):
         make_level(object(), **geometry)
+
+
+@pytest.mark.parametrize(
+    "name, accepted, refused, why",
+    [
+        ("deadline_s", MAX_DEADLINE_S, math.nextafter(MAX_DEADLINE_S, math.inf), "at most 3600"),
+        ("deadline_s", math.ulp(0.0), 0.0, "> 0"),
+        ("deadline_s", 3.0, math.inf, "> 0 and at most"),
+        ("deadline_s", 3.0, math.nan, "> 0 and at most"),
+        ("deadline_s", 3, "3", "a number of seconds"),
+        ("retry_after_s", 0.0, -math.ulp(0.0), ">= 0"),
+        ("retry_after_s", sys.float_info.max, math.inf, "finite"),
+        ("namespace", "a", "", "non-empty"),
+        ("local_host", "a", "", "non-empty"),
+        ("local_host", "10.0.0.7", "10.0.0.7 ", "no spaces"),
+        ("master", "h:65535", "h:65536", "a port in 1-65535"),
+        ("master", "h:1", "h:0", "a port in 1-65535"),
+        ("master", "[::1]:1", "h", "must be 'host:port'"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name_at_their_edge(name, accepted, refused, why):
+    """The last value accepted makes a level (nothing connects yet); the first refused is
+    a ValueError naming the argument and its value."""
+    if name == "master":
+        make = lambda value: level(value)
+    else:
+        make = lambda value: level("127.0.0.1:1", **{name: value})
+    make(accepted).close()
+    with pytest.raises(
+        ValueError, match="^" + re.escape(f"{name}={refused!r} ") + ".*" + re.escape(why)
+    ):
+        make(refused)
+
+
+@pytest.mark.parametrize(
+    "option, accepted, refused, why",
+    [
+        ("deadline_s", "3600", "inf", "deadline_s=inf must be a number of seconds > 0"),
+        ("deadline_s", "0.5", "-inf", "deadline_s=-inf must be"),
+        ("deadline_s", "0.5", "nan", "deadline_s=nan must be"),
+        ("deadline_s", "0.5", "", "option deadline_s=''"),
+        ("retry_after_s", "0", "inf", "retry_after_s=inf must be a finite"),
+        ("namespace", "a", "", "namespace='' must be a non-empty name"),
+        ("local_host", "a", "", "local_host='' must be this host's name or address"),
+        ("segment_mb", "0", "", "option segment_mb=''"),
+    ],
+)
+def test_bad_address_options_are_refused_by_name(option, accepted, refused, why):
+    """An address option's edge: accepted, then refused naming the option, never dropped
+    (an empty value once meant the default) or an OverflowError."""
+    geometry = dict(root=ROOT, num_layers=2, block_tokens=BLOCK, block_bytes=1024)
+    made = make_level(f"mooncake://127.0.0.1:1?{option}={accepted}", **geometry)
+    if option == "segment_mb":
+        assert made.segment_bytes == int(accepted) << 20
+    else:
+        want = float(accepted) if option.endswith("_s") else accepted
+        assert getattr(made, option) == want
+    made.close()
+    spec = f"mooncake://127.0.0.1:1?{option}={refused}"
+    with pytest.raises(
+        ValueError, match=re.escape(f"remote level {spec!r}: ") + ".*" + re.escape(why)
+    ):
+        make_level(spec, **geometry)
+    for bad in ("mooncake://h:1?namespace", "mooncake://h:99999"):
+        with pytest.raises(ValueError, match=re.escape(f"remote level {bad!r}: ")):
+            make_level(bad, **geometry)
 
 
 def test_without_the_client_the_error_names_the_extra_and_the_system_library(monkeypatch):
