@@ -392,25 +392,29 @@ class ServingLoop:
         return np.asarray(logits)  # Waits for the step.
 
     def warmup(self) -> dict[int, float]:
-        """Compiles every step the loop will run before the first request, so that its
-        TTFT and time per token hold no compile.
+        """Compiles every step the loop will run, before the first request, so that the
+        requests' TTFT and time per output token hold no compile.
 
-        Runs the step once at each width the loop uses (``chunk``, and ``decode_width``)
-        with every count 0: no slot takes a token, nothing is written, the cache's slots
-        stay as they are. Also compiles the loop's own small functions (taking each
-        slot's logits row). Returns (and keeps in :meth:`stats`, apart from the steps'
-        seconds) the seconds of each width's run, its compile included.
+        Runs the step once at each width the loop calls it with (``chunk``, and
+        ``decode_width``) with every count 0 (no slot takes a token, nothing is written,
+        the slots stay as they are), which also compiles the loop's own small functions
+        (taking each slot's logits row). A width already run (by an earlier warm-up or a
+        request's step) is not run again.
+
+        Returns:
+          ``{width: seconds}`` of each warm-up run (its compile, and one step that takes
+          nothing), also in :meth:`stats` as ``warmup_seconds_by_width``, apart from the
+          requests' steps.
         """
         for width in sorted({self.chunk, self.decode_width}, reverse=True):
+            if width in self.warmup_seconds or width in self.step_widths:
+                continue  # Compiled already.
             t0 = self.clock()
             self._run_step(
                 np.zeros((self.batch, width), np.int32), np.zeros(self.batch, np.int32)
             )
             self.warmup_seconds[width] = self.clock() - t0
-        logger.info(
-            "serving loop warm-up: %s",
-            ", ".join(f"T={w}: {s:.3f} s" for w, s in sorted(self.warmup_seconds.items())),
-        )
+            logger.info("serving loop warm-up: T=%d in %.3f s", width, self.warmup_seconds[width])
         return dict(self.warmup_seconds)
 
     def step(self) -> bool:

@@ -27,4 +27,7 @@ def test_serve_requests_tiny(run_example, tmp_path):
     # Three slots, six requests: the later ones start after a release, from its blocks.
     assert max(r["cached_tokens"] for r in rows[3:]) >= 32
     assert set(doc["loop"]["steps_by_width"]) == {"1", "16"}
+    # Both widths compiled by the warm-up, before the first request: no step held a compile.
+    assert set(doc["loop"]["warmup_seconds_by_width"]) == {"1", "16"}
+    assert doc["loop"]["compiled_in_steps"] == [] and doc["compile_s"] > 0
     assert [p.name for p in tmp_path.iterdir()] == ["serve_requests.json"]  # No tier file left.
