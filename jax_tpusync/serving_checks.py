@@ -29,6 +29,7 @@ __all__ = [
     "check_request_seed",
     "check_token_ids",
     "slot_limit",
+    "slot_tables",
     "token_id_error",
 ]
 
@@ -201,18 +202,18 @@ def check_cache(cache: Any) -> None:
         )
 
 
-def _slot_tables(cache: Any, where: str) -> Iterable[tuple[Any, str]]:
+def slot_tables(cache: Any, where: str = "") -> Iterable[tuple[Any, str]]:
     """``(slot table, where)`` of every part of ``cache`` that gives a slot its blocks: a
     hybrid cache's layer groups, a mesh cache's shards, a single cache's own table."""
     groups = getattr(cache, "groups", None)
     if isinstance(groups, list):
         for i, group in enumerate(groups):
-            yield from _slot_tables(group, f"{where} of layer group {i}")
+            yield from slot_tables(group, f"{where} of layer group {i}")
         return
     shards = getattr(cache, "shards", None)
     if isinstance(shards, dict):
         for s, shard in shards.items():
-            yield from _slot_tables(shard, f"{where} of shard {s}")
+            yield from slot_tables(shard, f"{where} of shard {s}")
         return
     table = getattr(cache, "slots", None)
     if all(hasattr(table, a) for a in ("blocks_for", "num_blocks", "block_tokens")):
@@ -226,7 +227,7 @@ def slot_limit(cache: Any) -> tuple[int, str]:
     tokens; one that keeps a sliding window, its ring's blocks)."""
     max_len = int(cache.max_len)
     most, why = max_len, f"the cache's max_len is {max_len}"
-    for table, where in _slot_tables(cache, ""):
+    for table, where in slot_tables(cache):
         pool, block = int(table.num_blocks), int(table.block_tokens)
         if table.blocks_for(most) <= pool:
             continue

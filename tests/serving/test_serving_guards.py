@@ -622,3 +622,20 @@ def test_a_mesh_cache_is_limited_by_one_shards_pool():
         )
     finally:
         cache.close()
+
+
+def test_a_hybrid_cache_sizes_its_groups_pools_for_max_len():
+    """A hybrid cache gives each layer group a pool for every slot at max_len (a sliding
+    group: its rings): max_len binds, the groups' pools never refuse a request."""
+    cache = tps.HybridKVCache(
+        num_layers=2, batch=2, max_len=MAX_LEN, block_tokens=BLOCK, dtype=jnp.float32,
+        num_kv_heads=[2, 2], head_dim=[8, 8], sliding_window=[8, None], max_step_tokens=CHUNK,
+        staging_bytes=64 << 10,
+    )  # fmt: skip
+    try:
+        assert checks.slot_limit(cache) == (MAX_LEN, "the cache's max_len is 48")
+        assert [t.num_blocks for t, _ in checks.slot_tables(cache)] == [
+            g.slots.num_blocks for g in cache.groups
+        ]
+    finally:
+        cache.close()
