@@ -73,11 +73,12 @@ def greedy(logits: np.ndarray, rng: np.random.Generator) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One generation request.
+    """One generation request (checked by :meth:`ServingLoop.submit`, not here).
 
     Attributes:
-      prompt: the prompt's token ids (at least one).
-      max_new_tokens: tokens to generate (at least one), fewer if a stop token comes.
+      prompt: the prompt's token ids (at least one): a 1-D sequence of ints or a 1-D
+        integer array, each in ``[0, vocab_size)``.
+      max_new_tokens: tokens to generate (an int >= 1), fewer if a stop token comes.
       sampler: ``sampler(logits f32[vocab], rng) -> id``; None: :func:`greedy`.
       stop_tokens: ids that end the request once sampled (kept in its output).
       seed: seeds the request's ``numpy.random.Generator`` (default: the loop's seed and the
@@ -192,8 +193,8 @@ class ServingLoop:
       TypeError, ValueError: an argument of the wrong kind or out of range (the message
         names it); a step that fails when traced with the loop's inputs or does not return
         ``(logits [batch, chunk, vocab], state)``; a ``vocab_size`` other than the
-        logits'. A refused loop changes nothing (the step is traced on a state that is not
-        live).
+        logits'. A refused loop changes nothing (the step is traced on the cache's
+        ``inert_state()``, or on the ``state`` given, which stays live).
     """
 
     def __init__(
@@ -580,7 +581,10 @@ def _check_step(step: Callable, params: Any, batch: int, chunk: int, state: Any)
     tokens = jnp.asarray(np.zeros((batch, chunk), np.int32))  # As the loop makes them.
     counts = jnp.asarray(np.zeros(batch, np.int32))
     try:
-        out = jax.eval_shape(step, params, tokens, state.positions(chunk), counts, state)
+        # params closed over: any pytree (or static config) the step takes, as it is.
+        out = jax.eval_shape(
+            lambda *inputs: step(params, *inputs), tokens, state.positions(chunk), counts, state
+        )
     except Exception as e:
         raise TypeError(
             f"{call} failed when traced with the loop's inputs (jax.eval_shape): "
