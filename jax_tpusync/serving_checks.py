@@ -107,7 +107,8 @@ def check_token_ids(name: str, ids: Any, vocab_size: int | None) -> np.ndarray:
         )
     out = np.empty(len(ids), np.int32)
     for i, token in enumerate(ids):
-        if isinstance(token, (Sequence, np.ndarray)) and not isinstance(token, (str, bytes)):
+        nested = isinstance(token, Sequence) and not isinstance(token, (str, bytes))
+        if nested or (isinstance(token, np.ndarray) and token.ndim > 0):
             raise ValueError(
                 f"{name} must be 1-D (one token id per element); {name}[{i}] is a "
                 f"{type(token).__name__}"

@@ -143,6 +143,8 @@ REFUSED = {
     "id-bool-array": (serving.Request(np.array([True, False]), 2), TypeError, r"prompt must hold int token ids; got an array of bool"),
     "id-jax-float-array": (serving.Request(jnp.array([1.0, 2.0]), 2), TypeError, r"prompt must hold int token ids; got an array of float32"),
     "id-None": (serving.Request([1, None], 2), TypeError, r"prompt\[1\]=None is not an int"),
+    "id-0d-array": (serving.Request([1, np.array(5)], 2), TypeError, r"prompt\[1\]=array\(5\) is not an int"),
+    "prompt-nested-array": (serving.Request([1, np.array([5])], 2), ValueError, r"prompt must be 1-D .*prompt\[1\] is a ndarray"),
     "max_new_tokens-0": (serving.Request([1], 0), ValueError, r"max_new_tokens must be an int >= 1; got 0"),
     "max_new_tokens-2.5": (serving.Request([1], 2.5), TypeError, r"max_new_tokens must be an int >= 1; got 2\.5"),
     "max_new_tokens-1.5": (serving.Request([1], 1.5), TypeError, r"max_new_tokens must be an int >= 1; got 1\.5"),
