@@ -24,6 +24,8 @@ The public surface:
 
 from jax_tpusync.attention import prefetching_attention, resident_attention
 from jax_tpusync.cache import OffloadedKVCache
+from jax_tpusync.cache_factory import kv_cache
+from jax_tpusync.cache_protocol import KVCache
 from jax_tpusync.engine import (
     Engine,
     EngineConfig,
@@ -33,7 +35,7 @@ from jax_tpusync.engine import (
     split_cpus,
 )
 from jax_tpusync.host_pool import PoolState
-from jax_tpusync.hybrid import HybridKVCache, kv_cache
+from jax_tpusync.hybrid import HybridKVCache
 from jax_tpusync.layer_groups import HybridState
 from jax_tpusync.mesh import ShardedKVCache
 from jax_tpusync.pool_cache import HostPoolKVCache
@@ -47,6 +49,7 @@ __all__ = [
     "HybridKVCache",
     "HybridState",
     "HostPoolKVCache",
+    "KVCache",
     "KVState",
     "OffloadedKVCache",
     "PoolState",

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tpusync import blocks, effects, layout, ops, persistence, window_ring
-from jax_tpusync.config import CacheConfig, is_int
+from jax_tpusync.config import CacheConfig, is_int, with_config
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.host_io import HostRows, one_slot_load, per_sequence
 from jax_tpusync.levels import InPlaceRemoteLevel, SharedDirectoryLevel, TierBlocks
@@ -58,7 +58,9 @@ class OffloadedKVCache:
     """A KV cache kept in a host tier and streamed through fixed device staging buffers.
 
     Takes the keyword arguments :meth:`jax_tpusync.config.CacheConfig.from_kwargs`
-    documents (geometry, tier, staging, prefix store, persistence), plus:
+    documents (geometry, tier, staging, prefix store, persistence), or ``config=`` a
+    :class:`~jax_tpusync.config.CacheConfig` of them (a keyword the config holds too is
+    refused by name), plus:
 
       engine: an :class:`Engine` to use, an :class:`EngineConfig` for a new one, or None
         (a new engine with the default config).
@@ -78,6 +80,7 @@ class OffloadedKVCache:
     def __init__(
         self,
         *,
+        config: CacheConfig | None = None,
         engine: Engine | EngineConfig | None = None,
         mesh: None = None,
         kv_heads_axis: str | None = None,
@@ -96,7 +99,8 @@ class OffloadedKVCache:
                 f"a mesh: pass mesh= too"
             )
         # Every argument is checked before anything (engine, tier, file) is made.
-        config = CacheConfig.from_kwargs(**options)
+        config = CacheConfig.from_kwargs(**with_config(config, options))
+        config.geometry.check_one_cache()
         if engine is not None and not isinstance(engine, (Engine, EngineConfig)):
             raise TypeError(
                 f"engine must be an Engine, an EngineConfig or None; got {type(engine).__name__}"
@@ -244,6 +248,17 @@ class OffloadedKVCache:
         return self.spec.max_len
 
     @property
+    def kv_bytes(self) -> int:
+        """Bytes the tier holds for the cache's blocks (K and V, every layer; spill blocks
+        not counted)."""
+        return self.spec.kv_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory of the state's staging (0 for a state read in place)."""
+        return self.spec.device_bytes
+
+    @property
     def target(self) -> np.ndarray:
         """int64[6]: (engine id, tier, first block, shard, spill tier, spill first block),
         what the state's ``target`` carries (see :class:`KVState`); a copy."""
@@ -386,9 +401,9 @@ class OffloadedKVCache:
         several (mesh shards, a hybrid model's layer groups) maps what all of them have."""
         return self.slots.admit(slot, max_tokens, tokens, max_cached=max_cached)
 
-    def cancel(self, admission: Admission) -> None:
+    def cancel(self, reservation: Admission) -> None:
         """Undoes a :meth:`reserve` that was not :meth:`admitted`."""
-        self.slots.release(admission.slot, 0)
+        self.slots.release(reservation.slot, 0)
 
     def check_release(self, state: KVState, slot: int, tokens=None) -> None:
         """Refuses, changing nothing, a :meth:`release` of ``slot`` the cache would refuse."""
@@ -396,9 +411,10 @@ class OffloadedKVCache:
         self.slots.check_slot(slot)
         self.slots.check_release(slot, int(np.asarray(state.lengths)[slot]), tokens)
 
-    def admitted(self, state: KVState, admission: Admission) -> KVState:
-        """The live state once the slot table made ``admission`` (:meth:`admit`'s second
+    def admitted(self, state: KVState, reservation: Admission) -> KVState:
+        """The live state once the slot table made ``reservation`` (:meth:`admit`'s second
         half, which cannot be refused; a mesh cache admits every shard's slot first)."""
+        admission = reservation
         slot = admission.slot
         state = self.drain(state)
         lengths = np.asarray(state.lengths).copy()
@@ -522,6 +538,11 @@ class OffloadedKVCache:
                 f"state belongs to another cache (target {np.asarray(state.target).tolist()}, "
                 f"this cache's is {self._target.tolist()})"
             )
+
+    def lengths(self, state: KVState) -> np.ndarray:
+        """int32[batch]: the tokens each slot holds in ``state`` (0: inactive)."""
+        self._check_state(state)
+        return np.asarray(state.lengths).astype(np.int32)
 
     def drain(self, state: KVState) -> KVState:
         """Discards the prefetches ``state`` carries; returns it as the cache's live state.

@@ -19,6 +19,7 @@ into sizes is :mod:`jax_tpusync.layout`'s job.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -87,7 +88,7 @@ class KVGeometry:
         object.__setattr__(self, "windows", normalize_windows(self.windows, self.num_layers))
         block_tokens = self.block_tokens
         if block_tokens is None:
-            block_tokens = min(DEFAULT_BLOCK_TOKENS, 1 << (self.max_len - 1).bit_length())
+            block_tokens = default_block_tokens(self.max_len)
         if not is_int(block_tokens) or block_tokens < 1 or block_tokens & (block_tokens - 1):
             raise ValueError(f"block_tokens={block_tokens!r} must be a power of two (1, 2, 4, ...)")
         object.__setattr__(self, "block_tokens", int(block_tokens))
@@ -107,18 +108,35 @@ class KVGeometry:
                 f"max_step_tokens={step!r} must be an int in [1, max_len={self.max_len}]"
             )
         object.__setattr__(self, "step_tokens", int(step))
-        if len(set(self.windows)) != 1 or self.windows[0] is None:
+
+    @property
+    def bounds_windows(self) -> bool:
+        """Whether sliding layers keep only their window (``max_step_tokens`` given, and a
+        layer has a window): one ring per slot in one cache, one per sliding group in a
+        hybrid cache."""
+        return self.step_tokens is not None and any(w is not None for w in self.windows)
+
+    def check_one_cache(self) -> None:
+        """Refuses what one cache (one geometry, one ring) cannot hold: ``max_step_tokens``
+        where the layers do not all share one sliding window. Such a model is a
+        :class:`~jax_tpusync.HybridKVCache`, one group per kind of layer, which
+        :func:`jax_tpusync.kv_cache` makes from the same configuration."""
+        if self.step_tokens is not None and (
+            len(set(self.windows)) != 1 or self.windows[0] is None
+        ):
             raise ValueError(
-                f"max_step_tokens={step} keeps only each slot's window, which needs every "
-                f"layer to share one sliding window; the cache's windows are "
-                f"{sorted(set(self.windows), key=str)} (a model of mixed layers takes "
-                f"jax_tpusync.HybridKVCache, one group per kind of layer)"
+                f"max_step_tokens={self.step_tokens} keeps only each slot's window, which in "
+                f"one cache needs every layer to share one sliding window; the cache's "
+                f"windows are {sorted(set(self.windows), key=str)}: jax_tpusync.kv_cache() "
+                f"makes the cache of such a model (a HybridKVCache, one group per kind of "
+                f"layer)"
             )
 
     @property
     def ring_blocks(self) -> int:
-        """Blocks of each slot's ring (jax_tpusync.window_ring), or 0: no ring."""
-        if self.step_tokens is None:
+        """Blocks of each slot's ring (jax_tpusync.window_ring), or 0: no ring (as one
+        cache; :meth:`check_one_cache` refuses ``max_step_tokens`` of mixed windows)."""
+        if self.step_tokens is None or len(set(self.windows)) != 1 or self.windows[0] is None:
             return 0
         return window_ring.ring_blocks(self.windows[0], self.step_tokens, self.block_tokens)
 
@@ -316,13 +334,13 @@ class CacheConfig:
         tier, staging = self.tier, self.staging
         if isinstance(tier, TwoLevelTier) and staging.resident is True:
             raise ValueError("resident=True keeps every block on device: it takes no spill_path")
-        if self.geometry.ring_blocks and tier.persistent:
+        if self.geometry.bounds_windows and tier.persistent:
             raise ValueError(
                 "a cache with max_step_tokens overwrites its committed rows as its window "
                 "moves, so no commit would survive a crash: drop shm_name / file_name, or "
                 "max_step_tokens (a hybrid cache: bound_windows=False)"
             )
-        if self.geometry.ring_blocks and staging.resident is True:
+        if self.geometry.bounds_windows and staging.resident is True:
             raise ValueError(
                 "resident=True copies every position to the device; a cache with "
                 "max_step_tokens keeps only each slot's window: drop one of them"
@@ -536,6 +554,81 @@ class CacheConfig:
             ),
             persistence=PersistenceConfig(model_id=model_id, verify=verify, overwrite=overwrite),
         )
+
+
+def default_block_tokens(max_len: int) -> int:
+    """The block size of a cache not given ``block_tokens``: DEFAULT_BLOCK_TOKENS, or the
+    power of two at or above ``max_len`` if smaller."""
+    return min(DEFAULT_BLOCK_TOKENS, 1 << (max_len - 1).bit_length())
+
+
+def keyword_names() -> tuple[str, ...]:
+    """The keywords :meth:`CacheConfig.from_kwargs` takes (what a ``config=`` holds)."""
+    return tuple(inspect.signature(CacheConfig.from_kwargs).parameters)
+
+
+def to_kwargs(config: CacheConfig) -> dict[str, Any]:
+    """The keywords of :meth:`CacheConfig.from_kwargs` that make ``config``, those at their
+    defaults left out (so that a cache that takes some keywords per part of itself, a
+    hybrid cache's ``num_blocks``, gets only what was chosen)."""
+    if not isinstance(config, CacheConfig):
+        raise TypeError(f"config must be a CacheConfig; got {type(config).__name__}")
+    g, tier, staging = config.geometry, config.tier, config.staging
+    out: dict[str, Any] = dict(
+        num_layers=g.num_layers,
+        batch=g.batch,
+        max_len=g.max_len,
+        num_kv_heads=g.num_kv_heads,
+        head_dim=g.head_dim,
+        dtype=g.dtype,
+    )
+    chosen = dict(
+        tier_dtype=g.tier_dtype,
+        block_tokens=None if g.block_tokens == default_block_tokens(g.max_len) else g.block_tokens,
+        num_blocks=None if g.num_blocks == g.batch * g.slot_blocks else g.num_blocks,
+        sliding_window=None if all(w is None for w in g.windows) else g.windows,
+        max_step_tokens=g.step_tokens,
+        prefix_salt=config.prefix.salt,
+        shared_prefix_dir=config.prefix.shared_dir,
+        remote_prefix=config.prefix.remote,
+        model_id=config.persistence.model_id,
+    )
+    if isinstance(tier, FileTier):
+        chosen.update(tier="file", path=tier.path, file_name=tier.file_name)
+    elif isinstance(tier, TwoLevelTier):
+        chosen.update(spill_path=tier.spill_path, spill_blocks=tier.spill_blocks)
+        if tier.promote_after != 2:
+            out["promote_after"] = tier.promote_after
+    else:
+        chosen.update(shm_name=tier.shm_name)
+    out.update({name: value for name, value in chosen.items() if value is not None})
+    defaults = StagingConfig()
+    for field in dataclasses.fields(StagingConfig):
+        value = getattr(staging, field.name)
+        if value != getattr(defaults, field.name):
+            out[field.name] = value
+    if not config.persistence.verify:
+        out["verify"] = False
+    if config.persistence.overwrite:
+        out["overwrite"] = True
+    return out
+
+
+def with_config(config: CacheConfig | None, keywords: dict[str, Any]) -> dict[str, Any]:
+    """``keywords`` and the keywords of ``config`` (None: ``keywords`` alone), refusing, by
+    name, a keyword that ``config`` holds too: one of them would silently lose."""
+    if config is None:
+        return dict(keywords)
+    if not isinstance(config, CacheConfig):
+        raise TypeError(f"config must be a CacheConfig or None; got {type(config).__name__}")
+    both = sorted(set(keywords) & set(keyword_names()))
+    if both:
+        raise ValueError(
+            f"{', '.join(both)} given with config=: the CacheConfig holds "
+            f"{'it' if len(both) == 1 else 'them'} (change the config, e.g. with "
+            f"dataclasses.replace, or pass keywords alone)"
+        )
+    return {**to_kwargs(config), **keywords}
 
 
 def tier_of(

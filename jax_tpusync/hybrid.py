@@ -30,6 +30,7 @@ copies on a mesh (a mesh hybrid cache with bounded windows reuses no prefix).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -44,7 +45,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_tpusync import layout, persistence, window_ring
 from jax_tpusync.cache import OffloadedKVCache
-from jax_tpusync.config import DEFAULT_BLOCK_TOKENS, CacheConfig, is_int, normalize_windows
+from jax_tpusync.config import (
+    CacheConfig,
+    default_block_tokens,
+    is_int,
+    normalize_windows,
+    with_config,
+)
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.layer_groups import HybridState, LayerGroups, plan_groups
 from jax_tpusync.manifest import SHM_DIRECTORY, tier_paths
@@ -59,8 +66,24 @@ DEFAULT_STEP_TOKENS = 512
 LAYERS_SUFFIX = ".tpusync.layers.json"
 
 
+@dataclasses.dataclass(frozen=True)
+class HybridAdmission:
+    """What :meth:`HybridKVCache.reserve` made: every group's reservation of ``slot``
+    (in group order) and the prefix tokens they all map."""
+
+    slot: int
+    parts: tuple
+    cached: int | None
+
+
 class HybridKVCache:
     """A KV cache for a model whose layers differ in KV geometry (see the module).
+
+    Takes the keywords below, or ``config=`` a :class:`~jax_tpusync.config.CacheConfig`
+    (one KV geometry, per-layer ``sliding_window``; its ``max_step_tokens`` if given) and
+    the keywords a CacheConfig does not hold (``kv_sharing``, ``bound_windows``,
+    ``window_cache_blocks``, ``engine``, ``mesh``...); a keyword the config holds too is
+    refused by name.
 
     Args:
       num_layers, batch, max_len: as :class:`~jax_tpusync.OffloadedKVCache`.
@@ -92,7 +115,10 @@ class HybridKVCache:
         given to every group.
     """
 
-    def __init__(
+    def __init__(self, *, config: CacheConfig | None = None, **keywords: Any):
+        self._build(**with_config(config, keywords))
+
+    def _build(
         self,
         *,
         num_layers: int,
@@ -113,7 +139,7 @@ class HybridKVCache:
         kv_heads_axis: str | None = None,
         batch_axis: str | None = None,
         **options: Any,
-    ):
+    ) -> None:
         # Every argument is checked, and every group's configuration planned, before
         # anything (engine, record, tier) is made: a refused cache changes nothing.
         persistent = shm_name is not None or file_name is not None
@@ -252,7 +278,7 @@ class HybridKVCache:
         given = options.get("block_tokens")
         if given is not None:
             return given
-        return min(DEFAULT_BLOCK_TOKENS, 1 << (max_len - 1).bit_length())
+        return default_block_tokens(max_len)
 
     def _staging_shares(self, budget: int, batch: int, options: dict) -> list[int]:
         """The device budget per group: a sliding group gets what whole units of its window
@@ -465,9 +491,12 @@ class HybridKVCache:
         return self._state([g.init(lengths, admit=admit) for g in self.groups])
 
     def inert_state(self) -> HybridState:
+        """A state of every group that moves no bytes (see
+        :meth:`OffloadedKVCache.inert_state`)."""
         return self._state([g.inert_state() for g in self.groups])
 
     def drain(self, state: HybridState) -> HybridState:
+        """Discards every group's prefetches; returns the live state."""
         return self._each(state, lambda g, p: g.drain(p))
 
     def recover(self) -> HybridState:
@@ -481,14 +510,20 @@ class HybridKVCache:
         return self._state(parts)
 
     def commit(self, state: HybridState) -> HybridState:
+        """Commits every group (persistent tiers; see :meth:`OffloadedKVCache.commit`)."""
         return self._each(state, lambda g, p: g.commit(p))
 
     def lengths(self, state: HybridState) -> np.ndarray:
-        """int32[batch]: every slot's length in ``state``."""
-        group, part = self.groups[0], self.split(state)[0]
-        if isinstance(group, ShardedKVCache):
-            return group.lengths(part)
-        return np.asarray(part.lengths)
+        """int32[batch]: every slot's length in ``state`` (the groups' must agree)."""
+        parts = self.split(state)
+        lengths = [g.lengths(p) for g, p in zip(self.groups, parts)]
+        for i, other in enumerate(lengths[1:], 1):
+            if not np.array_equal(other, lengths[0]):
+                raise ValueError(
+                    f"layer groups 0 and {i} disagree on the slots' lengths "
+                    f"({lengths[0].tolist()} vs {other.tolist()}): a host call was torn"
+                )
+        return lengths[0]
 
     # -- slot lifecycle ---------------------------------------------------------------------
 
@@ -503,15 +538,39 @@ class HybridKVCache:
         """Admits ``slot`` in every group; returns ``(state, cached)``. All groups or none;
         groups whose prefix stores differ all map the prefix the shortest one has (0 when
         a group keeps only its window)."""
-        parts = self.split(state)
-        reservations = self._reserve_all(slot, max_tokens, tokens, None)
+        self.split(state)  # Refused before any group reserves.
+        reservation = self.reserve(slot, max_tokens, tokens)
+        return self.admitted(state, reservation), reservation.cached
+
+    def reserve(
+        self,
+        slot: int,
+        max_tokens: int | None = None,
+        tokens: Sequence[int] | np.ndarray | None = None,
+        *,
+        max_cached: int | None = None,
+    ) -> HybridAdmission:
+        """:meth:`admit`'s first half: every group's slot table admits ``slot`` (all or
+        none, raising), no state changes; then :meth:`admitted` (which cannot be refused)
+        or :meth:`cancel`. ``max_cached`` caps the mapped prefix (tokens)."""
+        reservations = self._reserve_all(slot, max_tokens, tokens, max_cached)
         cached = {r.cached for r in reservations}
         while len(cached) > 1:  # Each retry maps less: it ends at a prefix every group has.
             self._cancel(reservations)
-            reservations = self._reserve_all(slot, max_tokens, tokens, min(cached))
+            cap = min(cached) if max_cached is None else min(min(cached), max_cached)
+            reservations = self._reserve_all(slot, max_tokens, tokens, cap)
             cached = {r.cached for r in reservations}
-        parts = [g.admitted(p, r) for g, p, r in zip(self.groups, parts, reservations)]
-        return self._state(parts, state.pending), cached.pop()
+        return HybridAdmission(int(slot), tuple(reservations), cached.pop())
+
+    def cancel(self, reservation: HybridAdmission) -> None:
+        """Undoes a :meth:`reserve` that was not :meth:`admitted`."""
+        self._cancel(reservation.parts)
+
+    def admitted(self, state: HybridState, reservation: HybridAdmission) -> HybridState:
+        """The live state once :meth:`reserve` made ``reservation``."""
+        parts = self.split(state)
+        parts = [g.admitted(p, r) for g, p, r in zip(self.groups, parts, reservation.parts)]
+        return self._state(parts, state.pending)
 
     def _reserve_all(self, slot, max_tokens, tokens, max_cached) -> list:
         """Every group's reservation of ``slot``, or none (undone, then raised). Groups that
@@ -542,12 +601,23 @@ class HybridKVCache:
         if not is_int(slot) or not 0 <= slot < self.batch:
             raise ValueError(f"slot={slot!r} must be an int in [0, batch={self.batch})")
 
-    def release(self, state: HybridState, slot: int, *, tokens=None) -> HybridState:
-        """Releases ``slot`` in every group, once every group accepted the arguments."""
+    def check_release(self, state: HybridState, slot: int, tokens=None) -> None:
+        """Refuses, changing nothing, a :meth:`release` that a group would refuse."""
         parts = self.split(state)
         self._check_slot(slot)
         for g, p in zip(self.groups, parts):
             g.check_release(p, slot, tokens)
+
+    def release(
+        self,
+        state: HybridState,
+        slot: int,
+        *,
+        tokens: Sequence[int] | np.ndarray | None = None,
+    ) -> HybridState:
+        """Releases ``slot`` in every group, once every group accepted the arguments."""
+        self.check_release(state, slot, tokens)
+        parts = self.split(state)
         parts = [g.release(p, slot, tokens=tokens) for g, p in zip(self.groups, parts)]
         return self._state(parts, state.pending)
 
@@ -563,9 +633,12 @@ class HybridKVCache:
         )
 
     def tokens(self, slot: int) -> np.ndarray:
+        """int64[n]: ``slot``'s recorded token ids (every group records the same)."""
         return self.groups[0].tokens(slot)
 
-    def extend_tokens(self, slot: int, ids) -> None:
+    def extend_tokens(self, slot: int, ids: Sequence[int] | np.ndarray) -> None:
+        """Records ``ids`` after ``slot``'s token ids in every group, once every group
+        accepts them (see :meth:`OffloadedKVCache.extend_tokens`)."""
         self._check_slot(slot)
         for g in self.groups:  # The same checks in every group first.
             if not g.capacity[slot]:
@@ -575,6 +648,7 @@ class HybridKVCache:
 
     @property
     def capacity(self) -> np.ndarray:
+        """int32[batch]: tokens each slot may hold (0: inactive); a copy."""
         return self.groups[0].capacity
 
     # -- host-side rows ---------------------------------------------------------------------
@@ -592,22 +666,40 @@ class HybridKVCache:
             )
         return self.groups[self.plan.group_of[layer]], self.plan.local_of[layer]
 
-    def load(self, state: HybridState, layer: int, k, v, **options) -> HybridState:
+    def load(
+        self,
+        state: HybridState,
+        layer: int,
+        k: Any,
+        v: Any,
+        *,
+        start: int | Sequence[int] = 0,
+        lengths: Sequence[int] | None = None,
+        slot: int | None = None,
+    ) -> HybridState:
         """Bulk-writes one layer's KV (see :meth:`OffloadedKVCache.load`; a sliding group
         that keeps only its window writes the rows the window keeps)."""
         group, local = self._stored(layer, "load")
         parts = self.split(state)
         i = self.plan.group_of[layer]
-        parts[i] = group.load(parts[i], local, k, v, **options)
+        parts[i] = group.load(parts[i], local, k, v, start=start, lengths=lengths, slot=slot)
         return self._state(parts, state.pending)
 
-    def read(self, state: HybridState, layer: int, slot: int, start: int = 0, stop=None, **kw):
+    def read(
+        self,
+        state: HybridState,
+        layer: int,
+        slot: int,
+        start: int = 0,
+        stop: int | None = None,
+        *,
+        raw: bool = False,
+    ):
         """Host-side K and V of one slot's positions in ``layer`` (its source's, for a
         reading layer); see :meth:`OffloadedKVCache.read`."""
         group, local = self._stored(layer, "read")
-        return group.read(
-            self.split(state)[self.plan.group_of[layer]], local, slot, start, stop, **kw
-        )
+        part = self.split(state)[self.plan.group_of[layer]]
+        return group.read(part, local, slot, start, stop, raw=raw)
 
     # -- what the groups hold ---------------------------------------------------------------
 
@@ -623,12 +715,15 @@ class HybridKVCache:
 
     @property
     def committed_lengths(self) -> np.ndarray | None:
+        """int32[batch] of the groups' common commit (None: not persistent)."""
         committed = [g.committed_lengths for g in self.groups]
         return None if committed[0] is None else np.minimum.reduce(committed)
 
     # -- lifetime ---------------------------------------------------------------------------
 
     def close(self, state: HybridState | None = None) -> None:
+        """Closes every group (committing ``state``'s, if given) and the engine if the
+        cache made it."""
         parts = [None] * len(self.groups) if state is None else list(state.groups)
         for g, p in zip(self.groups, parts):
             g.close(p)
@@ -659,21 +754,3 @@ def _shards(group) -> int:
     """Shards of a group's cache: a spec describes one."""
     mesh = group.spec.mesh
     return 1 if mesh is None else mesh.num_shards
-
-
-def kv_cache(
-    *, mesh: Any = None, **options: Any
-) -> OffloadedKVCache | ShardedKVCache | HybridKVCache:
-    """A KV cache of ``options`` (:class:`~jax_tpusync.OffloadedKVCache`'s arguments): one
-    device's, or with ``mesh`` (and ``kv_heads_axis`` / ``batch_axis``) a
-    :class:`~jax_tpusync.ShardedKVCache`; a :class:`HybridKVCache` when ``num_kv_heads`` or
-    ``head_dim`` is given per layer or ``kv_sharing`` is given."""
-    per_layer = any(
-        isinstance(options.get(name), (list, tuple)) for name in ("num_kv_heads", "head_dim")
-    )
-    if per_layer or options.get("kv_sharing") is not None:
-        return HybridKVCache(mesh=mesh, **options)
-    options.pop("kv_sharing", None)
-    if mesh is None:
-        return OffloadedKVCache(**options)
-    return ShardedKVCache(mesh=mesh, **options)

@@ -48,9 +48,11 @@ from jax.sharding import Mesh, NamedSharding
 
 from jax_tpusync import persistence
 from jax_tpusync.cache import OffloadedKVCache
+from jax_tpusync.config import CacheConfig, with_config
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.host_io import one_slot_load
 from jax_tpusync.mesh_layout import MeshLayout
+from jax_tpusync.quantize import QuantizedRows
 from jax_tpusync.state import CacheSpec, KVState
 
 logger = logging.getLogger(__name__)
@@ -96,11 +98,14 @@ class ShardedKVCache:
     """An :class:`~jax_tpusync.OffloadedKVCache` split over the devices of a mesh (or
     ``jax_tpusync.kv_cache(..., mesh=mesh, kv_heads_axis=..., batch_axis=...)``).
 
-    Takes :class:`~jax_tpusync.OffloadedKVCache`'s arguments, with ``batch`` and
+    Takes :class:`~jax_tpusync.OffloadedKVCache`'s arguments (or ``config=`` a
+    :class:`~jax_tpusync.config.CacheConfig` of them), with ``batch`` and
     ``num_kv_heads`` global (each a multiple of its axis' size) and ``num_blocks`` and
     ``staging_bytes`` per shard (each device's tier blocks and staging). ``engine``: one
     engine (or its config) for all of this process's shards. Persistent tiers name one
-    shm object or file per shard (``<name>-shard<s>``).
+    shm object or file per shard (``<name>-shard<s>``); a shared prefix directory holds a
+    directory per head range, and ``remote_prefix`` must be a ``"mooncake://"`` address
+    (each head range gets a namespace of its own; a level object is refused by name).
 
     Raises:
       ValueError: an axis not in the mesh, an axis of the mesh the cache is not split
@@ -114,15 +119,34 @@ class ShardedKVCache:
         mesh: Mesh,
         kv_heads_axis: str | None = None,
         batch_axis: str | None = None,
+        config: CacheConfig | None = None,
+        engine: Engine | EngineConfig | None = None,
+        **options: Any,
+    ):
+        self._open(mesh, kv_heads_axis, batch_axis, engine, **with_config(config, options))
+
+    def _open(
+        self,
+        mesh: Mesh,
+        kv_heads_axis: str | None,
+        batch_axis: str | None,
+        engine: Engine | EngineConfig | None,
+        *,
         batch: int,
         num_kv_heads: int,
-        engine: Engine | EngineConfig | None = None,
         shm_name: str | None = None,
         file_name: str | None = None,
         shared_prefix_dir: str | os.PathLike | None = None,
         remote_prefix: str | None = None,
         **options: Any,
-    ):
+    ) -> None:
+        if remote_prefix is not None and not isinstance(remote_prefix, str):
+            raise ValueError(
+                f"remote_prefix={remote_prefix!r}: a mesh cache's remote_prefix must be a "
+                f"'mooncake://host:port' address (each head range gets a namespace of its "
+                f"own), not a level object or factory (it would hold every head range's "
+                f"blocks under one key)"
+            )
         if options.get("spill_path") is not None:
             raise ValueError(
                 "spill_path (a two-level cache) is not supported on a mesh yet: use one tier "
@@ -187,6 +211,16 @@ class ShardedKVCache:
     def max_len(self) -> int:
         """Tokens one slot may hold at most."""
         return self.spec.max_len
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the tiers of every shard hold for their blocks (a spec describes one)."""
+        return self.shard_spec.kv_bytes * self.layout.num_shards
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory of every shard's staging."""
+        return self.shard_spec.device_bytes * self.layout.num_shards
 
     def _reconcile_commits(self) -> None:
         """Re-attach: brings the head shards of every slot to their common commit.
@@ -594,11 +628,19 @@ class ShardedKVCache:
         return self._each(state, load)
 
     def read(
-        self, state: KVState, layer: int, slot: int, start: int = 0, stop: int | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
+        self,
+        state: KVState,
+        layer: int,
+        slot: int,
+        start: int = 0,
+        stop: int | None = None,
+        *,
+        raw: bool = False,
+    ) -> tuple[Any, Any]:
         """K and V [stop - start, num_kv_heads, head_dim] of global ``slot``, its head
-        shards joined (all of them must be this process's). See
-        :meth:`OffloadedKVCache.read`."""
+        shards joined (all of them must be this process's); ``raw=True`` (quantized tiers)
+        their codes and scales, two :class:`~jax_tpusync.QuantizedRows` joined the same
+        way. See :meth:`OffloadedKVCache.read`."""
         local, holders = self._slot(slot)
         if len(holders) < self.layout.tp:
             raise ValueError(
@@ -609,7 +651,12 @@ class ShardedKVCache:
         pieces = []
         for s in holders:
             with self._on(s):
-                pieces.append(self.shards[s].read(parts[s], layer, local, start, stop))
+                pieces.append(self.shards[s].read(parts[s], layer, local, start, stop, raw=raw))
+        if raw:  # Codes [n, H, D] and scales [n, H]: both join along the heads.
+            return tuple(
+                QuantizedRows(*(np.concatenate([p[kv][i] for p in pieces], axis=1) for i in (0, 1)))
+                for kv in range(2)
+            )
         return tuple(np.concatenate([p[kv] for p in pieces], axis=1) for kv in range(2))
 
     def read_all(self, layer: int, lengths=None) -> tuple[np.ndarray, np.ndarray]:
@@ -648,16 +695,11 @@ class ShardedKVCache:
         self.close()
 
 
-def _heads_address(remote: Any, heads: str) -> str | None:
+def _heads_address(remote: str | None, heads: str) -> str | None:
     """A ``mooncake://`` address whose namespace names the head range ``heads`` (a head
     shard's blocks hold its heads only); a level object cannot be split so."""
     if remote is None:
         return None
-    if not isinstance(remote, str):
-        raise ValueError(
-            "a mesh cache's remote_prefix must be a 'mooncake://host:port' address (each head "
-            "range gets a namespace of its own), not a level object"
-        )
     url = urllib.parse.urlsplit(remote)
     query = dict(urllib.parse.parse_qsl(url.query))
     query["namespace"] = f"{query.get('namespace', 'tpusync')}-{heads}"

@@ -1,0 +1,197 @@
+"""tps.kv_cache(): one entry point that gives every model the cache that serves it, from a
+CacheConfig or the same keywords; the constructors take config= too."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tpusync as tps
+from jax_tpusync import cache_factory, layout
+from jax_tpusync.config import CacheConfig, to_kwargs
+
+MiB = 1 << 20
+SMALL = dict(num_layers=6, batch=2, max_len=64, num_kv_heads=2, head_dim=4, block_tokens=8,
+             dtype=jnp.float32, staging_bytes=1 << 20)
+GEMMA3_WINDOWS = [16] * 5 + [None]
+
+# docs/hybrid.md's Gemma-3 shape at 128K (python -m jax_tpusync.bench hybrid): 6 layers, five
+# sliding (window 1024) per global one, 2 KV heads x 64, bf16, batch 1, 256-token blocks,
+# max_len 128K + 64; its bounded cache's tier bytes, measured with max_step_tokens=1.
+GEMMA3_128K = dict(num_layers=6, batch=1, max_len=131072 + 64, num_kv_heads=2, head_dim=64,
+                   dtype=jnp.bfloat16, sliding_window=[1024] * 5 + [None], block_tokens=256,
+                   staging_bytes=32 * MiB)
+DOCS_BOUNDED_TIER_BYTES = 70 * MiB
+
+
+@pytest.mark.parametrize("as_config", [False, True], ids=["keywords", "config"])
+def test_a_gemma3_like_model_gets_the_bounded_hybrid_cache(as_config):
+    """Per-layer windows with the same heads on every layer: the hybrid cache, whose tier
+    bytes at 128K are within 1.1x of docs/hybrid.md's bounded figure (the cache that keeps
+    every position would hold 5.5x that)."""
+    made = tps.kv_cache(CacheConfig.from_kwargs(**GEMMA3_128K)) if as_config else tps.kv_cache(
+        **GEMMA3_128K
+    )
+    with made as cache:
+        assert isinstance(cache, tps.HybridKVCache) and isinstance(cache, tps.KVCache)
+        assert cache.kv_bytes <= 1.1 * DOCS_BOUNDED_TIER_BYTES
+    unbounded = layout.plan(CacheConfig.from_kwargs(**GEMMA3_128K)).kv_bytes
+    assert unbounded > 5 * DOCS_BOUNDED_TIER_BYTES
+
+
+def test_max_step_tokens_of_mixed_windows_gets_the_class_that_takes_it():
+    with tps.kv_cache(**SMALL, sliding_window=GEMMA3_WINDOWS, max_step_tokens=4) as cache:
+        assert isinstance(cache, tps.HybridKVCache) and cache.max_step_tokens == 4
+    config = CacheConfig.from_kwargs(**SMALL, sliding_window=GEMMA3_WINDOWS, max_step_tokens=4)
+    with tps.kv_cache(config) as cache:
+        assert isinstance(cache, tps.HybridKVCache) and cache.max_step_tokens == 4
+    # The one-geometry class still says which cache serves such a model.
+    with pytest.raises(ValueError, match=r"needs every layer to share one sliding window.*kv_cache"):
+        tps.OffloadedKVCache(config=config)
+
+
+def test_one_shared_window_keeps_a_ring_unless_told_to_keep_every_position():
+    with tps.kv_cache(**SMALL, sliding_window=16) as cache:
+        assert isinstance(cache, tps.OffloadedKVCache)
+        assert cache.spec.ring_blocks > 0 and cache.config.geometry.step_tokens == 64  # max_len
+    with tps.kv_cache(**dict(SMALL, max_len=1024), sliding_window=16) as cache:
+        assert cache.config.geometry.step_tokens == 512  # The default of a longer cache.
+    with tps.kv_cache(**SMALL, sliding_window=16, max_step_tokens=2) as cache:
+        assert cache.config.geometry.step_tokens == 2 and cache.spec.ring_blocks > 0
+    with tps.kv_cache(**SMALL, sliding_window=16, bound_windows=False) as cache:
+        assert isinstance(cache, tps.OffloadedKVCache) and cache.spec.ring_blocks == 0
+    with tps.kv_cache(**SMALL, sliding_window=GEMMA3_WINDOWS, bound_windows=False) as cache:
+        assert isinstance(cache, tps.OffloadedKVCache) and cache.spec.ring_blocks == 0
+    with tps.kv_cache(**SMALL) as cache:  # No window: nothing to bound.
+        assert isinstance(cache, tps.OffloadedKVCache) and cache.config.geometry.step_tokens is None
+
+
+@pytest.mark.parametrize(
+    "extra, name",
+    [
+        (dict(tier="file", file_name="kv"), "file_name"),
+        (dict(shm_name="tpusync-factory-test"), "shm_name"),
+        (dict(resident=True), "resident"),
+        (dict(num_blocks=64), "num_blocks"),
+    ],
+)
+def test_what_rules_out_a_bounded_cache_is_refused_by_name(tmp_path, extra, name):
+    """A windowed model never silently gets the cache that keeps every position: a keyword
+    a bounded cache cannot take is refused, naming it and bound_windows=False, and nothing
+    is made (no file in the tier's directory)."""
+    if extra.get("tier") == "file":
+        extra = dict(extra, path=str(tmp_path))
+    with pytest.raises(ValueError, match=rf"{name}=.*pass bound_windows=False"):
+        tps.kv_cache(**SMALL, sliding_window=GEMMA3_WINDOWS, **extra)
+    assert list(tmp_path.iterdir()) == []
+    if name in ("file_name", "num_blocks"):  # Asked for, every position it is.
+        with tps.kv_cache(**SMALL, sliding_window=GEMMA3_WINDOWS, bound_windows=False, **extra) as c:
+            assert isinstance(c, tps.OffloadedKVCache) and c.spec.ring_blocks == 0
+
+
+def test_contradictions_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"bound_windows='yes' must be None, True or False"):
+        tps.kv_cache(**SMALL, bound_windows="yes")
+    with pytest.raises(ValueError, match=r"max_step_tokens=4 keeps only .* drop one of them"):
+        tps.kv_cache(**SMALL, sliding_window=16, max_step_tokens=4, bound_windows=False)
+    with pytest.raises(ValueError, match=r"max_step_tokens=4 sizes the rings.*has neither"):
+        tps.kv_cache(**SMALL, max_step_tokens=4)
+    with pytest.raises(ValueError, match=r"kv_heads_axis='model' .* pass mesh= too"):
+        tps.kv_cache(**SMALL, kv_heads_axis="model")
+
+
+def test_config_and_the_same_keyword_are_refused_by_name_in_every_constructor():
+    config = CacheConfig.from_kwargs(**SMALL)
+    with pytest.raises(ValueError, match=r"^batch given with config="):
+        tps.kv_cache(config, batch=4)
+    with pytest.raises(ValueError, match=r"^batch, max_len given with config="):
+        tps.OffloadedKVCache(config=config, max_len=32, batch=4)
+    with pytest.raises(ValueError, match=r"^sliding_window given with config="):
+        tps.HybridKVCache(config=config, sliding_window=4)
+    mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match=r"^num_kv_heads given with config="):
+        tps.ShardedKVCache(mesh=mesh, kv_heads_axis="model", config=config, num_kv_heads=4)
+    with pytest.raises(TypeError, match=r"config must be a CacheConfig or None; got dict"):
+        tps.kv_cache(dict(SMALL))
+
+
+def test_the_constructors_take_a_config_as_they_take_its_keywords():
+    config = CacheConfig.from_kwargs(**SMALL, sliding_window=GEMMA3_WINDOWS)
+    with tps.OffloadedKVCache(config=config) as one:
+        assert one.config == config
+    bounded = CacheConfig.from_kwargs(**SMALL, sliding_window=GEMMA3_WINDOWS, max_step_tokens=4)
+    with tps.HybridKVCache(config=bounded) as hybrid:
+        assert len(hybrid.groups) == 2 and hybrid.max_step_tokens == 4
+    if len(jax.devices()) >= 2:
+        mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2])
+        with tps.ShardedKVCache(mesh=mesh, kv_heads_axis="model", config=config) as sharded:
+            assert sharded.shard_spec.num_kv_heads == 1 and sharded.batch == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        SMALL,
+        dict(SMALL, sliding_window=GEMMA3_WINDOWS, max_step_tokens=3, tier_dtype="int8"),
+        dict(SMALL, tier="file", path="/tmp/x", file_name="f", verify=False, model_id="m"),
+        dict(SMALL, spill_path="/tmp/s", spill_blocks=7, promote_after=None, num_blocks=9),
+        dict(SMALL, resident=True, prefetch_depth=2, read_in_place=False, prefix_salt=b"s",
+             shared_prefix_dir="/tmp/d", overwrite=True, debug_poison=True),
+    ],
+    ids=["plain", "windows", "file", "spill", "staging"],
+)
+def test_to_kwargs_gives_back_the_same_config(kwargs):
+    config = CacheConfig.from_kwargs(**kwargs)
+    assert CacheConfig.from_kwargs(**to_kwargs(config)) == config
+    assert "num_blocks" not in to_kwargs(CacheConfig.from_kwargs(**SMALL))  # Defaults left out.
+
+
+def test_a_mesh_refuses_a_remote_level_object_before_making_anything():
+    mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match=r"remote_prefix=<object .*must be a 'mooncake://"):
+        tps.ShardedKVCache(mesh=mesh, kv_heads_axis="model", remote_prefix=object(), **SMALL)
+
+
+# -- the TPU backend ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def on_tpu(monkeypatch):
+    monkeypatch.setattr(cache_factory, "backend_name", lambda: "tpu")
+
+
+def test_on_tpu_a_supported_config_gets_the_host_pool(on_tpu):
+    cache = tps.kv_cache(**SMALL)
+    assert isinstance(cache, tps.HostPoolKVCache)
+    cache.close()
+    config = CacheConfig.from_kwargs(**SMALL, sliding_window=GEMMA3_WINDOWS)
+    cache = tps.kv_cache(config, bound_windows=False)  # Every position kept: the pool does.
+    assert isinstance(cache, tps.HostPoolKVCache) and cache.spec.windows == config.geometry.windows
+    cache.close()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (dict(mesh="any"), r"mesh= \(the host pool is one device's\)"),
+        (dict(num_kv_heads=[2] * 6), r"per-layer num_kv_heads \(a hybrid cache\)"),
+        (dict(kv_sharing=[None] * 6), r"kv_sharing \(a hybrid cache\)"),
+        (dict(sliding_window=GEMMA3_WINDOWS), r"sliding windows kept bounded \(pass bound_windows"),
+        (dict(engine=tps.EngineConfig()), r"engine= \(the host pool"),
+    ],
+    ids=["mesh", "per-layer", "kv_sharing", "bounded", "engine"],
+)
+def test_on_tpu_what_the_host_pool_lacks_is_named(on_tpu, extra, message):
+    with pytest.raises(ValueError, match=rf"not supported on the TPU backend yet.*{message}"):
+        tps.kv_cache(**dict(SMALL, **extra))
+
+
+def test_on_tpu_the_host_pools_own_refusals_name_the_keyword(on_tpu, tmp_path):
+    with pytest.raises(ValueError, match=r"tier='file': the pool is host memory"):
+        tps.kv_cache(**SMALL, tier="file", path=str(tmp_path))
+    with pytest.raises(ValueError, match=r"max_step_tokens=4: rings of bounded windows"):
+        tps.kv_cache(**SMALL, max_step_tokens=4)
