@@ -2,11 +2,14 @@
 
 The public surface:
 
+* :func:`kv_cache` is the entry point: given a :class:`~jax_tpusync.config.CacheConfig`
+  (or its keywords) it makes the cache that serves the model, each of which keeps the
+  :class:`KVCache` protocol of host-side calls.
 * :class:`OffloadedKVCache` describes a cache kept in a host tier (DRAM or a file);
   ``cache.init()`` returns the :class:`KVState` a jitted step carries and donates.
   :class:`ShardedKVCache` is one split over a device mesh; :class:`HybridKVCache` one for
-  a model whose layers differ in KV geometry (sliding and global layers, layers reading
-  another's KV), its state a :class:`HybridState`; :func:`kv_cache` makes any of them.
+  a model whose layers differ in KV geometry or sliding window (sliding and global layers,
+  layers reading another's KV), its state a :class:`HybridState`.
 * :class:`HostPoolKVCache` is the TPU data path: its pool is a ``pinned_host`` JAX array
   that the step carries (state: :class:`PoolState`), each layer's units copied to the
   device one unit ahead by the compiled step itself, no custom call (it runs, and is

@@ -101,7 +101,8 @@ def prefetching_attention(
       block_kv: Pallas KV block size (default: tuned per device).
       interpret: Pallas interpret mode (default: on when the backend is CPU).
 
-    A mesh cache (``OffloadedKVCache(mesh=...)``) takes the global ``q``/``k``/``v``
+    A mesh cache (:class:`~jax_tpusync.mesh.ShardedKVCache`, what
+    ``jax_tpusync.kv_cache(mesh=...)`` makes) takes the global ``q``/``k``/``v``
     (sharded or not: they are resharded as the cache's mesh says) and runs each shard's
     attention on its own device inside ``shard_map``; called inside the caller's own
     ``shard_map`` over the cache's axes it takes each device's share (see

@@ -92,7 +92,9 @@ def kv_cache(
         raise ValueError(f"bound_windows={bound_windows!r} must be None, True or False")
     keywords = with_config(config, keywords)
     per_layer = [
-        name for name in ("num_kv_heads", "head_dim") if isinstance(keywords.get(name), (list, tuple))
+        name
+        for name in ("num_kv_heads", "head_dim")
+        if isinstance(keywords.get(name), (list, tuple))
     ]
     windows = _windows_of(keywords)
     windowed = any(w is not None for w in windows)
@@ -115,10 +117,12 @@ def kv_cache(
             f"kv_heads_axis={kv_heads_axis!r} and batch_axis={batch_axis!r} name axes of a "
             f"mesh: pass mesh= too"
         )
-    if bounded:
-        _check_boundable(keywords, mixed and not hybrid_because)
+    # A hybrid cache of layers that differ in geometry checks these itself, by name; the
+    # checks here are for a model that one geometry describes.
+    if bounded and not hybrid_because:
+        _check_boundable(keywords, mixed)
     step_tokens = keywords.get("max_step_tokens")
-    if bound_windows is False and step_tokens is not None and windowed:
+    if bound_windows is False and step_tokens is not None and windowed and not hybrid_because:
         raise ValueError(
             f"max_step_tokens={step_tokens!r} keeps only each sliding layer's window, "
             f"bound_windows=False every position: drop one of them"
@@ -157,7 +161,7 @@ def _windows_of(keywords: dict) -> tuple[int | None, ...]:
     return normalize_windows(keywords.get("sliding_window"), int(num_layers))
 
 
-def _check_boundable(keywords: dict, one_geometry_mixed: bool) -> None:
+def _check_boundable(keywords: dict, mixed: bool) -> None:
     """Refuses, by name, a keyword that rules out the bounded cache a windowed model gets,
     pointing at ``bound_windows=False`` (never a silent fall back to every position)."""
     blockers = []
@@ -166,7 +170,7 @@ def _check_boundable(keywords: dict, one_geometry_mixed: bool) -> None:
             blockers.append((name, "a ring overwrites committed rows, so no commit survives"))
     if keywords.get("resident") is True:
         blockers.append(("resident", "a resident cache copies every position to the device"))
-    if one_geometry_mixed:
+    if mixed:
         for name in ("num_blocks", "resident"):
             if keywords.get(name) not in (None, False):
                 blockers.append((name, "each group of the hybrid cache sizes its own"))

@@ -511,7 +511,8 @@ class CacheConfig:
             level called with the cache's root and geometry (e.g. ``functools.partial(
             MooncakeStoreLevel, "host:port", transfer_engine=engine)``: one engine for the
             store and P/D transfer), or any :class:`jax_tpusync.levels.RemoteLevel`. Its
-            faults are misses, never errors.
+            faults are misses, never errors. A mesh cache takes an address only (each head
+            range gets a namespace of its own).
           spill_path: ``tier="host"`` only: a directory for a second, file tier behind the
             DRAM tier (a two-level store, see :mod:`jax_tpusync.spill`). Cached prefix blocks
             that DRAM has no room for are demoted there instead of evicted, and the step reads

@@ -23,9 +23,11 @@ the others, and a refused call changes nothing.
 On a device mesh each group is a :class:`~jax_tpusync.ShardedKVCache`, its KV heads split
 over the mesh. Prefix reuse works across the groups: a sliding group finds a cached
 prefix's window among copies made as prompts were prefilled (:meth:`publish_windows`,
-:mod:`jax_tpusync.window_prefix`). What a hybrid cache does not do (yet): persistence with
-bounded windows (a ring overwrites committed rows) or on a mesh (refused by name); window
-copies on a mesh (a mesh hybrid cache with bounded windows reuses no prefix).
+:mod:`jax_tpusync.window_prefix`); on a mesh each head shard of a sliding group copies and
+publishes its own heads' windows. What a hybrid cache does not do (yet): persistence with
+bounded windows (a ring overwrites committed rows) or on a mesh (refused by name).
+:func:`jax_tpusync.kv_cache` makes a hybrid cache for every model whose layers differ (in
+KV geometry, in sliding window, or reading another's KV).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_tpusync import layout, persistence, window_ring
+from jax_tpusync import layout, window_ring
 from jax_tpusync.cache import OffloadedKVCache
 from jax_tpusync.config import (
     CacheConfig,
@@ -56,6 +58,7 @@ from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.layer_groups import HybridState, LayerGroups, plan_groups
 from jax_tpusync.manifest import SHM_DIRECTORY, tier_paths
 from jax_tpusync.mesh import ShardedKVCache
+from jax_tpusync.parts import bring_to_common_commit, each_or_none, reserve_agreed
 from jax_tpusync.state import KVState
 
 logger = logging.getLogger(__name__)
@@ -422,35 +425,18 @@ class HybridKVCache:
         of it: a slot one group holds released is released in all; a slot's rows and token
         ids end at the shortest length any group committed (ids past it are not its KV's,
         and a release would index blocks under them)."""
-        committed = [g.committed_lengths for g in self.groups]
-        if committed[0] is None:
-            return
-        common, torn_in = persistence.common_commit(
-            [g.capacity for g in self.groups],
-            committed,
-            [g.slots.shared.astype(np.int64) * g.spec.block_tokens for g in self.groups],
-        )
-        for g, torn in zip(self.groups, torn_in):
-            for b in np.flatnonzero(torn):
-                g.slots.release(int(b), 0)
-        tokens = persistence.agree_tokens([g.slots.history for g in self.groups], common)
-        for i, (g, torn) in enumerate(zip(self.groups, torn_in)):
-            history = g.slots.history
-            if not (
-                torn.any()
-                or (committed[i] != common).any()
-                or any(history.count(b) != len(ids) for b, ids in enumerate(tokens))
-            ):
-                continue
+
+        def warn(i, committed, common, torn):
             logger.warning(
                 "re-attach: layer group %d was left at another commit (lengths %s); bringing "
                 "every group to their common lengths %s%s",
                 i,
-                committed[i].tolist(),
+                committed.tolist(),
                 common.tolist(),
                 f", releasing slots {np.flatnonzero(torn).tolist()}" if torn.any() else "",
             )
-            g.restart_at(common, tokens)
+
+        bring_to_common_commit(self.groups, warn)
 
     # -- state ------------------------------------------------------------------------------
 
@@ -552,15 +538,17 @@ class HybridKVCache:
     ) -> HybridAdmission:
         """:meth:`admit`'s first half: every group's slot table admits ``slot`` (all or
         none, raising), no state changes; then :meth:`admitted` (which cannot be refused)
-        or :meth:`cancel`. ``max_cached`` caps the mapped prefix (tokens)."""
-        reservations = self._reserve_all(slot, max_tokens, tokens, max_cached)
-        cached = {r.cached for r in reservations}
-        while len(cached) > 1:  # Each retry maps less: it ends at a prefix every group has.
-            self._cancel(reservations)
-            cap = min(cached) if max_cached is None else min(min(cached), max_cached)
-            reservations = self._reserve_all(slot, max_tokens, tokens, cap)
-            cached = {r.cached for r in reservations}
-        return HybridAdmission(int(slot), tuple(reservations), cached.pop())
+        or :meth:`cancel`. ``max_cached`` caps the mapped prefix (tokens). Groups whose
+        prefix stores differ all map the prefix the shortest one has (the rule of
+        :func:`jax_tpusync.parts.reserve_agreed`)."""
+        reservations = reserve_agreed(
+            lambda cap: self._reserve_all(slot, max_tokens, tokens, cap),
+            self._cancel,
+            lambda r: r.cached,
+            max_cached,
+        )
+        cached = {r.cached for r in reservations} - {None}
+        return HybridAdmission(int(slot), tuple(reservations), cached.pop() if cached else None)
 
     def cancel(self, reservation: HybridAdmission) -> None:
         """Undoes a :meth:`reserve` that was not :meth:`admitted`."""
@@ -579,19 +567,20 @@ class HybridKVCache:
         anyway, and a window's search asks its levels about every block it considers)."""
         self._check_slot(slot)
         order = sorted(range(len(self.groups)), key=lambda i: bool(self.groups[i].spec.ring_blocks))
-        done: dict[int, Any] = {}
-        try:
-            for i in order:
-                g, cap = self.groups[i], max_cached
-                found = [r.cached for r in done.values() if r.cached is not None]
-                if g.spec.ring_blocks and found:
-                    cap = min(found) if cap is None else min(cap, *found)
-                done[i] = g.reserve(slot, max_tokens, tokens, max_cached=cap)
-        except Exception:
-            for i, r in done.items():
-                self.groups[i].cancel(r)
-            raise
-        return [done[i] for i in range(len(self.groups))]
+        found: list[int] = []  # The prefixes the groups reserved so far map.
+
+        def reserve(i: int):
+            g, cap = self.groups[i], max_cached
+            if g.spec.ring_blocks and found:
+                cap = min(found) if cap is None else min(cap, *found)
+            reservation = g.reserve(slot, max_tokens, tokens, max_cached=cap)
+            if reservation.cached is not None:
+                found.append(reservation.cached)
+            return reservation
+
+        done = each_or_none(order, reserve, lambda i, r: self.groups[i].cancel(r))
+        by_group = dict(zip(order, done))
+        return [by_group[i] for i in range(len(self.groups))]
 
     def _cancel(self, reservations) -> None:
         for g, r in zip(self.groups, reservations):

@@ -46,12 +46,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jax_tpusync import persistence
 from jax_tpusync.cache import OffloadedKVCache
 from jax_tpusync.config import CacheConfig, with_config
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.host_io import one_slot_load
 from jax_tpusync.mesh_layout import MeshLayout
+from jax_tpusync.parts import bring_to_common_commit, each_or_none, reserve_agreed
 from jax_tpusync.quantize import QuantizedRows
 from jax_tpusync.state import CacheSpec, KVState
 
@@ -237,38 +237,23 @@ class ShardedKVCache:
             holders = [s for s in self.shards if self._place(s)[0] == d]
             if len(holders) < 2:
                 continue
-            caches = [self.shards[s] for s in holders]
-            lengths = {s: self.shards[s].committed_lengths for s in holders}
-            common, torn_in = persistence.common_commit(
-                [c.capacity for c in caches],
-                [lengths[s] for s in holders],
-                [c.slots.shared.astype(np.int64) * c.spec.block_tokens for c in caches],
-            )
-            for cache, torn in zip(caches, torn_in):
-                for b in np.flatnonzero(torn):
-                    cache.slots.release(int(b), 0)
-            tokens = persistence.agree_tokens([c.slots.history for c in caches], common)
-            for s, cache, torn in zip(holders, caches, torn_in):
-                history = cache.slots.history
-                if not (
-                    torn.any()
-                    or (lengths[s] != common).any()
-                    or any(history.count(b) != len(ids) for b, ids in enumerate(tokens))
-                ):
-                    continue
+
+            def warn(i, committed, common, torn, holders=holders):
+                s = holders[i]
                 logger.warning(
                     "re-attach: head shards %s of slots %s were left at different commits "
                     "(shard %d: lengths %s); bringing them to their common lengths %s%s",
                     holders,
                     [self.rows_of(s).start + b for b in range(len(common))],
                     s,
-                    lengths[s].tolist(),
+                    committed.tolist(),
                     common.tolist(),
                     f", releasing slots {np.flatnonzero(torn).tolist()} of shard {s}"
                     if torn.any()
                     else "",
                 )
-                cache.restart_at(common, tokens)
+
+            bring_to_common_commit([self.shards[s] for s in holders], warn)
 
     # -- global states <-> shard states -----------------------------------------------------
 
@@ -416,7 +401,8 @@ class ShardedKVCache:
 
         All shards or none: every holder's slot table admits first (a refusal in one undoes
         the others' and raises, the state untouched); head shards whose prefix stores
-        differ (a block one of them lacks) all map the prefix the shortest one has."""
+        differ (a block one of them lacks) all map the prefix the shortest one has (the
+        rule of :func:`jax_tpusync.parts.reserve_agreed`)."""
         reservation = self.reserve(slot, max_tokens, tokens)
         return self.admitted(state, reservation), reservation.cached
 
@@ -432,16 +418,14 @@ class ShardedKVCache:
         or none, raising), changing no state; then :meth:`admitted` (which cannot be
         refused) or :meth:`cancel`. ``max_cached`` caps the mapped prefix (tokens)."""
         local, holders = self._slot(slot)
-        admissions = self._admit_all(holders, local, max_tokens, tokens, max_cached)
+        admitted = reserve_agreed(
+            lambda cap: self._admit_all(holders, local, max_tokens, tokens, cap),
+            lambda done: self._undo_admissions(dict(done), local),
+            lambda pair: pair[1].cached,
+            max_cached,
+        )
+        admissions = dict(admitted)
         cached = {a.cached for a in admissions.values()}
-        if len(cached) > 1:
-            cap = min(cached) if max_cached is None else min(min(cached), max_cached)
-            self._undo_admissions(admissions, local)
-            admissions = self._admit_all(holders, local, max_tokens, tokens, cap)
-            cached = {a.cached for a in admissions.values()}
-            if len(cached) > 1:
-                self._undo_admissions(admissions, local)
-                raise ValueError(f"head shards of slot {slot} map different prefixes: {cached}")
         return MeshAdmission(slot, local, admissions, cached.pop() if cached else None)
 
     def cancel(self, reservation: MeshAdmission) -> None:
@@ -464,18 +448,16 @@ class ShardedKVCache:
             length = int(np.asarray(parts[s].lengths)[local])
             self.shards[s].slots.check_release(local, length, tokens)
 
-    def _admit_all(self, holders, local, max_tokens, tokens, max_cached) -> dict:
-        """Each holder's slot-table admission, or none (undone, then raised)."""
-        done = {}
-        try:
-            for s in holders:
-                done[s] = self.shards[s].slots.admit(
-                    local, max_tokens, tokens, max_cached=max_cached
-                )
-        except Exception:
-            self._undo_admissions(done, local)
-            raise
-        return done
+    def _admit_all(self, holders, local, max_tokens, tokens, max_cached) -> list:
+        """Each holder's ``(shard, slot-table admission)``, or none (undone, then raised)."""
+        return each_or_none(
+            holders,
+            lambda s: (
+                s,
+                self.shards[s].slots.admit(local, max_tokens, tokens, max_cached=max_cached),
+            ),
+            lambda s, _: self.shards[s].slots.release(local, 0),
+        )
 
     def _undo_admissions(self, admissions: dict, local: int) -> None:
         for s in admissions:

@@ -45,21 +45,21 @@ def refuse_unsharded_cache(*xs: jax.Array) -> None:
         raise ValueError(
             f"prefetching_attention runs inside shard_map over mesh axes {tuple(manual)} with "
             f"a cache built without mesh=: every device would read and write the same tier "
-            f"blocks. Build it with OffloadedKVCache(..., mesh=mesh, kv_heads_axis=..., "
+            f"blocks. Build it with jax_tpusync.kv_cache(..., mesh=mesh, kv_heads_axis=..., "
             f"batch_axis=...)"
         )
     if not mesh.empty and mesh.size > 1:
         raise ValueError(
             f"prefetching_attention runs under a mesh of {mesh.size} devices "
             f"({_mesh_shape(mesh)}) with a cache built without mesh=: build it with "
-            f"OffloadedKVCache(..., mesh=mesh, kv_heads_axis=..., batch_axis=...)"
+            f"jax_tpusync.kv_cache(..., mesh=mesh, kv_heads_axis=..., batch_axis=...)"
         )
     for name, x in zip("qkv", xs):
         sharded = [a for a in _spec_axes(x) if a is not None]
         if sharded:
             raise ValueError(
                 f"{name} is sharded over mesh axes {tuple(sharded)} but the cache was built "
-                f"without mesh=: build it with OffloadedKVCache(..., mesh=mesh, "
+                f"without mesh=: build it with jax_tpusync.kv_cache(..., mesh=mesh, "
                 f"kv_heads_axis=..., batch_axis=...)"
             )
 

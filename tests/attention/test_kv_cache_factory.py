@@ -50,7 +50,8 @@ def test_max_step_tokens_of_mixed_windows_gets_the_class_that_takes_it():
     with tps.kv_cache(config) as cache:
         assert isinstance(cache, tps.HybridKVCache) and cache.max_step_tokens == 4
     # The one-geometry class still says which cache serves such a model.
-    with pytest.raises(ValueError, match=r"needs every layer to share one sliding window.*kv_cache"):
+    one_window = r"needs every layer to share one sliding window.*kv_cache"
+    with pytest.raises(ValueError, match=one_window):
         tps.OffloadedKVCache(config=config)
 
 
@@ -89,7 +90,8 @@ def test_what_rules_out_a_bounded_cache_is_refused_by_name(tmp_path, extra, name
         tps.kv_cache(**SMALL, sliding_window=GEMMA3_WINDOWS, **extra)
     assert list(tmp_path.iterdir()) == []
     if name in ("file_name", "num_blocks"):  # Asked for, every position it is.
-        with tps.kv_cache(**SMALL, sliding_window=GEMMA3_WINDOWS, bound_windows=False, **extra) as c:
+        unbounded = dict(SMALL, sliding_window=GEMMA3_WINDOWS, bound_windows=False, **extra)
+        with tps.kv_cache(**unbounded) as c:
             assert isinstance(c, tps.OffloadedKVCache) and c.spec.ring_blocks == 0
 
 
@@ -195,3 +197,16 @@ def test_on_tpu_the_host_pools_own_refusals_name_the_keyword(on_tpu, tmp_path):
         tps.kv_cache(**SMALL, tier="file", path=str(tmp_path))
     with pytest.raises(ValueError, match=r"max_step_tokens=4: rings of bounded windows"):
         tps.kv_cache(**SMALL, max_step_tokens=4)
+
+
+def test_a_hybrid_model_keeps_its_step_rows_with_every_position_kept():
+    """Layers that read another's KV keep one step's rows (max_step_tokens) whether or not
+    the sliding layers are bounded: both keywords together are a hybrid cache's, not a
+    contradiction; its own refusals (persistence of bounded windows) stand."""
+    hybrid = dict(SMALL, num_kv_heads=[2, 2, 1, 2, 2, 1], kv_sharing=[None] * 5 + [2],
+                  sliding_window=[16, 16, None, 16, 16, None], max_step_tokens=4)
+    with tps.kv_cache(**hybrid, bound_windows=False) as cache:
+        assert isinstance(cache, tps.HybridKVCache) and cache.max_step_tokens == 4
+        assert all(g.spec.ring_blocks == 0 for g in cache.groups)
+    with pytest.raises(ValueError, match=r"bound_windows=True keeps only each sliding group"):
+        tps.kv_cache(**hybrid, shm_name="tpusync-factory-hybrid")
