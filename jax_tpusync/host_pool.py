@@ -170,7 +170,7 @@ class PoolState:
     The pytree structure depends on the :class:`CacheSpec` only.
     """
 
-    _FIELDS = (
+    FIELDS = (
         "lengths",
         "block_table",
         "capacity",
@@ -216,7 +216,7 @@ class PoolState:
         )
 
     def tree_flatten(self):
-        return tuple(getattr(self, name) for name in self._FIELDS), self.spec
+        return tuple(getattr(self, name) for name in self.FIELDS), self.spec
 
     @classmethod
     def tree_unflatten(cls, spec, children):
@@ -228,14 +228,9 @@ class PoolState:
         return jnp.asarray(self.lengths, jnp.int32)[..., None] + jnp.arange(q_len, dtype=jnp.int32)
 
     def replace(self, **changes) -> PoolState:
-        fields = {name: getattr(self, name) for name in self._FIELDS}
+        fields = {name: getattr(self, name) for name in self.FIELDS}
         fields.update(changes)
         return PoolState(self.spec, **fields)
-
-    def unstaged(self) -> PoolState:
-        """This state with nothing staged: what a host-side write to the pool returns (a
-        staged unit may hold the rows it replaced)."""
-        return self.replace(staged_at=jnp.full_like(self.staged_at, NOT_STAGED))
 
     def __repr__(self) -> str:
         return f"PoolState(lengths={self.lengths}, pool={self.pool.shape})"

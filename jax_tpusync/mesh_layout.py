@@ -8,6 +8,7 @@ of those two imports the other.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
@@ -58,3 +59,30 @@ class MeshLayout:
         if self.kv_heads_axis:
             shard = shard + lax.axis_index(self.kv_heads_axis)
         return jax.numpy.asarray(shard, jax.numpy.int32)
+
+
+def checked_layout(mesh: Any, kv_heads_axis: Any, batch_axis: Any) -> MeshLayout:
+    """The :class:`MeshLayout` of a cache split over ``mesh``; a ``TypeError`` or
+    ``ValueError`` naming the argument if the axes do not describe one (every mesh axis of
+    more than one device must split the heads or the slots: a KV cache is not replicated)."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
+    names = tuple(mesh.axis_names)
+    if kv_heads_axis is None and batch_axis is None:
+        raise ValueError(
+            f"a mesh cache needs kv_heads_axis, batch_axis or both (axes of the mesh: {names})"
+        )
+    for arg, axis in (("kv_heads_axis", kv_heads_axis), ("batch_axis", batch_axis)):
+        if axis is not None and axis not in names:
+            raise ValueError(f"{arg}={axis!r} is not an axis of the mesh (its axes: {names})")
+    if kv_heads_axis is not None and kv_heads_axis == batch_axis:
+        raise ValueError(f"kv_heads_axis and batch_axis are both {kv_heads_axis!r}")
+    for axis in names:
+        if axis not in (kv_heads_axis, batch_axis) and mesh.shape[axis] > 1:
+            raise ValueError(
+                f"mesh axis {axis!r} has {mesh.shape[axis]} devices but is neither "
+                f"kv_heads_axis nor batch_axis: its devices would each run the same shard's "
+                f"transfers on the same tier blocks (a KV cache is split over heads and "
+                f"sequences, not replicated or split over head_dim)"
+            )
+    return MeshLayout(mesh, batch_axis, kv_heads_axis)

@@ -12,7 +12,13 @@ steps; they take the state and return the new one, as the step does.
 What this cache does not do yet (each refused by name at construction): file tiers,
 persistence (``shm_name``/``file_name``), shared and remote prefix levels, spill tiers,
 resident mode, rings of bounded windows (``max_step_tokens``), ``prefetch_depth`` above 1,
-meshes and hybrid layer groups.
+slots split over a mesh's ``batch_axis``, and hybrid layer groups.
+
+Over a mesh (``mesh=``, ``kv_heads_axis=``) each device keeps its own heads' pool in its
+own host memory: every state leaf has a leading axis of shards split over the mesh, as a
+mesh cache's does (:mod:`jax_tpusync.mesh`), and the step runs each device's share inside
+``shard_map`` (:mod:`jax_tpusync.step.sharded`). The slot table is one: every device
+holds every slot's blocks, each for its heads.
 """
 
 from __future__ import annotations
@@ -26,10 +32,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_tpusync import quantize
 from jax_tpusync.config import CacheConfig
 from jax_tpusync.host_pool import (
+    NOT_STAGED,
+    POOL_MEMORY_KIND,
     PoolLayout,
     PoolState,
     into_pool,
@@ -37,6 +47,7 @@ from jax_tpusync.host_pool import (
     pool_sharding,
     to_device,
 )
+from jax_tpusync.mesh_layout import MeshLayout, checked_layout
 from jax_tpusync.slots import SlotTable
 from jax_tpusync.state import CacheSpec, dtype_error, exact_cast_allowed
 
@@ -62,11 +73,18 @@ _NOT_YET = {
 }
 
 
-def pool_spec(config: CacheConfig) -> CacheSpec:
+def pool_spec(config: CacheConfig, mesh: MeshLayout | None = None) -> CacheSpec:
     """The :class:`CacheSpec` of a host-pool cache: units of whole blocks, two of them on
     the device at a time (the one attended and the one in flight) within
-    ``staging_bytes``."""
+    ``staging_bytes`` (per device). Over a mesh the spec describes one shard: the heads of
+    one device of ``kv_heads_axis``."""
     g, staging = config.geometry, config.staging
+    shards = 1 if mesh is None else mesh.tp
+    if g.num_kv_heads % shards:
+        raise ValueError(
+            f"num_kv_heads={g.num_kv_heads} must be a multiple of the {shards} devices of "
+            f"kv_heads_axis={mesh.kv_heads_axis!r}"
+        )
     depth = staging.prefetch_depth
     if depth not in ("auto", 1):
         raise ValueError(
@@ -77,7 +95,7 @@ def pool_spec(config: CacheConfig) -> CacheSpec:
         num_layers=g.num_layers,
         batch=g.batch,
         max_len=g.max_len,
-        num_kv_heads=g.num_kv_heads,
+        num_kv_heads=g.num_kv_heads // shards,
         head_dim=g.head_dim,
         dtype=np.dtype(g.dtype),
         windows=tuple(g.windows),
@@ -103,7 +121,7 @@ def pool_spec(config: CacheConfig) -> CacheSpec:
     longest = max(probe.layer_span(w) for w in probe.windows)
     needed = -(-longest // g.block_tokens) + 1  # A window's span may straddle one more block.
     chunk_len = min(units, needed) * g.block_tokens
-    return dataclasses.replace(probe, chunk_len=chunk_len)
+    return dataclasses.replace(probe, chunk_len=chunk_len, mesh=mesh)
 
 
 class HostPoolKVCache:
@@ -112,7 +130,9 @@ class HostPoolKVCache:
     Takes :meth:`jax_tpusync.config.CacheConfig.from_kwargs`'s keywords (geometry,
     ``block_tokens``/``num_blocks``, ``staging_bytes``, ``tier_dtype``, ``sliding_window``,
     ``prefetch_across_steps``, ``prefix_salt``), plus ``device``: where the pool's host
-    memory and the staging are (default: the first device). ``staging_bytes`` bounds the
+    memory and the staging are (default: the first device), or ``mesh`` and
+    ``kv_heads_axis``: the heads split over that axis's devices, each with its own pool in
+    its host memory and its own staging (``staging_bytes`` is per device). ``staging_bytes`` bounds the
     device memory the state's units take: two units (the one attended and the one in
     flight), each of whole blocks.
 
@@ -121,19 +141,53 @@ class HostPoolKVCache:
         have yet (named with the reason).
     """
 
-    def __init__(self, *, device: jax.Device | None = None, **options: Any):
+    def __init__(
+        self,
+        *,
+        device: jax.Device | None = None,
+        mesh: Mesh | None = None,
+        kv_heads_axis: str | None = None,
+        batch_axis: str | None = None,
+        **options: Any,
+    ):
         for name, (default, why) in _NOT_YET.items():
             if name in options and options[name] != default:
                 raise ValueError(f"{name}={options[name]!r}: {why} (host-pool cache)")
         config = CacheConfig.from_kwargs(**options)
-        self.spec = pool_spec(config)
+        if mesh is None:
+            if kv_heads_axis is not None or batch_axis is not None:
+                raise ValueError("kv_heads_axis and batch_axis need mesh= (host-pool cache)")
+            mesh_layout = None
+        else:
+            if device is not None:
+                raise ValueError(
+                    "device= and mesh= both given: a mesh cache's pools are on the mesh's "
+                    "devices (host-pool cache)"
+                )
+            mesh_layout = checked_layout(mesh, kv_heads_axis, batch_axis)
+            if batch_axis is not None:
+                raise ValueError(
+                    f"batch_axis={batch_axis!r}: slots split over devices are not on the "
+                    f"host-pool path yet; split the heads over kv_heads_axis (host-pool cache)"
+                )
+        self.spec = pool_spec(config, mesh_layout)
         self.config = config
         self.layout = PoolLayout(self.spec)
-        if device is None:
-            device = jax.devices()[0]
-        if not isinstance(device, jax.Device):
-            raise TypeError(f"device must be a jax.Device; got {type(device).__name__}")
-        self.device = device
+        self.mesh = mesh_layout
+        if mesh_layout is None:
+            if device is None:
+                device = jax.devices()[0]
+            if not isinstance(device, jax.Device):
+                raise TypeError(f"device must be a jax.Device; got {type(device).__name__}")
+            self.device = device
+            self.state_sharding = jax.sharding.SingleDeviceSharding(device)
+            self.pool_sharding = pool_sharding(device)
+        else:
+            self.device = None
+            self.state_sharding = NamedSharding(mesh, mesh_layout.state_spec)
+            self.pool_sharding = NamedSharding(
+                mesh, mesh_layout.state_spec, memory_kind=POOL_MEMORY_KIND
+            )
         g = config.geometry
         self.slots = SlotTable(
             batch=g.batch,
@@ -145,11 +199,18 @@ class HostPoolKVCache:
         self._pool: jax.Array | None = None  # Until init() hands it to the first state.
         self._closed = False
         logger.info(
-            "host-pool KV cache: %.1f MiB pool, %.1f MiB staging, chunk_len=%d",
+            "host-pool KV cache: %.1f MiB pool, %.1f MiB staging, chunk_len=%d (per device "
+            "of %d)",
             self.layout.pool_bytes / 2**20,
             2 * self.layout.staging_bytes / 2**20,
             self.spec.chunk_len,
+            self.shards,
         )
+
+    @property
+    def shards(self) -> int:
+        """Devices the heads are split over (1 without a mesh)."""
+        return 1 if self.mesh is None else self.mesh.tp
 
     # -- state ------------------------------------------------------------------------------
 
@@ -163,13 +224,14 @@ class HostPoolKVCache:
 
     @property
     def device_bytes(self) -> int:
-        """Device memory the state's staging takes: two units and their tails."""
+        """Device memory the state's staging takes on each device: two units and their
+        tails."""
         return 2 * self.layout.staging_bytes
 
     @property
     def kv_bytes(self) -> int:
-        """Host memory of the pool (every layer's blocks and the sink)."""
-        return self.layout.pool_bytes
+        """Host memory of the pool (every layer's blocks and the sink), all devices'."""
+        return self.shards * self.layout.pool_bytes
 
     def init(
         self, lengths: Sequence[int] | np.ndarray | None = None, *, admit: bool = True
@@ -194,10 +256,34 @@ class HostPoolKVCache:
                     f"(slot {b}'s capacity)"
                 )
         pool = jax.device_put(
-            np.zeros(self.layout.pool_shape, self.layout.dtype), pool_sharding(self.device)
+            np.zeros(self._global(self.layout.pool_shape), self.layout.dtype), self.pool_sharding
         )
         self._pool = pool
-        return PoolState.fresh(spec, lengths, self.slots.tables, capacity, pool)
+        local = PoolState.fresh(spec, lengths, self.slots.tables, capacity, pool)
+        return local.replace(
+            **{
+                name: self._placed(getattr(local, name))
+                for name in PoolState.FIELDS
+                if name != "pool"
+            }
+        )
+
+    def _global(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """A state leaf's shape: one shard's, with a leading axis of shards over a mesh."""
+        return shape if self.mesh is None else (self.shards, *shape)
+
+    def _placed(self, x: Any) -> jax.Array:
+        """One shard's value of a state leaf, as the state holds it: on the device, or
+        the same value on every device of the mesh (a leading axis of shards)."""
+        x = np.asarray(x)
+        if self.mesh is not None:
+            x = np.broadcast_to(x, (self.shards, *x.shape))
+        return jax.device_put(x, self.state_sharding)
+
+    def _host(self, x: jax.Array) -> np.ndarray:
+        """A per-slot leaf of the state on the host (every shard holds the same)."""
+        x = np.asarray(x)
+        return x if self.mesh is None else x[0]
 
     def check(self, state: PoolState) -> None:
         """Refuses a state that is not this cache's live one, or whose steps were refused
@@ -212,21 +298,29 @@ class HostPoolKVCache:
                 "this PoolState was donated to a step (its pool is gone); use the state "
                 "that step returned"
             )
-        refused = np.asarray(state.refused)
+        refused = self._host(state.refused)
         for b in np.flatnonzero(refused):
             raise ValueError(
                 f"slot {b}: {int(refused[b])} tokens of its steps were refused (they would "
-                f"have passed its capacity of {int(np.asarray(state.capacity)[b])} tokens); "
-                f"its length stayed at {int(np.asarray(state.lengths)[b])}. Release the slot "
+                f"have passed its capacity of {int(self._host(state.capacity)[b])} tokens); "
+                f"its length stayed at {int(self._host(state.lengths)[b])}. Release the slot "
                 f"and admit it with a larger max_tokens"
             )
 
     def _with_slots(self, state: PoolState, lengths: np.ndarray) -> PoolState:
-        return state.replace(
-            lengths=jnp.asarray(lengths, jnp.int32),
-            block_table=jnp.asarray(self.slots.tables),
-            capacity=jnp.asarray(self.slots.capacity),
-        ).unstaged()
+        return self._unstaged(
+            state.replace(
+                lengths=self._placed(np.asarray(lengths, np.int32)),
+                block_table=self._placed(np.asarray(self.slots.tables, np.int32)),
+                capacity=self._placed(np.asarray(self.slots.capacity, np.int32)),
+            )
+        )
+
+    def _unstaged(self, state: PoolState) -> PoolState:
+        """``state`` with nothing staged: what a host-side write to the pool returns (a
+        staged unit may hold the rows it replaced)."""
+        staged_at = np.full(state.staged_at.shape[-2:], NOT_STAGED, np.int32)
+        return state.replace(staged_at=self._placed(staged_at))
 
     # -- slot lifecycle ---------------------------------------------------------------------
 
@@ -243,7 +337,7 @@ class HostPoolKVCache:
         prefix index holds is mapped read-only)."""
         self.check(state)
         admission = self.slots.admit(slot, max_tokens, tokens)  # All or nothing.
-        lengths = np.asarray(state.lengths).copy()
+        lengths = self._host(state.lengths).copy()
         lengths[slot] = admission.cached
         return self._with_slots(state, lengths), admission.cached
 
@@ -254,11 +348,11 @@ class HostPoolKVCache:
         prefix index, as :meth:`jax_tpusync.OffloadedKVCache.release`."""
         self.check(state)
         self.slots.check_slot(slot)
-        length = int(np.asarray(state.lengths)[slot])
+        length = int(self._host(state.lengths)[slot])
         self.slots.check_release(slot, length, tokens)  # Refused: no change.
         jax.block_until_ready(state.pool)  # Its blocks are indexed once written.
         self.slots.release(slot, length, tokens)
-        lengths = np.asarray(state.lengths).copy()
+        lengths = self._host(state.lengths).copy()
         lengths[slot] = 0
         return self._with_slots(state, lengths)
 
@@ -295,7 +389,7 @@ class HostPoolKVCache:
         self._check_layer(layer)
         self.slots.check_slot(slot)
         k, v = np.asarray(k), np.asarray(v)
-        want = (spec.num_kv_heads, spec.head_dim)
+        want = (self.shards * spec.num_kv_heads, spec.head_dim)
         for name, x in (("k", k), ("v", v)):
             if x.ndim != 3 or x.shape[1:] != want or x.shape[0] != k.shape[0]:
                 raise ValueError(
@@ -323,13 +417,20 @@ class HostPoolKVCache:
         first, end = start // bt, -(-(start + n) // bt)
         table = self.slots.table_row(slot)[first:end]
         rows = self.layout.host_rows(layer, table)
-        old = self._read_rows(state, rows)  # [blocks * bt, row_width]
-        new = np.asarray(_pool_rows_host(spec, self.layout, k, v))
-        old[start - first * bt : start - first * bt + n] = new
-        pool = _write_blocks(self.layout, state.pool, old, self.layout.block_row(layer, table))
-        lengths = np.asarray(state.lengths).copy()
+        old = self._read_rows(state, rows)  # [shards, blocks * bt, row_width]
+        heads = spec.num_kv_heads
+        for shard in range(self.shards):
+            mine = slice(shard * heads, (shard + 1) * heads)
+            new = _pool_rows_host(self.layout, k[:, mine], v[:, mine])
+            old[shard, start - first * bt : start - first * bt + n] = new
+        starts = self.layout.block_row(layer, table)
+        if self.mesh is None:
+            pool = _write_blocks(self.layout, state.pool, old[0], starts)
+        else:
+            pool = _write_blocks_sharded(self.layout, self.mesh, state.pool, old, starts)
+        lengths = self._host(state.lengths).copy()
         lengths[slot] = max(int(lengths[slot]), start + n)
-        return state.replace(pool=pool, lengths=jnp.asarray(lengths, jnp.int32)).unstaged()
+        return self._unstaged(state.replace(pool=pool, lengths=self._placed(lengths)))
 
     def read(
         self, state: PoolState, layer: int, slot: int, start: int = 0, stop: int | None = None
@@ -341,7 +442,7 @@ class HostPoolKVCache:
         self.check(state)
         self._check_layer(layer)
         self.slots.check_slot(slot)
-        length = int(np.asarray(state.lengths)[slot])
+        length = int(self._host(state.lengths)[slot])
         stop = length if stop is None else stop
         if not (
             isinstance(start, (int, np.integer))
@@ -356,15 +457,20 @@ class HostPoolKVCache:
         first, end = start // bt, max(-(-stop // bt), start // bt)
         table = self.slots.table_row(slot)[first:end]
         rows = self._read_rows(state, self.layout.host_rows(layer, table))
-        rows = rows[start - first * bt : stop - first * bt]
-        return _kv_of_rows(spec, self.layout, rows)
+        rows = rows[:, start - first * bt : stop - first * bt]
+        # Each shard's heads, in order: the global heads.
+        parts = [_kv_of_rows(spec, self.layout, part) for part in rows]
+        return tuple(np.concatenate([p[i] for p in parts], axis=1) for i in range(2))
 
     def _read_rows(self, state: PoolState, rows: np.ndarray) -> np.ndarray:
-        """Copies of the pool rows ``rows`` (whole blocks, in order), as a numpy array."""
+        """Copies of the pool rows ``rows`` (whole blocks, in order) of every shard, as a
+        numpy array [shards, len(rows), row_width]."""
         if rows.size == 0:
-            return np.zeros((0, self.layout.row_width), self.layout.dtype)
+            return np.zeros((self.shards, 0, self.layout.row_width), self.layout.dtype)
         starts = rows[:: self.spec.block_tokens]
-        return np.array(_read_blocks(self.layout, state.pool, starts))
+        if self.mesh is None:
+            return np.array(_read_blocks(self.layout, state.pool, starts))[None]
+        return np.array(_read_blocks_sharded(self.layout, self.mesh, state.pool, starts))
 
     def _check_layer(self, layer: Any) -> None:
         if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.spec.num_layers:
@@ -388,9 +494,10 @@ class HostPoolKVCache:
         self.close()
 
 
-def _pool_rows_host(spec: CacheSpec, layout: PoolLayout, k: np.ndarray, v: np.ndarray):
-    """[n, row_width] pool rows of host K/V [n, H, D] (quantized when the pool is)."""
-    return pool_rows_of(layout, jnp.asarray(k)[None], jnp.asarray(v)[None])[0]
+def _pool_rows_host(layout: PoolLayout, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """[n, row_width] pool rows of one shard's host K/V [n, H, D] (quantized when the pool
+    is)."""
+    return np.asarray(pool_rows_of(layout, jnp.asarray(k)[None], jnp.asarray(v)[None])[0])
 
 
 def _kv_of_rows(spec: CacheSpec, layout: PoolLayout, rows: np.ndarray):
@@ -429,3 +536,32 @@ def _write_blocks(layout: PoolLayout, pool: jax.Array, rows: jax.Array, starts: 
         block = jax.lax.dynamic_slice_in_dim(rows, i * bt, bt)
         pool = jax.lax.dynamic_update_slice(pool, into_pool(pool, block), (starts[i], 0))
     return pool
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _read_blocks_sharded(
+    layout: PoolLayout, mesh: MeshLayout, pool: jax.Array, starts: jax.Array
+) -> jax.Array:
+    """[shards, len(starts) * block_tokens, row_width]: each shard's blocks at pool rows
+    ``starts`` (a mesh cache's pool: [shards, pool_rows, row_width])."""
+    return jax.shard_map(
+        lambda pool, starts: _read_blocks(layout, pool[0], starts)[None],
+        mesh=mesh.mesh,
+        in_specs=(mesh.state_spec, P()),
+        out_specs=mesh.state_spec,
+        check_vma=False,
+    )(pool, starts)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
+def _write_blocks_sharded(
+    layout: PoolLayout, mesh: MeshLayout, pool: jax.Array, rows: jax.Array, starts: jax.Array
+) -> jax.Array:
+    """``pool`` with each shard's blocks ``rows[shard]`` at pool rows ``starts``."""
+    return jax.shard_map(
+        lambda pool, rows, starts: _write_blocks(layout, pool[0], rows[0], starts)[None],
+        mesh=mesh.mesh,
+        in_specs=(mesh.state_spec, mesh.state_spec, P()),
+        out_specs=mesh.state_spec,
+        check_vma=False,
+    )(pool, rows, starts)
