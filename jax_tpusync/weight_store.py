@@ -217,6 +217,16 @@ class PartWriter:
             p.unlink(missing_ok=True)
 
 
+def _map_read_only(fd: int) -> mmap.mmap:
+    """The whole file mapped read-only, its pages mapped up front where Linux allows
+    (``MAP_POPULATE``: a copy out of a fresh mapping otherwise takes a page fault per
+    4 KiB, which made reads of ``/dev/shm`` five times slower here)."""
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    if populate:
+        return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
+    return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+
+
 class OpenVersion:
     """A complete version's data files, mapped read-only. A mapping stays readable if the
     version is retired meanwhile (the files are unlinked, not truncated)."""
@@ -228,9 +238,7 @@ class OpenVersion:
             for path in manifest.data_files:
                 with open(path, "rb") as f:
                     size = os.fstat(f.fileno()).st_size
-                    self._maps.append(
-                        mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-                    )
+                    self._maps.append(_map_read_only(f.fileno()) if size else None)
         except FileNotFoundError as e:
             self.close()
             raise WeightSyncError(

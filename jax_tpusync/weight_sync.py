@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -107,6 +108,17 @@ class PullStats:
 def _leaf_paths(tree: Any, *, is_leaf: Callable[[Any], bool] | None = None):
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     return [(jax.tree_util.keystr(p), x) for p, x in flat], treedef
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 4096) -> np.ndarray:
+    """An uninitialized array whose data starts at a multiple of ``alignment`` bytes: JAX's
+    CPU backend adopts such a host array as a device buffer without copying it (on other
+    backends ``device_put`` copies it to the device either way)."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def _copy_tree(tree: Any) -> Any:
@@ -512,7 +524,7 @@ class WeightPuller:
                 t0 = time.perf_counter()
                 bufs, devices = [], []
                 for block in leaf_plan.blocks:
-                    buf = np.empty(block.shape, leaf_plan.target_dtype)
+                    buf = aligned_empty(block.shape, leaf_plan.target_dtype)
                     for piece in block.pieces:
                         # Assignment casts (bf16 -> fp8 rounds to nearest, as astype does).
                         buf[piece.dest_slices] = opened.shard(leaf, piece.source)[

@@ -36,6 +36,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "hybrid",
     "pd",
     "tpu-compile",
+    "weights",
 )
 
 

@@ -1,0 +1,396 @@
+"""``weights``: weight sync from a trainer's layout to a sampler's, against the plain ways.
+
+A Llama-like param pytree (bfloat16; embedding, per layer the attention projections with
+grouped KV heads, a gated MLP and two norms, final norm and unembedding; ``--gb`` sets the
+size by its number of layers) sharded FSDP over 4 simulated CPU devices (rows) is moved,
+in one process with 8 devices, to
+
+* ``fsdp4->tp2``: tensor parallel over 2 other devices (columns of the Q/K/V, gate and up
+  projections and the embeddings, rows of the output and down projections), and
+* ``fsdp4->fsdp4``: the same layout on 4 other devices,
+
+each way side by side:
+
+* ``weights``: :class:`~jax_tpusync.weight_sync.WeightPublisher` ``publish`` then
+  :class:`~jax_tpusync.weight_sync.WeightPuller` ``pull`` through a store in ``--dir``
+  (``/dev/shm``); ``publish blocked`` is what the training step waits for;
+* ``gather+put``: every array gathered to this process (``np.asarray``), then
+  ``jax.device_put`` with the target sharding (what a single-controller script does);
+* ``jax.transfer``: ``jax.experimental.transfer`` (a transfer server, ``await_pull`` /
+  ``pull``), where this jax has it; it moves whole shards in the same layout only (a
+  reshard pull failed for small arrays and never returned for large ones here), so it runs
+  in the same-layout case only;
+* ``checkpoint``: ``np.save`` of every gathered array to ``--disk-dir``, then ``np.load``
+  and ``device_put`` (the files are read back from the page cache just after writing);
+* ``device_put``: ``jax.device_put(x, target)`` in this process, the in-process reshard
+  no two process groups can use (a reference).
+
+Each way runs ``--repeats`` times and the median is kept; ``weights`` publishes a new version
+each time, so its first pull builds the plan and the others reuse it (``plan ms`` is the
+build, ``plan reused`` whether the timed runs' plans came from the cache). For every way
+the bytes each destination device received are checked against what its shards hold, and
+the result bitwise against the source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from jax_tpusync.bench import common
+
+DEVICES = 8
+D_MODEL, FFN, VOCAB, Q_HEADS, KV_HEADS, HEAD_DIM = 1024, 2816, 32000, 8, 2, 128
+
+COLUMNS = [
+    ("case", "case", "s"),
+    ("method", "method", "s"),
+    ("nbytes", "params", "bytes"),
+    ("seconds", "seconds", ".3f"),
+    ("gbps", "GB/s", ".2f"),
+    ("publish_blocked_ms", "publish blocked ms", ".2f"),
+    ("pull_s", "pull s", ".3f"),
+    ("plan_ms", "plan ms", ".2f"),
+    ("plan_reused", "plan reused", ""),
+    ("bytes_per_device_ok", "bytes/dest ok", ""),
+    ("exact", "exact", ""),
+    ("note", "note", "s"),
+]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Registers the ``weights`` subcommand."""
+    p = subparsers.add_parser(
+        "weights",
+        help="trainer-to-sampler weight sync (publish + pull) vs gather, transfer, checkpoint",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--gb", type=_positive_float, default=0.25,
+                   help="params size in GB (1e9 bytes; bfloat16), by the number of layers")
+    p.add_argument("--repeats", type=_positive_int, default=3)
+    p.add_argument("--dir", default=None,
+                   help="the weight store's parent directory (default: /dev/shm)")
+    p.add_argument("--disk-dir", default=None,
+                   help="the checkpoint baseline's directory (default: /var/tmp)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
+    p.set_defaults(run=run, columns=COLUMNS)
+    return p
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and np.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int >= 1")
+    return value
+
+
+def layer_bytes() -> int:
+    attn = D_MODEL * Q_HEADS * HEAD_DIM * 2 + D_MODEL * KV_HEADS * HEAD_DIM * 2
+    return (attn + 3 * D_MODEL * FFN + 2 * D_MODEL) * 2
+
+
+def layers_for(gb: float) -> int:
+    """Layers that bring the pytree nearest ``gb`` GB (at least 1)."""
+    fixed = (2 * VOCAB * D_MODEL + D_MODEL) * 2
+    return max(1, round((gb * 1e9 - fixed) / layer_bytes()))
+
+
+def host_params(layers: int, seed: int = 0) -> dict[str, Any]:
+    """The Llama-like pytree on the host (bfloat16, random)."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+
+    def w(*shape):
+        return rng.standard_normal(shape, dtype=np.float32).astype(jnp.bfloat16)
+
+    return {
+        "embed": w(VOCAB, D_MODEL),
+        "layers": [
+            {
+                "attn_norm": w(D_MODEL),
+                "wq": w(D_MODEL, Q_HEADS * HEAD_DIM),
+                "wk": w(D_MODEL, KV_HEADS * HEAD_DIM),
+                "wv": w(D_MODEL, KV_HEADS * HEAD_DIM),
+                "wo": w(Q_HEADS * HEAD_DIM, D_MODEL),
+                "mlp_norm": w(D_MODEL),
+                "w_gate": w(D_MODEL, FFN),
+                "w_up": w(D_MODEL, FFN),
+                "w_down": w(FFN, D_MODEL),
+            }
+            for _ in range(layers)
+        ],
+        "final_norm": w(D_MODEL),
+        "unembed": w(D_MODEL, VOCAB),
+    }
+
+
+def fsdp_spec(path: str, ndim: int):
+    from jax.sharding import PartitionSpec as P
+
+    return P("fsdp") if ndim == 2 else P()
+
+
+def tp_spec(path: str, ndim: int):
+    from jax.sharding import PartitionSpec as P
+
+    if ndim != 2:
+        return P()
+    if any(name in path for name in ("wo", "w_down")):
+        return P("tp", None)  # Row parallel.
+    return P(None, "tp")  # Column parallel (and the embeddings by their model dimension).
+
+
+def _tree_specs(params: Any, spec_for) -> Any:
+    import jax
+
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: spec_for(jax.tree_util.keystr(p), np.ndim(x)), params
+    )
+
+
+def _device_bytes(tree: Any) -> dict[int, int]:
+    import jax
+
+    out: dict[int, int] = {}
+    for x in jax.tree.leaves(tree):
+        for s in x.addressable_shards:
+            out[s.device.id] = out.get(s.device.id, 0) + s.data.nbytes
+    return out
+
+
+def _expected_device_bytes(host: Any, targets: Any) -> dict[int, int]:
+    import jax
+
+    out: dict[int, int] = {}
+    for x, sharding in zip(jax.tree.leaves(host), jax.tree.leaves(targets), strict=True):
+        nbytes = int(np.prod(sharding.shard_shape(x.shape))) * x.dtype.itemsize
+        for d in sharding.addressable_devices:
+            out[d.id] = out.get(d.id, 0) + nbytes
+    return out
+
+
+def _exact(pulled: Any, host: Any) -> bool:
+    import jax
+
+    for got, want in zip(jax.tree.leaves(pulled), jax.tree.leaves(host), strict=True):
+        for s in got.addressable_shards:
+            if not np.array_equal(np.asarray(s.data).view(np.uint16),
+                                  want[s.index].view(np.uint16)):
+                return False
+    return True
+
+
+def _delete(tree: Any) -> None:
+    import jax
+
+    for x in jax.tree.leaves(tree):
+        x.delete()
+
+
+def _ready(tree: Any) -> Any:
+    import jax
+
+    return jax.block_until_ready(tree)
+
+
+def method_weights(ctx: dict, case: str, source: Any, targets: Any) -> dict:
+    from jax_tpusync.weight_sync import WeightPublisher, WeightPuller
+
+    store = tempfile.mkdtemp(prefix="bench-weights-", dir=ctx["dir"])
+    try:
+        publisher = WeightPublisher(store, keep=1)
+        puller = WeightPuller(store, timeout_s=600)
+        runs, result = [], None
+        plan_ms, reused = None, []
+        for version in range(ctx["repeats"]):
+            if result is not None:
+                _delete(result)
+            start = time.perf_counter()
+            publisher.publish(source, version)
+            blocked = time.perf_counter() - start
+            write_s = publisher.wait().write_seconds
+            pull_start = time.perf_counter()
+            result = _ready(puller.pull(targets, version))
+            end = time.perf_counter()
+            if version == 0:
+                plan_ms = puller.stats.plan_seconds * 1e3
+            else:
+                reused.append(puller.stats.plan_cached)
+            runs.append((end - start, blocked, end - pull_start, write_s,
+                         puller.stats.read_seconds, puller.stats.put_seconds))
+        publisher.close()
+        ok = puller.stats.device_bytes == _device_bytes(result) == ctx["expected"]
+        exact = _exact(result, ctx["host"])
+        _delete(result)
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+    timed = runs[1:] or runs  # The first run compiles the snapshot copy.
+    return {
+        "seconds": statistics.median(r[0] for r in timed),
+        "publish_blocked_ms": statistics.median(r[1] for r in timed) * 1e3,
+        "pull_s": statistics.median(r[2] for r in timed),
+        "publish_write_s": statistics.median(r[3] for r in timed),
+        "pull_read_s": statistics.median(r[4] for r in timed),
+        "pull_put_s": statistics.median(r[5] for r in timed),
+        "plan_ms": plan_ms,
+        "plan_reused": all(reused) if reused else None,
+        "bytes_per_device_ok": ok,
+        "exact": exact,
+        "first_publish_blocked_ms": runs[0][1] * 1e3,
+        "note": "publish + pull (store in RAM)",
+    }
+
+
+def _timed(ctx: dict, move) -> dict:
+    runs, result = [], None
+    for _ in range(ctx["repeats"]):
+        if result is not None:
+            _delete(result)
+        start = time.perf_counter()
+        result = _ready(move())
+        runs.append(time.perf_counter() - start)
+    ok = _device_bytes(result) == ctx["expected"]
+    exact = _exact(result, ctx["host"])
+    _delete(result)
+    return {"seconds": statistics.median(runs), "bytes_per_device_ok": ok, "exact": exact}
+
+
+def method_gather_put(ctx: dict, case: str, source: Any, targets: Any) -> dict:
+    import jax
+
+    def move():
+        host = jax.tree.map(np.asarray, source)
+        return jax.device_put(host, targets)
+
+    return {**_timed(ctx, move), "note": "gather to this process, device_put"}
+
+
+def method_transfer(ctx: dict, case: str, source: Any, targets: Any) -> dict:
+    import jax
+
+    try:
+        from jax.experimental import transfer
+    except ImportError as e:
+        return {"note": f"not in this jax: {e}"}
+    for x, target in zip(jax.tree.leaves(source), jax.tree.leaves(targets), strict=True):
+        if x.sharding.shard_shape(x.shape) != target.shard_shape(x.shape):
+            # Tried: a reshard pull fails (small arrays) or never returns (large ones).
+            return {"note": "not run: moves whole shards in the same layout only"}
+    client = jax.devices()[0].client
+    server = transfer.start_transfer_server(client)
+    connection = server.connect(server.address())
+    leaves = jax.tree.leaves(source)
+    structs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+               for x, s in zip(leaves, jax.tree.leaves(targets), strict=True)]
+    uuid = [0]
+
+    def move():
+        uuid[0] += 1
+        server.await_pull(uuid[0], leaves)
+        return connection.pull(uuid[0], structs)
+
+    return {**_timed(ctx, move), "note": "same layout only"}
+
+
+def method_checkpoint(ctx: dict, case: str, source: Any, targets: Any) -> dict:
+    import jax
+
+    directory = tempfile.mkdtemp(prefix="bench-weights-ckpt-", dir=ctx["disk_dir"])
+    leaves, treedef = jax.tree.flatten(source)
+    target_leaves = jax.tree.leaves(targets)
+
+    def move():
+        # np.save writes bfloat16 as raw void: save its bits, view them back on load.
+        for i, x in enumerate(leaves):
+            np.save(os.path.join(directory, f"{i}.npy"), np.asarray(x).view(np.uint16))
+        loaded = [np.load(os.path.join(directory, f"{i}.npy")).view(x.dtype)
+                  for i, x in enumerate(leaves)]
+        return jax.tree.unflatten(treedef, jax.device_put(loaded, target_leaves))
+
+    try:
+        return {**_timed(ctx, move), "note": "np.save + np.load (page cache), device_put"}
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def method_device_put(ctx: dict, case: str, source: Any, targets: Any) -> dict:
+    import jax
+
+    return {**_timed(ctx, lambda: jax.device_put(source, targets)),
+            "note": "one process only (reference)"}
+
+
+METHODS = {
+    "weights": method_weights,
+    "gather+put": method_gather_put,
+    "jax.transfer": method_transfer,
+    "checkpoint": method_checkpoint,
+    "device_put": method_device_put,
+}
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    flag = "--xla_force_host_platform_device_count"
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={DEVICES}".strip()
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+
+    devices = jax.devices()
+    if len(devices) < DEVICES:
+        raise SystemExit(
+            f"weights needs {DEVICES} devices, JAX has {len(devices)} (it started before this "
+            f"bench set {flag}={DEVICES}; set XLA_FLAGS yourself)"
+        )
+    layers = layers_for(args.gb)
+    host = host_params(layers)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(host))
+    train_mesh = Mesh(np.asarray(devices[:4]), ("fsdp",))
+    source = jax.device_put(host, jax.tree.map(
+        lambda s: NamedSharding(train_mesh, s), _tree_specs(host, fsdp_spec)))
+    cases = {
+        "fsdp4->tp2": (Mesh(np.asarray(devices[4:6]), ("tp",)), tp_spec),
+        "fsdp4->fsdp4": (Mesh(np.asarray(devices[4:8]), ("fsdp",)), fsdp_spec),
+    }
+    ctx = {
+        "repeats": args.repeats,
+        "dir": args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None),
+        "disk_dir": args.disk_dir or ("/var/tmp" if os.path.isdir("/var/tmp") else None),
+        "host": host,
+    }
+    rows = []
+    for case, (mesh, spec_for) in cases.items():
+        targets = jax.tree.map(lambda s, m=mesh: NamedSharding(m, s), _tree_specs(host, spec_for))
+        ctx["expected"] = _expected_device_bytes(host, targets)
+        for name in args.methods:
+            row = {"case": case, "method": name, "nbytes": nbytes, "layers": layers}
+            row.update(METHODS[name](ctx, case, source, targets))
+            if row.get("seconds"):
+                row["gbps"] = nbytes / row["seconds"] / 1e9
+            rows.append(row)
+            print(f"{case:>13} {name:>12}: {row.get('seconds', float('nan')):.3f} s "
+                  f"{row.get('note', '')}", flush=True)
+    return rows

@@ -1,0 +1,57 @@
+"""The weights benchmark at a tiny size, in a process of its own (it needs 8 simulated
+devices): every way moves the params bitwise, each destination device gets exactly what
+its shards hold, the plan is built once and reused; and its refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jax_tpusync.bench import __main__ as bench_main
+from jax_tpusync.bench import weights
+
+
+def test_a_tiny_pytree_moves_exactly_every_way(tmp_path):
+    out = tmp_path / "weights.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # The bench sets its own device count.
+    subprocess.run(
+        [sys.executable, "-m", "jax_tpusync.bench", "weights", "--gb", "0.01", "--repeats", "2",
+         "--dir", str(tmp_path), "--disk-dir", str(tmp_path), "--json", str(out)],
+        check=True, timeout=240, env=env, cwd=tmp_path,
+    )
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["case"], r["method"]) for r in rows] == [
+        (case, method) for case in ("fsdp4->tp2", "fsdp4->fsdp4") for method in weights.METHODS
+    ]
+    layers = weights.layers_for(0.01)
+    nbytes = (2 * weights.VOCAB * weights.D_MODEL + weights.D_MODEL) * 2
+    nbytes += layers * weights.layer_bytes()
+    for r in rows:
+        assert r["nbytes"] == nbytes and r["layers"] == layers == 1
+        if r["method"] == "jax.transfer" and r["case"] == "fsdp4->tp2":
+            assert r["note"].startswith("not run: moves whole shards in the same layout only")
+            continue
+        if r["method"] == "jax.transfer" and r["note"].startswith("not in this jax"):
+            continue
+        assert r["exact"] is True and r["bytes_per_device_ok"] is True, r
+        assert r["seconds"] > 0 and r["gbps"] == pytest.approx(nbytes / r["seconds"] / 1e9)
+    for r in rows:
+        if r["method"] == "weights":
+            assert r["plan_ms"] > 0 and r["plan_reused"] is True
+            assert 0 < r["publish_blocked_ms"] < r["seconds"] * 1e3
+
+
+@pytest.mark.parametrize(("flag", "value", "why"), [
+    ("--gb", "0", "is not a number > 0"),
+    ("--gb", "nan", "is not a number > 0"),
+    ("--repeats", "0", "is not an int >= 1"),
+])
+def test_bad_arguments_are_refused_by_name(flag, value, why, capsys):
+    with pytest.raises(SystemExit):
+        bench_main.build_parser().parse_args(["weights", flag, value, "--json", "-"])
+    assert why in capsys.readouterr().err
