@@ -14,6 +14,8 @@ each way side by side:
 * ``weights``: :class:`~jax_tpusync.weight_sync.WeightPublisher` ``publish`` then
   :class:`~jax_tpusync.weight_sync.WeightPuller` ``pull`` through a store in ``--dir``
   (``/dev/shm``); ``publish blocked`` is what the training step waits for;
+* ``weights-nocopy``: the same with ``WeightPublisher(copy=False)`` (no snapshot copy:
+  for a caller that does not donate or delete the params until the write ends);
 * ``gather+put``: every array gathered to this process (``np.asarray``), then
   ``jax.device_put`` with the target sharding (what a single-controller script does);
 * ``jax.transfer``: ``jax.experimental.transfer`` (a transfer server, ``await_pull`` /
@@ -56,6 +58,7 @@ COLUMNS = [
     ("seconds", "seconds", ".3f"),
     ("gbps", "GB/s", ".2f"),
     ("publish_blocked_ms", "publish blocked ms", ".2f"),
+    ("publish_write_s", "write s", ".3f"),
     ("pull_s", "pull s", ".3f"),
     ("plan_ms", "plan ms", ".2f"),
     ("plan_reused", "plan reused", ""),
@@ -216,12 +219,12 @@ def _ready(tree: Any) -> Any:
     return jax.block_until_ready(tree)
 
 
-def method_weights(ctx: dict, case: str, source: Any, targets: Any) -> dict:
+def method_weights(ctx: dict, case: str, source: Any, targets: Any, *, copy: bool = True) -> dict:
     from jax_tpusync.weight_sync import WeightPublisher, WeightPuller
 
     store = tempfile.mkdtemp(prefix="bench-weights-", dir=ctx["dir"])
     try:
-        publisher = WeightPublisher(store, keep=1)
+        publisher = WeightPublisher(store, keep=1, copy=copy)
         puller = WeightPuller(store, timeout_s=600)
         runs, result = [], None
         plan_ms, reused = None, []
@@ -260,8 +263,12 @@ def method_weights(ctx: dict, case: str, source: Any, targets: Any) -> dict:
         "bytes_per_device_ok": ok,
         "exact": exact,
         "first_publish_blocked_ms": runs[0][1] * 1e3,
-        "note": "publish + pull (store in RAM)",
+        "note": "publish + pull (store in RAM)" if copy else "publish(copy=False) + pull",
     }
+
+
+def method_weights_no_copy(ctx: dict, case: str, source: Any, targets: Any) -> dict:
+    return method_weights(ctx, case, source, targets, copy=False)
 
 
 def _timed(ctx: dict, move) -> dict:
@@ -345,6 +352,7 @@ def method_device_put(ctx: dict, case: str, source: Any, targets: Any) -> dict:
 
 METHODS = {
     "weights": method_weights,
+    "weights-nocopy": method_weights_no_copy,
     "gather+put": method_gather_put,
     "jax.transfer": method_transfer,
     "checkpoint": method_checkpoint,
