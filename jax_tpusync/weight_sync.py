@@ -408,7 +408,11 @@ class WeightPuller:
                               [s for _, s in targets], casts)
         cached = self.plans.misses == misses
         plan_seconds = 0.0 if cached else time.perf_counter() - plan_start
-        if manifest.version == self.version and plan.key == self._held_plan_key:
+        if (
+            manifest.version == self.version
+            and plan.key == self._held_plan_key
+            and not any(x.is_deleted() for x in jax.tree.leaves(self.params))
+        ):
             self.stats = PullStats(manifest.version, 0, {}, cached, plan_seconds, wait_seconds,
                                    0.0, 0.0, reused=True)
             return self.params

@@ -123,6 +123,24 @@ def test_the_held_version_is_not_read_again(layouts, store_dir):
     first = puller.pull(targets)
     again = puller.pull(targets, "latest")
     assert again is first and puller.stats.reused and puller.stats.bytes_read == 0
+    # Params the sampler deleted (donated) are read again, not handed back.
+    first["embed"].delete()
+    third = puller.pull(targets)
+    assert third is not first and not puller.stats.reused
+    assert not third["embed"].is_deleted()
+
+
+def test_empty_and_scalar_leaves(store_dir):
+    mesh = ws.mesh_of(jax.devices()[:4], (4,), ("fsdp",))
+    params = {"empty": np.zeros((0, 8), np.float32), "scalar": np.float32(2.5),
+              "bool": np.array([True, False, True, True])}
+    specs = {"empty": P(None, "fsdp"), "scalar": P(), "bool": P("fsdp")}
+    publish(store_dir, ws.shard(params, mesh, specs), 1)
+    other = ws.mesh_of(jax.devices()[1:3], (2,), ("x",))
+    targets = ws.shardings(other, {"empty": P(None, "x"), "scalar": P(), "bool": P()})
+    puller = WeightPuller(store_dir, timeout_s=5)
+    ws.check_pulled(puller.pull(targets), jax.tree.map(np.asarray, params), targets,
+                    puller.stats)
 
 
 def test_cast_on_the_way_floating_leaves_only(layouts, store_dir):
