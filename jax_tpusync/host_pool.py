@@ -42,6 +42,22 @@ POOL_MEMORY_KIND = "pinned_host"
 # staged_at entry of a staging that holds no fetch.
 NOT_STAGED = -1
 
+# Most blocks one unit copies, by TPU generation (device kind prefix, most specific
+# first). A unit is one asynchronous copy per block, and the TPU compiler's schedule keeps
+# only so many copies in flight across an attention: read off compiled decode steps, a unit
+# of 32 blocks had 32 of its 33 copies overlapped on v5e and TPU7x but 1 on v6e, where 6
+# blocks (7 copies with the tail) were all overlapped and 8 were not. Larger blocks move
+# the same bytes in fewer copies.
+UNIT_BLOCK_LIMITS = (("TPU v6", 6), ("TPU", 30))
+
+
+def unit_block_limit(device_kind: str) -> int | None:
+    """Most blocks per unit on a device of ``device_kind`` (None: no limit, off TPUs)."""
+    for prefix, limit in UNIT_BLOCK_LIMITS:
+        if device_kind.startswith(prefix):
+            return limit
+    return None
+
 
 @dataclasses.dataclass(frozen=True)
 class PoolLayout:

@@ -46,6 +46,7 @@ from jax_tpusync.host_pool import (
     pool_rows_of,
     pool_sharding,
     to_device,
+    unit_block_limit,
 )
 from jax_tpusync.mesh_layout import MeshLayout, checked_layout
 from jax_tpusync.slots import SlotTable
@@ -73,11 +74,15 @@ _NOT_YET = {
 }
 
 
-def pool_spec(config: CacheConfig, mesh: MeshLayout | None = None) -> CacheSpec:
+def pool_spec(
+    config: CacheConfig, mesh: MeshLayout | None = None, device_kind: str = ""
+) -> CacheSpec:
     """The :class:`CacheSpec` of a host-pool cache: units of whole blocks, two of them on
     the device at a time (the one attended and the one in flight) within
-    ``staging_bytes`` (per device). Over a mesh the spec describes one shard: the heads of
-    one device of ``kv_heads_axis``."""
+    ``staging_bytes`` (per device), and at most as many blocks as the device's compiler
+    overlaps copies (:func:`~jax_tpusync.host_pool.unit_block_limit` of ``device_kind``).
+    Over a mesh the spec describes one shard: the heads of one device of
+    ``kv_heads_axis``."""
     g, staging = config.geometry, config.staging
     shards = 1 if mesh is None else mesh.tp
     if g.num_kv_heads % shards:
@@ -120,7 +125,8 @@ def pool_spec(config: CacheConfig, mesh: MeshLayout | None = None) -> CacheSpec:
         )
     longest = max(probe.layer_span(w) for w in probe.windows)
     needed = -(-longest // g.block_tokens) + 1  # A window's span may straddle one more block.
-    chunk_len = min(units, needed) * g.block_tokens
+    limit = unit_block_limit(device_kind) or units
+    chunk_len = min(units, needed, limit) * g.block_tokens
     return dataclasses.replace(probe, chunk_len=chunk_len, mesh=mesh)
 
 
@@ -132,9 +138,10 @@ class HostPoolKVCache:
     ``prefetch_across_steps``, ``prefix_salt``), plus ``device``: where the pool's host
     memory and the staging are (default: the first device), or ``mesh`` and
     ``kv_heads_axis``: the heads split over that axis's devices, each with its own pool in
-    its host memory and its own staging (``staging_bytes`` is per device). ``staging_bytes`` bounds the
-    device memory the state's units take: two units (the one attended and the one in
-    flight), each of whole blocks.
+    its host memory and its own staging. ``staging_bytes`` bounds the device memory the
+    state's units take on each device: two units (the one attended and the one in flight),
+    each of whole blocks, and no more blocks a unit than a TPU's compiled schedule
+    overlaps copies (:func:`~jax_tpusync.host_pool.unit_block_limit`).
 
     Raises:
       ValueError: an argument out of range, or one of the features this path does not
@@ -170,15 +177,19 @@ class HostPoolKVCache:
                     f"batch_axis={batch_axis!r}: slots split over devices are not on the "
                     f"host-pool path yet; split the heads over kv_heads_axis (host-pool cache)"
                 )
-        self.spec = pool_spec(config, mesh_layout)
-        self.config = config
-        self.layout = PoolLayout(self.spec)
-        self.mesh = mesh_layout
         if mesh_layout is None:
             if device is None:
                 device = jax.devices()[0]
             if not isinstance(device, jax.Device):
                 raise TypeError(f"device must be a jax.Device; got {type(device).__name__}")
+            kind = device.device_kind
+        else:
+            kind = mesh_layout.mesh.devices.flat[0].device_kind
+        self.spec = pool_spec(config, mesh_layout, kind)
+        self.config = config
+        self.layout = PoolLayout(self.spec)
+        self.mesh = mesh_layout
+        if mesh_layout is None:
             self.device = device
             self.state_sharding = jax.sharding.SingleDeviceSharding(device)
             self.pool_sharding = pool_sharding(device)

@@ -59,6 +59,11 @@ def add_parser(sub) -> None:
     p.add_argument("--block-tokens", type=int, default=256)
     p.add_argument("--staging-mib", type=int, default=64, help="staging_bytes of ours, MiB")
     p.add_argument("--implementation", choices=("xla", "pallas"), default="pallas")
+    p.add_argument(
+        "--heads-over-chips",
+        action="store_true",
+        help="split the KV heads (and the projections) over every chip of the topology",
+    )
     p.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS)
     p.add_argument("--json", default="tpu_compile.json")
     p.set_defaults(run=run, columns=COLUMNS)
@@ -84,12 +89,20 @@ def prepare_libtpu() -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def tpu_device(topology: str):
-    """The first device of a TPU ``topology`` (``v5e:2x2``...), compile-only."""
+def tpu_devices(topology: str) -> list:
+    """The devices of a TPU ``topology`` (``v5e:2x2``...), compile-only."""
     prepare_libtpu()
     from jax.experimental import topologies
 
-    return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+
+
+def heads_mesh(devices: list):
+    """A mesh of ``devices`` whose one axis, ``heads``, splits the KV heads."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(devices), ("heads",))
 
 
 def device_bytes(compiled) -> int:
@@ -103,33 +116,54 @@ def device_bytes(compiled) -> int:
     )
 
 
-def abstract_params(shape, sharding) -> list[dict]:
-    """The step's weights as shapes (:func:`tiny_decoder.init_step_params`'s structure)."""
+def abstract_params(shape, sharding, mesh=None) -> list[dict]:
+    """The step's weights as shapes (:func:`tiny_decoder.init_step_params`'s structure): on
+    ``sharding``'s device, or over ``mesh``'s ``heads`` axis as tensor parallelism splits
+    them (the q/k/v projections by output heads, the output projection by input heads)."""
     import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     d, kv = shape.d_model, shape.kv_heads * shape.head_dim
     dims = {"wq": (d, d), "wk": (d, kv), "wv": (d, kv), "wo": (d, d)}
     if shape.ffn:
         dims.update(w1=(d, shape.ffn), w2=(shape.ffn, d))
+    split = {"wq": P(None, "heads"), "wk": P(None, "heads"), "wv": P(None, "heads")}
+    split.update(wo=P("heads", None), w1=P(None, "heads"), w2=P("heads", None))
+
+    def placed(name):
+        return sharding if mesh is None else NamedSharding(mesh, split[name])
+
     return [
         {
-            name: jax.ShapeDtypeStruct(dim, shape.dtype, sharding=sharding)
+            name: jax.ShapeDtypeStruct(dim, shape.dtype, sharding=placed(name))
             for name, dim in dims.items()
         }
         for _ in range(shape.layers)
     ]
 
 
-def compile_ours(shape, device, *, block_tokens: int, staging_bytes: int, implementation: str):
-    """(compiled step, cache spec) of the host-pool decode step at ``shape.context``."""
+def compile_ours(
+    shape,
+    devices: list,
+    *,
+    block_tokens: int,
+    staging_bytes: int,
+    implementation: str,
+    heads_over_chips: bool = False,
+):
+    """(compiled step, cache spec) of the host-pool decode step at ``shape.context``, on
+    the first of ``devices`` or with the heads split over all of them."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import SingleDeviceSharding
+    from jax.sharding import NamedSharding, SingleDeviceSharding
+    from jax.sharding import PartitionSpec as P
 
     import jax_tpusync as tps
     from jax_tpusync.bench import tiny_decoder
     from jax_tpusync.config import CacheConfig
     from jax_tpusync.host_pool import PoolLayout, PoolState
+    from jax_tpusync.mesh_layout import checked_layout
     from jax_tpusync.pool_cache import pool_spec
 
     config = CacheConfig.from_kwargs(
@@ -142,13 +176,23 @@ def compile_ours(shape, device, *, block_tokens: int, staging_bytes: int, implem
         block_tokens=block_tokens,
         staging_bytes=staging_bytes,
     )
-    spec = pool_spec(config)
+    if heads_over_chips:
+        mesh = heads_mesh(devices)
+        spec = pool_spec(config, checked_layout(mesh, "heads", None), devices[0].device_kind)
+        on_device = NamedSharding(mesh, P())
+        state_on = NamedSharding(mesh, P("heads"))
+        on_host = NamedSharding(mesh, P("heads"), memory_kind="pinned_host")
+        lead: tuple[int, ...] = (len(devices),)  # A mesh state's leading axis of shards.
+    else:
+        mesh = None
+        spec = pool_spec(config, device_kind=devices[0].device_kind)
+        on_device = state_on = SingleDeviceSharding(devices[0])
+        on_host = SingleDeviceSharding(devices[0], memory_kind="pinned_host")
+        lead = ()
     layout = PoolLayout(spec)
-    on_device = SingleDeviceSharding(device)
-    on_host = SingleDeviceSharding(device, memory_kind="pinned_host")
 
-    def sds(dims, dtype, sharding=on_device):
-        return jax.ShapeDtypeStruct(dims, dtype, sharding=sharding)
+    def sds(dims, dtype, sharding=state_on):
+        return jax.ShapeDtypeStruct((*lead, *dims), dtype, sharding=sharding)
 
     b = spec.batch
     state = PoolState(
@@ -172,7 +216,8 @@ def compile_ours(shape, device, *, block_tokens: int, staging_bytes: int, implem
     def step(params, x, state):
         return tiny_decoder.step(params, shape, x, state, attend)
 
-    args = (abstract_params(shape, on_device), sds((b, 1, shape.d_model), shape.dtype), state)
+    x = jax.ShapeDtypeStruct((b, 1, shape.d_model), shape.dtype, sharding=on_device)
+    args = (abstract_params(shape, on_device, mesh), x, state)
     shardings = jax.tree.map(lambda a: a.sharding, args)
     with _pallas_for_tpu(implementation):
         compiled = (
@@ -212,24 +257,35 @@ class _pallas_for_tpu:
             backend.pallas_options = self.saved
 
 
-def compile_plain(shape, device, *, resident: bool):
+def compile_plain(shape, devices: list, *, resident: bool, heads_over_chips: bool = False):
     """The same model with its KV in ``pinned_host`` arrays brought in per layer by
-    ``jax.device_put`` inside the step (``resident=False``), or in device memory."""
+    ``jax.device_put`` inside the step (``resident=False``), or in device memory; on the
+    first of ``devices``, or with the heads split over all of them."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import SingleDeviceSharding
+    from jax.sharding import NamedSharding, SingleDeviceSharding
+    from jax.sharding import PartitionSpec as P
 
     from jax_tpusync.bench import tiny_decoder
 
-    on_device = SingleDeviceSharding(device)
-    kv_sharding = on_device if resident else SingleDeviceSharding(device, memory_kind="pinned_host")
+    mesh = heads_mesh(devices) if heads_over_chips else None
+    if mesh is None:
+        on_device = kv_device = SingleDeviceSharding(devices[0])
+        kv_host = SingleDeviceSharding(devices[0], memory_kind="pinned_host")
+    else:
+        on_device = NamedSharding(mesh, P())
+        kv_device = NamedSharding(mesh, P(None, None, None, None, "heads"))
+        kv_host = NamedSharding(mesh, kv_device.spec, memory_kind="pinned_host")
+    kv_sharding = kv_device if resident else kv_host
     b, t = shape.batch, shape.context
     kv = jax.ShapeDtypeStruct(
         (shape.layers, 2, b, t, shape.kv_heads, shape.head_dim), shape.dtype, sharding=kv_sharding
     )
 
     def attend(layer, q, k, v, cache):
-        layer_kv = cache[layer] if resident else jax.device_put(cache[layer], on_device)
+        layer_kv = cache[layer]
+        if not resident:
+            layer_kv = jax.device_put(layer_kv, jax.memory.Space.Device)
         groups = shape.q_heads // shape.kv_heads
         keys = jnp.repeat(layer_kv[0], groups, axis=2)  # [B, T, Hq, D]
         values = jnp.repeat(layer_kv[1], groups, axis=2)
@@ -241,7 +297,7 @@ def compile_plain(shape, device, *, resident: bool):
         return tiny_decoder.step(params, shape, x, cache, attend)
 
     args = (
-        abstract_params(shape, on_device),
+        abstract_params(shape, on_device, mesh),
         jax.ShapeDtypeStruct((b, 1, shape.d_model), shape.dtype, sharding=on_device),
         kv,
     )
@@ -326,12 +382,19 @@ def measure(kind: str, topology: str, shape, options: dict) -> dict:
     from jax_tpusync.host_pool import PoolLayout
     from jax_tpusync.step.host_pool import ATTEND_SCOPE, FETCH_SCOPE
 
-    device = tpu_device(topology)
+    devices = tpu_devices(topology)
     if kind != "ours":
-        mib, note = fitted_mib(lambda: compile_plain(shape, device, resident=kind == "resident"))
+        mib, note = fitted_mib(
+            lambda: compile_plain(
+                shape,
+                devices,
+                resident=kind == "resident",
+                heads_over_chips=options.get("heads_over_chips", False),
+            )
+        )
         return dict(device_mib=mib, note=note)
     began = time.perf_counter()
-    compiled, spec = compile_ours(shape, device, **options)
+    compiled, spec = compile_ours(shape, devices, **options)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     return dict(
@@ -394,19 +457,23 @@ def run(args) -> list[dict]:
                 block_tokens=args.block_tokens,
                 staging_bytes=args.staging_mib << 20,
                 implementation=args.implementation,
+                heads_over_chips=args.heads_over_chips,
             )
             ours = measure_in_child("ours", topology, shape, options)
             plain = measure_in_child("plain", topology, shape, options)
             resident = measure_in_child("resident", topology, shape, options)
+            chips = len(tpu_devices(topology)) if args.heads_over_chips else 1
             d, kv = shape.d_model, shape.kv_heads * shape.head_dim
-            weights = shape.layers * 2 * d * (d + kv) * 2  # wq, wk, wv, wo in bf16
-            kv_bytes = shape.kv_bytes_per_step
+            # Per chip: wq, wk, wv, wo in bf16, and the KV each chip's own link brings in.
+            weights = shape.layers * 2 * d * (d + kv) * 2 / chips
+            kv_bytes = shape.kv_bytes_per_step / chips
             overlap = ours["overlap"]
             rows.append(
                 dict(
                     topology=topology,
                     context=context,
                     implementation=args.implementation,
+                    chips=chips,
                     ours_device_mib=ours["device_mib"],
                     plain_device_mib=plain["device_mib"],
                     plain_note=plain["note"],

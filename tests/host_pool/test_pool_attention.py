@@ -261,3 +261,21 @@ def test_guards_name_the_argument_at_their_edges():
     cache.read(state, 0, 0, 0, 16)
     with pytest.raises(ValueError, match="init\\(\\) was called already"):
         cache.init()
+
+
+def test_units_hold_no_more_blocks_than_the_tpu_overlaps_copies():
+    from jax_tpusync.config import CacheConfig
+    from jax_tpusync.host_pool import UNIT_BLOCK_LIMITS, unit_block_limit
+    from jax_tpusync.pool_cache import pool_spec
+
+    assert unit_block_limit("TPU v6 lite") == 6 and unit_block_limit("TPU v5 lite") == 30
+    assert unit_block_limit("TPU7x") == 30 and unit_block_limit("cpu") is None
+    assert dict(UNIT_BLOCK_LIMITS)["TPU v6"] == 6
+    # Staging for 40 blocks a unit: the limit decides on a TPU, staging elsewhere.
+    config = CacheConfig.from_kwargs(
+        num_layers=2, batch=1, max_len=4096, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+        block_tokens=8, dtype=jnp.float32, staging_bytes=2 * 40 * 8 * 2 * HEADS * HEAD_DIM * 4,
+    )  # fmt: skip
+    assert pool_spec(config, device_kind="cpu").chunk_len == 40 * 8
+    assert pool_spec(config, device_kind="TPU v6 lite").chunk_len == 6 * 8
+    assert pool_spec(config, device_kind="TPU v5 lite").chunk_len == 30 * 8
