@@ -136,6 +136,8 @@ def prefetching_attention(
     if isinstance(state, PoolState):
         if k is None or v is None:
             raise ValueError("k and v are None: a host-pool cache stores every layer's own KV")
+        if state.spec.mesh is not None:
+            return sharded.sharded_attention(q, k, v, state, **options)
         return device.pool_attention(q, k, v, state, **options)
     spec = state.spec if isinstance(state, KVState) else None
     if spec is None:

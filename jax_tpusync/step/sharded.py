@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_tpusync import ops
+from jax_tpusync.host_pool import PoolState
 from jax_tpusync.mesh_layout import MeshLayout
 from jax_tpusync.state import KVState
 from jax_tpusync.step import device, plan
@@ -80,10 +81,21 @@ def _spec_axes(x: jax.Array) -> list:
 
 
 def sharded_attention(
-    q, k, v, state: KVState, *, layer, query_seq_lengths=None, step_lengths=None, **options
-) -> tuple[jax.Array, KVState]:
+    q,
+    k,
+    v,
+    state: KVState | PoolState,
+    *,
+    layer,
+    query_seq_lengths=None,
+    step_lengths=None,
+    **options,
+) -> tuple[jax.Array, KVState | PoolState]:
     """:func:`~jax_tpusync.prefetching_attention` of a mesh cache's global state (or, inside
-    the caller's ``shard_map`` over the cache's axes, of the device's share).
+    the caller's ``shard_map`` over the cache's axes, of the device's share): a
+    :class:`~jax_tpusync.state.KVState`, or a host-pool cache's
+    :class:`~jax_tpusync.host_pool.PoolState` (each shard's pool in its device's host
+    memory, its step :func:`~jax_tpusync.step.device.pool_attention`).
     ``query_seq_lengths`` is split over the batch axis as ``q`` is (``P(batch_axis)``), so
     each shard takes its own slots' counts. With ``step_lengths`` ([shards, batch] like the
     state's lengths) each shard runs a layer that reads ``layer``'s KV instead
@@ -92,6 +104,7 @@ def sharded_attention(
     spec = state.spec
     layout: MeshLayout = spec.mesh
     shard_spec = dataclasses.replace(spec, mesh=None)
+    pooled = isinstance(state, PoolState)  # A host-pool cache's (HostPoolKVCache).
     for name, x in (("q", q), ("k", k), ("v", v)):
         if jax.numpy.ndim(x) != 4:
             raise ValueError(
@@ -113,6 +126,12 @@ def sharded_attention(
             )
 
     def body(q, k, v, leaves, layer, counts, shard_step_lengths=None):
+        if pooled:
+            part = PoolState(shard_spec, *[x[0] for x in leaves])
+            out, part = device.pool_attention(
+                q, k, v, part, layer=layer, query_seq_lengths=counts, **options
+            )
+            return out, [x[None] for x in jax.tree_util.tree_leaves(part)]
         part = KVState(shard_spec, *[x[0] for x in leaves])
         if shard_step_lengths is not None:
             out, part = device.device_read_attention(
