@@ -158,9 +158,8 @@ class PartWriter:
         possibly none (its shards are replicas another process writes)."""
         if path in self._paths:
             raise ValueError(f"leaf {path} added twice to version {self.version}'s part")
-        self._paths.add(path)
-        records = []
-        for box, data in shards:
+        checked = []
+        for box, data in shards:  # Every shard checked before any byte is written.
             data = np.asarray(data)
             if not data.flags.c_contiguous:  # (ascontiguousarray would make a scalar 1-D)
                 data = data.copy(order="C")
@@ -169,6 +168,10 @@ class PartWriter:
                     f"leaf {path}: shard {box} data is {data.dtype.name}{list(data.shape)}, "
                     f"expected {dtype} of its box"
                 )
+            checked.append((box, data))
+        self._paths.add(path)
+        records = []
+        for box, data in checked:
             pad = -self._offset % ALIGNMENT
             if pad:
                 self._file.write(b"\0" * pad)

@@ -391,3 +391,48 @@ def test_plan_cache_guard_and_bound():
     cache.get("a", [layout], [one], [np.float32])
     cache.get("b", [layout], [one], [np.float32])
     assert len(cache) == 1 and cache.misses == 2
+
+
+def test_wait_guards_and_a_slow_write(layouts, store_dir, monkeypatch):
+    _, trained, _ = layouts
+
+    class SlowWriter(PartWriter):
+        def commit(self):
+            time.sleep(0.5)
+            super().commit()
+
+    with pytest.raises(TypeError, match=r"directory=123 must be a path"):
+        WeightPublisher(123)
+    pub = WeightPublisher(store_dir)
+    assert pub.wait(timeout_s=0) is None  # Nothing published: the edge returns at once.
+    with pytest.raises(ValueError, match=r"timeout_s=-0.1 must be a finite number of seconds"):
+        pub.wait(timeout_s=-0.1)
+    monkeypatch.setattr(weight_sync, "PartWriter", SlowWriter)
+    pub.publish(trained, 1)
+    with pytest.raises(WeightSyncError, match=r"weights version 1: its write did not end "
+                       r"within 0.05 s"):
+        pub.wait(timeout_s=0.05)
+    assert pub.wait().version == 1  # Still running after the refusal; then done.
+    with pytest.raises(ValueError, match=r"version=-1 must be in"):
+        pub.wait_complete(-1)
+    with pytest.raises(ValueError, match=r"timeout_s=nan must be a finite"):
+        pub.wait_complete(1, timeout_s=float("nan"))
+    assert pub.wait_complete(1, timeout_s=0).version == 1
+    pub.close()
+
+
+def test_part_writer_guards(store_dir):
+    writer = PartWriter(WeightStore(store_dir), 1, 0, 1)
+    writer.add("['a']", (2,), "float32", [(((0, 2),), np.zeros(2, np.float32))])
+    with pytest.raises(ValueError, match=r"leaf \['a'\] added twice to version 1's part"):
+        writer.add("['a']", (2,), "float32", [])
+    with pytest.raises(ValueError, match=r"leaf \['b'\]: shard \(\(0, 2\),\) data is "
+                       r"float32\[3\], expected float32 of its box"):
+        writer.add("['b']", (2,), "float32", [(((0, 2),), np.zeros(3, np.float32))])
+    with pytest.raises(ValueError, match=r"data is float64\[2\], expected float32"):
+        writer.add("['c']", (2,), "float32", [(((0, 2),), np.zeros(2, np.float64))])
+    # A refused leaf left nothing behind: it can be added right.
+    writer.add("['b']", (2,), "float32", [(((0, 2),), np.ones(2, np.float32))])
+    assert writer.nbytes == 16
+    writer.abort()
+    assert list((store_dir / "v000000000001").iterdir()) == []
