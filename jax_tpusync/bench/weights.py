@@ -49,6 +49,7 @@ import numpy as np
 from jax_tpusync.bench import common
 
 DEVICES = 8
+PEAK_COPIES = 5  # Copies of the params alive at once at most (see run()).
 D_MODEL, FFN, VOCAB, Q_HEADS, KV_HEADS, HEAD_DIM = 1024, 2816, 32000, 8, 2, 128
 
 COLUMNS = [
@@ -361,6 +362,16 @@ METHODS = {
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    layers = layers_for(args.gb)
+    nbytes = (2 * VOCAB * D_MODEL + D_MODEL) * 2 + layers * layer_bytes()
+    # At most: the host copy, the source, its snapshot, the store and the pulled copy.
+    need = PEAK_COPIES * nbytes
+    if need > common.available_ram_bytes():
+        raise SystemExit(
+            f"--gb {args.gb:g} needs about {need / 1e9:.1f} GB of memory ({PEAK_COPIES} "
+            f"copies of {nbytes / 1e9:.2f} GB), {common.available_ram_bytes() / 1e9:.1f} GB "
+            f"is available"
+        )
     flag = "--xla_force_host_platform_device_count"
     if flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={DEVICES}".strip()
@@ -373,9 +384,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             f"weights needs {DEVICES} devices, JAX has {len(devices)} (it started before this "
             f"bench set {flag}={DEVICES}; set XLA_FLAGS yourself)"
         )
-    layers = layers_for(args.gb)
     host = host_params(layers)
-    nbytes = sum(x.nbytes for x in jax.tree.leaves(host))
+    assert nbytes == sum(x.nbytes for x in jax.tree.leaves(host))
     train_mesh = Mesh(np.asarray(devices[:4]), ("fsdp",))
     source = jax.device_put(host, jax.tree.map(
         lambda s: NamedSharding(train_mesh, s), _tree_specs(host, fsdp_spec)))

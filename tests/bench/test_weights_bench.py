@@ -55,3 +55,20 @@ def test_bad_arguments_are_refused_by_name(flag, value, why, capsys):
     with pytest.raises(SystemExit):
         bench_main.build_parser().parse_args(["weights", flag, value, "--json", "-"])
     assert why in capsys.readouterr().err
+
+
+def test_a_size_beyond_the_memory_is_refused_before_anything_runs():
+    args = bench_main.build_parser().parse_args(["weights", "--gb", "100000", "--json", "-"])
+    with pytest.raises(SystemExit, match=r"--gb 100000 needs about .* GB of memory \(5 copies "
+                       r"of .* GB\), .* GB is available"):
+        args.run(args)
+
+
+def test_fewer_than_eight_devices_are_refused_by_name():
+    import jax
+
+    if len(jax.devices()) >= 8:
+        pytest.skip("this process has 8 devices")
+    args = bench_main.build_parser().parse_args(["weights", "--gb", "0.01", "--json", "-"])
+    with pytest.raises(SystemExit, match=rf"weights needs 8 devices, JAX has {len(jax.devices())}"):
+        args.run(args)
