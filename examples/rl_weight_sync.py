@@ -45,8 +45,9 @@ def init_host_params(seed: int = 0):
 
     return {
         "embed": dense(VOCAB, D_MODEL) * 4,
-        "layers": [{"w_in": dense(D_MODEL, HIDDEN), "w_out": dense(HIDDEN, D_MODEL)}
-                   for _ in range(LAYERS)],
+        "layers": [
+            {"w_in": dense(D_MODEL, HIDDEN), "w_out": dense(HIDDEN, D_MODEL)} for _ in range(LAYERS)
+        ],
         "norm": np.ones((D_MODEL,), np.float32),
         "unembed": dense(D_MODEL, VOCAB),
     }
@@ -140,21 +141,27 @@ def wait_for(path: Path, timeout_s: float):
 
 def run_trainer(args) -> None:
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.experimental import multihost_utils
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from jax_tpusync.weight_sync import WeightPublisher
 
-    mesh = jax.make_mesh((jax.device_count(),), ("fsdp",), devices=jax.devices(),
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh(
+        (jax.device_count(),),
+        ("fsdp",),
+        devices=jax.devices(),
+        axis_types=(jax.sharding.AxisType.Auto,),
+    )
     host = init_host_params()
     specs = trainer_specs(host)
     params = jax.tree.map(
-        lambda x, s: jax.make_array_from_callback(x.shape, NamedSharding(mesh, s),
-                                                  lambda i, x=x: x[i]),
-        host, specs,
+        lambda x, s: jax.make_array_from_callback(
+            x.shape, NamedSharding(mesh, s), lambda i, x=x: x[i]
+        ),
+        host,
+        specs,
     )
     replicated = NamedSharding(mesh, P())
 
@@ -181,27 +188,35 @@ def run_trainer(args) -> None:
         own_tokens, own_logits = generate_jit(params, global_replicated(prompts))
         own_tokens = np.asarray(own_tokens.addressable_data(0))
         own_logits = np.asarray(own_logits.addressable_data(0))
-        gathered = [multihost_utils.process_allgather(x, tiled=True)
-                    for x in jax.tree.leaves(params)]
+        gathered = [
+            multihost_utils.process_allgather(x, tiled=True) for x in jax.tree.leaves(params)
+        ]
         sampled = np.asarray(rollouts["tokens"], np.int32)
         rewards = (sampled < VOCAB // 2).mean(axis=1).astype(np.float32)  # Low tokens pay.
         sequences = np.concatenate([prompts, sampled], axis=1)
-        params, loss = train_step_donating(params, global_replicated(sequences),
-                                           global_replicated(rewards - rewards.mean()))
+        params, loss = train_step_donating(
+            params, global_replicated(sequences), global_replicated(rewards - rewards.mean())
+        )
         publish_stats = publisher.wait()  # Done long ago (it overlapped the step).
-        steps.append({
-            "version": step,
-            "tokens_equal": bool(np.array_equal(own_tokens, sampled)),
-            "max_logit_diff": float(np.max(np.abs(own_logits - np.asarray(rollouts["logits"])))),
-            "params_hash_equal": params_hash(gathered) == rollouts["params_hash"],
-            "mean_reward": float(rewards.mean()),
-            "loss": float(np.asarray(loss.addressable_data(0))),
-            "publish_blocked_s": blocked,
-            "publish_write_s": publish_stats.write_seconds,
-            "published_bytes": publish_stats.nbytes,
-            **{k: rollouts[k] for k in ("pull_s", "pull_wait_s", "pull_copy_s", "bytes_read",
-                                        "plan_cached")},
-        })
+        steps.append(
+            {
+                "version": step,
+                "tokens_equal": bool(np.array_equal(own_tokens, sampled)),
+                "max_logit_diff": float(
+                    np.max(np.abs(own_logits - np.asarray(rollouts["logits"])))
+                ),
+                "params_hash_equal": params_hash(gathered) == rollouts["params_hash"],
+                "mean_reward": float(rewards.mean()),
+                "loss": float(np.asarray(loss.addressable_data(0))),
+                "publish_blocked_s": blocked,
+                "publish_write_s": publish_stats.write_seconds,
+                "published_bytes": publish_stats.nbytes,
+                **{
+                    k: rollouts[k]
+                    for k in ("pull_s", "pull_wait_s", "pull_copy_s", "bytes_read", "plan_cached")
+                },
+            }
+        )
     publisher.close()
     if jax.process_index() == 0:
         write_json_atomic(directory / "trainer.json", {"steps": steps})
@@ -214,10 +229,17 @@ def run_sampler(args) -> None:
 
     from jax_tpusync.weight_sync import WeightPuller
 
-    mesh = jax.make_mesh((jax.device_count(),), ("tp",), devices=jax.devices(),
-                         axis_types=(jax.sharding.AxisType.Auto,))
-    targets = jax.tree.map(lambda s: NamedSharding(mesh, s), sampler_specs(init_host_params()),
-                           is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+    mesh = jax.make_mesh(
+        (jax.device_count(),),
+        ("tp",),
+        devices=jax.devices(),
+        axis_types=(jax.sharding.AxisType.Auto,),
+    )
+    targets = jax.tree.map(
+        lambda s: NamedSharding(mesh, s),
+        sampler_specs(init_host_params()),
+        is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec),
+    )
     generate_jit = jax.jit(generate)
     directory = Path(args.dir)
     puller = WeightPuller(directory / "weights", timeout_s=args.timeout)
@@ -226,16 +248,19 @@ def run_sampler(args) -> None:
         params = puller.pull(targets, step)
         pull_s = time.perf_counter() - start
         tokens, logits = generate_jit(params, prompts_for(step))
-        write_json_atomic(directory / f"rollouts-{step:04d}.json", {
-            "tokens": np.asarray(tokens).tolist(),
-            "logits": np.asarray(logits).tolist(),
-            "params_hash": params_hash([np.asarray(x) for x in jax.tree.leaves(params)]),
-            "pull_s": pull_s,
-            "pull_wait_s": puller.stats.wait_seconds,
-            "pull_copy_s": puller.stats.read_seconds + puller.stats.put_seconds,
-            "bytes_read": puller.stats.bytes_read,
-            "plan_cached": puller.stats.plan_cached,
-        })
+        write_json_atomic(
+            directory / f"rollouts-{step:04d}.json",
+            {
+                "tokens": np.asarray(tokens).tolist(),
+                "logits": np.asarray(logits).tolist(),
+                "params_hash": params_hash([np.asarray(x) for x in jax.tree.leaves(params)]),
+                "pull_s": pull_s,
+                "pull_wait_s": puller.stats.wait_seconds,
+                "pull_copy_s": puller.stats.read_seconds + puller.stats.put_seconds,
+                "bytes_read": puller.stats.bytes_read,
+                "plan_cached": puller.stats.plan_cached,
+            },
+        )
 
 
 def free_port() -> int:
@@ -246,14 +271,35 @@ def free_port() -> int:
 
 def spawn_group(role: str, processes: int, devices: int, args) -> list[subprocess.Popen]:
     port = free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    )
     return [
-        subprocess.Popen([
-            sys.executable, os.path.abspath(__file__), "--role", role, "--process", str(i),
-            "--processes", str(processes), "--port", str(port), "--dir", args.dir,
-            "--steps", str(args.steps), "--lr", str(args.lr), "--timeout", str(args.timeout),
-        ], env=env)
+        subprocess.Popen(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--role",
+                role,
+                "--process",
+                str(i),
+                "--processes",
+                str(processes),
+                "--port",
+                str(port),
+                "--dir",
+                args.dir,
+                "--steps",
+                str(args.steps),
+                "--lr",
+                str(args.lr),
+                "--timeout",
+                str(args.timeout),
+            ],
+            env=env,
+        )
         for i in range(processes)
     ]
 
@@ -303,18 +349,23 @@ def main(argv=None) -> dict | None:
             raise SystemExit(f"a process failed (exit codes {codes})")
         steps = json.loads((Path(d) / "trainer.json").read_text())["steps"]
     doc = {
-        "trainer": {"processes": args.trainer_processes, "mesh": f"fsdp={2 * args.trainer_processes}"},
+        "trainer": {
+            "processes": args.trainer_processes,
+            "mesh": f"fsdp={2 * args.trainer_processes}",
+        },
         "sampler": {"processes": 1, "mesh": "tp=2"},
         "steps": steps,
         "all_match": all(s["tokens_equal"] and s["params_hash_equal"] for s in steps),
         "seconds": time.perf_counter() - start,
     }
     for s in steps:
-        print(f"version {s['version']}: tokens equal {s['tokens_equal']}, params equal "
-              f"{s['params_hash_equal']}, max logit diff {s['max_logit_diff']:.2e}, reward "
-              f"{s['mean_reward']:.2f}, publish blocked {s['publish_blocked_s'] * 1e3:.1f} ms, "
-              f"pull {s['pull_copy_s'] * 1e3:.1f} ms after waiting {s['pull_wait_s']:.1f} s for "
-              f"the version ({s['bytes_read']} B, plan cached {s['plan_cached']})")
+        print(
+            f"version {s['version']}: tokens equal {s['tokens_equal']}, params equal "
+            f"{s['params_hash_equal']}, max logit diff {s['max_logit_diff']:.2e}, reward "
+            f"{s['mean_reward']:.2f}, publish blocked {s['publish_blocked_s'] * 1e3:.1f} ms, "
+            f"pull {s['pull_copy_s'] * 1e3:.1f} ms after waiting {s['pull_wait_s']:.1f} s for "
+            f"the version ({s['bytes_read']} B, plan cached {s['plan_cached']})"
+        )
     print(f"all match: {doc['all_match']} ({doc['seconds']:.1f} s)")
     if args.json:
         with open(args.json, "w") as f:

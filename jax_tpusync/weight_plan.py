@@ -86,7 +86,9 @@ class SourceLayout:
             if len(box) != len(self.shape) or any(
                 not (0 <= a <= b <= n) for (a, b), n in zip(box, self.shape, strict=True)
             ):
-                raise ValueError(f"leaf {self.path}: shard box {box} lies outside shape {self.shape}")
+                raise ValueError(
+                    f"leaf {self.path}: shard box {box} lies outside shape {self.shape}"
+                )
         covered = sum(box_volume(b) for b in self.boxes)
         if covered != total:
             raise ValueError(
@@ -194,8 +196,10 @@ def plan_leaf(
 ) -> LeafPlan:
     """The plan of one array: this process's destination blocks and their pieces."""
     if not isinstance(sharding, jax.sharding.Sharding):
-        raise TypeError(f"leaf {source.path}: target sharding must be a jax.sharding.Sharding, "
-                        f"got {type(sharding).__name__}")
+        raise TypeError(
+            f"leaf {source.path}: target sharding must be a jax.sharding.Sharding, "
+            f"got {type(sharding).__name__}"
+        )
     check_divisible(source.path, source.shape, sharding)
     by_box: dict[Box, list[Any]] = {}
     for device, index in sharding.addressable_devices_indices_map(source.shape).items():
@@ -273,6 +277,7 @@ class PlanCache:
         self._plans[key] = plan
         if len(self._plans) > self.capacity:
             self._plans.popitem(last=False)
-        logger.debug("weight plan built in %.3f ms (%d leaves)", plan.build_seconds * 1e3,
-                     len(leaves))
+        logger.debug(
+            "weight plan built in %.3f ms (%d leaves)", plan.build_seconds * 1e3, len(leaves)
+        )
         return plan

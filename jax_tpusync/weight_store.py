@@ -127,8 +127,15 @@ class PartWriter:
     """Writes one process's part of a version: :meth:`add` each leaf, then :meth:`commit`
     (the manifest goes in last) or :meth:`abort` (nothing of this part stays)."""
 
-    def __init__(self, store: WeightStore, version: int, process: int, num_processes: int,
-                 *, fsync: bool = False):
+    def __init__(
+        self,
+        store: WeightStore,
+        version: int,
+        process: int,
+        num_processes: int,
+        *,
+        fsync: bool = False,
+    ):
         self.version = version
         self.process = process
         self.num_processes = num_processes
@@ -152,8 +159,13 @@ class PartWriter:
         self._paths: set[str] = set()
         self.nbytes = 0
 
-    def add(self, path: str, shape: tuple[int, ...], dtype: str,
-            shards: Sequence[tuple[Box, np.ndarray]]) -> None:
+    def add(
+        self,
+        path: str,
+        shape: tuple[int, ...],
+        dtype: str,
+        shards: Sequence[tuple[Box, np.ndarray]],
+    ) -> None:
         """Appends a leaf: ``shards`` are this process's unique shards of it as (box, data),
         possibly none (its shards are replicas another process writes)."""
         if path in self._paths:
@@ -178,12 +190,12 @@ class PartWriter:
                 self._offset += pad
             raw = data.reshape(-1).view(np.uint8)
             self._file.write(memoryview(raw))
-            records.append({"box": [list(r) for r in box], "offset": self._offset,
-                            "nbytes": raw.nbytes})
+            records.append(
+                {"box": [list(r) for r in box], "offset": self._offset, "nbytes": raw.nbytes}
+            )
             self._offset += raw.nbytes
             self.nbytes += raw.nbytes
-        self._leaves.append({"path": path, "shape": list(shape), "dtype": dtype,
-                             "shards": records})
+        self._leaves.append({"path": path, "shape": list(shape), "dtype": dtype, "shards": records})
 
     def commit(self) -> None:
         """Renames the data file into place, then writes the manifest (atomically, last)."""
@@ -342,14 +354,16 @@ class WeightStore:
                 )
             raise IncompleteVersionError(
                 f"weights version {version} is incomplete: no process has finished its part",
-                version=version, missing=(),
+                version=version,
+                missing=(),
             )
         missing = tuple(sorted(set(range(n)) - present))
         if missing:
             raise IncompleteVersionError(
                 f"weights version {version} is incomplete: no part from process(es) "
                 f"{list(missing)} of {n} publishing processes",
-                version=version, missing=missing,
+                version=version,
+                missing=missing,
             )
         directory = self.version_dir(version)
         docs = []
@@ -362,7 +376,9 @@ class WeightStore:
                     f"weights version {version} was retired while reading it: pull again"
                 ) from None
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise WeightSyncError(f"weights version {version}: {path} is not JSON: {e}") from None
+                raise WeightSyncError(
+                    f"weights version {version}: {path} is not JSON: {e}"
+                ) from None
             if doc.get("format") != FORMAT_VERSION or doc.get("version") != version:
                 raise WeightSyncError(
                     f"weights version {version}: {path} has format {doc.get('format')!r} and "
@@ -414,7 +430,9 @@ class WeightStore:
         fingerprint = layout_fingerprint([leaf.layout() for leaf in leaves])
         return VersionManifest(version, n, leaves, data_files, fingerprint)
 
-    def wait_manifest(self, version: int, timeout_s: float, poll_s: float = 0.01) -> VersionManifest:
+    def wait_manifest(
+        self, version: int, timeout_s: float, poll_s: float = 0.01
+    ) -> VersionManifest:
         """:meth:`read_manifest`, once the version is complete or the deadline has passed
         (then its error says how long was waited)."""
         deadline = time.monotonic() + timeout_s
@@ -426,7 +444,8 @@ class WeightStore:
                     raise IncompleteVersionError(
                         f"{e} after waiting {timeout_s:g} s (a publishing process died, or has "
                         f"not finished)",
-                        version=version, missing=e.missing,
+                        version=version,
+                        missing=e.missing,
                     ) from None
             except VersionNotFoundError as e:
                 if time.monotonic() >= deadline:

@@ -149,8 +149,9 @@ class WeightPublisher:
         must survive a machine crash; not needed on ``/dev/shm``).
     """
 
-    def __init__(self, directory: str | os.PathLike, *, keep: int = 2, copy: bool = True,
-                 fsync: bool = False):
+    def __init__(
+        self, directory: str | os.PathLike, *, keep: int = 2, copy: bool = True, fsync: bool = False
+    ):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r} must be an int >= 1")
         for name, value in (("copy", copy), ("fsync", fsync)):
@@ -200,7 +201,7 @@ class WeightPublisher:
                 )
             if x.is_deleted():
                 raise ValueError(f"params leaf {path or '<root>'} was deleted (donated?)")
-        n, present = self.store.parts(version)
+        _, present = self.store.parts(version)
         if self.process_index in present:
             raise ValueError(
                 f"version {version} was already published by process {self.process_index}: "
@@ -216,9 +217,14 @@ class WeightPublisher:
         snapshot = []
         for path, x in leaves:
             shards = [s for s in x.addressable_shards if s.replica_id == 0]
-            snapshot.append((path, tuple(x.shape), np.dtype(x.dtype).name, [
-                (box_of_index(s.index, x.shape), s.data) for s in shards
-            ]))
+            snapshot.append(
+                (
+                    path,
+                    tuple(x.shape),
+                    np.dtype(x.dtype).name,
+                    [(box_of_index(s.index, x.shape), s.data) for s in shards],
+                )
+            )
         snapshot_seconds = time.perf_counter() - start
         self.last_version = version
         self._pending = self._executor.submit(self._write, version, snapshot, snapshot_seconds)
@@ -228,8 +234,9 @@ class WeightPublisher:
         for _, _, _, shards in snapshot:  # Start every device-to-host copy first.
             for _, data in shards:
                 data.copy_to_host_async()
-        writer = PartWriter(self.store, version, self.process_index, self.process_count,
-                            fsync=self.fsync)
+        writer = PartWriter(
+            self.store, version, self.process_index, self.process_count, fsync=self.fsync
+        )
         count = 0
         try:
             for path, shape, dtype, shards in snapshot:
@@ -242,10 +249,15 @@ class WeightPublisher:
         snapshot.clear()  # Drop the device copies now.
         if self.process_index == 0:
             self.store.retire(self.keep)
-        stats = PublishStats(version, snapshot_seconds, time.perf_counter() - start,
-                             writer.nbytes, count)
-        logger.debug("published weights version %d: %d bytes in %.3f s", version,
-                     writer.nbytes, stats.write_seconds)
+        stats = PublishStats(
+            version, snapshot_seconds, time.perf_counter() - start, writer.nbytes, count
+        )
+        logger.debug(
+            "published weights version %d: %d bytes in %.3f s",
+            version,
+            writer.nbytes,
+            stats.write_seconds,
+        )
         return stats
 
     def wait(self, timeout_s: float | None = None) -> PublishStats | None:
@@ -265,7 +277,7 @@ class WeightPublisher:
             raise WeightSyncError(
                 f"weights version {self.last_version}: its write did not end within {timeout_s:g} s"
             ) from None
-        except Exception as e:  # noqa: BLE001 - reported as the version's failure.
+        except Exception as e:
             self._pending = None
             raise WeightSyncError(
                 f"weights version {self.last_version}: writing this process's part failed "
@@ -318,8 +330,14 @@ class WeightPuller:
       stats: the last pull's :class:`PullStats`.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, timeout_s: float = 60.0,
-                 poll_s: float = 0.01, plan_cache_size: int = 16):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        timeout_s: float = 60.0,
+        poll_s: float = 0.01,
+        plan_cache_size: int = 16,
+    ):
         self.timeout_s = check_timeout("timeout_s", timeout_s)
         self.poll_s = check_timeout("poll_s", poll_s)
         if self.poll_s <= 0:
@@ -404,8 +422,9 @@ class WeightPuller:
                 )
         plan_start = time.perf_counter()
         misses = self.plans.misses
-        plan = self.plans.get(manifest.fingerprint, [leaf.layout() for leaf in stored],
-                              [s for _, s in targets], casts)
+        plan = self.plans.get(
+            manifest.fingerprint, [leaf.layout() for leaf in stored], [s for _, s in targets], casts
+        )
         cached = self.plans.misses == misses
         plan_seconds = 0.0 if cached else time.perf_counter() - plan_start
         if (
@@ -413,8 +432,9 @@ class WeightPuller:
             and plan.key == self._held_plan_key
             and not any(x.is_deleted() for x in jax.tree.leaves(self.params))
         ):
-            self.stats = PullStats(manifest.version, 0, {}, cached, plan_seconds, wait_seconds,
-                                   0.0, 0.0, reused=True)
+            self.stats = PullStats(
+                manifest.version, 0, {}, cached, plan_seconds, wait_seconds, 0.0, 0.0, reused=True
+            )
             return self.params
         arrays, read_seconds, put_seconds = self._read(manifest, stored, plan)
         params = jax.tree_util.tree_unflatten(treedef, arrays)
@@ -501,7 +521,8 @@ class WeightPuller:
             if isinstance(error, IncompleteVersionError):
                 raise IncompleteVersionError(
                     f"{error}; previous params (version {self.version}) kept",
-                    version=error.version, missing=error.missing,
+                    version=error.version,
+                    missing=error.missing,
                 ) from None
             raise error
         return manifest
@@ -539,10 +560,11 @@ class WeightPuller:
                         devices.append(device)
                 t1 = time.perf_counter()
                 shards = jax.device_put(bufs, devices)
-                arrays.append(jax.make_array_from_single_device_arrays(
-                    leaf_plan.shape, leaf_plan.sharding, shards
-                ))
+                arrays.append(
+                    jax.make_array_from_single_device_arrays(
+                        leaf_plan.shape, leaf_plan.sharding, shards
+                    )
+                )
                 read_seconds += t1 - t0
                 put_seconds += time.perf_counter() - t1
         return arrays, read_seconds, put_seconds
-

@@ -77,13 +77,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--gb", type=_positive_float, default=0.25,
-                   help="params size in GB (1e9 bytes; bfloat16), by the number of layers")
+    p.add_argument(
+        "--gb",
+        type=_positive_float,
+        default=0.25,
+        help="params size in GB (1e9 bytes; bfloat16), by the number of layers",
+    )
     p.add_argument("--repeats", type=_positive_int, default=3)
-    p.add_argument("--dir", default=None,
-                   help="the weight store's parent directory (default: /dev/shm)")
-    p.add_argument("--disk-dir", default=None,
-                   help="the checkpoint baseline's directory (default: /var/tmp)")
+    p.add_argument(
+        "--dir", default=None, help="the weight store's parent directory (default: /dev/shm)"
+    )
+    p.add_argument(
+        "--disk-dir", default=None, help="the checkpoint baseline's directory (default: /var/tmp)"
+    )
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
     p.set_defaults(run=run, columns=COLUMNS)
@@ -201,8 +207,9 @@ def _exact(pulled: Any, host: Any) -> bool:
 
     for got, want in zip(jax.tree.leaves(pulled), jax.tree.leaves(host), strict=True):
         for s in got.addressable_shards:
-            if not np.array_equal(np.asarray(s.data).view(np.uint16),
-                                  want[s.index].view(np.uint16)):
+            if not np.array_equal(
+                np.asarray(s.data).view(np.uint16), want[s.index].view(np.uint16)
+            ):
                 return False
     return True
 
@@ -243,8 +250,16 @@ def method_weights(ctx: dict, case: str, source: Any, targets: Any, *, copy: boo
                 plan_ms = puller.stats.plan_seconds * 1e3
             else:
                 reused.append(puller.stats.plan_cached)
-            runs.append((end - start, blocked, end - pull_start, write_s,
-                         puller.stats.read_seconds, puller.stats.put_seconds))
+            runs.append(
+                (
+                    end - start,
+                    blocked,
+                    end - pull_start,
+                    write_s,
+                    puller.stats.read_seconds,
+                    puller.stats.put_seconds,
+                )
+            )
         publisher.close()
         ok = puller.stats.device_bytes == _device_bytes(result) == ctx["expected"]
         exact = _exact(result, ctx["host"])
@@ -311,8 +326,10 @@ def method_transfer(ctx: dict, case: str, source: Any, targets: Any) -> dict:
     server = transfer.start_transfer_server(client)
     connection = server.connect(server.address())
     leaves = jax.tree.leaves(source)
-    structs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-               for x, s in zip(leaves, jax.tree.leaves(targets), strict=True)]
+    structs = [
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        for x, s in zip(leaves, jax.tree.leaves(targets), strict=True)
+    ]
     uuid = [0]
 
     def move():
@@ -334,8 +351,9 @@ def method_checkpoint(ctx: dict, case: str, source: Any, targets: Any) -> dict:
         # np.save writes bfloat16 as raw void: save its bits, view them back on load.
         for i, x in enumerate(leaves):
             np.save(os.path.join(directory, f"{i}.npy"), np.asarray(x).view(np.uint16))
-        loaded = [np.load(os.path.join(directory, f"{i}.npy")).view(x.dtype)
-                  for i, x in enumerate(leaves)]
+        loaded = [
+            np.load(os.path.join(directory, f"{i}.npy")).view(x.dtype) for i, x in enumerate(leaves)
+        ]
         return jax.tree.unflatten(treedef, jax.device_put(loaded, target_leaves))
 
     try:
@@ -347,8 +365,10 @@ def method_checkpoint(ctx: dict, case: str, source: Any, targets: Any) -> dict:
 def method_device_put(ctx: dict, case: str, source: Any, targets: Any) -> dict:
     import jax
 
-    return {**_timed(ctx, lambda: jax.device_put(source, targets)),
-            "note": "one process only (reference)"}
+    return {
+        **_timed(ctx, lambda: jax.device_put(source, targets)),
+        "note": "one process only (reference)",
+    }
 
 
 METHODS = {
@@ -387,8 +407,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     host = host_params(layers)
     assert nbytes == sum(x.nbytes for x in jax.tree.leaves(host))
     train_mesh = Mesh(np.asarray(devices[:4]), ("fsdp",))
-    source = jax.device_put(host, jax.tree.map(
-        lambda s: NamedSharding(train_mesh, s), _tree_specs(host, fsdp_spec)))
+    source = jax.device_put(
+        host, jax.tree.map(lambda s: NamedSharding(train_mesh, s), _tree_specs(host, fsdp_spec))
+    )
     cases = {
         "fsdp4->tp2": (Mesh(np.asarray(devices[4:6]), ("tp",)), tp_spec),
         "fsdp4->fsdp4": (Mesh(np.asarray(devices[4:8]), ("fsdp",)), fsdp_spec),
@@ -409,6 +430,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             if row.get("seconds"):
                 row["gbps"] = nbytes / row["seconds"] / 1e9
             rows.append(row)
-            print(f"{case:>13} {name:>12}: {row.get('seconds', float('nan')):.3f} s "
-                  f"{row.get('note', '')}", flush=True)
+            print(
+                f"{case:>13} {name:>12}: {row.get('seconds', float('nan')):.3f} s "
+                f"{row.get('note', '')}",
+                flush=True,
+            )
     return rows

@@ -20,9 +20,26 @@ def test_a_tiny_pytree_moves_exactly_every_way(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # The bench sets its own device count.
     subprocess.run(
-        [sys.executable, "-m", "jax_tpusync.bench", "weights", "--gb", "0.01", "--repeats", "2",
-         "--dir", str(tmp_path), "--disk-dir", str(tmp_path), "--json", str(out)],
-        check=True, timeout=240, env=env, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "jax_tpusync.bench",
+            "weights",
+            "--gb",
+            "0.01",
+            "--repeats",
+            "2",
+            "--dir",
+            str(tmp_path),
+            "--disk-dir",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ],
+        check=True,
+        timeout=240,
+        env=env,
+        cwd=tmp_path,
     )
     rows = json.loads(out.read_text())["results"]
     assert [(r["case"], r["method"]) for r in rows] == [
@@ -46,11 +63,14 @@ def test_a_tiny_pytree_moves_exactly_every_way(tmp_path):
             assert 0 < r["publish_blocked_ms"] < r["seconds"] * 1e3
 
 
-@pytest.mark.parametrize(("flag", "value", "why"), [
-    ("--gb", "0", "is not a number > 0"),
-    ("--gb", "nan", "is not a number > 0"),
-    ("--repeats", "0", "is not an int >= 1"),
-])
+@pytest.mark.parametrize(
+    ("flag", "value", "why"),
+    [
+        ("--gb", "0", "is not a number > 0"),
+        ("--gb", "nan", "is not a number > 0"),
+        ("--repeats", "0", "is not an int >= 1"),
+    ],
+)
 def test_bad_arguments_are_refused_by_name(flag, value, why, capsys):
     with pytest.raises(SystemExit):
         bench_main.build_parser().parse_args(["weights", flag, value, "--json", "-"])
@@ -59,8 +79,11 @@ def test_bad_arguments_are_refused_by_name(flag, value, why, capsys):
 
 def test_a_size_beyond_the_memory_is_refused_before_anything_runs():
     args = bench_main.build_parser().parse_args(["weights", "--gb", "100000", "--json", "-"])
-    with pytest.raises(SystemExit, match=r"--gb 100000 needs about .* GB of memory \(5 copies "
-                       r"of .* GB\), .* GB is available"):
+    with pytest.raises(
+        SystemExit,
+        match=r"--gb 100000 needs about .* GB of memory \(5 copies "
+        r"of .* GB\), .* GB is available",
+    ):
         args.run(args)
 
 

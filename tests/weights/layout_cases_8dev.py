@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 import weights_support as ws
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_tpusync.weight_sync import WeightPublisher, WeightPuller
 
@@ -34,12 +35,24 @@ LAYOUTS = {
     "fsdp4": (slice(0, 4), (4,), ("fsdp",), {1: P("fsdp"), 2: P("fsdp"), 3: P("fsdp")}),
     "tp2": (slice(4, 6), (2,), ("tp",), {2: P(None, "tp"), 3: P(None, None, "tp")}),
     "tp8": (slice(0, 8), (8,), ("tp",), {1: P("tp"), 2: P(None, "tp"), 3: P("tp")}),
-    "dp2xtp4": (slice(0, 8), (2, 4), ("dp", "tp"),
-                {1: P("tp"), 2: P("dp", "tp"), 3: P("dp", None, "tp")}),
-    "tp4xdp2_swapped": (slice(0, 8), (4, 2), ("tp", "dp"),
-                        {1: P("dp"), 2: P("tp", "dp"), 3: P(None, "tp", "dp")}),
-    "2x2_two_axes_on_dim0": (slice(4, 8), (2, 2), ("a", "b"),
-                             {1: P(("a", "b")), 2: P(("b", "a")), 3: P(("a", "b"))}),
+    "dp2xtp4": (
+        slice(0, 8),
+        (2, 4),
+        ("dp", "tp"),
+        {1: P("tp"), 2: P("dp", "tp"), 3: P("dp", None, "tp")},
+    ),
+    "tp4xdp2_swapped": (
+        slice(0, 8),
+        (4, 2),
+        ("tp", "dp"),
+        {1: P("dp"), 2: P("tp", "dp"), 3: P(None, "tp", "dp")},
+    ),
+    "2x2_two_axes_on_dim0": (
+        slice(4, 8),
+        (2, 2),
+        ("a", "b"),
+        {1: P(("a", "b")), 2: P(("b", "a")), 3: P(("a", "b"))},
+    ),
     "2x2_partly_replicated": (slice(2, 6), (2, 2), ("a", "b"), {2: P(None, "b"), 3: P("a")}),
     "one_device": (slice(7, 8), (1,), ("x",), {}),
 }
@@ -100,8 +113,11 @@ def test_uneven_target_is_refused_by_name(tmp_path):
         pub.publish(ws.shard(params, mesh2, {"w": P("x")}), 1)
     mesh4 = ws.mesh_of(jax.devices()[:4], (4,), ("x",))
     puller = WeightPuller(tmp_path, timeout_s=5)
-    with pytest.raises(ValueError, match=r"leaf \['w'\]: target sharding .* does not split shape "
-                       r"\(10, 3\) evenly"):
+    with pytest.raises(
+        ValueError,
+        match=r"leaf \['w'\]: target sharding .* does not split shape "
+        r"\(10, 3\) evenly",
+    ):
         puller.pull({"w": NamedSharding(mesh4, P("x"))})
     # Divisible by 5 (10 rows over 5 devices): the edge on the other side works.
     mesh5 = ws.mesh_of(jax.devices()[:5], (5,), ("x",))

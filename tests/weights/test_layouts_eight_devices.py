@@ -12,12 +12,29 @@ HERE = Path(__file__).parent
 
 
 def test_layout_pairs_on_eight_devices(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
+    )
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", str(HERE / "layout_cases_8dev.py"), "-q", "-n", "0",
-         "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "cases")],
-        capture_output=True, text=True, timeout=240, env=env, cwd=HERE.parents[1],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            str(HERE / "layout_cases_8dev.py"),
+            "-q",
+            "-n",
+            "0",
+            "-p",
+            "no:cacheprovider",
+            "--basetemp",
+            str(tmp_path / "cases"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        env=env,
+        cwd=HERE.parents[1],
     )
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]

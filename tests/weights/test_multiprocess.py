@@ -32,9 +32,20 @@ def _run_group(role: str, n: int, directory: Path, cwd: Path) -> list[subprocess
     env.pop("XLA_FLAGS", None)  # Each process sets its own device count.
     return [
         subprocess.Popen(
-            [sys.executable, str(HERE / "weight_peers.py"), role, str(i), str(n), str(port),
-             str(directory)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+            [
+                sys.executable,
+                str(HERE / "weight_peers.py"),
+                role,
+                str(i),
+                str(n),
+                str(port),
+                str(directory),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=cwd,
         )
         for i in range(n)
     ]
@@ -64,16 +75,19 @@ def test_trainer_and_sampler_groups_with_a_killed_publisher(tmp_path):
     leaves = jax.tree.leaves(ws.host_params(1))
     assert t0["v1_bytes"] == sum(x.nbytes for x in leaves if x.ndim) // 2 + 4
     assert t0["v2_missing"] == [1]
-    assert t0["v2"].startswith("weights version 2 is incomplete: no part from process(es) [1] "
-                               "of 2 publishing processes after waiting 1 s")
+    assert t0["v2"].startswith(
+        "weights version 2 is incomplete: no part from process(es) [1] "
+        "of 2 publishing processes after waiting 1 s"
+    )
     samplers = _finish(_run_group("sampler", 2, directory, tmp_path))
     for rc, report, err in samplers:
         assert rc == 0, err
         assert report["v1_version"] == 1 and report["v1_equal"] and report["v1_sharding"]
         # Each process received exactly its own shards' bytes.
         assert sum(report["device_bytes"].values()) == report["own_bytes"]
-        assert report["v2"].startswith("weights version 2 is incomplete: no part from "
-                                       "process(es) [1] of 2")
+        assert report["v2"].startswith(
+            "weights version 2 is incomplete: no part from process(es) [1] of 2"
+        )
         assert report["v2"].endswith("previous params (version 1) kept")
         assert report["kept_version"] == 1 and report["kept_params"]
         assert report["latest_after"] == 1

@@ -110,8 +110,9 @@ def test_plan_is_built_once_per_pair_of_layouts(layouts, store_dir):
     assert next(iter(puller.plans.plans().values())) is first
     ws.check_pulled(pulled, params, targets, puller.stats)
     # Another target layout is another plan.
-    other = ws.shardings(ws.mesh_of(jax.devices()[:1], (1,), ("x",)),
-                         ws.specs_like(params, lambda p, n: P()))
+    other = ws.shardings(
+        ws.mesh_of(jax.devices()[:1], (1,), ("x",)), ws.specs_like(params, lambda p, n: P())
+    )
     puller.pull(other)
     assert (puller.plans.misses, len(puller.plans)) == (2, 2)
 
@@ -132,15 +133,17 @@ def test_the_held_version_is_not_read_again(layouts, store_dir):
 
 def test_empty_and_scalar_leaves(store_dir):
     mesh = ws.mesh_of(jax.devices()[:4], (4,), ("fsdp",))
-    params = {"empty": np.zeros((0, 8), np.float32), "scalar": np.float32(2.5),
-              "bool": np.array([True, False, True, True])}
+    params = {
+        "empty": np.zeros((0, 8), np.float32),
+        "scalar": np.float32(2.5),
+        "bool": np.array([True, False, True, True]),
+    }
     specs = {"empty": P(None, "fsdp"), "scalar": P(), "bool": P("fsdp")}
     publish(store_dir, ws.shard(params, mesh, specs), 1)
     other = ws.mesh_of(jax.devices()[1:3], (2,), ("x",))
     targets = ws.shardings(other, {"empty": P(None, "x"), "scalar": P(), "bool": P()})
     puller = WeightPuller(store_dir, timeout_s=5)
-    ws.check_pulled(puller.pull(targets), jax.tree.map(np.asarray, params), targets,
-                    puller.stats)
+    ws.check_pulled(puller.pull(targets), jax.tree.map(np.asarray, params), targets, puller.stats)
 
 
 def test_cast_on_the_way_floating_leaves_only(layouts, store_dir):
@@ -202,8 +205,11 @@ def test_an_incomplete_version_is_refused_and_the_previous_params_kept(layouts, 
     # "latest" is the newest complete version: still 1.
     assert puller.pull(targets) is held
     # The next version works.
-    publish(store_dir, ws.shard(ws.host_params(3), trained["embed"].sharding.mesh,
-                                ws.specs_like(params, fsdp)), 3)
+    publish(
+        store_dir,
+        ws.shard(ws.host_params(3), trained["embed"].sharding.mesh, ws.specs_like(params, fsdp)),
+        3,
+    )
     ws.check_pulled(puller.pull(targets), ws.host_params(3), targets, puller.stats)
     assert puller.version == 3
 
@@ -222,14 +228,19 @@ def test_a_version_whose_write_failed_stays_incomplete(layouts, store_dir, monke
     pub.wait()
     monkeypatch.setattr(weight_sync, "PartWriter", FailingWriter)
     pub.publish(trained, 2)
-    with pytest.raises(WeightSyncError, match=r"weights version 2: writing this process's part "
-                       r"failed \(OSError: .*No space left on device\); the version stays "
-                       r"incomplete"):
+    with pytest.raises(
+        WeightSyncError,
+        match=r"weights version 2: writing this process's part "
+        r"failed \(OSError: .*No space left on device\); the version stays "
+        r"incomplete",
+    ):
         pub.wait()
     assert sorted(p.name for p in (store_dir / "v000000000002").iterdir()) == []
     puller = WeightPuller(store_dir, timeout_s=5)
-    with pytest.raises(IncompleteVersionError, match="weights version 2 is incomplete: no process "
-                       "has finished its part"):
+    with pytest.raises(
+        IncompleteVersionError,
+        match="weights version 2 is incomplete: no process has finished its part",
+    ):
         puller.pull(targets, 2, timeout_s=0)
     assert puller.pull(targets) is not None and puller.version == 1
     monkeypatch.setattr(weight_sync, "PartWriter", PartWriter)
@@ -245,21 +256,27 @@ def test_missing_and_damaged_versions(layouts, store_dir):
     with pytest.raises(WeightSyncError, match=r"no complete weights version in .* after 0.05 s"):
         puller.pull(targets, timeout_s=0.05)
     publish(store_dir, trained, 1)
-    with pytest.raises(VersionNotFoundError, match=r"weights version 9 not found in .*"
-                       r"\(versions present: \[1\]\) after waiting 0 s"):
+    with pytest.raises(
+        VersionNotFoundError,
+        match=r"weights version 9 not found in .*"
+        r"\(versions present: \[1\]\) after waiting 0 s",
+    ):
         puller.pull(targets, 9, timeout_s=0)
     data = store_dir / "v000000000001" / "part-00000-of-00001.bin"
     size = data.stat().st_size
     with open(data, "r+b") as f:
         f.truncate(size - 1)
-    with pytest.raises(WeightSyncError, match=rf"weights version 1: process 0's data file .* has "
-                       rf"{size - 1} bytes, its manifest says {size} \(damaged\)"):
+    with pytest.raises(
+        WeightSyncError,
+        match=rf"weights version 1: process 0's data file .* has "
+        rf"{size - 1} bytes, its manifest says {size} \(damaged\)",
+    ):
         puller.pull(targets, 1)
     assert puller.version is None and puller.params is None
 
 
 def test_old_versions_are_retired_and_an_open_one_stays_readable(layouts, store_dir):
-    params, trained, targets = layouts
+    params, trained, _ = layouts
     store = WeightStore(store_dir)
     with WeightPublisher(store_dir, keep=1) as pub:
         pub.publish(trained, 1)
@@ -297,27 +314,39 @@ def test_publisher_guards(layouts, store_dir):
     ]:
         with pytest.raises(err, match=msg):
             pub.publish(trained, version)
-    with pytest.raises(TypeError, match=r"params leaf \['embed'\] is ndarray, expected a jax.Array"):
+    with pytest.raises(
+        TypeError, match=r"params leaf \['embed'\] is ndarray, expected a jax.Array"
+    ):
         pub.publish(dict(trained, embed=params["embed"]), 0)
     with pytest.raises(ValueError, match="params has no leaves"):
         pub.publish({}, 0)
     assert WeightStore(store_dir).versions() == []  # Nothing refused was written.
     pub.publish(trained, 0)
     pub.wait()
-    with pytest.raises(ValueError, match=r"version=0 must be above the last version published "
-                       r"here \(0\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"version=0 must be above the last version published "
+        r"here \(0\)",
+    ):
         pub.publish(trained, 0)
     pub.publish(trained, 1)
     pub.close()
-    with WeightPublisher(store_dir) as other:
-        with pytest.raises(ValueError, match=r"version 1 was already published by process 0: "
-                           r"versions are immutable"):
-            other.publish(trained, 1)
+    with (
+        WeightPublisher(store_dir) as other,
+        pytest.raises(
+            ValueError,
+            match=r"version 1 was already published by process 0: "
+            r"versions are immutable",
+        ),
+    ):
+        other.publish(trained, 1)
     deleted = jax.tree.map(lambda x: x.copy(), trained)
     deleted["step"].delete()
-    with WeightPublisher(store_dir) as other:
-        with pytest.raises(ValueError, match=r"params leaf \['step'\] was deleted"):
-            other.publish(deleted, 5)
+    with (
+        WeightPublisher(store_dir) as other,
+        pytest.raises(ValueError, match=r"params leaf \['step'\] was deleted"),
+    ):
+        other.publish(deleted, 5)
 
 
 def test_puller_guards(layouts, store_dir):
@@ -333,17 +362,26 @@ def test_puller_guards(layouts, store_dir):
             WeightPuller(store_dir, **kwargs)
     puller = WeightPuller(store_dir, timeout_s=0)  # The edge: no wait at all.
     bad = dict(targets, embed="replicated")
-    with pytest.raises(TypeError, match=r"target_shardings leaf \['embed'\] is str, expected a "
-                       r"jax.sharding.Sharding"):
+    with pytest.raises(
+        TypeError,
+        match=r"target_shardings leaf \['embed'\] is str, expected a "
+        r"jax.sharding.Sharding",
+    ):
         puller.pull(bad)
     fewer = {k: v for k, v in targets.items() if k != "experts"}
-    with pytest.raises(ValueError, match=r"target_shardings does not match weights version 1: "
-                       r"published leaves without a target \[\"\['experts'\]\"\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"target_shardings does not match weights version 1: "
+        r"published leaves without a target \[\"\['experts'\]\"\]",
+    ):
         puller.pull(fewer)
     mesh3 = ws.mesh_of(jax.devices()[:3], (3,), ("x",))
     uneven = dict(targets, embed=jax.sharding.NamedSharding(mesh3, P("x")))
-    with pytest.raises(ValueError, match=r"leaf \['embed'\]: target sharding .* does not split "
-                       r"shape \(32, 16\) evenly"):
+    with pytest.raises(
+        ValueError,
+        match=r"leaf \['embed'\]: target sharding .* does not split "
+        r"shape \(32, 16\) evenly",
+    ):
         puller.pull(uneven)
     per_leaf = jax.tree.map(lambda s: None, targets)
     per_leaf["ids"] = jnp.float32
@@ -351,8 +389,11 @@ def test_puller_guards(layouts, store_dir):
         puller.pull(targets, dtypes=per_leaf)
     with pytest.raises(ValueError, match=r"dtypes=int8: a single dtype must be floating"):
         puller.pull(targets, dtypes=jnp.int8)
-    with pytest.raises(ValueError, match=r"dtypes must be one dtype or a pytree like "
-                       r"target_shardings"):
+    with pytest.raises(
+        ValueError,
+        match=r"dtypes must be one dtype or a pytree like "
+        r"target_shardings",
+    ):
         puller.pull(targets, dtypes={"embed": jnp.float32})
     with pytest.raises(TypeError, match=r"version='newest' must be an int"):
         puller.pull(targets, "newest")
@@ -362,11 +403,16 @@ def test_puller_guards(layouts, store_dir):
 
 def test_a_published_layout_that_does_not_tile_is_refused(store_dir):
     gap = SourceLayout("['w']", (4, 4), "float32", (((0, 2), (0, 4)),))
-    with pytest.raises(ValueError, match=r"leaf \['w'\]: the published shards hold 8 elements of "
-                       r"16 \(shape \(4, 4\)\): the shards do not tile the array"):
+    with pytest.raises(
+        ValueError,
+        match=r"leaf \['w'\]: the published shards hold 8 elements of "
+        r"16 \(shape \(4, 4\)\): the shards do not tile the array",
+    ):
         gap.check()
     overlap = SourceLayout("['w']", (4,), "float32", (((0, 3),), ((2, 3),)))
-    with pytest.raises(ValueError, match=r"published shards \(\(0, 3\),\) and \(\(2, 3\),\) overlap"):
+    with pytest.raises(
+        ValueError, match=r"published shards \(\(0, 3\),\) and \(\(2, 3\),\) overlap"
+    ):
         overlap.check()
     SourceLayout("['w']", (4,), "float32", (((0, 2),), ((2, 4),))).check()
     # A part whose manifest disagrees with another's on the leaves is refused by name.
@@ -375,8 +421,11 @@ def test_a_published_layout_that_does_not_tile_is_refused(store_dir):
         writer = PartWriter(store, 7, process, 2)
         writer.add("['w']", shape, "float32", [])
         writer.commit()
-    with pytest.raises(WeightSyncError, match=r"weights version 7: process 1's part names other "
-                       r"leaves"):
+    with pytest.raises(
+        WeightSyncError,
+        match=r"weights version 7: process 1's part names other "
+        r"leaves",
+    ):
         store.read_manifest(7)
     doc = json.loads((store.version_dir(7) / "part-00000-of-00002.json").read_text())
     assert doc["leaves"][0]["shards"] == []
@@ -409,8 +458,11 @@ def test_wait_guards_and_a_slow_write(layouts, store_dir, monkeypatch):
         pub.wait(timeout_s=-0.1)
     monkeypatch.setattr(weight_sync, "PartWriter", SlowWriter)
     pub.publish(trained, 1)
-    with pytest.raises(WeightSyncError, match=r"weights version 1: its write did not end "
-                       r"within 0.05 s"):
+    with pytest.raises(
+        WeightSyncError,
+        match=r"weights version 1: its write did not end "
+        r"within 0.05 s",
+    ):
         pub.wait(timeout_s=0.05)
     assert pub.wait().version == 1  # Still running after the refusal; then done.
     with pytest.raises(ValueError, match=r"version=-1 must be in"):
@@ -426,8 +478,11 @@ def test_part_writer_guards(store_dir):
     writer.add("['a']", (2,), "float32", [(((0, 2),), np.zeros(2, np.float32))])
     with pytest.raises(ValueError, match=r"leaf \['a'\] added twice to version 1's part"):
         writer.add("['a']", (2,), "float32", [])
-    with pytest.raises(ValueError, match=r"leaf \['b'\]: shard \(\(0, 2\),\) data is "
-                       r"float32\[3\], expected float32 of its box"):
+    with pytest.raises(
+        ValueError,
+        match=r"leaf \['b'\]: shard \(\(0, 2\),\) data is "
+        r"float32\[3\], expected float32 of its box",
+    ):
         writer.add("['b']", (2,), "float32", [(((0, 2),), np.zeros(3, np.float32))])
     with pytest.raises(ValueError, match=r"data is float64\[2\], expected float32"):
         writer.add("['c']", (2,), "float32", [(((0, 2),), np.zeros(2, np.float64))])

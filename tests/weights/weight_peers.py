@@ -18,19 +18,24 @@ import signal
 import sys
 
 role, process, num_processes, port, directory = (
-    sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    sys.argv[1],
+    int(sys.argv[2]),
+    int(sys.argv[3]),
+    sys.argv[4],
+    sys.argv[5],
 )
 devices_per_process = 2 if role == "trainer" else 1
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import weights_support as ws  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import numpy as np
+import weights_support as ws
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jax_tpusync.weight_store import IncompleteVersionError  # noqa: E402
-from jax_tpusync.weight_sync import WeightPublisher, WeightPuller  # noqa: E402
+from jax_tpusync.weight_store import IncompleteVersionError
+from jax_tpusync.weight_sync import WeightPublisher, WeightPuller
 
 jax.distributed.initialize(f"localhost:{port}", num_processes, process)
 
@@ -42,7 +47,8 @@ def global_params(mesh, specs, seed):
         lambda x, s: jax.make_array_from_callback(
             x.shape, NamedSharding(mesh, s), lambda index, x=x: x[index]
         ),
-        host, specs,
+        host,
+        specs,
     )
 
 

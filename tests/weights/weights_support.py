@@ -8,7 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 def host_params(seed: int = 0) -> dict[str, Any]:
@@ -51,8 +52,7 @@ def shard(params: Any, mesh: Mesh, specs: Any) -> Any:
 
 
 def shardings(mesh: Mesh, specs: Any) -> Any:
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                        is_leaf=lambda s: isinstance(s, P))
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
 
 
 def bits(x: Any) -> np.ndarray:
@@ -60,8 +60,9 @@ def bits(x: Any) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
 
-def check_pulled(pulled: Any, expected: Any, targets: Any, stats: Any,
-                 published: Any = None) -> None:
+def check_pulled(
+    pulled: Any, expected: Any, targets: Any, stats: Any, published: Any = None
+) -> None:
     """Every leaf bitwise equal with its target sharding; every device's shards equal the
     expected values at their index; the bytes each device received what its shards hold;
     the bytes read those of each distinct shard once, in the ``published`` dtypes (default:
@@ -73,8 +74,9 @@ def check_pulled(pulled: Any, expected: Any, targets: Any, stats: Any,
     assert len(flat_pulled) == len(flat_expected) == len(flat_targets)
     per_device: dict[int, int] = {}
     distinct = 0
-    for got, want, target, source in zip(flat_pulled, flat_expected, flat_targets,
-                                         flat_published, strict=True):
+    for got, want, target, source in zip(
+        flat_pulled, flat_expected, flat_targets, flat_published, strict=True
+    ):
         assert isinstance(got, jax.Array)
         assert got.sharding == target, (got.sharding, target)
         assert got.shape == want.shape and got.dtype == want.dtype
@@ -84,9 +86,12 @@ def check_pulled(pulled: Any, expected: Any, targets: Any, stats: Any,
             np.testing.assert_array_equal(bits(s.data), bits(np.asarray(want)[s.index]))
             per_device[s.device.id] = per_device.get(s.device.id, 0) + s.data.nbytes
             boxes.add(tuple((i.start, i.stop) for i in s.index))
-        distinct += sum(
-            int(np.prod([(b or n) - (a or 0) for (a, b), n in zip(box, want.shape)]))
-            for box in boxes
-        ) * np.dtype(source.dtype).itemsize
+        distinct += (
+            sum(
+                int(np.prod([(b or n) - (a or 0) for (a, b), n in zip(box, want.shape)]))
+                for box in boxes
+            )
+            * np.dtype(source.dtype).itemsize
+        )
     assert stats.device_bytes == per_device
     assert stats.bytes_read == distinct
