@@ -59,40 +59,9 @@ class HostRows:
         """``(k, v, starts, counts)`` of a :meth:`OffloadedKVCache.load`, checked against
         the slots (capacity, read-only prefix); raises, changing nothing."""
         spec = self.spec
-        k = as_cache_array("k", k, spec.dtype)
-        v = as_cache_array("v", v, spec.dtype)
-        want = (spec.batch, None, spec.num_kv_heads, spec.head_dim)
-        for name, x in (("k", k), ("v", v)):
-            if x.ndim != 4 or x.shape[0] != spec.batch or x.shape[2:] != want[2:]:
-                raise ValueError(
-                    f"{name} must be [batch={spec.batch}, n, num_kv_heads="
-                    f"{spec.num_kv_heads}, head_dim={spec.head_dim}]; got "
-                    f"{x.shape}"
-                )
-        if k.shape != v.shape:
-            raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
-        n = k.shape[1]
-        starts = per_sequence("start", start, spec.batch)
-        counts = per_sequence("lengths", n if lengths is None else lengths, spec.batch)
-        if (counts < 0).any() or (counts > n).any():
-            raise ValueError(f"lengths must be in [0, n={n}]; got {counts}")
-        capacity = self.slots.capacity
-        for b in range(spec.batch):
-            if starts[b] < 0:
-                raise ValueError(f"start={int(starts[b])} of slot {b} must be >= 0")
-            shared = self.slots.shared_tokens(b)
-            if counts[b] and starts[b] < shared:
-                raise ValueError(
-                    f"rows [{int(starts[b])}, {int(starts[b] + counts[b])}) of slot {b} "
-                    f"overlap its shared prefix [0, {shared}): those blocks are read-only"
-                )
-            if counts[b] and starts[b] + counts[b] > capacity[b]:
-                raise ValueError(
-                    f"start + lengths = {int(starts[b] + counts[b])} of slot {b} would "
-                    f"overflow its capacity of {int(capacity[b])} tokens"
-                    + (" (the slot is inactive: admit it first)" if not capacity[b] else "")
-                )
-        return k, v, starts, counts
+        return check_load_rows(
+            self.slots, spec.num_kv_heads, spec.head_dim, spec.dtype, k, v, start, lengths
+        )
 
     def write(
         self,
@@ -265,3 +234,50 @@ def one_slot_load(batch: int, slot: Any, k: Any, v: Any, start: Any, lengths: An
         starts,
         counts,
     )
+
+
+def check_load_rows(
+    slots: SlotTable,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: Any,
+    k: Any,  # [batch, n, num_kv_heads, head_dim]
+    v: Any,  # [batch, n, num_kv_heads, head_dim]
+    start: Any,
+    lengths: Any,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(k, v, starts, counts)`` of a cache's whole-batch ``load``, checked against its
+    slot table ``slots`` (capacity, read-only prefix); raises, changing nothing."""
+    batch = slots.batch
+    k = as_cache_array("k", k, dtype)
+    v = as_cache_array("v", v, dtype)
+    for name, x in (("k", k), ("v", v)):
+        if x.ndim != 4 or x.shape[0] != batch or x.shape[2:] != (num_kv_heads, head_dim):
+            raise ValueError(
+                f"{name} must be [batch={batch}, n, num_kv_heads={num_kv_heads}, "
+                f"head_dim={head_dim}]; got {x.shape}"
+            )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+    n = k.shape[1]
+    starts = per_sequence("start", start, batch)
+    counts = per_sequence("lengths", n if lengths is None else lengths, batch)
+    if (counts < 0).any() or (counts > n).any():
+        raise ValueError(f"lengths must be in [0, n={n}]; got {counts}")
+    capacity = slots.capacity
+    for b in range(batch):
+        if starts[b] < 0:
+            raise ValueError(f"start={int(starts[b])} of slot {b} must be >= 0")
+        shared = slots.shared_tokens(b)
+        if counts[b] and starts[b] < shared:
+            raise ValueError(
+                f"rows [{int(starts[b])}, {int(starts[b] + counts[b])}) of slot {b} "
+                f"overlap its shared prefix [0, {shared}): those blocks are read-only"
+            )
+        if counts[b] and starts[b] + counts[b] > capacity[b]:
+            raise ValueError(
+                f"start + lengths = {int(starts[b] + counts[b])} of slot {b} would "
+                f"overflow its capacity of {int(capacity[b])} tokens"
+                + (" (the slot is inactive: admit it first)" if not capacity[b] else "")
+            )
+    return k, v, starts, counts

@@ -48,9 +48,10 @@ from jax_tpusync.host_pool import (
     to_device,
     unit_block_limit,
 )
+from jax_tpusync.host_io import check_load_rows, one_slot_load
 from jax_tpusync.mesh_layout import MeshLayout, checked_layout
-from jax_tpusync.slots import SlotTable
-from jax_tpusync.state import CacheSpec, dtype_error, exact_cast_allowed
+from jax_tpusync.slots import Admission, SlotTable
+from jax_tpusync.state import CacheSpec
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +208,10 @@ class HostPoolKVCache:
             num_blocks=g.num_blocks,
             root=config.prefix_root(POOL_LAYOUT_VERSION),
         )
-        self._pool: jax.Array | None = None  # Until init() hands it to the first state.
+        self._initialized = False  # init() makes the pool once.
+        # Per (layer, slot): the end of the furthest load since init or admission; a slot's
+        # length grows to the rows every layer holds.
+        self._loaded_extent = np.zeros((self.spec.num_layers, self.spec.batch), np.int64)
         self._closed = False
         logger.info(
             "host-pool KV cache: %.1f MiB pool, %.1f MiB staging, chunk_len=%d (per device "
@@ -234,6 +238,16 @@ class HostPoolKVCache:
         return self.spec.max_len
 
     @property
+    def capacity(self) -> np.ndarray:
+        """int32[batch]: tokens each slot may hold (0: inactive); a copy."""
+        return np.asarray(self.slots.capacity, np.int32).copy()
+
+    @property
+    def committed_lengths(self) -> None:
+        """None: the host pool is not persistent (yet)."""
+        return None
+
+    @property
     def device_bytes(self) -> int:
         """Device memory the state's staging takes on each device: two units and their
         tails."""
@@ -251,7 +265,7 @@ class HostPoolKVCache:
         and ``admit`` as :meth:`jax_tpusync.OffloadedKVCache.init`'s. Once only: later
         states come from the step and this cache's methods."""
         self._check_open()
-        if self._pool is not None:
+        if self._initialized:
             raise ValueError("init() was called already: use the state the last call returned")
         spec = self.spec
         lengths = np.zeros(spec.batch, np.int64) if lengths is None else np.asarray(lengths)
@@ -266,11 +280,30 @@ class HostPoolKVCache:
                     f"lengths[{b}]={int(lengths[b])} must be in [0, {int(capacity[b])}] "
                     f"(slot {b}'s capacity)"
                 )
+        state = self._state(lengths, self.slots.tables, capacity)
+        self._initialized = True
+        self._loaded_extent[:] = 0
+        return state
+
+    def inert_state(self) -> PoolState:
+        """A state of this cache's structure that moves no bytes anywhere the live state
+        reads: every slot inactive, so a step on it writes only to its own pool's sink. It
+        has a pool of its own (host memory of :attr:`kv_bytes`, freed with it; for shapes
+        alone, ``jax.eval_shape`` of a step needs none). The live state stays live."""
+        self._check_open()
+        spec = self.spec
+        return self._state(
+            np.zeros(spec.batch, np.int32),
+            np.full((spec.batch, spec.max_blocks), -1, np.int32),
+            np.zeros(spec.batch, np.int32),
+        )
+
+    def _state(self, lengths, block_table, capacity) -> PoolState:
+        """A state of these per-slot tables over a zeroed pool, nothing staged."""
         pool = jax.device_put(
             np.zeros(self._global(self.layout.pool_shape), self.layout.dtype), self.pool_sharding
         )
-        self._pool = pool
-        local = PoolState.fresh(spec, lengths, self.slots.tables, capacity, pool)
+        local = PoolState.fresh(self.spec, lengths, block_table, capacity, pool)
         return local.replace(
             **{
                 name: self._placed(getattr(local, name))
@@ -296,9 +329,10 @@ class HostPoolKVCache:
         x = np.asarray(x)
         return x if self.mesh is None else x[0]
 
-    def check(self, state: PoolState) -> None:
+    def check(self, state: PoolState, *, releasing: int | None = None) -> None:
         """Refuses a state that is not this cache's live one, or whose steps were refused
-        for a slot (a step that would have passed its capacity)."""
+        for a slot (a step that would have passed its capacity), but for the slot being
+        released (``releasing``), the one way on for it."""
         self._check_open()
         if not isinstance(state, PoolState):
             raise TypeError(f"expected a PoolState, got {type(state).__name__}")
@@ -311,6 +345,8 @@ class HostPoolKVCache:
             )
         refused = self._host(state.refused)
         for b in np.flatnonzero(refused):
+            if b == releasing:
+                continue
             raise ValueError(
                 f"slot {b}: {int(refused[b])} tokens of its steps were refused (they would "
                 f"have passed its capacity of {int(self._host(state.capacity)[b])} tokens); "
@@ -335,6 +371,32 @@ class HostPoolKVCache:
 
     # -- slot lifecycle ---------------------------------------------------------------------
 
+    def lengths(self, state: PoolState) -> np.ndarray:
+        """int32[batch]: the tokens each slot holds in ``state`` (0: inactive)."""
+        self.check(state)
+        return self._host(state.lengths).astype(np.int32)
+
+    def drain(self, state: PoolState) -> PoolState:
+        """The state once the step that made it has finished (nothing of it is in flight
+        outside the state: its staging is its own); returns it as the live state."""
+        self.check(state)
+        jax.block_until_ready(state)
+        return state
+
+    def commit(self, state: PoolState) -> PoolState:
+        """Drains ``state`` (the host pool is not persistent: nothing is made durable)."""
+        return self.drain(state)
+
+    def recover(self) -> PoolState:
+        """Refused: a host-pool step never fails on its own (a step past a slot's capacity
+        writes to the sink and is refused for that slot; see :meth:`check`), and the pool
+        of a state donated to a step that failed otherwise went with it."""
+        raise ValueError(
+            "a host-pool cache cannot recover a state lost with a failed step: its pool was "
+            "donated to the step. Keep the state a step returned; a step past a slot's "
+            "capacity does not fail (see HostPoolKVCache.check)"
+        )
+
     def admit(
         self,
         state: PoolState,
@@ -347,25 +409,66 @@ class HostPoolKVCache:
         :meth:`jax_tpusync.OffloadedKVCache.admit` does (a prefix of ``tokens`` that the
         prefix index holds is mapped read-only)."""
         self.check(state)
-        admission = self.slots.admit(slot, max_tokens, tokens)  # All or nothing.
+        admission = self.reserve(slot, max_tokens, tokens)  # All or nothing.
+        return self.admitted(state, admission), admission.cached
+
+    def reserve(
+        self,
+        slot: int,
+        max_tokens: int | None = None,
+        tokens: Sequence[int] | np.ndarray | None = None,
+        *,
+        max_cached: int | None = None,
+    ) -> Admission:
+        """:meth:`admit`'s first half: the slot table admits ``slot`` (or raises, changing
+        nothing), no state changes; then :meth:`admitted` or :meth:`cancel`."""
+        self._check_open()
+        return self.slots.admit(slot, max_tokens, tokens, max_cached=max_cached)
+
+    def cancel(self, reservation: Admission) -> None:
+        """Undoes a :meth:`reserve` that was not :meth:`admitted`."""
+        self.slots.release(reservation.slot, 0)
+
+    def admitted(self, state: PoolState, reservation: Admission) -> PoolState:
+        """The live state once :meth:`reserve` made ``reservation``."""
+        slot = reservation.slot
         lengths = self._host(state.lengths).copy()
-        lengths[slot] = admission.cached
-        return self._with_slots(state, lengths), admission.cached
+        lengths[slot] = reservation.cached
+        self._loaded_extent[:, slot] = reservation.cached
+        return self._with_slots(state, lengths)
+
+    def check_release(
+        self, state: PoolState, slot: int, tokens: Sequence[int] | np.ndarray | None = None
+    ) -> None:
+        """Refuses, changing nothing, a :meth:`release` of ``slot`` the cache would refuse."""
+        self.check(state, releasing=slot)
+        self.slots.check_slot(slot)
+        self.slots.check_release(slot, int(self._host(state.lengths)[slot]), tokens)
 
     def release(
         self, state: PoolState, slot: int, *, tokens: Sequence[int] | np.ndarray | None = None
     ) -> PoolState:
         """Frees ``slot``; with ``tokens`` (or a recorded history) its full blocks enter the
-        prefix index, as :meth:`jax_tpusync.OffloadedKVCache.release`."""
-        self.check(state)
-        self.slots.check_slot(slot)
+        prefix index, as :meth:`jax_tpusync.OffloadedKVCache.release`. A slot whose steps
+        were refused (past its capacity) may be released: its rows up to its length are
+        whole, and the refusal goes with it."""
+        self.check_release(state, slot, tokens)  # Refused: no change.
         length = int(self._host(state.lengths)[slot])
-        self.slots.check_release(slot, length, tokens)  # Refused: no change.
         jax.block_until_ready(state.pool)  # Its blocks are indexed once written.
         self.slots.release(slot, length, tokens)
+        self._loaded_extent[:, slot] = 0
         lengths = self._host(state.lengths).copy()
         lengths[slot] = 0
-        return self._with_slots(state, lengths)
+        refused = self._host(state.refused).copy()
+        refused[slot] = 0
+        return self._with_slots(state.replace(refused=self._placed(refused)), lengths)
+
+    def publish_windows(self, state: PoolState, slot: int) -> int:
+        """0: the host pool keeps every position (its full blocks enter the prefix index
+        at :meth:`release`)."""
+        self.check(state)
+        self.slots.check_slot(slot)
+        return 0
 
     def tokens(self, slot: int) -> np.ndarray:
         self.slots.check_slot(slot)
@@ -380,75 +483,83 @@ class HostPoolKVCache:
         self,
         state: PoolState,
         layer: int,
-        slot: int,
-        k: jax.Array | np.ndarray,  # [n, num_kv_heads, head_dim]
-        v: jax.Array | np.ndarray,  # [n, num_kv_heads, head_dim]
+        k: jax.Array | np.ndarray,  # [batch, n, num_kv_heads, head_dim] ([n, ...] with slot)
+        v: jax.Array | np.ndarray,  # [batch, n, num_kv_heads, head_dim] ([n, ...] with slot)
         *,
-        start: int = 0,
+        start: int | Sequence[int] = 0,
+        lengths: Sequence[int] | None = None,
+        slot: int | None = None,
     ) -> PoolState:
-        """Writes ``n`` rows of one slot's K/V in ``layer`` from position ``start``; the
-        slot's length becomes ``start + n`` if that is more. Whole blocks move: a block
-        the rows fill in part is read first and written back with the rows in it.
+        """Writes KV of one layer host-side, as :meth:`jax_tpusync.OffloadedKVCache.load`
+        (same arguments, same lengths rule: a slot's length grows to the rows every layer
+        holds). Whole blocks move: a block the rows fill in part is read first and written
+        back with the rows in it.
 
         Raises:
-          ValueError: a bad layer or slot, rows past the slot's capacity, shapes that are
-            not [n, num_kv_heads, head_dim], a dtype that does not convert exactly, rows
-            into blocks the slot shares with the prefix index; nothing is written.
+          ValueError: a bad layer or slot, rows past a slot's capacity, shapes that are not
+            the cache's, a dtype that does not convert exactly, rows into blocks a slot
+            shares with the prefix index; nothing is written.
         """
         spec = self.spec
         self.check(state)
         self._check_layer(layer)
-        self.slots.check_slot(slot)
-        k, v = np.asarray(k), np.asarray(v)
-        want = (self.shards * spec.num_kv_heads, spec.head_dim)
-        for name, x in (("k", k), ("v", v)):
-            if x.ndim != 3 or x.shape[1:] != want or x.shape[0] != k.shape[0]:
-                raise ValueError(
-                    f"{name} must be [n, num_kv_heads, head_dim] = [n, {want[0]}, {want[1]}] "
-                    f"with the same n as k; got {list(x.shape)}"
-                )
-            if not exact_cast_allowed(x.dtype, spec.dtype):
-                raise ValueError(dtype_error(name, x.dtype, spec.dtype))
-        n = k.shape[0]
-        capacity = int(self.slots.capacity[slot])
-        if not (isinstance(start, (int, np.integer)) and 0 <= start and start + n <= capacity):
-            raise ValueError(
-                f"rows [start, start + n) = [{start}, {start + n}) must lie in [0, {capacity}] "
-                f"(slot {slot}'s capacity)"
-            )
-        shared = self.slots.shared_tokens(slot)
-        if n and start < shared:
-            raise ValueError(
-                f"start={start} is inside slot {slot}'s shared prefix of {shared} tokens "
-                f"(blocks other sequences read)"
-            )
-        if n == 0:
-            return state
+        if slot is not None:
+            k, v, start, lengths = one_slot_load(spec.batch, slot, k, v, start, lengths)
+        heads = self.shards * spec.num_kv_heads
+        k, v, starts, counts = check_load_rows(
+            self.slots, heads, spec.head_dim, spec.dtype, k, v, start, lengths
+        )  # Refused: no change.
+        for b in np.flatnonzero(counts):
+            state = self._load_rows(state, layer, int(b), k[b], v[b], int(starts[b]), int(counts[b]))
+        extent = self._loaded_extent[layer]
+        written = counts > 0
+        extent[written] = np.maximum(extent[written], (starts + counts)[written])
+        lengths_now = self._host(state.lengths).astype(np.int64)
+        grown = np.maximum(lengths_now, self._loaded_extent.min(axis=0))
+        return self._unstaged(state.replace(lengths=self._placed(grown.astype(np.int32))))
+
+    def _load_rows(
+        self,
+        state: PoolState,
+        layer: int,
+        slot: int,
+        k: np.ndarray,  # [>= n, heads, head_dim], the cache's dtype
+        v: np.ndarray,
+        start: int,
+        n: int,
+    ) -> PoolState:
+        """``state`` with rows ``[start, start + n)`` of ``slot`` in ``layer`` written."""
+        spec = self.spec
         bt = spec.block_tokens
         first, end = start // bt, -(-(start + n) // bt)
         table = self.slots.table_row(slot)[first:end]
-        rows = self.layout.host_rows(layer, table)
-        old = self._read_rows(state, rows)  # [shards, blocks * bt, row_width]
+        old = self._read_rows(state, self.layout.host_rows(layer, table))
         heads = spec.num_kv_heads
-        for shard in range(self.shards):
+        for shard in range(self.shards):  # Each device's pool holds its heads.
             mine = slice(shard * heads, (shard + 1) * heads)
-            new = _pool_rows_host(self.layout, k[:, mine], v[:, mine])
+            new = _pool_rows_host(self.layout, k[:n, mine], v[:n, mine])
             old[shard, start - first * bt : start - first * bt + n] = new
         starts = self.layout.block_row(layer, table)
         if self.mesh is None:
             pool = _write_blocks(self.layout, state.pool, old[0], starts)
         else:
             pool = _write_blocks_sharded(self.layout, self.mesh, state.pool, old, starts)
-        lengths = self._host(state.lengths).copy()
-        lengths[slot] = max(int(lengths[slot]), start + n)
-        return self._unstaged(state.replace(pool=pool, lengths=self._placed(lengths)))
+        return state.replace(pool=pool)
 
     def read(
-        self, state: PoolState, layer: int, slot: int, start: int = 0, stop: int | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
+        self,
+        state: PoolState,
+        layer: int,
+        slot: int,
+        start: int = 0,
+        stop: int | None = None,
+        *,
+        raw: bool = False,
+    ) -> tuple[Any, Any]:
         """Host copies of positions ``[start, stop)`` of one slot's K and V in ``layer``:
         two [stop - start, num_kv_heads, head_dim] arrays in the cache's dtype (decoded
-        from a quantized pool)."""
+        from a quantized pool; ``raw``: its codes and scales, two
+        :class:`~jax_tpusync.quantize.QuantizedRows`)."""
         spec = self.spec
         self.check(state)
         self._check_layer(layer)
@@ -470,7 +581,15 @@ class HostPoolKVCache:
         rows = self._read_rows(state, self.layout.host_rows(layer, table))
         rows = rows[:, start - first * bt : stop - first * bt]
         # Each shard's heads, in order: the global heads.
-        parts = [_kv_of_rows(spec, self.layout, part) for part in rows]
+        parts = [_kv_of_rows(spec, self.layout, part, raw) for part in rows]
+        if raw and spec.quantized:
+            return tuple(
+                quantize.QuantizedRows(
+                    np.concatenate([p[i].codes for p in parts], axis=1),
+                    np.concatenate([p[i].scales for p in parts], axis=1),
+                )
+                for i in range(2)
+            )
         return tuple(np.concatenate([p[i] for p in parts], axis=1) for i in range(2))
 
     def _read_rows(self, state: PoolState, rows: np.ndarray) -> np.ndarray:
@@ -493,10 +612,11 @@ class HostPoolKVCache:
         if self._closed:
             raise ValueError("this cache is closed")
 
-    def close(self) -> None:
-        """Forgets the pool (the live state still holds it until dropped)."""
+    def close(self, state: PoolState | None = None) -> None:
+        """Closes the cache: every later call is refused. The pool is the state's (freed
+        with the last state that holds it); nothing is committed, the pool not being
+        persistent."""
         self._closed = True
-        self._pool = None
 
     def __enter__(self) -> HostPoolKVCache:
         return self
@@ -511,19 +631,18 @@ def _pool_rows_host(layout: PoolLayout, k: np.ndarray, v: np.ndarray) -> np.ndar
     return np.asarray(pool_rows_of(layout, jnp.asarray(k)[None], jnp.asarray(v)[None])[0])
 
 
-def _kv_of_rows(spec: CacheSpec, layout: PoolLayout, rows: np.ndarray):
-    """K and V [n, H, D] of pool rows [n, row_width], in the cache's dtype."""
+def _kv_of_rows(spec: CacheSpec, layout: PoolLayout, rows: np.ndarray, raw: bool = False):
+    """K and V [n, H, D] of one shard's pool rows [n, row_width], in the cache's dtype
+    (``raw``, quantized: their codes and scales)."""
     half = layout.half_width
     if not spec.quantized:
         shape = (rows.shape[0], spec.num_kv_heads, spec.head_dim)
         return rows[:, :half].reshape(shape), rows[:, half:].reshape(shape)
-    return tuple(
-        quantize.dequantize_host(
-            quantize.unpack_host(part, spec.tier_dtype, spec.num_kv_heads, spec.head_dim),
-            spec.dtype,
-        )
+    stored = [
+        quantize.unpack_host(part, spec.tier_dtype, spec.num_kv_heads, spec.head_dim)
         for part in (rows[:, :half], rows[:, half:])
-    )
+    ]
+    return tuple(stored) if raw else tuple(quantize.dequantize_host(x, spec.dtype) for x in stored)
 
 
 @functools.partial(jax.jit, static_argnums=0)

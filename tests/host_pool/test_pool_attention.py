@@ -140,7 +140,7 @@ def test_load_then_decode_reads_the_loaded_rows():
         for slot in range(2):
             k = rng.standard_normal((context, HEADS, HEAD_DIM)).astype(np.float32)
             v = rng.standard_normal((context, HEADS, HEAD_DIM)).astype(np.float32)
-            state = cache.load(state, layer, slot, k, v)
+            state = cache.load(state, layer, k, v, slot=slot)
             loaded[layer, slot] = (k, v)
     np.testing.assert_array_equal(np.asarray(state.lengths), [context, context])
     k, v = cache.read(state, 2, 1, 3, 17)
@@ -148,7 +148,7 @@ def test_load_then_decode_reads_the_loaded_rows():
     np.testing.assert_array_equal(v, loaded[2, 1][1][3:17])
     # A patch inside a block keeps the rows around it.
     patch = np.ones((2, HEADS, HEAD_DIM), np.float32)
-    state = cache.load(state, 1, 0, patch, -patch, start=9)
+    state = cache.load(state, 1, patch, -patch, start=9, slot=0)
     k, v = cache.read(state, 1, 0)
     np.testing.assert_array_equal(k[9:11], patch)
     np.testing.assert_array_equal(k[:9], loaded[1, 0][0][:9])
@@ -178,16 +178,17 @@ def test_admit_maps_a_released_prefix_and_continues_it():
     rng = np.random.default_rng(2)
     k = rng.standard_normal((20, HEADS, HEAD_DIM)).astype(np.float32)
     for layer in range(3):
-        state = cache.load(state, layer, 0, k, -k)
+        state = cache.load(state, layer, k, -k, slot=0)
     state = cache.release(state, 0, tokens=prompt)
     state, cached = cache.admit(state, 1, max_tokens=32, tokens=prompt)
     assert cached == 16  # Two full blocks of 8, at most len - 1 tokens.
     got_k, got_v = cache.read(state, 2, 1)
     np.testing.assert_array_equal(got_k, k[:16])
     np.testing.assert_array_equal(got_v, -k[:16])
-    with pytest.raises(ValueError, match="inside slot 1's shared prefix of 16 tokens"):
-        cache.load(state, 0, 1, k[:1], k[:1], start=15)
-    state = cache.load(state, 0, 1, k[:1], k[:1], start=16)  # The first private row.
+    shared = r"rows \[15, 16\) of slot 1 overlap its shared prefix \[0, 16\)"
+    with pytest.raises(ValueError, match=shared):
+        cache.load(state, 0, k[:1], k[:1], start=15, slot=1)
+    state = cache.load(state, 0, k[:1], k[:1], start=16, slot=1)  # The first private row.
 
 
 def test_a_step_past_capacity_is_refused_for_its_slot_alone():
@@ -217,6 +218,11 @@ def test_a_step_past_capacity_is_refused_for_its_slot_alone():
         cache.check(state)
     with pytest.raises(ValueError, match="slot 0: 1 tokens"):
         cache.release(state, 1)
+    # The refused slot itself may be released (its rows up to its length are whole).
+    state = cache.release(state, 0)
+    cache.check(state)
+    np.testing.assert_array_equal(np.asarray(state.refused), [0, 0])
+    np.testing.assert_array_equal(cache.lengths(state), [0, 11])
 
 
 def test_a_donated_state_is_refused():
@@ -247,15 +253,16 @@ def test_guards_name_the_argument_at_their_edges():
     state = cache.init(admit=False)
     state, _ = cache.admit(state, 0, max_tokens=16)
     rows = np.zeros((16, HEADS, HEAD_DIM), np.float32)
-    state = cache.load(state, 0, 0, rows, rows)  # Up to the capacity exactly.
+    for layer in range(3):  # Up to the capacity exactly, in every layer.
+        state = cache.load(state, layer, rows, rows, slot=0)
     with pytest.raises(
-        ValueError, match=r"\[start, start \+ n\) = \[1, 17\) must lie in \[0, 16\]"
+        ValueError, match=r"start \+ lengths = 17 of slot 0 would overflow its capacity of 16"
     ):
-        cache.load(state, 0, 0, rows, rows, start=1)
+        cache.load(state, 0, rows, rows, start=1, slot=0)
     with pytest.raises(ValueError, match="layer=3 is out of range for a cache of 3 layers"):
-        cache.load(state, 3, 0, rows, rows)
+        cache.load(state, 3, rows, rows, slot=0)
     with pytest.raises(ValueError, match="k has dtype float64"):
-        cache.load(state, 0, 0, rows.astype(np.float64), rows)
+        cache.load(state, 0, rows.astype(np.float64), rows, slot=0)
     with pytest.raises(ValueError, match=r"\[start, stop\) = \[0, 17\) must lie in \[0, 16\]"):
         cache.read(state, 0, 0, 0, 17)
     cache.read(state, 0, 0, 0, 16)
@@ -279,3 +286,58 @@ def test_units_hold_no_more_blocks_than_the_tpu_overlaps_copies():
     assert pool_spec(config, device_kind="cpu").chunk_len == 40 * 8
     assert pool_spec(config, device_kind="TPU v6 lite").chunk_len == 6 * 8
     assert pool_spec(config, device_kind="TPU v5 lite").chunk_len == 30 * 8
+
+
+def test_the_host_pool_keeps_the_cache_protocol_and_answers_as_the_others():
+    from jax_tpusync.cache_protocol import KVCache, mismatches
+
+    assert mismatches(tps.HostPoolKVCache) == []
+    cache = make_cache(num_layers=2, batch=2, max_len=32, staging_bytes=1 << 20)
+    assert isinstance(cache, KVCache)
+    state = cache.init(admit=False)
+    np.testing.assert_array_equal(cache.lengths(state), [0, 0])
+    assert cache.lengths(state).dtype == np.int32
+    state, cached = cache.admit(state, 1, max_tokens=16, tokens=np.arange(10))
+    assert cached == 0
+    rows = np.ones((5, HEADS, HEAD_DIM), np.float32)
+    state = cache.load(state, 0, rows, rows, slot=1)
+    np.testing.assert_array_equal(cache.lengths(state), [0, 0])  # Layer 1 has none yet.
+    state = cache.load(state, 1, rows, rows, slot=1)
+    np.testing.assert_array_equal(cache.lengths(state), [0, 5])
+    before = cache.capacity
+    with pytest.raises(ValueError, match="active"):
+        cache.admit(state, 1, max_tokens=16)
+    np.testing.assert_array_equal(cache.capacity, before)
+    reservation = cache.reserve(0, 8)
+    cache.cancel(reservation)
+    np.testing.assert_array_equal(cache.capacity, before)
+    k, _ = cache.read(state, 0, 1)
+    np.testing.assert_array_equal(k, rows)
+    assert cache.publish_windows(state, 1) == 0
+    state = cache.commit(state)
+    state = cache.release(state, 1)
+    np.testing.assert_array_equal(cache.lengths(state), [0, 0])
+    assert cache.kv_bytes > 0 and cache.committed_lengths is None
+    inert = cache.inert_state()
+    np.testing.assert_array_equal(np.asarray(inert.capacity), [0, 0])
+    with pytest.raises(ValueError, match="cannot recover a state lost with a failed step"):
+        cache.recover()
+    cache.close(state)
+    with pytest.raises(ValueError, match="this cache is closed"):
+        cache.lengths(state)
+
+
+def test_a_whole_batch_load_is_ragged_and_refused_whole():
+    cache = make_cache(num_layers=1, batch=2, max_len=32)
+    state = cache.init()
+    rng = np.random.default_rng(7)
+    k = rng.standard_normal((2, 12, HEADS, HEAD_DIM)).astype(np.float32)
+    state = cache.load(state, 0, k, -k, start=[0, 4], lengths=[12, 3])
+    np.testing.assert_array_equal(cache.lengths(state), [12, 7])
+    got, neg = cache.read(state, 0, 1, 4, 7)
+    np.testing.assert_array_equal(got, k[1, :3])
+    np.testing.assert_array_equal(neg, -k[1, :3])
+    # One slot past its capacity refuses the whole call: slot 0's rows do not change.
+    with pytest.raises(ValueError, match="start \\+ lengths = 33 of slot 1 would overflow"):
+        cache.load(state, 0, k * 0, k * 0, start=[0, 21], lengths=[12, 12])
+    np.testing.assert_array_equal(cache.read(state, 0, 0)[0], k[0])

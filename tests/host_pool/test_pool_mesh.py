@@ -111,11 +111,12 @@ def test_load_over_a_mesh_round_trips_and_feeds_the_step():
         for slot in range(BATCH):
             k = rng.standard_normal((21, HEADS, HEAD_DIM)).astype(np.float32)
             v = rng.standard_normal((21, HEADS, HEAD_DIM)).astype(np.float32)
-            state = cache.load(state, layer, slot, k, v)
-            ref = single.load(ref, layer, slot, k, v)
+            state = cache.load(state, layer, k, v, slot=slot)
+            ref = single.load(ref, layer, k, v, slot=slot)
             # Patched in the middle of a block: the block's other rows stay.
-            state = cache.load(state, layer, slot, k[10:13] * 2, v[10:13] * 2, start=10)
-            ref = single.load(ref, layer, slot, k[10:13] * 2, v[10:13] * 2, start=10)
+            patch_k, patch_v = k[10:13] * 2, v[10:13] * 2
+            state = cache.load(state, layer, patch_k, patch_v, start=10, slot=slot)
+            ref = single.load(ref, layer, patch_k, patch_v, start=10, slot=slot)
     for layer in range(LAYERS):
         for slot in range(BATCH):
             for got, want in zip(cache.read(state, layer, slot), single.read(ref, layer, slot)):
@@ -179,5 +180,5 @@ def test_mesh_guards_name_the_argument_at_their_edge():
         tps.prefetching_attention(q, k, k, state, layer=0)
     # load refuses rows of one device's heads.
     one_device = np.zeros((3, 2, HEAD_DIM), np.float32)
-    with pytest.raises(ValueError, match=r"k must be \[n, num_kv_heads, head_dim\] = \[n, 4, 16\]"):
-        cache.load(state, 0, 0, one_device, one_device)
+    with pytest.raises(ValueError, match=r"k must be \[batch=2, n, num_kv_heads=4, head_dim=16\]"):
+        cache.load(state, 0, one_device, one_device, slot=0)
