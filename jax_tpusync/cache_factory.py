@@ -3,10 +3,11 @@
 Which class serves a model follows from what the model is and where it runs:
 
 * **On the TPU backend** the data path is :class:`~jax_tpusync.HostPoolKVCache` (a pool in
-  ``pinned_host`` memory carried by the step). It serves one device's cache of one KV
-  geometry whose sliding layers keep every position; anything else (a mesh, layers of
-  different KV geometry, bounded windows, the features the pool refuses by name) is refused
-  naming what is not supported on TPU yet.
+  ``pinned_host`` memory carried by the step). It serves a cache of one KV geometry whose
+  sliding layers keep every position, on one device or with its heads split over a mesh's
+  ``kv_heads_axis``; anything else (slots split over ``batch_axis``, layers of different KV
+  geometry, bounded windows, the features the pool refuses by name) is refused naming what
+  is not supported on TPU yet.
 * **Layers of different KV geometry** (``num_kv_heads`` / ``head_dim`` per layer), layers
   that read another's KV (``kv_sharing``), or ``window_cache_blocks``: a
   :class:`~jax_tpusync.HybridKVCache`.
@@ -106,7 +107,9 @@ def kv_cache(
     )
     bounded = windowed and bound_windows is not False
     if backend_name() == "tpu":
-        return _tpu_cache(mesh, engine, hybrid_because, bounded, keywords)
+        return _tpu_cache(
+            mesh, kv_heads_axis, batch_axis, engine, hybrid_because, bounded, keywords
+        )
     mesh_args = (
         {}
         if mesh is None
@@ -183,12 +186,18 @@ def _check_boundable(keywords: dict, mixed: bool) -> None:
 
 
 def _tpu_cache(
-    mesh: Any, engine: Any, hybrid_because: list[str], bounded: bool, keywords: dict
+    mesh: Any,
+    kv_heads_axis: str | None,
+    batch_axis: str | None,
+    engine: Any,
+    hybrid_because: list[str],
+    bounded: bool,
+    keywords: dict,
 ) -> HostPoolKVCache:
     """The TPU data path's cache, or a refusal naming what TPU does not have yet."""
     missing = []
-    if mesh is not None:
-        missing.append("mesh= (the host pool is one device's)")
+    if batch_axis is not None:
+        missing.append("batch_axis= (the host pool splits the heads over a mesh, not the slots)")
     missing += [f"{why} (a hybrid cache)" for why in hybrid_because]
     if bounded:
         missing.append(
@@ -201,4 +210,6 @@ def _tpu_cache(
             f"not supported on the TPU backend yet, whose cache is a HostPoolKVCache: "
             f"{'; '.join(missing)}"
         )
-    return HostPoolKVCache(**keywords)
+    if mesh is None and kv_heads_axis is None:
+        return HostPoolKVCache(**keywords)
+    return HostPoolKVCache(mesh=mesh, kv_heads_axis=kv_heads_axis, **keywords)

@@ -176,16 +176,24 @@ def test_on_tpu_a_supported_config_gets_the_host_pool(on_tpu):
     cache.close()
 
 
+def test_on_tpu_a_mesh_splits_the_host_pools_heads(on_tpu):
+    mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2])
+    cache = tps.kv_cache(**SMALL, mesh=mesh, kv_heads_axis="model")
+    assert isinstance(cache, tps.HostPoolKVCache) and cache.shards == 2
+    assert cache.spec.num_kv_heads == SMALL["num_kv_heads"] // 2
+    cache.close()
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (dict(mesh="any"), r"mesh= \(the host pool is one device's\)"),
+        (dict(mesh="any", batch_axis="b"), r"batch_axis= \(the host pool splits the heads"),
         (dict(num_kv_heads=[2] * 6), r"per-layer num_kv_heads \(a hybrid cache\)"),
         (dict(kv_sharing=[None] * 6), r"kv_sharing \(a hybrid cache\)"),
         (dict(sliding_window=GEMMA3_WINDOWS), r"sliding windows kept bounded \(pass bound_windows"),
         (dict(engine=tps.EngineConfig()), r"engine= \(the host pool"),
     ],
-    ids=["mesh", "per-layer", "kv_sharing", "bounded", "engine"],
+    ids=["batch_axis", "per-layer", "kv_sharing", "bounded", "engine"],
 )
 def test_on_tpu_what_the_host_pool_lacks_is_named(on_tpu, extra, message):
     with pytest.raises(ValueError, match=rf"not supported on the TPU backend yet.*{message}"):
