@@ -50,36 +50,12 @@ from jax_tpusync.cache import OffloadedKVCache
 from jax_tpusync.config import CacheConfig, with_config
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.host_io import one_slot_load
-from jax_tpusync.mesh_layout import MeshLayout
+from jax_tpusync.mesh_layout import MeshLayout, checked_layout
 from jax_tpusync.parts import bring_to_common_commit, each_or_none, reserve_agreed
 from jax_tpusync.quantize import QuantizedRows
 from jax_tpusync.state import CacheSpec, KVState
 
 logger = logging.getLogger(__name__)
-
-
-def _layout_of(mesh: Any, kv_heads_axis: Any, batch_axis: Any) -> MeshLayout:
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
-    names = tuple(mesh.axis_names)
-    if kv_heads_axis is None and batch_axis is None:
-        raise ValueError(
-            f"a mesh cache needs kv_heads_axis, batch_axis or both (axes of the mesh: {names})"
-        )
-    for arg, axis in (("kv_heads_axis", kv_heads_axis), ("batch_axis", batch_axis)):
-        if axis is not None and axis not in names:
-            raise ValueError(f"{arg}={axis!r} is not an axis of the mesh (its axes: {names})")
-    if kv_heads_axis is not None and kv_heads_axis == batch_axis:
-        raise ValueError(f"kv_heads_axis and batch_axis are both {kv_heads_axis!r}")
-    for axis in names:
-        if axis not in (kv_heads_axis, batch_axis) and mesh.shape[axis] > 1:
-            raise ValueError(
-                f"mesh axis {axis!r} has {mesh.shape[axis]} devices but is neither "
-                f"kv_heads_axis nor batch_axis: its devices would each run the same shard's "
-                f"transfers on the same tier blocks (a KV cache is split over heads and "
-                f"sequences, not replicated or split over head_dim)"
-            )
-    return MeshLayout(mesh, batch_axis, kv_heads_axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +128,7 @@ class ShardedKVCache:
                 "spill_path (a two-level cache) is not supported on a mesh yet: use one tier "
                 "per shard (tier='host' or 'file')"
             )
-        layout = _layout_of(mesh, kv_heads_axis, batch_axis)
+        layout = checked_layout(mesh, kv_heads_axis, batch_axis)
         for name, value, axis, size in (
             ("batch", batch, batch_axis, layout.dp),
             ("num_kv_heads", num_kv_heads, kv_heads_axis, layout.tp),
