@@ -29,6 +29,12 @@ def is_cpu() -> bool:
     return name() == "cpu"
 
 
+def runs_engine_ops() -> bool:
+    """Whether the engine's in-graph ops (XLA FFI custom calls) run here: on the CPU and
+    CUDA backends. Elsewhere (TPU) the host pool is the data path."""
+    return name() in ("cpu", "gpu", "cuda")
+
+
 def attends_in_blocks() -> bool:
     """Whether the plain-XLA attention reads staged KV in blocks of rows (on CPU), which is
     also when 16-bit KV is staged as words."""

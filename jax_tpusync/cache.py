@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tpusync import blocks, effects, layout, ops, persistence, window_ring
+from jax_tpusync import backend, blocks, effects, layout, ops, persistence, window_ring
 from jax_tpusync.config import CacheConfig, is_int, with_config
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.host_io import HostRows, one_slot_load, per_sequence
@@ -101,6 +101,12 @@ class OffloadedKVCache:
         # Every argument is checked before anything (engine, tier, file) is made.
         config = CacheConfig.from_kwargs(**with_config(config, options))
         config.geometry.check_one_cache()
+        if not backend.runs_engine_ops():
+            raise ValueError(
+                f"the {backend.name()} backend does not run this cache's in-graph ops (XLA "
+                f"custom calls, on CPU and CUDA only): use jax_tpusync.kv_cache(...), which "
+                f"makes a HostPoolKVCache there"
+            )
         if engine is not None and not isinstance(engine, (Engine, EngineConfig)):
             raise TypeError(
                 f"engine must be an Engine, an EngineConfig or None; got {type(engine).__name__}"

@@ -176,6 +176,16 @@ def test_on_tpu_a_supported_config_gets_the_host_pool(on_tpu):
     cache.close()
 
 
+def test_on_tpu_the_engine_caches_are_refused_at_construction(monkeypatch):
+    from jax_tpusync import backend
+
+    monkeypatch.setattr(backend, "name", lambda: "tpu")
+    with pytest.raises(ValueError, match=r"the tpu backend does not run this cache's in-graph"):
+        tps.OffloadedKVCache(**SMALL)
+    monkeypatch.setattr(backend, "name", lambda: "gpu")
+    tps.OffloadedKVCache(**SMALL).close()  # CUDA runs them: only construction is checked.
+
+
 def test_on_tpu_a_mesh_splits_the_host_pools_heads(on_tpu):
     mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2])
     cache = tps.kv_cache(**SMALL, mesh=mesh, kv_heads_axis="model")
