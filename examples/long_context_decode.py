@@ -265,11 +265,11 @@ def main(argv=None) -> int:
         spec = cache.spec
         tier_info = cache.engine.tier_info(cache.tier)
         print(
-            f"KV cache: {gb(spec.kv_bytes)} on the {args.tier} tier ({tier_info.description}); "
+            f"KV cache: {gb(cache.kv_bytes)} on the {args.tier} tier ({tier_info.description}); "
             + (
                 "host tier read in place, no device staging; "
                 if spec.reads_in_place
-                else f"device staging {gb(spec.device_bytes)} = {spec.num_slots} slots x "
+                else f"device staging {gb(cache.device_bytes)} = {spec.num_slots} slots x "
                 f"{spec.chunk_len} tokens; "
             )
             + f"{math.ceil(args.context / spec.chunk_len)} units per layer"
@@ -278,7 +278,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         state = fill_context(cache, cache.init(), args.context, args.seed)
         fill_s = time.perf_counter() - t0
-        fill_bytes = spec.kv_bytes * args.context / max_len
+        fill_bytes = cache.kv_bytes * args.context / max_len
         print(
             f"synthesized {args.context} tokens of random KV per layer in {fill_s:.1f} s "
             f"({fill_bytes / fill_s / 1e9:.2f} GB/s written)"
@@ -333,8 +333,8 @@ def main(argv=None) -> int:
             first_step_ms=times[0] * 1e3,
             prefill_ms=None if prefill_s is None else prefill_s * 1e3,
             fill_s=fill_s,
-            device_bytes=spec.device_bytes,
-            kv_bytes=spec.kv_bytes,
+            device_bytes=cache.device_bytes,
+            kv_bytes=cache.kv_bytes,
             chunk_len=spec.chunk_len,
             kv_read_per_step_bytes=2 * spec.num_layers * args.batch * start * spec.row_bytes,
             prefetch_hits=stats["prefetch_hits"],
@@ -345,8 +345,8 @@ def main(argv=None) -> int:
         print(
             f"\noffloaded: {med * 1e3:.1f} ms/step median over steps 2..{args.steps} "
             f"(min {min(steady) * 1e3:.1f}, max {max(steady) * 1e3:.1f}), "
-            f"{args.batch / med:.2f} tokens/s; device staging {gb(spec.device_bytes)} for "
-            f"{gb(spec.kv_bytes)} of KV; prefetch hits {stats['prefetch_hits']}, misses "
+            f"{args.batch / med:.2f} tokens/s; device staging {gb(cache.device_bytes)} for "
+            f"{gb(cache.kv_bytes)} of KV; prefetch hits {stats['prefetch_hits']}, misses "
             f"{stats['prefetch_misses']}, stalled in waits {stats['wait_s']:.2f} s"
         )
 

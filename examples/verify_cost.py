@@ -47,7 +47,7 @@ def main() -> None:
             staging_bytes=8 << 20,
         )
         info = cache.engine.tier_info(cache.tier)
-        print(f"tier: {info.description}; {cache.spec.kv_bytes / 2**20:.0f} MiB of KV")
+        print(f"tier: {info.description}; {cache.kv_bytes / 2**20:.0f} MiB of KV")
         rng = np.random.default_rng(0)
         state = cache.init()
         n = max_len - 2
