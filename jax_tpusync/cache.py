@@ -503,6 +503,29 @@ class OffloadedKVCache:
         return self.slots.stats()
 
     @property
+    def share_computed(self, state: KVState, slot: int) -> int:
+        """Makes ``slot``'s full blocks that the steps so far computed shareable now: each
+        whole block of its rows in ``state`` enters the prefix index under its recorded
+        token ids (:meth:`tokens`), pinned by the slot, so that an :meth:`admit` a step
+        later whose prompt starts with them maps them instead of computing them again.
+        Call it between the steps of a prompt's chunked prefill
+        (:class:`~jax_tpusync.serving.ServingLoop` does). The slot's read-only prefix
+        grows over them (it only appends past them; :meth:`release` unpins them, cached).
+        A block being filled is never indexed; a cache that keeps only its sliding window
+        indexes none (see :meth:`publish_windows`). Shared directories and remote levels
+        get the blocks at :meth:`release`. Returns the blocks indexed now. The state stays
+        live: the step that made it has finished (waited for here), and the engine orders
+        later reads of those rows after its write-backs.
+
+        Raises:
+          ValueError: a bad or inactive slot, or a state of another cache (TypeError: not
+            a state); nothing changes.
+        """
+        self._check_state(state)
+        self.slots.check_slot(slot)
+        jax.block_until_ready(state)  # The step that wrote the rows has finished.
+        return self.slots.share_computed(slot, int(np.asarray(state.lengths)[slot]))
+
     def capacity(self) -> np.ndarray:
         """int32[batch]: tokens each slot may hold (0: inactive); a copy."""
         return self.slots.capacity

@@ -160,6 +160,16 @@ class KVCache(Protocol):
         (0 where nothing keeps only its window)."""
         ...
 
+    def share_computed(self, state: Any, slot: int) -> int:
+        """Indexes ``slot``'s whole blocks that the steps so far computed (the step that
+        wrote them finished) under its recorded token ids, pinned by the slot, so that an
+        :meth:`admit` of the same prefix a step later maps them; returns the blocks
+        indexed now. A block being filled is never indexed; the slot's read-only prefix
+        grows over them (it only appends past them) and :meth:`release` unpins them. 0
+        where a slot keeps only its sliding window (:meth:`publish_windows` instead).
+        Remote prefix levels get the blocks at :meth:`release`."""
+        ...
+
     def tokens(self, slot: int) -> np.ndarray:
         """int64[n]: ``slot``'s recorded token ids."""
         ...

@@ -621,6 +621,13 @@ class HybridKVCache:
             if g.spec.ring_blocks
         )
 
+    def share_computed(self, state: HybridState, slot: int) -> int:
+        """Every group's :meth:`OffloadedKVCache.share_computed` (a sliding group's ring
+        indexes none: its windows are copied by :meth:`publish_windows`); returns the
+        blocks indexed, summed over groups."""
+        self._check_slot(slot)
+        return sum(g.share_computed(p, slot) for g, p in zip(self.groups, self.split(state)))
+
     def tokens(self, slot: int) -> np.ndarray:
         """int64[n]: ``slot``'s recorded token ids (every group records the same)."""
         return self.groups[0].tokens(slot)

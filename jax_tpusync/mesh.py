@@ -465,6 +465,18 @@ class ShardedKVCache:
                 copied += self.shards[s].publish_windows(parts[s], local)
         return copied
 
+    def share_computed(self, state: KVState, slot: int) -> int:
+        """Each of global ``slot``'s shards' :meth:`OffloadedKVCache.share_computed`: every
+        head shard indexes its own heads' computed blocks (an admission maps the prefix
+        every shard holds); returns the blocks indexed, summed over shards."""
+        local, holders = self._slot(slot)
+        parts = self.split(state)
+        indexed = 0
+        for s in holders:
+            with self._on(s):
+                indexed += self.shards[s].share_computed(parts[s], local)
+        return indexed
+
     def tokens(self, slot: int) -> np.ndarray:
         """Global ``slot``'s recorded token ids (see :meth:`OffloadedKVCache.tokens`)."""
         local, holders = self._slot(slot)

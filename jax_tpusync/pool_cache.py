@@ -470,6 +470,15 @@ class HostPoolKVCache:
         self.slots.check_slot(slot)
         return 0
 
+    def share_computed(self, state: PoolState, slot: int) -> int:
+        """Indexes ``slot``'s full blocks computed so far, pinned by the slot, as
+        :meth:`jax_tpusync.OffloadedKVCache.share_computed` (the step that wrote them is
+        waited for first); returns the blocks indexed now."""
+        self.check(state)
+        self.slots.check_slot(slot)
+        jax.block_until_ready(state.pool)  # Its blocks are indexed once written.
+        return self.slots.share_computed(slot, int(self._host(state.lengths)[slot]))
+
     def tokens(self, slot: int) -> np.ndarray:
         self.slots.check_slot(slot)
         return self.slots.history.ids(slot)

@@ -18,9 +18,11 @@ Lifecycle of an indexed block:
   first, a released sequence's last block before its first (a block's descendants go with
   it: without their parent they are unreachable).
 
-A block enters the index only when the sequence that wrote it is released and its
-write-backs have completed (the cache drains the engine first), so no reader can map a
-half-written block.
+A block enters the index when the sequence that wrote it is released and its write-backs
+have completed (the cache drains the engine first), or earlier, as soon as a step has
+filled it and finished (:meth:`PrefixIndex.share`, a cache's ``share_computed``): then it
+is pinned by its writer until that one's release, which only appends past it. A block
+still being filled is never indexed, so no reader can map a half-written block.
 
 On a persistent tier each commit records the index (:meth:`PrefixIndex.entries_in_order`,
 with a checksum of every block's bytes) and a re-attached cache restores it
@@ -228,6 +230,42 @@ class PrefixIndex:
             parent = key
         self.unpin(release)
         return duplicates
+
+    def share(self, tokens: np.ndarray, blocks: Sequence[int], start: int) -> int:
+        """Indexes a running sequence's full blocks ``start ..`` as soon as they are
+        computed; returns how many were indexed, each pinned once (by that sequence).
+
+        ``blocks[i]`` holds ``tokens``' block ``i`` (full blocks, rows written); the first
+        ``start`` are indexed already under ``tokens``' keys and pinned by the sequence.
+        Stops at the first block whose key is indexed already (another sequence computed
+        the same prefix meanwhile: this sequence keeps its own copy, freed as a duplicate
+        at release), or when block ``start - 1`` is not indexed as ``blocks[start - 1]``
+        (a chain this index cannot extend).
+        """
+        keys = self.keys(tokens)[: len(blocks)]
+        if len(keys) < len(blocks):
+            raise ValueError(f"{len(blocks)} full blocks but tokens cover only {len(keys)}")
+        parent = None
+        if start > 0:
+            parent = keys[start - 1]
+            entry = self._entries.get(parent)
+            if entry is None or entry.block != int(blocks[start - 1]) or entry.refs <= 0:
+                return 0
+        t = self.block_tokens
+        shared = 0
+        for i in range(start, len(blocks)):
+            key, block = keys[i], int(blocks[i])
+            if key in self._entries or block in self._by_block:
+                break
+            entry = Entry(key, parent, np.array(tokens[i * t : (i + 1) * t], np.int64), block)
+            entry.refs = 1  # The sequence that wrote it maps it: never evicted before release.
+            self._entries[key] = entry
+            self._by_block[block] = key
+            if parent is not None:
+                self._entries[parent].children.add(key)
+            parent = key
+            shared += 1
+        return shared
 
     def adopt(self, key: bytes, parent: bytes | None, tokens: np.ndarray, block: int) -> None:
         """Indexes a block whose bytes came from elsewhere (a shared directory, see

@@ -398,6 +398,44 @@ class SlotTable:
         self._export_blocks(copied)  # Whole blocks of the chain, as a release publishes them.
         return len(copied)
 
+    def share_computed(self, slot: int, length: int) -> int:
+        """Indexes active ``slot``'s full blocks below its ``length`` rows (whose writes have
+        completed) under its recorded token ids, as soon as they are computed instead of at
+        :meth:`release`; returns how many blocks were indexed now.
+
+        Each block indexed is pinned by the slot and joins its read-only shared prefix
+        (:meth:`shared_tokens`): a later :meth:`admit` of the same prefix maps it, eviction
+        never takes it while a slot maps it, and its writer only appends past it (its
+        release unpins it, as it unpins the blocks it mapped). Only whole blocks of rows
+        the slot holds and ids it recorded are indexed: a block being filled never is.
+        Stops at a block another sequence indexed first (this slot keeps its copy, freed
+        at release as a duplicate). A ring slot's blocks are never shared (0; see
+        :meth:`publish_window`). Remote levels get the blocks at release, as before.
+
+        Raises:
+          ValueError: a bad slot, an inactive one, or a ``length`` that is not an int in
+            ``[0, capacity]``; nothing changes.
+        """
+        self.check_slot(slot)
+        capacity = int(self._capacity[slot])
+        if capacity == 0:
+            raise ValueError(f"slot {slot} is not active (nothing to share)")
+        if not _is_int(length) or not 0 <= length <= capacity:
+            raise ValueError(
+                f"length={length!r} must be an int in [0, capacity={capacity}] of slot {slot}"
+            )
+        if self.ring_blocks:
+            return 0
+        t = self.block_tokens
+        ids = self.history.ids(slot)
+        full = min(int(length), len(ids)) // t
+        start = int(self._shared[slot])
+        if full <= start:
+            return 0
+        count = self.prefix.share(ids[: full * t], self._tables[slot, :full], start)
+        self._shared[slot] = start + count
+        return count
+
     def note_written(self, slot: int, start: int) -> None:
         """A host-side write put rows from ``start`` into ring ``slot`` (rows before it are
         no longer known to be the sequence's: they are not published)."""
