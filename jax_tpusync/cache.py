@@ -41,6 +41,7 @@ from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.host_io import HostRows, one_slot_load, per_sequence
 from jax_tpusync.levels import InPlaceRemoteLevel, SharedDirectoryLevel, TierBlocks
 from jax_tpusync.mooncake_level import make_level
+from jax_tpusync.persisted_kv import PersistedKV, TierReader
 from jax_tpusync.slots import Admission, SlotTable
 from jax_tpusync.spill import SpillTier
 from jax_tpusync.state import KVState, staging_shape_of
@@ -233,10 +234,30 @@ class OffloadedKVCache:
         self._stream = engine.open_stream()
         if p is not None:
             self._restored_lengths = p.attach(
-                self,
+                self._persisted_kv(),
                 attached=engine.tier_info(self.tier).attached,
                 verify=config.persistence.verify,
             )
+
+    def _persisted_kv(self) -> PersistedKV:
+        """What the commit protocol reads and writes of this cache (and nothing more)."""
+        slots = self.slots
+        return PersistedKV(
+            spec=self.spec,
+            reader=TierReader(
+                engine=self.engine,
+                tier=self.tier,
+                first_block=self.first_block,
+                rows=self.tier_rows,
+            ),
+            drain=self.engine.drain,
+            block_tables=lambda: slots.tables,
+            capacity=lambda: slots.capacity,
+            shared=lambda: slots.shared,
+            index=slots.prefix,
+            history=slots.history,
+            restore=slots.restore,
+        )
 
     def _new_staging(self) -> jax.Array:
         spec = self.spec

@@ -10,7 +10,8 @@ prefix index is hashed whole, once per (layer, K|V).
 :class:`Checksums` owns the committed chunk checksums of one cache, the partial last chunks'
 hashers (so that a commit hashes only the appended rows) and the chunks ``load()`` rewrote
 since the last commit; it reads the tier with the cache's engine, a batch while the previous
-one is hashed. When a commit hashes, what it records and when its checksums become the
+one is hashed (through a :class:`~jax_tpusync.persisted_kv.TierReader`, not the cache).
+When a commit hashes, what it records and when its checksums become the
 committed ones is :mod:`jax_tpusync.persistence`'s protocol; what the manifest holds is
 :mod:`jax_tpusync.manifest`.
 """
@@ -28,6 +29,8 @@ import xxhash
 
 from jax_tpusync import prefix
 from jax_tpusync.manifest import ChecksumMismatchError, region_name, region_of
+from jax_tpusync.persisted_kv import TierReader
+from jax_tpusync.state import CacheSpec
 
 __all__ = ["Checksums", "ChunkUpdate", "VerifyResult"]
 
@@ -65,20 +68,21 @@ class ChunkUpdate:
 class Checksums:
     """The committed chunk checksums of one cache, and the reads that compute them.
 
-    ``cache`` is the opened cache (its ``spec``, ``engine``, ``tier``, ``first_block``,
-    ``tier_rows`` and ``block_tables``); ``read_batch_bytes`` is asked at each read for the
-    bytes one engine request reads. Not thread-safe.
+    ``spec`` is the cache's layout, ``reader`` reads its tier; ``read_batch_bytes`` is
+    asked at each read for the bytes one engine request reads. Not thread-safe.
     """
 
     def __init__(
         self,
-        cache: Any,
+        spec: CacheSpec,
+        reader: TierReader,
         *,
         chunk_rows: int,
         sums: list[list[int]],
         read_batch_bytes: Callable[[], int],
     ):
-        self._cache = cache
+        self._spec = spec
+        self._reader = reader
         self._chunk_rows = chunk_rows
         self._read_batch_bytes = read_batch_bytes
         # Per logical region (layer * 2 + kv) * batch + b: checksums of its committed chunks.
@@ -91,19 +95,21 @@ class Checksums:
 
     @classmethod
     def empty(
-        cls, cache: Any, *, chunk_target_bytes: int, read_batch_bytes: Callable[[], int]
+        cls,
+        spec: CacheSpec,
+        reader: TierReader,
+        *,
+        chunk_target_bytes: int,
+        read_batch_bytes: Callable[[], int],
     ) -> Checksums:
         """Nothing committed yet; chunks of about ``chunk_target_bytes`` (at least a row,
         at most a sequence)."""
-        spec = cache.spec
         chunk_rows = max(1, min(spec.max_len, chunk_target_bytes // spec.row_bytes))
         n = spec.num_layers * 2 * spec.batch
         sums: list[list[int]] = [[] for _ in range(n)]
-        return cls(cache, chunk_rows=chunk_rows, sums=sums, read_batch_bytes=read_batch_bytes)
-
-    @property
-    def _spec(self) -> Any:
-        return self._cache.spec
+        return cls(
+            spec, reader, chunk_rows=chunk_rows, sums=sums, read_batch_bytes=read_batch_bytes
+        )
 
     @property
     def chunk_rows(self) -> int:
@@ -306,20 +312,19 @@ class Checksums:
         through the sequence's block table (the cache's) with the engine; returns the
         bytes hashed."""
         spec = self._spec
-        cache = self._cache
         spans = []
         for region, lo, hi, hasher in work:
             if hi <= lo:
                 continue
             layer, kv, b = region_of(region, spec.batch)
-            spans.append((cache.tier_rows(layer, kv, b, lo, hi), hasher))
+            spans.append((self._reader.rows(layer, kv, b, lo, hi), hasher))
         return self._hash_spans(spans)
 
     def _block_spans(self, block: int, hashers: Sequence[Any]) -> list[tuple[list, Any]]:
         """Work for :meth:`_hash_spans`: physical ``block`` in each (layer, K|V), fed to
         ``hashers[layer * 2 + kv]``."""
         spec = self._spec
-        first = self._cache.first_block
+        first = self._reader.first_block
         return [
             (
                 [((first + region * spec.num_blocks + block) * spec.block_bytes, spec.block_bytes)],
@@ -335,8 +340,8 @@ class Checksums:
         Reads go in batches of up to ``read_batch_bytes()`` into two alternating buffers:
         the next batch is read while this one is hashed. Returns the bytes hashed.
         """
-        cache = self._cache
-        engine = cache.engine
+        reader = self._reader
+        engine = reader.engine
         limit = self._read_batch_bytes()
         batches: list[list[tuple[list[tuple[int, int]], int, Any]]] = []
         size = 0
@@ -352,7 +357,7 @@ class Checksums:
         if not batches:
             return 0
         biggest = max(sum(n for _, n, _ in batch) for batch in batches)
-        phase = engine.tier_info(cache.tier).alignment_offset
+        phase = engine.tier_info(reader.tier).alignment_offset
         buffers = [_phased_buffer(biggest, phase) for _ in range(min(2, len(batches)))]
 
         def submit(i: int) -> int:
@@ -361,7 +366,7 @@ class Checksums:
                 for offset, n in runs:
                     segments.append((offset, mem, n))
                     mem += n
-            return engine.submit_read(cache.tier, segments, buffers[i % 2])
+            return engine.submit_read(reader.tier, segments, buffers[i % 2])
 
         total = 0
         ticket: int | None = submit(0)

@@ -38,12 +38,19 @@ from the index, read-only). A block is indexed only after the write-backs of the
 that wrote it have completed, and it is hashed by the first commit that records it, after
 that commit made the data durable, so a manifest indexes only durable blocks; indexed
 blocks are never written. Before a block the last commit indexes is handed out again (an
-eviction freed it), :meth:`Persistence.note_evicted` commits the index without it. A
+eviction freed it), :meth:`Persistence.note_evicted` writes that commit again without the
+evicted entries (nothing else changes, so nothing is drained, synced or hashed): it cannot
+wait for the next commit, since the block's new sequence overwrites it asynchronously and a
+crash before that commit would re-attach an entry whose block holds other KV. A
 re-attached cache restores the entries (reference counts: the sequences that map each
 block; the unpinned ones cached, least recently used first as recorded), and with
 ``verify`` checks every indexed block against its checksums. Entries chained from another
 root (a cache of another ``prefix_salt``) are never looked up: the unmapped ones are
 dropped on re-attach, the mapped ones stay until their sequences release them.
+
+The protocol sees the cache only through a :class:`~jax_tpusync.persisted_kv.PersistedKV`
+(its layout, tier reads, drain, the slot table's tables, capacities and shared prefixes, the
+prefix index, the token history, and the slot table's ``restore``), never the cache object.
 
 What a manifest holds, and how one is read and checked, is :mod:`jax_tpusync.manifest`;
 the checksums of rows and blocks are :mod:`jax_tpusync.checksums`; this module is the
@@ -89,6 +96,7 @@ from jax_tpusync.manifest import (
     tier_paths,
     write_json_atomically,
 )
+from jax_tpusync.persisted_kv import PersistedKV
 
 logger = logging.getLogger(__name__)
 
@@ -170,8 +178,8 @@ class Persistence:
         self._committed_entries: dict[bytes, prefix.Entry] = {}
         self._evictions_seen = 0  # The index's eviction count when that was last checked.
         self._entry_json: dict[bytes, tuple[prefix.Entry, dict[str, Any]]] = {}
-        # The cache attached (its spec, engine, tier, slots): set by attach().
-        self._cache: Any = None
+        # What the protocol reads and writes of the cache: set by attach().
+        self._attached_kv: PersistedKV | None = None
 
     # -- opening ----------------------------------------------------------------------------
 
@@ -267,18 +275,19 @@ class Persistence:
             restored=restored,
         )
 
-    def attach(self, cache: Any, *, attached: bool, verify: bool) -> np.ndarray | None:
-        """Binds to the opened cache; returns the restored lengths (None: a new cache).
+    def attach(self, kv: PersistedKV, *, attached: bool, verify: bool) -> np.ndarray | None:
+        """Binds to the opened cache (``kv``: what of it the protocol reads and writes);
+        returns the restored lengths (None: a new cache).
 
         A new cache writes its first manifest (commit 0, lengths 0, no slot active). A
         re-attached one restores the last commit (its slots hold the committed blocks,
         capacities and shared prefixes again, its prefix index the committed entries:
-        ``cache.slots.restore``), verifies its checksums (rows and indexed blocks) if
+        ``kv.restore``), verifies its checksums (rows and indexed blocks) if
         ``verify``, and records that a session is open (so the next one can tell whether
         this one committed at the end).
         """
-        self._cache = cache
-        spec = cache.spec
+        self._attached_kv = kv
+        spec = kv.spec
         manifest = self._restored
         if manifest is not None and not attached:
             logger.warning("%s vanished before it was opened: starting empty", self.data_path)
@@ -292,13 +301,16 @@ class Persistence:
         self.geometry = self.geometry.completed(spec)
         if manifest is None:
             self._held_checksums = Checksums.empty(
-                cache, chunk_target_bytes=CHUNK_TARGET_BYTES, read_batch_bytes=_read_batch_bytes
+                spec,
+                kv.reader,
+                chunk_target_bytes=CHUNK_TARGET_BYTES,
+                read_batch_bytes=_read_batch_bytes,
             )
-            self._tables = cache.block_tables
-            self._capacity = cache.capacity
-            self._shared = cache.slots.shared
+            self._tables = kv.block_tables()
+            self._capacity = kv.capacity()
+            self._shared = kv.shared()
             self._prefix_json = self._prefix_section([], self._shared)
-            self._tokens_json = cache.slots.history.to_json(self._lengths)
+            self._tokens_json = kv.history.to_json(self._lengths)
             self._write_manifest(session="open")
             logger.info("new persistent KV cache; manifest %s", self.manifest_path)
             return None
@@ -308,23 +320,22 @@ class Persistence:
         self._tables = manifest["block_tables"]
         self._capacity = manifest["capacity"]
         self._held_checksums = Checksums(
-            cache,
+            spec,
+            kv.reader,
             chunk_rows=manifest["chunk_rows"],
             sums=manifest["sums"],
             read_batch_bytes=_read_batch_bytes,
         )
         self._shared = manifest["shared"]
-        entries = self._restored_entries(manifest, cache.slots.prefix.root)
+        entries = self._restored_entries(manifest, kv.index.root)
         # The slots hold their committed blocks again, the index its blocks (the ones a
         # slot maps pinned); later admits get other ones.
-        cache.slots.restore(self._tables, self._capacity, self._shared, entries)
+        kv.restore(self._tables, self._capacity, self._shared, entries)
         for b, ids in enumerate(manifest["tokens"]):
-            cache.slots.history.set(b, ids)
-        self._tokens_json = cache.slots.history.to_json(self._lengths)
+            kv.history.set(b, ids)
+        self._tokens_json = kv.history.to_json(self._lengths)
         self._committed_entries = {e.key: e for e in entries}
-        self._prefix_json = self._prefix_section(
-            cache.slots.prefix.entries_in_order(), self._shared
-        )
+        self._prefix_json = self._prefix_section(kv.index.entries_in_order(), self._shared)
         if manifest["session"] == "open":
             logger.warning(
                 "%s: the previous session ended without a final commit (a crash, a failed "
@@ -448,7 +459,7 @@ class Persistence:
             logger.info(
                 "load() rewrites committed rows: committing lengths %s first", shortened.tolist()
             )
-            self._spec_engine.drain()
+            self._kv.drain()
             self.commit(shortened)
         self._checksums.mark_rewritten(layer, starts, counts)
 
@@ -463,7 +474,7 @@ class Persistence:
                 self._lengths.tolist(),
                 lengths.tolist(),
             )
-            self._spec_engine.drain()
+            self._kv.drain()
             self.commit(np.minimum(lengths, self._lengths))
 
     def note_release(self, slot: int) -> None:
@@ -477,49 +488,83 @@ class Persistence:
         """
         if self._lengths[slot] == 0:
             return  # No committed row lives in its blocks.
-        cache = self._cache
-        assert cache is not None, "attach() first"
+        kv = self._kv
         lengths = self._lengths.copy()
         lengths[slot] = 0
-        tables = cache.block_tables
+        tables = kv.block_tables()
         tables[slot] = NO_BLOCK
-        capacity = cache.capacity
+        capacity = kv.capacity()
         capacity[slot] = 0
-        shared = cache.slots.shared
+        shared = kv.shared()
         shared[slot] = 0
         logger.info("releasing sequence %d: committing it released first", slot)
-        self._spec_engine.drain()
+        kv.drain()
         self.commit(lengths, tables=tables, capacity=capacity, shared=shared)
 
     def note_evicted(self) -> None:
         """Call before the cache hands out free blocks: if an eviction since the last
-        commit freed a block that commit indexes, commits the index without it first (the
-        sequences at their committed lengths), so that no manifest indexes a block another
+        commit freed a block that commit indexes, writes that commit again without the
+        entries the index no longer holds, so that no manifest indexes a block another
         sequence may be given and overwrite.
 
+        The rewritten commit (the next commit number) keeps the last one's lengths, block
+        tables, capacities, shared prefixes, token ids and chunk checksums: it records
+        nothing that was not durable at that commit, so nothing is drained, synced or
+        hashed, and the slot table that is allocating is not read. Only the prefix index
+        is asked which committed entries it still holds.
+
+        Why before the blocks are handed out, and not at the next commit: once handed
+        out, a block is overwritten by a step's write-backs, which land on the tier
+        asynchronously and cannot be ordered after a later commit. A crash between such
+        a write and the next commit would re-attach to a manifest that still indexes the
+        block under the evicted prefix's tokens: with ``verify=False`` a new sequence with
+        that prompt would map another sequence's KV (stale KV served); with ``verify`` the
+        whole re-attach would be refused by a checksum mismatch. Holding evicted blocks
+        back until the next commit would refuse (or stall) the admission that needed
+        them, and checking every indexed block on each re-attach is the read that
+        ``verify=False`` exists to skip; so this one manifest write stays, made as small
+        as the rule needs.
+
         Raises:
-          CommitError: that commit failed; the blocks must not be handed out (the next
-            call tries again).
+          CommitError: the manifest was not written; the blocks must not be handed out
+            (the next call tries again).
         """
-        index = self._cache.slots.prefix
-        if index.evictions == self._evictions_seen:
+        index = self._kv.index
+        evictions = index.evictions
+        if evictions == self._evictions_seen:
             return
-        if all(index.holds(e) for e in self._committed_entries.values()):
-            self._evictions_seen = index.evictions
+        kept = [e for e in self._committed_entries.values() if index.holds(e)]
+        if len(kept) == len(self._committed_entries):
+            self._evictions_seen = evictions
             return
-        logger.info("evicted prefix blocks that the last commit indexes: committing first")
-        self._spec_engine.drain()
-        self.commit(self._lengths)
+        logger.info(
+            "evicted %d prefix blocks that commit %d indexes: writing it again without them",
+            len(self._committed_entries) - len(kept),
+            self._commit,
+        )
+        prefix_json = self._prefix_section(kept, self._shared)
+        try:
+            if fault_hook is not None:
+                fault_hook("before_manifest_write")
+            self._write_manifest(session="open", commit=self._commit + 1, prefix_json=prefix_json)
+        except Exception as e:
+            raise CommitError(
+                f"commit {self._commit + 1} (commit {self._commit} without its evicted prefix "
+                f"blocks) was not written; the evicted blocks stay unused: {e}"
+            ) from e
+        self._commit += 1
+        self._prefix_json = prefix_json
+        self._committed_entries = {e.key: e for e in kept}
+        self._evictions_seen = evictions
 
     @property
-    def _spec(self):
-        assert self._cache is not None, "attach() first"
-        return self._cache.spec
+    def _kv(self) -> PersistedKV:
+        assert self._attached_kv is not None, "attach() first"
+        return self._attached_kv
 
     @property
-    def _spec_engine(self) -> Engine:
-        assert self._cache is not None, "attach() first"
-        return self._cache.engine
+    def _spec(self) -> Any:
+        return self._kv.spec
 
     @property
     def _checksums(self) -> Checksums:
@@ -553,13 +598,13 @@ class Persistence:
             writing the manifest failed.
         """
         spec = self._spec
-        cache = self._cache
+        kv = self._kv
         lengths = np.asarray(lengths, np.int64).reshape(spec.batch)
-        tables = cache.block_tables if tables is None else np.array(tables, np.int32)
-        capacity = cache.capacity if capacity is None else np.array(capacity, np.int32)
-        shared = cache.slots.shared if shared is None else np.array(shared, np.int32)
+        tables = kv.block_tables() if tables is None else np.array(tables, np.int32)
+        capacity = kv.capacity() if capacity is None else np.array(capacity, np.int32)
+        shared = kv.shared() if shared is None else np.array(shared, np.int32)
         lengths = np.maximum(lengths, shared.astype(np.int64) * spec.block_tokens)
-        index = cache.slots.prefix
+        index = kv.index
         try:
             for b in range(spec.batch):
                 if not 0 <= lengths[b] <= capacity[b]:
@@ -574,7 +619,7 @@ class Persistence:
             # Blocks indexed since the last commit: durable now (synced above), hashed once.
             self._hash_blocks([e for e in entries if e.sums is None])
             prefix_json = self._prefix_section(entries, shared)
-            tokens_json = cache.slots.history.to_json(lengths)
+            tokens_json = kv.history.to_json(lengths)
             if fault_hook is not None:
                 fault_hook("before_manifest_write")
             self._write_manifest(
@@ -632,7 +677,7 @@ class Persistence:
             number of others.
         """
         spec = self._spec
-        tables = self._cache.block_tables
+        tables = self._kv.block_tables()
         for b in range(spec.batch):
             used = -(-int(self._lengths[b]) // spec.block_tokens)
             if not np.array_equal(tables[b, :used], self._tables[b, :used]):
@@ -657,7 +702,7 @@ class Persistence:
         """The manifest's "prefix": the index's root, the roots of first blocks chained
         from another one, the block checksum algorithm, each sequence's shared blocks and
         the entries in ``entries``' order (each with its block's checksums)."""
-        index = self._cache.slots.prefix
+        index = self._kv.index
         keys = {e.key for e in entries}
         foreign = sorted(
             {e.parent for e in entries if e.parent is not None and e.parent not in keys}

@@ -49,6 +49,7 @@ LAYERS: dict[str, int] = {
     "host_io": 3,
     "checksums": 3,
     "persistence": 3,
+    "persisted_kv": 3,
     "host_pool": 3,
     "cache_protocol": 0,
     "parts": 4,

@@ -248,6 +248,57 @@ def test_release_with_tokens_keeps_indexed_blocks_and_frees_private_ones(where):
         assert_kv(cache, state, 0, A)
 
 
+def test_a_crash_after_an_eviction_never_maps_the_reused_block(where, monkeypatch):
+    """An eviction of a block the last commit indexes writes that commit again without it
+    before the block is handed out (no drain, sync or hash: the same lengths, tables and
+    checksums). The block's new sequence overwrites it and the process dies before another
+    commit: the re-attached cache does not index it (else, with verify=False, a prompt
+    starting with A would map the new sequence's KV), and verify passes."""
+    with make(where, num_blocks=8) as cache:
+        state = cache.init(admit=False)
+        state, _, a_blocks = serve(cache, state, 0, A, 12)  # A's 3 blocks, cached.
+        state = cache.commit(state)
+        before = manifest(where)
+        assert sorted(e["block"] for e in before["prefix"]["entries"]) == sorted(a_blocks)
+        assert cache.free_blocks == 5
+
+        def no_full_commit(*args, **kwargs):
+            raise AssertionError("an eviction made a full commit")
+
+        def fail(stage):
+            raise OSError(28, "No space left on device")
+
+        with monkeypatch.context() as m:
+            m.setattr(persistence.Persistence, "commit", no_full_commit)
+            m.setattr(persistence.Persistence, "_sync_data", no_full_commit)
+            m.setattr(persistence, "fault_hook", fail)
+            # The manifest cannot be written: the evicted block is not handed out.
+            with pytest.raises(persistence.CommitError, match="evicted prefix blocks"):
+                cache.admit(state, 1, max_tokens=24)  # 6 blocks, 5 free: A's tail evicted.
+            assert manifest(where) == before
+            assert cache.block_tables[1].tolist() == [-1] * 8
+            m.setattr(persistence, "fault_hook", None)
+            state, _ = cache.admit(state, 1, max_tokens=24)
+        assert a_blocks[2] in cache.block_tables[1].tolist()
+        after = manifest(where)
+        assert after["commit"] == before["commit"] + 1
+        assert sorted(e["block"] for e in after["prefix"]["entries"]) == sorted(a_blocks[:2])
+        for field in ("lengths", "block_tables", "capacity", "checksums", "tokens"):
+            assert after[field] == before[field], field
+        ones = np.ones((BATCH, 24, KV_HEADS, HEAD_DIM), np.float32)
+        for layer in range(LAYERS):  # Slot 1 overwrites A's tail block.
+            state = cache.load(state, layer, ones, ones, lengths=[0, 24, 0])
+        cache.close()  # A crash: no commit after the eviction's.
+    with make(where, num_blocks=8, verify=False) as cache:
+        assert cache.prefix_stats["indexed_blocks"] == 2
+        state = cache.init(admit=False)
+        state, cached = cache.admit(state, 0, tokens=A + [1], max_tokens=16)
+        assert cached == 8
+        assert_kv(cache, state, 0, A[:8])
+        assert cache.verify(state).prefix_blocks == 2
+        cache.close(state)
+
+
 # -- checksums -----------------------------------------------------------------------------------
 
 
