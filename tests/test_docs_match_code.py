@@ -140,7 +140,7 @@ def table_claims(text: str, where: str):
                 stated = REQUIRED
             else:
                 m = re.fullmatch(r"`([^`]+)`(?:\s*\(.*\))?", default_cell)
-                assert m, f"{where}:{j + 1}: default {default_cell!r} is neither `value` nor required"
+                assert m, f"{where}:{j + 1}: default {default_cell!r}: neither `value` nor required"
                 stated = doc_value(m.group(1))
             for keyword in keywords:
                 yield f"{where}:{j + 1}", names, keyword, stated
@@ -276,7 +276,8 @@ def test_api_md_has_the_constructor_tables():
             "HybridKVCache(num_layers=) documented 1, the code's is required",
         ),
         (
-            "`OffloadedKVCache(...)`:\n\n| keyword | default |\n|---|---|\n| `stage_bytes` | `1` |\n",
+            "`OffloadedKVCache(...)`:\n\n| keyword | default |\n|---|---|\n"
+            "| `stage_bytes` | `1` |\n",
             "OffloadedKVCache takes no keyword 'stage_bytes'",
         ),
         ("call `tps.kv_cache(..., bound_window=False)` here", "kv_cache takes no keyword"),

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m jax_tpusync.bench <subcommand> ... --json OUT``.
+"""Entry point: ``python -m jax_tpusync.bench <subcommand> ... [--json OUT]``.
 
 Each subcommand lives in its own module that exposes
 
@@ -45,6 +45,8 @@ def build_parser(subcommands: Sequence[str] = SUBCOMMANDS) -> argparse.ArgumentP
     parser = argparse.ArgumentParser(
         prog="python -m jax_tpusync.bench",
         description="jax_tpusync benchmarks: engine vs a plain ceiling, measured side by side.",
+        epilog="Every subcommand prints a table; --json OUT also writes the results as JSON "
+        "(no file is written without it). 'SUBCOMMAND --help' lists a subcommand's options.",
     )
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
     for name in subcommands:
@@ -62,14 +64,13 @@ def print_results(results: Any, columns: Sequence[tuple[str, str, str]] | None) 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parses ``argv``, runs the subcommand, prints its table and writes its JSON."""
+    """Parses ``argv``, runs the subcommand, prints its table and writes its JSON where
+    ``--json`` asks (nowhere without it)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     results = args.run(args)
     print_results(results, getattr(args, "columns", None))
-    common.write_json(args.json, args.subcommand, args, results)
-    if args.json != "-":
-        print(f"\nwrote {args.json}")
+    common.report_json(args, args.subcommand, results)
     return 0
 
 

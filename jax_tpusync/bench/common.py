@@ -414,6 +414,26 @@ def environment() -> dict[str, Any]:
     return env
 
 
+def add_json_argument(p) -> None:
+    """``--json OUT``: optional on every subcommand; without it nothing is written."""
+    p.add_argument(
+        "--json",
+        default=None,
+        metavar="OUT",
+        help="also write the results as JSON to OUT ('-': stdout); without it the table is "
+        "printed and no file is written",
+    )
+
+
+def report_json(args: Any, subcommand: str, results: Any) -> None:
+    """Writes the results where ``--json`` asks (``args.json``; None: nowhere) and says where."""
+    if args.json is None:
+        return
+    write_json(args.json, subcommand, args, results)
+    if args.json != "-":
+        print(f"\nwrote {args.json}")
+
+
 def write_json(path: str, subcommand: str, args: Any, results: Any) -> None:
     """Writes ``{subcommand, args, environment, results}`` to ``path`` (``-``: stdout)."""
     doc = {

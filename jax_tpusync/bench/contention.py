@@ -104,7 +104,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="CPUs kept for the engine's workers, the last ones; the load runs on the others "
         "(default 1)",
     )
-    p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
+    common.add_json_argument(p)
     p.set_defaults(run=run, columns=COLUMNS)
     return p
 

@@ -285,7 +285,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help="XLA CPU instruction schedule for every variant (default memory; see jax_tpusync.xla_cpu)",
     )
     baselines.add_arguments(p)
-    p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
+    common.add_json_argument(p)
 
 
 def _depth(text: str) -> int | str:
@@ -450,9 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     columns = getattr(args, "columns", COLUMNS)
     print(common.format_table(results if isinstance(results, list) else [results], columns))
     args.subcommand = "decode"
-    common.write_json(args.json, "decode", args, results)
-    if args.json != "-":
-        print(f"\nwrote {args.json}")
+    common.report_json(args, "decode", results)
     return 0
 
 

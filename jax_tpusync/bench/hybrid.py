@@ -116,7 +116,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="the longest context that gets remote rows (the store holds a copy of the KV)",
     )
     p.add_argument("--block-tokens", type=int, default=256)
-    p.add_argument("--json", default="bench_hybrid.json")
+    common.add_json_argument(p)
     p.set_defaults(run=run, columns=COLUMNS)
     return p
 

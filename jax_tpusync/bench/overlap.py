@@ -123,7 +123,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "another value makes every fetch go through bounce buffers)",
     )
     common.add_cpu_arguments(p)
-    p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
+    common.add_json_argument(p)
     p.set_defaults(run=run, columns=COLUMNS)
     return p
 

@@ -95,7 +95,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="network namespace (/var/run/netns/NAME) the prefill process joins",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
+    common.add_json_argument(p)
     p.set_defaults(run=run, columns=COLUMNS)
     return p
 

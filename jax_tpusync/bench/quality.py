@@ -86,7 +86,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--seed", type=int, default=0)
     common.add_engine_arguments(p)
     common.add_cpu_arguments(p)
-    p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
+    common.add_json_argument(p)
     p.set_defaults(run=run, columns=COLUMNS)
     return p
 

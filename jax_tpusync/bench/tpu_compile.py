@@ -31,6 +31,8 @@ import sys
 import time
 from typing import Any
 
+from jax_tpusync.bench import common
+
 TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "tpu7x:2x2x1")
 # libtpu refuses to start without an accelerator type and worker list; any valid pair lets
 # it compile for every topology named later.
@@ -65,7 +67,7 @@ def add_parser(sub) -> None:
         help="split the KV heads (and the projections) over every chip of the topology",
     )
     p.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS)
-    p.add_argument("--json", default="tpu_compile.json")
+    common.add_json_argument(p)
     p.set_defaults(run=run, columns=COLUMNS)
 
 

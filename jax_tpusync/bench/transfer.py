@@ -105,7 +105,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "bounce path), 4096 lets O_DIRECT land in place (default 64)",
     )
     p.add_argument("--keep-file", action="store_true", help="keep the file tier's file")
-    p.add_argument("--json", required=True, metavar="OUT", help="result file ('-': stdout)")
+    common.add_json_argument(p)
     p.set_defaults(run=run, columns=COLUMNS)
     return p
 
