@@ -26,6 +26,15 @@ Per request: admission with prefix reuse (``cache.admit(tokens=prompt)``; only
 (``cache.release``: its full blocks are published under its token ids for later prompts),
 and times: arrival, admission, first token, finish.
 
+Prefix sharing (``share_prefixes=True``, the default): after each step, every block a
+prompt chunk filled is indexed at once (``cache.share_computed``), so a request admitted a
+step later maps it; and a waiting request whose prompt shares whole blocks with a prompt
+still being prefilled is not admitted until that prefill has computed them (it would
+compute them a second time): it waits behind the running prompt's chunks while requests
+after it that share nothing in flight take the free slots. Each request's tokens are
+those it would get alone. With False, blocks are shared at release only and requests are
+admitted in arrival order.
+
 Token history: a slot's recorded ids (``cache.tokens(slot)``) are its prompt plus every
 token fed back as an input (``cache.extend_tokens`` when fed). The cache therefore holds the
 KV of the prompt and of every decode input, but not of the last sampled token, which is
@@ -180,6 +189,9 @@ class ServingLoop:
       clock: seconds, for the request times.
       vocab_size: the model's vocabulary: token ids (prompts, stop tokens, sampled ids)
         must be in ``[0, vocab_size)``. None: read from the step's logits.
+      share_prefixes: share prompt blocks as soon as a step computed them, and hold back
+        a request whose prompt a running prefill is computing (see the module); False:
+        blocks are shared at release only, requests admitted in arrival order.
 
     The step is traced once here (``jax.eval_shape`` at the prefill width: no compile, and
     its first real call reuses the trace) to check its contract and read the vocabulary
@@ -187,7 +199,8 @@ class ServingLoop:
 
     Between steps, finished requests release their slots and waiting ones are admitted in
     arrival order (a request the pool has no blocks for waits while others run; one
-    refused with nothing else running ends with an error).
+    refused with nothing else running ends with an error), but for a request that waits
+    behind a running prefill of its prefix (``share_prefixes``).
 
     Raises:
       TypeError, ValueError: an argument of the wrong kind or out of range (the message
@@ -209,8 +222,11 @@ class ServingLoop:
         seed: int = 0,
         clock: Callable[[], float] = time.perf_counter,
         vocab_size: int | None = None,
+        share_prefixes: bool = True,
     ):
         checks.check_cache(cache)
+        if not isinstance(share_prefixes, (bool, np.bool_)):
+            raise TypeError(f"share_prefixes must be a bool; got {type(share_prefixes).__name__}")
         checks.check_callable("step", step, "step(params, tokens, positions, counts, state)")
         chunk = checks.check_int("chunk", chunk, 1)
         if decode_width is not None:
@@ -258,6 +274,13 @@ class ServingLoop:
         self.cache, self.step_fn, self.params = cache, step, params
         self.chunk, self.decode_width = chunk, decode_width or chunk
         self.seed, self.clock = seed, clock
+        self.share_prefixes = bool(share_prefixes)
+        # Tokens of the largest block of any part of the cache: the unit a prefix is
+        # shared in (a prefix shorter than a whole block of every part is not mapped).
+        self._share_unit = max(
+            (int(table.block_tokens) for table, _ in checks.slot_tables(cache)), default=1
+        )
+        self.prefill_tokens = 0  # Prompt tokens the steps computed (not mapped from a cache).
         self.state = state
         # The most tokens of KV one request may need, and what sets it.
         self.max_request_tokens, self._limit_reason = checks.slot_limit(cache)
@@ -328,13 +351,40 @@ class ServingLoop:
         done.finish_reason, done.error = "error", error
         logger.warning("request %d ended with an error: %s", done.index, error)
 
+    def _waits_for_prefill(self, prompt: np.ndarray) -> bool:
+        """Whether a running prompt's prefill is still computing whole blocks of
+        ``prompt``'s mappable prefix (all but its last token) that it has not computed yet:
+        admitted now, ``prompt`` would compute them too; a step later it maps them."""
+        unit = self._share_unit
+        for s in self.slots:
+            if s is None or not s.pending.size:
+                continue
+            running = s.checked.prompt
+            n = min(len(prompt) - 1, len(running))
+            differ = np.flatnonzero(prompt[:n] != running[:n])
+            common = int(differ[0]) if differ.size else n
+            computed = len(running) - s.pending.size
+            if common // unit > computed // unit:
+                return True
+        return False
+
     def _admit_waiting(self) -> None:
+        deferred: list[Completion] = []  # Waiting behind a running prefill, in order.
+        try:
+            self._admit_in_order(deferred)
+        finally:
+            self.waiting.extendleft(reversed(deferred))
+
+    def _admit_in_order(self, deferred: list[Completion]) -> None:
         while self.waiting:
             free = [b for b, s in enumerate(self.slots) if s is None]
             if not free:
                 return
             done = self.waiting[0]
             req, checked = done.request, self._checked[done.index]
+            if self.share_prefixes and self._waits_for_prefill(checked.prompt):
+                deferred.append(self.waiting.popleft())
+                continue
             try:
                 self.state, cached = self.cache.admit(
                     self.state,
@@ -354,6 +404,7 @@ class ServingLoop:
             del self._checked[done.index]
             seed = req.seed if req.seed is not None else (self.seed, done.index)
             done.slot, done.cached, done.admitted = free[0], int(cached), self.clock()
+            self.prefill_tokens += len(checked.prompt) - int(cached)
             self.slots[free[0]] = _Active(
                 done, checked, np.random.default_rng(seed), checked.prompt[cached:]
             )
@@ -458,6 +509,12 @@ class ServingLoop:
         if publish is not None:
             for b in prompt_slots:
                 publish(self.state, b)
+        # The blocks the prompt chunks filled become shareable now, not at release: a
+        # request admitted a step later maps them (see jax_tpusync.prefix).
+        share = getattr(self.cache, "share_computed", None) if self.share_prefixes else None
+        if share is not None:
+            for b in prompt_slots:
+                share(self.state, b)
         for b, s in active:
             if s.pending.size:
                 continue  # Mid-prompt: no token yet.
@@ -553,7 +610,9 @@ class ServingLoop:
     def stats(self) -> dict[str, Any]:
         """Steps run, by width, and the seconds spent in them (dispatch to logits);
         :meth:`warmup`'s seconds by width apart (compile included, not in the steps'), and
-        the widths whose compile fell in a request's step instead (no warm-up)."""
+        the widths whose compile fell in a request's step instead (no warm-up); prompt
+        tokens the steps computed (``prefill_tokens``) and those admissions mapped from
+        the cache instead (``cached_prompt_tokens``)."""
         return dict(
             steps=self.steps,
             steps_by_width={int(k): v for k, v in sorted(self.step_widths.items())},
@@ -561,6 +620,8 @@ class ServingLoop:
             warmup_seconds_by_width={int(k): v for k, v in sorted(self.warmup_seconds.items())},
             compiled_in_steps=sorted(self.compiled_in_steps),
             requests=len(self.completions),
+            prefill_tokens=self.prefill_tokens,
+            cached_prompt_tokens=sum(c.cached for c in self.completions),
             finished=sum(c.done for c in self.completions),
             errors=sum(c.finish_reason == "error" for c in self.completions),
         )
