@@ -62,6 +62,18 @@ def add_parser(sub) -> None:
     p.add_argument("--staging-mib", type=int, default=64, help="staging_bytes of ours, MiB")
     p.add_argument("--implementation", choices=("xla", "pallas"), default="pallas")
     p.add_argument(
+        "--sliding-window",
+        type=int,
+        default=0,
+        help="tokens a sliding layer attends (0: every layer global)",
+    )
+    p.add_argument(
+        "--global-every",
+        type=int,
+        default=6,
+        help="with --sliding-window: every Nth layer is global (Gemma 3: 6)",
+    )
+    p.add_argument(
         "--heads-over-chips",
         action="store_true",
         help="split the KV heads (and the projections) over every chip of the topology",
@@ -153,9 +165,11 @@ def compile_ours(
     staging_bytes: int,
     implementation: str,
     heads_over_chips: bool = False,
+    windows: list[int | None] | None = None,
 ):
     """(compiled step, cache spec) of the host-pool decode step at ``shape.context``, on
-    the first of ``devices`` or with the heads split over all of them."""
+    the first of ``devices`` or with the heads split over all of them; ``windows``: per
+    layer, the tokens a sliding layer attends (None: global)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, SingleDeviceSharding
@@ -177,6 +191,7 @@ def compile_ours(
         dtype=shape.dtype,
         block_tokens=block_tokens,
         staging_bytes=staging_bytes,
+        sliding_window=windows,
     )
     if heads_over_chips:
         mesh = heads_mesh(devices)
@@ -259,10 +274,18 @@ class _pallas_for_tpu:
             backend.pallas_options = self.saved
 
 
-def compile_plain(shape, devices: list, *, resident: bool, heads_over_chips: bool = False):
+def compile_plain(
+    shape,
+    devices: list,
+    *,
+    resident: bool,
+    heads_over_chips: bool = False,
+    windows: list[int | None] | None = None,
+):
     """The same model with its KV in ``pinned_host`` arrays brought in per layer by
     ``jax.device_put`` inside the step (``resident=False``), or in device memory; on the
-    first of ``devices``, or with the heads split over all of them."""
+    first of ``devices``, or with the heads split over all of them. A sliding layer
+    brings in (and attends) its window's last positions only."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, SingleDeviceSharding
@@ -286,6 +309,9 @@ def compile_plain(shape, devices: list, *, resident: bool, heads_over_chips: boo
 
     def attend(layer, q, k, v, cache):
         layer_kv = cache[layer]
+        window = windows[layer] if windows else None
+        if window is not None and window < t:
+            layer_kv = layer_kv[:, :, t - window :]
         if not resident:
             layer_kv = jax.device_put(layer_kv, jax.memory.Space.Device)
         groups = shape.q_heads // shape.kv_heads
@@ -392,6 +418,7 @@ def measure(kind: str, topology: str, shape, options: dict) -> dict:
                 devices,
                 resident=kind == "resident",
                 heads_over_chips=options.get("heads_over_chips", False),
+                windows=options.get("windows"),
             )
         )
         return dict(device_mib=mib, note=note)
@@ -442,6 +469,12 @@ def run(args) -> list[dict]:
 
     from jax_tpusync.bench import tiny_decoder
 
+    windows = None
+    if args.sliding_window:
+        every = args.global_every
+        windows = [
+            None if (i + 1) % every == 0 else args.sliding_window for i in range(args.layers)
+        ]
     rows = []
     for topology in args.topologies:
         for context in args.contexts:
@@ -460,6 +493,7 @@ def run(args) -> list[dict]:
                 staging_bytes=args.staging_mib << 20,
                 implementation=args.implementation,
                 heads_over_chips=args.heads_over_chips,
+                windows=windows,
             )
             ours = measure_in_child("ours", topology, shape, options)
             plain = measure_in_child("plain", topology, shape, options)
@@ -468,7 +502,10 @@ def run(args) -> list[dict]:
             d, kv = shape.d_model, shape.kv_heads * shape.head_dim
             # Per chip: wq, wk, wv, wo in bf16, and the KV each chip's own link brings in.
             weights = shape.layers * 2 * d * (d + kv) * 2 / chips
-            kv_bytes = shape.kv_bytes_per_step / chips
+            # Rows each layer reads: a sliding layer its window (ours: its blocks).
+            layer_windows = windows or [None] * shape.layers
+            read_rows = sum(context if w is None else min(context, w) for w in layer_windows)
+            kv_bytes = 2 * shape.batch * read_rows * shape.row_bytes / chips
             overlap = ours["overlap"]
             rows.append(
                 dict(
@@ -476,6 +513,7 @@ def run(args) -> list[dict]:
                     context=context,
                     implementation=args.implementation,
                     chips=chips,
+                    windows=windows,
                     ours_device_mib=ours["device_mib"],
                     plain_device_mib=plain["device_mib"],
                     plain_note=plain["note"],
