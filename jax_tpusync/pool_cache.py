@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_tpusync import quantize
-from jax_tpusync.config import CacheConfig
+from jax_tpusync.config import CacheConfig, with_config
 from jax_tpusync.host_pool import (
     NOT_STAGED,
     POOL_MEMORY_KIND,
@@ -108,11 +108,8 @@ def pool_spec(
         chunk_len=g.block_tokens,
         num_slots=2,
         prefetch_depth=1,
-        block_tokens=g.block_tokens,
-        num_blocks=g.num_blocks,
         prefetch_across_steps=staging.prefetch_across_steps,
         staging_dtype=np.dtype(np.uint8) if g.quantized else np.dtype(g.dtype),
-        tier_dtype=g.tier_dtype,
     )
     layout = PoolLayout(probe)
     unit_block_bytes = 2 * g.batch * g.block_tokens * layout.row_width * layout.dtype.itemsize
@@ -139,12 +136,15 @@ class HostPoolKVCache:
     ``prefetch_across_steps``, ``prefix_salt``), plus ``device``: where the pool's host
     memory and the staging are (default: the first device), or ``mesh`` and
     ``kv_heads_axis``: the heads split over that axis's devices, each with its own pool in
-    its host memory and its own staging. ``staging_bytes`` bounds the device memory the
-    state's units take on each device: two units (the one attended and the one in flight),
-    each of whole blocks, and no more blocks a unit than a TPU's compiled schedule
-    overlaps copies (:func:`~jax_tpusync.host_pool.unit_block_limit`).
+    its host memory and its own staging. ``config``: a
+    :class:`~jax_tpusync.config.CacheConfig` instead of (not beside) its keywords.
+    ``staging_bytes`` bounds the device memory the state's units take on each device: two
+    units (the one attended and the one in flight), each of whole blocks, and no more
+    blocks a unit than a TPU's compiled schedule overlaps copies
+    (:func:`~jax_tpusync.host_pool.unit_block_limit`).
 
     Raises:
+        config: CacheConfig | None = None,
       ValueError: an argument out of range, or one of the features this path does not
         have yet (named with the reason).
     """
@@ -152,6 +152,7 @@ class HostPoolKVCache:
     def __init__(
         self,
         *,
+        options = with_config(config, options)
         device: jax.Device | None = None,
         mesh: Mesh | None = None,
         kv_heads_axis: str | None = None,

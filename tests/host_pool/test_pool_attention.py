@@ -341,3 +341,22 @@ def test_a_whole_batch_load_is_ragged_and_refused_whole():
     with pytest.raises(ValueError, match="start \\+ lengths = 33 of slot 1 would overflow"):
         cache.load(state, 0, k * 0, k * 0, start=[0, 21], lengths=[12, 12])
     np.testing.assert_array_equal(cache.read(state, 0, 0)[0], k[0])
+
+
+def test_a_config_instead_of_keywords_and_not_beside_them():
+    from jax_tpusync.config import CacheConfig
+
+    config = CacheConfig.from_kwargs(
+        num_layers=2, batch=1, max_len=32, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+        block_tokens=8, dtype=jnp.float32,
+    )  # fmt: skip
+    cache = tps.HostPoolKVCache(config)
+    assert cache.spec == tps.HostPoolKVCache(**cache_keywords(config)).spec
+    with pytest.raises(ValueError, match="batch given with config="):
+        tps.HostPoolKVCache(config, batch=2)
+
+
+def cache_keywords(config):
+    from jax_tpusync.config import to_kwargs
+
+    return to_kwargs(config)
