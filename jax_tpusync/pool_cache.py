@@ -108,8 +108,11 @@ def pool_spec(
         chunk_len=g.block_tokens,
         num_slots=2,
         prefetch_depth=1,
+        block_tokens=g.block_tokens,
+        num_blocks=g.num_blocks,
         prefetch_across_steps=staging.prefetch_across_steps,
         staging_dtype=np.dtype(np.uint8) if g.quantized else np.dtype(g.dtype),
+        tier_dtype=g.tier_dtype,
     )
     layout = PoolLayout(probe)
     unit_block_bytes = 2 * g.batch * g.block_tokens * layout.row_width * layout.dtype.itemsize
