@@ -31,6 +31,7 @@ import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -92,6 +93,8 @@ class StoredShard:
     process: int
     offset: int
     nbytes: int
+    key: str = ""  # The object holding it, in a store of one object per shard.
+    checksums: tuple[int, ...] = ()  # xxh3-64 of each chunk of its bytes, where recorded.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +124,101 @@ class VersionManifest:
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for leaf in self.leaves for s in leaf.shards)
+
+
+class PartWriting(Protocol):
+    """One process's part of a version being written: :meth:`add` each leaf, then
+    :meth:`commit` (its manifest goes in last: the part counts only then) or :meth:`abort`
+    (nothing of it stays). ``nbytes``: the shard bytes added so far."""
+
+    nbytes: int
+
+    def add(
+        self,
+        path: str,
+        shape: tuple[int, ...],
+        dtype: str,
+        shards: Sequence[tuple[Box, np.ndarray]],
+    ) -> None: ...
+
+    def commit(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+class VersionReader(Protocol):
+    """A complete version opened for reading."""
+
+    def read(
+        self, leaf: StoredLeaf, wanted: Sequence[tuple[int, tuple[slice, ...]]]
+    ) -> list[np.ndarray]:
+        """Per ``(shard number, slices of that shard)`` of ``leaf``, those values (an array
+        of the slices' shape and the leaf's dtype, possibly a read-only view), checked."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class WeightStoreBackend(Protocol):
+    """Where versions live: a directory (:class:`WeightStore`) or a Mooncake Store
+    (:class:`jax_tpusync.weight_store_mooncake.MooncakeWeightStore`). Publishers and
+    pullers use only this; every method bounds its waits (a store that does not answer is
+    a :class:`WeightSyncError`, never a hang)."""
+
+    def describe(self) -> str:
+        """Where the store is, for messages."""
+        ...
+
+    def versions(self) -> list[int]:
+        """The versions present, complete or not, oldest first."""
+        ...
+
+    def parts(self, version: int) -> tuple[int | None, set[int]]:
+        """``(number of publishing processes, processes whose part is complete)``;
+        ``(None, set())`` for a version no process has begun."""
+        ...
+
+    def latest_complete(self) -> int | None: ...
+
+    def wait_manifest(
+        self, version: int, timeout_s: float, poll_s: float = 0.01
+    ) -> VersionManifest:
+        """The checked manifest once the version is complete; IncompleteVersionError /
+        VersionNotFoundError when it is not by the deadline."""
+        ...
+
+    def part_writer(
+        self, version: int, process: int, num_processes: int, *, fsync: bool = False
+    ) -> PartWriting: ...
+
+    def open_version(self, manifest: VersionManifest) -> VersionReader: ...
+
+    def retire(self, keep: int) -> list[int]:
+        """Removes versions older than the ``keep`` newest complete ones; returns them."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def checked_shards(
+    path: str, dtype: str, shards: Sequence[tuple[Box, np.ndarray]]
+) -> list[tuple[Box, np.ndarray]]:
+    """``shards`` as C-contiguous host arrays, each checked to hold its box in ``dtype``
+    (a ValueError naming the leaf and the shard otherwise): every shard is checked before
+    any byte is written."""
+    checked = []
+    for box, data in shards:
+        data = np.asarray(data)
+        if not data.flags.c_contiguous:  # (ascontiguousarray would make a scalar 1-D)
+            data = data.copy(order="C")
+        if tuple(data.shape) != tuple(b - a for a, b in box) or data.dtype.name != dtype:
+            raise ValueError(
+                f"leaf {path}: shard {box} data is {data.dtype.name}{list(data.shape)}, "
+                f"expected {dtype} of its box"
+            )
+        checked.append((box, data))
+    return checked
 
 
 class PartWriter:
@@ -170,17 +268,7 @@ class PartWriter:
         possibly none (its shards are replicas another process writes)."""
         if path in self._paths:
             raise ValueError(f"leaf {path} added twice to version {self.version}'s part")
-        checked = []
-        for box, data in shards:  # Every shard checked before any byte is written.
-            data = np.asarray(data)
-            if not data.flags.c_contiguous:  # (ascontiguousarray would make a scalar 1-D)
-                data = data.copy(order="C")
-            if tuple(data.shape) != tuple(b - a for a, b in box) or data.dtype.name != dtype:
-                raise ValueError(
-                    f"leaf {path}: shard {box} data is {data.dtype.name}{list(data.shape)}, "
-                    f"expected {dtype} of its box"
-                )
-            checked.append((box, data))
+        checked = checked_shards(path, dtype, shards)
         self._paths.add(path)
         records = []
         for box, data in checked:
@@ -273,6 +361,12 @@ class OpenVersion:
             shape
         )
 
+    def read(
+        self, leaf: StoredLeaf, wanted: Sequence[tuple[int, tuple[slice, ...]]]
+    ) -> list[np.ndarray]:
+        """Views of the mapped files: per (shard number, slices), those values."""
+        return [self.shard(leaf, index)[slices] for index, slices in wanted]
+
     def close(self) -> None:
         for m in self._maps:
             if m is not None:
@@ -289,6 +383,64 @@ class OpenVersion:
         self.close()
 
 
+def manifest_from_parts(
+    version: int, docs: Sequence[dict], data_files: tuple = ()
+) -> VersionManifest:
+    """The checked manifest of a complete version from its part manifests (``docs[p]``:
+    process ``p``'s, parsed): every part names the same leaves, their shards tile each
+    array, each shard's byte count fits its box. Shard records may name their object
+    (``key``) and the xxh3-64 of each chunk (``chunks``, hex). Raises WeightSyncError."""
+    leaves = []
+    first = docs[0]["leaves"]
+    try:
+        for p, doc in enumerate(docs):
+            if [(leaf["path"], leaf["shape"], leaf["dtype"]) for leaf in doc["leaves"]] != [
+                (leaf["path"], leaf["shape"], leaf["dtype"]) for leaf in first
+            ]:
+                raise WeightSyncError(
+                    f"weights version {version}: process {p}'s part names other leaves (paths, "
+                    f"shapes or dtypes) than process 0's"
+                )
+        for i, leaf in enumerate(first):
+            shards = []
+            for p, doc in enumerate(docs):
+                for s in doc["leaves"][i]["shards"]:
+                    box = tuple((int(a), int(b)) for a, b in s["box"])
+                    shards.append(
+                        StoredShard(
+                            box,
+                            p,
+                            int(s["offset"]),
+                            int(s["nbytes"]),
+                            str(s.get("key", "")),
+                            tuple(int(c, 16) for c in s.get("chunks", ())),
+                        )
+                    )
+            shards.sort(key=lambda s: s.box)
+            stored = StoredLeaf(leaf["path"], tuple(leaf["shape"]), leaf["dtype"], tuple(shards))
+            try:
+                stored.layout().check()
+            except ValueError as e:
+                raise WeightSyncError(f"weights version {version}: {e}") from None
+            item = np.dtype(stored.dtype).itemsize
+            for s in shards:
+                if s.nbytes != box_volume(s.box) * item:
+                    raise WeightSyncError(
+                        f"weights version {version}: leaf {stored.path} shard {s.box} has "
+                        f"{s.nbytes} bytes, its box holds {box_volume(s.box) * item}"
+                    )
+            leaves.append(stored)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, WeightSyncError):
+            raise
+        raise WeightSyncError(
+            f"weights version {version}: a part manifest is malformed ({type(e).__name__}: {e})"
+        ) from None
+    leaves = tuple(leaves)
+    fingerprint = layout_fingerprint([leaf.layout() for leaf in leaves])
+    return VersionManifest(version, len(docs), leaves, tuple(data_files), fingerprint)
+
+
 class WeightStore:
     """The versions in ``directory`` (created when missing)."""
 
@@ -298,8 +450,22 @@ class WeightStore:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
 
+    def describe(self) -> str:
+        return str(self.directory)
+
     def version_dir(self, version: int) -> Path:
         return self.directory / f"v{version:012d}"
+
+    def part_writer(
+        self, version: int, process: int, num_processes: int, *, fsync: bool = False
+    ) -> PartWriter:
+        return PartWriter(self, version, process, num_processes, fsync=fsync)
+
+    def open_version(self, manifest: VersionManifest) -> OpenVersion:
+        return OpenVersion(manifest)
+
+    def close(self) -> None:
+        """Nothing to release (files are opened per call)."""
 
     def versions(self) -> list[int]:
         """Every version with a directory, complete or not, oldest first."""
@@ -396,39 +562,7 @@ class WeightStore:
                     f"weights version {version}: process {p}'s data file {data} has {size} "
                     f"bytes, its manifest says {doc['data_bytes']} (damaged)"
                 )
-        leaves = []
-        first = docs[0]["leaves"]
-        for p, doc in enumerate(docs):
-            if [(leaf["path"], leaf["shape"], leaf["dtype"]) for leaf in doc["leaves"]] != [
-                (leaf["path"], leaf["shape"], leaf["dtype"]) for leaf in first
-            ]:
-                raise WeightSyncError(
-                    f"weights version {version}: process {p}'s part names other leaves (paths, "
-                    f"shapes or dtypes) than process 0's"
-                )
-        for i, leaf in enumerate(first):
-            shards = []
-            for p, doc in enumerate(docs):
-                for s in doc["leaves"][i]["shards"]:
-                    box = tuple((int(a), int(b)) for a, b in s["box"])
-                    shards.append(StoredShard(box, p, int(s["offset"]), int(s["nbytes"])))
-            shards.sort(key=lambda s: s.box)
-            stored = StoredLeaf(leaf["path"], tuple(leaf["shape"]), leaf["dtype"], tuple(shards))
-            try:
-                stored.layout().check()
-            except ValueError as e:
-                raise WeightSyncError(f"weights version {version}: {e}") from None
-            item = np.dtype(stored.dtype).itemsize
-            for s in shards:
-                if s.nbytes != box_volume(s.box) * item:
-                    raise WeightSyncError(
-                        f"weights version {version}: leaf {stored.path} shard {s.box} has "
-                        f"{s.nbytes} bytes, its box holds {box_volume(s.box) * item}"
-                    )
-            leaves.append(stored)
-        leaves = tuple(leaves)
-        fingerprint = layout_fingerprint([leaf.layout() for leaf in leaves])
-        return VersionManifest(version, n, leaves, data_files, fingerprint)
+        return manifest_from_parts(version, docs, data_files)
 
     def wait_manifest(
         self, version: int, timeout_s: float, poll_s: float = 0.01

@@ -33,10 +33,9 @@ import numpy as np
 from jax_tpusync.weight_plan import PlanCache, WeightPlan, box_of_index
 from jax_tpusync.weight_store import (
     IncompleteVersionError,
-    OpenVersion,
-    PartWriter,
     VersionManifest,
     WeightStore,
+    WeightStoreBackend,
     WeightSyncError,
     check_timeout,
     check_version,
@@ -51,7 +50,29 @@ __all__ = [
     "WeightPublisher",
     "WeightPuller",
     "WeightSyncError",
+    "open_weight_store",
 ]
+
+
+def open_weight_store(store: Any) -> WeightStoreBackend:
+    """The store named by ``store``: a directory path (:class:`WeightStore`), a
+    ``"mooncake://host:port[?option=value&...]"`` address (a
+    :class:`~jax_tpusync.weight_store_mooncake.MooncakeWeightStore`; options in
+    :func:`~jax_tpusync.weight_store_mooncake.parse_store_url`), or a store object (anything
+    with the :class:`~jax_tpusync.weight_store.WeightStoreBackend` methods), returned as
+    it is."""
+    if isinstance(store, str) and store.startswith("mooncake:"):
+        from jax_tpusync.weight_store_mooncake import MooncakeWeightStore
+
+        return MooncakeWeightStore.from_url(store)
+    if isinstance(store, (str, os.PathLike)):
+        return WeightStore(store)
+    if isinstance(store, WeightStoreBackend):
+        return store
+    raise TypeError(
+        f"store={store!r} must be a directory path, a 'mooncake://host:port' address or a "
+        f"weight store object"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,15 +150,17 @@ _jitted_copy = jax.jit(_copy_tree)
 
 
 class WeightPublisher:
-    """Publishes versions of a pytree of sharded jax arrays into ``directory``.
+    """Publishes versions of a pytree of sharded jax arrays into a store.
 
     Every process of the trainer makes one and publishes every version (each writes only its
     own unique shards; the version is complete when all have). Process 0 retires old
     versions, keeping the ``keep`` newest complete ones.
 
     Args:
-      directory: the store's directory, shared with the pullers (``/dev/shm/...`` for
-        memory speed on one host).
+      store: where versions go, shared with the pullers (:func:`open_weight_store`): a
+        directory (``/dev/shm/...`` for memory speed on one host) or
+        ``"mooncake://host:port?..."`` (across hosts; this process's shards then live in
+        the DRAM it gives the Mooncake pool, so it must stay up while they are pulled).
       keep: complete versions kept (>= 1); a puller that is reading a retired version keeps
         reading it.
       copy: ``True``: :meth:`publish` dispatches a device copy of ``params`` (asynchronous:
@@ -150,14 +173,19 @@ class WeightPublisher:
     """
 
     def __init__(
-        self, directory: str | os.PathLike, *, keep: int = 2, copy: bool = True, fsync: bool = False
+        self,
+        store: str | os.PathLike | WeightStoreBackend,
+        *,
+        keep: int = 2,
+        copy: bool = True,
+        fsync: bool = False,
     ):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r} must be an int >= 1")
         for name, value in (("copy", copy), ("fsync", fsync)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name}={value!r} must be a bool")
-        self.store = WeightStore(directory)
+        self.store = open_weight_store(store)
         self.keep = keep
         self.copy = copy
         self.fsync = fsync
@@ -234,8 +262,8 @@ class WeightPublisher:
         for _, _, _, shards in snapshot:  # Start every device-to-host copy first.
             for _, data in shards:
                 data.copy_to_host_async()
-        writer = PartWriter(
-            self.store, version, self.process_index, self.process_count, fsync=self.fsync
+        writer = self.store.part_writer(
+            version, self.process_index, self.process_count, fsync=self.fsync
         )
         count = 0
         try:
@@ -297,11 +325,13 @@ class WeightPublisher:
         return self.store.wait_manifest(version, check_timeout("timeout_s", timeout_s))
 
     def close(self) -> None:
-        """Waits for the last write, then stops the writer thread."""
+        """Waits for the last write, then stops the writer thread and closes the store (a
+        Mooncake store's objects in this process's memory go with it)."""
         try:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
+            self.store.close()
 
     def __enter__(self) -> WeightPublisher:
         return self
@@ -311,14 +341,15 @@ class WeightPublisher:
 
 
 class WeightPuller:
-    """Pulls versions from ``directory`` laid out as this process wants them.
+    """Pulls versions from a store laid out as this process wants them.
 
     Every process of the sampler makes one and calls :meth:`pull` together (with several
     processes, process 0 picks ``"latest"`` and they agree on it, and all refuse a version
     any of them cannot read).
 
     Args:
-      directory: the store's directory.
+      store: the publishers' store (:func:`open_weight_store`: a directory, a
+        ``"mooncake://host:port?..."`` address or a store object).
       timeout_s: default deadline of a pull (waiting for a version to be complete).
       poll_s: how often a waiting pull looks again.
       plan_cache_size: how many plans (pairs of layouts) are kept.
@@ -332,7 +363,7 @@ class WeightPuller:
 
     def __init__(
         self,
-        directory: str | os.PathLike,
+        store: str | os.PathLike | WeightStoreBackend,
         *,
         timeout_s: float = 60.0,
         poll_s: float = 0.01,
@@ -342,7 +373,7 @@ class WeightPuller:
         self.poll_s = check_timeout("poll_s", poll_s)
         if self.poll_s <= 0:
             raise ValueError(f"poll_s={poll_s!r} must be > 0")
-        self.store = WeightStore(directory)
+        self.store = open_weight_store(store)
         self.plans = PlanCache(plan_cache_size)
         self.version: int | None = None
         self.params: Any = None
@@ -497,7 +528,7 @@ class WeightPuller:
                 chosen = int(multihost_utils.broadcast_one_to_all(np.int64(chosen)))
             if chosen < 0:
                 raise error or WeightSyncError(
-                    f"no complete weights version in {self.store.directory} after {timeout:g} s "
+                    f"no complete weights version in {self.store.describe()} after {timeout:g} s "
                     f"(process 0 found none)"
                 )
             version = chosen
@@ -535,26 +566,44 @@ class WeightPuller:
                 return v
             if time.monotonic() >= deadline:
                 raise WeightSyncError(
-                    f"no complete weights version in {self.store.directory} after {timeout:g} s "
-                    f"(versions present, none complete: {self.store.versions()})"
+                    f"no complete weights version in {self.store.describe()} after "
+                    f"{timeout:g} s (versions present, none complete: {self.store.versions()})"
                 )
             time.sleep(self.poll_s)
 
-    @staticmethod
-    def _read(manifest: VersionManifest, stored: list, plan: WeightPlan):
+    def close(self) -> None:
+        """Closes the store (the params already pulled stay valid)."""
+        self.store.close()
+
+    def __enter__(self) -> WeightPuller:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _read(self, manifest: VersionManifest, stored: list, plan: WeightPlan):
         read_seconds = put_seconds = 0.0
         arrays = []
-        with OpenVersion(manifest) as opened:
+        opened = self.store.open_version(manifest)
+        try:
             for leaf, leaf_plan in zip(stored, plan.leaves, strict=True):
                 t0 = time.perf_counter()
                 bufs, devices = [], []
+                values = iter(
+                    opened.read(
+                        leaf,
+                        [
+                            (piece.source, piece.source_slices)
+                            for block in leaf_plan.blocks
+                            for piece in block.pieces
+                        ],
+                    )
+                )
                 for block in leaf_plan.blocks:
                     buf = aligned_empty(block.shape, leaf_plan.target_dtype)
                     for piece in block.pieces:
                         # Assignment casts (bf16 -> fp8 rounds to nearest, as astype does).
-                        buf[piece.dest_slices] = opened.shard(leaf, piece.source)[
-                            piece.source_slices
-                        ]
+                        buf[piece.dest_slices] = next(values)
                     for device in block.devices:
                         bufs.append(buf)
                         devices.append(device)
@@ -567,4 +616,6 @@ class WeightPuller:
                 )
                 read_seconds += t1 - t0
                 put_seconds += time.perf_counter() - t1
+        finally:
+            opened.close()
         return arrays, read_seconds, put_seconds

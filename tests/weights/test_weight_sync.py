@@ -14,7 +14,6 @@ import pytest
 import weights_support as ws
 from jax.sharding import PartitionSpec as P
 
-from jax_tpusync import weight_sync
 from jax_tpusync.weight_plan import PlanCache, SourceLayout
 from jax_tpusync.weight_store import (
     IncompleteVersionError,
@@ -175,6 +174,15 @@ def test_publish_snapshots_so_the_caller_may_delete_params(layouts, store_dir):
     ws.check_pulled(puller.pull(targets), params, targets, puller.stats)
 
 
+def _writer_class(cls):
+    """A ``WeightStore.part_writer`` that makes ``cls`` writers (to fail or slow a write)."""
+
+    def part_writer(store, version, process, num_processes, *, fsync=False):
+        return cls(store, version, process, num_processes, fsync=fsync)
+
+    return part_writer
+
+
 def write_part_of(store_dir, version, process, num_processes, params):
     """Process ``process``'s part of a version of ``num_processes`` publishers (host
     params, one shard per leaf: only process 0 writes data)."""
@@ -226,7 +234,7 @@ def test_a_version_whose_write_failed_stays_incomplete(layouts, store_dir, monke
     pub = WeightPublisher(store_dir)
     pub.publish(trained, 1)
     pub.wait()
-    monkeypatch.setattr(weight_sync, "PartWriter", FailingWriter)
+    monkeypatch.setattr(WeightStore, "part_writer", _writer_class(FailingWriter))
     pub.publish(trained, 2)
     with pytest.raises(
         WeightSyncError,
@@ -243,7 +251,7 @@ def test_a_version_whose_write_failed_stays_incomplete(layouts, store_dir, monke
     ):
         puller.pull(targets, 2, timeout_s=0)
     assert puller.pull(targets) is not None and puller.version == 1
-    monkeypatch.setattr(weight_sync, "PartWriter", PartWriter)
+    monkeypatch.setattr(WeightStore, "part_writer", _writer_class(PartWriter))
     pub.publish(trained, 3)
     pub.close()
     ws.check_pulled(puller.pull(targets), params, targets, puller.stats)
@@ -450,13 +458,13 @@ def test_wait_guards_and_a_slow_write(layouts, store_dir, monkeypatch):
             time.sleep(0.5)
             super().commit()
 
-    with pytest.raises(TypeError, match=r"directory=123 must be a path"):
+    with pytest.raises(TypeError, match=r"store=123 must be a directory path, a 'mooncake://"):
         WeightPublisher(123)
     pub = WeightPublisher(store_dir)
     assert pub.wait(timeout_s=0) is None  # Nothing published: the edge returns at once.
     with pytest.raises(ValueError, match=r"timeout_s=-0.1 must be a finite number of seconds"):
         pub.wait(timeout_s=-0.1)
-    monkeypatch.setattr(weight_sync, "PartWriter", SlowWriter)
+    monkeypatch.setattr(WeightStore, "part_writer", _writer_class(SlowWriter))
     pub.publish(trained, 1)
     with pytest.raises(
         WeightSyncError,

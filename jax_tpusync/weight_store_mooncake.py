@@ -1,0 +1,856 @@
+"""A weight store in a Mooncake Store: versions of the params moved between hosts, each
+publishing process's shards held in the DRAM it gives the store's pool, read by pullers
+anywhere that reaches the pool's master.
+
+The same interface as the directory store
+(:class:`~jax_tpusync.weight_store.WeightStoreBackend`), the same manifests and plans; the
+objects, for version ``V`` (12 digits) under ``namespace``:
+
+* ``<ns>/v<V>/p<p>/l<leaf>/s<shard>``: one shard of publishing process ``p`` (5 digits
+  each: the leaf's index in the manifest, the shard's index in the process's list), raw
+  bytes in C order;
+* ``<ns>/v<V>/part-<p>``: process ``p``'s manifest, put after all its shards: the
+  directory store's part manifest plus, per shard, its object's name and the xxh3-64 of
+  each chunk of its bytes (``chunk_bytes``); the manifest carries its own checksum;
+* ``<ns>/v<V>/begun``: the number of publishing processes, put by each process before its
+  shards (the first put stays): a version with it but without every part is incomplete, a
+  version without it was never begun;
+* ``<ns>/versions``: the versions process 0 has begun and not retired (JSON), replaced by
+  process 0 only (the store has no listing of its own).
+
+A puller reads only the byte ranges its pieces need (``get_into_ranges``), widened to
+whole chunks so that every chunk read is checked against its checksum; a chunk that does
+not match, or an object of another size than its manifest says, is refused naming the
+object. Process 0 retires old versions: their manifests first (a puller then finds the
+version gone, never half of it), then their shards.
+
+Every call to the store runs on one worker thread and is waited for at most
+``deadline_s`` (:class:`~jax_tpusync.deadline_worker.DeadlineWorker`); before the client
+connects or closes (both hold the interpreter's lock while they wait for the master), the
+master is asked with a plain socket whether it answers
+(:func:`~jax_tpusync.mooncake_level.probe_master`). A master that does not answer, a
+holder that is gone, a call past its deadline: a :class:`WeightSyncError` that says so.
+
+A publisher's shards live in its own segment: it must stay up (with its
+:class:`~jax_tpusync.weight_sync.WeightPublisher` open) while they are pulled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from typing import Any, Self
+
+import numpy as np
+import xxhash
+
+from jax_tpusync.deadline_worker import DeadlinePassed, DeadlineWorker
+from jax_tpusync.mooncake_level import MIN_SEGMENT_BYTES, probe_master, split_master
+from jax_tpusync.weight_plan import Box
+from jax_tpusync.weight_store import (
+    FORMAT_VERSION,
+    IncompleteVersionError,
+    StoredLeaf,
+    VersionManifest,
+    VersionNotFoundError,
+    WeightSyncError,
+    checked_shards,
+    manifest_from_parts,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DEADLINE_S = 10.0
+MAX_DEADLINE_S = 3600.0
+DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_REQUEST_BYTES = 64 << 20
+_LOCAL_BUFFER_BYTES = 4 << 20  # The client's own copy buffer (our reads and puts bypass it).
+
+# Error codes of the store's client.
+_NOT_FOUND = -704
+_CODE_MEANING = {
+    -704: "not found",
+    -703: "not readable yet (its writer may have died while putting it)",
+    -706: "held by a reader's lease",
+    -800: "transfer failed (the process holding it is gone)",
+    -900: "the master did not answer",
+    -200: "no room in the pool",
+    -600: "invalid request (an object of another size than its manifest says)",
+}
+
+# Clients whose master did not answer when they closed: closing one then would hold the
+# interpreter's lock until the master answers, so they stay referenced, never closed.
+_ABANDONED: list[Any] = []
+
+_URL_OPTIONS = "segment_mb, deadline_s, namespace, local_host, chunk_kb, request_mb"
+
+
+def _meaning(code: int) -> str:
+    return f"{code}: {_CODE_MEANING.get(code, 'error')}"
+
+
+def _import_store_class() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore  # Optional: imported when used.
+    except ImportError as e:
+        raise ImportError(
+            "a mooncake:// weight store needs the Mooncake Store client: pip install "
+            f"'jax-tpusync[mooncake]' (and apt-get install libibverbs1 libnuma1) ({e})"
+        ) from e
+    return MooncakeDistributedStore
+
+
+def _checksummed(doc: dict) -> bytes:
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    return f"{xxhash.xxh3_64_intdigest(body):016x}\n".encode() + body
+
+
+def _unchecksummed(data: bytes, name: str) -> Any:
+    """The JSON of a checksummed object, or WeightSyncError naming it."""
+    head, _, body = data.partition(b"\n")
+    try:
+        ok = int(head, 16) == xxhash.xxh3_64_intdigest(body)
+        value = json.loads(body) if ok else None
+    except (ValueError, UnicodeDecodeError):
+        ok = False
+    if not ok:
+        raise WeightSyncError(f"object {name!r} is damaged: its checksum does not match")
+    return value
+
+
+def chunk_checksums(raw: np.ndarray, chunk_bytes: int) -> list[int]:
+    """xxh3-64 of each ``chunk_bytes`` of ``raw`` (``uint8[n]``; the last chunk shorter)."""
+    return [
+        xxhash.xxh3_64_intdigest(raw[at : at + chunk_bytes])
+        for at in range(0, raw.size, chunk_bytes)
+    ]
+
+
+class MooncakeWeightStore:
+    """Versions of the params in a Mooncake Store (see the module's docstring).
+
+    Args:
+      master: ``host:port`` of the store's master.
+      namespace: the first part of every object's name (publishers and pullers of one
+        stream of versions use the same).
+      segment_bytes: DRAM this process gives the pool, which holds the objects put into
+        it: a publisher's must hold ``keep + 1`` versions of its part (the pool places
+        objects in any member's segment); 0 (a puller that gives none) or at least 16 MiB.
+      local_host: the address other clients reach this one at (its NIC's address across
+        hosts).
+      deadline_s: the longest any call to the store is waited for.
+      chunk_bytes: the checksummed unit; reads are widened to whole chunks.
+      request_bytes: the most bytes one get or put request moves.
+
+    Raises ImportError (naming the package extra) without the Mooncake client. The client
+    connects at the first call, not here.
+    """
+
+    def __init__(
+        self,
+        master: str = "127.0.0.1:50051",
+        *,
+        namespace: str = "weights",
+        segment_bytes: int = 512 << 20,
+        local_host: str = "127.0.0.1",
+        deadline_s: float = DEFAULT_DEADLINE_S,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        request_bytes: int = DEFAULT_REQUEST_BYTES,
+    ):
+        host, port = split_master(master)
+        if not isinstance(namespace, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", namespace):
+            raise ValueError(
+                f"namespace={namespace!r} must be a non-empty name of letters, digits, '_', "
+                f"'.' or '-'"
+            )
+        if (
+            isinstance(segment_bytes, bool)
+            or not isinstance(segment_bytes, int)
+            or not (segment_bytes == 0 or segment_bytes >= MIN_SEGMENT_BYTES)
+        ):
+            raise ValueError(
+                f"segment_bytes={segment_bytes!r} must be 0 or at least {MIN_SEGMENT_BYTES} "
+                f"(16 MiB, the client's smallest segment)"
+            )
+        if (
+            not isinstance(local_host, str)
+            or not local_host
+            or any(c.isspace() or c == "/" for c in local_host)
+        ):
+            raise ValueError(f"local_host={local_host!r} must be this host's name or address")
+        if (
+            isinstance(deadline_s, bool)
+            or not isinstance(deadline_s, (int, float))
+            or not 0 < deadline_s <= MAX_DEADLINE_S
+        ):
+            raise ValueError(
+                f"deadline_s={deadline_s!r} must be a number of seconds > 0 and at most "
+                f"{MAX_DEADLINE_S:g}"
+            )
+        for name, value in (("chunk_bytes", chunk_bytes), ("request_bytes", request_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 4096:
+                raise ValueError(f"{name}={value!r} must be an int >= 4096")
+        self._store_class = _import_store_class()
+        # The engine reads these when it starts: a hung peer then ends a transfer in about
+        # the deadline instead of 30 s. A user's own settings win.
+        seconds = str(max(1, math.ceil(deadline_s)))
+        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", seconds)
+        os.environ.setdefault("MC_TCP_STATUS_TIMEOUT_SEC", seconds)
+        self.master = master
+        self.host, self.port = host, port
+        self.namespace = namespace
+        self.segment_bytes = segment_bytes
+        self.local_host = local_host
+        self.deadline_s = float(deadline_s)
+        self.chunk_bytes = chunk_bytes
+        self.request_bytes = request_bytes
+        self.bytes_fetched = 0  # Bytes read from the store (whole chunks), all pulls.
+        self._client: Any = None
+        self._closed = False
+        self._lock = threading.Lock()  # One call at a time (the publisher's writer thread).
+        self._worker = DeadlineWorker(f"weight-store-{master}")
+
+    @classmethod
+    def from_url(cls, url: str) -> MooncakeWeightStore:
+        """A store from ``"mooncake://host:port[?option=value&...]"``; options
+        ``segment_mb``, ``deadline_s``, ``namespace``, ``local_host``, ``chunk_kb``,
+        ``request_mb``. A ValueError names the URL and what is wrong in it."""
+        expected = "expected 'mooncake://host:port[?option=value&...]'"
+        try:
+            parts = urllib.parse.urlsplit(url)
+            port = parts.port
+        except ValueError as e:
+            raise ValueError(f"weight store {url!r}: {e} ({expected})") from None
+        if (
+            parts.scheme != "mooncake"
+            or not parts.hostname
+            or port is None
+            or parts.path not in ("", "/")
+        ):
+            raise ValueError(f"weight store {url!r}: {expected}")
+        try:
+            query = urllib.parse.parse_qs(
+                parts.query, keep_blank_values=True, strict_parsing=bool(parts.query)
+            )
+        except ValueError as e:
+            raise ValueError(f"weight store {url!r}: {e} (expected option=value&...)") from None
+        options: dict[str, Any] = {}
+        for name, values in query.items():
+            value = values[-1]
+            try:
+                if name == "segment_mb":
+                    options["segment_bytes"] = int(value) << 20
+                elif name == "chunk_kb":
+                    options["chunk_bytes"] = int(value) << 10
+                elif name == "request_mb":
+                    options["request_bytes"] = int(value) << 20
+                elif name == "deadline_s":
+                    options["deadline_s"] = float(value)
+                elif name in ("namespace", "local_host"):
+                    options[name] = value
+                else:
+                    raise ValueError(f"known options: {_URL_OPTIONS}")
+            except ValueError as e:
+                raise ValueError(f"weight store {url!r}: option {name}={value!r}: {e}") from None
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        try:
+            return cls(f"{host}:{port}", **options)
+        except ValueError as e:
+            raise ValueError(f"weight store {url!r}: {e}") from None
+
+    def describe(self) -> str:
+        return f"the Mooncake store at {self.master} (namespace {self.namespace!r})"
+
+    # -- object names -----------------------------------------------------------------------
+
+    def version_prefix(self, version: int) -> str:
+        return f"{self.namespace}/v{version:012d}/"
+
+    def begun_key(self, version: int) -> str:
+        return self.version_prefix(version) + "begun"
+
+    def part_key(self, version: int, process: int) -> str:
+        return self.version_prefix(version) + f"part-{process:05d}"
+
+    def shard_key(self, version: int, process: int, leaf: int, shard: int) -> str:
+        return self.version_prefix(version) + f"p{process:05d}/l{leaf:05d}/s{shard:05d}"
+
+    @property
+    def index_key(self) -> str:
+        return f"{self.namespace}/versions"
+
+    # -- calls, deadlines -------------------------------------------------------------------
+
+    def call(self, fn: Callable[[Any], Any], what: str) -> Any:
+        """``fn(client)`` on the worker, waited for at most ``deadline_s`` in all (the wait
+        for an earlier call and the connection included); WeightSyncError naming ``what``
+        if the store does not answer in time or cannot be reached."""
+        start = time.monotonic()
+        if not self._lock.acquire(timeout=self.deadline_s):
+            raise WeightSyncError(
+                f"{what}: {self.describe()} is busy with an earlier call past {self.deadline_s:g} s"
+            )
+        try:
+            if self._closed:
+                raise WeightSyncError(f"{what}: {self.describe()} was closed")
+            if self._client is None:
+                self._connect(what, self.deadline_s - (time.monotonic() - start))
+            left = self.deadline_s - (time.monotonic() - start)
+            return self._worker.call(lambda: fn(self._client), left)
+        except DeadlinePassed as e:
+            raise WeightSyncError(
+                f"{what}: {self.describe()} did not answer within {self.deadline_s:g} s ({e})"
+            ) from None
+        except WeightSyncError:
+            raise
+        except Exception as e:  # The client's own errors, named.
+            raise WeightSyncError(
+                f"{what}: {self.describe()} failed ({type(e).__name__}: {e})"
+            ) from e
+        finally:
+            self._lock.release()
+
+    def _connect(self, what: str, left: float) -> None:
+        """Probes the master (a plain socket, bounded), then sets the client up on the
+        worker: ``setup()`` holds the interpreter's lock while it waits for a master."""
+        why = probe_master(self.host, self.port, max(left, 1e-3))
+        if why is not None:
+            raise WeightSyncError(f"{what}: the Mooncake master at {self.master}: {why}")
+        client = self._store_class()
+
+        def setup(_: Any) -> int:
+            return client.setup(
+                self.local_host,
+                "P2PHANDSHAKE",
+                self.segment_bytes,
+                _LOCAL_BUFFER_BYTES,
+                "tcp",
+                "",
+                self.master,
+            )
+
+        rc = self._worker.call(lambda: setup(None), left)
+        if rc != 0:
+            raise WeightSyncError(f"{what}: connecting to {self.describe()} returned {rc}")
+        self._client = client
+
+    def close(self) -> None:
+        """Leaves the pool (the objects in this process's segment go with it). Returns within
+        about the deadline; a client whose master does not answer is left open."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            client, self._client = self._client, None
+            if client is not None:
+                why = (
+                    None
+                    if self._worker.busy
+                    else probe_master(self.host, self.port, self.deadline_s)
+                )
+                if self._worker.busy or why is not None:
+                    _ABANDONED.append(client)
+                    logger.warning(
+                        "%s does not answer (%s): its client is left open, not closed",
+                        self.describe(),
+                        why or "a call is still running",
+                    )
+                else:
+                    try:
+                        self._worker.call(client.close, self.deadline_s)
+                    except DeadlinePassed as e:
+                        logger.warning("closing the client of %s: %s", self.describe(), e)
+            self._worker.stop()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _get_object(self, key: str, what: str) -> bytes | None:
+        """A small object's bytes (manifests, the index), None if it is not there."""
+
+        def get(client: Any) -> bytes | int:
+            size = client.get_size(key)
+            if size < 0:
+                return size
+            return client.get(key)
+
+        value = self.call(get, what)
+        if isinstance(value, int):
+            if value == _NOT_FOUND:
+                return None
+            raise WeightSyncError(f"{what}: getting {key!r} returned {_meaning(value)}")
+        return bytes(value)
+
+    def put_objects(self, keys: list[str], arrays: list[np.ndarray], what: str) -> None:
+        """Puts each ``uint8`` array as its object, from its own memory (registered for the
+        call), at most ``request_bytes`` per request."""
+        batches: list[list[int]] = [[]]
+        size = 0
+        for i, array in enumerate(arrays):
+            if batches[-1] and size + array.nbytes > self.request_bytes:
+                batches.append([])
+                size = 0
+            batches[-1].append(i)
+            size += array.nbytes
+        for batch in batches:
+            if not batch:
+                continue
+            chosen = [arrays[i] for i in batch]  # Kept alive by the call, even a late one.
+
+            def put(client: Any, batch: list[int] = batch, chosen: list = chosen) -> list[int]:
+                registered = []
+                try:
+                    for array in chosen:
+                        rc = client.register_buffer(array.ctypes.data, array.nbytes)
+                        if rc != 0:
+                            return [rc] * len(batch)
+                        registered.append(array.ctypes.data)
+                    return list(
+                        client.batch_put_from(
+                            [keys[i] for i in batch],
+                            [a.ctypes.data for a in chosen],
+                            [a.nbytes for a in chosen],
+                        )
+                    )
+                finally:
+                    for address in registered:
+                        client.unregister_buffer(address)
+
+            for i, code in zip(batch, self.call(put, what), strict=True):
+                if code < 0:
+                    raise WeightSyncError(f"{what}: putting {keys[i]!r} returned {_meaning(code)}")
+
+    # -- versions ---------------------------------------------------------------------------
+
+    def versions(self) -> list[int]:
+        """The versions process 0 has begun and not retired, oldest first."""
+        data = self._get_object(self.index_key, "reading the list of weight versions")
+        if data is None:
+            return []
+        index = _unchecksummed(data, self.index_key)
+        if not isinstance(index, list) or not all(isinstance(v, int) for v in index):
+            raise WeightSyncError(f"object {self.index_key!r} is not a list of versions")
+        return sorted(index)
+
+    def write_versions(self, versions: list[int]) -> None:
+        """Replaces the list of versions (process 0 only: one writer, no race)."""
+        body = np.frombuffer(_checksummed(sorted(set(versions))), np.uint8).copy()
+
+        def upsert(client: Any) -> int:
+            rc = client.register_buffer(body.ctypes.data, body.nbytes)
+            if rc != 0:
+                return rc
+            try:
+                return client.upsert_from(self.index_key, body.ctypes.data, body.nbytes)
+            finally:
+                client.unregister_buffer(body.ctypes.data)
+
+        rc = self.call(upsert, "writing the list of weight versions")
+        if rc < 0:
+            raise WeightSyncError(
+                f"writing the list of weight versions {self.index_key!r} returned {_meaning(rc)}"
+            )
+
+    def parts(self, version: int) -> tuple[int | None, set[int]]:
+        what = f"weights version {version}"
+        data = self._get_object(self.begun_key(version), what)
+        if data is None:
+            return None, set()
+        begun = _unchecksummed(data, self.begun_key(version))
+        n = begun.get("num_processes") if isinstance(begun, dict) else None
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise WeightSyncError(f"object {self.begun_key(version)!r} names no process count")
+        keys = [self.part_key(version, p) for p in range(n)]
+        codes = self.call(lambda client: list(client.batch_is_exist(keys)), what)
+        for key, code in zip(keys, codes, strict=True):
+            if code < 0:
+                raise WeightSyncError(f"{what}: asking for {key!r} returned {_meaning(code)}")
+        return n, {p for p, code in enumerate(codes) if code == 1}
+
+    def is_complete(self, version: int) -> bool:
+        n, present = self.parts(version)
+        return n is not None and present == set(range(n))
+
+    def latest_complete(self) -> int | None:
+        for version in reversed(self.versions()):
+            if self.is_complete(version):
+                return version
+        return None
+
+    def read_manifest(self, version: int) -> VersionManifest:
+        """The checked manifest of a complete version (see
+        :meth:`~jax_tpusync.weight_store.WeightStore.read_manifest`)."""
+        n, present = self.parts(version)
+        if n is None:
+            raise VersionNotFoundError(
+                f"weights version {version} not found in {self.describe()} (versions "
+                f"present: {self.versions()})"
+            )
+        missing = tuple(sorted(set(range(n)) - present))
+        if missing:
+            raise IncompleteVersionError(
+                f"weights version {version} is incomplete: no part from process(es) "
+                f"{list(missing)} of {n} publishing processes",
+                version=version,
+                missing=missing,
+            )
+        docs = []
+        for p in range(n):
+            key = self.part_key(version, p)
+            data = self._get_object(key, f"weights version {version}")
+            if data is None:
+                raise WeightSyncError(
+                    f"weights version {version} was retired while reading it: pull again"
+                )
+            doc = _unchecksummed(data, key)
+            if (
+                not isinstance(doc, dict)
+                or doc.get("format") != FORMAT_VERSION
+                or doc.get("version") != version
+                or doc.get("process") != p
+            ):
+                raise WeightSyncError(
+                    f"weights version {version}: object {key!r} is not process {p}'s "
+                    f"format-{FORMAT_VERSION} manifest of this version"
+                )
+            docs.append(doc)
+        manifest = manifest_from_parts(version, docs)
+        for leaf in manifest.leaves:
+            for shard in leaf.shards:
+                want = math.ceil(shard.nbytes / self.chunk_bytes) if shard.nbytes else 0
+                if (shard.nbytes and not shard.key) or len(shard.checksums) != want:
+                    raise WeightSyncError(
+                        f"weights version {version}: leaf {leaf.path} shard {shard.box} "
+                        f"names no object or {len(shard.checksums)} chunk checksums, not "
+                        f"{want} (written with another chunk size?)"
+                    )
+        return manifest
+
+    def wait_manifest(
+        self, version: int, timeout_s: float, poll_s: float = 0.01
+    ) -> VersionManifest:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.read_manifest(version)
+            except IncompleteVersionError as e:
+                if time.monotonic() >= deadline:
+                    raise IncompleteVersionError(
+                        f"{e} after waiting {timeout_s:g} s (a publishing process died, or has "
+                        f"not finished)",
+                        version=version,
+                        missing=e.missing,
+                    ) from None
+            except VersionNotFoundError as e:
+                if time.monotonic() >= deadline:
+                    raise VersionNotFoundError(f"{e} after waiting {timeout_s:g} s") from None
+            time.sleep(poll_s)
+
+    def part_writer(
+        self, version: int, process: int, num_processes: int, *, fsync: bool = False
+    ) -> MooncakePartWriter:
+        """``fsync`` has no meaning here (the objects are in memory) and is ignored."""
+        return MooncakePartWriter(self, version, process, num_processes)
+
+    def open_version(self, manifest: VersionManifest) -> MooncakeVersionReader:
+        return MooncakeVersionReader(self, manifest)
+
+    def remove_version(self, version: int) -> None:
+        """Removes a version: its manifests first (a puller then finds it gone, never
+        half of it), then the rest of its objects. Forced: the store keeps a lease on an
+        object after every put and get, which would refuse the removal for seconds; a
+        puller still reading the version gets an error naming an object that is gone (or,
+        if its memory was reused already, one whose checksum does not match)."""
+        n, _ = self.parts(version)
+        what = f"retiring weights version {version}"
+        if n is not None:
+            keys = [self.part_key(version, p) for p in range(n)]
+            codes = self.call(lambda client: list(client.batch_remove(keys, True)), what)
+            for key, code in zip(keys, codes, strict=True):
+                if code < 0 and code != _NOT_FOUND:
+                    raise WeightSyncError(f"{what}: removing {key!r} returned {_meaning(code)}")
+        pattern = "^" + re.escape(self.version_prefix(version))
+        count = self.call(lambda client: client.remove_by_regex(pattern, True), what)
+        if count < 0:
+            raise WeightSyncError(f"{what}: removing its objects returned {_meaning(count)}")
+
+    def retire(self, keep: int) -> list[int]:
+        """Removes every listed version older than the ``keep`` newest complete ones."""
+        listed = self.versions()
+        complete = [v for v in listed if self.is_complete(v)]
+        if len(complete) <= keep:
+            return []
+        removed = []
+        for version in listed:
+            if version >= complete[-keep]:
+                break
+            self.remove_version(version)
+            removed.append(version)
+        if removed:
+            self.write_versions([v for v in listed if v not in removed])
+            logger.debug("retired weight versions %s", removed)
+        return removed
+
+
+class MooncakePartWriter:
+    """One process's part of a version: each leaf's shards put as objects as they are
+    added, the manifest put by :meth:`commit`, last."""
+
+    def __init__(self, store: MooncakeWeightStore, version: int, process: int, num_processes: int):
+        self.store = store
+        self.version = version
+        self.process = process
+        self.num_processes = num_processes
+        self.manifest_key = store.part_key(version, process)
+        exists = store.call(
+            lambda client: client.is_exist(self.manifest_key), f"weights version {version}"
+        )
+        if exists == 1:
+            raise ValueError(
+                f"version {version}: process {process} already published its part "
+                f"({self.manifest_key!r}); versions are immutable, publish a new version"
+            )
+        self._leaves: list[dict] = []
+        self._paths: set[str] = set()
+        self._put: list[str] = []
+        self.nbytes = 0
+        begun = np.frombuffer(_checksummed({"num_processes": num_processes}), np.uint8).copy()
+        # Every process puts it (the first put stays): the version is begun even if
+        # process 0 never starts.
+        store.put_objects([store.begun_key(version)], [begun], f"weights version {version}")
+        if process == 0:
+            listed = store.versions()
+            if version not in listed:
+                store.write_versions([*listed, version])
+
+    def add(
+        self, path: str, shape: tuple[int, ...], dtype: str, shards: Sequence[tuple[Box, Any]]
+    ) -> None:
+        if path in self._paths:
+            raise ValueError(f"leaf {path} added twice to version {self.version}'s part")
+        checked = checked_shards(path, dtype, shards)
+        self._paths.add(path)
+        leaf = len(self._leaves)
+        keys, arrays, records = [], [], []
+        for index, (box, data) in enumerate(checked):
+            raw = data.reshape(-1).view(np.uint8)
+            key = self.store.shard_key(self.version, self.process, leaf, index)
+            records.append(
+                {
+                    "box": [list(r) for r in box],
+                    "offset": 0,
+                    "nbytes": raw.nbytes,
+                    "key": key if raw.nbytes else "",
+                    "chunks": [f"{c:016x}" for c in chunk_checksums(raw, self.store.chunk_bytes)],
+                }
+            )
+            if raw.nbytes:
+                keys.append(key)
+                arrays.append(raw)
+        self.store.put_objects(keys, arrays, f"weights version {self.version}, leaf {path}")
+        self._put.extend(keys)
+        self.nbytes += sum(a.nbytes for a in arrays)
+        self._leaves.append({"path": path, "shape": list(shape), "dtype": dtype, "shards": records})
+
+    def commit(self) -> None:
+        doc = {
+            "format": FORMAT_VERSION,
+            "version": self.version,
+            "process": self.process,
+            "num_processes": self.num_processes,
+            "chunk_bytes": self.store.chunk_bytes,
+            "leaves": self._leaves,
+        }
+        body = np.frombuffer(_checksummed(doc), np.uint8).copy()
+        self.store.put_objects([self.manifest_key], [body], f"weights version {self.version}")
+
+    def abort(self) -> None:
+        """Removes the shards this part put (best effort: its manifest was never put)."""
+        keys = list(self._put)
+        self._put = []
+        if keys:
+            try:
+                self.store.call(
+                    lambda client: client.batch_remove(keys, True),
+                    f"weights version {self.version}",
+                )
+            except WeightSyncError as e:
+                logger.warning("removing an aborted part's objects: %s", e)
+
+
+def _span(shape: tuple[int, ...], slices: tuple[slice, ...]) -> tuple[int, int] | None:
+    """(first element, last element + 1) in C order of ``slices`` of an array of
+    ``shape``; None when they select nothing."""
+    first = last = 0
+    stride = 1
+    for n, s in zip(reversed(shape), reversed(slices), strict=True):
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise ValueError(f"a slice with step {step}: only contiguous slices are planned")
+        if stop <= start:
+            return None
+        first += start * stride
+        last += (stop - 1) * stride
+        stride *= n
+    return first, last + 1
+
+
+class MooncakeVersionReader:
+    """Reads pieces of a complete version's shard objects: whole chunks, checked."""
+
+    def __init__(self, store: MooncakeWeightStore, manifest: VersionManifest):
+        self.store = store
+        self.manifest = manifest
+
+    def read(
+        self, leaf: StoredLeaf, wanted: Sequence[tuple[int, tuple[slice, ...]]]
+    ) -> list[np.ndarray]:
+        store = self.store
+        dtype = np.dtype(leaf.dtype)
+        chunk = store.chunk_bytes
+        # Per shard, the chunks any piece needs, then their runs of consecutive chunks.
+        spans: list[tuple[int, int, int] | None] = []  # (shard, first byte, end byte)
+        chunks: dict[int, set[int]] = {}
+        for index, slices in wanted:
+            shape = tuple(b - a for a, b in leaf.shards[index].box)
+            span = _span(shape, slices)
+            if span is None:
+                spans.append(None)
+                continue
+            lo, hi = span[0] * dtype.itemsize, span[1] * dtype.itemsize
+            spans.append((index, lo, hi))
+            chunks.setdefault(index, set()).update(range(lo // chunk, (hi - 1) // chunk + 1))
+        runs = []  # (shard, first chunk, end chunk, byte offset in the buffer)
+        total = 0
+        for index in sorted(chunks):
+            nbytes = leaf.shards[index].nbytes
+            ordered = sorted(chunks[index])
+            start = prev = ordered[0]
+            for c in [*ordered[1:], None]:
+                if c is not None and c == prev + 1:
+                    prev = c
+                    continue
+                runs.append((index, start, prev + 1, total))
+                total += min((prev + 1) * chunk, nbytes) - start * chunk
+                if c is not None:
+                    start = prev = c
+        buffer = np.empty(max(total, 1), np.uint8)
+        self._fetch(leaf, runs, buffer)
+        self._check(leaf, runs, buffer)
+        store.bytes_fetched += total
+        out = []
+        for (index, slices), span in zip(wanted, spans, strict=True):
+            shape = tuple(b - a for a, b in leaf.shards[index].box)
+            piece_shape = tuple(
+                len(range(*s.indices(n))) for s, n in zip(slices, shape, strict=True)
+            )
+            if span is None:
+                out.append(np.empty(piece_shape, dtype))
+                continue
+            _, lo, _ = span
+            run = next(r for r in runs if r[0] == index and r[1] * chunk <= lo < r[2] * chunk)
+            at = run[3] + lo - run[1] * chunk
+            strides = [dtype.itemsize] * len(shape)
+            for d in range(len(shape) - 2, -1, -1):
+                strides[d] = strides[d + 1] * shape[d + 1]
+            out.append(
+                np.ndarray(piece_shape, dtype, buffer=buffer, offset=at, strides=tuple(strides))
+            )
+        return out
+
+    def _fetch(self, leaf: StoredLeaf, runs: list, buffer: np.ndarray) -> None:
+        """Gets every run's bytes into ``buffer`` (registered for each request), at most
+        ``request_bytes`` per request; a WeightSyncError names the object that failed."""
+        store = self.store
+        chunk = store.chunk_bytes
+        ranges = []  # (key, source offset, size, buffer offset), each <= request_bytes
+        for index, first, end, at in runs:
+            shard = leaf.shards[index]
+            lo, hi = first * chunk, min(end * chunk, shard.nbytes)
+            while lo < hi:
+                size = min(hi - lo, store.request_bytes)
+                ranges.append((shard.key, lo, size, at))
+                lo, at = lo + size, at + size
+        requests: list[list] = [[]]
+        size = 0
+        for item in ranges:
+            if requests[-1] and size + item[2] > store.request_bytes:
+                requests.append([])
+                size = 0
+            requests[-1].append(item)
+            size += item[2]
+        base = buffer.ctypes.data
+        what = f"weights version {self.manifest.version}, leaf {leaf.path}"
+        for request in requests:
+            if not request:
+                continue
+            keys: list[str] = []
+            dst: list[list[int]] = []
+            src: list[list[int]] = []
+            sizes: list[list[int]] = []
+            for key, lo, n, at in request:  # Ranges of one object go under one key.
+                if not keys or keys[-1] != key:
+                    keys.append(key)
+                    dst.append([])
+                    src.append([])
+                    sizes.append([])
+                dst[-1].append(at)
+                src[-1].append(lo)
+                sizes[-1].append(n)
+
+            def get(client: Any, keys=keys, dst=dst, src=src, sizes=sizes) -> list:
+                # ``buffer`` is held by this closure: a call past its deadline writes into
+                # memory that stays alive.
+                rc = client.register_buffer(base, buffer.nbytes)
+                if rc != 0:
+                    return [[[rc] * len(s) for s in sizes]]
+                try:
+                    return client.get_into_ranges([base], [keys], [dst], [src], [sizes])
+                finally:
+                    client.unregister_buffer(base)
+
+            codes = store.call(get, what)[0]
+            for key, got, want in zip(keys, codes, sizes, strict=True):
+                for code, n in zip(got, want, strict=True):
+                    if code == n:
+                        continue
+                    if code == -600 or 0 <= code < n:
+                        raise WeightSyncError(
+                            f"{what}: object {key!r} is damaged: it does not hold the bytes "
+                            f"its manifest says ({_meaning(code)})"
+                        )
+                    if code == _NOT_FOUND:
+                        raise WeightSyncError(
+                            f"{what}: object {key!r} is gone (retired, or its publishing "
+                            f"process exited): pull again"
+                        )
+                    raise WeightSyncError(
+                        f"{what}: getting object {key!r} returned {_meaning(code)}"
+                    )
+
+    def _check(self, leaf: StoredLeaf, runs: list, buffer: np.ndarray) -> None:
+        chunk = self.store.chunk_bytes
+        for index, first, end, at in runs:
+            shard = leaf.shards[index]
+            for c in range(first, end):
+                lo = at + (c - first) * chunk
+                hi = at + min((c + 1) * chunk, shard.nbytes) - first * chunk
+                if xxhash.xxh3_64_intdigest(buffer[lo:hi]) != shard.checksums[c]:
+                    raise WeightSyncError(
+                        f"weights version {self.manifest.version}, leaf {leaf.path}: object "
+                        f"{shard.key!r} is damaged: chunk {c} (bytes {c * chunk}-"
+                        f"{min((c + 1) * chunk, shard.nbytes)}) does not match its checksum"
+                    )
+
+    def close(self) -> None:
+        """Nothing held between reads."""

@@ -1,0 +1,268 @@
+"""Weight sync through a Mooncake Store (a real ``mooncake_master`` on loopback): the pulled
+params bitwise equal in two layout pairs, range reads, an incomplete version refused with
+the previous params kept, a master killed in the middle of a pull, a damaged object refused
+by name, old versions retired, the URL's guards.
+
+Without the Mooncake client these tests skip, unless TPUSYNC_REQUIRE_MOONCAKE=1 (then they
+fail: the ``mooncake_usable`` fixture of tests/conftest.py)."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+import pytest
+import weights_support as ws
+from jax.sharding import PartitionSpec as P
+
+from jax_tpusync.bench.mooncake_master import LocalMaster, free_port
+from jax_tpusync.weight_store import IncompleteVersionError, WeightSyncError
+from jax_tpusync.weight_sync import WeightPublisher, WeightPuller, open_weight_store
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
+
+NAMESPACE = "weights-test"
+
+
+@pytest.fixture(autouse=True)
+def _mooncake_available(mooncake_usable):
+    return mooncake_usable
+
+
+@pytest.fixture
+def master():
+    """A master of the test's own (some tests kill it)."""
+    with LocalMaster("--client_ttl=3") as m:
+        yield m
+
+
+def url(master, **options) -> str:
+    query = "&".join(
+        f"{k}={v}" for k, v in {"namespace": NAMESPACE, "chunk_kb": 4, **options}.items()
+    )
+    return f"mooncake://{master.address}?{query}"
+
+
+def params_with_a_big_leaf(seed: int):
+    params = ws.host_params(seed)
+    # 64 KiB: 16 chunks of 4 KiB, so that a puller reads ranges of a shard, not all of it.
+    params["big"] = np.random.default_rng(seed).standard_normal((256, 64)).astype(np.float32)
+    return params
+
+
+def rows(axis):
+    return lambda path, ndim: P(axis) if ndim else P()
+
+
+def columns(path, ndim):
+    return P(*([None] * (ndim - 1)), "tp") if ndim >= 2 else P()
+
+
+LAYOUT_PAIRS = {
+    # Trainer FSDP over 4, sampler tensor parallel over 2 of the devices.
+    "fsdp4->tp2": ((0, 4, "fsdp", rows("fsdp")), (2, 4, "tp", columns)),
+    # Trainer FSDP over 2, sampler FSDP over 4: each sampler shard is half a published one.
+    "fsdp2->fsdp4": ((0, 2, "fsdp", rows("fsdp")), (0, 4, "fsdp", rows("fsdp"))),
+}
+
+
+def layout(pair: str, seed: int = 1):
+    (a, b, name, spec), (c, d, tname, tspec) = LAYOUT_PAIRS[pair]
+    devices = jax.devices()
+    params = params_with_a_big_leaf(seed)
+    trained = ws.shard(
+        params, ws.mesh_of(devices[a:b], (b - a,), (name,)), ws.specs_like(params, spec)
+    )
+    targets = ws.shardings(
+        ws.mesh_of(devices[c:d], (d - c,), (tname,)), ws.specs_like(params, tspec)
+    )
+    return params, trained, targets
+
+
+@pytest.mark.parametrize("pair", sorted(LAYOUT_PAIRS))
+def test_pull_is_bitwise_equal_and_reads_only_the_ranges_it_needs(master, pair):
+    params, trained, targets = layout(pair)
+    with (
+        WeightPublisher(url(master), keep=2) as pub,
+        WeightPuller(url(master, segment_mb=0), timeout_s=10) as puller,
+    ):
+        pub.publish(trained, 1)
+        pub.wait()
+        pulled = puller.pull(targets)
+        ws.check_pulled(pulled, params, targets, puller.stats)
+        assert puller.version == 1
+        total = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))
+        fetched = puller.store.bytes_fetched
+        assert fetched >= puller.stats.bytes_read
+        if pair == "fsdp2->fsdp4":
+            # Half of each published "big" shard per sampler shard, read once each: the
+            # whole of it once, not twice; ranges, not objects.
+            assert fetched < 2 * total
+        # The next version, same layouts: the plan is reused.
+        again = params_with_a_big_leaf(2)
+        pub.publish(jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), again, trained), 2)
+        pub.wait()
+        ws.check_pulled(puller.pull(targets), again, targets, puller.stats)
+        assert puller.stats.plan_cached and puller.version == 2
+
+
+def test_an_incomplete_version_is_refused_and_the_previous_params_kept(master):
+    _, trained, targets = layout("fsdp4->tp2")
+    with WeightPublisher(url(master)) as pub, WeightPuller(url(master, segment_mb=0)) as puller:
+        pub.publish(trained, 1)
+        pub.wait()
+        held = puller.pull(targets)
+        # Version 2 of two publishing processes: process 1 never wrote its part.
+        writer = pub.store.part_writer(2, 0, 2)
+        writer.add("['step']", (), "int32", [((), np.array(2, np.int32))])
+        writer.commit()
+        start = time.monotonic()
+        with pytest.raises(
+            IncompleteVersionError,
+            match=r"weights version 2 is incomplete: no part from process\(es\) \[1\] of 2 "
+            r"publishing processes after waiting 0.3 s .*previous params \(version 1\) kept",
+        ) as info:
+            puller.pull(targets, 2, timeout_s=0.3)
+        assert 0.3 <= time.monotonic() - start < 5
+        assert (info.value.version, info.value.missing) == (2, (1,))
+        assert puller.version == 1 and puller.params is held
+        assert puller.pull(targets) is held  # "latest": the newest complete version, 1.
+        with pytest.raises(ValueError, match=r"version 2: process 0 already published its part"):
+            pub.store.part_writer(2, 0, 2)
+
+
+def test_a_master_killed_in_the_middle_of_a_pull_is_a_clear_error_within_the_deadline(master):
+    _, trained, targets = layout("fsdp4->tp2")
+    deadline_s = 2.0
+    pub = WeightPublisher(url(master, deadline_s=deadline_s))
+    puller = WeightPuller(url(master, segment_mb=0, deadline_s=deadline_s), timeout_s=5)
+    try:
+        pub.publish(trained, 1)
+        pub.wait()
+        held = puller.pull(targets)
+        pub.publish(jax.tree.map(lambda x: x + 0 if x.ndim else x, trained), 2)
+        pub.wait()
+        open_version = puller.store.open_version
+
+        def kill_then_open(manifest):  # The manifest is read; the data is not yet.
+            master.proc.kill()
+            master.proc.wait(timeout=10)
+            return open_version(manifest)
+
+        puller.store.open_version = kill_then_open
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError, match=r"weights version 2, leaf .*Mooncake store"):
+            puller.pull(targets, 2)
+        assert time.monotonic() - start < deadline_s + 3
+        assert puller.version == 1 and puller.params is held
+        # Later calls fail fast too: the master does not answer.
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError, match=r"Mooncake"):
+            puller.pull(targets, 3, timeout_s=0)
+        assert time.monotonic() - start < deadline_s + 3
+    finally:
+        start = time.monotonic()
+        puller.close()
+        pub.close()
+        assert time.monotonic() - start < 2 * deadline_s + 3
+
+
+def damage(store, key: str, nbytes: int) -> None:
+    """Replaces object ``key`` with ``nbytes`` bytes of garbage."""
+    garbage = np.full(nbytes, 0xA5, np.uint8)
+
+    def upsert(client):
+        client.register_buffer(garbage.ctypes.data, garbage.nbytes)
+        try:
+            return client.upsert_from(key, garbage.ctypes.data, garbage.nbytes)
+        finally:
+            client.unregister_buffer(garbage.ctypes.data)
+
+    assert store.call(upsert, "damaging an object") == 0
+
+
+def test_a_damaged_object_is_refused_by_name(master):
+    _, trained, targets = layout("fsdp4->tp2")
+    with WeightPublisher(url(master)) as pub, WeightPuller(url(master, segment_mb=0)) as puller:
+        pub.publish(trained, 1)
+        pub.wait()
+        manifest = pub.store.read_manifest(1)
+        big = next(leaf for leaf in manifest.leaves if leaf.path == "['big']")
+        shard = big.shards[0]
+        damage(pub.store, shard.key, shard.nbytes)
+        with pytest.raises(
+            WeightSyncError,
+            match=rf"weights version 1, leaf \['big'\]: object '{shard.key}' is damaged: "
+            rf"chunk \d+ \(bytes \d+-\d+\) does not match its checksum",
+        ):
+            puller.pull(targets, 1)
+        assert puller.version is None and puller.params is None
+        # Another size than the manifest says (one byte short): refused by name too.
+        damage(pub.store, shard.key, shard.nbytes - 1)
+        with pytest.raises(WeightSyncError, match=rf"object '{shard.key}' is damaged: it does not"):
+            puller.pull(targets, 1)
+        # A damaged manifest.
+        part = pub.store.part_key(1, 0)
+        damage(pub.store, part, 100)
+        with pytest.raises(WeightSyncError, match=rf"object '{part}' is damaged: its checksum"):
+            puller.pull(targets, 1)
+
+
+def test_old_versions_are_retired(master):
+    params, trained, targets = layout("fsdp4->tp2")
+    with (
+        WeightPublisher(url(master), keep=1) as pub,
+        WeightPuller(url(master, segment_mb=0)) as puller,
+    ):
+        for version in (1, 2):
+            pub.publish(trained, version)
+            pub.wait()
+            puller.pull(targets, version)
+        pub.publish(trained, 3)
+        pub.wait()
+        store = pub.store
+        assert store.versions() == [3]
+        for version in (1, 2):
+            assert store.parts(version) == (None, set())
+            prefix = store.version_prefix(version)
+            assert store.call(lambda c, p=prefix: c.is_exist(p + "p00000/l00000/s00000"), "") == 0
+        ws.check_pulled(puller.pull(targets), params, targets, puller.stats)
+        assert puller.version == 3
+
+
+def test_an_unreachable_master_is_a_clear_error_within_the_deadline():
+    address = f"127.0.0.1:{free_port()}"
+    puller = WeightPuller(f"mooncake://{address}?deadline_s=1&segment_mb=0", timeout_s=0)
+    targets = layout("fsdp4->tp2")[2]
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match=rf"the Mooncake master at {address}: connecting"):
+        puller.pull(targets)
+    assert time.monotonic() - start < 3
+    puller.close()
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("mooncake://h:1?segment_mb=15", r"segment_bytes=15728640 must be 0 or at least"),
+        ("mooncake://h:1?deadline_s=0", r"deadline_s=0.0 must be a number of seconds > 0"),
+        ("mooncake://h:1?deadline_s=3600.5", r"deadline_s=3600.5 must be .* at most 3600"),
+        ("mooncake://h:1?chunk_kb=3", r"chunk_bytes=3072 must be an int >= 4096"),
+        ("mooncake://h:1?color=red", r"option color='red': known options: segment_mb"),
+        ("mooncake://h:1?namespace=a/b", r"namespace='a/b' must be a non-empty name"),
+        ("mooncake://h", r"expected 'mooncake://host:port"),
+        ("mooncake://h:1/path", r"expected 'mooncake://host:port"),
+        ("mooncake://h:99999", r"Port out of range"),
+    ],
+)
+def test_the_url_guards(spec, message):
+    with pytest.raises(ValueError, match=message):
+        open_weight_store(spec)
+
+
+def test_the_url_edges_are_accepted():
+    store = open_weight_store("mooncake://h:1?segment_mb=16&deadline_s=3600&chunk_kb=4")
+    assert (store.segment_bytes, store.deadline_s, store.chunk_bytes) == (16 << 20, 3600.0, 4096)
+    assert open_weight_store("mooncake://h:1?segment_mb=0").segment_bytes == 0
+    store.close()
