@@ -147,21 +147,21 @@ class HostPoolKVCache:
     (:func:`~jax_tpusync.host_pool.unit_block_limit`).
 
     Raises:
-        config: CacheConfig | None = None,
       ValueError: an argument out of range, or one of the features this path does not
         have yet (named with the reason).
     """
 
     def __init__(
         self,
+        config: CacheConfig | None = None,
         *,
-        options = with_config(config, options)
         device: jax.Device | None = None,
         mesh: Mesh | None = None,
         kv_heads_axis: str | None = None,
         batch_axis: str | None = None,
         **options: Any,
     ):
+        options = with_config(config, options)
         for name, (default, why) in _NOT_YET.items():
             if name in options and options[name] != default:
                 raise ValueError(f"{name}={options[name]!r}: {why} (host-pool cache)")
