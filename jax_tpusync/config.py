@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tpusync import prefix, quantize, window_ring
-from jax_tpusync.state import INT32_MAX
+from jax_tpusync.manifest import Geometry
+from jax_tpusync.state import INT32_MAX, row_bytes_of, row_shape_of
 
 # Most units a cache fetches ahead. The walk to the unit ahead is computed in closed form
 # (no trace-time loop), so this bounds staging slots, not compile time.
@@ -156,15 +157,48 @@ class KVGeometry:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one token's K (or V) row on the tier."""
-        if self.quantized:
-            return quantize.row_bytes(self.num_kv_heads, self.head_dim)
-        return self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """Bytes of one token's K (or V) row on the tier (computed by
+        :func:`~jax_tpusync.state.row_bytes_of`, as the spec's is)."""
+        return row_bytes_of(self.num_kv_heads, self.head_dim, self.dtype, self.tier_dtype)
 
     @property
     def row_shape(self) -> tuple[int, ...]:
         """A staged row: [num_kv_heads, head_dim] values, or [row_bytes] quantized."""
-        return (self.row_bytes,) if self.quantized else (self.num_kv_heads, self.head_dim)
+        return row_shape_of(self.num_kv_heads, self.head_dim, self.dtype, self.tier_dtype)
+
+    def spec_fields(self) -> dict[str, Any]:
+        """The :class:`~jax_tpusync.state.CacheSpec` fields this geometry decides (the
+        others are the layout's: chunking, prefetch, residency)."""
+        return dict(
+            num_layers=self.num_layers,
+            batch=self.batch,
+            max_len=self.max_len,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            windows=self.windows,
+            block_tokens=self.block_tokens,
+            num_blocks=self.num_blocks,
+            tier_dtype=self.tier_dtype,
+            step_tokens=self.step_tokens or 0,
+        )
+
+    def manifest_geometry(self, model_id: str | None) -> Geometry:
+        """What a persisted cache of this geometry records, and must match to re-attach (a
+        :class:`~jax_tpusync.manifest.Geometry` at this layout version; ``model_id`` None:
+        unspecified)."""
+        return Geometry.of(
+            self.num_layers,
+            self.batch,
+            self.max_len,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            model_id,
+            block_tokens=self.block_tokens,
+            num_blocks=self.num_blocks,
+            tier_dtype=self.tier_dtype,
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -130,26 +130,16 @@ def plan(config: CacheConfig) -> CacheSpec:
             g.max_len, g.windows, chunk_len, block_bytes, g.num_layers * 2 * spill_blocks, 0
         )
     return CacheSpec(
-        num_layers=g.num_layers,
-        batch=g.batch,
-        max_len=g.max_len,
-        num_kv_heads=g.num_kv_heads,
-        head_dim=g.head_dim,
-        dtype=g.dtype,
-        windows=g.windows,
+        **g.spec_fields(),
         chunk_len=int(chunk_len),
         num_slots=num_slots,
         prefetch_depth=depth,
-        block_tokens=g.block_tokens,
-        num_blocks=g.num_blocks,
         prefetch_across_steps=bool(staging.prefetch_across_steps),
         staging_dtype=backend.staging_dtype(g.dtype, g.quantized),
-        tier_dtype=g.tier_dtype,
         resident=resident,
         spill_blocks=spill_blocks,
         reads_in_place=reads_in_place,
         attends_landed=reads_in_place and (config.tier.kind == "file" or two_level),
-        step_tokens=g.step_tokens or 0,
     )
 
 

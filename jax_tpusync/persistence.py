@@ -187,24 +187,13 @@ class Persistence:
     def prepare_for(cls, config: Any) -> Persistence | None:
         """:meth:`prepare` of a :class:`~jax_tpusync.config.CacheConfig`'s tier and
         geometry (None: not a persistent tier)."""
-        g, tier = config.geometry, config.tier
+        tier = config.tier
         return cls.prepare(
             tier=tier.kind,
             path=getattr(tier, "path", None),
             shm_name=tier.shm_name if tier.kind == "host" else None,
             file_name=getattr(tier, "file_name", None),
-            geometry=Geometry.of(
-                g.num_layers,
-                g.batch,
-                g.max_len,
-                g.num_kv_heads,
-                g.head_dim,
-                g.dtype,
-                config.persistence.model_id,
-                block_tokens=g.block_tokens,
-                num_blocks=g.num_blocks,
-                tier_dtype=g.tier_dtype,
-            ),
+            geometry=config.geometry.manifest_geometry(config.persistence.model_id),
             overwrite=config.persistence.overwrite,
         )
 

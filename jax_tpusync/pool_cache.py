@@ -98,21 +98,12 @@ def pool_spec(
             f"(prefetch_depth=1 or 'auto')"
         )
     probe = CacheSpec(
-        num_layers=g.num_layers,
-        batch=g.batch,
-        max_len=g.max_len,
-        num_kv_heads=g.num_kv_heads // shards,
-        head_dim=g.head_dim,
-        dtype=np.dtype(g.dtype),
-        windows=tuple(g.windows),
+        **{**g.spec_fields(), "num_kv_heads": g.num_kv_heads // shards},
         chunk_len=g.block_tokens,
         num_slots=2,
         prefetch_depth=1,
-        block_tokens=g.block_tokens,
-        num_blocks=g.num_blocks,
         prefetch_across_steps=staging.prefetch_across_steps,
         staging_dtype=np.dtype(np.uint8) if g.quantized else np.dtype(g.dtype),
-        tier_dtype=g.tier_dtype,
     )
     layout = PoolLayout(probe)
     unit_block_bytes = 2 * g.batch * g.block_tokens * layout.row_width * layout.dtype.itemsize

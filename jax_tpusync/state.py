@@ -25,6 +25,23 @@ NO_WINDOW = np.iinfo(np.int32).max // 2
 INT32_MAX = int(np.iinfo(np.int32).max)
 
 
+def row_bytes_of(num_kv_heads: int, head_dim: int, dtype: Any, tier_dtype: Any) -> int:
+    """Bytes of one token's K (or V) row on the tier and in staging: ``num_kv_heads x
+    head_dim`` values of ``dtype``, or a quantized row (``tier_dtype`` not None: codes plus
+    scales, see :func:`jax_tpusync.quantize.row_bytes`). The one place a row's size is
+    computed (:class:`~jax_tpusync.config.KVGeometry` and :class:`CacheSpec` ask it)."""
+    if tier_dtype is not None:
+        return quantize.row_bytes(num_kv_heads, head_dim)
+    return num_kv_heads * head_dim * np.dtype(dtype).itemsize
+
+
+def row_shape_of(num_kv_heads: int, head_dim: int, dtype: Any, tier_dtype: Any) -> tuple[int, ...]:
+    """A staged row's shape: [num_kv_heads, head_dim] values, or [row_bytes] quantized."""
+    if tier_dtype is not None:
+        return (row_bytes_of(num_kv_heads, head_dim, dtype, tier_dtype),)
+    return (num_kv_heads, head_dim)
+
+
 def staging_shape_of(num_slots, batch, chunk_len, row_shape) -> tuple[int, ...]:
     """[num_slots, 2 (K, V), batch, chunk_len, *row_shape]: a row is [num_kv_heads,
     head_dim] values, or the [row_bytes] bytes of a quantized row."""
@@ -98,15 +115,14 @@ class CacheSpec:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one token's K (or V) row on the tier and in staging."""
-        if self.quantized:
-            return quantize.row_bytes(self.num_kv_heads, self.head_dim)
-        return self.num_kv_heads * self.head_dim * self.itemsize
+        """Bytes of one token's K (or V) row on the tier and in staging
+        (:func:`row_bytes_of`)."""
+        return row_bytes_of(self.num_kv_heads, self.head_dim, self.dtype, self.tier_dtype)
 
     @property
     def row_shape(self) -> tuple[int, ...]:
         """A staged row's shape: [num_kv_heads, head_dim], or [row_bytes] quantized."""
-        return (self.row_bytes,) if self.quantized else (self.num_kv_heads, self.head_dim)
+        return row_shape_of(self.num_kv_heads, self.head_dim, self.dtype, self.tier_dtype)
 
     @property
     def block_bytes(self) -> int:
