@@ -16,6 +16,10 @@ each way side by side:
   (``/dev/shm``); ``publish blocked`` is what the training step waits for;
 * ``weights-nocopy``: the same with ``WeightPublisher(copy=False)`` (no snapshot copy:
   for a caller that does not donate or delete the params until the write ends);
+* ``weights-mooncake``: ``weights`` through a Mooncake Store (``mooncake://...``: the
+  publisher's shards in the segment it gives the pool, the puller's range reads over the
+  transfer engine's TCP on loopback), added by ``--store mooncake://host:port?...`` (a
+  running master), or by ``--remote mooncake`` (a master of the benchmark's own);
 * ``gather+put``: every array gathered to this process (``np.asarray``), then
   ``jax.device_put`` with the target sharding (what a single-controller script does);
 * ``jax.transfer``: ``jax.experimental.transfer`` (a transfer server, ``await_pull`` /
@@ -37,6 +41,7 @@ the result bitwise against the source.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -90,7 +95,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--disk-dir", default=None, help="the checkpoint baseline's directory (default: /var/tmp)"
     )
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(DEFAULT_METHODS),
+        choices=list(METHODS),
+    )
+    p.add_argument(
+        "--store",
+        default=None,
+        metavar="mooncake://HOST:PORT[?...]",
+        help="a Mooncake weight store for the weights-mooncake rows (its master running)",
+    )
+    common.add_remote_arguments(
+        p, "the weights-mooncake rows (a Mooncake weight store)", "on loopback"
+    )
     common.add_json_argument(p)
     p.set_defaults(run=run, columns=COLUMNS)
     return p
@@ -227,13 +246,24 @@ def _ready(tree: Any) -> Any:
     return jax.block_until_ready(tree)
 
 
-def method_weights(ctx: dict, case: str, source: Any, targets: Any, *, copy: bool = True) -> dict:
+def method_weights(
+    ctx: dict, case: str, source: Any, targets: Any, *, copy: bool = True, mooncake: bool = False
+) -> dict:
     from jax_tpusync.weight_sync import WeightPublisher, WeightPuller
 
     store = tempfile.mkdtemp(prefix="bench-weights-", dir=ctx["dir"])
+    if mooncake:  # Each run a namespace of its own; the puller gives the pool no memory.
+        namespace = f"bench-{case.replace('>', '')}-{os.getpid()}"
+        sep = "&" if "?" in ctx["store"] else "?"
+        pub_store = f"{ctx['store']}{sep}namespace={namespace}"
+        if "segment_mb=" not in ctx["store"]:  # Two versions of the params (keep=1 + 1).
+            pub_store += f"&segment_mb={max(16, -(-3 * ctx['nbytes'] // (1 << 20)))}"
+        pull_store = f"{ctx['store']}{sep}namespace={namespace}&segment_mb=0"
+    else:
+        pub_store = pull_store = store
     try:
-        publisher = WeightPublisher(store, keep=1, copy=copy)
-        puller = WeightPuller(store, timeout_s=600)
+        publisher = WeightPublisher(pub_store, keep=1, copy=copy)
+        puller = WeightPuller(pull_store, timeout_s=600)
         runs, result = [], None
         plan_ms, reused = None, []
         for version in range(ctx["repeats"]):
@@ -260,6 +290,8 @@ def method_weights(ctx: dict, case: str, source: Any, targets: Any, *, copy: boo
                     puller.stats.put_seconds,
                 )
             )
+        fetched = getattr(puller.store, "bytes_fetched", None)
+        puller.close()
         publisher.close()
         ok = puller.stats.device_bytes == _device_bytes(result) == ctx["expected"]
         exact = _exact(result, ctx["host"])
@@ -279,12 +311,23 @@ def method_weights(ctx: dict, case: str, source: Any, targets: Any, *, copy: boo
         "bytes_per_device_ok": ok,
         "exact": exact,
         "first_publish_blocked_ms": runs[0][1] * 1e3,
-        "note": "publish + pull (store in RAM)" if copy else "publish(copy=False) + pull",
+        "bytes_fetched": fetched,
+        "note": (
+            "publish + pull (Mooncake store, TCP loopback)"
+            if mooncake
+            else "publish + pull (store in RAM)"
+            if copy
+            else "publish(copy=False) + pull"
+        ),
     }
 
 
 def method_weights_no_copy(ctx: dict, case: str, source: Any, targets: Any) -> dict:
     return method_weights(ctx, case, source, targets, copy=False)
+
+
+def method_weights_mooncake(ctx: dict, case: str, source: Any, targets: Any) -> dict:
+    return method_weights(ctx, case, source, targets, mooncake=True)
 
 
 def _timed(ctx: dict, move) -> dict:
@@ -374,14 +417,44 @@ def method_device_put(ctx: dict, case: str, source: Any, targets: Any) -> dict:
 METHODS = {
     "weights": method_weights,
     "weights-nocopy": method_weights_no_copy,
+    "weights-mooncake": method_weights_mooncake,
     "gather+put": method_gather_put,
     "jax.transfer": method_transfer,
     "checkpoint": method_checkpoint,
     "device_put": method_device_put,
 }
+# Every way but the one that needs a Mooncake store (added by --store or --remote).
+DEFAULT_METHODS = tuple(m for m in METHODS if m != "weights-mooncake")
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    with contextlib.ExitStack() as stack:
+        return _run(args, stack)
+
+
+def _mooncake_store(args: argparse.Namespace, stack: contextlib.ExitStack) -> str | None:
+    """The ``mooncake://`` store of the weights-mooncake rows: ``--store``, else one on
+    ``--remote-master`` or a master of this run's own (``--remote mooncake``); None."""
+    from jax_tpusync.bench import mooncake_master
+
+    if args.store is not None:
+        if not args.store.startswith("mooncake://"):
+            raise SystemExit(f"--store {args.store!r}: expected mooncake://host:port[?...]")
+        return args.store
+    master = mooncake_master.for_run(args, stack)
+    return None if master is None else f"mooncake://{master}"
+
+
+def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[dict]:
+    methods = list(args.methods)
+    store = _mooncake_store(args, stack)
+    if store is not None and "weights-mooncake" not in methods:
+        methods.append("weights-mooncake")
+    if store is None and "weights-mooncake" in methods:
+        raise SystemExit(
+            "weights-mooncake needs --store mooncake://host:port, --remote-master or --remote "
+            "mooncake"
+        )
     layers = layers_for(args.gb)
     nbytes = (2 * VOCAB * D_MODEL + D_MODEL) * 2 + layers * layer_bytes()
     # At most: the host copy, the source, its snapshot, the store and the pulled copy.
@@ -419,12 +492,14 @@ def run(args: argparse.Namespace) -> list[dict]:
         "dir": args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None),
         "disk_dir": args.disk_dir or ("/var/tmp" if os.path.isdir("/var/tmp") else None),
         "host": host,
+        "store": store,
+        "nbytes": nbytes,
     }
     rows = []
     for case, (mesh, spec_for) in cases.items():
         targets = jax.tree.map(lambda s, m=mesh: NamedSharding(m, s), _tree_specs(host, spec_for))
         ctx["expected"] = _expected_device_bytes(host, targets)
-        for name in args.methods:
+        for name in methods:
             row = {"case": case, "method": name, "nbytes": nbytes, "layers": layers}
             row.update(METHODS[name](ctx, case, source, targets))
             if row.get("seconds"):

@@ -43,7 +43,9 @@ def test_a_tiny_pytree_moves_exactly_every_way(tmp_path):
     )
     rows = json.loads(out.read_text())["results"]
     assert [(r["case"], r["method"]) for r in rows] == [
-        (case, method) for case in ("fsdp4->tp2", "fsdp4->fsdp4") for method in weights.METHODS
+        (case, method)
+        for case in ("fsdp4->tp2", "fsdp4->fsdp4")
+        for method in weights.DEFAULT_METHODS
     ]
     layers = weights.layers_for(0.01)
     nbytes = (2 * weights.VOCAB * weights.D_MODEL + weights.D_MODEL) * 2
@@ -61,6 +63,57 @@ def test_a_tiny_pytree_moves_exactly_every_way(tmp_path):
         if r["method"] in ("weights", "weights-nocopy"):
             assert r["plan_ms"] > 0 and r["plan_reused"] is True
             assert 0 < r["publish_blocked_ms"] < r["seconds"] * 1e3
+
+
+def test_the_mooncake_rows_with_a_master_of_the_runs_own(tmp_path, mooncake_usable):
+    out = tmp_path / "weights.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jax_tpusync.bench",
+            "weights",
+            "--gb",
+            "0.01",
+            "--repeats",
+            "2",
+            "--methods",
+            "weights",
+            "--remote",
+            "mooncake",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        timeout=240,
+        env=env,
+        cwd=tmp_path,
+    )
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["case"], r["method"]) for r in rows] == [
+        (case, method)
+        for case in ("fsdp4->tp2", "fsdp4->fsdp4")
+        for method in ("weights", "weights-mooncake")
+    ]
+    for r in rows:
+        assert r["exact"] is True and r["bytes_per_device_ok"] is True, r
+        assert r["plan_reused"] is True
+    for r in rows[1::2]:
+        assert r["note"] == "publish + pull (Mooncake store, TCP loopback)"
+        assert r["bytes_fetched"] >= r["nbytes"] // 2  # The sampler's shards, whole chunks.
+
+
+def test_the_mooncake_rows_need_a_store():
+    args = bench_main.build_parser().parse_args(
+        ["weights", "--methods", "weights-mooncake", "--json", "-"]
+    )
+    with pytest.raises(SystemExit, match=r"weights-mooncake needs --store mooncake://host:port"):
+        args.run(args)
+    args = bench_main.build_parser().parse_args(["weights", "--store", "/dev/shm/x", "--json", "-"])
+    with pytest.raises(SystemExit, match=r"--store '/dev/shm/x': expected mooncake://host:port"):
+        args.run(args)
 
 
 @pytest.mark.parametrize(
