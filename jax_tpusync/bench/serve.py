@@ -20,6 +20,15 @@ T = 1 step with every non-prefilling slot decoding and nothing else, what those 
 with no prompt in the batch. Every step computes ``batch x T`` rows (the batch is the
 cache's), so the mixed step's extra cost over the prefill step is the decode slots'
 attention over their context.
+
+``--case shared-prompt``: :class:`~jax_tpusync.serving.ServingLoop` serves ``--requests``
+requests on ``--batch`` slots, each prompt a ``--prompt``-token shared prefix (a system
+prompt) then ``--tail`` tokens of its own, ``--new-tokens`` generated each, the step
+compiled first (:meth:`~jax_tpusync.serving.ServingLoop.warmup`). Two arrivals: all
+requests at once (``together``), or one first and the others once it has its first token
+(``first-then-rest``); each with ``share_prefixes`` on and off. Reported per row: every
+request's TTFT and queue time (arrival to admission), the later requests' worst TTFT over
+the first's, and the prompt tokens the steps computed against those mapped from the cache.
 """
 
 from __future__ import annotations
@@ -53,6 +62,19 @@ MODEL = tiny_decoder.Decoder(
 )
 
 
+SHARED_COLUMNS = [
+    ("tier", "tier", "s"),
+    ("arrival", "arrival", "s"),
+    ("share_prefixes", "share", "d"),
+    ("first_ttft_ms", "first TTFT ms", ".1f"),
+    ("later_ttft_max_ms", "later TTFT max ms", ".1f"),
+    ("later_over_first", "later/first", ".3f"),
+    ("prefill_tokens", "prefill tokens", "d"),
+    ("cached_prompt_tokens", "cached tokens", "d"),
+    ("wall_ms", "wall ms", ".1f"),
+]
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Registers the ``serve`` subcommand."""
     p = subparsers.add_parser(
@@ -60,6 +82,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="a mixed prefill + decode step against the same work as separate steps",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--case",
+        choices=("step", "shared-prompt"),
+        default="step",
+        help="step: one mixed step against two; shared-prompt: requests sharing a prompt",
     )
     p.add_argument("--tiers", nargs="+", choices=("host", "file"), default=["host"])
     p.add_argument("--path", default=None, help="directory of the file tier (default: cwd)")
@@ -71,6 +99,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     tiny_decoder.add_arguments(p, defaults=MODEL)
+    p.add_argument("--requests", type=int, default=6, help="shared-prompt: requests")
+    p.add_argument("--prompt", type=int, default=1024, help="shared-prompt: shared prefix")
+    p.add_argument("--tail", type=int, default=16, help="shared-prompt: each prompt's own ids")
+    p.add_argument("--new-tokens", type=int, default=4, help="shared-prompt: tokens generated")
     p.add_argument("--block-tokens", type=int, default=256)
     p.add_argument("--staging-bytes", type=common.parse_bytes, default=32 * common.MiB)
     p.add_argument("--prefetch-depth", default="auto")
@@ -102,6 +134,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     worker_cpus = start_jax(args)
     import jax.numpy as jnp
 
+    if args.case == "shared-prompt":
+        args.columns = SHARED_COLUMNS
+        return _shared_prompt(args, worker_cpus)
     if not 1 <= args.prefill_slots < args.batch:
         raise SystemExit("--prefill-slots must be in [1, batch)")
     model = tiny_decoder.Decoder.of(args)
@@ -230,3 +265,109 @@ def _measure(args, tier, path, context, worker_cpus, model, params, step) -> dic
         samples_ms={k: [s * 1e3 for s in v.seconds] for k, v in samples.items()},
     )
     return row
+
+
+def _shared_prompt(args, worker_cpus) -> list[dict[str, Any]]:
+    """The shared-prompt case (see the module): one row per tier, arrival and
+    ``share_prefixes``."""
+    import jax.numpy as jnp
+
+    if args.requests < 2 or args.prompt < 1 or args.tail < 1 or args.new_tokens < 1:
+        raise SystemExit("--requests must be >= 2, --prompt, --tail and --new-tokens >= 1")
+    model = tiny_decoder.Decoder.of(args)
+    params = serving_model.init_params(model, args.seed, jnp.bfloat16)
+    step = serving_model.make_step(model)
+    rng = np.random.default_rng(args.seed + 1)
+    shared = rng.integers(0, model.vocab, args.prompt).tolist()
+    prompts = [
+        shared + rng.integers(0, model.vocab, args.tail).tolist() for _ in range(args.requests)
+    ]
+    rows = []
+    for tier in args.tiers:
+        path = None
+        if tier == "file":
+            path = tempfile.mkdtemp(
+                prefix="tpusync-serve-", dir=os.path.abspath(args.path or os.getcwd())
+            )
+        try:
+            for arrival in ("together", "first-then-rest"):
+                for share in (True, False):
+                    rows.append(
+                        _serve_shared(
+                            args, tier, path, arrival, share, worker_cpus, model, params, step,
+                            prompts,
+                        )
+                    )  # fmt: skip
+        finally:
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
+    return rows
+
+
+def _serve_shared(
+    args, tier, path, arrival, share, worker_cpus, model, params, step, prompts
+) -> dict[str, Any]:
+    import time
+
+    import jax.numpy as jnp
+
+    import jax_tpusync as tps
+    from jax_tpusync import serving
+
+    need = len(prompts[0]) + args.new_tokens - 1
+    max_len = -(-need // args.block_tokens) * args.block_tokens
+    blocks = args.batch * (max_len // args.block_tokens) + len(prompts[0]) // args.block_tokens
+    with tps.OffloadedKVCache(
+        num_layers=model.layers,
+        batch=args.batch,
+        max_len=max_len,
+        num_kv_heads=model.kv_heads,
+        head_dim=model.head_dim,
+        dtype=jnp.bfloat16,
+        tier=tier,
+        path=path,
+        block_tokens=args.block_tokens,
+        num_blocks=blocks,
+        staging_bytes=args.staging_bytes,
+        prefetch_depth=depth(args.prefetch_depth),
+        engine=common.engine_config(args, worker_cpus),
+    ) as cache:
+        loop = serving.ServingLoop(
+            cache, step, params, chunk=args.chunk, share_prefixes=share, seed=args.seed
+        )
+        loop.warmup()
+        requests = [serving.Request(p, args.new_tokens) for p in prompts]
+        t0 = time.perf_counter()
+        if arrival == "together":
+            done = loop.run(requests)
+        else:
+            first = loop.submit(requests[0])
+            while first.first_token is None:
+                loop.step()
+            done = [first, *loop.run(requests[1:])]
+        wall = time.perf_counter() - t0
+        stats = loop.stats()
+        cache.close(loop.state)
+    ttft = [c.ttft for c in done]
+    later = max(ttft[1:])
+    return dict(
+        tier=tier,
+        arrival=arrival,
+        share_prefixes=int(share),
+        requests=len(prompts),
+        batch=args.batch,
+        prompt_tokens=len(prompts[0]),
+        shared_tokens=args.prompt,
+        chunk=args.chunk,
+        block_tokens=args.block_tokens,
+        first_ttft_ms=ttft[0] * 1e3,
+        later_ttft_max_ms=later * 1e3,
+        later_over_first=later / ttft[0],
+        ttft_ms=[t * 1e3 for t in ttft],
+        queue_ms=[(c.admitted - c.arrival) * 1e3 for c in done],
+        cached_tokens=[c.cached for c in done],
+        prefill_tokens=stats["prefill_tokens"],
+        cached_prompt_tokens=stats["cached_prompt_tokens"],
+        steps=stats["steps"],
+        wall_ms=wall * 1e3,
+    )

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from jax_tpusync.bench import __main__ as bench_main
 from jax_tpusync.bench import common
 
@@ -70,3 +72,29 @@ def test_prefill_bench_tiny(tmp_path):
             assert r["written_bytes"] == 2 * 2 * r["context"] * 32
         if r["variant"] == "host":
             assert set(r["targets"]) == {"host tier >= 0.9 x plain JAX"}
+
+
+def test_serve_bench_shared_prompt_tiny(tmp_path):
+    doc = run_bench(
+        [
+            "serve", "--case", "shared-prompt", "--tiers", "host", "--requests", "6",
+            "--batch", "4", "--prompt", "32", "--tail", "4", "--chunk", "16",
+            "--block-tokens", "16", "--new-tokens", "2", "--staging-bytes", "256K",
+            "--engine-cpus", "0",
+        ],
+        tmp_path / "shared.json",
+    )  # fmt: skip
+    rows = doc["results"]
+    assert [(r["arrival"], r["share_prefixes"]) for r in rows] == [
+        ("together", 1),
+        ("together", 0),
+        ("first-then-rest", 1),
+        ("first-then-rest", 0),
+    ]
+    for r in rows:
+        assert len(r["ttft_ms"]) == 6 and min(r["ttft_ms"]) > 0
+        assert r["prefill_tokens"] + r["cached_prompt_tokens"] == 6 * 36
+        assert r["later_over_first"] == pytest.approx(max(r["ttft_ms"][1:]) / r["ttft_ms"][0])
+    for r in rows[0], rows[2]:  # Shared: every request after the first maps the prompt.
+        assert r["cached_tokens"] == [0] + [32] * 5
+    assert rows[1]["cached_tokens"][:4] == [0, 0, 0, 0]  # Admitted together, each computes.
