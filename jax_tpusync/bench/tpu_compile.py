@@ -157,51 +157,26 @@ def abstract_params(shape, sharding, mesh=None) -> list[dict]:
     ]
 
 
-def compile_ours(
-    shape,
-    devices: list,
-    *,
-    block_tokens: int,
-    staging_bytes: int,
-    implementation: str,
-    heads_over_chips: bool = False,
-    windows: list[int | None] | None = None,
-):
-    """(compiled step, cache spec) of the host-pool decode step at ``shape.context``, on
-    the first of ``devices`` or with the heads split over all of them; ``windows``: per
-    layer, the tokens a sliding layer attends (None: global)."""
+def abstract_pool_state(config, devices: list, mesh=None):
+    """(state, replicated sharding): a host-pool cache's :class:`PoolState` of
+    ``config`` as shapes, for the first of ``devices`` or split over ``mesh``'s ``heads``
+    axis (each device's pool in its host memory), and where the step's other inputs go."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, SingleDeviceSharding
     from jax.sharding import PartitionSpec as P
 
-    import jax_tpusync as tps
-    from jax_tpusync.bench import tiny_decoder
-    from jax_tpusync.config import CacheConfig
     from jax_tpusync.host_pool import PoolLayout, PoolState
     from jax_tpusync.mesh_layout import checked_layout
     from jax_tpusync.pool_cache import pool_spec
 
-    config = CacheConfig.from_kwargs(
-        num_layers=shape.layers,
-        batch=shape.batch,
-        max_len=shape.context,
-        num_kv_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        dtype=shape.dtype,
-        block_tokens=block_tokens,
-        staging_bytes=staging_bytes,
-        sliding_window=windows,
-    )
-    if heads_over_chips:
-        mesh = heads_mesh(devices)
+    if mesh is not None:
         spec = pool_spec(config, checked_layout(mesh, "heads", None), devices[0].device_kind)
         on_device = NamedSharding(mesh, P())
         state_on = NamedSharding(mesh, P("heads"))
         on_host = NamedSharding(mesh, P("heads"), memory_kind="pinned_host")
-        lead: tuple[int, ...] = (len(devices),)  # A mesh state's leading axis of shards.
+        lead: tuple[int, ...] = (mesh.size,)  # A mesh state's leading axis of shards.
     else:
-        mesh = None
         spec = pool_spec(config, device_kind=devices[0].device_kind)
         on_device = state_on = SingleDeviceSharding(devices[0])
         on_host = SingleDeviceSharding(devices[0], memory_kind="pinned_host")
@@ -223,6 +198,43 @@ def compile_ours(
         sds((b, layout.blocks_per_unit + 1), jnp.int32),
         sds((b,), jnp.int32),
     )
+    return state, on_device
+
+
+def compile_ours(
+    shape,
+    devices: list,
+    *,
+    block_tokens: int,
+    staging_bytes: int,
+    implementation: str,
+    heads_over_chips: bool = False,
+    windows: list[int | None] | None = None,
+):
+    """(compiled step, cache spec) of the host-pool decode step at ``shape.context``, on
+    the first of ``devices`` or with the heads split over all of them; ``windows``: per
+    layer, the tokens a sliding layer attends (None: global)."""
+    import jax
+
+    import jax_tpusync as tps
+    from jax_tpusync.bench import tiny_decoder
+    from jax_tpusync.config import CacheConfig
+
+    config = CacheConfig.from_kwargs(
+        num_layers=shape.layers,
+        batch=shape.batch,
+        max_len=shape.context,
+        num_kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        dtype=shape.dtype,
+        block_tokens=block_tokens,
+        staging_bytes=staging_bytes,
+        sliding_window=windows,
+    )
+    mesh = heads_mesh(devices) if heads_over_chips else None
+    state, on_device = abstract_pool_state(config, devices, mesh)
+    spec = state.spec
+    b = spec.batch
     options: dict[str, Any] = dict(implementation=implementation)
     if implementation == "pallas":
         options.update(interpret=False)  # The kernel for the target TPU, through Mosaic.
@@ -236,7 +248,7 @@ def compile_ours(
     x = jax.ShapeDtypeStruct((b, 1, shape.d_model), shape.dtype, sharding=on_device)
     args = (abstract_params(shape, on_device, mesh), x, state)
     shardings = jax.tree.map(lambda a: a.sharding, args)
-    with _pallas_for_tpu(implementation):
+    with pallas_for_tpu(implementation):
         compiled = (
             jax.jit(
                 step,
@@ -251,7 +263,7 @@ def compile_ours(
     return compiled, spec
 
 
-class _pallas_for_tpu:
+class pallas_for_tpu:
     """Makes the Pallas kernels target a TPU (not interpret mode) while compiling on a
     machine whose default backend is the CPU."""
 

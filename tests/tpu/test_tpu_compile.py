@@ -117,3 +117,22 @@ def test_the_schedule_check_finds_a_copy_waited_for_too_early():
     )
     assert check(start, done, attend)["overlapped"] == 0
     assert check(attend, start, done)["started_before"] == 0
+
+
+def test_the_example_models_step_compiles_bounded(tmp_path):
+    """examples/model.py's Llama-style step, unchanged, with a host-pool state: compiled
+    for a v5e at 32K and 1M tokens, its device memory the weights plus the staging."""
+    if importlib.util.find_spec("libtpu") is None and not REQUIRED:
+        pytest.skip("libtpu has no wheel for this platform")
+    script = os.path.join(os.path.dirname(__file__), "compile_example_model.py")
+    done = subprocess.run(
+        [sys.executable, script, "v5e:2x2", "32768", "1048576"],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [row["context"] for row in rows] == [32768, 1048576]
+    for row in rows:
+        assert row["device_mib"] <= 1.1 * (row["weights_mib"] + row["staging_mib"]), row
+    assert abs(rows[1]["device_mib"] - rows[0]["device_mib"]) <= 0.01 * rows[0]["device_mib"]
