@@ -626,7 +626,12 @@ class HybridKVCache:
         indexes none: its windows are copied by :meth:`publish_windows`); returns the
         blocks indexed, summed over groups."""
         self._check_slot(slot)
-        return sum(g.share_computed(p, slot) for g, p in zip(self.groups, self.split(state)))
+        parts = self.split(state)
+        for g, p in zip(self.groups, parts):  # Refused in every group or in none.
+            g.lengths(p)  # A state of another cache, or donated, is refused here.
+            if not g.capacity[slot]:
+                raise ValueError(f"slot {slot} is not active (nothing to share)")
+        return sum(g.share_computed(p, slot) for g, p in zip(self.groups, parts))
 
     def tokens(self, slot: int) -> np.ndarray:
         """int64[n]: ``slot``'s recorded token ids (every group records the same)."""

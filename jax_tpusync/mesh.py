@@ -471,6 +471,10 @@ class ShardedKVCache:
         every shard holds); returns the blocks indexed, summed over shards."""
         local, holders = self._slot(slot)
         parts = self.split(state)
+        for s in holders:  # Refused in every shard or in none.
+            self.shards[s].lengths(parts[s])  # A state of another cache is refused here.
+            if not self.shards[s].capacity[local]:
+                raise ValueError(f"slot {slot} is not active (nothing to share)")
         indexed = 0
         for s in holders:
             with self._on(s):

@@ -80,3 +80,22 @@ def test_computed_blocks_are_mapped_by_the_next_admission(make, parts):
         np.testing.assert_array_equal(k, rows[LAYERS - 1][:BLOCK])
         state = cache.release(state, 1)
         cache.close(state)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [offloaded, host_pool, sharded, hybrid],
+    ids=["offloaded", "host_pool", "sharded", "hybrid"],
+)
+def test_an_inactive_slot_is_refused_in_every_part(make):
+    if make is sharded and len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
+    with make() as cache:
+        state = cache.init(admit=False)
+        state, _ = cache.admit(state, 0, max_tokens=24, tokens=PROMPT)
+        with pytest.raises(ValueError, match="slot 1 is not active"):
+            cache.share_computed(state, 1)
+        with pytest.raises(ValueError, match=r"slot=2 must be an int in \[0, batch=2\)"):
+            cache.share_computed(state, 2)
+        assert cache.share_computed(state, 0) == 0  # Nothing computed yet.
+        cache.close(state)
