@@ -31,7 +31,7 @@ import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Self, runtime_checkable
 
 import numpy as np
 
@@ -120,6 +120,7 @@ class VersionManifest:
     leaves: tuple[StoredLeaf, ...]
     data_files: tuple[Path, ...]
     fingerprint: str
+    chunk_bytes: int = 0  # The unit of the shards' chunk checksums, where recorded.
 
     @property
     def nbytes(self) -> int:
@@ -376,7 +377,7 @@ class OpenVersion:
                     pass
         self._maps = []
 
-    def __enter__(self) -> OpenVersion:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -438,7 +439,15 @@ def manifest_from_parts(
         ) from None
     leaves = tuple(leaves)
     fingerprint = layout_fingerprint([leaf.layout() for leaf in leaves])
-    return VersionManifest(version, len(docs), leaves, tuple(data_files), fingerprint)
+    chunk_bytes = {doc.get("chunk_bytes", 0) for doc in docs}
+    if len(chunk_bytes) != 1 or not isinstance(next(iter(chunk_bytes)), int):
+        raise WeightSyncError(
+            f"weights version {version}: its parts disagree on the checksum chunk size "
+            f"({sorted(map(str, chunk_bytes))})"
+        )
+    return VersionManifest(
+        version, len(docs), leaves, tuple(data_files), fingerprint, chunk_bytes.pop()
+    )
 
 
 class WeightStore:

@@ -146,7 +146,8 @@ class MooncakeWeightStore:
       local_host: the address other clients reach this one at (its NIC's address across
         hosts).
       deadline_s: the longest any call to the store is waited for.
-      chunk_bytes: the checksummed unit; reads are widened to whole chunks.
+      chunk_bytes: the checksummed unit of the shards this store publishes; reads are
+        widened to whole chunks of the publisher's unit (its manifest says which).
       request_bytes: the most bytes one get or put request moves.
 
     Raises ImportError (naming the package extra) without the Mooncake client. The client
@@ -525,14 +526,19 @@ class MooncakeWeightStore:
                 )
             docs.append(doc)
         manifest = manifest_from_parts(version, docs)
+        chunk = manifest.chunk_bytes
+        if chunk < 1:
+            raise WeightSyncError(
+                f"weights version {version}: its manifests name no checksum chunk size"
+            )
         for leaf in manifest.leaves:
             for shard in leaf.shards:
-                want = math.ceil(shard.nbytes / self.chunk_bytes) if shard.nbytes else 0
+                want = math.ceil(shard.nbytes / chunk) if shard.nbytes else 0
                 if (shard.nbytes and not shard.key) or len(shard.checksums) != want:
                     raise WeightSyncError(
                         f"weights version {version}: leaf {leaf.path} shard {shard.box} "
                         f"names no object or {len(shard.checksums)} chunk checksums, not "
-                        f"{want} (written with another chunk size?)"
+                        f"{want} of {chunk} bytes"
                     )
         return manifest
 
@@ -717,7 +723,7 @@ class MooncakeVersionReader:
     ) -> list[np.ndarray]:
         store = self.store
         dtype = np.dtype(leaf.dtype)
-        chunk = store.chunk_bytes
+        chunk = self.manifest.chunk_bytes  # The publisher's, whatever this store's is.
         # Per shard, the chunks any piece needs, then their runs of consecutive chunks.
         spans: list[tuple[int, int, int] | None] = []  # (shard, first byte, end byte)
         chunks: dict[int, set[int]] = {}
@@ -772,7 +778,7 @@ class MooncakeVersionReader:
         """Gets every run's bytes into ``buffer`` (registered for each request), at most
         ``request_bytes`` per request; a WeightSyncError names the object that failed."""
         store = self.store
-        chunk = store.chunk_bytes
+        chunk = self.manifest.chunk_bytes
         ranges = []  # (key, source offset, size, buffer offset), each <= request_bytes
         for index, first, end, at in runs:
             shard = leaf.shards[index]
@@ -839,7 +845,7 @@ class MooncakeVersionReader:
                     )
 
     def _check(self, leaf: StoredLeaf, runs: list, buffer: np.ndarray) -> None:
-        chunk = self.store.chunk_bytes
+        chunk = self.manifest.chunk_bytes
         for index, first, end, at in runs:
             shard = leaf.shards[index]
             for c in range(first, end):
