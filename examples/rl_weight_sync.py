@@ -16,11 +16,18 @@ largest logit difference (the two layouts sum in other orders), whether the pull
 params hash equal to the trainer's, and the publish and pull costs.
 
     python examples/rl_weight_sync.py --steps 4 --json rl.json
+    python examples/rl_weight_sync.py --mooncake   # through a Mooncake Store of its own
+
+The store is a directory in ``/dev/shm`` unless ``--store mooncake://host:port?...`` (a
+running master) or ``--mooncake`` (a ``mooncake_master`` this script starts) names a
+Mooncake Store: each trainer process then keeps its shards in the memory it gives the pool
+and the sampler reads its ranges over the transfer engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -177,7 +184,8 @@ def run_trainer(args) -> None:
     # The old params are donated: publish() snapshotted them, so that is safe.
     train_step_donating = jax.jit(train_step, donate_argnums=0)
     directory = Path(args.dir)
-    publisher = WeightPublisher(directory / "weights", keep=2)
+    store = f"{args.store}&segment_mb=64" if args.store else directory / "weights"
+    publisher = WeightPublisher(store, keep=2)
     steps = []
     for step in range(args.steps):
         start = time.perf_counter()
@@ -242,7 +250,8 @@ def run_sampler(args) -> None:
     )
     generate_jit = jax.jit(generate)
     directory = Path(args.dir)
-    puller = WeightPuller(directory / "weights", timeout_s=args.timeout)
+    store = f"{args.store}&segment_mb=0" if args.store else directory / "weights"
+    puller = WeightPuller(store, timeout_s=args.timeout)
     for step in range(args.steps):
         start = time.perf_counter()
         params = puller.pull(targets, step)
@@ -297,6 +306,7 @@ def spawn_group(role: str, processes: int, devices: int, args) -> list[subproces
                 str(args.lr),
                 "--timeout",
                 str(args.timeout),
+                *(["--store", args.store] if args.store else []),
             ],
             env=env,
         )
@@ -311,6 +321,15 @@ def main(argv=None) -> dict | None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
     p.add_argument("--json", default=None, metavar="OUT")
+    p.add_argument(
+        "--store",
+        default=None,
+        metavar="mooncake://HOST:PORT",
+        help="a Mooncake Store for the weights (its master running); default: /dev/shm",
+    )
+    p.add_argument(
+        "--mooncake", action="store_true", help="start a mooncake_master and use it as --store"
+    )
     # Internal: one process of a group.
     p.add_argument("--role", choices=("trainer", "sampler"), help=argparse.SUPPRESS)
     p.add_argument("--process", type=int, help=argparse.SUPPRESS)
@@ -328,6 +347,19 @@ def main(argv=None) -> dict | None:
     if args.steps < 1 or args.trainer_processes < 1:
         p.error("--steps and --trainer-processes must be >= 1")
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with contextlib.ExitStack() as stack:
+        if args.mooncake and not args.store:
+            from jax_tpusync.bench.mooncake_master import LocalMaster
+
+            args.store = f"mooncake://{stack.enter_context(LocalMaster()).address}"
+        if args.store:  # One namespace per run; options follow it.
+            sep = "&" if "?" in args.store else "?"
+            args.store = f"{args.store}{sep}namespace=rl-{os.getpid()}"
+        return run_groups(args, base)
+
+
+def run_groups(args, base: str | None) -> dict:
+    """Runs the trainer and the sampler group to the end; the report."""
     with tempfile.TemporaryDirectory(prefix="rl-weight-sync-", dir=base) as d:
         args.dir = d
         start = time.perf_counter()

@@ -75,7 +75,9 @@ _LOCAL_BUFFER_BYTES = 4 << 20  # The client's own copy buffer (our reads and put
 
 # Error codes of the store's client.
 _NOT_FOUND = -704
+_ALREADY_EXISTS = -705
 _CODE_MEANING = {
+    -705: "already exists",
     -704: "not found",
     -703: "not readable yet (its writer may have died while putting it)",
     -706: "held by a reader's lease",
@@ -392,9 +394,12 @@ class MooncakeWeightStore:
             raise WeightSyncError(f"{what}: getting {key!r} returned {_meaning(value)}")
         return bytes(value)
 
-    def put_objects(self, keys: list[str], arrays: list[np.ndarray], what: str) -> None:
+    def put_objects(
+        self, keys: list[str], arrays: list[np.ndarray], what: str, *, exists_ok: bool = False
+    ) -> None:
         """Puts each ``uint8`` array as its object, from its own memory (registered for the
-        call), at most ``request_bytes`` per request."""
+        call), at most ``request_bytes`` per request. ``exists_ok``: an object another
+        client put first (or is putting) is not an error."""
         batches: list[list[int]] = [[]]
         size = 0
         for i, array in enumerate(arrays):
@@ -428,7 +433,7 @@ class MooncakeWeightStore:
                         client.unregister_buffer(address)
 
             for i, code in zip(batch, self.call(put, what), strict=True):
-                if code < 0:
+                if code < 0 and not (exists_ok and code == _ALREADY_EXISTS):
                     raise WeightSyncError(f"{what}: putting {keys[i]!r} returned {_meaning(code)}")
 
     # -- versions ---------------------------------------------------------------------------
@@ -633,7 +638,9 @@ class MooncakePartWriter:
         begun = np.frombuffer(_checksummed({"num_processes": num_processes}), np.uint8).copy()
         # Every process puts it (the first put stays): the version is begun even if
         # process 0 never starts.
-        store.put_objects([store.begun_key(version)], [begun], f"weights version {version}")
+        store.put_objects(
+            [store.begun_key(version)], [begun], f"weights version {version}", exists_ok=True
+        )
         if process == 0:
             listed = store.versions()
             if version not in listed:

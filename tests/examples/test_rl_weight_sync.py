@@ -21,3 +21,13 @@ def test_rl_weight_sync(run_example):
         # Each trainer process wrote its own half (rows over 4 devices, 2 per process).
         assert s["published_bytes"] == total // 2
     assert [s["plan_cached"] for s in steps] == [False, True]
+
+
+def test_rl_weight_sync_through_a_mooncake_store(run_example, mooncake_usable):
+    """The same loop through a Mooncake Store of the example's own: two trainer processes
+    put their shards into the pool, the sampler process reads its ranges from them."""
+    doc = run_example(
+        "rl_weight_sync.py", "--steps", "2", "--timeout", "60", "--mooncake", timeout=240
+    )
+    assert doc["all_match"] is True
+    assert [s["plan_cached"] for s in doc["steps"]] == [False, True]
