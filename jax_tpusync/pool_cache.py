@@ -9,8 +9,11 @@ Host-side writes and reads of the pool (:meth:`HostPoolKVCache.load`,
 :meth:`HostPoolKVCache.read`) are small jitted programs that move whole blocks, between
 steps; they take the state and return the new one, as the step does.
 
+Prefix levels (``shared_prefix_dir``, ``remote_prefix``) import into the pool and publish
+from it through :class:`~jax_tpusync.pool_blocks.PoolBlocks`, between steps.
+
 What this cache does not do yet (each refused by name at construction): file tiers,
-persistence (``shm_name``/``file_name``), shared and remote prefix levels, spill tiers,
+persistence (``shm_name``/``file_name``), spill tiers,
 resident mode, rings of bounded windows (``max_step_tokens``), ``prefetch_depth`` above 1,
 slots split over a mesh's ``batch_axis``, and hybrid layer groups.
 
@@ -24,7 +27,6 @@ holds every slot's blocks, each for its heads.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -33,23 +35,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from jax_tpusync import quantize
+from jax_tpusync import pool_blocks, quantize
 from jax_tpusync.config import CacheConfig, with_config
 from jax_tpusync.host_pool import (
     NOT_STAGED,
     POOL_MEMORY_KIND,
     PoolLayout,
     PoolState,
-    into_pool,
     pool_rows_of,
     pool_sharding,
-    to_device,
     unit_block_limit,
 )
 from jax_tpusync.host_io import check_load_rows, one_slot_load
+from jax_tpusync.levels import SharedDirectoryLevel
 from jax_tpusync.mesh_layout import MeshLayout, checked_layout
+from jax_tpusync.mooncake_level import make_level
 from jax_tpusync.slots import Admission, SlotTable
 from jax_tpusync.state import CacheSpec
 
@@ -64,8 +65,6 @@ _NOT_YET = {
     "path": (None, "file tiers are not on the host-pool path yet"),
     "shm_name": (None, "persistence is not on the host-pool path yet"),
     "file_name": (None, "persistence is not on the host-pool path yet"),
-    "shared_prefix_dir": (None, "prefix levels beyond the pool are not on the host-pool path yet"),
-    "remote_prefix": (None, "prefix levels beyond the pool are not on the host-pool path yet"),
     "spill_path": (None, "spill tiers are not on the host-pool path yet"),
     "spill_blocks": (None, "spill tiers are not on the host-pool path yet"),
     "max_step_tokens": (None, "rings of bounded windows are not on the host-pool path yet"),
@@ -196,13 +195,34 @@ class HostPoolKVCache:
                 mesh, mesh_layout.state_spec, memory_kind=POOL_MEMORY_KIND
             )
         g = config.geometry
+        root = config.prefix_root(POOL_LAYOUT_VERSION)
+        self._blocks = pool_blocks.PoolBlocks(self.layout, self.mesh)
+        level_layout = dict(
+            root=root,
+            num_layers=g.num_layers,
+            block_tokens=g.block_tokens,
+            block_bytes=self._blocks.half_block_bytes,
+        )
+        remote: list[Any] = []
+        self._owned_levels: list[Any] = []  # Network levels this cache opened (and closes).
+        if config.prefix.shared_dir is not None:
+            remote.append(SharedDirectoryLevel(config.prefix.shared_dir, **level_layout))
+        if config.prefix.remote is not None:
+            remote.append(make_level(config.prefix.remote, **level_layout))
+            if remote[-1] is not config.prefix.remote:  # Made here (an address, a factory).
+                self._owned_levels.append(remote[-1])
         self.slots = SlotTable(
             batch=g.batch,
             max_len=g.max_len,
             block_tokens=g.block_tokens,
             num_blocks=g.num_blocks,
-            root=config.prefix_root(POOL_LAYOUT_VERSION),
+            root=root,
+            store=self._blocks,
+            remote_levels=remote,
         )
+        # Blocks a reservation imported from a prefix level, by slot: written into the
+        # pool of the state admitted() is given (cancel() drops them).
+        self._imports: dict[int, dict[int, np.ndarray]] = {}
         self._initialized = False  # init() makes the pool once.
         # Per (layer, slot): the end of the furthest load since init or admission; a slot's
         # length grows to the rows every layer holds.
@@ -418,15 +438,23 @@ class HostPoolKVCache:
         """:meth:`admit`'s first half: the slot table admits ``slot`` (or raises, changing
         nothing), no state changes; then :meth:`admitted` or :meth:`cancel`."""
         self._check_open()
-        return self.slots.admit(slot, max_tokens, tokens, max_cached=max_cached)
+        self._blocks.take_writes()  # Nothing of a refused call before.
+        admission = self.slots.admit(slot, max_tokens, tokens, max_cached=max_cached)
+        self._imports[admission.slot] = self._blocks.take_writes()
+        return admission
 
     def cancel(self, reservation: Admission) -> None:
         """Undoes a :meth:`reserve` that was not :meth:`admitted`."""
+        self._imports.pop(reservation.slot, None)
         self.slots.release(reservation.slot, 0)
 
     def admitted(self, state: PoolState, reservation: Admission) -> PoolState:
-        """The live state once :meth:`reserve` made ``reservation``."""
+        """The live state once :meth:`reserve` made ``reservation``: the blocks it imported
+        from a prefix level are in its pool."""
         slot = reservation.slot
+        imports = self._imports.pop(slot, {})
+        if imports:
+            state = state.replace(pool=self._blocks.apply(state.pool, imports))
         lengths = self._host(state.lengths).copy()
         lengths[slot] = reservation.cached
         self._loaded_extent[:, slot] = reservation.cached
@@ -450,7 +478,11 @@ class HostPoolKVCache:
         self.check_release(state, slot, tokens)  # Refused: no change.
         length = int(self._host(state.lengths)[slot])
         jax.block_until_ready(state.pool)  # Its blocks are indexed once written.
-        self.slots.release(slot, length, tokens)
+        self._blocks.reading(state.pool)  # A prefix level publishes them from it.
+        try:
+            self.slots.release(slot, length, tokens)
+        finally:
+            self._blocks.reading(None)
         self._loaded_extent[:, slot] = 0
         lengths = self._host(state.lengths).copy()
         lengths[slot] = 0
@@ -544,10 +576,7 @@ class HostPoolKVCache:
             new = _pool_rows_host(self.layout, k[:n, mine], v[:n, mine])
             old[shard, start - first * bt : start - first * bt + n] = new
         starts = self.layout.block_row(layer, table)
-        if self.mesh is None:
-            pool = _write_blocks(self.layout, state.pool, old[0], starts)
-        else:
-            pool = _write_blocks_sharded(self.layout, self.mesh, state.pool, old, starts)
+        pool = pool_blocks.write_blocks(self.layout, self.mesh, state.pool, old, starts)
         return state.replace(pool=pool)
 
     def read(
@@ -599,12 +628,8 @@ class HostPoolKVCache:
     def _read_rows(self, state: PoolState, rows: np.ndarray) -> np.ndarray:
         """Copies of the pool rows ``rows`` (whole blocks, in order) of every shard, as a
         numpy array [shards, len(rows), row_width]."""
-        if rows.size == 0:
-            return np.zeros((self.shards, 0, self.layout.row_width), self.layout.dtype)
         starts = rows[:: self.spec.block_tokens]
-        if self.mesh is None:
-            return np.array(_read_blocks(self.layout, state.pool, starts))[None]
-        return np.array(_read_blocks_sharded(self.layout, self.mesh, state.pool, starts))
+        return pool_blocks.read_blocks(self.layout, self.mesh, state.pool, starts)
 
     def _check_layer(self, layer: Any) -> None:
         if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.spec.num_layers:
@@ -619,8 +644,15 @@ class HostPoolKVCache:
     def close(self, state: PoolState | None = None) -> None:
         """Closes the cache: every later call is refused. The pool is the state's (freed
         with the last state that holds it); nothing is committed, the pool not being
-        persistent."""
+        persistent. Closes the network levels the cache opened."""
+        if self._closed:
+            return
         self._closed = True
+        for level in self._owned_levels:
+            try:
+                level.close()
+            except Exception as e:  # noqa: BLE001 - closing must not raise.
+                logger.warning("closing %s failed: %s", level.describe(), e)
 
     def __enter__(self) -> HostPoolKVCache:
         return self
@@ -647,55 +679,3 @@ def _kv_of_rows(spec: CacheSpec, layout: PoolLayout, rows: np.ndarray, raw: bool
         for part in (rows[:, :half], rows[:, half:])
     ]
     return tuple(stored) if raw else tuple(quantize.dequantize_host(x, spec.dtype) for x in stored)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _read_blocks(layout: PoolLayout, pool: jax.Array, starts: jax.Array) -> jax.Array:
-    """[len(starts) * block_tokens, row_width]: the blocks at pool rows ``starts``."""
-    bt = layout.spec.block_tokens
-    return jnp.concatenate(
-        [
-            to_device(jax.lax.dynamic_slice(pool, (starts[i], 0), (bt, layout.row_width)))
-            for i in range(starts.shape[0])
-        ]
-    )
-
-
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def _write_blocks(layout: PoolLayout, pool: jax.Array, rows: jax.Array, starts: jax.Array):
-    """``pool`` with the blocks ``rows`` ([n * block_tokens, row_width]) at pool rows
-    ``starts``."""
-    bt = layout.spec.block_tokens
-    for i in range(starts.shape[0]):
-        block = jax.lax.dynamic_slice_in_dim(rows, i * bt, bt)
-        pool = jax.lax.dynamic_update_slice(pool, into_pool(pool, block), (starts[i], 0))
-    return pool
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _read_blocks_sharded(
-    layout: PoolLayout, mesh: MeshLayout, pool: jax.Array, starts: jax.Array
-) -> jax.Array:
-    """[shards, len(starts) * block_tokens, row_width]: each shard's blocks at pool rows
-    ``starts`` (a mesh cache's pool: [shards, pool_rows, row_width])."""
-    return jax.shard_map(
-        lambda pool, starts: _read_blocks(layout, pool[0], starts)[None],
-        mesh=mesh.mesh,
-        in_specs=(mesh.state_spec, P()),
-        out_specs=mesh.state_spec,
-        check_vma=False,
-    )(pool, starts)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
-def _write_blocks_sharded(
-    layout: PoolLayout, mesh: MeshLayout, pool: jax.Array, rows: jax.Array, starts: jax.Array
-) -> jax.Array:
-    """``pool`` with each shard's blocks ``rows[shard]`` at pool rows ``starts``."""
-    return jax.shard_map(
-        lambda pool, rows, starts: _write_blocks(layout, pool[0], rows[0], starts)[None],
-        mesh=mesh.mesh,
-        in_specs=(mesh.state_spec, mesh.state_spec, P()),
-        out_specs=mesh.state_spec,
-        check_vma=False,
-    )(pool, rows, starts)

@@ -52,6 +52,7 @@ LAYERS: dict[str, int] = {
     "persistence": 3,
     "persisted_kv": 3,
     "host_pool": 3,
+    "pool_blocks": 3,
     "cache_protocol": 0,
     "parts": 4,
     "cache": 4,

@@ -1,0 +1,91 @@
+"""Prefix levels feed the host pool between steps: blocks one host-pool cache publishes to a
+shared directory at release are imported by another (a fresh process's cache, here a
+second cache object) into its pool, byte-exact, on one device and over a mesh."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import jax_tpusync as tps
+
+HEADS, HEAD_DIM, LAYERS, BT = 2, 16, 2, 8
+
+
+def make_cache(directory, **options):
+    return tps.HostPoolKVCache(
+        num_layers=LAYERS, batch=2, max_len=64, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+        block_tokens=BT, dtype=jnp.bfloat16, staging_bytes=1 << 20,
+        shared_prefix_dir=str(directory), **options,
+    )  # fmt: skip
+
+
+def mesh_options(devices):
+    if devices == 1:
+        return {}
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("h",))
+    return dict(mesh=mesh, kv_heads_axis="h")
+
+
+@pytest.mark.parametrize("devices", [1, 2], ids=["one-device", "mesh"])
+def test_published_blocks_are_imported_into_another_caches_pool(tmp_path, devices):
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 1000, 37)
+    kv = rng.standard_normal((LAYERS, 2, 37, HEADS, HEAD_DIM)).astype(jnp.bfloat16)
+    writer = make_cache(tmp_path, **mesh_options(devices))
+    state = writer.init(admit=False)
+    state, cached = writer.admit(state, 1, max_tokens=48, tokens=prompt)
+    assert cached == 0
+    for layer in range(LAYERS):
+        state = writer.load(state, layer, kv[layer, 0], kv[layer, 1], slot=1)
+    state = writer.release(state, 1, tokens=prompt)
+    published = sorted(tmp_path.iterdir())
+    assert len(published) == 37 // BT  # Its full blocks.
+    writer.close()
+
+    reader = make_cache(tmp_path, **mesh_options(devices))
+    state = reader.init(admit=False)
+    # A longer prompt that starts with the published one: its full blocks are imported.
+    longer = np.concatenate([prompt, rng.integers(0, 1000, 5)])
+    state, cached = reader.admit(state, 0, max_tokens=64, tokens=longer)
+    assert cached == 32
+    for layer in range(LAYERS):
+        k, v = reader.read(state, layer, 0)
+        np.testing.assert_array_equal(k, kv[layer, 0, :32])
+        np.testing.assert_array_equal(v, kv[layer, 1, :32])
+    # A refused admission (an active slot) imports nothing and changes no state.
+    before = np.asarray(state.pool).copy()
+    with pytest.raises(ValueError, match="active"):
+        reader.admit(state, 0, max_tokens=64, tokens=longer)
+    np.testing.assert_array_equal(np.asarray(state.pool), before)
+    # A reservation that imported and was cancelled leaves the pool as it was.
+    reservation = reader.reserve(1, 64, longer)
+    assert reservation.cached == 32
+    reader.cancel(reservation)
+    state = reader.release(state, 0, tokens=longer[:32])
+    np.testing.assert_array_equal(reader.capacity, [0, 0])
+    reader.close()
+
+
+def test_a_damaged_block_file_is_a_miss(tmp_path):
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 1000, 17)
+    writer = make_cache(tmp_path)
+    state = writer.init(admit=False)
+    state, _ = writer.admit(state, 0, max_tokens=32, tokens=prompt)
+    rows = np.ones((17, HEADS, HEAD_DIM), jnp.bfloat16)
+    for layer in range(LAYERS):
+        state = writer.load(state, layer, rows, rows, slot=0)
+    second_key = writer.slots.prefix.keys(prompt[: 2 * BT])[1]
+    writer.release(state, 0, tokens=prompt)
+    (second,) = tmp_path.glob(second_key.hex() + "*")
+    data = bytearray(second.read_bytes())
+    data[-1] ^= 0xFF
+    second.write_bytes(bytes(data))
+    reader = make_cache(tmp_path)
+    state = reader.init(admit=False)
+    state, cached = reader.admit(state, 0, max_tokens=32, tokens=prompt)
+    assert cached == 8  # The first block; the damaged second one is a miss.
