@@ -52,7 +52,7 @@ from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.host_io import one_slot_load
 from jax_tpusync.mesh_layout import MeshLayout, checked_layout
 from jax_tpusync.parts import bring_to_common_commit, each_or_none, reserve_agreed
-from jax_tpusync.quantize import QuantizedRows
+from jax_tpusync.quantize import join_head_shards
 from jax_tpusync.state import CacheSpec, KVState
 
 logger = logging.getLogger(__name__)
@@ -626,12 +626,7 @@ class ShardedKVCache:
         for s in holders:
             with self._on(s):
                 pieces.append(self.shards[s].read(parts[s], layer, local, start, stop, raw=raw))
-        if raw:  # Codes [n, H, D] and scales [n, H]: both join along the heads.
-            return tuple(
-                QuantizedRows(*(np.concatenate([p[kv][i] for p in pieces], axis=1) for i in (0, 1)))
-                for kv in range(2)
-            )
-        return tuple(np.concatenate([p[kv] for p in pieces], axis=1) for kv in range(2))
+        return join_head_shards(pieces)
 
     def read_all(self, layer: int, lengths=None) -> tuple[np.ndarray, np.ndarray]:
         """K and V [batch, max_len, num_kv_heads, head_dim] of every global slot (this

@@ -546,7 +546,8 @@ class HostPoolKVCache:
             self.slots, heads, spec.head_dim, spec.dtype, k, v, start, lengths
         )  # Refused: no change.
         for b in np.flatnonzero(counts):
-            state = self._load_rows(state, layer, int(b), k[b], v[b], int(starts[b]), int(counts[b]))
+            n = int(counts[b])
+            state = self._load_rows(state, layer, int(b), k[b], v[b], int(starts[b]), n)
         extent = self._loaded_extent[layer]
         written = counts > 0
         extent[written] = np.maximum(extent[written], (starts + counts)[written])
@@ -597,6 +598,8 @@ class HostPoolKVCache:
         self.check(state)
         self._check_layer(layer)
         self.slots.check_slot(slot)
+        if raw and not spec.quantized:
+            raise ValueError("raw=True reads codes and scales: this cache's tier is not quantized")
         length = int(self._host(state.lengths)[slot])
         stop = length if stop is None else stop
         if not (
@@ -614,16 +617,7 @@ class HostPoolKVCache:
         rows = self._read_rows(state, self.layout.host_rows(layer, table))
         rows = rows[:, start - first * bt : stop - first * bt]
         # Each shard's heads, in order: the global heads.
-        parts = [_kv_of_rows(spec, self.layout, part, raw) for part in rows]
-        if raw and spec.quantized:
-            return tuple(
-                quantize.QuantizedRows(
-                    np.concatenate([p[i].codes for p in parts], axis=1),
-                    np.concatenate([p[i].scales for p in parts], axis=1),
-                )
-                for i in range(2)
-            )
-        return tuple(np.concatenate([p[i] for p in parts], axis=1) for i in range(2))
+        return quantize.join_head_shards([_kv_of_rows(spec, self.layout, p, raw) for p in rows])
 
     def _read_rows(self, state: PoolState, rows: np.ndarray) -> np.ndarray:
         """Copies of the pool rows ``rows`` (whole blocks, in order) of every shard, as a

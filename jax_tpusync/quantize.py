@@ -47,6 +47,19 @@ class QuantizedRows(NamedTuple):
     scales: np.ndarray  # [..., num_kv_heads] float32
 
 
+def join_head_shards(pieces: list[tuple[Any, Any]]) -> tuple[Any, Any]:
+    """K and V of several head shards' reads (``(k, v)`` each, in head order) joined along
+    the heads: arrays [n, heads, head_dim], or :class:`QuantizedRows` (codes [n, heads,
+    head_dim] and scales [n, heads] both join there)."""
+
+    def join(parts: list[Any]) -> Any:
+        if isinstance(parts[0], QuantizedRows):
+            return QuantizedRows(*(np.concatenate([p[i] for p in parts], axis=1) for i in (0, 1)))
+        return np.concatenate(parts, axis=1)
+
+    return join([p[0] for p in pieces]), join([p[1] for p in pieces])
+
+
 def tier_dtype_of(tier_dtype: Any) -> np.dtype | None:
     """``tier_dtype`` as a numpy dtype (None stays None); refuses anything else by name."""
     if tier_dtype is None:

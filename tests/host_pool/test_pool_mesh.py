@@ -121,6 +121,13 @@ def test_load_over_a_mesh_round_trips_and_feeds_the_step():
         for slot in range(BATCH):
             for got, want in zip(cache.read(state, layer, slot), single.read(ref, layer, slot)):
                 np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="raw=True reads codes and scales: this cache's tier"):
+        make_cache().read(make_cache().init(), 0, 0, raw=True)
+    # Raw: the int8 codes and per-head scales of every device's heads, joined.
+    for got, want in zip(cache.read(state, 1, 0, raw=True), single.read(ref, 1, 0, raw=True)):
+        assert got.codes.dtype == np.int8 and got.scales.shape == (21, HEADS)
+        np.testing.assert_array_equal(got.codes, want.codes)
+        np.testing.assert_array_equal(got.scales, want.scales)
     step = step_fn(LAYERS)
     q = jnp.asarray(rng.standard_normal((LAYERS, BATCH, 1, Q_HEADS, HEAD_DIM)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((LAYERS, BATCH, 1, HEADS, HEAD_DIM)), jnp.float32)
