@@ -190,8 +190,9 @@ class ServingLoop:
       vocab_size: the model's vocabulary: token ids (prompts, stop tokens, sampled ids)
         must be in ``[0, vocab_size)``. None: read from the step's logits.
       share_prefixes: share prompt blocks as soon as a step computed them, and hold back
-        a request whose prompt a running prefill is computing (see the module); False:
-        blocks are shared at release only, requests admitted in arrival order.
+        a request whose prompt a running prefill is computing (see the module); False (or
+        a cache without ``share_computed``): blocks are shared at release only, requests
+        admitted in arrival order. The attribute of that name says which applies.
 
     The step is traced once here (``jax.eval_shape`` at the prefill width: no compile, and
     its first real call reuses the trace) to check its contract and read the vocabulary
@@ -274,7 +275,9 @@ class ServingLoop:
         self.cache, self.step_fn, self.params = cache, step, params
         self.chunk, self.decode_width = chunk, decode_width or chunk
         self.seed, self.clock = seed, clock
-        self.share_prefixes = bool(share_prefixes)
+        # A cache without share_computed shares blocks at release only: holding a request
+        # behind a running prefill would then only delay it.
+        self.share_prefixes = bool(share_prefixes) and hasattr(cache, "share_computed")
         # Tokens of the largest block of any part of the cache: the unit a prefix is
         # shared in (a prefix shorter than a whole block of every part is not mapped).
         self._share_unit = max(

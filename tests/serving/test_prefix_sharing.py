@@ -159,3 +159,26 @@ def test_share_computed_refuses_an_inactive_slot_changing_nothing(params, step):
         assert (cache.block_tables.tolist(), cache.prefix_stats, cache.free_blocks) == before
         assert cache.share_computed(state, 0) == 0  # Length 0: nothing computed yet.
         cache.close(state)
+
+
+class WithoutShareComputed:
+    """A cache that shares blocks at release only (no share_computed)."""
+
+    def __init__(self, cache):
+        self.inner = cache
+
+    def __getattr__(self, name):
+        if name == "share_computed":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def test_a_cache_without_share_computed_is_served_in_arrival_order(params, step):
+    prompt = SYSTEM + [3]
+    with make_cache() as cache:
+        loop = serving.ServingLoop(WithoutShareComputed(cache), step, params, chunk=CHUNK)
+        assert loop.share_prefixes is False  # Holding requests back would only delay them.
+        done = loop.run([serving.Request(prompt, 2), serving.Request(prompt, 2)])
+        cache.close(loop.state)
+    assert [c.cached for c in done] == [0, 0]  # Admitted together, each computed it.
+    assert done[1].tokens == alone(params, prompt, 2)
