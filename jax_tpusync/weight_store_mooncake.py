@@ -37,6 +37,7 @@ A publisher's shards live in its own segment: it must stay up (with its
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
@@ -45,6 +46,7 @@ import re
 import threading
 import time
 import urllib.parse
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Self
 
@@ -90,6 +92,32 @@ _CODE_MEANING = {
 # Clients whose master did not answer when they closed: closing one then would hold the
 # interpreter's lock until the master answers, so they stay referenced, never closed.
 _ABANDONED: list[Any] = []
+# A call to the store made more than this after the last answer first asks the master with
+# a plain socket whether it is there: a call into a client whose master is gone does not
+# return for seconds (5-10 s measured), far past the deadline.
+PROBE_AFTER_S = 0.25
+# The longest the interpreter's exit waits for calls that passed their deadline and still
+# run: a process that exits while the client is inside one is aborted by the client's
+# library ("terminate called without an active exception").
+EXIT_WAIT_S = 30.0
+_STORES: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _wait_for_running_calls() -> None:
+    """At exit, waits (at most ``EXIT_WAIT_S``) for calls still running past their
+    deadline."""
+    until = time.monotonic() + EXIT_WAIT_S
+    for store in list(_STORES):
+        if store.call_running():
+            logger.warning(
+                "waiting up to %.0f s for a call to %s that passed its deadline",
+                max(0.0, until - time.monotonic()),
+                store.describe(),
+            )
+        while store.call_running() and time.monotonic() < until:
+            time.sleep(0.05)
+
 
 _URL_OPTIONS = "segment_mb, deadline_s, namespace, local_host, chunk_kb, request_mb"
 
@@ -219,6 +247,12 @@ class MooncakeWeightStore:
         self._closed = False
         self._lock = threading.Lock()  # One call at a time (the publisher's writer thread).
         self._worker = DeadlineWorker(f"weight-store-{master}")
+        self._answered_at = -math.inf  # When a call last returned.
+        _STORES.add(self)
+
+    def call_running(self) -> bool:
+        """Whether a call that passed its deadline still runs (later calls are refused)."""
+        return self._worker.busy
 
     @classmethod
     def from_url(cls, url: str) -> MooncakeWeightStore:
@@ -305,8 +339,14 @@ class MooncakeWeightStore:
                 raise WeightSyncError(f"{what}: {self.describe()} was closed")
             if self._client is None:
                 self._connect(what, self.deadline_s - (time.monotonic() - start))
+            elif time.monotonic() - self._answered_at > PROBE_AFTER_S:
+                why = probe_master(self.host, self.port, self.deadline_s)
+                if why is not None:
+                    raise WeightSyncError(f"{what}: the Mooncake master at {self.master}: {why}")
             left = self.deadline_s - (time.monotonic() - start)
-            return self._worker.call(lambda: fn(self._client), left)
+            value = self._worker.call(lambda: fn(self._client), left)
+            self._answered_at = time.monotonic()
+            return value
         except DeadlinePassed as e:
             raise WeightSyncError(
                 f"{what}: {self.describe()} did not answer within {self.deadline_s:g} s ({e})"

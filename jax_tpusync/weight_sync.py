@@ -210,7 +210,8 @@ class WeightPublisher:
           TypeError / ValueError: a leaf that is not a jax array, a version that is not an
             int above the last one published here (nothing is written).
           WeightSyncError: the previous version's write failed (that version stays
-            incomplete; this one is not published).
+            incomplete; this one is not published), or the store did not answer (a
+            Mooncake master that is down: within its deadline).
         """
         start = time.perf_counter()
         version = check_version(version)

@@ -173,7 +173,9 @@ def test_a_master_killed_in_the_middle_of_a_pull_is_a_clear_error_within_the_dea
 
         puller.store.open_version = kill_then_open
         start = time.monotonic()
-        with pytest.raises(WeightSyncError, match=r"weights version 2, leaf .*Mooncake store"):
+        with pytest.raises(
+            WeightSyncError, match=r"weights version 2, leaf .*Mooncake (store|master)"
+        ):
             puller.pull(targets, 2)
         assert time.monotonic() - start < deadline_s + 3
         assert puller.version == 1 and puller.params is held
@@ -182,7 +184,14 @@ def test_a_master_killed_in_the_middle_of_a_pull_is_a_clear_error_within_the_dea
         with pytest.raises(WeightSyncError, match=r"Mooncake"):
             puller.pull(targets, 3, timeout_s=0)
         assert time.monotonic() - start < deadline_s + 3
+        # A publish is refused as clearly (asking whether the version exists fails).
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError, match=r"weights version 3: .*Mooncake (store|master)"):
+            pub.publish(trained, 3)
+        assert time.monotonic() - start < deadline_s + 3
+        assert pub.last_version == 2
     finally:
+        # Closing with the master down returns at once and leaves the clients open.
         start = time.monotonic()
         puller.close()
         pub.close()
@@ -280,6 +289,14 @@ def test_an_unreachable_master_is_a_clear_error_within_the_deadline():
 def test_the_url_guards(spec, message):
     with pytest.raises(ValueError, match=message):
         open_weight_store(spec)
+
+
+def test_a_store_object_is_used_as_it_is(master):
+    store = open_weight_store(url(master))
+    assert open_weight_store(store) is store
+    with pytest.raises(TypeError, match=r"store=3.5 must be a directory path, a 'mooncake://"):
+        open_weight_store(3.5)
+    store.close()
 
 
 def test_the_url_edges_are_accepted():
