@@ -343,7 +343,7 @@ def plot_sweep(rows: Sequence[dict[str, Any]], out: str, names: Sequence[str]) -
         ax.plot(contexts, copy, ":", color="gray", label="memcpy of the step's KV")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xticks(contexts, [_tokens(c) for c in contexts])
+    ax.set_xticks(contexts, [tokens(c) for c in contexts])
     ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("decode step (ms, median)")
@@ -360,7 +360,7 @@ def plot_sweep(rows: Sequence[dict[str, Any]], out: str, names: Sequence[str]) -
     plt.close(fig)
 
 
-def _tokens(n: int) -> str:
+def tokens(n: int) -> str:
     """4096 -> "4K", 1048576 -> "1M" (other counts as they are)."""
     for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
         if n >= size and n % size == 0:

@@ -84,9 +84,18 @@ memcpy_ms)`` (a host-tier figure; computed whenever ``resident`` ran).
 ``--context`` takes several values (``--context 4096 32768 1048576``): the whole benchmark
 runs once per context, in order, with fresh caches. One context returns (and ``--json``
 writes as ``results``) one row, a dict, as before; several return a list of rows, one per
-context. ``--plot`` draws, for one context, the prefetch step's timeline; for several, step
-time against context (log-log) of every variant and baseline that ran. ``--trace`` with
-several contexts writes one trace per context (``OUT-<context>.json``).
+context. ``--plot`` draws, for one context, a bar per step of the summary (the library, the
+plain-JAX baselines, the resident floor) with its samples' spread; for several, step time
+against context (log-log) of every variant and baseline that ran. ``--plot-timeline`` draws
+the prefetch step's timeline (transfers, compute, stalls). ``--trace`` and ``--plot-timeline``
+with several contexts write one file per context (``OUT-<context>.json``).
+
+Output: by default, per context, a short table (the library's step, the plain-JAX steps that
+ran, the resident floor: median and IQR of the timed samples) and, in words, how much faster
+or slower the library is than the faster plain-JAX step, "within noise" where the medians
+differ by no more than the wider IQR (see :mod:`jax_tpusync.bench.verdict`). ``--details``
+prints the developer's output instead: every variant's row, ratios, counters, the targets
+and the full table. Progress (builds, rounds, finished contexts) goes to stderr.
 
 ``--xla-cpu-schedule memory`` (the default) runs every variant and baseline under XLA's
 memory-minimizing CPU schedule (:func:`jax_tpusync.xla_cpu.use_memory_scheduler`; an
@@ -254,8 +263,21 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--plot",
         default=None,
         metavar="OUT.png",
-        help="one --context: plot the prefetch step's timeline (transfers, compute, "
-        "stalls); several: step time vs context, log-log, every variant and baseline",
+        help="one --context: bars of the library's step vs the plain-JAX steps and the "
+        "resident floor, with the samples' spread; several: step time vs context, log-log, "
+        "every variant and baseline",
+    )
+    p.add_argument(
+        "--plot-timeline",
+        default=None,
+        metavar="OUT.png",
+        help="plot the prefetch step's timeline (transfers, compute, stalls)",
+    )
+    p.add_argument(
+        "--details",
+        action="store_true",
+        help="print every variant's row, the ratios, counters and targets, and the full "
+        "table, instead of the short summary",
     )
     p.add_argument(
         "--trace",
@@ -304,7 +326,10 @@ def run(args: argparse.Namespace) -> dict[str, Any] | list[dict[str, Any]]:
         except RuntimeError:  # Called in a process that already computed (tests): as it is.
             args.xla_cpu_schedule_result = "backends already started"
         if args.xla_cpu_schedule_result not in ("set", "kept"):
-            print(f"note: --xla-cpu-schedule memory not applied ({args.xla_cpu_schedule_result})")
+            print(
+                f"note: --xla-cpu-schedule memory not applied ({args.xla_cpu_schedule_result})",
+                file=sys.stderr,
+            )
     if args.devices is not None:
         if args.devices < 1 or len(contexts) != 1:
             raise SystemExit("--devices N needs N >= 1 and one --context")
@@ -313,22 +338,48 @@ def run(args: argparse.Namespace) -> dict[str, Any] | list[dict[str, Any]]:
         args.columns = mesh_decode.COLUMNS  # Its rows are per device count.
         return mesh_decode.run(args, common.apply_cpu_arguments(args))
     worker_cpus = common.apply_cpu_arguments(args)  # Once, before JAX starts its backend.
+    if not args.details:
+        args.columns = None  # The short summary below instead of the developer's table.
     if len(contexts) == 1:
         args.context = contexts[0]  # The JSON's args keep their one-context form.
-        return _run_context(args, worker_cpus)
+        res = _run_context(args, worker_cpus)
+        if args.plot:
+            decode_report.plot_comparison(res, args.plot)
+            print(f"wrote {args.plot}")
+        _print_user_summary([res], args)
+        return res
     rows = []
-    for context in contexts:
-        trace = None
-        if args.trace:
-            stem, ext = os.path.splitext(args.trace)
-            trace = f"{stem}-{context}{ext or '.json'}"
-        # --plot is the sweep's plot here, not a per-context timeline.
-        one = argparse.Namespace(**{**vars(args), "context": context, "plot": None, "trace": trace})
+    for i, context in enumerate(contexts):
+        per_context = {
+            flag: _per_context_path(getattr(args, flag), context)
+            for flag in ("trace", "plot_timeline")
+        }
+        # --plot is the sweep's plot here, drawn once all contexts ran.
+        one = argparse.Namespace(**{**vars(args), "context": context, "plot": None, **per_context})
         rows.append(_run_context(one, worker_cpus))
+        print(f"context {context}: done ({i + 1}/{len(contexts)})", file=sys.stderr, flush=True)
     if args.plot:
         baselines.plot_sweep(rows, args.plot, decode_report.ALL)
         print(f"wrote {args.plot}")
+    _print_user_summary(rows, args)
     return rows
+
+
+def _per_context_path(path: str | None, context: int) -> str | None:
+    """``OUT.ext`` -> ``OUT-<context>.ext`` (None stays None)."""
+    if path is None:
+        return None
+    stem, ext = os.path.splitext(path)
+    return f"{stem}-{context}{ext or '.json'}"
+
+
+def _print_user_summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """The default output: one short comparison per context (nothing with ``--details``)."""
+    if args.details:
+        return
+    for res in rows:
+        print()
+        print(decode_report.user_summary(res))
 
 
 def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict[str, Any]:
@@ -377,7 +428,9 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
             step.once()
             first_out[name] = np.asarray(step.out, np.float32)
             print(
-                f"  compiled + first step of {name}: {time.perf_counter() - t0:.1f} s", flush=True
+                f"  compiled + first step of {name}: {time.perf_counter() - t0:.1f} s",
+                file=sys.stderr,
+                flush=True,
             )
 
         order = [v for v in decode_report.ALL if v in steps]
@@ -387,7 +440,7 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
         aux = bench.cache_of("transfer")[0]
         aux_fetch = {"bytes": 0, "busy": 0.0}
         timeline = None
-        record = bool(args.plot or args.trace)
+        record = bool(args.plot_timeline or args.trace)
         for r in range(args.warmup + rounds):
             k = r % len(order)
             last = r == args.warmup + rounds - 1
@@ -420,6 +473,7 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
                     for n in order
                     if samples[n].seconds
                 ),
+                file=sys.stderr,
                 flush=True,
             )
         pf_stats = pf_engine.stats()
@@ -428,7 +482,8 @@ def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict
         )
         if timeline is not None:
             decode_report.timeline_outputs(res, bench, timeline)
-        decode_report.print_summary(res)
+        if args.details:
+            decode_report.print_summary(res)
         return res
     finally:
         bench.close()
@@ -446,9 +501,10 @@ def main(argv: list[str] | None = None) -> int:
     _add_arguments(parser)
     args = parser.parse_args(argv)
     results = run(args)
-    print()
     columns = getattr(args, "columns", COLUMNS)
-    print(common.format_table(results if isinstance(results, list) else [results], columns))
+    if columns:
+        print()
+        print(common.format_table(results if isinstance(results, list) else [results], columns))
     args.subcommand = "decode"
     common.report_json(args, "decode", results)
     return 0

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tpusync.bench import baselines, common
+from jax_tpusync.bench import baselines, common, verdict
 from jax_tpusync.bench.decode_variants import VARIANTS, Bench, Step
 from jax_tpusync.bench.tiny_decoder import Shape
 
@@ -86,11 +86,13 @@ def row(
             res[f"t_{n}_ms"] = med[n]
             res[f"t_{n}_ms_min"] = samples[n].min * 1e3
             res[f"t_{n}_ms_max"] = samples[n].max * 1e3
+            res[f"t_{n}_ms_samples"] = [t * 1e3 for t in samples[n].seconds]
             res[f"cpu_user_{n}_ms"] = statistics.median(costs[n]["cpu_user"]) * 1e3
             res[f"cpu_system_{n}_ms"] = statistics.median(costs[n]["cpu_system"]) * 1e3
             res[f"minor_faults_{n}_per_step"] = statistics.median(costs[n]["minor_faults"])
         else:
             res[f"t_{n}_ms"] = res[f"t_{n}_ms_min"] = res[f"t_{n}_ms_max"] = None
+            res[f"t_{n}_ms_samples"] = []
     res["jax_offload_label"] = b.jax_offload_label
     t_res, t_xfer, t_pf = res["t_resident_ms"], res["t_transfer_ms"], res["t_prefetch_ms"]
     res["overlap_efficiency"] = (
@@ -206,7 +208,7 @@ def timeline_outputs(res: dict[str, Any], b: Bench, timeline) -> None:
     if args.trace:
         tl.write_chrome_trace(timeline, args.trace)
         print(f"wrote {args.trace}")
-    if args.plot:
+    if args.plot_timeline:
         title = (
             f"prefetch decode step: {args.tier} tier, context {args.context}, "
             f"{shape.layers} layers, chunk_len {spec.chunk_len} "
@@ -214,8 +216,8 @@ def timeline_outputs(res: dict[str, Any], b: Bench, timeline) -> None:
             f" ms, transfer {t_xfer or float('nan'):.0f} ms, sync "
             f"{res['t_sync_ms'] or float('nan'):.0f} ms)"
         )
-        tl.plot(timeline, args.plot, title=title, stall_ns=STALL_NS, last_steps=2)
-        print(f"wrote {args.plot}")
+        tl.plot(timeline, args.plot_timeline, title=title, stall_ns=STALL_NS, last_steps=2)
+        print(f"wrote {args.plot_timeline}")
 
 
 def fetch_counters(engine) -> tuple[int, float]:
@@ -302,7 +304,74 @@ def _targets(res: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# The library's steps, the plain-JAX baselines and the floor of the short summary, with the
+# words the summary calls them by.
+LIBRARY_LABELS = {
+    "prefetch": "library (prefetching_attention)",
+    "resident_mode": "library (resident=True cache)",
+}
+BASELINE_LABELS = {
+    "jax_offload": "plain JAX (device_put in jit)",
+    "plain_jax": "plain JAX (memmap + device_put per layer)",
+    "tuned_jax": "plain JAX (memmap, next layer on a thread)",
+}
+FLOOR_LABEL = "resident floor (all KV in device memory)"
+
+
+def _spread(res: dict[str, Any], name: str) -> verdict.Spread | None:
+    samples = res.get(f"t_{name}_ms_samples")
+    return verdict.Spread.of(samples) if samples else None
+
+
+def user_summary(res: dict[str, Any]) -> str:
+    """One context's short summary: the library's step against the faster plain-JAX
+    baseline (and the resident floor, where it ran) in words, with the samples' spread."""
+    ran = {n: s for n in (*LIBRARY_LABELS, *BASELINE_LABELS, "resident") if (s := _spread(res, n))}
+    library = min((n for n in LIBRARY_LABELS if n in ran), key=lambda n: ran[n].median)
+    jax = [n for n in BASELINE_LABELS if n in ran]
+    best_jax = min(jax, key=lambda n: ran[n].median) if jax else None
+    rows = [(LIBRARY_LABELS[library], ran[library])]
+    rows += [(BASELINE_LABELS[n], ran[n]) for n in jax]
+    if "resident" in ran:
+        rows.append((FLOOR_LABEL, ran["resident"]))
+    heading = (
+        f"context {baselines.tokens(res['context'])}: {res['tier']} tier, {res['layers']} "
+        f"layers x {res['kv_heads']} KV heads x {res['head_dim']} ({res['dtype']}), batch "
+        f"{res['batch']}"
+    )
+    lines = [heading, verdict.table(rows)]
+    if best_jax is None:
+        lines.append(
+            "  no plain-JAX baseline ran: add the jax_offload variant or --baselines plain,tuned"
+        )
+    else:
+        lines.append(
+            f"  the library is {verdict.compare(ran[library], ran[best_jax], BASELINE_LABELS[best_jax])}"
+        )
+    if "resident" in ran:
+        floor, lib = ran["resident"], ran[library]
+        line = f"  the resident floor is {verdict.compare(floor, lib, 'the library')}"
+        if floor.median > lib.median and not verdict.within_noise(floor, lib):
+            line += "; a floor should not be slower: rerun with more --steps on a quieter machine"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def plot_comparison(res: dict[str, Any], out: str) -> None:
+    """``--plot`` at one context: a bar per step of :func:`user_summary`, with its spread."""
+    names = [*LIBRARY_LABELS, *BASELINE_LABELS, "resident"]
+    labels = {**LIBRARY_LABELS, **BASELINE_LABELS, "resident": FLOOR_LABEL}
+    rows = [(labels[n], res[f"t_{n}_ms_samples"]) for n in names if res.get(f"t_{n}_ms_samples")]
+    title = (
+        f"decode step at context {baselines.tokens(res['context'])}: {res['tier']} tier, "
+        f"{res['layers']} layers x {res['kv_heads']} KV heads x {res['head_dim']} ({res['dtype']})"
+    )
+    verdict.plot_bars(rows, out, title)
+
+
 def print_summary(res: dict[str, Any]) -> None:
+    """The developer summary (``--details``): every variant, ratios, counters, targets."""
+
     def f(v, fmt=".1f"):
         return "-" if v is None else format(v, fmt)
 
@@ -327,12 +396,15 @@ def print_summary(res: dict[str, Any]) -> None:
         "two_level": res.get("two_level_note")
         or f"the same on a two-level cache, all blocks in DRAM: a fetch per tier per unit "
         f"(two-level/prefetch {f(res.get('two_level_over_prefetch'), '.3f')})",
-        "quantized": f"the same over {res.get('tier_dtype')} rows + scales "
+        "quantized": "not run (--tier-dtype adds it)"
+        if res.get("tier_dtype") is None
+        else f"the same over {res.get('tier_dtype')} rows + scales "
         f"({f(res.get('quantized_bytes_ratio'), '.3f')} of the bytes; quantized/prefetch "
         f"{f(res['quantized_over_prefetch'], '.3f')})",
         "plain": "plain reader thread on the engine's CPUs, same bytes, no engine",
         "platform": "compute beside that plain reader: this machine's own overlap",
-        "jax_offload": f"pinned_host KV + device_put in jit [{res['jax_offload_label']}]",
+        "jax_offload": "pinned_host KV + device_put in jit"
+        + (f" [{res['jax_offload_label']}]" if res.get("jax_offload_label") else ""),
         **baselines.NOTES,
     }
     for n in ALL:

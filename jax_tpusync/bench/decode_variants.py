@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import resource
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -141,7 +142,9 @@ class Bench:
 
         args, shape = self.args, self.shape
         # Named, so that the plain reader can open the same file.
-        self.pf_cache = self.new_cache(record=bool(args.plot or args.trace), file_name="kv")
+        self.pf_cache = self.new_cache(
+            record=bool(args.plot_timeline or args.trace), file_name="kv"
+        )
         self.spec = spec = self.pf_cache.spec
         wanted = [v for n, v in REGISTRY.items() if n in wanted]  # In registration order.
         for v in wanted:
@@ -156,6 +159,7 @@ class Bench:
             f"q heads {shape.q_heads}, ffn {shape.ffn}; chunk_len {spec.chunk_len}, "
             f"{-(-args.context // spec.chunk_len)} units/layer, "
             f"{shape.kv_bytes_per_step / common.MiB:.1f} MiB of KV read per step",
+            file=sys.stderr,
             flush=True,
         )
         # The measured state first: it takes the staging buffer the file tier was aligned to.
@@ -178,6 +182,7 @@ class Bench:
         print(
             f"filled {args.context} tokens x {shape.layers} layers in "
             f"{time.perf_counter() - t0:.1f} s",
+            file=sys.stderr,
             flush=True,
         )
         self.params = tiny_decoder.init_step_params(shape, args.seed)
@@ -529,7 +534,10 @@ def _jax_offload(b: Bench) -> Step | None:
     host_kind = "pinned_host" if "pinned_host" in kinds else None
     if host_kind is None:
         b.jax_offload_label = "unsupported"
-        print(f"jax_offload: device {dev} has no pinned_host memory (kinds {kinds}); skipped")
+        print(
+            f"jax_offload: device {dev} has no pinned_host memory (kinds {kinds}); skipped",
+            file=sys.stderr,
+        )
         return None
     dev_sharding = SingleDeviceSharding(dev, memory_kind=dev.default_memory().kind)
     host_sharding = SingleDeviceSharding(dev, memory_kind=host_kind)
@@ -561,7 +569,7 @@ def _jax_offload(b: Bench) -> Step | None:
     else:
         b.jax_offload_label = f"{host_kind}->{dev.default_memory().kind}"
     detail = f"memory kinds {kinds}; compiled step has {copies} async host->device copies"
-    print(f"jax_offload: {b.jax_offload_label} ({detail})")
+    print(f"jax_offload: {b.jax_offload_label} ({detail})", file=sys.stderr)
     return Step(lambda p, x, c: (jitted(p, x, c), c), (ks, vs), (b.params, b.x0))
 
 
