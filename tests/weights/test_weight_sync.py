@@ -499,3 +499,15 @@ def test_part_writer_guards(store_dir):
     assert writer.nbytes == 16
     writer.abort()
     assert list((store_dir / "v000000000001").iterdir()) == []
+
+
+def test_a_mooncake_store_without_its_client_is_refused_naming_the_extra(monkeypatch):
+    import sys
+
+    from jax_tpusync.weight_sync import open_weight_store
+
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # As if not installed.
+    with pytest.raises(ImportError, match=r"needs the Mooncake Store client: pip install"):
+        open_weight_store("mooncake://127.0.0.1:1")
+    with pytest.raises(ImportError, match=r"jax-tpusync\[mooncake\]"):
+        WeightPuller("mooncake://127.0.0.1:1")
