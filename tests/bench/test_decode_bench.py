@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import pathlib
@@ -16,7 +18,7 @@ import pytest  # noqa: E402
 
 from jax_tpusync import timeline as tl  # noqa: E402
 from jax_tpusync.bench import __main__ as bench_main  # noqa: E402
-from jax_tpusync.bench import common, decode  # noqa: E402
+from jax_tpusync.bench import common, decode, decode_report  # noqa: E402
 from jax_tpusync.engine import Timeline  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -80,10 +82,41 @@ def bench_run(tmp_path_factory):
             paths["trace"],
         ]
     )
-    results = args.run(args)
-    bench_main.print_results(results, args.columns)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # What a user reads: the default output.
+        results = args.run(args)
+        bench_main.print_results(results, args.columns)
+    paths["stdout"] = printed.getvalue()
     common.write_json(args.json, args.subcommand, args, results)
     return results, paths
+
+
+def test_default_output_is_the_short_summary(bench_run):
+    """Without --details: the library against plain JAX in words, no targets, no None, no
+    context that was not asked for, no developer table."""
+    res, paths = bench_run
+    text = paths["stdout"]
+    assert "None" not in text
+    assert "context 600: host tier" in text
+    assert "the library is " in text and ("faster than" in text or "slower than" in text)
+    assert "plain JAX (device_put in jit)" in text and "resident floor" in text
+    assert "targets" not in text and "32K" not in text and "1M" not in text
+    assert "overlap eff" not in text and "rows + scales" not in text
+    assert res["t_prefetch_ms_samples"] and len(res["t_prefetch_ms_samples"]) >= 5
+
+
+def test_details_bring_back_the_targets_and_the_table(bench_run):
+    res, _ = bench_run
+    args = _parser().parse_args(["decode", "--details"])
+    assert args.details and args.columns is decode.COLUMNS
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        decode_report.print_summary(res)
+        bench_main.print_results(res, args.columns)
+    text = printed.getvalue()
+    assert "targets:" in text and "[PASS]" in text
+    assert "overlap eff" in text and "quantized" in text
+    assert "None" not in text
 
 
 def test_decode_json_has_every_key(bench_run):
