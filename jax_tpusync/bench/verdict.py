@@ -63,7 +63,7 @@ def compare(subject: Spread, other: Spread, other_name: str) -> str:
 
     Returns:
       ``"2.9x faster than <other_name>"``, ``"1.2x slower than <other_name>"`` or ``"as fast
-      as <other_name>"`` (equal medians), followed by ``" (within noise: ...)"`` where
+      as <other_name>"`` (equal medians), followed by ``"; within noise: ..."`` where
       :func:`within_noise` holds.
     """
     if subject.median < other.median:
@@ -74,8 +74,8 @@ def compare(subject: Spread, other: Spread, other_name: str) -> str:
         words = f"as fast as {other_name}"
     if within_noise(subject, other):
         words += (
-            f" (within noise: the medians differ by {abs(subject.median - other.median):.1f} ms,"
-            f" the samples spread over {max(subject.iqr, other.iqr):.1f} ms)"
+            f"; within noise: the medians differ by {abs(subject.median - other.median):.1f} ms,"
+            f" the samples spread over {max(subject.iqr, other.iqr):.1f} ms"
         )
     return words
 

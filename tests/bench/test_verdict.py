@@ -39,7 +39,7 @@ def test_within_noise_at_exactly_the_edge():
     other = verdict.Spread(median=12.0, q1=12.0, q3=12.0, count=3)
     assert verdict.within_noise(edge, other)
     text = verdict.compare(edge, other, "y")
-    assert text.startswith("1.2x faster than y (within noise:")
+    assert text.startswith("1.2x faster than y; within noise:")
     assert "differ by 2.0 ms" in text and "spread over 2.0 ms" in text
     just_under = verdict.Spread(median=12.0 + 1e-9, q1=12.0, q3=12.0, count=3)
     assert not verdict.within_noise(edge, just_under)
@@ -48,7 +48,7 @@ def test_within_noise_at_exactly_the_edge():
 
 def test_equal_medians_are_as_fast():
     a = verdict.Spread.of([5.0, 5.0])
-    assert verdict.compare(a, a, "z").startswith("as fast as z (within noise:")
+    assert verdict.compare(a, a, "z").startswith("as fast as z; within noise:")
 
 
 def _row(**samples):
@@ -79,7 +79,7 @@ def test_decode_summary_names_the_faster_baseline_in_words():
 def test_decode_summary_notes_a_floor_slower_than_the_library():
     noisy = _row(prefetch=[10.0, 10.1, 10.2], jax_offload=[30.0], resident=[9.0, 10.5, 12.0])
     text = decode_report.user_summary(noisy)
-    assert "the resident floor is 1.04x slower than the library (within noise:" in text
+    assert "the resident floor is 1.04x slower than the library; within noise:" in text
     clear = _row(prefetch=[10.0, 10.1, 10.2], jax_offload=[30.0], resident=[15.0, 15.0, 15.0])
     text = decode_report.user_summary(clear)
     assert "1.5x slower than the library; a floor should not be slower" in text
