@@ -363,7 +363,7 @@ def plot_comparison(res: dict[str, Any], out: str) -> None:
     labels = {**LIBRARY_LABELS, **BASELINE_LABELS, "resident": FLOOR_LABEL}
     rows = [(labels[n], res[f"t_{n}_ms_samples"]) for n in names if res.get(f"t_{n}_ms_samples")]
     title = (
-        f"decode step at context {baselines.tokens(res['context'])}: {res['tier']} tier, "
+        f"decode step at context {baselines.tokens(res['context'])}, {res['tier']} tier:\n"
         f"{res['layers']} layers x {res['kv_heads']} KV heads x {res['head_dim']} ({res['dtype']})"
     )
     verdict.plot_bars(rows, out, title)
