@@ -72,6 +72,10 @@ def test_transfer_reports_engine_and_ceiling(tmp_path):
     assert row["block_bytes"] == 256 * 1024 and row["total_bytes"] == 2 * 1024 * 1024
     assert row["verified"] and row["engine_gbps"] > 0 and row["ceiling_gbps"] > 0
     assert row["ratio"] == pytest.approx(row["engine_gbps"] / row["ceiling_gbps"])
+    word = "faster" if row["engine_ms_median"] < row["ceiling_ms_median"] else "slower"
+    if row["engine_ms_median"] == row["ceiling_ms_median"]:
+        word = "as fast"
+    assert word in row["engine_vs_ceiling"] and "the ceiling" in row["engine_vs_ceiling"]
 
 
 @pytest.mark.parametrize("tier", ["host", "file"])
