@@ -4,7 +4,8 @@ Each subcommand lives in its own module that exposes
 
 * ``add_parser(subparsers)``: registers an argparse subparser, which sets the defaults
   ``run`` (``run(args) -> list[dict] | dict``) and ``columns`` (how to print result rows,
-  see :func:`jax_tpusync.bench.common.format_table`);
+  see :func:`jax_tpusync.bench.common.format_table`; ``run`` may set it to None where it
+  printed a summary of its own instead, as ``decode`` does without ``--details``);
 * ``run(args)``: does the measurement and returns JSON-ready results.
 
 To add a subcommand (e.g. ``decode``), write ``jax_tpusync/bench/decode.py`` with those two
@@ -45,7 +46,8 @@ def build_parser(subcommands: Sequence[str] = SUBCOMMANDS) -> argparse.ArgumentP
     parser = argparse.ArgumentParser(
         prog="python -m jax_tpusync.bench",
         description="jax_tpusync benchmarks: engine vs a plain ceiling, measured side by side.",
-        epilog="Every subcommand prints a table; --json OUT also writes the results as JSON "
+        epilog="Every subcommand prints a table (decode: a short summary in words, the table "
+        "with --details); --json OUT also writes the results as JSON "
         "(no file is written without it). 'SUBCOMMAND --help' lists a subcommand's options.",
     )
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
