@@ -229,6 +229,12 @@ class MooncakeWeightStore:
             if isinstance(value, bool) or not isinstance(value, int) or value < 4096:
                 raise ValueError(f"{name}={value!r} must be an int >= 4096")
         self._store_class = _import_store_class()
+        from mooncake.store import ReplicateConfig  # Imported above when it is installed.
+
+        # Hard-pinned: the master never evicts a version's objects to make room (a full
+        # pool refuses a put instead, by name); retiring removes them.
+        self._pinned = ReplicateConfig()
+        self._pinned.with_hard_pin = True
         # The engine reads these when it starts: a hung peer then ends a transfer in about
         # the deadline instead of 30 s. A user's own settings win.
         seconds = str(max(1, math.ceil(deadline_s)))
@@ -466,6 +472,7 @@ class MooncakeWeightStore:
                             [keys[i] for i in batch],
                             [a.ctypes.data for a in chosen],
                             [a.nbytes for a in chosen],
+                            self._pinned,
                         )
                     )
                 finally:
@@ -497,7 +504,9 @@ class MooncakeWeightStore:
             if rc != 0:
                 return rc
             try:
-                return client.upsert_from(self.index_key, body.ctypes.data, body.nbytes)
+                return client.upsert_from(
+                    self.index_key, body.ctypes.data, body.nbytes, self._pinned
+                )
             finally:
                 client.unregister_buffer(body.ctypes.data)
 
@@ -710,8 +719,10 @@ class MooncakePartWriter:
             if raw.nbytes:
                 keys.append(key)
                 arrays.append(raw)
-        self.store.put_objects(keys, arrays, f"weights version {self.version}, leaf {path}")
+        # Every key counts as put, even when the request fails part-way: abort() removes
+        # them all (removing one that is not there is harmless).
         self._put.extend(keys)
+        self.store.put_objects(keys, arrays, f"weights version {self.version}, leaf {path}")
         self.nbytes += sum(a.nbytes for a in arrays)
         self._leaves.append({"path": path, "shape": list(shape), "dtype": dtype, "shards": records})
 

@@ -261,6 +261,33 @@ def test_old_versions_are_retired(master):
         assert puller.version == 3
 
 
+def test_a_full_pool_refuses_the_write_and_the_version_stays_incomplete(master):
+    devices = jax.devices()
+    mesh = ws.mesh_of(devices[:2], (2,), ("fsdp",))
+    # 24 MiB in two shards of 12 MiB: more than the 16 MiB the only segment gives.
+    big = {"w": np.ones((6 << 20,), np.float32)}
+    params = ws.shard(big, mesh, {"w": P("fsdp")})
+    targets = ws.shardings(mesh, {"w": P("fsdp")})
+    with (
+        WeightPublisher(url(master, segment_mb=16)) as pub,
+        WeightPuller(url(master, segment_mb=0)) as puller,
+    ):
+        pub.publish(params, 1)
+        with pytest.raises(
+            WeightSyncError,
+            match=r"weights version 1: writing this process's part failed \(WeightSyncError: "
+            r"weights version 1, leaf \['w'\]: putting '.*' returned -200: no room in the pool",
+        ):
+            pub.wait()
+        with pytest.raises(IncompleteVersionError, match=r"weights version 1 is incomplete"):
+            puller.pull(targets, 1, timeout_s=0)
+        # What fits is published (the aborted part's objects were removed).
+        small = ws.shard({"w": np.ones((1 << 20,), np.float32)}, mesh, {"w": P("fsdp")})
+        pub.publish(small, 2)
+        pub.wait()
+        assert np.asarray(puller.pull(targets, 2)["w"]).sum() == 1 << 20
+
+
 def test_an_unreachable_master_is_a_clear_error_within_the_deadline():
     address = f"127.0.0.1:{free_port()}"
     puller = WeightPuller(f"mooncake://{address}?deadline_s=1&segment_mb=0", timeout_s=0)
