@@ -48,6 +48,10 @@ def test_overlap_reports_engine_and_platform(tier, tmp_path):
         assert row[key] > 0, key
     for key in ("overlap_efficiency", "platform_overlap_efficiency"):
         assert isinstance(row[key], float), key
+    word = "faster than" if row["t_overlap_ms"] < row["t_sync_ms"] else "slower than"
+    if row["t_overlap_ms"] == row["t_sync_ms"]:
+        word = "as fast as"
+    assert f"{word} fetch-then-compute (sync)" in row["overlap_vs_sync"]
     assert list(data_dir.iterdir()) == []  # The named tier file is removed at the end.
 
 
@@ -72,10 +76,10 @@ def test_transfer_reports_engine_and_ceiling(tmp_path):
     assert row["block_bytes"] == 256 * 1024 and row["total_bytes"] == 2 * 1024 * 1024
     assert row["verified"] and row["engine_gbps"] > 0 and row["ceiling_gbps"] > 0
     assert row["ratio"] == pytest.approx(row["engine_gbps"] / row["ceiling_gbps"])
-    word = "faster" if row["engine_ms_median"] < row["ceiling_ms_median"] else "slower"
+    word = "faster than" if row["engine_ms_median"] < row["ceiling_ms_median"] else "slower than"
     if row["engine_ms_median"] == row["ceiling_ms_median"]:
-        word = "as fast"
-    assert word in row["engine_vs_ceiling"] and "the ceiling" in row["engine_vs_ceiling"]
+        word = "as fast as"
+    assert f"{word} the ceiling" in row["engine_vs_ceiling"]
 
 
 @pytest.mark.parametrize("tier", ["host", "file"])
