@@ -318,7 +318,7 @@ def _depth(text: str) -> int | str:
 def run(args: argparse.Namespace) -> dict[str, Any] | list[dict[str, Any]]:
     """Runs the benchmark at each ``--context``; one row (a dict), or a list of them."""
     contexts = list(args.context) if isinstance(args.context, (list, tuple)) else [args.context]
-    if args.plot:
+    if args.plot or args.plot_timeline:
         baselines.require_matplotlib()
     if args.xla_cpu_schedule == "memory":
         try:
