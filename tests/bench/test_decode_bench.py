@@ -91,6 +91,7 @@ def bench_run(tmp_path_factory):
     return results, paths
 
 
+@pytest.mark.slow
 def test_default_output_is_the_short_summary(bench_run):
     """Without --details: the library against plain JAX in words, no targets, no None, no
     context that was not asked for, no developer table."""
@@ -105,6 +106,7 @@ def test_default_output_is_the_short_summary(bench_run):
     assert res["t_prefetch_ms_samples"] and len(res["t_prefetch_ms_samples"]) >= 5
 
 
+@pytest.mark.slow
 def test_details_bring_back_the_targets_and_the_table(bench_run):
     res, _ = bench_run
     args = _parser().parse_args(["decode", "--details"])
@@ -119,6 +121,7 @@ def test_details_bring_back_the_targets_and_the_table(bench_run):
     assert "None" not in text
 
 
+@pytest.mark.slow
 def test_decode_json_has_every_key(bench_run):
     results, paths = bench_run
     with open(paths["json"]) as f:
@@ -167,6 +170,7 @@ def test_decode_json_has_every_key(bench_run):
     )
 
 
+@pytest.mark.slow
 def test_the_quantized_variant_moves_about_half_the_bytes(bench_run):
     res, _ = bench_run
     assert res["tier_dtype"] == "int8"
@@ -176,6 +180,7 @@ def test_the_quantized_variant_moves_about_half_the_bytes(bench_run):
     assert 0 < res["quantized_max_abs_diff"] <= 0.05 * max(1.0, res["output_abs_max"])
 
 
+@pytest.mark.slow
 def test_decode_outputs_match_resident(bench_run):
     res, _ = bench_run
     # Same operations in the same order: equal up to rounding of the bf16 output.
@@ -185,6 +190,7 @@ def test_decode_outputs_match_resident(bench_run):
     assert res["prefetch_misses"] == 0 or res["prefetch_hits"] > res["prefetch_misses"]
 
 
+@pytest.mark.slow
 def test_deeper_prefetch_on_the_file_tier_matches(tmp_path):
     """--prefetch-depth 2: three staging slots, the transfer variant pipelined as deep; the
     platform variant reads the tier file beside the compute."""
@@ -227,6 +233,7 @@ def test_deeper_prefetch_on_the_file_tier_matches(tmp_path):
         assert res[key] >= 0, key
 
 
+@pytest.mark.slow
 def test_device_bytes_do_not_grow_with_context(bench_run):
     res, _ = bench_run
     by_ctx = res["device_bytes_by_context"]
@@ -234,6 +241,7 @@ def test_device_bytes_do_not_grow_with_context(bench_run):
     assert res["targets"]["device_bytes equal at 32K and 1M context"] is True
 
 
+@pytest.mark.slow
 def test_trace_json_has_events(bench_run):
     _, paths = bench_run
     with open(paths["trace"]) as f:
@@ -250,6 +258,7 @@ def test_trace_json_has_events(bench_run):
     assert "compute" in names and any(n.startswith("fetch") for n in names)
 
 
+@pytest.mark.slow
 def test_plot_writes_png(bench_run):
     _, paths = bench_run
     with open(paths["plot"], "rb") as f:
@@ -334,6 +343,7 @@ def test_timeline_without_marks_or_events(tmp_path):
     assert (tmp_path / "empty.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_example_runs(tmp_path):
     """The example at a tiny size, file tier, checked against the resident model."""
     cmd = [
@@ -377,6 +387,7 @@ def test_example_runs(tmp_path):
     assert not list(tmp_path.glob(".tpusync-*"))  # The anonymous cache file is gone.
 
 
+@pytest.mark.slow
 def test_baselines_over_a_context_sweep(tmp_path):
     """--baselines plain,tuned at two contexts on the file tier (the memmap's pages dropped
     before each step): one row per context, the plain-JAX steps match resident, one plot."""
@@ -436,6 +447,7 @@ def test_the_resident_mode_variant_runs_when_the_cache_fits(tmp_path):
 
 @pytest.mark.skipif(len(__import__("jax").devices()) < 2, reason="needs 2 devices")
 @pytest.mark.parametrize("mesh, tier", [("dp", "file")])  # tp decode itself: tests/mesh.
+@pytest.mark.slow
 def test_decode_devices_rows_fetch_one_shard_each(tmp_path, mesh, tier):
     """``--devices 2``: a row per device count, each shard fetching its own share (the same
     bytes per shard at 1 and 2 devices: the per-device shapes are fixed)."""

@@ -65,6 +65,7 @@ def test_a_tiny_pytree_moves_exactly_every_way(tmp_path):
             assert 0 < r["publish_blocked_ms"] < r["seconds"] * 1e3
 
 
+@pytest.mark.slow
 def test_the_mooncake_rows_with_a_master_of_the_runs_own(tmp_path, mooncake_usable):
     out = tmp_path / "weights.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")

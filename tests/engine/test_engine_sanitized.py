@@ -42,6 +42,7 @@ def _build(tmp_path: Path, sanitizer: str) -> Path:
 @pytest.mark.parametrize(
     "sanitizer,modes", [("address", ("file",)), ("thread", ("host", "host-split", "file"))]
 )
+@pytest.mark.slow
 def test_fetch_lifecycle_is_clean_under_sanitizers(tmp_path, sanitizer, modes):
     exe = _build(tmp_path, sanitizer)
     env = {"ASAN_OPTIONS": "detect_leaks=1", "TSAN_OPTIONS": "halt_on_error=1"}

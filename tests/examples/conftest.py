@@ -13,6 +13,14 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
+def pytest_collection_modifyitems(items):
+    """Every example runs in a fresh interpreter (tens of seconds each): all are slow."""
+    here = Path(__file__).resolve().parent
+    for item in items:
+        if here in Path(item.fspath).resolve().parents:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def run_example(tmp_path):
     """``run_example(name, *args, timeout=...)``: ``examples/<name>`` with ``args`` and

@@ -95,6 +95,7 @@ STEPS += [(1, None)] * 6
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("windows", [(None, None, None), (None, 5, 12)], ids=["global", "windows"])
+@pytest.mark.slow
 def test_steps_equal_resident_attention(dtype, windows):
     cache = make_cache(dtype=dtype, sliding_window=list(windows))
     assert not cache.layout.single_unit  # Several units per layer: the loop and its prefetch.
@@ -108,6 +109,7 @@ def test_steps_equal_resident_attention(dtype, windows):
             np.testing.assert_array_equal(v, np.asarray(ref_v[layer, slot, : lengths[slot]]))
 
 
+@pytest.mark.slow
 def test_single_unit_layers_and_a_state_that_stays_on_the_host():
     cache = make_cache(staging_bytes=1 << 20)
     assert cache.layout.single_unit
@@ -118,6 +120,7 @@ def test_single_unit_layers_and_a_state_that_stays_on_the_host():
 
 
 @pytest.mark.parametrize("tier_dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.slow
 def test_quantized_pool_equals_resident_attention_over_decoded_rows(tier_dtype):
     # Quantized rows: compare against attention over the rows the pool holds, decoded.
     cache = make_cache(tier_dtype=tier_dtype)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jax_tpusync as tps
 
@@ -20,6 +21,7 @@ sys.modules[_spec.name] = model  # Its dataclasses resolve their module while it
 _spec.loader.exec_module(model)
 
 
+@pytest.mark.slow
 def test_the_example_models_logits_on_the_host_pool_equal_the_resident_models():
     cfg = model.ModelConfig(
         layers=2, d_model=64, q_heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=97,

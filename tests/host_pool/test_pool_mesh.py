@@ -74,6 +74,7 @@ def run(cache, steps, dtype, seed=0):
 @pytest.mark.parametrize(
     "dtype, devices", [(np.float32, 4), (jnp.bfloat16, 2)], ids=["f32-4", "bf16-2"]
 )
+@pytest.mark.slow
 def test_steps_over_a_mesh_equal_the_one_device_cache(dtype, devices):
     mesh = mesh_of(devices)
     sharded = make_cache(dtype=dtype, mesh=mesh, kv_heads_axis="h", sliding_window=[None, 12])

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).parent
 
 
@@ -19,6 +21,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_decode_their_own_shards(tmp_path):
     port = _free_port()
     # No empty entry (it would put the working directory, the source tree, on the path

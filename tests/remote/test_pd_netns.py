@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pd_peers
@@ -17,6 +18,7 @@ from test_pd_transfer import TIMEOUT, decode_step, local_first_step, one_token, 
 from jax_tpusync.pd_transfer import KVReceiver
 
 
+@pytest.mark.slow
 def test_pd_over_a_veth_pair_equals_a_local_prefill(veth_pair):
     ns, prefill_ip, decode_ip = veth_pair
     cfg, params = pd_peers.model()

@@ -47,6 +47,7 @@ def report(tmp_path_factory):
     )
 
 
+@pytest.mark.slow
 def test_device_memory_is_weights_plus_staging_at_any_context(report):
     short, long = report[32768], report[1048576]
     for row in (short, long):
@@ -57,6 +58,7 @@ def test_device_memory_is_weights_plus_staging_at_any_context(report):
     )
 
 
+@pytest.mark.slow
 def test_plain_memory_kinds_keep_every_layer_on_the_device(report):
     short = report[32768]
     assert short["plain_device_mib"] >= short["kv_mib_per_step"]  # Every layer's KV at once.
@@ -65,6 +67,7 @@ def test_plain_memory_kinds_keep_every_layer_on_the_device(report):
     assert long["plain_device_mib"] is None and "does not fit" in long["plain_note"]
 
 
+@pytest.mark.slow
 def test_every_unit_copy_starts_before_the_attention_it_overlaps(report):
     for row in report.values():
         overlap = row["overlap"]
@@ -86,6 +89,7 @@ def mesh_report(tmp_path_factory):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_mesh_and_windowed_step_is_bounded_and_overlapped_on_v6e(mesh_report):
     short, long = mesh_report[32768], mesh_report[1048576]
     for row in (short, long):
@@ -119,6 +123,7 @@ def test_the_schedule_check_finds_a_copy_waited_for_too_early():
     assert check(attend, start, done)["started_before"] == 0
 
 
+@pytest.mark.slow
 def test_the_example_models_step_compiles_bounded(tmp_path):
     """examples/model.py's Llama-style step, unchanged, with a host-pool state: compiled
     for a v5e at 32K and 1M tokens, its device memory the weights plus the staging."""

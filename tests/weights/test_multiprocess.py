@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import jax
+import pytest
 import weights_support as ws
 
 HERE = Path(__file__).parent
@@ -64,6 +65,7 @@ def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, dict | None, str]]
     return out
 
 
+@pytest.mark.slow
 def test_trainer_and_sampler_groups_with_a_killed_publisher(tmp_path):
     directory = tmp_path / "weights"
     trainers = _finish(_run_group("trainer", 2, directory, tmp_path))
