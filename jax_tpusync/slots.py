@@ -62,8 +62,9 @@ class SlotTable:
       remote_levels: levels past the local index that hold published blocks by key (a
         shared directory, ...), searched in order by :meth:`admit` and published to by
         :meth:`release`.
-      before_reuse: called before a block that the last commit may index is rewritten
-        (a persistent cache commits its eviction first).
+      before_reuse: called before a block that the last commit may index is handed out
+        (a persistent cache writes that commit again without the evicted blocks: see
+        :meth:`jax_tpusync.persistence.Persistence.note_evicted` for why it cannot wait).
       before_release: called with a slot before its private blocks are freed.
       ring_blocks: a cache of one sliding window whose slots keep only it: each slot
         holds this many blocks whatever its capacity, its table row tiled over them (see
