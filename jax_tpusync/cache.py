@@ -503,27 +503,6 @@ class OffloadedKVCache:
         jax.block_until_ready(state.lengths)  # The step's write-backs are submitted.
         return self.slots.publish_window(slot, int(np.asarray(state.lengths)[slot]))
 
-    def tokens(self, slot: int) -> np.ndarray:
-        """int64[n]: ``slot``'s recorded token ids: its prompt (:meth:`admit`), then what
-        :meth:`extend_tokens` added; restored by a re-attach up to the committed length."""
-        self.slots.check_slot(slot)
-        return self.slots.history.ids(slot)
-
-    def extend_tokens(self, slot: int, ids: Sequence[int] | np.ndarray) -> None:
-        """Records ``ids`` after ``slot``'s token ids (a serving loop's sampled tokens, fed
-        back as the next step's inputs), so that :meth:`release` publishes its blocks and
-        :meth:`commit` persists its ids without the caller keeping them. Refused past the
-        slot's capacity, or for an inactive slot."""
-        self.slots.extend_history(slot, ids)
-
-    @property
-    def prefix_stats(self) -> dict:
-        """The prefix index: indexed blocks, cached (unmapped) ones, hits, evictions; with
-        a shared directory, the blocks this cache published there, imported from it,
-        refused as damaged, and failed publishes; with a spill tier, its moves."""
-        return self.slots.stats()
-
-    @property
     def share_computed(self, state: KVState, slot: int) -> int:
         """Makes ``slot``'s full blocks that the steps so far computed shareable now: each
         whole block of its rows in ``state`` enters the prefix index under its recorded
@@ -547,6 +526,27 @@ class OffloadedKVCache:
         jax.block_until_ready(state)  # The step that wrote the rows has finished.
         return self.slots.share_computed(slot, int(np.asarray(state.lengths)[slot]))
 
+    def tokens(self, slot: int) -> np.ndarray:
+        """int64[n]: ``slot``'s recorded token ids: its prompt (:meth:`admit`), then what
+        :meth:`extend_tokens` added; restored by a re-attach up to the committed length."""
+        self.slots.check_slot(slot)
+        return self.slots.history.ids(slot)
+
+    def extend_tokens(self, slot: int, ids: Sequence[int] | np.ndarray) -> None:
+        """Records ``ids`` after ``slot``'s token ids (a serving loop's sampled tokens, fed
+        back as the next step's inputs), so that :meth:`release` publishes its blocks and
+        :meth:`commit` persists its ids without the caller keeping them. Refused past the
+        slot's capacity, or for an inactive slot."""
+        self.slots.extend_history(slot, ids)
+
+    @property
+    def prefix_stats(self) -> dict:
+        """The prefix index: indexed blocks, cached (unmapped) ones, hits, evictions; with
+        a shared directory, the blocks this cache published there, imported from it,
+        refused as damaged, and failed publishes; with a spill tier, its moves."""
+        return self.slots.stats()
+
+    @property
     def capacity(self) -> np.ndarray:
         """int32[batch]: tokens each slot may hold (0: inactive); a copy."""
         return self.slots.capacity
