@@ -62,8 +62,9 @@ def test_two_processes_decode_their_own_shards(tmp_path):
     assert [r["rows"] for r in reports] == [[0, 1], [2, 3]]
     for r in reports:
         # A file tier is read where its units land, by the engine's attention, which sums
-        # in another order than XLA's (as a host tier read in place: 4e-5 of these logits).
-        assert r["max_err"] <= 4e-5, r
+        # in another order than XLA's; how far the two orders drift depends on the CPU XLA
+        # compiles for (4e-5 of these logits on one machine, 5.7e-5 on an AMD EPYC).
+        assert r["max_err"] <= 1e-4, r
         assert r["tier_exact"], r
     # One directory, one file per shard, written by both processes.
     assert sorted(p.name for p in tmp_path.glob("kv-shard*.tpusync")) == [
