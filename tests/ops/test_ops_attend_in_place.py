@@ -18,6 +18,12 @@ from jax_tpusync.kernels import reference
 
 from jax_tpusync import ops, quantize
 
+# The engine's attention sums in another order than the jnp reference; how far the two
+# drift depends on the CPU (f32: 4.1e-6 seen on an AMD EPYC; quantized rows, which are
+# dequantized on the way, 1.5e-5).
+EXACT_ORDER_APART = dict(rtol=1e-5, atol=1e-5)
+QUANTIZED_APART = dict(rtol=4e-5, atol=4e-5)
+
 XlaError = getattr(jax.errors, "JaxRuntimeError", RuntimeError)
 TAG = np.array([0, 0], np.int32)
 
@@ -205,8 +211,8 @@ def test_matches_the_reference(make_engine, dtype, heads, split_read_bytes):
         want_out, want_lse = pool.reference(
             q, k_start, valid, q_start, scale=0.3, soft_cap=soft_cap, window=window
         )
-        np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=2e-6, atol=2e-6)
-        np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=2e-6, atol=2e-6)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), **EXACT_ORDER_APART)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), **EXACT_ORDER_APART)
         assert np.all(np.asarray(out)[0] == 0) and np.all(np.isneginf(np.asarray(lse)[0]))
     stats = e.stats()
     assert stats["in_place_reads"] == 2
@@ -250,8 +256,8 @@ def test_quantized_rows_match_the_dequantized_reference(make_engine, tier_dtype,
         kw = {"scale": scale, "soft_cap": soft_cap, "window": window}
         out, lse = pool.attend(q, pool.segments(valid), k_start, valid, q_start, **kw)
         want_out, want_lse = pool.reference(q, k_start, valid, q_start, **kw)
-        np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), **QUANTIZED_APART)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), **QUANTIZED_APART)
         assert np.all(np.asarray(out)[0] == 0) and np.all(np.isneginf(np.asarray(lse)[0]))
     fetched = e.stats()["tiers"][pool.tier]["fetch"]["bytes"]
     assert fetched == 2 * 2 * int(valid.sum()) * pool.row_bytes
@@ -287,8 +293,8 @@ def test_quantized_rows_off_the_vector_width_and_split_over_two_threads(
     q = jnp.asarray(np.random.default_rng(5).standard_normal(shape), jnp.float32)
     out, lse = pool.attend(q, pool.segments(valid), start, valid, start + valid - 2, scale=0.4)
     want, want_lse = pool.reference(q, start, valid, start + valid - 2, scale=0.4)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), **QUANTIZED_APART)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), **QUANTIZED_APART)
 
 
 def test_every_fp8_code_decodes_to_its_value(make_engine):
@@ -353,8 +359,8 @@ def test_a_segment_running_on_into_the_next_sequence_is_cut_there(make_engine):
     q = jnp.asarray(np.random.default_rng(2).standard_normal((2, 1, 4, 8)), jnp.float32)
     out, lse = pool.attend(q, segments, zero, valid, valid, scale=1.0)
     want, want_lse = pool.reference(q, zero, valid, valid, scale=1.0)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-6, atol=2e-6)
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), **EXACT_ORDER_APART)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), **EXACT_ORDER_APART)
 
 
 def test_it_reads_after_an_earlier_write_back_of_its_rows(make_engine):

@@ -17,7 +17,15 @@ import pytest
 from jax_tpusync import ops
 
 sys.path.insert(0, str(Path(__file__).parent))  # The host pool's tests, beside this one.
-from test_ops_attend_in_place import SHAPES, TAG, Pool, XlaError  # noqa: E402
+from test_ops_attend_in_place import (  # noqa: E402
+    EXACT_ORDER_APART,
+    QUANTIZED_APART,
+    SHAPES,
+    TAG,
+    Pool,
+    XlaError,
+)
+
 
 
 def file_pool(engine, file_dir, **kw):
@@ -84,8 +92,8 @@ def test_a_landed_unit_matches_the_reference(
         kw = dict(scale=0.3, soft_cap=soft_cap, window=window)
         out, lse = landed(pool, q, pool.segments(valid), k_start, valid, q_start, **kw)
         want_out, want_lse = pool.reference(q, k_start, valid, q_start, **kw)
-        np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=2e-6, atol=2e-6)
-        np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=2e-6, atol=2e-6)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), **EXACT_ORDER_APART)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), **EXACT_ORDER_APART)
         assert np.all(np.asarray(out)[0] == 0) and np.all(np.isneginf(np.asarray(lse)[0]))
     stats = e.stats()
     assert stats["landed_reads"] == 2 and stats["in_place_reads"] == 0
@@ -114,8 +122,8 @@ def test_landed_quantized_rows_match_the_dequantized_reference(
         kw = {"scale": 0.125, "soft_cap": soft_cap, "window": window}
         out, lse = landed(pool, q, pool.segments(valid), k_start, valid, q_start, **kw)
         want_out, want_lse = pool.reference(q, k_start, valid, q_start, **kw)
-        np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), **QUANTIZED_APART)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), **QUANTIZED_APART)
     assert e.stats()["landed_reads"] == 2
 
 
@@ -141,8 +149,8 @@ def pool16(make_pool16):
 
 def _check(pool, got, k_start, valid, q_start):
     want = pool.reference(jnp.asarray(QUERY), k_start, valid, q_start, scale=0.5)
-    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=2e-6, atol=2e-6)
-    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), **EXACT_ORDER_APART)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), **EXACT_ORDER_APART)
 
 
 QUERY = np.random.default_rng(8).standard_normal((2, 1, 4, 8)).astype(np.float32)
@@ -328,8 +336,8 @@ def test_a_unit_across_two_tiers_is_attended_in_one_pass(make_engine, file_dir):
     want = dram.reference(q, k_start, valid, q_start, scale=0.25, window=30)
     for fetched in (theirs, theirs[1:]):  # The unit's spill rows; other rows (a miss).
         out, lse = run(mine, theirs, fetched, window=30)
-        np.testing.assert_allclose(np.asarray(out), np.asarray(want[0]), rtol=2e-6, atol=2e-6)
-        np.testing.assert_allclose(np.asarray(lse), np.asarray(want[1]), rtol=2e-6, atol=2e-6)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want[0]), **EXACT_ORDER_APART)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(want[1]), **EXACT_ORDER_APART)
     stats = e.stats()
     assert stats["prefetch_hits"] == 1 and stats["prefetch_misses"] == 1
     assert stats["in_place_reads"] == 2 and stats["landed_reads"] == 2
