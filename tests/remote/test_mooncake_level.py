@@ -1110,5 +1110,5 @@ def test_a_mesh_gives_each_head_range_its_own_namespace():
 
     got = mesh._heads_address("mooncake://127.0.0.1:9?segment_mb=16", "heads0-2")
     assert got == "mooncake://127.0.0.1:9?segment_mb=16&namespace=tpusync-heads0-2"
-    with pytest.raises(ValueError, match=r"must be a 'mooncake://host:port' address"):
-        mesh._heads_address(object(), "heads0-2")
+    # A level object cannot be split by heads: the mesh cache refuses one at construction
+    # (tests/attention/test_kv_cache_factory.py), before any head range is named.
