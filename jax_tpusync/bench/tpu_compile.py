@@ -74,6 +74,13 @@ def add_parser(sub) -> None:
         help="with --sliding-window: every Nth layer is global (Gemma 3: 6)",
     )
     p.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=("ours", "plain", "resident"),
+        default=["ours", "plain", "resident"],
+        help="which steps to compile (ours always)",
+    )
+    p.add_argument(
         "--heads-over-chips",
         action="store_true",
         help="split the KV heads (and the projections) over every chip of the topology",
@@ -508,8 +515,11 @@ def run(args) -> list[dict]:
                 windows=windows,
             )
             ours = measure_in_child("ours", topology, shape, options)
-            plain = measure_in_child("plain", topology, shape, options)
-            resident = measure_in_child("resident", topology, shape, options)
+            skipped = dict(device_mib=None, note="not compiled (--kinds)")
+            plain, resident = (
+                measure_in_child(kind, topology, shape, options) if kind in args.kinds else skipped
+                for kind in ("plain", "resident")
+            )
             chips = len(tpu_devices(topology)) if args.heads_over_chips else 1
             d, kv = shape.d_model, shape.kv_heads * shape.head_dim
             # Per chip: wq, wk, wv, wo in bf16, and the KV each chip's own link brings in.

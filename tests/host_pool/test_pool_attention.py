@@ -89,12 +89,17 @@ def run_against_resident(cache, steps, windows, dtype, seed=0, tolerance=None):
     return state, worst, (cache_k, cache_v, lengths)
 
 
-STEPS = [(5, None), (1, None), (1, None), (7, [7, 3]), (1, None), (3, [0, 3]), (9, None)]
-STEPS += [(1, None)] * 6
+# Two step widths (each compiles once): a prefill of 7 rows (ragged: a slot takes 0-7 of
+# them) and decode; 27 and 26 tokens at the end, past a unit of 16.
+STEPS = [(7, None), (1, None), (7, [7, 3]), (1, None), (7, [0, 3]), (7, None)]
+STEPS += [(1, None)] * 4
 
 
-@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("windows", [(None, None, None), (None, 5, 12)], ids=["global", "windows"])
+@pytest.mark.parametrize(
+    "dtype, windows",
+    [(np.float32, (None, None, None)), (jnp.bfloat16, (None, 5, 12))],
+    ids=["global-f32", "windows-bf16"],
+)
 @pytest.mark.slow
 def test_steps_equal_resident_attention(dtype, windows):
     cache = make_cache(dtype=dtype, sliding_window=list(windows))
@@ -119,7 +124,7 @@ def test_single_unit_layers_and_a_state_that_stays_on_the_host():
     assert state.staging.sharding.memory_kind == "device"
 
 
-@pytest.mark.parametrize("tier_dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("tier_dtype", ["int8"])  # The codec itself: tests of quantize.
 @pytest.mark.slow
 def test_quantized_pool_equals_resident_attention_over_decoded_rows(tier_dtype):
     # Quantized rows: compare against attention over the rows the pool holds, decoded.

@@ -52,7 +52,8 @@ def step_fn(num_layers):
     return jax.jit(step, donate_argnums=0)
 
 
-STEPS = [(5, None), (1, None), (7, [7, 3]), (9, None), (1, None), (3, [0, 3]), (1, None)]
+# Two step widths (each compiles once), past a unit of 16 tokens at the end.
+STEPS = [(7, None), (1, None), (7, [7, 3]), (7, None), (1, None), (7, [0, 3]), (1, None)]
 
 
 def run(cache, steps, dtype, seed=0):
@@ -71,9 +72,7 @@ def run(cache, steps, dtype, seed=0):
     return state, outs
 
 
-@pytest.mark.parametrize(
-    "dtype, devices", [(np.float32, 4), (jnp.bfloat16, 2)], ids=["f32-4", "bf16-2"]
-)
+@pytest.mark.parametrize("dtype, devices", [(np.float32, 4)], ids=["f32-4"])
 @pytest.mark.slow
 def test_steps_over_a_mesh_equal_the_one_device_cache(dtype, devices):
     mesh = mesh_of(devices)

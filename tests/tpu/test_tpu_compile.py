@@ -43,8 +43,9 @@ def compile_report(tmp_path_factory, *args: str) -> dict:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     return compile_report(
-        tmp_path_factory, "--topologies", "v5e:2x2", "--contexts", "32768", "1048576"
-    )
+        tmp_path_factory, "--topologies", "v5e:2x2", "--contexts", "32768", "1048576",
+        "--kinds", "ours", "plain",
+    )  # fmt: skip
 
 
 @pytest.mark.slow
@@ -85,7 +86,7 @@ def mesh_report(tmp_path_factory):
     return compile_report(
         tmp_path_factory,
         "--topologies", "v6e:2x2", "--contexts", "32768", "1048576", "--layers", "6",
-        "--sliding-window", "1024", "--heads-over-chips",
+        "--sliding-window", "1024", "--heads-over-chips", "--kinds", "ours",
     )  # fmt: skip
 
 
