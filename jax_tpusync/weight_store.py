@@ -29,7 +29,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol, Self, runtime_checkable
 
@@ -578,22 +578,7 @@ class WeightStore:
     ) -> VersionManifest:
         """:meth:`read_manifest`, once the version is complete or the deadline has passed
         (then its error says how long was waited)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                return self.read_manifest(version)
-            except IncompleteVersionError as e:
-                if time.monotonic() >= deadline:
-                    raise IncompleteVersionError(
-                        f"{e} after waiting {timeout_s:g} s (a publishing process died, or has "
-                        f"not finished)",
-                        version=version,
-                        missing=e.missing,
-                    ) from None
-            except VersionNotFoundError as e:
-                if time.monotonic() >= deadline:
-                    raise VersionNotFoundError(f"{e} after waiting {timeout_s:g} s") from None
-            time.sleep(poll_s)
+        return wait_for_manifest(self.read_manifest, version, timeout_s, poll_s)
 
     def retire(self, keep: int) -> list[int]:
         """Removes every version older than the ``keep`` newest complete ones (complete or
@@ -618,3 +603,29 @@ class WeightStore:
         if removed:
             logger.debug("retired weight versions %s", removed)
         return removed
+
+
+def wait_for_manifest(
+    read_manifest: Callable[[int], VersionManifest],
+    version: int,
+    timeout_s: float,
+    poll_s: float = 0.01,
+) -> VersionManifest:
+    """``read_manifest(version)`` (a store's), asked again until the version is complete or
+    ``timeout_s`` has passed (then its error says how long was waited)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return read_manifest(version)
+        except IncompleteVersionError as e:
+            if time.monotonic() >= deadline:
+                raise IncompleteVersionError(
+                    f"{e} after waiting {timeout_s:g} s (a publishing process died, or has "
+                    f"not finished)",
+                    version=version,
+                    missing=e.missing,
+                ) from None
+        except VersionNotFoundError as e:
+            if time.monotonic() >= deadline:
+                raise VersionNotFoundError(f"{e} after waiting {timeout_s:g} s") from None
+        time.sleep(poll_s)

@@ -65,6 +65,7 @@ from jax_tpusync.weight_store import (
     WeightSyncError,
     checked_shards,
     manifest_from_parts,
+    wait_for_manifest,
 )
 
 logger = logging.getLogger(__name__)
@@ -599,22 +600,7 @@ class MooncakeWeightStore:
     def wait_manifest(
         self, version: int, timeout_s: float, poll_s: float = 0.01
     ) -> VersionManifest:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                return self.read_manifest(version)
-            except IncompleteVersionError as e:
-                if time.monotonic() >= deadline:
-                    raise IncompleteVersionError(
-                        f"{e} after waiting {timeout_s:g} s (a publishing process died, or has "
-                        f"not finished)",
-                        version=version,
-                        missing=e.missing,
-                    ) from None
-            except VersionNotFoundError as e:
-                if time.monotonic() >= deadline:
-                    raise VersionNotFoundError(f"{e} after waiting {timeout_s:g} s") from None
-            time.sleep(poll_s)
+        return wait_for_manifest(self.read_manifest, version, timeout_s, poll_s)
 
     def part_writer(
         self, version: int, process: int, num_processes: int, *, fsync: bool = False
