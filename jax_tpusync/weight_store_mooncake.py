@@ -77,6 +77,7 @@ DEFAULT_REQUEST_BYTES = 64 << 20
 _LOCAL_BUFFER_BYTES = 4 << 20  # The client's own copy buffer (our reads and puts bypass it).
 
 # Error codes of the store's client.
+_NOT_READY = -703
 _NOT_FOUND = -704
 _ALREADY_EXISTS = -705
 _CODE_MEANING = {
@@ -425,8 +426,11 @@ class MooncakeWeightStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _get_object(self, key: str, what: str) -> bytes | None:
-        """A small object's bytes (manifests, the index), None if it is not there."""
+    def _get_object(
+        self, key: str, what: str, absent: tuple[int, ...] = (_NOT_FOUND,)
+    ) -> bytes | None:
+        """A small object's bytes (manifests, the index), None if it is not there (its
+        code in ``absent``)."""
 
         def get(client: Any) -> bytes | int:
             size = client.get_size(key)
@@ -436,7 +440,7 @@ class MooncakeWeightStore:
 
         value = self.call(get, what)
         if isinstance(value, int):
-            if value == _NOT_FOUND:
+            if value in absent:
                 return None
             raise WeightSyncError(f"{what}: getting {key!r} returned {_meaning(value)}")
         return bytes(value)
@@ -519,7 +523,9 @@ class MooncakeWeightStore:
 
     def parts(self, version: int) -> tuple[int | None, set[int]]:
         what = f"weights version {version}"
-        data = self._get_object(self.begun_key(version), what)
+        # Read while its first writer is putting it: not there yet (a reader waits for it
+        # until its deadline, as for one that is not there).
+        data = self._get_object(self.begun_key(version), what, absent=(_NOT_FOUND, _NOT_READY))
         if data is None:
             return None, set()
         begun = _unchecksummed(data, self.begun_key(version))

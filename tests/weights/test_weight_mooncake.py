@@ -17,7 +17,7 @@ import weights_support as ws
 from jax.sharding import PartitionSpec as P
 
 from jax_tpusync.bench.mooncake_master import LocalMaster, free_port
-from jax_tpusync.weight_store import IncompleteVersionError, WeightSyncError
+from jax_tpusync.weight_store import IncompleteVersionError, VersionNotFoundError, WeightSyncError
 from jax_tpusync.weight_sync import WeightPublisher, WeightPuller, open_weight_store
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
@@ -331,3 +331,32 @@ def test_the_url_edges_are_accepted():
     assert (store.segment_bytes, store.deadline_s, store.chunk_bytes) == (16 << 20, 3600.0, 4096)
     assert open_weight_store("mooncake://h:1?segment_mb=0").segment_bytes == 0
     store.close()
+
+
+def test_a_version_marker_read_while_it_is_written_is_waited_for(master, monkeypatch):
+    """The first publisher's marker of a version, read while it is being put (the store
+    says "not readable yet"), is a version not there yet: waited for until the deadline,
+    not an error."""
+    with WeightPuller(url(master, segment_mb=0)) as puller:
+        store = puller.store
+        real_call = store.call
+        begun = store.begun_key(3)
+
+        def call(fn, what):
+            class Client:  # The store's answer for the marker only.
+                def get_size(self, key):
+                    return -703 if key == begun else real_call(lambda c: c.get_size(key), what)
+
+            if what == "weights version 3":
+                try:
+                    return fn(Client())
+                except AttributeError:
+                    pass
+            return real_call(fn, what)
+
+        monkeypatch.setattr(store, "call", call)
+        assert store.parts(3) == (None, set())
+        start = time.monotonic()
+        with pytest.raises(VersionNotFoundError, match=r"weights version 3 not found .* after"):
+            store.wait_manifest(3, 0.3)
+        assert 0.3 <= time.monotonic() - start < 5
