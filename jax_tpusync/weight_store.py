@@ -506,15 +506,11 @@ class WeightStore:
         return (counts.pop() if counts else None), present
 
     def is_complete(self, version: int) -> bool:
-        n, present = self.parts(version)
-        return n is not None and present == set(range(n))
+        return complete(*self.parts(version))
 
     def latest_complete(self) -> int | None:
         """The newest complete version, or None."""
-        for v in reversed(self.versions()):
-            if self.is_complete(v):
-                return v
-        return None
+        return newest_complete(self)
 
     def read_manifest(self, version: int) -> VersionManifest:
         """The manifest of a complete version, checked: every part names the same leaves,
@@ -629,3 +625,17 @@ def wait_for_manifest(
             if time.monotonic() >= deadline:
                 raise VersionNotFoundError(f"{e} after waiting {timeout_s:g} s") from None
         time.sleep(poll_s)
+
+
+def complete(num_processes: int | None, present: set[int]) -> bool:
+    """Whether a version whose parts are ``(num_processes, present)`` (a store's
+    ``parts(version)``) has every process's part."""
+    return num_processes is not None and present == set(range(num_processes))
+
+
+def newest_complete(store: WeightStoreBackend) -> int | None:
+    """The newest complete version of ``store``, or None."""
+    for version in reversed(store.versions()):
+        if store.is_complete(version):
+            return version
+    return None

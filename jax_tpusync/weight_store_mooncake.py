@@ -64,7 +64,9 @@ from jax_tpusync.weight_store import (
     VersionNotFoundError,
     WeightSyncError,
     checked_shards,
+    complete,
     manifest_from_parts,
+    newest_complete,
     wait_for_manifest,
 )
 
@@ -540,14 +542,10 @@ class MooncakeWeightStore:
         return n, {p for p, code in enumerate(codes) if code == 1}
 
     def is_complete(self, version: int) -> bool:
-        n, present = self.parts(version)
-        return n is not None and present == set(range(n))
+        return complete(*self.parts(version))
 
     def latest_complete(self) -> int | None:
-        for version in reversed(self.versions()):
-            if self.is_complete(version):
-                return version
-        return None
+        return newest_complete(self)
 
     def read_manifest(self, version: int) -> VersionManifest:
         """The checked manifest of a complete version (see
