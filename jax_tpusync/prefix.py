@@ -155,10 +155,22 @@ class PrefixIndex:
     def match(self, tokens: np.ndarray, limit_blocks: int) -> list[int]:
         """Physical blocks of the longest indexed prefix of ``tokens`` (at most
         ``limit_blocks`` blocks), pinned; each verified against its tokens and parent."""
+        out = self.peek(tokens, limit_blocks)
+        for block in out:
+            self._pin(self._by_block[block])
+        self.hits += len(out)
+        return out
+
+    def peek(
+        self, tokens: np.ndarray, limit_blocks: int, keys: Sequence[bytes] | None = None
+    ) -> list[int]:
+        """The blocks :meth:`match` would map now, neither pinned nor counted as hits: what
+        a scheduler asks before it chooses whom to admit. ``keys``: ``keys(tokens)``, where
+        the caller kept them (a waiting prompt asked about step after step)."""
         out: list[int] = []
         parent = None
         t = self.block_tokens
-        for i, key in enumerate(self.keys(tokens)[:limit_blocks]):
+        for i, key in enumerate((self.keys(tokens) if keys is None else keys)[:limit_blocks]):
             entry = self._entries.get(key)
             block_tokens = tokens[i * t : (i + 1) * t]
             if (
@@ -169,9 +181,6 @@ class PrefixIndex:
                 break
             out.append(entry.block)
             parent = key
-        for block in out:
-            self._pin(self._by_block[block])
-        self.hits += len(out)
         return out
 
     def _pin(self, key: bytes) -> None:

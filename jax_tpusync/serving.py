@@ -32,8 +32,20 @@ step later maps it; and a waiting request whose prompt shares whole blocks with 
 still being prefilled is not admitted until that prefill has computed them (it would
 compute them a second time): it waits behind the running prompt's chunks while requests
 after it that share nothing in flight take the free slots. Each request's tokens are
-those it would get alone. With False, blocks are shared at release only and requests are
-admitted in arrival order.
+those it would get alone. With False, blocks are shared at release only.
+
+Admission order (``admission_order``): when a slot is free and several waiting requests
+could take it, ``"cached_prefix_first"`` (the default) admits first the one whose prompt
+has the longest prefix in the cache's prefix index now (whole blocks it would map, looked
+up without pinning anything; under ``share_prefixes`` that includes the blocks a running
+prefill has computed so far, and a request whose prefix is still being computed waits
+behind it as above), in arrival order among equals: its prefill is shortest, and its
+cached blocks are used before they can be evicted. No request starves: each time a request
+admitted later than it is chosen ahead of it by this rule, a waiting request counts one
+skip, and one skipped :data:`ADMISSION_SKIP_LIMIT` times goes before every request that was
+not (in arrival order among those). ``"fifo"``: arrival order. Only the local index counts:
+a prefix held in a remote level (``remote_prefix=``) or in a sliding-window ring is not
+looked up beforehand. The order changes when requests run, never their tokens.
 
 Token history: a slot's recorded ids (``cache.tokens(slot)``) are its prompt plus every
 token fed back as an input (``cache.extend_tokens`` when fed). The cache therefore holds the
@@ -68,7 +80,23 @@ from jax_tpusync.config import is_int
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Completion", "Request", "Sampler", "ServingLoop", "greedy"]
+__all__ = [
+    "ADMISSION_ORDERS",
+    "ADMISSION_SKIP_LIMIT",
+    "Completion",
+    "Request",
+    "Sampler",
+    "ServingLoop",
+    "greedy",
+]
+
+# What ServingLoop(admission_order=...) accepts.
+ADMISSION_ORDERS = ("cached_prefix_first", "fifo")
+# Times a waiting request may be passed over by the cached-prefix order (a request admitted
+# later chosen ahead of it) before it goes first: a bound on its extra wait, small enough
+# that a prompt nobody shares is admitted within a few admissions under a stream of cached
+# ones, large enough that a burst of cached requests is not split by it.
+ADMISSION_SKIP_LIMIT = 4
 
 # sampler(logits f32[vocab], rng) -> token id.
 Sampler = Callable[[np.ndarray, np.random.Generator], int]
@@ -191,17 +219,22 @@ class ServingLoop:
         must be in ``[0, vocab_size)``. None: read from the step's logits.
       share_prefixes: share prompt blocks as soon as a step computed them, and hold back
         a request whose prompt a running prefill is computing (see the module); False (or
-        a cache without ``share_computed``): blocks are shared at release only, requests
-        admitted in arrival order. The attribute of that name says which applies.
+        a cache without ``share_computed``): blocks are shared at release only. The
+        attribute of that name says which applies.
+      admission_order: which waiting request a free slot takes: ``"cached_prefix_first"``
+        (default: the longest prefix in the cache's prefix index first, arrival order among
+        equals, a request passed over :data:`ADMISSION_SKIP_LIMIT` times first; see the
+        module) or ``"fifo"`` (arrival order).
 
     The step is traced once here (``jax.eval_shape`` at the prefill width: no compile, and
     its first real call reuses the trace) to check its contract and read the vocabulary
     from its logits. :meth:`warmup` compiles it.
 
     Between steps, finished requests release their slots and waiting ones are admitted in
-    arrival order (a request the pool has no blocks for waits while others run; one
-    refused with nothing else running ends with an error), but for a request that waits
-    behind a running prefill of its prefix (``share_prefixes``).
+    ``admission_order`` (when the request chosen is refused for want of blocks, admission
+    stops until running requests free some; one refused with nothing else running ends
+    with an error), but for a request that waits behind a running prefill of its prefix
+    (``share_prefixes``).
 
     Raises:
       TypeError, ValueError: an argument of the wrong kind or out of range (the message
@@ -224,10 +257,12 @@ class ServingLoop:
         clock: Callable[[], float] = time.perf_counter,
         vocab_size: int | None = None,
         share_prefixes: bool = True,
+        admission_order: str = "cached_prefix_first",
     ):
         checks.check_cache(cache)
         if not isinstance(share_prefixes, (bool, np.bool_)):
             raise TypeError(f"share_prefixes must be a bool; got {type(share_prefixes).__name__}")
+        checks.check_choice("admission_order", admission_order, ADMISSION_ORDERS)
         checks.check_callable("step", step, "step(params, tokens, positions, counts, state)")
         chunk = checks.check_int("chunk", chunk, 1)
         if decode_width is not None:
@@ -283,6 +318,18 @@ class ServingLoop:
         self._share_unit = max(
             (int(table.block_tokens) for table, _ in checks.slot_tables(cache)), default=1
         )
+        self.admission_order = admission_order
+        # The parts whose prefix index a waiting prompt is looked up in (a ring's window
+        # copies are not: see the module), and each waiting prompt's block keys in each,
+        # computed once.
+        self._prefix_tables = [
+            table
+            for table, _ in checks.slot_tables(cache)
+            if callable(getattr(getattr(table, "prefix", None), "peek", None))
+            and not getattr(table, "ring_blocks", 0)
+        ]
+        self._prefix_keys: dict[int, list[list[bytes]]] = {}
+        self._skips: dict[int, int] = {}  # Of the waiting requests: times passed over.
         self.prefill_tokens = 0  # Prompt tokens the steps computed (not mapped from a cache).
         self.state = state
         # The most tokens of KV one request may need, and what sets it.
@@ -371,23 +418,66 @@ class ServingLoop:
                 return True
         return False
 
-    def _admit_waiting(self) -> None:
-        deferred: list[Completion] = []  # Waiting behind a running prefill, in order.
-        try:
-            self._admit_in_order(deferred)
-        finally:
-            self.waiting.extendleft(reversed(deferred))
+    def cached_prefix_tokens(self, completion: Completion) -> int:
+        """Prompt tokens of a waiting request that admitting it now would map from the
+        cache's prefix index (whole blocks, at most all but its last token; the fewest
+        over the cache's parts); nothing is pinned. 0 for a request not waiting, or a cache
+        whose parts all keep sliding-window rings."""
+        checked = self._checked.get(completion.index)
+        if checked is None or not self._prefix_tables:
+            return 0
+        prompt = checked.prompt.astype(np.int64)
+        keys = self._prefix_keys.get(completion.index)
+        if keys is None:
+            keys = [table.prefix.keys(prompt) for table in self._prefix_tables]
+            self._prefix_keys[completion.index] = keys
+        return min(
+            len(table.prefix.peek(prompt, (len(prompt) - 1) // table.block_tokens, k))
+            * int(table.block_tokens)
+            for table, k in zip(self._prefix_tables, keys)
+        )
 
-    def _admit_in_order(self, deferred: list[Completion]) -> None:
+    def _next_to_admit(self) -> tuple[int | None, list[int]]:
+        """``(position in waiting of the request a free slot takes now, or None where all
+        wait behind running prefills; the indices of the requests it passes over)``."""
+        candidates = (
+            i
+            for i, done in enumerate(self.waiting)
+            if not (
+                self.share_prefixes
+                and self._waits_for_prefill(self._checked[done.index].prompt)
+            )
+        )
+        if self.admission_order == "fifo":
+            return next(candidates, None), []
+        candidates = list(candidates)
+        if len(candidates) <= 1:
+            return (candidates[0] if candidates else None), []
+
+        def rank(i: int) -> tuple[int, int, int]:
+            done = self.waiting[i]
+            if self._skips.get(done.index, 0) >= ADMISSION_SKIP_LIMIT:
+                return (0, 0, i)  # Passed over enough: first, in arrival order.
+            return (1, -self.cached_prefix_tokens(done), i)
+
+        chosen = min(candidates, key=rank)
+        return chosen, [self.waiting[i].index for i in candidates if i < chosen]
+
+    def _forget_waiting(self, done: Completion) -> None:
+        del self._checked[done.index]
+        self._prefix_keys.pop(done.index, None)
+        self._skips.pop(done.index, None)
+
+    def _admit_waiting(self) -> None:
         while self.waiting:
             free = [b for b, s in enumerate(self.slots) if s is None]
             if not free:
                 return
-            done = self.waiting[0]
+            at, passed_over = self._next_to_admit()
+            if at is None:
+                return
+            done = self.waiting[at]
             req, checked = done.request, self._checked[done.index]
-            if self.share_prefixes and self._waits_for_prefill(checked.prompt):
-                deferred.append(self.waiting.popleft())
-                continue
             try:
                 self.state, cached = self.cache.admit(
                     self.state,
@@ -399,12 +489,14 @@ class ServingLoop:
                 if any(s is not None for s in self.slots):
                     return  # Blocks come back as running requests finish.
                 # Refused with nothing else running: waiting would not change it.
-                self.waiting.popleft()
-                del self._checked[done.index]
+                del self.waiting[at]
+                self._forget_waiting(done)
                 self._fail(done, f"admission refused: {e}")
                 continue
-            self.waiting.popleft()
-            del self._checked[done.index]
+            del self.waiting[at]
+            self._forget_waiting(done)
+            for index in passed_over:
+                self._skips[index] = self._skips.get(index, 0) + 1
             seed = req.seed if req.seed is not None else (self.seed, done.index)
             done.slot, done.cached, done.admitted = free[0], int(cached), self.clock()
             self.prefill_tokens += len(checked.prompt) - int(cached)

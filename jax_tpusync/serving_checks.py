@@ -70,6 +70,15 @@ def token_id_error(vocab_size: int | None) -> str:
     return f"not a token id in {_id_range(vocab_size)}"
 
 
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
+    """``value`` if it is one of ``choices`` (strings)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    return value
+
+
 def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
     """``value`` as an int in ``[minimum, maximum]`` (numpy ints too, never a bool)."""
     bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"

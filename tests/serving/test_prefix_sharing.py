@@ -182,3 +182,89 @@ def test_a_cache_without_share_computed_is_served_in_arrival_order(params, step)
         cache.close(loop.state)
     assert [c.cached for c in done] == [0, 0]  # Admitted together, each computed it.
     assert done[1].tokens == alone(params, prompt, 2)
+
+
+# -- admission order ---------------------------------------------------------------------
+
+
+def publish_system_prompt(loop):
+    """One request of the shared prompt run to its end: its blocks are in the index."""
+    loop.run([serving.Request(SYSTEM + [1], 1)])
+
+
+@pytest.mark.parametrize("order", ["cached_prefix_first", "fifo"])
+def test_a_free_slot_takes_the_longest_cached_prefix_first(order, params, step):
+    """Two slots, three waiting: two that share nothing, then one whose prompt is cached.
+    Cached-prefix-first admits the cached one and the first other (arrival order among
+    the equal); fifo the first two. Tokens equal each request alone either way."""
+    plain_a, plain_b, cached_prompt = [9] * 20, [10] * 20, SYSTEM + [2]
+    with make_cache(batch=2) as cache:
+        loop = serving.ServingLoop(cache, step, params, chunk=CHUNK, admission_order=order)
+        publish_system_prompt(loop)
+        a, b, c = (loop.submit(serving.Request(p, 2)) for p in (plain_a, plain_b, cached_prompt))
+        assert [loop.cached_prefix_tokens(x) for x in (a, b, c)] == [0, 0, len(SYSTEM)]
+        loop.step()
+        if order == "fifo":
+            assert (a.slot, b.slot, c.slot) == (0, 1, None)
+        else:
+            assert (a.slot, b.slot, c.slot) == (1, None, 0)
+            assert c.cached == len(SYSTEM)
+        loop.run()
+        cache.close(loop.state)
+    assert loop.cached_prefix_tokens(c) == 0  # Not waiting any more.
+    for done, prompt in ((a, plain_a), (b, plain_b), (c, cached_prompt)):
+        assert done.tokens == alone(params, prompt, 2), prompt
+
+
+def test_looking_up_a_cached_prefix_pins_and_counts_nothing(params, step):
+    with make_cache(batch=2) as cache:
+        loop = serving.ServingLoop(cache, step, params, chunk=CHUNK)
+        publish_system_prompt(loop)
+        before = (cache.prefix_stats, cache.free_blocks)
+        waiting = loop.submit(serving.Request(SYSTEM + [3], 1))
+        assert loop.cached_prefix_tokens(waiting) == len(SYSTEM)
+        assert loop.cached_prefix_tokens(waiting) == len(SYSTEM)  # Its keys kept.
+        assert (cache.prefix_stats, cache.free_blocks) == before
+        loop.run()
+        cache.close(loop.state)
+
+
+def test_a_request_passed_over_the_skip_limit_times_goes_first(params, step):
+    """One prompt that shares nothing, then more cached ones than the limit: the cached
+    ones go ahead of it exactly ADMISSION_SKIP_LIMIT times, then it is admitted."""
+    limit = serving.ADMISSION_SKIP_LIMIT
+    ticks = iter(range(10**6))
+    with make_cache(batch=2) as cache:
+        loop = serving.ServingLoop(
+            cache, step, params, chunk=CHUNK, clock=lambda: float(next(ticks))
+        )
+        publish_system_prompt(loop)
+        plain = loop.submit(serving.Request([9] * 20, 1))
+        cached = [loop.submit(serving.Request(SYSTEM + [20 + i], 1)) for i in range(limit + 2)]
+        loop.run()
+        cache.close(loop.state)
+    ahead = [c for c in cached if c.admitted < plain.admitted]
+    assert len(ahead) == limit
+    assert ahead == cached[:limit]  # Arrival order among the equal.
+    assert all(c.cached == len(SYSTEM) for c in cached)
+    assert plain.tokens == alone(params, [9] * 20, 1)
+    assert cached[-1].tokens == alone(params, SYSTEM + [20 + limit + 1], 1)
+
+
+@pytest.mark.parametrize(
+    "order, error, match",
+    [
+        ("lifo", ValueError, "admission_order must be one of 'cached_prefix_first', 'fifo'; got 'lifo'"),
+        ("FIFO", ValueError, "admission_order must be one of .*; got 'FIFO'"),
+        (None, TypeError, "admission_order must be one of .*; got None"),
+    ],
+)  # fmt: skip
+def test_an_unknown_admission_order_is_refused_changing_nothing(order, error, match, params, step):
+    with make_cache() as cache:
+        with pytest.raises(error, match=match):
+            serving.ServingLoop(cache, step, params, chunk=CHUNK, admission_order=order)
+        loop = serving.ServingLoop(cache, step, params, chunk=CHUNK, admission_order="fifo")
+        assert loop.admission_order == "fifo"
+        done = loop.run([serving.Request(SYSTEM + [4], 1)])
+        cache.close(loop.state)
+    assert done[0].tokens == alone(params, SYSTEM + [4], 1)
