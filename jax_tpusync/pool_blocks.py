@@ -38,6 +38,31 @@ def read_blocks(
     return np.array(_read_sharded(layout, mesh, pool, starts))
 
 
+# Most blocks one gather program reads (:func:`gather_blocks`): larger counts take several
+# calls, so at most log2 of it + 1 programs are compiled, each of a bounded size.
+GATHER_BLOCKS = 64
+
+
+def gather_blocks(
+    layout: PoolLayout,
+    mesh: MeshLayout | None,
+    pool: jax.Array,  # [pool_rows, row_width], or [shards, pool_rows, row_width] over a mesh
+    starts: np.ndarray,  # int[n]: the pool row of each block's first token
+) -> np.ndarray:  # [shards, n * block_tokens, row_width] in the pool's dtype
+    """:func:`read_blocks` of any number of blocks in a few programs: calls of at most
+    :data:`GATHER_BLOCKS` blocks, each padded to a power of two with reads of the sink
+    block (so a commit's changing block counts reuse a handful of compiled programs)."""
+    starts = np.asarray(starts, np.int64)
+    bt = layout.spec.block_tokens
+    parts = [read_blocks(layout, mesh, pool, starts[:0])]
+    for at in range(0, len(starts), GATHER_BLOCKS):
+        part = starts[at : at + GATHER_BLOCKS]
+        padded = np.full(1 << (len(part) - 1).bit_length(), layout.sink_row, np.int64)
+        padded[: len(part)] = part
+        parts.append(read_blocks(layout, mesh, pool, padded)[:, : len(part) * bt])
+    return np.concatenate(parts, axis=1)
+
+
 def write_blocks(
     layout: PoolLayout,
     mesh: MeshLayout | None,

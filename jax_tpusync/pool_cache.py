@@ -12,10 +12,20 @@ steps; they take the state and return the new one, as the step does.
 Prefix levels (``shared_prefix_dir``, ``remote_prefix``) import into the pool and publish
 from it through :class:`~jax_tpusync.pool_blocks.PoolBlocks`, between steps.
 
-What this cache does not do yet (each refused by name at construction): file tiers,
-persistence (``shm_name``/``file_name``), spill tiers,
-resident mode, rings of bounded windows (``max_step_tokens``), ``prefetch_depth`` above 1,
-slots split over a mesh's ``batch_axis``, and hybrid layer groups.
+Persistence (``shm_name=``, or ``tier="file", path=, file_name=``): the pool is copied to a
+shm or file tier by the commit protocol every cache uses (:mod:`jax_tpusync.persistence`):
+:meth:`HostPoolKVCache.commit` gathers the blocks written since the last commit from the
+state's pool (one jitted program), writes them to the tier, then commits (sync, checksums,
+manifest); a cache made over an existing tier re-attaches to its last commit, and its first
+:meth:`~HostPoolKVCache.init` reads the committed blocks into the new pool. See
+:mod:`jax_tpusync.pool_persistence`. The file is in the engine cache's byte layout, so
+an :class:`~jax_tpusync.OffloadedKVCache` of the same geometry re-attaches to it too.
+
+What this cache does not do yet (each refused by name at construction): file tiers that
+are not a persistent copy (``tier="file"`` without ``file_name``), persistence over a mesh,
+spill tiers, resident mode, rings of bounded windows (``max_step_tokens``),
+``prefetch_depth`` above 1, slots split over a mesh's ``batch_axis``, and hybrid layer
+groups.
 
 Over a mesh (``mesh=``, ``kv_heads_axis=``) each device keeps its own heads' pool in its
 own host memory: every state leaf has a leading axis of shards split over the mesh, as a
@@ -36,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jax_tpusync import pool_blocks, quantize
+from jax_tpusync import persistence, pool_blocks, quantize
 from jax_tpusync.config import CacheConfig, with_config
 from jax_tpusync.host_pool import (
     NOT_STAGED,
@@ -51,6 +61,7 @@ from jax_tpusync.host_io import check_load_rows, one_slot_load
 from jax_tpusync.levels import SharedDirectoryLevel
 from jax_tpusync.mesh_layout import MeshLayout, checked_layout
 from jax_tpusync.mooncake_level import make_level
+from jax_tpusync.pool_persistence import PoolTier
 from jax_tpusync.slots import Admission, SlotTable
 from jax_tpusync.state import CacheSpec
 
@@ -59,12 +70,9 @@ logger = logging.getLogger(__name__)
 # Salts the prefix index's root key: blocks of this layout are this layout's alone.
 POOL_LAYOUT_VERSION = 1
 
-# Keywords of CacheConfig this cache takes at their defaults only, with why.
+# Keywords of CacheConfig this cache takes at their defaults only, with why. (``tier="file"``
+# and ``path`` are taken with ``file_name`` alone: the file is the pool's persistent copy.)
 _NOT_YET = {
-    "tier": ("host", "the pool is host memory"),
-    "path": (None, "file tiers are not on the host-pool path yet"),
-    "shm_name": (None, "persistence is not on the host-pool path yet"),
-    "file_name": (None, "persistence is not on the host-pool path yet"),
     "spill_path": (None, "spill tiers are not on the host-pool path yet"),
     "spill_blocks": (None, "spill tiers are not on the host-pool path yet"),
     "max_step_tokens": (None, "rings of bounded windows are not on the host-pool path yet"),
@@ -155,7 +163,19 @@ class HostPoolKVCache:
         for name, (default, why) in _NOT_YET.items():
             if name in options and options[name] != default:
                 raise ValueError(f"{name}={options[name]!r}: {why} (host-pool cache)")
+        if options.get("tier", "host") != "host" and options.get("file_name") is None:
+            raise ValueError(
+                f"tier={options['tier']!r} without file_name: the pool is host memory; a "
+                f"file tier only holds its persistent copy (pass file_name=) (host-pool cache)"
+            )
         config = CacheConfig.from_kwargs(**options)
+        if mesh is not None and config.tier.persistent:
+            name = "shm_name" if config.tier.kind == "host" else "file_name"
+            raise ValueError(
+                f"{name}={options[name]!r} with mesh=: persistence over a mesh is not on the "
+                f"host-pool path yet (each device's heads would need a tier and manifest of "
+                f"their own); persist a one-device cache (host-pool cache)"
+            )
         if mesh is None:
             if kv_heads_axis is not None or batch_axis is not None:
                 raise ValueError("kv_heads_axis and batch_axis need mesh= (host-pool cache)")
@@ -181,6 +201,8 @@ class HostPoolKVCache:
         else:
             kind = mesh_layout.mesh.devices.flat[0].device_kind
         self.spec = pool_spec(config, mesh_layout, kind)
+        # Checked before anything is opened, so that a mismatch touches nothing.
+        self.persistence = persistence.Persistence.prepare_for(config)
         self.config = config
         self.layout = PoolLayout(self.spec)
         self.mesh = mesh_layout
@@ -211,6 +233,7 @@ class HostPoolKVCache:
             remote.append(make_level(config.prefix.remote, **level_layout))
             if remote[-1] is not config.prefix.remote:  # Made here (an address, a factory).
                 self._owned_levels.append(remote[-1])
+        p = self.persistence
         self.slots = SlotTable(
             batch=g.batch,
             max_len=g.max_len,
@@ -219,6 +242,8 @@ class HostPoolKVCache:
             root=root,
             store=self._blocks,
             remote_levels=remote,
+            before_reuse=None if p is None else p.note_evicted,
+            before_release=None if p is None else p.note_release,
         )
         # Blocks a reservation imported from a prefix level, by slot: written into the
         # pool of the state admitted() is given (cancel() drops them).
@@ -228,6 +253,23 @@ class HostPoolKVCache:
         # length grows to the rows every layer holds.
         self._loaded_extent = np.zeros((self.spec.num_layers, self.spec.batch), np.int64)
         self._closed = False
+        # The pool's persistent copy (None: not persistent), and init()'s default lengths
+        # once it re-attached a commit.
+        self._tier: PoolTier | None = None
+        self._restored_lengths: np.ndarray | None = None
+        if p is not None:
+            try:
+                self._tier = PoolTier.open(config, self.layout, self.slots)
+                self._restored_lengths = p.attach(
+                    self._tier.persisted_kv(),
+                    attached=self._tier.attached,
+                    verify=config.persistence.verify,
+                )
+            except Exception:
+                if self._tier is not None:
+                    self._tier.close()
+                self._close_levels()
+                raise
         logger.info(
             "host-pool KV cache: %.1f MiB pool, %.1f MiB staging, chunk_len=%d (per device "
             "of %d)",
@@ -258,9 +300,9 @@ class HostPoolKVCache:
         return np.asarray(self.slots.capacity, np.int32).copy()
 
     @property
-    def committed_lengths(self) -> None:
-        """None: the host pool is not persistent (yet)."""
-        return None
+    def committed_lengths(self) -> np.ndarray | None:
+        """int32[batch]: every slot's length at the last commit (None: not persistent)."""
+        return None if self.persistence is None else self.persistence.committed_lengths
 
     @property
     def device_bytes(self) -> int:
@@ -276,13 +318,17 @@ class HostPoolKVCache:
     def init(
         self, lengths: Sequence[int] | np.ndarray | None = None, *, admit: bool = True
     ) -> PoolState:
-        """The first state: a zeroed pool in the device's pinned host memory; ``lengths``
-        and ``admit`` as :meth:`jax_tpusync.OffloadedKVCache.init`'s. Once only: later
-        states come from the step and this cache's methods."""
+        """The first state: a zeroed pool in the device's pinned host memory (a cache that
+        re-attached a commit: its committed blocks, read from the tier); ``lengths`` and
+        ``admit`` as :meth:`jax_tpusync.OffloadedKVCache.init`'s (default: 0, or the
+        committed lengths). Once only: later states come from the step and this cache's
+        methods."""
         self._check_open()
         if self._initialized:
             raise ValueError("init() was called already: use the state the last call returned")
         spec = self.spec
+        if lengths is None:
+            lengths = self._restored_lengths
         lengths = np.zeros(spec.batch, np.int64) if lengths is None else np.asarray(lengths)
         if lengths.shape != (spec.batch,):
             raise ValueError(f"lengths must have shape ({spec.batch},); got {lengths.shape}")
@@ -290,12 +336,24 @@ class HostPoolKVCache:
             self.slots.admit_all()
         capacity = self.slots.capacity
         for b in range(spec.batch):
+            shared = self.slots.shared_tokens(b)
+            if lengths[b] < shared:
+                raise ValueError(
+                    f"lengths[{b}]={int(lengths[b])} is below slot {b}'s shared prefix of "
+                    f"{shared} tokens (blocks other sequences read: decode would write them)"
+                )
             if not 0 <= lengths[b] <= capacity[b]:
                 raise ValueError(
                     f"lengths[{b}]={int(lengths[b])} must be in [0, {int(capacity[b])}] "
                     f"(slot {b}'s capacity)"
                 )
-        state = self._state(lengths, self.slots.tables, capacity)
+        pool = None
+        if self._tier is not None:
+            self.persistence.note_init(lengths)  # Below the commit: commits that first.
+            if self._restored_lengths is not None:
+                pool = self._tier.restored_pool(self.persistence.committed_lengths)
+            self._tier.started(lengths, self._restored_lengths)
+        state = self._state(lengths, self.slots.tables, capacity, pool)
         self._initialized = True
         self._loaded_extent[:] = 0
         return state
@@ -313,11 +371,12 @@ class HostPoolKVCache:
             np.zeros(spec.batch, np.int32),
         )
 
-    def _state(self, lengths, block_table, capacity) -> PoolState:
-        """A state of these per-slot tables over a zeroed pool, nothing staged."""
-        pool = jax.device_put(
-            np.zeros(self._global(self.layout.pool_shape), self.layout.dtype), self.pool_sharding
-        )
+    def _state(self, lengths, block_table, capacity, pool_rows=None) -> PoolState:
+        """A state of these per-slot tables over a pool of ``pool_rows`` (a host array of
+        the pool's shape; None: zeros), nothing staged."""
+        if pool_rows is None:
+            pool_rows = np.zeros(self._global(self.layout.pool_shape), self.layout.dtype)
+        pool = jax.device_put(pool_rows, self.pool_sharding)
         local = PoolState.fresh(self.spec, lengths, block_table, capacity, pool)
         return local.replace(
             **{
@@ -399,17 +458,63 @@ class HostPoolKVCache:
         return state
 
     def commit(self, state: PoolState) -> PoolState:
-        """Drains ``state`` (the host pool is not persistent: nothing is made durable)."""
-        return self.drain(state)
+        """Makes ``state``'s rows durable and records its lengths, per-slot tables, token
+        ids and prefix index; call between steps. On a persistent tier: the blocks written
+        since the last commit are gathered from the state's pool and written to the tier,
+        which is synced, checksummed and recorded in a new manifest (see
+        :mod:`jax_tpusync.persistence`). Otherwise it only drains.
+
+        Returns:
+          The drained state: continue with it.
+
+        Raises:
+          persistence.CommitError: the commit was not made (a tier write failed, say); the
+            manifest still holds the previous commit.
+        """
+        return self._commit(state, session="open")
+
+    def _commit(self, state: PoolState, *, session: str) -> PoolState:
+        state = self.drain(state)
+        if self._tier is None:
+            return state
+        p = self.persistence
+        lengths = self._host(state.lengths)
+        try:
+            self._tier.flush(state.pool, lengths)
+        except Exception as e:
+            raise persistence.CommitError(
+                f"commit {p.commit_number + 1} was not written (the tier keeps commit "
+                f"{p.commit_number}, lengths {p.committed_lengths.tolist()}): {e}"
+            ) from e
+        p.commit(lengths, session=session)
+        return state
+
+    def verify(self, state: PoolState | None = None) -> persistence.VerifyResult:
+        """Re-reads the committed rows and indexed blocks from the tier and checks them
+        against the manifest's checksums (as :meth:`jax_tpusync.OffloadedKVCache.verify`).
+
+        Raises:
+          persistence.ChecksumMismatchError: naming the chunk or block that differs.
+          ValueError: the cache is not on a persistent tier.
+        """
+        self._check_open()
+        if self.persistence is None:
+            raise ValueError("verify() needs a persistent tier (shm_name= or file_name=)")
+        if state is not None:
+            self.check(state)
+        return self.persistence.verify()
 
     def recover(self) -> PoolState:
         """Refused: a host-pool step never fails on its own (a step past a slot's capacity
         writes to the sink and is refused for that slot; see :meth:`check`), and the pool
-        of a state donated to a step that failed otherwise went with it."""
+        of a state donated to a step that failed otherwise went with it. A persistent
+        cache's last commit comes back by closing the cache (without a state) and making it
+        again over the same tier."""
         raise ValueError(
             "a host-pool cache cannot recover a state lost with a failed step: its pool was "
             "donated to the step. Keep the state a step returned; a step past a slot's "
-            "capacity does not fail (see HostPoolKVCache.check)"
+            "capacity does not fail (see HostPoolKVCache.check). A persistent cache: "
+            "close() it and make it again over the same tier to re-attach its last commit"
         )
 
     def admit(
@@ -440,7 +545,10 @@ class HostPoolKVCache:
         self._check_open()
         self._blocks.take_writes()  # Nothing of a refused call before.
         admission = self.slots.admit(slot, max_tokens, tokens, max_cached=max_cached)
-        self._imports[admission.slot] = self._blocks.take_writes()
+        imports = self._blocks.take_writes()
+        if self._tier is not None:  # Indexed from now on: a commit may hash them.
+            self._tier.write_payloads(imports)
+        self._imports[admission.slot] = imports
         return admission
 
     def cancel(self, reservation: Admission) -> None:
@@ -458,6 +566,8 @@ class HostPoolKVCache:
         lengths = self._host(state.lengths).copy()
         lengths[slot] = reservation.cached
         self._loaded_extent[:, slot] = reservation.cached
+        if self._tier is not None:
+            self._tier.admitted(slot, reservation.cached)
         return self._with_slots(state, lengths)
 
     def check_release(
@@ -480,7 +590,13 @@ class HostPoolKVCache:
         jax.block_until_ready(state.pool)  # Its blocks are indexed once written.
         self._blocks.reading(state.pool)  # A prefix level publishes them from it.
         try:
-            self.slots.release(slot, length, tokens)
+            if self._tier is None:
+                self.slots.release(slot, length, tokens)
+            else:  # A commit of the slot released first flushes this state's pool.
+                self._tier.releasing(slot, length)
+                with self._tier.reading(state.pool, self._host(state.lengths)):
+                    self.slots.release(slot, length, tokens)
+                self._tier.released(slot)
         finally:
             self._blocks.reading(None)
         self._loaded_extent[:, slot] = 0
@@ -545,6 +661,10 @@ class HostPoolKVCache:
         k, v, starts, counts = check_load_rows(
             self.slots, heads, spec.head_dim, spec.dtype, k, v, start, lengths
         )  # Refused: no change.
+        if self._tier is not None:  # Committed rows may change: commit them gone first.
+            with self._tier.reading(state.pool, self._host(state.lengths)):
+                self.persistence.note_rows_written(layer, starts, counts)
+            self._tier.loaded(layer, starts, counts)
         for b in np.flatnonzero(counts):
             n = int(counts[b])
             state = self._load_rows(state, layer, int(b), k[b], v[b], int(starts[b]), n)
@@ -637,11 +757,23 @@ class HostPoolKVCache:
 
     def close(self, state: PoolState | None = None) -> None:
         """Closes the cache: every later call is refused. The pool is the state's (freed
-        with the last state that holds it); nothing is committed, the pool not being
-        persistent. Closes the network levels the cache opened."""
+        with the last state that holds it). On a persistent tier ``state``, if given, is
+        committed first; never raises for a failed commit (it is logged, and the cache made
+        again over the tier re-attaches the last commit that succeeded); without a state
+        nothing is committed. Closes the network levels the cache opened."""
         if self._closed:
             return
+        if state is not None and self._tier is not None:
+            try:
+                self._commit(state, session="closed")
+            except Exception as e:  # noqa: BLE001 - reported; the last commit stands.
+                logger.error("final commit failed; the last successful commit stands: %s", e)
         self._closed = True
+        if self._tier is not None:
+            self._tier.close()
+        self._close_levels()
+
+    def _close_levels(self) -> None:
         for level in self._owned_levels:
             try:
                 level.close()
