@@ -24,7 +24,6 @@ import dataclasses
 import json
 import logging
 import math
-import mmap
 import os
 import re
 import shutil
@@ -35,6 +34,7 @@ from typing import Protocol, Self, runtime_checkable
 
 import numpy as np
 
+from jax_tpusync.weight_file_pool import FilePool, FileRetiredError, map_leased, release
 from jax_tpusync.weight_plan import Box, SourceLayout, box_volume, layout_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,9 @@ class VersionReader(Protocol):
         self, leaf: StoredLeaf, wanted: Sequence[tuple[int, tuple[slice, ...]]]
     ) -> list[np.ndarray]:
         """Per ``(shard number, slices of that shard)`` of ``leaf``, those values (an array
-        of the slices' shape and the leaf's dtype, possibly a read-only view), checked."""
+        of the slices' shape and the leaf's dtype, possibly a read-only view), checked.
+        They stay valid and unchanged as long as they are referenced, after :meth:`close`
+        too: a puller may hand them to ``jax.device_put`` as they are."""
         ...
 
     def close(self) -> None: ...
@@ -252,7 +254,14 @@ class PartWriter:
         suffix = f".tmp-{os.getpid()}-{id(self):x}"
         self._data_tmp = self.data_path.with_name(self.data_path.name + suffix)
         self._manifest_tmp = self.manifest_path.with_name(self.manifest_path.name + suffix)
-        self._file = open(self._data_tmp, "wb")  # noqa: SIM115 - closed by commit/abort.
+        # A retired version's file, written over (its pages are already there), else a new
+        # one. A reused file stays locked (exclusive) until commit or abort closes it.
+        taken = store.pool.take(self._data_tmp)
+        self.reused_file = taken is not None
+        if taken is not None:
+            self._file = os.fdopen(taken[0], "r+b")
+        else:
+            self._file = open(self._data_tmp, "wb")  # noqa: SIM115 - closed by commit/abort.
         self._offset = 0
         self._leaves: list[dict] = []
         self._paths: set[str] = set()
@@ -288,6 +297,7 @@ class PartWriter:
 
     def commit(self) -> None:
         """Renames the data file into place, then writes the manifest (atomically, last)."""
+        self._file.truncate(self._offset)  # A reused file may have been longer.
         self._file.flush()
         if self.fsync:
             os.fsync(self._file.fileno())
@@ -321,33 +331,26 @@ class PartWriter:
             p.unlink(missing_ok=True)
 
 
-def _map_read_only(fd: int) -> mmap.mmap:
-    """The whole file mapped read-only, its pages mapped up front where Linux allows
-    (``MAP_POPULATE``: a copy out of a fresh mapping otherwise takes a page fault per
-    4 KiB, which made reads of ``/dev/shm`` five times slower here)."""
-    populate = getattr(mmap, "MAP_POPULATE", 0)
-    if populate:
-        return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
-    return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-
-
 class OpenVersion:
-    """A complete version's data files, mapped read-only. A mapping stays readable if the
-    version is retired meanwhile (the files are unlinked, not truncated)."""
+    """A complete version's data files, mapped read-only (pages mapped up front where Linux
+    allows: ``MAP_POPULATE``; a copy out of a fresh mapping otherwise takes a page fault
+    per 4 KiB, which made reads of ``/dev/shm`` five times slower here), each under a read
+    lease (:mod:`jax_tpusync.weight_file_pool`): no publisher writes over a file while a
+    mapping of it, or an array viewing one, is alive. So the views :meth:`read` returns
+    stay valid and unchanged as long as they are referenced, after :meth:`close` too, even
+    once the version is retired."""
 
     def __init__(self, manifest: VersionManifest):
         self.manifest = manifest
-        self._maps: list[mmap.mmap | None] = []
+        self._maps: list = []
         try:
             for path in manifest.data_files:
-                with open(path, "rb") as f:
-                    size = os.fstat(f.fileno()).st_size
-                    self._maps.append(_map_read_only(f.fileno()) if size else None)
-        except FileNotFoundError as e:
+                self._maps.append(map_leased(path))
+        except (FileNotFoundError, FileRetiredError) as e:
             self.close()
             raise WeightSyncError(
                 f"weights version {manifest.version} was retired while opening it "
-                f"({e.filename} is gone): pull again (or keep more versions)"
+                f"({e.filename}: {e.strerror or 'gone'}): pull again (or keep more versions)"
             ) from None
 
     def shard(self, leaf: StoredLeaf, index: int) -> np.ndarray:
@@ -369,12 +372,10 @@ class OpenVersion:
         return [self.shard(leaf, index)[slices] for index, slices in wanted]
 
     def close(self) -> None:
+        """Unmaps what no array views; a mapping that one does goes with the last of them."""
         for m in self._maps:
             if m is not None:
-                try:
-                    m.close()
-                except BufferError:  # A view is still alive: the mapping goes with it.
-                    pass
+                release(m)
         self._maps = []
 
     def __enter__(self) -> Self:
@@ -458,6 +459,7 @@ class WeightStore:
             raise TypeError(f"directory={directory!r} must be a path")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.pool = FilePool(self.directory)
 
     def describe(self) -> str:
         return str(self.directory)
@@ -594,6 +596,11 @@ class WeightStore:
                 os.replace(src, aside)
             except FileNotFoundError:
                 continue
+            # Its data files are written over by later versions (the pool holds at most
+            # one version's worth); a file a reader still maps is unlinked instead.
+            data_files = sorted(aside.glob("part-*.bin"))
+            for data in data_files:
+                self.pool.give(data, capacity=len(data_files))
             shutil.rmtree(aside, ignore_errors=True)
             removed.append(v)
         if removed:

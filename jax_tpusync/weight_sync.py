@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -600,7 +601,19 @@ class WeightPuller:
                         ],
                     )
                 )
+                same_dtype = leaf_plan.target_dtype == leaf_plan.source_dtype
                 for block in leaf_plan.blocks:
+                    if len(block.pieces) == 1 and same_dtype:
+                        # One contiguous range of one source shard: put the store's view as
+                        # it is (no staging copy; the store keeps it unchanged while it is
+                        # referenced, and JAX's CPU backend adopts an aligned one in place).
+                        (piece,) = block.pieces
+                        value = next(values)
+                        if value.shape == block.shape and value.flags.c_contiguous:
+                            bufs.extend([value] * len(block.devices))
+                            devices.extend(block.devices)
+                            continue
+                        values = itertools.chain([value], values)
                     buf = aligned_empty(block.shape, leaf_plan.target_dtype)
                     for piece in block.pieces:
                         # Assignment casts (bf16 -> fp8 rounds to nearest, as astype does).

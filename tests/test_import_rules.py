@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     "mesh_layout": 2,
     "layer_groups": 2,
     "weight_plan": 0,
+    "weight_file_pool": 0,
     "weight_store": 1,
     "weight_sync": 4,
     "weight_store_mooncake": 4,
