@@ -149,6 +149,10 @@ def _copy_tree(tree: Any) -> Any:
 
 _jitted_copy = jax.jit(_copy_tree)
 
+# A pull puts its buffers on the devices in groups of leaves that staged (copied) at most
+# about this many bytes (views of the store are not staged).
+STAGED_BYTES_PER_PUT = 256 << 20
+
 
 class WeightPublisher:
     """Publishes versions of a pytree of sharded jax arrays into a store.
@@ -586,6 +590,26 @@ class WeightPuller:
     def _read(self, manifest: VersionManifest, stored: list, plan: WeightPlan):
         read_seconds = put_seconds = 0.0
         arrays = []
+        # Leaves whose buffers are ready, put together (one device_put per group: a call per
+        # leaf cost more than the zero-copy puts themselves); a group ends once it has staged
+        # STAGED_BYTES_PER_PUT of copies, so the host holds at most that much more.
+        group: list[tuple[Any, list, list]] = []
+        staged = 0
+
+        def put_group() -> None:
+            bufs = [b for _, leaf_bufs, _ in group for b in leaf_bufs]
+            devices = [d for _, _, leaf_devices in group for d in leaf_devices]
+            shards = iter(jax.device_put(bufs, devices))
+            for leaf_plan, leaf_bufs, _ in group:
+                arrays.append(
+                    jax.make_array_from_single_device_arrays(
+                        leaf_plan.shape,
+                        leaf_plan.sharding,
+                        [next(shards) for _ in leaf_bufs],
+                    )
+                )
+            group.clear()
+
         opened = self.store.open_version(manifest)
         try:
             for leaf, leaf_plan in zip(stored, plan.leaves, strict=True):
@@ -607,7 +631,6 @@ class WeightPuller:
                         # One contiguous range of one source shard: put the store's view as
                         # it is (no staging copy; the store keeps it unchanged while it is
                         # referenced, and JAX's CPU backend adopts an aligned one in place).
-                        (piece,) = block.pieces
                         value = next(values)
                         if value.shape == block.shape and value.flags.c_contiguous:
                             bufs.extend([value] * len(block.devices))
@@ -618,18 +641,21 @@ class WeightPuller:
                     for piece in block.pieces:
                         # Assignment casts (bf16 -> fp8 rounds to nearest, as astype does).
                         buf[piece.dest_slices] = next(values)
+                    staged += buf.nbytes
                     for device in block.devices:
                         bufs.append(buf)
                         devices.append(device)
+                group.append((leaf_plan, bufs, devices))
                 t1 = time.perf_counter()
-                shards = jax.device_put(bufs, devices)
-                arrays.append(
-                    jax.make_array_from_single_device_arrays(
-                        leaf_plan.shape, leaf_plan.sharding, shards
-                    )
-                )
+                if staged >= STAGED_BYTES_PER_PUT:
+                    put_group()
+                    staged = 0
                 read_seconds += t1 - t0
                 put_seconds += time.perf_counter() - t1
+            t1 = time.perf_counter()
+            if group:
+                put_group()
+            put_seconds += time.perf_counter() - t1
         finally:
             opened.close()
         return arrays, read_seconds, put_seconds
