@@ -1,0 +1,351 @@
+"""A persistent host pool (shm_name=, or a file tier's file_name=): commits copied to the
+tier and re-attached byte-exact, decode after a restart as without one, a SIGKILL between
+commits re-attaching the last commit, the prefix index across a restart, another layout
+refused by name, and the guards at their edges."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import jax_tpusync as tps
+from jax_tpusync import persistence
+
+HEADS, Q_HEADS, HEAD_DIM, LAYERS, BATCH, MAX_LEN, BLOCK = 2, 4, 16, 2, 2, 32, 8
+CONTEXT = np.array([11, 5])  # Slot 0 ends inside its second block, slot 1 in its first.
+
+
+def make(where, **options):
+    options.setdefault("dtype", jnp.float32)
+    # Two units of two blocks per slot: several units per layer.
+    options.setdefault("staging_bytes", 2 * BATCH * 16 * 2 * HEADS * HEAD_DIM * 4)
+    return tps.HostPoolKVCache(
+        num_layers=LAYERS,
+        batch=BATCH,
+        max_len=MAX_LEN,
+        num_kv_heads=options.pop("heads", HEADS),
+        head_dim=HEAD_DIM,
+        block_tokens=options.pop("block_tokens", BLOCK),
+        **where,
+        **options,
+    )
+
+
+@pytest.fixture
+def shm_name():
+    """A unique shm name; the segment and its manifest are removed at teardown."""
+    name = f"tpusync-pool-test-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    yield name
+    try:
+        tps.Engine.unlink_shm(name)
+    except Exception:  # noqa: BLE001 - never created, or removed by the test.
+        pass
+    Path(persistence.SHM_DIRECTORY, name + persistence.MANIFEST_SUFFIX).unlink(missing_ok=True)
+
+
+@pytest.fixture(params=["file", "shm"])
+def where(request, tmp_path, shm_name):
+    """Keyword arguments of a persistent tier of either kind."""
+    if request.param == "file":
+        return dict(tier="file", path=tmp_path, file_name="kv")
+    return dict(tier="host", shm_name=shm_name)
+
+
+def manifest_of(where) -> Path:
+    if "file_name" in where:
+        return Path(where["path"], where["file_name"] + persistence.MANIFEST_SUFFIX)
+    return Path(persistence.SHM_DIRECTORY, where["shm_name"] + persistence.MANIFEST_SUFFIX)
+
+
+@functools.cache
+def decode_step():
+    """One token per slot through every layer (compiled once for every cache here)."""
+
+    def step(state, qs, ks, vs):
+        outs = []
+        for layer in range(LAYERS):
+            out, state = tps.prefetching_attention(qs[layer], ks[layer], vs[layer], state, layer=layer)
+            outs.append(out)
+        return jnp.stack(outs), state
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def new_rows(rng):
+    """q [LAYERS, BATCH, 1, Q_HEADS, D] and one new K and V row per slot and layer."""
+    shape = (LAYERS, BATCH, 1)
+    q = rng.standard_normal((*shape, Q_HEADS, HEAD_DIM)).astype(np.float32)
+    k = rng.standard_normal((*shape, HEADS, HEAD_DIM)).astype(np.float32)
+    v = rng.standard_normal((*shape, HEADS, HEAD_DIM)).astype(np.float32)
+    return q, k, v
+
+
+class Written:
+    """What a cache should hold: per layer, K and V [BATCH, MAX_LEN, HEADS, D], and the
+    lengths."""
+
+    def __init__(self, rng):
+        shape = (LAYERS, BATCH, MAX_LEN, HEADS, HEAD_DIM)
+        self.k = rng.standard_normal(shape).astype(np.float32)
+        self.v = rng.standard_normal(shape).astype(np.float32)
+        self.lengths = CONTEXT.copy()
+
+    def load(self, cache, state):
+        for layer in range(LAYERS):
+            state = cache.load(state, layer, self.k[layer], self.v[layer], lengths=CONTEXT)
+        return state
+
+    def load_more(self, cache, state, n):
+        """Loads the next ``n`` rows of every slot (of the rows drawn at first)."""
+        for layer in range(LAYERS):
+            k = np.stack([self.k[layer, b, self.lengths[b] :][:n] for b in range(BATCH)])
+            v = np.stack([self.v[layer, b, self.lengths[b] :][:n] for b in range(BATCH)])
+            state = cache.load(state, layer, k, v, start=self.lengths)
+        self.lengths = self.lengths + n
+        return state
+
+    def step(self, state, rng):
+        q, k, v = new_rows(rng)
+        for b in range(BATCH):
+            self.k[:, b, self.lengths[b]] = k[:, b, 0]
+            self.v[:, b, self.lengths[b]] = v[:, b, 0]
+        self.lengths = self.lengths + 1
+        out, state = decode_step()(state, q, k, v)
+        return np.asarray(out), state
+
+    def check(self, cache, state, lengths=None):
+        lengths = self.lengths if lengths is None else lengths
+        np.testing.assert_array_equal(cache.lengths(state), lengths)
+        for layer in range(LAYERS):
+            for b in range(BATCH):
+                k, v = cache.read(state, layer, b)
+                np.testing.assert_array_equal(k, self.k[layer, b, : lengths[b]])
+                np.testing.assert_array_equal(v, self.v[layer, b, : lengths[b]])
+
+
+def test_a_commit_reattaches_byte_exact_and_uncommitted_steps_are_dropped(where, caplog):
+    rng = np.random.default_rng(0)
+    written = Written(rng)
+    cache = make(where)
+    assert cache.committed_lengths.tolist() == [0, 0]
+    state = cache.commit(written.load(cache, cache.init()))
+    for _ in range(6):  # Slot 0 steps into a block no load wrote (rows 16 and 17).
+        _, state = written.step(state, rng)
+    state = cache.commit(state)
+    committed = written.lengths.copy()
+    np.testing.assert_array_equal(cache.committed_lengths, committed)
+    # A load below the committed lengths commits them shortened first, then is committed.
+    patch = rng.standard_normal((2, HEADS, HEAD_DIM)).astype(np.float32)
+    state = cache.load(state, 1, patch, -patch, start=3, slot=0)
+    np.testing.assert_array_equal(cache.committed_lengths, [3, committed[1]])
+    written.k[1, 0, 3:5], written.v[1, 0, 3:5] = patch, -patch
+    state = cache.commit(state)
+    _, state = written.step(state, rng)  # Not committed: dropped on re-attach.
+    cache.close()  # Without a state: nothing more is committed.
+
+    with caplog.at_level(logging.WARNING, logger="jax_tpusync.persistence"):
+        cache = make(where)  # verify=True: every committed chunk checked.
+    assert "were not committed and are not used" in caplog.text
+    np.testing.assert_array_equal(cache.committed_lengths, committed)
+    state = cache.init()
+    written.check(cache, state, committed)
+    assert cache.verify(state).chunks > 0
+    cache.close(state)  # Commits the state, marked closed.
+    manifest = json.loads(manifest_of(where).read_text())
+    assert (manifest["lengths"], manifest["session"]) == (committed.tolist(), "closed")
+
+
+def test_decode_after_a_restart_equals_decode_without_one(tmp_path):
+    where = dict(tier="file", path=tmp_path, file_name="kv")
+    restarted = Written(np.random.default_rng(1))
+    cache = make(where)
+    state = restarted.load(cache, cache.init())
+    _, state = restarted.step(state, np.random.default_rng(2))
+    cache.close(state)
+    cache = make(where)
+    after, state = restarted.step(cache.init(), np.random.default_rng(3))
+    restarted.check(cache, state)
+    cache.close()
+
+    plain = make({})
+    unrestarted = Written(np.random.default_rng(1))
+    state = unrestarted.load(plain, plain.init())
+    _, state = unrestarted.step(state, np.random.default_rng(2))
+    without, state = unrestarted.step(state, np.random.default_rng(3))
+    np.testing.assert_array_equal(after, without)
+
+
+# The child writes with load() only (no step to compile: a few seconds), two commits, then
+# rows past the last commit, and is killed.
+CHILD = textwrap.dedent(
+    """
+    import os, sys
+    import numpy as np
+    sys.path.insert(0, {test_dir!r})
+    import test_pool_persistence as t
+
+    written = t.Written(np.random.default_rng(5))
+    cache = t.make(dict(tier="file", path={path!r}, file_name="kv"))
+    state = cache.commit(written.load(cache, cache.init()))
+    state = cache.commit(written.load_more(cache, state, 2))
+    np.save({out!r} + "/lengths.npy", written.lengths)
+    np.save({out!r} + "/k.npy", written.k)
+    np.save({out!r} + "/v.npy", written.v)
+    state = written.load_more(cache, state, 3)  # Past the commit, then a crash.
+    cache.lengths(state)
+    os.kill(os.getpid(), 9)
+    """
+)
+
+
+def test_a_crash_between_commits_reattaches_the_last_commit(tmp_path, caplog):
+    out, data = tmp_path / "out", tmp_path / "data"
+    out.mkdir()
+    data.mkdir()
+    script = CHILD.format(test_dir=str(Path(__file__).parent), path=str(data), out=str(out))
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    written = Written(np.random.default_rng(0))
+    written.lengths = np.load(out / "lengths.npy")
+    written.k, written.v = np.load(out / "k.npy"), np.load(out / "v.npy")
+    np.testing.assert_array_equal(written.lengths, CONTEXT + 2)
+    where = dict(tier="file", path=data, file_name="kv")
+    with caplog.at_level(logging.WARNING, logger="jax_tpusync.persistence"):
+        cache = make(where)
+    assert "were not committed and are not used" in caplog.text
+    state = cache.init()
+    written.check(cache, state)
+    _, state = written.step(state, np.random.default_rng(6))  # Decodes on, commits again.
+    cache.close(state)
+    manifest = json.loads(manifest_of(where).read_text())
+    assert manifest["lengths"] == (CONTEXT + 3).tolist()
+
+
+def test_released_prefixes_are_mapped_after_a_restart(tmp_path):
+    where = dict(tier="file", path=tmp_path, file_name="kv")
+    rng = np.random.default_rng(7)
+    prompts = [np.arange(100, 117), np.arange(200, 217)]
+    written = Written(rng)
+    written.lengths = np.zeros(BATCH, np.int64)
+    cache = make(where)
+    state = cache.init(admit=False)
+    for slot, prompt in enumerate(prompts):
+        state, _ = cache.admit(state, slot, max_tokens=MAX_LEN, tokens=prompt)
+    for _ in range(17):  # Every row written by steps: no load marks a block.
+        _, state = written.step(state, rng)
+    # Slot 1 holds no committed row: its blocks reach the tier with the next commit.
+    state = cache.release(state, 1, tokens=prompts[1])
+    state = cache.commit(state)
+    # Slot 0 is committed: its release commits it released first.
+    state = cache.release(state, 0, tokens=prompts[0])
+    assert cache.committed_lengths.tolist() == [0, 0]
+    cache.close(state)
+
+    cache = make(where)  # verify=True: the indexed blocks are checked too.
+    state = cache.init(admit=False)
+    for slot in (1, 0):
+        state, cached = cache.admit(state, slot, max_tokens=MAX_LEN, tokens=prompts[slot])
+        assert cached == 16  # Two full blocks of 8 (at most len - 1 tokens).
+        for layer in range(LAYERS):
+            k, v = cache.read(state, layer, slot)
+            np.testing.assert_array_equal(k, written.k[layer, slot, :16])
+            np.testing.assert_array_equal(v, written.v[layer, slot, :16])
+    cache.close()
+
+
+def test_a_pool_of_another_layout_or_model_is_refused_by_name(tmp_path):
+    where = dict(tier="file", path=tmp_path, file_name="kv")
+    written = Written(np.random.default_rng(8))
+    cache = make(where)
+    cache.close(written.load(cache, cache.init()))
+    manifest = manifest_of(where).read_bytes()
+    with pytest.raises(
+        persistence.LayoutMismatchError, match="num_kv_heads: the tier holds 2, this cache has 4"
+    ):
+        make(where, heads=4, staging_bytes=1 << 16)
+    with pytest.raises(
+        persistence.LayoutMismatchError, match="block_tokens: the tier holds 8, this cache has 16"
+    ):
+        make(where, block_tokens=16)
+    with pytest.raises(persistence.LayoutMismatchError, match="dtype: the tier holds 'float32', this cache has 'bfloat16'"):
+        make(where, dtype=jnp.bfloat16)
+    with pytest.raises(persistence.LayoutMismatchError, match="model_id: the tier holds"):
+        make(where, model_id="another")
+    assert manifest_of(where).read_bytes() == manifest  # A refused cache changed nothing.
+    cache = make(where)
+    state = cache.init()
+    written.check(cache, state)
+    cache.close()
+    manifest_of(where).unlink()
+    with pytest.raises(persistence.MissingManifestError, match="has no manifest"):
+        make(where)
+    cache = make(where, overwrite=True)  # Discards the data: starts empty.
+    assert cache.committed_lengths.tolist() == [0, 0]
+    cache.close()
+
+
+def test_persistence_guards_at_their_edges(tmp_path, shm_name):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("h",))
+    on_mesh = dict(mesh=mesh, kv_heads_axis="h")
+    file_tier = dict(tier="file", path=tmp_path, file_name="kv")
+    with pytest.raises(ValueError, match="file_name='kv' with mesh=: persistence over a mesh"):
+        make(file_tier, **on_mesh)
+    with pytest.raises(ValueError, match="shm_name='.*' with mesh=: persistence over a mesh"):
+        make(dict(shm_name=shm_name), **on_mesh)
+    assert not list(tmp_path.iterdir())  # Refused before anything was opened.
+    make({}, **on_mesh).close()  # A mesh without persistence is taken.
+    with pytest.raises(ValueError, match="tier='file' without file_name: the pool is host"):
+        make(dict(tier="file", path=tmp_path))
+    with pytest.raises(ValueError, match=r"verify\(\) needs a persistent tier"):
+        make({}).verify()
+
+    written = Written(np.random.default_rng(9))
+    cache = make(file_tier)
+    state = cache.commit(written.load(cache, cache.init()))
+    np.testing.assert_array_equal(cache.committed_lengths, CONTEXT)
+    # A commit whose manifest write fails keeps the previous commit, and the cache goes on.
+    _, state = written.step(state, np.random.default_rng(10))
+
+    def fail(stage):
+        raise OSError(f"no space left ({stage})")
+
+    persistence.fault_hook = fail
+    try:
+        with pytest.raises(persistence.CommitError, match="the tier keeps commit"):
+            cache.commit(state)
+    finally:
+        persistence.fault_hook = None
+    np.testing.assert_array_equal(cache.committed_lengths, CONTEXT)
+    state = cache.commit(state)
+    np.testing.assert_array_equal(cache.committed_lengths, CONTEXT + 1)
+    cache.close()
+
+    # init() at the committed lengths exactly keeps the commit; one row below commits that.
+    cache = make(file_tier)
+    state = cache.init(CONTEXT + 1)
+    np.testing.assert_array_equal(cache.committed_lengths, CONTEXT + 1)
+    cache.close()
+    cache = make(file_tier)
+    state = cache.init(CONTEXT)
+    np.testing.assert_array_equal(cache.committed_lengths, CONTEXT)
+    written.lengths = CONTEXT
+    written.check(cache, state)
+    with pytest.raises(ValueError, match="close\\(\\) it and make it again over the same tier"):
+        cache.recover()
+    cache.close()
