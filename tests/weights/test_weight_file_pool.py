@@ -1,0 +1,206 @@
+"""The directory store writes later versions over retired versions' data files, never over
+one a puller still reads or holds arrays of (read leases), and a killed puller or publisher
+blocks nothing and leaves nothing torn."""
+
+from __future__ import annotations
+
+import fcntl
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+import weights_support as ws
+from jax.sharding import PartitionSpec as P
+
+from jax_tpusync.weight_file_pool import FilePool, FileRetiredError, map_leased, release
+from jax_tpusync.weight_store import IncompleteVersionError, WeightStore, WeightSyncError
+from jax_tpusync.weight_sync import WeightPublisher, WeightPuller
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
+
+
+def fsdp(path: str, ndim: int) -> P:
+    return P("fsdp") if ndim else P()
+
+
+def tp(path: str, ndim: int) -> P:
+    return P(*([None] * (ndim - 1)), "tp") if ndim >= 2 else P()
+
+
+@pytest.fixture
+def mesh():
+    return ws.mesh_of(jax.devices()[:4], (4,), ("fsdp",))
+
+
+def trained(mesh, seed: int):
+    params = ws.host_params(seed)
+    return params, ws.shard(params, mesh, ws.specs_like(params, fsdp))
+
+
+def data_file(store_dir, version: int):
+    return store_dir / f"v{version:012d}" / "part-00000-of-00001.bin"
+
+
+def pooled(store_dir) -> list[int]:
+    pool = store_dir / ".free"
+    return sorted(os.stat(pool / n).st_ino for n in os.listdir(pool)) if pool.exists() else []
+
+
+@pytest.mark.parametrize("same_layout", [True, False], ids=["fsdp4->fsdp4", "fsdp4->tp2"])
+def test_a_retired_versions_file_is_written_over_and_pulls_stay_exact(mesh, tmp_path, same_layout):
+    store_dir = tmp_path / "weights"
+    targets_mesh = mesh if same_layout else ws.mesh_of(jax.devices()[2:4], (2,), ("tp",))
+    params, _ = trained(mesh, 0)
+    targets = ws.shardings(targets_mesh, ws.specs_like(params, fsdp if same_layout else tp))
+    puller = WeightPuller(store_dir, timeout_s=5)
+    inodes = {}
+    with WeightPublisher(store_dir, keep=1) as pub:
+        for version in (1, 2, 3):
+            params, sharded = trained(mesh, version)
+            pub.publish(sharded, version)
+            pub.wait()
+            inodes[version] = os.stat(data_file(store_dir, version)).st_ino
+            if version == 2:  # Version 1 retired, its file pooled.
+                assert pooled(store_dir) == [inodes[1]]
+            if version == 3:  # Written over version 1's file; version 2's pooled.
+                assert inodes[3] == inodes[1] and pooled(store_dir) == [inodes[2]]
+            pulled = puller.pull(targets, version)
+            ws.check_pulled(pulled, params, targets, puller.stats)
+            for x in jax.tree.leaves(pulled):
+                x.delete()
+            del pulled
+            puller.params = None
+            gc.collect()
+
+
+def test_a_file_whose_arrays_a_puller_holds_is_not_written_over(mesh, tmp_path):
+    store_dir = tmp_path / "weights"
+    params1, sharded1 = trained(mesh, 1)
+    targets = ws.shardings(mesh, ws.specs_like(params1, fsdp))  # Views of the store.
+    puller = WeightPuller(store_dir, timeout_s=5)
+    with WeightPublisher(store_dir, keep=1) as pub:
+        pub.publish(sharded1, 1)
+        pub.wait()
+        held = puller.pull(targets, 1)
+        held_inode = os.stat(data_file(store_dir, 1)).st_ino
+        for version in (2, 3, 4):
+            pub.publish(trained(mesh, version)[1], version)
+            pub.wait()
+            # Version 1 retired while held: unlinked, never pooled, never written over.
+            assert held_inode not in pooled(store_dir)
+        ws.check_pulled(held, params1, targets, puller.stats)
+        # Version 4 held when 5 retires it: unlinked too (5 was written over 3's file).
+        held4 = puller.pull(targets, 4)
+        pub.publish(trained(mesh, 5)[1], 5)
+        pub.wait()
+        assert pooled(store_dir) == []
+        # Once no array views it, a retired file is pooled again.
+        puller.pull(targets, 5)
+        five_inode = os.stat(data_file(store_dir, 5)).st_ino
+        for x in [*jax.tree.leaves(held), *jax.tree.leaves(held4)]:
+            x.delete()
+        del held, held4
+        puller.params = None
+        gc.collect()
+        pub.publish(trained(mesh, 6)[1], 6)
+        pub.wait()
+    assert pooled(store_dir) == [five_inode]
+
+
+def test_a_file_being_written_over_is_refused_as_retired(tmp_path):
+    path = tmp_path / "part.bin"
+    path.write_bytes(b"x" * 4096)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # What a writer holds.
+        with pytest.raises(FileRetiredError, match=r"being reused for a newer version"):
+            map_leased(path)
+    finally:
+        os.close(fd)
+    mapped = map_leased(path)  # Free again: mapped, and pooled only once released.
+    assert not FilePool(tmp_path).give(path, capacity=1) and not path.exists()
+    release(mapped)
+    path.write_bytes(b"y" * 4096)
+    assert FilePool(tmp_path).give(path, capacity=1)
+    # The pool holds at most `capacity` files: the edge, then one more is unlinked.
+    path.write_bytes(b"z" * 4096)
+    assert not FilePool(tmp_path).give(path, capacity=1) and not path.exists()
+
+
+def test_a_retired_version_is_refused_by_name_when_opened(mesh, tmp_path):
+    store_dir = tmp_path / "weights"
+    store = WeightStore(store_dir)
+    with WeightPublisher(store_dir, keep=1) as pub:
+        pub.publish(trained(mesh, 1)[1], 1)
+        pub.wait()
+        manifest = store.read_manifest(1)
+        pub.publish(trained(mesh, 2)[1], 2)
+    with pytest.raises(
+        WeightSyncError, match=r"weights version 1 was retired while opening it .*pull again"
+    ):
+        store.open_version(manifest)
+
+
+def test_a_killed_puller_blocks_no_reuse(tmp_path):
+    path = tmp_path / "part.bin"
+    path.write_bytes(b"x" * 8192)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
+                import sys, time
+                from jax_tpusync.weight_file_pool import map_leased
+                mapped = map_leased({str(path)!r})
+                print("mapped", flush=True)
+                time.sleep(60)
+                """
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "mapped"
+        fd = os.open(path, os.O_RDWR)
+        try:  # Its lease holds against any writer.
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=10)
+    assert FilePool(tmp_path).give(path, capacity=1)
+
+
+def test_a_publisher_killed_writing_over_a_pooled_file_leaves_its_version_incomplete(
+    mesh, tmp_path
+):
+    store_dir = tmp_path / "weights"
+    params2, sharded2 = trained(mesh, 2)
+    targets = ws.shardings(mesh, ws.specs_like(params2, fsdp))
+    with WeightPublisher(store_dir, keep=1) as pub:
+        pub.publish(trained(mesh, 1)[1], 1)
+        pub.wait()
+        pub.publish(sharded2, 2)
+    assert len(pooled(store_dir)) == 1
+    # Version 3 of two processes: process 0 wrote half of its part over the pooled file and
+    # died (no commit, no abort: its descriptor and lock went with it).
+    writer = WeightStore(store_dir).part_writer(3, 0, 2)
+    assert writer.reused_file and pooled(store_dir) == []
+    leaf = ws.flat_with_paths(params2)[0]
+    writer.add(leaf[0], leaf[1].shape, leaf[1].dtype.name, [])
+    del writer  # Its file closed (and its lock dropped) as a killed process's would be.
+    gc.collect()
+    puller = WeightPuller(store_dir, timeout_s=5)
+    with pytest.raises(IncompleteVersionError, match=r"weights version 3 is incomplete"):
+        puller.pull(targets, 3, timeout_s=0.1)
+    ws.check_pulled(puller.pull(targets), params2, targets, puller.stats)
+    assert puller.version == 2
