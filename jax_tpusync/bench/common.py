@@ -377,7 +377,7 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, st
         if fmt == "bytes":
             return format_bytes(int(v))
         if isinstance(v, float) and math.isnan(v):
-            return "nan"
+            return "n/a"
         return format(v, fmt)
 
     table = [[h for _, h, _ in columns]]
@@ -423,6 +423,31 @@ def add_json_argument(p) -> None:
         help="also write the results as JSON to OUT ('-': stdout); without it the table is "
         "printed and no file is written",
     )
+
+
+def add_details_argument(p, what: str) -> None:
+    """``--details``: the developer's table (``what``) instead of the short summary."""
+    p.add_argument(
+        "--details",
+        action="store_true",
+        help=f"print {what} instead of the short summary",
+    )
+
+
+def summary_or_details(args: Any, summary: str) -> None:
+    """Prints ``summary`` (the short comparison in words) unless ``--details`` asked for
+    the developer's table, which :mod:`jax_tpusync.bench.__main__` then prints from
+    ``args.columns``; without ``--details`` no table follows."""
+    if getattr(args, "details", False):
+        return
+    args.columns = None
+    print()
+    print(summary)
+
+
+def progress(message: str) -> None:
+    """A progress line on stderr (stdout keeps the results)."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def report_json(args: Any, subcommand: str, results: Any) -> None:

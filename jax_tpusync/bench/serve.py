@@ -1,7 +1,17 @@
-"""``serve``: one mixed step (a prompt chunk beside decoding slots) against the same work
-as two steps.
+"""``serve``: requests sharing a prompt served by the loop, and one mixed step (a prompt
+chunk beside decoding slots) against the same work as two steps.
 
-A cache of ``--batch`` slots (:mod:`.serving_model`'s decoder, bf16): ``--prefill-slots``
+``--case shared-prompt`` (the default) and ``--case step`` (both: ``--case shared-prompt
+step``) are described below. Output: by default a short summary in words per case (the
+library's figure against the plain way: ``share_prefixes`` on against off, the mixed step
+against two steps), with the median and interquartile range of the samples and "within
+noise" where the medians differ by no more than the wider IQR (see
+:mod:`jax_tpusync.bench.verdict`); ``--details`` prints the developer's table instead.
+Progress goes to stderr. ``--batch``, ``--chunk`` and ``--block-tokens`` default per case
+(shared-prompt: 4 slots, chunk 128, 64-token blocks, about half a minute on two cores;
+step: 8, 512, 256).
+
+``--case step``: a cache of ``--batch`` slots (:mod:`.serving_model`'s decoder, bf16): ``--prefill-slots``
 slots prefill a ``--chunk``-token chunk of their prompt (starting at ``--prefill-start``)
 while the other slots decode one token each over ``--context`` tokens of cached KV. The same
 work runs two ways, alternated (``--repeats`` rounds, each from the same lengths):
@@ -24,11 +34,13 @@ attention over their context.
 ``--case shared-prompt``: :class:`~jax_tpusync.serving.ServingLoop` serves ``--requests``
 requests on ``--batch`` slots, each prompt a ``--prompt``-token shared prefix (a system
 prompt) then ``--tail`` tokens of its own, ``--new-tokens`` generated each, the step
-compiled first (:meth:`~jax_tpusync.serving.ServingLoop.warmup`). Two arrivals: all
+compiled first (:meth:`~jax_tpusync.serving.ServingLoop.warmup`; ``warmup_ms``, in no
+request's TTFT: the first row compiles, the others reuse its programs). Two arrivals: all
 requests at once (``together``), or one first and the others once it has its first token
 (``first-then-rest``); each with ``share_prefixes`` on and off. Reported per row: every
-request's TTFT and queue time (arrival to admission), the later requests' worst TTFT over
-the first's, and the prompt tokens the steps computed against those mapped from the cache.
+request's TTFT and queue time (arrival to admission), the later requests' worst and median
+TTFT over the first's, and the prompt tokens the steps computed against those mapped from
+the cache.
 """
 
 from __future__ import annotations
@@ -41,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tpusync.bench import common, serving_model, tiny_decoder
+from jax_tpusync.bench import common, serving_model, tiny_decoder, verdict
 
 COLUMNS = [
     ("tier", "tier", "s"),
@@ -72,7 +84,14 @@ SHARED_COLUMNS = [
     ("prefill_tokens", "prefill tokens", "d"),
     ("cached_prompt_tokens", "cached tokens", "d"),
     ("wall_ms", "wall ms", ".1f"),
+    ("warmup_ms", "warm-up ms", ".1f"),
 ]
+
+# Per case: the defaults of the flags left unset (None).
+CASE_DEFAULTS = {
+    "step": dict(batch=8, chunk=512, block_tokens=256),
+    "shared-prompt": dict(batch=4, chunk=128, block_tokens=64),
+}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -85,15 +104,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument(
         "--case",
-        choices=("step", "shared-prompt"),
-        default="step",
-        help="step: one mixed step against two; shared-prompt: requests sharing a prompt",
+        nargs="+",
+        choices=("shared-prompt", "step"),
+        default=["shared-prompt"],
+        help="shared-prompt (default): requests sharing a prompt, served by the loop; step: "
+        "one mixed step against two; both: --case shared-prompt step",
     )
     p.add_argument("--tiers", nargs="+", choices=("host", "file"), default=["host"])
     p.add_argument("--path", default=None, help="directory of the file tier (default: cwd)")
     p.add_argument("--context", type=int, nargs="+", default=[4096], help="decode slots' context")
-    p.add_argument("--chunk", type=int, default=512, help="prompt tokens per prefill step")
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument(
+        "--chunk", type=int, default=None, help="prompt tokens per prefill step (128; step: 512)"
+    )
+    p.add_argument("--batch", type=int, default=None, help="slots (4; step: 8)")
     p.add_argument("--prefill-slots", type=int, default=1)
     p.add_argument("--prefill-start", type=int, default=0, help="prompt tokens already cached")
     p.add_argument("--repeats", type=int, default=5)
@@ -103,12 +126,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--prompt", type=int, default=1024, help="shared-prompt: shared prefix")
     p.add_argument("--tail", type=int, default=16, help="shared-prompt: each prompt's own ids")
     p.add_argument("--new-tokens", type=int, default=4, help="shared-prompt: tokens generated")
-    p.add_argument("--block-tokens", type=int, default=256)
+    p.add_argument(
+        "--block-tokens", type=int, default=None, help="tokens per KV block (64; step: 256)"
+    )
     p.add_argument("--staging-bytes", type=common.parse_bytes, default=32 * common.MiB)
     p.add_argument("--prefetch-depth", default="auto")
     p.add_argument("--seed", type=int, default=0)
     common.add_engine_arguments(p)
     common.add_cpu_arguments(p)
+    common.add_details_argument(p, "every row's developer table (per case)")
     common.add_json_argument(p)
     p.set_defaults(run=run, columns=COLUMNS)
     return p
@@ -131,12 +157,49 @@ def depth(text):
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Runs each ``--case`` in turn; rows of every case, each with its ``case``."""
+    cases = [args.case] if isinstance(args.case, str) else list(dict.fromkeys(args.case))
     worker_cpus = start_jax(args)
+    rows: list[dict[str, Any]] = []
+    summaries = []
+    for case in cases:
+        one = _with_case_defaults(args, case)
+        if case == "shared-prompt":
+            got = _shared_prompt(one, worker_cpus)
+            summaries += [shared_prompt_summary(got, tier) for tier in one.tiers]
+        else:
+            got = _step_case(one, worker_cpus)
+            summaries.append(step_summary(got))
+        for row in got:
+            row["case"] = case
+        rows += got
+    # One case: its table under the rows (--details); two: each printed here.
+    args.columns = SHARED_COLUMNS if cases == ["shared-prompt"] else COLUMNS
+    if args.details and len(cases) > 1:
+        for case in cases:
+            print()
+            print(common.format_table(
+                [r for r in rows if r["case"] == case],
+                SHARED_COLUMNS if case == "shared-prompt" else COLUMNS,
+            ))  # fmt: skip
+        args.columns = None
+    common.summary_or_details(args, "\n\n".join(summaries))
+    return rows
+
+
+def _with_case_defaults(args: argparse.Namespace, case: str) -> argparse.Namespace:
+    """``args`` with the case's defaults for the flags left unset."""
+    values = vars(args).copy()
+    for flag, default in CASE_DEFAULTS[case].items():
+        if values.get(flag) is None:
+            values[flag] = default
+    return argparse.Namespace(**values)
+
+
+def _step_case(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> list[dict[str, Any]]:
+    """The step case (see the module): one row per tier and context."""
     import jax.numpy as jnp
 
-    if args.case == "shared-prompt":
-        args.columns = SHARED_COLUMNS
-        return _shared_prompt(args, worker_cpus)
     if not 1 <= args.prefill_slots < args.batch:
         raise SystemExit("--prefill-slots must be in [1, batch)")
     model = tiny_decoder.Decoder.of(args)
@@ -151,6 +214,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     prefix="tpusync-serve-", dir=os.path.abspath(args.path or os.getcwd())
                 )
             try:
+                common.progress(f"serve step: {tier} tier, context {context} ...")
                 rows.append(_measure(args, tier, path, context, worker_cpus, model, params, step))
             finally:
                 if path:
@@ -292,6 +356,9 @@ def _shared_prompt(args, worker_cpus) -> list[dict[str, Any]]:
         try:
             for arrival in ("together", "first-then-rest"):
                 for share in (True, False):
+                    common.progress(
+                        f"serve shared-prompt: {tier} tier, {arrival}, share_prefixes {share} ..."
+                    )
                     rows.append(
                         _serve_shared(
                             args, tier, path, arrival, share, worker_cpus, model, params, step,
@@ -335,7 +402,7 @@ def _serve_shared(
         loop = serving.ServingLoop(
             cache, step, params, chunk=args.chunk, share_prefixes=share, seed=args.seed
         )
-        loop.warmup()
+        warmup = loop.warmup()
         requests = [serving.Request(p, args.new_tokens) for p in prompts]
         t0 = time.perf_counter()
         if arrival == "together":
@@ -363,6 +430,8 @@ def _serve_shared(
         first_ttft_ms=ttft[0] * 1e3,
         later_ttft_max_ms=later * 1e3,
         later_over_first=later / ttft[0],
+        later_ttft_median_ms=float(np.median(ttft[1:])) * 1e3,
+        warmup_ms=sum(warmup.values()) * 1e3,
         ttft_ms=[t * 1e3 for t in ttft],
         queue_ms=[(c.admitted - c.arrival) * 1e3 for c in done],
         cached_tokens=[c.cached for c in done],
@@ -371,3 +440,70 @@ def _serve_shared(
         steps=stats["steps"],
         wall_ms=wall * 1e3,
     )
+
+
+# The arrivals' words (first-then-rest: the others arrive once the first has its token).
+ARRIVALS = {"together": "all at once", "first-then-rest": "one first"}
+
+
+def shared_prompt_summary(rows: list[dict[str, Any]], tier: str) -> str:
+    """The shared-prompt case on ``tier`` in words: per arrival, the later requests' TTFT
+    with ``share_prefixes`` against without, and the first's; the compile apart."""
+    by = {(r["arrival"], r["share_prefixes"]): r for r in rows if r["tier"] == tier}
+    some = next(iter(by.values()))
+    compile_ms = max(r["warmup_ms"] for r in by.values())
+    lines = [
+        f"shared prompt, {tier} tier: {some['requests']} requests on {some['batch']} slots, "
+        f"each a {some['shared_tokens']}-token shared prompt + "
+        f"{some['prompt_tokens'] - some['shared_tokens']} tokens of its own; all at once, or "
+        "one first and the rest once it has its first token",
+        f"  compile (warm-up before the first request, in no TTFT): {compile_ms / 1e3:.1f} s",
+    ]
+    table, verdicts = [], []
+    for arrival, words in ARRIVALS.items():
+        on, off = by.get((arrival, 1)), by.get((arrival, 0))
+        if on is None or off is None:
+            continue
+        later = len(on["ttft_ms"]) - 1
+        on_first, on_later = (verdict.Spread.of(t) for t in (on["ttft_ms"][:1], on["ttft_ms"][1:]))
+        off_first, off_later = (
+            verdict.Spread.of(t) for t in (off["ttft_ms"][:1], off["ttft_ms"][1:])
+        )
+        table += [
+            (f"{words}: the first, sharing", on_first),
+            (f"{words}: the {later} later, sharing", on_later),
+            (f"{words}: the first, no sharing", off_first),
+            (f"{words}: the {later} later, no sharing", off_later),
+        ]
+        verdicts.append(
+            f"  {words}: with share_prefixes the later requests' TTFT is "
+            f"{verdict.compare(on_later, off_later, 'without')} (the first's: "
+            f"{on_later.median / on_first.median:.2f}x with, "
+            f"{off_later.median / off_first.median:.2f}x without); prompt tokens computed "
+            f"{on['prefill_tokens']} with, {off['prefill_tokens']} without"
+        )
+    lines.append(verdict.table(table, "TTFT"))
+    return "\n".join(lines + verdicts)
+
+
+def step_summary(rows: list[dict[str, Any]]) -> str:
+    """The step case in words: per tier and context, the mixed step against a prefill step
+    then a decode step."""
+    lines = []
+    for r in rows:
+        mixed = verdict.Spread.of(r["samples_ms"]["mixed"])
+        separate = verdict.Spread.of(r["samples_ms"]["separate"])
+        decode = verdict.Spread.of(r["samples_ms"]["decode_only"])
+        lines += [
+            f"mixed step, {r['tier']} tier: {r['prefill_slots']} of {r['batch']} slots "
+            f"prefill {r['chunk']} tokens while the others decode over {r['context']} tokens",
+            verdict.table(
+                [
+                    ("library: one mixed step", mixed),
+                    ("a prefill step, then a decode step", separate),
+                    ("the decode step alone", decode),
+                ]
+            ),
+            f"  the mixed step is {verdict.compare(mixed, separate, 'the two steps')}",
+        ]
+    return "\n".join(lines)

@@ -80,16 +80,22 @@ def compare(subject: Spread, other: Spread, other_name: str) -> str:
     return words
 
 
+def _ms(value: float) -> str:
+    """Milliseconds, one decimal (``"12.3"``), none from 10 s on (``"12345"``)."""
+    return f"{value:.0f}" if value >= 10_000 else f"{value:.1f}"
+
+
 def _times(ratio: float) -> str:
     """``2.87`` -> ``"2.9x"``; under 1.1 two decimals, so that a small gap does not read 1.0x."""
     return f"{ratio:.2f}x" if ratio < 1.1 else f"{ratio:.1f}x"
 
 
-def table(rows: Sequence[tuple[str, Spread]]) -> str:
-    """An aligned table of ``(label, spread)`` rows: median and IQR in ms, sample count."""
-    head = ("step", "median ms", "IQR ms", "samples")
+def table(rows: Sequence[tuple[str, Spread]], what: str = "step") -> str:
+    """An aligned table of ``(label, spread)`` rows: median and IQR in ms, sample count;
+    ``what`` heads the labels' column."""
+    head = (what, "median ms", "IQR ms", "samples")
     cells = [head] + [
-        (label, f"{s.median:.1f}", f"{s.q1:.1f}-{s.q3:.1f}", str(s.count)) for label, s in rows
+        (label, _ms(s.median), f"{_ms(s.q1)}-{_ms(s.q3)}", str(s.count)) for label, s in rows
     ]
     widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
     return "\n".join(

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from jax_tpusync.bench import __main__ as bench_main
-from jax_tpusync.bench import common
+from jax_tpusync.bench import common, serve
 
 TINY_MODEL = [
     "--layers", "2", "--d-model", "32", "--q-heads", "2", "--kv-heads", "1",
@@ -24,10 +24,21 @@ def run_bench(argv, out):
     return json.loads(out.read_text())
 
 
-def test_serve_bench_tiny(tmp_path):
+def test_serve_defaults_to_the_shared_prompt_case_on_four_slots():
+    args = bench_main.build_parser().parse_args(["serve"])
+    assert args.case == ["shared-prompt"] and args.requests == 6 and not args.details
+    one = serve._with_case_defaults(args, "shared-prompt")
+    assert (one.batch, one.chunk, one.block_tokens) == (4, 128, 64)
+    step = serve._with_case_defaults(
+        bench_main.build_parser().parse_args(["serve", "--chunk", "32"]), "step"
+    )
+    assert (step.batch, step.chunk, step.block_tokens) == (8, 32, 256)  # A flag given wins.
+
+
+def test_serve_bench_tiny(tmp_path, capsys):
     doc = run_bench(
         [
-            "serve", "--tiers", "host", "file", "--path", str(tmp_path),
+            "serve", "--case", "step", "--tiers", "host", "file", "--path", str(tmp_path),
             "--context", "40", "--chunk", "16", "--batch", "4", "--prefill-slots", "1",
             "--repeats", "2", "--block-tokens", "16", "--staging-bytes", "64K",
             "--engine-cpus", "0",
@@ -47,6 +58,19 @@ def test_serve_bench_tiny(tmp_path):
             "prefill_chunk_mixed",
             "prefill_chunk_separate",
         }
+        assert r["case"] == "step"
+    out = capsys.readouterr().out
+    assert out.count("the mixed step is") == 2 and "library: one mixed step" in out
+    assert "mixed/separate" not in out  # The developer's table is behind --details.
+
+
+def test_details_keeps_the_table_and_prints_no_summary(capsys):
+    args = bench_main.build_parser().parse_args(["serve", "--details"])
+    common.summary_or_details(args, "the summary")
+    assert args.columns == serve.COLUMNS and "the summary" not in capsys.readouterr().out
+    args = bench_main.build_parser().parse_args(["serve"])
+    common.summary_or_details(args, "the summary")
+    assert args.columns is None and "the summary" in capsys.readouterr().out
 
 
 def test_prefill_bench_tiny(tmp_path):
@@ -74,7 +98,7 @@ def test_prefill_bench_tiny(tmp_path):
             assert set(r["targets"]) == {"host tier >= 0.9 x plain JAX"}
 
 
-def test_serve_bench_shared_prompt_tiny(tmp_path):
+def test_serve_bench_shared_prompt_tiny(tmp_path, capsys):
     doc = run_bench(
         [
             "serve", "--case", "shared-prompt", "--tiers", "host", "--requests", "6",
@@ -98,3 +122,13 @@ def test_serve_bench_shared_prompt_tiny(tmp_path):
     for r in rows[0], rows[2]:  # Shared: every request after the first maps the prompt.
         assert r["cached_tokens"] == [0] + [32] * 5
     assert rows[1]["cached_tokens"][:4] == [0, 0, 0, 0]  # Admitted together, each computes.
+    assert rows[0]["warmup_ms"] > 0 and all(r["case"] == "shared-prompt" for r in rows)
+    for r in rows:
+        assert r["later_ttft_median_ms"] == pytest.approx(sorted(r["ttft_ms"][1:])[2])
+    # The short summary in words, the compile apart; no developer table, no None or nan.
+    out = capsys.readouterr().out
+    assert "compile (warm-up before the first request, in no TTFT)" in out
+    assert "one first: the 5 later, sharing" in out and "all at once: the first, no sharing" in out
+    assert "with share_prefixes the later requests' TTFT is" in out
+    assert "prompt tokens computed 56 with" in out
+    assert "None" not in out and "nan" not in out and "later/first" not in out
