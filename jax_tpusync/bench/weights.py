@@ -20,8 +20,12 @@ each way side by side:
   publisher's shards in the segment it gives the pool, the puller's range reads over the
   transfer engine's TCP on loopback), added by ``--store mooncake://host:port?...`` (a
   running master), or by ``--remote mooncake`` (a master of the benchmark's own);
-* ``gather+put``: every array gathered to this process (``np.asarray``), then
-  ``jax.device_put`` with the target sharding (what a single-controller script does);
+* ``gather+socket+put``: every array gathered to this process (``np.asarray``), its bytes
+  sent through a plain socket (a Unix socket pair, the fastest plain socket on one host) to
+  a receiving thread that reads them into fresh arrays, then ``jax.device_put`` with the
+  target sharding: what a trainer process and a sampler process do without a store;
+* ``gather+put``: the same without the socket (what a single-controller script that holds
+  both meshes does; no two process groups can: a reference);
 * ``jax.transfer``: ``jax.experimental.transfer`` (a transfer server, ``await_pull`` /
   ``pull``), where this jax has it; it moves whole shards in the same layout only (a
   reshard pull failed for small arrays and never returned for large ones here), so it runs
@@ -31,11 +35,17 @@ each way side by side:
 * ``device_put``: ``jax.device_put(x, target)`` in this process, the in-process reshard
   no two process groups can use (a reference).
 
-Each way runs ``--repeats`` times and the median is kept; ``weights`` publishes a new version
-each time, so its first pull builds the plan and the others reuse it (``plan ms`` is the
-build, ``plan reused`` whether the timed runs' plans came from the cache). For every way
-the bytes each destination device received are checked against what its shards hold, and
-the result bitwise against the source.
+Each way runs ``--repeats`` times; ``weights`` publishes a new version each time, so its
+first run builds the plan (and compiles the snapshot copy) and is not timed, the others
+reuse it (``plan ms`` is the build, ``plan reused`` whether the timed runs' plans came from
+the cache). For every way the bytes each destination device received are checked against
+what its shards hold, and the result bitwise against the source.
+
+The default output is a short table per case: each way's median and interquartile range
+over its timed runs, its GB/s, and the weight store's fastest row against the fastest of
+the three baselines (gather + device_put, jax.transfer, checkpoint) in words, with a note
+where the difference is within the runs' spread (:mod:`jax_tpusync.bench.verdict`).
+``--details`` prints every column instead (publish blocked, write, pull, plan).
 """
 
 from __future__ import annotations
@@ -44,14 +54,16 @@ import argparse
 import contextlib
 import os
 import shutil
+import socket
 import statistics
 import tempfile
+import threading
 import time
 from typing import Any
 
 import numpy as np
 
-from jax_tpusync.bench import common
+from jax_tpusync.bench import common, verdict
 
 DEVICES = 8
 PEAK_COPIES = 5  # Copies of the params alive at once at most (see run()).
@@ -88,7 +100,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=0.25,
         help="params size in GB (1e9 bytes; bfloat16), by the number of layers",
     )
-    p.add_argument("--repeats", type=_positive_int, default=3)
+    p.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=5,
+        help="runs per way (the weight store's first is not timed: it builds the plan)",
+    )
     p.add_argument(
         "--dir", default=None, help="the weight store's parent directory (default: /dev/shm)"
     )
@@ -109,6 +126,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     common.add_remote_arguments(
         p, "the weights-mooncake rows (a Mooncake weight store)", "on loopback"
+    )
+    p.add_argument(
+        "--details",
+        action="store_true",
+        help="print every column (publish blocked, write, pull, plan) instead of the short summary",
     )
     common.add_json_argument(p)
     p.set_defaults(run=run, columns=COLUMNS)
@@ -303,6 +325,7 @@ def method_weights(
     timed = runs[1:] or runs  # The first run compiles the snapshot copy.
     return {
         "seconds": statistics.median(r[0] for r in timed),
+        "samples_s": [r[0] for r in timed],
         "publish_blocked_ms": statistics.median(r[1] for r in timed) * 1e3,
         "pull_s": statistics.median(r[2] for r in timed),
         "publish_write_s": statistics.median(r[3] for r in timed),
@@ -343,7 +366,12 @@ def _timed(ctx: dict, move) -> dict:
     ok = _device_bytes(result) == ctx["expected"]
     exact = _exact(result, ctx["host"])
     _delete(result)
-    return {"seconds": statistics.median(runs), "bytes_per_device_ok": ok, "exact": exact}
+    return {
+        "seconds": statistics.median(runs),
+        "samples_s": runs,
+        "bytes_per_device_ok": ok,
+        "exact": exact,
+    }
 
 
 def method_gather_put(ctx: dict, case: str, source: Any, targets: Any) -> dict:
@@ -354,6 +382,53 @@ def method_gather_put(ctx: dict, case: str, source: Any, targets: Any) -> dict:
         return jax.device_put(host, targets)
 
     return {**_timed(ctx, move), "note": "gather to this process, device_put"}
+
+
+def method_gather_socket_put(ctx: dict, case: str, source: Any, targets: Any) -> dict:
+    """Gathers every array to this process, sends its bytes through a plain socket (a Unix
+    socket pair: the fastest plain socket on one host) to a receiving thread that reads
+    them into fresh arrays, then ``device_put`` with the target sharding: what a trainer
+    process and a sampler process do without a store."""
+    import jax
+
+    leaves, treedef = jax.tree.flatten(source)
+    target_leaves = jax.tree.leaves(targets)
+
+    def move():
+        sender, receiver = socket.socketpair()
+        received: list[np.ndarray] = []
+        failure: list[BaseException] = []
+
+        def receive():
+            try:
+                for x in leaves:
+                    buf = np.empty(x.shape, x.dtype)
+                    view = memoryview(buf.reshape(-1).view(np.uint8))
+                    got = 0
+                    while got < view.nbytes:
+                        n = receiver.recv_into(view[got:])
+                        if n == 0:
+                            raise ConnectionError("the sender closed early")
+                        got += n
+                    received.append(buf)
+            except OSError as e:  # Reported below; the closed socket stops the sender.
+                failure.append(e)
+                receiver.close()
+
+        thread = threading.Thread(target=receive, name="bench-weights-receiver")
+        thread.start()
+        try:
+            for x in leaves:
+                sender.sendall(memoryview(np.asarray(x).reshape(-1).view(np.uint8)))
+        finally:
+            thread.join()
+            sender.close()
+            receiver.close()
+        if failure:
+            raise failure[0]
+        return jax.tree.unflatten(treedef, jax.device_put(received, target_leaves))
+
+    return {**_timed(ctx, move), "note": "gather, Unix socket to a receiver thread, device_put"}
 
 
 def method_transfer(ctx: dict, case: str, source: Any, targets: Any) -> dict:
@@ -420,6 +495,7 @@ METHODS = {
     "weights": method_weights,
     "weights-nocopy": method_weights_no_copy,
     "weights-mooncake": method_weights_mooncake,
+    "gather+socket+put": method_gather_socket_put,
     "gather+put": method_gather_put,
     "jax.transfer": method_transfer,
     "checkpoint": method_checkpoint,
@@ -429,9 +505,105 @@ METHODS = {
 DEFAULT_METHODS = tuple(m for m in METHODS if m != "weights-mooncake")
 
 
+# The rows of the summary: the weight store's ways, then the three baselines it is
+# compared with, then the one-process reference (not a baseline: no second process).
+OURS = ("weights", "weights-nocopy", "weights-mooncake")
+BASELINES = ("gather+socket+put", "jax.transfer", "checkpoint")
+LABELS = {
+    "weights": "weight store (publish + pull)",
+    "weights-nocopy": "weight store, copy=False",
+    "weights-mooncake": "weight store on Mooncake",
+    "gather+socket+put": "gather + socket + device_put",
+    "gather+put": "gather + device_put, one process (reference)",
+    "jax.transfer": "jax.experimental.transfer",
+    "checkpoint": "checkpoint (np.save/np.load)",
+    "device_put": "in-process device_put (reference)",
+}
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     with contextlib.ExitStack() as stack:
-        return _run(args, stack)
+        rows = _run(args, stack)
+    if not args.details:
+        args.columns = None  # The short summary instead of the developer's table.
+        print()
+        print(summary(rows))
+    return rows
+
+
+def _spread(row: dict) -> verdict.Spread | None:
+    samples = row.get("samples_s")
+    return verdict.Spread.of([s * 1e3 for s in samples]) if samples else None
+
+
+def summary(rows: list[dict]) -> str:
+    """Per case: each way's median and IQR, its GB/s, and the weight store's fastest way
+    against the fastest baseline in words (with the spread)."""
+    lines = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        in_case = {r["method"]: r for r in rows if r["case"] == case}
+        any_row = next(iter(in_case.values()))
+        lines.append(
+            f"{case}: {any_row['nbytes'] / 1e6:.0f} MB of bf16 params ({any_row['layers']} "
+            f"layers), publish + pull end to end"
+        )
+        cells = [("way", "median ms", "IQR ms", "GB/s", "runs")]
+        for name, row in in_case.items():
+            spread = _spread(row)
+            if spread is None:
+                cells.append((LABELS.get(name, name), row.get("note", "not run"), "", "", ""))
+                continue
+            cells.append(
+                (
+                    LABELS.get(name, name),
+                    f"{spread.median:.1f}",
+                    f"{spread.q1:.1f}-{spread.q3:.1f}",
+                    f"{row['nbytes'] / spread.median / 1e6:.2f}",
+                    str(spread.count),
+                )
+            )
+        widths = [max(len(c[i]) for c in cells if c[2] or i == 0) for i in range(5)]
+        for c in cells:
+            if not c[2]:  # A way that did not run: its note across the columns.
+                lines.append(f"  {c[0].ljust(widths[0])}  {c[1]}")
+                continue
+            lines.append(
+                "  "
+                + "  ".join(
+                    c[i].ljust(widths[i]) if i == 0 else c[i].rjust(widths[i]) for i in range(5)
+                )
+            )
+        ours = {n: s for n in OURS if n in in_case and (s := _spread(in_case[n]))}
+        others = {n: s for n in BASELINES if n in in_case and (s := _spread(in_case[n]))}
+        if ours and others:
+            best_ours = min(ours, key=lambda n: ours[n].median)
+            best_other = min(others, key=lambda n: others[n].median)
+            lines.append(
+                f"  {LABELS[best_ours]}: "
+                f"{verdict.compare(ours[best_ours], others[best_other], LABELS[best_other])}"
+                f" (the fastest baseline)"
+            )
+        checked = [r for r in in_case.values() if r.get("exact") is not None]
+        bad = [LABELS.get(r["method"], r["method"]) for r in checked if not r["exact"]]
+        bad += [
+            f"{LABELS.get(r['method'], r['method'])} (bytes per device)"
+            for r in checked
+            if not r["bytes_per_device_ok"]
+        ]
+        lines.append(
+            "  every way moved the params bitwise, each destination device exactly its shards' "
+            "bytes"
+            if not bad
+            else f"  MISMATCH: {', '.join(bad)}"
+        )
+        plan = in_case.get("weights") or next((in_case[n] for n in OURS if n in in_case), None)
+        if plan is not None and plan.get("plan_ms") is not None:
+            lines.append(
+                f"  plan: built once in {plan['plan_ms']:.1f} ms, "
+                + ("reused by every timed pull" if plan.get("plan_reused") else "rebuilt")
+            )
+        lines.append("")
+    return "\n".join(lines).rstrip()
 
 
 def _mooncake_store(args: argparse.Namespace, stack: contextlib.ExitStack) -> str | None:
@@ -507,9 +679,6 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[dict]:
             if row.get("seconds"):
                 row["gbps"] = nbytes / row["seconds"] / 1e9
             rows.append(row)
-            print(
-                f"{case:>13} {name:>12}: {row.get('seconds', float('nan')):.3f} s "
-                f"{row.get('note', '')}",
-                flush=True,
-            )
+            took = f"{row['seconds']:.3f} s" if row.get("seconds") else "-"
+            print(f"{case:>13} {name:>17}: {took} {row.get('note', '')}", flush=True)
     return rows

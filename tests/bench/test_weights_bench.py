@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 
@@ -19,7 +21,7 @@ def test_a_tiny_pytree_moves_exactly_every_way(tmp_path):
     out = tmp_path / "weights.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # The bench sets its own device count.
-    subprocess.run(
+    done = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -40,6 +42,8 @@ def test_a_tiny_pytree_moves_exactly_every_way(tmp_path):
         timeout=240,
         env=env,
         cwd=tmp_path,
+        capture_output=True,
+        text=True,
     )
     rows = json.loads(out.read_text())["results"]
     assert [(r["case"], r["method"]) for r in rows] == [
@@ -47,6 +51,14 @@ def test_a_tiny_pytree_moves_exactly_every_way(tmp_path):
         for case in ("fsdp4->tp2", "fsdp4->fsdp4")
         for method in weights.DEFAULT_METHODS
     ]
+    # The default output: a short table per case and the verdict in words, no None.
+    printed = done.stdout
+    assert "None" not in printed and "plan reused" not in printed  # No developer table.
+    for case in ("fsdp4->tp2", "fsdp4->fsdp4"):
+        assert f"{case}: " in printed
+    assert printed.count("(the fastest baseline)") == 2
+    assert re.search(r"jax\.experimental\.transfer +not run: moves whole shards", printed)
+    assert "every way moved the params bitwise" in printed
     layers = weights.layers_for(0.01)
     nbytes = (2 * weights.VOCAB * weights.D_MODEL + weights.D_MODEL) * 2
     nbytes += layers * weights.layer_bytes()
@@ -59,6 +71,10 @@ def test_a_tiny_pytree_moves_exactly_every_way(tmp_path):
             continue
         assert r["exact"] is True and r["bytes_per_device_ok"] is True, r
         assert r["seconds"] > 0 and r["gbps"] == pytest.approx(nbytes / r["seconds"] / 1e9)
+        # The weight store's first run builds the plan and is not timed.
+        timed = 1 if r["method"].startswith("weights") else 2
+        assert len(r["samples_s"]) == timed
+        assert r["seconds"] == pytest.approx(statistics.median(r["samples_s"]))
     for r in rows:
         if r["method"] in ("weights", "weights-nocopy"):
             assert r["plan_ms"] > 0 and r["plan_reused"] is True
