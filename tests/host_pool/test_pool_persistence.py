@@ -269,6 +269,56 @@ def test_released_prefixes_are_mapped_after_a_restart(tmp_path):
     cache.close()
 
 
+@pytest.mark.parametrize("options", [dict(dtype=jnp.bfloat16)], ids=["bf16"])
+def test_pools_of_other_row_formats_round_trip_their_bytes(tmp_path, options):
+    # Loads only (no step to compile): bf16 rows (two a write group) copied to the tier and
+    # back as the pool holds them. (Quantized pools move their rows' bytes the same way:
+    # tier_dtype="int8" passes too, left out for the suite's time.)
+    where = dict(tier="file", path=tmp_path, file_name="kv")
+    rng = np.random.default_rng(11)
+    k = rng.standard_normal((LAYERS, BATCH, 13, HEADS, HEAD_DIM)).astype(np.float32)
+    cache = make(where, staging_bytes=1 << 16, **options)
+    dtype = cache.spec.dtype
+    state = cache.init()
+    for layer in range(LAYERS):
+        state = cache.load(state, layer, k[layer].astype(dtype), -k[layer].astype(dtype))
+    raw = options.get("tier_dtype") is not None
+    before = [cache.read(state, layer, b, raw=raw) for layer in range(LAYERS) for b in range(BATCH)]
+    cache.close(state)
+    cache = make(where, staging_bytes=1 << 16, **options)
+    state = cache.init()
+    after = [cache.read(state, layer, b, raw=raw) for layer in range(LAYERS) for b in range(BATCH)]
+    for was, now in zip(before, after):
+        for x, y in zip(jax.tree.leaves(was), jax.tree.leaves(now)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    cache.close()
+
+
+def test_the_tier_is_the_engine_caches_layout_both_ways(tmp_path):
+    # The pool's copy is an engine tier in the engine cache's byte layout: an
+    # OffloadedKVCache of the same geometry re-attaches to it, and the pool to its commits.
+    where = dict(tier="file", path=tmp_path, file_name="kv")
+    written = Written(np.random.default_rng(12))
+    cache = make(where)
+    cache.close(written.load(cache, cache.init()))
+    engine_cache = tps.OffloadedKVCache(
+        num_layers=LAYERS, batch=BATCH, max_len=MAX_LEN, num_kv_heads=HEADS,
+        head_dim=HEAD_DIM, block_tokens=BLOCK, dtype=jnp.float32, **where,
+    )  # fmt: skip
+    state = engine_cache.init()
+    np.testing.assert_array_equal(np.asarray(state.lengths), CONTEXT)
+    for layer in range(LAYERS):
+        k, v = engine_cache.read_all(layer, CONTEXT)
+        for b in range(BATCH):
+            np.testing.assert_array_equal(k[b, : CONTEXT[b]], written.k[layer, b, : CONTEXT[b]])
+            np.testing.assert_array_equal(v[b, : CONTEXT[b]], written.v[layer, b, : CONTEXT[b]])
+    state = written.load_more(engine_cache, state, 2)
+    engine_cache.close(state)
+    cache = make(where)
+    written.check(cache, cache.init())
+    cache.close()
+
+
 def test_a_pool_of_another_layout_or_model_is_refused_by_name(tmp_path):
     where = dict(tier="file", path=tmp_path, file_name="kv")
     written = Written(np.random.default_rng(8))
