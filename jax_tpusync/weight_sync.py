@@ -34,6 +34,7 @@ import numpy as np
 from jax_tpusync.weight_plan import PlanCache, WeightPlan, box_of_index
 from jax_tpusync.weight_store import (
     IncompleteVersionError,
+    PartWriting,
     VersionManifest,
     WeightStore,
     WeightStoreBackend,
@@ -84,7 +85,10 @@ class PublishStats:
       version: the version published.
       snapshot_seconds: how long :meth:`WeightPublisher.publish` blocked the caller (checks,
         the device copy's dispatch, waiting for the previous write if still running).
-      write_seconds: the background write (device to host, into the store).
+      write_seconds: the write (device to host, into the store, the commit), in the
+        background; for a directory store and params on JAX's CPU backend with
+        ``copy=True``, its copy into the store ran in :meth:`WeightPublisher.publish`
+        (counted in ``snapshot_seconds`` too).
       nbytes: bytes this process wrote (its unique shards).
       shards: how many shards it wrote.
     """
@@ -242,7 +246,8 @@ class WeightPublisher:
                 f"versions are immutable, publish a new one"
             )
         self.wait()  # The previous write: its error, if any, surfaces here.
-        if self.copy:
+        host_snapshot = self.copy and self._snapshot_is_the_write(leaves)
+        if self.copy and not host_snapshot:
             try:
                 params = _jitted_copy(params)
             except ValueError:  # Leaves on different device sets: copy them one by one.
@@ -259,11 +264,36 @@ class WeightPublisher:
                     [(box_of_index(s.index, x.shape), s.data) for s in shards],
                 )
             )
+        written = None
+        if host_snapshot:
+            # The shards' bytes go into the store now (the params may be donated as soon as
+            # publish returns); the commit and retiring stay in the background.
+            try:
+                written = self._fill(version, snapshot)
+            except Exception as e:  # noqa: BLE001 - raised by wait(), as from the thread.
+                failed: concurrent.futures.Future = concurrent.futures.Future()
+                failed.set_exception(e)
+                self.last_version, self._pending = version, failed
+                return
         snapshot_seconds = time.perf_counter() - start
         self.last_version = version
-        self._pending = self._executor.submit(self._write, version, snapshot, snapshot_seconds)
+        self._pending = self._executor.submit(
+            self._write, version, snapshot, snapshot_seconds, written
+        )
 
-    def _write(self, version: int, snapshot: list, snapshot_seconds: float) -> PublishStats:
+    def _snapshot_is_the_write(self, leaves: list) -> bool:
+        """Whether ``copy=True`` takes its snapshot by writing into the store in the calling
+        thread: for a directory store and params on JAX's CPU backend, where a device copy
+        is a host copy into fresh memory (its pages faulted in one by one) and the write is
+        a host copy into the store's reused files: the same bytes copied once instead of
+        twice, and no slower to block for."""
+        return isinstance(self.store, WeightStore) and all(
+            d.platform == "cpu" for _, x in leaves for d in x.sharding.device_set
+        )
+
+    def _fill(self, version: int, snapshot: list) -> tuple[PartWriting, int, float]:
+        """Opens this process's part of ``version`` and adds every leaf's shards:
+        ``(writer, shards added, seconds)``; on failure nothing of the part stays."""
         start = time.perf_counter()
         for _, _, _, shards in snapshot:  # Start every device-to-host copy first.
             for _, data in shards:
@@ -276,6 +306,24 @@ class WeightPublisher:
             for path, shape, dtype, shards in snapshot:
                 writer.add(path, shape, dtype, [(box, np.asarray(data)) for box, data in shards])
                 count += len(shards)
+        except BaseException:
+            writer.abort()
+            raise
+        return writer, count, time.perf_counter() - start
+
+    def _write(
+        self,
+        version: int,
+        snapshot: list,
+        snapshot_seconds: float,
+        written: tuple[PartWriting, int, float] | None = None,
+    ) -> PublishStats:
+        start = time.perf_counter()
+        filled_before = written is not None  # In publish (then not in this thread's time).
+        if written is None:
+            written = self._fill(version, snapshot)
+        writer, count, fill_seconds = written
+        try:
             writer.commit()
         except BaseException:
             writer.abort()
@@ -284,7 +332,11 @@ class WeightPublisher:
         if self.process_index == 0:
             self.store.retire(self.keep)
         stats = PublishStats(
-            version, snapshot_seconds, time.perf_counter() - start, writer.nbytes, count
+            version,
+            snapshot_seconds,
+            time.perf_counter() - start + (fill_seconds if filled_before else 0.0),
+            writer.nbytes,
+            count,
         )
         logger.debug(
             "published weights version %d: %d bytes in %.3f s",

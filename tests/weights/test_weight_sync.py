@@ -164,9 +164,22 @@ def test_cast_on_the_way_floating_leaves_only(layouts, store_dir):
     np.testing.assert_array_equal(np.asarray(pulled["embed"]), params["embed"].astype(np.float32))
 
 
-def test_publish_snapshots_so_the_caller_may_delete_params(layouts, store_dir):
+class _StoreObject:
+    """A directory store behind another object: the publisher then snapshots by a device
+    copy, as for any store but a directory with params on the CPU backend."""
+
+    def __init__(self, directory):
+        self._store = WeightStore(directory)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+@pytest.mark.parametrize("snapshot", ["write into the store", "device copy"])
+def test_publish_snapshots_so_the_caller_may_delete_params(layouts, store_dir, snapshot):
     params, trained, targets = layouts
-    with WeightPublisher(store_dir) as pub:
+    store = store_dir if snapshot == "write into the store" else _StoreObject(store_dir)
+    with WeightPublisher(store) as pub:
         pub.publish(trained, 1)
         for x in jax.tree.leaves(trained):  # As a donating train step would.
             x.delete()
