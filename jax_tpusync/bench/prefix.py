@@ -1,10 +1,21 @@
 """``prefix``: time to first token with a shared prefix cached, against a full prefill.
 
+Output: by default a short summary per tier: the TTFT with the prefix cached (and after a
+restart, and from the remote level where one ran) against a full prefill with nothing
+cached, and the decode step on the shared blocks against private ones, each as the median
+and interquartile range of its samples, in words ("9.7x faster than a full prefill") with
+"within noise" where the medians differ by no more than the wider IQR (see
+:mod:`jax_tpusync.bench.verdict`). ``--details`` prints the developer's table and targets
+instead. Progress goes to stderr. The defaults (a 4096-token prefix, the host tier) take
+about a minute on two cores; the figures in docs/benchmarks.md are of ``--tiers host file
+--prefix-tokens 32768``.
+
 R requests share a P-token prefix (a document or a system prompt) and add U tokens each. A
 small decoder (:mod:`jax_tpusync.bench.tiny_decoder`) prefills each request in chunks of
 ``--chunk`` tokens and computes the logits of its last token. Per tier, in one run:
 
-* ``ttft_full``: request 0, nothing cached: the whole prompt is prefilled;
+* ``ttft_full``: request 0, nothing cached: the whole prompt is prefilled
+  (``ttft_full_ms_all``: that and the last prompt's full prefill into private blocks);
 * ``ttft_cached``: requests 1..R-1, the prefix's full blocks mapped from the prefix store
   (``admit(tokens=...)``), only the unique tokens prefilled (median);
 * ``decode_shared`` / ``decode_private``: decode steps of one sequence over the shared
@@ -76,7 +87,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tpusync.bench import common, mooncake_master, tiny_decoder
+from jax_tpusync.bench import common, mooncake_master, tiny_decoder, verdict
 
 COLUMNS = [
     ("tier", "tier", "s"),
@@ -112,10 +123,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--tiers", nargs="+", choices=("host", "file", "spill"), default=["host", "file"]
+        "--tiers", nargs="+", choices=("host", "file", "spill"), default=["host"]
     )
     p.add_argument("--path", default=None, help="directory of the file tier (default: cwd)")
-    p.add_argument("--prefix-tokens", type=int, default=32768, help="shared prefix P")
+    p.add_argument("--prefix-tokens", type=int, default=4096, help="shared prefix P")
     p.add_argument("--unique-tokens", type=int, default=256, help="unique tokens U per request")
     p.add_argument("--requests", type=int, default=4, help="requests R sharing the prefix")
     p.add_argument("--chunk", type=int, default=512, help="prefill tokens per call")
@@ -141,6 +152,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--reader-host", default="127.0.0.1", help="the reading cache's address")
     common.add_engine_arguments(p)
     common.add_cpu_arguments(p)
+    common.add_details_argument(p, "every tier's row, ratios and targets")
     common.add_json_argument(p)
     p.set_defaults(run=run, columns=COLUMNS)
     return p
@@ -183,6 +195,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     prefix="tpusync-prefix-", dir=os.path.abspath(args.path or os.getcwd())
                 )
             try:
+                common.progress(f"prefix: {tier} tier: compile, full prefill, cached requests ...")
                 results += _one_tier(
                     args,
                     tier,
@@ -205,7 +218,51 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
     if args.plot:
         _plot(results, args.plot)
+    common.summary_or_details(args, summary(results))
     return results
+
+
+def summary(results: list[dict[str, Any]]) -> str:
+    """Per tier, in words: the cached TTFTs against a full prefill, the decode step on
+    shared blocks against private ones (see the module)."""
+    remote = {r["publisher_tier"]: r for r in results if "publisher_tier" in r}
+    parts = []
+    for r in results:
+        if "publisher_tier" in r:
+            continue
+        full = verdict.Spread.of(r.get("ttft_full_ms_all") or [r["ttft_full_ms"]])
+        rows = [("library: prefix cached", verdict.Spread.of(r["ttft_cached_ms_all"]))]
+        if r.get("ttft_restart_ms") is not None:
+            restart = verdict.Spread.of([r["ttft_restart_ms"]])
+            rows.append(("library: cached, after a restart", restart))
+        if r["tier"] in remote:
+            from_remote = verdict.Spread.of([remote[r["tier"]]["ttft_remote_ms"]])
+            rows.append(("library: from the remote level", from_remote))
+        lines = [
+            f"prefix, {r['tier']} tier: {r['requests']} requests sharing a "
+            f"{r['prefix_tokens']}-token prefix + {r['unique_tokens']} tokens each",
+            verdict.table([*rows, ("full prefill, nothing cached", full)], "TTFT"),
+        ]
+        lines += [
+            f"  TTFT, {label.removeprefix('library: ')}: "
+            f"{verdict.compare(spread, full, 'a full prefill')}"
+            for label, spread in rows
+        ]
+        shared = r.get("decode_shared_ms_all")
+        private = r.get("decode_private_ms_all")
+        if shared and private:
+            lines.append(
+                "  a decode step on the shared blocks is "
+                + verdict.compare(
+                    verdict.Spread.of(shared), verdict.Spread.of(private), "on private blocks"
+                )
+            )
+        lines.append(
+            f"  first logits, prefix cached against the full prefill: max abs difference "
+            f"{r['logits_max_abs_err']:.2g}, first token {r['first_token']}"
+        )
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
 
 
 def _model(args):
@@ -389,7 +446,7 @@ def _measure(args, recipe, open_cache, reader, params, prompts, step):
                 prompt = np.concatenate([prompt, np.zeros(args.decode_steps, np.int64)])
             state = cache.release(state, 0, tokens=prompt)
         # The last prompt again, into private blocks: its full prefill and decode.
-        _, full_logits, state, _ = prefill(state, prompts[-1], share=False)
+        ttft_private, full_logits, state, _ = prefill(state, prompts[-1], share=False)
         times, state = decode(state, args.decode_steps)
         private_decode += times[1:]
         state = cache.release(state, 0)
@@ -427,6 +484,7 @@ def _measure(args, recipe, open_cache, reader, params, prompts, step):
         requests=len(prompts),
         block_tokens=args.block_tokens,
         ttft_full_ms=ttft_full * 1e3,
+        ttft_full_ms_all=[ttft_full * 1e3, ttft_private * 1e3],
         release_first_ms=release_first * 1e3,
         blocks_published_first_release=published,
         ttft_cached_ms=statistics.median(ttft_cached) * 1e3,
@@ -448,6 +506,8 @@ def _measure(args, recipe, open_cache, reader, params, prompts, step):
         + len(prompts) * -(-args.unique_tokens // args.block_tokens),
         decode_shared_ms=statistics.median(shared_decode) * 1e3,
         decode_private_ms=statistics.median(private_decode) * 1e3,
+        decode_shared_ms_all=[t * 1e3 for t in shared_decode],
+        decode_private_ms_all=[t * 1e3 for t in private_decode],
         logits_max_abs_err=float(np.max(np.abs(last_logits - full_logits))),
         first_token=_same_token(last_logits, full_logits),
         prefix_index=stats,
@@ -464,13 +524,12 @@ def _measure(args, recipe, open_cache, reader, params, prompts, step):
         res["targets"]["ttft after a restart <= 0.1 x full prefill"] = (
             res["ttft_restart_over_full"] <= 0.1
         )
-    print(
+    common.progress(
         f"{res['tier']}: TTFT full {res['ttft_full_ms']:.0f} ms, cached "
         f"{res['ttft_cached_ms']:.0f} ms ({res['ttft_cached_over_full']:.3f}x), after a "
         f"restart {'-' if two_level else f'{ttft_restart * 1e3:.0f} ms'}, decode "
         f"shared/private {res['decode_shared_over_private']:.3f}, logits err "
-        f"{res['logits_max_abs_err']:.2g}",
-        flush=True,
+        f"{res['logits_max_abs_err']:.2g}"
     )
     if remote_hit is None:
         return [res]
@@ -607,13 +666,12 @@ def _remote_row(local, hit, full_logits, publisher_stats, prompt_len) -> dict:
         "remote hit's first token = full prefill's": row["first_token"] == "same",
         "the reader connected without a fault": row["remote_connect_faults"] == 0,
     }
-    print(
+    common.progress(
         f"{row['tier']}: TTFT remote {row['ttft_remote_ms']:.0f} ms "
         f"({row['ttft_remote_over_full']:.3f}x full, {row['ttft_remote_over_cached']:.2f}x "
         f"cached), {row['blocks_imported']} blocks ({common.format_bytes(row['bytes_loaded'])}) "
         f"imported, first token {row['first_token']}, faults "
-        f"{hit['stats']['mooncake_faults']}",
-        flush=True,
+        f"{hit['stats']['mooncake_faults']}"
     )
     return row
 

@@ -15,7 +15,7 @@ from jax_tpusync.bench import common  # noqa: E402
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def test_prefix_bench_tiny(tmp_path):
+def test_prefix_bench_tiny(tmp_path, capsys):
     out = tmp_path / "prefix.json"
     png = tmp_path / "prefix.png"
     args = bench_main.build_parser().parse_args(
@@ -85,7 +85,23 @@ def test_prefix_bench_tiny(tmp_path):
             "ttft after a restart <= 0.1 x full prefill",
             "decode on shared blocks <= 1.05 x private",
         }
+        assert len(r["ttft_full_ms_all"]) == 2 and r["ttft_full_ms_all"][0] == r["ttft_full_ms"]
+        assert len(r["decode_shared_ms_all"]) == 2 * 2  # Two runs of 3 steps, the first untimed.
+        assert len(r["decode_private_ms_all"]) == 2
     assert png.read_bytes()[:8] == PNG_MAGIC
+    # The short summary: per tier the cached TTFTs against a full prefill, in words.
+    out = capsys.readouterr().out
+    for tier in ("host", "file"):
+        assert f"prefix, {tier} tier: 3 requests sharing a 64-token prefix + 12 tokens" in out
+    assert out.count("TTFT, prefix cached: ") == 2 and "than a full prefill" in out
+    assert out.count("TTFT, cached, after a restart: ") == 2
+    assert out.count("a decode step on the shared blocks is ") == 2
+    assert "None" not in out and "nan" not in out and "cached/full" not in out
+
+
+def test_prefix_defaults_finish_in_about_a_minute():
+    args = bench_main.build_parser().parse_args(["prefix"])
+    assert (args.tiers, args.prefix_tokens, args.details) == (["host"], 4096, False)
 
 
 def test_quality_bench_tiny(tmp_path):
