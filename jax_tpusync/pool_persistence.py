@@ -52,8 +52,12 @@ from jax_tpusync.slots import SlotTable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RESTORE_BATCH_BYTES", "PoolTier"]
+__all__ = ["FLUSH_BATCH_BYTES", "RESTORE_BATCH_BYTES", "PoolTier"]
 
+# Bytes of blocks gathered from the pool per engine write while flushing: the host memory a
+# flush takes (twice: the batch being written and the next one being gathered), however
+# many blocks it moves.
+FLUSH_BATCH_BYTES = 32 << 20
 # Bytes of tier blocks read per engine request while a re-attached pool is rebuilt.
 RESTORE_BATCH_BYTES = 64 << 20
 
@@ -205,17 +209,33 @@ class PoolTier:
                 (layer, int(p)) for p in blocks for layer in range(self.layout.spec.num_layers)
             )
         ordered = sorted(pairs)
-        if ordered:
-            starts = np.asarray([self.layout.block_row(layer, p) for layer, p in ordered])
-            rows = pool_blocks.gather_blocks(self.layout, None, pool, starts)[0]
-            self._write(ordered, rows)
+        per_batch = max(1, FLUSH_BATCH_BYTES // (2 * self.layout.spec.block_bytes))
+        tickets: list[int] = []
+        try:
+            # Each batch is gathered while the engine writes the one before.
+            for at in range(0, len(ordered), per_batch):
+                batch = ordered[at : at + per_batch]
+                starts = np.asarray([self.layout.block_row(layer, p) for layer, p in batch])
+                rows = pool_blocks.gather_blocks(self.layout, None, pool, starts)[0]
+                tickets.append(self._submit_write(batch, rows))
+                if len(tickets) > 1:
+                    self.engine.wait(tickets.pop(0))
+            while tickets:
+                self.engine.wait(tickets.pop(0))
+        finally:
+            for ticket in tickets:  # An error: the writes in flight still land first.
+                try:
+                    self.engine.wait(ticket)
+                except Exception:  # noqa: BLE001, S110 - the first error is the one raised.
+                    pass
         self._flushed = lengths.copy()
         self._marked.clear()
         return len(ordered)
 
-    def _write(self, pairs: list[tuple[int, int]], rows: np.ndarray) -> None:
-        """Writes pool ``rows`` ([len(pairs) * block_tokens, row_width]) of the (layer,
-        block) ``pairs`` to the tier: each block's K rows and V rows to their regions."""
+    def _submit_write(self, pairs: list[tuple[int, int]], rows: np.ndarray) -> int:
+        """Queues the tier writes of pool ``rows`` ([len(pairs) * block_tokens,
+        row_width]) of the (layer, block) ``pairs``: each block's K rows and V rows to their
+        regions. Returns the engine's ticket."""
         spec, store = self.layout.spec, self.store
         rb, bb = spec.row_bytes, spec.block_bytes
         data = np.ascontiguousarray(
@@ -226,7 +246,7 @@ class PoolTier:
             for i, (layer, block) in enumerate(pairs)
             for kv in range(2)
         ]
-        self.engine.wait(self.engine.submit_write(store.tier, segments, data))
+        return self.engine.submit_write(store.tier, segments, data)
 
     def _mark_range(self, slot: int, lo: int, hi: int) -> None:
         if hi <= lo:
