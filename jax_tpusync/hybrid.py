@@ -28,16 +28,17 @@ publishes its own heads' windows. What a hybrid cache does not do (yet): persist
 bounded windows (a ring overwrites committed rows) or on a mesh (refused by name).
 :func:`jax_tpusync.kv_cache` makes a hybrid cache for every model whose layers differ (in
 KV geometry, in sliding window, or reading another's KV).
+
+What each group's cache is made with (its blocks, its share of the device budget, its
+persistence names and prefix salt) is planned in :mod:`jax_tpusync.hybrid_config`, before
+anything is made; a persistent cache's record of its layers is :mod:`jax_tpusync.hybrid_record`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -45,18 +46,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_tpusync import layout, window_ring
 from jax_tpusync.cache import OffloadedKVCache
-from jax_tpusync.config import (
-    CacheConfig,
-    default_block_tokens,
-    is_int,
-    normalize_windows,
-    with_config,
-)
+from jax_tpusync.config import CacheConfig, is_int, normalize_windows, with_config
 from jax_tpusync.engine import Engine, EngineConfig
+from jax_tpusync.hybrid_config import check_arguments, group_arguments
+from jax_tpusync.hybrid_record import (
+    LAYERS_SUFFIX,
+    check_layers_record,
+    put_back,
+    write_layers_record,
+)
 from jax_tpusync.layer_groups import HybridState, LayerGroups, plan_groups
-from jax_tpusync.manifest import SHM_DIRECTORY, tier_paths
 from jax_tpusync.mesh import ShardedKVCache
 from jax_tpusync.parts import bring_to_common_commit, each_or_none, reserve_agreed
 from jax_tpusync.state import KVState
@@ -66,7 +66,7 @@ logger = logging.getLogger(__name__)
 # Rows a step may add per slot unless told (a decode step adds 1, a prefill chunk its size).
 DEFAULT_STEP_TOKENS = 512
 
-LAYERS_SUFFIX = ".tpusync.layers.json"
+__all__ = ["DEFAULT_STEP_TOKENS", "LAYERS_SUFFIX", "HybridAdmission", "HybridKVCache"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,279 +145,59 @@ class HybridKVCache:
     ) -> None:
         # Every argument is checked, and every group's configuration planned, before
         # anything (engine, record, tier) is made: a refused cache changes nothing.
-        persistent = shm_name is not None or file_name is not None
-        if mesh is not None and persistent:
-            raise ValueError(
-                "a persistent hybrid cache on a mesh is not supported yet (its groups' "
-                "shards would need one common commit): drop shm_name / file_name or mesh"
-            )
-        if mesh is None and (kv_heads_axis is not None or batch_axis is not None):
-            raise ValueError(
-                f"kv_heads_axis={kv_heads_axis!r} and batch_axis={batch_axis!r} name axes of "
-                f"a mesh: pass mesh= too"
-            )
-        for name in ("num_blocks", "resident", "max_step_tokens_per_group"):
-            if name in options:
-                raise ValueError(f"{name} is per group in a hybrid cache and cannot be given")
-        for name, value in (("num_layers", num_layers), ("batch", batch), ("max_len", max_len)):
-            if not is_int(value) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive int")
-        if not is_int(max_step_tokens) or not 1 <= max_step_tokens <= max_len:
-            raise ValueError(
-                f"max_step_tokens={max_step_tokens!r} must be an int in [1, max_len={max_len}]"
-            )
-        if not isinstance(bound_windows, (bool, np.bool_)):
-            raise ValueError(f"bound_windows={bound_windows!r} must be a bool (True or False)")
-        if window_cache_blocks is not None and (
-            not is_int(window_cache_blocks) or window_cache_blocks < 0
-        ):
-            raise ValueError(
-                f"window_cache_blocks={window_cache_blocks!r} must be None or an int >= 0"
-            )
-        if not is_int(staging_bytes) or staging_bytes < 1:
-            raise ValueError(f"staging_bytes={staging_bytes!r} must be a positive int")
-        if engine is not None and not isinstance(engine, (Engine, EngineConfig)):
-            raise TypeError(
-                f"engine must be an Engine, an EngineConfig or None; got {type(engine).__name__}"
-            )
-        for name, value in (("shm_name", shm_name), ("file_name", file_name)):
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"{name}={value!r} must be a non-empty str or None")
-        block_tokens = options.get("block_tokens")
-        if block_tokens is not None and (not is_int(block_tokens) or block_tokens < 1):
-            raise ValueError(f"block_tokens={block_tokens!r} must be a power of two (1, 2, 4, ...)")
-        try:
-            self.dtype = np.dtype(options.get("dtype", jnp.bfloat16))
-        except TypeError:
-            raise ValueError(
-                f"dtype={options.get('dtype')!r} must be bfloat16, float16 or float32"
-            ) from None
-        bound_windows = bool(bound_windows)
+        self.dtype = check_arguments(
+            num_layers=num_layers,
+            batch=batch,
+            max_len=max_len,
+            max_step_tokens=max_step_tokens,
+            bound_windows=bound_windows,
+            window_cache_blocks=window_cache_blocks,
+            staging_bytes=staging_bytes,
+            engine=engine,
+            shm_name=shm_name,
+            file_name=file_name,
+            mesh=mesh,
+            kv_heads_axis=kv_heads_axis,
+            batch_axis=batch_axis,
+            options=options,
+        )
         windows = normalize_windows(sliding_window, num_layers)
         self.plan: LayerGroups = plan_groups(
             num_layers, num_kv_heads, head_dim, windows, kv_sharing
         )
-        if persistent and bound_windows and any(g.window is not None for g in self.plan.groups):
-            raise ValueError(
-                "bound_windows=True keeps only each sliding group's window, whose ring "
-                "overwrites committed rows as it moves, so no commit would survive a crash: "
-                "pass bound_windows=False to persist a hybrid cache (shm_name / file_name), "
-                "or drop them"
-            )
         self.batch = batch
         self.max_len = max_len
         self.max_step_tokens = int(max_step_tokens)
         self.mesh = mesh
         self.groups: list[OffloadedKVCache | ShardedKVCache] = []
-        made = self._group_arguments(
-            bound_windows,
-            window_cache_blocks,
-            staging_bytes,
-            shm_name,
-            file_name,
-            options,
-            (kv_heads_axis, batch_axis),
+        made = group_arguments(
+            self.plan,
+            batch=batch,
+            max_len=max_len,
+            max_step_tokens=self.max_step_tokens,
+            bound_windows=bool(bound_windows),
+            window_cache_blocks=window_cache_blocks,
+            staging_bytes=staging_bytes,
+            shm_name=shm_name,
+            file_name=file_name,
+            options=options,
+            mesh=mesh,
+            axes=(kv_heads_axis, batch_axis),
         )
-        record = self._check_layers_record(shm_name, file_name, options)
+        record = check_layers_record(self.plan, shm_name, file_name, options)
         self._owns_engine = not isinstance(engine, Engine)
         self.engine = engine if isinstance(engine, Engine) else Engine(engine or EngineConfig())
+        group_cache = OffloadedKVCache if mesh is None else ShardedKVCache
         undo: list = []  # What a failed construction puts back on disk.
         try:
-            undo = self._write_layers_record(record, shm_name, file_name, options)
-            for make, kwargs in made:
-                self.groups.append(make(engine=self.engine, **kwargs))
+            undo = write_layers_record(record, self.plan, shm_name, file_name, options)
+            for kwargs in made:
+                self.groups.append(group_cache(engine=self.engine, **kwargs))
             self._reconcile_commits()
         except Exception:
             self.close()
-            self._remove(undo)
+            put_back(undo)
             raise
-
-    # -- construction -----------------------------------------------------------------------
-
-    def _group_arguments(
-        self, bound_windows, window_cache_blocks, staging_bytes, shm_name, file_name, options, axes
-    ) -> list[tuple[Any, dict]]:
-        """Per group, its cache's class and keyword arguments (but the engine), each
-        group's configuration checked as its cache will check it (one device's: a mesh
-        group's shards check theirs as they open)."""
-        batch, max_len, mesh = self.batch, self.max_len, self.mesh
-        shares = self._staging_shares(staging_bytes, batch, options)
-        out = []
-        for i, group in enumerate(self.plan.groups):
-            bounded = bound_windows and group.window is not None
-            num_blocks = None
-            if bounded:
-                t = self._block_tokens(options, max_len)
-                ring = window_ring.ring_blocks(group.window, self.max_step_tokens, t)
-                ring = min(ring, -(-max_len // t))
-                extra = batch * ring if window_cache_blocks is None else window_cache_blocks
-                num_blocks = batch * ring + int(extra)
-            kwargs = dict(
-                num_layers=len(group.layers),
-                batch=batch,
-                max_len=max_len,
-                num_kv_heads=group.num_kv_heads,
-                head_dim=group.head_dim,
-                sliding_window=group.window,
-                max_step_tokens=self.max_step_tokens if bounded else None,
-                num_blocks=num_blocks,
-                staging_bytes=shares[i],
-                shm_name=None if shm_name is None else f"{shm_name}.g{i}",
-                file_name=None if file_name is None else f"{file_name}.g{i}",
-                prefix_salt=self._group_salt(options, group.layers),
-                **{k: v for k, v in options.items() if k != "prefix_salt"},
-            )
-            if mesh is not None:  # Each group's KV heads split over the mesh's axis.
-                kwargs.update(mesh=mesh, kv_heads_axis=axes[0], batch_axis=axes[1])
-                out.append((ShardedKVCache, kwargs))
-                continue
-            layout.plan(CacheConfig.from_kwargs(**kwargs))
-            out.append((OffloadedKVCache, kwargs))
-        return out
-
-    @staticmethod
-    def _block_tokens(options: dict, max_len: int) -> int:
-        """The groups' block size (as :class:`~jax_tpusync.config.KVGeometry` defaults it)."""
-        given = options.get("block_tokens")
-        if given is not None:
-            return given
-        return default_block_tokens(max_len)
-
-    def _staging_shares(self, budget: int, batch: int, options: dict) -> list[int]:
-        """The device budget per group: a sliding group gets what whole units of its window
-        take (four staging slots of them, at most an equal share), the global groups the
-        rest, in proportion to their bytes per token (their units span the context)."""
-        itemsize = np.dtype(options.get("dtype", jnp.bfloat16)).itemsize
-        row = [g.num_kv_heads * g.head_dim * itemsize for g in self.plan.groups]
-        groups = self.plan.groups
-        shares = [0] * len(groups)
-        for i, g in enumerate(groups):
-            if g.window is not None:
-                whole = 4 * 2 * batch * (g.window + self.max_step_tokens) * row[i]
-                shares[i] = max(1, min(whole, budget // len(groups)))
-        rest = budget - sum(shares)
-        weights = {i: len(g.layers) * row[i] for i, g in enumerate(groups) if g.window is None}
-        for i, w in weights.items():
-            shares[i] = max(1, rest * w // sum(weights.values()))
-        if not weights:  # Only sliding groups: the budget left over is theirs.
-            shares = [s + rest // len(groups) for s in shares]
-        return shares
-
-    @staticmethod
-    def _group_salt(options: dict, layers: tuple[int, ...]) -> str:
-        """Two groups of one geometry (a sliding and a global group of Gemma 3) hold other
-        layers' KV: their prefix blocks are kept apart by the layers they hold."""
-        base = options.get("prefix_salt") or options.get("model_id") or ""
-        if isinstance(base, bytes):
-            base = base.hex()
-        return f"{base}|layers {list(layers)}"
-
-    def _layers_record(self) -> dict:
-        return {
-            "layers": [
-                {
-                    "num_kv_heads": self.plan.group(l).num_kv_heads,
-                    "head_dim": self.plan.group(l).head_dim,
-                    "sliding_window": self.plan.group(l).window,
-                    "kv_sharing": self.plan.source_of[l],
-                }
-                for l in range(self.plan.num_layers)
-            ]
-        }
-
-    def _check_layers_record(self, shm_name, file_name, options) -> Path | None:
-        """A persistent hybrid cache records its layers beside its groups; a re-attach with
-        other layers is refused naming the first layer that differs (before any group's
-        tier is opened). Returns the record's path (None: not persistent). A record with no
-        group's manifest beside it describes no KV (a crash before any group was made):
-        it is replaced, not compared."""
-        if shm_name is None and file_name is None:
-            self._record_path = None
-            return None
-        if file_name is not None:
-            path = Path(options["path"]) / f"{file_name}{LAYERS_SUFFIX}"
-        else:
-            path = Path(SHM_DIRECTORY) / f"{shm_name}{LAYERS_SUFFIX}"
-        self._record_path = path
-        if options.get("overwrite", False):
-            return path
-        held = any(m.exists() for _, m in self._group_paths(shm_name, file_name, options))
-        if not held:
-            return path
-        if not path.exists():
-            raise ValueError(
-                f"{path.parent} holds a cache's groups but no record of its layers ({path}): "
-                f"pass overwrite=True to start empty"
-            )
-        theirs = json.loads(path.read_text())
-        mine = self._layers_record()
-        for l, (a, b) in enumerate(zip(theirs["layers"], mine["layers"])):
-            if a != b:
-                raise ValueError(
-                    f"the persisted hybrid cache at {path} has layer {l} as {a}, this "
-                    f"cache has it as {b} (pass overwrite=True to start empty)"
-                )
-        if len(theirs["layers"]) != len(mine["layers"]):
-            raise ValueError(
-                f"the persisted hybrid cache at {path} has {len(theirs['layers'])} "
-                f"layers, this cache {len(mine['layers'])} (pass overwrite=True to start "
-                f"empty)"
-            )
-        return path
-
-    def _group_paths(self, shm_name, file_name, options) -> list[tuple[Path, Path]]:
-        """Each group's (data, manifest) paths."""
-        tier = options.get("tier", "host")
-        return [
-            tier_paths(
-                tier,
-                options.get("path"),
-                None if shm_name is None else f"{shm_name}.g{i}",
-                None if file_name is None else f"{file_name}.g{i}",
-            )
-            for i in range(len(self.plan.groups))
-        ]
-
-    def _write_layers_record(self, path, shm_name, file_name, options) -> list:
-        """Writes the record of the layers (atomically) unless it holds them already;
-        returns what a failed construction puts back: ``(path, its earlier text or None,
-        shm segment name or None)`` of the record and of every group file not made yet."""
-        if path is None:
-            return []
-        mine = self._layers_record()
-        before = path.read_text() if path.exists() else None
-        undo = []
-        for i, (data, manifest) in enumerate(self._group_paths(shm_name, file_name, options)):
-            segment = None if shm_name is None else f"{shm_name}.g{i}"
-            undo += [(data, None, segment), (manifest, None, None)]
-        undo = [u for u in undo if not u[0].exists()]
-        try:
-            same = before is not None and json.loads(before) == mine
-        except ValueError:
-            same = False
-        if not same:
-            undo.append((path, before, None))
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(mine))
-            os.replace(tmp, path)
-        return undo
-
-    @staticmethod
-    def _remove(undo: list) -> None:
-        """Puts back what :meth:`_write_layers_record` listed: files made since removed,
-        a record replaced written back (never raises: the construction's error is what
-        the caller sees)."""
-        for path, text, segment in undo:
-            try:
-                if text is not None:
-                    path.write_text(text)
-                elif segment is not None:
-                    if path.exists():
-                        Engine.unlink_shm(segment)
-                else:
-                    path.unlink(missing_ok=True)
-            except Exception as e:  # noqa: BLE001 - cleanup: report and go on.
-                logger.warning("could not remove %s after a refused construction: %s", path, e)
 
     def _reconcile_commits(self) -> None:
         """Re-attach: each group commits on its own, so a crash between two groups' commits
