@@ -23,7 +23,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jax_tpusync as tps
-from jax_tpusync import persistence
+from jax_tpusync import persistence, pool_persistence
 
 HEADS, Q_HEADS, HEAD_DIM, LAYERS, BATCH, MAX_LEN, BLOCK = 2, 4, 16, 2, 2, 32, 8
 CONTEXT = np.array([11, 5])  # Slot 0 ends inside its second block, slot 1 in its first.
@@ -137,7 +137,14 @@ class Written:
                 np.testing.assert_array_equal(v, self.v[layer, b, : lengths[b]])
 
 
-def test_a_commit_reattaches_byte_exact_and_uncommitted_steps_are_dropped(where, caplog):
+def test_a_commit_reattaches_byte_exact_and_uncommitted_steps_are_dropped(
+    where, caplog, monkeypatch
+):
+    # Flushes of 3 (layer, block) pairs a batch and restores of 2 blocks a read: several of
+    # each, the last one short.
+    block_bytes = BLOCK * HEADS * HEAD_DIM * 4
+    monkeypatch.setattr(pool_persistence, "FLUSH_BATCH_BYTES", 3 * 2 * block_bytes)
+    monkeypatch.setattr(pool_persistence, "RESTORE_BATCH_BYTES", 2 * 2 * LAYERS * block_bytes)
     rng = np.random.default_rng(0)
     written = Written(rng)
     cache = make(where)
