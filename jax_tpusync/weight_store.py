@@ -34,7 +34,7 @@ from typing import Protocol, Self, runtime_checkable
 
 import numpy as np
 
-from jax_tpusync.weight_file_pool import FilePool, FileRetiredError, map_leased, release
+from jax_tpusync.weight_file_pool import FilePool, FileRetiredError, MappingCache
 from jax_tpusync.weight_plan import Box, SourceLayout, box_volume, layout_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -334,18 +334,19 @@ class PartWriter:
 class OpenVersion:
     """A complete version's data files, mapped read-only (pages mapped up front where Linux
     allows: ``MAP_POPULATE``; a copy out of a fresh mapping otherwise takes a page fault
-    per 4 KiB, which made reads of ``/dev/shm`` five times slower here), each under a read
-    lease (:mod:`jax_tpusync.weight_file_pool`): no publisher writes over a file while a
-    mapping of it, or an array viewing one, is alive. So the views :meth:`read` returns
-    stay valid and unchanged as long as they are referenced, after :meth:`close` too, even
-    once the version is retired."""
+    per 4 KiB, which made reads of ``/dev/shm`` five times slower here; ``mappings`` keeps
+    them for the next versions written over the same files), each under a read lease
+    (:mod:`jax_tpusync.weight_file_pool`): no publisher writes over a file while an array
+    viewing it is alive. So the views :meth:`read` returns stay valid and unchanged as long
+    as they are referenced, after :meth:`close` too, even once the version is retired."""
 
-    def __init__(self, manifest: VersionManifest):
+    def __init__(self, manifest: VersionManifest, mappings: MappingCache | None = None):
         self.manifest = manifest
         self._maps: list = []
+        mappings = MappingCache() if mappings is None else mappings
         try:
             for path in manifest.data_files:
-                self._maps.append(map_leased(path))
+                self._maps.append(mappings.lease(path))
         except (FileNotFoundError, FileRetiredError) as e:
             self.close()
             raise WeightSyncError(
@@ -358,12 +359,10 @@ class OpenVersion:
         s = leaf.shards[index]
         dtype = np.dtype(leaf.dtype)
         shape = tuple(b - a for a, b in s.box)
-        buf = self._maps[s.process]
-        if buf is None:  # An empty data file holds only empty shards.
+        data = self._maps[s.process]
+        if data is None:  # An empty data file holds only empty shards.
             return np.empty(shape, dtype)
-        return np.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=s.offset).reshape(
-            shape
-        )
+        return data[s.offset : s.offset + s.nbytes].view(dtype).reshape(shape)
 
     def read(
         self, leaf: StoredLeaf, wanted: Sequence[tuple[int, tuple[slice, ...]]]
@@ -372,10 +371,8 @@ class OpenVersion:
         return [self.shard(leaf, index)[slices] for index, slices in wanted]
 
     def close(self) -> None:
-        """Unmaps what no array views; a mapping that one does goes with the last of them."""
-        for m in self._maps:
-            if m is not None:
-                release(m)
+        """Drops this reader's leases; a file an array still views stays leased until the
+        last such array is gone."""
         self._maps = []
 
     def __enter__(self) -> Self:
@@ -460,6 +457,7 @@ class WeightStore:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.pool = FilePool(self.directory)
+        self.mappings = MappingCache()
 
     def describe(self) -> str:
         return str(self.directory)
@@ -473,10 +471,11 @@ class WeightStore:
         return PartWriter(self, version, process, num_processes, fsync=fsync)
 
     def open_version(self, manifest: VersionManifest) -> OpenVersion:
-        return OpenVersion(manifest)
+        return OpenVersion(manifest, self.mappings)
 
     def close(self) -> None:
-        """Nothing to release (files are opened per call)."""
+        """Forgets the mappings kept for later pulls (arrays that view them keep theirs)."""
+        self.mappings.clear()
 
     def versions(self) -> list[int]:
         """Every version with a directory, complete or not, oldest first."""

@@ -17,7 +17,7 @@ import pytest
 import weights_support as ws
 from jax.sharding import PartitionSpec as P
 
-from jax_tpusync.weight_file_pool import FilePool, FileRetiredError, map_leased, release
+from jax_tpusync.weight_file_pool import FilePool, FileRetiredError, MappingCache
 from jax_tpusync.weight_store import IncompleteVersionError, WeightStore, WeightSyncError
 from jax_tpusync.weight_sync import WeightPublisher, WeightPuller
 
@@ -119,12 +119,12 @@ def test_a_file_being_written_over_is_refused_as_retired(tmp_path):
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # What a writer holds.
         with pytest.raises(FileRetiredError, match=r"being reused for a newer version"):
-            map_leased(path)
+            MappingCache().lease(path)
     finally:
         os.close(fd)
-    mapped = map_leased(path)  # Free again: mapped, and pooled only once released.
+    mapped = MappingCache().lease(path)  # Free again: mapped, and pooled only once released.
     assert not FilePool(tmp_path).give(path, capacity=1) and not path.exists()
-    release(mapped)
+    del mapped
     path.write_bytes(b"y" * 4096)
     assert FilePool(tmp_path).give(path, capacity=1)
     # The pool holds at most `capacity` files: the edge, then one more is unlinked.
@@ -156,8 +156,8 @@ def test_a_killed_puller_blocks_no_reuse(tmp_path):
             textwrap.dedent(
                 f"""
                 import sys, time
-                from jax_tpusync.weight_file_pool import map_leased
-                mapped = map_leased({str(path)!r})
+                from jax_tpusync.weight_file_pool import MappingCache
+                mapped = MappingCache().lease({str(path)!r})
                 print("mapped", flush=True)
                 time.sleep(60)
                 """
