@@ -69,8 +69,11 @@ def test_a_retired_versions_file_is_written_over_and_pulls_stay_exact(mesh, tmp_
                 assert pooled(store_dir) == [inodes[1]]
             if version == 3:  # Written over version 1's file; version 2's pooled.
                 assert inodes[3] == inodes[1] and pooled(store_dir) == [inodes[2]]
+                hits = puller.store.mappings.hits
             pulled = puller.pull(targets, version)
             ws.check_pulled(pulled, params, targets, puller.stats)
+            if version == 3:  # Read through the mapping kept from version 1's pull.
+                assert puller.store.mappings.hits == hits + 1
             for x in jax.tree.leaves(pulled):
                 x.delete()
             del pulled
