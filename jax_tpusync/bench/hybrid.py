@@ -29,6 +29,14 @@ admits the same token ids from the store alone. Reported: the tokens it mapped, 
 it imported (``imported``), ``imported/uniform`` (hybrid's over the one geometry's), the
 admission's and the publishing release's seconds. The benchmark starts a master of its own
 on loopback unless given one.
+
+Output: by default a short summary per model and context: each tier's decode step on the
+hybrid cache against the one-geometry cache (median and interquartile range of the timed
+steps, in words, "within noise" where the medians differ by no more than the wider IQR;
+see :mod:`jax_tpusync.bench.verdict`), and the bytes each holds and fetches; ``--details``
+prints the developer's table instead. Progress goes to stderr. The default context (32K)
+takes about a minute and a half on two cores; the figures in docs/hybrid.md are of
+``--contexts 131072 1048576``.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tpusync.bench import common, mooncake_master
+from jax_tpusync.bench import common, mooncake_master, verdict
 
 COLUMNS = [
     ("model", "model", "s"),
@@ -99,7 +107,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--models", nargs="+", choices=("gemma3", "gemma4"), default=["gemma3", "gemma4"]
     )
-    p.add_argument("--contexts", type=int, nargs="+", default=[131072, 1048576])
+    p.add_argument("--contexts", type=int, nargs="+", default=[32768])
     p.add_argument("--tiers", nargs="+", choices=("host", "file"), default=["host", "file"])
     p.add_argument("--path", default=None, help="directory of the file tier (default: a temp dir)")
     p.add_argument("--window", type=int, default=1024)
@@ -116,6 +124,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="the longest context that gets remote rows (the store holds a copy of the KV)",
     )
     p.add_argument("--block-tokens", type=int, default=256)
+    common.add_details_argument(p, "every cache's row (bytes, ratios, remote rows)")
     common.add_json_argument(p)
     p.set_defaults(run=run, columns=COLUMNS)
     return p
@@ -354,7 +363,51 @@ def run(args) -> list[dict[str, Any]]:
     rows = []
     with contextlib.ExitStack() as stack:
         _run(tps, args, rng, rows, mooncake_master.for_run(args, stack))
+    common.summary_or_details(args, summary(rows))
     return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """Per model and context, in words: each tier's hybrid step against the one-geometry
+    step, and the bytes each holds and fetches (see the module)."""
+    parts = []
+    keys = list(dict.fromkeys((r["model"], r["context"]) for r in rows))
+    for model, context in keys:
+        mine = [r for r in rows if (r["model"], r["context"]) == (model, context)]
+        steps = {(r["tier"], r["cache"]): r for r in mine if "step_ms_all" in r}
+        table, words = [], []
+        for tier in dict.fromkeys(r["tier"] for r in mine):
+            uniform, hybrid = steps.get((tier, "uniform")), steps.get((tier, "hybrid"))
+            if uniform is None or hybrid is None:
+                continue
+            h, u = (verdict.Spread.of(r["step_ms_all"]) for r in (hybrid, uniform))
+            table += [(f"{tier}: library (HybridKVCache)", h), (f"{tier}: one geometry (OffloadedKVCache)", u)]
+            words.append(
+                f"  {tier} tier: the hybrid step is {verdict.compare(h, u, 'one geometry')}; "
+                f"it holds {common.format_bytes(hybrid['kv_bytes'])} against "
+                f"{common.format_bytes(uniform['kv_bytes'])} "
+                f"({uniform['kv_bytes'] / hybrid['kv_bytes']:.1f}x fewer bytes) and fetched "
+                f"{common.format_bytes(int(hybrid['fetched_bytes_per_step']))} a step against "
+                f"{common.format_bytes(int(uniform['fetched_bytes_per_step']))}"
+            )
+        for tier in dict.fromkeys(r["tier"] for r in mine):
+            remote = {r["cache"]: r for r in mine if r["tier"] == tier and "<-" in r["cache"]}
+            u, h = remote.get("uniform <- mooncake"), remote.get("hybrid <- mooncake")
+            if u and h:
+                words.append(
+                    f"  {tier} tier, from a Mooncake Store: the hybrid cache imported "
+                    f"{common.format_bytes(h['imported_bytes'])} "
+                    f"({h['imported_over_uniform']:.3f}x the one geometry's) in "
+                    f"{h['admit_ms']:.0f} ms against {u['admit_ms']:.0f} ms"
+                )
+        parts.append(
+            "\n".join(
+                [f"hybrid, {model} shape, context {context} (decode step, batch 1)"]
+                + ([verdict.table(table)] if table else [])
+                + words
+            )
+        )
+    return "\n\n".join(parts)
 
 
 def _run(tps, args, rng, rows: list, master: str | None) -> None:
@@ -368,6 +421,7 @@ def _run(tps, args, rng, rows: list, master: str | None) -> None:
                         prefix="tpusync-hybrid-", dir=args.path or os.getcwd()
                     )
                 try:
+                    common.progress(f"hybrid: {name}, {tier} tier, context {context} ...")
                     uniform, hybrid = _caches(
                         tps, model, tier, context, directory, args.staging_bytes
                     )
@@ -396,10 +450,9 @@ def _run(tps, args, rng, rows: list, master: str | None) -> None:
                     row["step_bytes_over_global"] = r["step_bytes"] / read
                     row["time_over_uniform"] = r["step_ms"] / results["uniform"]["step_ms"]
                     rows.append(row)
-                    print(
+                    common.progress(
                         f"{name} {tier} {context}: {cache_name} {r['step_ms']:.2f} ms/step, "
-                        f"tier {common.format_bytes(r['kv_bytes'])}, load {r['load_s']:.1f} s",
-                        flush=True,
+                        f"tier {common.format_bytes(r['kv_bytes'])}, load {r['load_s']:.1f} s"
                     )
                 for cache_name, r in (remote or {}).items():
                     rows.append(
@@ -411,9 +464,8 @@ def _run(tps, args, rng, rows: list, master: str | None) -> None:
                             **r,
                         )
                     )
-                    print(
+                    common.progress(
                         f"{name} {tier} {context}: {cache_name} <- mooncake: mapped "
                         f"{r['cached_tokens']}, imported {common.format_bytes(r['imported_bytes'])}"
-                        f" ({r['imported_over_uniform']:.3f}x uniform) in {r['admit_ms']:.0f} ms",
-                        flush=True,
+                        f" ({r['imported_over_uniform']:.3f}x uniform) in {r['admit_ms']:.0f} ms"
                     )

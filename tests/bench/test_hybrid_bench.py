@@ -9,7 +9,7 @@ from jax_tpusync.bench import __main__ as bench_main
 from jax_tpusync.bench import common
 
 
-def test_hybrid_bench_tiny(tmp_path):
+def test_hybrid_bench_tiny(tmp_path, capsys):
     out = tmp_path / "hybrid.json"
     argv = [
         "hybrid", "--contexts", "2048", "--window", "64", "--steps", "2",
@@ -40,6 +40,19 @@ def test_hybrid_bench_tiny(tmp_path):
             # units a reading layer took from its source's prefetch chain).
             fetched, attended = hybrid["fetched_bytes_per_step"], hybrid["step_bytes"]
             assert 0.95 * attended <= fetched <= 1.25 * attended
+        assert len(hybrid["step_ms_all"]) == len(uniform["step_ms_all"]) == 2
+    # The short summary: per model, each tier's hybrid step against one geometry in words.
+    out = capsys.readouterr().out
+    for model in ("gemma3", "gemma4"):
+        assert f"hybrid, {model} shape, context 2048 (decode step, batch 1)" in out
+    assert out.count("tier: the hybrid step is ") == 4 and "than one geometry" in out
+    assert out.count("host: library (HybridKVCache)") == 2
+    assert "None" not in out and "nan" not in out and "time/uniform" not in out
+
+
+def test_hybrid_defaults_run_one_context():
+    args = bench_main.build_parser().parse_args(["hybrid"])
+    assert (args.contexts, args.details) == ([32768], False)
 
 
 def test_hybrid_bench_remote_rows_import_the_global_chain_and_the_windows(
