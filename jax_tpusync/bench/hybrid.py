@@ -381,7 +381,10 @@ def summary(rows: list[dict[str, Any]]) -> str:
             if uniform is None or hybrid is None:
                 continue
             h, u = (verdict.Spread.of(r["step_ms_all"]) for r in (hybrid, uniform))
-            table += [(f"{tier}: library (HybridKVCache)", h), (f"{tier}: one geometry (OffloadedKVCache)", u)]
+            table += [
+                (f"{tier}: library (HybridKVCache)", h),
+                (f"{tier}: one geometry (OffloadedKVCache)", u),
+            ]
             words.append(
                 f"  {tier} tier: the hybrid step is {verdict.compare(h, u, 'one geometry')}; "
                 f"it holds {common.format_bytes(hybrid['kv_bytes'])} against "

@@ -23,13 +23,19 @@ def run_bench(tmp_path, *extra: str) -> list[dict]:
     return json.loads(out.read_text())["results"]
 
 
-def test_a_tiny_shape_moves_byte_exact_both_ways(tmp_path, mooncake_usable):
+def test_a_tiny_shape_moves_byte_exact_both_ways(tmp_path, mooncake_usable, capsys):
     (row,) = run_bench(tmp_path, "--shapes", "200x2x2x32", "--piece-bytes", "4K")
     assert row["shape"] == "200x2x2x32" and row["link"] == "loopback"
     assert row["byte_exact"] is True
     assert row["nbytes"] == 200 * 2 * 2 * 2 * 32 * 2  # tokens x layers x K|V x heads x dim x bf16
     assert row["pd_s"] > 0 and row["socket_s"] > 0
     assert row["pd_over_socket"] == pytest.approx(row["socket_s"] / row["pd_s"])
+    # The short summary: the transfer against the socket in words, no developer table.
+    out = capsys.readouterr().out
+    assert "P/D transfer over loopback" in out and "200x2x2x32 (100 KiB): library" in out
+    assert "200x2x2x32: the library's transfer is " in out and "a plain TCP socket" in out
+    assert "byte-exact" in out and "pd/socket rate" not in out
+    assert "None" not in out and "nan" not in out
 
 
 @pytest.mark.parametrize("shape", ["1x2x3", "0x1x1x1", "ax1x1x1", "nope"])
