@@ -34,7 +34,12 @@ from typing import Protocol, Self, runtime_checkable
 
 import numpy as np
 
-from jax_tpusync.weight_file_pool import FilePool, FileRetiredError, MappingCache
+from jax_tpusync.weight_file_pool import (
+    FilePool,
+    FileRetiredError,
+    MappingCache,
+    WriteMappings,
+)
 from jax_tpusync.weight_plan import Box, SourceLayout, box_volume, layout_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -258,8 +263,15 @@ class PartWriter:
         # one. A reused file stays locked (exclusive) until commit or abort closes it.
         taken = store.pool.take(self._data_tmp)
         self.reused_file = taken is not None
+        self._mapped: np.ndarray | None = None  # The reused file's bytes, where mapped.
         if taken is not None:
             self._file = os.fdopen(taken[0], "r+b")
+            try:
+                self._mapped = store.write_mappings.get(self._data_tmp, taken[0])
+            except BaseException:
+                self._file.close()
+                self._data_tmp.unlink(missing_ok=True)
+                raise
         else:
             self._file = open(self._data_tmp, "wb")  # noqa: SIM115 - closed by commit/abort.
         self._offset = 0
@@ -282,12 +294,18 @@ class PartWriter:
         self._paths.add(path)
         records = []
         for box, data in checked:
-            pad = -self._offset % ALIGNMENT
-            if pad:
-                self._file.write(b"\0" * pad)
-                self._offset += pad
             raw = data.reshape(-1).view(np.uint8)
-            self._file.write(memoryview(raw))
+            pad = -self._offset % ALIGNMENT
+            start, end = self._offset, self._offset + pad + raw.nbytes
+            if self._mapped is not None and end <= self._mapped.nbytes:
+                # Into the reused file's pages (zeros in the gap, as the other way).
+                self._mapped[start : start + pad] = 0
+                self._mapped[start + pad : end] = raw
+            else:
+                self._file.seek(start)
+                self._file.write(b"\0" * pad)
+                self._file.write(memoryview(raw))
+            self._offset += pad
             records.append(
                 {"box": [list(r) for r in box], "offset": self._offset, "nbytes": raw.nbytes}
             )
@@ -297,8 +315,12 @@ class PartWriter:
 
     def commit(self) -> None:
         """Renames the data file into place, then writes the manifest (atomically, last)."""
-        self._file.truncate(self._offset)  # A reused file may have been longer.
         self._file.flush()
+        if self._mapped is not None and self.fsync:
+            mmap_flush = self._mapped.base  # The mapping: its pages to the file first.
+            mmap_flush.flush()
+        self._mapped = None
+        self._file.truncate(self._offset)  # A reused file may have been longer (or shorter).
         if self.fsync:
             os.fsync(self._file.fileno())
         self._file.close()
@@ -326,6 +348,7 @@ class PartWriter:
 
     def abort(self) -> None:
         """Removes what this part wrote (its manifest was never written)."""
+        self._mapped = None
         self._file.close()
         for p in (self._data_tmp, self._manifest_tmp):
             p.unlink(missing_ok=True)
@@ -458,6 +481,7 @@ class WeightStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.pool = FilePool(self.directory)
         self.mappings = MappingCache()
+        self.write_mappings = WriteMappings()
 
     def describe(self) -> str:
         return str(self.directory)
@@ -474,8 +498,10 @@ class WeightStore:
         return OpenVersion(manifest, self.mappings)
 
     def close(self) -> None:
-        """Forgets the mappings kept for later pulls (arrays that view them keep theirs)."""
+        """Forgets the mappings kept for later pulls and publishes (arrays that view them
+        keep theirs)."""
         self.mappings.clear()
+        self.write_mappings.clear()
 
     def versions(self) -> list[int]:
         """Every version with a directory, complete or not, oldest first."""

@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import jax
+import numpy as np
 import pytest
 import weights_support as ws
 from jax.sharding import PartitionSpec as P
@@ -207,3 +208,26 @@ def test_a_publisher_killed_writing_over_a_pooled_file_leaves_its_version_incomp
         puller.pull(targets, 3, timeout_s=0.1)
     ws.check_pulled(puller.pull(targets), params2, targets, puller.stats)
     assert puller.version == 2
+
+
+@pytest.mark.parametrize(
+    "sizes", [(1000, 3000, 5000), (5000, 3000, 1000), (4096, 4096, 4096)], ids=str
+)
+def test_a_reused_file_holds_exactly_each_parts_bytes_whatever_its_size(tmp_path, sizes):
+    # Longer than the file it reuses (past its end by write calls), shorter (truncated),
+    # or the same (all through the kept mapping); shards at unaligned sizes (padding).
+    store = WeightStore(tmp_path / "weights")
+    rng = np.random.default_rng(0)
+    for version, size in enumerate(sizes, start=1):
+        shards = [rng.integers(0, 255, n, dtype=np.uint8) for n in (size, 7, size // 3)]
+        writer = store.part_writer(version, 0, 1)
+        assert writer.reused_file == (version > 2)
+        for i, a in enumerate(shards):
+            writer.add(f"['l{i}']", a.shape, "uint8", [(((0, a.size),), a)])
+        writer.commit()
+        manifest = store.read_manifest(version)
+        opened = store.open_version(manifest)
+        for leaf, a in zip(manifest.leaves, shards, strict=True):
+            np.testing.assert_array_equal(opened.shard(leaf, 0), a)
+        opened.close()
+        store.retire(1)
