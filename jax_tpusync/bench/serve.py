@@ -11,10 +11,10 @@ Progress goes to stderr. ``--batch``, ``--chunk`` and ``--block-tokens`` default
 (shared-prompt: 4 slots, chunk 128, 64-token blocks, about half a minute on two cores;
 step: 8, 512, 256).
 
-``--case step``: a cache of ``--batch`` slots (:mod:`.serving_model`'s decoder, bf16): ``--prefill-slots``
-slots prefill a ``--chunk``-token chunk of their prompt (starting at ``--prefill-start``)
-while the other slots decode one token each over ``--context`` tokens of cached KV. The same
-work runs two ways, alternated (``--repeats`` rounds, each from the same lengths):
+``--case step``: a cache of ``--batch`` slots (:mod:`.serving_model`'s decoder, bf16):
+``--prefill-slots`` slots prefill a ``--chunk``-token chunk of their prompt (starting at
+``--prefill-start``) while the other slots decode one token each over ``--context`` tokens
+of cached KV. The same work runs two ways, alternated (``--repeats`` rounds, each from the same lengths):
 
 * ``mixed``: one step of T = chunk, counts ``[chunk, 1, 1, ...]``, as
   :class:`jax_tpusync.serving.ServingLoop` runs it;

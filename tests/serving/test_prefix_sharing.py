@@ -254,7 +254,7 @@ def test_a_request_passed_over_the_skip_limit_times_goes_first(params, step):
 @pytest.mark.parametrize(
     "order, error, match",
     [
-        ("lifo", ValueError, "admission_order must be one of 'cached_prefix_first', 'fifo'; got 'lifo'"),
+        ("lifo", ValueError, "must be one of 'cached_prefix_first', 'fifo'; got 'lifo'"),
         ("FIFO", ValueError, "admission_order must be one of .*; got 'FIFO'"),
         (None, TypeError, "admission_order must be one of .*; got None"),
     ],
