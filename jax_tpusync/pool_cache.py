@@ -172,9 +172,9 @@ class HostPoolKVCache:
         if mesh is not None and config.tier.persistent:
             name = "shm_name" if config.tier.kind == "host" else "file_name"
             raise ValueError(
-                f"{name}={options[name]!r} with mesh=: persistence over a mesh is not on the "
-                f"host-pool path yet (each device's heads would need a tier and manifest of "
-                f"their own); persist a one-device cache (host-pool cache)"
+                f"{name}={getattr(config.tier, name)!r} with mesh=: persistence over a mesh "
+                f"is not on the host-pool path yet (each device's heads would need a tier "
+                f"and manifest of their own); persist a one-device cache (host-pool cache)"
             )
         if mesh is None:
             if kv_heads_axis is not None or batch_axis is not None:
@@ -770,7 +770,10 @@ class HostPoolKVCache:
                 logger.error("final commit failed; the last successful commit stands: %s", e)
         self._closed = True
         if self._tier is not None:
-            self._tier.close()
+            try:
+                self._tier.close()
+            except Exception as e:  # noqa: BLE001 - a failed engine still has to close.
+                logger.error("closing the persistent tier's engine: %s", e)
         self._close_levels()
 
     def _close_levels(self) -> None:

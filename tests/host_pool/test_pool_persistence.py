@@ -78,7 +78,9 @@ def decode_step():
     def step(state, qs, ks, vs):
         outs = []
         for layer in range(LAYERS):
-            out, state = tps.prefetching_attention(qs[layer], ks[layer], vs[layer], state, layer=layer)
+            out, state = tps.prefetching_attention(
+                qs[layer], ks[layer], vs[layer], state, layer=layer
+            )
             outs.append(out)
         return jnp.stack(outs), state
 
@@ -340,7 +342,10 @@ def test_a_pool_of_another_layout_or_model_is_refused_by_name(tmp_path):
         persistence.LayoutMismatchError, match="block_tokens: the tier holds 8, this cache has 16"
     ):
         make(where, block_tokens=16)
-    with pytest.raises(persistence.LayoutMismatchError, match="dtype: the tier holds 'float32', this cache has 'bfloat16'"):
+    with pytest.raises(
+        persistence.LayoutMismatchError,
+        match="dtype: the tier holds 'float32', this cache has 'bfloat16'",
+    ):
         make(where, dtype=jnp.bfloat16)
     with pytest.raises(persistence.LayoutMismatchError, match="model_id: the tier holds"):
         make(where, model_id="another")
