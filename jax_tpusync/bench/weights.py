@@ -35,15 +35,18 @@ each way side by side:
 * ``device_put``: ``jax.device_put(x, target)`` in this process, the in-process reshard
   no two process groups can use (a reference).
 
-Each way runs ``--repeats`` times; ``weights`` publishes a new version each time, so its
-first run builds the plan (and compiles the snapshot copy) and is not timed, the others
-reuse it (``plan ms`` is the build, ``plan reused`` whether the timed runs' plans came from
-the cache). For every way the bytes each destination device received are checked against
+Each way is timed ``--repeats`` times after warm-up runs that are not timed: one for a
+baseline, two for the weight store, which publishes a new version each run (its first
+builds the plan and compiles the snapshot copy; its second is written into a new file,
+since the store reuses a retired version's files and none is retired yet). The timed runs
+are the steady state of a training loop: each reuses the plan (``plan ms`` is the build,
+``plan reused`` whether the timed runs' plans came from the cache), and the files and
+mappings of the versions two before it. For every way the bytes each destination device received are checked against
 what its shards hold, and the result bitwise against the source.
 
 The default output is a short table per case: each way's median and interquartile range
 over its timed runs, its GB/s, and the weight store's fastest row against the fastest of
-the three baselines (gather + device_put, jax.transfer, checkpoint) in words, with a note
+the three baselines (gather + socket + device_put, jax.transfer, checkpoint) in words, with a note
 where the difference is within the runs' spread (:mod:`jax_tpusync.bench.verdict`).
 ``--details`` prints every column instead (publish blocked, write, pull, plan).
 """
@@ -67,6 +70,8 @@ from jax_tpusync.bench import common, verdict
 
 DEVICES = 8
 PEAK_COPIES = 5  # Copies of the params alive at once at most (see run()).
+WARMUP_BASELINE = 1  # Untimed runs before a baseline's timed ones.
+WARMUP_WEIGHTS = 2  # The weight store's: the plan and compile, then the first reused file.
 D_MODEL, FFN, VOCAB, Q_HEADS, KV_HEADS, HEAD_DIM = 1024, 2816, 32000, 8, 2, 128
 
 COLUMNS = [
@@ -104,7 +109,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--repeats",
         type=_positive_int,
         default=5,
-        help="runs per way (the weight store's first is not timed: it builds the plan)",
+        help="timed runs per way (after 1 warm-up run, 2 for the weight store)",
     )
     p.add_argument(
         "--dir", default=None, help="the weight store's parent directory (default: /dev/shm)"
@@ -288,7 +293,7 @@ def method_weights(
         puller = WeightPuller(pull_store, timeout_s=600)
         runs, result = [], None
         plan_ms, reused = None, []
-        for version in range(ctx["repeats"]):
+        for version in range(WARMUP_WEIGHTS + ctx["repeats"]):
             if result is not None:
                 _delete(result)
             start = time.perf_counter()
@@ -314,7 +319,7 @@ def method_weights(
             )
         # Bytes the Mooncake store moved per pull (the same every run).
         fetched = getattr(puller.store, "bytes_fetched", None)
-        fetched = None if fetched is None else fetched // ctx["repeats"]
+        fetched = None if fetched is None else fetched // (WARMUP_WEIGHTS + ctx["repeats"])
         puller.close()
         publisher.close()
         ok = puller.stats.device_bytes == _device_bytes(result) == ctx["expected"]
@@ -322,7 +327,7 @@ def method_weights(
         _delete(result)
     finally:
         shutil.rmtree(store, ignore_errors=True)
-    timed = runs[1:] or runs  # The first run compiles the snapshot copy.
+    timed = runs[WARMUP_WEIGHTS:]
     return {
         "seconds": statistics.median(r[0] for r in timed),
         "samples_s": [r[0] for r in timed],
@@ -357,7 +362,7 @@ def method_weights_mooncake(ctx: dict, case: str, source: Any, targets: Any) -> 
 
 def _timed(ctx: dict, move) -> dict:
     runs, result = [], None
-    for _ in range(ctx["repeats"]):
+    for _ in range(WARMUP_BASELINE + ctx["repeats"]):
         if result is not None:
             _delete(result)
         start = time.perf_counter()
@@ -366,6 +371,7 @@ def _timed(ctx: dict, move) -> dict:
     ok = _device_bytes(result) == ctx["expected"]
     exact = _exact(result, ctx["host"])
     _delete(result)
+    runs = runs[WARMUP_BASELINE:]
     return {
         "seconds": statistics.median(runs),
         "samples_s": runs,
@@ -579,9 +585,8 @@ def summary(rows: list[dict]) -> str:
             best_ours = min(ours, key=lambda n: ours[n].median)
             best_other = min(others, key=lambda n: others[n].median)
             lines.append(
-                f"  {LABELS[best_ours]}: "
+                f"  {LABELS[best_ours]} against the fastest baseline: "
                 f"{verdict.compare(ours[best_ours], others[best_other], LABELS[best_other])}"
-                f" (the fastest baseline)"
             )
         checked = [r for r in in_case.values() if r.get("exact") is not None]
         bad = [LABELS.get(r["method"], r["method"]) for r in checked if not r["exact"]]
