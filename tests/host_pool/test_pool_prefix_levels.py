@@ -89,3 +89,40 @@ def test_a_damaged_block_file_is_a_miss(tmp_path):
     state = reader.init(admit=False)
     state, cached = reader.admit(state, 0, max_tokens=32, tokens=prompt)
     assert cached == 8  # The first block; the damaged second one is a miss.
+
+
+def test_imported_blocks_of_a_persistent_pool_are_committed_and_mapped_after_a_restart(tmp_path):
+    shared, data = tmp_path / "shared", tmp_path / "data"
+    shared.mkdir()
+    data.mkdir()
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, 1000, 17)
+    kv = rng.standard_normal((LAYERS, 2, 17, HEADS, HEAD_DIM)).astype(jnp.bfloat16)
+    writer = make_cache(shared)
+    state = writer.init(admit=False)
+    state, _ = writer.admit(state, 0, max_tokens=32, tokens=prompt)
+    for layer in range(LAYERS):
+        state = writer.load(state, layer, kv[layer, 0], kv[layer, 1], slot=0)
+    writer.release(state, 0, tokens=prompt)
+    writer.close()
+
+    persistent = dict(tier="file", path=str(data), file_name="kv")
+    reader = make_cache(shared, **persistent)
+    state = reader.init(admit=False)
+    # The imported blocks reach the tier at the reservation: the index holds them from then.
+    state, cached = reader.admit(state, 0, max_tokens=32, tokens=prompt)
+    assert cached == 16
+    reader.close(reader.commit(state))
+
+    # verify=True on re-attach checks the indexed blocks; no level to import from now.
+    reader = tps.HostPoolKVCache(
+        num_layers=LAYERS, batch=2, max_len=64, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+        block_tokens=BT, dtype=jnp.bfloat16, staging_bytes=1 << 20, **persistent,
+    )  # fmt: skip
+    state = reader.init()
+    np.testing.assert_array_equal(reader.lengths(state), [16, 0])
+    for layer in range(LAYERS):
+        k, v = reader.read(state, layer, 0)
+        np.testing.assert_array_equal(k, kv[layer, 0, :16])
+        np.testing.assert_array_equal(v, kv[layer, 1, :16])
+    reader.close()
