@@ -95,7 +95,9 @@ def test_remote_row_with_a_master_of_the_benchmarks_own(tmp_path, mooncake_usabl
     assert rows[0]["first_token"] == "same"
     assert png.read_bytes()[:8] == PNG_MAGIC
     out = capsys.readouterr().out
-    assert "TTFT remote ms" in out and "host <- mooncake" in out
+    # The summary's remote line (the table, with its "host <- mooncake" row, is --details').
+    assert "library: from the remote level" in out
+    assert "TTFT, from the remote level: " in out and "host <- mooncake" not in out
     address = out.split("started a mooncake_master at ")[1].split()[0]
     port = int(address.rsplit(":", 1)[1])
     with pytest.raises(OSError):  # Stopped at exit.
