@@ -88,3 +88,11 @@ def test_decode_summary_notes_a_floor_slower_than_the_library():
 def test_decode_summary_without_a_baseline_says_how_to_get_one():
     text = decode_report.user_summary(_row(prefetch=[10.0, 11.0]))
     assert "no plain-JAX baseline ran" in text and "faster" not in text
+
+
+def test_a_table_prints_n_a_for_nan_and_a_dash_for_none():
+    from jax_tpusync.bench import common
+
+    columns = [("a", "a", ".1f"), ("b", "b", "d")]
+    text = common.format_table([{"a": float("nan"), "b": None}], columns)
+    assert text.splitlines()[-1].split() == ["n/a", "-"]
