@@ -164,6 +164,12 @@ class VersionReader(Protocol):
         too: a puller may hand them to ``jax.device_put`` as they are."""
         ...
 
+    def read_stacked(self, leaf: StoredLeaf, shards: Sequence[int]) -> np.ndarray | None:
+        """Whole shards ``shards`` of ``leaf``, consecutive along its first axis, as one
+        array (valid as long as referenced, like :meth:`read`'s values) where the store
+        holds their bytes back to back; None where it does not (then :meth:`read` them)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -392,6 +398,32 @@ class OpenVersion:
     ) -> list[np.ndarray]:
         """Views of the mapped files: per (shard number, slices), those values."""
         return [self.shard(leaf, index)[slices] for index, slices in wanted]
+
+    def read_stacked(self, leaf: StoredLeaf, shards: Sequence[int]) -> np.ndarray | None:
+        """One view of whole shards that lie back to back in one data file (a process
+        writes a leaf's shards in box order, each at a 64-byte aligned offset: those whose
+        byte counts are multiples of 64 follow each other), stacked along the first axis;
+        None otherwise."""
+        first = [leaf.shards[i] for i in shards]
+        if not first or not leaf.shape:
+            return None
+        rows = first[0].box[0][0]
+        for s in first:
+            if (
+                s.process != first[0].process
+                or s.offset != first[0].offset + sum(t.nbytes for t in first[: first.index(s)])
+                or s.box[0][0] != rows
+                or s.box[1:] != first[0].box[1:]
+            ):
+                return None
+            rows = s.box[0][1]
+        data = self._maps[first[0].process]
+        if data is None:
+            return None
+        shape = (rows - first[0].box[0][0], *(b - a for a, b in first[0].box[1:]))
+        nbytes = sum(s.nbytes for s in first)
+        view = data[first[0].offset : first[0].offset + nbytes]
+        return view.view(np.dtype(leaf.dtype)).reshape(shape)
 
     def close(self) -> None:
         """Drops this reader's leases; a file an array still views stays leased until the

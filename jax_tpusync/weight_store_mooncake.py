@@ -822,6 +822,10 @@ class MooncakeVersionReader:
             )
         return out
 
+    def read_stacked(self, leaf: StoredLeaf, shards: Sequence[int]) -> np.ndarray | None:
+        """None: every shard is an object of its own (:meth:`read` them)."""
+        return None
+
     def _fetch(self, leaf: StoredLeaf, runs: list, buffer: np.ndarray) -> None:
         """Gets every run's bytes into ``buffer`` (registered for each request), at most
         ``request_bytes`` per request; a WeightSyncError names the object that failed."""

@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tpusync.weight_plan import PlanCache, WeightPlan, box_of_index
+from jax_tpusync.weight_plan import PlanCache, WeightPlan, box_of_index, box_volume
+from jax_tpusync.weight_staging import StagingBuffers
 from jax_tpusync.weight_store import (
     IncompleteVersionError,
     PartWriting,
@@ -145,6 +146,25 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 4096
     raw = np.empty(nbytes + alignment, np.uint8)
     start = -raw.ctypes.data % alignment
     return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def _stacked_view(opened: Any, leaf: Any, block: Any) -> np.ndarray | None:
+    """The store's one view of ``block`` where its pieces are whole source shards stacked
+    along the first axis that the store holds back to back (``read_stacked``); None
+    otherwise (then its pieces are read and copied)."""
+    if len(block.pieces) < 2 or not block.box:
+        return None
+    pieces = sorted(block.pieces, key=lambda p: leaf.shards[p.source].box)
+    for p in pieces:
+        box = leaf.shards[p.source].box
+        if p.elements != box_volume(box) or box[1:] != block.box[1:]:
+            return None
+    if leaf.shards[pieces[0].source].box[0][0] != block.box[0][0]:
+        return None
+    view = opened.read_stacked(leaf, [p.source for p in pieces])
+    if view is None or view.shape != block.shape or not view.flags.c_contiguous:
+        return None
+    return view
 
 
 def _copy_tree(tree: Any) -> Any:
@@ -417,6 +437,9 @@ class WeightPuller:
       params: the params last pulled; a pull that fails leaves both as they were.
       plans: the plan cache (``plans.hits``, ``plans.misses``).
       stats: the last pull's :class:`PullStats`.
+      staging: the host buffers pieces are copied into before ``device_put``, reused by
+        later pulls once unreferenced (:class:`~jax_tpusync.weight_staging.StagingBuffers`;
+        it keeps at most one pull's worth unused).
     """
 
     def __init__(
@@ -436,6 +459,7 @@ class WeightPuller:
         self.version: int | None = None
         self.params: Any = None
         self.stats: PullStats | None = None
+        self.staging = StagingBuffers(0)
         self._held_plan_key: Any = None
 
     def pull(
@@ -646,7 +670,7 @@ class WeightPuller:
         # leaf cost more than the zero-copy puts themselves); a group ends once it has staged
         # STAGED_BYTES_PER_PUT of copies, so the host holds at most that much more.
         group: list[tuple[Any, list, list]] = []
-        staged = 0
+        staged = staged_total = 0
 
         def put_group() -> None:
             bufs = [b for _, leaf_bufs, _ in group for b in leaf_bufs]
@@ -667,18 +691,21 @@ class WeightPuller:
             for leaf, leaf_plan in zip(stored, plan.leaves, strict=True):
                 t0 = time.perf_counter()
                 bufs, devices = [], []
-                values = iter(
-                    opened.read(
-                        leaf,
-                        [
-                            (piece.source, piece.source_slices)
-                            for block in leaf_plan.blocks
-                            for piece in block.pieces
-                        ],
-                    )
-                )
                 same_dtype = leaf_plan.target_dtype == leaf_plan.source_dtype
-                for block in leaf_plan.blocks:
+                stacked, wanted = {}, []
+                for i, block in enumerate(leaf_plan.blocks):
+                    view = _stacked_view(opened, leaf, block) if same_dtype else None
+                    if view is not None:
+                        stacked[i] = view
+                    else:
+                        wanted.extend((p.source, p.source_slices) for p in block.pieces)
+                values = iter(opened.read(leaf, wanted))
+                for i, block in enumerate(leaf_plan.blocks):
+                    if i in stacked:
+                        # Whole source shards back to back in the store: one view of them.
+                        bufs.extend([stacked[i]] * len(block.devices))
+                        devices.extend(block.devices)
+                        continue
                     if len(block.pieces) == 1 and same_dtype:
                         # One contiguous range of one source shard: put the store's view as
                         # it is (no staging copy; the store keeps it unchanged while it is
@@ -689,11 +716,14 @@ class WeightPuller:
                             devices.extend(block.devices)
                             continue
                         values = itertools.chain([value], values)
-                    buf = aligned_empty(block.shape, leaf_plan.target_dtype)
+                    buf = self.staging.empty(block.shape, leaf_plan.target_dtype)
                     for piece in block.pieces:
                         # Assignment casts (bf16 -> fp8 rounds to nearest, as astype does).
                         buf[piece.dest_slices] = next(values)
                     staged += buf.nbytes
+                    staged_total += buf.nbytes
+                    # Room for this pull's buffers (device_put may be done with one already).
+                    self.staging.max_free_bytes = max(self.staging.max_free_bytes, staged_total)
                     for device in block.devices:
                         bufs.append(buf)
                         devices.append(device)
@@ -710,4 +740,6 @@ class WeightPuller:
             put_seconds += time.perf_counter() - t1
         finally:
             opened.close()
+        # Keep (once the arrays that hold them are gone) up to one pull's staged buffers.
+        self.staging.max_free_bytes = staged_total
         return arrays, read_seconds, put_seconds

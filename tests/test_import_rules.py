@@ -40,6 +40,7 @@ LAYERS: dict[str, int] = {
     "layer_groups": 2,
     "weight_plan": 0,
     "weight_file_pool": 0,
+    "weight_staging": 0,
     "weight_store": 1,
     "weight_sync": 4,
     "weight_store_mooncake": 4,

@@ -4,6 +4,7 @@ plan, never returns an incomplete version, and refuses bad input by name."""
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 
@@ -15,6 +16,7 @@ import weights_support as ws
 from jax.sharding import PartitionSpec as P
 
 from jax_tpusync.weight_plan import PlanCache, SourceLayout
+from jax_tpusync.weight_staging import StagingBuffers
 from jax_tpusync.weight_store import (
     IncompleteVersionError,
     OpenVersion,
@@ -524,3 +526,48 @@ def test_a_mooncake_store_without_its_client_is_refused_naming_the_extra(monkeyp
         open_weight_store("mooncake://127.0.0.1:1")
     with pytest.raises(ImportError, match=r"jax-tpusync\[mooncake\]"):
         WeightPuller("mooncake://127.0.0.1:1")
+
+
+def test_whole_shards_back_to_back_are_put_from_one_view_the_rest_staged(layouts, store_dir):
+    # fsdp4 -> fsdp2: each destination block is two whole source shards along rows. Those
+    # whose bytes are multiples of 64 lie back to back in the data file: one view of the
+    # store, no staging copy; the others (16-byte and 8-byte shards: padding between them)
+    # are copied into staging buffers.
+    params, trained, _ = layouts
+    mesh2 = ws.mesh_of(jax.devices()[:2], (2,), ("fsdp",))
+    targets = ws.shardings(mesh2, ws.specs_like(params, fsdp))
+    publish(store_dir, trained, 1)
+    puller = WeightPuller(store_dir, timeout_s=5)
+    pulled = puller.pull(targets)
+    ws.check_pulled(pulled, params, targets, puller.stats)
+    staged = sum(
+        np.asarray(x).nbytes
+        for path, x in ws.flat_with_paths(params)
+        if np.ndim(x) and (np.asarray(x).nbytes // 4) % 64
+    )
+    assert staged == 16 * 4 * 2 + 8 * 4  # The two norms and the ids.
+    assert puller.staging.max_free_bytes == staged
+    # Staging buffers are lent again once the arrays holding them are gone.
+    del pulled
+    puller.params = None
+    gc.collect()
+    assert puller.staging.free_bytes == staged
+    with WeightPublisher(store_dir) as pub:
+        pub.publish(trained, 2)
+    ws.check_pulled(puller.pull(targets), params, targets, puller.stats)
+    assert puller.staging.reused == 3 * 2 and puller.staging.free_bytes == 0
+
+
+def test_staging_buffers_guard_and_bound():
+    with pytest.raises(ValueError, match=r"max_free_bytes=-1 must be >= 0"):
+        StagingBuffers(-1)
+    with pytest.raises(TypeError, match=r"max_free_bytes=True must be an int"):
+        StagingBuffers(True)
+    staging = StagingBuffers(4096)  # At the edge: one 4096-byte buffer kept, no more.
+    a = staging.empty((1024,), np.float32)
+    b = staging.empty((1024,), np.float32)
+    assert a.ctypes.data % 4096 == 0 and a.flags.c_contiguous and a.flags.writeable
+    del a, b
+    gc.collect()
+    assert staging.free_bytes == 4096
+    assert staging.empty((2048,), np.uint16).nbytes == 4096 and staging.reused == 1
