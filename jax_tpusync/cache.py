@@ -7,9 +7,12 @@ live state, a new epoch for every state it hands out):
 
 * :mod:`jax_tpusync.config` — the keyword arguments as checked values;
 * :mod:`jax_tpusync.layout` — staging units, slots and modes (the :class:`CacheSpec`);
+* :mod:`jax_tpusync.cache_assembly` — the order the parts below are made in;
 * :mod:`jax_tpusync.slots` — block tables, allocators, the prefix index, eviction;
 * :mod:`jax_tpusync.levels` — where block bytes live (tiers, the shared directory);
-* :mod:`jax_tpusync.host_io` — host-side row reads and writes through the tables;
+* :mod:`jax_tpusync.host_io` — host-side row reads and writes through the tables, their
+  arguments' checks, and how loads grow the lengths;
+* :mod:`jax_tpusync.live_state` — which state is live (the stream's epochs);
 * :mod:`jax_tpusync.persistence` — commits, re-attach, verification.
 
 Tier layout: paged. The cache owns one allocation of a tier holding ``num_blocks`` KV
@@ -20,31 +23,28 @@ physical blocks, consecutive where it can. Device side: the state carries
 K and V, all sequences), bounded by ``staging_bytes`` whatever the context length; or the
 whole cache (resident mode); or nothing (read in place, CPU).
 
-(Length: under 800 lines, a third of them the docstrings that are the cache's API reference;
-what is left is wiring, each decision living in the modules above.)
+(Length: under 600 lines for the class, most of them the docstrings that are the cache's
+API reference; what is left is wiring, each decision living in the modules above.)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jax_tpusync import backend, blocks, effects, layout, ops, persistence, window_ring
-from jax_tpusync.config import CacheConfig, is_int, with_config
+from jax_tpusync import effects, layout, persistence
+from jax_tpusync.cache_assembly import checked_config, engine_for, open_tier, persisted_kv_of
+from jax_tpusync.config import CacheConfig
 from jax_tpusync.engine import Engine, EngineConfig
-from jax_tpusync.host_io import HostRows, one_slot_load, per_sequence
-from jax_tpusync.levels import InPlaceRemoteLevel, SharedDirectoryLevel, TierBlocks
-from jax_tpusync.mooncake_level import make_level
-from jax_tpusync.persisted_kv import PersistedKV, TierReader
-from jax_tpusync.slots import Admission, SlotTable
-from jax_tpusync.spill import SpillTier
-from jax_tpusync.state import KVState, staging_shape_of
+from jax_tpusync.host_io import LoadedExtent
+from jax_tpusync.live_state import LiveState
+from jax_tpusync.parts import restart_part
+from jax_tpusync.slots import Admission
+from jax_tpusync.state import KVState
 
 logger = logging.getLogger(__name__)
 
@@ -89,49 +89,24 @@ class OffloadedKVCache:
         shard: int = 0,
         **options: Any,
     ):
-        if mesh is not None:
-            raise TypeError(
-                "OffloadedKVCache is one device's cache: for a mesh use "
-                "jax_tpusync.ShardedKVCache(mesh=..., ...) or jax_tpusync.kv_cache(mesh=..., ...)"
-            )
-        if kv_heads_axis is not None or batch_axis is not None:
-            raise ValueError(
-                f"kv_heads_axis={kv_heads_axis!r} and batch_axis={batch_axis!r} name axes of "
-                f"a mesh: pass mesh= too"
-            )
         # Every argument is checked before anything (engine, tier, file) is made.
-        config = CacheConfig.from_kwargs(**with_config(config, options))
-        config.geometry.check_one_cache()
-        if not backend.runs_engine_ops():
-            raise ValueError(
-                f"the {backend.name()} backend does not run this cache's in-graph ops (XLA "
-                f"custom calls, on CPU and CUDA only): use jax_tpusync.kv_cache(...), which "
-                f"makes a HostPoolKVCache there"
-            )
-        if engine is not None and not isinstance(engine, (Engine, EngineConfig)):
-            raise TypeError(
-                f"engine must be an Engine, an EngineConfig or None; got {type(engine).__name__}"
-            )
-        debug_poison = config.staging.debug_poison
-        if isinstance(engine, Engine) and debug_poison and not engine.config.poison_fetches:
-            raise ValueError("debug_poison needs an engine made with poison_fetches=True")
+        config = checked_config(
+            config,
+            options,
+            engine=engine,
+            mesh=mesh,
+            kv_heads_axis=kv_heads_axis,
+            batch_axis=batch_axis,
+        )
         spec = layout.plan(config)
-        tier = config.tier
         # Checked before the tier opens, so that a mismatch touches nothing.
         self.persistence = persistence.Persistence.prepare_for(config)
         self.config = config
         self.spec = spec
         self._restored_lengths: np.ndarray | None = None  # init()'s default once re-attached.
         self._closed = False
-        self._first_staging: jax.Array | None = None  # Handed to the first init().
-        self._owns_engine = not isinstance(engine, Engine)
-        if isinstance(engine, Engine):
-            self.engine = engine
-        else:
-            engine_config = engine or EngineConfig()
-            if debug_poison and not engine_config.poison_fetches:
-                engine_config = dataclasses.replace(engine_config, poison_fetches=True)
-            self.engine = Engine(engine_config)
+        self._owned_levels: list[Any] = []  # Network levels this cache opened (and closes).
+        self.engine, self._owns_engine = engine_for(engine, config)
         try:
             self._open(config, shard)
         except Exception:
@@ -140,7 +115,7 @@ class OffloadedKVCache:
             raise
         logger.info(
             "offloaded KV cache: %s tier, %.1f MiB of KV, %.1f MiB staging%s, chunk_len=%d",
-            tier.kind,
+            config.tier.kind,
             spec.kv_bytes / 2**20,
             spec.device_bytes / 2**20,
             " (resident)" if spec.resident else "",
@@ -148,121 +123,23 @@ class OffloadedKVCache:
         )
 
     def _open(self, config: CacheConfig, shard: int) -> None:
-        """Opens the tier(s), allocates the blocks, builds the slot table and re-attaches
-        persisted KV."""
-        spec, g = self.spec, config.geometry
-        engine = self.engine
-        # Everything that can fail for a reason of its own comes before the tier is
-        # opened, so that a refused cache leaves no tier file behind.
-        root = config.prefix_root(persistence.LAYOUT_VERSION)
-        remote = []
-        if config.prefix.shared_dir is not None:
-            remote.append(
-                SharedDirectoryLevel(
-                    config.prefix.shared_dir,
-                    root=root,
-                    num_layers=g.num_layers,
-                    block_tokens=g.block_tokens,
-                    block_bytes=spec.block_bytes,
-                )
-            )
-        self._owned_levels: list[Any] = []  # Network levels this cache opened (and closes).
-        if config.prefix.remote is not None:
-            remote.append(
-                make_level(
-                    config.prefix.remote,
-                    root=root,
-                    num_layers=g.num_layers,
-                    block_tokens=g.block_tokens,
-                    block_bytes=spec.block_bytes,
-                )
-            )
-            if remote[-1] is not config.prefix.remote:  # Made here (an address, a factory).
-                self._owned_levels.append(remote[-1])
-        # A file tier's first staging buffer is made now: its data is shifted to that
-        # buffer's offset within a page, so fetches into it skip the bounce buffer.
-        # (A state read in place has no staging: its units stay in engine memory.)
-        if (config.tier.kind == "file" or spec.spill_blocks) and not (
-            spec.resident or spec.reads_in_place
-        ):
-            self._first_staging = self._new_staging()
-        self.store = TierBlocks.open(engine, config, spec, self._first_staging)
-        if self.store.memory is not None:  # Levels that can read blocks into it, in place.
-            pool = self.store.memory
-            for level in remote:
-                if isinstance(level, InPlaceRemoteLevel):
-                    level.use_memory(pool.ctypes.data, pool.nbytes)
+        """Opens the tier and its parts (:func:`~jax_tpusync.cache_assembly.open_tier`),
+        the stream the states are epochs of, and re-attaches persisted KV."""
+        opened = open_tier(self.engine, config, self.spec, self.persistence, shard)
+        self._owned_levels = opened.owned_levels
+        self.store, self.slots, self.rows = opened.store, opened.slots, opened.rows
         self.tier = self.store.tier
         self.first_block = self.store.first_block
-        self._target = np.asarray([engine.id, *self.store.target(shard)], np.int64)
-        p = self.persistence
-        self.slots = SlotTable(
-            batch=g.batch,
-            max_len=g.max_len,
-            block_tokens=g.block_tokens,
-            num_blocks=g.num_blocks,
-            root=root,
-            spill_blocks=spec.spill_blocks,
-            store=self.store,
-            remote_levels=remote,
-            before_reuse=None if p is None else p.note_evicted,
-            before_release=None if p is None else p.note_release,
-            ring_blocks=spec.ring_blocks,
-            window=spec.windows[0] if spec.ring_blocks else None,
+        self._loads = LoadedExtent(self.spec.num_layers, self.spec.batch)
+        self._live = LiveState(
+            self.spec, self.engine, opened.target, self.rows, opened.first_staging
         )
-        if spec.spill_blocks:
-            mover = SpillTier(
-                engine,
-                dram_tier=self.tier,
-                spill_tier=self.store.spill_tier,
-                dram_first=self.first_block,
-                spill_first=self.store.spill_first,
-                allocators=self.slots.allocators,
-                regions=g.num_layers * 2,
-                block_bytes=spec.block_bytes,
-                promote_after=config.tier.promote_after,
-            )
-            self.slots.use_mover(mover)
-            self.store.spill = mover
-        self.rows = HostRows(spec, engine, self.store, self.slots)
-        # Per layer and sequence, the end of the furthest row load() wrote since init().
-        self._loaded_extent = np.zeros((g.num_layers, g.batch), np.int64)
-        # The lengths of the latest state the host made or saw (see recover()).
-        self._live_lengths = np.zeros(g.batch, np.int32)
-        # Resident mode: the epoch of the latest state whose copy matches the tier.
-        self._resident_epoch: int | None = None
-        self._stream = engine.open_stream()
-        if p is not None:
-            self._restored_lengths = p.attach(
-                self._persisted_kv(),
-                attached=engine.tier_info(self.tier).attached,
+        if self.persistence is not None:
+            self._restored_lengths = self.persistence.attach(
+                persisted_kv_of(self.engine, self.spec, opened),
+                attached=self.engine.tier_info(self.tier).attached,
                 verify=config.persistence.verify,
             )
-
-    def _persisted_kv(self) -> PersistedKV:
-        """What the commit protocol reads and writes of this cache (and nothing more)."""
-        slots = self.slots
-        return PersistedKV(
-            spec=self.spec,
-            reader=TierReader(
-                engine=self.engine,
-                tier=self.tier,
-                first_block=self.first_block,
-                rows=self.tier_rows,
-            ),
-            drain=self.engine.drain,
-            block_tables=lambda: slots.tables,
-            capacity=lambda: slots.capacity,
-            shared=lambda: slots.shared,
-            index=slots.prefix,
-            history=slots.history,
-            restore=slots.restore,
-        )
-
-    def _new_staging(self) -> jax.Array:
-        spec = self.spec
-        shape = staging_shape_of(spec.num_slots, spec.batch, spec.chunk_len, spec.row_shape)
-        return jnp.zeros(shape, spec.staging_dtype)
 
     @property
     def batch(self) -> int:
@@ -289,7 +166,7 @@ class OffloadedKVCache:
     def target(self) -> np.ndarray:
         """int64[6]: (engine id, tier, first block, shard, spill tier, spill first block),
         what the state's ``target`` carries (see :class:`KVState`); a copy."""
-        return self._target.copy()
+        return self._live.target.copy()
 
     # -- state ------------------------------------------------------------------------------
 
@@ -322,41 +199,11 @@ class OffloadedKVCache:
             raise ValueError(f"lengths must have shape ({spec.batch},); got {lengths.shape}")
         if admit:
             self.slots.admit_all()
-        capacity = self.slots.capacity
-        for b in range(spec.batch):
-            shared = self.slots.shared_tokens(b)
-            if lengths[b] < shared:
-                raise ValueError(
-                    f"lengths[{b}]={int(lengths[b])} is below slot {b}'s shared prefix of "
-                    f"{shared} tokens (blocks other sequences read: decode would write them)"
-                )
-            if not 0 <= lengths[b] <= capacity[b]:
-                raise ValueError(
-                    f"lengths[{b}]={int(lengths[b])} must be in [0, {int(capacity[b])}]"
-                    f" (slot {b}'s capacity"
-                    + (", inactive: admit it first)" if capacity[b] == 0 else ")")
-                )
-        self._loaded_extent[:] = 0
+        self.slots.check_lengths(lengths)
+        self._loads.reset()
         if self.persistence is not None:
             self.persistence.note_init(lengths)
-        return self._fresh_state(lengths)
-
-    def _fresh_state(self, lengths: np.ndarray) -> KVState:
-        """A state of the host's tables and ``lengths``, fresh staging, a new epoch."""
-        spec = self.spec
-        staging, self._first_staging = self._first_staging, None
-        if spec.resident:
-            staging = self.rows.resident_copy()
-        elif staging is None:
-            staging = jnp.zeros(spec.staging_shape, spec.staging_dtype)
-        if not spec.resident:
-            self.store.note_staging_phase(staging)
-        self._live_lengths = np.asarray(lengths, np.int32).copy()
-        owner = self._new_owner()
-        self._resident_epoch = int(np.asarray(owner)[1])
-        return KVState.fresh(
-            spec, lengths, self.slots.tables, self.slots.capacity, staging, owner, self._target
-        )
+        return self._live.fresh(lengths)
 
     def inert_state(self) -> KVState:
         """A state of this cache's structure that moves no bytes: every slot inactive, an
@@ -368,16 +215,7 @@ class OffloadedKVCache:
         state (from :meth:`init`) stays live. (``jax.eval_shape`` of a step runs nothing
         at all, for shapes alone.)
         """
-        spec = self.spec
-        return KVState.fresh(
-            spec,
-            np.zeros(spec.batch, np.int32),
-            np.full((spec.batch, spec.max_blocks), blocks.NO_BLOCK, np.int32),
-            np.zeros(spec.batch, np.int32),
-            jnp.zeros(spec.staging_shape, spec.staging_dtype),
-            jnp.zeros((3,), jnp.int32),  # An unchecked owner.
-            self._target,
-        )
+        return self._live.inert()
 
     # -- slot lifecycle ---------------------------------------------------------------------
 
@@ -410,7 +248,7 @@ class OffloadedKVCache:
           ValueError: a bad slot, max_tokens or tokens, an active slot, or too few blocks
             (free, or cached in the prefix index and not mapped by any slot).
         """
-        self._check_state(state)
+        self._live.check(state)
         admission = self.reserve(slot, max_tokens, tokens)  # All or nothing.
         return self.admitted(state, admission), admission.cached
 
@@ -434,21 +272,17 @@ class OffloadedKVCache:
 
     def check_release(self, state: KVState, slot: int, tokens=None) -> None:
         """Refuses, changing nothing, a :meth:`release` of ``slot`` the cache would refuse."""
-        self._check_state(state)
+        self._live.check(state)
         self.slots.check_slot(slot)
         self.slots.check_release(slot, int(np.asarray(state.lengths)[slot]), tokens)
 
     def admitted(self, state: KVState, reservation: Admission) -> KVState:
         """The live state once the slot table made ``reservation`` (:meth:`admit`'s second
         half, which cannot be refused; a mesh cache admits every shard's slot first)."""
-        admission = reservation
-        slot = admission.slot
-        state = self.drain(state)
-        lengths = np.asarray(state.lengths).copy()
-        lengths[slot] = admission.cached
-        self._loaded_extent[:, slot] = admission.cached
-        state = self._with_slots(state, lengths)
-        if self.spec.resident and admission.cached:  # The prefix's rows, as the tier has them.
+        slot, cached = reservation.slot, reservation.cached
+        state = self._live.with_slot(self.drain(state), slot, cached)
+        self._loads.reset(slot, cached)
+        if self.spec.resident and cached:  # The prefix's rows, as the tier has them.
             state = state.replace(staging=self.rows.resident_copy(state.staging, slot=slot))
         return state
 
@@ -472,7 +306,7 @@ class OffloadedKVCache:
         Raises:
           ValueError: a bad slot, one that is not active, or too few tokens.
         """
-        self._check_state(state)
+        self._live.check(state)
         self.slots.check_slot(slot)
         length = int(np.asarray(state.lengths)[slot])
         publishes = self.slots.check_release(slot, length, tokens)  # Refused: no change.
@@ -480,10 +314,8 @@ class OffloadedKVCache:
         if publishes is not None:
             self.engine.drain()  # Its blocks are published only once fully written.
         self.slots.release(slot, length, tokens)
-        lengths = np.asarray(state.lengths).copy()
-        lengths[slot] = 0
-        self._loaded_extent[:, slot] = 0
-        return self._with_slots(state, lengths)
+        self._loads.reset(slot)
+        return self._live.with_slot(state, slot, 0)
 
     def publish_windows(self, state: KVState, slot: int) -> int:
         """A cache that keeps only its sliding window (``max_step_tokens``): copies the full
@@ -498,7 +330,7 @@ class OffloadedKVCache:
         enter the prefix index at release). The state stays live (the engine orders the
         copies after the step's write-backs).
         """
-        self._check_state(state)
+        self._live.check(state)
         self.slots.check_slot(slot)
         jax.block_until_ready(state.lengths)  # The step's write-backs are submitted.
         return self.slots.publish_window(slot, int(np.asarray(state.lengths)[slot]))
@@ -521,7 +353,7 @@ class OffloadedKVCache:
           ValueError: a bad or inactive slot, or a state of another cache (TypeError: not
             a state); nothing changes.
         """
-        self._check_state(state)
+        self._live.check(state)
         self.slots.check_slot(slot)
         jax.block_until_ready(state)  # The step that wrote the rows has finished.
         return self.slots.share_computed(slot, int(np.asarray(state.lengths)[slot]))
@@ -561,37 +393,9 @@ class OffloadedKVCache:
         """Physical KV blocks that neither a slot nor the prefix index holds."""
         return self.slots.free_blocks
 
-    def _with_slots(self, state: KVState, lengths: np.ndarray) -> KVState:
-        self._live_lengths = np.asarray(lengths, np.int32).copy()
-        return state.replace(
-            lengths=jnp.asarray(lengths, jnp.int32),
-            block_table=jnp.asarray(self.slots.tables),
-            capacity=jnp.asarray(self.slots.capacity),
-        )
-
-    def _new_owner(self) -> jax.Array:
-        """Starts a new epoch of the cache's stream: every earlier state becomes stale and
-        their unconsumed prefetches are discarded."""
-        epoch = self.engine.begin_epoch(self._stream)
-        return jnp.asarray([self._stream, epoch, 1], jnp.int32)
-
-    def _check_state(self, state: KVState) -> None:
-        if not isinstance(state, KVState):
-            raise TypeError(f"expected a KVState, got {type(state).__name__}")
-        if state.lengths.is_deleted():
-            raise ValueError(
-                "this KVState was donated to a step (its buffers are gone); use the state "
-                "that step returned, or cache.recover() if the step failed"
-            )
-        if state.spec != self.spec or not np.array_equal(np.asarray(state.target), self._target):
-            raise ValueError(
-                f"state belongs to another cache (target {np.asarray(state.target).tolist()}, "
-                f"this cache's is {self._target.tolist()})"
-            )
-
     def lengths(self, state: KVState) -> np.ndarray:
         """int32[batch]: the tokens each slot holds in ``state`` (0: inactive)."""
-        self._check_state(state)
+        self._live.check(state)
         return np.asarray(state.lengths).astype(np.int32)
 
     def drain(self, state: KVState) -> KVState:
@@ -603,22 +407,7 @@ class OffloadedKVCache:
         becomes stale: the engine refuses its ops. Resident mode: a state from before the
         latest host-side change gets a fresh copy of the tier.
         """
-        self._check_state(state)
-        jax.block_until_ready(state)  # The step that made it has finished with the engine.
-        self._live_lengths = np.asarray(state.lengths).copy()
-        owner = self._new_owner()
-        staging = state.staging
-        if self.spec.resident:
-            # Only the latest epoch's copy is known to match the tier: the host may have
-            # changed the tier through a later state (load, admit) since an older one's.
-            if int(np.asarray(state.owner)[1]) != self._resident_epoch:
-                staging = self.rows.resident_copy()
-            self._resident_epoch = int(np.asarray(owner)[1])
-        return state.replace(
-            tickets=jnp.full((self.spec.num_tickets,), ops.NO_TICKET, jnp.int32),
-            owner=owner,
-            staging=staging,
-        )
+        return self._live.drain(state)
 
     def recover(self) -> KVState:
         """The cache's live state after a step failed with its state donated.
@@ -637,14 +426,9 @@ class OffloadedKVCache:
         which would otherwise raise again at interpreter exit.
         """
         effects.settle_failed_steps()
-        lengths = self._live_lengths.copy()
-        record = self.engine.last_guards(self._stream)
-        if record is not None and len(record["lengths"]) == self.spec.batch:
-            lengths = np.asarray(record["lengths"], np.int32)
-            if record["accepted"] and record["layer"] == self.spec.num_layers - 1:
-                lengths = lengths + np.asarray(record["counts"], np.int32)
-        self._loaded_extent[:] = 0
-        return self._fresh_state(lengths)
+        lengths = self._live.recovered_lengths()
+        self._loads.reset()
+        return self._live.fresh(lengths)
 
     # -- host-side bulk access --------------------------------------------------------------
 
@@ -660,13 +444,7 @@ class OffloadedKVCache:
     def tier_rows(self, layer: int, kv: int, slot: int, lo: int, hi: int) -> list[tuple[int, int]]:
         """:meth:`tier_runs` without the tier: ``(tier byte offset, bytes)`` on
         :attr:`tier`. Raises if a position's block is on a two-level cache's spill tier."""
-        runs = self.tier_runs(layer, kv, slot, lo, hi)
-        if any(tier != self.tier for tier, _, _ in runs):
-            raise ValueError(
-                f"positions [{lo}, {hi}) of slot {slot} include blocks on the spill tier: "
-                f"use tier_runs(), which names each run's tier"
-            )
-        return [(offset, n) for _, offset, n in runs]
+        return self.rows.tier_rows(layer, kv, slot, lo, hi)
 
     def load(
         self,
@@ -709,33 +487,22 @@ class OffloadedKVCache:
         Raises:
           ValueError: an argument out of range, or a dtype that would not convert exactly.
         """
-        spec = self.spec
-        self._check_state(state)
-        self._check_layer(layer)
-        if slot is not None:
-            k, v, start, lengths = one_slot_load(self.spec.batch, slot, k, v, start, lengths)
-        k, v, starts, counts = self.rows.check_load(k, v, start, lengths)  # Refused: no change.
-        skip = None
-        if spec.ring_blocks:  # Only the rows the window can still read (and no two alike).
-            furthest = np.maximum(self._loaded_extent[layer], np.asarray(state.lengths))
-            starts, counts, skip = window_ring.clip_rows(starts, counts, furthest, spec.windows[0])
-            for b in np.flatnonzero(counts):  # Rows before them are not the sequence's now.
-                self.slots.note_written(int(b), int(starts[b]))
+        self._live.check(state)
+        k, v, starts, counts, skip = self.rows.prepare_load(
+            layer, k, v, start, lengths, slot, np.asarray(state.lengths), self._loads
+        )  # Refused: no change.
         if self.persistence is not None:  # Committed rows may change: commit them gone.
             jax.block_until_ready(state)  # The step that made it has finished writing.
             self.persistence.note_rows_written(layer, starts, counts)
         state = self.drain(state)
         self.rows.write(layer, k, v, starts, counts, skip)
-        extent = self._loaded_extent[layer]
-        written = counts > 0
-        extent[written] = np.maximum(extent[written], (starts + counts)[written])
+        self._loads.record(layer, starts, counts)
         # Only rows every layer holds count; a length already past them stays.
-        lengths_now = np.asarray(state.lengths).astype(np.int64)
-        grown = np.maximum(lengths_now, self._loaded_extent.min(axis=0))
+        lengths_now = np.asarray(state.lengths)
+        grown = self._loads.grown(lengths_now)
         if (grown != lengths_now).any():
-            state = state.replace(lengths=jnp.asarray(grown, jnp.int32))
-            self._live_lengths = grown.astype(np.int32)
-        if spec.resident:
+            state = self._live.with_lengths(state, grown)
+        if self.spec.resident:
             state = state.replace(staging=self.rows.resident_copy(state.staging, layer=layer))
         return state
 
@@ -758,35 +525,14 @@ class OffloadedKVCache:
         orders this read after them either way). ``raw=True`` (quantized tiers only)
         returns the stored codes and scales instead, as two :class:`QuantizedRows`.
         """
-        self._check_state(state)
-        self._check_layer(layer)
-        self.slots.check_slot(slot)
-        length = int(np.asarray(state.lengths)[slot])
-        if stop is None:
-            stop = length
-        if not (is_int(start) and is_int(stop) and 0 <= start <= stop <= length):
-            raise ValueError(
-                f"[start, stop) = [{start}, {stop}) must lie in [0, {length}] (slot {slot}'s "
-                f"length)"
-            )
-        if raw and not self.spec.quantized:
-            raise ValueError("raw=True reads codes and scales: this cache's tier is not quantized")
-        if self.spec.ring_blocks and start < (kept := int(self.kept_from(state)[slot])):
-            raise ValueError(
-                f"[start, stop) = [{start}, {stop}) reaches before position {kept}: slot "
-                f"{slot} keeps only its sliding window (max_step_tokens), positions [{kept}, "
-                f"{length})"
-            )
-        return self.rows.read(layer, slot, start, stop, raw=raw)
+        self._live.check(state)
+        return self.rows.checked_read(np.asarray(state.lengths), layer, slot, start, stop, raw=raw)
 
     def kept_from(self, state: KVState) -> np.ndarray:
         """int64[batch]: each slot's first position the tier still holds: 0, or for a
         cache that keeps only its window (``max_step_tokens``) the window's first cached
         key (:func:`jax_tpusync.window_ring.kept_from`)."""
-        lengths = np.asarray(state.lengths)
-        if not self.spec.ring_blocks:
-            return np.zeros(lengths.shape, np.int64)
-        return window_ring.kept_from(lengths, self.spec.windows[0])
+        return self.rows.kept_from(np.asarray(state.lengths))
 
     def read_all(
         self,
@@ -801,22 +547,7 @@ class OffloadedKVCache:
         only its window (``max_step_tokens``), the positions before the window of a slot
         of ``lengths[b]`` tokens. For checks and debugging.
         """
-        spec = self.spec
-        self._check_layer(layer)
-        counts = per_sequence("lengths", spec.max_len if lengths is None else lengths, spec.batch)
-        if (counts < 0).any() or (counts > spec.max_len).any():
-            raise ValueError(f"lengths must be in [0, max_len={spec.max_len}]; got {counts}")
-        counts = np.minimum(counts, self.slots.capacity)
-        starts = np.zeros_like(counts)
-        if spec.ring_blocks:
-            starts = window_ring.kept_from(counts, spec.windows[0])
-        return self.rows.read_all(layer, counts, starts)
-
-    def _check_layer(self, layer: Any) -> None:
-        if not is_int(layer) or not 0 <= layer < self.spec.num_layers:
-            raise ValueError(
-                f"layer={layer!r} is out of range for a cache of {self.spec.num_layers} layers"
-            )
+        return self.rows.checked_read_all(layer, lengths)
 
     # -- persistence ------------------------------------------------------------------------
 
@@ -869,7 +600,7 @@ class OffloadedKVCache:
         if self.persistence is None:
             raise ValueError("verify() needs a persistent tier (shm_name= or file_name=)")
         if state is not None:
-            self._check_state(state)
+            self._live.check(state)
             self.engine.drain()
         return self.persistence.verify()
 
@@ -881,42 +612,9 @@ class OffloadedKVCache:
         slot's token ids are cut at its new length, or set to ``tokens[b]`` (at most
         ``lengths[b]`` ids: the ids every part agrees on), so that no id past the rows kept
         is taken for theirs. Raises (ValueError, CommitError), changing nothing."""
-        p = self.persistence
-        lengths = np.asarray(lengths, np.int32)
-        if (
-            p is None
-            or lengths.shape != (self.spec.batch,)
-            or (lengths > p.committed_lengths).any()
-            or (lengths < 0).any()
-        ):
-            raise ValueError(
-                f"lengths {lengths.tolist()} must be in [0, committed lengths] of a persistent tier"
-            )
-        shared = self.slots.shared.astype(np.int64) * self.spec.block_tokens
-        for b in np.flatnonzero(lengths < shared):
-            raise ValueError(
-                f"lengths[{b}]={int(lengths[b])} ends inside slot {b}'s shared prefix of "
-                f"{int(shared[b])} tokens (mapped blocks are committed whole): release it first"
-            )
-        if tokens is not None and (
-            len(tokens) != self.spec.batch
-            or any(len(t) > n for t, n in zip(tokens, lengths.tolist()))
-        ):
-            raise ValueError("tokens must hold, per slot, at most lengths[b] token ids")
-        history = self.slots.history
-        before = [history.ids(b) for b in range(self.spec.batch)]
-        for b in range(self.spec.batch):
-            if tokens is None:
-                history.truncate(b, int(lengths[b]))
-            else:
-                history.set(b, tokens[b])
-        try:
-            p.commit(lengths)
-        except Exception:
-            for b, ids in enumerate(before):
-                history.set(b, ids)
-            raise
-        self._restored_lengths = lengths
+        self._restored_lengths = restart_part(
+            self.persistence, self.slots, self.spec.block_tokens, lengths, tokens
+        )
 
     @property
     def committed_lengths(self) -> np.ndarray | None:
@@ -942,10 +640,9 @@ class OffloadedKVCache:
                 self._commit(state, session="closed")
             except Exception as e:  # noqa: BLE001 - reported; the last commit stands.
                 logger.error("final commit failed; the last successful commit stands: %s", e)
-        for level in getattr(self, "_owned_levels", ()):
+        for level in self._owned_levels:
             level.close()
-        if not self.engine.closed:
-            self.engine.close_stream(self._stream)
+        self._live.close()
         if self._owns_engine:
             try:
                 self.engine.close()

@@ -3,7 +3,10 @@
 What :meth:`~jax_tpusync.cache.OffloadedKVCache.load`, ``read``, ``read_all`` and resident
 mode's device copy move: rows of one (layer, K|V, slot) located block by block
 (:meth:`HostRows.runs`), batched into one engine request per tier, as the tier stores them
-(values in the cache's dtype, or quantized rows: codes then scales).
+(values in the cache's dtype, or quantized rows: codes then scales). The calls' arguments
+are checked here too (:meth:`HostRows.prepare_load`, :meth:`HostRows.checked_read`,
+:meth:`HostRows.checked_read_all`), each refusal changing nothing, and so is the rule by
+which loads grow a slot's length (:class:`LoadedExtent`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tpusync import blocks, quantize
+from jax_tpusync import blocks, quantize, window_ring
+from jax_tpusync.config import is_int
 from jax_tpusync.engine import Engine
 from jax_tpusync.levels import TierBlocks
 from jax_tpusync.slots import SlotTable
@@ -43,6 +47,29 @@ class HostRows:
             out.append((tier, offset + row * spec.row_bytes, n * spec.row_bytes))
         return out
 
+    def tier_rows(self, layer: int, kv: int, slot: int, lo: int, hi: int) -> list[tuple[int, int]]:
+        """:meth:`runs` without the tier: ``(tier byte offset, bytes)`` on the cache's DRAM
+        tier. Raises if a position's block is on a two-level cache's spill tier."""
+        runs = self.runs(layer, kv, slot, lo, hi)
+        if any(tier != self.store.tier for tier, _, _ in runs):
+            raise ValueError(
+                f"positions [{lo}, {hi}) of slot {slot} include blocks on the spill tier: "
+                f"use tier_runs(), which names each run's tier"
+            )
+        return [(offset, n) for _, offset, n in runs]
+
+    def kept_from(self, lengths: np.ndarray) -> np.ndarray:
+        """int64[batch]: each slot's first position the tier still holds for ``lengths``
+        (int[batch]): 0, or for a ring of a bounded window the window's first cached key."""
+        lengths = np.asarray(lengths)
+        if not self.spec.ring_blocks:
+            return np.zeros(lengths.shape, np.int64)
+        return window_ring.kept_from(lengths, self.spec.windows[0])
+
+    def check_layer(self, layer: Any) -> None:
+        """Refuses a layer that is not an int in ``[0, num_layers)``, naming it."""
+        check_layer(layer, self.spec.num_layers)
+
     def segments(self, layer: int, kv: int, start: np.ndarray, counts: np.ndarray):
         """(tier, tier offset, memory offset, bytes) of rows ``[start[b], start[b] +
         counts[b])`` of every slot, packed slot after slot in memory."""
@@ -62,6 +89,36 @@ class HostRows:
         return check_load_rows(
             self.slots, spec.num_kv_heads, spec.head_dim, spec.dtype, k, v, start, lengths
         )
+
+    def prepare_load(
+        self,
+        layer: int,
+        k: Any,  # [batch, n, num_kv_heads, head_dim] ([n, ...] with slot)
+        v: Any,  # [batch, n, num_kv_heads, head_dim] ([n, ...] with slot)
+        start: Any,
+        lengths: Any,
+        slot: Any,
+        state_lengths: np.ndarray,  # int[batch]: the slots' lengths in the state loaded
+        loaded: LoadedExtent,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """``(k, v, starts, counts, skip)`` of a cache's ``load`` (see
+        :meth:`~jax_tpusync.cache.OffloadedKVCache.load`), checked: the rows :meth:`write`
+        writes. Refused (raising), nothing changes. A ring of a bounded window writes only
+        the rows its window can still read (:func:`~jax_tpusync.window_ring.clip_rows`;
+        ``skip`` rows dropped at the front of each slot's), and the slot table is told that
+        the positions before them are no longer the sequence's."""
+        spec = self.spec
+        self.check_layer(layer)
+        if slot is not None:
+            k, v, start, lengths = one_slot_load(spec.batch, slot, k, v, start, lengths)
+        k, v, starts, counts = self.check_load(k, v, start, lengths)  # Refused: no change.
+        skip = None
+        if spec.ring_blocks:  # Only the rows the window can still read (and no two alike).
+            furthest = loaded.furthest(layer, state_lengths)
+            starts, counts, skip = window_ring.clip_rows(starts, counts, furthest, spec.windows[0])
+            for b in np.flatnonzero(counts):  # Rows before them are not the sequence's now.
+                self.slots.note_written(int(b), int(starts[b]))
+        return k, v, starts, counts, skip
 
     def write(
         self,
@@ -93,6 +150,40 @@ class HostRows:
             )
         for t in tickets:
             self.engine.wait(t)
+
+    def checked_read(
+        self,
+        lengths: np.ndarray,  # int[batch]: the slots' lengths in the state read
+        layer: Any,
+        slot: Any,
+        start: Any,
+        stop: Any,
+        *,
+        raw: bool = False,
+    ):
+        """:meth:`read` of a cache's ``read`` arguments (see
+        :meth:`~jax_tpusync.cache.OffloadedKVCache.read`), once checked: ``stop`` defaults
+        to the slot's length, ``0 <= start <= stop <= length``, ``raw`` needs a quantized
+        tier, and a ring of a bounded window refuses positions it no longer keeps."""
+        self.check_layer(layer)
+        self.slots.check_slot(slot)
+        length = int(lengths[slot])
+        if stop is None:
+            stop = length
+        if not (is_int(start) and is_int(stop) and 0 <= start <= stop <= length):
+            raise ValueError(
+                f"[start, stop) = [{start}, {stop}) must lie in [0, {length}] (slot {slot}'s "
+                f"length)"
+            )
+        if raw and not self.spec.quantized:
+            raise ValueError("raw=True reads codes and scales: this cache's tier is not quantized")
+        if self.spec.ring_blocks and start < (kept := int(self.kept_from(lengths)[slot])):
+            raise ValueError(
+                f"[start, stop) = [{start}, {stop}) reaches before position {kept}: slot "
+                f"{slot} keeps only its sliding window (max_step_tokens), positions [{kept}, "
+                f"{length})"
+            )
+        return self.read(layer, slot, start, stop, raw=raw)
 
     def read(self, layer: int, slot: int, start: int, stop: int, *, raw: bool = False):
         """K and V of positions ``[start, stop)`` of ``slot`` (see ``cache.read``)."""
@@ -128,6 +219,19 @@ class HostRows:
             self.engine.transfer(rows, buf, write=False)
             out.append(self.from_rows(buf))
         return out[0], out[1]
+
+    def checked_read_all(self, layer: Any, lengths: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`read_all` of a cache's ``read_all`` arguments (see
+        :meth:`~jax_tpusync.cache.OffloadedKVCache.read_all`), once checked: every slot's
+        positions below ``lengths`` (an int or one per slot in ``[0, max_len]``; default
+        max_len) that its capacity and, for a ring, its window keep."""
+        spec = self.spec
+        self.check_layer(layer)
+        counts = per_sequence("lengths", spec.max_len if lengths is None else lengths, spec.batch)
+        if (counts < 0).any() or (counts > spec.max_len).any():
+            raise ValueError(f"lengths must be in [0, max_len={spec.max_len}]; got {counts}")
+        counts = np.minimum(counts, self.slots.capacity)
+        return self.read_all(layer, counts, self.kept_from(counts))
 
     def row_buffer(self, lead: tuple[int, ...]) -> np.ndarray:
         """Zeros for ``lead`` rows as the tier stores them: [*lead, H, D] in the cache's
@@ -185,6 +289,49 @@ class HostRows:
         if slot is None:
             return staging.at[layer].set(values[0])
         return staging.at[layer, :, slot].set(values[0, :, 0])
+
+
+class LoadedExtent:
+    """How host-side loads grow the slots' lengths: per layer and slot, the end of the
+    furthest row a load wrote since the slot's admission (or the cache's ``init``); a
+    slot's length grows to the rows every layer holds, and never shrinks.
+
+    Attributes:
+      ends: int64[num_layers, batch] of those ends.
+    """
+
+    def __init__(self, num_layers: int, batch: int):
+        self.ends = np.zeros((num_layers, batch), np.int64)
+
+    def reset(self, slot: int | None = None, to: int = 0) -> None:
+        """Every slot's ends (or ``slot``'s alone) at ``to`` rows, in every layer: a new
+        state (0), an admitted slot (its mapped prefix), a released one (0)."""
+        if slot is None:
+            self.ends[:] = to
+        else:
+            self.ends[:, slot] = to
+
+    def furthest(self, layer: int, lengths: np.ndarray) -> np.ndarray:
+        """int64[batch]: per slot, its length in ``lengths`` or the end of the furthest
+        row loaded into ``layer``, whichever is further."""
+        return np.maximum(self.ends[layer], np.asarray(lengths))
+
+    def record(self, layer: int, starts: np.ndarray, counts: np.ndarray) -> None:
+        """Notes rows ``[starts[b], starts[b] + counts[b])`` written to ``layer`` (a slot
+        with no rows keeps its end)."""
+        ends = self.ends[layer]
+        written = counts > 0
+        ends[written] = np.maximum(ends[written], (starts + counts)[written])
+
+    def grown(self, lengths: np.ndarray) -> np.ndarray:
+        """int64[batch]: ``lengths`` grown to the rows every layer holds."""
+        return np.maximum(np.asarray(lengths).astype(np.int64), self.ends.min(axis=0))
+
+
+def check_layer(layer: Any, num_layers: int) -> None:
+    """Refuses a ``layer`` that is not an int in ``[0, num_layers)``, naming it."""
+    if not is_int(layer) or not 0 <= layer < num_layers:
+        raise ValueError(f"layer={layer!r} is out of range for a cache of {num_layers} layers")
 
 
 def as_cache_array(name: str, x: Any, dtype: Any) -> np.ndarray:

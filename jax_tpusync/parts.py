@@ -14,7 +14,8 @@ agree on what they hold. The rules, kept once here for :mod:`jax_tpusync.mesh` a
   a mesh cache did, refused an admission whenever a store lost a block between two tries.)
 * **One commit** (:func:`bring_to_common_commit`): each part commits on its own, so a crash
   between two parts' manifest writes leaves them at different commits; a re-attach brings
-  them to their common one, every part of a slot's state alike.
+  them to their common one, every part of a slot's state alike (each part restarted at
+  it by :func:`restart_part`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 
 from jax_tpusync import persistence
 
-__all__ = ["bring_to_common_commit", "each_or_none", "reserve_agreed"]
+__all__ = ["bring_to_common_commit", "each_or_none", "reserve_agreed", "restart_part"]
 
 P = TypeVar("P")
 R = TypeVar("R")
@@ -114,3 +115,63 @@ def bring_to_common_commit(
             continue
         warn(i, committed[i], common, torn)
         cache.restart_at(common, tokens)
+
+
+def restart_part(
+    persisted: Any,
+    slots: Any,
+    block_tokens: int,
+    lengths: np.ndarray,
+    tokens: Sequence[np.ndarray] | None = None,
+) -> np.ndarray:
+    """One part's share of :func:`bring_to_common_commit` (what
+    :meth:`jax_tpusync.OffloadedKVCache.restart_at` does): commits ``lengths`` (int[batch],
+    at most the committed ones, at least each slot's shared prefix) as the part's new
+    rows, each slot's token ids cut at its length or set to ``tokens[b]`` (at most
+    ``lengths[b]`` ids). Returns the lengths committed (int32[batch]).
+
+    Args:
+      persisted: the part's :class:`~jax_tpusync.persistence.Persistence` (None: not
+        persistent, refused).
+      slots: the part's :class:`~jax_tpusync.slots.SlotTable` (shared prefixes, token ids).
+      block_tokens: tokens of one block.
+
+    Raises:
+      ValueError: lengths out of that range, or tokens longer than them; CommitError: the
+        commit was not made. Either way nothing changes (the token ids are put back).
+    """
+    batch = slots.batch
+    lengths = np.asarray(lengths, np.int32)
+    if (
+        persisted is None
+        or lengths.shape != (batch,)
+        or (lengths > persisted.committed_lengths).any()
+        or (lengths < 0).any()
+    ):
+        raise ValueError(
+            f"lengths {lengths.tolist()} must be in [0, committed lengths] of a persistent tier"
+        )
+    shared = slots.shared.astype(np.int64) * block_tokens
+    for b in np.flatnonzero(lengths < shared):
+        raise ValueError(
+            f"lengths[{b}]={int(lengths[b])} ends inside slot {b}'s shared prefix of "
+            f"{int(shared[b])} tokens (mapped blocks are committed whole): release it first"
+        )
+    if tokens is not None and (
+        len(tokens) != batch or any(len(t) > n for t, n in zip(tokens, lengths.tolist()))
+    ):
+        raise ValueError("tokens must hold, per slot, at most lengths[b] token ids")
+    history = slots.history
+    before = [history.ids(b) for b in range(batch)]
+    for b in range(batch):
+        if tokens is None:
+            history.truncate(b, int(lengths[b]))
+        else:
+            history.set(b, tokens[b])
+    try:
+        persisted.commit(lengths)
+    except Exception:
+        for b, ids in enumerate(before):
+            history.set(b, ids)
+        raise
+    return lengths

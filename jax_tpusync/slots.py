@@ -183,6 +183,25 @@ class SlotTable:
         if not _is_int(slot) or not 0 <= slot < self.batch:
             raise ValueError(f"slot={slot!r} must be an int in [0, batch={self.batch})")
 
+    def check_lengths(self, lengths: np.ndarray) -> None:
+        """Refuses ``lengths`` (int[batch]) that a fresh state of the slots cannot hold:
+        each at least its slot's shared prefix (blocks other sequences read: decode would
+        write them) and in ``[0, capacity]`` (0 for an inactive slot)."""
+        capacity = self._capacity
+        for b in range(self.batch):
+            shared = self.shared_tokens(b)
+            if lengths[b] < shared:
+                raise ValueError(
+                    f"lengths[{b}]={int(lengths[b])} is below slot {b}'s shared prefix of "
+                    f"{shared} tokens (blocks other sequences read: decode would write them)"
+                )
+            if not 0 <= lengths[b] <= capacity[b]:
+                raise ValueError(
+                    f"lengths[{b}]={int(lengths[b])} must be in [0, {int(capacity[b])}]"
+                    f" (slot {b}'s capacity"
+                    + (", inactive: admit it first)" if capacity[b] == 0 else ")")
+                )
+
     def stats(self) -> dict:
         """The prefix index's counts, each remote level's and the spill mover's."""
         p = self.prefix
