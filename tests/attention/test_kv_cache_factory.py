@@ -211,7 +211,7 @@ def test_on_tpu_what_the_host_pool_lacks_is_named(on_tpu, extra, message):
 
 
 def test_on_tpu_the_host_pools_own_refusals_name_the_keyword(on_tpu, tmp_path):
-    with pytest.raises(ValueError, match=r"tier='file': the pool is host memory"):
+    with pytest.raises(ValueError, match=r"tier='file' without file_name: the pool is host memory"):
         tps.kv_cache(**SMALL, tier="file", path=str(tmp_path))
     with pytest.raises(ValueError, match=r"max_step_tokens=4: rings of bounded windows"):
         tps.kv_cache(**SMALL, max_step_tokens=4)
