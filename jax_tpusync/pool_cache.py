@@ -22,8 +22,8 @@ manifest); a cache made over an existing tier re-attaches to its last commit, an
 an :class:`~jax_tpusync.OffloadedKVCache` of the same geometry re-attaches to it too.
 
 What this cache does not do yet (each refused by name at construction): file tiers that
-are not a persistent copy (``tier="file"`` without ``file_name``), persistence over a mesh,
-spill tiers, resident mode, rings of bounded windows (``max_step_tokens``),
+are not a persistent copy (``tier="file"`` without ``file_name``), persistence of a
+quantized pool over a mesh, spill tiers, resident mode, rings of bounded windows (``max_step_tokens``),
 ``prefetch_depth`` above 1, slots split over a mesh's ``batch_axis``, and hybrid layer
 groups.
 
@@ -169,12 +169,14 @@ class HostPoolKVCache:
                 f"file tier only holds its persistent copy (pass file_name=) (host-pool cache)"
             )
         config = CacheConfig.from_kwargs(**options)
-        if mesh is not None and config.tier.persistent:
+        if mesh is not None and config.tier.persistent and config.geometry.quantized:
             name = "shm_name" if config.tier.kind == "host" else "file_name"
             raise ValueError(
-                f"{name}={getattr(config.tier, name)!r} with mesh=: persistence over a mesh "
-                f"is not on the host-pool path yet (each device's heads would need a tier "
-                f"and manifest of their own); persist a one-device cache (host-pool cache)"
+                f"{name}={getattr(config.tier, name)!r} with mesh= and "
+                f"tier_dtype={config.geometry.tier_dtype.name!r}: a quantized pool over a mesh "
+                f"is not persisted yet (its rows hold every head's codes, then the scales: "
+                f"the devices' rows do not join into the tier's); persist unquantized rows "
+                f"or one device (host-pool cache)"
             )
         if mesh is None:
             if kv_heads_axis is not None or batch_axis is not None:
@@ -259,7 +261,7 @@ class HostPoolKVCache:
         self._restored_lengths: np.ndarray | None = None
         if p is not None:
             try:
-                self._tier = PoolTier.open(config, self.layout, self.slots)
+                self._tier = PoolTier.open(config, self.layout, self.slots, self.mesh)
                 self._restored_lengths = p.attach(
                     self._tier.persisted_kv(),
                     attached=self._tier.attached,

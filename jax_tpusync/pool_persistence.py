@@ -25,6 +25,12 @@ blocks between the two, between steps:
   table and the prefix index; the first ``init()`` reads the committed blocks (each slot's
   up to its committed length, every indexed block) from the tier into the new pool.
 
+Over a mesh (``kv_heads_axis``) each device's pool holds its own heads: the tier holds every
+head, as a one-device cache's does (a token's K row is the shards' K rows in head order),
+so a flush joins the shards' rows of each block and a restore splits them again. Quantized
+rows (codes of every head, then every scale) do not join that way: a quantized pool over a
+mesh is refused persistence by the cache.
+
 Blocks a prefix level imports (into the pool only once the admission is applied to a state)
 are written to the tier at once (:meth:`PoolTier.write_payloads`), since the index holds
 them from the reservation on and a commit may hash them before.
@@ -36,6 +42,7 @@ under way with :meth:`PoolTier.reading` (a release, a load, an init).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -47,12 +54,13 @@ from jax_tpusync.engine import Engine
 from jax_tpusync.host_io import HostRows
 from jax_tpusync.host_pool import PoolLayout
 from jax_tpusync.levels import TierBlocks
+from jax_tpusync.mesh_layout import MeshLayout
 from jax_tpusync.persisted_kv import PersistedKV, TierReader
 from jax_tpusync.slots import SlotTable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FLUSH_BATCH_BYTES", "RESTORE_BATCH_BYTES", "PoolTier"]
+__all__ = ["FLUSH_BATCH_BYTES", "RESTORE_BATCH_BYTES", "PoolTier", "tier_spec"]
 
 # Bytes of blocks gathered from the pool per engine write while flushing: the host memory a
 # flush takes (twice: the batch being written and the next one being gathered), however
@@ -69,13 +77,23 @@ class PoolTier:
     thread-safe: used from the thread that drives the cache.
     """
 
-    def __init__(self, engine: Engine, store: TierBlocks, layout: PoolLayout, slots: SlotTable):
+    def __init__(
+        self,
+        engine: Engine,
+        store: TierBlocks,
+        layout: PoolLayout,
+        slots: SlotTable,
+        mesh: MeshLayout | None = None,
+    ):
         self.engine = engine
         self.store = store
         self.layout = layout
         self.slots = slots
+        self.mesh = mesh
+        self.shards = 1 if mesh is None else mesh.num_shards
         spec = layout.spec
-        self._rows = HostRows(spec, engine, store, slots)
+        self.spec = tier_spec(layout, mesh)
+        self._rows = HostRows(self.spec, engine, store, slots)
         # Per slot: rows below this are on the tier as the pool holds them (or need not be).
         self._flushed = np.zeros(spec.batch, np.int64)
         # (layer, block) pairs written in the pool since the last flush, besides the ranges.
@@ -84,16 +102,19 @@ class PoolTier:
         self._current: tuple[Any, np.ndarray] | None = None
 
     @classmethod
-    def open(cls, config: Any, layout: PoolLayout, slots: SlotTable) -> PoolTier:
+    def open(
+        cls, config: Any, layout: PoolLayout, slots: SlotTable, mesh: MeshLayout | None = None
+    ) -> PoolTier:
         """Opens the persistent tier ``config`` names (``shm_name`` or ``file_name``) on an
-        engine of its own, with the cache's blocks allocated as an engine cache's are."""
+        engine of its own, with the cache's blocks (every head's) allocated as an engine
+        cache's are."""
         engine = Engine()
         try:
-            store = TierBlocks.open(engine, config, layout.spec, None)
+            store = TierBlocks.open(engine, config, tier_spec(layout, mesh), None)
         except Exception:
             engine.close()
             raise
-        return cls(engine, store, layout, slots)
+        return cls(engine, store, layout, slots, mesh)
 
     @property
     def attached(self) -> bool:
@@ -105,7 +126,7 @@ class PoolTier:
         the slot table's tables, index, history and restore."""
         slots = self.slots
         return PersistedKV(
-            spec=self.layout.spec,
+            spec=self.spec,
             reader=TierReader(
                 engine=self.engine,
                 tier=self.store.tier,
@@ -172,11 +193,16 @@ class PoolTier:
 
     def write_payloads(self, payloads: dict[int, np.ndarray]) -> None:
         """Writes blocks a prefix level imported (:class:`~jax_tpusync.pool_blocks.PoolBlocks`
-        payloads: every layer's rows, K then V per row) to the tier, in its layout."""
+        payloads: every shard's rows of every layer, K then V per row) to the tier, in its
+        layout."""
         spec, rb = self.layout.spec, self.layout.spec.row_bytes
         for block, payload in payloads.items():
-            rows = np.asarray(payload).reshape(spec.num_layers, spec.block_tokens, 2, rb)
-            self.store.write_block(int(block), np.ascontiguousarray(rows.transpose(0, 2, 1, 3)))
+            rows = np.asarray(payload).reshape(
+                self.shards, spec.num_layers, spec.block_tokens, 2, rb
+            )
+            # -> [layer, K|V, block_tokens, shard, row bytes]: the tier's regions in order.
+            tier = np.ascontiguousarray(rows.transpose(1, 3, 2, 0, 4))
+            self.store.write_block(int(block), tier.reshape(-1))
 
     # -- flush and restore ------------------------------------------------------------------
 
@@ -209,14 +235,14 @@ class PoolTier:
                 (layer, int(p)) for p in blocks for layer in range(self.layout.spec.num_layers)
             )
         ordered = sorted(pairs)
-        per_batch = max(1, FLUSH_BATCH_BYTES // (2 * self.layout.spec.block_bytes))
+        per_batch = max(1, FLUSH_BATCH_BYTES // (2 * self.spec.block_bytes))
         tickets: list[int] = []
         try:
             # Each batch is gathered while the engine writes the one before.
             for at in range(0, len(ordered), per_batch):
                 batch = ordered[at : at + per_batch]
                 starts = np.asarray([self.layout.block_row(layer, p) for layer, p in batch])
-                rows = pool_blocks.gather_blocks(self.layout, None, pool, starts)[0]
+                rows = pool_blocks.gather_blocks(self.layout, self.mesh, pool, starts)
                 tickets.append(self._submit_write(batch, rows))
                 if len(tickets) > 1:
                     self.engine.wait(tickets.pop(0))
@@ -233,14 +259,14 @@ class PoolTier:
         return len(ordered)
 
     def _submit_write(self, pairs: list[tuple[int, int]], rows: np.ndarray) -> int:
-        """Queues the tier writes of pool ``rows`` ([len(pairs) * block_tokens,
-        row_width]) of the (layer, block) ``pairs``: each block's K rows and V rows to their
-        regions. Returns the engine's ticket."""
-        spec, store = self.layout.spec, self.store
-        rb, bb = spec.row_bytes, spec.block_bytes
-        data = np.ascontiguousarray(
-            rows.view(np.uint8).reshape(len(pairs), spec.block_tokens, 2, rb).transpose(0, 2, 1, 3)
-        )  # [n, K|V, block_tokens, row_bytes]: each (block, K|V) is one tier block's bytes
+        """Queues the tier writes of pool ``rows`` ([shards, len(pairs) * block_tokens,
+        row_width]) of the (layer, block) ``pairs``: each block's K rows and V rows (every
+        shard's heads joined) to their regions. Returns the engine's ticket."""
+        store, bb = self.store, self.spec.block_bytes
+        bt, rb = self.layout.spec.block_tokens, self.layout.spec.row_bytes
+        rows = rows.view(np.uint8).reshape(self.shards, len(pairs), bt, 2, rb)
+        # [n, K|V, block_tokens, shard, row bytes]: each (block, K|V) one tier block's bytes.
+        data = np.ascontiguousarray(rows.transpose(1, 3, 2, 0, 4))
         segments = [
             (store.locate(layer * 2 + kv, block)[1], (i * 2 + kv) * bb, bb)
             for i, (layer, block) in enumerate(pairs)
@@ -257,26 +283,38 @@ class PoolTier:
         self._marked.update((layer, int(p)) for p in blocks for layer in layers)
 
     def restored_pool(self, lengths: np.ndarray) -> np.ndarray:
-        """A host copy of a pool ([pool_rows, row_width], the pool's dtype) holding the
-        committed blocks: each slot's below ``lengths`` (the committed ones) and every
-        block the prefix index holds, read from the tier; zeros elsewhere."""
+        """A host copy of a pool (the state's shape: [pool_rows, row_width], with a leading
+        axis of shards over a mesh; the pool's dtype) holding the committed blocks: each
+        slot's below ``lengths`` (the committed ones) and every block the prefix index
+        holds, read from the tier; zeros elsewhere."""
         spec, layout = self.layout.spec, self.layout
         bt, rb = spec.block_tokens, spec.row_bytes
         tables = self.slots.tables
         held: set[int] = {int(e.block) for e in self.slots.prefix.entries_in_order()}
         for b, n in enumerate(np.asarray(lengths, np.int64).tolist()):
             held.update(int(p) for p in tables[b, : -(-n // bt)])
-        pool = np.zeros(layout.pool_shape, layout.dtype)
-        as_bytes = pool.view(np.uint8)  # [pool_rows, 2 * row_bytes]: K then V per row
+        pool = np.zeros((self.shards, *layout.pool_shape), layout.dtype)
+        as_bytes = pool.view(np.uint8)  # [shards, pool_rows, 2 * row_bytes]: K then V a row
         blocks = sorted(held)
         per_read = max(1, RESTORE_BATCH_BYTES // self.store.payload_bytes)
         for at in range(0, len(blocks), per_read):
             batch = blocks[at : at + per_read]
             for block, payload in zip(batch, self.store.read_blocks(batch)):
-                # Region order (layer, K|V) of block_tokens rows -> per layer, rows of K|V.
-                rows = payload.reshape(spec.num_layers, 2, bt, rb).transpose(0, 2, 1, 3)
+                # Regions (layer, K|V) of block_tokens rows of every shard's heads -> per
+                # shard and layer, rows of K then V.
+                rows = payload.reshape(spec.num_layers, 2, bt, self.shards, rb)
+                rows = rows.transpose(3, 0, 2, 1, 4).reshape(self.shards, spec.num_layers, bt, -1)
                 for layer in range(spec.num_layers):
                     first = layout.block_row(layer, block)
-                    as_bytes[first : first + bt] = rows[layer].reshape(bt, 2 * rb)
+                    as_bytes[:, first : first + bt] = rows[:, layer]
         logger.info("restored %d committed blocks of every layer into the pool", len(blocks))
-        return pool
+        return pool if self.mesh is not None else pool[0]
+
+
+def tier_spec(layout: PoolLayout, mesh: MeshLayout | None) -> Any:
+    """The :class:`~jax_tpusync.state.CacheSpec` of a pool's tier: the pool's, with every
+    head (a mesh pool's spec describes one shard's)."""
+    spec = layout.spec
+    if mesh is None:
+        return spec
+    return dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads * mesh.num_shards, mesh=None)

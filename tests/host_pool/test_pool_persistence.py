@@ -328,6 +328,22 @@ def test_the_tier_is_the_engine_caches_layout_both_ways(tmp_path):
     cache.close()
 
 
+def test_a_pool_over_a_mesh_persists_every_head_in_one_tier(tmp_path):
+    # Each device's pool holds its head: the tier holds both, as a one-device cache's does,
+    # so the mesh pool re-attaches its commit and so does a one-device pool.
+    where = dict(tier="file", path=tmp_path, file_name="kv")
+    on_mesh = dict(mesh=Mesh(np.array(jax.devices()[:2]), ("h",)), kv_heads_axis="h")
+    written = Written(np.random.default_rng(13))
+    cache = make(where, **on_mesh)
+    state = cache.commit(written.load(cache, cache.init()))
+    state = written.load_more(cache, state, 2)
+    cache.close(state)
+    for options in (on_mesh, {}):
+        cache = make(where, **options)
+        written.check(cache, cache.init())
+        cache.close()
+
+
 def test_a_pool_of_another_layout_or_model_is_refused_by_name(tmp_path):
     where = dict(tier="file", path=tmp_path, file_name="kv")
     written = Written(np.random.default_rng(8))
@@ -364,14 +380,15 @@ def test_a_pool_of_another_layout_or_model_is_refused_by_name(tmp_path):
 
 def test_persistence_guards_at_their_edges(tmp_path, shm_name):
     mesh = Mesh(np.array(jax.devices()[:2]), ("h",))
-    on_mesh = dict(mesh=mesh, kv_heads_axis="h")
+    on_mesh = dict(mesh=mesh, kv_heads_axis="h", staging_bytes=1 << 16)
     file_tier = dict(tier="file", path=tmp_path, file_name="kv")
-    with pytest.raises(ValueError, match="file_name='kv' with mesh=: persistence over a mesh"):
-        make(file_tier, **on_mesh)
-    with pytest.raises(ValueError, match="shm_name='.*' with mesh=: persistence over a mesh"):
-        make(dict(shm_name=shm_name), **on_mesh)
+    quantized = "with mesh= and tier_dtype='int8': a quantized pool over a mesh is not persisted"
+    with pytest.raises(ValueError, match="file_name='kv' " + quantized):
+        make(file_tier, tier_dtype="int8", **on_mesh)
+    with pytest.raises(ValueError, match="shm_name='.*' " + quantized):
+        make(dict(shm_name=shm_name), tier_dtype="int8", **on_mesh)
     assert not list(tmp_path.iterdir())  # Refused before anything was opened.
-    make({}, **on_mesh).close()  # A mesh without persistence is taken.
+    make({}, tier_dtype="int8", **on_mesh).close()  # Not persistent: taken.
     with pytest.raises(ValueError, match="tier='file' without file_name: the pool is host"):
         make(dict(tier="file", path=tmp_path))
     with pytest.raises(ValueError, match=r"verify\(\) needs a persistent tier"):

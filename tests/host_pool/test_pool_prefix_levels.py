@@ -91,14 +91,17 @@ def test_a_damaged_block_file_is_a_miss(tmp_path):
     assert cached == 8  # The first block; the damaged second one is a miss.
 
 
-def test_imported_blocks_of_a_persistent_pool_are_committed_and_mapped_after_a_restart(tmp_path):
+@pytest.mark.parametrize("devices", [1, 2], ids=["one-device", "mesh"])
+def test_imported_blocks_of_a_persistent_pool_are_committed_and_mapped_after_a_restart(
+    tmp_path, devices
+):
     shared, data = tmp_path / "shared", tmp_path / "data"
     shared.mkdir()
     data.mkdir()
     rng = np.random.default_rng(2)
     prompt = rng.integers(0, 1000, 17)
     kv = rng.standard_normal((LAYERS, 2, 17, HEADS, HEAD_DIM)).astype(jnp.bfloat16)
-    writer = make_cache(shared)
+    writer = make_cache(shared, **mesh_options(devices))
     state = writer.init(admit=False)
     state, _ = writer.admit(state, 0, max_tokens=32, tokens=prompt)
     for layer in range(LAYERS):
@@ -106,7 +109,7 @@ def test_imported_blocks_of_a_persistent_pool_are_committed_and_mapped_after_a_r
     writer.release(state, 0, tokens=prompt)
     writer.close()
 
-    persistent = dict(tier="file", path=str(data), file_name="kv")
+    persistent = dict(tier="file", path=str(data), file_name="kv", **mesh_options(devices))
     reader = make_cache(shared, **persistent)
     state = reader.init(admit=False)
     # The imported blocks reach the tier at the reservation: the index holds them from then.
