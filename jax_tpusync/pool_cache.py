@@ -17,9 +17,10 @@ shm or file tier by the commit protocol every cache uses (:mod:`jax_tpusync.pers
 :meth:`HostPoolKVCache.commit` gathers the blocks written since the last commit from the
 state's pool (one jitted program), writes them to the tier, then commits (sync, checksums,
 manifest); a cache made over an existing tier re-attaches to its last commit, and its first
-:meth:`~HostPoolKVCache.init` reads the committed blocks into the new pool. See
-:mod:`jax_tpusync.pool_persistence`. The file is in the engine cache's byte layout, so
-an :class:`~jax_tpusync.OffloadedKVCache` of the same geometry re-attaches to it too.
+:meth:`~HostPoolKVCache.init` reads the committed blocks into the new pool. Over a mesh the
+tier holds every head (the devices' rows joined). See :mod:`jax_tpusync.pool_persistence`.
+The tier is in the engine cache's byte layout, so an :class:`~jax_tpusync.OffloadedKVCache`
+of the same geometry re-attaches to it too.
 
 What this cache does not do yet (each refused by name at construction): file tiers that
 are not a persistent copy (``tier="file"`` without ``file_name``), persistence of a
