@@ -167,6 +167,23 @@ def _stacked_view(opened: Any, leaf: Any, block: Any) -> np.ndarray | None:
     return view
 
 
+def _whole_view(opened: Any, leaf: Any, leaf_plan: Any) -> np.ndarray | None:
+    """The store's one view of the whole array where every destination block is whole
+    along all axes but the first (row shards, or replicas) and the store holds all of the
+    array's shards back to back (``read_stacked``): ``device_put`` of it with the target
+    sharding puts each device's rows from it, one call per array instead of one per
+    shard. None otherwise."""
+    if not leaf.shape or not leaf_plan.blocks:
+        return None
+    rest = tuple((0, n) for n in leaf.shape[1:])
+    if any(block.box[1:] != rest for block in leaf_plan.blocks):
+        return None
+    view = opened.read_stacked(leaf, list(range(len(leaf.shards))))
+    if view is None or view.shape != tuple(leaf.shape) or not view.flags.c_contiguous:
+        return None
+    return view
+
+
 def _copy_tree(tree: Any) -> Any:
     return jax.tree.map(jnp.copy, tree)
 
@@ -668,15 +685,24 @@ class WeightPuller:
         arrays = []
         # Leaves whose buffers are ready, put together (one device_put per group: a call per
         # leaf cost more than the zero-copy puts themselves); a group ends once it has staged
-        # STAGED_BYTES_PER_PUT of copies, so the host holds at most that much more.
-        group: list[tuple[Any, list, list]] = []
+        # STAGED_BYTES_PER_PUT of copies, so the host holds at most that much more. A leaf
+        # is either its blocks' buffers and devices, or (`whole`) one view of the whole
+        # array that device_put splits by the target sharding itself.
+        group: list[tuple[Any, list, list, np.ndarray | None]] = []
         staged = staged_total = 0
 
         def put_group() -> None:
-            bufs = [b for _, leaf_bufs, _ in group for b in leaf_bufs]
-            devices = [d for _, _, leaf_devices in group for d in leaf_devices]
+            bufs = [b for _, leaf_bufs, _, _ in group for b in leaf_bufs]
+            devices = [d for _, _, leaf_devices, _ in group for d in leaf_devices]
             shards = iter(jax.device_put(bufs, devices))
-            for leaf_plan, leaf_bufs, _ in group:
+            wholes = [(w, lp.sharding) for lp, _, _, w in group if w is not None]
+            put_wholes = iter(
+                jax.device_put([w for w, _ in wholes], [s for _, s in wholes]) if wholes else []
+            )
+            for leaf_plan, leaf_bufs, _, whole in group:
+                if whole is not None:
+                    arrays.append(next(put_wholes))
+                    continue
                 arrays.append(
                     jax.make_array_from_single_device_arrays(
                         leaf_plan.shape,
@@ -692,6 +718,11 @@ class WeightPuller:
                 t0 = time.perf_counter()
                 bufs, devices = [], []
                 same_dtype = leaf_plan.target_dtype == leaf_plan.source_dtype
+                whole = _whole_view(opened, leaf, leaf_plan) if same_dtype else None
+                if whole is not None:
+                    group.append((leaf_plan, [], [], whole))
+                    read_seconds += time.perf_counter() - t0
+                    continue
                 stacked, wanted = {}, []
                 for i, block in enumerate(leaf_plan.blocks):
                     view = _stacked_view(opened, leaf, block) if same_dtype else None
@@ -727,7 +758,7 @@ class WeightPuller:
                     for device in block.devices:
                         bufs.append(buf)
                         devices.append(device)
-                group.append((leaf_plan, bufs, devices))
+                group.append((leaf_plan, bufs, devices, None))
                 t1 = time.perf_counter()
                 if staged >= STAGED_BYTES_PER_PUT:
                     put_group()
