@@ -84,8 +84,13 @@ def write_blocks(
 
 class PoolBlocks:
     """The slot table's block store (:class:`jax_tpusync.levels.BlockStore`) over a host
-    pool: a block's payload is its rows of every layer, every shard's, as bytes
-    (``uint8[shards * num_layers * block_tokens * row_width * itemsize]``).
+    pool: a block's payload is its rows of every layer as bytes, each token's K row then
+    its V row, each of every head (``uint8[num_layers, block_tokens, 2, shards, row
+    bytes of one shard]``): over a mesh the shards' heads are joined in head order, so an
+    unquantized pool publishes and imports the same bytes on one device and over a mesh of
+    any size. (Quantized rows, every head's codes then the scales, do not join that way:
+    a quantized pool over several devices keys its prefixes apart, see
+    :func:`jax_tpusync.pool_cache.pool_prefix_layout`.)
 
     Reads come from the pool handed to :meth:`reading` for the host call under way; writes
     are kept, by block, until :meth:`take_writes` hands them to the cache, which applies
@@ -144,10 +149,11 @@ class PoolBlocks:
             layers = range(spec.num_layers)
             starts = [self.layout.block_row(layer, b) for b in from_pool for layer in layers]
             rows = read_blocks(self.layout, self.mesh, self._pool, np.asarray(starts))
-            shape = (self.shards, len(from_pool), spec.num_layers, spec.block_tokens, -1)
-            per_block = rows.reshape(shape).transpose(1, 0, 2, 3, 4)
+            shape = (self.shards, len(from_pool), spec.num_layers, spec.block_tokens, 2, -1)
+            # -> [block, layer, token, K|V, shard, row bytes]: a payload per block.
+            per_block = rows.view(np.uint8).reshape(shape).transpose(1, 2, 3, 4, 0, 5)
             for b, block in zip(from_pool, per_block):
-                payloads[b] = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
+                payloads[b] = np.ascontiguousarray(block).reshape(-1)
         return [self._writes.get(int(b), payloads.get(int(b))) for b in blocks]
 
     def write_block(self, block: int, payload: np.ndarray) -> None:
@@ -168,7 +174,8 @@ class PoolBlocks:
 
     def _rows_of(self, payload: np.ndarray) -> np.ndarray:  # [shards, L, bt, W]
         spec = self.layout.spec
-        rows = payload.view(self.layout.dtype)
+        joined = payload.reshape(spec.num_layers, spec.block_tokens, 2, self.shards, -1)
+        rows = np.ascontiguousarray(joined.transpose(3, 0, 1, 2, 4)).view(self.layout.dtype)
         return rows.reshape(self.shards, spec.num_layers, spec.block_tokens, self.layout.row_width)
 
 

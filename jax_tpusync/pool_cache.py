@@ -71,6 +71,17 @@ logger = logging.getLogger(__name__)
 # Salts the prefix index's root key: blocks of this layout are this layout's alone.
 POOL_LAYOUT_VERSION = 1
 
+
+def pool_prefix_layout(config: CacheConfig, shards: int) -> int:
+    """The layout number a host pool's prefix root is salted with: blocks are published
+    with every head's rows joined (:class:`~jax_tpusync.pool_blocks.PoolBlocks`), the same
+    bytes on one device and over a mesh, except quantized rows over several devices
+    (each device's codes and scales, not one row's), which are keyed apart by their
+    device count."""
+    if shards > 1 and config.geometry.quantized:
+        return POOL_LAYOUT_VERSION * 1000 + shards
+    return POOL_LAYOUT_VERSION
+
 # Keywords of CacheConfig this cache takes at their defaults only, with why. (``tier="file"``
 # and ``path`` are taken with ``file_name`` alone: the file is the pool's persistent copy.)
 _NOT_YET = {
@@ -220,7 +231,7 @@ class HostPoolKVCache:
                 mesh, mesh_layout.state_spec, memory_kind=POOL_MEMORY_KIND
             )
         g = config.geometry
-        root = config.prefix_root(POOL_LAYOUT_VERSION)
+        root = config.prefix_root(pool_prefix_layout(config, self.shards))
         self._blocks = pool_blocks.PoolBlocks(self.layout, self.mesh)
         level_layout = dict(
             root=root,

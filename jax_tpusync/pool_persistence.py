@@ -193,15 +193,13 @@ class PoolTier:
 
     def write_payloads(self, payloads: dict[int, np.ndarray]) -> None:
         """Writes blocks a prefix level imported (:class:`~jax_tpusync.pool_blocks.PoolBlocks`
-        payloads: every shard's rows of every layer, K then V per row) to the tier, in its
+        payloads: every layer's rows, K then V per row, every head's) to the tier, in its
         layout."""
-        spec, rb = self.layout.spec, self.layout.spec.row_bytes
+        spec = self.layout.spec
         for block, payload in payloads.items():
-            rows = np.asarray(payload).reshape(
-                self.shards, spec.num_layers, spec.block_tokens, 2, rb
-            )
-            # -> [layer, K|V, block_tokens, shard, row bytes]: the tier's regions in order.
-            tier = np.ascontiguousarray(rows.transpose(1, 3, 2, 0, 4))
+            rows = np.asarray(payload).reshape(spec.num_layers, spec.block_tokens, 2, -1)
+            # -> [layer, K|V, block_tokens, row bytes of every head]: the tier's regions.
+            tier = np.ascontiguousarray(rows.transpose(0, 2, 1, 3))
             self.store.write_block(int(block), tier.reshape(-1))
 
     # -- flush and restore ------------------------------------------------------------------

@@ -101,7 +101,7 @@ def test_imported_blocks_of_a_persistent_pool_are_committed_and_mapped_after_a_r
     rng = np.random.default_rng(2)
     prompt = rng.integers(0, 1000, 17)
     kv = rng.standard_normal((LAYERS, 2, 17, HEADS, HEAD_DIM)).astype(jnp.bfloat16)
-    writer = make_cache(shared, **mesh_options(devices))
+    writer = make_cache(shared)  # One device: its blocks are a mesh pool's too.
     state = writer.init(admit=False)
     state, _ = writer.admit(state, 0, max_tokens=32, tokens=prompt)
     for layer in range(LAYERS):
@@ -128,4 +128,34 @@ def test_imported_blocks_of_a_persistent_pool_are_committed_and_mapped_after_a_r
         k, v = reader.read(state, layer, 0)
         np.testing.assert_array_equal(k, kv[layer, 0, :16])
         np.testing.assert_array_equal(v, kv[layer, 1, :16])
+    reader.close()
+
+
+def test_quantized_blocks_are_not_shared_between_one_device_and_a_mesh(tmp_path):
+    # A quantized row holds every head's codes, then the scales: a mesh pool's rows do not
+    # join into a one-device pool's, so their prefixes are keyed apart (a miss, not a mix).
+    # head_dim 28: a row of one head (28 codes, a 4-byte scale) and of two (56, 8) need no
+    # padding, so both pools' blocks have the same size.
+    def make(**options):
+        return tps.HostPoolKVCache(
+            num_layers=LAYERS, batch=2, max_len=64, num_kv_heads=HEADS, head_dim=28,
+            block_tokens=BT, dtype=jnp.bfloat16, staging_bytes=1 << 20, tier_dtype="int8",
+            shared_prefix_dir=str(tmp_path), **options,
+        )  # fmt: skip
+
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 1000, 17)
+    writer = make()
+    state = writer.init(admit=False)
+    state, _ = writer.admit(state, 0, max_tokens=32, tokens=prompt)
+    rows = rng.standard_normal((17, HEADS, 28)).astype(jnp.bfloat16)
+    for layer in range(LAYERS):
+        state = writer.load(state, layer, rows, rows, slot=0)
+    writer.release(state, 0, tokens=prompt)
+    writer.close()
+    assert len(list(tmp_path.iterdir())) == 2
+    reader = make(**mesh_options(2))
+    assert reader.slots.store.payload_bytes == writer.slots.store.payload_bytes
+    state, cached = reader.admit(reader.init(admit=False), 0, max_tokens=32, tokens=prompt)
+    assert cached == 0
     reader.close()
