@@ -566,9 +566,13 @@ class HostPoolKVCache:
         return admission
 
     def cancel(self, reservation: Admission) -> None:
-        """Undoes a :meth:`reserve` that was not :meth:`admitted`."""
-        self._imports.pop(reservation.slot, None)
+        """Undoes a :meth:`reserve` that was not :meth:`admitted`. The blocks it imported
+        from a prefix level leave the index too: their bytes never reached a pool."""
+        imports = self._imports.pop(reservation.slot, {})
         self.slots.release(reservation.slot, 0)
+        if imports:  # Unpinned now (unless another slot maps them, which keeps them).
+            dropped = set(imports)
+            self.slots.prefix.evict(len(dropped), where=lambda block: block in dropped)
 
     def admitted(self, state: PoolState, reservation: Admission) -> PoolState:
         """The live state once :meth:`reserve` made ``reservation``: the blocks it imported

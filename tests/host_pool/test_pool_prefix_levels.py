@@ -91,6 +91,34 @@ def test_a_damaged_block_file_is_a_miss(tmp_path):
     assert cached == 8  # The first block; the damaged second one is a miss.
 
 
+def test_blocks_a_cancelled_reservation_imported_are_imported_again(tmp_path):
+    # Cancelled, the imported blocks never reached a pool: they leave the index, and the
+    # next admission of the prompt imports them again (not a map of unwritten blocks).
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(0, 1000, 17)
+    kv = rng.standard_normal((LAYERS, 2, 17, HEADS, HEAD_DIM)).astype(jnp.bfloat16)
+    writer = make_cache(tmp_path)
+    state = writer.init(admit=False)
+    state, _ = writer.admit(state, 0, max_tokens=32, tokens=prompt)
+    for layer in range(LAYERS):
+        state = writer.load(state, layer, kv[layer, 0], kv[layer, 1], slot=0)
+    writer.release(state, 0, tokens=prompt)
+    writer.close()
+    reader = make_cache(tmp_path)
+    state = reader.init(admit=False)
+    reservation = reader.reserve(0, 32, prompt)
+    assert reservation.cached == 16 and len(reader.slots.prefix) == 2
+    reader.cancel(reservation)
+    assert len(reader.slots.prefix) == 0
+    state, cached = reader.admit(state, 1, max_tokens=32, tokens=prompt)
+    assert cached == 16
+    for layer in range(LAYERS):
+        k, v = reader.read(state, layer, 1)
+        np.testing.assert_array_equal(k, kv[layer, 0, :16])
+        np.testing.assert_array_equal(v, kv[layer, 1, :16])
+    reader.close()
+
+
 @pytest.mark.parametrize("devices", [1, 2], ids=["one-device", "mesh"])
 def test_imported_blocks_of_a_persistent_pool_are_committed_and_mapped_after_a_restart(
     tmp_path, devices
