@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     prefix="tpusync-prefix-", dir=os.path.abspath(args.path or os.getcwd())
                 )
             try:
-                common.progress(f"prefix: {tier} tier: compile, full prefill, cached requests ...")
+                common.progress(f"prefix: {tier} tier ...")
                 results += _one_tier(
                     args,
                     tier,
@@ -396,6 +396,8 @@ def _measure(args, recipe, open_cache, reader, params, prompts, step):
     tier, max_len = recipe.tier, recipe.max_len
     cache = open_cache(overwrite=True)
     with cache:
+        label = "spill" if cache.spec.spill_blocks else tier  # For the progress lines.
+        common.progress(f"  {label}: compiling the prefill and decode steps ...")
         _compile(args, step, params, cache, prompts)
         state = cache.init(admit=False)
 
@@ -419,6 +421,7 @@ def _measure(args, recipe, open_cache, reader, params, prompts, step):
         if reader is not None:
             state, _ = _connect(cache, state, other_ids, max_len)
         cache.engine.reset_stats()
+        common.progress(f"  {label}: full prefill of {len(prompts[0])} tokens ...")
         ttft_full, _, state, _ = prefill(state, prompts[0], share=True)
         # The first release indexes the prompt's blocks and, with a remote level, publishes
         # them: a cost the serving loop pays on its thread.
@@ -434,6 +437,7 @@ def _measure(args, recipe, open_cache, reader, params, prompts, step):
         fetched_full = cache.engine.stats()["tiers"][cache.tier]["fetch"]["bytes"]
         ttft_cached, cached_tokens, last_logits = [], [], None
         shared_decode, private_decode = [], []
+        common.progress(f"  {label}: {len(prompts) - 1} requests with the prefix cached, decode ...")
         for i, prompt in enumerate(prompts[1:], start=1):
             dt, logits, state, cached = prefill(state, prompt, share=True)
             ttft_cached.append(dt)
@@ -467,6 +471,7 @@ def _measure(args, recipe, open_cache, reader, params, prompts, step):
     ttft_restart = reattach = restart_logits = restart_cached = None
     if not two_level:
         # A restart: the tier and its committed prefix index re-attached by a new cache.
+        common.progress(f"  {label}: restart: re-attach the tier, the last request again ...")
         t0 = time.perf_counter()
         reopened = open_cache(remote_prefix=None)
         reattach = time.perf_counter() - t0
