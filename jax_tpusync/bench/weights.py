@@ -35,8 +35,9 @@ each way side by side:
 * ``device_put``: ``jax.device_put(x, target)`` in this process, the in-process reshard
   no two process groups can use (a reference).
 
-Each way is timed ``--repeats`` times after warm-up runs that are not timed: one for a
-baseline, two for the weight store, which publishes a new version each run (its first
+Each way is timed ``--repeats`` times after warm-up runs that are not timed, the ways
+interleaved run by run (so that a load that comes and goes on a shared machine falls on all
+of them alike): one warm-up run for a baseline, two for the weight store, which publishes a new version each run (its first
 builds the plan and compiles the snapshot copy; its second is written into a new file,
 since the store reuses a retired version's files and none is retired yet). The timed runs
 are the steady state of a training loop: each reuses the plan (``plan ms`` is the build,
@@ -62,6 +63,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -69,7 +71,10 @@ import numpy as np
 from jax_tpusync.bench import common, verdict
 
 DEVICES = 8
-PEAK_COPIES = 5  # Copies of the params alive at once at most (see run()).
+# Copies of the params alive at once at most: the host copy and the source; per weight-store
+# way (they run interleaved) its store (the version kept, the one written, a pooled file)
+# and its staging buffers; the gathered and received copies, the checkpoint and its load.
+PEAK_COPIES = 12
 WARMUP_BASELINE = 1  # Untimed runs before a baseline's timed ones.
 WARMUP_WEIGHTS = 2  # The weight store's: the plan and compile, then the first reused file.
 D_MODEL, FFN, VOCAB, Q_HEADS, KV_HEADS, HEAD_DIM = 1024, 2816, 32000, 8, 2, 128
@@ -275,7 +280,7 @@ def _ready(tree: Any) -> Any:
 
 def method_weights(
     ctx: dict, case: str, source: Any, targets: Any, *, copy: bool = True, mooncake: bool = False
-) -> dict:
+) -> Iterator:
     from jax_tpusync.weight_sync import WeightPublisher, WeightPuller
 
     store = tempfile.mkdtemp(prefix="bench-weights-", dir=ctx["dir"])
@@ -293,9 +298,8 @@ def method_weights(
         puller = WeightPuller(pull_store, timeout_s=600)
         runs, result = [], None
         plan_ms, reused = None, []
-        for version in range(WARMUP_WEIGHTS + ctx["repeats"]):
-            if result is not None:
-                _delete(result)
+        total = WARMUP_WEIGHTS + ctx["repeats"]
+        for version in range(total):
             start = time.perf_counter()
             publisher.publish(source, version)
             blocked = time.perf_counter() - start
@@ -317,6 +321,9 @@ def method_weights(
                     puller.stats.put_seconds,
                 )
             )
+            if version < total - 1:  # The last one is checked below.
+                _delete(result)
+            yield  # The other ways run their next run now (see run_interleaved).
         # Bytes the Mooncake store moved per pull (the same every run).
         fetched = getattr(puller.store, "bytes_fetched", None)
         fetched = None if fetched is None else fetched // (WARMUP_WEIGHTS + ctx["repeats"])
@@ -352,22 +359,24 @@ def method_weights(
     }
 
 
-def method_weights_no_copy(ctx: dict, case: str, source: Any, targets: Any) -> dict:
-    return method_weights(ctx, case, source, targets, copy=False)
+def method_weights_no_copy(ctx: dict, case: str, source: Any, targets: Any) -> Iterator:
+    return (yield from method_weights(ctx, case, source, targets, copy=False))
 
 
-def method_weights_mooncake(ctx: dict, case: str, source: Any, targets: Any) -> dict:
-    return method_weights(ctx, case, source, targets, mooncake=True)
+def method_weights_mooncake(ctx: dict, case: str, source: Any, targets: Any) -> Iterator:
+    return (yield from method_weights(ctx, case, source, targets, mooncake=True))
 
 
-def _timed(ctx: dict, move) -> dict:
+def _timed(ctx: dict, move) -> Iterator:
     runs, result = [], None
-    for _ in range(WARMUP_BASELINE + ctx["repeats"]):
-        if result is not None:
-            _delete(result)
+    total = WARMUP_BASELINE + ctx["repeats"]
+    for i in range(total):
         start = time.perf_counter()
         result = _ready(move())
         runs.append(time.perf_counter() - start)
+        if i < total - 1:  # The last one is checked below.
+            _delete(result)
+        yield
     ok = _device_bytes(result) == ctx["expected"]
     exact = _exact(result, ctx["host"])
     _delete(result)
@@ -387,7 +396,7 @@ def method_gather_put(ctx: dict, case: str, source: Any, targets: Any) -> dict:
         host = jax.tree.map(np.asarray, source)
         return jax.device_put(host, targets)
 
-    return {**_timed(ctx, move), "note": "gather to this process, device_put"}
+    return {**(yield from _timed(ctx, move)), "note": "gather to this process, device_put"}
 
 
 def method_gather_socket_put(ctx: dict, case: str, source: Any, targets: Any) -> dict:
@@ -434,7 +443,8 @@ def method_gather_socket_put(ctx: dict, case: str, source: Any, targets: Any) ->
             raise failure[0]
         return jax.tree.unflatten(treedef, jax.device_put(received, target_leaves))
 
-    return {**_timed(ctx, move), "note": "gather, Unix socket to a receiver thread, device_put"}
+    timed = yield from _timed(ctx, move)
+    return {**timed, "note": "gather, Unix socket to a receiver thread, device_put"}
 
 
 def method_transfer(ctx: dict, case: str, source: Any, targets: Any) -> dict:
@@ -463,7 +473,7 @@ def method_transfer(ctx: dict, case: str, source: Any, targets: Any) -> dict:
         server.await_pull(uuid[0], leaves)
         return connection.pull(uuid[0], structs)
 
-    return {**_timed(ctx, move), "note": "same layout only"}
+    return {**(yield from _timed(ctx, move)), "note": "same layout only"}
 
 
 def method_checkpoint(ctx: dict, case: str, source: Any, targets: Any) -> dict:
@@ -483,7 +493,8 @@ def method_checkpoint(ctx: dict, case: str, source: Any, targets: Any) -> dict:
         return jax.tree.unflatten(treedef, jax.device_put(loaded, target_leaves))
 
     try:
-        return {**_timed(ctx, move), "note": "np.save + np.load (page cache), device_put"}
+        timed = yield from _timed(ctx, move)
+        return {**timed, "note": "np.save + np.load (page cache), device_put"}
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -491,10 +502,8 @@ def method_checkpoint(ctx: dict, case: str, source: Any, targets: Any) -> dict:
 def method_device_put(ctx: dict, case: str, source: Any, targets: Any) -> dict:
     import jax
 
-    return {
-        **_timed(ctx, lambda: jax.device_put(source, targets)),
-        "note": "one process only (reference)",
-    }
+    timed = yield from _timed(ctx, lambda: jax.device_put(source, targets))
+    return {**timed, "note": "one process only (reference)"}
 
 
 METHODS = {
@@ -525,6 +534,22 @@ LABELS = {
     "checkpoint": "checkpoint (np.save/np.load)",
     "device_put": "in-process device_put (reference)",
 }
+
+
+def run_interleaved(ways: dict[str, Iterator]) -> dict[str, dict]:
+    """Runs the ways round by round (each way's next run, then the next way's), so that a
+    load that comes and goes on a shared machine falls on all of them alike; returns each
+    way's result (a way's generator yields after each of its runs and returns its row)."""
+    results: dict[str, dict] = {}
+    active = dict(ways)
+    while active:
+        for name, way in list(active.items()):
+            try:
+                next(way)
+            except StopIteration as done:
+                results[name] = done.value
+                del active[name]
+    return results
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -636,7 +661,7 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[dict]:
         )
     layers = layers_for(args.gb)
     nbytes = (2 * VOCAB * D_MODEL + D_MODEL) * 2 + layers * layer_bytes()
-    # At most: the host copy, the source, its snapshot, the store and the pulled copy.
+    # At most PEAK_COPIES copies of the params at once (see there).
     need = PEAK_COPIES * nbytes
     if need > common.available_ram_bytes():
         raise SystemExit(
@@ -678,9 +703,12 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[dict]:
     for case, (mesh, spec_for) in cases.items():
         targets = jax.tree.map(lambda s, m=mesh: NamedSharding(m, s), _tree_specs(host, spec_for))
         ctx["expected"] = _expected_device_bytes(host, targets)
+        measured = run_interleaved(
+            {name: METHODS[name](ctx, case, source, targets) for name in methods}
+        )
         for name in methods:
             row = {"case": case, "method": name, "nbytes": nbytes, "layers": layers}
-            row.update(METHODS[name](ctx, case, source, targets))
+            row.update(measured[name])
             if row.get("seconds"):
                 row["gbps"] = nbytes / row["seconds"] / 1e9
             rows.append(row)

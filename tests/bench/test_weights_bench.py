@@ -151,7 +151,7 @@ def test_a_size_beyond_the_memory_is_refused_before_anything_runs():
     args = bench_main.build_parser().parse_args(["weights", "--gb", "100000", "--json", "-"])
     with pytest.raises(
         SystemExit,
-        match=r"--gb 100000 needs about .* GB of memory \(5 copies "
+        match=r"--gb 100000 needs about .* GB of memory \(12 copies "
         r"of .* GB\), .* GB is available",
     ):
         args.run(args)
