@@ -12,8 +12,10 @@ blocks between the two, between steps:
 
 * **flush** (:meth:`PoolTier.flush`, what the protocol's ``drain`` does, and the first half
   of a commit): the blocks written in the pool since the last flush are gathered from the
-  state's pool in one jitted program (:func:`~jax_tpusync.pool_blocks.gather_blocks`) and
-  written to the tier by the engine, which the commit then syncs and checksums. Written
+  state's pool by jitted programs of a few blocks each
+  (:func:`~jax_tpusync.pool_blocks.gather_blocks`), in batches of
+  :data:`FLUSH_BATCH_BYTES`, each written to the tier by the engine while the next is
+  gathered; the commit then syncs and checksums them. Written
   since the last flush: each active slot's blocks from its flushed length to its length
   (steps only append past a slot's length), blocks :meth:`load
   <jax_tpusync.pool_cache.HostPoolKVCache.load>` wrote, and a released slot's blocks past
