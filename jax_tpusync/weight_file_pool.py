@@ -57,20 +57,66 @@ class _LeasedBytes:
         weakref.finalize(self, os.close, fd)
 
 
-def _map(path: str | os.PathLike, inode: int, size: int, *, writable: bool = False) -> mmap.mmap:
+def _map(
+    path: str | os.PathLike, inode: int, size: int, *, writable: bool = False
+) -> tuple[mmap.mmap, int]:
     """``path`` (whose inode must be ``inode``) mapped shared, read-only unless
-    ``writable``, its pages mapped up front where Linux allows (``MAP_POPULATE``). Opened
-    again for this: ``mmap`` keeps a duplicate of the descriptor it is given, which would
-    hold the caller's lock as long as the mapping."""
+    ``writable``, its pages mapped up front where Linux allows (``MAP_POPULATE``), and a
+    descriptor of it (no lock; the caller closes it). Opened again for this: ``mmap`` keeps
+    a duplicate of the descriptor it is given, which would hold the caller's lock as long
+    as the mapping."""
     fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | getattr(os, "O_CLOEXEC", 0))
     try:
         if os.fstat(fd).st_ino != inode:
             raise FileRetiredError(errno.ESTALE, "replaced since it was opened", str(path))
         populate = getattr(mmap, "MAP_POPULATE", 0)
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate, prot=prot)
-    finally:
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate, prot=prot), fd
+    except BaseException:
         os.close(fd)
+        raise
+
+
+class _KeptMaps:
+    """Mappings kept by (device, inode), at most ``capacity``, each with a descriptor of
+    its file: a file since unlinked (retired while an array held it, or a pool over its
+    room) loses its mapping at the next look-up, so a kept mapping never holds the pages
+    of a file nobody else has."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._entries: collections.OrderedDict[tuple[int, int], tuple[mmap.mmap, int]] = (
+            collections.OrderedDict()
+        )
+
+    def get(self, key: tuple[int, int], size: int) -> mmap.mmap | None:
+        """The kept mapping of ``key`` if it covers ``size`` bytes."""
+        for other, (_, fd) in list(self._entries.items()):
+            if os.fstat(fd).st_nlink == 0:
+                self._drop(other)
+        entry = self._entries.get(key)
+        if entry is None or len(entry[0]) < size:
+            return None
+        self._entries.move_to_end(key)
+        return entry[0]
+
+    def put(self, key: tuple[int, int], mapped: mmap.mmap, fd: int) -> None:
+        if key in self._entries:
+            self._drop(key)
+        self._entries[key] = (mapped, fd)
+        while len(self._entries) > self.capacity:
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, key: tuple[int, int]) -> None:
+        _, fd = self._entries.pop(key)  # Unmapped once no array views it.
+        os.close(fd)
+
+    def clear(self) -> None:
+        for key in list(self._entries):
+            self._drop(key)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 class WriteMappings:
@@ -81,8 +127,7 @@ class WriteMappings:
     size (past it the mapping has no pages)."""
 
     def __init__(self, capacity: int = 4):
-        self.capacity = capacity
-        self._maps: collections.OrderedDict[tuple[int, int], mmap.mmap] = collections.OrderedDict()
+        self._maps = _KeptMaps(capacity)
 
     def get(self, path: str | os.PathLike, fd: int) -> np.ndarray | None:
         """The bytes of the file ``fd`` (at ``path``, exclusively locked by the caller) as
@@ -91,13 +136,10 @@ class WriteMappings:
         if stat.st_size == 0:
             return None
         key = (stat.st_dev, stat.st_ino)
-        mapped = self._maps.get(key)
-        if mapped is None or len(mapped) < stat.st_size:
-            mapped = _map(path, stat.st_ino, stat.st_size, writable=True)
-            self._maps[key] = mapped
-            while len(self._maps) > self.capacity:
-                self._maps.popitem(last=False)
-        self._maps.move_to_end(key)
+        mapped = self._maps.get(key, stat.st_size)
+        if mapped is None:
+            mapped, map_fd = _map(path, stat.st_ino, stat.st_size, writable=True)
+            self._maps.put(key, mapped, map_fd)
         return np.frombuffer(mapped, np.uint8, count=stat.st_size)
 
     def clear(self) -> None:
@@ -110,12 +152,16 @@ class MappingCache:
     mapping (mapping 244 MB with ``MAP_POPULATE`` took 40-60 ms here, about a third of a
     pull). Each :meth:`lease` takes a new shared lock, so a cached mapping is only read
     under a lease; a kept mapping of a file since unlinked keeps its pages until it is
-    evicted (at most ``capacity`` mappings are kept)."""
+    dropped at the next pull (at most ``capacity`` mappings are kept)."""
 
     def __init__(self, capacity: int = 8):
-        self.capacity = capacity
-        self._maps: collections.OrderedDict[tuple[int, int], mmap.mmap] = collections.OrderedDict()
+        self._maps = _KeptMaps(capacity)
         self.hits = 0
+
+    @property
+    def kept(self) -> int:
+        """How many mappings are kept."""
+        return len(self._maps)
 
     def lease(self, path: str | os.PathLike) -> np.ndarray | None:
         """The bytes of ``path`` (a read-only uint8 array whose base holds a shared lock on
@@ -142,15 +188,12 @@ class MappingCache:
                 return None
             # A kept mapping pins its inode: no other file can have its number meanwhile.
             key = (stat.st_dev, stat.st_ino)
-            mapped = self._maps.get(key)
-            if mapped is not None and len(mapped) >= stat.st_size:
-                self._maps.move_to_end(key)
+            mapped = self._maps.get(key, stat.st_size)
+            if mapped is not None:
                 self.hits += 1
             else:
-                mapped = _map(path, stat.st_ino, stat.st_size)
-                self._maps[key] = mapped
-                while len(self._maps) > self.capacity:
-                    self._maps.popitem(last=False)  # Unmapped once no array views it.
+                mapped, map_fd = _map(path, stat.st_ino, stat.st_size)
+                self._maps.put(key, mapped, map_fd)
             leased = _LeasedBytes(mapped, stat.st_size, fd)
         except BaseException:
             os.close(fd)

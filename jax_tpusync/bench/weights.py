@@ -516,8 +516,10 @@ METHODS = {
     "checkpoint": method_checkpoint,
     "device_put": method_device_put,
 }
-# Every way but the one that needs a Mooncake store (added by --store or --remote).
-DEFAULT_METHODS = tuple(m for m in METHODS if m != "weights-mooncake")
+# Every way but the one that needs a Mooncake store (added by --store or --remote), and
+# weights-nocopy (on the CPU backend copy=True writes into the store in publish, which
+# copy=False does in the background: the same bytes moved; ask for it by --methods).
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("weights-mooncake", "weights-nocopy"))
 
 
 # The rows of the summary: the weight store's ways, then the three baselines it is

@@ -231,3 +231,19 @@ def test_a_reused_file_holds_exactly_each_parts_bytes_whatever_its_size(tmp_path
             np.testing.assert_array_equal(opened.shard(leaf, 0), a)
         opened.close()
         store.retire(1)
+
+
+def test_a_kept_mapping_of_an_unlinked_file_is_dropped_at_the_next_lease(tmp_path):
+    cache = MappingCache(capacity=2)
+    first, second, third = (tmp_path / f"{n}.bin" for n in "abc")
+    for path in (first, second, third):
+        path.write_bytes(b"x" * 4096)
+    view = cache.lease(first)
+    assert cache.kept == 1 and bytes(view[:2]) == b"xx"
+    del view
+    first.unlink()  # Retired while its mapping was kept: its pages go at the next lease.
+    cache.lease(second)
+    assert cache.kept == 1
+    cache.lease(third)
+    cache.lease(second)  # A hit; at capacity 2 nothing is evicted.
+    assert (cache.kept, cache.hits) == (2, 1)
