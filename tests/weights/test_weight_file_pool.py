@@ -247,3 +247,23 @@ def test_a_kept_mapping_of_an_unlinked_file_is_dropped_at_the_next_lease(tmp_pat
     cache.lease(third)
     cache.lease(second)  # A hit; at capacity 2 nothing is evicted.
     assert (cache.kept, cache.hits) == (2, 1)
+
+
+def test_a_manifest_like_the_last_one_read_is_not_parsed_again_but_still_checked(mesh, tmp_path):
+    store_dir = tmp_path / "weights"
+    store = WeightStore(store_dir)
+    with WeightPublisher(store_dir, keep=3) as pub:
+        for version in (1, 2, 3):
+            pub.publish(trained(mesh, version)[1], version)
+    first = store.read_manifest(1)
+    second = store.read_manifest(2)  # The same layout: the first's leaves, its own version.
+    assert second.leaves is first.leaves and second.fingerprint == first.fingerprint
+    assert second.version == 2 and second.data_files[0] == data_file(store_dir, 2)
+    # Its data file is still checked: one byte short is refused by name.
+    path = data_file(store_dir, 3)
+    size = path.stat().st_size
+    os.truncate(path, size - 1)
+    with pytest.raises(
+        WeightSyncError, match=rf"weights version 3: .* has {size - 1} bytes, its manifest says "
+    ):
+        store.read_manifest(3)
