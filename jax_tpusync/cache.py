@@ -489,7 +489,7 @@ class OffloadedKVCache:
         """
         self._live.check(state)
         k, v, starts, counts, skip = self.rows.prepare_load(
-            layer, k, v, start, lengths, slot, np.asarray(state.lengths), self._loads
+            layer, k, v, start, lengths, slot, state.lengths, self._loads
         )  # Refused: no change.
         if self.persistence is not None:  # Committed rows may change: commit them gone.
             jax.block_until_ready(state)  # The step that made it has finished writing.

@@ -98,7 +98,7 @@ class HostRows:
         start: Any,
         lengths: Any,
         slot: Any,
-        state_lengths: np.ndarray,  # int[batch]: the slots' lengths in the state loaded
+        state_lengths: Any,  # int[batch]: the slots' lengths in the state loaded (read if needed)
         loaded: LoadedExtent,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         """``(k, v, starts, counts, skip)`` of a cache's ``load`` (see
