@@ -25,7 +25,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
@@ -428,7 +428,7 @@ class WeightPublisher:
             self._executor.shutdown(wait=True)
             self.store.close()
 
-    def __enter__(self) -> WeightPublisher:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -674,7 +674,7 @@ class WeightPuller:
         """Closes the store (the params already pulled stay valid)."""
         self.store.close()
 
-    def __enter__(self) -> WeightPuller:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
