@@ -23,6 +23,7 @@ import pytest  # noqa: E402
 
 from jax_tpusync.engine import Engine, EngineConfig  # noqa: E402
 
+
 def pytest_collection_modifyitems(config, items):
     """Runs the files that hold ``slow`` tests first, the slowest-marked first: the suite
     spreads whole files over its workers (``--dist loadfile``), so a long file handed out
@@ -30,7 +31,9 @@ def pytest_collection_modifyitems(config, items):
     slow_in_file: dict[str, int] = {}
     for item in items:
         path = str(item.path)
-        slow_in_file[path] = slow_in_file.get(path, 0) + (item.get_closest_marker("slow") is not None)
+        slow_in_file[path] = slow_in_file.get(path, 0) + (
+            item.get_closest_marker("slow") is not None
+        )
     first_seen = {path: i for i, path in enumerate(dict.fromkeys(str(it.path) for it in items))}
     items.sort(key=lambda it: (-slow_in_file[str(it.path)], first_seen[str(it.path)]))
 
