@@ -82,6 +82,7 @@ def pool_prefix_layout(config: CacheConfig, shards: int) -> int:
         return POOL_LAYOUT_VERSION * 1000 + shards
     return POOL_LAYOUT_VERSION
 
+
 # Keywords of CacheConfig this cache takes at their defaults only, with why. (``tier="file"``
 # and ``path`` are taken with ``file_name`` alone: the file is the pool's persistent copy.)
 _NOT_YET = {
@@ -259,9 +260,11 @@ class HostPoolKVCache:
             before_reuse=None if p is None else p.note_evicted,
             before_release=None if p is None else p.note_release,
         )
-        # Blocks a reservation imported from a prefix level, by slot: written into the
-        # pool of the state admitted() is given (cancel() drops them).
-        self._imports: dict[int, dict[int, np.ndarray]] = {}
+        # Blocks reservations imported from a prefix level, not yet in a pool: the next
+        # admitted() writes every one of them into its state's pool, since a second
+        # reservation may map a first one's imports and be admitted before it.
+        self._pending_imports: dict[int, np.ndarray] = {}  # block id -> payload
+        self._imported_by: dict[int, list[int]] = {}  # slot -> the block ids it imported
         self._initialized = False  # init() makes the pool once.
         # Per (layer, slot): the end of the furthest load since init or admission; a slot's
         # length grows to the rows every layer holds.
@@ -285,8 +288,7 @@ class HostPoolKVCache:
                 self._close_levels()
                 raise
         logger.info(
-            "host-pool KV cache: %.1f MiB pool, %.1f MiB staging, chunk_len=%d (per device "
-            "of %d)",
+            "host-pool KV cache: %.1f MiB pool, %.1f MiB staging, chunk_len=%d (per device of %d)",
             self.layout.pool_bytes / 2**20,
             2 * self.layout.staging_bytes / 2**20,
             self.spec.chunk_len,
@@ -562,24 +564,33 @@ class HostPoolKVCache:
         imports = self._blocks.take_writes()
         if self._tier is not None:  # Indexed from now on: a commit may hash them.
             self._tier.write_payloads(imports)
-        self._imports[admission.slot] = imports
+        self._pending_imports.update(imports)
+        self._imported_by[admission.slot] = list(imports)
         return admission
 
     def cancel(self, reservation: Admission) -> None:
         """Undoes a :meth:`reserve` that was not :meth:`admitted`. The blocks it imported
-        from a prefix level leave the index too: their bytes never reached a pool."""
-        imports = self._imports.pop(reservation.slot, {})
+        from a prefix level that no pool holds yet leave the index too, unless another
+        reservation maps them (they stay pending for its :meth:`admitted`)."""
+        pending = [
+            b for b in self._imported_by.pop(reservation.slot, []) if b in self._pending_imports
+        ]
         self.slots.release(reservation.slot, 0)
-        if imports:  # Unpinned now (unless another slot maps them, which keeps them).
-            dropped = set(imports)
+        if pending:  # Unpinned now, unless another slot maps them.
+            dropped = set(pending)
             self.slots.prefix.evict(len(dropped), where=lambda block: block in dropped)
+            for block in pending:
+                if self.slots.prefix.refs(block) == 0:  # Evicted and free: never written.
+                    del self._pending_imports[block]
 
     def admitted(self, state: PoolState, reservation: Admission) -> PoolState:
         """The live state once :meth:`reserve` made ``reservation``: the blocks it imported
-        from a prefix level are in its pool."""
+        from a prefix level are in its pool, and so are those any other reservation
+        imported and this one may map."""
         slot = reservation.slot
-        imports = self._imports.pop(slot, {})
-        if imports:
+        self._imported_by.pop(slot, None)
+        if self._pending_imports:
+            imports, self._pending_imports = self._pending_imports, {}
             state = state.replace(pool=self._blocks.apply(state.pool, imports))
         lengths = self._host(state.lengths).copy()
         lengths[slot] = reservation.cached

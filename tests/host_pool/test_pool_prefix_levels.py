@@ -119,6 +119,47 @@ def test_blocks_a_cancelled_reservation_imported_are_imported_again(tmp_path):
     reader.close()
 
 
+@pytest.mark.parametrize("first_cancelled", [False, True], ids=["both-admitted", "cancelled"])
+def test_a_reservation_mapping_anothers_imports_reads_them_admitted_first(
+    tmp_path, first_cancelled
+):
+    # The second reservation maps the blocks the first imported (indexed at its reserve)
+    # and is admitted before it, or after it was cancelled: its pool holds their bytes.
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, 1000, 17)
+    kv = rng.standard_normal((LAYERS, 2, 17, HEADS, HEAD_DIM)).astype(jnp.bfloat16)
+    writer = make_cache(tmp_path)
+    state = writer.init(admit=False)
+    state, _ = writer.admit(state, 0, max_tokens=32, tokens=prompt)
+    for layer in range(LAYERS):
+        state = writer.load(state, layer, kv[layer, 0], kv[layer, 1], slot=0)
+    writer.release(state, 0, tokens=prompt)
+    writer.close()
+    reader = make_cache(tmp_path)
+    state = reader.init(admit=False)
+    first = reader.reserve(0, 32, prompt)
+    second = reader.reserve(1, 32, prompt)
+    assert first.cached == second.cached == 16
+    if first_cancelled:
+        reader.cancel(first)
+    state = reader.admitted(state, second)
+    slots = [1]
+    if not first_cancelled:
+        check_rows(reader, state, 1, kv)  # Before the first is admitted.
+        state = reader.admitted(state, first)
+        slots.append(0)
+    for slot in slots:
+        check_rows(reader, state, slot, kv)
+    reader.close()
+
+
+def check_rows(cache, state, slot, kv):
+    for layer in range(LAYERS):
+        k, v = cache.read(state, layer, slot)
+        np.testing.assert_array_equal(k, kv[layer, 0, :16])
+        np.testing.assert_array_equal(v, kv[layer, 1, :16])
+
+
 @pytest.mark.parametrize("devices", [1, 2], ids=["one-device", "mesh"])
 def test_imported_blocks_of_a_persistent_pool_are_committed_and_mapped_after_a_restart(
     tmp_path, devices
