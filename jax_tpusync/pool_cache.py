@@ -43,25 +43,19 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
-from jax_tpusync import persistence, pool_blocks, quantize
+from jax_tpusync import persistence, pool_assembly, pool_blocks, pool_rows
 from jax_tpusync.config import CacheConfig, with_config
+from jax_tpusync.host_io import LoadedExtent, check_layer, check_load_rows, one_slot_load
 from jax_tpusync.host_pool import (
     NOT_STAGED,
-    POOL_MEMORY_KIND,
     PoolLayout,
     PoolState,
-    pool_rows_of,
-    pool_sharding,
     unit_block_limit,
 )
-from jax_tpusync.host_io import check_load_rows, one_slot_load
-from jax_tpusync.levels import SharedDirectoryLevel
-from jax_tpusync.mesh_layout import MeshLayout, checked_layout
-from jax_tpusync.mooncake_level import make_level
+from jax_tpusync.mesh_layout import MeshLayout
 from jax_tpusync.pool_persistence import PoolTier
 from jax_tpusync.slots import Admission, SlotTable
 from jax_tpusync.state import CacheSpec
@@ -81,18 +75,6 @@ def pool_prefix_layout(config: CacheConfig, shards: int) -> int:
     if shards > 1 and config.geometry.quantized:
         return POOL_LAYOUT_VERSION * 1000 + shards
     return POOL_LAYOUT_VERSION
-
-
-# Keywords of CacheConfig this cache takes at their defaults only, with why. (``tier="file"``
-# and ``path`` are taken with ``file_name`` alone: the file is the pool's persistent copy.)
-_NOT_YET = {
-    "spill_path": (None, "spill tiers are not on the host-pool path yet"),
-    "spill_blocks": (None, "spill tiers are not on the host-pool path yet"),
-    "max_step_tokens": (None, "rings of bounded windows are not on the host-pool path yet"),
-    "resident": (False, "a resident cache needs no pool"),
-    "read_in_place": ("auto", "the pool is always copied to the device by unit"),
-    "debug_poison": (False, "poisoned fetches are an engine feature"),
-}
 
 
 def pool_spec(
@@ -172,82 +154,34 @@ class HostPoolKVCache:
         batch_axis: str | None = None,
         **options: Any,
     ):
-        options = with_config(config, options)
-        for name, (default, why) in _NOT_YET.items():
-            if name in options and options[name] != default:
-                raise ValueError(f"{name}={options[name]!r}: {why} (host-pool cache)")
-        if options.get("tier", "host") != "host" and options.get("file_name") is None:
-            raise ValueError(
-                f"tier={options['tier']!r} without file_name: the pool is host memory; a "
-                f"file tier only holds its persistent copy (pass file_name=) (host-pool cache)"
-            )
-        config = CacheConfig.from_kwargs(**options)
-        if mesh is not None and config.tier.persistent and config.geometry.quantized:
-            name = "shm_name" if config.tier.kind == "host" else "file_name"
-            raise ValueError(
-                f"{name}={getattr(config.tier, name)!r} with mesh= and "
-                f"tier_dtype={config.geometry.tier_dtype.name!r}: a quantized pool over a mesh "
-                f"is not persisted yet (its rows hold every head's codes, then the scales: "
-                f"the devices' rows do not join into the tier's); persist unquantized rows "
-                f"or one device (host-pool cache)"
-            )
-        if mesh is None:
-            if kv_heads_axis is not None or batch_axis is not None:
-                raise ValueError("kv_heads_axis and batch_axis need mesh= (host-pool cache)")
-            mesh_layout = None
-        else:
-            if device is not None:
-                raise ValueError(
-                    "device= and mesh= both given: a mesh cache's pools are on the mesh's "
-                    "devices (host-pool cache)"
-                )
-            mesh_layout = checked_layout(mesh, kv_heads_axis, batch_axis)
-            if batch_axis is not None:
-                raise ValueError(
-                    f"batch_axis={batch_axis!r}: slots split over devices are not on the "
-                    f"host-pool path yet; split the heads over kv_heads_axis (host-pool cache)"
-                )
-        if mesh_layout is None:
-            if device is None:
-                device = jax.devices()[0]
-            if not isinstance(device, jax.Device):
-                raise TypeError(f"device must be a jax.Device; got {type(device).__name__}")
-            kind = device.device_kind
-        else:
-            kind = mesh_layout.mesh.devices.flat[0].device_kind
+        config, placement = pool_assembly.checked_config(
+            with_config(config, options),
+            device=device,
+            mesh=mesh,
+            kv_heads_axis=kv_heads_axis,
+            batch_axis=batch_axis,
+        )
+        device, mesh_layout, kind = placement.device, placement.mesh, placement.device_kind
         self.spec = pool_spec(config, mesh_layout, kind)
         # Checked before anything is opened, so that a mismatch touches nothing.
         self.persistence = persistence.Persistence.prepare_for(config)
         self.config = config
         self.layout = PoolLayout(self.spec)
         self.mesh = mesh_layout
-        if mesh_layout is None:
-            self.device = device
-            self.state_sharding = jax.sharding.SingleDeviceSharding(device)
-            self.pool_sharding = pool_sharding(device)
-        else:
-            self.device = None
-            self.state_sharding = NamedSharding(mesh, mesh_layout.state_spec)
-            self.pool_sharding = NamedSharding(
-                mesh, mesh_layout.state_spec, memory_kind=POOL_MEMORY_KIND
-            )
+        self.device = device
+        self.state_sharding = placement.state_sharding
+        self.pool_sharding = placement.pool_sharding
         g = config.geometry
         root = config.prefix_root(pool_prefix_layout(config, self.shards))
         self._blocks = pool_blocks.PoolBlocks(self.layout, self.mesh)
-        level_layout = dict(
+        # Network levels this cache opened (and closes) are in _owned_levels.
+        remote, self._owned_levels = pool_assembly.open_levels(
+            config,
             root=root,
             num_layers=g.num_layers,
             block_tokens=g.block_tokens,
             block_bytes=self._blocks.half_block_bytes,
         )
-        remote: list[Any] = []
-        self._owned_levels: list[Any] = []  # Network levels this cache opened (and closes).
-        if config.prefix.shared_dir is not None:
-            remote.append(SharedDirectoryLevel(config.prefix.shared_dir, **level_layout))
-        if config.prefix.remote is not None:
-            remote.append(make_level(config.prefix.remote, **level_layout))
-            if remote[-1] is not config.prefix.remote:  # Made here (an address, a factory).
-                self._owned_levels.append(remote[-1])
         p = self.persistence
         self.slots = SlotTable(
             batch=g.batch,
@@ -268,7 +202,7 @@ class HostPoolKVCache:
         self._initialized = False  # init() makes the pool once.
         # Per (layer, slot): the end of the furthest load since init or admission; a slot's
         # length grows to the rows every layer holds.
-        self._loaded_extent = np.zeros((self.spec.num_layers, self.spec.batch), np.int64)
+        self._loaded = LoadedExtent(self.spec.num_layers, self.spec.batch)
         self._closed = False
         # The pool's persistent copy (None: not persistent), and init()'s default lengths
         # once it re-attached a commit.
@@ -371,7 +305,7 @@ class HostPoolKVCache:
             self._tier.started(lengths, self._restored_lengths)
         state = self._state(lengths, self.slots.tables, capacity, pool)
         self._initialized = True
-        self._loaded_extent[:] = 0
+        self._loaded.reset()
         return state
 
     def inert_state(self) -> PoolState:
@@ -594,7 +528,7 @@ class HostPoolKVCache:
             state = state.replace(pool=self._blocks.apply(state.pool, imports))
         lengths = self._host(state.lengths).copy()
         lengths[slot] = reservation.cached
-        self._loaded_extent[:, slot] = reservation.cached
+        self._loaded.reset(slot, reservation.cached)
         if self._tier is not None:
             self._tier.admitted(slot, reservation.cached)
         return self._with_slots(state, lengths)
@@ -628,7 +562,7 @@ class HostPoolKVCache:
                 self._tier.released(slot)
         finally:
             self._blocks.reading(None)
-        self._loaded_extent[:, slot] = 0
+        self._loaded.reset(slot)
         lengths = self._host(state.lengths).copy()
         lengths[slot] = 0
         refused = self._host(state.refused).copy()
@@ -683,7 +617,7 @@ class HostPoolKVCache:
         """
         spec = self.spec
         self.check(state)
-        self._check_layer(layer)
+        check_layer(layer, spec.num_layers)
         if slot is not None:
             k, v, start, lengths = one_slot_load(spec.batch, slot, k, v, start, lengths)
         heads = self.shards * spec.num_kv_heads
@@ -695,39 +629,14 @@ class HostPoolKVCache:
                 self.persistence.note_rows_written(layer, starts, counts)
             self._tier.loaded(layer, starts, counts)
         for b in np.flatnonzero(counts):
-            n = int(counts[b])
-            state = self._load_rows(state, layer, int(b), k[b], v[b], int(starts[b]), n)
-        extent = self._loaded_extent[layer]
-        written = counts > 0
-        extent[written] = np.maximum(extent[written], (starts + counts)[written])
-        lengths_now = self._host(state.lengths).astype(np.int64)
-        grown = np.maximum(lengths_now, self._loaded_extent.min(axis=0))
+            n, table = int(counts[b]), self.slots.table_row(int(b))
+            pool = pool_rows.write_slot_rows(
+                self.layout, self.mesh, state.pool, table, layer, int(starts[b]), k[b, :n], v[b, :n]
+            )
+            state = state.replace(pool=pool)
+        self._loaded.record(layer, starts, counts)
+        grown = self._loaded.grown(self._host(state.lengths))
         return self._unstaged(state.replace(lengths=self._placed(grown.astype(np.int32))))
-
-    def _load_rows(
-        self,
-        state: PoolState,
-        layer: int,
-        slot: int,
-        k: np.ndarray,  # [>= n, heads, head_dim], the cache's dtype
-        v: np.ndarray,
-        start: int,
-        n: int,
-    ) -> PoolState:
-        """``state`` with rows ``[start, start + n)`` of ``slot`` in ``layer`` written."""
-        spec = self.spec
-        bt = spec.block_tokens
-        first, end = start // bt, -(-(start + n) // bt)
-        table = self.slots.table_row(slot)[first:end]
-        old = self._read_rows(state, self.layout.host_rows(layer, table))
-        heads = spec.num_kv_heads
-        for shard in range(self.shards):  # Each device's pool holds its heads.
-            mine = slice(shard * heads, (shard + 1) * heads)
-            new = _pool_rows_host(self.layout, k[:n, mine], v[:n, mine])
-            old[shard, start - first * bt : start - first * bt + n] = new
-        starts = self.layout.block_row(layer, table)
-        pool = pool_blocks.write_blocks(self.layout, self.mesh, state.pool, old, starts)
-        return state.replace(pool=pool)
 
     def read(
         self,
@@ -745,7 +654,7 @@ class HostPoolKVCache:
         :class:`~jax_tpusync.quantize.QuantizedRows`)."""
         spec = self.spec
         self.check(state)
-        self._check_layer(layer)
+        check_layer(layer, spec.num_layers)
         self.slots.check_slot(slot)
         if raw and not spec.quantized:
             raise ValueError("raw=True reads codes and scales: this cache's tier is not quantized")
@@ -760,25 +669,10 @@ class HostPoolKVCache:
                 f"[start, stop) = [{start}, {stop}) must lie in [0, {length}] (slot {slot}'s "
                 f"length)"
             )
-        bt = spec.block_tokens
-        first, end = start // bt, max(-(-stop // bt), start // bt)
-        table = self.slots.table_row(slot)[first:end]
-        rows = self._read_rows(state, self.layout.host_rows(layer, table))
-        rows = rows[:, start - first * bt : stop - first * bt]
-        # Each shard's heads, in order: the global heads.
-        return quantize.join_head_shards([_kv_of_rows(spec, self.layout, p, raw) for p in rows])
-
-    def _read_rows(self, state: PoolState, rows: np.ndarray) -> np.ndarray:
-        """Copies of the pool rows ``rows`` (whole blocks, in order) of every shard, as a
-        numpy array [shards, len(rows), row_width]."""
-        starts = rows[:: self.spec.block_tokens]
-        return pool_blocks.read_blocks(self.layout, self.mesh, state.pool, starts)
-
-    def _check_layer(self, layer: Any) -> None:
-        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.spec.num_layers:
-            raise ValueError(
-                f"layer={layer!r} is out of range for a cache of {self.spec.num_layers} layers"
-            )
+        table = self.slots.table_row(slot)
+        return pool_rows.read_slot_rows(
+            self.layout, self.mesh, state.pool, table, layer, int(start), int(stop), raw
+        )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -817,23 +711,3 @@ class HostPoolKVCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _pool_rows_host(layout: PoolLayout, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """[n, row_width] pool rows of one shard's host K/V [n, H, D] (quantized when the pool
-    is)."""
-    return np.asarray(pool_rows_of(layout, jnp.asarray(k)[None], jnp.asarray(v)[None])[0])
-
-
-def _kv_of_rows(spec: CacheSpec, layout: PoolLayout, rows: np.ndarray, raw: bool = False):
-    """K and V [n, H, D] of one shard's pool rows [n, row_width], in the cache's dtype
-    (``raw``, quantized: their codes and scales)."""
-    half = layout.half_width
-    if not spec.quantized:
-        shape = (rows.shape[0], spec.num_kv_heads, spec.head_dim)
-        return rows[:, :half].reshape(shape), rows[:, half:].reshape(shape)
-    stored = [
-        quantize.unpack_host(part, spec.tier_dtype, spec.num_kv_heads, spec.head_dim)
-        for part in (rows[:, :half], rows[:, half:])
-    ]
-    return tuple(stored) if raw else tuple(quantize.dequantize_host(x, spec.dtype) for x in stored)
