@@ -18,8 +18,11 @@ the attention over cached KV (``cached_attention_share``); ``first_chunk_ms`` /
 ``last_chunk_ms`` show its growth with the position; ``engine_wait_s`` is the time the
 step's waits blocked on the engine (reads not yet landed), ``fetched_bytes`` /
 ``written_bytes`` what moved. Each variant runs ``--repeats`` times, in rotated order; its
-row is its run of median time (``seconds_all``: every run's). ``over_plain`` is the row's tokens/s over plain JAX's
-(target: >= 0.9 on the host tier).
+row is its run of median time (``seconds_all``: every run's). ``over_plain`` is the row's
+tokens/s over plain JAX's (target: >= 0.9 on the host tier).
+
+Printed by default: per context, each tier's whole prefill against plain JAX's in words,
+with the spread of the runs; ``--details``: every variant's row.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tpusync.bench import common, serve, serving_model, tiny_decoder
+from jax_tpusync.bench import common, serve, serving_model, tiny_decoder, verdict
 
 COLUMNS = [
     ("context", "context", "d"),
@@ -62,7 +65,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 65536])
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
     p.add_argument(
         "--tiers",
         nargs="+",
@@ -81,6 +84,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--seed", type=int, default=0)
     common.add_engine_arguments(p)
     common.add_cpu_arguments(p)
+    common.add_details_argument(p, "every variant's row (chunk times, floor, engine waits, bytes)")
     common.add_json_argument(p)
     p.set_defaults(run=run, columns=COLUMNS)
     return p
@@ -100,6 +104,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             raise SystemExit(f"--contexts must be multiples of --chunk ({context})")
         tokens = np.random.default_rng(args.seed + context).integers(0, model.vocab, context)
         tokens = tokens.astype(np.int32)
+        common.progress(f"prefill: {context} tokens, {args.repeats} runs of each way")
         variants = ["plain_jax", *args.tiers]
         runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
         floors = []
@@ -126,7 +131,32 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             row["over_plain"] = row["tokens_per_s"] / base["tokens_per_s"]
             if row["variant"] == "host":
                 row["targets"] = {"host tier >= 0.9 x plain JAX": row["over_plain"] >= 0.9}
+    common.summary_or_details(args, summary(rows))
     return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """Per context, in words: each tier's whole prefill against plain JAX's, with the
+    spread of the runs."""
+    if not rows:
+        return "prefill: no context ran"
+    table, words = [], []
+    for context in dict.fromkeys(r["context"] for r in rows):
+        mine = [r for r in rows if r["context"] == context]
+        spreads = {
+            r["variant"]: verdict.Spread.of([t * 1e3 for t in r["seconds_all"]]) for r in mine
+        }
+        plain = spreads.pop("plain_jax")
+        table.append((f"{context}: plain JAX (KV resident)", plain))
+        for variant, spread in spreads.items():
+            table.append((f"{context}: library, {variant} tier", spread))
+            words.append(
+                f"  {context} tokens, {variant} tier: the library's prefill is "
+                f"{verdict.compare(spread, plain, 'plain JAX with the KV resident')}"
+            )
+    chunk = rows[0]["chunk"]
+    heading = f"Chunked prefill of one sequence, {chunk} tokens a step (whole prefill, ms)"
+    return "\n".join([heading, verdict.table(table, "prefill"), *words])
 
 
 def _in_tier(args, tier, worker_cpus, model, params, step, tokens) -> dict[str, Any]:

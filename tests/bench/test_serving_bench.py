@@ -75,7 +75,7 @@ def test_details_keeps_the_table_and_prints_no_summary(capsys):
     assert args.columns is None and "the summary" in capsys.readouterr().out
 
 
-def test_prefill_bench_tiny(tmp_path):
+def test_prefill_bench_tiny(tmp_path, capsys):
     doc = run_bench(
         [
             "prefill", "--tiers", "host", "file", "--path", str(tmp_path),
@@ -98,6 +98,12 @@ def test_prefill_bench_tiny(tmp_path):
             assert r["written_bytes"] == 2 * 2 * r["context"] * 32
         if r["variant"] == "host":
             assert set(r["targets"]) == {"host tier >= 0.9 x plain JAX"}
+    # The short summary: each tier against plain JAX in words, no developer columns.
+    out = capsys.readouterr().out
+    assert "48 tokens, host tier: the library's prefill is " in out
+    assert "48 tokens, file tier: the library's prefill is " in out
+    assert "than plain JAX with the KV resident" in out or "as fast as plain JAX" in out
+    assert "over plain" not in out and "None" not in out
 
 
 def test_serve_bench_shared_prompt_tiny(tmp_path, capsys):
