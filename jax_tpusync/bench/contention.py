@@ -19,6 +19,10 @@ run, are in one of three states, rotated each round:
 Reports GB/s per state (medians of ``--repeats`` rounds after ``--warmup``; the warm-up
 round verifies the bytes) and ``alu_over_idle`` / ``memory_over_idle``. With one CPU, the
 load shares it with the engine (said in the row).
+
+Printed by default: per load, the share of its idle fetch rate the engine keeps, in words,
+with the spread of the rounds; ``--details``: the row of rates and ratios. Rounds are
+reported on stderr as they finish.
 """
 
 from __future__ import annotations
@@ -31,10 +35,16 @@ import time
 import zlib
 from typing import Any
 
-from jax_tpusync.bench import common
+from jax_tpusync.bench import common, verdict
 from jax_tpusync.engine import Engine
 
 STATES = ("idle", "alu", "memory")
+# What each state's load does, in the summary's words.
+STATE_WORDS = {
+    "idle": "the other CPUs idle",
+    "alu": "the other CPUs spinning an integer loop",
+    "memory": "the other CPUs copying memory",
+}
 TIER_BLOCK_BYTES = 64 * common.KiB
 RAMP_SECONDS = 0.2  # Lets the load processes start and reach their CPUs before timing.
 
@@ -104,6 +114,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="CPUs kept for the engine's workers, the last ones; the load runs on the others "
         "(default 1)",
     )
+    common.add_details_argument(p, "the row of GB/s per load and their ratios to idle")
     common.add_json_argument(p)
     p.set_defaults(run=run, columns=COLUMNS)
     return p
@@ -156,12 +167,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     affinity = os.sched_getaffinity(0)
     os.sched_setaffinity(0, engine_cpus)  # This thread only waits; keep it off the load.
     try:
-        return _measure(args, total, block, engine_cpus, load_cpus)
+        row, samples = _measure(args, total, block, engine_cpus, load_cpus)
     finally:
         os.sched_setaffinity(0, affinity)
+    common.summary_or_details(args, summary(row, samples))
+    return row
 
 
-def _measure(args, total, block, engine_cpus, load_cpus) -> dict[str, Any]:
+def summary(row: dict[str, Any], samples: dict[str, common.Samples]) -> str:
+    """Per load state, in words: the share of the idle fetch rate the engine keeps, with
+    the spread of the rounds (``samples``: each state's whole-fetch seconds)."""
+    spreads = {s: verdict.Spread.of([t * 1e3 for t in samples[s].seconds]) for s in STATES}
+    shared = " (one CPU: the load shares it with the engine)" if row["shared_cpus"] else ""
+    heading = (
+        f"{row['tier']} tier: {common.format_bytes(row['total_bytes'])} fetched whole in "
+        f"{common.format_bytes(row['block_bytes'])} requests, engine on CPUs "
+        f"{row['engine_cpus']}, load on {row['load_cpus']}{shared} (whole fetch, ms)"
+    )
+    table = [(f"{s}: {STATE_WORDS[s]}, {row[f'{s}_gbps']:.2f} GB/s", spreads[s]) for s in STATES]
+    words = [
+        f"  with {STATE_WORDS[s]} the engine keeps {row[f'{s}_over_idle']:.2f}x of its idle "
+        f"fetch rate ({row[f'{s}_gbps']:.2f} against {row['idle_gbps']:.2f} GB/s): a whole "
+        f"fetch is {verdict.compare(spreads[s], spreads['idle'], 'with them idle')}"
+        for s in STATES[1:]
+    ]
+    return "\n".join([heading, verdict.table(table, "load"), *words])
+
+
+def _measure(
+    args, total, block, engine_cpus, load_cpus
+) -> tuple[dict[str, Any], dict[str, common.Samples]]:
     shared = set(engine_cpus) == set(load_cpus)
     _, source = common.page_aligned_buffer(total, huge_pages=True)
     common.fill_random(source, seed=99)
@@ -193,11 +228,10 @@ def _measure(args, total, block, engine_cpus, load_cpus) -> dict[str, Any]:
             engine.wait(engine.submit_read(tier, segments, dst))
             return time.perf_counter() - t0
 
-        print(
+        common.progress(
             f"{info.description}; {common.format_bytes(total)} in "
             f"{common.format_bytes(block)} requests; engine on CPUs {list(engine_cpus)}, "
-            f"load on {list(load_cpus)}{' (shared: one CPU)' if shared else ''}",
-            flush=True,
+            f"load on {list(load_cpus)}{' (shared: one CPU)' if shared else ''}"
         )
         samples = {s: common.Samples() for s in STATES}
         for r in range(args.warmup + args.repeats):
@@ -212,12 +246,11 @@ def _measure(args, total, block, engine_cpus, load_cpus) -> dict[str, Any]:
                     raise RuntimeError(f"fetched bytes differ from the written ones ({state})")
                 if r >= args.warmup:
                     samples[state].add(seconds)
-            print(
+            common.progress(
                 f"  round {r + 1}, medians so far: "
                 + ", ".join(f"{s} {total / samples[s].median / 1e9:.2f} GB/s" for s in STATES)
                 if r >= args.warmup
-                else f"  round {r + 1} (warm-up, bytes verified)",
-                flush=True,
+                else f"  round {r + 1} (warm-up, bytes verified)"
             )
     finally:
         engine.close()
@@ -242,4 +275,4 @@ def _measure(args, total, block, engine_cpus, load_cpus) -> dict[str, Any]:
         "shared_cpus": shared,
         "repeats": args.repeats,
     }
-    return row
+    return row, samples

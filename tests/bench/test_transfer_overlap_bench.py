@@ -83,7 +83,7 @@ def test_transfer_reports_engine_and_ceiling(tmp_path):
 
 
 @pytest.mark.parametrize("tier", ["host", "file"])
-def test_contention_reports_each_load_state(tier, tmp_path):
+def test_contention_reports_each_load_state(tier, tmp_path, capsys):
     data_dir = tmp_path / "tier"
     data_dir.mkdir()
     before = os.sched_getaffinity(0)
@@ -108,6 +108,16 @@ def test_contention_reports_each_load_state(tier, tmp_path):
         assert row[f"{state}_gbps"] > 0 and row[f"{state}_ms_median"] > 0, state
     assert row["alu_over_idle"] == pytest.approx(row["alu_gbps"] / row["idle_gbps"])
     assert row["memory_over_idle"] == pytest.approx(row["memory_gbps"] / row["idle_gbps"])
+    out = capsys.readouterr().out
+    assert f"{tier} tier: 1 MiB fetched whole in 256 KiB requests, engine on CPUs" in out
+    for state, words in (("alu", "spinning an integer loop"), ("memory", "copying memory")):
+        assert (
+            f"with the other CPUs {words} the engine keeps {row[f'{state}_over_idle']:.2f}x of"
+            f" its idle fetch rate ({row[f'{state}_gbps']:.2f} against {row['idle_gbps']:.2f}"
+            " GB/s): a whole fetch is "
+        ) in out
+    assert out.count("than with them idle") + out.count("as fast as with them idle") == 2
+    assert "None" not in out and "nan" not in out and "alu/idle" not in out  # No table.
     assert os.sched_getaffinity(0) == before  # The caller's CPUs are given back.
     assert list(data_dir.iterdir()) == []  # The named tier file is removed at the end.
 
