@@ -20,6 +20,11 @@ decisions it led by less than 0.05) say how close the calls were
 ``other_context`` row (bfloat16 rows, each sequence given another sequence's context, with
 ``--batch`` >= 2) how far the logits move when the context itself changes: quantization
 error is only small next to that.
+
+Printed by default: per quantized tier, in words, how far it moves the logits next to how
+far changing the context moves them, and how often it picks the reference's token;
+``--details``: every row. The default context (8192 tokens) runs in a minute or two on two
+cores; the figures in docs/benchmarks.md are from ``--context 32768``.
 """
 
 from __future__ import annotations
@@ -72,7 +77,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--tier", choices=("host", "file"), default="host")
     p.add_argument("--path", default=None, help="directory of the file tier (default: cwd)")
-    p.add_argument("--context", type=int, default=32768, help="cached tokens before decoding")
+    p.add_argument("--context", type=int, default=8192, help="cached tokens before decoding")
     p.add_argument("--steps", type=int, default=64, help="greedy decode steps compared")
     p.add_argument("--batch", type=int, default=4, help="sequences")
     p.add_argument("--prefill-window", type=int, default=1024, help="prefill window (0: full)")
@@ -86,6 +91,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--seed", type=int, default=0)
     common.add_engine_arguments(p)
     common.add_cpu_arguments(p)
+    common.add_details_argument(p, "every row (agreement, logit differences, bytes, step time)")
     common.add_json_argument(p)
     p.set_defaults(run=run, columns=COLUMNS)
     return p
@@ -134,7 +140,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         state = prefill_cache.drain(state)
         context_kv = [prefill_cache.read_all(layer, args.context) for layer in range(model.layers)]
     prefill_s = time.perf_counter() - t0
-    print(f"prefilled {args.batch} x {args.context} tokens in {prefill_s:.1f} s", flush=True)
+    common.progress(f"quality: prefilled {args.batch} x {args.context} tokens in {prefill_s:.1f} s")
 
     path = None
     if args.tier == "file":
@@ -148,6 +154,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for variant in [None, *args.tier_dtypes, CONTROL]:
             tier_dtype = None if variant == CONTROL else variant
             roll = 1 if variant == CONTROL else 0
+            common.progress(f"quality: {args.steps} decode steps, {variant or 'bfloat16'} cache")
             with tps.OffloadedKVCache(
                 **cache_args, tier_dtype=tier_dtype, tier=args.tier, path=path
             ) as cache:
@@ -178,7 +185,71 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     finally:
         if path:
             shutil.rmtree(path, ignore_errors=True)
-    return _rows(args, decoded, prefill_s)
+    rows = _rows(args, decoded, prefill_s)
+    common.summary_or_details(args, summary(rows))
+    return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """Per quantized tier, in words: how far it moves the next-token logits next to how far
+    another context moves them (the control row), and how often it picks the reference's
+    token (overall and on the decisions that are not near-ties)."""
+    by_name = {r["tier_dtype"]: r for r in rows}
+    ref, control = by_name["bfloat16"], by_name[CONTROL]
+    decisions = ref["decisions"]
+    decisive = round(decisions * (1 - ref["reference_near_ties"]))
+    heading = (
+        f"{ref['batch']} sequences of {ref['context']} cached tokens, {ref['steps']} greedy "
+        f"decode steps each ({decisions} decisions) against a cache of bfloat16 rows; "
+        f"{_percent(ref['reference_near_ties'])} of its decisions are near-ties (its best "
+        f"next-token logit leads by less than {DECISIVE_MARGIN})"
+    )
+    scale_line = (
+        f"  changing the context (each sequence given another's) moves the logits by "
+        f"{control['mean_abs_logit_diff']:.3g} on average (at most "
+        f"{control['max_abs_logit_diff']:.3g}) and keeps the next token in "
+        f"{_percent(control['top1_agreement'])} of the decisions"
+    )
+    lines = [heading, scale_line]
+    for row in rows:
+        if row["tier_dtype"] in ("bfloat16", CONTROL):
+            continue
+        name, moved = row["tier_dtype"], row["mean_abs_logit_diff"]
+        if moved == 0:
+            scale = "does not move the logits at all"
+        else:
+            ratio = control["mean_abs_logit_diff"] / moved
+            if ratio >= 1:
+                than = f"{_ratio(ratio)} less than changing the context"
+            else:
+                than = f"{_ratio(1 / ratio)} more than changing the context"
+            scale = (
+                f"moves the logits {than} ({moved:.3g} on average, at most "
+                f"{row['max_abs_logit_diff']:.3g})"
+            )
+        agree = f"picks the reference's next token in {_percent(row['top1_agreement'])}"
+        if row["top1_agreement_decisive"] is None:
+            agree += " of the decisions (every one a near-tie)"
+        else:
+            agree += (
+                f" of the decisions, {_percent(row['top1_agreement_decisive'])} of the "
+                f"{decisive} that are not near-ties"
+            )
+        lines.append(
+            f"  {name} ({row['tier_bytes_ratio']:.2f}x the bytes of bfloat16 rows): {scale};"
+            f" it {agree}"
+        )
+    return "\n".join(lines)
+
+
+def _percent(share: float) -> str:
+    """``0.953`` -> ``"95.3%"``."""
+    return f"{100 * share:.1f}%"
+
+
+def _ratio(ratio: float) -> str:
+    """``18.2`` -> ``"18x"``; under 10 one decimal (``"2.4x"``)."""
+    return f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.1f}x"
 
 
 def _rows(args, decoded: dict, prefill_s: float) -> list[dict[str, Any]]:

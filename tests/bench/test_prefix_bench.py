@@ -104,7 +104,7 @@ def test_prefix_defaults_finish_in_about_a_minute():
     assert (args.tiers, args.prefix_tokens, args.details) == (["host"], 4096, False)
 
 
-def test_quality_bench_tiny(tmp_path):
+def test_quality_bench_tiny(tmp_path, capsys):
     out = tmp_path / "quality.json"
     args = bench_main.build_parser().parse_args(
         [
@@ -140,3 +140,25 @@ def test_quality_bench_tiny(tmp_path):
         # Quantization moves the logits, far less than another context does.
         assert 0 < row["max_abs_logit_diff"] < rows["other_context"]["max_abs_logit_diff"]
     assert "targets" in rows["int8"]
+    out = capsys.readouterr().out
+    assert "2 sequences of 64 cached tokens, 3 greedy decode steps each (6 decisions)" in out
+    control = rows["other_context"]
+    assert (
+        f"changing the context (each sequence given another's) moves the logits by "
+        f"{control['mean_abs_logit_diff']:.3g} on average"
+    ) in out
+    for name in ("int8", "float8_e4m3fn"):
+        row = rows[name]
+        ratio = control["mean_abs_logit_diff"] / row["mean_abs_logit_diff"]
+        times = f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.1f}x"
+        assert (
+            f"{name} (0.75x the bytes of bfloat16 rows): moves the logits {times} less than"
+            f" changing the context ({row['mean_abs_logit_diff']:.3g} on average"
+        ) in out
+        assert f"picks the reference's next token in {100 * row['top1_agreement']:.1f}%" in out
+    assert "None" not in out and "nan" not in out and " ms" not in out and "agree" not in out
+
+
+def test_quality_defaults_finish_in_a_minute_or_two():
+    args = bench_main.build_parser().parse_args(["quality"])
+    assert (args.context, args.steps, args.batch, args.details) == (8192, 64, 4, False)
