@@ -18,6 +18,11 @@ scheduled program), and a projected step time: the KV bytes a step reads over a 
 of ``--link-gbps`` (default 23.75 GB/s per chip: TPU Sync's published 190 GB/s of
 contiguous host-to-device copies per 8-chip Ironwood host). A projection, not a measurement:
 nothing here ran on a TPU.
+
+Printed by default: per topology, in words, the device memory ours holds across the
+contexts against the plain and resident steps', and how many unit copies overlap an
+attention; ``--details``: every row. Each program compiles in its own child process
+(progress on stderr): the default nine rows take about 15 minutes on two cores.
 """
 
 from __future__ import annotations
@@ -86,6 +91,7 @@ def add_parser(sub) -> None:
         help="split the KV heads (and the projections) over every chip of the topology",
     )
     p.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS)
+    common.add_details_argument(p, "every row (device MiB per step, overlap, projected ms)")
     common.add_json_argument(p)
     p.set_defaults(run=run, columns=COLUMNS)
 
@@ -555,8 +561,87 @@ def run(args) -> list[dict]:
                     ran_on_tpu=False,
                 )
             )
-            print(f"{topology} {context}: compiled in {ours['compile_s']:.1f} s", file=sys.stderr)
+            common.progress(f"{topology} {context}: compiled in {ours['compile_s']:.1f} s")
+    common.summary_or_details(args, summary(rows))
     return rows
+
+
+def summary(rows: list[dict]) -> str:
+    """Per topology, in words: the device memory ours holds across the contexts (weights
+    plus staging) against the plain memory-kinds step's and the resident step's at each
+    context, and how many of ours' unit copies overlap an attention."""
+    if not rows:
+        return "tpu-compile: nothing compiled"
+    lines = []
+    for topology in dict.fromkeys(r["topology"] for r in rows):
+        mine = [r for r in rows if r["topology"] == topology]
+        first = mine[0]
+        chips = f", the heads split over {first['chips']} chips" if first["chips"] > 1 else ""
+        lines.append(
+            f"{topology} ({first['implementation']} attention{chips}), device memory per chip:"
+        )
+        ours = [r["ours_device_mib"] for r in mine]
+        held = (
+            f"{min(ours):.0f} MiB at every context"
+            if max(ours) - min(ours) <= 0.01 * max(ours)
+            else f"{min(ours):.0f}-{max(ours):.0f} MiB across the contexts"
+        )
+        lines.append(
+            f"  ours holds {held} ({_contexts(mine)}; weights {first['weights_mib']:.0f} MiB"
+            f" + staging {first['staging_mib']:.0f} MiB)"
+        )
+        for kind, name in (("plain", "plain memory kinds"), ("resident", "all KV resident")):
+            held_at = _held(mine, kind)
+            if held_at:
+                lines.append(f"  {name}: {held_at}")
+        copies = sum(r["overlap"]["copies"] for r in mine)
+        overlapped = sum(r["overlap"]["overlapped"] for r in mine)
+        lines.append(
+            f"  {overlapped} of ours' {copies} unit copies are started before the attention"
+            f" they overlap and waited for after it"
+        )
+    link = rows[0]["link_gbps"]
+    longest = max(rows, key=lambda r: r["context"])
+    ran = any(r["ran_on_tpu"] for r in rows)
+    lines.append(
+        ("Ran on a TPU" if ran else "Nothing ran on a TPU")
+        + ": the memory is the compiler's plan; a step's time is only projected from the KV"
+        f" it reads over a {link:.2f} GB/s host link per chip"
+        f" ({longest['projected_step_ms']:.1f} ms at {_tokens(longest['context'])},"
+        f" {longest['topology']})"
+    )
+    return "\n".join(lines)
+
+
+def _held(rows: list[dict], kind: str) -> str:
+    """``"hold 2690 MiB at 32K; do not fit at 1M"`` for ``kind``'s cells of ``rows``
+    ("": not compiled)."""
+    parts = []
+    for row in rows:
+        mib, note = row[f"{kind}_device_mib"], row[f"{kind}_note"]
+        at = _tokens(row["context"])
+        if mib is not None:
+            parts.append(f"hold {mib:.0f} MiB at {at}")
+        elif note.startswith("does not fit"):
+            parts.append(f"do not fit at {at} ({note[len('does not fit: ') :]})")
+        elif note.startswith("the compiler aborted"):
+            parts.append(f"the compiler aborted at {at}")
+    return "; ".join(parts)
+
+
+def _contexts(rows: list[dict]) -> str:
+    """``"32K, 256K and 1M tokens"``."""
+    names = [_tokens(r["context"]) for r in rows]
+    listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+    return f"{listed} tokens"
+
+
+def _tokens(count: int) -> str:
+    """``32768`` -> ``"32K"``, ``1048576`` -> ``"1M"``, ``1000`` -> ``"1000"``."""
+    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
+        if count >= size and count % size == 0:
+            return f"{count // size}{unit}"
+    return str(count)
 
 
 def _child_main(request_json: str) -> None:

@@ -37,6 +37,10 @@ def compile_report(tmp_path_factory, *args: str) -> dict:
         command, capture_output=True, text=True, env=env, timeout=900, cwd=out.parent
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    # The summary in words, not the table (--details), and no empty cell printed.
+    assert "Nothing ran on a TPU: " in done.stdout and "ours holds " in done.stdout
+    assert "None" not in done.stdout and "nan" not in done.stdout
+    assert "ours MiB" not in done.stdout
     return {row["context"]: row for row in json.loads(out.read_text())["results"]}
 
 
@@ -104,6 +108,51 @@ def test_a_mesh_and_windowed_step_is_bounded_and_overlapped_on_v6e(mesh_report):
     # V of 2 heads of 128 bf16 values a row.
     rows = 5 * 1024 + 2**20
     assert long["kv_mib_per_step"] == pytest.approx(2 * rows * 2 * 128 * 2 / 2**20)
+
+
+def test_the_summary_says_what_each_step_holds_in_words():
+    from jax_tpusync.bench.tpu_compile import summary
+
+    def row(context, ours, plain, plain_note="", resident_note="not compiled (--kinds)"):
+        return dict(
+            topology="v5e:2x2", context=context, implementation="pallas", chips=1,
+            ours_device_mib=ours, plain_device_mib=plain, plain_note=plain_note,
+            resident_device_mib=None, resident_note=resident_note, weights_mib=640.0,
+            staging_mib=128.0, overlap=dict(computations=8, copies=16, overlapped=16),
+            link_gbps=23.75, projected_step_ms=0.5 * context / 2**15, ran_on_tpu=False,
+        )  # fmt: skip
+
+    text = summary(
+        [
+            row(32768, 770.2, 1795.6),
+            row(1048576, 771.0, None, "does not fit: needs 33000 MiB of temporaries"),
+        ]
+    )
+    assert text.splitlines() == [
+        "v5e:2x2 (pallas attention), device memory per chip:",
+        (
+            "  ours holds 770 MiB at every context (32K and 1M tokens; weights 640 MiB"
+            " + staging 128 MiB)"
+        ),
+        (
+            "  plain memory kinds: hold 1796 MiB at 32K; do not fit at 1M (needs 33000 MiB of"
+            " temporaries)"
+        ),
+        (
+            "  32 of ours' 32 unit copies are started before the attention they overlap and"
+            " waited for after it"
+        ),
+        (
+            "Nothing ran on a TPU: the memory is the compiler's plan; a step's time is only"
+            " projected from the KV it reads over a 23.75 GB/s host link per chip (16.0 ms at"
+            " 1M, v5e:2x2)"
+        ),
+    ]
+    # Ours growing past 1% reads as a range; an aborted compile is said, not printed empty.
+    text = summary([row(32768, 700.0, None, "the compiler aborted: x"), row(65536, 800.0, 9.0)])
+    assert "ours holds 700-800 MiB across the contexts (32K and 64K tokens;" in text
+    assert "plain memory kinds: the compiler aborted at 32K; hold 9 MiB at 64K" in text
+    assert summary([]) == "tpu-compile: nothing compiled"
 
 
 def test_the_schedule_check_finds_a_copy_waited_for_too_early():
