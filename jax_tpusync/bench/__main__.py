@@ -6,7 +6,8 @@ Each subcommand lives in its own module that exposes
   ``run`` (``run(args) -> list[dict] | dict``) and ``columns`` (how to print result rows,
   see :func:`jax_tpusync.bench.common.format_table`; ``run`` may set it to None where it
   printed a summary of its own instead, as ``decode``, ``prefix``, ``pd``, ``hybrid``,
-  ``serve`` and ``prefill`` do without ``--details``:
+  ``serve``, ``prefill``, ``contention``, ``quality`` and ``tpu-compile`` do without
+  ``--details``:
   :func:`jax_tpusync.bench.common.summary_or_details`);
 * ``run(args)``: does the measurement and returns JSON-ready results.
 
@@ -48,9 +49,10 @@ def build_parser(subcommands: Sequence[str] = SUBCOMMANDS) -> argparse.ArgumentP
     parser = argparse.ArgumentParser(
         prog="python -m jax_tpusync.bench",
         description="jax_tpusync benchmarks: engine vs a plain ceiling, measured side by side.",
-        epilog="Every subcommand prints a table (decode, prefix, pd, hybrid, serve and prefill: a "
-        "short summary in words, the table with --details); --json OUT also writes the results as "
-        "JSON (no file is written without it). 'SUBCOMMAND --help' lists a subcommand's options.",
+        epilog="Every subcommand prints a table (decode, prefix, pd, hybrid, serve, prefill, "
+        "contention, quality and tpu-compile: a short summary in words, the table with "
+        "--details); --json OUT also writes the results as JSON (no file is written without it). "
+        "'SUBCOMMAND --help' lists a subcommand's options.",
     )
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
     for name in subcommands:
