@@ -284,26 +284,14 @@ class HostPoolKVCache:
             raise ValueError(f"lengths must have shape ({spec.batch},); got {lengths.shape}")
         if admit:
             self.slots.admit_all()
-        capacity = self.slots.capacity
-        for b in range(spec.batch):
-            shared = self.slots.shared_tokens(b)
-            if lengths[b] < shared:
-                raise ValueError(
-                    f"lengths[{b}]={int(lengths[b])} is below slot {b}'s shared prefix of "
-                    f"{shared} tokens (blocks other sequences read: decode would write them)"
-                )
-            if not 0 <= lengths[b] <= capacity[b]:
-                raise ValueError(
-                    f"lengths[{b}]={int(lengths[b])} must be in [0, {int(capacity[b])}] "
-                    f"(slot {b}'s capacity)"
-                )
+        self.slots.check_lengths(lengths)
         pool = None
         if self._tier is not None:
             self.persistence.note_init(lengths)  # Below the commit: commits that first.
             if self._restored_lengths is not None:
                 pool = self._tier.restored_pool(self.persistence.committed_lengths)
             self._tier.started(lengths, self._restored_lengths)
-        state = self._state(lengths, self.slots.tables, capacity, pool)
+        state = self._state(lengths, self.slots.tables, self.slots.capacity, pool)
         self._initialized = True
         self._loaded.reset()
         return state

@@ -1,5 +1,6 @@
-"""Fixtures shared by the engine and op tests: engines that always close, directories where
-a file tier really uses O_DIRECT, and whether the Mooncake client can be used."""
+"""Fixtures shared by the tests: engines that always close, directories where a file tier
+really uses O_DIRECT, whether the Mooncake client can be used, and persistent tiers (a
+unique shm name, either kind of tier)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import uuid
+from pathlib import Path
 
 # Four simulated CPU devices for the mesh tests (tests/mesh); every other test runs on the
 # first. Read when JAX's backends start, so set before anything starts them.
@@ -21,6 +24,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import pytest  # noqa: E402
 
+from jax_tpusync import persistence  # noqa: E402
 from jax_tpusync.engine import Engine, EngineConfig  # noqa: E402
 
 
@@ -143,3 +147,26 @@ def veth_pair():
     finally:
         _ip("link", "del", outer)
         _ip("netns", "del", ns)
+
+
+# -- persistent tiers (the persistence and host-pool persistence tests) -------------------
+
+
+@pytest.fixture
+def shm_name():
+    """A unique shm name; the segment and its manifest are removed at teardown."""
+    name = f"tpusync-test-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    yield name
+    try:
+        Engine.unlink_shm(name)
+    except Exception:  # noqa: BLE001 - never created, or removed by the test.
+        pass
+    Path(persistence.SHM_DIRECTORY, name + persistence.MANIFEST_SUFFIX).unlink(missing_ok=True)
+
+
+@pytest.fixture(params=["file", "shm"])
+def where(request, tmp_path, shm_name):
+    """Keyword arguments of a persistent tier of either kind."""
+    if request.param == "file":
+        return dict(tier="file", path=tmp_path, file_name="kv")
+    return dict(tier="host", shm_name=shm_name)

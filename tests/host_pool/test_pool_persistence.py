@@ -8,12 +8,10 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
 import textwrap
-import uuid
 from pathlib import Path
 
 import jax
@@ -43,26 +41,6 @@ def make(where, **options):
         **where,
         **options,
     )
-
-
-@pytest.fixture
-def shm_name():
-    """A unique shm name; the segment and its manifest are removed at teardown."""
-    name = f"tpusync-pool-test-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    yield name
-    try:
-        tps.Engine.unlink_shm(name)
-    except Exception:  # noqa: BLE001 - never created, or removed by the test.
-        pass
-    Path(persistence.SHM_DIRECTORY, name + persistence.MANIFEST_SUFFIX).unlink(missing_ok=True)
-
-
-@pytest.fixture(params=["file", "shm"])
-def where(request, tmp_path, shm_name):
-    """Keyword arguments of a persistent tier of either kind."""
-    if request.param == "file":
-        return dict(tier="file", path=tmp_path, file_name="kv")
-    return dict(tier="host", shm_name=shm_name)
 
 
 def manifest_of(where) -> Path:
