@@ -94,16 +94,7 @@ def test_a_damaged_block_file_is_a_miss(tmp_path):
 def test_blocks_a_cancelled_reservation_imported_are_imported_again(tmp_path):
     # Cancelled, the imported blocks never reached a pool: they leave the index, and the
     # next admission of the prompt imports them again (not a map of unwritten blocks).
-    rng = np.random.default_rng(4)
-    prompt = rng.integers(0, 1000, 17)
-    kv = rng.standard_normal((LAYERS, 2, 17, HEADS, HEAD_DIM)).astype(jnp.bfloat16)
-    writer = make_cache(tmp_path)
-    state = writer.init(admit=False)
-    state, _ = writer.admit(state, 0, max_tokens=32, tokens=prompt)
-    for layer in range(LAYERS):
-        state = writer.load(state, layer, kv[layer, 0], kv[layer, 1], slot=0)
-    writer.release(state, 0, tokens=prompt)
-    writer.close()
+    prompt, kv = publish_a_prompt(tmp_path, seed=4)
     reader = make_cache(tmp_path)
     state = reader.init(admit=False)
     reservation = reader.reserve(0, 32, prompt)
@@ -112,10 +103,7 @@ def test_blocks_a_cancelled_reservation_imported_are_imported_again(tmp_path):
     assert len(reader.slots.prefix) == 0
     state, cached = reader.admit(state, 1, max_tokens=32, tokens=prompt)
     assert cached == 16
-    for layer in range(LAYERS):
-        k, v = reader.read(state, layer, 1)
-        np.testing.assert_array_equal(k, kv[layer, 0, :16])
-        np.testing.assert_array_equal(v, kv[layer, 1, :16])
+    check_rows(reader, state, 1, kv)
     reader.close()
 
 
@@ -125,16 +113,7 @@ def test_a_reservation_mapping_anothers_imports_reads_them_admitted_first(
 ):
     # The second reservation maps the blocks the first imported (indexed at its reserve)
     # and is admitted before it, or after it was cancelled: its pool holds their bytes.
-    rng = np.random.default_rng(5)
-    prompt = rng.integers(0, 1000, 17)
-    kv = rng.standard_normal((LAYERS, 2, 17, HEADS, HEAD_DIM)).astype(jnp.bfloat16)
-    writer = make_cache(tmp_path)
-    state = writer.init(admit=False)
-    state, _ = writer.admit(state, 0, max_tokens=32, tokens=prompt)
-    for layer in range(LAYERS):
-        state = writer.load(state, layer, kv[layer, 0], kv[layer, 1], slot=0)
-    writer.release(state, 0, tokens=prompt)
-    writer.close()
+    prompt, kv = publish_a_prompt(tmp_path, seed=5)
     reader = make_cache(tmp_path)
     state = reader.init(admit=False)
     first = reader.reserve(0, 32, prompt)
@@ -153,7 +132,24 @@ def test_a_reservation_mapping_anothers_imports_reads_them_admitted_first(
     reader.close()
 
 
+def publish_a_prompt(directory, seed):
+    """A 17-token prompt and its KV [layers, K|V, 17, heads, head_dim], whose two full
+    blocks a cache (closed since) published to ``directory``."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, 1000, 17)
+    kv = rng.standard_normal((LAYERS, 2, 17, HEADS, HEAD_DIM)).astype(jnp.bfloat16)
+    writer = make_cache(directory)
+    state = writer.init(admit=False)
+    state, _ = writer.admit(state, 0, max_tokens=32, tokens=prompt)
+    for layer in range(LAYERS):
+        state = writer.load(state, layer, kv[layer, 0], kv[layer, 1], slot=0)
+    writer.release(state, 0, tokens=prompt)
+    writer.close()
+    return prompt, kv
+
+
 def check_rows(cache, state, slot, kv):
+    """``slot``'s first 16 rows (the published blocks) in every layer equal ``kv``'s."""
     for layer in range(LAYERS):
         k, v = cache.read(state, layer, slot)
         np.testing.assert_array_equal(k, kv[layer, 0, :16])
