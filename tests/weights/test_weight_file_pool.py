@@ -16,7 +16,6 @@ import jax
 import numpy as np
 import pytest
 import weights_support as ws
-from jax.sharding import PartitionSpec as P
 
 from jax_tpusync.weight_file_pool import FilePool, FileRetiredError, MappingCache
 from jax_tpusync.weight_store import IncompleteVersionError, WeightStore, WeightSyncError
@@ -25,12 +24,7 @@ from jax_tpusync.weight_sync import WeightPublisher, WeightPuller
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
 
 
-def fsdp(path: str, ndim: int) -> P:
-    return P("fsdp") if ndim else P()
-
-
-def tp(path: str, ndim: int) -> P:
-    return P(*([None] * (ndim - 1)), "tp") if ndim >= 2 else P()
+fsdp, tp = ws.fsdp, ws.tp
 
 
 @pytest.fixture

@@ -30,13 +30,7 @@ from jax_tpusync.weight_sync import WeightPublisher, WeightPuller
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
 
 
-def fsdp(path: str, ndim: int) -> P:
-    return P("fsdp") if ndim else P()
-
-
-def tp(path: str, ndim: int) -> P:
-    # Columns (the last axis) over "tp"; vectors replicated.
-    return P(*([None] * (ndim - 1)), "tp") if ndim >= 2 else P()
+fsdp, tp = ws.fsdp, ws.tp
 
 
 @pytest.fixture

@@ -36,6 +36,16 @@ def flat_with_paths(tree: Any) -> list[tuple[str, Any]]:
     return [(jax.tree_util.keystr(p), x) for p, x in flat]
 
 
+def fsdp(path: str, ndim: int) -> P:
+    """Leading axis over "fsdp" (a spec_for of :func:`specs_like`); scalars replicated."""
+    return P("fsdp") if ndim else P()
+
+
+def tp(path: str, ndim: int) -> P:
+    """Columns (the last axis) over "tp"; vectors and scalars replicated."""
+    return P(*([None] * (ndim - 1)), "tp") if ndim >= 2 else P()
+
+
 def mesh_of(devices: list, shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
     return Mesh(np.asarray(devices).reshape(shape), names)
 
