@@ -192,19 +192,7 @@ def open_tier(
 def persisted_kv_of(engine: Engine, spec: CacheSpec, opened: OpenedTier) -> PersistedKV:
     """What the commit protocol reads and writes of an opened cache (and nothing more)."""
     slots, store = opened.slots, opened.store
-    return PersistedKV(
-        spec=spec,
-        reader=TierReader(
-            engine=engine,
-            tier=store.tier,
-            first_block=store.first_block,
-            rows=opened.rows.tier_rows,
-        ),
-        drain=engine.drain,
-        block_tables=lambda: slots.tables,
-        capacity=lambda: slots.capacity,
-        shared=lambda: slots.shared,
-        index=slots.prefix,
-        history=slots.history,
-        restore=slots.restore,
+    reader = TierReader(
+        engine=engine, tier=store.tier, first_block=store.first_block, rows=opened.rows.tier_rows
     )
+    return PersistedKV.of_slots(spec, reader, engine.drain, slots)

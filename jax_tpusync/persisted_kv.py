@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
+
 import numpy as np
 
 from jax_tpusync.engine import Engine
@@ -68,3 +70,22 @@ class PersistedKV:
     index: PrefixIndex
     history: TokenHistory
     restore: Callable[[np.ndarray, np.ndarray, np.ndarray, Sequence[Entry]], None]
+
+    @classmethod
+    def of_slots(
+        cls, spec: CacheSpec, reader: TierReader, drain: Callable[[], None], slots: Any
+    ) -> PersistedKV:
+        """The view of a cache whose host side is the slot table ``slots`` (a
+        :class:`~jax_tpusync.slots.SlotTable`: its tables, capacities, shared prefixes,
+        index, token history and restore)."""
+        return cls(
+            spec=spec,
+            reader=reader,
+            drain=drain,
+            block_tables=lambda: slots.tables,
+            capacity=lambda: slots.capacity,
+            shared=lambda: slots.shared,
+            index=slots.prefix,
+            history=slots.history,
+            restore=slots.restore,
+        )

@@ -126,23 +126,13 @@ class PoolTier:
     def persisted_kv(self) -> PersistedKV:
         """What the commit protocol reads and writes: the tier, this flush as its drain,
         the slot table's tables, index, history and restore."""
-        slots = self.slots
-        return PersistedKV(
-            spec=self.spec,
-            reader=TierReader(
-                engine=self.engine,
-                tier=self.store.tier,
-                first_block=self.store.first_block,
-                rows=self.tier_rows,
-            ),
-            drain=self._drain,
-            block_tables=lambda: slots.tables,
-            capacity=lambda: slots.capacity,
-            shared=lambda: slots.shared,
-            index=slots.prefix,
-            history=slots.history,
-            restore=slots.restore,
+        reader = TierReader(
+            engine=self.engine,
+            tier=self.store.tier,
+            first_block=self.store.first_block,
+            rows=self.tier_rows,
         )
+        return PersistedKV.of_slots(self.spec, reader, self._drain, self.slots)
 
     def tier_rows(self, layer: int, kv: int, slot: int, lo: int, hi: int) -> list[tuple[int, int]]:
         """``(tier byte offset, bytes)`` runs of positions ``[lo, hi)`` of ``slot``'s K
