@@ -255,9 +255,12 @@ def _measure(tps, cache, model, context, args, rng, *, uniform: bool) -> dict[st
         outs, state = step(qkv, state)
         jax_block(outs)
         times.append(time.perf_counter() - t0)
+    # The last step's prefetches for the next one landed, so they are counted: a step's
+    # fetches are then counted once, give or take the first unit the warm-up step
+    # prefetched (counted or not, as it landed before or after the counters restarted).
+    cache.drain(state)
     fetched = sum(t["fetch"]["bytes"] for t in engine.stats()["tiers"]) / args.steps
     kv_bytes = cache.kv_bytes if not uniform else cache.spec.kv_bytes
-    cache.drain(state)
     return dict(
         kv_bytes=kv_bytes,
         step_bytes=_step_bytes(model, context, uniform),

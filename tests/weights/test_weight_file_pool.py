@@ -163,6 +163,7 @@ def test_a_killed_puller_blocks_no_reuse(tmp_path):
         ],
         stdout=subprocess.PIPE,
         text=True,
+        cwd=tmp_path,  # Import the installed package, not the source tree.
     )
     try:
         assert holder.stdout.readline().strip() == "mapped"
