@@ -58,7 +58,6 @@ import logging
 import math
 import numbers
 import os
-import socket
 import struct
 import threading
 import time
@@ -72,6 +71,21 @@ import xxhash
 from jax_tpusync import transfer_memory
 from jax_tpusync.deadline_worker import DeadlinePassed, DeadlineWorker
 from jax_tpusync.levels import InPlaceLoad
+from jax_tpusync.mooncake_client import (
+    INTERNAL_ERROR,
+    INVALID,
+    LOCAL_BUFFER_BYTES,
+    MAX_DEADLINE_S,
+    MIN_SEGMENT_BYTES,
+    NOT_FOUND,
+    REPLICA_NOT_READY,
+    RPC_FAILED,
+    TRANSFER_FAILED,
+    abandon,
+    import_store,
+    probe_master,
+    split_master,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -95,33 +109,11 @@ _FAULT_TEXT = {
     "error": "the Mooncake store returned an error",
 }
 
-# Error codes of the store's client.
-_NOT_FOUND = -704
-_RPC_FAILED = -900
-_TRANSFER_FAILED = -800
-_REPLICA_NOT_READY = -703
-_NO_HANDLE = -200
-_INVALID = -600  # Also a buffer of another size than the object.
-
-_INSTALL_HINT = (
-    "the Mooncake remote level needs the Mooncake Store client: "
-    "pip install 'jax-tpusync[mooncake]' (and the system library libibverbs1, even over "
-    "TCP: apt-get install libibverbs1 libnuma1)"
-)
-
-# Memory the client copies through (its own puts and gets); ours are zero-copy from
-# buffers registered with it, so this only has to exist.
-_LOCAL_BUFFER_BYTES = 4 << 20
-# The smallest segment the client accepts.
-MIN_SEGMENT_BYTES = 16 << 20
 # Headers looked up in one request, and the most bytes of layer ranges read into the pool in
 # one request (each request has its own deadline: a long prefix is many requests).
 HEADER_BATCH = 32
 LOAD_BATCH_BYTES = 64 << 20
 PUBLISH_BATCH_BYTES = 16 << 20  # Blocks put in one request (copied into the level's buffer).
-# The longest deadline_s: a call waited for longer than an hour is a hang by another name
-# (and the engine's TCP timeouts are whole seconds of a C int).
-MAX_DEADLINE_S = 3600.0
 
 # The client's setup() and close() hold this interpreter's GIL while they wait for the master
 # (measured: 8 s with the master stopped, until it resumed; 91 s with it killed), so no
@@ -131,20 +123,8 @@ MAX_DEADLINE_S = 3600.0
 # connection. A master that refuses or says nothing within the deadline is unreachable;
 # the client is then neither set up nor closed. Masters that did not answer, by address:
 # (until when every level of this process treats them as unreachable without asking, why).
-_PROBE = b"\0" * 64
 _UNANSWERED: dict[str, tuple[float, str]] = {}
 _UNANSWERED_LOCK = threading.Lock()
-# Clients of masters that did not answer when their level closed: closing them would hold
-# the GIL until the master answers; kept referenced (freeing one closes it too).
-_ABANDONED: list[Any] = []
-
-
-def _import_store() -> Any:
-    try:
-        from mooncake.store import MooncakeDistributedStore  # Optional: imported when used.
-    except ImportError as e:
-        raise ImportError(f"{_INSTALL_HINT} ({e})") from e
-    return MooncakeDistributedStore
 
 
 class _Fault(Exception):
@@ -161,10 +141,10 @@ class _Damaged(Exception):
 
 def _code_fault(code: int, what: str) -> _Fault:
     kind = {
-        _RPC_FAILED: "unreachable",
-        _TRANSFER_FAILED: "transfer",
-        _REPLICA_NOT_READY: "not_ready",
-        _NO_HANDLE: "full",
+        RPC_FAILED: "unreachable",
+        TRANSFER_FAILED: "transfer",
+        REPLICA_NOT_READY: "not_ready",
+        INTERNAL_ERROR: "full",
     }.get(code, "error")
     return _Fault(kind, f"{what} returned {code}")
 
@@ -172,44 +152,6 @@ def _code_fault(code: int, what: str) -> _Fault:
 def _is_seconds(value: Any) -> bool:
     """A real number, not a bool or NaN."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
-
-
-def split_master(master: Any) -> tuple[str, int]:
-    """(host, port) of a master's ``host:port`` (``[v6 address]:port``); a ValueError
-    naming ``master`` otherwise."""
-    if isinstance(master, str):
-        host, sep, port = master.rpartition(":")
-        if host.startswith("[") and host.endswith("]"):
-            host = host[1:-1]
-        if (
-            sep
-            and host
-            and not any(c.isspace() or c in "/[]" for c in host)
-            and port.isascii()
-            and port.isdigit()
-            and 0 < int(port) < 65536
-        ):
-            return host, int(port)
-    raise ValueError(f"master={master!r} must be 'host:port' (a port in 1-65535)")
-
-
-def probe_master(host: str, port: int, timeout: float) -> str | None:
-    """None if the master at ``host:port`` answered :data:`_PROBE` within ``timeout``
-    seconds (with bytes, or by closing the connection); else why not. Only socket calls,
-    which release the GIL."""
-    start = time.monotonic()
-    try:
-        with socket.create_connection((host, port), timeout=timeout) as conn:
-            conn.settimeout(max(1e-3, timeout - (time.monotonic() - start)))
-            conn.sendall(_PROBE)
-            conn.recv(1)  # b"" (closed) or an answer: either way the master runs.
-    except TimeoutError:
-        return f"it did not answer within {timeout:.3g} s"
-    except (ConnectionResetError, BrokenPipeError):
-        return None  # It closed the connection on the bytes it did not expect.
-    except OSError as e:
-        return f"connecting to it failed ({e})"
-    return None
 
 
 class MooncakeStoreLevel:
@@ -295,7 +237,7 @@ class MooncakeStoreLevel:
                 f"local_host={local_host!r} must be this host's name or address (non-empty, "
                 f"no spaces or '/')"
             )
-        self._store_class = _import_store()
+        self._store_class = import_store("the Mooncake remote level")
         # The engine reads these when it starts: a hung peer then ends a transfer in about
         # the deadline instead of 30 s. A user's own settings win.
         seconds = str(max(1, math.ceil(deadline_s)))
@@ -628,9 +570,9 @@ class MooncakeStoreLevel:
             want = 2 * (hi - lo) * self.block_bytes
             if size is not None and size >= 0 and size != want:
                 code = size  # Another size: damaged, whatever the read returned.
-            elif size == _NOT_FOUND:
-                code = _NOT_FOUND  # Gone between the read and the size.
-            if code == _NOT_FOUND:
+            elif size == NOT_FOUND:
+                code = NOT_FOUND  # Gone between the read and the size.
+            if code == NOT_FOUND:
                 self._fault("evicted", f"{name}: layers {lo}-{hi} are gone", pause=False)
                 return "evicted"
             if code >= 0 and code != want:
@@ -639,7 +581,7 @@ class MooncakeStoreLevel:
                     f"{name}: object {object_name!r} (layers {lo}-{hi}) holds {code} bytes, "
                     f"not {want}: {'truncated' if code < want else 'size mismatch'}"
                 )
-            elif code == _INVALID:
+            elif code == INVALID:
                 problem = f"{name}: layers {lo}-{hi} do not hold {want} bytes ({code})"
             elif code < 0:
                 fault = _code_fault(code, f"getting layers {lo}-{hi} of {name}")
@@ -685,12 +627,12 @@ class MooncakeStoreLevel:
             self._closed = True
             client, self._client = self._client, None
             if client is not None and self._worker.busy:
-                _ABANDONED.append(client)
+                abandon(client)
             elif client is not None:
                 try:
                     self._reach_master()
                 except _Fault as e:
-                    _ABANDONED.append(client)
+                    abandon(client)
                     logger.warning(
                         "the Mooncake master at %s does not answer (%s): this level's client "
                         "is left open, not closed",
@@ -733,8 +675,8 @@ class MooncakeStoreLevel:
         that passed its deadline returns ``in_flight`` if ``late`` is given, which then gets
         the call's outcome on the worker once it returns.
 
-        Not connected yet, the master is first asked whether it answers at all (see
-        ``_PROBE``), within the same deadline: the client's ``setup()`` would hold the GIL
+        Not connected yet, the master is first asked whether it answers at all
+        (:func:`~jax_tpusync.mooncake_client.probe_master`), within the same deadline: the client's ``setup()`` would hold the GIL
         for as long as it waits for the master."""
         with self._lock:
             if self._closed or time.monotonic() < self._paused_until:
@@ -812,7 +754,7 @@ class MooncakeStoreLevel:
                 self.local_host,
                 "P2PHANDSHAKE",
                 self.segment_bytes,
-                _LOCAL_BUFFER_BYTES,
+                LOCAL_BUFFER_BYTES,
                 "tcp",
                 "",
                 self.master,
@@ -948,7 +890,7 @@ class MooncakeStoreLevel:
                 [cap] * len(batch),
             )
             for j, ((key, parent, tokens), size) in enumerate(zip(batch, sizes)):
-                if size == _NOT_FOUND:
+                if size == NOT_FOUND:
                     return found, None
                 if size < 0:
                     if found:
@@ -976,7 +918,7 @@ class MooncakeStoreLevel:
         stored = {
             i: int(client.get_size(keys[i]))
             for i, code in enumerate(codes)
-            if code in (_TRANSFER_FAILED, _INVALID)
+            if code in (TRANSFER_FAILED, INVALID)
         }
         return codes, stored
 

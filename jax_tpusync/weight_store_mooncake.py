@@ -28,7 +28,7 @@ Every call to the store runs on one worker thread and is waited for at most
 ``deadline_s`` (:class:`~jax_tpusync.deadline_worker.DeadlineWorker`); before the client
 connects or closes (both hold the interpreter's lock while they wait for the master), the
 master is asked with a plain socket whether it answers
-(:func:`~jax_tpusync.mooncake_level.probe_master`). A master that does not answer, a
+(:func:`~jax_tpusync.mooncake_client.probe_master`). A master that does not answer, a
 holder that is gone, a call past its deadline: a :class:`WeightSyncError` that says so.
 
 A publisher's shards live in its own segment: it must stay up (with its
@@ -54,7 +54,19 @@ import numpy as np
 import xxhash
 
 from jax_tpusync.deadline_worker import DeadlinePassed, DeadlineWorker
-from jax_tpusync.mooncake_level import MIN_SEGMENT_BYTES, probe_master, split_master
+from jax_tpusync.mooncake_client import (
+    ALREADY_EXISTS,
+    LOCAL_BUFFER_BYTES,
+    MAX_DEADLINE_S,
+    MIN_SEGMENT_BYTES,
+    NOT_FOUND,
+    REPLICA_NOT_READY,
+    abandon,
+    import_store,
+    meaning,
+    probe_master,
+    split_master,
+)
 from jax_tpusync.weight_plan import Box
 from jax_tpusync.weight_store import (
     FORMAT_VERSION,
@@ -73,29 +85,9 @@ from jax_tpusync.weight_store import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_DEADLINE_S = 10.0
-MAX_DEADLINE_S = 3600.0
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_REQUEST_BYTES = 64 << 20
-_LOCAL_BUFFER_BYTES = 4 << 20  # The client's own copy buffer (our reads and puts bypass it).
 
-# Error codes of the store's client.
-_NOT_READY = -703
-_NOT_FOUND = -704
-_ALREADY_EXISTS = -705
-_CODE_MEANING = {
-    -705: "already exists",
-    -704: "not found",
-    -703: "not readable yet (its writer may have died while putting it)",
-    -706: "held by a reader's lease",
-    -800: "transfer failed (the process holding it is gone)",
-    -900: "the master did not answer",
-    -200: "no room in the pool",
-    -600: "invalid request (an object of another size than its manifest says)",
-}
-
-# Clients whose master did not answer when they closed: closing one then would hold the
-# interpreter's lock until the master answers, so they stay referenced, never closed.
-_ABANDONED: list[Any] = []
 # A call to the store made more than this after the last answer first asks the master with
 # a plain socket whether it is there: a call into a client whose master is gone does not
 # return for seconds (5-10 s measured), far past the deadline.
@@ -124,21 +116,6 @@ def _wait_for_running_calls() -> None:
 
 
 _URL_OPTIONS = "segment_mb, deadline_s, namespace, local_host, chunk_kb, request_mb"
-
-
-def _meaning(code: int) -> str:
-    return f"{code}: {_CODE_MEANING.get(code, 'error')}"
-
-
-def _import_store_class() -> Any:
-    try:
-        from mooncake.store import MooncakeDistributedStore  # Optional: imported when used.
-    except ImportError as e:
-        raise ImportError(
-            "a mooncake:// weight store needs the Mooncake Store client: pip install "
-            f"'jax-tpusync[mooncake]' (and apt-get install libibverbs1 libnuma1) ({e})"
-        ) from e
-    return MooncakeDistributedStore
 
 
 def _checksummed(doc: dict) -> bytes:
@@ -232,7 +209,7 @@ class MooncakeWeightStore:
         for name, value in (("chunk_bytes", chunk_bytes), ("request_bytes", request_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 4096:
                 raise ValueError(f"{name}={value!r} must be an int >= 4096")
-        self._store_class = _import_store_class()
+        self._store_class = import_store("a mooncake:// weight store")
         from mooncake.store import ReplicateConfig  # Imported above when it is installed.
 
         # Hard-pinned: the master never evicts a version's objects to make room (a full
@@ -383,7 +360,7 @@ class MooncakeWeightStore:
                 self.local_host,
                 "P2PHANDSHAKE",
                 self.segment_bytes,
-                _LOCAL_BUFFER_BYTES,
+                LOCAL_BUFFER_BYTES,
                 "tcp",
                 "",
                 self.master,
@@ -409,7 +386,7 @@ class MooncakeWeightStore:
                     else probe_master(self.host, self.port, self.deadline_s)
                 )
                 if self._worker.busy or why is not None:
-                    _ABANDONED.append(client)
+                    abandon(client)
                     logger.warning(
                         "%s does not answer (%s): its client is left open, not closed",
                         self.describe(),
@@ -429,7 +406,7 @@ class MooncakeWeightStore:
         self.close()
 
     def _get_object(
-        self, key: str, what: str, absent: tuple[int, ...] = (_NOT_FOUND,)
+        self, key: str, what: str, absent: tuple[int, ...] = (NOT_FOUND,)
     ) -> bytes | None:
         """A small object's bytes (manifests, the index), None if it is not there (its
         code in ``absent``)."""
@@ -444,7 +421,7 @@ class MooncakeWeightStore:
         if isinstance(value, int):
             if value in absent:
                 return None
-            raise WeightSyncError(f"{what}: getting {key!r} returned {_meaning(value)}")
+            raise WeightSyncError(f"{what}: getting {key!r} returned {meaning(value)}")
         return bytes(value)
 
     def put_objects(
@@ -487,8 +464,8 @@ class MooncakeWeightStore:
                         client.unregister_buffer(address)
 
             for i, code in zip(batch, self.call(put, what), strict=True):
-                if code < 0 and not (exists_ok and code == _ALREADY_EXISTS):
-                    raise WeightSyncError(f"{what}: putting {keys[i]!r} returned {_meaning(code)}")
+                if code < 0 and not (exists_ok and code == ALREADY_EXISTS):
+                    raise WeightSyncError(f"{what}: putting {keys[i]!r} returned {meaning(code)}")
 
     # -- versions ---------------------------------------------------------------------------
 
@@ -520,14 +497,16 @@ class MooncakeWeightStore:
         rc = self.call(upsert, "writing the list of weight versions")
         if rc < 0:
             raise WeightSyncError(
-                f"writing the list of weight versions {self.index_key!r} returned {_meaning(rc)}"
+                f"writing the list of weight versions {self.index_key!r} returned {meaning(rc)}"
             )
 
     def parts(self, version: int) -> tuple[int | None, set[int]]:
         what = f"weights version {version}"
         # Read while its first writer is putting it: not there yet (a reader waits for it
         # until its deadline, as for one that is not there).
-        data = self._get_object(self.begun_key(version), what, absent=(_NOT_FOUND, _NOT_READY))
+        data = self._get_object(
+            self.begun_key(version), what, absent=(NOT_FOUND, REPLICA_NOT_READY)
+        )
         if data is None:
             return None, set()
         begun = _unchecksummed(data, self.begun_key(version))
@@ -538,7 +517,7 @@ class MooncakeWeightStore:
         codes = self.call(lambda client: list(client.batch_is_exist(keys)), what)
         for key, code in zip(keys, codes, strict=True):
             if code < 0:
-                raise WeightSyncError(f"{what}: asking for {key!r} returned {_meaning(code)}")
+                raise WeightSyncError(f"{what}: asking for {key!r} returned {meaning(code)}")
         return n, {p for p, code in enumerate(codes) if code == 1}
 
     def is_complete(self, version: int) -> bool:
@@ -627,12 +606,12 @@ class MooncakeWeightStore:
             keys = [self.part_key(version, p) for p in range(n)]
             codes = self.call(lambda client: list(client.batch_remove(keys, True)), what)
             for key, code in zip(keys, codes, strict=True):
-                if code < 0 and code != _NOT_FOUND:
-                    raise WeightSyncError(f"{what}: removing {key!r} returned {_meaning(code)}")
+                if code < 0 and code != NOT_FOUND:
+                    raise WeightSyncError(f"{what}: removing {key!r} returned {meaning(code)}")
         pattern = "^" + re.escape(self.version_prefix(version))
         count = self.call(lambda client: client.remove_by_regex(pattern, True), what)
         if count < 0:
-            raise WeightSyncError(f"{what}: removing its objects returned {_meaning(count)}")
+            raise WeightSyncError(f"{what}: removing its objects returned {meaning(count)}")
 
     def retire(self, keep: int) -> list[int]:
         """Removes every listed version older than the ``keep`` newest complete ones."""
@@ -885,15 +864,15 @@ class MooncakeVersionReader:
                     if code == -600 or 0 <= code < n:
                         raise WeightSyncError(
                             f"{what}: object {key!r} is damaged: it does not hold the bytes "
-                            f"its manifest says ({_meaning(code)})"
+                            f"its manifest says ({meaning(code)})"
                         )
-                    if code == _NOT_FOUND:
+                    if code == NOT_FOUND:
                         raise WeightSyncError(
                             f"{what}: object {key!r} is gone (retired, or its publishing "
                             f"process exited): pull again"
                         )
                     raise WeightSyncError(
-                        f"{what}: getting object {key!r} returned {_meaning(code)}"
+                        f"{what}: getting object {key!r} returned {meaning(code)}"
                     )
 
     def _check(self, leaf: StoredLeaf, runs: list, buffer: np.ndarray) -> None:

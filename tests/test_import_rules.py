@@ -47,6 +47,7 @@ LAYERS: dict[str, int] = {
     "config": 3,
     "layout": 3,
     "levels": 3,
+    "mooncake_client": 2,
     "mooncake_level": 3,
     "slots": 3,
     "host_io": 3,
