@@ -3,11 +3,12 @@
 Which class serves a model follows from what the model is and where it runs:
 
 * **On the TPU backend** the data path is :class:`~jax_tpusync.HostPoolKVCache` (a pool in
-  ``pinned_host`` memory carried by the step). It serves a cache of one KV geometry whose
-  sliding layers keep every position, on one device or with its heads split over a mesh's
-  ``kv_heads_axis``; anything else (slots split over ``batch_axis``, layers of different KV
-  geometry, bounded windows, the features the pool refuses by name) is refused naming what
-  is not supported on TPU yet.
+  ``pinned_host`` memory carried by the step). It serves a cache of one KV geometry, on
+  one device or with its heads split over a mesh's ``kv_heads_axis``; layers of one
+  sliding window keep a ring per slot (``max_step_tokens``, as below) unless
+  ``bound_windows=False``. Anything else (slots split over ``batch_axis``, layers of
+  different KV geometry, layers of different windows kept bounded, the features the pool
+  refuses by name) is refused naming what is not supported on TPU yet.
 * **Layers of different KV geometry** (``num_kv_heads`` / ``head_dim`` per layer), layers
   that read another's KV (``kv_sharing``), or ``window_cache_blocks``: a
   :class:`~jax_tpusync.HybridKVCache`.
@@ -106,9 +107,18 @@ def kv_cache(
         + (["window_cache_blocks"] if window_cache_blocks is not None else [])
     )
     bounded = windowed and bound_windows is not False
+    step_tokens = keywords.get("max_step_tokens")
+    if bound_windows is False and step_tokens is not None and windowed and not hybrid_because:
+        raise ValueError(
+            f"max_step_tokens={step_tokens!r} keeps only each sliding layer's window, "
+            f"bound_windows=False every position: drop one of them"
+        )
     if backend_name() == "tpu":
+        if bounded and not hybrid_because and not mixed:  # One window: the pool's rings.
+            _check_boundable(keywords, mixed)
+            _default_step_tokens(keywords)
         return _tpu_cache(
-            mesh, kv_heads_axis, batch_axis, engine, hybrid_because, bounded, keywords
+            mesh, kv_heads_axis, batch_axis, engine, hybrid_because, bounded and mixed, keywords
         )
     mesh_args = (
         {}
@@ -124,16 +134,8 @@ def kv_cache(
     # checks here are for a model that one geometry describes.
     if bounded and not hybrid_because:
         _check_boundable(keywords, mixed)
-    step_tokens = keywords.get("max_step_tokens")
-    if bound_windows is False and step_tokens is not None and windowed and not hybrid_because:
-        raise ValueError(
-            f"max_step_tokens={step_tokens!r} keeps only each sliding layer's window, "
-            f"bound_windows=False every position: drop one of them"
-        )
-    max_len = keywords.get("max_len")
-    if bounded and step_tokens is None and is_int(max_len) and max_len >= 1:
-        # A step appends at most max_len rows: a larger ring would hold nothing more.
-        keywords["max_step_tokens"] = min(DEFAULT_STEP_TOKENS, int(max_len))
+    if bounded:
+        _default_step_tokens(keywords)
     if hybrid_because or (mixed and bounded):
         why = ", ".join(hybrid_because) or "layers of different sliding windows"
         logger.info("kv_cache: a HybridKVCache (%s)", why)
@@ -153,6 +155,14 @@ def kv_cache(
         )
     cls = OffloadedKVCache if mesh is None else ShardedKVCache
     return cls(engine=engine, **mesh_args, **keywords)
+
+
+def _default_step_tokens(keywords: dict) -> None:
+    """Sets ``max_step_tokens`` of a bounded cache where the keywords leave it out."""
+    max_len = keywords.get("max_len")
+    if keywords.get("max_step_tokens") is None and is_int(max_len) and max_len >= 1:
+        # A step appends at most max_len rows: a larger ring would hold nothing more.
+        keywords["max_step_tokens"] = min(DEFAULT_STEP_TOKENS, int(max_len))
 
 
 def _windows_of(keywords: dict) -> tuple[int | None, ...]:
@@ -191,17 +201,19 @@ def _tpu_cache(
     batch_axis: str | None,
     engine: Any,
     hybrid_because: list[str],
-    bounded: bool,
+    bounded_mixed: bool,
     keywords: dict,
 ) -> HostPoolKVCache:
-    """The TPU data path's cache, or a refusal naming what TPU does not have yet."""
+    """The TPU data path's cache, or a refusal naming what TPU does not have yet
+    (``bounded_mixed``: layers of different sliding windows, each to be kept bounded)."""
     missing = []
     if batch_axis is not None:
         missing.append("batch_axis= (the host pool splits the heads over a mesh, not the slots)")
     missing += [f"{why} (a hybrid cache)" for why in hybrid_because]
-    if bounded:
+    if bounded_mixed:
         missing.append(
-            "sliding windows kept bounded (pass bound_windows=False to keep every position)"
+            "layers of different sliding windows kept bounded (a hybrid cache; pass "
+            "bound_windows=False to keep every position)"
         )
     if engine is not None:
         missing.append("engine= (the host pool moves its bytes in the step, with no engine)")

@@ -25,7 +25,6 @@ from jax_tpusync.mooncake_level import make_level
 NOT_YET = {
     "spill_path": (None, "spill tiers are not on the host-pool path yet"),
     "spill_blocks": (None, "spill tiers are not on the host-pool path yet"),
-    "max_step_tokens": (None, "rings of bounded windows are not on the host-pool path yet"),
     "resident": (False, "a resident cache needs no pool"),
     "read_in_place": ("auto", "the pool is always copied to the device by unit"),
     "debug_poison": (False, "poisoned fetches are an engine feature"),
@@ -80,6 +79,7 @@ def checked_config(
             f"file tier only holds its persistent copy (pass file_name=) (host-pool cache)"
         )
     config = CacheConfig.from_kwargs(**options)
+    config.geometry.check_one_cache()  # A ring needs every layer to share one window.
     if mesh is not None and config.tier.persistent and config.geometry.quantized:
         name = "shm_name" if config.tier.kind == "host" else "file_name"
         raise ValueError(

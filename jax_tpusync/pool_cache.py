@@ -24,9 +24,18 @@ of the same geometry re-attaches to it too.
 
 What this cache does not do yet (each refused by name at construction): file tiers that
 are not a persistent copy (``tier="file"`` without ``file_name``), persistence of a
-quantized pool over a mesh, spill tiers, resident mode, rings of bounded windows (``max_step_tokens``),
-``prefetch_depth`` above 1, slots split over a mesh's ``batch_axis``, and hybrid layer
-groups.
+quantized pool over a mesh, spill tiers, resident mode, ``prefetch_depth`` above 1, slots
+split over a mesh's ``batch_axis``, and hybrid layer groups.
+
+Sliding windows kept bounded (``max_step_tokens``, every layer of one window): each slot
+keeps a ring of blocks covering its window and one step's rows
+(:mod:`jax_tpusync.window_ring`, the engine cache's ring), so the pool, the bytes a step
+copies and the host-side rows do not grow with the context. The slot table tiles each
+slot's table row over its ring, so the step indexes the ring as any block table; loads
+keep only the rows the window can still read, reads refuse older positions, and cached
+windows are reused as the engine cache's are (:mod:`jax_tpusync.window_prefix`; the
+copies held host-side, :mod:`jax_tpusync.pool_windows`). Persistence and resident mode
+are refused with rings, as on the engine cache.
 
 Over a mesh (``mesh=``, ``kv_heads_axis=``) each device keeps its own heads' pool in its
 own host memory: every state leaf has a leading axis of shards split over the mesh, as a
@@ -46,7 +55,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_tpusync import persistence, pool_assembly, pool_blocks, pool_rows
+from jax_tpusync import persistence, pool_assembly, pool_blocks, pool_rows, window_ring
 from jax_tpusync.config import CacheConfig, with_config
 from jax_tpusync.host_io import LoadedExtent, check_layer, check_load_rows, one_slot_load
 from jax_tpusync.host_pool import (
@@ -57,6 +66,7 @@ from jax_tpusync.host_pool import (
 )
 from jax_tpusync.mesh_layout import MeshLayout
 from jax_tpusync.pool_persistence import PoolTier
+from jax_tpusync.pool_windows import WindowCopyStore
 from jax_tpusync.slots import Admission, SlotTable
 from jax_tpusync.state import CacheSpec
 
@@ -183,17 +193,24 @@ class HostPoolKVCache:
             block_bytes=self._blocks.half_block_bytes,
         )
         p = self.persistence
+        ring_blocks = self.spec.ring_blocks
+        # A ring pool's cached windows are held host-side (see jax_tpusync.pool_windows).
+        self._windows = WindowCopyStore(self._blocks) if ring_blocks else None
         self.slots = SlotTable(
             batch=g.batch,
             max_len=g.max_len,
             block_tokens=g.block_tokens,
             num_blocks=g.num_blocks,
             root=root,
-            store=self._blocks,
+            store=self._blocks if self._windows is None else self._windows,
             remote_levels=remote,
             before_reuse=None if p is None else p.note_evicted,
             before_release=None if p is None else p.note_release,
+            ring_blocks=ring_blocks,
+            window=self.spec.windows[0] if ring_blocks else None,
         )
+        if self._windows is not None:
+            self._windows.index = self.slots.windows
         # Blocks reservations imported from a prefix level, not yet in a pool: the next
         # admitted() writes every one of them into its state's pool, since a second
         # reservation may map a first one's imports and be admitted before it.
@@ -482,6 +499,8 @@ class HostPoolKVCache:
         nothing), no state changes; then :meth:`admitted` or :meth:`cancel`."""
         self._check_open()
         self._blocks.take_writes()  # Nothing of a refused call before.
+        if self._windows is not None:
+            self._windows.forget_unindexed()
         admission = self.slots.admit(slot, max_tokens, tokens, max_cached=max_cached)
         imports = self._blocks.take_writes()
         if self._tier is not None:  # Indexed from now on: a commit may hash them.
@@ -550,6 +569,7 @@ class HostPoolKVCache:
                 self._tier.released(slot)
         finally:
             self._blocks.reading(None)
+        self._drop_window_writes()
         self._loaded.reset(slot)
         lengths = self._host(state.lengths).copy()
         lengths[slot] = 0
@@ -558,11 +578,43 @@ class HostPoolKVCache:
         return self._with_slots(state.replace(refused=self._placed(refused)), lengths)
 
     def publish_windows(self, state: PoolState, slot: int) -> int:
-        """0: the host pool keeps every position (its full blocks enter the prefix index
-        at :meth:`release`)."""
+        """A cache that keeps only its sliding window (``max_step_tokens``): copies the full
+        blocks ``slot`` completed since its last call, while its ring still holds them, into
+        the index of cached windows, as
+        :meth:`jax_tpusync.OffloadedKVCache.publish_windows` (the copies are held host-side:
+        :mod:`jax_tpusync.pool_windows`); returns the blocks copied. 0 for a cache that
+        keeps every position (its full blocks enter the prefix index at :meth:`release`).
+        The state stays live (the step that made it is waited for first)."""
         self.check(state)
         self.slots.check_slot(slot)
-        return 0
+        if self._windows is None:
+            return 0
+        jax.block_until_ready(state.pool)  # Its blocks are copied once written.
+        self._blocks.take_writes()  # Nothing of a refused call before.
+        self._windows.forget_unindexed()
+        self._blocks.reading(state.pool)
+        try:
+            copied = self.slots.publish_window(slot, int(self._host(state.lengths)[slot]))
+        finally:
+            self._blocks.reading(None)
+        self._drop_window_writes()
+        return copied
+
+    def _drop_window_writes(self) -> None:
+        """Forgets the pool writes of window copies: the index's blocks are read from their
+        host-side payloads, never from the pool."""
+        if self._windows is not None:
+            self._blocks.take_writes()
+
+    def kept_from(self, state: PoolState) -> np.ndarray:
+        """int64[batch]: each slot's first position the pool still holds: 0, or for a cache
+        that keeps only its window (``max_step_tokens``) the window's first cached key
+        (:func:`jax_tpusync.window_ring.kept_from`)."""
+        self.check(state)
+        lengths = self._host(state.lengths)
+        if not self.spec.ring_blocks:
+            return np.zeros(lengths.shape, np.int64)
+        return window_ring.kept_from(lengths, self.spec.windows[0])
 
     def share_computed(self, state: PoolState, slot: int) -> int:
         """Indexes ``slot``'s full blocks computed so far, pinned by the slot, as
@@ -595,8 +647,9 @@ class HostPoolKVCache:
     ) -> PoolState:
         """Writes KV of one layer host-side, as :meth:`jax_tpusync.OffloadedKVCache.load`
         (same arguments, same lengths rule: a slot's length grows to the rows every layer
-        holds). Whole blocks move: a block the rows fill in part is read first and written
-        back with the rows in it.
+        holds; a cache that keeps only its window writes only the rows the window can still
+        read, :func:`~jax_tpusync.window_ring.clip_rows`). Whole blocks move: a block the
+        rows fill in part is read first and written back with the rows in it.
 
         Raises:
           ValueError: a bad layer or slot, rows past a slot's capacity, shapes that are not
@@ -612,14 +665,22 @@ class HostPoolKVCache:
         k, v, starts, counts = check_load_rows(
             self.slots, heads, spec.head_dim, spec.dtype, k, v, start, lengths
         )  # Refused: no change.
+        skip = np.zeros(spec.batch, np.int64)
+        if spec.ring_blocks:  # Only the rows the window can still read (and no two alike).
+            furthest = self._loaded.furthest(layer, self._host(state.lengths))
+            starts, counts, skip = window_ring.clip_rows(starts, counts, furthest, spec.windows[0])
+            for b in np.flatnonzero(counts):  # Rows before them are not the sequence's now.
+                self.slots.note_written(int(b), int(starts[b]))
         if self._tier is not None:  # Committed rows may change: commit them gone first.
             with self._tier.reading(state.pool, self._host(state.lengths)):
                 self.persistence.note_rows_written(layer, starts, counts)
             self._tier.loaded(layer, starts, counts)
         for b in np.flatnonzero(counts):
             n, table = int(counts[b]), self.slots.table_row(int(b))
+            rows = slice(int(skip[b]), int(skip[b]) + n)
             pool = pool_rows.write_slot_rows(
-                self.layout, self.mesh, state.pool, table, layer, int(starts[b]), k[b, :n], v[b, :n]
+                self.layout, self.mesh, state.pool, table, layer, int(starts[b]), k[b, rows],
+                v[b, rows],
             )
             state = state.replace(pool=pool)
         self._loaded.record(layer, starts, counts)
@@ -639,7 +700,8 @@ class HostPoolKVCache:
         """Host copies of positions ``[start, stop)`` of one slot's K and V in ``layer``:
         two [stop - start, num_kv_heads, head_dim] arrays in the cache's dtype (decoded
         from a quantized pool; ``raw``: its codes and scales, two
-        :class:`~jax_tpusync.quantize.QuantizedRows`)."""
+        :class:`~jax_tpusync.quantize.QuantizedRows`). A cache that keeps only its window
+        refuses positions before :meth:`kept_from`, as the engine cache does."""
         spec = self.spec
         self.check(state)
         check_layer(layer, spec.num_layers)
@@ -656,6 +718,13 @@ class HostPoolKVCache:
             raise ValueError(
                 f"[start, stop) = [{start}, {stop}) must lie in [0, {length}] (slot {slot}'s "
                 f"length)"
+            )
+        kept = int(window_ring.kept_from(length, spec.windows[0])) if spec.ring_blocks else 0
+        if start < kept:
+            raise ValueError(
+                f"[start, stop) = [{start}, {stop}) reaches before position {kept}: slot "
+                f"{slot} keeps only its sliding window (max_step_tokens), positions [{kept}, "
+                f"{length})"
             )
         table = self.slots.table_row(slot)
         return pool_rows.read_slot_rows(

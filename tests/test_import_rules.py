@@ -60,6 +60,7 @@ LAYERS: dict[str, int] = {
     "hybrid_record": 3,
     "host_pool": 3,
     "pool_blocks": 3,
+    "pool_windows": 3,
     "cache_protocol": 0,
     "parts": 4,
     "cache": 4,

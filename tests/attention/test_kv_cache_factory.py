@@ -200,7 +200,7 @@ def test_on_tpu_a_mesh_splits_the_host_pools_heads(on_tpu):
         (dict(mesh="any", batch_axis="b"), r"batch_axis= \(the host pool splits the heads"),
         (dict(num_kv_heads=[2] * 6), r"per-layer num_kv_heads \(a hybrid cache\)"),
         (dict(kv_sharing=[None] * 6), r"kv_sharing \(a hybrid cache\)"),
-        (dict(sliding_window=GEMMA3_WINDOWS), r"sliding windows kept bounded \(pass bound_windows"),
+        (dict(sliding_window=GEMMA3_WINDOWS), r"different sliding windows kept bounded \(a hybrid"),
         (dict(engine=tps.EngineConfig()), r"engine= \(the host pool"),
     ],
     ids=["batch_axis", "per-layer", "kv_sharing", "bounded", "engine"],
@@ -213,8 +213,8 @@ def test_on_tpu_what_the_host_pool_lacks_is_named(on_tpu, extra, message):
 def test_on_tpu_the_host_pools_own_refusals_name_the_keyword(on_tpu, tmp_path):
     with pytest.raises(ValueError, match=r"tier='file' without file_name: the pool is host memory"):
         tps.kv_cache(**SMALL, tier="file", path=str(tmp_path))
-    with pytest.raises(ValueError, match=r"max_step_tokens=4: rings of bounded windows"):
-        tps.kv_cache(**SMALL, max_step_tokens=4)
+    with pytest.raises(ValueError, match=r"max_step_tokens=4 keeps only each slot's window"):
+        tps.kv_cache(**SMALL, max_step_tokens=4)  # No sliding layer: nothing to bound.
 
 
 def test_a_hybrid_model_keeps_its_step_rows_with_every_position_kept():
