@@ -41,6 +41,7 @@ LAYERS: dict[str, int] = {
     "weight_plan": 0,
     "weight_file_pool": 0,
     "weight_staging": 0,
+    "host_copy": 0,
     "weight_store": 1,
     "weight_sync": 4,
     "weight_store_mooncake": 4,

@@ -16,6 +16,7 @@
 #include "engine/io_context.h"
 #include "engine/pool_attention.h"
 #include "engine/registry.h"
+#include "engine/stream_copy.h"
 #include "engine/tier.h"
 #include "xla/cpu_ops.h"
 
@@ -329,6 +330,30 @@ NB_MODULE(_tpusync, m) {
     return HugePageBytes(reinterpret_cast<const void*>(address), bytes);
   });
   m.def("unlink_shm", [](const std::string& name) { ThrowIfError(UnlinkShmSegment(name)); });
+  // Copies many host ranges over threads with streaming stores (CopyRanges); the addresses
+  // come from jax_tpusync.host_copy, which checks the arrays and holds them meanwhile.
+  m.def(
+      "copy_ranges",
+      [](Int64Vector dst, Int64Vector src, Int64Vector bytes, int threads) {
+        size_t n = dst.shape(0);
+        if (src.shape(0) != n || bytes.shape(0) != n) {
+          throw nb::value_error("copy_ranges: dst, src and bytes must have the same length");
+        }
+        std::vector<CopyRange> ranges(n);
+        for (size_t i = 0; i < n; ++i) {
+          if (bytes(i) < 0) throw nb::value_error("copy_ranges: a range has bytes < 0");
+          ranges[i] = {reinterpret_cast<void*>(static_cast<uintptr_t>(dst(i))),
+                       reinterpret_cast<const void*>(static_cast<uintptr_t>(src(i))),
+                       static_cast<size_t>(bytes(i))};
+        }
+        Status status;
+        {
+          nb::gil_scoped_release release;
+          status = CopyRanges(ranges.data(), ranges.size(), threads);
+        }
+        ThrowIfError(status);
+      },
+      nb::arg("dst"), nb::arg("src"), nb::arg("bytes"), nb::arg("threads"));
 
   nb::class_<PyEngine>(m, "Engine")
       .def(nb::init<int, uint64_t, int, bool, uint64_t, double, std::vector<int>, uint64_t, bool,
