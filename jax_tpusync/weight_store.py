@@ -34,6 +34,7 @@ from typing import Protocol, Self, runtime_checkable
 
 import numpy as np
 
+from jax_tpusync.host_copy import DEFAULT_COPY_THREADS, copy_arrays
 from jax_tpusync.weight_file_pool import (
     FilePool,
     FileRetiredError,
@@ -238,7 +239,12 @@ def checked_shards(
 
 class PartWriter:
     """Writes one process's part of a version: :meth:`add` each leaf, then :meth:`commit`
-    (the manifest goes in last) or :meth:`abort` (nothing of this part stays)."""
+    (the manifest goes in last) or :meth:`abort` (nothing of this part stays).
+
+    Shards added into a reused file's mapping are copied together, over the store's
+    ``copy_threads`` threads with streaming stores (:mod:`jax_tpusync.host_copy`), by
+    :meth:`flush` or :meth:`commit`: until then the arrays given to :meth:`add` must stay
+    unchanged (the writer holds references to them)."""
 
     def __init__(
         self,
@@ -281,6 +287,9 @@ class PartWriter:
                 raise
         else:
             self._file = open(self._data_tmp, "wb")  # noqa: SIM115 - closed by commit/abort.
+        self.copy_threads = store.copy_threads
+        # (destination in the mapping, source) of the copies add() left to flush().
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
         self._offset = 0
         self._leaves: list[dict] = []
         self._paths: set[str] = set()
@@ -307,7 +316,7 @@ class PartWriter:
             if self._mapped is not None and end <= self._mapped.nbytes:
                 # Into the reused file's pages (zeros in the gap, as the other way).
                 self._mapped[start : start + pad] = 0
-                self._mapped[start + pad : end] = raw
+                self._pending.append((self._mapped[start + pad : end], raw))
             else:
                 self._file.seek(start)
                 self._file.write(b"\0" * pad)
@@ -320,8 +329,16 @@ class PartWriter:
             self.nbytes += raw.nbytes
         self._leaves.append({"path": path, "shape": list(shape), "dtype": dtype, "shards": records})
 
+    def flush(self) -> None:
+        """Copies the shards :meth:`add` left in the reused file's mapping (the arrays given
+        to it may change once this returns)."""
+        pending, self._pending = self._pending, []
+        if pending:
+            copy_arrays(pending, threads=self.copy_threads)
+
     def commit(self) -> None:
         """Renames the data file into place, then writes the manifest (atomically, last)."""
+        self.flush()
         self._file.flush()
         if self._mapped is not None and self.fsync:
             mmap_flush = self._mapped.base  # The mapping: its pages to the file first.
@@ -355,6 +372,7 @@ class PartWriter:
 
     def abort(self) -> None:
         """Removes what this part wrote (its manifest was never written)."""
+        self._pending = []
         self._mapped = None
         self._file.close()
         for p in (self._data_tmp, self._manifest_tmp):
@@ -505,11 +523,23 @@ def manifest_from_parts(
 
 
 class WeightStore:
-    """The versions in ``directory`` (created when missing)."""
+    """The versions in ``directory`` (created when missing).
 
-    def __init__(self, directory: str | os.PathLike):
+    Args:
+      directory: where the versions go (``/dev/shm/...`` for memory speed on one host).
+      copy_threads: threads that copy a part's shards into a reused data file (>= 1;
+        default: the usable cores, at most
+        :data:`~jax_tpusync.host_copy.MAX_DEFAULT_THREADS`).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, copy_threads: int = DEFAULT_COPY_THREADS):
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory={directory!r} must be a path")
+        if isinstance(copy_threads, bool) or not isinstance(copy_threads, int):
+            raise TypeError(f"copy_threads={copy_threads!r} must be an int")
+        if copy_threads < 1:
+            raise ValueError(f"copy_threads={copy_threads} must be >= 1")
+        self.copy_threads = copy_threads
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.pool = FilePool(self.directory)

@@ -343,6 +343,11 @@ class WeightPublisher:
             for path, shape, dtype, shards in snapshot:
                 writer.add(path, shape, dtype, [(box, np.asarray(data)) for box, data in shards])
                 count += len(shards)
+            # A directory store's writer copies what add() left in a reused file all at once
+            # (threads, streaming stores): done here, before publish may return.
+            flush = getattr(writer, "flush", None)
+            if flush is not None:
+                flush()
         except BaseException:
             writer.abort()
             raise

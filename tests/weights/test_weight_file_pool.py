@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import jax
 import numpy as np
@@ -262,3 +263,58 @@ def test_a_manifest_like_the_last_one_read_is_not_parsed_again_but_still_checked
         WeightSyncError, match=rf"weights version 3: .* has {size - 1} bytes, its manifest says "
     ):
         store.read_manifest(3)
+
+
+@pytest.mark.parametrize("copy_threads", [1, 2])
+def test_shards_over_the_streaming_threshold_land_exactly_in_a_reused_file(tmp_path, copy_threads):
+    # Into a reused file's mapping, shards are copied together at flush or commit: over
+    # threads, those of 256 KiB and more with streaming stores, split into 1 MiB pieces.
+    store = WeightStore(tmp_path / "weights", copy_threads=copy_threads)
+    rng = np.random.default_rng(copy_threads)
+    sizes = ((3 << 20) + 5, (256 << 10) + 1, 7, (1 << 20) - 1)
+    for version in (1, 2, 3):
+        shards = [rng.integers(0, 255, n, dtype=np.uint8) for n in sizes]
+        writer = store.part_writer(version, 0, 1)
+        assert writer.reused_file == (version == 3)
+        for i, a in enumerate(shards):
+            writer.add(f"['l{i}']", a.shape, "uint8", [(((0, a.size),), a)])
+        writer.commit()
+        manifest = store.read_manifest(version)
+        with store.open_version(manifest) as opened:
+            for leaf, a in zip(manifest.leaves, shards, strict=True):
+                np.testing.assert_array_equal(opened.shard(leaf, 0), a)
+        store.retire(1)
+
+
+def test_a_reused_files_copies_wait_for_flush_and_an_abort_drops_them(tmp_path):
+    store = WeightStore(tmp_path / "weights")
+    for version in (1, 2):
+        writer = store.part_writer(version, 0, 1)
+        writer.add("['a']", (8192,), "uint8", [(((0, 8192),), np.full(8192, version, np.uint8))])
+        writer.commit()
+        store.retire(1)
+    writer = store.part_writer(3, 0, 1)  # Over version 1's file (8192 bytes, all 1).
+    assert writer.reused_file
+    (written,) = store.version_dir(3).glob("part-00000-of-00001.bin.tmp-*")
+    writer.add("['a']", (4096,), "uint8", [(((0, 4096),), np.full(4096, 3, np.uint8))])
+    # Not copied yet (the caller keeps the shard unchanged until flush or commit).
+    assert (np.fromfile(written, np.uint8, count=4096) == 1).all()
+    writer.flush()
+    assert (np.fromfile(written, np.uint8, count=4096) == 3).all()
+    pending = np.full(4096, 4, np.uint8)
+    dropped = weakref.ref(pending)
+    writer.add("['b']", (4096,), "uint8", [(((0, 4096),), pending)])
+    del pending
+    assert dropped() is not None  # Held for the copy.
+    writer.abort()  # The copy is dropped with the part, and its source let go.
+    gc.collect()
+    assert dropped() is None
+    assert store.versions() == [2, 3] and not list(store.version_dir(3).iterdir())
+
+
+def test_a_store_refuses_copy_threads_below_one():
+    with pytest.raises(ValueError, match=r"copy_threads=0 must be >= 1"):
+        WeightStore("/nonexistent-never-created", copy_threads=0)
+    with pytest.raises(TypeError, match=r"copy_threads=True must be an int"):
+        WeightStore("/nonexistent-never-created", copy_threads=True)
+    assert not os.path.exists("/nonexistent-never-created")
