@@ -6,17 +6,9 @@ has): the slot table looks blocks up here past its own index on ``admit(tokens=.
 stopping at the first block that no level has, and publishes full blocks here on
 ``release(tokens=...)``.
 
-Objects. A block (``num_layers * 2 * block_bytes`` bytes: every (layer, K|V) region in
-region order) is stored as
-
-* one object per *layer range* (whole layers, about ``object_bytes`` each; a range's
-  regions are contiguous in the payload), named by the block's key, the range and the
-  xxh3-64 checksum of its bytes: ``<namespace>/<key hex>/<first>-<end>/<checksum hex>``;
-* one small *header* object, ``<namespace>/<key hex>/head``: a preamble (magic, format
-  version, length) and JSON naming the key, its parent, the index root, the geometry, the
-  block's token ids and each range's (first layer, end layer, checksum).
-
-The header is written after every range it names, so a header that can be read names
+Objects. A block is stored as one object per *layer range* and one small *header* object
+naming them (:mod:`jax_tpusync.mooncake_block_format` lays them out and checks them). The
+header is written after every range it names, so a header that can be read names
 ranges that were complete. Put never replaces an existing object (the first writer's value
 stays), and range names carry their checksum, so two processes publishing the same block
 at once (their KV may differ in the last bits) never mix one's ranges with the other's
@@ -53,24 +45,21 @@ start helper processes with ``subprocess`` or the ``spawn`` start method.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import numbers
 import os
-import struct
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from jax_tpusync import transfer_memory
 from jax_tpusync.deadline_worker import DeadlinePassed, DeadlineWorker
 from jax_tpusync.levels import InPlaceLoad
+from jax_tpusync.mooncake_block_format import BlockFormat, DamagedBlock
 from jax_tpusync.mooncake_client import (
     INTERNAL_ERROR,
     INVALID,
@@ -86,12 +75,9 @@ from jax_tpusync.mooncake_client import (
     probe_master,
     split_master,
 )
+from jax_tpusync.mooncake_url import kilobytes, megabytes, open_url
 
 logger = logging.getLogger(__name__)
-
-MAGIC = b"TPSYNCMC"
-FORMAT_VERSION = 1
-_PREAMBLE = struct.Struct("<8sII")  # magic, format version, JSON bytes
 
 # Fault kinds, each counted in stats() as mooncake_fault_<kind> and logged once.
 FAULT_KINDS = ("unreachable", "timeout", "transfer", "not_ready", "evicted", "full", "error")
@@ -133,10 +119,6 @@ class _Fault(Exception):
     def __init__(self, kind: str, detail: str):
         super().__init__(detail)
         self.kind = kind
-
-
-class _Damaged(Exception):
-    """A block in the store that must not be used (corrupt, foreign, a collision)."""
 
 
 def _code_fault(code: int, what: str) -> _Fault:
@@ -254,13 +236,13 @@ class MooncakeStoreLevel:
         self.deadline_s = float(deadline_s)
         self.retry_after_s = float(retry_after_s)
         self.namespace = namespace
-        per_object = max(1, object_bytes // (2 * block_bytes))
-        self.layer_ranges = [
-            (lo, min(lo + per_object, num_layers)) for lo in range(0, num_layers, per_object)
-        ]
+        self.block_format = BlockFormat(
+            namespace, self.root, num_layers, block_tokens, block_bytes, object_bytes
+        )
+        self.layer_ranges = self.block_format.layer_ranges
         # Registered with the client once; a call that passed its deadline may still write
         # here, so it lives as long as this level and nothing returned is a view of it.
-        self._header_capacity = 4096 + 24 * block_tokens
+        self._header_capacity = self.block_format.header_capacity
         # Header slots, then payloads: as many as one publish request takes (at least one).
         self._payload_at = HEADER_BATCH * self._header_capacity
         self._payload_slots = max(1, min(HEADER_BATCH, PUBLISH_BATCH_BYTES // self.payload_bytes))
@@ -318,16 +300,16 @@ class MooncakeStoreLevel:
 
     @property
     def payload_bytes(self) -> int:
-        return self.num_layers * 2 * self.block_bytes
+        return self.block_format.payload_bytes
 
     def describe(self) -> str:
         return f"Mooncake store at {self.master}"
 
     def header_key(self, key: bytes) -> str:
-        return f"{self.namespace}/{key.hex()}/head"
+        return self.block_format.header_key(key)
 
     def range_key(self, key: bytes, first: int, end: int, checksum: int) -> str:
-        return f"{self.namespace}/{key.hex()}/{first}-{end}/{checksum:016x}"
+        return self.block_format.range_key(key, first, end, checksum)
 
     def has(self, key: bytes) -> bool:
         """Whether ``key``'s header is in the store (False on any fault)."""
@@ -424,37 +406,11 @@ class MooncakeStoreLevel:
         """(key, the payload's regions, checksummed ranges, header) of a block to publish,
         checked. ``payload``: ``uint8[payload_bytes]``, or the block's ``2 * num_layers``
         regions of ``block_bytes`` each (views of a pool, in region order)."""
-        regions = self._regions(payload)
-        ranges = []
-        for lo, hi in self.layer_ranges:
-            digest = xxhash.xxh3_64()  # Over the range's regions in order: their bytes joined.
-            for region in regions[2 * lo : 2 * hi]:
-                digest.update(region)
-            ranges.append((lo, hi, digest.intdigest()))
-        header = self._header(key, parent, [int(t) for t in np.asarray(tokens).reshape(-1)], ranges)
-        if len(header) > self._header_capacity:
-            raise ValueError(
-                f"a header of {len(header)} bytes is longer than {self._header_capacity}"
-            )
+        regions = self.block_format.regions(payload)
+        ranges = self.block_format.checksummed_ranges(regions)
+        token_ids = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        header = self.block_format.encode_header(key, parent, token_ids, ranges)
         return key, regions, ranges, header
-
-    def _regions(self, payload: Any) -> list[np.ndarray]:
-        """``payload`` as its ``2 * num_layers`` regions of ``block_bytes``, checked."""
-        size = self.block_bytes
-        if isinstance(payload, np.ndarray):
-            payload = np.ascontiguousarray(payload, np.uint8).reshape(-1)
-            if payload.size != self.payload_bytes:
-                raise ValueError(f"payload has {payload.size} bytes, not {self.payload_bytes}")
-            return [payload[r * size : (r + 1) * size] for r in range(2 * self.num_layers)]
-        regions = [np.asarray(region).reshape(-1) for region in payload]
-        if len(regions) != 2 * self.num_layers or any(
-            r.dtype != np.uint8 or r.size != size for r in regions
-        ):
-            raise ValueError(
-                f"a payload given as regions needs {2 * self.num_layers} uint8 views of "
-                f"{size} bytes, not {[(str(r.dtype), r.size) for r in regions]}"
-            )
-        return regions
 
     # -- reading blocks straight into a pool (the InPlaceRemoteLevel interface) -------------
 
@@ -588,10 +544,7 @@ class MooncakeStoreLevel:
                 self._fault(fault.kind, str(fault), pause=fault.kind == "unreachable")
                 return fault.kind
             else:
-                digest = xxhash.xxh3_64()
-                for view in views[2 * lo : 2 * hi]:
-                    digest.update(view)
-                if digest.intdigest() == checksum:
+                if self.block_format.range_checksum(views, lo, hi) == checksum:
                     continue
                 problem = f"{name}: layers {lo}-{hi}: checksum mismatch (corrupt object)"
             self.damaged += 1
@@ -795,31 +748,11 @@ class MooncakeStoreLevel:
 
     # -- the work itself (on the worker thread) ---------------------------------------------
 
-    def _span(self, first: int, end: int) -> slice:
-        """The bytes of layers [first, end) in a payload."""
-        return slice(first * 2 * self.block_bytes, end * 2 * self.block_bytes)
-
     def _exists(self, client: Any, hkey: str) -> bool:
         rc = client.is_exist(hkey)
         if rc < 0:
             raise _code_fault(rc, "is_exist")
         return rc == 1
-
-    def _header(self, key: bytes, parent: bytes | None, tokens: list[int], ranges: list) -> bytes:
-        body = json.dumps(
-            {
-                "key": key.hex(),
-                "parent": None if parent is None else parent.hex(),
-                "root": self.root.hex(),
-                "num_layers": self.num_layers,
-                "block_tokens": self.block_tokens,
-                "block_bytes": self.block_bytes,
-                "tokens": tokens,
-                "ranges": [list(r) for r in ranges],
-            },
-            separators=(",", ":"),
-        ).encode()
-        return _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(body)) + body
 
     def _missing(self, client: Any, names: list[str]) -> list[int]:
         found = client.batch_is_exist(names)
@@ -847,7 +780,7 @@ class MooncakeStoreLevel:
         for j, (key, _, ranges, _) in enumerate(batch):
             at = self._payload_at + j * self.payload_bytes
             for lo, hi, checksum in ranges:
-                span = self._span(lo, hi)
+                span = self.block_format.layer_span(lo, hi)
                 keys.append(self.range_key(key, lo, hi, checksum))
                 pointers.append(base + at + span.start)
                 sizes.append(span.stop - span.start)
@@ -899,8 +832,10 @@ class MooncakeStoreLevel:
                 name = f"block {key.hex()} in the {self.describe()}"
                 data = bytes(self._scratch[j * cap : j * cap + size])
                 try:
-                    self._ranges[key] = self._checked_header(data, name, key, parent, tokens)
-                except _Damaged as e:
+                    self._ranges[key] = self.block_format.checked_header(
+                        data, name, key, parent, tokens
+                    )
+                except DamagedBlock as e:
                     return found, str(e)
                 found += 1
         return found, None
@@ -921,57 +856,6 @@ class MooncakeStoreLevel:
             if code in (TRANSFER_FAILED, INVALID)
         }
         return codes, stored
-
-    def _checked_header(
-        self, data: bytes, name: str, key: bytes, parent: bytes | None, tokens: list[int]
-    ) -> list[tuple[int, int, int]]:
-        """The (first, end, checksum) ranges of a header, after every check; raises
-        ``_Damaged`` naming what does not match."""
-        try:
-            magic, version, length = _PREAMBLE.unpack_from(data)
-            if magic != MAGIC or version != FORMAT_VERSION:
-                raise ValueError(f"not a version-{FORMAT_VERSION} block header")
-            if _PREAMBLE.size + length != len(data):
-                raise ValueError(f"{len(data)} bytes, the preamble says {_PREAMBLE.size + length}")
-            header = json.loads(data[_PREAMBLE.size :])
-            if not isinstance(header, dict):
-                raise ValueError(f"a {type(header).__name__}, not an object")
-        except (struct.error, ValueError, RecursionError) as e:
-            raise _Damaged(f"{name}: unreadable header ({e})") from None
-        for field, want in (
-            ("key", key.hex()),
-            ("root", self.root.hex()),
-            ("num_layers", self.num_layers),
-            ("block_tokens", self.block_tokens),
-            ("block_bytes", self.block_bytes),
-        ):
-            if header.get(field) != want:
-                raise _Damaged(
-                    f"{name}: {field} is {header.get(field)!r}, this cache's is {want!r}"
-                )
-        want_parent = None if parent is None else parent.hex()
-        if header.get("parent") != want_parent or header.get("tokens") != tokens:
-            raise _Damaged(
-                f"{name}: written for other tokens or another parent under the same key "
-                f"(a digest collision)"
-            )
-        ranges = header.get("ranges")
-        end = 0
-        out = []
-        for r in ranges if isinstance(ranges, list) else [None]:
-            if not (
-                isinstance(r, list)
-                and len(r) == 3
-                and all(isinstance(v, int) and not isinstance(v, bool) for v in r)
-                and r[0] == end < r[1] <= self.num_layers
-                and 0 <= r[2] < 2**64
-            ):
-                raise _Damaged(f"{name}: header field 'ranges' is not a partition of the layers")
-            out.append((r[0], r[1], r[2]))
-            end = r[1]
-        if end != self.num_layers:
-            raise _Damaged(f"{name}: header field 'ranges' is not a partition of the layers")
-        return out
 
 
 def make_level(
@@ -1000,45 +884,16 @@ def make_level(
                 f"factory of one, or 'mooncake://host:port'"
             )
         return spec
-    try:
-        url = urllib.parse.urlsplit(spec)
-        port = url.port  # A ValueError if it is not a port number.
-    except ValueError as e:
-        raise ValueError(
-            f"remote level {spec!r}: {e} (expected 'mooncake://host:port[?option=value&...]')"
-        ) from None
-    if url.scheme != "mooncake" or not url.hostname or port is None or url.path not in ("", "/"):
-        raise ValueError(
-            f"remote level {spec!r}: expected 'mooncake://host:port[?option=value&...]'"
-        )
-    options: dict[str, Any] = {}
-    try:
-        # Blank values kept: an empty option is refused by name, not silently dropped.
-        query = urllib.parse.parse_qs(
-            url.query, keep_blank_values=True, strict_parsing=bool(url.query)
-        )
-    except ValueError as e:
-        raise ValueError(f"remote level {spec!r}: {e} (expected option=value&...)") from None
-    for name, values in query.items():
-        value = values[-1]
-        try:
-            if name == "segment_mb":
-                options["segment_bytes"] = int(value) << 20
-            elif name == "object_kb":
-                options["object_bytes"] = int(value) << 10
-            elif name in ("deadline_s", "retry_after_s"):
-                options[name] = float(value)
-            elif name in ("local_host", "namespace"):
-                options[name] = value
-            else:
-                raise ValueError(
-                    "known options: segment_mb, object_kb, deadline_s, retry_after_s, "
-                    "local_host, namespace"
-                )
-        except ValueError as e:
-            raise ValueError(f"remote level {spec!r}: option {name}={value!r}: {e}") from None
-    host = f"[{url.hostname}]" if ":" in url.hostname else url.hostname
-    try:
-        return MooncakeStoreLevel(f"{host}:{port}", **geometry, **options)
-    except ValueError as e:
-        raise ValueError(f"remote level {spec!r}: {e}") from None
+    return open_url(
+        spec,
+        "remote level",
+        {
+            "segment_mb": ("segment_bytes", megabytes),
+            "object_kb": ("object_bytes", kilobytes),
+            "deadline_s": ("deadline_s", float),
+            "retry_after_s": ("retry_after_s", float),
+            "local_host": ("local_host", str),
+            "namespace": ("namespace", str),
+        },
+        functools.partial(MooncakeStoreLevel, **geometry),
+    )

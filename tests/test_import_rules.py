@@ -49,6 +49,8 @@ LAYERS: dict[str, int] = {
     "layout": 3,
     "levels": 3,
     "mooncake_client": 2,
+    "mooncake_block_format": 2,
+    "mooncake_url": 2,
     "mooncake_level": 3,
     "slots": 3,
     "host_io": 3,
