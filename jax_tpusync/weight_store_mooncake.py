@@ -18,10 +18,14 @@ objects, for version ``V`` (12 digits) under ``namespace``:
 * ``<ns>/versions``: the versions process 0 has begun and not retired (JSON), replaced by
   process 0 only (the store has no listing of its own).
 
-A puller reads only the byte ranges its pieces need (``get_into_ranges``), widened to
-whole chunks so that every chunk read is checked against its checksum; a chunk that does
-not match, or an object of another size than its manifest says, is refused naming the
-object. Process 0 retires old versions: their manifests first (a puller then finds the
+The small objects are checksummed JSON, the shards checksummed per chunk
+(:mod:`jax_tpusync.weight_mooncake_objects`). A process's part is put by a
+:class:`~jax_tpusync.weight_mooncake_writer.MooncakePartWriter`. A puller
+(:class:`~jax_tpusync.weight_mooncake_reader.MooncakeVersionReader`) reads only the byte
+ranges its pieces need (``get_into_ranges``), widened to whole chunks so that every chunk
+read is checked against its checksum; a chunk that does not match, or an object of another
+size than its manifest says, is refused naming the object. This module holds the store
+itself: its calls to the client, the list of versions, manifests, retiring. Process 0 retires old versions: their manifests first (a puller then finds the
 version gone, never half of it), then their shards.
 
 Every call to the store runs on one worker thread and is waited for at most
@@ -38,20 +42,17 @@ A publisher's shards live in its own segment: it must stay up (with its
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import math
 import os
 import re
 import threading
 import time
-import urllib.parse
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Self
 
 import numpy as np
-import xxhash
 
 from jax_tpusync.deadline_worker import DeadlinePassed, DeadlineWorker
 from jax_tpusync.mooncake_client import (
@@ -67,15 +68,16 @@ from jax_tpusync.mooncake_client import (
     probe_master,
     split_master,
 )
-from jax_tpusync.weight_plan import Box
+from jax_tpusync.mooncake_url import kilobytes, megabytes, open_url
+from jax_tpusync.weight_mooncake_objects import checksummed_json, read_checksummed_json
+from jax_tpusync.weight_mooncake_reader import MooncakeVersionReader
+from jax_tpusync.weight_mooncake_writer import MooncakePartWriter
 from jax_tpusync.weight_store import (
     FORMAT_VERSION,
     IncompleteVersionError,
-    StoredLeaf,
     VersionManifest,
     VersionNotFoundError,
     WeightSyncError,
-    checked_shards,
     complete,
     manifest_from_parts,
     newest_complete,
@@ -113,35 +115,6 @@ def _wait_for_running_calls() -> None:
             )
         while store.call_running() and time.monotonic() < until:
             time.sleep(0.05)
-
-
-_URL_OPTIONS = "segment_mb, deadline_s, namespace, local_host, chunk_kb, request_mb"
-
-
-def _checksummed(doc: dict) -> bytes:
-    body = json.dumps(doc, separators=(",", ":")).encode()
-    return f"{xxhash.xxh3_64_intdigest(body):016x}\n".encode() + body
-
-
-def _unchecksummed(data: bytes, name: str) -> Any:
-    """The JSON of a checksummed object, or WeightSyncError naming it."""
-    head, _, body = data.partition(b"\n")
-    try:
-        ok = int(head, 16) == xxhash.xxh3_64_intdigest(body)
-        value = json.loads(body) if ok else None
-    except (ValueError, UnicodeDecodeError):
-        ok = False
-    if not ok:
-        raise WeightSyncError(f"object {name!r} is damaged: its checksum does not match")
-    return value
-
-
-def chunk_checksums(raw: np.ndarray, chunk_bytes: int) -> list[int]:
-    """xxh3-64 of each ``chunk_bytes`` of ``raw`` (``uint8[n]``; the last chunk shorter)."""
-    return [
-        xxhash.xxh3_64_intdigest(raw[at : at + chunk_bytes])
-        for at in range(0, raw.size, chunk_bytes)
-    ]
 
 
 class MooncakeWeightStore:
@@ -246,48 +219,19 @@ class MooncakeWeightStore:
         """A store from ``"mooncake://host:port[?option=value&...]"``; options
         ``segment_mb``, ``deadline_s``, ``namespace``, ``local_host``, ``chunk_kb``,
         ``request_mb``. A ValueError names the URL and what is wrong in it."""
-        expected = "expected 'mooncake://host:port[?option=value&...]'"
-        try:
-            parts = urllib.parse.urlsplit(url)
-            port = parts.port
-        except ValueError as e:
-            raise ValueError(f"weight store {url!r}: {e} ({expected})") from None
-        if (
-            parts.scheme != "mooncake"
-            or not parts.hostname
-            or port is None
-            or parts.path not in ("", "/")
-        ):
-            raise ValueError(f"weight store {url!r}: {expected}")
-        try:
-            query = urllib.parse.parse_qs(
-                parts.query, keep_blank_values=True, strict_parsing=bool(parts.query)
-            )
-        except ValueError as e:
-            raise ValueError(f"weight store {url!r}: {e} (expected option=value&...)") from None
-        options: dict[str, Any] = {}
-        for name, values in query.items():
-            value = values[-1]
-            try:
-                if name == "segment_mb":
-                    options["segment_bytes"] = int(value) << 20
-                elif name == "chunk_kb":
-                    options["chunk_bytes"] = int(value) << 10
-                elif name == "request_mb":
-                    options["request_bytes"] = int(value) << 20
-                elif name == "deadline_s":
-                    options["deadline_s"] = float(value)
-                elif name in ("namespace", "local_host"):
-                    options[name] = value
-                else:
-                    raise ValueError(f"known options: {_URL_OPTIONS}")
-            except ValueError as e:
-                raise ValueError(f"weight store {url!r}: option {name}={value!r}: {e}") from None
-        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-        try:
-            return cls(f"{host}:{port}", **options)
-        except ValueError as e:
-            raise ValueError(f"weight store {url!r}: {e}") from None
+        return open_url(
+            url,
+            "weight store",
+            {
+                "segment_mb": ("segment_bytes", megabytes),
+                "deadline_s": ("deadline_s", float),
+                "namespace": ("namespace", str),
+                "local_host": ("local_host", str),
+                "chunk_kb": ("chunk_bytes", kilobytes),
+                "request_mb": ("request_bytes", megabytes),
+            },
+            cls,
+        )
 
     def describe(self) -> str:
         return f"the Mooncake store at {self.master} (namespace {self.namespace!r})"
@@ -474,14 +418,14 @@ class MooncakeWeightStore:
         data = self._get_object(self.index_key, "reading the list of weight versions")
         if data is None:
             return []
-        index = _unchecksummed(data, self.index_key)
+        index = read_checksummed_json(data, self.index_key)
         if not isinstance(index, list) or not all(isinstance(v, int) for v in index):
             raise WeightSyncError(f"object {self.index_key!r} is not a list of versions")
         return sorted(index)
 
     def write_versions(self, versions: list[int]) -> None:
         """Replaces the list of versions (process 0 only: one writer, no race)."""
-        body = np.frombuffer(_checksummed(sorted(set(versions))), np.uint8).copy()
+        body = np.frombuffer(checksummed_json(sorted(set(versions))), np.uint8).copy()
 
         def upsert(client: Any) -> int:
             rc = client.register_buffer(body.ctypes.data, body.nbytes)
@@ -509,7 +453,7 @@ class MooncakeWeightStore:
         )
         if data is None:
             return None, set()
-        begun = _unchecksummed(data, self.begun_key(version))
+        begun = read_checksummed_json(data, self.begun_key(version))
         n = begun.get("num_processes") if isinstance(begun, dict) else None
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise WeightSyncError(f"object {self.begun_key(version)!r} names no process count")
@@ -551,7 +495,7 @@ class MooncakeWeightStore:
                 raise WeightSyncError(
                     f"weights version {version} was retired while reading it: pull again"
                 )
-            doc = _unchecksummed(data, key)
+            doc = read_checksummed_json(data, key)
             if (
                 not isinstance(doc, dict)
                 or doc.get("format") != FORMAT_VERSION
@@ -629,265 +573,3 @@ class MooncakeWeightStore:
             self.write_versions([v for v in listed if v not in removed])
             logger.debug("retired weight versions %s", removed)
         return removed
-
-
-class MooncakePartWriter:
-    """One process's part of a version: each leaf's shards put as objects as they are
-    added, the manifest put by :meth:`commit`, last."""
-
-    def __init__(self, store: MooncakeWeightStore, version: int, process: int, num_processes: int):
-        self.store = store
-        self.version = version
-        self.process = process
-        self.num_processes = num_processes
-        self.manifest_key = store.part_key(version, process)
-        exists = store.call(
-            lambda client: client.is_exist(self.manifest_key), f"weights version {version}"
-        )
-        if exists == 1:
-            raise ValueError(
-                f"version {version}: process {process} already published its part "
-                f"({self.manifest_key!r}); versions are immutable, publish a new version"
-            )
-        self._leaves: list[dict] = []
-        self._paths: set[str] = set()
-        self._put: list[str] = []
-        self.nbytes = 0
-        begun = np.frombuffer(_checksummed({"num_processes": num_processes}), np.uint8).copy()
-        # Every process puts it (the first put stays): the version is begun even if
-        # process 0 never starts.
-        store.put_objects(
-            [store.begun_key(version)], [begun], f"weights version {version}", exists_ok=True
-        )
-        if process == 0:
-            listed = store.versions()
-            if version not in listed:
-                store.write_versions([*listed, version])
-
-    def add(
-        self, path: str, shape: tuple[int, ...], dtype: str, shards: Sequence[tuple[Box, Any]]
-    ) -> None:
-        if path in self._paths:
-            raise ValueError(f"leaf {path} added twice to version {self.version}'s part")
-        checked = checked_shards(path, dtype, shards)
-        self._paths.add(path)
-        leaf = len(self._leaves)
-        keys, arrays, records = [], [], []
-        for index, (box, data) in enumerate(checked):
-            raw = data.reshape(-1).view(np.uint8)
-            key = self.store.shard_key(self.version, self.process, leaf, index)
-            records.append(
-                {
-                    "box": [list(r) for r in box],
-                    "offset": 0,
-                    "nbytes": raw.nbytes,
-                    "key": key if raw.nbytes else "",
-                    "chunks": [f"{c:016x}" for c in chunk_checksums(raw, self.store.chunk_bytes)],
-                }
-            )
-            if raw.nbytes:
-                keys.append(key)
-                arrays.append(raw)
-        # Every key counts as put, even when the request fails part-way: abort() removes
-        # them all (removing one that is not there is harmless).
-        self._put.extend(keys)
-        self.store.put_objects(keys, arrays, f"weights version {self.version}, leaf {path}")
-        self.nbytes += sum(a.nbytes for a in arrays)
-        self._leaves.append({"path": path, "shape": list(shape), "dtype": dtype, "shards": records})
-
-    def commit(self) -> None:
-        doc = {
-            "format": FORMAT_VERSION,
-            "version": self.version,
-            "process": self.process,
-            "num_processes": self.num_processes,
-            "chunk_bytes": self.store.chunk_bytes,
-            "leaves": self._leaves,
-        }
-        body = np.frombuffer(_checksummed(doc), np.uint8).copy()
-        self.store.put_objects([self.manifest_key], [body], f"weights version {self.version}")
-
-    def abort(self) -> None:
-        """Removes the shards this part put (best effort: its manifest was never put)."""
-        keys = list(self._put)
-        self._put = []
-        if keys:
-            try:
-                self.store.call(
-                    lambda client: client.batch_remove(keys, True),
-                    f"weights version {self.version}",
-                )
-            except WeightSyncError as e:
-                logger.warning("removing an aborted part's objects: %s", e)
-
-
-def _span(shape: tuple[int, ...], slices: tuple[slice, ...]) -> tuple[int, int] | None:
-    """(first element, last element + 1) in C order of ``slices`` of an array of
-    ``shape``; None when they select nothing."""
-    first = last = 0
-    stride = 1
-    for n, s in zip(reversed(shape), reversed(slices), strict=True):
-        start, stop, step = s.indices(n)
-        if step != 1:
-            raise ValueError(f"a slice with step {step}: only contiguous slices are planned")
-        if stop <= start:
-            return None
-        first += start * stride
-        last += (stop - 1) * stride
-        stride *= n
-    return first, last + 1
-
-
-class MooncakeVersionReader:
-    """Reads pieces of a complete version's shard objects: whole chunks, checked."""
-
-    def __init__(self, store: MooncakeWeightStore, manifest: VersionManifest):
-        self.store = store
-        self.manifest = manifest
-
-    def read(
-        self, leaf: StoredLeaf, wanted: Sequence[tuple[int, tuple[slice, ...]]]
-    ) -> list[np.ndarray]:
-        store = self.store
-        dtype = np.dtype(leaf.dtype)
-        chunk = self.manifest.chunk_bytes  # The publisher's, whatever this store's is.
-        # Per shard, the chunks any piece needs, then their runs of consecutive chunks.
-        spans: list[tuple[int, int, int] | None] = []  # (shard, first byte, end byte)
-        chunks: dict[int, set[int]] = {}
-        for index, slices in wanted:
-            shape = tuple(b - a for a, b in leaf.shards[index].box)
-            span = _span(shape, slices)
-            if span is None:
-                spans.append(None)
-                continue
-            lo, hi = span[0] * dtype.itemsize, span[1] * dtype.itemsize
-            spans.append((index, lo, hi))
-            chunks.setdefault(index, set()).update(range(lo // chunk, (hi - 1) // chunk + 1))
-        runs = []  # (shard, first chunk, end chunk, byte offset in the buffer)
-        total = 0
-        for index in sorted(chunks):
-            nbytes = leaf.shards[index].nbytes
-            ordered = sorted(chunks[index])
-            start = prev = ordered[0]
-            for c in [*ordered[1:], None]:
-                if c is not None and c == prev + 1:
-                    prev = c
-                    continue
-                runs.append((index, start, prev + 1, total))
-                total += min((prev + 1) * chunk, nbytes) - start * chunk
-                if c is not None:
-                    start = prev = c
-        buffer = np.empty(max(total, 1), np.uint8)
-        self._fetch(leaf, runs, buffer)
-        self._check(leaf, runs, buffer)
-        store.bytes_fetched += total
-        out = []
-        for (index, slices), span in zip(wanted, spans, strict=True):
-            shape = tuple(b - a for a, b in leaf.shards[index].box)
-            piece_shape = tuple(
-                len(range(*s.indices(n))) for s, n in zip(slices, shape, strict=True)
-            )
-            if span is None:
-                out.append(np.empty(piece_shape, dtype))
-                continue
-            _, lo, _ = span
-            run = next(r for r in runs if r[0] == index and r[1] * chunk <= lo < r[2] * chunk)
-            at = run[3] + lo - run[1] * chunk
-            strides = [dtype.itemsize] * len(shape)
-            for d in range(len(shape) - 2, -1, -1):
-                strides[d] = strides[d + 1] * shape[d + 1]
-            out.append(
-                np.ndarray(piece_shape, dtype, buffer=buffer, offset=at, strides=tuple(strides))
-            )
-        return out
-
-    def read_stacked(self, leaf: StoredLeaf, shards: Sequence[int]) -> np.ndarray | None:
-        """None: every shard is an object of its own (:meth:`read` them)."""
-        return None
-
-    def _fetch(self, leaf: StoredLeaf, runs: list, buffer: np.ndarray) -> None:
-        """Gets every run's bytes into ``buffer`` (registered for each request), at most
-        ``request_bytes`` per request; a WeightSyncError names the object that failed."""
-        store = self.store
-        chunk = self.manifest.chunk_bytes
-        ranges = []  # (key, source offset, size, buffer offset), each <= request_bytes
-        for index, first, end, at in runs:
-            shard = leaf.shards[index]
-            lo, hi = first * chunk, min(end * chunk, shard.nbytes)
-            while lo < hi:
-                size = min(hi - lo, store.request_bytes)
-                ranges.append((shard.key, lo, size, at))
-                lo, at = lo + size, at + size
-        requests: list[list] = [[]]
-        size = 0
-        for item in ranges:
-            if requests[-1] and size + item[2] > store.request_bytes:
-                requests.append([])
-                size = 0
-            requests[-1].append(item)
-            size += item[2]
-        base = buffer.ctypes.data
-        what = f"weights version {self.manifest.version}, leaf {leaf.path}"
-        for request in requests:
-            if not request:
-                continue
-            keys: list[str] = []
-            dst: list[list[int]] = []
-            src: list[list[int]] = []
-            sizes: list[list[int]] = []
-            for key, lo, n, at in request:  # Ranges of one object go under one key.
-                if not keys or keys[-1] != key:
-                    keys.append(key)
-                    dst.append([])
-                    src.append([])
-                    sizes.append([])
-                dst[-1].append(at)
-                src[-1].append(lo)
-                sizes[-1].append(n)
-
-            def get(client: Any, keys=keys, dst=dst, src=src, sizes=sizes) -> list:
-                # ``buffer`` is held by this closure: a call past its deadline writes into
-                # memory that stays alive.
-                rc = client.register_buffer(base, buffer.nbytes)
-                if rc != 0:
-                    return [[[rc] * len(s) for s in sizes]]
-                try:
-                    return client.get_into_ranges([base], [keys], [dst], [src], [sizes])
-                finally:
-                    client.unregister_buffer(base)
-
-            codes = store.call(get, what)[0]
-            for key, got, want in zip(keys, codes, sizes, strict=True):
-                for code, n in zip(got, want, strict=True):
-                    if code == n:
-                        continue
-                    if code == -600 or 0 <= code < n:
-                        raise WeightSyncError(
-                            f"{what}: object {key!r} is damaged: it does not hold the bytes "
-                            f"its manifest says ({meaning(code)})"
-                        )
-                    if code == NOT_FOUND:
-                        raise WeightSyncError(
-                            f"{what}: object {key!r} is gone (retired, or its publishing "
-                            f"process exited): pull again"
-                        )
-                    raise WeightSyncError(
-                        f"{what}: getting object {key!r} returned {meaning(code)}"
-                    )
-
-    def _check(self, leaf: StoredLeaf, runs: list, buffer: np.ndarray) -> None:
-        chunk = self.manifest.chunk_bytes
-        for index, first, end, at in runs:
-            shard = leaf.shards[index]
-            for c in range(first, end):
-                lo = at + (c - first) * chunk
-                hi = at + min((c + 1) * chunk, shard.nbytes) - first * chunk
-                if xxhash.xxh3_64_intdigest(buffer[lo:hi]) != shard.checksums[c]:
-                    raise WeightSyncError(
-                        f"weights version {self.manifest.version}, leaf {leaf.path}: object "
-                        f"{shard.key!r} is damaged: chunk {c} (bytes {c * chunk}-"
-                        f"{min((c + 1) * chunk, shard.nbytes)}) does not match its checksum"
-                    )
-
-    def close(self) -> None:
-        """Nothing held between reads."""
