@@ -411,7 +411,15 @@ def check_load_rows(
     counts = per_sequence("lengths", n if lengths is None else lengths, batch)
     if (counts < 0).any() or (counts > n).any():
         raise ValueError(f"lengths must be in [0, n={n}]; got {counts}")
+    check_load_range(slots, starts, counts)
+    return k, v, starts, counts
+
+
+def check_load_range(slots: SlotTable, starts: np.ndarray, counts: np.ndarray) -> None:
+    """Refuses rows ``[starts[b], starts[b] + counts[b])`` of a slot that are not its own
+    to write: before position 0, in its read-only shared prefix, or past its capacity."""
     capacity = slots.capacity
+    batch = slots.batch
     for b in range(batch):
         if starts[b] < 0:
             raise ValueError(f"start={int(starts[b])} of slot {b} must be >= 0")
@@ -427,4 +435,3 @@ def check_load_rows(
                 f"overflow its capacity of {int(capacity[b])} tokens"
                 + (" (the slot is inactive: admit it first)" if not capacity[b] else "")
             )
-    return k, v, starts, counts

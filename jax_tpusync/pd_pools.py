@@ -1,6 +1,8 @@
 """Where a cache's KV lies for P/D transfer (:mod:`jax_tpusync.pd_transfer`): one host pool
 per head range (a mesh cache: one per head shard), the layout two caches must share, and
-the runs of a slot's rows in a pool; the pools' registration with a TransferEngine.
+the runs of a slot's rows in a pool; the pools' registration with a TransferEngine. (A
+host-pool cache's rows pass through a staging buffer instead:
+:mod:`jax_tpusync.pd_pool_staging`.)
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from jax_tpusync.cache import OffloadedKVCache
 from jax_tpusync.config import is_int
 from jax_tpusync.mesh import ShardedKVCache
 from jax_tpusync.pd_channel import PDTransferError
+from jax_tpusync.pd_pool_staging import pool_head_split
+from jax_tpusync.pool_cache import HostPoolKVCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,18 +34,21 @@ class HeadPool:
     nbytes: int
 
 
-def head_split(cache: OffloadedKVCache | ShardedKVCache) -> list[list[int]]:
+def head_split(cache: OffloadedKVCache | ShardedKVCache | HostPoolKVCache) -> list[list[int]]:
     """``[[lo, hi], ...]``: the KV head ranges ``cache``'s shards hold, in head order (one
     range, all heads, for a one-device cache)."""
+    if isinstance(cache, HostPoolKVCache):
+        return pool_head_split(cache)
     if isinstance(cache, ShardedKVCache):
         tp, per = cache.layout.tp, cache.shard_spec.num_kv_heads
         return [[t * per, (t + 1) * per] for t in range(tp)]
     return [[0, cache.spec.num_kv_heads]]
 
 
-def layout_of(cache: OffloadedKVCache | ShardedKVCache) -> dict:
+def layout_of(cache: OffloadedKVCache | ShardedKVCache | HostPoolKVCache) -> dict:
     """The layout two caches must share for one's rows to be the other's bytes: the row
-    layout of one head range's pool and how the heads are split over pools."""
+    layout of one head range's pool and how the heads are split over pools (a host-pool
+    cache's spec is one shard's already)."""
     spec = cache.shard_spec if isinstance(cache, ShardedKVCache) else cache.spec
     return {
         "num_layers": spec.num_layers,
@@ -101,7 +108,8 @@ def head_pools(cache: Any, role: str) -> list[HeadPool]:
         return out
     if not isinstance(cache, OffloadedKVCache):
         raise TypeError(
-            f"{role} needs an OffloadedKVCache or a ShardedKVCache; got {type(cache).__name__}"
+            f"{role} needs an OffloadedKVCache, a ShardedKVCache or a HostPoolKVCache; got "
+            f"{type(cache).__name__}"
         )
     address, nbytes = _check_pool(cache, role)
     return [HeadPool(None, cache, (0, cache.spec.num_kv_heads), address, nbytes)]

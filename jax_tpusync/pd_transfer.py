@@ -99,6 +99,7 @@ from jax_tpusync.pd_channel import (
     split_address,
     start_engine,
 )
+from jax_tpusync.pd_pool_staging import PoolStaging
 from jax_tpusync.pd_pools import (
     HeadPool,
     head_pools,
@@ -109,6 +110,7 @@ from jax_tpusync.pd_pools import (
     slot_pools,
     unregister_pools,
 )
+from jax_tpusync.pool_cache import HostPoolKVCache
 from jax_tpusync.state import KVState
 
 logger = logging.getLogger(__name__)
@@ -186,14 +188,18 @@ class Quarantine:
 
 class _Role:
     """What both roles share: pools registered with a TransferEngine (``engine``,
-    ``pools``), unregistered at close; a context manager."""
+    ``pools``; a host-pool cache: its ``staging`` buffer instead), unregistered at close; a
+    context manager."""
 
     engine: Any
     pools: Any
+    staging: PoolStaging | None = None
 
     def _unregister(self) -> None:
         if self.engine is not None:
             unregister_pools(self.engine, self.pools)
+            if self.staging is not None:
+                self.staging.close()
             self.engine = None
 
     def close(self) -> None:
@@ -255,16 +261,21 @@ class KVReceiver(_Role):
         ):
             raise ValueError(f"quarantine_s={quarantine_s!r} must be None or a finite number >= 0")
         self.cache = cache
-        self.pools = head_pools(cache, "KVReceiver")
+        on_pool = isinstance(cache, HostPoolKVCache)
+        self.pools = [] if on_pool else head_pools(cache, "KVReceiver")
         if (transfer_engine is None) != (session is None):
             raise ValueError("give transfer_engine and its session together, or neither")
         if quarantine_s is None:
             engine_tcp_timeout_s()  # Refuses a bad setting before an engine starts.
+        if on_pool:  # Checked before an engine starts.
+            self.staging = PoolStaging(cache, None, "KVReceiver", populate=populate)
         if transfer_engine is None:
             transfer_engine, session = start_engine(host, self.deadline_s)
         self.quarantine_s = default_quarantine_s() if quarantine_s is None else float(quarantine_s)
         self.engine = transfer_engine
         self.session = session
+        if self.staging is not None:
+            self.staging.engine = transfer_engine
         register_pools(self.engine, self.pools, "KVReceiver")
         if populate:
             for pool in self.pools:
@@ -279,6 +290,7 @@ class KVReceiver(_Role):
         """Per region (layer * 2 + K|V): ``[address, bytes]`` runs of positions ``[lo,
         hi)`` of ``slot`` in this process's pool (a one-device cache, or a mesh cache of
         one head range; otherwise see :meth:`head_runs`)."""
+        self._check_engine_pool()
         targets = slot_pools(self.cache, self.pools, slot)
         if len(targets) != 1:
             raise ValueError(
@@ -291,10 +303,18 @@ class KVReceiver(_Role):
     def head_runs(self, slot: int, lo: int, hi: int) -> list[dict]:
         """Per head range of ``slot``, in head order: ``{"heads": [lo, hi], "runs": per
         region [[address, bytes], ...]}`` of positions ``[lo, hi)`` in that range's pool."""
+        self._check_engine_pool()
         return [
             {"heads": list(pool.heads), "runs": pool_runs(pool.cache, pool.address, local, lo, hi)}
             for pool, local in slot_pools(self.cache, self.pools, slot)
         ]
+
+    def _check_engine_pool(self) -> None:
+        if self.staging is not None:
+            raise ValueError(
+                "a host-pool cache receives through a staging buffer, not into its pool's "
+                "memory: its slots have no runs"
+            )
 
     @property
     def quarantined(self) -> dict[int, float]:
@@ -307,6 +327,10 @@ class KVReceiver(_Role):
         """Frees the blocks of every quarantine whose time has passed (with ``wait``: of
         every quarantine, after sleeping until the last one's time); returns their slots.
         Runs at the start of every :meth:`receive`, and with ``wait`` in :meth:`close`."""
+        if self.staging is not None:
+            if wait and self.staging.retired:
+                time.sleep(max(0.0, *(until - self.clock() for until in self.staging.retired)))
+            self.staging.reclaim(self.clock(), wait)
         if wait and self._quarantine:
             time.sleep(max(0.0, *(q.until - self.clock() for q in self._quarantine.values())))
         now = self.clock()
@@ -375,16 +399,26 @@ class KVReceiver(_Role):
         ids = np.asarray(tokens)
         if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(f"tokens must be a non-empty 1-D sequence of ints; got {tokens!r}")
-        targets = slot_pools(self.cache, self.pools, slot)
+        staging = self.staging
+        if staging is None:
+            targets = slot_pools(self.cache, self.pools, slot)
+        elif not is_int(slot) or not 0 <= slot < self.cache.batch:
+            raise ValueError(f"slot={slot!r} must be an int in [0, batch={self.cache.batch})")
         reservation = self.cache.reserve(slot, max_tokens, ids)  # Refused: nothing changed.
         cached = int(reservation.cached)
         n = int(ids.size)
         may_write = False  # Whether the prefill process may have started writing.
         try:
-            shards = [
-                {"heads": list(p.heads), "runs": pool_runs(p.cache, p.address, local, cached, n)}
-                for p, local in targets
-            ]
+            if staging is not None:
+                shards = staging.head_runs(n - cached)
+            else:
+                shards = [
+                    {
+                        "heads": list(p.heads),
+                        "runs": pool_runs(p.cache, p.address, local, cached, n),
+                    }
+                    for p, local in targets
+                ]
             request = {
                 "version": PROTOCOL_VERSION,
                 "op": "prefill",
@@ -410,7 +444,17 @@ class KVReceiver(_Role):
         except Exception as e:
             self.failed += 1
             reason = e if isinstance(e, PDTransferError) else f"{type(e).__name__}: {e}"
-            if may_write and self.quarantine_s > 0:
+            if staging is not None:  # Late writes land in the staging buffer: set it aside.
+                self.cache.cancel(reservation)
+                if may_write and self.quarantine_s > 0:
+                    staging.retire(self.clock() + self.quarantine_s)
+                held = (
+                    f", the staging buffer set aside for {self.quarantine_s:.3g} s (writes may "
+                    f"still land in it)"
+                    if may_write and self.quarantine_s > 0
+                    else ""
+                )
+            elif may_write and self.quarantine_s > 0:
                 self._hold(reservation, targets, cached, n)
                 held = (
                     f", its blocks held aside for {self.quarantine_s:.3g} s (writes may still "
@@ -423,7 +467,11 @@ class KVReceiver(_Role):
                 f"P/D transfer of {n} tokens into slot {slot} from {host}:{port} failed, the "
                 f"slot was left unadmitted{held}: {reason}"
             ) from e
-        state = self.cache.admitted(state, _admitted_at(reservation, n))
+        if staging is None:
+            state = self.cache.admitted(state, _admitted_at(reservation, n))
+        else:  # Admitted at its prefix; the received rows then grow it to n.
+            state = self.cache.admitted(state, reservation)
+            state = self.cache.load_stored_rows(state, slot, cached, staging.rows(n - cached))
         self.received += 1
         return state, Received(
             slot=slot,
@@ -533,9 +581,12 @@ class KVSender(_Role):
         if not is_int(port) or not 0 <= port < 65536:
             raise ValueError(f"port={port!r} must be an int in [0, 65535]")
         self.cache = cache
-        self.pools = head_pools(cache, "KVSender")
+        on_pool = isinstance(cache, HostPoolKVCache)
+        self.pools = [] if on_pool else head_pools(cache, "KVSender")
         if (transfer_engine is None) != (session is None):
             raise ValueError("give transfer_engine and its session together, or neither")
+        if on_pool:
+            self.staging = PoolStaging(cache, None, "KVSender")
         self.batch_bytes = int(batch_bytes)
         self.layout = layout_of(cache)
         self._listener = socket.create_server((host, port))
@@ -544,6 +595,8 @@ class KVSender(_Role):
                 transfer_engine, session = start_engine(host, self.deadline_s)
             self.engine = transfer_engine
             self.session = session
+            if self.staging is not None:
+                self.staging.engine = transfer_engine
             register_pools(self.engine, self.pools, "KVSender")
         except BaseException:
             self._listener.close()
@@ -668,21 +721,36 @@ class KVSender(_Role):
         cache = self.cache
         n = int(request.tokens.size)
         try:
-            targets = slot_pools(cache, self.pools, slot)
+            if self.staging is None:
+                targets = slot_pools(cache, self.pools, slot)
+            elif not is_int(slot) or not 0 <= slot < cache.batch:
+                raise ValueError(f"slot={slot!r} must be an int in [0, batch={cache.batch})")
         except ValueError as e:
             self.fail(request, f"the prefill slot cannot be sent: {e}")
             raise
-        lengths = cache.lengths(state) if isinstance(cache, ShardedKVCache) else state.lengths
+        on_device = isinstance(cache, (ShardedKVCache, HostPoolKVCache))
+        lengths = cache.lengths(state) if on_device else state.lengths
         length = int(np.asarray(lengths)[slot])
         if length < n:
             self.fail(request, f"the prefill slot holds {length} tokens, not {n}")
             raise ValueError(f"slot {slot} holds {length} tokens; the request needs {n}")
         state = cache.drain(state)
-        cache.engine.drain()  # The step's write-backs are on the tier.
         try:
+            if self.staging is None:
+                cache.engine.drain()  # The step's write-backs are on the tier.
+                sources = [
+                    (pool.heads, pool_runs(pool.cache, pool.address, local, request.start, n))
+                    for pool, local in targets
+                ]
+            else:  # The slot's rows, read out of the state's pool, are sent from staging.
+                self.staging.fill(cache.read_stored_rows(state, slot, request.start, n))
+                sources = [
+                    (tuple(h["heads"]), h["runs"])
+                    for h in self.staging.head_runs(n - request.start)
+                ]
             per_head = [
-                self._pairs(pool, local, shard, request)
-                for (pool, local), shard in zip(targets, request.shards)
+                self._pairs(heads, runs, shard)
+                for (heads, runs), shard in zip(sources, request.shards)
             ]
             head_bytes = [sum(p[2] for p in pairs) for pairs in per_head]
             pairs = [p for head in per_head for p in head]
@@ -715,17 +783,16 @@ class KVSender(_Role):
         )
 
     def _pairs(
-        self, pool: HeadPool, local: int, shard: dict, request: PrefillRequest
+        self, heads: tuple[int, int], sources: list[list[list[int]]], shard: dict
     ) -> list[tuple[int, int, int]]:
         """(source address, destination address, bytes) writes of one head range: each
-        region's source runs (``local`` of ``pool``) and the destination runs (``shard``'s)
-        walked together, split where either one ends."""
-        if list(pool.heads) != shard["heads"]:  # accept() checked the order; kept so.
-            raise ValueError(f"heads {shard['heads']} sent to the pool of heads {pool.heads}")
+        region's source runs (``sources``, of the pool of ``heads``) and the destination
+        runs (``shard``'s) walked together, split where either one ends."""
+        if list(heads) != shard["heads"]:  # accept() checked the order; kept so.
+            raise ValueError(f"heads {shard['heads']} sent to the pool of heads {heads}")
         out = []
-        n = int(request.tokens.size)
-        sources = pool_runs(pool.cache, pool.address, local, request.start, n)
         for region, src in enumerate(sources):
+            src = [list(r) for r in src]
             dst = [list(r) for r in shard["runs"][region]]
             i = j = 0
             while i < len(src) and j < len(dst):

@@ -82,6 +82,29 @@ def write_blocks(
     return _write_sharded(layout, mesh, pool, rows, starts)
 
 
+def scatter_blocks(
+    layout: PoolLayout,
+    mesh: MeshLayout | None,
+    pool: jax.Array,  # donated
+    rows: np.ndarray,  # [shards, n * block_tokens, row_width]: each shard's blocks, in order
+    starts: np.ndarray,  # int[n]: the pool row of each block's first token
+) -> jax.Array:
+    """:func:`write_blocks` of any number of blocks in a few programs, as
+    :func:`gather_blocks` reads them: calls of at most :data:`GATHER_BLOCKS` blocks, each
+    padded to a power of two with writes of zeros into the sink block (which no slot
+    reads)."""
+    starts = np.asarray(starts, np.int64)
+    bt = layout.spec.block_tokens
+    for at in range(0, len(starts), GATHER_BLOCKS):
+        part = starts[at : at + GATHER_BLOCKS]
+        padded = np.full(1 << (len(part) - 1).bit_length(), layout.sink_row, np.int64)
+        padded[: len(part)] = part
+        block_rows = np.zeros((rows.shape[0], len(padded) * bt, rows.shape[2]), rows.dtype)
+        block_rows[:, : len(part) * bt] = rows[:, at * bt : (at + len(part)) * bt]
+        pool = write_blocks(layout, mesh, pool, block_rows, padded)
+    return pool
+
+
 class PoolBlocks:
     """The slot table's block store (:class:`jax_tpusync.levels.BlockStore`) over a host
     pool: a block's payload is its rows of every layer as bytes, each token's K row then

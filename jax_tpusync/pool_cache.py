@@ -55,9 +55,22 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_tpusync import persistence, pool_assembly, pool_blocks, pool_rows, window_ring
-from jax_tpusync.config import CacheConfig, with_config
-from jax_tpusync.host_io import LoadedExtent, check_layer, check_load_rows, one_slot_load
+from jax_tpusync import (
+    persistence,
+    pool_assembly,
+    pool_blocks,
+    pool_rows,
+    pool_stored_rows,
+    window_ring,
+)
+from jax_tpusync.config import CacheConfig, is_int, with_config
+from jax_tpusync.host_io import (
+    LoadedExtent,
+    check_layer,
+    check_load_range,
+    check_load_rows,
+    one_slot_load,
+)
 from jax_tpusync.host_pool import (
     NOT_STAGED,
     PoolLayout,
@@ -686,6 +699,78 @@ class HostPoolKVCache:
         self._loaded.record(layer, starts, counts)
         grown = self._loaded.grown(self._host(state.lengths))
         return self._unstaged(state.replace(lengths=self._placed(grown.astype(np.int32))))
+
+    def load_stored_rows(
+        self,
+        state: PoolState,
+        slot: int,
+        start: int,
+        rows: np.ndarray,  # uint8[shards, num_layers, 2, n, row_bytes]: K rows, then V rows
+    ) -> PoolState:
+        """Writes positions ``[start, start + n)`` of ``slot`` in every layer from the
+        bytes the pool stores them as (:mod:`jax_tpusync.pool_stored_rows`: per head
+        shard and layer, the K rows then the V rows; quantized: codes and scales as they
+        are), as :meth:`load` of every layer would: the same checks, and the slot's
+        length grows to ``start + n``. What P/D transfer received goes in this way.
+
+        Raises:
+          ValueError: a bad slot or start, rows of another shape or dtype, rows past the
+            slot's capacity or into blocks it shares with the prefix index; nothing is
+            written.
+        """
+        spec = self.spec
+        self.check(state)
+        self.slots.check_slot(slot)
+        if not is_int(start):
+            raise ValueError(f"start={start!r} must be an int")
+        n = np.shape(rows)[3] if np.ndim(rows) == 5 else -1
+        want = pool_stored_rows.stored_shape(self.layout, self.shards, max(n, 0))
+        if not isinstance(rows, np.ndarray) or rows.dtype != np.uint8 or rows.shape != want:
+            raise ValueError(
+                f"rows must be a uint8 array [shards={want[0]}, num_layers={want[1]}, 2, n, "
+                f"row_bytes={want[4]}]; got {getattr(rows, 'dtype', type(rows).__name__)} "
+                f"{np.shape(rows)}"
+            )
+        starts = np.zeros(spec.batch, np.int64)
+        counts = np.zeros(spec.batch, np.int64)
+        starts[slot], counts[slot] = int(start), n
+        check_load_range(self.slots, starts, counts)  # Refused: no change.
+        if n == 0:
+            return state
+        if self._tier is not None:  # Committed rows may change: commit them gone first.
+            with self._tier.reading(state.pool, self._host(state.lengths)):
+                for layer in range(spec.num_layers):
+                    self.persistence.note_rows_written(layer, starts, counts)
+            for layer in range(spec.num_layers):
+                self._tier.loaded(layer, starts, counts)
+        pool = pool_stored_rows.write_stored_rows(
+            self.layout, self.mesh, state.pool, self.slots.table_row(slot), int(start), rows
+        )
+        state = state.replace(pool=pool)
+        for layer in range(spec.num_layers):
+            self._loaded.record(layer, starts, counts)
+        grown = self._loaded.grown(self._host(state.lengths))
+        return self._unstaged(state.replace(lengths=self._placed(grown.astype(np.int32))))
+
+    def read_stored_rows(self, state: PoolState, slot: int, start: int, stop: int) -> np.ndarray:
+        """Positions ``[start, stop)`` of ``slot`` in every layer as the pool stores them:
+        uint8[shards, num_layers, 2, stop - start, row_bytes] (see
+        :meth:`load_stored_rows`), a host copy.
+
+        Raises:
+          ValueError: a bad slot, or a range outside ``[0, length]``.
+        """
+        self.check(state)
+        self.slots.check_slot(slot)
+        length = int(self._host(state.lengths)[slot])
+        if not (is_int(start) and is_int(stop) and 0 <= start <= stop <= length):
+            raise ValueError(
+                f"[start, stop) = [{start}, {stop}) must lie in [0, {length}] (slot {slot}'s "
+                f"length)"
+            )
+        return pool_stored_rows.read_stored_rows(
+            self.layout, self.mesh, state.pool, self.slots.table_row(slot), int(start), int(stop)
+        )
 
     def read(
         self,

@@ -76,7 +76,14 @@ def add_parser(sub) -> None:
         "--global-every",
         type=int,
         default=6,
-        help="with --sliding-window: every Nth layer is global (Gemma 3: 6)",
+        help="with --sliding-window: every Nth layer is global (Gemma 3: 6; 0: none)",
+    )
+    p.add_argument(
+        "--max-step-tokens",
+        type=int,
+        default=0,
+        help="ours keeps only the window, a ring per slot of the window plus this many rows "
+        "(needs every layer sliding: --global-every 0; 0: every position kept)",
     )
     p.add_argument(
         "--kinds",
@@ -223,10 +230,12 @@ def compile_ours(
     implementation: str,
     heads_over_chips: bool = False,
     windows: list[int | None] | None = None,
+    max_step_tokens: int | None = None,
 ):
     """(compiled step, cache spec) of the host-pool decode step at ``shape.context``, on
     the first of ``devices`` or with the heads split over all of them; ``windows``: per
-    layer, the tokens a sliding layer attends (None: global)."""
+    layer, the tokens a sliding layer attends (None: global); ``max_step_tokens``: the pool
+    keeps a ring per slot of one window plus that many rows (None: every position)."""
     import jax
 
     import jax_tpusync as tps
@@ -243,7 +252,9 @@ def compile_ours(
         block_tokens=block_tokens,
         staging_bytes=staging_bytes,
         sliding_window=windows,
+        max_step_tokens=max_step_tokens or None,
     )
+    config.geometry.check_one_cache()  # A ring needs every layer to share one window.
     mesh = heads_mesh(devices) if heads_over_chips else None
     state, on_device = abstract_pool_state(config, devices, mesh)
     spec = state.spec
@@ -457,6 +468,7 @@ def measure(kind: str, topology: str, shape, options: dict) -> dict:
         compile_s=time.perf_counter() - began,
         chunk_len=spec.chunk_len,
         staging_mib=2 * PoolLayout(spec).staging_bytes / 2**20,
+        pool_mib=PoolLayout(spec).pool_bytes / 2**20,
         flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         overlap=schedule_overlap(compiled.as_text(), FETCH_SCOPE, ATTEND_SCOPE),
@@ -498,7 +510,8 @@ def run(args) -> list[dict]:
     if args.sliding_window:
         every = args.global_every
         windows = [
-            None if (i + 1) % every == 0 else args.sliding_window for i in range(args.layers)
+            None if every > 0 and (i + 1) % every == 0 else args.sliding_window
+            for i in range(args.layers)
         ]
     rows = []
     for topology in args.topologies:
@@ -519,6 +532,7 @@ def run(args) -> list[dict]:
                 implementation=args.implementation,
                 heads_over_chips=args.heads_over_chips,
                 windows=windows,
+                max_step_tokens=args.max_step_tokens or None,
             )
             ours = measure_in_child("ours", topology, shape, options)
             skipped = dict(device_mib=None, note="not compiled (--kinds)")
@@ -549,6 +563,8 @@ def run(args) -> list[dict]:
                     resident_note=resident["note"],
                     weights_mib=weights / 2**20,
                     staging_mib=ours["staging_mib"],
+                    pool_mib=ours["pool_mib"],
+                    max_step_tokens=args.max_step_tokens or None,
                     chunk_len=ours["chunk_len"],
                     kv_mib_per_step=kv_bytes / 2**20,
                     flops=ours["flops"],
@@ -581,15 +597,18 @@ def summary(rows: list[dict]) -> str:
             f"{topology} ({first['implementation']} attention{chips}), device memory per chip:"
         )
         ours = [r["ours_device_mib"] for r in mine]
-        held = (
-            f"{min(ours):.0f} MiB at every context"
-            if max(ours) - min(ours) <= 0.01 * max(ours)
-            else f"{min(ours):.0f}-{max(ours):.0f} MiB across the contexts"
-        )
+        held = _spread(ours, "MiB")
         lines.append(
             f"  ours holds {held} ({_contexts(mine)}; weights {first['weights_mib']:.0f} MiB"
             f" + staging {first['staging_mib']:.0f} MiB)"
         )
+        pools = [r["pool_mib"] for r in mine]
+        ring = (
+            f", a ring of the window plus {first['max_step_tokens']} rows per slot"
+            if first["max_step_tokens"]
+            else ""
+        )
+        lines.append(f"  its pool in host memory: {_spread(pools, 'MiB')}{ring}")
         for kind, name in (("plain", "plain memory kinds"), ("resident", "all KV resident")):
             held_at = _held(mine, kind)
             if held_at:
@@ -611,6 +630,13 @@ def summary(rows: list[dict]) -> str:
         f" {longest['topology']})"
     )
     return "\n".join(lines)
+
+
+def _spread(values: list[float], unit: str) -> str:
+    """``"12 MiB at every context"``, or ``"256-8192 MiB across the contexts"``."""
+    if max(values) - min(values) <= 0.01 * max(values):
+        return f"{min(values):.0f} {unit} at every context"
+    return f"{min(values):.0f}-{max(values):.0f} {unit} across the contexts"
 
 
 def _held(rows: list[dict], kind: str) -> str:

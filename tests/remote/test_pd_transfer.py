@@ -864,7 +864,7 @@ def test_a_prefill_slot_shorter_than_the_request_is_refused_and_the_decode_side_
 
 @pytest.mark.parametrize("role", [KVReceiver, KVSender])
 def test_a_cache_of_another_kind_is_refused(role):
-    with pytest.raises(TypeError, match=r"needs an OffloadedKVCache or a ShardedKVCache; got dict"):
+    with pytest.raises(TypeError, match=r"needs an OffloadedKVCache, a ShardedKVCache or a HostPoolKVCache; got dict"):
         role({}, transfer_engine=FakeEngine(), session="d:1")
 
 

@@ -73,6 +73,40 @@ def test_plain_memory_kinds_keep_every_layer_on_the_device(report):
 
 
 @pytest.mark.slow
+def test_a_pool_that_keeps_every_position_grows_with_the_context(report):
+    short, long = report[32768], report[1048576]
+    assert long["pool_mib"] == pytest.approx(32 * short["pool_mib"], rel=0.01)
+
+
+@pytest.fixture(scope="module")
+def ring_report(tmp_path_factory):
+    """A model whose every layer slides over 16K tokens, its pool a ring per slot of the
+    window plus one step's 512 rows (max_step_tokens), on a v5e."""
+    return compile_report(
+        tmp_path_factory,
+        "--topologies", "v5e:2x2", "--contexts", "32768", "1048576", "--layers", "2",
+        "--sliding-window", "16384", "--global-every", "0", "--max-step-tokens", "512",
+        "--kinds", "ours",
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_ring_pool_holds_the_same_bytes_at_32k_and_1m(ring_report):
+    short, long = ring_report[32768], ring_report[1048576]
+    # Per layer and slot a ring of (16384 + 512 - 3) // 256 + 2 = 67 blocks of 256 rows (K
+    # and V of 8 heads of 128 bf16 values: 4 KiB a row), and the sink block.
+    ring_mib = (2 * 67 + 1) * 256 * 4096 / 2**20
+    for row in (short, long):
+        assert row["pool_mib"] == pytest.approx(ring_mib) and row["max_step_tokens"] == 512
+        assert row["ours_device_mib"] <= 1.1 * (row["weights_mib"] + row["staging_mib"]), row
+        overlap = row["overlap"]
+        assert overlap["overlapped"] == overlap["started_before"] == overlap["copies"] > 0
+    assert abs(long["ours_device_mib"] - short["ours_device_mib"]) <= 0.01 * long["ours_device_mib"]
+    every_position_mib = 2 * 2**20 * 4096 / 2**20  # The pool at 1M tokens without the ring.
+    assert long["pool_mib"] < every_position_mib / 50
+
+
+@pytest.mark.slow
 def test_every_unit_copy_starts_before_the_attention_it_overlaps(report):
     for row in report.values():
         overlap = row["overlap"]
@@ -119,6 +153,7 @@ def test_the_summary_says_what_each_step_holds_in_words():
             ours_device_mib=ours, plain_device_mib=plain, plain_note=plain_note,
             resident_device_mib=None, resident_note=resident_note, weights_mib=640.0,
             staging_mib=128.0, overlap=dict(computations=8, copies=16, overlapped=16),
+            pool_mib=context / 16, max_step_tokens=None,
             link_gbps=23.75, projected_step_ms=0.5 * context / 2**15, ran_on_tpu=False,
         )  # fmt: skip
 
@@ -134,6 +169,7 @@ def test_the_summary_says_what_each_step_holds_in_words():
             "  ours holds 770 MiB at every context (32K and 1M tokens; weights 640 MiB"
             " + staging 128 MiB)"
         ),
+        "  its pool in host memory: 2048-65536 MiB across the contexts",
         (
             "  plain memory kinds: hold 1796 MiB at 32K; do not fit at 1M (needs 33000 MiB of"
             " temporaries)"
@@ -153,6 +189,11 @@ def test_the_summary_says_what_each_step_holds_in_words():
     assert "ours holds 700-800 MiB across the contexts (32K and 64K tokens;" in text
     assert "plain memory kinds: the compiler aborted at 32K; hold 9 MiB at 64K" in text
     assert summary([]) == "tpu-compile: nothing compiled"
+    ring = [dict(row(c, 700.0, None), pool_mib=135.0, max_step_tokens=512) for c in (2**15, 2**20)]
+    assert (
+        "  its pool in host memory: 135 MiB at every context, a ring of the window plus 512 "
+        "rows per slot"
+    ) in summary(ring).splitlines()
 
 
 def test_the_schedule_check_finds_a_copy_waited_for_too_early():
