@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jax_tpusync import pool_assembly
 from jax_tpusync.cache import OffloadedKVCache
 from jax_tpusync.config import CacheConfig, is_int, normalize_windows, with_config
 from jax_tpusync.engine import Engine, EngineConfig
@@ -59,6 +60,7 @@ from jax_tpusync.hybrid_record import (
 from jax_tpusync.layer_groups import HybridState, LayerGroups, plan_groups
 from jax_tpusync.mesh import ShardedKVCache
 from jax_tpusync.parts import bring_to_common_commit, each_or_none, reserve_agreed
+from jax_tpusync.pool_cache import HostPoolKVCache
 from jax_tpusync.state import KVState
 
 logger = logging.getLogger(__name__)
@@ -66,7 +68,26 @@ logger = logging.getLogger(__name__)
 # Rows a step may add per slot unless told (a decode step adds 1, a prefill chunk its size).
 DEFAULT_STEP_TOKENS = 512
 
-__all__ = ["DEFAULT_STEP_TOKENS", "LAYERS_SUFFIX", "HybridAdmission", "HybridKVCache"]
+__all__ = [
+    "DEFAULT_STEP_TOKENS",
+    "LAYERS_SUFFIX",
+    "HybridAdmission",
+    "HybridKVCache",
+    "group_cache_class",
+]
+
+# What a group's cache can be.
+GroupCache = OffloadedKVCache | ShardedKVCache | HostPoolKVCache
+
+
+def group_cache_class(*, host_pool: bool, mesh: Any) -> type:
+    """The class of every group's cache: a host pool (the TPU data path,
+    :class:`~jax_tpusync.pool_cache.HostPoolKVCache`, on one device or over ``mesh``'s
+    ``kv_heads_axis``), else an engine cache (:class:`~jax_tpusync.OffloadedKVCache`, or
+    :class:`~jax_tpusync.ShardedKVCache` on a mesh). The one place it is chosen."""
+    if host_pool:
+        return HostPoolKVCache
+    return OffloadedKVCache if mesh is None else ShardedKVCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +125,15 @@ class HybridKVCache:
       window_cache_blocks: blocks per bounded sliding group (per layer, K and V) beyond
         the slots' rings, for cached prefixes' windows (:meth:`publish_windows`); default
         one ring per slot (``batch`` rings: a window per slot's prompt). 0: none.
-      engine: an :class:`Engine`, an :class:`EngineConfig` for a new one, or None.
+      engine: an :class:`Engine`, an :class:`EngineConfig` for a new one, or None (with
+        ``host_pool``: None only).
+      host_pool: a bool: every group is a
+        :class:`~jax_tpusync.pool_cache.HostPoolKVCache` (a pool in ``pinned_host``
+        memory that the step carries and copies to the device by unit: the TPU data
+        path; :func:`jax_tpusync.kv_cache` picks it on the TPU backend), on one device or
+        its KV heads split over ``mesh``'s ``kv_heads_axis``. Default False: engine
+        caches. Not yet with bounded windows (until the pool keeps rings:
+        ``bound_windows=False``), persistence, ``batch_axis`` or a traced ``layer``.
       staging_bytes: the device budget, split over the groups: a sliding group takes what
         whole units of its window need, the global groups the rest, in proportion to the
         bytes one token of their layers takes.
@@ -141,6 +170,7 @@ class HybridKVCache:
         mesh: Any = None,
         kv_heads_axis: str | None = None,
         batch_axis: str | None = None,
+        host_pool: bool = False,
         **options: Any,
     ) -> None:
         # Every argument is checked, and every group's configuration planned, before
@@ -160,16 +190,26 @@ class HybridKVCache:
             kv_heads_axis=kv_heads_axis,
             batch_axis=batch_axis,
             options=options,
+            host_pool=host_pool,
         )
         windows = normalize_windows(sliding_window, num_layers)
         self.plan: LayerGroups = plan_groups(
             num_layers, num_kv_heads, head_dim, windows, kv_sharing
         )
+        if host_pool and bound_windows and any(g.window is not None for g in self.plan.groups):
+            # The pool's own list of what it does not take yet: once it keeps rings, its
+            # sliding groups are bounded as an engine cache's are.
+            if "max_step_tokens" in pool_assembly.NOT_YET:
+                raise ValueError(
+                    "bound_windows=True: host-pool groups keep every position (the pool has "
+                    "no rings of bounded windows yet); pass bound_windows=False (host_pool=True)"
+                )
         self.batch = batch
         self.max_len = max_len
         self.max_step_tokens = int(max_step_tokens)
         self.mesh = mesh
-        self.groups: list[OffloadedKVCache | ShardedKVCache] = []
+        self.host_pool = bool(host_pool)
+        self.groups: list[GroupCache] = []
         made = group_arguments(
             self.plan,
             batch=batch,
@@ -183,16 +223,21 @@ class HybridKVCache:
             options=options,
             mesh=mesh,
             axes=(kv_heads_axis, batch_axis),
+            host_pool=self.host_pool,
         )
         record = check_layers_record(self.plan, shm_name, file_name, options)
-        self._owns_engine = not isinstance(engine, Engine)
-        self.engine = engine if isinstance(engine, Engine) else Engine(engine or EngineConfig())
-        group_cache = OffloadedKVCache if mesh is None else ShardedKVCache
+        group_cache = group_cache_class(host_pool=self.host_pool, mesh=mesh)
+        # A host pool needs no engine: its bytes move in the step.
+        self.engine: Engine | None = None
+        self._owns_engine = not self.host_pool and not isinstance(engine, Engine)
+        if not self.host_pool:
+            self.engine = engine if isinstance(engine, Engine) else Engine(engine or EngineConfig())
+        on_engine = {} if self.engine is None else {"engine": self.engine}
         undo: list = []  # What a failed construction puts back on disk.
         try:
             undo = write_layers_record(record, self.plan, shm_name, file_name, options)
             for kwargs in made:
-                self.groups.append(group_cache(engine=self.engine, **kwargs))
+                self.groups.append(group_cache(**on_engine, **kwargs))
             self._reconcile_commits()
         except Exception:
             self.close()
@@ -232,6 +277,10 @@ class HybridKVCache:
                     layout = self.groups[0].spec.mesh
                     spec = PartitionSpec(None, layout.batch_axis, None, layout.kv_heads_axis)
                     rows = jax.device_put(rows, NamedSharding(self.mesh, spec))
+                elif self.host_pool:
+                    # On the device the pool's state is placed on, as the step returns it
+                    # (placed elsewhere, the step would compile again for its own output).
+                    rows = jax.device_put(rows, parts[0].lengths.sharding)
                 pending.append(rows)
         # A buffer of its own: the state is donated, and one buffer cannot be donated twice.
         step_lengths = jnp.array(parts[0].lengths, jnp.int32, copy=True)
@@ -486,13 +535,14 @@ class HybridKVCache:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes the tier holds for every group's blocks (K and V, every stored layer)."""
-        return sum(g.spec.kv_bytes * _shards(g) for g in self.groups)
+        """Bytes the tier holds for every group's blocks (K and V, every stored layer; a
+        host pool's every device's pool)."""
+        return sum(g.kv_bytes for g in self.groups)
 
     @property
     def device_bytes(self) -> int:
         """Device memory of every group's staging (every shard's, on a mesh)."""
-        return sum(g.spec.device_bytes * _shards(g) for g in self.groups)
+        return sum(_device_bytes(g) for g in self.groups)
 
     @property
     def committed_lengths(self) -> np.ndarray | None:
@@ -508,7 +558,7 @@ class HybridKVCache:
         parts = [None] * len(self.groups) if state is None else list(state.groups)
         for g, p in zip(self.groups, parts):
             g.close(p)
-        if self._owns_engine and not self.engine.closed:
+        if self._owns_engine and self.engine is not None and not self.engine.closed:
             self.engine.close()
 
     def __enter__(self) -> HybridKVCache:
@@ -524,14 +574,16 @@ def describe_bytes(cache: HybridKVCache) -> dict:
         f"group {i}": {
             "layers": list(group.layers),
             "geometry": group.describe(),
-            "kv_bytes": cache.groups[i].spec.kv_bytes * _shards(cache.groups[i]),
+            "kv_bytes": cache.groups[i].kv_bytes,
             "ring_blocks": cache.groups[i].spec.ring_blocks,
         }
         for i, group in enumerate(cache.plan.groups)
     }
 
 
-def _shards(group) -> int:
-    """Shards of a group's cache: a spec describes one."""
-    mesh = group.spec.mesh
-    return 1 if mesh is None else mesh.num_shards
+def _device_bytes(group: GroupCache) -> int:
+    """Device memory of a group's staging, every device's: a host pool states its bytes
+    per device, an engine cache its every shard's."""
+    if isinstance(group, HostPoolKVCache):
+        return group.device_bytes * group.shards
+    return group.device_bytes

@@ -22,7 +22,13 @@ from jax_tpusync.config import CacheConfig, default_block_tokens, is_int
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.layer_groups import LayerGroups
 
-__all__ = ["check_arguments", "group_arguments", "group_salt", "staging_shares"]
+__all__ = [
+    "check_arguments",
+    "check_host_pool_arguments",
+    "group_arguments",
+    "group_salt",
+    "staging_shares",
+]
 
 
 def check_arguments(
@@ -41,16 +47,22 @@ def check_arguments(
     kv_heads_axis: Any,
     batch_axis: Any,
     options: dict,
+    host_pool: Any = False,
 ) -> np.dtype:
     """Checks a hybrid cache's own arguments (each group's are checked by
     :func:`group_arguments`); returns the KV dtype.
 
     Raises:
       ValueError: an argument out of its range, named with it; a combination not
-        supported (persistence on a mesh; a per-group keyword).
+        supported (persistence on a mesh; a per-group keyword; what host-pool groups
+        do not do yet).
       TypeError: ``engine`` of another type.
     """
     persistent = shm_name is not None or file_name is not None
+    if not isinstance(host_pool, (bool, np.bool_)):
+        raise ValueError(f"host_pool={host_pool!r} must be a bool (True or False)")
+    if host_pool:
+        check_host_pool_arguments(engine, persistent, batch_axis)
     if mesh is not None and persistent:
         raise ValueError(
             "a persistent hybrid cache on a mesh is not supported yet (its groups' "
@@ -97,6 +109,34 @@ def check_arguments(
         ) from None
 
 
+def check_host_pool_arguments(engine: Any, persistent: bool, batch_axis: Any) -> None:
+    """Refuses, by name and before anything is made, what a hybrid cache whose groups are
+    host pools (:class:`~jax_tpusync.pool_cache.HostPoolKVCache`) does not do yet.
+
+    Raises:
+      ValueError: ``engine`` given (a pool moves its bytes in the step, with no engine);
+        persistence (the groups' persistent copies would need one common re-attach, which
+        a host pool does not restart at yet); ``batch_axis`` (a pool splits the heads over
+        a mesh, not the slots).
+    """
+    if engine is not None:
+        raise ValueError(
+            f"engine={type(engine).__name__}: host-pool groups move their bytes in the step, "
+            f"with no engine; drop engine= (host_pool=True)"
+        )
+    if persistent:
+        raise ValueError(
+            "shm_name / file_name: a hybrid cache of host-pool groups is not persisted yet "
+            "(its groups could not be brought to a common commit on re-attach); drop them, "
+            "or use one host-pool cache per model of one KV geometry (host_pool=True)"
+        )
+    if batch_axis is not None:
+        raise ValueError(
+            f"batch_axis={batch_axis!r}: host-pool groups split the KV heads over a mesh "
+            f"(kv_heads_axis), not the slots (host_pool=True)"
+        )
+
+
 def group_arguments(
     plan: LayerGroups,
     *,
@@ -111,11 +151,13 @@ def group_arguments(
     options: dict,
     mesh: Any = None,
     axes: tuple[str | None, str | None] = (None, None),
+    host_pool: bool = False,
 ) -> list[dict]:
     """Per group of ``plan``, its cache's keyword arguments (but the engine), each
     group's configuration checked as its cache will check it (one device's: a mesh
-    group's shards check theirs as they open). With a mesh, each group's KV heads are
-    split over its ``axes`` (``kv_heads_axis``, ``batch_axis``).
+    group's shards check theirs as they open; a host-pool group's the configuration
+    every cache shares, the pool checking its own layout as it is made). With a mesh,
+    each group's KV heads are split over its ``axes`` (``kv_heads_axis``, ``batch_axis``).
 
     Raises:
       ValueError: a group's configuration out of range, or a persistent cache whose
@@ -156,10 +198,12 @@ def group_arguments(
             prefix_salt=group_salt(options, group.layers),
             **{k: v for k, v in options.items() if k != "prefix_salt"},
         )
+        if host_pool:
+            CacheConfig.from_kwargs(**kwargs)
+        elif mesh is None:
+            layout.plan(CacheConfig.from_kwargs(**kwargs))
         if mesh is not None:
             kwargs.update(mesh=mesh, kv_heads_axis=axes[0], batch_axis=axes[1])
-        else:
-            layout.plan(CacheConfig.from_kwargs(**kwargs))
         out.append(kwargs)
     return out
 

@@ -13,6 +13,19 @@ source left, with no write-back (:func:`jax_tpusync.step.device.device_read_atte
 KV shapes match the call's ``k`` (or, for ``k=None``, the groups with reading layers) are
 switched over; in each, a model layer of another group maps to layer -1, which the engine
 refuses when the step runs ("layer out of range?").
+
+Groups that are host pools (``HybridKVCache(host_pool=True)``, the TPU data path; their
+states :class:`~jax_tpusync.host_pool.PoolState`) run the pool's step
+(:mod:`jax_tpusync.step.host_pool`, in ``shard_map`` on a mesh). Each group's unit chain
+runs from one of its layers to its next one, and from its last layer to the next step's
+first: a pool prefetches within its own state, so the next model layer, when it is in
+another group, finds its first unit not staged and copies it itself (a prefetch is never a
+source of data). A pool layer read by another (``kv_sharing``) is attended as of the
+step's start by running the pool's step of the source layer again at the step's starting
+lengths with the rows the source left: it writes those same bytes where the source wrote
+them, and only the pool, the staging and what it was copied from are kept (the state's
+lengths and refusals stay the step's). A traced ``layer`` is refused for host-pool groups:
+a layer of another group would map to layer -1, and a pool has no engine to refuse it.
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_tpusync.host_pool import PoolState
 from jax_tpusync.layer_groups import HybridState, LayerGroups
 from jax_tpusync.state import KVState
 from jax_tpusync.step import device, sharded
@@ -66,13 +80,36 @@ def hybrid_attention(
     layer = jnp.asarray(layer, jnp.int32)
     if jnp.ndim(layer) != 0 or not jnp.issubdtype(layer.dtype, jnp.integer):
         raise ValueError(f"layer must be an int or an integer scalar; got {layer!r}")
+    if any(isinstance(gs, PoolState) for gs in state.groups):
+        raise ValueError(
+            "layer is traced, and this hybrid cache's groups are host pools "
+            "(host_pool=True): call prefetching_attention with an int layer (a Python loop "
+            "over the layers, or over each repeating block's layers inside lax.scan's body "
+            "with the block's layers static)"
+        )
     return _traced_layer(q, k, v, state, layer, options)
 
 
-def _group_attention(q, k, v, gs: KVState, layer, options):
+def _group_attention(q, k, v, gs: KVState | PoolState, layer, options):
+    """One stored layer of a group: its cache's own step (host pool or engine, on one
+    device or a mesh)."""
     if gs.spec.mesh is not None:
         return sharded.sharded_attention(q, k, v, gs, layer=layer, **options)
+    if isinstance(gs, PoolState):
+        return device.pool_attention(q, k, v, gs, layer=layer, **options)
     return device.device_attention(q, k, v, gs, layer=layer, **options)
+
+
+def _pool_read_attention(q, k, v, gs: PoolState, layer, step_lengths, options):
+    """A reading layer over a host-pool group: ``layer``'s step again at the step's
+    starting lengths, its new rows ``k``/``v`` (the source's, written again where the
+    source wrote them: the same bytes); the pool, staging and ``staged_at`` it leaves are
+    kept, the lengths and refusals stay ``gs``'s."""
+    view = gs.replace(lengths=jnp.asarray(step_lengths, jnp.int32))
+    out, after = _group_attention(q, k, v, view, layer, options)
+    return out, gs.replace(
+        pool=after.pool, staging=after.staging, tail=after.tail, staged_at=after.staged_at
+    )
 
 
 def _store_layer(q, k, v, state: HybridState, layer, g: int, options, local=None):
@@ -130,7 +167,9 @@ def _read_layer(q, state: HybridState, layer, g: int, options, local=None, rows=
     if q_len > rows.shape[2]:
         raise ValueError(f"q_len={q_len} exceeds max_step_tokens={rows.shape[2]}")
     k, v = rows[0, :, :q_len], rows[1, :, :q_len]
-    if gs.spec.mesh is not None:
+    if isinstance(gs, PoolState):
+        out, after = _pool_read_attention(q, k, v, gs, local, state.step_lengths, options)
+    elif gs.spec.mesh is not None:
         out, after = sharded.sharded_attention(
             q, k, v, gs, layer=local, step_lengths=state.step_lengths, **options
         )

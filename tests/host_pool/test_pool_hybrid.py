@@ -1,0 +1,283 @@
+"""Hybrid models on the host pool (the TPU data path) on the CPU backend: a Gemma-3-like
+model (sliding layers of two window sizes and a global one) and a Gemma-4-like one (global
+layers of other KV heads and head size, late layers reading an earlier layer's KV), their
+steps against resident attention per layer; the host calls all groups or none; a mesh;
+``kv_cache()`` on TPU giving these models the hybrid pool cache; the guards at their edges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import jax_tpusync as tps
+from jax_tpusync import cache_factory, pool_assembly
+
+BATCH, MAX_LEN, BLOCK, Q_HEADS, STEP = 2, 64, 4, 4, 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Per model layer: KV heads, head size, window (None: global), source (kv_sharing)."""
+
+    kv_heads: tuple[int, ...]
+    head_dims: tuple[int, ...]
+    windows: tuple[int | None, ...]
+    sharing: tuple[int | None, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.kv_heads)
+
+    def cache_arguments(self) -> dict:
+        return dict(
+            num_layers=self.num_layers,
+            batch=BATCH,
+            max_len=MAX_LEN,
+            num_kv_heads=list(self.kv_heads),
+            head_dim=list(self.head_dims),
+            sliding_window=list(self.windows),
+            kv_sharing=list(self.sharing),
+            max_step_tokens=STEP,
+            block_tokens=BLOCK,
+            dtype=jnp.float32,
+            # A few blocks per unit: a global layer's keys take several units.
+            staging_bytes=1 << 14,
+        )
+
+
+# Two window sizes beside a global layer: three groups of one KV geometry.
+GEMMA3 = Shape((2,) * 4, (16,) * 4, (8, 12, 8, None), (None,) * 4)
+# Sliding layers 2 KV heads x 16, global ones 1 x 32; layers 3 and 4 read layers 1 and 2.
+GEMMA4 = Shape(
+    kv_heads=(2, 1, 2, 1, 2),
+    head_dims=(16, 32, 16, 32, 16),
+    windows=(8, None, 8, None, 8),
+    sharing=(None, None, None, 1, 2),
+)
+# Every group's heads split over two devices; layer 2 reads the global layer 1.
+MESH = Shape((2, 2, 2), (16, 32, 32), (8, None, None), (None, None, 1))
+
+
+def pool_cache(shape: Shape, **options) -> tps.HybridKVCache:
+    options = {**shape.cache_arguments(), "bound_windows": False, "host_pool": True, **options}
+    return tps.HybridKVCache(**options)
+
+
+def make_step(shape: Shape):
+    """jit(step)(state, qs, ks, vs, counts): every layer's attention (a reading layer's k
+    and v None), the state donated."""
+
+    def step(state, qs, ks, vs, counts):
+        outs = []
+        for layer in range(shape.num_layers):
+            out, state = tps.prefetching_attention(
+                qs[layer], ks[layer], vs[layer], state, layer=layer, query_seq_lengths=counts
+            )
+            outs.append(out)
+        return outs, state
+
+    return jax.jit(step, donate_argnums=0)
+
+
+@functools.partial(jax.jit, static_argnames="window")
+def resident_attention(*args, window, counts):
+    return tps.resident_attention(*args, window=window, query_seq_lengths=counts)
+
+
+class Resident:
+    """Resident attention per stored layer; a reading layer attends its source's cache as
+    of the step's start and the source's new rows."""
+
+    def __init__(self, shape: Shape):
+        self.shape = shape
+        self.kv = {
+            l: [jnp.zeros((BATCH, MAX_LEN, shape.kv_heads[l], shape.head_dims[l]))] * 2
+            for l in range(shape.num_layers)
+            if shape.sharing[l] is None
+        }
+        self.lengths = np.zeros(BATCH, np.int32)
+
+    def step(self, qs, ks, vs, counts) -> list:
+        outs, new = [], {}
+        lengths = jnp.asarray(self.lengths)
+        for l in range(self.shape.num_layers):
+            source = self.shape.sharing[l]
+            stored = l if source is None else source
+            k, v = (ks[l], vs[l]) if source is None else (ks[source], vs[source])
+            out, new_k, new_v = resident_attention(
+                qs[l],
+                k,
+                v,
+                *self.kv[stored],
+                lengths,
+                window=self.shape.windows[l],
+                counts=jnp.asarray(counts, jnp.int32),
+            )
+            if source is None:
+                new[l] = [new_k, new_v]
+            outs.append(out)
+        self.kv.update(new)
+        self.lengths = self.lengths + np.asarray(counts, np.int32)
+        return outs
+
+
+# Ragged prefill chunks, then decode past a sliding window and a unit, slot 1 idling a
+# step: one step width (one compile), decode steps take one of its rows.
+SCHEDULE = [(STEP, [4, 3]), (STEP, [4, 4]), (STEP, [1, 1]), (STEP, [2, 0])]
+SCHEDULE += [(STEP, [1, 1])] * 4
+
+
+def run(cache, shape: Shape, schedule, *, state=None, resident=None, seed=0):
+    """Runs ``schedule`` (q_len, counts) through ``cache`` and resident attention; returns
+    (state, resident, the worst difference of real rows)."""
+    rng = np.random.default_rng(seed)
+    step = make_step(shape)
+    state = cache.init() if state is None else state
+    resident = Resident(shape) if resident is None else resident
+    worst = 0.0
+    for q_len, counts in schedule:
+
+        def draw(heads, layer):
+            if heads is None:
+                return None
+            x = rng.standard_normal((BATCH, q_len, heads, shape.head_dims[layer]))
+            return jnp.asarray(x, jnp.float32)
+
+        qs = [draw(Q_HEADS, l) for l in range(shape.num_layers)]
+        stores = [shape.sharing[l] is None for l in range(shape.num_layers)]
+        ks = [draw(shape.kv_heads[l] if s else None, l) for l, s in enumerate(stores)]
+        vs = [draw(shape.kv_heads[l] if s else None, l) for l, s in enumerate(stores)]
+        got, state = step(state, qs, ks, vs, jnp.asarray(counts, jnp.int32))
+        want = resident.step(qs, ks, vs, counts)
+        real = np.arange(q_len)[None] < np.asarray(counts)[:, None]
+        for layer, (a, b) in enumerate(zip(got, want)):
+            diff = np.where(real[..., None, None], np.abs(np.asarray(a) - np.asarray(b)), 0)
+            worst = max(worst, float(diff.max()))
+        np.testing.assert_array_equal(cache.lengths(state), resident.lengths)
+    return state, resident, worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [GEMMA3, GEMMA4], ids=["gemma3", "gemma4"])
+def test_hybrid_pool_steps_equal_resident_attention(shape):
+    with pool_cache(shape) as cache:
+        assert all(isinstance(g, tps.HostPoolKVCache) for g in cache.groups)
+        assert cache.engine is None
+        # Several units per global layer: the unit loop and its chain run.
+        assert any(g.spec.chunk_len < MAX_LEN for g in cache.groups)
+        state, resident, worst = run(cache, shape, SCHEDULE)
+        assert worst <= 1e-5
+        assert resident.lengths.max() > 12  # Past the longest window.
+        # Slot 1 leaves; a new sequence takes it: every layer, the reading ones included,
+        # sees only the new sequence's KV.
+        state = cache.release(state, 1)
+        state, cached = cache.admit(state, 1)
+        assert cached == 0
+        resident.lengths[1] = 0
+        state, _, worst = run(
+            cache, shape, [(STEP, [1, 4]), (STEP, [1, 1])], state=state, resident=resident, seed=3
+        )
+        assert worst <= 1e-5
+        # What the steps wrote is resident attention's rows (a reading layer: its source's).
+        length, last = int(resident.lengths[0]), shape.num_layers - 1
+        k, v = cache.read(state, last, 0)
+        stored = last if shape.sharing[last] is None else shape.sharing[last]
+        np.testing.assert_array_equal(np.asarray(k), np.asarray(resident.kv[stored][0][0, :length]))
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(resident.kv[stored][1][0, :length]))
+
+
+def test_an_admission_one_group_refuses_is_undone_in_the_others(monkeypatch):
+    shape = GEMMA4
+    with pool_cache(shape) as cache:
+        state = cache.init(admit=False)
+        free = [g.slots.free_blocks for g in cache.groups]
+        last = cache.groups[-1]
+
+        def refuse(*args, **kwargs):
+            raise ValueError("slot 0: refused here")
+
+        monkeypatch.setattr(last, "reserve", refuse)
+        with pytest.raises(ValueError, match="slot 0: refused here"):
+            cache.admit(state, 0, max_tokens=16)
+        for g, before in zip(cache.groups, free):
+            assert g.capacity[0] == 0 and g.slots.free_blocks == before
+        np.testing.assert_array_equal(cache.lengths(state), [0, 0])
+        monkeypatch.undo()
+        state, cached = cache.admit(state, 0, max_tokens=16)
+        assert cached == 0 and all(g.capacity[0] == 16 for g in cache.groups)
+
+
+@pytest.mark.slow
+def test_a_hybrid_pool_over_a_mesh_equals_resident_attention():
+    """Every group's KV heads split over two devices (each device's pool in its host
+    memory), a reading layer among them."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("model",))
+    with pool_cache(MESH, mesh=mesh, kv_heads_axis="model") as cache:
+        assert all(g.shards == 2 for g in cache.groups)
+        assert cache.device_bytes == sum(2 * g.device_bytes for g in cache.groups)
+        _, _, worst = run(cache, MESH, SCHEDULE[:6])
+        assert worst <= 1e-5
+
+
+def test_kv_cache_on_tpu_gives_a_hybrid_model_the_hybrid_pool_cache(monkeypatch):
+    monkeypatch.setattr(cache_factory, "backend_name", lambda: "tpu")
+    arguments = {k: v for k, v in GEMMA4.cache_arguments().items()}
+    with tps.kv_cache(**arguments, bound_windows=False) as cache:
+        assert isinstance(cache, tps.HybridKVCache) and cache.host_pool
+        assert [len(g.layers) for g in cache.plan.groups] == [2, 1]
+        assert all(isinstance(g, tps.HostPoolKVCache) for g in cache.groups)
+    # Global and reading layers only: nothing to bound, so the default works too.
+    no_windows = dict(arguments, sliding_window=None)
+    with tps.kv_cache(**no_windows) as cache:
+        assert cache.host_pool and len(cache.groups) == 2
+    with pytest.raises(ValueError, match="sliding windows kept bounded"):
+        tps.kv_cache(**arguments)
+
+
+def test_a_traced_layer_is_refused_for_host_pool_groups():
+    with pool_cache(GEMMA3) as cache:
+        state = cache.init()
+        q = jnp.zeros((BATCH, 1, Q_HEADS, 16), jnp.float32)
+        k = jnp.zeros((BATCH, 1, 2, 16), jnp.float32)
+
+        def traced(state, layer):
+            return tps.prefetching_attention(q, k, k, state, layer=layer)
+
+        with pytest.raises(ValueError, match="layer is traced, and this hybrid cache's groups"):
+            jax.eval_shape(traced, state, jnp.int32(0))
+        jax.eval_shape(lambda s: traced(s, 0), state)  # A static layer: no refusal.
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(host_pool=1), r"host_pool=1 must be a bool"),
+        (dict(engine=tps.EngineConfig()), r"engine=EngineConfig: host-pool groups"),
+        (dict(shm_name="hybrid-pool"), r"shm_name / file_name: a hybrid cache of host-pool"),
+    ],
+)
+def test_what_host_pool_groups_do_not_do_yet_is_refused_by_name(change, message):
+    with pytest.raises(ValueError, match=message):
+        pool_cache(GEMMA3, **change)
+
+
+def test_batch_axis_is_refused_for_host_pool_groups():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    with pytest.raises(ValueError, match=r"batch_axis='data': host-pool groups split"):
+        pool_cache(MESH, mesh=mesh, batch_axis="data")
+
+
+def test_bounded_windows_wait_for_the_pools_rings():
+    """Refused while the pool has no rings; a model without sliding layers is not."""
+    assert "max_step_tokens" in pool_assembly.NOT_YET or pytest.skip("the pool keeps rings")
+    with pytest.raises(ValueError, match="bound_windows=True: host-pool groups"):
+        pool_cache(GEMMA4, bound_windows=True)
+    with pool_cache(dataclasses.replace(GEMMA4, windows=(None,) * 5), bound_windows=True) as c:
+        assert len(c.groups) == 2
