@@ -46,7 +46,9 @@ def read_stored_rows(
     first = lo // bt
     blocks = _block_rows(layout, table[first : -(-hi // bt)])
     rows = _as_tokens(layout, pool_blocks.gather_blocks(layout, mesh, pool, blocks))
-    return np.ascontiguousarray(rows[:, :, lo - first * bt : hi - first * bt].transpose(0, 1, 3, 2, 4))
+    return np.ascontiguousarray(
+        rows[:, :, lo - first * bt : hi - first * bt].transpose(0, 1, 3, 2, 4)
+    )
 
 
 def write_stored_rows(
@@ -74,7 +76,8 @@ def write_stored_rows(
         edges.append(len(blocks) - 1)
     if edges:
         kept = _as_tokens(
-            layout, pool_blocks.gather_blocks(layout, mesh, pool, _block_rows(layout, blocks[edges]))
+            layout,
+            pool_blocks.gather_blocks(layout, mesh, pool, _block_rows(layout, blocks[edges])),
         )
         for i, e in enumerate(edges):
             tokens[:, :, e * bt : (e + 1) * bt] = kept[:, :, i * bt : (i + 1) * bt]

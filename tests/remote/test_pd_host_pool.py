@@ -84,10 +84,10 @@ def transfer(engine, tx_cache, tx_state, rx_cache, rx_state, *, slot=1, tokens=N
     with (
         KVReceiver(rx_cache, transfer_engine=e, session=session, **rx_kw) as rx,
         KVSender(tx_cache, transfer_engine=e, session=session) as tx,
+        receiving(rx, rx_state, tx.address, slot=slot, tokens=tokens) as outcome,
     ):
-        with receiving(rx, rx_state, tx.address, slot=slot, tokens=tokens) as outcome:
-            request = tx.accept(timeout=JOIN_S)
-            tx_state, sent = tx.send(request, tx_state, 0)
+        request = tx.accept(timeout=JOIN_S)
+        tx_state, sent = tx.send(request, tx_state, 0)
     if "error" in outcome:
         raise outcome["error"]
     rx_state, got = outcome["result"]
@@ -130,8 +130,10 @@ def test_rows_arrive_byte_for_byte_through_the_staging_buffers(engine, sender, r
     rx_state, got, sent, tx_state = transfer(engine, tx_cache, tx_state, rx_cache, rx_state)
     row_bytes = pd_peers.cache_args(1)["num_kv_heads"] * pd_peers.MODEL["head_dim"] * 2
     assert got.nbytes == sent.nbytes == 2 * pd_peers.MODEL["layers"] * N * row_bytes
-    assert int(np.asarray(rx_cache.lengths(rx_state) if receiver == "pool"
-                          else rx_state.lengths)[1]) == N
+    assert (
+        int(np.asarray(rx_cache.lengths(rx_state) if receiver == "pool" else rx_state.lengths)[1])
+        == N
+    )
     assert_same_rows(stored(rx_cache, rx_state, 1, N), stored(tx_cache, tx_state, 0, N))
     tx_cache.close(tx_state)
     rx_cache.close(rx_state)
@@ -213,8 +215,9 @@ def test_a_failure_after_the_request_frees_the_slot_and_sets_the_buffer_aside(en
     rx_state = rx_cache.init(admit=False)
     free = rx_cache.slots.free_blocks
     with (
-        KVReceiver(rx_cache, transfer_engine=e, session=session, quarantine_s=5.0,
-                   clock=lambda: now[0]) as rx,
+        KVReceiver(
+            rx_cache, transfer_engine=e, session=session, quarantine_s=5.0, clock=lambda: now[0]
+        ) as rx,
         KVSender(tx_cache, transfer_engine=e, session=session) as tx,
     ):
         with receiving(rx, rx_state, tx.address, slot=1) as outcome:
@@ -274,8 +277,9 @@ def test_a_staging_buffer_the_engine_refuses_fails_the_receive_and_frees_the_slo
     free = cache.slots.free_blocks
     rx = KVReceiver(cache, transfer_engine=_CountingEngine(rc=-1), session="d:1")
     with pytest.raises(
-        PDTransferError, match=r"registering a staging buffer of \d+ bytes with the "
-        r"TransferEngine returned -1"
+        PDTransferError,
+        match=r"registering a staging buffer of \d+ bytes with the "
+        r"TransferEngine returned -1",
     ):
         rx.receive(state, 1, np.arange(N), prefill="127.0.0.1:1")
     assert cache.slots.free_blocks == free and rx.staging.retired == []
@@ -312,7 +316,8 @@ def test_a_mesh_pool_receives_each_head_range_from_a_mesh_engine_cache(engine):
 
     devices = jax.devices()[:2]
     rx_cache = tps.HostPoolKVCache(
-        **pd_peers.cache_args(2), mesh=Mesh(np.asarray(devices), ("model",)),
+        **pd_peers.cache_args(2),
+        mesh=Mesh(np.asarray(devices), ("model",)),
         kv_heads_axis="model",
     )
     tx_cache = pd_peers.make_mesh_cache(jax.devices()[:2], batch=2)
@@ -328,9 +333,11 @@ def test_a_mesh_pool_receives_each_head_range_from_a_mesh_engine_cache(engine):
     for layer in range(pd_peers.MODEL["layers"]):
         k, v = rx_cache.read(rx_state, layer, 1)
         want_k, want_v = pd_peers.rows(layer, N)
-        np.testing.assert_array_equal(np.asarray(k).view(np.uint16),
-                                      np.asarray(want_k).view(np.uint16))
-        np.testing.assert_array_equal(np.asarray(v).view(np.uint16),
-                                      np.asarray(want_v).view(np.uint16))
+        np.testing.assert_array_equal(
+            np.asarray(k).view(np.uint16), np.asarray(want_k).view(np.uint16)
+        )
+        np.testing.assert_array_equal(
+            np.asarray(v).view(np.uint16), np.asarray(want_v).view(np.uint16)
+        )
     tx_cache.close(tx_state)
     rx_cache.close(rx_state)
