@@ -516,6 +516,8 @@ class HostPoolKVCache:
             self._windows.forget_unindexed()
         admission = self.slots.admit(slot, max_tokens, tokens, max_cached=max_cached)
         imports = self._blocks.take_writes()
+        if self._windows is not None:  # A ring's fill is in the imports: the pool's.
+            self._windows.forget_unindexed()
         if self._tier is not None:  # Indexed from now on: a commit may hash them.
             self._tier.write_payloads(imports)
         self._pending_imports.update(imports)
@@ -618,6 +620,7 @@ class HostPoolKVCache:
         host-side payloads, never from the pool."""
         if self._windows is not None:
             self._blocks.take_writes()
+            self._windows.forget_unindexed()
 
     def kept_from(self, state: PoolState) -> np.ndarray:
         """int64[batch]: each slot's first position the pool still holds: 0, or for a cache

@@ -152,7 +152,13 @@ def test_a_cached_window_is_copied_into_a_new_slots_ring():
         state = cache.load(state, 0, k[start:stop], v[start:stop], slot=0, start=start)
         published += cache.publish_windows(state, 0)  # Its blocks, while the ring has them.
     assert published == 5
+    assert len(cache.slots.windows) == 5
     state = cache.release(state, 0)
+    free = cache.slots.free_blocks
+    cancelled = cache.reserve(1, 64, prompt)  # A reservation undone gives its ring back.
+    assert cancelled.cached == 32 and cache.slots.free_blocks == free - 4
+    cache.cancel(cancelled)
+    assert cache.slots.free_blocks == free and len(cache.slots.windows) == 5
     state, cached = cache.admit(state, 1, max_tokens=64, tokens=prompt)
     assert cached == 32  # Whole blocks, at most len(prompt) - 1 tokens.
     kept = cached - WINDOW + 1
