@@ -358,7 +358,7 @@ class PartWriter:
             "leaves": self._leaves,
         }
         with open(self._manifest_tmp, "w") as f:
-            json.dump(doc, f)
+            f.write(json.dumps(doc))  # One write (json.dump writes piece by piece).
             f.flush()
             if self.fsync:
                 os.fsync(f.fileno())
@@ -427,15 +427,17 @@ class OpenVersion:
         if not first or not leaf.shape:
             return None
         rows = first[0].box[0][0]
+        offset = first[0].offset
         for s in first:
             if (
                 s.process != first[0].process
-                or s.offset != first[0].offset + sum(t.nbytes for t in first[: first.index(s)])
+                or s.offset != offset
                 or s.box[0][0] != rows
                 or s.box[1:] != first[0].box[1:]
             ):
                 return None
             rows = s.box[0][1]
+            offset += s.nbytes
         data = self._maps[first[0].process]
         if data is None:
             return None

@@ -283,7 +283,8 @@ class WeightPublisher:
                 f"versions are immutable, publish a new one"
             )
         self.wait()  # The previous write: its error, if any, surfaces here.
-        host_snapshot = self.copy and self._snapshot_is_the_write(leaves)
+        on_host = all(d.platform == "cpu" for _, x in leaves for d in x.sharding.device_set)
+        host_snapshot = self.copy and self._snapshot_is_the_write(on_host)
         if self.copy and not host_snapshot:
             try:
                 params = _jitted_copy(params)
@@ -306,7 +307,7 @@ class WeightPublisher:
             # The shards' bytes go into the store now (the params may be donated as soon as
             # publish returns); the commit and retiring stay in the background.
             try:
-                written = self._fill(version, snapshot)
+                written = self._fill(version, snapshot, on_host)
             except Exception as e:  # noqa: BLE001 - raised by wait(), as from the thread.
                 failed: concurrent.futures.Future = concurrent.futures.Future()
                 failed.set_exception(e)
@@ -315,26 +316,26 @@ class WeightPublisher:
         snapshot_seconds = time.perf_counter() - start
         self.last_version = version
         self._pending = self._executor.submit(
-            self._write, version, snapshot, snapshot_seconds, written
+            self._write, version, snapshot, snapshot_seconds, on_host, written
         )
 
-    def _snapshot_is_the_write(self, leaves: list) -> bool:
+    def _snapshot_is_the_write(self, on_host: bool) -> bool:
         """Whether ``copy=True`` takes its snapshot by writing into the store in the calling
         thread: for a directory store and params on JAX's CPU backend, where a device copy
         is a host copy into fresh memory (its pages faulted in one by one) and the write is
         a host copy into the store's reused files: the same bytes copied once instead of
         twice, and no slower to block for."""
-        return isinstance(self.store, WeightStore) and all(
-            d.platform == "cpu" for _, x in leaves for d in x.sharding.device_set
-        )
+        return isinstance(self.store, WeightStore) and on_host
 
-    def _fill(self, version: int, snapshot: list) -> tuple[PartWriting, int, float]:
-        """Opens this process's part of ``version`` and adds every leaf's shards:
-        ``(writer, shards added, seconds)``; on failure nothing of the part stays."""
+    def _fill(self, version: int, snapshot: list, on_host: bool) -> tuple[PartWriting, int, float]:
+        """Opens this process's part of ``version`` and adds every leaf's shards (``on_host``:
+        all of them on JAX's CPU backend): ``(writer, shards added, seconds)``; on failure
+        nothing of the part stays."""
         start = time.perf_counter()
         for _, _, _, shards in snapshot:  # Start every device-to-host copy first.
             for _, data in shards:
-                data.copy_to_host_async()
+                if not on_host:  # (On the CPU backend a shard is on the host already.)
+                    data.copy_to_host_async()
         writer = self.store.part_writer(
             version, self.process_index, self.process_count, fsync=self.fsync
         )
@@ -358,12 +359,13 @@ class WeightPublisher:
         version: int,
         snapshot: list,
         snapshot_seconds: float,
+        on_host: bool,
         written: tuple[PartWriting, int, float] | None = None,
     ) -> PublishStats:
         start = time.perf_counter()
         filled_before = written is not None  # In publish (then not in this thread's time).
         if written is None:
-            written = self._fill(version, snapshot)
+            written = self._fill(version, snapshot, on_host)
         writer, count, fill_seconds = written
         try:
             writer.commit()
@@ -558,7 +560,10 @@ class WeightPuller:
         plan_start = time.perf_counter()
         misses = self.plans.misses
         plan = self.plans.get(
-            manifest.fingerprint, [leaf.layout() for leaf in stored], [s for _, s in targets], casts
+            manifest.fingerprint,
+            lambda: [leaf.layout() for leaf in stored],  # Only to build a new plan.
+            [s for _, s in targets],
+            casts,
         )
         cached = self.plans.misses == misses
         plan_seconds = 0.0 if cached else time.perf_counter() - plan_start
