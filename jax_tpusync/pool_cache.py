@@ -718,12 +718,18 @@ class HostPoolKVCache:
 
         Raises:
           ValueError: a bad slot or start, rows of another shape or dtype, rows past the
-            slot's capacity or into blocks it shares with the prefix index; nothing is
-            written.
+            slot's capacity or into blocks it shares with the prefix index, a cache that
+            keeps only its window; nothing is written.
         """
         spec = self.spec
         self.check(state)
         self.slots.check_slot(slot)
+        if spec.ring_blocks:  # P/D transfer refuses such a cache before it gets here.
+            raise ValueError(
+                "load_stored_rows: this cache keeps only each slot's sliding window "
+                "(max_step_tokens), whose ring does not hold every position: load its "
+                "rows with load(), which keeps the window's"
+            )
         if not is_int(start):
             raise ValueError(f"start={start!r} must be an int")
         n = np.shape(rows)[3] if np.ndim(rows) == 5 else -1
@@ -761,16 +767,13 @@ class HostPoolKVCache:
         :meth:`load_stored_rows`), a host copy.
 
         Raises:
-          ValueError: a bad slot, or a range outside ``[0, length]``.
+          ValueError: a bad slot, or a range outside ``[0, length]`` (for a cache that
+            keeps only its window, outside ``[kept_from, length]``).
         """
         self.check(state)
         self.slots.check_slot(slot)
         length = int(self._host(state.lengths)[slot])
-        if not (is_int(start) and is_int(stop) and 0 <= start <= stop <= length):
-            raise ValueError(
-                f"[start, stop) = [{start}, {stop}) must lie in [0, {length}] (slot {slot}'s "
-                f"length)"
-            )
+        self._check_range(slot, start, stop, length)
         return pool_stored_rows.read_stored_rows(
             self.layout, self.mesh, state.pool, self.slots.table_row(slot), int(start), int(stop)
         )
@@ -798,15 +801,21 @@ class HostPoolKVCache:
             raise ValueError("raw=True reads codes and scales: this cache's tier is not quantized")
         length = int(self._host(state.lengths)[slot])
         stop = length if stop is None else stop
-        if not (
-            isinstance(start, (int, np.integer))
-            and isinstance(stop, (int, np.integer))
-            and 0 <= start <= stop <= length
-        ):
+        self._check_range(slot, start, stop, length)
+        table = self.slots.table_row(slot)
+        return pool_rows.read_slot_rows(
+            self.layout, self.mesh, state.pool, table, layer, int(start), int(stop), raw
+        )
+
+    def _check_range(self, slot: int, start: Any, stop: Any, length: int) -> None:
+        """Refuses a range of ``slot``'s positions that is not ints with ``0 <= start <=
+        stop <= length``, or that reaches before the window a ring still holds."""
+        if not (is_int(start) and is_int(stop) and 0 <= start <= stop <= length):
             raise ValueError(
                 f"[start, stop) = [{start}, {stop}) must lie in [0, {length}] (slot {slot}'s "
                 f"length)"
             )
+        spec = self.spec
         kept = int(window_ring.kept_from(length, spec.windows[0])) if spec.ring_blocks else 0
         if start < kept:
             raise ValueError(
@@ -814,10 +823,6 @@ class HostPoolKVCache:
                 f"{slot} keeps only its sliding window (max_step_tokens), positions [{kept}, "
                 f"{length})"
             )
-        table = self.slots.table_row(slot)
-        return pool_rows.read_slot_rows(
-            self.layout, self.mesh, state.pool, table, layer, int(start), int(stop), raw
-        )
 
     def _check_open(self) -> None:
         if self._closed:

@@ -108,6 +108,11 @@ def test_loads_keep_the_window_and_reads_refuse_older_positions_at_the_edge():
     np.testing.assert_array_equal(got_v, v[kept:])
     with pytest.raises(ValueError, match=rf"reaches before position {kept}: slot 0 keeps only"):
         cache.read(state, 0, 0, kept - 1)
+    stored = cache.read_stored_rows(state, 0, kept, n)  # The same rule for stored bytes.
+    with pytest.raises(ValueError, match=rf"reaches before position {kept}: slot 0 keeps only"):
+        cache.read_stored_rows(state, 0, kept - 1, n)
+    with pytest.raises(ValueError, match=r"load_stored_rows: this cache keeps only each slot's"):
+        cache.load_stored_rows(state, 0, kept, stored)
     # A load of rows the window no longer reads writes nothing.
     before = np.asarray(state.pool).copy()
     state = cache.load(state, 0, k[:kept], v[:kept], slot=0, start=0)
