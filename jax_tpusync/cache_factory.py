@@ -6,8 +6,9 @@ Which class serves a model follows from what the model is and where it runs:
   ``pinned_host`` memory carried by the step). It serves a cache of one KV geometry, on
   one device or with its heads split over a mesh's ``kv_heads_axis``; layers of one
   sliding window keep a ring per slot (``max_step_tokens``, as below) unless
-  ``bound_windows=False``. Anything else (slots split over ``batch_axis``, layers of
-  different KV geometry, layers of different windows kept bounded, the features the pool
+  ``bound_windows=False``. A hybrid model (the cases below) gets a
+  :class:`~jax_tpusync.HybridKVCache` whose groups are host pools (``host_pool=True``).
+  Anything else (slots split over ``batch_axis``, ``engine=``, the features the pool
   refuses by name) is refused naming what is not supported on TPU yet.
 * **Layers of different KV geometry** (``num_kv_heads`` / ``head_dim`` per layer), layers
   that read another's KV (``kv_sharing``), or ``window_cache_blocks``: a
@@ -114,12 +115,24 @@ def kv_cache(
             f"bound_windows=False every position: drop one of them"
         )
     if backend_name() == "tpu":
-        if bounded and not hybrid_because and not mixed:  # One window: the pool's rings.
+        if bounded and not hybrid_because:
             _check_boundable(keywords, mixed)
+        if bounded:  # Each window a pool of rings.
             _default_step_tokens(keywords)
-        return _tpu_cache(
-            mesh, kv_heads_axis, batch_axis, engine, hybrid_because, bounded and mixed, keywords
-        )
+        if hybrid_because or (mixed and bounded):  # A HybridKVCache of host-pool groups.
+            why = ", ".join(hybrid_because) or "layers of different sliding windows"
+            logger.info("kv_cache: a HybridKVCache of host-pool groups (%s)", why)
+            return HybridKVCache(
+                host_pool=True,
+                engine=engine,
+                kv_sharing=kv_sharing,
+                bound_windows=bound_windows is not False,
+                window_cache_blocks=window_cache_blocks,
+                **({} if mesh is None else dict(mesh=mesh, kv_heads_axis=kv_heads_axis)),
+                batch_axis=batch_axis,
+                **keywords,
+            )
+        return _tpu_cache(mesh, kv_heads_axis, batch_axis, engine, keywords)
     mesh_args = (
         {}
         if mesh is None
@@ -200,21 +213,13 @@ def _tpu_cache(
     kv_heads_axis: str | None,
     batch_axis: str | None,
     engine: Any,
-    hybrid_because: list[str],
-    bounded_mixed: bool,
     keywords: dict,
 ) -> HostPoolKVCache:
-    """The TPU data path's cache, or a refusal naming what TPU does not have yet
-    (``bounded_mixed``: layers of different sliding windows, each to be kept bounded)."""
+    """The TPU data path's cache of one KV geometry, or a refusal naming what TPU does not
+    have yet."""
     missing = []
     if batch_axis is not None:
         missing.append("batch_axis= (the host pool splits the heads over a mesh, not the slots)")
-    missing += [f"{why} (a hybrid cache)" for why in hybrid_because]
-    if bounded_mixed:
-        missing.append(
-            "layers of different sliding windows kept bounded (a hybrid cache; pass "
-            "bound_windows=False to keep every position)"
-        )
     if engine is not None:
         missing.append("engine= (the host pool moves its bytes in the step, with no engine)")
     if missing:

@@ -46,7 +46,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_tpusync import pool_assembly
 from jax_tpusync.cache import OffloadedKVCache
 from jax_tpusync.config import CacheConfig, is_int, normalize_windows, with_config
 from jax_tpusync.engine import Engine, EngineConfig
@@ -118,7 +117,8 @@ class HybridKVCache:
         ``prefetching_attention(q, None, None, state, layer=l)``.
       max_step_tokens: the most rows one step appends to a slot (1 for decode; the chunk of
         a chunked prefill). Sizes the sliding groups' rings and the rows kept for reading
-        layers; a step of more rows is refused when traced. Default 512.
+        layers; a step of more rows is refused when traced. Default 512, or ``max_len``
+        if smaller.
       bound_windows: a bool: sliding groups keep only their window (default True). Their
         cached prefixes are window copies, which ``shared_prefix_dir`` / ``remote_prefix``
         publish and import block by block. A persistent cache needs False.
@@ -131,9 +131,9 @@ class HybridKVCache:
         :class:`~jax_tpusync.pool_cache.HostPoolKVCache` (a pool in ``pinned_host``
         memory that the step carries and copies to the device by unit: the TPU data
         path; :func:`jax_tpusync.kv_cache` picks it on the TPU backend), on one device or
-        its KV heads split over ``mesh``'s ``kv_heads_axis``. Default False: engine
-        caches. Not yet with bounded windows (until the pool keeps rings:
-        ``bound_windows=False``), persistence, ``batch_axis`` or a traced ``layer``.
+        its KV heads split over ``mesh``'s ``kv_heads_axis``; a bounded sliding group is a
+        pool of rings, as an engine group is. Default False: engine caches. Not yet with
+        persistence, ``batch_axis`` or a traced ``layer``.
       staging_bytes: the device budget, split over the groups: a sliding group takes what
         whole units of its window need, the global groups the rest, in proportion to the
         bytes one token of their layers takes.
@@ -160,7 +160,7 @@ class HybridKVCache:
         head_dim: int | Sequence[int],
         sliding_window: int | Sequence[int | None] | None = None,
         kv_sharing: Sequence[int | None] | None = None,
-        max_step_tokens: int = DEFAULT_STEP_TOKENS,
+        max_step_tokens: int | None = None,
         bound_windows: bool = True,
         window_cache_blocks: int | None = None,
         engine: Engine | EngineConfig | None = None,
@@ -173,6 +173,9 @@ class HybridKVCache:
         host_pool: bool = False,
         **options: Any,
     ) -> None:
+        if max_step_tokens is None:  # A step appends at most max_len rows.
+            valid = is_int(max_len) and max_len >= 1
+            max_step_tokens = min(DEFAULT_STEP_TOKENS, max_len) if valid else DEFAULT_STEP_TOKENS
         # Every argument is checked, and every group's configuration planned, before
         # anything (engine, record, tier) is made: a refused cache changes nothing.
         self.dtype = check_arguments(
@@ -196,14 +199,6 @@ class HybridKVCache:
         self.plan: LayerGroups = plan_groups(
             num_layers, num_kv_heads, head_dim, windows, kv_sharing
         )
-        if host_pool and bound_windows and any(g.window is not None for g in self.plan.groups):
-            # The pool's own list of what it does not take yet: once it keeps rings, its
-            # sliding groups are bounded as an engine cache's are.
-            if "max_step_tokens" in pool_assembly.NOT_YET:
-                raise ValueError(
-                    "bound_windows=True: host-pool groups keep every position (the pool has "
-                    "no rings of bounded windows yet); pass bound_windows=False (host_pool=True)"
-                )
         self.batch = batch
         self.max_len = max_len
         self.max_step_tokens = int(max_step_tokens)

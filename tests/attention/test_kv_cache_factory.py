@@ -198,16 +198,33 @@ def test_on_tpu_a_mesh_splits_the_host_pools_heads(on_tpu):
     "extra, message",
     [
         (dict(mesh="any", batch_axis="b"), r"batch_axis= \(the host pool splits the heads"),
-        (dict(num_kv_heads=[2] * 6), r"per-layer num_kv_heads \(a hybrid cache\)"),
-        (dict(kv_sharing=[None] * 6), r"kv_sharing \(a hybrid cache\)"),
-        (dict(sliding_window=GEMMA3_WINDOWS), r"different sliding windows kept bounded \(a hybrid"),
         (dict(engine=tps.EngineConfig()), r"engine= \(the host pool"),
     ],
-    ids=["batch_axis", "per-layer", "kv_sharing", "bounded", "engine"],
+    ids=["batch_axis", "engine"],
 )
 def test_on_tpu_what_the_host_pool_lacks_is_named(on_tpu, extra, message):
     with pytest.raises(ValueError, match=rf"not supported on the TPU backend yet.*{message}"):
         tps.kv_cache(**dict(SMALL, **extra))
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(num_kv_heads=[2, 2, 1, 2, 2, 1]),
+        dict(kv_sharing=[None] * 5 + [4], max_step_tokens=4),
+        dict(sliding_window=GEMMA3_WINDOWS),
+    ],
+    ids=["per-layer", "kv_sharing", "bounded"],
+)
+def test_on_tpu_a_hybrid_model_gets_a_hybrid_cache_of_host_pools(on_tpu, extra):
+    with tps.kv_cache(**dict(SMALL, **extra)) as cache:
+        assert isinstance(cache, tps.HybridKVCache) and cache.host_pool
+        assert all(isinstance(g, tps.HostPoolKVCache) for g in cache.groups)
+        # Layers of different windows kept bounded: each sliding group a pool of rings.
+        windowed = "sliding_window" in extra
+        assert any(g.spec.ring_blocks for g in cache.groups) == windowed
+    with pytest.raises(ValueError, match=r"engine=EngineConfig: host-pool groups"):
+        tps.kv_cache(**dict(SMALL, **extra), engine=tps.EngineConfig())
 
 
 def test_on_tpu_the_host_pools_own_refusals_name_the_keyword(on_tpu, tmp_path):

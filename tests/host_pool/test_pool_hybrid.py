@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jax_tpusync as tps
-from jax_tpusync import cache_factory, pool_assembly
+from jax_tpusync import cache_factory
 
 BATCH, MAX_LEN, BLOCK, Q_HEADS, STEP = 2, 64, 4, 4, 4
 
@@ -66,7 +66,7 @@ MESH = Shape((2, 2, 2), (16, 32, 32), (8, None, None), (None, None, 1))
 
 
 def pool_cache(shape: Shape, **options) -> tps.HybridKVCache:
-    options = {**shape.cache_arguments(), "bound_windows": False, "host_pool": True, **options}
+    options = {**shape.cache_arguments(), "host_pool": True, **options}
     return tps.HybridKVCache(**options)
 
 
@@ -129,9 +129,10 @@ class Resident:
 
 
 # Ragged prefill chunks, then decode past a sliding window and a unit, slot 1 idling a
-# step: one step width (one compile), decode steps take one of its rows.
+# step, then chunks through several wraps of a bounded sliding group's ring (16 tokens):
+# one step width (one compile), decode steps take one of its rows.
 SCHEDULE = [(STEP, [4, 3]), (STEP, [4, 4]), (STEP, [1, 1]), (STEP, [2, 0])]
-SCHEDULE += [(STEP, [1, 1])] * 4
+SCHEDULE += [(STEP, [1, 1])] * 4 + [(STEP, [4, 3])] * 9
 
 
 def run(cache, shape: Shape, schedule, *, state=None, resident=None, seed=0):
@@ -165,16 +166,22 @@ def run(cache, shape: Shape, schedule, *, state=None, resident=None, seed=0):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", [GEMMA3, GEMMA4], ids=["gemma3", "gemma4"])
-def test_hybrid_pool_steps_equal_resident_attention(shape):
-    with pool_cache(shape) as cache:
+@pytest.mark.parametrize(
+    "shape, bound_windows",
+    [(GEMMA3, True), (GEMMA4, True), (GEMMA4, False)],
+    ids=["gemma3-rings", "gemma4-rings", "gemma4-every-position"],
+)
+def test_hybrid_pool_steps_equal_resident_attention(shape, bound_windows):
+    with pool_cache(shape, bound_windows=bound_windows) as cache:
         assert all(isinstance(g, tps.HostPoolKVCache) for g in cache.groups)
         assert cache.engine is None
         # Several units per global layer: the unit loop and its chain run.
         assert any(g.spec.chunk_len < MAX_LEN for g in cache.groups)
+        sliding = [g for g, p in zip(cache.groups, cache.plan.groups) if p.window is not None]
+        assert all(bool(g.spec.ring_blocks) == bound_windows for g in sliding)
         state, resident, worst = run(cache, shape, SCHEDULE)
         assert worst <= 1e-5
-        assert resident.lengths.max() > 12  # Past the longest window.
+        assert resident.lengths.max() > 3 * 16  # Three wraps of a ring.
         # Slot 1 leaves; a new sequence takes it: every layer, the reading ones included,
         # sees only the new sequence's KV.
         state = cache.release(state, 1)
@@ -187,10 +194,13 @@ def test_hybrid_pool_steps_equal_resident_attention(shape):
         assert worst <= 1e-5
         # What the steps wrote is resident attention's rows (a reading layer: its source's).
         length, last = int(resident.lengths[0]), shape.num_layers - 1
-        k, v = cache.read(state, last, 0)
+        window = shape.windows[last]
+        start = 0 if window is None or not bound_windows else max(0, length - window + 1)
+        k, v = cache.read(state, last, 0, start)
         stored = last if shape.sharing[last] is None else shape.sharing[last]
-        np.testing.assert_array_equal(np.asarray(k), np.asarray(resident.kv[stored][0][0, :length]))
-        np.testing.assert_array_equal(np.asarray(v), np.asarray(resident.kv[stored][1][0, :length]))
+        want_k, want_v = (x[0, start:length] for x in resident.kv[stored])
+        np.testing.assert_array_equal(np.asarray(k), np.asarray(want_k))
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(want_v))
 
 
 def test_an_admission_one_group_refuses_is_undone_in_the_others(monkeypatch):
@@ -228,17 +238,17 @@ def test_a_hybrid_pool_over_a_mesh_equals_resident_attention():
 
 def test_kv_cache_on_tpu_gives_a_hybrid_model_the_hybrid_pool_cache(monkeypatch):
     monkeypatch.setattr(cache_factory, "backend_name", lambda: "tpu")
-    arguments = {k: v for k, v in GEMMA4.cache_arguments().items()}
-    with tps.kv_cache(**arguments, bound_windows=False) as cache:
+    arguments = GEMMA4.cache_arguments()
+    with tps.kv_cache(**arguments) as cache:  # Its sliding group a pool of rings.
         assert isinstance(cache, tps.HybridKVCache) and cache.host_pool
         assert [len(g.layers) for g in cache.plan.groups] == [2, 1]
         assert all(isinstance(g, tps.HostPoolKVCache) for g in cache.groups)
-    # Global and reading layers only: nothing to bound, so the default works too.
-    no_windows = dict(arguments, sliding_window=None)
-    with tps.kv_cache(**no_windows) as cache:
-        assert cache.host_pool and len(cache.groups) == 2
-    with pytest.raises(ValueError, match="sliding windows kept bounded"):
-        tps.kv_cache(**arguments)
+        assert [bool(g.spec.ring_blocks) for g in cache.groups] == [True, False]
+    with tps.kv_cache(**arguments, bound_windows=False) as cache:
+        assert cache.host_pool and not any(g.spec.ring_blocks for g in cache.groups)
+    with pytest.raises(ValueError, match=r"batch_axis='data': host-pool groups split"):
+        mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+        tps.kv_cache(**arguments, mesh=mesh, batch_axis="data")
 
 
 def test_a_traced_layer_is_refused_for_host_pool_groups():
@@ -272,12 +282,3 @@ def test_batch_axis_is_refused_for_host_pool_groups():
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
     with pytest.raises(ValueError, match=r"batch_axis='data': host-pool groups split"):
         pool_cache(MESH, mesh=mesh, batch_axis="data")
-
-
-def test_bounded_windows_wait_for_the_pools_rings():
-    """Refused while the pool has no rings; a model without sliding layers is not."""
-    assert "max_step_tokens" in pool_assembly.NOT_YET or pytest.skip("the pool keeps rings")
-    with pytest.raises(ValueError, match="bound_windows=True: host-pool groups"):
-        pool_cache(GEMMA4, bound_windows=True)
-    with pool_cache(dataclasses.replace(GEMMA4, windows=(None,) * 5), bound_windows=True) as c:
-        assert len(c.groups) == 2
