@@ -139,12 +139,15 @@ def test_max_step_tokens_at_max_len_is_taken():
     ring_cache(max_step_tokens=128).close()  # The edge of the range above.
 
 
+@pytest.mark.parametrize("devices", [1, 2], ids=["one-device", "mesh-2"])
 @pytest.mark.slow
-def test_a_cached_window_is_copied_into_a_new_slots_ring():
+def test_a_cached_window_is_copied_into_a_new_slots_ring(devices):
     """A prompt's windows published from its ring are copied into the ring of a later
-    admission of the same prompt, which continues from there as the first slot would."""
+    admission of the same prompt, which continues from there as the first slot would (over
+    a mesh: every device's heads)."""
+    placement = {} if devices == 1 else dict(mesh=pool_mesh.mesh_of(devices), kv_heads_axis="h")
     # Two slots' rings and room for the cached windows.
-    cache = ring_cache(num_layers=1, batch=2, num_blocks=2 * 4 + 8)
+    cache = ring_cache(num_layers=1, batch=2, num_blocks=2 * 4 + 8, **placement)
     state = cache.init(admit=False)
     prompt = np.arange(40) + 100
     state, cached = cache.admit(state, 0, max_tokens=64, tokens=prompt)
