@@ -168,7 +168,8 @@ class PoolState:
     Fields (arrays):
       lengths: int32[batch], tokens cached per slot.
       block_table: int32[batch, max_blocks], physical block of each slot's positions
-        ``[i * block_tokens, (i + 1) * block_tokens)`` (-1: none).
+        ``[i * block_tokens, (i + 1) * block_tokens)`` (-1: none); a cache that keeps only
+        its window repeats each slot's ring in it (:mod:`jax_tpusync.window_ring`).
       capacity: int32[batch], tokens each slot may hold; 0: inactive.
       pool: [pool_rows, row_width] in ``pinned_host`` memory: every layer's blocks (see
         :class:`PoolLayout`).

@@ -22,6 +22,14 @@ layer L+1's copy before layer L's projections, nor keep more than the unit being
 and the unit in flight: the device holds two units, at any context length. Inside a layer
 the units go through a loop whose carry is the unit in flight, the same bound.
 
+A cache that keeps only its sliding window (``max_step_tokens``) needs nothing here: the
+block table a state carries repeats each slot's ring of blocks
+(:func:`jax_tpusync.window_ring.tiled_table`), so position ``p`` finds ring entry ``(p //
+block_tokens) % ring_blocks`` through the table as any cache's, and the ring is sized so
+that a step's new rows never land on rows this step's layers still read
+(:func:`jax_tpusync.window_ring.ring_blocks`; a step of more rows is refused at trace
+time, :func:`jax_tpusync.step.device.pool_attention`).
+
 Writes are whole aligned groups (:attr:`~jax_tpusync.host_pool.PoolLayout.write_rows`
 rows): the compiler slices host memory in 32-bit sublanes. A write past a slot's capacity
 goes to the pool's sink block instead, and the slot's step is refused (its length does not
