@@ -122,6 +122,7 @@ def kv_cache(
         if hybrid_because or (mixed and bounded):  # A HybridKVCache of host-pool groups.
             why = ", ".join(hybrid_because) or "layers of different sliding windows"
             logger.info("kv_cache: a HybridKVCache of host-pool groups (%s)", why)
+            _default_step_tokens(keywords)  # Its reading layers' rows too.
             return HybridKVCache(
                 host_pool=True,
                 engine=engine,

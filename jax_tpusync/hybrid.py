@@ -20,6 +20,12 @@ The state (:class:`~jax_tpusync.layer_groups.HybridState`) carries every group's
 every group at once, all of them or none: an admission that one group refuses is undone in
 the others, and a refused call changes nothing.
 
+On the TPU data path (``host_pool=True``, what :func:`jax_tpusync.kv_cache` makes on the TPU
+backend) each group is a :class:`~jax_tpusync.pool_cache.HostPoolKVCache` instead: a pool
+in ``pinned_host`` memory that the step carries, a bounded sliding group's pool a ring per
+slot, no engine; over a mesh its KV heads split over ``kv_heads_axis``. The host-side
+semantics are the same (:func:`group_cache_class` is where the class is chosen).
+
 On a device mesh each group is a :class:`~jax_tpusync.ShardedKVCache`, its KV heads split
 over the mesh. Prefix reuse works across the groups: a sliding group finds a cached
 prefix's window among copies made as prompts were prefilled (:meth:`publish_windows`,
@@ -117,8 +123,7 @@ class HybridKVCache:
         ``prefetching_attention(q, None, None, state, layer=l)``.
       max_step_tokens: the most rows one step appends to a slot (1 for decode; the chunk of
         a chunked prefill). Sizes the sliding groups' rings and the rows kept for reading
-        layers; a step of more rows is refused when traced. Default 512, or ``max_len``
-        if smaller.
+        layers; a step of more rows is refused when traced. Default 512.
       bound_windows: a bool: sliding groups keep only their window (default True). Their
         cached prefixes are window copies, which ``shared_prefix_dir`` / ``remote_prefix``
         publish and import block by block. A persistent cache needs False.
@@ -160,7 +165,7 @@ class HybridKVCache:
         head_dim: int | Sequence[int],
         sliding_window: int | Sequence[int | None] | None = None,
         kv_sharing: Sequence[int | None] | None = None,
-        max_step_tokens: int | None = None,
+        max_step_tokens: int = DEFAULT_STEP_TOKENS,
         bound_windows: bool = True,
         window_cache_blocks: int | None = None,
         engine: Engine | EngineConfig | None = None,
@@ -173,9 +178,6 @@ class HybridKVCache:
         host_pool: bool = False,
         **options: Any,
     ) -> None:
-        if max_step_tokens is None:  # A step appends at most max_len rows.
-            valid = is_int(max_len) and max_len >= 1
-            max_step_tokens = min(DEFAULT_STEP_TOKENS, max_len) if valid else DEFAULT_STEP_TOKENS
         # Every argument is checked, and every group's configuration planned, before
         # anything (engine, record, tier) is made: a refused cache changes nothing.
         self.dtype = check_arguments(
