@@ -64,10 +64,12 @@ def test_ring_steps_equal_resident_windowed_attention_across_wraps(dtype):
 
 
 def test_the_pool_does_not_grow_with_the_context():
-    """Pool bytes, staging and host-side blocks per slot: the ring's, at any max_len."""
+    """Pool bytes, staging, units and host-side blocks per slot: the ring's, at any
+    max_len."""
     short, long = ring_cache(max_len=128), ring_cache(max_len=1 << 20)
     assert short.spec.num_blocks == long.spec.num_blocks == 2 * short.spec.ring_blocks
     assert short.kv_bytes == long.kv_bytes and short.device_bytes == long.device_bytes
+    assert short.spec.chunk_len == long.spec.chunk_len  # A step copies the window's units.
     long.init()
     assert len(long.slots.held_blocks(0)) == long.spec.ring_blocks
     long.close()
