@@ -20,7 +20,7 @@ collision), a range that is gone (evicted) or whose bytes do not match its check
 miss and a warning naming the block, never KV.
 
 Faults. Every call to the store runs on one worker thread and is waited for at most
-``deadline_s``; a fault is a miss (``load`` returns None, ``has`` False, ``publish`` False),
+``deadline_s`` (:class:`~jax_tpusync.mooncake_level_calls.StoreCalls`); a fault is a miss (``load`` returns None, ``has`` False, ``publish`` False),
 counted in :meth:`MooncakeStoreLevel.stats` and logged once per kind:
 
 * the master down or restarted (a restarted master has lost every object: its metadata is
@@ -49,86 +49,32 @@ import logging
 import math
 import numbers
 import os
-import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from jax_tpusync import transfer_memory
-from jax_tpusync.deadline_worker import DeadlinePassed, DeadlineWorker
 from jax_tpusync.levels import InPlaceLoad
 from jax_tpusync.mooncake_block_format import BlockFormat, DamagedBlock
 from jax_tpusync.mooncake_client import (
-    INTERNAL_ERROR,
     INVALID,
-    LOCAL_BUFFER_BYTES,
     MAX_DEADLINE_S,
     MIN_SEGMENT_BYTES,
     NOT_FOUND,
-    REPLICA_NOT_READY,
-    RPC_FAILED,
     TRANSFER_FAILED,
-    abandon,
     import_store,
-    probe_master,
     split_master,
 )
+from jax_tpusync.mooncake_level_calls import StoreCalls, code_fault
 from jax_tpusync.mooncake_url import kilobytes, megabytes, open_url
 
 logger = logging.getLogger(__name__)
-
-# Fault kinds, each counted in stats() as mooncake_fault_<kind> and logged once.
-FAULT_KINDS = ("unreachable", "timeout", "transfer", "not_ready", "evicted", "full", "error")
-
-_FAULT_TEXT = {
-    "unreachable": "the Mooncake master at {master} cannot be reached",
-    "timeout": "a call to the Mooncake store at {master} took longer than {deadline} s",
-    "transfer": "a transfer from the Mooncake store failed (the process holding the object "
-    "is gone)",
-    "not_ready": "an object in the Mooncake store is not readable yet (its writer may have "
-    "died while putting it)",
-    "evicted": "a block's header is in the Mooncake store but a layer range it names is "
-    "gone (evicted)",
-    "full": "the Mooncake store has no room for a put",
-    "error": "the Mooncake store returned an error",
-}
 
 # Headers looked up in one request, and the most bytes of layer ranges read into the pool in
 # one request (each request has its own deadline: a long prefix is many requests).
 HEADER_BATCH = 32
 LOAD_BATCH_BYTES = 64 << 20
 PUBLISH_BATCH_BYTES = 16 << 20  # Blocks put in one request (copied into the level's buffer).
-
-# The client's setup() and close() hold this interpreter's GIL while they wait for the master
-# (measured: 8 s with the master stopped, until it resumed; 91 s with it killed), so no
-# deadline can be kept around them from another thread. Before either, the master is asked
-# with a plain socket (which releases the GIL) whether it answers at all: a few bytes that
-# are not a request of its protocol, which a running master answers by closing the
-# connection. A master that refuses or says nothing within the deadline is unreachable;
-# the client is then neither set up nor closed. Masters that did not answer, by address:
-# (until when every level of this process treats them as unreachable without asking, why).
-_UNANSWERED: dict[str, tuple[float, str]] = {}
-_UNANSWERED_LOCK = threading.Lock()
-
-
-class _Fault(Exception):
-    """A call to the store failed: a miss of ``kind``."""
-
-    def __init__(self, kind: str, detail: str):
-        super().__init__(detail)
-        self.kind = kind
-
-
-def _code_fault(code: int, what: str) -> _Fault:
-    kind = {
-        RPC_FAILED: "unreachable",
-        TRANSFER_FAILED: "transfer",
-        REPLICA_NOT_READY: "not_ready",
-        INTERNAL_ERROR: "full",
-    }.get(code, "error")
-    return _Fault(kind, f"{what} returned {code}")
 
 
 def _is_seconds(value: Any) -> bool:
@@ -219,7 +165,7 @@ class MooncakeStoreLevel:
                 f"local_host={local_host!r} must be this host's name or address (non-empty, "
                 f"no spaces or '/')"
             )
-        self._store_class = import_store("the Mooncake remote level")
+        store_class = import_store("the Mooncake remote level")
         # The engine reads these when it starts: a hung peer then ends a transfer in about
         # the deadline instead of 30 s. A user's own settings win.
         seconds = str(max(1, math.ceil(deadline_s)))
@@ -249,22 +195,23 @@ class MooncakeStoreLevel:
         self._scratch = np.zeros(
             self._payload_at + self._payload_slots * self.payload_bytes, np.uint8
         )
-        self._engine = transfer_engine
-        self._memory: list[tuple[int, int]] = []  # Pools given by use_memory().
-        self._registered: list[int] = []  # Addresses registered with the client/engine.
+        self._calls = StoreCalls(
+            master,
+            local_host=local_host,
+            segment_bytes=segment_bytes,
+            deadline_s=self.deadline_s,
+            retry_after_s=self.retry_after_s,
+            transfer_engine=transfer_engine,
+            store_class=store_class,
+            buffer=self._scratch,
+            log=logger,
+        )
         self._ranges: dict[bytes, list] = {}  # Checked ranges of the last lookup()'s blocks.
-        self._client: Any = None
-        self._worker = DeadlineWorker(f"mooncake-level-{master}")
-        self._lock = threading.Lock()
-        self._paused_until = 0.0
-        self._logged: set[str] = set()
-        self._closed = False
         self.imported = 0  # Blocks this process loaded, checked.
         self.misses = 0  # Loads of a block that is not there (no header).
         self.damaged = 0  # Blocks refused on load (corrupt, foreign, collision, size).
-        self.skipped = 0  # Calls answered as misses while paused, or once closed.
         self.bytes_loaded = 0
-        self.faults = dict.fromkeys(FAULT_KINDS, 0)
+        self.faults = self._calls.faults  # By kind (FAULT_KINDS), counted by the calls.
         # Publishes: [blocks put, blocks not put, bytes put], counted by the caller's thread
         # and (for a request that passed its deadline, once it returned) by the worker's;
         # each list has one writer, so no count is lost. ``_in_flight``: blocks of requests
@@ -273,6 +220,11 @@ class MooncakeStoreLevel:
         self._put_late = [0, 0, 0]
         self._in_flight_sent = 0
         self._in_flight_done = 0
+
+    @property
+    def skipped(self) -> int:
+        """Calls answered as misses while paused, or once closed."""
+        return self._calls.skipped
 
     @property
     def published(self) -> int:
@@ -314,7 +266,7 @@ class MooncakeStoreLevel:
     def has(self, key: bytes) -> bool:
         """Whether ``key``'s header is in the store (False on any fault)."""
         hkey = self.header_key(key)
-        return bool(self._run(lambda client: self._exists(client, hkey), False))
+        return bool(self._calls.run(lambda client: self._exists(client, hkey), False))
 
     def load(self, key: bytes, parent: bytes | None, tokens: np.ndarray) -> np.ndarray | None:
         """``key``'s payload (a fresh ``uint8[payload_bytes]``), checked against ``parent``,
@@ -340,7 +292,9 @@ class MooncakeStoreLevel:
         """Puts one block (its ranges, then its header) unless its header is there; returns
         whether it did. A fault is False, counted in ``publish_failures``, never raised."""
         prepared = self._prepare(key, parent, tokens, payload)  # Refused before any call.
-        missing = self._run(lambda client: self._missing(client, [self.header_key(key)]), None)
+        missing = self._calls.run(
+            lambda client: self._missing(client, [self.header_key(key)]), None
+        )
         if missing is None:  # A fault: counted as a publish that did not happen.
             self._put_here[1] += 1
             return False
@@ -350,7 +304,7 @@ class MooncakeStoreLevel:
         """Indexes of ``keys`` whose headers are not in the store, asked in one request;
         every index on a fault (counted): publishing them again is harmless."""
         names = [self.header_key(key) for key in keys]
-        return self._run(lambda client: self._missing(client, names), list(range(len(keys))))
+        return self._calls.run(lambda client: self._missing(client, names), list(range(len(keys))))
 
     def publish_many(self, items: list[tuple[bytes, bytes | None, np.ndarray, Any]]) -> int:
         """Puts blocks ``(key, parent, tokens, payload)`` (those :meth:`missing` named):
@@ -370,7 +324,7 @@ class MooncakeStoreLevel:
         per = self._payload_slots
         for first in range(0, len(prepared), per):
             batch = prepared[first : first + per]
-            result = self._run(
+            result = self._calls.run(
                 functools.partial(self._publish_batch, batch=batch),
                 (0, len(batch), "fault"),
                 stage=functools.partial(self._stage, batch),
@@ -385,7 +339,7 @@ class MooncakeStoreLevel:
                 if fault == "in flight":  # Counted by _count_late_publish once it returns.
                     self._in_flight_sent += len(batch)
                 elif fault != "fault":
-                    self._fault(*fault, pause=fault[0] == "unreachable")
+                    self._calls.fault(*fault, pause=fault[0] == "unreachable")
                 # This batch's blocks that did not go in, and the later batches, never sent.
                 self._put_here[1] += failed + len(prepared) - first - len(batch)
                 return put
@@ -422,14 +376,12 @@ class MooncakeStoreLevel:
         deadline and turn the first admissions into misses. A fault registering is logged,
         counted and leaves the pool unregistered (loads into it then fail: misses)."""
         transfer_memory.populate(address, nbytes)
-        self._memory.append((int(address), int(nbytes)))
-        if self._client is not None:
-            self._run(lambda client: self._register(address, nbytes), None)
+        self._calls.use_memory(address, nbytes)
 
     def settled(self) -> bool:
         """Whether no call that passed its deadline is still running (one may still write
         into the destinations of a :meth:`load_into`)."""
-        return not self._worker.busy
+        return not self._calls.busy
 
     def lookup(self, wanted: list[tuple[bytes, bytes | None, np.ndarray]]) -> int:
         """How many of ``wanted``'s blocks, from the first, have a header in the store that
@@ -437,7 +389,7 @@ class MooncakeStoreLevel:
         header ends the run with a warning naming the block."""
         self._ranges = {}
         items = [(k, p, [int(t) for t in np.asarray(ids).reshape(-1)]) for k, p, ids in wanted]
-        result = self._run(lambda client: self._lookup(client, items), (0, None))
+        result = self._calls.run(lambda client: self._lookup(client, items), (0, None))
         found, damaged = result
         if damaged is not None:
             self.damaged += 1
@@ -482,7 +434,7 @@ class MooncakeStoreLevel:
             ]
             began: list[bool] = []
             failed = object()
-            codes = self._run(
+            codes = self._calls.run(
                 functools.partial(self._get_ranges, requests=requests, began=began), failed
             )
             if codes is failed:
@@ -529,7 +481,7 @@ class MooncakeStoreLevel:
             elif size == NOT_FOUND:
                 code = NOT_FOUND  # Gone between the read and the size.
             if code == NOT_FOUND:
-                self._fault("evicted", f"{name}: layers {lo}-{hi} are gone", pause=False)
+                self._calls.fault("evicted", f"{name}: layers {lo}-{hi} are gone", pause=False)
                 return "evicted"
             if code >= 0 and code != want:
                 object_name = self.range_key(key, lo, hi, checksum)
@@ -540,8 +492,8 @@ class MooncakeStoreLevel:
             elif code == INVALID:
                 problem = f"{name}: layers {lo}-{hi} do not hold {want} bytes ({code})"
             elif code < 0:
-                fault = _code_fault(code, f"getting layers {lo}-{hi} of {name}")
-                self._fault(fault.kind, str(fault), pause=fault.kind == "unreachable")
+                fault = code_fault(code, f"getting layers {lo}-{hi} of {name}")
+                self._calls.fault(fault.kind, str(fault), pause=fault.kind == "unreachable")
                 return fault.kind
             else:
                 if self.block_format.range_checksum(views, lo, hi) == checksum:
@@ -574,36 +526,7 @@ class MooncakeStoreLevel:
         client stuck in a call is left to its daemon thread, and one whose master does not
         answer is left open (closing it would hold the GIL until the master answers; the
         client's own exit handler closes it when the interpreter exits)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            client, self._client = self._client, None
-            if client is not None and self._worker.busy:
-                abandon(client)
-            elif client is not None:
-                try:
-                    self._reach_master()
-                except _Fault as e:
-                    abandon(client)
-                    logger.warning(
-                        "the Mooncake master at %s does not answer (%s): this level's client "
-                        "is left open, not closed",
-                        self.master,
-                        e,
-                    )
-                    leave = functools.partial(self._unregister_all, client)  # Local only.
-                else:
-
-                    def leave() -> None:
-                        self._unregister_all(client)
-                        client.close()
-
-                try:
-                    self._worker.call(leave, self.deadline_s)
-                except Exception as e:  # noqa: BLE001 - leaving is best effort.
-                    logger.debug("closing the Mooncake client: %s", e)
-            self._worker.stop()
+        self._calls.close()
 
     def __enter__(self) -> MooncakeStoreLevel:
         return self
@@ -611,154 +534,19 @@ class MooncakeStoreLevel:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # -- calls, deadlines, faults -----------------------------------------------------------
-
-    def _run(
-        self,
-        fn: Callable[[Any], Any],
-        default: Any,
-        stage: Callable[[], None] | None = None,
-        late: Callable[[bool, Any], None] | None = None,
-        in_flight: Any = None,
-    ) -> Any:
-        """``fn(client)`` on the worker within the deadline; ``default`` on a fault (counted,
-        logged once per kind), while paused or once closed. Never raises. ``stage`` runs
-        first, on this thread, once no earlier call is still running (it fills the buffer
-        that ``fn`` sends: a call that passed its deadline may still be reading it). A call
-        that passed its deadline returns ``in_flight`` if ``late`` is given, which then gets
-        the call's outcome on the worker once it returns.
-
-        Not connected yet, the master is first asked whether it answers at all
-        (:func:`~jax_tpusync.mooncake_client.probe_master`), within the same deadline: the client's ``setup()`` would hold the GIL
-        for as long as it waits for the master."""
-        with self._lock:
-            if self._closed or time.monotonic() < self._paused_until:
-                self.skipped += 1
-                return default
-            try:
-                if self._worker.busy:
-                    raise DeadlinePassed("an earlier call to the store has not returned yet")
-                deadline = self.deadline_s
-                if self._client is None:
-                    deadline -= self._reach_master()
-                if stage is not None:
-                    stage()
-                return self._worker.call(lambda: fn(self._connected()), deadline, late=late)
-            except DeadlinePassed as e:
-                self._fault("timeout", str(e), pause=True)
-                if e.running and late is not None:
-                    return in_flight
-            except _Fault as e:
-                self._fault(e.kind, str(e), pause=e.kind == "unreachable")
-            except Exception as e:  # noqa: BLE001 - the client's own errors: a miss, logged.
-                self._fault("error", f"{type(e).__name__}: {e}", pause=False)
-            return default
-
-    def _fault(self, kind: str, detail: str, *, pause: bool) -> None:
-        self.faults[kind] += 1
-        if pause:
-            self._paused_until = time.monotonic() + self.retry_after_s
-        text = _FAULT_TEXT[kind].format(master=self.master, deadline=self.deadline_s)
-        if kind not in self._logged:
-            self._logged.add(kind)
-            logger.warning(
-                "%s (%s): remote prefix blocks are misses%s (logged once; counted in "
-                "stats()['mooncake_fault_%s'])",
-                text,
-                detail,
-                f" for {self.retry_after_s} s, then retried" if pause else " when it happens",
-                kind,
-            )
-        else:
-            logger.debug("%s (%s)", text, detail)
-
-    def _reach_master(self) -> float:
-        """Seconds spent making sure the master answers before the client is set up or
-        closed (both hold the GIL while they wait for it); a ``_Fault("unreachable")`` if
-        it does not, or if it did not answer any level of this process within the last
-        ``retry_after_s`` (so that the groups of a hybrid cache, a level each, wait once)."""
-        start = time.monotonic()
-        with _UNANSWERED_LOCK:
-            until, why = _UNANSWERED.get(self.master, (0.0, ""))
-        if start < until:
-            raise _Fault("unreachable", f"{why}; asked again in {until - start:.1f} s")
-        host, port = split_master(self.master)
-        try:
-            why = self._worker.call(
-                functools.partial(probe_master, host, port, self.deadline_s), self.deadline_s
-            )
-        except DeadlinePassed:  # The worker keeps the probe until its own timeout ends it.
-            why = f"it did not answer within {self.deadline_s:.3g} s"
-        with _UNANSWERED_LOCK:
-            if why is None:
-                _UNANSWERED.pop(self.master, None)
-            else:
-                _UNANSWERED[self.master] = (time.monotonic() + self.retry_after_s, why)
-        if why is not None:
-            raise _Fault("unreachable", why)
-        return time.monotonic() - start
-
-    def _connected(self) -> Any:
-        """The client, connected, with the scratch buffer and the pools registered (on the
-        worker)."""
-        if self._client is None:
-            client = self._store_class()
-            args = [
-                self.local_host,
-                "P2PHANDSHAKE",
-                self.segment_bytes,
-                LOCAL_BUFFER_BYTES,
-                "tcp",
-                "",
-                self.master,
-            ]
-            if self._engine is not None:
-                args.append(self._engine.get_engine())
-            rc = client.setup(*args)
-            if rc != 0:
-                raise _Fault("unreachable", f"connecting returned {rc}")
-            self._client = client
-            try:
-                self._register(self._scratch.ctypes.data, self._scratch.nbytes)
-                for address, nbytes in self._memory:
-                    self._register(address, nbytes)
-            except _Fault:
-                self._client = None
-                self._unregister_all(client)
-                client.close()
-                raise
-        return self._client
-
-    def _register(self, address: int, nbytes: int) -> None:
-        if self._engine is not None:  # Shared: counted, so P/D may register it too.
-            rc = transfer_memory.register(self._engine, address, nbytes)
-        else:
-            rc = self._client.register_buffer(address, nbytes)
-        if rc != 0:
-            raise _Fault("error", f"registering {nbytes} bytes of memory returned {rc}")
-        self._registered.append(address)
-
-    def _unregister_all(self, client: Any) -> None:
-        for address in self._registered:
-            if self._engine is not None:
-                transfer_memory.unregister(self._engine, address)
-            else:
-                client.unregister_buffer(address)
-        self._registered = []
-
     # -- the work itself (on the worker thread) ---------------------------------------------
 
     def _exists(self, client: Any, hkey: str) -> bool:
         rc = client.is_exist(hkey)
         if rc < 0:
-            raise _code_fault(rc, "is_exist")
+            raise code_fault(rc, "is_exist")
         return rc == 1
 
     def _missing(self, client: Any, names: list[str]) -> list[int]:
         found = client.batch_is_exist(names)
         for code in found:
             if code < 0:
-                raise _code_fault(code, "batch_is_exist")
+                raise code_fault(code, "batch_is_exist")
         return [i for i, code in enumerate(found) if code != 1]
 
     def _stage(self, batch: list) -> None:
@@ -791,7 +579,7 @@ class MooncakeStoreLevel:
         for j, code in zip(owner, codes):
             if code < 0:
                 whole[j] = False
-                fault = fault or _code_fault(code, "putting a layer range")
+                fault = fault or code_fault(code, "putting a layer range")
         cap = self._header_capacity
         names, pointers, sizes = [], [], []
         for j, (key, _, _, header) in enumerate(batch):
@@ -803,7 +591,7 @@ class MooncakeStoreLevel:
         put = 0
         for code in client.batch_put_from(names, pointers, sizes) if names else []:
             if code < 0:
-                fault = fault or _code_fault(code, "putting a header")
+                fault = fault or code_fault(code, "putting a header")
             else:
                 put += 1
         return put, len(batch) - put, None if fault is None else (fault.kind, str(fault))
@@ -828,7 +616,7 @@ class MooncakeStoreLevel:
                 if size < 0:
                     if found:
                         return found, None
-                    raise _code_fault(size, "getting a header")
+                    raise code_fault(size, "getting a header")
                 name = f"block {key.hex()} in the {self.describe()}"
                 data = bytes(self._scratch[j * cap : j * cap + size])
                 try:
