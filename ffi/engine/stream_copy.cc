@@ -1,8 +1,10 @@
 #include "engine/stream_copy.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -14,17 +16,23 @@
 namespace tpusync {
 namespace {
 
-constexpr size_t kPieceBytes = 1 << 20;  // The unit that threads' shares are cut into.
+constexpr size_t kPieceBytes = 1 << 20;  // The unit of work a thread takes at a time.
 
 bool Overlap(uintptr_t a, size_t a_bytes, uintptr_t b, size_t b_bytes) {
   return a < b + b_bytes && b < a + a_bytes;
 }
 
-void CopyOne(const CopyRange& r) {
-  if (r.bytes >= kStreamCopyMinBytes) {
-    StreamCopy(r.dst, r.src, r.bytes);
-  } else if (r.bytes > 0) {
-    std::memcpy(r.dst, r.src, r.bytes);
+// A part of one range, copied with StreamCopy where the whole range is long enough.
+struct Piece {
+  CopyRange range;
+  bool stream;
+};
+
+void CopyOne(const Piece& p) {
+  if (p.stream) {
+    StreamCopy(p.range.dst, p.range.src, p.range.bytes);
+  } else {
+    std::memcpy(p.range.dst, p.range.src, p.range.bytes);
   }
 }
 
@@ -98,39 +106,37 @@ Status CopyRanges(const CopyRange* ranges, size_t count, int threads) {
     }
   }
   if (total == 0) return Status::Ok();
-  // Each thread's share: consecutive pieces (ranges cut at kPieceBytes) of about
-  // total / threads bytes.
-  size_t workers = std::min<size_t>(static_cast<size_t>(threads),
-                                    std::max<size_t>(1, total / kPieceBytes));
-  std::vector<std::vector<CopyRange>> shares(workers);
-  size_t share_bytes = (total + workers - 1) / workers, filled = 0, w = 0;
+  // Pieces of at most kPieceBytes that the threads take one at a time from a shared
+  // counter: a thread the scheduler holds back (on a busy host) leaves its pieces to the
+  // others instead of making them wait at the end for a fixed share.
+  std::vector<Piece> pieces;
+  pieces.reserve(total / kPieceBytes + count);
   for (size_t i = 0; i < count; ++i) {
     const CopyRange& r = ranges[i];
-    for (size_t off = 0; off < r.bytes;) {
-      size_t n = r.bytes - off;  // The last share takes the rest.
-      if (w + 1 < workers) {
-        // Up to the share's end, but no piece cut shorter than kPieceBytes.
-        size_t room = share_bytes > filled ? share_bytes - filled : 0;
-        if (n > room) n = std::max(room, std::min(n, kPieceBytes));
-      }
-      shares[w].push_back(
-          {static_cast<char*>(r.dst) + off, static_cast<const char*>(r.src) + off, n});
-      off += n;
-      filled += n;
-      if (filled >= share_bytes && w + 1 < workers) {
-        ++w;
-        filled = 0;
-      }
+    bool stream = r.bytes >= kStreamCopyMinBytes;  // By the range's length, not the piece's.
+    for (size_t off = 0; off < r.bytes; off += kPieceBytes) {
+      pieces.push_back({{static_cast<char*>(r.dst) + off, static_cast<const char*>(r.src) + off,
+                         std::min(kPieceBytes, r.bytes - off)},
+                        stream});
     }
   }
+  std::atomic<size_t> next{0};
+  auto work = [&pieces, &next] {
+    for (size_t i = next.fetch_add(1); i < pieces.size(); i = next.fetch_add(1)) {
+      CopyOne(pieces[i]);
+    }
+  };
+  size_t workers = std::min<size_t>(static_cast<size_t>(threads), pieces.size());
   std::vector<std::thread> started;
   started.reserve(workers - 1);
   for (size_t t = 1; t < workers; ++t) {
-    started.emplace_back([&shares, t] {
-      for (const CopyRange& piece : shares[t]) CopyOne(piece);
-    });
+    try {
+      started.emplace_back(work);
+    } catch (const std::system_error&) {  // No thread to be had: the others take its pieces.
+      break;
+    }
   }
-  for (const CopyRange& piece : shares[0]) CopyOne(piece);
+  work();
   for (std::thread& thread : started) thread.join();
   return Status::Ok();
 }

@@ -32,9 +32,9 @@ inline constexpr size_t kStreamCopyMinBytes = 256 << 10;
 // them (x86-64: SSE2), memcpy elsewhere; the stores are fenced before it returns.
 void StreamCopy(void* dst, const void* src, size_t bytes);
 
-// Copies every range (each with StreamCopy or memcpy by its length), the work split by
-// bytes over `threads` threads (the caller's and threads - 1 started for the call; ranges
-// are cut into pieces of at least 1 MiB so that the shares are even). Returns
+// Copies every range (each with StreamCopy or memcpy by its length) on `threads` threads
+// (the caller's and threads - 1 started for the call), which take the ranges' 1 MiB pieces
+// one at a time until none is left. Returns
 // InvalidArgument, having copied nothing, for threads < 1, a null pointer with bytes > 0,
 // or ranges whose destinations overlap each other or their own source.
 Status CopyRanges(const CopyRange* ranges, size_t count, int threads);
