@@ -2,14 +2,14 @@
 
 A Llama-like param pytree (bfloat16; embedding, per layer the attention projections with
 grouped KV heads, a gated MLP and two norms, final norm and unembedding; ``--gb`` sets the
-size by its number of layers) sharded FSDP over 4 simulated CPU devices (rows) is moved,
-in one process with 8 devices, to
+size by its number of layers, several sizes one after the other) sharded FSDP over 4
+simulated CPU devices (rows) is moved, in one process with 8 devices, to
 
 * ``fsdp4->tp2``: tensor parallel over 2 other devices (columns of the Q/K/V, gate and up
   projections and the embeddings, rows of the output and down projections), and
 * ``fsdp4->fsdp4``: the same layout on 4 other devices,
 
-each way side by side:
+(``--cases`` picks them) each way side by side:
 
 * ``weights``: :class:`~jax_tpusync.weight_sync.WeightPublisher` ``publish`` then
   :class:`~jax_tpusync.weight_sync.WeightPuller` ``pull`` through a store in ``--dir``
@@ -45,8 +45,10 @@ are the steady state of a training loop: each reuses the plan (``plan ms`` is th
 mappings of the versions two before it. For every way the bytes each destination device received are checked against
 what its shards hold, and the result bitwise against the source.
 
-The default output is a short table per case: each way's median and interquartile range
-over its timed runs, its GB/s, and the weight store's fastest row against the fastest of
+The default output is a short table per case and size: each way's median and interquartile
+range over its timed runs, its GB/s, its CPU time per run (this process's, all threads: the
+work a way needs, whatever share of a busy machine it gets), and the weight store's fastest
+row against the fastest of
 the three baselines (gather + socket + device_put, jax.transfer, checkpoint) in words, with a note
 where the difference is within the runs' spread (:mod:`jax_tpusync.bench.verdict`).
 ``--details`` prints every column instead (publish blocked, write, pull, plan).
@@ -71,6 +73,7 @@ import numpy as np
 from jax_tpusync.bench import common, verdict
 
 DEVICES = 8
+CASES = ("fsdp4->tp2", "fsdp4->fsdp4")
 # Copies of the params alive at once at most: the host copy and the source; per weight-store
 # way (they run interleaved) its store (the version kept, the one written, a pooled file)
 # and its staging buffers; the gathered and received copies, the checkpoint and its load.
@@ -85,6 +88,7 @@ COLUMNS = [
     ("nbytes", "params", "bytes"),
     ("seconds", "seconds", ".3f"),
     ("gbps", "GB/s", ".2f"),
+    ("cpu_ms", "CPU ms", ".1f"),
     ("publish_blocked_ms", "publish blocked ms", ".2f"),
     ("publish_write_s", "write s", ".3f"),
     ("pull_s", "pull s", ".3f"),
@@ -107,8 +111,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--gb",
         type=_positive_float,
-        default=0.25,
-        help="params size in GB (1e9 bytes; bfloat16), by the number of layers",
+        nargs="+",
+        default=[0.25],
+        help="params size(s) in GB (1e9 bytes; bfloat16), by the number of layers; several "
+        "sizes run one after the other in this process",
+    )
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        default=list(CASES),
+        choices=list(CASES),
+        help="the layout pairs to run (default: both)",
     )
     p.add_argument(
         "--repeats",
@@ -170,6 +183,11 @@ def _positive_int(text: str) -> int:
 def layer_bytes() -> int:
     attn = D_MODEL * Q_HEADS * HEAD_DIM * 2 + D_MODEL * KV_HEADS * HEAD_DIM * 2
     return (attn + 3 * D_MODEL * FFN + 2 * D_MODEL) * 2
+
+
+def params_bytes(layers: int) -> int:
+    """Bytes of the pytree with ``layers`` layers."""
+    return (2 * VOCAB * D_MODEL + D_MODEL) * 2 + layers * layer_bytes()
 
 
 def layers_for(gb: float) -> int:
@@ -300,6 +318,7 @@ def method_weights(
         plan_ms, reused = None, []
         total = WARMUP_WEIGHTS + ctx["repeats"]
         for version in range(total):
+            cpu_start = time.process_time()
             start = time.perf_counter()
             publisher.publish(source, version)
             blocked = time.perf_counter() - start
@@ -319,6 +338,7 @@ def method_weights(
                     write_s,
                     puller.stats.read_seconds,
                     puller.stats.put_seconds,
+                    time.process_time() - cpu_start,
                 )
             )
             if version < total - 1:  # The last one is checked below.
@@ -338,6 +358,7 @@ def method_weights(
     return {
         "seconds": statistics.median(r[0] for r in timed),
         "samples_s": [r[0] for r in timed],
+        "cpu_ms": statistics.median(r[6] for r in timed) * 1e3,
         "publish_blocked_ms": statistics.median(r[1] for r in timed) * 1e3,
         "pull_s": statistics.median(r[2] for r in timed),
         "publish_write_s": statistics.median(r[3] for r in timed),
@@ -368,12 +389,14 @@ def method_weights_mooncake(ctx: dict, case: str, source: Any, targets: Any) -> 
 
 
 def _timed(ctx: dict, move) -> Iterator:
-    runs, result = [], None
+    runs, cpu, result = [], [], None
     total = WARMUP_BASELINE + ctx["repeats"]
     for i in range(total):
+        cpu_start = time.process_time()
         start = time.perf_counter()
         result = _ready(move())
         runs.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - cpu_start)
         if i < total - 1:  # The last one is checked below.
             _delete(result)
         yield
@@ -384,6 +407,7 @@ def _timed(ctx: dict, move) -> Iterator:
     return {
         "seconds": statistics.median(runs),
         "samples_s": runs,
+        "cpu_ms": statistics.median(cpu[WARMUP_BASELINE:]) * 1e3,
         "bytes_per_device_ok": ok,
         "exact": exact,
     }
@@ -573,18 +597,20 @@ def summary(rows: list[dict]) -> str:
     """Per case: each way's median and IQR, its GB/s, and the weight store's fastest way
     against the fastest baseline in words (with the spread)."""
     lines = []
-    for case in dict.fromkeys(r["case"] for r in rows):
-        in_case = {r["method"]: r for r in rows if r["case"] == case}
+    for case, nbytes in dict.fromkeys((r["case"], r["nbytes"]) for r in rows):
+        in_case = {r["method"]: r for r in rows if (r["case"], r["nbytes"]) == (case, nbytes)}
         any_row = next(iter(in_case.values()))
         lines.append(
             f"{case}: {any_row['nbytes'] / 1e6:.0f} MB of bf16 params ({any_row['layers']} "
             f"layers), publish + pull end to end"
         )
-        cells = [("way", "median ms", "IQR ms", "GB/s", "runs")]
+        # CPU ms: this process's CPU time per run (all threads: the way's own and JAX's), the
+        # work a way needs whatever share of a busy host it gets.
+        cells = [("way", "median ms", "IQR ms", "GB/s", "CPU ms", "runs")]
         for name, row in in_case.items():
             spread = _spread(row)
             if spread is None:
-                cells.append((LABELS.get(name, name), row.get("note", "not run"), "", "", ""))
+                cells.append((LABELS.get(name, name), row.get("note", "not run"), "", "", "", ""))
                 continue
             cells.append(
                 (
@@ -592,10 +618,12 @@ def summary(rows: list[dict]) -> str:
                     f"{spread.median:.1f}",
                     f"{spread.q1:.1f}-{spread.q3:.1f}",
                     f"{row['nbytes'] / spread.median / 1e6:.2f}",
+                    f"{row['cpu_ms']:.0f}",
                     str(spread.count),
                 )
             )
-        widths = [max(len(c[i]) for c in cells if c[2] or i == 0) for i in range(5)]
+        columns = len(cells[0])
+        widths = [max(len(c[i]) for c in cells if c[2] or i == 0) for i in range(columns)]
         for c in cells:
             if not c[2]:  # A way that did not run: its note across the columns.
                 lines.append(f"  {c[0].ljust(widths[0])}  {c[1]}")
@@ -603,7 +631,8 @@ def summary(rows: list[dict]) -> str:
             lines.append(
                 "  "
                 + "  ".join(
-                    c[i].ljust(widths[i]) if i == 0 else c[i].rjust(widths[i]) for i in range(5)
+                    c[i].ljust(widths[i]) if i == 0 else c[i].rjust(widths[i])
+                    for i in range(columns)
                 )
             )
         ours = {n: s for n in OURS if n in in_case and (s := _spread(in_case[n]))}
@@ -661,15 +690,16 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[dict]:
             "weights-mooncake needs --store mooncake://host:port, --remote-master or --remote "
             "mooncake"
         )
-    layers = layers_for(args.gb)
-    nbytes = (2 * VOCAB * D_MODEL + D_MODEL) * 2 + layers * layer_bytes()
-    # At most PEAK_COPIES copies of the params at once (see there).
-    need = PEAK_COPIES * nbytes
+    # Sizes that come to the same number of layers run once.
+    layer_counts = list(dict.fromkeys(layers_for(gb) for gb in args.gb))
+    shown = " ".join(f"{gb:g}" for gb in args.gb)
+    # At most PEAK_COPIES copies of the params at once (see there), one size at a time.
+    need = PEAK_COPIES * max(params_bytes(layers) for layers in layer_counts)
     if need > common.available_ram_bytes():
         raise SystemExit(
-            f"--gb {args.gb:g} needs about {need / 1e9:.1f} GB of memory ({PEAK_COPIES} "
-            f"copies of {nbytes / 1e9:.2f} GB), {common.available_ram_bytes() / 1e9:.1f} GB "
-            f"is available"
+            f"--gb {shown} needs about {need / 1e9:.1f} GB of memory ({PEAK_COPIES} "
+            f"copies of {need / PEAK_COPIES / 1e9:.2f} GB), "
+            f"{common.available_ram_bytes() / 1e9:.1f} GB is available"
         )
     flag = "--xla_force_host_platform_device_count"
     if flag not in os.environ.get("XLA_FLAGS", ""):
@@ -683,37 +713,48 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[dict]:
             f"weights needs {DEVICES} devices, JAX has {len(devices)} (it started before this "
             f"bench set {flag}={DEVICES}; set XLA_FLAGS yourself)"
         )
-    host = host_params(layers)
-    assert nbytes == sum(x.nbytes for x in jax.tree.leaves(host))
     train_mesh = Mesh(np.asarray(devices[:4]), ("fsdp",))
-    source = jax.device_put(
-        host, jax.tree.map(lambda s: NamedSharding(train_mesh, s), _tree_specs(host, fsdp_spec))
-    )
-    cases = {
+    meshes = {
         "fsdp4->tp2": (Mesh(np.asarray(devices[4:6]), ("tp",)), tp_spec),
         "fsdp4->fsdp4": (Mesh(np.asarray(devices[4:8]), ("fsdp",)), fsdp_spec),
     }
-    ctx = {
-        "repeats": args.repeats,
-        "dir": args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None),
-        "disk_dir": args.disk_dir or ("/var/tmp" if os.path.isdir("/var/tmp") else None),
-        "host": host,
-        "store": store,
-        "nbytes": nbytes,
-    }
     rows = []
-    for case, (mesh, spec_for) in cases.items():
-        targets = jax.tree.map(lambda s, m=mesh: NamedSharding(m, s), _tree_specs(host, spec_for))
-        ctx["expected"] = _expected_device_bytes(host, targets)
-        measured = run_interleaved(
-            {name: METHODS[name](ctx, case, source, targets) for name in methods}
+    for layers in layer_counts:
+        nbytes = params_bytes(layers)
+        host = host_params(layers)
+        assert nbytes == sum(x.nbytes for x in jax.tree.leaves(host))
+        source = jax.device_put(
+            host,
+            jax.tree.map(lambda s: NamedSharding(train_mesh, s), _tree_specs(host, fsdp_spec)),
         )
-        for name in methods:
-            row = {"case": case, "method": name, "nbytes": nbytes, "layers": layers}
-            row.update(measured[name])
-            if row.get("seconds"):
-                row["gbps"] = nbytes / row["seconds"] / 1e9
-            rows.append(row)
-            took = f"{row['seconds']:.3f} s" if row.get("seconds") else "-"
-            print(f"{case:>13} {name:>17}: {took} {row.get('note', '')}", flush=True)
+        ctx = {
+            "repeats": args.repeats,
+            "dir": args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None),
+            "disk_dir": args.disk_dir or ("/var/tmp" if os.path.isdir("/var/tmp") else None),
+            "host": host,
+            "store": store,
+            "nbytes": nbytes,
+        }
+        for case in (c for c in CASES if c in args.cases):
+            mesh, spec_for = meshes[case]
+            targets = jax.tree.map(
+                lambda s, m=mesh: NamedSharding(m, s), _tree_specs(host, spec_for)
+            )
+            ctx["expected"] = _expected_device_bytes(host, targets)
+            measured = run_interleaved(
+                {name: METHODS[name](ctx, case, source, targets) for name in methods}
+            )
+            for name in methods:
+                row = {"case": case, "method": name, "nbytes": nbytes, "layers": layers}
+                row.update(measured[name])
+                if row.get("seconds"):
+                    row["gbps"] = nbytes / row["seconds"] / 1e9
+                rows.append(row)
+                took = f"{row['seconds']:.3f} s" if row.get("seconds") else "-"
+                print(
+                    f"{nbytes / 1e6:6.0f} MB {case:>13} {name:>17}: {took} {row.get('note', '')}",
+                    flush=True,
+                )
+        _delete(source)
+        del host, source
     return rows

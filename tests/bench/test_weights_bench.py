@@ -29,6 +29,7 @@ def test_a_tiny_pytree_moves_exactly_every_way(tmp_path):
             "weights",
             "--gb",
             "0.01",
+            "0.01",  # The same number of layers: run once.
             "--repeats",
             "2",
             "--dir",
@@ -57,6 +58,7 @@ def test_a_tiny_pytree_moves_exactly_every_way(tmp_path):
     for case in ("fsdp4->tp2", "fsdp4->fsdp4"):
         assert f"{case}: " in printed
     assert printed.count(" against the fastest baseline: ") == 2
+    assert len(re.findall(r"median ms +IQR ms +GB/s +CPU ms +runs", printed)) == 2
     assert re.search(r"jax\.experimental\.transfer +not run: moves whole shards", printed)
     assert "every way moved the params bitwise" in printed
     layers = weights.layers_for(0.01)
@@ -73,6 +75,7 @@ def test_a_tiny_pytree_moves_exactly_every_way(tmp_path):
         assert r["seconds"] > 0 and r["gbps"] == pytest.approx(nbytes / r["seconds"] / 1e9)
         assert len(r["samples_s"]) == 2  # The timed runs (after the warm-up ones).
         assert r["seconds"] == pytest.approx(statistics.median(r["samples_s"]))
+        assert 0 < r["cpu_ms"] < 1e6  # This process's CPU time per run (all its threads).
     for r in rows:
         if r["method"] in ("weights", "weights-nocopy"):
             assert r["plan_ms"] > 0 and r["plan_reused"] is True
