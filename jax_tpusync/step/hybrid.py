@@ -18,13 +18,14 @@ Groups that are host pools (``HybridKVCache(host_pool=True)``, the TPU data path
 states :class:`~jax_tpusync.host_pool.PoolState`) run the pool's step
 (:mod:`jax_tpusync.step.host_pool`, in ``shard_map`` on a mesh). Each group's unit chain
 runs from one of its layers to its next one, and from its last layer to the next step's
-first: a pool prefetches within its own state, so the next model layer, when it is in
-another group, finds its first unit not staged and copies it itself (a prefetch is never a
-source of data). A pool layer read by another (``kv_sharing``) is attended as of the
-step's start by running the pool's step of the source layer again at the step's starting
-lengths with the rows the source left: it writes those same bytes where the source wrote
-them, and only the pool, the staging and what it was copied from are kept (the state's
-lengths and refusals stay the step's). A traced ``layer`` is refused for host-pool groups:
+first, as an engine group's does: the unit stays staged in the group's state through the
+other groups' layers in between. A pool layer read by another (``kv_sharing``) is
+attended as of the step's start by running the pool's step of the source layer again at
+the step's starting lengths with the rows the source left: it writes those same bytes
+where the source wrote them, and only the pool, the staging and what it was copied from
+are kept (the state's lengths and refusals stay the step's); its prefetch replaces the
+group's staged unit, which the group's next layer then copies itself (``staged_at``: a
+prefetch is never a source of data). A traced ``layer`` is refused for host-pool groups:
 a layer of another group would map to layer -1, and a pool has no engine to refuse it.
 """
 
