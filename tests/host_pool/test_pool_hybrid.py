@@ -18,6 +18,8 @@ from jax.sharding import Mesh
 
 import jax_tpusync as tps
 from jax_tpusync import cache_factory
+from jax_tpusync.host_pool import PoolLayout
+from jax_tpusync.step.host_pool import unit_rows
 
 BATCH, MAX_LEN, BLOCK, Q_HEADS, STEP = 2, 64, 4, 4, 4
 
@@ -180,6 +182,16 @@ def test_hybrid_pool_steps_equal_resident_attention(shape, bound_windows):
         state, resident, worst = run(cache, shape, SCHEDULE)
         assert worst <= 1e-5
         assert resident.lengths.max() > 3 * 16  # Three wraps of a ring.
+        # A group none of whose layers is read by another ends the step with its next
+        # step's first unit staged (its chain runs on through the other groups' layers).
+        checked = 0
+        for g, part in enumerate(state.groups):
+            if any(cache.plan.group_of[s] == g for s in cache.plan.sources):
+                continue  # A reading layer's prefetch replaced it.
+            need = unit_rows(PoolLayout(part.spec), part, 0, 0, part.lengths)
+            np.testing.assert_array_equal(np.asarray(part.staged_at), np.asarray(need))
+            checked += 1
+        assert checked == (3 if shape is GEMMA3 else 0)
         # Slot 1 leaves, published under token ids; a sequence of the same prompt takes it:
         # every group maps one prefix (the global groups' blocks, the sliding groups'
         # windows) and every layer, the reading ones included, goes on from there.
