@@ -61,7 +61,8 @@ def open_weight_store(store: Any) -> WeightStoreBackend:
     """The store named by ``store``: a directory path (:class:`WeightStore`), a
     ``"mooncake://host:port[?option=value&...]"`` address (a
     :class:`~jax_tpusync.weight_store_mooncake.MooncakeWeightStore`; options in
-    :func:`~jax_tpusync.weight_store_mooncake.parse_store_url`), or a store object (anything
+    :meth:`~jax_tpusync.weight_store_mooncake.MooncakeWeightStore.from_url`, the address
+    read by :func:`~jax_tpusync.mooncake_url.open_url`), or a store object (anything
     with the :class:`~jax_tpusync.weight_store.WeightStoreBackend` methods), returned as
     it is."""
     if isinstance(store, str) and store.startswith("mooncake:"):
