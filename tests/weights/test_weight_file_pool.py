@@ -318,3 +318,33 @@ def test_a_store_refuses_copy_threads_below_one():
     with pytest.raises(TypeError, match=r"copy_threads=True must be an int"):
         WeightStore("/nonexistent-never-created", copy_threads=True)
     assert not os.path.exists("/nonexistent-never-created")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+def test_a_same_layout_pull_puts_views_of_the_store_and_copies_no_byte(mesh, tmp_path):
+    # On the CPU backend every pulled shard's buffer lies inside the store's mapped data
+    # file: the publish's copy into the store is the only copy of the params.
+    store_dir = tmp_path / "weights"
+    params, sharded = trained(mesh, 0)
+    targets = ws.shardings(mesh, ws.specs_like(params, fsdp))
+    with WeightPublisher(store_dir) as pub:
+        pub.publish(sharded, 1)
+    puller = WeightPuller(store_dir, timeout_s=5)
+    pulled = puller.pull(targets, 1)
+    ws.check_pulled(pulled, params, targets, puller.stats)
+    path = str(data_file(store_dir, 1))
+    with open("/proc/self/maps") as maps:
+        mapped = [
+            tuple(int(a, 16) for a in line.split()[0].split("-"))
+            for line in maps
+            if line.rstrip().endswith(path)
+        ]
+    assert mapped
+    # Every shard of the sharded leaves (the replicated scalar's 4 copies are JAX's own).
+    sharded_leaves = [x for x in jax.tree.leaves(pulled) if x.ndim]
+    pointers = [
+        s.data.unsafe_buffer_pointer() for x in sharded_leaves for s in x.addressable_shards
+    ]
+    assert len(pointers) == 4 * len(sharded_leaves) == 4 * 7
+    assert all(any(lo <= p < hi for lo, hi in mapped) for p in pointers)
+    assert puller.staging.max_free_bytes == 0  # Nothing staged.
