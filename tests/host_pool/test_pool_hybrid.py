@@ -72,6 +72,7 @@ def pool_cache(shape: Shape, **options) -> tps.HybridKVCache:
     return tps.HybridKVCache(**options)
 
 
+@functools.cache  # One compile per model shape, however many runs.
 def make_step(shape: Shape):
     """jit(step)(state, qs, ks, vs, counts): every layer's attention (a reading layer's k
     and v None), the state donated."""
