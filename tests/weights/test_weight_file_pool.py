@@ -348,3 +348,26 @@ def test_a_same_layout_pull_puts_views_of_the_store_and_copies_no_byte(mesh, tmp
     assert len(pointers) == 4 * len(sharded_leaves) == 4 * 7
     assert all(any(lo <= p < hi for lo, hi in mapped) for p in pointers)
     assert puller.staging.max_free_bytes == 0  # Nothing staged.
+
+
+def test_a_publish_over_a_reused_file_survives_a_donating_step_right_after(mesh, tmp_path):
+    # The copy into the reused file (threads, streaming stores) ends before publish
+    # returns, and until then the writer holds the shards: a step that donates the params
+    # at once cannot change what was published.
+    store_dir = tmp_path / "weights"
+    step = jax.jit(lambda p: jax.tree.map(lambda x: x + x, p), donate_argnums=0)
+    params, sharded = trained(mesh, 3)
+    targets = ws.shardings(mesh, ws.specs_like(params, fsdp))
+    with WeightPublisher(store_dir, keep=1) as pub:
+        pub.publish(trained(mesh, 1)[1], 1)
+        pub.wait()
+        first_file = os.stat(data_file(store_dir, 1)).st_ino
+        pub.publish(trained(mesh, 2)[1], 2)
+        pub.wait()
+        pub.publish(sharded, 3)
+        doubled = step(sharded)  # Donates (or, where JAX cannot, copies) the published params.
+        pub.wait()
+    assert os.stat(data_file(store_dir, 3)).st_ino == first_file  # Written over version 1's.
+    jax.block_until_ready(doubled)
+    puller = WeightPuller(store_dir, timeout_s=5)
+    ws.check_pulled(puller.pull(targets, 3), params, targets, puller.stats)
