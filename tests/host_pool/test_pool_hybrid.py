@@ -264,6 +264,7 @@ def test_kv_cache_on_tpu_gives_a_hybrid_model_the_hybrid_pool_cache(monkeypatch)
     arguments = GEMMA4.cache_arguments()
     with tps.kv_cache(**arguments) as cache:  # Its sliding group a pool of rings.
         assert isinstance(cache, tps.HybridKVCache) and cache.host_pool
+        assert isinstance(cache, tps.KVCache)  # Every host call a cache answers.
         assert [len(g.layers) for g in cache.plan.groups] == [2, 1]
         assert all(isinstance(g, tps.HostPoolKVCache) for g in cache.groups)
         assert [bool(g.spec.ring_blocks) for g in cache.groups] == [True, False]
@@ -294,6 +295,7 @@ def test_a_traced_layer_is_refused_for_host_pool_groups():
         (dict(host_pool=1), r"host_pool=1 must be a bool"),
         (dict(engine=tps.EngineConfig()), r"engine=EngineConfig: host-pool groups"),
         (dict(shm_name="hybrid-pool"), r"shm_name / file_name: a hybrid cache of host-pool"),
+        (dict(file_name="hybrid-pool"), r"shm_name / file_name: a hybrid cache of host-pool"),
     ],
 )
 def test_what_host_pool_groups_do_not_do_yet_is_refused_by_name(change, message):
