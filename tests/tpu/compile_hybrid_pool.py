@@ -34,15 +34,16 @@ WINDOWS = (W, W, None, W, W, None)
 SHARING = (None, None, None, None, 3, 2)
 
 
-def abstract_state(context: int, device) -> HybridState:
-    """The hybrid cache's state at ``context`` tokens as shapes on ``device``."""
+def abstract_state(context: int, device, rings: bool = False) -> HybridState:
+    """The hybrid cache's state at ``context`` tokens as shapes on ``device`` (``rings``:
+    the sliding group keeps a ring of its window per slot)."""
     plan = plan_groups(len(KV_HEADS), list(KV_HEADS), list(HEAD_DIMS), list(WINDOWS), SHARING)
     made = group_arguments(
         plan,
         batch=1,
         max_len=context,
         max_step_tokens=1,
-        bound_windows=False,
+        bound_windows=rings,
         window_cache_blocks=None,
         staging_bytes=64 << 20,
         shm_name=None,
@@ -95,11 +96,11 @@ def step(params, x, state):
     return x, state
 
 
-def main(topology: str, contexts: list[int]) -> None:
+def main(topology: str, contexts: list[int], rings: bool = False) -> None:
     device = tpu_compile.tpu_devices(topology)[0]
     on_device = jax.sharding.SingleDeviceSharding(device)
     for context in contexts:
-        state = abstract_state(context, device)
+        state = abstract_state(context, device, rings)
         params = abstract_params(on_device)
         x = jax.ShapeDtypeStruct((1, 1, D_MODEL), jnp.bfloat16, sharding=on_device)
         args = (params, x, state)
@@ -110,7 +111,7 @@ def main(topology: str, contexts: list[int]) -> None:
         with tpu_compile.pallas_for_tpu("pallas"):
             compiled = jitted.trace(*args).lower().compile()
         weights = sum(int(np.prod(a.shape)) * 2 for a in jax.tree_util.tree_leaves(params))
-        staging = sum(2 * PoolLayout(part.spec).staging_bytes for part in state.groups)
+        staging = sum(PoolLayout(part.spec).device_bytes for part in state.groups)
         pending = sum(int(np.prod(a.shape)) * 2 for a in state.pending)
         pool = sum(PoolLayout(part.spec).pool_bytes for part in state.groups)
         print(json.dumps(dict(
@@ -126,4 +127,7 @@ def main(topology: str, contexts: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], [int(c) for c in sys.argv[2:]])
+    # compile_hybrid_pool.py TOPOLOGY CONTEXT... [rings]
+    arguments = sys.argv[2:]
+    rings = arguments[-1:] == ["rings"]
+    main(sys.argv[1], [int(c) for c in arguments[: len(arguments) - rings]], rings)
