@@ -47,7 +47,9 @@ NOT_STAGED = -1
 # only so many copies in flight across an attention: read off compiled decode steps, a unit
 # of 32 blocks had 32 of its 33 copies overlapped on v5e and TPU7x but 1 on v6e, where 6
 # blocks (7 copies with the tail) were all overlapped and 8 were not. Larger blocks move
-# the same bytes in fewer copies.
+# the same bytes in fewer copies. The limit is per unit whatever ``prefetch_depth``: a loop
+# iteration starts and waits for the copies of one unit (the one ``prefetch_depth`` ahead),
+# so one unit's copies are in flight across each attention at any depth.
 UNIT_BLOCK_LIMITS = (("TPU v6", 6), ("TPU", 30))
 
 
@@ -143,10 +145,21 @@ class PoolLayout:
 
     @property
     def staging_bytes(self) -> int:
-        """Device bytes of one staged unit and its tails (a step holds two: the unit it
-        attends and the one in flight)."""
+        """Device bytes of one staged unit and its tails (a step holds ``prefetch_depth +
+        1`` of them: the units staged ahead and the one in flight)."""
         per_row = self.row_width * self.dtype.itemsize
         return self.spec.batch * (self.spec.chunk_len + self.write_rows) * per_row
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes of a step's units: ``prefetch_depth`` staged ahead (the state's)
+        and the one in flight, each with its tails."""
+        return (self.spec.prefetch_depth + 1) * self.staging_bytes
+
+    @property
+    def staged_at_shape(self) -> tuple[int, int]:
+        """[batch, blocks_per_unit + 1]: a staged unit's pool rows (see :class:`PoolState`)."""
+        return (self.spec.batch, self.blocks_per_unit + 1)
 
     def block_row(self, layer, block):
         """Pool row of ``block``'s first token in ``layer`` (traced or not)."""
@@ -173,7 +186,8 @@ class PoolState:
       capacity: int32[batch], tokens each slot may hold; 0: inactive.
       pool: [pool_rows, row_width] in ``pinned_host`` memory: every layer's blocks (see
         :class:`PoolLayout`).
-      staging: [batch, chunk_len, row_width] on the device: the unit fetched ahead.
+      staging: [batch, chunk_len, row_width] on the device: the unit fetched ahead, the
+        next one a layer attends.
       tail: [batch, write_rows, row_width] on the device: fetched with it, the write group
         at each slot's length in that unit's layer.
       staged_at: int32[batch, blocks_per_unit + 1], the pool row each staged block (and,
@@ -183,6 +197,8 @@ class PoolState:
       refused: int32[batch], tokens of steps refused for each slot because they would
         have passed its capacity (its length did not grow; the rows went to the sink).
         The cache refuses every host call on a state with a refusal, naming the slot.
+      ahead: the units staged after that one, ``prefetch_depth - 1`` tuples ``(staging,
+        tail, staged_at)`` in the order they are attended (empty at depth 1).
 
     The pytree structure depends on the :class:`CacheSpec` only.
     """
@@ -196,10 +212,21 @@ class PoolState:
         "tail",
         "staged_at",
         "refused",
+        "ahead",
     )
 
     def __init__(
-        self, spec, lengths, block_table, capacity, pool, staging, tail, staged_at, refused
+        self,
+        spec,
+        lengths,
+        block_table,
+        capacity,
+        pool,
+        staging,
+        tail,
+        staged_at,
+        refused,
+        ahead=(),
     ):
         self.spec = spec
         self.lengths = lengths
@@ -210,6 +237,7 @@ class PoolState:
         self.tail = tail
         self.staged_at = staged_at
         self.refused = refused
+        self.ahead = tuple(tuple(unit) for unit in ahead)
 
     @property
     def layout(self) -> PoolLayout:
@@ -220,17 +248,41 @@ class PoolState:
         """A state of these tables over ``pool`` (an array of :attr:`PoolLayout.pool_shape`
         in host memory), nothing staged."""
         layout = PoolLayout(spec)
+
+        def unstaged():
+            return (
+                jnp.zeros(layout.staging_shape, layout.dtype),
+                jnp.zeros(layout.tail_shape, layout.dtype),
+                jnp.full(layout.staged_at_shape, NOT_STAGED, jnp.int32),
+            )
+
+        staging, tail, staged_at = unstaged()
         return cls(
             spec,
             lengths=jnp.asarray(lengths, jnp.int32),
             block_table=jnp.asarray(block_table, jnp.int32),
             capacity=jnp.asarray(capacity, jnp.int32),
             pool=pool,
-            staging=jnp.zeros(layout.staging_shape, layout.dtype),
-            tail=jnp.zeros(layout.tail_shape, layout.dtype),
-            staged_at=jnp.full((spec.batch, layout.blocks_per_unit + 1), NOT_STAGED, jnp.int32),
+            staging=staging,
+            tail=tail,
+            staged_at=staged_at,
             refused=jnp.zeros((spec.batch,), jnp.int32),
+            ahead=tuple(unstaged() for _ in range(spec.prefetch_depth - 1)),
         )
+
+    @property
+    def staged_units(self) -> tuple[tuple[jax.Array, jax.Array, jax.Array], ...]:
+        """Every staged unit, ``(staging, tail, staged_at)``, the next one attended first."""
+        return ((self.staging, self.tail, self.staged_at), *self.ahead)
+
+    def with_staged_units(self, units) -> PoolState:
+        """This state holding ``units`` (as :attr:`staged_units` lists them) staged."""
+        (staging, tail, staged_at), *ahead = units
+        return self.replace(staging=staging, tail=tail, staged_at=staged_at, ahead=tuple(ahead))
+
+    def with_spec(self, spec: CacheSpec) -> PoolState:
+        """The same arrays under ``spec`` (one shard's spec of a mesh state, say)."""
+        return PoolState(spec, **{name: getattr(self, name) for name in self.FIELDS})
 
     def tree_flatten(self):
         return tuple(getattr(self, name) for name in self.FIELDS), self.spec

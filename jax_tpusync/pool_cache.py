@@ -24,8 +24,15 @@ of the same geometry re-attaches to it too.
 
 What this cache does not do yet (each refused by name at construction): file tiers that
 are not a persistent copy (``tier="file"`` without ``file_name``), persistence of a
-quantized pool over a mesh, spill tiers, resident mode, ``prefetch_depth`` above 1, slots
-split over a mesh's ``batch_axis``, and hybrid layer groups.
+quantized pool over a mesh, spill tiers, resident mode, slots split over a mesh's
+``batch_axis``, and hybrid layer groups.
+
+``prefetch_depth`` and ``staging_bytes`` mean what they mean on the engine cache: a step
+keeps ``prefetch_depth`` units in flight ahead of the one it attends, and the staging
+budget holds ``prefetch_depth + 1`` units (whole blocks each). ``"auto"`` is 1 here: the
+TPU compiler waits for each copy within the loop iteration that starts it, so a deeper
+prefetch overlaps no more copying and only shrinks every unit
+(:mod:`jax_tpusync.step.host_pool`).
 
 Sliding windows kept bounded (``max_step_tokens``, every layer of one window): each slot
 keeps a ring of blocks covering its window and one step's rows
@@ -103,11 +110,13 @@ def pool_prefix_layout(config: CacheConfig, shards: int) -> int:
 def pool_spec(
     config: CacheConfig, mesh: MeshLayout | None = None, device_kind: str = ""
 ) -> CacheSpec:
-    """The :class:`CacheSpec` of a host-pool cache: units of whole blocks, two of them on
-    the device at a time (the one attended and the one in flight) within
-    ``staging_bytes`` (per device), and at most as many blocks as the device's compiler
-    overlaps copies (:func:`~jax_tpusync.host_pool.unit_block_limit` of ``device_kind``).
-    Over a mesh the spec describes one shard: the heads of one device of
+    """The :class:`CacheSpec` of a host-pool cache: units of whole blocks,
+    ``prefetch_depth + 1`` of them on the device at a time (those staged ahead and the one
+    in flight) within ``staging_bytes`` (per device), and at most as many blocks as the
+    device's compiler overlaps copies (:func:`~jax_tpusync.host_pool.unit_block_limit` of
+    ``device_kind``). ``prefetch_depth="auto"`` is 1, and a depth above ``num_layers`` is
+    ``num_layers`` (every layer has a unit at least, and further ahead lies the step after
+    next). Over a mesh the spec describes one shard: the heads of one device of
     ``kv_heads_axis``."""
     g, staging = config.geometry, config.staging
     shards = 1 if mesh is None else mesh.tp
@@ -116,29 +125,29 @@ def pool_spec(
             f"num_kv_heads={g.num_kv_heads} must be a multiple of the {shards} devices of "
             f"kv_heads_axis={mesh.kv_heads_axis!r}"
         )
+    # "auto": 1, since one unit's copy overlaps each attention at any depth (see
+    # jax_tpusync.step.host_pool); StagingConfig checked an int's range.
     depth = staging.prefetch_depth
-    if depth not in ("auto", 1):
-        raise ValueError(
-            f"prefetch_depth={depth!r}: the host-pool path prefetches one unit ahead "
-            f"(prefetch_depth=1 or 'auto')"
-        )
+    depth = 1 if isinstance(depth, str) else min(int(depth), g.num_layers)
+    num_slots = depth + 1
     probe = CacheSpec(
         **{**g.spec_fields(), "num_kv_heads": g.num_kv_heads // shards},
         chunk_len=g.block_tokens,
-        num_slots=2,
-        prefetch_depth=1,
+        num_slots=num_slots,
+        prefetch_depth=depth,
         prefetch_across_steps=staging.prefetch_across_steps,
         staging_dtype=np.dtype(np.uint8) if g.quantized else np.dtype(g.dtype),
     )
     layout = PoolLayout(probe)
-    unit_block_bytes = 2 * g.batch * g.block_tokens * layout.row_width * layout.dtype.itemsize
+    row_bytes = layout.row_width * layout.dtype.itemsize
+    unit_block_bytes = num_slots * g.batch * g.block_tokens * row_bytes
     units = staging.staging_bytes // unit_block_bytes
     if units < 1:
         raise ValueError(
-            f"staging_bytes={staging.staging_bytes} cannot hold two units of one block: "
-            f"2 x batch {g.batch} x block_tokens {g.block_tokens} x "
-            f"{layout.row_width * layout.dtype.itemsize} bytes per token row (K and V) = "
-            f"{unit_block_bytes} bytes at least"
+            f"staging_bytes={staging.staging_bytes} cannot hold {num_slots} units of one "
+            f"block (prefetch_depth={depth} ahead and the one in flight): {num_slots} x "
+            f"batch {g.batch} x block_tokens {g.block_tokens} x {row_bytes} bytes per "
+            f"token row (K and V) = {unit_block_bytes} bytes at least"
         )
     longest = max(probe.layer_span(w) for w in probe.windows)
     needed = -(-longest // g.block_tokens) + 1  # A window's span may straddle one more block.
@@ -157,10 +166,13 @@ class HostPoolKVCache:
     ``kv_heads_axis``: the heads split over that axis's devices, each with its own pool in
     its host memory and its own staging. ``config``: a
     :class:`~jax_tpusync.config.CacheConfig` instead of (not beside) its keywords.
-    ``staging_bytes`` bounds the device memory the state's units take on each device: two
-    units (the one attended and the one in flight), each of whole blocks, and no more
-    blocks a unit than a TPU's compiled schedule overlaps copies
-    (:func:`~jax_tpusync.host_pool.unit_block_limit`).
+    ``staging_bytes`` bounds the device memory the state's units take on each device:
+    ``prefetch_depth + 1`` units (those staged ahead and the one in flight), each of whole
+    blocks, and no more blocks a unit than a TPU's compiled schedule overlaps copies
+    (:func:`~jax_tpusync.host_pool.unit_block_limit`). ``prefetch_depth``: units in flight
+    ahead of the one attended, an int in ``[1, 64]`` (at most ``num_layers``) or
+    ``"auto"``, which is 1 on this path (a deeper prefetch overlaps no more copying on a
+    TPU; see :func:`pool_spec`).
 
     Raises:
       ValueError: an argument out of range, or one of the features this path does not
@@ -254,7 +266,7 @@ class HostPoolKVCache:
         logger.info(
             "host-pool KV cache: %.1f MiB pool, %.1f MiB staging, chunk_len=%d (per device of %d)",
             self.layout.pool_bytes / 2**20,
-            2 * self.layout.staging_bytes / 2**20,
+            self.layout.device_bytes / 2**20,
             self.spec.chunk_len,
             self.shards,
         )
@@ -286,9 +298,9 @@ class HostPoolKVCache:
 
     @property
     def device_bytes(self) -> int:
-        """Device memory the state's staging takes on each device: two units and their
-        tails."""
-        return 2 * self.layout.staging_bytes
+        """Device memory the state's staging takes on each device: ``prefetch_depth + 1``
+        units and their tails."""
+        return self.layout.device_bytes
 
     @property
     def kv_bytes(self) -> int:
@@ -348,7 +360,7 @@ class HostPoolKVCache:
         local = PoolState.fresh(self.spec, lengths, block_table, capacity, pool)
         return local.replace(
             **{
-                name: self._placed(getattr(local, name))
+                name: jax.tree.map(self._placed, getattr(local, name))
                 for name in PoolState.FIELDS
                 if name != "pool"
             }
@@ -408,8 +420,10 @@ class HostPoolKVCache:
     def _unstaged(self, state: PoolState) -> PoolState:
         """``state`` with nothing staged: what a host-side write to the pool returns (a
         staged unit may hold the rows it replaced)."""
-        staged_at = np.full(state.staged_at.shape[-2:], NOT_STAGED, np.int32)
-        return state.replace(staged_at=self._placed(staged_at))
+        staged_at = self._placed(np.full(self.layout.staged_at_shape, NOT_STAGED, np.int32))
+        return state.with_staged_units(
+            (staging, tail, staged_at) for staging, tail, _ in state.staged_units
+        )
 
     # -- slot lifecycle ---------------------------------------------------------------------
 

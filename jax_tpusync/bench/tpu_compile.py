@@ -65,6 +65,13 @@ def add_parser(sub) -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-tokens", type=int, default=256)
     p.add_argument("--staging-mib", type=int, default=64, help="staging_bytes of ours, MiB")
+    p.add_argument(
+        "--prefetch-depth",
+        type=int,
+        default=1,
+        help="ours' prefetch_depth: units in flight ahead of the one attended (the staging "
+        "holds one more)",
+    )
     p.add_argument("--implementation", choices=("xla", "pallas"), default="pallas")
     p.add_argument(
         "--sliding-window",
@@ -207,16 +214,23 @@ def abstract_pool_state(config, devices: list, mesh=None):
         return jax.ShapeDtypeStruct((*lead, *dims), dtype, sharding=sharding)
 
     b = spec.batch
+
+    def staged():
+        return (
+            sds(layout.staging_shape, layout.dtype),
+            sds(layout.tail_shape, layout.dtype),
+            sds(layout.staged_at_shape, jnp.int32),
+        )
+
     state = PoolState(
         spec,
         sds((b,), jnp.int32),
         sds((b, spec.max_blocks), jnp.int32),
         sds((b,), jnp.int32),
         sds(layout.pool_shape, layout.dtype, on_host),
-        sds(layout.staging_shape, layout.dtype),
-        sds(layout.tail_shape, layout.dtype),
-        sds((b, layout.blocks_per_unit + 1), jnp.int32),
+        *staged(),
         sds((b,), jnp.int32),
+        ahead=tuple(staged() for _ in range(spec.prefetch_depth - 1)),
     )
     return state, on_device
 
@@ -231,11 +245,13 @@ def compile_ours(
     heads_over_chips: bool = False,
     windows: list[int | None] | None = None,
     max_step_tokens: int | None = None,
+    prefetch_depth: int = 1,
 ):
     """(compiled step, cache spec) of the host-pool decode step at ``shape.context``, on
     the first of ``devices`` or with the heads split over all of them; ``windows``: per
     layer, the tokens a sliding layer attends (None: global); ``max_step_tokens``: the pool
-    keeps a ring per slot of one window plus that many rows (None: every position)."""
+    keeps a ring per slot of one window plus that many rows (None: every position);
+    ``prefetch_depth``: units in flight ahead of the one attended."""
     import jax
 
     import jax_tpusync as tps
@@ -253,6 +269,7 @@ def compile_ours(
         staging_bytes=staging_bytes,
         sliding_window=windows,
         max_step_tokens=max_step_tokens or None,
+        prefetch_depth=prefetch_depth,
     )
     config.geometry.check_one_cache()  # A ring needs every layer to share one window.
     mesh = heads_mesh(devices) if heads_over_chips else None
@@ -467,7 +484,8 @@ def measure(kind: str, topology: str, shape, options: dict) -> dict:
         note="",
         compile_s=time.perf_counter() - began,
         chunk_len=spec.chunk_len,
-        staging_mib=2 * PoolLayout(spec).staging_bytes / 2**20,
+        staging_mib=PoolLayout(spec).device_bytes / 2**20,
+        prefetch_depth=spec.prefetch_depth,
         pool_mib=PoolLayout(spec).pool_bytes / 2**20,
         flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
@@ -533,6 +551,7 @@ def run(args) -> list[dict]:
                 heads_over_chips=args.heads_over_chips,
                 windows=windows,
                 max_step_tokens=args.max_step_tokens or None,
+                prefetch_depth=args.prefetch_depth,
             )
             ours = measure_in_child("ours", topology, shape, options)
             skipped = dict(device_mib=None, note="not compiled (--kinds)")
@@ -565,6 +584,7 @@ def run(args) -> list[dict]:
                     staging_mib=ours["staging_mib"],
                     pool_mib=ours["pool_mib"],
                     max_step_tokens=args.max_step_tokens or None,
+                    prefetch_depth=ours["prefetch_depth"],
                     chunk_len=ours["chunk_len"],
                     kv_mib_per_step=kv_bytes / 2**20,
                     flops=ours["flops"],

@@ -1,5 +1,6 @@
 """The host-pool step: one layer over a paged pool in host memory, each unit copied to the
-device one unit ahead of its attention, with plain JAX memory kinds (the TPU data path).
+device ``prefetch_depth`` units ahead of its attention, with plain JAX memory kinds (the
+TPU data path).
 
 The pool is a ``pinned_host`` array the state carries (:mod:`jax_tpusync.host_pool`). One
 layer of a step:
@@ -8,19 +9,31 @@ layer of a step:
    group's older rows, fetched with the layer's first unit, then the new rows) is copied
    to host memory and written in place;
 2. for each unit (``chunk_len`` positions of every slot, whole blocks) of the layer's
-   cached KV: copy the *next* unit (the layer's next one, the next layer's first, or past
-   the last layer the next step's first) from the updated pool to the device, then attend
-   to this one. The first unit was copied by the previous layer (or step); it is used only
-   if the pool rows it came from are the rows this layer needs (``staged_at``), else it is
-   copied again here;
+   cached KV: copy the unit ``prefetch_depth`` ahead (in the layer, or among the next
+   layer's first units, or past the last layer the next step's first ones;
+   :func:`jax_tpusync.step.plan.advance`) from the updated pool to the device, then attend
+   to this one. The layer's first ``prefetch_depth`` units were copied by the layers (or
+   step) before; each is used only if the pool rows it came from are the rows this layer
+   needs (``staged_at``), else it is copied again here;
 3. the new tokens attend to themselves and merge in (online softmax).
 
 Why this bounds device memory and overlaps: every copy reads the pool *after* the write of
 the layer that issues it (the pool is threaded through the step), and that write needs the
 layer's new K/V, which need the previous layer's output. So the compiler cannot start
-layer L+1's copy before layer L's projections, nor keep more than the unit being attended
-and the unit in flight: the device holds two units, at any context length. Inside a layer
-the units go through a loop whose carry is the unit in flight, the same bound.
+layer L+1's copy before layer L's projections, nor keep more than the units staged ahead
+and the unit in flight: the device holds ``prefetch_depth + 1`` units, at any context
+length. Inside a layer the units go through a loop whose carry is the units staged ahead,
+the next one attended first (each iteration attends it, shifts the others up and appends
+the one it copied), the same bound. A unit ahead of a later layer of the next step would
+be copied before this step's write of that layer: it is marked ``NOT_STAGED``, so that
+layer copies it again (only where a step has fewer units than ``prefetch_depth`` past the
+current layer; the cache keeps the depth at most ``num_layers``, so the walk never passes
+the next step).
+
+Each copy is started and waited for within one loop iteration (a loop iteration is one
+program; the compiler cannot carry a copy into the next), so at any depth one unit's copy
+overlaps each attention: a deeper prefetch adds device memory without more overlap, which
+is why ``prefetch_depth="auto"`` is 1 on this path.
 
 A cache that keeps only its sliding window (``max_step_tokens``) needs nothing here: the
 block table a state carries repeats each slot's ring of blocks
@@ -38,11 +51,20 @@ grow; ``state.refused`` counts the tokens, and the cache refuses the state after
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_tpusync.host_pool import PoolLayout, PoolState, into_pool, pool_rows_of, to_device
+from jax_tpusync.host_pool import (
+    NOT_STAGED,
+    PoolLayout,
+    PoolState,
+    into_pool,
+    pool_rows_of,
+    to_device,
+)
 from jax_tpusync.kernels import reference as kernel_reference
 from jax_tpusync.step import plan
 from jax_tpusync.step.unit import attend_valid_rows, block_len_for, layer_attend, rows_as_kv
@@ -191,14 +213,27 @@ def pool_layer(
     grow = jnp.where(over, 0, wanted)
     last_layer = jnp.asarray(layer, jnp.int32) == spec.num_layers - 1
 
-    # The first unit: staged by the previous layer if it came from the rows needed now.
-    need = unit_rows(layout, state, layer, 0, lengths)
-    hit = jnp.all(state.staged_at == need)
-    staging, tail = lax.cond(
-        hit,
-        lambda: (state.staging, state.tail),
-        lambda: fetch(layout, state.pool, need),
-    )
+    bt = spec.block_tokens
+    # The walk to the unit `prefetch_depth` ahead; the pool always chains into the next
+    # step (staged_at, not the option, decides whether a staged unit is used).
+    walk = dataclasses.replace(spec, prefetch_across_steps=True)
+    num_units = plan.units_per_layer(spec, lengths, bt)[jnp.asarray(layer, jnp.int32)]
+
+    # The layer's first units: staged before if they came from the rows needed now. A unit
+    # past the layer's last belongs to a later layer, which checks it.
+    staged = []
+    for ahead, (staging, tail, staged_at) in enumerate(state.staged_units):
+        need = unit_rows(layout, state, layer, ahead, lengths)
+        keep = jnp.all(staged_at == need)
+        if ahead > 0:
+            keep |= ahead >= num_units
+        staging, tail = lax.cond(
+            keep,
+            lambda staging=staging, tail=tail: (staging, tail),
+            lambda need=need: fetch(layout, state.pool, need),
+        )
+        staged.append((staging, tail, jnp.where(keep, staged_at, need)))
+    tail = staged[0][1]
 
     # 1. The new rows go into the pool; every later copy reads the pool after them.
     pool = write_rows(layout, state, state.pool, layer, pool_rows_of(layout, k, v), tail, grow)
@@ -210,25 +245,15 @@ def pool_layer(
         if implementation == "xla"
         else spec.chunk_len
     )
-    first_block = plan.layer_start(spec, layer, lengths) // spec.block_tokens
     # Units start at a block boundary, so a window's keys may need one more than its span.
-    span = jnp.max(lengths - first_block * spec.block_tokens)
-    num_units = jnp.maximum(1, (span + spec.chunk_len - 1) // spec.chunk_len)
+    first_block = plan.layer_start(spec, layer, lengths) // bt
     takes_keys = grow > 0 if counts is not None else active
 
-    def next_unit(unit):
-        """(layer, unit, lengths) of the unit after ``unit`` of this layer."""
-        more = unit + 1 < num_units
-        next_layer = jnp.where(last_layer, 0, jnp.asarray(layer, jnp.int32) + 1)
-        return (
-            jnp.where(more, jnp.asarray(layer, jnp.int32), next_layer),
-            jnp.where(more, unit + 1, 0),
-            jnp.where(more | ~last_layer, lengths, lengths + grow),
-        )
-
     def unit_step(unit, carry):
-        out, lse, staging, _tail, _staged_at = carry
-        n_layer, n_unit, n_lengths = next_unit(unit)
+        out, lse, staged = carry
+        staging = staged[0][0]
+        # The unit `depth` ahead: this layer's, a next layer's, or the next step's.
+        n_layer, n_unit, n_lengths, ok = plan.advance(walk, layer, unit, lengths, grow, bt)
         n_rows = unit_rows(layout, state, n_layer, n_unit, n_lengths)
         with jax.named_scope(FETCH_SCOPE):
             n_staging, n_tail = fetch(layout, pool, n_rows)
@@ -249,28 +274,27 @@ def pool_layer(
                 q.shape,
             )
         out, lse = kernel_reference.merge_partials(out, lse, o, l)
-        return out, lse, n_staging, n_tail, n_rows
+        # Not ok: copied before this step wrote its layer; that layer copies it again.
+        n_at = jnp.where(ok, n_rows, NOT_STAGED)
+        return out, lse, (*staged[1:], (n_staging, n_tail, n_at))
 
     out0 = jnp.zeros(q.shape, jnp.float32)
     lse0 = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
-    carry = (out0, lse0, staging, tail, need)
+    carry = (out0, lse0, tuple(staged))
     if layout.single_unit:
         carry = unit_step(jnp.int32(0), carry)
     else:
         carry = lax.fori_loop(0, num_units, unit_step, carry)
-    out, lse, staging, tail, staged_at = carry
+    out, lse, staged = carry
 
     # 3. The new tokens attend to themselves (a slot's padding rows are no keys).
     own = plan.own_rows(batch, q_len, counts)
     o, l = attend(q, k.astype(spec.dtype), v.astype(spec.dtype), lengths, own, lengths)
     out, _ = kernel_reference.merge_partials(out, lse, o, l)
 
-    state = state.replace(
+    state = state.with_staged_units(staged).replace(
         lengths=jnp.where(last_layer, lengths + grow, lengths),
         pool=pool,
-        staging=staging,
-        tail=tail,
-        staged_at=staged_at,
         refused=state.refused + jnp.where(last_layer & over, wanted, 0),
     )
     return out.astype(q.dtype), state

@@ -108,9 +108,7 @@ def _pool_read_attention(q, k, v, gs: PoolState, layer, step_lengths, options):
     kept, the lengths and refusals stay ``gs``'s."""
     view = gs.replace(lengths=jnp.asarray(step_lengths, jnp.int32))
     out, after = _group_attention(q, k, v, view, layer, options)
-    return out, gs.replace(
-        pool=after.pool, staging=after.staging, tail=after.tail, staged_at=after.staged_at
-    )
+    return out, gs.with_staged_units(after.staged_units).replace(pool=after.pool)
 
 
 def _store_layer(q, k, v, state: HybridState, layer, g: int, options, local=None):

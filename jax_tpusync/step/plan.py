@@ -165,10 +165,13 @@ def write_segments(
     return segments(spec, state, layer, state.lengths, counts, mem, q_len)
 
 
-def units_per_layer(spec: CacheSpec, lengths: jax.Array) -> jax.Array:
-    """int32[num_layers]: :func:`num_units` of every layer at ``lengths``, at once."""
+def units_per_layer(spec: CacheSpec, lengths: jax.Array, align: int = 1) -> jax.Array:
+    """int32[num_layers]: :func:`num_units` of every layer at ``lengths``, at once; with
+    ``align``, units that start at a multiple of it (a host pool's whole blocks), which a
+    window's span may need one more of."""
     windows = spec.windows_array()[:, None]  # [num_layers, 1]
     start = jnp.where(windows >= NO_WINDOW, 0, jnp.maximum(lengths[None, :] - windows + 1, 0))
+    start = start // align * align
     span = jnp.max(lengths[None, :] - start, axis=1)
     return jnp.maximum(1, (span + spec.chunk_len - 1) // spec.chunk_len)
 
@@ -199,8 +202,9 @@ def refuse_bad_layer(spec: CacheSpec, layer: jax.Array, segments: jax.Array) -> 
     return segments.at[:, 0].set(block).at[:, 1].set(offset)
 
 
-def advance(spec: CacheSpec, layer, chunk, lengths, grow: jax.Array):
-    """The unit ``prefetch_depth`` after (layer, chunk): (layer, chunk, lengths, ok).
+def advance(spec: CacheSpec, layer, chunk, lengths, grow: jax.Array, align: int = 1):
+    """The unit ``prefetch_depth`` after (layer, chunk): (layer, chunk, lengths, ok), over
+    units that start at a multiple of ``align`` (:func:`units_per_layer`).
 
     Past the last layer the walk enters the next step, whose lengths are ``lengths + grow``
     (``grow``: int32[batch], the tokens each slot takes this step: its count of real rows
@@ -218,8 +222,8 @@ def advance(spec: CacheSpec, layer, chunk, lengths, grow: jax.Array):
     cur_layer = jnp.asarray(layer, jnp.int32)
     c = jnp.asarray(chunk, jnp.int32)
     next_lengths = lengths + grow
-    units = units_per_layer(spec, lengths)  # This step.
-    next_units = units_per_layer(spec, next_lengths)  # The next one.
+    units = units_per_layer(spec, lengths, align)  # This step.
+    next_units = units_per_layer(spec, next_lengths, align)  # The next one.
     here = units[cur_layer]
     # Steps from (layer, chunk) to the next layer's first unit.
     to_next_layer = jnp.maximum(here - c, 1)

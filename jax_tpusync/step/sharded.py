@@ -127,7 +127,8 @@ def sharded_attention(
 
     def body(q, k, v, leaves, layer, counts, shard_step_lengths=None):
         if pooled:
-            part = PoolState(shard_spec, *[x[0] for x in leaves])
+            whole = jax.tree_util.tree_unflatten(tree, [x[0] for x in leaves])
+            part = whole.with_spec(shard_spec)
             out, part = device.pool_attention(
                 q, k, v, part, layer=layer, query_seq_lengths=counts, **options
             )

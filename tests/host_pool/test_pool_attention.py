@@ -95,23 +95,52 @@ STEPS = [(7, None), (1, None), (7, [7, 3]), (1, None), (7, [0, 3]), (7, None)]
 STEPS += [(1, None)] * 4
 
 
+def unit_budget(depth, dtype=np.float32, batch=2, unit_tokens=16):
+    """staging_bytes of ``depth + 1`` units of ``unit_tokens`` per slot (K and V)."""
+    return (depth + 1) * batch * unit_tokens * 2 * HEADS * HEAD_DIM * np.dtype(dtype).itemsize
+
+
 @pytest.mark.parametrize(
-    "dtype, windows",
-    [(np.float32, (None, None, None)), (jnp.bfloat16, (None, 5, 12))],
-    ids=["global-f32", "windows-bf16"],
+    "dtype, windows, depth",
+    [
+        (np.float32, (None, None, None), 1),
+        (jnp.bfloat16, (None, 5, 12), 1),
+        (np.float32, (None, 5, 12), 2),
+    ],
+    ids=["global-f32", "windows-bf16", "windows-f32-depth2"],
 )
 @pytest.mark.slow
-def test_steps_equal_resident_attention(dtype, windows):
-    cache = make_cache(dtype=dtype, sliding_window=list(windows))
+def test_steps_equal_resident_attention(dtype, windows, depth):
+    from jax_tpusync.host_pool import NOT_STAGED
+    from jax_tpusync.step.host_pool import unit_rows
+
+    cache = make_cache(
+        dtype=dtype,
+        sliding_window=list(windows),
+        prefetch_depth=depth,
+        staging_bytes=unit_budget(depth, dtype),
+    )
     assert not cache.layout.single_unit  # Several units per layer: the loop and its prefetch.
+    assert cache.spec.prefetch_depth == depth and cache.spec.chunk_len == 16
+    assert cache.device_bytes == (depth + 1) * cache.layout.staging_bytes
     state, worst, (ref_k, ref_v, lengths) = run_against_resident(cache, STEPS, windows, dtype)
     assert worst <= TOLERANCE[np.dtype(dtype)]
+    # The state ends staging the next step's first units (layer 0 has two, at 27 and 26).
+    assert len(state.staged_units) == depth
+    for ahead, (_, _, staged_at) in enumerate(state.staged_units):
+        need = unit_rows(cache.layout, state, 0, ahead, state.lengths)
+        np.testing.assert_array_equal(np.asarray(staged_at), np.asarray(need))
     # What the steps wrote is the resident cache's rows, byte for byte.
     for layer in range(3):
         for slot in range(2):
             k, v = cache.read(state, layer, slot)
             np.testing.assert_array_equal(k, np.asarray(ref_k[layer, slot, : lengths[slot]]))
             np.testing.assert_array_equal(v, np.asarray(ref_v[layer, slot, : lengths[slot]]))
+    # A host-side write leaves nothing staged: a staged unit may hold the rows it replaced.
+    k, v = cache.read(state, 0, 0, 0, 1)
+    state = cache.load(state, 0, k, v, slot=0)
+    for _, _, staged_at in state.staged_units:
+        assert (np.asarray(staged_at) == NOT_STAGED).all()
 
 
 @pytest.mark.slow
@@ -247,14 +276,27 @@ def test_a_donated_state_is_refused():
 def test_guards_name_the_argument_at_their_edges():
     with pytest.raises(ValueError, match="tier='file' without file_name: the pool is host memory"):
         make_cache(tier="file", path="/tmp")
-    with pytest.raises(ValueError, match="prefetch_depth=2: the host-pool path prefetches one"):
-        make_cache(prefetch_depth=2)
-    make_cache(prefetch_depth=1)
+    with pytest.raises(ValueError, match=r"prefetch_depth=0 must be an int in \[1, 64\]"):
+        make_cache(prefetch_depth=0)
+    assert make_cache(prefetch_depth=1).spec.prefetch_depth == 1
+    assert make_cache(prefetch_depth="auto").spec.prefetch_depth == 1
+    # At most num_layers units ahead (3 here): further lies the step after next.
+    assert make_cache(prefetch_depth=3).spec.prefetch_depth == 3
+    assert make_cache(prefetch_depth=4).spec.num_slots == 4
     row = 2 * HEADS * HEAD_DIM * 4
     smallest = 2 * 2 * 8 * row  # Two units of one block, batch 2, f32.
     make_cache(staging_bytes=smallest)
-    with pytest.raises(ValueError, match=f"staging_bytes={smallest - 1} cannot hold two units"):
+    with pytest.raises(ValueError, match=f"staging_bytes={smallest - 1} cannot hold 2 units"):
         make_cache(staging_bytes=smallest - 1)
+    smallest = 3 * 2 * 8 * row  # prefetch_depth=2: three units of one block.
+    assert make_cache(staging_bytes=smallest, prefetch_depth=2).spec.chunk_len == 8
+    with pytest.raises(
+        ValueError,
+        match=rf"staging_bytes={smallest - 1} cannot hold 3 units of one block "
+        rf"\(prefetch_depth=2 ahead and the one in flight\): 3 x batch 2 x block_tokens 8 x "
+        rf"{row} bytes per token row \(K and V\) = {smallest} bytes at least",
+    ):
+        make_cache(staging_bytes=smallest - 1, prefetch_depth=2)
     cache = make_cache()
     state = cache.init(admit=False)
     state, _ = cache.admit(state, 0, max_tokens=16)

@@ -76,10 +76,22 @@ def run(cache, steps, dtype, seed=0):
 @pytest.mark.slow
 def test_steps_over_a_mesh_equal_the_one_device_cache(dtype, devices):
     mesh = mesh_of(devices)
-    sharded = make_cache(dtype=dtype, mesh=mesh, kv_heads_axis="h", sliding_window=[None, 12])
+    # Over the mesh two units in flight (three of 16 tokens staged per device), on one
+    # device one: each unit's copies and attention the same.
+    three_units = 3 * BATCH * 16 * 2 * (HEADS // devices) * HEAD_DIM * np.dtype(dtype).itemsize
+    sharded = make_cache(
+        dtype=dtype,
+        mesh=mesh,
+        kv_heads_axis="h",
+        sliding_window=[None, 12],
+        prefetch_depth=2,
+        staging_bytes=three_units,
+    )
     single = make_cache(dtype=dtype, sliding_window=[None, 12])
     assert sharded.spec.num_kv_heads == HEADS // devices
+    assert sharded.spec.chunk_len == single.spec.chunk_len == 16
     assert not sharded.layout.single_unit
+    assert len(sharded.inert_state().staged_units) == 2
     state, outs = run(sharded, STEPS, dtype)
     ref_state, ref_outs = run(single, STEPS, dtype)
     for got, want in zip(outs, ref_outs):
@@ -98,7 +110,7 @@ def test_steps_over_a_mesh_equal_the_one_device_cache(dtype, devices):
             for part, want in zip(got, single.read(ref_state, layer, slot)):
                 np.testing.assert_array_equal(part, want)
     assert sharded.kv_bytes == single.kv_bytes  # The heads split, not copied.
-    assert sharded.device_bytes * devices == single.device_bytes
+    assert 2 * sharded.device_bytes * devices == 3 * single.device_bytes
 
 
 def test_load_over_a_mesh_round_trips_and_feeds_the_step():

@@ -40,15 +40,27 @@ STEPS = [(4, [4, 4]), (4, [4, 1]), (4, [0, 3])] + [DECODE] * 4 + [(4, [4, 3])] *
 STEPS += [DECODE] * 3
 
 
-@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype, num_layers, depth",
+    [(np.float32, 2, 1), (jnp.bfloat16, 2, 1), (np.float32, 3, 3)],
+    ids=["f32", "bf16", "f32-depth3"],
+)
 @pytest.mark.slow
-def test_ring_steps_equal_resident_windowed_attention_across_wraps(dtype):
-    cache = ring_cache(dtype=dtype)
+def test_ring_steps_equal_resident_windowed_attention_across_wraps(dtype, num_layers, depth):
+    # Depth 3: three units in flight over layers of two, so the walk ahead crosses layers
+    # and steps from every unit.
+    cache = ring_cache(
+        dtype=dtype,
+        num_layers=num_layers,
+        prefetch_depth=depth,
+        staging_bytes=pool_attention.unit_budget(depth, dtype),
+    )
     spec = cache.spec
     assert spec.ring_blocks == 4 and spec.num_blocks == 2 * 4
+    assert spec.prefetch_depth == depth and spec.chunk_len == 2 * BLOCK
     assert not cache.layout.single_unit
     state, worst, (ref_k, ref_v, lengths) = pool_attention.run_against_resident(
-        cache, STEPS, (WINDOW, WINDOW), dtype
+        cache, STEPS, (WINDOW,) * num_layers, dtype
     )
     assert min(lengths) > 2 * spec.ring_blocks * BLOCK  # Past two wraps.
     assert worst <= pool_attention.TOLERANCE[np.dtype(dtype)]

@@ -68,7 +68,7 @@ def main(topology: str, contexts: list[int]) -> None:
             context=context,
             device_mib=tpu_compile.device_bytes(compiled) / 2**20,
             weights_mib=weights / 2**20,
-            staging_mib=2 * PoolLayout(state.spec).staging_bytes / 2**20,
+            staging_mib=PoolLayout(state.spec).device_bytes / 2**20,
         )), flush=True)  # fmt: skip
 
 
