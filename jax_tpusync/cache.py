@@ -38,6 +38,7 @@ import numpy as np
 
 from jax_tpusync import effects, layout, persistence
 from jax_tpusync.cache_assembly import checked_config, engine_for, open_tier, persisted_kv_of
+from jax_tpusync.cache_protocol import admit_by_reservation
 from jax_tpusync.config import CacheConfig
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.host_io import LoadedExtent
@@ -249,8 +250,7 @@ class OffloadedKVCache:
             (free, or cached in the prefix index and not mapped by any slot).
         """
         self._live.check(state)
-        admission = self.reserve(slot, max_tokens, tokens)  # All or nothing.
-        return self.admitted(state, admission), admission.cached
+        return admit_by_reservation(self, state, slot, max_tokens, tokens)
 
     def reserve(
         self,

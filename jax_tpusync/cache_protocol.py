@@ -17,7 +17,11 @@ Rules every method keeps:
   live state: continue with it, the one passed in is stale (its prefetches discarded).
 * **Admission.** :meth:`KVCache.admit` reserves a slot for a sequence and returns
   ``(state, cached)``: ``cached`` tokens of its prompt are already on the tier (a prefix
-  mapped from the prefix index or imported from a prefix level); prefill the rest. A
+  mapped from the prefix index or imported from a prefix level); prefill the rest. It is
+  a transaction of two halves (:class:`Reservable`): :meth:`~Reservable.reserve`, which
+  may refuse and changes no state, then :meth:`~Reservable.admitted`, which cannot be
+  refused, or :meth:`~Reservable.cancel`; every cache's ``admit`` checks its state, then
+  runs both halves (:func:`admit_by_reservation`). A
   cache of parts maps the prefix every part holds: the parts' reservations are retried,
   each time capped at the shortest prefix one of them mapped, until they agree (each try
   maps less, so it ends, at the latest at 0). ``cached`` is None only for a mesh slot
@@ -37,12 +41,67 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["KVCache", "mismatches", "protocol_members"]
+__all__ = [
+    "KVCache",
+    "Reservable",
+    "Reservation",
+    "admit_by_reservation",
+    "mismatches",
+    "protocol_members",
+]
 
 
 @runtime_checkable
-class KVCache(Protocol):
-    """The host side of a KV cache (see the module for the rules every method keeps).
+class Reservation(Protocol):
+    """What a :meth:`Reservable.reserve` returns (a slot table's ``Admission``, a mesh
+    cache's or a hybrid cache's reservation of every part)."""
+
+    @property
+    def slot(self) -> int:
+        """The slot reserved."""
+        ...
+
+    @property
+    def cached(self) -> int | None:
+        """Tokens of the prompt the reservation maps (None: a mesh slot none of whose
+        shards this process holds)."""
+        ...
+
+
+@runtime_checkable
+class Reservable(Protocol):
+    """The admission transaction: :meth:`reserve` (all or nothing), then :meth:`admitted`
+    or :meth:`cancel`. A cache of parts reserves in each part and agrees on one prefix
+    (:func:`jax_tpusync.parts.reserve_agreed`); P/D transfer reserves a slot before its
+    rows arrive and admits it once they have."""
+
+    def reserve(
+        self,
+        slot: int,
+        max_tokens: int | None = None,
+        tokens: Sequence[int] | np.ndarray | None = None,
+        *,
+        max_cached: int | None = None,
+    ) -> Reservation:
+        """:meth:`KVCache.admit`'s first half: the slot tables admit ``slot`` (all or
+        none), no state changes; then :meth:`admitted` (which cannot be refused) or
+        :meth:`cancel`. ``max_cached`` caps the mapped prefix (tokens). The reservation's
+        ``cached`` is the prefix it maps."""
+        ...
+
+    def cancel(self, reservation: Reservation) -> None:
+        """Undoes a :meth:`reserve` that was not :meth:`admitted`."""
+        ...
+
+    def admitted(self, state: Any, reservation: Reservation):
+        """The live state once :meth:`reserve` made ``reservation``."""
+        ...
+
+
+@runtime_checkable
+class KVCache(Reservable, Protocol):
+    """The host side of a KV cache (see the module for the rules every method keeps),
+    :class:`Reservable`'s calls included.
 
     ``state`` is the cache's own state type (a ``KVState``, a sharded ``KVState``, a
     ``HybridState``); a state of another cache is refused.
@@ -121,28 +180,6 @@ class KVCache(Protocol):
     ) -> tuple[Any, int | None]:
         """Reserves ``slot`` for a sequence of at most ``max_tokens`` tokens; returns
         ``(state, cached)`` (see the module)."""
-        ...
-
-    def reserve(
-        self,
-        slot: int,
-        max_tokens: int | None = None,
-        tokens: Sequence[int] | np.ndarray | None = None,
-        *,
-        max_cached: int | None = None,
-    ) -> Any:
-        """:meth:`admit`'s first half: the slot tables admit ``slot`` (all or none), no
-        state changes; then :meth:`admitted` (which cannot be refused) or :meth:`cancel`.
-        ``max_cached`` caps the mapped prefix (tokens). The reservation's ``cached`` is
-        the prefix it maps."""
-        ...
-
-    def cancel(self, reservation: Any) -> None:
-        """Undoes a :meth:`reserve` that was not :meth:`admitted`."""
-        ...
-
-    def admitted(self, state: Any, reservation: Any):
-        """The live state once :meth:`reserve` made ``reservation``."""
         ...
 
     def check_release(self, state: Any, slot: int, tokens: Any = None) -> None:
@@ -224,11 +261,28 @@ class KVCache(Protocol):
     def __exit__(self, *exc: Any) -> None: ...
 
 
+def admit_by_reservation(
+    cache: Reservable,
+    state: Any,
+    slot: int,
+    max_tokens: int | None,
+    tokens: Sequence[int] | np.ndarray | None,
+) -> tuple[Any, int | None]:
+    """:meth:`KVCache.admit` as its two halves: ``cache`` reserves ``slot`` (all or
+    nothing: a refusal raises and changes nothing), then admits the reservation into
+    ``state``; returns ``(state, cached)``. The caller checks ``state`` first, since
+    :meth:`~Reservable.admitted` cannot be refused once the slot tables admitted the slot.
+    """
+    reservation = cache.reserve(slot, max_tokens, tokens)
+    return cache.admitted(state, reservation), reservation.cached
+
+
 def protocol_members() -> dict[str, Any]:
-    """``{name: function or property}`` of every call :class:`KVCache` names."""
+    """``{name: function or property}`` of every call :class:`KVCache` names
+    (:class:`Reservable`'s included)."""
     return {
         name: member
-        for name, member in vars(KVCache).items()
+        for name, member in {**vars(Reservable), **vars(KVCache)}.items()
         if (inspect.isfunction(member) or isinstance(member, property))
         and (not name.startswith("_") or name in ("__enter__", "__exit__"))
     }

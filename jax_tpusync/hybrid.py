@@ -53,6 +53,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_tpusync.cache import OffloadedKVCache
+from jax_tpusync.cache_protocol import admit_by_reservation
 from jax_tpusync.config import CacheConfig, is_int, normalize_windows, with_config
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.hybrid_config import check_arguments, group_arguments
@@ -351,8 +352,7 @@ class HybridKVCache:
         groups whose prefix stores differ all map the prefix the shortest one has (0 when
         a group keeps only its window)."""
         self.split(state)  # Refused before any group reserves.
-        reservation = self.reserve(slot, max_tokens, tokens)
-        return self.admitted(state, reservation), reservation.cached
+        return admit_by_reservation(self, state, slot, max_tokens, tokens)
 
     def reserve(
         self,

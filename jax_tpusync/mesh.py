@@ -47,6 +47,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jax_tpusync.cache import OffloadedKVCache
+from jax_tpusync.cache_protocol import admit_by_reservation
 from jax_tpusync.config import CacheConfig, with_config
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.host_io import one_slot_load
@@ -379,8 +380,8 @@ class ShardedKVCache:
         the others' and raises, the state untouched); head shards whose prefix stores
         differ (a block one of them lacks) all map the prefix the shortest one has (the
         rule of :func:`jax_tpusync.parts.reserve_agreed`)."""
-        reservation = self.reserve(slot, max_tokens, tokens)
-        return self.admitted(state, reservation), reservation.cached
+        self.split(state)  # Refused before any shard reserves.
+        return admit_by_reservation(self, state, slot, max_tokens, tokens)
 
     def reserve(
         self,

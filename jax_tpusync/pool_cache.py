@@ -70,6 +70,7 @@ from jax_tpusync import (
     pool_stored_rows,
     window_ring,
 )
+from jax_tpusync.cache_protocol import admit_by_reservation
 from jax_tpusync.config import CacheConfig, is_int, with_config
 from jax_tpusync.host_io import (
     LoadedExtent,
@@ -85,6 +86,7 @@ from jax_tpusync.host_pool import (
     unit_block_limit,
 )
 from jax_tpusync.mesh_layout import MeshLayout
+from jax_tpusync.pool_imports import PendingImports
 from jax_tpusync.pool_persistence import PoolTier
 from jax_tpusync.pool_windows import WindowCopyStore
 from jax_tpusync.slots import Admission, SlotTable
@@ -236,11 +238,6 @@ class HostPoolKVCache:
         )
         if self._windows is not None:
             self._windows.index = self.slots.windows
-        # Blocks reservations imported from a prefix level, not yet in a pool: the next
-        # admitted() writes every one of them into its state's pool, since a second
-        # reservation may map a first one's imports and be admitted before it.
-        self._pending_imports: dict[int, np.ndarray] = {}  # block id -> payload
-        self._imported_by: dict[int, list[int]] = {}  # slot -> the block ids it imported
         self._initialized = False  # init() makes the pool once.
         # Per (layer, slot): the end of the furthest load since init or admission; a slot's
         # length grows to the rows every layer holds.
@@ -263,6 +260,12 @@ class HostPoolKVCache:
                     self._tier.close()
                 self._close_levels()
                 raise
+        # What reservations wrote (prefix imports, ring fills) until a pool holds it.
+        self._imports = PendingImports(
+            self._blocks,
+            self._windows,
+            imported=None if self._tier is None else self._tier.write_payloads,
+        )
         logger.info(
             "host-pool KV cache: %.1f MiB pool, %.1f MiB staging, chunk_len=%d (per device of %d)",
             self.layout.pool_bytes / 2**20,
@@ -511,8 +514,7 @@ class HostPoolKVCache:
         :meth:`jax_tpusync.OffloadedKVCache.admit` does (a prefix of ``tokens`` that the
         prefix index holds is mapped read-only)."""
         self.check(state)
-        admission = self.reserve(slot, max_tokens, tokens)  # All or nothing.
-        return self.admitted(state, admission), admission.cached
+        return admit_by_reservation(self, state, slot, max_tokens, tokens)
 
     def reserve(
         self,
@@ -525,43 +527,24 @@ class HostPoolKVCache:
         """:meth:`admit`'s first half: the slot table admits ``slot`` (or raises, changing
         nothing), no state changes; then :meth:`admitted` or :meth:`cancel`."""
         self._check_open()
-        self._blocks.take_writes()  # Nothing of a refused call before.
-        if self._windows is not None:
-            self._windows.forget_unindexed()
+        self._imports.begin()  # Nothing of a refused call before.
         admission = self.slots.admit(slot, max_tokens, tokens, max_cached=max_cached)
-        imports = self._blocks.take_writes()
-        if self._windows is not None:  # A ring's fill is in the imports: the pool's.
-            self._windows.forget_unindexed()
-        if self._tier is not None:  # Indexed from now on: a commit may hash them.
-            self._tier.write_payloads(imports)
-        self._pending_imports.update(imports)
-        self._imported_by[admission.slot] = list(imports)
+        self._imports.record(admission.slot)  # Pending until a pool is admitted.
         return admission
 
     def cancel(self, reservation: Admission) -> None:
         """Undoes a :meth:`reserve` that was not :meth:`admitted`. The blocks it imported
         from a prefix level that no pool holds yet leave the index too, unless another
         reservation maps them (they stay pending for its :meth:`admitted`)."""
-        pending = [
-            b for b in self._imported_by.pop(reservation.slot, []) if b in self._pending_imports
-        ]
         self.slots.release(reservation.slot, 0)
-        if pending:  # Unpinned now, unless another slot maps them.
-            dropped = set(pending)
-            self.slots.prefix.evict(len(dropped), where=lambda block: block in dropped)
-            for block in pending:
-                if self.slots.prefix.refs(block) == 0:  # Evicted and free: never written.
-                    del self._pending_imports[block]
+        self._imports.drop(reservation.slot, self.slots.prefix)
 
     def admitted(self, state: PoolState, reservation: Admission) -> PoolState:
         """The live state once :meth:`reserve` made ``reservation``: the blocks it imported
         from a prefix level are in its pool, and so are those any other reservation
         imported and this one may map."""
         slot = reservation.slot
-        self._imported_by.pop(slot, None)
-        if self._pending_imports:
-            imports, self._pending_imports = self._pending_imports, {}
-            state = state.replace(pool=self._blocks.apply(state.pool, imports))
+        state = state.replace(pool=self._imports.apply(slot, state.pool))
         lengths = self._host(state.lengths).copy()
         lengths[slot] = reservation.cached
         self._loaded.reset(slot, reservation.cached)

@@ -69,6 +69,7 @@ LAYERS: dict[str, int] = {
     "pool_blocks": 3,
     "pool_stored_rows": 3,
     "pool_windows": 3,
+    "pool_imports": 3,
     "cache_protocol": 0,
     "parts": 4,
     "cache": 4,

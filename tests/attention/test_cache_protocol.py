@@ -80,6 +80,10 @@ def test_every_cache_is_a_kvcache_and_answers_alike(make):
         with pytest.raises(ValueError, match="active"):
             cache.admit(state, 1, max_tokens=16)
         np.testing.assert_array_equal(cache.capacity, before)
+        # Not a state: refused before any slot table (any shard's, any group's) reserves.
+        with pytest.raises((TypeError, ValueError), match=r"expected a \w+State"):
+            cache.admit("not a state", 0, max_tokens=16)
+        np.testing.assert_array_equal(cache.capacity, before)
         np.testing.assert_array_equal(cache.lengths(state), [0, 5])
         k, _ = cache.read(state, 0, 1)
         np.testing.assert_array_equal(k, rows)
