@@ -105,6 +105,37 @@ Status CopyRanges(const CopyRange* ranges, size_t count, int threads) {
                              std::to_string(by_dst[k]) + " overlap");
     }
   }
+  // A destination over another range's source would make the result depend on the order
+  // the pieces are copied in. Sources sorted by start with the running maximum of their
+  // ends: a destination overlaps some source iff one that starts before its end reaches
+  // past its start.
+  std::vector<size_t> by_src = by_dst;
+  std::sort(by_src.begin(), by_src.end(), [&](size_t a, size_t b) {
+    return reinterpret_cast<uintptr_t>(ranges[a].src) <
+           reinterpret_cast<uintptr_t>(ranges[b].src);
+  });
+  std::vector<uintptr_t> max_end(by_src.size());
+  for (size_t k = 0; k < by_src.size(); ++k) {
+    uintptr_t end = reinterpret_cast<uintptr_t>(ranges[by_src[k]].src) + ranges[by_src[k]].bytes;
+    max_end[k] = k == 0 ? end : std::max(max_end[k - 1], end);
+  }
+  for (size_t i : by_dst) {
+    auto dst = reinterpret_cast<uintptr_t>(ranges[i].dst);
+    uintptr_t dst_end = dst + ranges[i].bytes;
+    size_t before = std::partition_point(by_src.begin(), by_src.end(), [&](size_t j) {
+                      return reinterpret_cast<uintptr_t>(ranges[j].src) < dst_end;
+                    }) -
+                    by_src.begin();
+    if (before == 0 || max_end[before - 1] <= dst) continue;
+    for (size_t k = before; k-- > 0;) {  // Name the source (its own was checked above).
+      size_t j = by_src[k];
+      auto src = reinterpret_cast<uintptr_t>(ranges[j].src);
+      if (Overlap(dst, ranges[i].bytes, src, ranges[j].bytes)) {
+        return InvalidArgument("copy ranges: the destination of range " + std::to_string(i) +
+                               " overlaps the source of range " + std::to_string(j));
+      }
+    }
+  }
   if (total == 0) return Status::Ok();
   // Pieces of at most kPieceBytes that the threads take one at a time from a shared
   // counter: a thread the scheduler holds back (on a busy host) leaves its pieces to the

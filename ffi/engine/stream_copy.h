@@ -36,7 +36,7 @@ void StreamCopy(void* dst, const void* src, size_t bytes);
 // (the caller's and threads - 1 started for the call), which take the ranges' 1 MiB pieces
 // one at a time until none is left. Returns
 // InvalidArgument, having copied nothing, for threads < 1, a null pointer with bytes > 0,
-// or ranges whose destinations overlap each other or their own source.
+// or a destination that overlaps another destination or any range's source.
 Status CopyRanges(const CopyRange* ranges, size_t count, int threads);
 
 }  // namespace tpusync

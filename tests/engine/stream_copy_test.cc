@@ -106,6 +106,16 @@ void TestRefused() {
   refused({{dst.data(), src.data(), 16}, {dst.data() + 15, src.data(), 16}}, 2,
           "the destinations of ranges 0 and 1 overlap");
   refused({{src.data() + 8, src.data(), 16}}, 1, "range 0 overlaps its own source");
+  // A destination over another range's source, by one byte; sources may overlap each other.
+  refused({{dst.data(), src.data(), 16}, {src.data() + 100, dst.data() + 15, 8}}, 2,
+          "the destination of range 0 overlaps the source of range 1");
+  refused({{dst.data() + 100, src.data(), 64}, {dst.data(), src.data() + 8, 8},
+           {src.data() + 63, dst.data() + 200, 4}},
+          1, "the destination of range 2 overlaps the source of range 0");
+  std::vector<CopyRange> shared_source = {{dst.data(), src.data(), 16},
+                                          {dst.data() + 16, src.data() + 8, 16},
+                                          {src.data() + 24, dst.data() + 64, 8}};
+  CHECK(CopyRanges(shared_source.data(), shared_source.size(), 2).ok());
   CHECK(CopyRanges(nullptr, 0, 1).ok());
   CHECK(CopyRanges(&one, 1, 1).ok());
   std::vector<CopyRange> touching = {{dst.data(), src.data(), 16}, {dst.data() + 16, src.data(), 16}};

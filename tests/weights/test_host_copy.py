@@ -73,6 +73,17 @@ def test_refused_calls_name_the_problem_and_copy_nothing():
     # Destinations sharing exactly one byte overlap; touching ones (below) do not.
     refused(ValueError, r"the destinations of ranges 0 and 1 overlap", [good, (dst[15:31], src)])
     refused(ValueError, r"range 0 overlaps its own source", [(dst[1:17], dst[:16])])
+    # A destination over another pair's source by one byte; touching is fine (below).
+    other = np.zeros(64, np.uint8)
+    refused(
+        ValueError,
+        r"the destination of range 1 overlaps the source of range 0",
+        [(other[:16], dst[15:31]), (dst[:16], src)],
+    )
+    assert not other.any()
+    assert copy_arrays([(other[:16], dst[16:32]), (dst[:16], src)]) == 32
+    assert dst[:16].all() and not dst[16:].any()
+    dst[:] = 0
     assert copy_arrays([good, (dst[16:], src)], threads=2) == 32
     assert dst.all()
     assert copy_arrays([]) == 0
