@@ -249,8 +249,7 @@ class OffloadedKVCache:
           ValueError: a bad slot, max_tokens or tokens, an active slot, or too few blocks
             (free, or cached in the prefix index and not mapped by any slot).
         """
-        self._live.check(state)
-        return admit_by_reservation(self, state, slot, max_tokens, tokens)
+        return admit_by_reservation(self, state, slot, max_tokens, tokens)  # Checks state.
 
     def reserve(
         self,
@@ -392,6 +391,11 @@ class OffloadedKVCache:
     def free_blocks(self) -> int:
         """Physical KV blocks that neither a slot nor the prefix index holds."""
         return self.slots.free_blocks
+
+    def check(self, state: KVState) -> None:
+        """Refuses, changing nothing, what is not a state of this cache (``TypeError``: not
+        a ``KVState``; ``ValueError``: another cache's, or one donated to a step)."""
+        self._live.check(state)
 
     def lengths(self, state: KVState) -> np.ndarray:
         """int32[batch]: the tokens each slot holds in ``state`` (0: inactive)."""

@@ -20,8 +20,8 @@ Rules every method keeps:
   mapped from the prefix index or imported from a prefix level); prefill the rest. It is
   a transaction of two halves (:class:`Reservable`): :meth:`~Reservable.reserve`, which
   may refuse and changes no state, then :meth:`~Reservable.admitted`, which cannot be
-  refused, or :meth:`~Reservable.cancel`; every cache's ``admit`` checks its state, then
-  runs both halves (:func:`admit_by_reservation`). A
+  refused, or :meth:`~Reservable.cancel`; every cache's ``admit`` checks its state
+  (:meth:`~Reservable.check`), then runs both halves (:func:`admit_by_reservation`). A
   cache of parts maps the prefix every part holds: the parts' reservations are retried,
   each time capped at the shortest prefix one of them mapped, until they agree (each try
   maps less, so it ends, at the latest at 0). ``cached`` is None only for a mesh slot
@@ -74,6 +74,13 @@ class Reservable(Protocol):
     or :meth:`cancel`. A cache of parts reserves in each part and agrees on one prefix
     (:func:`jax_tpusync.parts.reserve_agreed`); P/D transfer reserves a slot before its
     rows arrive and admits it once they have."""
+
+    def check(self, state: Any) -> None:
+        """Refuses, changing nothing, a ``state`` that is not one this cache may continue
+        with (``TypeError``: not a state of its kind; ``ValueError``: another cache's, one
+        donated to a step, in a cache of parts any part's). :meth:`admitted` cannot be
+        refused, so a caller checks the state it will admit into before it reserves."""
+        ...
 
     def reserve(
         self,
@@ -268,11 +275,12 @@ def admit_by_reservation(
     max_tokens: int | None,
     tokens: Sequence[int] | np.ndarray | None,
 ) -> tuple[Any, int | None]:
-    """:meth:`KVCache.admit` as its two halves: ``cache`` reserves ``slot`` (all or
-    nothing: a refusal raises and changes nothing), then admits the reservation into
-    ``state``; returns ``(state, cached)``. The caller checks ``state`` first, since
-    :meth:`~Reservable.admitted` cannot be refused once the slot tables admitted the slot.
-    """
+    """:meth:`KVCache.admit` as its two halves: ``cache`` checks ``state``, reserves
+    ``slot`` (all or nothing: a refusal raises and changes nothing), then admits the
+    reservation into ``state``; returns ``(state, cached)``. The state is checked first
+    since :meth:`~Reservable.admitted` cannot be refused once the slot tables admitted the
+    slot (a state it refused would leave the slot reserved)."""
+    cache.check(state)
     reservation = cache.reserve(slot, max_tokens, tokens)
     return cache.admitted(state, reservation), reservation.cached
 

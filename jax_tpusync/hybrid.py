@@ -326,6 +326,13 @@ class HybridKVCache:
         """Commits every group (persistent tiers; see :meth:`OffloadedKVCache.commit`)."""
         return self._each(state, lambda g, p: g.commit(p))
 
+    def check(self, state: HybridState) -> None:
+        """Refuses, changing nothing, what is not a state of this cache: not a
+        ``HybridState`` of its groups, or one a group refuses (:meth:`check` of its
+        cache)."""
+        for g, p in zip(self.groups, self.split(state)):
+            g.check(p)
+
     def lengths(self, state: HybridState) -> np.ndarray:
         """int32[batch]: every slot's length in ``state`` (the groups' must agree)."""
         parts = self.split(state)
@@ -351,8 +358,7 @@ class HybridKVCache:
         """Admits ``slot`` in every group; returns ``(state, cached)``. All groups or none;
         groups whose prefix stores differ all map the prefix the shortest one has (0 when
         a group keeps only its window)."""
-        self.split(state)  # Refused before any group reserves.
-        return admit_by_reservation(self, state, slot, max_tokens, tokens)
+        return admit_by_reservation(self, state, slot, max_tokens, tokens)  # Checks state.
 
     def reserve(
         self,

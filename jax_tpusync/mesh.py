@@ -349,6 +349,14 @@ class ShardedKVCache:
         """Commits every shard (persistent tiers; see :meth:`OffloadedKVCache.commit`)."""
         return self._each(state, lambda s, c, part: c.commit(part))
 
+    def check(self, state: KVState) -> None:
+        """Refuses, changing nothing, what is not a state of this cache: not a ``KVState``
+        (``TypeError``), or one whose structure or any of this process's shards is not
+        this cache's (``ValueError``, as :meth:`OffloadedKVCache.check`)."""
+        for s, part in self.split(state).items():
+            with self._on(s):
+                self.shards[s].check(part)
+
     def lengths(self, state: KVState) -> np.ndarray:
         """int32[batch]: the global slots' lengths in ``state`` (this process's shards);
         refuses head shards of one slot that disagree."""
@@ -380,8 +388,7 @@ class ShardedKVCache:
         the others' and raises, the state untouched); head shards whose prefix stores
         differ (a block one of them lacks) all map the prefix the shortest one has (the
         rule of :func:`jax_tpusync.parts.reserve_agreed`)."""
-        self.split(state)  # Refused before any shard reserves.
-        return admit_by_reservation(self, state, slot, max_tokens, tokens)
+        return admit_by_reservation(self, state, slot, max_tokens, tokens)  # Checks state.
 
     def reserve(
         self,

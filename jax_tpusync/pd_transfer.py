@@ -378,14 +378,16 @@ class KVReceiver(_Role):
 
         Raises:
           ValueError: a bad slot, tokens or max_tokens, too few free blocks (from the
-            reservation), or a slot whose last transfer's blocks are still quarantined
-            (nothing changed).
+            reservation), a slot whose last transfer's blocks are still quarantined, or a
+            state the cache refuses (TypeError: not a state); nothing changed.
           PDTransferError: the transfer failed (the message says why); the reservation
             was cancelled: the slot is inactive and ``state`` is still the live state.
             Once the request went out, the slot's own blocks stay held aside until the
             quarantine has passed (writes in flight may still land in them); a failure
             before (the prefill process cannot be reached) frees them at once.
         """
+        # Admitting into a state the cache refuses would leave the slot reserved.
+        self.cache.check(state)
         start_time = time.monotonic()
         deadline = start_time + self.deadline_s
         self.reclaim()

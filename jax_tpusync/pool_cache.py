@@ -513,8 +513,7 @@ class HostPoolKVCache:
         """Reserves blocks for a new sequence in ``slot``; returns ``(state, cached)``, as
         :meth:`jax_tpusync.OffloadedKVCache.admit` does (a prefix of ``tokens`` that the
         prefix index holds is mapped read-only)."""
-        self.check(state)
-        return admit_by_reservation(self, state, slot, max_tokens, tokens)
+        return admit_by_reservation(self, state, slot, max_tokens, tokens)  # Checks state.
 
     def reserve(
         self,

@@ -64,7 +64,8 @@ def _sharded():
 @pytest.mark.parametrize("make", [_offloaded, _sharded, _hybrid], ids=["one", "mesh", "hybrid"])
 def test_every_cache_is_a_kvcache_and_answers_alike(make):
     """The same calls on every cache: isinstance of the protocol, lengths() after admit and
-    load, a refused admit (an active slot) that changes nothing, and a release."""
+    load, refused admits (an active slot, a state that is not this cache's) that change
+    nothing, and a release."""
     with make() as cache:
         assert isinstance(cache, KVCache)
         state = cache.init(admit=False)
@@ -80,9 +81,13 @@ def test_every_cache_is_a_kvcache_and_answers_alike(make):
         with pytest.raises(ValueError, match="active"):
             cache.admit(state, 1, max_tokens=16)
         np.testing.assert_array_equal(cache.capacity, before)
-        # Not a state: refused before any slot table (any shard's, any group's) reserves.
+        # Not a state, or another cache's of the same structure: refused before any slot
+        # table (any shard's, any group's) reserves.
         with pytest.raises((TypeError, ValueError), match=r"expected a \w+State"):
             cache.admit("not a state", 0, max_tokens=16)
+        with make() as other:
+            with pytest.raises(ValueError, match="belongs to another cache"):
+                cache.admit(other.init(admit=False), 0, max_tokens=16)
         np.testing.assert_array_equal(cache.capacity, before)
         np.testing.assert_array_equal(cache.lengths(state), [0, 5])
         k, _ = cache.read(state, 0, 1)

@@ -310,6 +310,18 @@ def test_a_bad_slot_is_refused_before_anything_changes(slot):
     cache.close(state)
 
 
+def test_a_state_the_cache_refuses_is_refused_before_anything_changes():
+    cache = pool_cache()
+    state = cache.init(admit=False)
+    rx = KVReceiver(cache, transfer_engine=_CountingEngine(), session="d:1")
+    with pytest.raises(TypeError, match="expected a PoolState, got str"):
+        rx.receive("not a state", 0, np.arange(N), prefill="127.0.0.1:1")
+    np.testing.assert_array_equal(cache.capacity, [0, 0])  # Nothing reserved.
+    assert rx.staging.tokens == 0 and rx.failed == 0
+    rx.close()
+    cache.close(state)
+
+
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
 def test_a_mesh_pool_receives_each_head_range_from_a_mesh_engine_cache(engine):
     from jax.sharding import Mesh
