@@ -7,6 +7,9 @@ decode side, receives it into a slot of its own cache three ways, side by side:
 * ``pd``: :class:`jax_tpusync.pd_transfer.KVReceiver` / ``KVSender``: one-sided writes
   from the prefill pool into the decode pool over a Mooncake TransferEngine (TCP), with
   the control round trip (request, completion message) included;
+* ``pd-pool``: the same transfer into a :class:`~jax_tpusync.HostPoolKVCache` (the TPU
+  data path), through its registered staging buffer and then into the state's pool
+  between steps (what the decode side of a TPU host does), with ``--host-pool`` (default);
 * ``socket``: the same bytes over one plain TCP socket, ``sendall`` from the prefill
   pool and ``recv_into`` the decode pool (zero copy in Python on both ends);
 * ``recompute``: prefilling the sequence here instead (the benchmarks' tiny decoder of that
@@ -59,6 +62,7 @@ COLUMNS = [
     ("socket_s", "socket s", ".3f"),
     ("pd_gbps", "pd GB/s", ".2f"),
     ("socket_gbps", "socket GB/s", ".2f"),
+    ("pool_s", "pd-pool s", ".3f"),
     ("pd_over_socket", "pd/socket rate", ".2f"),
     ("recompute_s", "recompute s", ".2f"),
     ("byte_exact", "exact", ""),
@@ -101,6 +105,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="NAME",
         help="network namespace (/var/run/netns/NAME) the prefill process joins",
     )
+    p.add_argument(
+        "--host-pool",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also receive into a host-pool cache (the TPU data path), side by side",
+    )
     p.add_argument("--seed", type=int, default=0)
     common.add_details_argument(p, "every shape's row (first transfer, rates, recompute)")
     common.add_json_argument(p)
@@ -124,12 +134,15 @@ def _shape(text: str) -> str:
     return text
 
 
-def _cache(tokens: int, layers: int, heads: int, dim: int, block_tokens: int, **kw: Any):
+def _cache(
+    tokens: int, layers: int, heads: int, dim: int, block_tokens: int, pool: bool = False, **kw: Any
+):
+    """A one-slot cache of the shape: an engine cache on a host tier, or a host-pool one."""
     import jax.numpy as jnp
 
     import jax_tpusync as tps
 
-    return tps.OffloadedKVCache(
+    return (tps.HostPoolKVCache if pool else tps.OffloadedKVCache)(
         num_layers=layers,
         batch=1,
         max_len=tokens,
@@ -252,6 +265,16 @@ def run(args: argparse.Namespace) -> list[dict]:
             )
             with KVReceiver(cache, host=args.decode_host, deadline_s=args.deadline_s) as rx:
                 calls = 0
+                pool_cache = pool_state = pool_rx = None
+                if args.host_pool:  # On the same TransferEngine (one per process).
+                    pool_cache = _cache(tokens, layers, heads, dim, args.block_tokens, pool=True)
+                    pool_state = pool_cache.init(admit=False)
+                    pool_rx = KVReceiver(
+                        pool_cache,
+                        transfer_engine=rx.engine,
+                        session=rx.session,
+                        deadline_s=args.deadline_s,
+                    )
 
                 def pd() -> float:
                     nonlocal state, calls
@@ -264,6 +287,18 @@ def run(args: argparse.Namespace) -> list[dict]:
                     )
                     assert got.cached == 0 and got.nbytes == row.setdefault("nbytes", got.nbytes)
                     return got.seconds
+
+                def pd_pool() -> float:
+                    nonlocal pool_state, calls
+                    commands.put("pd")
+                    calls += 1
+                    begin = time.perf_counter()
+                    pool_state, got = pool_rx.receive(
+                        pool_state, 0, ids + 1000 * calls, prefill=peer["pd"], max_tokens=tokens
+                    )
+                    pool_state.pool.block_until_ready()  # The rows are in the pool.
+                    assert got.cached == 0 and got.nbytes == row["nbytes"]
+                    return time.perf_counter() - begin
 
                 def sock() -> float:
                     nonlocal state
@@ -285,14 +320,29 @@ def run(args: argparse.Namespace) -> list[dict]:
                     nonlocal state
                     state = cache.release(state, 0)
 
+                def release_pool() -> None:
+                    nonlocal pool_state
+                    pool_state = pool_cache.release(pool_state, 0)
+
                 row["pd_first_s"] = pd()
                 row["byte_exact"] = _slot_checksum(cache, state, tokens) == peer["checksum"]
                 release()
-                times: dict[str, list[float]] = {"pd": [], "socket": []}
+                ways = [("pd", pd, release), ("socket", sock, release)]
+                if args.host_pool:
+                    pool_s = pd_pool()  # Maps the staging buffer, compiles the pool's writes.
+                    exact = _slot_checksum(pool_cache, pool_state, tokens) == peer["checksum"]
+                    row["byte_exact"] = row["byte_exact"] and exact
+                    common.progress(f"pd: {name}: first receive into the host pool {pool_s:.3f} s")
+                    release_pool()
+                    ways.insert(1, ("pool", pd_pool, release_pool))
+                times: dict[str, list[float]] = {way: [] for way, _, _ in ways}
                 for _ in range(args.repeats):
-                    for way, fn in (("pd", pd), ("socket", sock)):
+                    for way, fn, done in ways:
                         times[way].append(fn())
-                        release()
+                        done()
+                if pool_rx is not None:
+                    pool_rx.close()
+                    pool_cache.close(pool_state)
             commands.put("next")
             cache.close(state)
             row["pd_s"] = statistics.median(times["pd"])
@@ -302,6 +352,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             row["pd_over_socket"] = row["pd_gbps"] / row["socket_gbps"]
             row["pd_all_s"] = times["pd"]
             row["socket_all_s"] = times["socket"]
+            if "pool" in times:
+                row["pool_s"] = statistics.median(times["pool"])
+                row["pool_all_s"] = times["pool"]
             row["recompute_s"] = (
                 _recompute(args, tokens, layers, heads, dim) if name in args.recompute else None
             )
@@ -330,12 +383,20 @@ def summary(rows: list[dict[str, Any]]) -> str:
         sock = verdict.Spread.of([t * 1e3 for t in r["socket_all_s"]])
         label = f"{r['shape']} ({common.format_bytes(r['nbytes'])})"
         table += [(f"{label}: library (KVSender)", pd), (f"{label}: plain TCP socket", sock)]
+        pool = verdict.Spread.of([t * 1e3 for t in r["pool_all_s"]]) if "pool_all_s" in r else None
+        if pool is not None:
+            table.insert(-1, (f"{label}: library into a host pool", pool))
         line = (
             f"  {r['shape']}: the library's transfer is "
             f"{verdict.compare(pd, sock, 'a plain TCP socket')}; its first (after the "
             f"engines' handshake) took {r['pd_first_s'] * 1e3:.0f} ms; "
             f"{'byte-exact' if r['byte_exact'] else 'NOT byte-exact'}"
         )
+        if pool is not None:
+            line += (
+                f"; into a host pool (the TPU data path: staging buffer, then the pool) it is "
+                f"{verdict.compare(pool, pd, 'into an engine cache')}"
+            )
         if r.get("recompute_s") is not None:
             line += (
                 f"; recomputing the prefill here took {r['recompute_s']:.2f} s "

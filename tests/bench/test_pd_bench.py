@@ -28,13 +28,16 @@ def test_a_tiny_shape_moves_byte_exact_both_ways(tmp_path, mooncake_usable, caps
     assert row["shape"] == "200x2x2x32" and row["link"] == "loopback"
     assert row["byte_exact"] is True
     assert row["nbytes"] == 200 * 2 * 2 * 2 * 32 * 2  # tokens x layers x K|V x heads x dim x bf16
-    assert row["pd_s"] > 0 and row["socket_s"] > 0
+    assert row["pd_s"] > 0 and row["socket_s"] > 0 and row["pool_s"] > 0
+    assert len(row["pool_all_s"]) == len(row["pd_all_s"])  # Side by side, every repeat.
     assert row["pd_over_socket"] == pytest.approx(row["socket_s"] / row["pd_s"])
     # The short summary: the transfer against the socket in words, no developer table.
     out = capsys.readouterr().out
     assert "P/D transfer over loopback" in out and "200x2x2x32 (100 KiB): library" in out
     assert "200x2x2x32: the library's transfer is " in out and "a plain TCP socket" in out
     assert "byte-exact" in out and "pd/socket rate" not in out
+    assert "200x2x2x32 (100 KiB): library into a host pool" in out
+    assert "into a host pool (the TPU data path: staging buffer, then the pool) it is " in out
     assert "None" not in out and "nan" not in out
 
 
