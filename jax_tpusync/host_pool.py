@@ -47,15 +47,22 @@ NOT_STAGED = -1
 # only so many copies in flight across an attention: read off compiled decode steps, a unit
 # of 32 blocks had 32 of its 33 copies overlapped on v5e and TPU7x but 1 on v6e, where 6
 # blocks (7 copies with the tail) were all overlapped and 8 were not. Larger blocks move
-# the same bytes in fewer copies. The limit is per unit whatever ``prefetch_depth``: a loop
-# iteration starts and waits for the copies of one unit (the one ``prefetch_depth`` ahead),
-# so one unit's copies are in flight across each attention at any depth.
+# the same bytes in fewer copies. These are the limits at ``prefetch_depth=1``.
 UNIT_BLOCK_LIMITS = (("TPU v6", 6), ("TPU", 30))
 
+# The same at ``prefetch_depth`` 2 and more, where a loop iteration still starts and waits
+# for one unit's copies (the unit that far ahead) but the schedule differs: read off the
+# same compiled steps (8 layers, blocks of 256 tokens), v6e overlapped every copy of units
+# of 8, 21 and 30 blocks at depth 2 and of 30 at depth 3 (8 blocks at depth 1: 48 of 72),
+# and v5e and TPU7x every copy of 30 at depth 2. A unit never shrinks with depth.
+DEEP_UNIT_BLOCK_LIMITS = (("TPU", 30),)
 
-def unit_block_limit(device_kind: str) -> int | None:
-    """Most blocks per unit on a device of ``device_kind`` (None: no limit, off TPUs)."""
-    for prefix, limit in UNIT_BLOCK_LIMITS:
+
+def unit_block_limit(device_kind: str, prefetch_depth: int = 1) -> int | None:
+    """Most blocks per unit on a device of ``device_kind`` at ``prefetch_depth`` (None: no
+    limit, off TPUs)."""
+    table = UNIT_BLOCK_LIMITS if prefetch_depth == 1 else DEEP_UNIT_BLOCK_LIMITS
+    for prefix, limit in table:
         if device_kind.startswith(prefix):
             return limit
     return None

@@ -116,7 +116,7 @@ def pool_spec(
     ``prefetch_depth + 1`` of them on the device at a time (those staged ahead and the one
     in flight) within ``staging_bytes`` (per device), and at most as many blocks as the
     device's compiler overlaps copies (:func:`~jax_tpusync.host_pool.unit_block_limit` of
-    ``device_kind``). ``prefetch_depth="auto"`` is 1, and a depth above ``num_layers`` is
+    ``device_kind`` and the depth). ``prefetch_depth="auto"`` is 1, and a depth above ``num_layers`` is
     ``num_layers`` (every layer has a unit at least, and further ahead lies the step after
     next). Over a mesh the spec describes one shard: the heads of one device of
     ``kv_heads_axis``."""
@@ -153,7 +153,7 @@ def pool_spec(
         )
     longest = max(probe.layer_span(w) for w in probe.windows)
     needed = -(-longest // g.block_tokens) + 1  # A window's span may straddle one more block.
-    limit = unit_block_limit(device_kind) or units
+    limit = unit_block_limit(device_kind, depth) or units
     chunk_len = min(units, needed, limit) * g.block_tokens
     return dataclasses.replace(probe, chunk_len=chunk_len, mesh=mesh)
 

@@ -106,6 +106,34 @@ def test_a_ring_pool_holds_the_same_bytes_at_32k_and_1m(ring_report):
     assert long["pool_mib"] < every_position_mib / 50
 
 
+@pytest.fixture(scope="module")
+def deeper_report(tmp_path_factory):
+    """Two units in flight ahead of the one attended (prefetch_depth=2), on a v6e, whose
+    schedule overlaps fewer copies a unit at depth 1."""
+    return compile_report(
+        tmp_path_factory,
+        "--topologies", "v6e:2x2", "--contexts", "32768", "1048576", "--layers", "2",
+        "--prefetch-depth", "2", "--kinds", "ours",
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_two_units_ahead_overlap_every_copy_in_the_same_memory_at_32k_and_1m(deeper_report):
+    short, long = deeper_report[32768], deeper_report[1048576]
+    for row in (short, long):
+        # Three units in 64 MiB: 21 blocks of 256 tokens (4 KiB a token), over the 6 a
+        # v6e unit holds at depth 1 (host_pool.DEEP_UNIT_BLOCK_LIMITS).
+        assert row["prefetch_depth"] == 2 and row["chunk_len"] == 21 * 256
+        assert row["staging_mib"] == pytest.approx(3 * (21 * 256 + 2) * 4096 / 2**20)
+        assert row["ours_device_mib"] <= 1.1 * (row["weights_mib"] + row["staging_mib"]), row
+        # Each layer's loop body copies the unit two ahead: every copy starts before the
+        # body's attention and is waited for after it.
+        overlap = row["overlap"]
+        assert overlap["computations"] == 2 and overlap["copies"] == 2 * 22
+        assert overlap["overlapped"] == overlap["started_before"] == overlap["copies"]
+    assert abs(long["ours_device_mib"] - short["ours_device_mib"]) <= 0.01 * long["ours_device_mib"]
+
+
 @pytest.mark.slow
 def test_every_unit_copy_starts_before_the_attention_it_overlaps(report):
     for row in report.values():
