@@ -83,6 +83,7 @@ from jax_tpusync.host_pool import (
     NOT_STAGED,
     PoolLayout,
     PoolState,
+    pool_dtype,
     unit_block_limit,
 )
 from jax_tpusync.mesh_layout import MeshLayout
@@ -138,7 +139,7 @@ def pool_spec(
         num_slots=num_slots,
         prefetch_depth=depth,
         prefetch_across_steps=staging.prefetch_across_steps,
-        staging_dtype=np.dtype(np.uint8) if g.quantized else np.dtype(g.dtype),
+        staging_dtype=pool_dtype(g.dtype, g.quantized),
     )
     layout = PoolLayout(probe)
     row_bytes = layout.row_width * layout.dtype.itemsize
@@ -153,7 +154,7 @@ def pool_spec(
         )
     longest = max(probe.layer_span(w) for w in probe.windows)
     needed = -(-longest // g.block_tokens) + 1  # A window's span may straddle one more block.
-    limit = unit_block_limit(device_kind, depth) or units
+    limit = unit_block_limit(device_kind, depth)
     chunk_len = min(units, needed, limit) * g.block_tokens
     return dataclasses.replace(probe, chunk_len=chunk_len, mesh=mesh)
 

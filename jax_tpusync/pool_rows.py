@@ -82,9 +82,10 @@ def _kv_of_rows(layout: PoolLayout, rows: np.ndarray, raw: bool = False):
     (``raw``, quantized: their codes and scales)."""
     spec = layout.spec
     half = layout.half_width
-    if not spec.quantized:
+    if not spec.quantized:  # The pool's words viewed as the cache's dtype: the same bytes.
         shape = (rows.shape[0], spec.num_kv_heads, spec.head_dim)
-        return rows[:, :half].reshape(shape), rows[:, half:].reshape(shape)
+        values = np.ascontiguousarray(rows).view(np.dtype(spec.dtype))
+        return values[:, :half].reshape(shape), values[:, half:].reshape(shape)
     stored = [
         quantize.unpack_host(part, spec.tier_dtype, spec.num_kv_heads, spec.head_dim)
         for part in (rows[:, :half], rows[:, half:])
