@@ -99,8 +99,17 @@ def scatter_blocks(
         part = starts[at : at + GATHER_BLOCKS]
         padded = np.full(1 << (len(part) - 1).bit_length(), layout.sink_row, np.int64)
         padded[: len(part)] = part
-        block_rows = np.zeros((rows.shape[0], len(padded) * bt, rows.shape[2]), rows.dtype)
-        block_rows[:, : len(part) * bt] = rows[:, at * bt : (at + len(part)) * bt]
+        block_rows = rows[:, at * bt : (at + len(part)) * bt]
+        if len(padded) > len(part):  # Zeros for the sink's writes (a full call: no copy).
+            block_rows = np.concatenate(
+                [
+                    block_rows,
+                    np.zeros(
+                        (rows.shape[0], (len(padded) - len(part)) * bt, rows.shape[2]), rows.dtype
+                    ),
+                ],
+                axis=1,
+            )
         pool = write_blocks(layout, mesh, pool, block_rows, padded)
     return pool
 
