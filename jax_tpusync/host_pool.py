@@ -226,6 +226,10 @@ class PoolState:
       refused: int32[batch], tokens of steps refused for each slot because they would
         have passed its capacity (its length did not grow; the rows went to the sink).
         The cache refuses every host call on a state with a refusal, naming the slot.
+      epoch: int32[], which host call of its cache made the state (unique across caches; a
+        step passes it on): a cache refuses a state that is not the last one it made, so a
+        state a later call superseded (its block tables may name blocks another slot holds
+        now) or another cache's is never used again. 0: a state no call may take.
       ahead: the units staged after that one, ``prefetch_depth - 1`` tuples ``(staging,
         tail, staged_at)`` in the order they are attended (empty at depth 1).
 
@@ -241,6 +245,7 @@ class PoolState:
         "tail",
         "staged_at",
         "refused",
+        "epoch",
         "ahead",
     )
 
@@ -255,6 +260,7 @@ class PoolState:
         tail,
         staged_at,
         refused,
+        epoch,
         ahead=(),
     ):
         self.spec = spec
@@ -266,6 +272,7 @@ class PoolState:
         self.tail = tail
         self.staged_at = staged_at
         self.refused = refused
+        self.epoch = epoch
         self.ahead = tuple(tuple(unit) for unit in ahead)
 
     @property
@@ -296,6 +303,7 @@ class PoolState:
             tail=tail,
             staged_at=staged_at,
             refused=jnp.zeros((spec.batch,), jnp.int32),
+            epoch=jnp.zeros((), jnp.int32),
             ahead=tuple(unstaged() for _ in range(spec.prefetch_depth - 1)),
         )
 

@@ -24,8 +24,14 @@ of the same geometry re-attaches to it too.
 
 What this cache does not do yet (each refused by name at construction): file tiers that
 are not a persistent copy (``tier="file"`` without ``file_name``), persistence of a
-quantized pool over a mesh, spill tiers, resident mode, slots split over a mesh's
-``batch_axis``, and hybrid layer groups.
+quantized pool over a mesh, spill tiers, resident mode, and slots split over a mesh's
+``batch_axis``. (Models whose layers differ are served by a
+:class:`~jax_tpusync.HybridKVCache` whose groups are host pools, ``host_pool=True``.)
+
+P/D transfer moves a slot's rows through a staging buffer
+(:mod:`jax_tpusync.pd_pool_staging`): :meth:`~HostPoolKVCache.read_stored_rows` and
+:meth:`~HostPoolKVCache.load_stored_rows` give and take them in an engine cache's byte
+order. Every host call takes only the cache's live state (``PoolState.epoch``).
 
 ``prefetch_depth`` and ``staging_bytes`` mean what they mean on the engine cache: a step
 keeps ``prefetch_depth`` units in flight ahead of the one it attends, and the staging
@@ -54,6 +60,7 @@ holds every slot's blocks, each for its heads.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -94,6 +101,9 @@ from jax_tpusync.slots import Admission, SlotTable
 from jax_tpusync.state import CacheSpec
 
 logger = logging.getLogger(__name__)
+
+# Epochs of live states, unique across the process's caches (PoolState.epoch).
+_EPOCHS = itertools.count(1)
 
 # Salts the prefix index's root key: blocks of this layout are this layout's alone.
 POOL_LAYOUT_VERSION = 1
@@ -240,6 +250,7 @@ class HostPoolKVCache:
         if self._windows is not None:
             self._windows.index = self.slots.windows
         self._initialized = False  # init() makes the pool once.
+        self._epoch = 0  # The live state's epoch (PoolState.epoch); 0: none yet.
         # Per (layer, slot): the end of the furthest load since init or admission; a slot's
         # length grows to the rows every layer holds.
         self._loaded = LoadedExtent(self.spec.num_layers, self.spec.batch)
@@ -337,7 +348,7 @@ class HostPoolKVCache:
             if self._restored_lengths is not None:
                 pool = self._tier.restored_pool(self.persistence.committed_lengths)
             self._tier.started(lengths, self._restored_lengths)
-        state = self._state(lengths, self.slots.tables, self.slots.capacity, pool)
+        state = self._live(self._state(lengths, self.slots.tables, self.slots.capacity, pool))
         self._initialized = True
         self._loaded.reset()
         return state
@@ -401,6 +412,12 @@ class HostPoolKVCache:
                 "this PoolState was donated to a step (its pool is gone); use the state "
                 "that step returned"
             )
+        if int(self._host(state.epoch)) != self._epoch:
+            raise ValueError(
+                "this PoolState is not the cache's live state: a later call returned another "
+                "one (its block tables may name blocks other slots hold now), or it is another "
+                "cache's; use the state the last call or step returned"
+            )
         refused = self._host(state.refused)
         for b in np.flatnonzero(refused):
             if b == releasing:
@@ -423,11 +440,18 @@ class HostPoolKVCache:
 
     def _unstaged(self, state: PoolState) -> PoolState:
         """``state`` with nothing staged: what a host-side write to the pool returns (a
-        staged unit may hold the rows it replaced)."""
+        staged unit may hold the rows it replaced); the live state from now on."""
         staged_at = self._placed(np.full(self.layout.staged_at_shape, NOT_STAGED, np.int32))
-        return state.with_staged_units(
-            (staging, tail, staged_at) for staging, tail, _ in state.staged_units
+        return self._live(
+            state.with_staged_units(
+                (staging, tail, staged_at) for staging, tail, _ in state.staged_units
+            )
         )
+
+    def _live(self, state: PoolState) -> PoolState:
+        """``state`` stamped as the one live state: any state made before is refused."""
+        self._epoch = next(_EPOCHS) % np.iinfo(np.int32).max + 1
+        return state.replace(epoch=self._placed(np.int32(self._epoch)))
 
     # -- slot lifecycle ---------------------------------------------------------------------
 

@@ -230,6 +230,7 @@ def abstract_pool_state(config, devices: list, mesh=None):
         sds(layout.pool_shape, layout.dtype, on_host),
         *staged(),
         sds((b,), jnp.int32),
+        sds((), jnp.int32),
         ahead=tuple(staged() for _ in range(spec.prefetch_depth - 1)),
     )
     return state, on_device

@@ -134,7 +134,8 @@ def test_load_over_a_mesh_round_trips_and_feeds_the_step():
             for got, want in zip(cache.read(state, layer, slot), single.read(ref, layer, slot)):
                 np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="raw=True reads codes and scales: this cache's tier"):
-        make_cache().read(make_cache().init(), 0, 0, raw=True)
+        plain = make_cache()
+        plain.read(plain.init(), 0, 0, raw=True)
     # Raw: the int8 codes and per-head scales of every device's heads, joined.
     for got, want in zip(cache.read(state, 1, 0, raw=True), single.read(ref, 1, 0, raw=True)):
         assert got.codes.dtype == np.int8 and got.scales.shape == (21, HEADS)
