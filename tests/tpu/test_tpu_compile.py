@@ -81,12 +81,15 @@ def test_a_pool_that_keeps_every_position_grows_with_the_context(report):
 @pytest.fixture(scope="module")
 def ring_report(tmp_path_factory):
     """A model whose every layer slides over 16K tokens, its pool a ring per slot of the
-    window plus one step's 512 rows (max_step_tokens), on a v5e."""
+    window plus one step's 512 rows (max_step_tokens), two units in flight ahead of the
+    one attended (prefetch_depth=2), on a v6e, whose schedule overlaps fewer copies a unit
+    at depth 1: one compile checks both (the ring's bytes, the deeper prefetch's
+    overlap)."""
     return compile_report(
         tmp_path_factory,
-        "--topologies", "v5e:2x2", "--contexts", "32768", "1048576", "--layers", "2",
+        "--topologies", "v6e:2x2", "--contexts", "32768", "1048576", "--layers", "2",
         "--sliding-window", "16384", "--global-every", "0", "--max-step-tokens", "512",
-        "--kinds", "ours",
+        "--prefetch-depth", "2", "--kinds", "ours",
     )  # fmt: skip
 
 
@@ -106,20 +109,9 @@ def test_a_ring_pool_holds_the_same_bytes_at_32k_and_1m(ring_report):
     assert long["pool_mib"] < every_position_mib / 50
 
 
-@pytest.fixture(scope="module")
-def deeper_report(tmp_path_factory):
-    """Two units in flight ahead of the one attended (prefetch_depth=2), on a v6e, whose
-    schedule overlaps fewer copies a unit at depth 1."""
-    return compile_report(
-        tmp_path_factory,
-        "--topologies", "v6e:2x2", "--contexts", "32768", "1048576", "--layers", "2",
-        "--prefetch-depth", "2", "--kinds", "ours",
-    )  # fmt: skip
-
-
 @pytest.mark.slow
-def test_two_units_ahead_overlap_every_copy_in_the_same_memory_at_32k_and_1m(deeper_report):
-    short, long = deeper_report[32768], deeper_report[1048576]
+def test_two_units_ahead_overlap_every_copy_in_the_same_memory_at_32k_and_1m(ring_report):
+    short, long = ring_report[32768], ring_report[1048576]
     for row in (short, long):
         # Three units in 64 MiB: 21 blocks of 256 tokens (4 KiB a token), over the 6 a
         # v6e unit holds at depth 1 (host_pool.DEEP_UNIT_BLOCK_LIMITS).
