@@ -197,6 +197,7 @@ def test_host_calls_on_one_device_match_the_model():
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
+@pytest.mark.slow
 def test_host_calls_on_a_2x2_mesh_match_the_model():
     mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from jax_tpusync.bench import __main__ as bench_main
 from jax_tpusync.bench import common
 
 
+@pytest.mark.slow
 def test_hybrid_bench_tiny(tmp_path, capsys):
     out = tmp_path / "hybrid.json"
     argv = [
@@ -56,6 +59,7 @@ def test_hybrid_defaults_run_one_context():
     assert (args.contexts, args.details) == ([32768], False)
 
 
+@pytest.mark.slow
 def test_hybrid_bench_remote_rows_import_the_global_chain_and_the_windows(
     tmp_path, mooncake_usable
 ):

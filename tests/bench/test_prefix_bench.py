@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 
@@ -15,6 +16,7 @@ from jax_tpusync.bench import common  # noqa: E402
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_prefix_bench_tiny(tmp_path, capsys):
     out = tmp_path / "prefix.json"
     png = tmp_path / "prefix.png"
@@ -104,6 +106,7 @@ def test_prefix_defaults_finish_in_about_a_minute():
     assert (args.tiers, args.prefix_tokens, args.details) == (["host"], 4096, False)
 
 
+@pytest.mark.slow
 def test_quality_bench_tiny(tmp_path, capsys):
     out = tmp_path / "quality.json"
     args = bench_main.build_parser().parse_args(

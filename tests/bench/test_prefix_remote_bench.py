@@ -104,6 +104,7 @@ def test_remote_row_with_a_master_of_the_benchmarks_own(tmp_path, mooncake_usabl
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
 
 
+@pytest.mark.slow
 def test_remote_row_on_a_running_master_publishes_from_the_first_file_or_host_tier(
     tmp_path, mooncake_usable
 ):
@@ -118,6 +119,7 @@ def test_remote_row_on_a_running_master_publishes_from_the_first_file_or_host_ti
     check_remote_row(again[1], "file", again[0])
 
 
+@pytest.mark.slow
 def test_remote_row_with_the_reader_in_another_namespace_over_a_veth_pair(
     tmp_path, mooncake_usable, veth_pair
 ):

@@ -75,6 +75,7 @@ def test_details_keeps_the_table_and_prints_no_summary(capsys):
     assert args.columns is None and "the summary" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_prefill_bench_tiny(tmp_path, capsys):
     doc = run_bench(
         [

@@ -4,7 +4,10 @@ unless TPUSYNC_REQUIRE_MOONCAKE=1 (CI)."""
 
 from __future__ import annotations
 
+import pytest
 
+
+@pytest.mark.slow
 def test_prefill_decode_tiny(run_example, mooncake_usable):
     doc = run_example(
         "prefill_decode.py",

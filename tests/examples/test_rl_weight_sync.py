@@ -4,7 +4,10 @@ weight store; the sampler's tokens and params equal the trainer's own at every v
 
 from __future__ import annotations
 
+import pytest
 
+
+@pytest.mark.slow
 def test_rl_weight_sync(run_example):
     doc = run_example("rl_weight_sync.py", "--steps", "2", "--timeout", "60", timeout=240)
     assert doc["all_match"] is True
@@ -23,6 +26,7 @@ def test_rl_weight_sync(run_example):
     assert [s["plan_cached"] for s in steps] == [False, True]
 
 
+@pytest.mark.slow
 def test_rl_weight_sync_through_a_mooncake_store(run_example, mooncake_usable):
     """The same loop through a Mooncake Store of the example's own: two trainer processes
     put their shards into the pool, the sampler process reads its ranges from them."""

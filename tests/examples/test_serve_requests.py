@@ -3,7 +3,10 @@ after the first, with tokens equal to the resident run's."""
 
 from __future__ import annotations
 
+import pytest
 
+
+@pytest.mark.slow
 def test_serve_requests_tiny(run_example, tmp_path):
     doc = run_example(
         "serve_requests.py",

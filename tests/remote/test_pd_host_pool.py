@@ -152,6 +152,7 @@ def test_quantized_pools_exchange_codes_and_scales_as_they_are(engine):
     rx_cache.close(rx_state)
 
 
+@pytest.mark.slow
 def test_a_host_pool_decode_after_transfer_equals_a_local_prefill(engine):
     cfg, params = pd_peers.model()
     step = jax.jit(functools.partial(tiny_decoder.forward, cfg), donate_argnums=(2,))

@@ -74,6 +74,7 @@ def local_first_step(step, params, prompt):
     return first, want
 
 
+@pytest.mark.slow
 def test_decode_after_transfer_equals_local_prefill():
     cfg, params = pd_peers.model()
     step = decode_step(cfg)
@@ -511,6 +512,7 @@ needs_two_devices = pytest.mark.skipif(
 
 
 @needs_two_devices
+@pytest.mark.slow
 def test_mesh_decode_after_transfer_equals_local_prefill_and_each_shard_sends_its_heads():
     cfg, params = pd_peers.model()
     step = decode_step(cfg)
@@ -868,6 +870,7 @@ def test_a_cache_of_another_kind_is_refused(role):
         role({}, transfer_engine=FakeEngine(), session="d:1")
 
 
+@pytest.mark.slow
 def test_one_transfer_engine_serves_the_store_level_and_pd(mooncake_master):
     """A decode process with one TransferEngine: P/D writes into its pool, its remote prefix
     level publishes the received prompt and later reads it back into the same pool; the
