@@ -115,14 +115,19 @@ def head_pools(cache: Any, role: str) -> list[HeadPool]:
     return [HeadPool(None, cache, (0, cache.spec.num_kv_heads), address, nbytes)]
 
 
+def check_slot(cache: Any, slot: Any) -> None:
+    """Refuses a slot that is not one of ``cache``'s, by name."""
+    if not is_int(slot) or not 0 <= slot < cache.batch:
+        raise ValueError(f"slot={slot!r} must be an int in [0, batch={cache.batch})")
+
+
 def slot_pools(
     cache: OffloadedKVCache | ShardedKVCache, pools: list[HeadPool], slot: Any
 ) -> list[tuple[HeadPool, int]]:
     """``(pool, slot within it)`` of every head range of global ``slot``, in head order.
     Raises ValueError for a bad slot, or one whose head ranges this process does not all
     hold (a multi-process mesh)."""
-    if not is_int(slot) or not 0 <= slot < cache.batch:
-        raise ValueError(f"slot={slot!r} must be an int in [0, batch={cache.batch})")
+    check_slot(cache, slot)
     if not isinstance(cache, ShardedKVCache):
         return [(pools[0], int(slot))]
     out = []

@@ -102,6 +102,7 @@ from jax_tpusync.pd_channel import (
 from jax_tpusync.pd_pool_staging import PoolStaging
 from jax_tpusync.pd_pools import (
     HeadPool,
+    check_slot,
     head_pools,
     layout_mismatch,
     layout_of,
@@ -404,8 +405,8 @@ class KVReceiver(_Role):
         staging = self.staging
         if staging is None:
             targets = slot_pools(self.cache, self.pools, slot)
-        elif not is_int(slot) or not 0 <= slot < self.cache.batch:
-            raise ValueError(f"slot={slot!r} must be an int in [0, batch={self.cache.batch})")
+        else:
+            check_slot(self.cache, slot)
         reservation = self.cache.reserve(slot, max_tokens, ids)  # Refused: nothing changed.
         cached = int(reservation.cached)
         n = int(ids.size)
@@ -725,8 +726,8 @@ class KVSender(_Role):
         try:
             if self.staging is None:
                 targets = slot_pools(cache, self.pools, slot)
-            elif not is_int(slot) or not 0 <= slot < cache.batch:
-                raise ValueError(f"slot={slot!r} must be an int in [0, batch={cache.batch})")
+            else:
+                check_slot(cache, slot)
         except ValueError as e:
             self.fail(request, f"the prefill slot cannot be sent: {e}")
             raise
