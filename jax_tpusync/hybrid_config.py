@@ -62,7 +62,7 @@ def check_arguments(
     if not isinstance(host_pool, (bool, np.bool_)):
         raise ValueError(f"host_pool={host_pool!r} must be a bool (True or False)")
     if host_pool:
-        check_host_pool_arguments(engine, persistent, batch_axis)
+        check_host_pool_arguments(engine, batch_axis)
     if mesh is not None and persistent:
         raise ValueError(
             "a persistent hybrid cache on a mesh is not supported yet (its groups' "
@@ -109,26 +109,18 @@ def check_arguments(
         ) from None
 
 
-def check_host_pool_arguments(engine: Any, persistent: bool, batch_axis: Any) -> None:
+def check_host_pool_arguments(engine: Any, batch_axis: Any) -> None:
     """Refuses, by name and before anything is made, what a hybrid cache whose groups are
     host pools (:class:`~jax_tpusync.pool_cache.HostPoolKVCache`) does not do yet.
 
     Raises:
       ValueError: ``engine`` given (a pool moves its bytes in the step, with no engine);
-        persistence (the groups' persistent copies would need one common re-attach, which
-        a host pool does not restart at yet); ``batch_axis`` (a pool splits the heads over
-        a mesh, not the slots).
+        ``batch_axis`` (a pool splits the heads over a mesh, not the slots).
     """
     if engine is not None:
         raise ValueError(
             f"engine={type(engine).__name__}: host-pool groups move their bytes in the step, "
             f"with no engine; drop engine= (host_pool=True)"
-        )
-    if persistent:
-        raise ValueError(
-            "shm_name / file_name: a hybrid cache of host-pool groups is not persisted yet "
-            "(its groups could not be brought to a common commit on re-attach); drop them, "
-            "or use one host-pool cache per model of one KV geometry (host_pool=True)"
         )
     if batch_axis is not None:
         raise ValueError(

@@ -94,6 +94,7 @@ from jax_tpusync.host_pool import (
     unit_block_limit,
 )
 from jax_tpusync.mesh_layout import MeshLayout
+from jax_tpusync.parts import restart_part
 from jax_tpusync.pool_imports import PendingImports
 from jax_tpusync.pool_persistence import PoolTier
 from jax_tpusync.pool_windows import WindowCopyStore
@@ -498,6 +499,30 @@ class HostPoolKVCache:
             ) from e
         p.commit(lengths, session=session)
         return state
+
+    def restart_at(self, lengths: np.ndarray, tokens: Sequence[np.ndarray] | None = None) -> None:
+        """A re-attached cache starts (``init()``'s default) from ``lengths`` (int[batch]),
+        at most the committed ones and at least each slot's shared prefix, committed now,
+        as :meth:`jax_tpusync.OffloadedKVCache.restart_at`: what a hybrid cache does to
+        bring the groups that a crash left at different commits to their common rows.
+        Each slot's token ids are cut at its new length, or set to ``tokens[b]`` (at most
+        ``lengths[b]`` ids). Only before the first :meth:`init`, which reads the committed
+        rows into the new pool: a pool that exists already holds the rows past them.
+
+        Raises:
+          ValueError: called after :meth:`init`, a cache that is not persistent, lengths
+            out of that range, or tokens longer than them.
+          persistence.CommitError: the commit was not made. Either way nothing changes.
+        """
+        self._check_open()
+        if self._initialized:
+            raise ValueError(
+                "restart_at() after init(): the pool holds the rows past the new lengths "
+                "already; restart a re-attached cache before its first init()"
+            )
+        self._restored_lengths = restart_part(
+            self.persistence, self.slots, self.spec.block_tokens, lengths, tokens
+        )
 
     def verify(self, state: PoolState | None = None) -> persistence.VerifyResult:
         """Re-reads the committed rows and indexed blocks from the tier and checks them

@@ -2,13 +2,16 @@
 model (sliding layers of two window sizes and a global one) and a Gemma-4-like one (global
 layers of other KV heads and head size, late layers reading an earlier layer's KV), their
 steps against resident attention per layer; the host calls all groups or none; a mesh;
-``kv_cache()`` on TPU giving these models the hybrid pool cache; the guards at their edges.
+``kv_cache()`` on TPU giving these models the hybrid pool cache; persistence, a crash
+between two groups' commits re-attaching both at their common one; the guards at their
+edges.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +20,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jax_tpusync as tps
-from jax_tpusync import cache_factory
+from jax_tpusync import cache_factory, persistence
 from jax_tpusync.host_pool import PoolLayout
 from jax_tpusync.step.host_pool import unit_rows
 
@@ -65,6 +68,8 @@ GEMMA4 = Shape(
 )
 # Every group's heads split over two devices; layer 2 reads the global layer 1.
 MESH = Shape((2, 2, 2), (16, 32, 32), (8, None, None), (None, None, 1))
+# Two groups of other geometries: a sliding layer, a global one.
+TWO_GROUPS = Shape((2, 1), (16, 32), (8, None), (None, None))
 
 
 def pool_cache(shape: Shape, **options) -> tps.HybridKVCache:
@@ -294,8 +299,6 @@ def test_a_traced_layer_is_refused_for_host_pool_groups():
     [
         (dict(host_pool=1), r"host_pool=1 must be a bool"),
         (dict(engine=tps.EngineConfig()), r"engine=EngineConfig: host-pool groups"),
-        (dict(shm_name="hybrid-pool"), r"shm_name / file_name: a hybrid cache of host-pool"),
-        (dict(file_name="hybrid-pool"), r"shm_name / file_name: a hybrid cache of host-pool"),
     ],
 )
 def test_what_host_pool_groups_do_not_do_yet_is_refused_by_name(change, message):
@@ -303,7 +306,94 @@ def test_what_host_pool_groups_do_not_do_yet_is_refused_by_name(change, message)
         pool_cache(GEMMA3, **change)
 
 
-def test_batch_axis_is_refused_for_host_pool_groups():
+def test_batch_axis_and_persistence_on_a_mesh_are_refused_for_host_pool_groups(tmp_path):
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
     with pytest.raises(ValueError, match=r"batch_axis='data': host-pool groups split"):
         pool_cache(MESH, mesh=mesh, batch_axis="data")
+    # As an engine hybrid cache on a mesh: its groups' shards have no common commit.
+    file_tier = dict(tier="file", path=str(tmp_path), file_name="kv", bound_windows=False)
+    with pytest.raises(ValueError, match="a persistent hybrid cache on a mesh is not supported"):
+        pool_cache(MESH, mesh=mesh, kv_heads_axis="data", **file_tier)
+    assert not list(tmp_path.iterdir())  # Refused before anything was written.
+
+
+def decode_inputs(shape: Shape, rng, counts) -> tuple:
+    """One step's (qs, ks, vs, counts) of every layer (a reading layer's k and v None)."""
+
+    def draw(heads, layer):
+        x = rng.standard_normal((BATCH, STEP, heads, shape.head_dims[layer]))
+        return jnp.asarray(x, jnp.float32)
+
+    layers = range(shape.num_layers)
+    qs = [draw(Q_HEADS, l) for l in layers]
+    ks = [None if shape.sharing[l] is not None else draw(shape.kv_heads[l], l) for l in layers]
+    vs = [None if shape.sharing[l] is not None else draw(shape.kv_heads[l], l) for l in layers]
+    return qs, ks, vs, jnp.asarray(counts, jnp.int32)
+
+
+def test_a_crash_between_group_commits_reattaches_every_group_at_the_common_commit(
+    tmp_path, monkeypatch, caplog
+):
+    """Slot 1's prompt is released into the prefix index and slot 0 committed at 12 rows;
+    slot 0 decodes 8 more, and the next commit reaches group 0 only (its manifest written,
+    group 1's write killed). The re-made cache holds 12 rows and 12 token ids in every
+    group, decodes on exactly as the cache that never crashed did, and maps the released
+    prompt from the index. Another model's layers over the same files are refused by
+    layer."""
+    shape = TWO_GROUPS
+    step = make_step(shape)
+    opts = dict(tier="file", path=str(tmp_path), file_name="kv", bound_windows=False)
+    prompts = [np.arange(100, 112), np.arange(200, 213)]
+    rng = np.random.default_rng(21)
+    prefill = [decode_inputs(shape, rng, [4, 4]) for _ in range(3)]
+    decode = [decode_inputs(shape, rng, [4, 0]) for _ in range(2)]
+    with pool_cache(shape, **opts) as cache:
+        state = cache.init(admit=False)
+        for slot, prompt in enumerate(prompts):
+            state, _ = cache.admit(state, slot, tokens=prompt)
+        for inputs in prefill:
+            state = step(state, *inputs)[1]
+        released = cache.read(state, 1, 1, 0, 12)  # The global layer's rows.
+        state = cache.release(state, 1, tokens=prompts[1])
+        state = cache.commit(state)
+        np.testing.assert_array_equal(cache.committed_lengths, [12, 0])
+        outs = []
+        for inputs in decode:
+            out, state = step(state, *inputs)
+            outs.append([np.asarray(o)[0] for o in out])
+        cache.extend_tokens(0, np.arange(900, 908))
+        seen: list[str] = []
+
+        def killed_at_the_second(stage: str) -> None:
+            seen.append(stage)
+            if len(seen) == 2:
+                raise RuntimeError("killed at a group's manifest write")
+
+        monkeypatch.setattr(persistence, "fault_hook", killed_at_the_second)
+        with pytest.raises(persistence.CommitError, match="killed at a group's manifest"):
+            cache.commit(state)
+        monkeypatch.setattr(persistence, "fault_hook", None)
+        assert [g.committed_lengths.tolist() for g in cache.groups] == [[20, 0], [12, 0]]
+        cache.close()  # Without a state: nothing more is committed.
+
+    with caplog.at_level(logging.WARNING, logger="jax_tpusync.hybrid"):
+        cache = pool_cache(shape, **opts)
+    assert "layer group 0 was left at another commit (lengths [20, 0])" in caplog.text
+    with cache:
+        for g in cache.groups:
+            np.testing.assert_array_equal(g.committed_lengths, [12, 0])
+            np.testing.assert_array_equal(g.tokens(0), prompts[0])
+        state = cache.init(admit=False)
+        np.testing.assert_array_equal(cache.lengths(state), [12, 0])
+        for inputs, want in zip(decode, outs):
+            out, state = step(state, *inputs)
+            for got, expected in zip(out, want):
+                np.testing.assert_array_equal(np.asarray(got)[0], expected)
+        state, cached = cache.admit(state, 1, tokens=prompts[1])
+        assert cached == 12  # Every group maps the released prompt's three blocks.
+        for got, expected in zip(cache.read(state, 1, 1, 0, 12), released):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+        cache.close(state)
+    other = dataclasses.replace(shape, windows=(8, 16))
+    with pytest.raises(ValueError, match=r"has layer 1 as .* this cache has it as"):
+        pool_cache(other, **opts)

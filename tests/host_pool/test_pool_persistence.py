@@ -323,6 +323,36 @@ def test_a_pool_over_a_mesh_persists_every_head_in_one_tier(tmp_path):
         cache.close(written.load_more(cache, state, 1))
 
 
+def test_a_restart_before_init_trims_the_commit_and_after_init_is_refused(tmp_path):
+    # What a hybrid cache does to a group a crash left past the others' commit: the rows
+    # and token ids past the new lengths are never served (the pool is read at them).
+    where = dict(tier="file", path=tmp_path, file_name="kv")
+    written = Written(np.random.default_rng(14))
+    cache = make(where)
+    state = written.load(cache, cache.init())
+    cache.extend_tokens(0, np.arange(11))
+    cache.close(state)  # Commits CONTEXT, [11, 5].
+    cache = make(where)
+    with pytest.raises(ValueError, match=r"lengths \[12, 5\] must be in \[0, committed lengths\]"):
+        cache.restart_at(CONTEXT + [1, 0])  # One row past slot 0's commit.
+    with pytest.raises(ValueError, match=r"tokens must hold, per slot, at most lengths\[b\]"):
+        cache.restart_at([9, 5], [np.arange(10), np.arange(0)])
+    np.testing.assert_array_equal(cache.committed_lengths, CONTEXT)  # Refused: no change.
+    np.testing.assert_array_equal(cache.tokens(0), np.arange(11))
+    cache.restart_at([9, 5])
+    np.testing.assert_array_equal(cache.committed_lengths, [9, 5])
+    np.testing.assert_array_equal(cache.tokens(0), np.arange(9))
+    state = cache.init()
+    written.check(cache, state, [9, 5])
+    with pytest.raises(ValueError, match=r"\[start, stop\) = \[0, 10\) must lie in \[0, 9\]"):
+        cache.read(state, 0, 0, 0, 10)
+    with pytest.raises(ValueError, match=r"restart_at\(\) after init\(\)"):
+        cache.restart_at([9, 5])
+    cache.close()
+    with make({}) as plain, pytest.raises(ValueError, match="of a persistent tier"):
+        plain.restart_at([0, 0])
+
+
 def test_a_pool_of_another_layout_or_model_is_refused_by_name(tmp_path):
     where = dict(tier="file", path=tmp_path, file_name="kv")
     written = Written(np.random.default_rng(8))
