@@ -29,12 +29,6 @@ _INSTALL_HINT = (
     "P/D transfer needs the Mooncake TransferEngine: pip install 'jax-tpusync[mooncake]' "
     "(and the system library libibverbs1, even over TCP: apt-get install libibverbs1 libnuma1)"
 )
-_LENGTH = struct.Struct(">I")
-
-_INSTALL_HINT = (
-    "P/D transfer needs the Mooncake TransferEngine: pip install 'jax-tpusync[mooncake]' "
-    "(and the system library libibverbs1, even over TCP: apt-get install libibverbs1 libnuma1)"
-)
 
 
 class PDTransferError(RuntimeError):
