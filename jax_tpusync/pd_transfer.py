@@ -74,7 +74,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import select
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -89,7 +88,6 @@ from jax_tpusync.mesh import MeshAdmission, ShardedKVCache
 from jax_tpusync.pd_channel import (
     PROTOCOL_VERSION,
     PDTransferError,
-    bounded,
     check_deadline,
     decode_tokens,
     encode_tokens,
@@ -111,16 +109,11 @@ from jax_tpusync.pd_pools import (
     slot_pools,
     unregister_pools,
 )
+from jax_tpusync.pd_writes import PIECE_BYTES, PieceWriter, head_pieces
 from jax_tpusync.pool_cache import HostPoolKVCache
 from jax_tpusync.state import KVState
 
 logger = logging.getLogger(__name__)
-
-# One engine write's most bytes: 4 MiB pieces, all in flight, measured fastest over TCP on a
-# 2-core machine (1 MiB pieces cost more per-request overhead, 16 MiB ones less parallelism).
-PIECE_BYTES = 4 << 20
-WARMUP_BYTES = 4096  # The first write to a new session (it opens the engine's connection).
-_POLL_MIN_S, _POLL_MAX_S = 1e-4, 1e-3  # Sleeps between completion polls (doubling).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -607,7 +600,9 @@ class KVSender(_Role):
         self.address = "{}:{}".format(*self._listener.getsockname()[:2])
         self.sent = 0
         self.failed = 0
-        self._warm: set[str] = set()  # Sessions already written to (connection open).
+        self._writer = PieceWriter(
+            self.engine, deadline_s=self.deadline_s, batch_bytes=self.batch_bytes
+        )
 
     def accept(self, timeout: float | None = None) -> PrefillRequest:
         """The next request (waits at most ``timeout`` s, default the deadline), checked:
@@ -742,22 +737,22 @@ class KVSender(_Role):
             if self.staging is None:
                 cache.engine.drain()  # The step's write-backs are on the tier.
                 sources = [
-                    (pool.heads, pool_runs(pool.cache, pool.address, local, request.start, n))
+                    {
+                        "heads": list(pool.heads),
+                        "runs": pool_runs(pool.cache, pool.address, local, request.start, n),
+                    }
                     for pool, local in targets
                 ]
             else:  # The slot's rows, read out of the state's pool, are sent from staging.
                 self.staging.fill(cache.read_stored_rows(state, slot, request.start, n))
-                sources = [
-                    (tuple(h["heads"]), h["runs"])
-                    for h in self.staging.head_runs(n - request.start)
-                ]
+                sources = self.staging.head_runs(n - request.start)
             per_head = [
-                self._pairs(heads, runs, shard)
-                for (heads, runs), shard in zip(sources, request.shards)
+                head_pieces(source, shard, self.piece_bytes)
+                for source, shard in zip(sources, request.shards)
             ]
-            head_bytes = [sum(p[2] for p in pairs) for pairs in per_head]
-            pairs = [p for head in per_head for p in head]
-            self._write(request, pairs)
+            head_bytes = [sum(p[2] for p in pieces) for pieces in per_head]
+            pieces = [p for head in per_head for p in head]
+            self._writer.write(request, pieces)
             send_message(
                 request.conn,
                 {
@@ -780,104 +775,10 @@ class KVSender(_Role):
         self.sent += 1
         return state, Sent(
             nbytes=sum(head_bytes),
-            segments=len(pairs),
+            segments=len(pieces),
             seconds=time.monotonic() - begin,
             head_bytes=tuple(head_bytes),
         )
-
-    def _pairs(
-        self, heads: tuple[int, int], sources: list[list[list[int]]], shard: dict
-    ) -> list[tuple[int, int, int]]:
-        """(source address, destination address, bytes) writes of one head range: each
-        region's source runs (``sources``, of the pool of ``heads``) and the destination
-        runs (``shard``'s) walked together, split where either one ends."""
-        if list(heads) != shard["heads"]:  # accept() checked the order; kept so.
-            raise ValueError(f"heads {shard['heads']} sent to the pool of heads {heads}")
-        out = []
-        for region, src in enumerate(sources):
-            src = [list(r) for r in src]
-            dst = [list(r) for r in shard["runs"][region]]
-            i = j = 0
-            while i < len(src) and j < len(dst):
-                size = min(src[i][1], dst[j][1], self.piece_bytes)
-                out.append((src[i][0], dst[j][0], size))
-                for run in (src[i], dst[j]):
-                    run[0] += size
-                    run[1] -= size
-                i += src[i][1] == 0
-                j += dst[j][1] == 0
-        return out
-
-    def _write(self, request: PrefillRequest, pairs: list[tuple[int, int, int]]) -> None:
-        """The writes, one engine request per piece, up to ``batch_bytes`` in flight; each
-        piece must be acknowledged within the deadline of its submission. Stops when the
-        decode side closed the control connection (it gave up; checked before every
-        submission) or a write fails.
-
-        Completion is polled with short sleeps: the engine's blocking batch wait spins a
-        core, which on a small machine takes it from the engine's own threads and the
-        receiver. Each piece is its own request because some engine versions report a
-        multi-request batch's status from its first request only."""
-        engine, session = self.engine, request.session
-        if session not in self._warm and pairs:
-            # The first write to a session opens the engine's connection (handshake) and is
-            # slow; one small write first, bounded, so the rest starts on a warm connection.
-            src, dst, size = pairs[0]
-            first = (src, dst, min(size, WARMUP_BYTES))
-            request.writes_submitted = True
-            rc = bounded(
-                lambda: engine.transfer_sync_write(session, *first),
-                self.deadline_s,
-                f"the first write to {session}",
-            )
-            if rc != 0:
-                raise PDTransferError(
-                    f"the TransferEngine's writes to {session} failed ({rc}): the decode "
-                    f"process is gone or refused the addresses"
-                )
-            self._warm.add(session)
-        pending: dict[int, tuple[int, float]] = {}  # request id -> (bytes, submitted at)
-        in_flight = 0
-        pause = _POLL_MIN_S
-        i = 0
-        while i < len(pairs) or pending:
-            while i < len(pairs) and (not pending or in_flight + pairs[i][2] <= self.batch_bytes):
-                ready, _, _ = select.select([request.conn], [], [], 0)
-                if ready:  # The decode side only ever closes the connection before our reply.
-                    raise PDTransferError("the decode process closed the connection (it gave up)")
-                src, dst, size = pairs[i]
-                request.writes_submitted = True
-                rid = engine.transfer_submit_write(session, src, dst, size)
-                if rid < 0:
-                    raise PDTransferError(
-                        f"submitting a write to {session} returned {rid}: the decode process "
-                        f"is gone or refused the addresses"
-                    )
-                pending[rid] = (size, time.monotonic())
-                in_flight += size
-                i += 1
-            done = []
-            for rid, (size, submitted) in pending.items():
-                status = engine.transfer_check_status(rid)
-                if status == 1:
-                    done.append(rid)
-                elif status < 0:
-                    raise PDTransferError(
-                        f"the TransferEngine's writes to {session} failed ({status}): the "
-                        f"decode process is gone or refused the addresses"
-                    )
-                elif time.monotonic() - submitted > self.deadline_s:
-                    raise PDTransferError(
-                        f"a write of {size} bytes to {session} was not acknowledged within "
-                        f"{self.deadline_s:.3g} s"
-                    )
-            for rid in done:
-                in_flight -= pending.pop(rid)[0]
-            if done:
-                pause = _POLL_MIN_S
-            elif pending:
-                time.sleep(pause)
-                pause = min(2 * pause, _POLL_MAX_S)
 
     def serve_one(
         self,

@@ -28,6 +28,7 @@ from jax_tpusync import pd_transfer
 from jax_tpusync.bench import tiny_decoder
 from jax_tpusync.bench.common import start_child
 from jax_tpusync.pd_transfer import KVReceiver, KVSender, PDTransferError
+from jax_tpusync.pd_writes import head_pieces
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # pd_peers, here and in children.
 import pd_peers
@@ -320,6 +321,20 @@ def _send_fails(engine, match, *, told, **kw):
         assert "slot 0 from" in error and told in error, error
         assert int(rx_cache.capacity[0]) == 0 and rx_cache.free_blocks == free
         return took, engine
+
+
+def test_pieces_split_where_a_run_ends_on_either_side_and_at_piece_bytes():
+    source = {"heads": [0, 2], "runs": [[[1000, 10]], [[2000, 4], [3000, 4]]]}
+    destination = {"heads": [0, 2], "runs": [[[50, 6], [80, 4]], [[90, 8]]]}
+    assert head_pieces(source, destination, 5) == [
+        (1000, 50, 5),
+        (1005, 55, 1),
+        (1006, 80, 4),
+        (2000, 90, 4),
+        (3000, 94, 4),
+    ]
+    with pytest.raises(ValueError, match=r"heads \[0, 1\] sent to the pool of heads \(0, 2\)"):
+        head_pieces(source, {**destination, "heads": [0, 1]}, 5)
 
 
 def test_a_refused_submission_fails_the_send_and_the_decode_side_is_told():
