@@ -16,6 +16,14 @@ from pathlib import Path
 _DEVICES_FLAG = "--xla_force_host_platform_device_count"
 if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}=4".strip()
+# Compiling many small programs is most of the suite's time, and LLVM's optimization passes
+# most of each compile on the CPU backend (test_pool_attention.py: 83 s with them, 51 s
+# without). The tests check values, which the passes do not change, not speed; the
+# benchmarks (python -m jax_tpusync.bench) run outside the suite, optimized. TPU compiles
+# (tests/tpu) are unaffected by this flag.
+_LLVM_OPT_FLAG = "--xla_backend_optimization_level"
+if _LLVM_OPT_FLAG not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += f" {_LLVM_OPT_FLAG}=0"
 
 # libtpu (installed for tests/tpu's compile-only checks) takes a host-wide lock file when
 # JAX starts unless told not to: with it, the test processes and the compiles they spawn

@@ -43,7 +43,7 @@ def abstract_params(cfg, sharding):
 
 def main(topology: str, contexts: list[int]) -> None:
     devices = tpu_compile.tpu_devices(topology)
-    cfg = model.ModelConfig(layers=8, d_model=2048, q_heads=16, kv_heads=8, head_dim=128,
+    cfg = model.ModelConfig(layers=4, d_model=2048, q_heads=16, kv_heads=8, head_dim=128,
                             ffn=5632, vocab=32000, dtype=jnp.bfloat16)  # fmt: skip
     for context in contexts:
         config = CacheConfig.from_kwargs(
