@@ -80,15 +80,6 @@ def checked_config(
         )
     config = CacheConfig.from_kwargs(**options)
     config.geometry.check_one_cache()  # A ring needs every layer to share one window.
-    if mesh is not None and config.tier.persistent and config.geometry.quantized:
-        name = "shm_name" if config.tier.kind == "host" else "file_name"
-        raise ValueError(
-            f"{name}={getattr(config.tier, name)!r} with mesh= and "
-            f"tier_dtype={config.geometry.tier_dtype.name!r}: a quantized pool over a mesh "
-            f"is not persisted yet (its rows hold every head's codes, then the scales: "
-            f"the devices' rows do not join into the tier's); persist unquantized rows "
-            f"or one device (host-pool cache)"
-        )
     if mesh is None:
         if kv_heads_axis is not None or batch_axis is not None:
             raise ValueError("kv_heads_axis and batch_axis need mesh= (host-pool cache)")

@@ -29,9 +29,11 @@ blocks between the two, between steps:
 
 Over a mesh (``kv_heads_axis``) each device's pool holds its own heads: the tier holds every
 head, as a one-device cache's does (a token's K row is the shards' K rows in head order),
-so a flush joins the shards' rows of each block and a restore splits them again. Quantized
-rows (codes of every head, then every scale) do not join that way: a quantized pool over a
-mesh is refused persistence by the cache.
+so a flush joins the shards' rows of each block and a restore splits them again. A
+quantized row (every head's codes, then every scale, then padding) is joined by part: the
+shards' codes in head order, then their scales, padded as one row of every head
+(:func:`~jax_tpusync.quantize.join_row_shards`), so the tier is the one-device layout
+here too, and a restore splits codes and scales back per shard.
 
 Blocks a prefix level imports (into the pool only once the admission is applied to a state)
 are written to the tier at once (:meth:`PoolTier.write_payloads`), since the index holds
@@ -51,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tpusync import pool_blocks
+from jax_tpusync import pool_blocks, quantize
 from jax_tpusync.engine import Engine
 from jax_tpusync.host_io import HostRows
 from jax_tpusync.host_pool import PoolLayout
@@ -185,14 +187,32 @@ class PoolTier:
 
     def write_payloads(self, payloads: dict[int, np.ndarray]) -> None:
         """Writes blocks a prefix level imported (:class:`~jax_tpusync.pool_blocks.PoolBlocks`
-        payloads: every layer's rows, K then V per row, every head's) to the tier, in its
+        payloads: every layer's rows, K then V per row, each shard's) to the tier, in its
         layout."""
         spec = self.layout.spec
         for block, payload in payloads.items():
-            rows = np.asarray(payload).reshape(spec.num_layers, spec.block_tokens, 2, -1)
+            rows = np.asarray(payload).reshape(
+                spec.num_layers, spec.block_tokens, 2, self.shards, spec.row_bytes
+            )
             # -> [layer, K|V, block_tokens, row bytes of every head]: the tier's regions.
-            tier = np.ascontiguousarray(rows.transpose(0, 2, 1, 3))
-            self.store.write_block(int(block), tier.reshape(-1))
+            tier = self._joined(rows.transpose(0, 2, 1, 3, 4))
+            self.store.write_block(int(block), np.ascontiguousarray(tier).reshape(-1))
+
+    def _joined(self, rows: np.ndarray) -> np.ndarray:
+        """uint8[..., shards, row bytes of one shard] -> uint8[..., the tier's row bytes]:
+        the shards' rows of one token as the tier's row of every head (see the module)."""
+        spec = self.layout.spec
+        if self.shards > 1 and spec.quantized:
+            return quantize.join_row_shards(rows, spec.num_kv_heads, spec.head_dim)
+        return rows.reshape(*rows.shape[:-2], -1)
+
+    def _split(self, rows: np.ndarray) -> np.ndarray:
+        """:meth:`_joined` undone: uint8[..., the tier's row bytes] -> uint8[..., shards,
+        row bytes of one shard]."""
+        spec = self.layout.spec
+        if self.shards > 1 and spec.quantized:
+            return quantize.split_row_shards(rows, self.shards, spec.num_kv_heads, spec.head_dim)
+        return rows.reshape(*rows.shape[:-1], self.shards, spec.row_bytes)
 
     # -- flush and restore ------------------------------------------------------------------
 
@@ -255,8 +275,8 @@ class PoolTier:
         store, bb = self.store, self.spec.block_bytes
         bt, rb = self.layout.spec.block_tokens, self.layout.spec.row_bytes
         rows = rows.view(np.uint8).reshape(self.shards, len(pairs), bt, 2, rb)
-        # [n, K|V, block_tokens, shard, row bytes]: each (block, K|V) one tier block's bytes.
-        data = np.ascontiguousarray(rows.transpose(1, 3, 2, 0, 4))
+        # [n, K|V, block_tokens, tier row]: each (block, K|V) one tier block's bytes.
+        data = np.ascontiguousarray(self._joined(rows.transpose(1, 3, 2, 0, 4)))
         segments = [
             (store.locate(layer * 2 + kv, block)[1], (i * 2 + kv) * bb, bb)
             for i, (layer, block) in enumerate(pairs)
@@ -278,7 +298,7 @@ class PoolTier:
         slot's below ``lengths`` (the committed ones) and every block the prefix index
         holds, read from the tier; zeros elsewhere."""
         spec, layout = self.layout.spec, self.layout
-        bt, rb = spec.block_tokens, spec.row_bytes
+        bt = spec.block_tokens
         tables = self.slots.tables
         held: set[int] = {int(e.block) for e in self.slots.prefix.entries_in_order()}
         for b, n in enumerate(np.asarray(lengths, np.int64).tolist()):
@@ -292,7 +312,7 @@ class PoolTier:
             for block, payload in zip(batch, self.store.read_blocks(batch)):
                 # Regions (layer, K|V) of block_tokens rows of every shard's heads -> per
                 # shard and layer, rows of K then V.
-                rows = payload.reshape(spec.num_layers, 2, bt, self.shards, rb)
+                rows = self._split(payload.reshape(spec.num_layers, 2, bt, -1))
                 rows = rows.transpose(3, 0, 2, 1, 4).reshape(self.shards, spec.num_layers, bt, -1)
                 for layer in range(spec.num_layers):
                     first = layout.block_row(layer, block)

@@ -60,6 +60,45 @@ def join_head_shards(pieces: list[tuple[Any, Any]]) -> tuple[Any, Any]:
     return join([p[0] for p in pieces]), join([p[1] for p in pieces])
 
 
+def join_row_shards(
+    rows: np.ndarray,  # uint8[..., shards, row_bytes(num_kv_heads, head_dim)]
+    num_kv_heads: int,
+    head_dim: int,
+) -> np.ndarray:  # uint8[..., row_bytes(shards * num_kv_heads, head_dim)]
+    """Quantized rows of head shards (each of ``num_kv_heads`` heads, in head order) as
+    the rows of every head: every shard's codes, then every shard's scales, then zero
+    padding, as :func:`quantize` of every head lays out one row. (Concatenating the
+    shards' rows would interleave codes and scales, and pad each.)"""
+    *lead, shards, _ = rows.shape
+    codes_end = num_kv_heads * head_dim
+    scales_end = codes_end + num_kv_heads * SCALE_DTYPE.itemsize
+    out = np.zeros((*lead, row_bytes(shards * num_kv_heads, head_dim)), np.uint8)
+    out[..., : shards * codes_end] = rows[..., :codes_end].reshape(*lead, -1)
+    out[..., shards * codes_end : shards * scales_end] = rows[..., codes_end:scales_end].reshape(
+        *lead, -1
+    )
+    return out
+
+
+def split_row_shards(
+    rows: np.ndarray,  # uint8[..., row_bytes(shards * num_kv_heads, head_dim)]
+    shards: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> np.ndarray:  # uint8[..., shards, row_bytes(num_kv_heads, head_dim)]
+    """:func:`join_row_shards` undone: rows of every head as ``shards`` head shards' rows
+    of ``num_kv_heads`` heads each (codes, scales, zero padding apiece)."""
+    *lead, _ = rows.shape
+    codes_end = num_kv_heads * head_dim
+    scales_end = codes_end + num_kv_heads * SCALE_DTYPE.itemsize
+    out = np.zeros((*lead, shards, row_bytes(num_kv_heads, head_dim)), np.uint8)
+    out[..., :codes_end] = rows[..., : shards * codes_end].reshape(*lead, shards, codes_end)
+    out[..., codes_end:scales_end] = rows[..., shards * codes_end : shards * scales_end].reshape(
+        *lead, shards, scales_end - codes_end
+    )
+    return out
+
+
 def tier_dtype_of(tier_dtype: Any) -> np.dtype | None:
     """``tier_dtype`` as a numpy dtype (None stays None); refuses anything else by name."""
     if tier_dtype is None:

@@ -308,3 +308,22 @@ def test_quantized_and_plain_caches_never_share_prefix_keys():
     ):
         roots = {a.slots.prefix.root, b.slots.prefix.root, c.slots.prefix.root}
         assert len(roots) == 3
+
+
+@pytest.mark.parametrize("tier_dtype", ["int8", "float8_e4m3fn"])
+def test_head_shards_rows_join_into_the_row_of_every_head_and_split_back(tier_dtype):
+    # Two shards of two heads of 8: 24 bytes of codes and scales, padded to 32 each; the
+    # row of all four heads: 48 bytes, padded to 48. Joined, the shards' rows are what
+    # quantizing every head writes (a host pool over a mesh persists its rows so).
+    x = np.random.default_rng(4).standard_normal((3, 5, 4, 8)).astype(np.float32)
+    whole = quantize.quantize_host(x, np.dtype(tier_dtype))
+    shards = np.stack(
+        [
+            quantize.quantize_host(x[..., s * 2 : s * 2 + 2, :], np.dtype(tier_dtype))
+            for s in (0, 1)
+        ],
+        axis=-2,
+    )  # [3, 5, shards, 32]
+    assert whole.shape == (3, 5, 48) and shards.shape == (3, 5, 2, 32)
+    np.testing.assert_array_equal(quantize.join_row_shards(shards, 2, 8), whole)
+    np.testing.assert_array_equal(quantize.split_row_shards(whole, 2, 2, 8), shards)

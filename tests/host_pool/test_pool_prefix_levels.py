@@ -156,9 +156,13 @@ def check_rows(cache, state, slot, kv):
         np.testing.assert_array_equal(v, kv[layer, 1, :16])
 
 
-@pytest.mark.parametrize("devices", [1, 2], ids=["one-device", "mesh"])
+@pytest.mark.parametrize(
+    "devices, rows",
+    [(1, {}), (2, {}), (2, dict(tier_dtype="int8"))],
+    ids=["one-device", "mesh", "mesh-int8"],
+)
 def test_imported_blocks_of_a_persistent_pool_are_committed_and_mapped_after_a_restart(
-    tmp_path, devices
+    tmp_path, devices, rows
 ):
     shared, data = tmp_path / "shared", tmp_path / "data"
     shared.mkdir()
@@ -166,15 +170,20 @@ def test_imported_blocks_of_a_persistent_pool_are_committed_and_mapped_after_a_r
     rng = np.random.default_rng(2)
     prompt = rng.integers(0, 1000, 17)
     kv = rng.standard_normal((LAYERS, 2, 17, HEADS, HEAD_DIM)).astype(jnp.bfloat16)
-    writer = make_cache(shared)  # One device: its blocks are a mesh pool's too.
+    # One device: its blocks are a mesh pool's too, unless quantized (keyed apart by the
+    # devices: a mesh writes them). Quantized blocks reach the tier with every head's codes
+    # joined, then the scales, as a flush writes rows.
+    raw = bool(rows)
+    writer = make_cache(shared, **rows, **(mesh_options(devices) if raw else {}))
     state = writer.init(admit=False)
     state, _ = writer.admit(state, 0, max_tokens=32, tokens=prompt)
     for layer in range(LAYERS):
         state = writer.load(state, layer, kv[layer, 0], kv[layer, 1], slot=0)
+    published = [writer.read(state, layer, 0, 0, 16, raw=raw) for layer in range(LAYERS)]
     writer.release(state, 0, tokens=prompt)
     writer.close()
 
-    persistent = dict(tier="file", path=str(data), file_name="kv", **mesh_options(devices))
+    persistent = dict(tier="file", path=str(data), file_name="kv", **rows, **mesh_options(devices))
     reader = make_cache(shared, **persistent)
     state = reader.init(admit=False)
     # The imported blocks reach the tier at the reservation: the index holds them from then.
@@ -190,9 +199,11 @@ def test_imported_blocks_of_a_persistent_pool_are_committed_and_mapped_after_a_r
     state = reader.init()
     np.testing.assert_array_equal(reader.lengths(state), [16, 0])
     for layer in range(LAYERS):
-        k, v = reader.read(state, layer, 0)
-        np.testing.assert_array_equal(k, kv[layer, 0, :16])
-        np.testing.assert_array_equal(v, kv[layer, 1, :16])
+        got = reader.read(state, layer, 0, raw=raw)
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(published[layer])):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    if not raw:  # The rows loaded, K of the last layer.
+        np.testing.assert_array_equal(got[0], kv[-1, 0, :16])
     reader.close()
 
 
