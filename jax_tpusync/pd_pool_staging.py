@@ -30,6 +30,7 @@ import numpy as np
 
 from jax_tpusync import transfer_memory
 from jax_tpusync.pd_channel import PDTransferError
+from jax_tpusync.pd_pools import check_not_a_ring, head_split
 from jax_tpusync.pool_cache import HostPoolKVCache
 from jax_tpusync.pool_stored_rows import row_bytes
 
@@ -51,21 +52,6 @@ class _Buffer:
     until: float = 0.0  # Set aside until this time (retired buffers).
 
 
-def check_pool_cache(cache: HostPoolKVCache, role: str) -> None:
-    """Refuses a host-pool cache that cannot take part, naming why."""
-    if cache.spec.ring_blocks:
-        raise ValueError(
-            f"{role}: a cache that keeps only its window (max_step_tokens) cannot take part in "
-            f"P/D transfer (its positions wrap around a ring of blocks)"
-        )
-
-
-def pool_head_split(cache: HostPoolKVCache) -> list[list[int]]:
-    """``[[lo, hi], ...]``: the KV head ranges of the cache's shards, in head order."""
-    per = cache.spec.num_kv_heads
-    return [[s * per, (s + 1) * per] for s in range(cache.shards)]
-
-
 class PoolStaging:
     """The staging buffer of a host-pool cache on one TransferEngine (see the module).
 
@@ -78,12 +64,12 @@ class PoolStaging:
     """
 
     def __init__(self, cache: HostPoolKVCache, engine: Any, role: str, *, populate: bool = True):
-        check_pool_cache(cache, role)
+        check_not_a_ring(cache, role)
         self.cache = cache
         self.engine = engine
         self.role = role
         self.populate = populate
-        self.heads = [tuple(h) for h in pool_head_split(cache)]
+        self.heads = [tuple(h) for h in head_split(cache)]
         self._current: _Buffer | None = None
         self._retired: list[_Buffer] = []
 

@@ -17,7 +17,6 @@ from jax_tpusync.cache import OffloadedKVCache
 from jax_tpusync.config import is_int
 from jax_tpusync.mesh import ShardedKVCache
 from jax_tpusync.pd_channel import PDTransferError
-from jax_tpusync.pd_pool_staging import pool_head_split
 from jax_tpusync.pool_cache import HostPoolKVCache
 
 
@@ -37,12 +36,13 @@ class HeadPool:
 def head_split(cache: OffloadedKVCache | ShardedKVCache | HostPoolKVCache) -> list[list[int]]:
     """``[[lo, hi], ...]``: the KV head ranges ``cache``'s shards hold, in head order (one
     range, all heads, for a one-device cache)."""
-    if isinstance(cache, HostPoolKVCache):
-        return pool_head_split(cache)
-    if isinstance(cache, ShardedKVCache):
-        tp, per = cache.layout.tp, cache.shard_spec.num_kv_heads
-        return [[t * per, (t + 1) * per] for t in range(tp)]
-    return [[0, cache.spec.num_kv_heads]]
+    if isinstance(cache, HostPoolKVCache):  # Its spec is one shard's.
+        shards, per = cache.shards, cache.spec.num_kv_heads
+    elif isinstance(cache, ShardedKVCache):
+        shards, per = cache.layout.tp, cache.shard_spec.num_kv_heads
+    else:
+        shards, per = 1, cache.spec.num_kv_heads
+    return [[s * per, (s + 1) * per] for s in range(shards)]
 
 
 def layout_of(cache: OffloadedKVCache | ShardedKVCache | HostPoolKVCache) -> dict:
@@ -76,14 +76,20 @@ def layout_mismatch(ours: dict, theirs: Any) -> str | None:
     return "; ".join(diff) or None
 
 
-def _check_pool(cache: Any, role: str) -> tuple[int, int]:
-    """(address, bytes) of a one-device cache's host pool, after refusing what cannot take
-    part."""
+def check_not_a_ring(cache: OffloadedKVCache | HostPoolKVCache, role: str) -> None:
+    """Refuses a cache that keeps only its window: its positions wrap around a ring of
+    blocks, so a slot's rows are not where another process would write or read them."""
     if cache.spec.ring_blocks:
         raise ValueError(
             f"{role}: a cache that keeps only its window (max_step_tokens) cannot take part in "
             f"P/D transfer (its positions wrap around a ring of blocks)"
         )
+
+
+def _check_pool(cache: Any, role: str) -> tuple[int, int]:
+    """(address, bytes) of a one-device cache's host pool, after refusing what cannot take
+    part."""
+    check_not_a_ring(cache, role)
     info = cache.engine.tier_info(cache.tier)
     if info.read_only:
         raise ValueError(f"{role}: the cache's tier is attached read-only")
