@@ -23,8 +23,6 @@ from jax_tpusync.mooncake_level import make_level
 # (``tier="file"`` and ``path`` are taken with ``file_name`` alone: the file is the pool's
 # persistent copy.)
 NOT_YET = {
-    "spill_path": (None, "spill tiers are not on the host-pool path yet"),
-    "spill_blocks": (None, "spill tiers are not on the host-pool path yet"),
     "resident": (False, "a resident cache needs no pool"),
     "read_in_place": ("auto", "the pool is always copied to the device by unit"),
     "debug_poison": (False, "poisoned fetches are an engine feature"),
@@ -80,6 +78,8 @@ def checked_config(
         )
     config = CacheConfig.from_kwargs(**options)
     config.geometry.check_one_cache()  # A ring needs every layer to share one window.
+    if config.two_level:
+        check_spill(config, options, mesh)
     if mesh is None:
         if kv_heads_axis is not None or batch_axis is not None:
             raise ValueError("kv_heads_axis and batch_axis need mesh= (host-pool cache)")
@@ -100,6 +100,32 @@ def checked_config(
             f"host-pool path yet; split the heads over kv_heads_axis (host-pool cache)"
         )
     return config, Placement(None, mesh_layout, mesh.devices.flat[0].device_kind)
+
+
+def check_spill(config: CacheConfig, options: dict[str, Any], mesh: Mesh | None) -> None:
+    """Refuses, by name, what a host pool's spill tier (``spill_path``) does not go with
+    (see :mod:`jax_tpusync.pool_spill`). (Persistence with it is refused by the config, as
+    on the engine cache.)"""
+    path = config.tier.spill_path
+    if mesh is not None:
+        raise ValueError(
+            f"spill_path={path!r} with mesh=: spill_path (a two-level cache) is not "
+            f"supported on a mesh yet, as on the engine cache; drop one of them (host-pool "
+            f"cache)"
+        )
+    if config.geometry.bounds_windows:
+        raise ValueError(
+            f"spill_path={path!r} with max_step_tokens={config.geometry.step_tokens}: a pool "
+            f"that keeps only each slot's sliding window caches windows host-side, never "
+            f"prefix blocks, so nothing would spill; drop one of them (host-pool cache)"
+        )
+    promote_after = options.get("promote_after", 2)
+    if promote_after != 2:
+        raise ValueError(
+            f"promote_after={promote_after!r}: a host pool promotes every spill block at "
+            f"the admission that maps it (its step reads only the pool); leave "
+            f"promote_after out (host-pool cache)"
+        )
 
 
 def open_levels(config: CacheConfig, **level_layout: Any) -> tuple[list[Any], list[Any]]:

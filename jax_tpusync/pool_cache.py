@@ -97,6 +97,7 @@ from jax_tpusync.mesh_layout import MeshLayout
 from jax_tpusync.parts import restart_part
 from jax_tpusync.pool_imports import PendingImports
 from jax_tpusync.pool_persistence import PoolTier
+from jax_tpusync.pool_spill import PoolSpillTier, check_pool_ids
 from jax_tpusync.pool_windows import WindowCopyStore
 from jax_tpusync.slots import Admission, SlotTable
 from jax_tpusync.state import CacheSpec
@@ -241,6 +242,7 @@ class HostPoolKVCache:
             block_tokens=g.block_tokens,
             num_blocks=g.num_blocks,
             root=root,
+            spill_blocks=config.spill_blocks,
             store=self._blocks if self._windows is None else self._windows,
             remote_levels=remote,
             before_reuse=None if p is None else p.note_evicted,
@@ -279,6 +281,22 @@ class HostPoolKVCache:
             self._windows,
             imported=None if self._tier is None else self._tier.write_payloads,
         )
+        # Cached prefix blocks the pool has no room for (None: evicted); see pool_spill.
+        self._spill: PoolSpillTier | None = None
+        if config.two_level:
+            try:
+                self._spill = PoolSpillTier.open(
+                    config.tier.spill_path,
+                    config.spill_blocks,
+                    self.layout,
+                    self._blocks,
+                    self.slots.allocators,
+                    pending=(self._imports.payloads_of, self._imports.forget),
+                )
+            except Exception:
+                self._close_levels()
+                raise
+            self.slots.use_mover(self._spill)
         logger.info(
             "host-pool KV cache: %.1f MiB pool, %.1f MiB staging, chunk_len=%d (per device of %d)",
             self.layout.pool_bytes / 2**20,
@@ -323,6 +341,14 @@ class HostPoolKVCache:
         """Host memory of the pool (every layer's blocks and the sink), all devices'."""
         return self.shards * self.layout.pool_bytes
 
+    @property
+    def prefix_stats(self) -> dict:
+        """The prefix index's counts (``indexed_blocks``, ``cached_blocks``, ``hits``,
+        ``evictions``), each prefix level's and, with a spill tier, its moves
+        (``spill_free_blocks``, ``demoted``, ``promoted``, ``spill_hits``), as
+        :attr:`jax_tpusync.OffloadedKVCache.prefix_stats`."""
+        return self.slots.stats()
+
     def init(
         self, lengths: Sequence[int] | np.ndarray | None = None, *, admit: bool = True
     ) -> PoolState:
@@ -349,7 +375,7 @@ class HostPoolKVCache:
             if self._restored_lengths is not None:
                 pool = self._tier.restored_pool(self.persistence.committed_lengths)
             self._tier.started(lengths, self._restored_lengths)
-        state = self._live(self._state(lengths, self.slots.tables, self.slots.capacity, pool))
+        state = self._live(self._state(lengths, self._tables(), self.slots.capacity, pool))
         self._initialized = True
         self._loaded.reset()
         return state
@@ -430,11 +456,18 @@ class HostPoolKVCache:
                 f"and admit it with a larger max_tokens"
             )
 
+    def _tables(self) -> np.ndarray:
+        """int32[batch, max_blocks]: the slot table's block tables, as a state carries
+        them: ids of pool blocks only (a spill block there is a bug, refused)."""
+        tables = np.asarray(self.slots.tables, np.int32)
+        check_pool_ids(tables, self.spec.num_blocks)
+        return tables
+
     def _with_slots(self, state: PoolState, lengths: np.ndarray) -> PoolState:
         return self._unstaged(
             state.replace(
                 lengths=self._placed(np.asarray(lengths, np.int32)),
-                block_table=self._placed(np.asarray(self.slots.tables, np.int32)),
+                block_table=self._placed(self._tables()),
                 capacity=self._placed(np.asarray(self.slots.capacity, np.int32)),
             )
         )
@@ -562,8 +595,17 @@ class HostPoolKVCache:
     ) -> tuple[PoolState, int]:
         """Reserves blocks for a new sequence in ``slot``; returns ``(state, cached)``, as
         :meth:`jax_tpusync.OffloadedKVCache.admit` does (a prefix of ``tokens`` that the
-        prefix index holds is mapped read-only)."""
-        return admit_by_reservation(self, state, slot, max_tokens, tokens)  # Checks state.
+        prefix index holds is mapped read-only). With a spill tier, cached blocks the
+        admission needs room for are demoted out of ``state``'s pool, and spill blocks it
+        maps are promoted into it (:mod:`jax_tpusync.pool_spill`)."""
+        if self._spill is None:
+            return admit_by_reservation(self, state, slot, max_tokens, tokens)  # Checks state.
+        self.check(state)  # Before its pool is read.
+        self._spill.reading(state.pool)  # What demotions read: this state's pool.
+        try:
+            return admit_by_reservation(self, state, slot, max_tokens, tokens)
+        finally:
+            self._spill.reading(None)
 
     def reserve(
         self,
@@ -888,6 +930,11 @@ class HostPoolKVCache:
             except Exception as e:  # noqa: BLE001 - reported; the last commit stands.
                 logger.error("final commit failed; the last successful commit stands: %s", e)
         self._closed = True
+        if self._spill is not None:
+            try:
+                self._spill.close()
+            except Exception as e:  # noqa: BLE001 - closing must not raise.
+                logger.error("closing the spill tier's engine: %s", e)
         if self._tier is not None:
             try:
                 self._tier.close()

@@ -102,6 +102,19 @@ class PendingImports:
             kept,
         )
 
+    def payloads_of(self, blocks: list[int]) -> dict[int, np.ndarray]:
+        """The pending payloads of those of ``blocks`` that no pool holds yet (their bytes
+        are these, not the pool's), by block."""
+        return {b: self._payloads[b] for b in blocks if b in self._payloads}
+
+    def forget(self, blocks: list[int]) -> None:
+        """Drops the pending writes of ``blocks``: their bytes moved elsewhere (a spill
+        tier) and the blocks are free, so no pool must receive them."""
+        for block in blocks:
+            self._payloads.pop(block, None)
+        for slot, pending in self._by_slot.items():
+            self._by_slot[slot] = [b for b in pending if b not in blocks]
+
     def apply(self, slot: int, pool: jax.Array) -> jax.Array:
         """At ``slot``'s admission: ``pool`` (donated) with every pending write in it, this
         reservation's and any other's (see the module); nothing is pending after."""

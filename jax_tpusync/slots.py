@@ -252,9 +252,10 @@ class SlotTable:
         """Keys of up to ``limit`` cached DRAM blocks that eviction (or demotion) can free."""
         return self.prefix.cached_where(self._in_dram, limit)
 
-    def _allocate(self, count: int) -> np.ndarray:
-        """``count`` fresh DRAM blocks, room made first; raises naming the shortfall."""
-        if not self.make_room(count):
+    def _allocate(self, count: int, keep_free: int = 0) -> np.ndarray:
+        """``count`` fresh DRAM blocks, room made first for them and ``keep_free`` more
+        (left free for the caller); raises naming the shortfall."""
+        if not self.make_room(count + keep_free):
             cached = self.prefix.cached_blocks
             evictable = (
                 "none is left to evict"
@@ -262,7 +263,7 @@ class SlotTable:
                 else f"evicting all {cached} cached prefix blocks would not make up the rest"
             )
             raise ValueError(
-                f"needs {count} KV blocks but only {self.dram.free_blocks} of "
+                f"needs {count + keep_free} KV blocks but only {self.dram.free_blocks} of "
                 f"{self.num_blocks} are free and {evictable} (the others are "
                 f"held by active slots{', or pinned prefix blocks' if len(self.prefix) else ''}); "
                 f"release a slot, or make the cache with more num_blocks"
@@ -323,7 +324,10 @@ class SlotTable:
                 hits = len(shared)
                 shared += self._import(ids, len(shared), limit)
             n = self.blocks_for(max_tokens)
-            fresh = self._allocate(n - len(shared))
+            # Blocks the mover must promote take free DRAM blocks too (made free here, so
+            # that a refusal comes before anything maps or moves).
+            promoting = 0 if self.mover is None else self.mover.promotion_room(shared)
+            fresh = self._allocate(n - len(shared), keep_free=promoting)
         except Exception:
             self.prefix.unpin(shared)
             self.prefix.hits -= hits

@@ -50,38 +50,18 @@ if TYPE_CHECKING:
     from jax_tpusync.prefix import PrefixIndex
 
 
-class SpillTier:
-    """The spill tier of one cache and the moves between it and the DRAM tier.
+class SpillPolicy:
+    """Which cached blocks move between the DRAM tier and the spill tier, and when: the
+    part of a two-level cache's spill mover that does not depend on where the two tiers'
+    bytes are (see the module docstring). A subclass copies the blocks (:meth:`_copy`).
 
     Args:
-      engine: the cache's engine.
-      dram_tier, spill_tier: the two tiers' indices on it.
-      dram_first, spill_first: the first tier block of the cache's allocation on each.
       allocators: the cache's :class:`LevelAllocators`.
-      regions: (layer, K|V) regions per block (``num_layers * 2``).
-      block_bytes: bytes of one block of one region.
       promote_after: admissions mapping a spill block before it is promoted (None: never).
     """
 
-    def __init__(
-        self,
-        engine: Engine,
-        *,
-        dram_tier: int,
-        spill_tier: int,
-        dram_first: int,
-        spill_first: int,
-        allocators: LevelAllocators,
-        regions: int,
-        block_bytes: int,
-        promote_after: int | None,
-    ):
-        self.engine = engine
-        self.dram_tier, self.spill_tier = dram_tier, spill_tier
-        self.dram_first, self.spill_first = dram_first, spill_first
+    def __init__(self, *, allocators: LevelAllocators, promote_after: int | None):
         self.allocators = allocators
-        self.regions = regions
-        self.block_bytes = block_bytes
         self.promote_after = promote_after
         self.demoted = 0  # Blocks copied DRAM -> spill.
         self.promoted = 0  # Blocks copied spill -> DRAM.
@@ -91,30 +71,23 @@ class SpillTier:
     def num_dram(self) -> int:
         return self.allocators.dram.num_blocks
 
-    def locate(self, region: int, block: int) -> tuple[int, int]:
-        """(tier, tier byte offset) of table id ``block`` in ``region`` (layer * 2 + K|V)."""
-        if block >= self.num_dram:
-            local = block - self.num_dram
-            n, first, tier = self.allocators.spill.num_blocks, self.spill_first, self.spill_tier
-        else:
-            local, n, first, tier = block, self.num_dram, self.dram_first, self.dram_tier
-        return tier, (first + region * n + local) * self.block_bytes
+    def _copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies every region of each (source id, destination id) block (table ids: one
+        side of each pair a DRAM id, the other a spill id)."""
+        raise NotImplementedError
+
+    def promotion_room(self, shared: list[int]) -> int:
+        """Free DRAM blocks an admission mapping ``shared`` needs besides its own, for the
+        spill blocks it must promote (made free, by demotion or eviction, before the
+        admission maps anything). 0: promotion takes only blocks that are free anyway."""
+        return 0
+
+    def can_demote(self) -> bool:
+        """Whether DRAM blocks' bytes can be read now (False: :meth:`demote` moves nothing,
+        and the slot table evicts instead)."""
+        return True
 
     # -- moves --------------------------------------------------------------------------------
-
-    def _copy(self, pairs: list[tuple[int, int]]) -> None:
-        """Copies every region of each (source id, destination id) block, one read of all
-        sources and one write of all destinations."""
-        size = self.regions * self.block_bytes
-        buf = np.empty(len(pairs) * size, np.uint8)
-        reads, writes = [], []
-        for j, (src, dst) in enumerate(pairs):
-            for region in range(self.regions):
-                mem = j * size + region * self.block_bytes
-                reads.append((*self.locate(region, src), mem, self.block_bytes))
-                writes.append((*self.locate(region, dst), mem, self.block_bytes))
-        self.engine.transfer(reads, buf, write=False)
-        self.engine.transfer(writes, buf, write=True)
 
     def _spill_room(self, prefix: PrefixIndex, count: int) -> int:
         """Frees spill blocks (evicting cached ones, least recently used first) until
@@ -129,6 +102,8 @@ class SpillTier:
         """Moves cached DRAM prefix blocks to the spill tier, least recently used first,
         until ``want_free`` DRAM blocks are free or nothing more can move."""
         dram, in_dram = self.allocators.dram, self.allocators.in_dram
+        if not self.can_demote():
+            return
         while dram.free_blocks < want_free:
             if not prefix.cached_where(in_dram, 1):
                 return
@@ -195,3 +170,61 @@ class SpillTier:
             promoted=self.promoted,
             spill_hits=self.spill_hits,
         )
+
+
+class SpillTier(SpillPolicy):
+    """The spill tier of one engine cache and the moves between it and the DRAM tier, both
+    tiers on the cache's engine.
+
+    Args:
+      engine: the cache's engine.
+      dram_tier, spill_tier: the two tiers' indices on it.
+      dram_first, spill_first: the first tier block of the cache's allocation on each.
+      allocators: the cache's :class:`LevelAllocators`.
+      regions: (layer, K|V) regions per block (``num_layers * 2``).
+      block_bytes: bytes of one block of one region.
+      promote_after: admissions mapping a spill block before it is promoted (None: never).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        dram_tier: int,
+        spill_tier: int,
+        dram_first: int,
+        spill_first: int,
+        allocators: LevelAllocators,
+        regions: int,
+        block_bytes: int,
+        promote_after: int | None,
+    ):
+        super().__init__(allocators=allocators, promote_after=promote_after)
+        self.engine = engine
+        self.dram_tier, self.spill_tier = dram_tier, spill_tier
+        self.dram_first, self.spill_first = dram_first, spill_first
+        self.regions = regions
+        self.block_bytes = block_bytes
+
+    def locate(self, region: int, block: int) -> tuple[int, int]:
+        """(tier, tier byte offset) of table id ``block`` in ``region`` (layer * 2 + K|V)."""
+        if block >= self.num_dram:
+            local = block - self.num_dram
+            n, first, tier = self.allocators.spill.num_blocks, self.spill_first, self.spill_tier
+        else:
+            local, n, first, tier = block, self.num_dram, self.dram_first, self.dram_tier
+        return tier, (first + region * n + local) * self.block_bytes
+
+    def _copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies every region of each (source id, destination id) block, one read of all
+        sources and one write of all destinations."""
+        size = self.regions * self.block_bytes
+        buf = np.empty(len(pairs) * size, np.uint8)
+        reads, writes = [], []
+        for j, (src, dst) in enumerate(pairs):
+            for region in range(self.regions):
+                mem = j * size + region * self.block_bytes
+                reads.append((*self.locate(region, src), mem, self.block_bytes))
+                writes.append((*self.locate(region, dst), mem, self.block_bytes))
+        self.engine.transfer(reads, buf, write=False)
+        self.engine.transfer(writes, buf, write=True)

@@ -1,0 +1,254 @@
+"""A host pool's spill tier: cached prefix blocks demoted from the pool to a file when the
+pool is full (least recently used first; evicted only when neither tier has room), and
+promoted back into the pool by the admission that maps them, before any step reads them."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import jax_tpusync as tps
+from jax_tpusync.pool_spill import check_pool_ids
+
+H, QH, D, BT, NB, LAYERS = 2, 4, 8, 4, 8, 2  # KV heads, query heads, head size, block tokens
+DOC = list(range(200, 212))  # 12 tokens: 3 full blocks.
+
+
+def make_cache(tmp_path, **options):
+    options.setdefault("dtype", jnp.float32)
+    options.setdefault("spill_blocks", 8)
+    return tps.HostPoolKVCache(
+        num_layers=LAYERS, batch=2, max_len=32, num_kv_heads=H, head_dim=D, block_tokens=BT,
+        num_blocks=NB, staging_bytes=1 << 16, spill_path=str(tmp_path), **options,
+    )  # fmt: skip
+
+
+def kv_of(tokens, layer):
+    """The KV a model would compute for ``tokens`` (the same ids, the same rows): [2, n, H, D]."""
+    t = np.asarray(tokens, np.float32)[:, None, None]
+    k = np.cos(t * 0.29 + np.arange(H * D, dtype=np.float32).reshape(1, H, D) * 0.07 + layer)
+    return np.stack([k, 2 * k])
+
+
+def prefill(cache, state, slot, tokens, start=0):
+    dtype = cache.spec.dtype
+    for layer in range(LAYERS):
+        k, v = kv_of(tokens[start:], layer).astype(dtype)
+        state = cache.load(state, layer, k, v, slot=slot, start=start)
+    return state
+
+
+def cache_prompt(cache, state, tokens, slot=0):
+    """``tokens``' KV written by ``slot``, which is released: its full blocks are cached."""
+    state, _ = cache.admit(state, slot, tokens=tokens, max_tokens=16)
+    state = prefill(cache, state, slot, tokens)
+    return cache.release(state, slot, tokens=tokens)
+
+
+def blocks_of(cache, tokens):
+    """The blocks the prefix index holds ``tokens``' full blocks in (ids past NB: spilled)."""
+    return cache.slots.prefix.peek(np.asarray(tokens), len(tokens) // BT)
+
+
+def snapshot(cache, state):
+    """What a refused call must leave as it was."""
+    dram, spill = cache.slots.allocators.dram, cache.slots.allocators.spill
+    return dict(
+        pool=np.asarray(state.pool).copy(),
+        stats=cache.prefix_stats,
+        free=(dram.free_blocks, spill.free_blocks),
+        tables=cache.slots.tables,
+        capacity=cache.capacity,
+        index=[(e.key, e.block, e.refs) for e in cache.slots.prefix.entries_in_order()],
+    )
+
+
+def assert_unchanged(before, after):
+    np.testing.assert_array_equal(after.pop("pool"), before.pop("pool"))
+    np.testing.assert_array_equal(after.pop("tables"), before.pop("tables"))
+    np.testing.assert_array_equal(after.pop("capacity"), before.pop("capacity"))
+    assert after == before
+
+
+@jax.jit
+def qkv(x, layer):
+    q = jnp.broadcast_to(x[:, :, None, :], (x.shape[0], 1, QH, D)) * (layer + 1)
+    return q, q[:, :, :H] * 0.5, -q[:, :, :H]
+
+
+resident_attention = jax.jit(tps.resident_attention)
+
+
+@jax.jit
+def decode_step(state, x):
+    outs = []
+    for layer in range(LAYERS):
+        q, k, v = qkv(x, layer)
+        out, state = tps.prefetching_attention(q, k, v, state, layer=layer)
+        outs.append(out)
+    return outs, state
+
+
+def decode_matches_resident(cache, state, steps=2):
+    """``steps`` decode steps, each against resident attention over the rows the cache
+    holds before it (read back through the tables); returns the state."""
+    rng = np.random.default_rng(1)
+    for _ in range(steps):
+        x = jnp.asarray(rng.standard_normal((2, 1, D)), jnp.float32)
+        lengths = cache.lengths(state)
+        want = []
+        for layer in range(LAYERS):
+            k_all = np.zeros((2, 32, H, D), np.float32)
+            v_all = np.zeros_like(k_all)
+            for b in np.flatnonzero(lengths):
+                k_all[b, : lengths[b]], v_all[b, : lengths[b]] = cache.read(state, layer, int(b))
+            q, k, v = qkv(x, layer)
+            ref, _, _ = resident_attention(
+                q, k, v, jnp.asarray(k_all), jnp.asarray(v_all), jnp.asarray(lengths)
+            )
+            want.append(np.asarray(ref))
+        outs, state = decode_step(state, x)
+        for layer in range(LAYERS):
+            active = lengths > 0
+            np.testing.assert_allclose(
+                np.asarray(outs[layer])[active], want[layer][active], atol=1e-5
+            )
+    return state
+
+
+@pytest.mark.parametrize(
+    "dtype, tier_dtype",
+    [(jnp.float32, None), (jnp.bfloat16, None), (jnp.float32, "int8")],
+    ids=["f32", "bf16", "int8"],
+)
+def test_a_prefix_goes_to_the_spill_tier_and_back_byte_exact(tmp_path, dtype, tier_dtype):
+    with make_cache(tmp_path, dtype=dtype, tier_dtype=tier_dtype) as cache:
+        state = cache.init(admit=False)
+        state, _ = cache.admit(state, 0, tokens=DOC, max_tokens=16)
+        state = prefill(cache, state, 0, DOC)
+        stored = cache.read_stored_rows(state, 0, 0, 12)  # The pool's bytes of the prefix.
+        state = cache.release(state, 0, tokens=DOC)
+        # A sequence taking every pool block: the 3 cached ones move to the spill tier.
+        state, _ = cache.admit(state, 0, max_tokens=NB * BT)
+        stats = cache.prefix_stats
+        assert (stats["demoted"], stats["evictions"], stats["spill_free_blocks"]) == (3, 0, 5)
+        assert min(blocks_of(cache, DOC)) >= NB
+        state = cache.release(state, 0)
+        # An admission mapping them brings them back into the pool before any step.
+        tokens = DOC + [5, 6, 7]
+        state, cached = cache.admit(state, 1, tokens=tokens, max_tokens=20)
+        assert cached == 12
+        assert (cache.slots.table_row(1)[:5] < NB).all()
+        assert (np.asarray(state.block_table)[1, :5] < NB).all()
+        stats = cache.prefix_stats
+        assert (stats["promoted"], stats["spill_hits"], stats["spill_free_blocks"]) == (3, 3, 8)
+        np.testing.assert_array_equal(cache.read_stored_rows(state, 1, 0, 12), stored)
+        if dtype != jnp.float32 or tier_dtype is not None:
+            return
+        # Decode over the promoted prefix, beside a private sequence in slot 0.
+        state = prefill(cache, state, 1, tokens, cached)
+        other = [1, 2, 3, 4, 5, 6, 7]
+        state, _ = cache.admit(state, 0, tokens=other, max_tokens=12)
+        state = prefill(cache, state, 0, other)
+        state = decode_matches_resident(cache, state)
+        assert cache.lengths(state).tolist() == [9, 17]
+        for layer in range(LAYERS):  # Decode wrote past the shared prefix only.
+            np.testing.assert_array_equal(
+                np.stack(cache.read(state, layer, 1, 0, 15)), kv_of(tokens, layer)
+            )
+
+
+def test_demotion_takes_the_least_recent_prefix_and_eviction_waits_for_both_tiers(tmp_path):
+    first, second = list(range(100, 108)), list(range(300, 308))  # 2 blocks each.
+    with make_cache(tmp_path, spill_blocks=2) as cache:
+        state = cache.init(admit=False)
+        state = cache_prompt(cache, state, first)
+        state = cache_prompt(cache, state, second)
+        # 2 of the 4 cached blocks must go: the least recently used prompt, to the spill.
+        state, _ = cache.admit(state, 0, max_tokens=6 * BT)
+        assert min(blocks_of(cache, first)) >= NB and max(blocks_of(cache, second)) < NB
+        stats = cache.prefix_stats
+        assert (stats["demoted"], stats["evictions"], stats["cached_blocks"]) == (2, 0, 4)
+        state = cache.release(state, 0)
+        # The pool and the spill full: the spill tier's least recent blocks are evicted.
+        state, _ = cache.admit(state, 0, max_tokens=NB * BT)
+        assert blocks_of(cache, first) == [] and min(blocks_of(cache, second)) >= NB
+        stats = cache.prefix_stats
+        assert (stats["demoted"], stats["evictions"], stats["cached_blocks"]) == (4, 2, 2)
+        # Refused: no pool block is free or cached, and the spill's blocks are no room.
+        before = snapshot(cache, state)
+        with pytest.raises(ValueError, match=r"needs 1 KV blocks but only 0 of 8 are free"):
+            cache.admit(state, 1, max_tokens=BT)
+        assert_unchanged(before, snapshot(cache, state))
+        state = cache.release(state, 0)
+        # A reservation made without a state has no pool to read: it evicts instead.
+        state = cache_prompt(cache, state, first)
+        reservation = cache.reserve(1, NB * BT)
+        assert cache.prefix_stats["evictions"] == 4 and cache.prefix_stats["demoted"] == 4
+        cache.cancel(reservation)
+        state, cached = cache.admit(state, 1, tokens=second + [1], max_tokens=12)
+        assert cached == 8 and cache.prefix_stats["promoted"] == 2
+
+
+@pytest.mark.parametrize("own_blocks, refused", [(5, False), (6, True)])
+def test_promotion_needs_free_pool_blocks_and_never_takes_a_mapped_one(
+    tmp_path, own_blocks, refused
+):
+    with make_cache(tmp_path) as cache:
+        state = cache_prompt(cache, cache.init(admit=False), DOC[:8])
+        state, _ = cache.admit(state, 0, max_tokens=NB * BT)  # Both cached blocks spill.
+        state = cache.release(state, 0)
+        state, _ = cache.admit(state, 0, max_tokens=own_blocks * BT)
+        # 1 block of its own and 2 promoted: 3 pool blocks, of 3 free / 2 free.
+        before = snapshot(cache, state)
+        if refused:
+            with pytest.raises(ValueError, match=r"needs 3 KV blocks but only 2 of 8 are free"):
+                cache.admit(state, 1, tokens=DOC[:8] + [1], max_tokens=12)
+            assert_unchanged(before, snapshot(cache, state))
+            assert min(blocks_of(cache, DOC[:8])) >= NB
+            return
+        state, cached = cache.admit(state, 1, tokens=DOC[:8] + [1], max_tokens=12)
+        assert cached == 8 and max(blocks_of(cache, DOC[:8])) < NB
+        assert cache.prefix_stats["promoted"] == 2 and cache.prefix_stats["evictions"] == 0
+        np.testing.assert_array_equal(cache.slots.tables[0], before["tables"][0])
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(shm_name="tps-pool-spill"), r"a two-level cache \(spill_path\) does not persist"),
+        (dict(promote_after=1), r"promote_after=1: a host pool promotes every spill block"),
+        (dict(promote_after=None), r"promote_after=None: a host pool promotes every spill"),
+        (dict(spill_blocks=0), r"spill_blocks=0 must be a positive int"),
+        (
+            dict(sliding_window=8, max_step_tokens=4),
+            r"with max_step_tokens=4: a pool that keeps only each slot's sliding window",
+        ),
+    ],
+)
+def test_what_a_pool_spill_tier_does_not_go_with_is_refused_by_name(tmp_path, options, message):
+    with pytest.raises(ValueError, match=message):
+        make_cache(tmp_path, **options)
+
+
+def test_the_edges_of_the_spill_arguments_are_taken(tmp_path):
+    with make_cache(tmp_path, spill_blocks=1, promote_after=2) as cache:
+        assert cache.prefix_stats["spill_free_blocks"] == 1
+
+
+def test_a_spill_tier_over_a_mesh_is_refused_as_on_the_engine_cache(tmp_path):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("h",))
+    with pytest.raises(ValueError, match=r"spill_path \(a two-level cache\) is not supported on"):
+        make_cache(tmp_path, mesh=mesh, kv_heads_axis="h")
+
+
+def test_a_spill_id_in_a_table_a_state_would_carry_is_refused():
+    tables = np.full((2, 4), -1, np.int32)
+    tables[1, 2] = NB - 1
+    check_pool_ids(tables, NB)  # The pool's last block.
+    tables[1, 2] = NB
+    with pytest.raises(RuntimeError, match=r"slot 1's block table names block 8 at index 2"):
+        check_pool_ids(tables, NB)
