@@ -138,16 +138,17 @@ class HybridKVCache:
         memory that the step carries and copies to the device by unit: the TPU data
         path; :func:`jax_tpusync.kv_cache` picks it on the TPU backend), on one device or
         its KV heads split over ``mesh``'s ``kv_heads_axis``; a bounded sliding group is a
-        pool of rings, as an engine group is. Default False: engine caches. Not yet with
-        persistence, ``batch_axis`` or a traced ``layer``.
+        pool of rings, as an engine group is. Default False: engine caches. Persists as
+        engine groups do (below). Not yet with ``batch_axis`` or a traced ``layer``.
       staging_bytes: the device budget, split over the groups: a sliding group takes what
         whole units of its window need, the global groups the rest, in proportion to the
         bytes one token of their layers takes.
       shm_name / file_name: persistence; each group persists under ``<name>.g<i>``, and a
         ``<name>.tpusync.layers.json`` beside it records every layer's geometry, which a
         re-attach compares layer by layer. A re-attach brings groups that a crash left at
-        different commits to their common one (rows and token ids alike). A refused
-        construction leaves nothing on disk.
+        different commits to their common one (rows and token ids alike; a host-pool
+        group restarts there before its first ``init()`` reads its tier). Not on a mesh.
+        A refused construction leaves nothing on disk.
       **options: every other :class:`~jax_tpusync.OffloadedKVCache` argument (tier, path,
         dtype, tier_dtype, block_tokens, read_in_place, prefetch_depth, model_id, ...),
         given to every group.

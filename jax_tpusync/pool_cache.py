@@ -17,16 +17,19 @@ shm or file tier by the commit protocol every cache uses (:mod:`jax_tpusync.pers
 :meth:`HostPoolKVCache.commit` gathers the blocks written since the last commit from the
 state's pool (one jitted program), writes them to the tier, then commits (sync, checksums,
 manifest); a cache made over an existing tier re-attaches to its last commit, and its first
-:meth:`~HostPoolKVCache.init` reads the committed blocks into the new pool. Over a mesh the
-tier holds every head (the devices' rows joined). See :mod:`jax_tpusync.pool_persistence`.
+:meth:`~HostPoolKVCache.init` reads the committed blocks into the new pool (at the
+lengths :meth:`~HostPoolKVCache.restart_at` sets, if called before: how a hybrid cache
+brings its groups to their common commit). Over a mesh the tier holds every head (the
+devices' rows joined; quantized rows by part, every head's codes, then every scale). See
+:mod:`jax_tpusync.pool_persistence`.
 The tier is in the engine cache's byte layout, so an :class:`~jax_tpusync.OffloadedKVCache`
 of the same geometry re-attaches to it too.
 
 What this cache does not do yet (each refused by name at construction): file tiers that
-are not a persistent copy (``tier="file"`` without ``file_name``), persistence of a
-quantized pool over a mesh, spill tiers, resident mode, and slots split over a mesh's
-``batch_axis``. (Models whose layers differ are served by a
-:class:`~jax_tpusync.HybridKVCache` whose groups are host pools, ``host_pool=True``.)
+are not a persistent copy (``tier="file"`` without ``file_name``), spill tiers, resident
+mode, and slots split over a mesh's ``batch_axis``. (Models whose layers differ are served
+by a :class:`~jax_tpusync.HybridKVCache` whose groups are host pools, ``host_pool=True``;
+they persist as one-geometry pools do.)
 
 P/D transfer moves a slot's rows through a staging buffer
 (:mod:`jax_tpusync.pd_pool_staging`): :meth:`~HostPoolKVCache.read_stored_rows` and
