@@ -25,9 +25,15 @@ devices' rows joined; quantized rows by part, every head's codes, then every sca
 The tier is in the engine cache's byte layout, so an :class:`~jax_tpusync.OffloadedKVCache`
 of the same geometry re-attaches to it too.
 
+A spill tier (``spill_path=``, ``spill_blocks=``): cached prefix blocks the pool has no room
+for are demoted to a file instead of evicted, and promoted back into the pool by the
+admission that maps them, before any step reads them (a step reads only the pool; see
+:mod:`jax_tpusync.pool_spill`). :attr:`HostPoolKVCache.prefix_stats` counts the moves.
+
 What this cache does not do yet (each refused by name at construction): file tiers that
-are not a persistent copy (``tier="file"`` without ``file_name``), spill tiers, resident
-mode, and slots split over a mesh's ``batch_axis``. (Models whose layers differ are served
+are not a persistent copy (``tier="file"`` without ``file_name``), a spill tier over a
+mesh or with ``max_step_tokens``, resident mode, and slots split over a mesh's
+``batch_axis``. (Models whose layers differ are served
 by a :class:`~jax_tpusync.HybridKVCache` whose groups are host pools, ``host_pool=True``;
 they persist as one-geometry pools do.)
 
