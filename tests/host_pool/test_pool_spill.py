@@ -252,3 +252,29 @@ def test_a_spill_id_in_a_table_a_state_would_carry_is_refused():
     tables[1, 2] = NB
     with pytest.raises(RuntimeError, match=r"slot 1's block table names block 8 at index 2"):
         check_pool_ids(tables, NB)
+
+
+def test_a_cached_block_no_pool_holds_yet_is_demoted_with_its_imported_bytes(tmp_path):
+    # Two reservations map blocks a shared directory's import wrote (pending until an
+    # admission's pool takes them) and both are cancelled: the blocks stay cached with
+    # their bytes still pending. Demoted, the spill tier gets those bytes, not the pool's.
+    shared = tmp_path / "shared"
+    with make_cache(tmp_path, shared_prefix_dir=shared) as writer:
+        cache_prompt(writer, writer.init(admit=False), DOC[:8])
+    with make_cache(tmp_path, shared_prefix_dir=shared) as cache:
+        state = cache.init(admit=False)
+        first = cache.reserve(0, 12, DOC[:8] + [1])
+        second = cache.reserve(1, 12, DOC[:8] + [1])
+        assert first.cached == second.cached == 8
+        cache.cancel(first)
+        cache.cancel(second)
+        assert cache.prefix_stats["cached_blocks"] == 2
+        state, _ = cache.admit(state, 0, max_tokens=NB * BT)
+        assert cache.prefix_stats["demoted"] == 2
+        state = cache.release(state, 0)
+        state, cached = cache.admit(state, 1, tokens=DOC[:8] + [1], max_tokens=12)
+        assert cached == 8 and cache.prefix_stats["promoted"] == 2
+        for layer in range(LAYERS):
+            np.testing.assert_array_equal(
+                np.stack(cache.read(state, layer, 1, 0, 8)), kv_of(DOC[:8], layer)
+            )
