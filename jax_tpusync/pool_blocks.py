@@ -166,7 +166,9 @@ class PoolBlocks:
         blocks = np.stack([self._rows_of(writes[b]) for b in ids])  # [n, shards, L, bt, W]
         rows = blocks.transpose(1, 0, 2, 3, 4).reshape(self.shards, -1, self.layout.row_width)
         starts = [self.layout.block_row(layer, b) for b in ids for layer in range(spec.num_layers)]
-        return write_blocks(self.layout, self.mesh, pool, rows, np.asarray(starts))
+        # A few bounded programs whatever the count (an admission's imports and promotions
+        # vary: a program per count compiled one slice per block each time).
+        return scatter_blocks(self.layout, self.mesh, pool, rows, np.asarray(starts))
 
     # -- the BlockStore interface -----------------------------------------------------------
 
