@@ -35,6 +35,12 @@ state ever names a block that moved:
 Both tiers' rows are checked against their own tier: a write-back segment whose position
 maps a spill block is refused by the engine before any byte moves
 (:data:`jax_tpusync.blocks.OTHER_LEVEL`), and so is a fetch of an id of neither tier.
+
+Which blocks move, and when, is :class:`SpillPolicy`; how they move is its subclass's:
+:class:`SpillTier` here (both tiers on the cache's engine), and a host pool's
+:class:`~jax_tpusync.pool_spill.PoolSpillTier` (the pool in the state, the file on an
+engine of its own; its step reads only the pool, so every spill block an admission maps is
+promoted, with room made for it first: :meth:`SpillPolicy.promotion_room`).
 """
 
 from __future__ import annotations
