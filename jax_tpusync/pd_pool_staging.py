@@ -17,6 +17,9 @@ Late writes: after a failed receive, writes already in flight may still land in 
 never in the slot's blocks (they were not named). So the slot is free at once, and the
 buffer itself is set aside until its quarantine has passed (:meth:`PoolStaging.retire`); the
 next transfer maps a new one.
+
+:class:`PoolStagingEndpoint` is this path's
+:class:`~jax_tpusync.pd_endpoint.SlotRowsEndpoint`: what both roles call.
 """
 
 from __future__ import annotations
@@ -24,13 +27,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import mmap
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from jax_tpusync import transfer_memory
+from jax_tpusync.host_pool import PoolState
 from jax_tpusync.pd_channel import PDTransferError
-from jax_tpusync.pd_pools import check_not_a_ring, head_split
+from jax_tpusync.pd_pools import check_not_a_ring, check_slot, head_split
+from jax_tpusync.pd_quarantine import sleep_until
 from jax_tpusync.pool_cache import HostPoolKVCache
 from jax_tpusync.pool_stored_rows import row_bytes
 
@@ -175,3 +181,72 @@ class PoolStaging:
             buffer.memory.close()
         except BufferError:  # A caller still holds a view: freed when it goes.
             logger.debug("%s: a staging buffer is still viewed; unmapped later", self.role)
+
+
+class PoolStagingEndpoint:
+    """A slot's rows of a host-pool cache, through its staging buffer (a
+    :class:`~jax_tpusync.pd_endpoint.SlotRowsEndpoint`; see the module): the decode side
+    loads the rows received into the slot between steps, the prefill side reads the slot's
+    rows into the buffer before it writes them.
+
+    Args:
+      cache: the host-pool cache.
+      role: "KVReceiver" or "KVSender", for messages.
+      populate: fault a new buffer's pages in when it is mapped.
+      clock: the time a set-aside buffer's quarantine is counted in.
+
+    Raises:
+      ValueError: a cache that cannot take part (the message says why).
+    """
+
+    pools = ()  # No memory of the cache is registered: its pool moves with every step.
+
+    def __init__(
+        self, cache: HostPoolKVCache, role: str, *, populate: bool, clock: Callable[[], float]
+    ):
+        self.cache = cache
+        self.staging = PoolStaging(cache, None, role, populate=populate)
+        self.clock = clock
+
+    def register(self, engine: Any) -> None:
+        self.staging.engine = engine  # Each buffer is registered when it is mapped.
+
+    def unregister(self) -> None:
+        self.staging.close()
+
+    def check_slot(self, slot: Any) -> None:
+        check_slot(self.cache, slot)
+
+    def slot_runs(self, slot: int, lo: int, hi: int) -> list[dict]:
+        raise ValueError(
+            "a host-pool cache receives through a staging buffer, not into its pool's "
+            "memory: its slots have no runs"
+        )
+
+    def landing_runs(self, slot: int, lo: int, hi: int) -> list[dict]:
+        return self.staging.head_runs(hi - lo)
+
+    def admit(self, state: PoolState, reservation: Any, lo: int, hi: int) -> PoolState:
+        # Admitted at its prefix; the received rows then grow it to hi.
+        state = self.cache.admitted(state, reservation)
+        return self.cache.load_stored_rows(state, reservation.slot, lo, self.staging.rows(hi - lo))
+
+    def set_aside(self, reservation: Any, lo: int, hi: int, seconds: float) -> str:
+        # Late writes land in the buffer, never in the slot's blocks: the slot is free at once.
+        self.cache.cancel(reservation)
+        self.staging.retire(self.clock() + seconds)
+        return f", the staging buffer set aside for {seconds:.3g} s (writes may still land in it)"
+
+    def quarantined(self) -> dict[int, float]:
+        return {}  # No slot is held: only buffers are.
+
+    def reclaim(self, wait: bool) -> list[int]:
+        if wait:
+            sleep_until(self.clock, self.staging.retired)
+        self.staging.reclaim(self.clock(), wait)
+        return []
+
+    def source_runs(self, state: PoolState, slot: int, lo: int, hi: int) -> list[dict]:
+        # The slot's rows, read out of the state's pool, are sent from the buffer.
+        self.staging.fill(self.cache.read_stored_rows(state, slot, lo, hi))
+        return self.staging.head_runs(hi - lo)

@@ -63,7 +63,13 @@ size, dtype, block size; checked, a refusal names each field that differs) on a 
 (``max_step_tokens``) and a two-level cache's spill blocks are refused.
 
 The control channel's messages are in :mod:`jax_tpusync.pd_channel`; where a cache's KV
-lies (its pools per head range, a slot's runs) in :mod:`jax_tpusync.pd_pools`.
+lies (its pools per head range, a slot's runs) in :mod:`jax_tpusync.pd_pools`; where a
+slot's rows land or come from, chosen once by the kind of cache, in
+:mod:`jax_tpusync.pd_endpoint` (an engine cache's own pools:
+:mod:`jax_tpusync.pd_tier_endpoint`; a host-pool cache's staging buffer:
+:mod:`jax_tpusync.pd_pool_staging`); the blocks held aside after a failure in
+:mod:`jax_tpusync.pd_quarantine`; the prefill side's write loop in
+:mod:`jax_tpusync.pd_writes`.
 
 Never fork a process after an engine started here (it runs many threads): start helper
 processes with ``subprocess`` or the ``spawn`` start method.
@@ -81,10 +87,9 @@ from typing import Any, Self
 
 import numpy as np
 
-from jax_tpusync import transfer_memory
 from jax_tpusync.cache import OffloadedKVCache
 from jax_tpusync.config import is_int
-from jax_tpusync.mesh import MeshAdmission, ShardedKVCache
+from jax_tpusync.mesh import ShardedKVCache
 from jax_tpusync.pd_channel import (
     PROTOCOL_VERSION,
     PDTransferError,
@@ -97,20 +102,11 @@ from jax_tpusync.pd_channel import (
     split_address,
     start_engine,
 )
+from jax_tpusync.pd_endpoint import SlotRowsEndpoint, slot_rows_endpoint
 from jax_tpusync.pd_pool_staging import PoolStaging
-from jax_tpusync.pd_pools import (
-    HeadPool,
-    check_slot,
-    head_pools,
-    layout_mismatch,
-    layout_of,
-    pool_runs,
-    register_pools,
-    slot_pools,
-    unregister_pools,
-)
+from jax_tpusync.pd_pools import layout_mismatch, layout_of
+from jax_tpusync.pd_quarantine import default_quarantine_s
 from jax_tpusync.pd_writes import PIECE_BYTES, PieceWriter, head_pieces
-from jax_tpusync.pool_cache import HostPoolKVCache
 from jax_tpusync.state import KVState
 
 logger = logging.getLogger(__name__)
@@ -165,35 +161,26 @@ class Sent:
     head_bytes: tuple[int, ...] = ()
 
 
-@dataclasses.dataclass
-class Quarantine:
-    """A failed transfer's blocks held aside (:meth:`KVReceiver.reclaim` frees them once
-    ``until``, on the receiver's clock, has passed): per pool, the block ids writes may
-    still land in."""
-
-    slot: int
-    until: float
-    blocks: tuple  # ((OffloadedKVCache, int32[k] block ids), ...)
-    passed: bool = False  # Reclaimed (with wait=True: before its time).
-
-
 # -- the decode role ---------------------------------------------------------------------------
 
 
 class _Role:
-    """What both roles share: pools registered with a TransferEngine (``engine``,
-    ``pools``; a host-pool cache: its ``staging`` buffer instead), unregistered at close; a
-    context manager."""
+    """What both roles share: the memory a slot's rows pass through (``endpoint``: the
+    cache's pools, or a host-pool cache's staging buffer) registered with a TransferEngine
+    (``engine``), unregistered at close; a context manager."""
 
     engine: Any
-    pools: Any
-    staging: PoolStaging | None = None
+    endpoint: SlotRowsEndpoint
+
+    @property
+    def staging(self) -> PoolStaging | None:
+        """The staging buffer a host-pool cache's rows pass through (None: an engine cache,
+        whose rows land in and leave from its own pools)."""
+        return self.endpoint.staging
 
     def _unregister(self) -> None:
         if self.engine is not None:
-            unregister_pools(self.engine, self.pools)
-            if self.staging is not None:
-                self.staging.close()
+            self.endpoint.unregister()
             self.engine = None
 
     def close(self) -> None:
@@ -255,107 +242,59 @@ class KVReceiver(_Role):
         ):
             raise ValueError(f"quarantine_s={quarantine_s!r} must be None or a finite number >= 0")
         self.cache = cache
-        on_pool = isinstance(cache, HostPoolKVCache)
-        self.pools = [] if on_pool else head_pools(cache, "KVReceiver")
+        self.clock = clock
+        # Checked before an engine starts. The clock is read through this receiver, so
+        # one set on it later counts too.
+        self.endpoint = slot_rows_endpoint(
+            cache,
+            "KVReceiver",
+            populate_pools=populate,
+            populate_staging=populate,
+            clock=lambda: self.clock(),
+        )
         if (transfer_engine is None) != (session is None):
             raise ValueError("give transfer_engine and its session together, or neither")
         if quarantine_s is None:
             engine_tcp_timeout_s()  # Refuses a bad setting before an engine starts.
-        if on_pool:  # Checked before an engine starts.
-            self.staging = PoolStaging(cache, None, "KVReceiver", populate=populate)
         if transfer_engine is None:
             transfer_engine, session = start_engine(host, self.deadline_s)
         self.quarantine_s = default_quarantine_s() if quarantine_s is None else float(quarantine_s)
         self.engine = transfer_engine
         self.session = session
-        if self.staging is not None:
-            self.staging.engine = transfer_engine
-        register_pools(self.engine, self.pools, "KVReceiver")
-        if populate:
-            for pool in self.pools:
-                transfer_memory.populate(pool.address, pool.nbytes)
+        self.endpoint.register(self.engine)
         self.layout = layout_of(cache)
-        self.clock = clock
         self.received = 0
         self.failed = 0
-        self._quarantine: dict[int, Quarantine] = {}
 
     def destination_runs(self, slot: int, lo: int, hi: int) -> list[list[list[int]]]:
         """Per region (layer * 2 + K|V): ``[address, bytes]`` runs of positions ``[lo,
         hi)`` of ``slot`` in this process's pool (a one-device cache, or a mesh cache of
         one head range; otherwise see :meth:`head_runs`)."""
-        self._check_engine_pool()
-        targets = slot_pools(self.cache, self.pools, slot)
-        if len(targets) != 1:
+        heads = self.head_runs(slot, lo, hi)
+        if len(heads) != 1:
             raise ValueError(
-                f"slot {slot}'s heads lie in {len(targets)} pools (one per head shard): use "
+                f"slot {slot}'s heads lie in {len(heads)} pools (one per head shard): use "
                 f"head_runs()"
             )
-        ((pool, local),) = targets
-        return pool_runs(pool.cache, pool.address, local, lo, hi)
+        return heads[0]["runs"]
 
     def head_runs(self, slot: int, lo: int, hi: int) -> list[dict]:
         """Per head range of ``slot``, in head order: ``{"heads": [lo, hi], "runs": per
         region [[address, bytes], ...]}`` of positions ``[lo, hi)`` in that range's pool."""
-        self._check_engine_pool()
-        return [
-            {"heads": list(pool.heads), "runs": pool_runs(pool.cache, pool.address, local, lo, hi)}
-            for pool, local in slot_pools(self.cache, self.pools, slot)
-        ]
-
-    def _check_engine_pool(self) -> None:
-        if self.staging is not None:
-            raise ValueError(
-                "a host-pool cache receives through a staging buffer, not into its pool's "
-                "memory: its slots have no runs"
-            )
+        return self.endpoint.slot_runs(slot, lo, hi)
 
     @property
     def quarantined(self) -> dict[int, float]:
         """``{slot: seconds until its blocks are freed}`` of the failed transfers whose
         blocks are held aside (see :meth:`reclaim`)."""
-        now = self.clock()
-        return {slot: max(0.0, q.until - now) for slot, q in self._quarantine.items()}
+        return self.endpoint.quarantined()
 
     def reclaim(self, wait: bool = False) -> list[int]:
         """Frees the blocks of every quarantine whose time has passed (with ``wait``: of
         every quarantine, after sleeping until the last one's time); returns their slots.
-        Runs at the start of every :meth:`receive`, and with ``wait`` in :meth:`close`."""
-        if self.staging is not None:
-            if wait and self.staging.retired:
-                time.sleep(max(0.0, *(until - self.clock() for until in self.staging.retired)))
-            self.staging.reclaim(self.clock(), wait)
-        if wait and self._quarantine:
-            time.sleep(max(0.0, *(q.until - self.clock() for q in self._quarantine.values())))
-        now = self.clock()
-        freed = []
-        for slot, q in list(self._quarantine.items()):
-            if wait or now >= q.until:
-                q.passed = True
-                for cache, _ in q.blocks:
-                    cache.slots.free_settled()
-                del self._quarantine[slot]
-                freed.append(slot)
-        return freed
-
-    def _hold(
-        self, reservation: Any, targets: list[tuple[HeadPool, int]], lo: int, hi: int
-    ) -> None:
-        """Cancels ``reservation`` (the slot becomes inactive, its prefix unpinned, its
-        blocks past position ``hi`` free) but holds the blocks of positions ``[lo, hi)``
-        (those the request named: writes can land in them) out of the allocators until
-        the quarantine has passed."""
-        held = []
-        for pool, local in targets:
-            slots = pool.cache.slots
-            first = max(lo // slots.block_tokens, slots.shared_tokens(local) // slots.block_tokens)
-            ids = slots.held_blocks(local)[first : -(-hi // slots.block_tokens)]
-            held.append((pool.cache, np.asarray(ids[ids < slots.dram.num_blocks], np.int64)))
-        self.cache.cancel(reservation)
-        q = Quarantine(reservation.slot, self.clock() + self.quarantine_s, tuple(held))
-        for cache, ids in held:  # Just freed by the cancel: cannot be refused.
-            cache.slots.hold_aside(ids, lambda q=q: q.passed or self.clock() >= q.until)
-        self._quarantine[reservation.slot] = q
+        (A host-pool cache: the staging buffers set aside, no slot.) Runs at the start of
+        every :meth:`receive`, and with ``wait`` in :meth:`close`."""
+        return self.endpoint.reclaim(wait)
 
     def receive(
         self,
@@ -385,8 +324,8 @@ class KVReceiver(_Role):
         start_time = time.monotonic()
         deadline = start_time + self.deadline_s
         self.reclaim()
-        if slot in self._quarantine:
-            left = self._quarantine[slot].until - self.clock()
+        left = self.endpoint.quarantined().get(slot)
+        if left is not None:
             raise ValueError(
                 f"slot {slot} is quarantined after a failed transfer (writes may still land in "
                 f"its blocks): it frees in {left:.3g} s (reclaim())"
@@ -395,26 +334,13 @@ class KVReceiver(_Role):
         ids = np.asarray(tokens)
         if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(f"tokens must be a non-empty 1-D sequence of ints; got {tokens!r}")
-        staging = self.staging
-        if staging is None:
-            targets = slot_pools(self.cache, self.pools, slot)
-        else:
-            check_slot(self.cache, slot)
+        self.endpoint.check_slot(slot)
         reservation = self.cache.reserve(slot, max_tokens, ids)  # Refused: nothing changed.
         cached = int(reservation.cached)
         n = int(ids.size)
         may_write = False  # Whether the prefill process may have started writing.
         try:
-            if staging is not None:
-                shards = staging.head_runs(n - cached)
-            else:
-                shards = [
-                    {
-                        "heads": list(p.heads),
-                        "runs": pool_runs(p.cache, p.address, local, cached, n),
-                    }
-                    for p, local in targets
-                ]
+            shards = self.endpoint.landing_runs(slot, cached, n)
             request = {
                 "version": PROTOCOL_VERSION,
                 "op": "prefill",
@@ -440,22 +366,8 @@ class KVReceiver(_Role):
         except Exception as e:
             self.failed += 1
             reason = e if isinstance(e, PDTransferError) else f"{type(e).__name__}: {e}"
-            if staging is not None:  # Late writes land in the staging buffer: set it aside.
-                self.cache.cancel(reservation)
-                if may_write and self.quarantine_s > 0:
-                    staging.retire(self.clock() + self.quarantine_s)
-                held = (
-                    f", the staging buffer set aside for {self.quarantine_s:.3g} s (writes may "
-                    f"still land in it)"
-                    if may_write and self.quarantine_s > 0
-                    else ""
-                )
-            elif may_write and self.quarantine_s > 0:
-                self._hold(reservation, targets, cached, n)
-                held = (
-                    f", its blocks held aside for {self.quarantine_s:.3g} s (writes may still "
-                    f"land in them)"
-                )
+            if may_write and self.quarantine_s > 0:
+                held = self.endpoint.set_aside(reservation, cached, n, self.quarantine_s)
             else:
                 self.cache.cancel(reservation)
                 held = ""
@@ -463,11 +375,7 @@ class KVReceiver(_Role):
                 f"P/D transfer of {n} tokens into slot {slot} from {host}:{port} failed, the "
                 f"slot was left unadmitted{held}: {reason}"
             ) from e
-        if staging is None:
-            state = self.cache.admitted(state, _admitted_at(reservation, n))
-        else:  # Admitted at its prefix; the received rows then grow it to n.
-            state = self.cache.admitted(state, reservation)
-            state = self.cache.load_stored_rows(state, slot, cached, staging.rows(n - cached))
+        state = self.endpoint.admit(state, reservation, cached, n)
         self.received += 1
         return state, Received(
             slot=slot,
@@ -513,28 +421,6 @@ class KVReceiver(_Role):
         self._unregister()
 
 
-def default_quarantine_s() -> float:
-    """How long a failed transfer's blocks are held aside by default: twice the engine's
-    longest TCP timeout (:func:`engine_tcp_timeout_s`: a write in progress when the
-    decode side gave up, and one the prefill side submitted just before it noticed, each
-    end within it) plus 1 s."""
-    return 2 * engine_tcp_timeout_s() + 1.0
-
-
-def _admitted_at(reservation: Any, n: int) -> Any:
-    """``reservation`` (a cache's Admission or a mesh cache's MeshAdmission) admitted at
-    ``n`` tokens."""
-    if isinstance(reservation, MeshAdmission):
-        return dataclasses.replace(
-            reservation,
-            cached=n,
-            admissions={
-                s: dataclasses.replace(a, cached=n) for s, a in reservation.admissions.items()
-            },
-        )
-    return dataclasses.replace(reservation, cached=n)
-
-
 # -- the prefill role --------------------------------------------------------------------------
 
 
@@ -577,12 +463,13 @@ class KVSender(_Role):
         if not is_int(port) or not 0 <= port < 65536:
             raise ValueError(f"port={port!r} must be an int in [0, 65535]")
         self.cache = cache
-        on_pool = isinstance(cache, HostPoolKVCache)
-        self.pools = [] if on_pool else head_pools(cache, "KVSender")
+        # The cache's pools were faulted in by its own steps; a staging buffer is new
+        # memory the rows are copied into.
+        self.endpoint = slot_rows_endpoint(
+            cache, "KVSender", populate_pools=False, populate_staging=True
+        )
         if (transfer_engine is None) != (session is None):
             raise ValueError("give transfer_engine and its session together, or neither")
-        if on_pool:
-            self.staging = PoolStaging(cache, None, "KVSender")
         self.batch_bytes = int(batch_bytes)
         self.layout = layout_of(cache)
         self._listener = socket.create_server((host, port))
@@ -591,9 +478,7 @@ class KVSender(_Role):
                 transfer_engine, session = start_engine(host, self.deadline_s)
             self.engine = transfer_engine
             self.session = session
-            if self.staging is not None:
-                self.staging.engine = transfer_engine
-            register_pools(self.engine, self.pools, "KVSender")
+            self.endpoint.register(self.engine)
         except BaseException:
             self._listener.close()
             raise
@@ -719,33 +604,17 @@ class KVSender(_Role):
         cache = self.cache
         n = int(request.tokens.size)
         try:
-            if self.staging is None:
-                targets = slot_pools(cache, self.pools, slot)
-            else:
-                check_slot(cache, slot)
+            self.endpoint.check_slot(slot)
         except ValueError as e:
             self.fail(request, f"the prefill slot cannot be sent: {e}")
             raise
-        on_device = isinstance(cache, (ShardedKVCache, HostPoolKVCache))
-        lengths = cache.lengths(state) if on_device else state.lengths
-        length = int(np.asarray(lengths)[slot])
+        length = int(cache.lengths(state)[slot])
         if length < n:
             self.fail(request, f"the prefill slot holds {length} tokens, not {n}")
             raise ValueError(f"slot {slot} holds {length} tokens; the request needs {n}")
         state = cache.drain(state)
         try:
-            if self.staging is None:
-                cache.engine.drain()  # The step's write-backs are on the tier.
-                sources = [
-                    {
-                        "heads": list(pool.heads),
-                        "runs": pool_runs(pool.cache, pool.address, local, request.start, n),
-                    }
-                    for pool, local in targets
-                ]
-            else:  # The slot's rows, read out of the state's pool, are sent from staging.
-                self.staging.fill(cache.read_stored_rows(state, slot, request.start, n))
-                sources = self.staging.head_runs(n - request.start)
+            sources = self.endpoint.source_runs(state, slot, request.start, n)
             per_head = [
                 head_pieces(source, shard, self.piece_bytes)
                 for source, shard in zip(sources, request.shards)

@@ -178,7 +178,8 @@ def prefill_process(commands: Any, replies: Any, args: dict) -> None:
     os.chdir("/")
     if args["netns"]:
         common.join_netns(args["netns"])
-    from jax_tpusync.pd_transfer import KVSender, pool_runs, recv_message
+    from jax_tpusync.pd_pools import pool_runs
+    from jax_tpusync.pd_transfer import KVSender, recv_message
 
     host = args["host"]
 

@@ -27,6 +27,7 @@ import pytest
 from jax_tpusync import pd_transfer
 from jax_tpusync.bench import tiny_decoder
 from jax_tpusync.bench.common import start_child
+from jax_tpusync.pd_pools import head_pools
 from jax_tpusync.pd_transfer import KVReceiver, KVSender, PDTransferError
 from jax_tpusync.pd_writes import head_pieces
 
@@ -601,7 +602,7 @@ def test_a_mesh_slot_whose_head_shards_are_not_all_here_is_refused():
     multi-process mesh meets): here a pool list without shard 1 stands for one."""
     cache = pd_peers.make_mesh_cache(jax.devices()[:2])
     with KVReceiver(cache, transfer_engine=FakeEngine(), session="decode:1") as rx:
-        rx.pools = rx.pools[:1]
+        rx.endpoint.pools = rx.endpoint.pools[:1]
         with pytest.raises(
             ValueError,
             match=r"slot 1's KV heads are split over 2 devices, of which this "
@@ -610,7 +611,7 @@ def test_a_mesh_slot_whose_head_shards_are_not_all_here_is_refused():
             rx.receive(cache.init(admit=False), 1, np.arange(N), prefill="127.0.0.1:1")
         with pytest.raises(ValueError, match=r"slot=2 must be an int in \[0, batch=2\)"):
             rx.receive(cache.init(admit=False), 2, np.arange(N), prefill="127.0.0.1:1")
-        rx.pools = pd_transfer.head_pools(cache, "KVReceiver")
+        rx.endpoint.pools = head_pools(cache, "KVReceiver")
     cache.close()
 
 
@@ -648,14 +649,14 @@ def test_a_mesh_sender_refuses_a_slot_whose_head_shards_are_not_all_here():
         state = cache.init(admit=False)
         with receiving(rx, state, tx.address) as outcome:
             request = tx.accept(timeout=10)
-            tx.pools = tx.pools[1:]
+            tx.endpoint.pools = tx.endpoint.pools[1:]
             with pytest.raises(ValueError, match="slot 0's KV heads are split over 2 devices"):
                 tx.send(request, tx.cache.init(admit=False), 0)
         assert "refused: the prefill slot cannot be sent: slot 0's KV heads" in str(
             outcome["error"]
         )
         assert rx.quarantined == {}  # Refused before any write.
-        tx.pools = pd_transfer.head_pools(tx.cache, "KVSender")
+        tx.endpoint.pools = head_pools(tx.cache, "KVSender")
     tx.cache.close()
     cache.close()
 
@@ -828,12 +829,12 @@ def test_a_head_range_is_never_written_into_another_ones_pool():
         state = decode.init(admit=False)
         with receiving(rx, state, tx.address) as outcome:
             request = tx.accept(timeout=10)
-            tx.pools = tx.pools[::-1]
+            tx.endpoint.pools = tx.endpoint.pools[::-1]
             with pytest.raises(
                 PDTransferError, match=r"heads \[0, 1\] sent to the pool of heads \(1, 2\)"
             ):
                 tx.send(request, tx_state, 0)
-            tx.pools = tx.pools[::-1]
+            tx.endpoint.pools = tx.endpoint.pools[::-1]
         assert "heads [0, 1] sent to the pool of heads (1, 2)" in str(outcome["error"])
         assert engine.submitted == []
     prefill.close(tx_state)
