@@ -125,7 +125,8 @@ def restart_part(
     tokens: Sequence[np.ndarray] | None = None,
 ) -> np.ndarray:
     """One part's share of :func:`bring_to_common_commit` (what
-    :meth:`jax_tpusync.OffloadedKVCache.restart_at` does): commits ``lengths`` (int[batch],
+    :meth:`jax_tpusync.OffloadedKVCache.restart_at` and
+    :meth:`jax_tpusync.pool_cache.HostPoolKVCache.restart_at` do): commits ``lengths`` (int[batch],
     at most the committed ones, at least each slot's shared prefix) as the part's new
     rows, each slot's token ids cut at its length or set to ``tokens[b]`` (at most
     ``lengths[b]`` ids). Returns the lengths committed (int32[batch]).
