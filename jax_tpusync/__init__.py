@@ -13,7 +13,8 @@ The public surface:
 * :class:`HostPoolKVCache` is the TPU data path: its pool is a ``pinned_host`` JAX array
   that the step carries (state: :class:`PoolState`), each layer's units copied to the
   device one unit ahead by the compiled step itself, no custom call (it runs, and is
-  tested, on the CPU backend too).
+  tested, on the CPU backend too). :class:`BatchShardedPoolKVCache` is one whose slots are
+  split over a mesh's ``batch_axis``.
 * :func:`prefetching_attention` replaces a model's attention call: it attends over the
   offloaded cache while the next layer's KV streams in.
 * :class:`Engine` is the async transfer engine underneath; :mod:`jax_tpusync.ops` has the
@@ -41,12 +42,14 @@ from jax_tpusync.host_pool import PoolState
 from jax_tpusync.hybrid import HybridKVCache
 from jax_tpusync.layer_groups import HybridState
 from jax_tpusync.mesh import ShardedKVCache
+from jax_tpusync.pool_batch_shards import BatchShardedPoolKVCache
 from jax_tpusync.pool_cache import HostPoolKVCache
 from jax_tpusync.quantize import QuantizedRows
 from jax_tpusync.state import KVState
 from jax_tpusync.xla_cpu import setup as setup_cpu
 
 __all__ = [
+    "BatchShardedPoolKVCache",
     "Engine",
     "EngineConfig",
     "HybridKVCache",

@@ -4,12 +4,13 @@ Which class serves a model follows from what the model is and where it runs:
 
 * **On the TPU backend** the data path is :class:`~jax_tpusync.HostPoolKVCache` (a pool in
   ``pinned_host`` memory carried by the step). It serves a cache of one KV geometry, on
-  one device or with its heads split over a mesh's ``kv_heads_axis``; layers of one
+  one device or with its heads split over a mesh's ``kv_heads_axis`` (with its slots split
+  over ``batch_axis`` too: a :class:`~jax_tpusync.BatchShardedPoolKVCache`); layers of one
   sliding window keep a ring per slot (``max_step_tokens``, as below) unless
   ``bound_windows=False``. A hybrid model (the cases below) gets a
   :class:`~jax_tpusync.HybridKVCache` whose groups are host pools (``host_pool=True``).
-  Anything else (slots split over ``batch_axis``, ``engine=``, the features the pool
-  refuses by name) is refused naming what is not supported on TPU yet.
+  Anything else (``engine=``, the features the pool refuses by name) is refused naming
+  what is not supported on TPU yet.
 * **Layers of different KV geometry** (``num_kv_heads`` / ``head_dim`` per layer), layers
   that read another's KV (``kv_sharing``), or ``window_cache_blocks``: a
   :class:`~jax_tpusync.HybridKVCache`.
@@ -42,6 +43,7 @@ from jax_tpusync.config import CacheConfig, is_int, normalize_windows, with_conf
 from jax_tpusync.engine import Engine, EngineConfig
 from jax_tpusync.hybrid import DEFAULT_STEP_TOKENS, HybridKVCache
 from jax_tpusync.mesh import ShardedKVCache
+from jax_tpusync.pool_batch_shards import BatchShardedPoolKVCache
 from jax_tpusync.pool_cache import HostPoolKVCache
 
 logger = logging.getLogger(__name__)
@@ -215,19 +217,20 @@ def _tpu_cache(
     batch_axis: str | None,
     engine: Any,
     keywords: dict,
-) -> HostPoolKVCache:
-    """The TPU data path's cache of one KV geometry, or a refusal naming what TPU does not
-    have yet."""
-    missing = []
-    if batch_axis is not None:
-        missing.append("batch_axis= (the host pool splits the heads over a mesh, not the slots)")
+) -> HostPoolKVCache | BatchShardedPoolKVCache:
+    """The TPU data path's cache of one KV geometry (a cache of one pool per batch shard
+    with ``batch_axis``), or a refusal naming what TPU does not have yet."""
     if engine is not None:
-        missing.append("engine= (the host pool moves its bytes in the step, with no engine)")
-    if missing:
         raise ValueError(
-            f"not supported on the TPU backend yet, whose cache is a HostPoolKVCache: "
-            f"{'; '.join(missing)}"
+            "not supported on the TPU backend yet, whose cache is a HostPoolKVCache: engine= "
+            "(the host pool moves its bytes in the step, with no engine)"
         )
-    if mesh is None and kv_heads_axis is None:
+    if mesh is None and kv_heads_axis is None and batch_axis is None:
         return HostPoolKVCache(**keywords)
-    return HostPoolKVCache(mesh=mesh, kv_heads_axis=kv_heads_axis, **keywords)
+    if batch_axis is not None and mesh is not None:  # One pool cache per batch shard.
+        return BatchShardedPoolKVCache(
+            mesh=mesh, kv_heads_axis=kv_heads_axis, batch_axis=batch_axis, **keywords
+        )
+    return HostPoolKVCache(
+        mesh=mesh, kv_heads_axis=kv_heads_axis, batch_axis=batch_axis, **keywords
+    )

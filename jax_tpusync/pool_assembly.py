@@ -94,10 +94,11 @@ def checked_config(
             "devices (host-pool cache)"
         )
     mesh_layout = checked_layout(mesh, kv_heads_axis, batch_axis)
-    if batch_axis is not None:
+    if mesh_layout.dp > 1:  # One slot table per batch shard: a cache of such pools.
         raise ValueError(
-            f"batch_axis={batch_axis!r}: slots split over devices are not on the "
-            f"host-pool path yet; split the heads over kv_heads_axis (host-pool cache)"
+            f"batch_axis={batch_axis!r} of {mesh_layout.dp} devices: a HostPoolKVCache "
+            f"holds one slot table; slots split over devices are a BatchShardedPoolKVCache "
+            f"(or jax_tpusync.kv_cache(..., batch_axis=)) (host-pool cache)"
         )
     return config, Placement(None, mesh_layout, mesh.devices.flat[0].device_kind)
 

@@ -80,6 +80,7 @@ LAYERS: dict[str, int] = {
     "pool_persistence": 4,
     "pool_spill": 3,
     "mesh": 5,
+    "pool_batch_shards": 5,
     "hybrid": 5,
     "pd_pools": 5,
     "pd_pool_staging": 5,

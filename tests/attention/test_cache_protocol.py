@@ -12,7 +12,13 @@ import jax_tpusync as tps
 from jax_tpusync import cache_protocol
 from jax_tpusync.cache_protocol import KVCache
 
-CLASSES = (tps.OffloadedKVCache, tps.ShardedKVCache, tps.HybridKVCache, tps.HostPoolKVCache)
+CLASSES = (
+    tps.OffloadedKVCache,
+    tps.ShardedKVCache,
+    tps.HybridKVCache,
+    tps.HostPoolKVCache,
+    tps.BatchShardedPoolKVCache,
+)
 ARGS = dict(num_layers=2, batch=2, max_len=32, block_tokens=8, dtype=jnp.float32)
 
 

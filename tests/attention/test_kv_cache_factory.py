@@ -194,17 +194,19 @@ def test_on_tpu_a_mesh_splits_the_host_pools_heads(on_tpu):
     cache.close()
 
 
-@pytest.mark.parametrize(
-    "extra, message",
-    [
-        (dict(mesh="any", batch_axis="b"), r"batch_axis= \(the host pool splits the heads"),
-        (dict(engine=tps.EngineConfig()), r"engine= \(the host pool"),
-    ],
-    ids=["batch_axis", "engine"],
-)
-def test_on_tpu_what_the_host_pool_lacks_is_named(on_tpu, extra, message):
-    with pytest.raises(ValueError, match=rf"not supported on the TPU backend yet.*{message}"):
-        tps.kv_cache(**dict(SMALL, **extra))
+def test_on_tpu_what_the_host_pool_lacks_is_named(on_tpu):
+    with pytest.raises(ValueError, match=r"not supported on the TPU backend yet.*engine= \(the"):
+        tps.kv_cache(**SMALL, engine=tps.EngineConfig())
+
+
+def test_on_tpu_batch_axis_splits_the_host_pools_slots(on_tpu):
+    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    with tps.kv_cache(**SMALL, mesh=mesh, batch_axis="data", kv_heads_axis="model") as cache:
+        assert isinstance(cache, tps.BatchShardedPoolKVCache)
+        assert cache.spec.batch == SMALL["batch"] // 2
+        assert cache.spec.num_kv_heads == SMALL["num_kv_heads"] // 2
+    with pytest.raises(ValueError, match=r"kv_heads_axis and batch_axis need mesh="):
+        tps.kv_cache(**SMALL, batch_axis="data")
 
 
 @pytest.mark.parametrize(

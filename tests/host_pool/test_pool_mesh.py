@@ -181,7 +181,7 @@ def test_mesh_guards_name_the_argument_at_their_edge():
         make_cache(heads=6, mesh=mesh, kv_heads_axis="h")
     with pytest.raises(ValueError, match=r"kv_heads_axis='x' is not an axis of the mesh"):
         make_cache(mesh=mesh, kv_heads_axis="x")
-    with pytest.raises(ValueError, match=r"batch_axis='b': slots split over devices are not"):
+    with pytest.raises(ValueError, match=r"batch_axis='b' of 2 devices: a HostPoolKVCache"):
         make_cache(mesh=mesh_of(2, 2, names=("b", "h")), kv_heads_axis="h", batch_axis="b")
     with pytest.raises(ValueError, match=r"mesh axis 'b' has 2 devices but is neither"):
         make_cache(mesh=mesh_of(2, 2, names=("b", "h")), kv_heads_axis="h")
