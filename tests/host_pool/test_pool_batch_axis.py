@@ -158,6 +158,17 @@ def test_host_calls_on_a_slot_of_each_shard_round_trip():
     np.testing.assert_array_equal(cache.capacity, [0, 20, 0, 20])
     np.testing.assert_array_equal(cache.lengths(state), [0, 9, 0, 8])
     np.testing.assert_array_equal(cache.read(state, 1, 1, 0, 7)[0], written[1][1][0])
+    # Each shard its own prefix index: blocks shard 0 indexed are reused there only.
+    tokens = np.arange(17)
+    state, _ = cache.admit(state, 0, max_tokens=20, tokens=tokens)
+    for layer in range(LAYERS):
+        state = cache.load(state, layer, rows(rng, 17), rows(rng, 17), slot=0)
+    state = cache.release(state, 0, tokens=tokens)
+    assert cache.prefix_stats[0]["indexed_blocks"] == 17 // BLOCK
+    assert cache.prefix_stats[1]["indexed_blocks"] == 0
+    state, cached_there = cache.admit(state, 0, max_tokens=20, tokens=tokens)
+    state, cached_elsewhere = cache.admit(state, 2, max_tokens=20, tokens=tokens)
+    assert (cached_there, cached_elsewhere) == (16, 0)
     cache.close()
 
 
