@@ -32,8 +32,9 @@ admission that maps them, before any step reads them (a step reads only the pool
 
 What this cache does not do yet (each refused by name at construction): file tiers that
 are not a persistent copy (``tier="file"`` without ``file_name``), a spill tier over a
-mesh or with ``max_step_tokens``, resident mode, and slots split over a mesh's
-``batch_axis``. (Models whose layers differ are served
+mesh or with ``max_step_tokens``, and resident mode. (Slots split over a mesh's
+``batch_axis`` are a :class:`~jax_tpusync.BatchShardedPoolKVCache`, one such cache per
+batch shard; this one takes a ``batch_axis`` of one device. Models whose layers differ are served
 by a :class:`~jax_tpusync.HybridKVCache` whose groups are host pools, ``host_pool=True``;
 they persist as one-geometry pools do.)
 
