@@ -29,6 +29,7 @@ API reference; what is left is wiring, each decision living in the modules above
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -250,6 +251,11 @@ class OffloadedKVCache:
             (free, or cached in the prefix index and not mapped by any slot).
         """
         return admit_by_reservation(self, state, slot, max_tokens, tokens)  # Checks state.
+
+    def reserving_in(self, state: KVState) -> contextlib.AbstractContextManager[None]:
+        """Nothing to set: this cache's blocks are on its engine, not in ``state``
+        (:meth:`jax_tpusync.cache_protocol.Reservable.reserving_in`)."""
+        return contextlib.nullcontext()
 
     def reserve(
         self,

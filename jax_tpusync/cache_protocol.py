@@ -37,6 +37,7 @@ import ast
 import inspect
 import textwrap
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -80,6 +81,13 @@ class Reservable(Protocol):
         with (``TypeError``: not a state of its kind; ``ValueError``: another cache's, one
         donated to a step, in a cache of parts any part's). :meth:`admitted` cannot be
         refused, so a caller checks the state it will admit into before it reserves."""
+        ...
+
+    def reserving_in(self, state: Any) -> AbstractContextManager[None]:
+        """A context in which :meth:`reserve` may make room by moving cached blocks out of
+        ``state`` (a host pool's spill tier reads the blocks it demotes from the state's
+        pool); a no-op for caches whose blocks are not in their state. A caller that will
+        admit into ``state`` reserves inside it."""
         ...
 
     def reserve(
@@ -281,7 +289,8 @@ def admit_by_reservation(
     since :meth:`~Reservable.admitted` cannot be refused once the slot tables admitted the
     slot (a state it refused would leave the slot reserved)."""
     cache.check(state)
-    reservation = cache.reserve(slot, max_tokens, tokens)
+    with cache.reserving_in(state):
+        reservation = cache.reserve(slot, max_tokens, tokens)
     return cache.admitted(state, reservation), reservation.cached
 
 

@@ -42,9 +42,10 @@ anything is made; a persistent cache's record of its layers is :mod:`jax_tpusync
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -360,6 +361,15 @@ class HybridKVCache:
         groups whose prefix stores differ all map the prefix the shortest one has (0 when
         a group keeps only its window)."""
         return admit_by_reservation(self, state, slot, max_tokens, tokens)  # Checks state.
+
+    @contextlib.contextmanager
+    def reserving_in(self, state: HybridState) -> Iterator[None]:
+        """Every group's :meth:`~jax_tpusync.cache_protocol.Reservable.reserving_in` its
+        part of ``state`` (host-pool groups with a spill tier demote out of their pools)."""
+        with contextlib.ExitStack() as stack:
+            for group, part in zip(self.groups, self.split(state)):
+                stack.enter_context(group.reserving_in(part))
+            yield
 
     def reserve(
         self,

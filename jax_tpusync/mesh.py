@@ -390,6 +390,11 @@ class ShardedKVCache:
         rule of :func:`jax_tpusync.parts.reserve_agreed`)."""
         return admit_by_reservation(self, state, slot, max_tokens, tokens)  # Checks state.
 
+    def reserving_in(self, state: KVState) -> contextlib.AbstractContextManager[None]:
+        """Nothing to set: the shards' blocks are on their engines, not in ``state``
+        (:meth:`jax_tpusync.cache_protocol.Reservable.reserving_in`)."""
+        return contextlib.nullcontext()
+
     def reserve(
         self,
         slot: int,

@@ -413,6 +413,15 @@ class BatchShardedPoolKVCache:
         :meth:`jax_tpusync.HostPoolKVCache.admit`)."""
         return admit_by_reservation(self, state, slot, max_tokens, tokens)  # Checks state.
 
+    @contextlib.contextmanager
+    def reserving_in(self, state: PoolState) -> Iterator[None]:
+        """Every shard's :meth:`~jax_tpusync.HostPoolKVCache.reserving_in` its part of
+        ``state``."""
+        with contextlib.ExitStack() as stack:
+            for part, part_state in zip(self.parts, self.split(state)):
+                stack.enter_context(part.reserving_in(part_state))
+            yield
+
     def reserve(
         self,
         slot: int,

@@ -69,10 +69,11 @@ holds every slot's blocks, each for its heads.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -608,12 +609,20 @@ class HostPoolKVCache:
         prefix index holds is mapped read-only). With a spill tier, cached blocks the
         admission needs room for are demoted out of ``state``'s pool, and spill blocks it
         maps are promoted into it (:mod:`jax_tpusync.pool_spill`)."""
+        return admit_by_reservation(self, state, slot, max_tokens, tokens)  # Checks state.
+
+    @contextlib.contextmanager
+    def reserving_in(self, state: PoolState) -> Iterator[None]:
+        """Within it, :meth:`reserve` demotes the cached blocks it needs room for out of
+        ``state``'s pool to the spill tier (without one, or outside it, they are evicted);
+        ``state`` must be the live one (checked first)."""
         if self._spill is None:
-            return admit_by_reservation(self, state, slot, max_tokens, tokens)  # Checks state.
+            yield
+            return
         self.check(state)  # Before its pool is read.
-        self._spill.reading(state.pool)  # What demotions read: this state's pool.
+        self._spill.reading(state.pool)
         try:
-            return admit_by_reservation(self, state, slot, max_tokens, tokens)
+            yield
         finally:
             self._spill.reading(None)
 

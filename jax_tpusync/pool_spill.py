@@ -18,8 +18,9 @@ block table that a state carries (:func:`check_pool_ids` refuses one). Hence:
   state's pool (:func:`~jax_tpusync.pool_blocks.gather_blocks`) and written to free spill
   blocks, their index entries re-pointed; only when neither tier has room is a block
   evicted. The bytes come from the pool of the call under way (:meth:`PoolSpillTier.reading`,
-  which :meth:`~jax_tpusync.pool_cache.HostPoolKVCache.admit` names): a reservation made
-  without a state (``reserve()`` on its own) has no pool to read and evicts instead.
+  set by :meth:`~jax_tpusync.pool_cache.HostPoolKVCache.reserving_in`, in which
+  ``admit``, hybrid admissions and P/D receives reserve): a reservation made outside it
+  (``reserve()`` on its own) has no pool to read and evicts instead.
 * **Promotion**: every spill block an admission maps is copied back into a free pool block
   at that admission (the slot table makes room for it first:
   :meth:`PoolSpillTier.promotion_room`), read from the file at once and written into the

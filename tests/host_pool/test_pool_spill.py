@@ -278,3 +278,36 @@ def test_a_cached_block_no_pool_holds_yet_is_demoted_with_its_imported_bytes(tmp
             np.testing.assert_array_equal(
                 np.stack(cache.read(state, layer, 1, 0, 8)), kv_of(DOC[:8], layer)
             )
+
+
+def test_a_hybrid_cache_of_pools_demotes_in_every_group_at_admission(tmp_path):
+    """A hybrid admission reserves in each group's pool through reserving_in: the cached
+    blocks its groups need room for go to their spill tiers, not away."""
+    cache = tps.HybridKVCache(
+        num_layers=2, batch=2, max_len=32, num_kv_heads=[2, 1], head_dim=[8, 16],
+        max_step_tokens=4, block_tokens=BT, staging_bytes=1 << 16, dtype=jnp.float32,
+        host_pool=True, spill_path=str(tmp_path), spill_blocks=4,
+    )  # fmt: skip
+    with cache:
+        assert [g.config.geometry.num_blocks for g in cache.groups] == [16, 16]
+        state = cache.init(admit=False)
+        tokens = list(range(100, 108))  # 2 full blocks in each group.
+        state, _ = cache.admit(state, 0, tokens=tokens, max_tokens=16)
+        for layer, (heads, size) in enumerate([(2, 8), (1, 16)]):
+            rows = np.arange(8 * heads * size, dtype=np.float32).reshape(8, heads, size)
+            state = cache.load(state, layer, rows + layer, -rows, slot=0)
+        state = cache.release(state, 0, tokens=tokens)
+        # 8 + 8 blocks of the 16 with 2 cached: each group makes room for 2 more.
+        state, _ = cache.admit(state, 1, max_tokens=32)
+        state, _ = cache.admit(state, 0, max_tokens=32)
+        for group in cache.groups:
+            stats = group.prefix_stats
+            assert (stats["demoted"], stats["evictions"]) == (2, 0), stats
+        state = cache.release(state, 0)
+        state, cached = cache.admit(state, 0, tokens=tokens + [1], max_tokens=12)
+        assert cached == 8 and [g.prefix_stats["promoted"] for g in cache.groups] == [2, 2]
+        for layer, (heads, size) in enumerate([(2, 8), (1, 16)]):
+            rows = np.arange(8 * heads * size, dtype=np.float32).reshape(8, heads, size)
+            k, v = cache.read(state, layer, 0, 0, 8)
+            np.testing.assert_array_equal(k, rows + layer)
+            np.testing.assert_array_equal(v, -rows)
