@@ -1,6 +1,8 @@
 """Whole blocks of a host pool, moved between steps: the small jitted programs that read
-and write them (:func:`read_blocks`, :func:`write_blocks`), and :class:`PoolBlocks`, the
-slot table's block store over the pool (what prefix levels import into and publish from).
+and write them (:func:`read_blocks`, :func:`write_blocks`), rows written into a run of
+blocks (:func:`write_rows`: the blocks they fill in part read first), and
+:class:`PoolBlocks`, the slot table's block store over the pool (what prefix levels import
+into and publish from).
 
 A host pool is a JAX array the state carries (:mod:`jax_tpusync.host_pool`), not memory an
 engine owns: a host call reads the pool of the state it is given and returns a state with
@@ -114,6 +116,38 @@ def scatter_blocks(
     return pool
 
 
+def write_rows(
+    layout: PoolLayout,
+    mesh: MeshLayout | None,
+    pool: jax.Array,  # donated
+    starts: np.ndarray,  # int[layers, blocks]: per layer, the pool row of each block's first token
+    at: int,
+    rows: np.ndarray,  # [shards, layers, n, ...]: each shard's pool rows (as bytes, any shape)
+) -> jax.Array:
+    """``pool`` with ``rows`` written at positions ``[at, at + n)`` of a run of blocks
+    (``at`` within the first block), in each layer ``starts`` names. A pool row's bytes may
+    come in any trailing shape of ``rows`` (a pool row as the pool's dtype, or split into K
+    and V bytes). The blocks at either end that the rows fill in part are read first, so
+    their other rows keep what they hold; the rest are written whole."""
+    shards, layers, n = rows.shape[:3]
+    if n == 0:
+        return pool
+    bt = layout.spec.block_tokens
+    count = starts.shape[1]
+    blocks = np.zeros((shards, layers, count * bt, *rows.shape[3:]), rows.dtype)
+    edges = [0] if at % bt else []  # Blocks the rows fill in part, by index in the run.
+    if (at + n) % bt and count - 1 not in edges:
+        edges.append(count - 1)
+    if edges:
+        kept = gather_blocks(layout, mesh, pool, starts[:, edges].reshape(-1))
+        kept = kept.view(rows.dtype).reshape(shards, layers, len(edges) * bt, *rows.shape[3:])
+        for i, e in enumerate(edges):
+            blocks[:, :, e * bt : (e + 1) * bt] = kept[:, :, i * bt : (i + 1) * bt]
+    blocks[:, :, at : at + n] = rows
+    pool_rows = blocks.reshape(shards, layers * count * bt, -1).view(layout.dtype)
+    return scatter_blocks(layout, mesh, pool, pool_rows, starts.reshape(-1))
+
+
 class PoolBlocks:
     """The slot table's block store (:class:`jax_tpusync.levels.BlockStore`) over a host
     pool: a block's payload is its rows of every layer as bytes, each token's K row then
@@ -201,7 +235,7 @@ class PoolBlocks:
 
     def block_memory(self, block: int) -> None:
         """None: the pool is not memory a level may write in place."""
-        return None
+        return
 
     def quiesce(self) -> None:
         """Nothing in flight: the pool moves only in steps and in this store's calls."""

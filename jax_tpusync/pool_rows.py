@@ -27,18 +27,19 @@ def write_slot_rows(
     ``table`` written in ``layer``. A block the rows fill in part is read first and
     written back with the rows in it."""
     bt = layout.spec.block_tokens
-    n = k.shape[0]
-    first, end = start // bt, -(-(start + n) // bt)
-    blocks = table[first:end]
-    old = _read_blocks(layout, mesh, pool, layer, blocks)
+    first, end = start // bt, -(-(start + k.shape[0]) // bt)
     heads = layout.spec.num_kv_heads
-    for shard in range(old.shape[0]):  # Each device's pool holds its heads.
-        mine = slice(shard * heads, (shard + 1) * heads)
-        old[shard, start - first * bt : start - first * bt + n] = _pool_rows_host(
-            layout, k[:, mine], v[:, mine]
-        )
-    starts = layout.block_row(layer, np.asarray(blocks, np.int64))
-    return pool_blocks.write_blocks(layout, mesh, pool, old, starts)
+    shards = 1 if mesh is None else mesh.num_shards
+    rows = np.stack(  # Each device's pool holds its heads.
+        [
+            _pool_rows_host(
+                layout, k[:, s * heads : (s + 1) * heads], v[:, s * heads : (s + 1) * heads]
+            )
+            for s in range(shards)
+        ]
+    )[:, None]  # [shards, 1 layer, n, row_width]
+    starts = layout.block_row(layer, np.asarray(table[first:end], np.int64))[None]
+    return pool_blocks.write_rows(layout, mesh, pool, starts, start - first * bt, rows)
 
 
 def read_slot_rows(

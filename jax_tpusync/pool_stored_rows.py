@@ -44,7 +44,7 @@ def read_stored_rows(
         return np.zeros(stored_shape(layout, shards, 0), np.uint8)
     bt = layout.spec.block_tokens
     first = lo // bt
-    blocks = _block_rows(layout, table[first : -(-hi // bt)])
+    blocks = _block_rows(layout, table[first : -(-hi // bt)]).reshape(-1)
     rows = _as_tokens(layout, pool_blocks.gather_blocks(layout, mesh, pool, blocks))
     return np.ascontiguousarray(
         rows[:, :, lo - first * bt : hi - first * bt].transpose(0, 1, 3, 2, 4)
@@ -62,36 +62,24 @@ def write_stored_rows(
     """``pool`` (donated) with positions ``[lo, lo + n)`` of the slot whose blocks are
     ``table`` written, every layer. The blocks at either end that the rows fill in part are
     read first, so their other rows keep what they hold."""
-    shards, n = rows.shape[0], rows.shape[3]
-    if n == 0:
-        return pool
     bt = layout.spec.block_tokens
-    first, end = lo // bt, -(-(lo + n) // bt)
-    blocks = np.asarray(table[first:end], np.int64)
-    width = 2 * row_bytes(layout)
-    tokens = np.zeros((shards, layout.spec.num_layers, len(blocks) * bt, width), np.uint8)
-    tokens = tokens.reshape(shards, layout.spec.num_layers, -1, 2, row_bytes(layout))
-    edges = [0] if lo % bt else []  # Blocks the rows fill in part, by index in blocks.
-    if (lo + n) % bt and len(blocks) - 1 not in edges:
-        edges.append(len(blocks) - 1)
-    if edges:
-        kept = _as_tokens(
-            layout,
-            pool_blocks.gather_blocks(layout, mesh, pool, _block_rows(layout, blocks[edges])),
-        )
-        for i, e in enumerate(edges):
-            tokens[:, :, e * bt : (e + 1) * bt] = kept[:, :, i * bt : (i + 1) * bt]
-    at = lo - first * bt
-    tokens[:, :, at : at + n] = rows.transpose(0, 1, 3, 2, 4)
-    pool_rows = tokens.reshape(shards, -1, width).view(layout.dtype)
-    return pool_blocks.scatter_blocks(layout, mesh, pool, pool_rows, _block_rows(layout, blocks))
+    first, end = lo // bt, -(-(lo + rows.shape[3]) // bt)
+    # Per layer, each position's K row then its V row: a pool row's bytes.
+    return pool_blocks.write_rows(
+        layout,
+        mesh,
+        pool,
+        _block_rows(layout, table[first:end]),
+        lo - first * bt,
+        rows.transpose(0, 1, 3, 2, 4),
+    )
 
 
 def _block_rows(layout: PoolLayout, blocks: np.ndarray) -> np.ndarray:
-    """int64[num_layers * len(blocks)]: the pool row of each block's first token, layer by
-    layer (the order :func:`_as_tokens` reads them in)."""
+    """int64[num_layers, len(blocks)]: the pool row of each block's first token, per layer
+    (flattened, the order :func:`_as_tokens` reads them in)."""
     layers = np.arange(layout.spec.num_layers, dtype=np.int64)[:, None]
-    return layout.block_row(layers, np.asarray(blocks, np.int64)[None, :]).reshape(-1)
+    return layout.block_row(layers, np.asarray(blocks, np.int64)[None, :])
 
 
 def _as_tokens(layout: PoolLayout, rows: np.ndarray) -> np.ndarray:
