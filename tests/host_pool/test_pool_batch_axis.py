@@ -98,6 +98,7 @@ def serve(cache, seed=0):
     ],
     ids=["dp2xtp2", "dp4"],
 )
+@pytest.mark.slow  # Three step compiles (the mesh's two and the one-device pool's).
 def test_steps_equal_the_one_device_pool(axes):
     cache = make(num_layers=STEP_LAYERS, **axes)
     single = make(num_layers=STEP_LAYERS)
