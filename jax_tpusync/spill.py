@@ -139,29 +139,31 @@ class SpillPolicy:
         blocks, when the admitting slot is their only user); returns ``shared`` with the
         promoted blocks' new ids."""
         out = list(shared)
+        spilled = [i for i, block in enumerate(out) if self.allocators.is_spilled(block)]
         due = []
-        for i, block in enumerate(out):
-            if not self.allocators.is_spilled(block):
-                continue
-            self.spill_hits += 1
-            entry = prefix.entry(block)
-            entry.spill_hits += 1
+        for i in spilled:
+            entry = prefix.entry(out[i])
             if (
                 self.promote_after is not None
-                and entry.spill_hits >= self.promote_after
+                and entry.spill_hits + 1 >= self.promote_after  # Counting this admission.
                 and entry.refs == 1
             ):
                 due.append(i)
         due = due[: self.allocators.dram.free_blocks]
+        if due:
+            dst = self.allocators.dram.allocate(len(due))
+            src = [out[i] for i in due]
+            try:
+                self._copy(list(zip(src, dst.tolist())))
+            except Exception:
+                self.allocators.dram.free(dst)
+                raise  # Nothing counted: the admission is refused.
+        # Counted once the copy is made (a promoted block's count restarts at its move).
+        self.spill_hits += len(spilled)
+        for i in spilled:
+            prefix.entry(out[i]).spill_hits += 1
         if not due:
             return out
-        dst = self.allocators.dram.allocate(len(due))
-        src = [out[i] for i in due]
-        try:
-            self._copy(list(zip(src, dst.tolist())))
-        except Exception:
-            self.allocators.dram.free(dst)
-            raise
         for i, block in zip(due, dst.tolist()):
             prefix.move(prefix.key_of(out[i]), block)
             out[i] = block

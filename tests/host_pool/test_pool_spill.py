@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jax_tpusync as tps
+from jax_tpusync.engine import Engine
 from jax_tpusync.pool_spill import check_pool_ids
 
 H, QH, D, BT, NB, LAYERS = 2, 4, 8, 4, 8, 2  # KV heads, query heads, head size, block tokens
@@ -214,6 +215,42 @@ def test_promotion_needs_free_pool_blocks_and_never_takes_a_mapped_one(
         assert cached == 8 and max(blocks_of(cache, DOC[:8])) < NB
         assert cache.prefix_stats["promoted"] == 2 and cache.prefix_stats["evictions"] == 0
         np.testing.assert_array_equal(cache.slots.tables[0], before["tables"][0])
+
+
+def test_a_failed_spill_file_write_or_read_refuses_the_admission_changing_nothing(
+    tmp_path, monkeypatch
+):
+    # The spill file's I/O fails mid-admission: the demotion's write (no index entry may
+    # point at bytes the file lacks) and the promotion's read (no counter may move).
+    def failing(self, segments, buffer, write):
+        raise OSError(f"spill file {'write' if write else 'read'} failed")
+
+    with make_cache(tmp_path) as cache:
+        state = cache_prompt(cache, cache.init(admit=False), DOC[:8])
+        real = Engine.transfer
+
+        def refused(admit, message):
+            before = snapshot(cache, state)
+            monkeypatch.setattr(Engine, "transfer", failing)
+            with pytest.raises(OSError, match=message):
+                admit()
+            monkeypatch.setattr(Engine, "transfer", real)
+            assert_unchanged(before, snapshot(cache, state))
+
+        # Needs the room of the 2 cached blocks: demotes them, and the write fails.
+        refused(lambda: cache.admit(state, 0, max_tokens=NB * BT), "spill file write failed")
+        state, _ = cache.admit(state, 0, max_tokens=NB * BT)
+        state = cache.release(state, 0)
+        assert min(blocks_of(cache, DOC[:8])) >= NB
+        # Maps the 2 spilled blocks: promotes them, and the read fails.
+        tokens = DOC[:8] + [1]
+        refused(lambda: cache.admit(state, 1, tokens=tokens, max_tokens=12), "file read failed")
+        state, cached = cache.admit(state, 1, tokens=DOC[:8] + [1], max_tokens=12)
+        assert cached == 8 and cache.prefix_stats["spill_hits"] == 2
+        for layer in range(LAYERS):
+            np.testing.assert_array_equal(
+                np.stack(cache.read(state, layer, 1, 0, 8)), kv_of(DOC[:8], layer)
+            )
 
 
 @pytest.mark.parametrize(
