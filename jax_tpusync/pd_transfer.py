@@ -335,7 +335,8 @@ class KVReceiver(_Role):
         if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(f"tokens must be a non-empty 1-D sequence of ints; got {tokens!r}")
         self.endpoint.check_slot(slot)
-        reservation = self.cache.reserve(slot, max_tokens, ids)  # Refused: nothing changed.
+        with self.cache.reserving_in(state):  # A spill tier demotes out of state's pool.
+            reservation = self.cache.reserve(slot, max_tokens, ids)  # Refused: nothing changed.
         cached = int(reservation.cached)
         n = int(ids.size)
         may_write = False  # Whether the prefill process may have started writing.

@@ -204,6 +204,26 @@ def test_a_prefix_the_decode_pool_holds_is_not_sent(engine):
     rx_cache.close(rx_state)
 
 
+def test_a_receive_into_a_full_pool_demotes_its_cached_blocks_to_the_spill_tier(
+    engine, tmp_path
+):
+    """The receiving pool's 9 blocks: 2 cached, 7 free; the slot's 8 make the least
+    recently used cached block go to the spill tier (the receive reserves in the state
+    it admits into), not away."""
+    other = np.arange(100, 100 + N)
+    rx_cache = pool_cache(num_blocks=9, spill_path=str(tmp_path), spill_blocks=4)
+    rx_state = filled(rx_cache, n=N, slot=0, tokens=other)
+    rx_state = rx_cache.release(rx_state, 0, tokens=other)
+    tx_cache = pd_peers.make_cache(batch=1)
+    tx_state = filled(tx_cache)
+    rx_state, got, _, tx_state = transfer(engine, tx_cache, tx_state, rx_cache, rx_state)
+    stats = rx_cache.prefix_stats
+    assert (stats["demoted"], stats["evictions"], got.cached) == (1, 0, 0), stats
+    assert_same_rows(stored(rx_cache, rx_state, 1, N), stored(tx_cache, tx_state, 0, N))
+    tx_cache.close(tx_state)
+    rx_cache.close(rx_state)
+
+
 def test_a_failure_after_the_request_frees_the_slot_and_sets_the_buffer_aside(engine):
     """The sender refuses after the request went out (its slot is too short): the decode
     slot is free at once (no write can land in its blocks), the staging buffer is held
