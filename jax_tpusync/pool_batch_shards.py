@@ -321,9 +321,9 @@ class BatchShardedPoolKVCache:
                 raise ValueError(f"lengths must have shape ({self.batch},); got {lengths.shape}")
             if not np.issubdtype(lengths.dtype, np.integer):
                 raise ValueError(f"lengths must hold ints; got {lengths.dtype}")
-            for d, part in enumerate(self.parts):
-                with self._in(d):
-                    _check_init_lengths(part, lengths[self.rows_of(d)], admit)
+        for d, part in enumerate(self.parts):
+            with self._in(d):
+                part.check_init(None if lengths is None else lengths[self.rows_of(d)], admit=admit)
         states = []
         for d, part in enumerate(self.parts):
             with self._in(d):
@@ -646,23 +646,6 @@ def _part_options(options: dict[str, Any], batch: int, d: int) -> dict[str, Any]
         if out.get(name) is not None:
             out[name] = f"{out[name]}-batch{d}"
     return out
-
-
-def _check_init_lengths(part: HostPoolKVCache, lengths: np.ndarray, admit: bool) -> None:
-    """Refuses, changing nothing, ``lengths`` that ``part.init`` would refuse: each in
-    ``[shared prefix, capacity]``, where ``admit`` gives every inactive slot ``max_len``."""
-    slots = part.slots
-    capacity = part.capacity
-    if admit:
-        capacity = np.where(capacity > 0, capacity, part.max_len)
-    for b in range(len(lengths)):
-        shared = slots.shared_tokens(b)
-        if not shared <= lengths[b] <= capacity[b]:
-            raise ValueError(
-                f"lengths[{b}]={int(lengths[b])} must be in [{shared}, {int(capacity[b])}] "
-                f"(slot {b}'s shared prefix and capacity"
-                + (", inactive: admit it first)" if capacity[b] == 0 else ")")
-            )
 
 
 def _outside_mesh():

@@ -366,20 +366,12 @@ class HostPoolKVCache:
         """The first state: a zeroed pool in the device's pinned host memory (a cache that
         re-attached a commit: its committed blocks, read from the tier); ``lengths`` and
         ``admit`` as :meth:`jax_tpusync.OffloadedKVCache.init`'s (default: 0, or the
-        committed lengths). Once only: later states come from the step and this cache's
-        methods."""
-        self._check_open()
-        if self._initialized:
-            raise ValueError("init() was called already: use the state the last call returned")
-        spec = self.spec
-        if lengths is None:
-            lengths = self._restored_lengths
-        lengths = np.zeros(spec.batch, np.int64) if lengths is None else np.asarray(lengths)
-        if lengths.shape != (spec.batch,):
-            raise ValueError(f"lengths must have shape ({spec.batch},); got {lengths.shape}")
+        committed lengths, which a re-attached cache's ``lengths`` may not pass). Once
+        only: later states come from the step and this cache's methods. Refused, changing
+        nothing, as :meth:`check_init` says."""
+        lengths = self.check_init(lengths, admit=admit)
         if admit:
             self.slots.admit_all()
-        self.slots.check_lengths(lengths)
         pool = None
         if self._tier is not None:
             self.persistence.note_init(lengths)  # Below the commit: commits that first.
@@ -390,6 +382,42 @@ class HostPoolKVCache:
         self._initialized = True
         self._loaded.reset()
         return state
+
+    def check_init(
+        self, lengths: Sequence[int] | np.ndarray | None = None, *, admit: bool = True
+    ) -> np.ndarray:
+        """The lengths (int[batch]) :meth:`init` would start from, refused as it refuses
+        them; changes nothing.
+
+        Raises:
+          ValueError: a second ``init()``; ``lengths`` of another shape, below a slot's
+            shared prefix or past its capacity (every inactive slot ``max_len`` with
+            ``admit``); for a cache that re-attached a commit, past a slot's committed
+            length (the pool is restored at the committed lengths: rows past them were
+            never committed, or :meth:`restart_at` cut them).
+        """
+        self._check_open()
+        if self._initialized:
+            raise ValueError("init() was called already: use the state the last call returned")
+        spec = self.spec
+        if lengths is None:
+            lengths = self._restored_lengths
+        lengths = np.zeros(spec.batch, np.int64) if lengths is None else np.asarray(lengths)
+        if lengths.shape != (spec.batch,):
+            raise ValueError(f"lengths must have shape ({spec.batch},); got {lengths.shape}")
+        capacity = self.slots.capacity
+        if admit:
+            capacity = np.where(capacity > 0, capacity, self.max_len)
+        self.slots.check_lengths(lengths, capacity)
+        if self._restored_lengths is not None:
+            committed = self.persistence.committed_lengths
+            for b in np.flatnonzero(lengths > committed):
+                raise ValueError(
+                    f"lengths[{b}]={int(lengths[b])} is past slot {b}'s committed length "
+                    f"{int(committed[b])}: the pool is restored at the committed lengths "
+                    f"(rows past them were never committed, or restart_at() cut them)"
+                )
+        return lengths
 
     def inert_state(self) -> PoolState:
         """A state of this cache's structure that moves no bytes anywhere the live state

@@ -183,11 +183,13 @@ class SlotTable:
         if not _is_int(slot) or not 0 <= slot < self.batch:
             raise ValueError(f"slot={slot!r} must be an int in [0, batch={self.batch})")
 
-    def check_lengths(self, lengths: np.ndarray) -> None:
+    def check_lengths(self, lengths: np.ndarray, capacity: np.ndarray | None = None) -> None:
         """Refuses ``lengths`` (int[batch]) that a fresh state of the slots cannot hold:
         each at least its slot's shared prefix (blocks other sequences read: decode would
-        write them) and in ``[0, capacity]`` (0 for an inactive slot)."""
-        capacity = self._capacity
+        write them) and in ``[0, capacity]`` (0 for an inactive slot). ``capacity``
+        (int[batch]): the slots' capacities once admitted as a caller will (default: as
+        they are)."""
+        capacity = self._capacity if capacity is None else capacity
         for b in range(self.batch):
             shared = self.shared_tokens(b)
             if lengths[b] < shared:

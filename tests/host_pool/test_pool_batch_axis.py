@@ -249,6 +249,9 @@ def test_each_shard_persists_under_its_own_name_and_reattaches(tmp_path):
     assert {p.name.split(".")[0] for p in tmp_path.iterdir()} >= {"kv-batch0", "kv-batch1"}
     again = make(**dp_tp(), **tier)
     np.testing.assert_array_equal(again.committed_lengths, [9, 0, 0, 4])
+    # Slot 3 one row past its commit: refused in batch shard 1 before any shard's init.
+    with pytest.raises(ValueError, match=r"shard 1 .*lengths\[1\]=5 is past slot 1's committed"):
+        again.init([9, 0, 0, 5], admit=False)
     state = again.init(admit=False)
     np.testing.assert_array_equal(again.lengths(state), [9, 0, 0, 4])
     for layer in range(LAYERS):

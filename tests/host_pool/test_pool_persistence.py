@@ -370,6 +370,9 @@ def test_a_restart_before_init_trims_the_commit_and_after_init_is_refused(tmp_pa
     cache.restart_at([9, 5])
     np.testing.assert_array_equal(cache.committed_lengths, [9, 5])
     np.testing.assert_array_equal(cache.tokens(0), np.arange(9))
+    # The rows past the new commit are not served, whatever init() is asked for.
+    with pytest.raises(ValueError, match=r"lengths\[0\]=10 is past slot 0's committed length 9"):
+        cache.init([10, 5])
     state = cache.init()
     written.check(cache, state, [9, 5])
     with pytest.raises(ValueError, match=r"\[start, stop\) = \[0, 10\) must lie in \[0, 9\]"):
