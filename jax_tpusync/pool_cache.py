@@ -672,9 +672,13 @@ class HostPoolKVCache:
 
     def cancel(self, reservation: Admission) -> None:
         """Undoes a :meth:`reserve` that was not :meth:`admitted`. The blocks it imported
-        from a prefix level that no pool holds yet leave the index too, unless another
-        reservation maps them (they stay pending for its :meth:`admitted`)."""
+        from a prefix level, or promoted from the spill tier, that no pool holds yet go
+        back to the spill tier while it has free blocks (their bytes are nowhere else);
+        the rest leave the index, unless another reservation maps them (they stay pending
+        for its :meth:`admitted`)."""
         self.slots.release(reservation.slot, 0)
+        if self._spill is not None:
+            self._spill.keep(self.slots.prefix, self._imports.pending_of(reservation.slot))
         self._imports.drop(reservation.slot, self.slots.prefix)
 
     def admitted(self, state: PoolState, reservation: Admission) -> PoolState:

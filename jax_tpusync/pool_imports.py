@@ -13,7 +13,9 @@ that stop a slot from reading KV that is not its prefix's:
   them, not only the admitted slot's.
 * **A cancelled reservation's imports leave the index** (:meth:`PendingImports.drop`):
   they were never written to a pool, and a later admission must not map them; unless
-  another reservation maps them, whose admission will write them.
+  another reservation maps them, whose admission will write them, or a spill tier takes
+  them first (:meth:`~jax_tpusync.pool_spill.PoolSpillTier.keep`, with their pending
+  bytes).
 * **A persistent tier is told at reservation time** (the ``imported`` callback): the
   blocks are indexed from then on, and a commit may checksum them before any admission.
 """
@@ -101,6 +103,11 @@ class PendingImports:
             len(pending) - kept,
             kept,
         )
+
+    def pending_of(self, slot: int) -> list[int]:
+        """The blocks ``slot``'s reservation wrote that no pool holds yet, in the order it
+        wrote them."""
+        return [b for b in self._by_slot.get(slot, []) if b in self._payloads]
 
     def payloads_of(self, blocks: list[int]) -> dict[int, np.ndarray]:
         """The pending payloads of those of ``blocks`` that no pool holds yet (their bytes

@@ -26,7 +26,10 @@ block table that a state carries (:func:`check_pool_ids` refuses one). Hence:
   :meth:`PoolSpillTier.promotion_room`), read from the file at once and written into the
   pool with the reservation's other imports (:class:`~jax_tpusync.pool_imports.PendingImports`),
   before the slot's first step. It never evicts or demotes a block a slot maps (those are
-  pinned); an admission that cannot get the room is refused, changing nothing.
+  pinned); an admission that cannot get the room is refused, changing nothing. A
+  reservation cancelled before its admission puts the blocks it promoted (and imported)
+  back on the spill tier while it has free blocks (:meth:`PoolSpillTier.keep`): their
+  pending bytes are their only copy.
 
 The file holds each block's rows as a persistent pool tier does
 (:mod:`jax_tpusync.pool_persistence`): one region of ``spill_blocks`` blocks per (layer,
@@ -187,6 +190,28 @@ class PoolSpillTier(SpillPolicy):
             )
         return super().admitted(prefix, shared)
 
+    def keep(self, prefix: PrefixIndex, blocks: list[int]) -> int:
+        """Demotes those of pool ``blocks`` (a cancelled reservation's, in sequence order)
+        that are indexed, mapped by no slot, and whose bytes no pool holds yet (promoted
+        or imported by it: pending) to free spill blocks, with those pending bytes, instead
+        of their leaving the index with the only copy; returns how many moved. Evicts
+        nothing to make room (the first blocks of a chain move first); a failed write
+        moves none (logged: the caller drops them, as without a spill tier)."""
+        pending = self._pending_payloads(blocks)
+        keys = [
+            prefix.key_of(b)
+            for b in blocks
+            if b in pending and prefix.is_indexed(b) and prefix.refs(b) == 0
+        ][: self.allocators.spill.free_blocks]
+        if not keys:
+            return 0
+        try:
+            self._move_to_spill(prefix, keys)
+        except Exception as e:  # noqa: BLE001 - a cache's loss: the blocks are dropped.
+            logger.warning("keeping %d cancelled pending blocks in the spill tier: %s", len(keys), e)
+            return 0
+        return len(keys)
+
     def _copy(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
@@ -204,21 +229,23 @@ class PoolSpillTier(SpillPolicy):
     def _demote(self, pairs: list[tuple[int, int]]) -> None:
         """Pool blocks (from the pool under way, or their pending payloads) to spill
         blocks: one gather from the pool, one write to the file."""
-        if self._pool is None:
-            raise RuntimeError("tpusync: a host-pool block was demoted outside a host call")
         spec, layout = self.layout.spec, self.layout
         bt, rb, num_layers = spec.block_tokens, spec.row_bytes, spec.num_layers
         src = [s for s, _ in pairs]
         pending = self._pending_payloads(src)
         from_pool = [s for s in src if s not in pending]
-        starts = np.asarray(
-            [layout.block_row(layer, b) for b in from_pool for layer in range(num_layers)],
-            np.int64,
-        )
-        rows = pool_blocks.gather_blocks(layout, None, self._pool, starts)
-        # [n, layer, token, K|V, row bytes]: each block's rows as the pool holds them.
-        pooled = rows[0].view(np.uint8).reshape(len(from_pool), num_layers, bt, 2, rb)
-        by_block = dict(zip(from_pool, pooled))
+        by_block = {}
+        if from_pool:
+            if self._pool is None:
+                raise RuntimeError("tpusync: a host-pool block was demoted outside a host call")
+            starts = np.asarray(
+                [layout.block_row(layer, b) for b in from_pool for layer in range(num_layers)],
+                np.int64,
+            )
+            rows = pool_blocks.gather_blocks(layout, None, self._pool, starts)
+            # [n, layer, token, K|V, row bytes]: each block's rows as the pool holds them.
+            pooled = rows[0].view(np.uint8).reshape(len(from_pool), num_layers, bt, 2, rb)
+            by_block = dict(zip(from_pool, pooled))
         for block, payload in pending.items():
             by_block[block] = payload.reshape(num_layers, bt, 2, rb)
         size = self._payload_bytes

@@ -122,17 +122,22 @@ class SpillPolicy:
             # In DRAM id order: a sequence's blocks stay consecutive on the spill tier (one
             # segment per unit), whatever order the LRU list gives them.
             cached.sort(key=prefix.block_of)
-            dst = self.allocators.spill.allocate(len(cached)) + self.num_dram
-            src = [prefix.block_of(k) for k in cached]
-            try:
-                self._copy(list(zip(src, dst.tolist())))
-            except Exception:
-                self.allocators.spill.free(dst - self.num_dram)
-                raise
-            for key, block in zip(cached, dst.tolist()):
-                prefix.move(key, block)
-            dram.free(np.asarray(src, np.int64))
-            self.demoted += len(cached)
+            self._move_to_spill(prefix, cached)
+
+    def _move_to_spill(self, prefix: PrefixIndex, keys: list[bytes]) -> None:
+        """Copies the cached DRAM blocks of ``keys`` to as many free spill blocks and
+        re-points their entries there; a failed copy moves none (raised)."""
+        dst = self.allocators.spill.allocate(len(keys)) + self.num_dram
+        src = [prefix.block_of(k) for k in keys]
+        try:
+            self._copy(list(zip(src, dst.tolist())))
+        except Exception:
+            self.allocators.spill.free(dst - self.num_dram)
+            raise
+        for key, block in zip(keys, dst.tolist()):
+            prefix.move(key, block)
+        self.allocators.dram.free(np.asarray(src, np.int64))
+        self.demoted += len(keys)
 
     def admitted(self, prefix: PrefixIndex, shared: list[int]) -> list[int]:
         """Counts the spill blocks an admission maps and promotes those due (into free DRAM

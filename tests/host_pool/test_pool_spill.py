@@ -217,6 +217,30 @@ def test_promotion_needs_free_pool_blocks_and_never_takes_a_mapped_one(
         np.testing.assert_array_equal(cache.slots.tables[0], before["tables"][0])
 
 
+def test_a_cancelled_reservation_puts_the_blocks_it_promoted_back_on_the_spill_tier(tmp_path):
+    # Promotion freed the spill copies: the pending bytes are the blocks' only copy, so a
+    # cancel (a hybrid's retry, a failed P/D receive) must not drop them from the index.
+    with make_cache(tmp_path) as cache:
+        state = cache_prompt(cache, cache.init(admit=False), DOC[:8])
+        state, _ = cache.admit(state, 0, max_tokens=NB * BT)
+        state = cache.release(state, 0)
+        tokens = DOC[:8] + [1]
+        with cache.reserving_in(state):
+            reservation = cache.reserve(1, 12, tokens)
+        assert reservation.cached == 8 and max(blocks_of(cache, DOC[:8])) < NB
+        cache.cancel(reservation)
+        assert min(blocks_of(cache, DOC[:8])) >= NB
+        stats = cache.prefix_stats
+        assert (stats["cached_blocks"], stats["evictions"], stats["demoted"]) == (2, 0, 4)
+        assert cache.slots.allocators.dram.free_blocks == NB
+        state, cached = cache.admit(state, 1, tokens=tokens, max_tokens=12)
+        assert cached == 8 and cache.prefix_stats["promoted"] == 4
+        for layer in range(LAYERS):
+            np.testing.assert_array_equal(
+                np.stack(cache.read(state, layer, 1, 0, 8)), kv_of(DOC[:8], layer)
+            )
+
+
 def test_a_failed_spill_file_write_or_read_refuses_the_admission_changing_nothing(
     tmp_path, monkeypatch
 ):
