@@ -206,7 +206,7 @@ class PoolSpillTier(SpillPolicy):
         if not keys:
             return 0
         try:
-            self._move_to_spill(prefix, keys)
+            self.move_to_spill(prefix, keys)
         except Exception as e:  # noqa: BLE001 - a cache's loss: the blocks are dropped.
             logger.warning("keeping %d cancelled pending blocks in the spill tier: %s", len(keys), e)
             return 0

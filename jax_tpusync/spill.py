@@ -122,11 +122,13 @@ class SpillPolicy:
             # In DRAM id order: a sequence's blocks stay consecutive on the spill tier (one
             # segment per unit), whatever order the LRU list gives them.
             cached.sort(key=prefix.block_of)
-            self._move_to_spill(prefix, cached)
+            self.move_to_spill(prefix, cached)
 
-    def _move_to_spill(self, prefix: PrefixIndex, keys: list[bytes]) -> None:
-        """Copies the cached DRAM blocks of ``keys`` to as many free spill blocks and
-        re-points their entries there; a failed copy moves none (raised)."""
+    def move_to_spill(self, prefix: PrefixIndex, keys: list[bytes]) -> None:
+        """Copies the cached DRAM blocks of ``keys`` to as many free spill blocks (there
+        must be that many) and re-points their entries there; a failed copy moves none
+        (raised). :meth:`demote` chooses the blocks; a subclass may move others (a host
+        pool's cancelled reservation's)."""
         dst = self.allocators.spill.allocate(len(keys)) + self.num_dram
         src = [prefix.block_of(k) for k in keys]
         try:
