@@ -19,6 +19,12 @@ of ``--link-gbps`` (default 23.75 GB/s per chip: TPU Sync's published 190 GB/s o
 contiguous host-to-device copies per 8-chip Ironwood host). A projection, not a measurement:
 nothing here ran on a TPU.
 
+Over chips: ``--heads-over-chips`` splits the KV heads (and the projections) over every
+chip of a topology, ``--batch-over-chips`` the slots (the batch-sharded pool's layout,
+:class:`~jax_tpusync.BatchShardedPoolKVCache`); both make a grid of slots by heads (four
+chips: 2 x 2). Every number is per chip: the weights split over the heads only, the KV
+over both.
+
 Printed by default: per topology, in words, the device memory ours holds across the
 contexts against the plain and resident steps', and how many unit copies overlap an
 attention; ``--details``: every row. Each program compiles in its own child process
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -104,6 +111,13 @@ def add_parser(sub) -> None:
         action="store_true",
         help="split the KV heads (and the projections) over every chip of the topology",
     )
+    p.add_argument(
+        "--batch-over-chips",
+        action="store_true",
+        help="split the slots (--batch, a multiple of the chips they are split over) over "
+        "every chip of the topology; with --heads-over-chips, the chips as a grid of slots "
+        "by heads (4 chips: 2 x 2, 8: 2 x 4)",
+    )
     p.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS)
     common.add_details_argument(p, "every row (device MiB per step, overlap, projected ms)")
     common.add_json_argument(p)
@@ -138,12 +152,44 @@ def tpu_devices(topology: str) -> list:
     return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
 
 
-def heads_mesh(devices: list):
-    """A mesh of ``devices`` whose one axis, ``heads``, splits the KV heads."""
+def chip_split(chips: int, *, batch_over_chips: bool, heads_over_chips: bool) -> tuple[int, int]:
+    """(dp, tp): how many of ``chips`` the slots and the KV heads are split over. Both: a
+    grid of every chip, dp the largest divisor of ``chips`` not above its square root (4
+    chips: 2 x 2; 8: 2 x 4); one of them: every chip; neither: one chip."""
+    if batch_over_chips and heads_over_chips:
+        dp = max(d for d in range(1, math.isqrt(chips) + 1) if chips % d == 0)
+        return dp, chips // dp
+    return (chips if batch_over_chips else 1), (chips if heads_over_chips else 1)
+
+
+def check_split(shape, dp: int, tp: int) -> None:
+    """Refuses, by flag, a model whose slots or KV heads the chips do not divide."""
+    if shape.batch % dp:
+        raise ValueError(
+            f"--batch {shape.batch} must be a multiple of the {dp} chips the slots are split "
+            f"over (--batch-over-chips)"
+        )
+    if shape.kv_heads % tp:
+        raise ValueError(
+            f"--kv-heads {shape.kv_heads} must be a multiple of the {tp} chips the KV heads "
+            f"are split over (--heads-over-chips)"
+        )
+
+
+def chip_layout(devices: list, dp: int, tp: int):
+    """The :class:`~jax_tpusync.mesh_layout.MeshLayout` of ``dp`` x ``tp`` of ``devices``:
+    mesh axis ``batch`` splits the slots, ``heads`` the KV heads (an axis of one chip left
+    out); None for one chip."""
     import numpy as np
     from jax.sharding import Mesh
 
-    return Mesh(np.array(devices), ("heads",))
+    from jax_tpusync.mesh_layout import checked_layout
+
+    if dp * tp == 1:
+        return None
+    sizes = {axis: n for axis, n in (("batch", dp), ("heads", tp)) if n > 1}
+    mesh = Mesh(np.array(devices[: dp * tp]).reshape(tuple(sizes.values())), tuple(sizes))
+    return checked_layout(mesh, "heads" if tp > 1 else None, "batch" if dp > 1 else None)
 
 
 def device_bytes(compiled) -> int:
@@ -157,10 +203,11 @@ def device_bytes(compiled) -> int:
     )
 
 
-def abstract_params(shape, sharding, mesh=None) -> list[dict]:
+def abstract_params(shape, sharding, layout=None) -> list[dict]:
     """The step's weights as shapes (:func:`tiny_decoder.init_step_params`'s structure): on
-    ``sharding``'s device, or over ``mesh``'s ``heads`` axis as tensor parallelism splits
-    them (the q/k/v projections by output heads, the output projection by input heads)."""
+    ``sharding``'s device, or over ``layout``'s mesh as tensor parallelism splits them over
+    its ``kv_heads_axis`` (the q/k/v projections by output heads, the output projection by
+    input heads; every batch shard holds them whole)."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -169,11 +216,12 @@ def abstract_params(shape, sharding, mesh=None) -> list[dict]:
     dims = {"wq": (d, d), "wk": (d, kv), "wv": (d, kv), "wo": (d, d)}
     if shape.ffn:
         dims.update(w1=(d, shape.ffn), w2=(shape.ffn, d))
-    split = {"wq": P(None, "heads"), "wk": P(None, "heads"), "wv": P(None, "heads")}
-    split.update(wo=P("heads", None), w1=P(None, "heads"), w2=P("heads", None))
+    heads = layout.kv_heads_axis if layout else None
+    split = {"wq": P(None, heads), "wk": P(None, heads), "wv": P(None, heads)}
+    split.update(wo=P(heads, None), w1=P(None, heads), w2=P(heads, None))
 
     def placed(name):
-        return sharding if mesh is None else NamedSharding(mesh, split[name])
+        return sharding if layout is None else NamedSharding(layout.mesh, split[name])
 
     return [
         {
@@ -184,31 +232,32 @@ def abstract_params(shape, sharding, mesh=None) -> list[dict]:
     ]
 
 
-def abstract_pool_state(config, devices: list, mesh=None):
+def abstract_pool_state(config, devices: list, layout=None):
     """(state, replicated sharding): a host-pool cache's :class:`PoolState` of
-    ``config`` as shapes, for the first of ``devices`` or split over ``mesh``'s ``heads``
-    axis (each device's pool in its host memory), and where the step's other inputs go."""
+    ``config`` as shapes, for the first of ``devices`` or over ``layout``'s mesh (a
+    :class:`~jax_tpusync.mesh_layout.MeshLayout`: a leading axis of ``dp * tp`` shards,
+    each device's pool in its host memory; ``config`` one batch shard's, its ``batch`` the
+    slots of one), and where the step's other inputs go."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, SingleDeviceSharding
     from jax.sharding import PartitionSpec as P
 
     from jax_tpusync.host_pool import PoolLayout, PoolState
-    from jax_tpusync.mesh_layout import checked_layout
     from jax_tpusync.pool_cache import pool_spec
 
-    if mesh is not None:
-        spec = pool_spec(config, checked_layout(mesh, "heads", None), devices[0].device_kind)
-        on_device = NamedSharding(mesh, P())
-        state_on = NamedSharding(mesh, P("heads"))
-        on_host = NamedSharding(mesh, P("heads"), memory_kind="pinned_host")
-        lead: tuple[int, ...] = (mesh.size,)  # A mesh state's leading axis of shards.
+    if layout is not None:
+        spec = pool_spec(config, layout, devices[0].device_kind)
+        on_device = NamedSharding(layout.mesh, P())
+        state_on = NamedSharding(layout.mesh, layout.state_spec)
+        on_host = NamedSharding(layout.mesh, layout.state_spec, memory_kind="pinned_host")
+        lead: tuple[int, ...] = (layout.num_shards,)  # A mesh state's leading axis of shards.
     else:
         spec = pool_spec(config, device_kind=devices[0].device_kind)
         on_device = state_on = SingleDeviceSharding(devices[0])
         on_host = SingleDeviceSharding(devices[0], memory_kind="pinned_host")
         lead = ()
-    layout = PoolLayout(spec)
+    pool = PoolLayout(spec)
 
     def sds(dims, dtype, sharding=state_on):
         return jax.ShapeDtypeStruct((*lead, *dims), dtype, sharding=sharding)
@@ -217,9 +266,9 @@ def abstract_pool_state(config, devices: list, mesh=None):
 
     def staged():
         return (
-            sds(layout.staging_shape, layout.dtype),
-            sds(layout.tail_shape, layout.dtype),
-            sds(layout.staged_at_shape, jnp.int32),
+            sds(pool.staging_shape, pool.dtype),
+            sds(pool.tail_shape, pool.dtype),
+            sds(pool.staged_at_shape, jnp.int32),
         )
 
     state = PoolState(
@@ -227,13 +276,24 @@ def abstract_pool_state(config, devices: list, mesh=None):
         sds((b,), jnp.int32),
         sds((b, spec.max_blocks), jnp.int32),
         sds((b,), jnp.int32),
-        sds(layout.pool_shape, layout.dtype, on_host),
+        sds(pool.pool_shape, pool.dtype, on_host),
         *staged(),
         sds((b,), jnp.int32),
         sds((), jnp.int32),
         ahead=tuple(staged() for _ in range(spec.prefetch_depth - 1)),
     )
     return state, on_device
+
+
+def batch_sharding(on_device, layout):
+    """Where a step's ``[batch, ...]`` activations go: ``on_device`` (replicated), or split
+    over ``layout``'s ``batch_axis`` when it has one."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if layout is None or layout.batch_axis is None:
+        return on_device
+    return NamedSharding(layout.mesh, P(layout.batch_axis))
 
 
 def compile_ours(
@@ -243,13 +303,15 @@ def compile_ours(
     block_tokens: int,
     staging_bytes: int,
     implementation: str,
-    heads_over_chips: bool = False,
+    dp: int = 1,
+    tp: int = 1,
     windows: list[int | None] | None = None,
     max_step_tokens: int | None = None,
     prefetch_depth: int = 1,
 ):
     """(compiled step, cache spec) of the host-pool decode step at ``shape.context``, on
-    the first of ``devices`` or with the heads split over all of them; ``windows``: per
+    the first of ``devices`` or with the slots split over ``dp`` of them and the heads over
+    ``tp`` (:func:`chip_layout`; the spec is one shard's); ``windows``: per
     layer, the tokens a sliding layer attends (None: global); ``max_step_tokens``: the pool
     keeps a ring per slot of one window plus that many rows (None: every position);
     ``prefetch_depth``: units in flight ahead of the one attended."""
@@ -259,9 +321,10 @@ def compile_ours(
     from jax_tpusync.bench import tiny_decoder
     from jax_tpusync.config import CacheConfig
 
+    check_split(shape, dp, tp)
     config = CacheConfig.from_kwargs(
         num_layers=shape.layers,
-        batch=shape.batch,
+        batch=shape.batch // dp,  # One batch shard's slots.
         max_len=shape.context,
         num_kv_heads=shape.kv_heads,
         head_dim=shape.head_dim,
@@ -273,10 +336,9 @@ def compile_ours(
         prefetch_depth=prefetch_depth,
     )
     config.geometry.check_one_cache()  # A ring needs every layer to share one window.
-    mesh = heads_mesh(devices) if heads_over_chips else None
-    state, on_device = abstract_pool_state(config, devices, mesh)
+    layout = chip_layout(devices, dp, tp)
+    state, on_device = abstract_pool_state(config, devices, layout)
     spec = state.spec
-    b = spec.batch
     options: dict[str, Any] = dict(implementation=implementation)
     if implementation == "pallas":
         options.update(interpret=False)  # The kernel for the target TPU, through Mosaic.
@@ -287,15 +349,17 @@ def compile_ours(
     def step(params, x, state):
         return tiny_decoder.step(params, shape, x, state, attend)
 
-    x = jax.ShapeDtypeStruct((b, 1, shape.d_model), shape.dtype, sharding=on_device)
-    args = (abstract_params(shape, on_device, mesh), x, state)
+    x = jax.ShapeDtypeStruct(
+        (shape.batch, 1, shape.d_model), shape.dtype, sharding=batch_sharding(on_device, layout)
+    )
+    args = (abstract_params(shape, on_device, layout), x, state)
     shardings = jax.tree.map(lambda a: a.sharding, args)
     with pallas_for_tpu(implementation):
         compiled = (
             jax.jit(
                 step,
                 in_shardings=shardings,
-                out_shardings=(on_device, shardings[2]),
+                out_shardings=(shardings[1], shardings[2]),
                 donate_argnums=2,
             )
             .trace(*args)
@@ -333,12 +397,14 @@ def compile_plain(
     devices: list,
     *,
     resident: bool,
-    heads_over_chips: bool = False,
+    dp: int = 1,
+    tp: int = 1,
     windows: list[int | None] | None = None,
 ):
     """The same model with its KV in ``pinned_host`` arrays brought in per layer by
     ``jax.device_put`` inside the step (``resident=False``), or in device memory; on the
-    first of ``devices``, or with the heads split over all of them. A sliding layer
+    first of ``devices``, or split as :func:`compile_ours` splits it (the KV's slots over
+    ``dp`` of them, its heads over ``tp``). A sliding layer
     brings in (and attends) its window's last positions only."""
     import jax
     import jax.numpy as jnp
@@ -347,14 +413,17 @@ def compile_plain(
 
     from jax_tpusync.bench import tiny_decoder
 
-    mesh = heads_mesh(devices) if heads_over_chips else None
-    if mesh is None:
+    check_split(shape, dp, tp)
+    layout = chip_layout(devices, dp, tp)
+    if layout is None:
         on_device = kv_device = SingleDeviceSharding(devices[0])
         kv_host = SingleDeviceSharding(devices[0], memory_kind="pinned_host")
     else:
-        on_device = NamedSharding(mesh, P())
-        kv_device = NamedSharding(mesh, P(None, None, None, None, "heads"))
-        kv_host = NamedSharding(mesh, kv_device.spec, memory_kind="pinned_host")
+        on_device = NamedSharding(layout.mesh, P())
+        # [layers, K/V, batch, tokens, heads, head_dim]
+        kv_spec = P(None, None, layout.batch_axis, None, layout.kv_heads_axis)
+        kv_device = NamedSharding(layout.mesh, kv_spec)
+        kv_host = NamedSharding(layout.mesh, kv_spec, memory_kind="pinned_host")
     kv_sharding = kv_device if resident else kv_host
     b, t = shape.batch, shape.context
     kv = jax.ShapeDtypeStruct(
@@ -378,14 +447,15 @@ def compile_plain(
     def step(params, x, cache):
         return tiny_decoder.step(params, shape, x, cache, attend)
 
+    x_sharding = batch_sharding(on_device, layout)
     args = (
-        abstract_params(shape, on_device, mesh),
-        jax.ShapeDtypeStruct((b, 1, shape.d_model), shape.dtype, sharding=on_device),
+        abstract_params(shape, on_device, layout),
+        jax.ShapeDtypeStruct((b, 1, shape.d_model), shape.dtype, sharding=x_sharding),
         kv,
     )
     shardings = jax.tree.map(lambda a: a.sharding, args)
     return (
-        jax.jit(step, in_shardings=shardings, out_shardings=(on_device, kv_sharding))
+        jax.jit(step, in_shardings=shardings, out_shardings=(x_sharding, kv_sharding))
         .trace(*args)
         .lower()
         .compile()
@@ -471,7 +541,8 @@ def measure(kind: str, topology: str, shape, options: dict) -> dict:
                 shape,
                 devices,
                 resident=kind == "resident",
-                heads_over_chips=options.get("heads_over_chips", False),
+                dp=options.get("dp", 1),
+                tp=options.get("tp", 1),
                 windows=options.get("windows"),
             )
         )
@@ -532,24 +603,40 @@ def run(args) -> list[dict]:
             None if every > 0 and (i + 1) % every == 0 else args.sliding_window
             for i in range(args.layers)
         ]
+
+    def model(context: int):
+        return tiny_decoder.Shape(
+            layers=args.layers,
+            batch=args.batch,
+            q_heads=args.q_heads,
+            kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            ffn=0,
+            context=context,
+            dtype=jnp.bfloat16,
+        )
+
+    # Every topology's split, refused (by flag) before anything compiles.
+    splits = {}
+    for topology in args.topologies:
+        over_chips = args.batch_over_chips or args.heads_over_chips
+        splits[topology] = chip_split(
+            len(tpu_devices(topology)) if over_chips else 1,
+            batch_over_chips=args.batch_over_chips,
+            heads_over_chips=args.heads_over_chips,
+        )
+        check_split(model(args.contexts[0]), *splits[topology])
     rows = []
     for topology in args.topologies:
+        dp, tp = splits[topology]
         for context in args.contexts:
-            shape = tiny_decoder.Shape(
-                layers=args.layers,
-                batch=args.batch,
-                q_heads=args.q_heads,
-                kv_heads=args.kv_heads,
-                head_dim=args.head_dim,
-                ffn=0,
-                context=context,
-                dtype=jnp.bfloat16,
-            )
+            shape = model(context)
             options = dict(
                 block_tokens=args.block_tokens,
                 staging_bytes=args.staging_mib << 20,
                 implementation=args.implementation,
-                heads_over_chips=args.heads_over_chips,
+                dp=dp,
+                tp=tp,
                 windows=windows,
                 max_step_tokens=args.max_step_tokens or None,
                 prefetch_depth=args.prefetch_depth,
@@ -560,21 +647,24 @@ def run(args) -> list[dict]:
                 measure_in_child(kind, topology, shape, options) if kind in args.kinds else skipped
                 for kind in ("plain", "resident")
             )
-            chips = len(tpu_devices(topology)) if args.heads_over_chips else 1
             d, kv = shape.d_model, shape.kv_heads * shape.head_dim
-            # Per chip: wq, wk, wv, wo in bf16, and the KV each chip's own link brings in.
-            weights = shape.layers * 2 * d * (d + kv) * 2 / chips
+            # Per chip: wq, wk, wv, wo in bf16 (split over the heads only: every batch
+            # shard holds them), and the KV each chip's own link brings in (its slots' and
+            # heads' share).
+            weights = shape.layers * 2 * d * (d + kv) * 2 / tp
             # Rows each layer reads: a sliding layer its window (ours: its blocks).
             layer_windows = windows or [None] * shape.layers
             read_rows = sum(context if w is None else min(context, w) for w in layer_windows)
-            kv_bytes = 2 * shape.batch * read_rows * shape.row_bytes / chips
+            kv_bytes = 2 * shape.batch * read_rows * shape.row_bytes / (dp * tp)
             overlap = ours["overlap"]
             rows.append(
                 dict(
                     topology=topology,
                     context=context,
                     implementation=args.implementation,
-                    chips=chips,
+                    chips=dp * tp,
+                    dp=dp,
+                    tp=tp,
                     windows=windows,
                     ours_device_mib=ours["device_mib"],
                     plain_device_mib=plain["device_mib"],
@@ -613,9 +703,9 @@ def summary(rows: list[dict]) -> str:
     for topology in dict.fromkeys(r["topology"] for r in rows):
         mine = [r for r in rows if r["topology"] == topology]
         first = mine[0]
-        chips = f", the heads split over {first['chips']} chips" if first["chips"] > 1 else ""
         lines.append(
-            f"{topology} ({first['implementation']} attention{chips}), device memory per chip:"
+            f"{topology} ({first['implementation']} attention{_split_words(first)}), device"
+            f" memory per chip:"
         )
         ours = [r["ours_device_mib"] for r in mine]
         held = _spread(ours, "MiB")
@@ -651,6 +741,16 @@ def summary(rows: list[dict]) -> str:
         f" {longest['topology']})"
     )
     return "\n".join(lines)
+
+
+def _split_words(row: dict) -> str:
+    """``", the slots split over 2 chips and the heads over 2"``; "" on one chip."""
+    dp, tp = row["dp"], row["tp"]
+    if dp > 1 and tp > 1:
+        return f", the slots split over {dp} chips and the heads over {tp}"
+    if dp > 1:
+        return f", the slots split over {dp} chips"
+    return f", the heads split over {tp} chips" if tp > 1 else ""
 
 
 def _spread(values: list[float], unit: str) -> str:

@@ -140,29 +140,40 @@ def test_every_unit_copy_starts_before_the_attention_it_overlaps(report):
 
 @pytest.fixture(scope="module")
 def mesh_report(tmp_path_factory):
-    """A Gemma-3-like model (five sliding layers of 1024 tokens to one global) with its
-    heads split over the four chips of a v6e 2x2 (each chip's pool in its host memory)."""
+    """A Gemma-3-like model (five sliding layers of 1024 tokens to one global) over the four
+    chips of a v6e 2x2 as a 2 x 2 grid: its two slots split over one axis (the
+    batch-sharded pool's layout), its KV heads over the other (each chip's pool in its host
+    memory). Units of 5 blocks (--staging-mib 5): with the 6 of v6e's limit, this layout's
+    global layer waits for its block copies before its attention (36 of 42 overlapped)."""
     return compile_report(
         tmp_path_factory,
         "--topologies", "v6e:2x2", "--contexts", "32768", "1048576", "--layers", "6",
-        "--sliding-window", "1024", "--heads-over-chips", "--kinds", "ours",
+        "--sliding-window", "1024", "--batch", "2", "--batch-over-chips", "--heads-over-chips",
+        "--staging-mib", "5", "--kinds", "ours",
     )  # fmt: skip
 
 
 @pytest.mark.slow
-def test_a_mesh_and_windowed_step_is_bounded_and_overlapped_on_v6e(mesh_report):
+def test_a_batch_by_heads_mesh_and_windowed_step_is_bounded_and_overlapped_on_v6e(mesh_report):
     short, long = mesh_report[32768], mesh_report[1048576]
     for row in (short, long):
-        assert row["chips"] == 4 and row["windows"] == [1024] * 5 + [None]
+        assert (row["chips"], row["dp"], row["tp"]) == (4, 2, 2)
+        assert row["windows"] == [1024] * 5 + [None]
+        # Per chip the weights split over the heads only: wq, wk, wv, wo of 6 layers, d_model
+        # 4096, 8 KV heads of 128, bf16, halved.
+        assert row["weights_mib"] == pytest.approx(6 * 2 * 4096 * (4096 + 1024) * 2 / 2 / 2**20)
         assert row["ours_device_mib"] <= 1.1 * (row["weights_mib"] + row["staging_mib"]), row
         overlap = row["overlap"]
         assert overlap["computations"] == 6
         assert overlap["overlapped"] == overlap["started_before"] == overlap["copies"] > 0
     assert abs(long["ours_device_mib"] - short["ours_device_mib"]) <= 0.01 * long["ours_device_mib"]
     # Per chip, the sliding layers read their window, the global one every position: K and
-    # V of 2 heads of 128 bf16 values a row.
+    # V of one slot (2 over 2 chips) and 4 heads (8 over 2 chips) of 128 bf16 values a row.
     rows = 5 * 1024 + 2**20
-    assert long["kv_mib_per_step"] == pytest.approx(2 * rows * 2 * 128 * 2 / 2**20)
+    assert long["kv_mib_per_step"] == pytest.approx(2 * rows * 1 * 4 * 128 * 2 / 2**20)
+    # Each chip's pool: its slot's and heads' blocks (every position kept), 32 times as many
+    # at 1M as at 32K.
+    assert long["pool_mib"] == pytest.approx(32 * short["pool_mib"], rel=0.01)
 
 
 def test_the_summary_says_what_each_step_holds_in_words():
@@ -170,7 +181,7 @@ def test_the_summary_says_what_each_step_holds_in_words():
 
     def row(context, ours, plain, plain_note="", resident_note="not compiled (--kinds)"):
         return dict(
-            topology="v5e:2x2", context=context, implementation="pallas", chips=1,
+            topology="v5e:2x2", context=context, implementation="pallas", chips=1, dp=1, tp=1,
             ours_device_mib=ours, plain_device_mib=plain, plain_note=plain_note,
             resident_device_mib=None, resident_note=resident_note, weights_mib=640.0,
             staging_mib=128.0, overlap=dict(computations=8, copies=16, overlapped=16),
@@ -210,11 +221,73 @@ def test_the_summary_says_what_each_step_holds_in_words():
     assert "ours holds 700-800 MiB across the contexts (32K and 64K tokens;" in text
     assert "plain memory kinds: the compiler aborted at 32K; hold 9 MiB at 64K" in text
     assert summary([]) == "tpu-compile: nothing compiled"
+    split = [dict(row(32768, 700.0, None), chips=4, dp=2, tp=2)]
+    assert summary(split).startswith(
+        "v5e:2x2 (pallas attention, the slots split over 2 chips and the heads over 2), device"
+    )
+    assert "(pallas attention, the slots split over 4 chips)" in summary(
+        [dict(split[0], dp=4, tp=1)]
+    )
     ring = [dict(row(c, 700.0, None), pool_mib=135.0, max_step_tokens=512) for c in (2**15, 2**20)]
     assert (
         "  its pool in host memory: 135 MiB at every context, a ring of the window plus 512 "
         "rows per slot"
     ) in summary(ring).splitlines()
+
+
+def test_the_chips_split_the_slots_by_the_heads_as_a_grid():
+    from jax_tpusync.bench.tpu_compile import chip_split
+
+    def split(chips, batch, heads):
+        return chip_split(chips, batch_over_chips=batch, heads_over_chips=heads)
+
+    assert split(4, True, True) == (2, 2)
+    assert split(8, True, True) == (2, 4)
+    assert split(16, True, True) == (4, 4)
+    assert split(4, True, False) == (4, 1)
+    assert split(4, False, True) == (1, 4)
+    assert split(4, False, False) == (1, 1)
+
+
+def test_a_split_the_chips_do_not_divide_is_refused_by_flag():
+    import jax.numpy as jnp
+
+    from jax_tpusync.bench.tiny_decoder import Shape
+    from jax_tpusync.bench.tpu_compile import check_split
+
+    def shape(batch, kv_heads):
+        return Shape(
+            layers=1, batch=batch, q_heads=16, kv_heads=kv_heads, head_dim=128, ffn=0,
+            context=1024, dtype=jnp.bfloat16,
+        )  # fmt: skip
+
+    check_split(shape(2, 8), 2, 2)  # At the edge: one slot and four heads a chip.
+    check_split(shape(4, 4), 4, 4)
+    with pytest.raises(ValueError, match=r"--batch 3 must be a multiple of the 2 chips the slots"):
+        check_split(shape(3, 8), 2, 2)
+    with pytest.raises(ValueError, match=r"--batch 2 must be a multiple of the 4 chips"):
+        check_split(shape(2, 8), 4, 1)
+    with pytest.raises(ValueError, match=r"--kv-heads 6 must be a multiple of the 4 chips the KV"):
+        check_split(shape(4, 6), 1, 4)
+
+
+def test_a_refused_split_compiles_nothing(monkeypatch):
+    """Every topology's split is checked before the first compile: a bad --batch costs no
+    compile and no row."""
+    from jax_tpusync.bench import __main__ as bench
+    from jax_tpusync.bench import tpu_compile
+
+    compiled = []
+    monkeypatch.setattr(tpu_compile, "prepare_libtpu", lambda: None)
+    monkeypatch.setattr(tpu_compile, "tpu_devices", lambda topology: [topology] * 4)
+    monkeypatch.setattr(tpu_compile, "measure_in_child", lambda *a: compiled.append(a))
+    args = bench.build_parser(["tpu-compile"]).parse_args(
+        ["tpu-compile", "--batch", "3", "--batch-over-chips", "--heads-over-chips"]
+    )
+    assert args.batch_over_chips and args.heads_over_chips
+    with pytest.raises(ValueError, match=r"--batch 3 must be a multiple of the 2 chips"):
+        tpu_compile.run(args)
+    assert compiled == []
 
 
 def test_the_schedule_check_finds_a_copy_waited_for_too_early():
