@@ -66,7 +66,12 @@ from jax_tpusync.hybrid_record import (
 )
 from jax_tpusync.layer_groups import HybridState, LayerGroups, plan_groups
 from jax_tpusync.mesh import ShardedKVCache
-from jax_tpusync.parts import bring_to_common_commit, each_or_none, reserve_agreed
+from jax_tpusync.parts import (
+    bring_to_common_commit,
+    each_or_none,
+    reserve_agreed,
+    reserving_in_each,
+)
 from jax_tpusync.pool_cache import HostPoolKVCache
 from jax_tpusync.state import KVState
 
@@ -366,9 +371,7 @@ class HybridKVCache:
     def reserving_in(self, state: HybridState) -> Iterator[None]:
         """Every group's :meth:`~jax_tpusync.cache_protocol.Reservable.reserving_in` its
         part of ``state`` (host-pool groups with a spill tier demote out of their pools)."""
-        with contextlib.ExitStack() as stack:
-            for group, part in zip(self.groups, self.split(state)):
-                stack.enter_context(group.reserving_in(part))
+        with reserving_in_each(self.groups, self.split(state)):
             yield
 
     def reserve(

@@ -6,6 +6,8 @@ agree on what they hold. The rules, kept once here for :mod:`jax_tpusync.mesh` a
 
 * **All or none** (:func:`each_or_none`): each part does its share in turn; a refusal in
   any part undoes the shares already done, in reverse order, and raises the refusal.
+* **Reserving in the state** (:func:`reserving_in_each`): a reservation reads each part's
+  share of the state it is made for (a host pool's spill tier demotes out of its pool).
 * **One prefix** (:func:`reserve_agreed`): parts whose prefix stores differ (a block one of
   them lacks or lost) map the prefix every one of them holds. The parts' reservations are
   retried, each time capped at the shortest prefix one of them mapped, until they agree.
@@ -20,14 +22,21 @@ agree on what they hold. The rules, kept once here for :mod:`jax_tpusync.mesh` a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
 from jax_tpusync import persistence
 
-__all__ = ["bring_to_common_commit", "each_or_none", "reserve_agreed", "restart_part"]
+__all__ = [
+    "bring_to_common_commit",
+    "each_or_none",
+    "reserve_agreed",
+    "reserving_in_each",
+    "restart_part",
+]
 
 P = TypeVar("P")
 R = TypeVar("R")
@@ -115,6 +124,17 @@ def bring_to_common_commit(
             continue
         warn(i, committed[i], common, torn)
         cache.restart_at(common, tokens)
+
+
+@contextlib.contextmanager
+def reserving_in_each(parts: Sequence[Any], states: Sequence[Any]) -> Iterator[None]:
+    """A cache of parts' ``reserving_in(state)``: every part's
+    :meth:`~jax_tpusync.cache_protocol.Reservable.reserving_in` its own of ``states`` (in
+    part order; left in reverse)."""
+    with contextlib.ExitStack() as stack:
+        for part, state in zip(parts, states, strict=True):
+            stack.enter_context(part.reserving_in(state))
+        yield
 
 
 def restart_part(

@@ -53,6 +53,7 @@ from jax_tpusync.config import CacheConfig, is_int, with_config
 from jax_tpusync.host_io import as_cache_array, check_layer, check_load_rows, per_sequence
 from jax_tpusync.host_pool import PoolState
 from jax_tpusync.mesh_layout import checked_layout
+from jax_tpusync.parts import reserving_in_each
 from jax_tpusync.pool_cache import HostPoolKVCache
 from jax_tpusync.slots import Admission
 from jax_tpusync.state import CacheSpec
@@ -417,9 +418,7 @@ class BatchShardedPoolKVCache:
     def reserving_in(self, state: PoolState) -> Iterator[None]:
         """Every shard's :meth:`~jax_tpusync.HostPoolKVCache.reserving_in` its part of
         ``state``."""
-        with contextlib.ExitStack() as stack:
-            for part, part_state in zip(self.parts, self.split(state)):
-                stack.enter_context(part.reserving_in(part_state))
+        with reserving_in_each(self.parts, self.split(state)):
             yield
 
     def reserve(

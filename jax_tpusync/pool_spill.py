@@ -208,7 +208,9 @@ class PoolSpillTier(SpillPolicy):
         try:
             self.move_to_spill(prefix, keys)
         except Exception as e:  # noqa: BLE001 - a cache's loss: the blocks are dropped.
-            logger.warning("keeping %d cancelled pending blocks in the spill tier: %s", len(keys), e)
+            logger.warning(
+                "keeping %d cancelled pending blocks in the spill tier: %s", len(keys), e
+            )
             return 0
         return len(keys)
 
