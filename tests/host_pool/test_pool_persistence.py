@@ -74,6 +74,17 @@ def new_rows(rng):
     return q, k, v
 
 
+def every_read(cache, state, raw):
+    """Every (layer, slot)'s ``cache.read`` (``raw``: codes and scales)."""
+    return [cache.read(state, layer, b, raw=raw) for layer in range(LAYERS) for b in range(BATCH)]
+
+
+def assert_same_reads(before, after):
+    for was, now in zip(before, after, strict=True):
+        for x, y in zip(jax.tree.leaves(was), jax.tree.leaves(now), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 class Written:
     """What a cache should hold: per layer, K and V [BATCH, MAX_LEN, HEADS, D], and the
     lengths."""
@@ -270,14 +281,10 @@ def test_pools_of_other_row_formats_round_trip_their_bytes(tmp_path, options):
     for layer in range(LAYERS):
         state = cache.load(state, layer, k[layer].astype(dtype), -k[layer].astype(dtype))
     raw = options.get("tier_dtype") is not None
-    before = [cache.read(state, layer, b, raw=raw) for layer in range(LAYERS) for b in range(BATCH)]
+    before = every_read(cache, state, raw)
     cache.close(state)
     cache = make(where, staging_bytes=1 << 16, **options)
-    state = cache.init()
-    after = [cache.read(state, layer, b, raw=raw) for layer in range(LAYERS) for b in range(BATCH)]
-    for was, now in zip(before, after):
-        for x, y in zip(jax.tree.leaves(was), jax.tree.leaves(now)):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert_same_reads(before, every_read(cache, cache.init(), raw))
     cache.close()
 
 
@@ -335,19 +342,11 @@ def test_a_quantized_pool_over_a_mesh_persists_every_heads_codes_and_scales(tmp_
     state = cache.init()
     for layer in range(LAYERS):
         state = cache.load(state, layer, written.k[layer], written.v[layer], lengths=[11, 11])
-    committed = [
-        cache.read(state, layer, b, raw=True) for layer in range(LAYERS) for b in range(BATCH)
-    ]
+    committed = every_read(cache, state, raw=True)
     cache.close(state)
     for options in (on_mesh, {}):
         cache = make(where, **options)
-        state = cache.init()
-        reads = [
-            cache.read(state, layer, b, raw=True) for layer in range(LAYERS) for b in range(BATCH)
-        ]
-        for was, now in zip(committed, reads):
-            for x, y in zip(jax.tree.leaves(was), jax.tree.leaves(now)):
-                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        assert_same_reads(committed, every_read(cache, cache.init(), raw=True))
         cache.close()
 
 
