@@ -666,7 +666,11 @@ class HostPoolKVCache:
         nothing), no state changes; then :meth:`admitted` or :meth:`cancel`."""
         self._check_open()
         self._imports.begin()  # Nothing of a refused call before.
-        admission = self.slots.admit(slot, max_tokens, tokens, max_cached=max_cached)
+        try:
+            admission = self.slots.admit(slot, max_tokens, tokens, max_cached=max_cached)
+        except Exception:
+            self._imports.refused(self.slots.prefix)  # Blocks it imported stay indexed.
+            raise
         self._imports.record(admission.slot)  # Pending until a pool is admitted.
         return admission
 

@@ -62,8 +62,8 @@ class PendingImports:
         self._by_slot: dict[int, list[int]] = {}  # slot -> the block ids its reservation wrote
 
     def begin(self) -> None:
-        """Before a reservation: forgets the writes a refused call left behind (they were
-        never indexed), so that :meth:`record` takes this reservation's alone."""
+        """Before a reservation: forgets the writes no reservation took (a refused one's
+        went through :meth:`refused`), so that :meth:`record` takes this one's alone."""
         self._blocks.take_writes()
         if self._windows is not None:
             self._windows.forget_unindexed()
@@ -74,11 +74,27 @@ class PendingImports:
         imports = self._blocks.take_writes()
         if self._windows is not None:  # A ring's fill is in the imports: the pool's.
             self._windows.forget_unindexed()
-        if self._imported is not None:  # Indexed from now on: a commit may hash them.
-            self._imported(imports)
-        self._payloads.update(imports)
+        self._pend(imports)
         self._by_slot[slot] = list(imports)
         return imports
+
+    def refused(self, prefix: PrefixIndex) -> None:
+        """After the slot table refused a reservation: the blocks it imported before the
+        refusal stay in ``prefix``, cached (a later admission may map them), so their
+        writes are pending, as a cancelled reservation's that another maps, and the
+        first admission's pool takes them; what else it wrote (blocks freed again) is
+        forgotten. A ring pool's index holds its windows host-side: nothing is pending."""
+        writes = self._blocks.take_writes()
+        if self._windows is not None:
+            self._windows.forget_unindexed()
+            return
+        self._pend({b: p for b, p in writes.items() if prefix.is_indexed(b)})
+
+    def _pend(self, writes: dict[int, np.ndarray]) -> None:
+        """``writes`` pending until a pool takes them, told to ``imported``."""
+        if self._imported is not None and writes:  # Indexed now: a commit may hash them.
+            self._imported(writes)
+        self._payloads.update(writes)
 
     def drop(self, slot: int, prefix: PrefixIndex) -> None:
         """After ``slot``'s reservation was cancelled (its slot released): the blocks it

@@ -341,6 +341,38 @@ def test_a_cached_block_no_pool_holds_yet_is_demoted_with_its_imported_bytes(tmp
             )
 
 
+def test_a_block_imported_before_a_refusal_keeps_its_bytes(tmp_path, monkeypatch):
+    # The import of a shared directory's second block needs room: the demotion it makes
+    # fails (the spill file write), refusing the reservation. The first block imported
+    # stays indexed: its bytes must reach the pool before an admission maps it.
+    shared = tmp_path / "shared"
+    with make_cache(tmp_path, shared_prefix_dir=shared) as writer:
+        cache_prompt(writer, writer.init(admit=False), DOC)
+    with make_cache(tmp_path, shared_prefix_dir=shared) as cache:
+        state = cache_prompt(cache, cache.init(admit=False), list(range(500, 508)))
+        state, _ = cache.admit(state, 0, max_tokens=5 * BT)  # 1 pool block free, 2 cached.
+        real = Engine.transfer
+
+        def failing_writes(self, segments, buffer, write):
+            if write:
+                raise OSError("spill file write failed")
+            return real(self, segments, buffer, write)
+
+        monkeypatch.setattr(Engine, "transfer", failing_writes)
+        with pytest.raises(OSError, match="spill file write failed"):
+            with cache.reserving_in(state):
+                cache.reserve(1, 16, DOC + [1])
+        monkeypatch.setattr(Engine, "transfer", real)
+        assert len(blocks_of(cache, DOC)) == 1  # Imported, indexed, cached.
+        state = cache.release(state, 0)
+        state, cached = cache.admit(state, 1, tokens=DOC + [1], max_tokens=16)
+        assert cached == 12
+        for layer in range(LAYERS):
+            np.testing.assert_array_equal(
+                np.stack(cache.read(state, layer, 1, 0, 12)), kv_of(DOC, layer)
+            )
+
+
 def test_a_hybrid_cache_of_pools_demotes_in_every_group_at_admission(tmp_path):
     """A hybrid admission reserves in each group's pool through reserving_in: the cached
     blocks its groups need room for go to their spill tiers, not away."""
