@@ -196,6 +196,18 @@ def test_refusals_at_their_edges_change_nothing():
     state, other_state = cache.init(admit=False), other.init()
     with pytest.raises(ValueError, match=r"slot=4 must be an int in \[0, batch=4\)"):
         cache.read(state, 0, 4)
+    with pytest.raises(ValueError, match=r"slot=-1 must be an int in \[0, batch=4\)"):
+        cache.read(state, 0, -1)
+    with pytest.raises(TypeError, match=r"expected a PoolState, got dict"):
+        cache.lengths({})
+    with pytest.raises(ValueError, match=r"state belongs to another cache \(its spec differs"):
+        cache.lengths(state.with_spec(cache.parts[0].spec))  # A batch shard's spec.
+    with pytest.raises(ValueError, match=r"state is not split as cache.state_sharding says"):
+        cache.lengths(state.replace(lengths=jax.device_put(state.lengths, jax.devices()[0])))
+    with pytest.raises(ValueError, match=r"lengths must have shape \(4,\); got \(3,\)"):
+        cache.init([0, 0, 0])
+    with pytest.raises(ValueError, match=r"lengths must hold ints; got float32"):
+        cache.init(np.zeros(4, np.float32))
     assert cache.read(state, 0, 3)[0].shape == (0, HEADS, HEAD_DIM)
     with pytest.raises(ValueError, match=r"batch shard 0 .*not the cache's live state"):
         cache.lengths(other_state)  # Another cache's (its spec is the same).
