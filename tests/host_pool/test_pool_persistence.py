@@ -364,6 +364,8 @@ def test_a_restart_before_init_trims_the_commit_and_after_init_is_refused(tmp_pa
         cache.restart_at(CONTEXT + [1, 0])  # One row past slot 0's commit.
     with pytest.raises(ValueError, match=r"tokens must hold, per slot, at most lengths\[b\]"):
         cache.restart_at([9, 5], [np.arange(10), np.arange(0)])
+    with pytest.raises(ValueError, match=r"lengths \[-1, 5\] must be in \[0, committed"):
+        cache.restart_at([-1, 5])
     np.testing.assert_array_equal(cache.committed_lengths, CONTEXT)  # Refused: no change.
     np.testing.assert_array_equal(cache.tokens(0), np.arange(11))
     cache.restart_at([9, 5])
@@ -381,6 +383,36 @@ def test_a_restart_before_init_trims_the_commit_and_after_init_is_refused(tmp_pa
     cache.close()
     with make({}) as plain, pytest.raises(ValueError, match="of a persistent tier"):
         plain.restart_at([0, 0])
+
+
+def test_a_restart_inside_a_slots_shared_prefix_is_refused(tmp_path):
+    # Slot 0 maps 2 cached blocks (16 tokens) read-only: they are committed whole, so a
+    # restart may cut its rows down to them, not into them.
+    where = dict(tier="file", path=tmp_path, file_name="kv")
+    written = Written(np.random.default_rng(16))
+    prompt = np.arange(17)
+    cache = make(where)
+    state = cache.init(admit=False)
+    for slot, start in ((1, 0), (0, 16)):  # Slot 1 writes the prefix; slot 0 maps it.
+        state, cached = cache.admit(state, slot, max_tokens=MAX_LEN, tokens=prompt)
+        assert cached == start
+        for layer in range(LAYERS):
+            rows = written.k[layer, 0, start:17], written.v[layer, 0, start:17]
+            state = cache.load(state, layer, *rows, slot=slot, start=start)
+        if slot == 1:
+            state = cache.release(state, 1, tokens=prompt)
+    cache.close(state)  # Commits [17, 0].
+    cache = make(where)
+    with pytest.raises(ValueError, match=r"lengths\[0\]=15 ends inside slot 0's shared prefix "):
+        cache.restart_at([15, 0])
+    np.testing.assert_array_equal(cache.committed_lengths, [17, 0])
+    cache.restart_at([16, 0])
+    state = cache.init()
+    for layer in range(LAYERS):
+        k, v = cache.read(state, layer, 0)
+        np.testing.assert_array_equal(k, written.k[layer, 0, :16])
+        np.testing.assert_array_equal(v, written.v[layer, 0, :16])
+    cache.close()
 
 
 def test_a_pool_of_another_layout_or_model_is_refused_by_name(tmp_path):
