@@ -390,7 +390,8 @@ class HostPoolKVCache:
         them; changes nothing.
 
         Raises:
-          ValueError: a second ``init()``; ``lengths`` of another shape, below a slot's
+          ValueError: a second ``init()``; with ``admit``, too few blocks for every
+            inactive slot's ``max_len`` tokens; ``lengths`` of another shape, below a slot's
             shared prefix or past its capacity (every inactive slot ``max_len`` with
             ``admit``); for a cache that re-attached a commit, past a slot's committed
             length (the pool is restored at the committed lengths: rows past them were
@@ -407,6 +408,7 @@ class HostPoolKVCache:
             raise ValueError(f"lengths must have shape ({spec.batch},); got {lengths.shape}")
         capacity = self.slots.capacity
         if admit:
+            self.slots.check_admit_all()
             capacity = np.where(capacity > 0, capacity, self.max_len)
         self.slots.check_lengths(lengths, capacity)
         if self._restored_lengths is not None:

@@ -224,22 +224,31 @@ class SlotTable:
 
     # -- the eviction policy ----------------------------------------------------------------
 
-    def make_room(self, count: int) -> bool:
-        """Whether ``count`` DRAM blocks are free, after demoting (two-level) or evicting
-        cached prefix blocks if not. When even that would not free enough, nothing is
-        demoted or evicted (a refused admission leaves the index as it was)."""
+    def can_make_room(self, count: int) -> bool:
+        """Whether :meth:`make_room` of ``count`` would succeed: that many DRAM blocks are
+        free, or cached ones (window copies in a ring cache) make up the rest. Moves no
+        block (it frees the blocks held aside that may be freed, as any allocation does)."""
         if self._held_aside:
             self.free_settled()
         short = count - self.dram.free_blocks
         if short <= 0:
             return True
         if self.windows is not None:  # A ring cache's cached blocks are window copies.
-            if len(self.windows) < short:
-                return False
+            return len(self.windows) >= short
+        return len(self._evictable(short)) >= short
+
+    def make_room(self, count: int) -> bool:
+        """Whether ``count`` DRAM blocks are free, after demoting (two-level) or evicting
+        cached prefix blocks if not. When even that would not free enough, nothing is
+        demoted or evicted (a refused admission leaves the index as it was)."""
+        if not self.can_make_room(count):
+            return False
+        short = count - self.dram.free_blocks
+        if short <= 0:
+            return True
+        if self.windows is not None:
             self.dram.free(np.asarray(self.windows.evict(short), np.int64))
             return True
-        if len(self._evictable(short)) < short:
-            return False
         if self.mover is not None:
             self.mover.demote(self.prefix, count)
         short = count - self.dram.free_blocks
@@ -498,19 +507,24 @@ class SlotTable:
         self._shared[slot] = 0
         self.history.clear(slot)
 
-    def admit_all(self) -> None:
-        """Admits every inactive slot for ``max_len`` tokens, or none (raises naming the
-        blocks it would need)."""
-        empty = [b for b in range(self.batch) if self._capacity[b] == 0]
-        need = len(empty) * self.blocks_for(self.max_len)
-        if not self.make_room(need):
+    def check_admit_all(self) -> None:
+        """Refuses, changing nothing, an :meth:`admit_all` that could not make room for
+        every inactive slot's ``max_len`` tokens (raises naming the blocks it needs)."""
+        empty = np.count_nonzero(self._capacity == 0)
+        need = int(empty) * self.blocks_for(self.max_len)
+        if not self.can_make_room(need):
             raise ValueError(
                 f"init() admits every slot for max_len={self.max_len} tokens, which needs "
                 f"{need} KV blocks, but {self.dram.free_blocks} of "
                 f"{self.num_blocks} are free; call init(admit=False) and admit() "
                 f"slots with smaller max_tokens"
             )
-        for b in empty:
+
+    def admit_all(self) -> None:
+        """Admits every inactive slot for ``max_len`` tokens, or none (raises naming the
+        blocks it would need)."""
+        self.check_admit_all()
+        for b in np.flatnonzero(self._capacity == 0).tolist():
             self.admit(b, self.max_len)
 
     def check_release(self, slot: Any, length: int, tokens: Any) -> np.ndarray | None:

@@ -272,3 +272,20 @@ def test_each_shard_persists_under_its_own_name_and_reattaches(tmp_path):
             np.testing.assert_array_equal(got.scales, expected.scales)
     assert set(again.verify(state)) == {0, 1}
     again.close()
+
+
+def test_an_init_one_shard_has_no_room_for_makes_no_shards_pool(tmp_path):
+    # Re-attached, shard 0 holds 2 of its 6 blocks and shard 1 holds 3: init() admits every
+    # inactive slot for max_len (4 blocks), which fits shard 0 exactly and not shard 1.
+    tier = dict(tier="file", path=str(tmp_path), file_name="kv", num_blocks=6)
+    cache = make(**dp_tp(), **tier)
+    state = cache.init(admit=False)
+    state, _ = cache.admit(state, 0, max_tokens=2 * BLOCK)
+    state, _ = cache.admit(state, 2, max_tokens=3 * BLOCK)
+    cache.close(state)
+    again = make(**dp_tp(), **tier)
+    with pytest.raises(ValueError, match=r"batch shard 1 .*which needs 4 KV blocks, but 3 of 6"):
+        again.init()
+    state = again.init(admit=False)  # What the refusal advises: no shard made its pool.
+    np.testing.assert_array_equal(again.capacity, [2 * BLOCK, 0, 3 * BLOCK, 0])
+    again.close()
