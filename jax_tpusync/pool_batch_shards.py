@@ -314,7 +314,9 @@ class BatchShardedPoolKVCache:
     ) -> PoolState:
         """The first global state, as :meth:`jax_tpusync.HostPoolKVCache.init` (``lengths``:
         int[batch] of global slots; default 0, or each shard's committed lengths). Every
-        shard accepts the lengths before any shard makes its pool."""
+        shard accepts the call (:meth:`jax_tpusync.HostPoolKVCache.check_init`: the
+        lengths, and with ``admit`` the room for every inactive slot) before any shard
+        makes its pool."""
         self._check_open()
         if lengths is not None:
             lengths = np.asarray(lengths)
