@@ -47,9 +47,12 @@ NOT_STAGED = -1
 # first). A unit is one asynchronous copy per block, and the TPU compiler's schedule keeps
 # only so many copies in flight across an attention: read off compiled decode steps, a unit
 # of 32 blocks had 32 of its 33 copies overlapped on v5e and TPU7x but 1 on v6e, where 6
-# blocks (7 copies with the tail) were all overlapped and 8 were not. Larger blocks move
-# the same bytes in fewer copies. These are the limits at ``prefetch_depth=1``.
-UNIT_BLOCK_LIMITS = (("TPU v6", 6), ("TPU", 30))
+# blocks (7 copies with the tail) were all overlapped on one chip and 8 were not; over a
+# mesh (slots over 2 chips and heads over 2, or either over 4) the last layer of a step
+# waited for its 6-block unit's copies before its attention, and 5-block units overlapped
+# every copy in every layout tried. Larger blocks move the same bytes in fewer copies.
+# These are the limits at ``prefetch_depth=1``.
+UNIT_BLOCK_LIMITS = (("TPU v6", 5), ("TPU", 30))
 
 # The same at ``prefetch_depth`` 2 and more, where a loop iteration still starts and waits
 # for one unit's copies (the unit that far ahead) but the schedule differs: read off the

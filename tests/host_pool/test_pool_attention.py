@@ -320,9 +320,9 @@ def test_units_hold_no_more_blocks_than_the_tpu_overlaps_copies():
     from jax_tpusync.host_pool import UNIT_BLOCK_LIMITS, unit_block_limit
     from jax_tpusync.pool_cache import pool_spec
 
-    assert unit_block_limit("TPU v6 lite") == 6 and unit_block_limit("TPU v5 lite") == 30
+    assert unit_block_limit("TPU v6 lite") == 5 and unit_block_limit("TPU v5 lite") == 30
     assert unit_block_limit("TPU7x") == 30 and unit_block_limit("cpu") == 30
-    assert dict(UNIT_BLOCK_LIMITS)["TPU v6"] == 6
+    assert dict(UNIT_BLOCK_LIMITS)["TPU v6"] == 5
     # Staging for 40 blocks a unit: the limit decides (off TPUs, most TPUs' limit).
     config = CacheConfig.from_kwargs(
         num_layers=2, batch=1, max_len=4096, num_kv_heads=HEADS, head_dim=HEAD_DIM,

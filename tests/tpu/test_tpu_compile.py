@@ -114,7 +114,7 @@ def test_a_ring_pool_holds_the_same_bytes_at_32k_and_1m(ring_report):
 def test_two_units_ahead_overlap_every_copy_in_the_same_memory_at_32k_and_1m(ring_report):
     short, long = ring_report[32768], ring_report[1048576]
     for row in (short, long):
-        # Three units in 64 MiB: 21 blocks of 256 tokens (4 KiB a token), over the 6 a
+        # Three units in 64 MiB: 21 blocks of 256 tokens (4 KiB a token), over the 5 a
         # v6e unit holds at depth 1 (host_pool.DEEP_UNIT_BLOCK_LIMITS).
         assert row["prefetch_depth"] == 2 and row["chunk_len"] == 21 * 256
         assert row["staging_mib"] == pytest.approx(3 * (21 * 256 + 2) * 4096 / 2**20)
@@ -143,13 +143,13 @@ def mesh_report(tmp_path_factory):
     """A Gemma-3-like model (five sliding layers of 1024 tokens to one global) over the four
     chips of a v6e 2x2 as a 2 x 2 grid: its two slots split over one axis (the
     batch-sharded pool's layout), its KV heads over the other (each chip's pool in its host
-    memory). Units of 5 blocks (--staging-mib 5): with the 6 of v6e's limit, this layout's
-    global layer waits for its block copies before its attention (36 of 42 overlapped)."""
+    memory). Units of 5 blocks, v6e's limit: with 6, this layout's global layer waited for
+    its block copies before its attention (36 of 42 overlapped)."""
     return compile_report(
         tmp_path_factory,
         "--topologies", "v6e:2x2", "--contexts", "32768", "1048576", "--layers", "6",
         "--sliding-window", "1024", "--batch", "2", "--batch-over-chips", "--heads-over-chips",
-        "--staging-mib", "5", "--kinds", "ours",
+        "--kinds", "ours",
     )  # fmt: skip
 
 
