@@ -241,6 +241,32 @@ def test_a_cancelled_reservation_puts_the_blocks_it_promoted_back_on_the_spill_t
             )
 
 
+def test_a_cancel_keeps_what_the_spill_tier_has_room_for_the_first_blocks_first(tmp_path):
+    # While the reservation waits, another one demotes 2 blocks into the spill blocks its
+    # promotions freed: 1 is left, for the first of its 2 blocks (the second is dropped).
+    first, other = DOC[:8], list(range(300, 308))
+    with make_cache(tmp_path, spill_blocks=3) as cache:
+        state = cache_prompt(cache, cache.init(admit=False), first)
+        state, _ = cache.admit(state, 0, max_tokens=NB * BT)  # Both blocks spill.
+        state = cache.release(state, 0)
+        state = cache_prompt(cache, state, other)  # 2 cached pool blocks.
+        with cache.reserving_in(state):
+            promoting = cache.reserve(1, 12, first + [1])  # 2 promoted, 1 own block.
+            demoting = cache.reserve(0, 5 * BT)  # 3 free pool blocks: demotes the other 2.
+        assert cache.prefix_stats["spill_free_blocks"] == 1
+        cache.cancel(promoting)
+        assert len(blocks_of(cache, first)) == 1 and blocks_of(cache, first)[0] >= NB
+        assert cache.prefix_stats["spill_free_blocks"] == 0
+        assert cache.slots.allocators.dram.free_blocks == NB - 5
+        state = cache.release(cache.admitted(state, demoting), 0)
+        state, cached = cache.admit(state, 1, tokens=first + [1], max_tokens=12)
+        assert cached == BT
+        for layer in range(LAYERS):
+            np.testing.assert_array_equal(
+                np.stack(cache.read(state, layer, 1, 0, BT)), kv_of(first[:BT], layer)
+            )
+
+
 def test_a_failed_spill_file_write_or_read_refuses_the_admission_changing_nothing(
     tmp_path, monkeypatch
 ):
