@@ -106,6 +106,9 @@ class OffloadedKVCache:
         self.config = config
         self.spec = spec
         self._restored_lengths: np.ndarray | None = None  # init()'s default once re-attached.
+        # Until the first init() after a re-attach: the rows each slot's commit covers (the
+        # tier may hold rows past them that a crashed process wrote and never committed).
+        self._committed_bound: np.ndarray | None = None
         self._closed = False
         self._owned_levels: list[Any] = []  # Network levels this cache opened (and closes).
         self.engine, self._owns_engine = engine_for(engine, config)
@@ -142,6 +145,7 @@ class OffloadedKVCache:
                 attached=self.engine.tier_info(self.tier).attached,
                 verify=config.persistence.verify,
             )
+            self._committed_bound = self._restored_lengths
 
     @property
     def batch(self) -> int:
@@ -189,7 +193,8 @@ class OffloadedKVCache:
         of this cache becomes stale.
 
         Raises:
-          ValueError: lengths out of range, or too few free blocks to admit every slot.
+          ValueError: lengths out of range (the first call after a re-attach: past a
+            slot's committed length), or too few free blocks to admit every slot.
         """
         spec = self.spec
         if lengths is None:
@@ -199,9 +204,17 @@ class OffloadedKVCache:
         lengths = np.asarray(lengths)
         if lengths.shape != (spec.batch,):
             raise ValueError(f"lengths must have shape ({spec.batch},); got {lengths.shape}")
+        bound = self._committed_bound
+        for b in np.flatnonzero(lengths > bound) if bound is not None else ():
+            raise ValueError(
+                f"lengths[{b}]={int(lengths[b])} is past slot {b}'s committed length "
+                f"{int(bound[b])}: this cache re-attached its last commit, and rows past it "
+                f"were never committed (or restart_at() cut them)"
+            )
         if admit:
             self.slots.admit_all()
         self.slots.check_lengths(lengths)
+        self._committed_bound = None  # This process's states hold whatever rows follow.
         self._loads.reset()
         if self.persistence is not None:
             self.persistence.note_init(lengths)
@@ -625,6 +638,8 @@ class OffloadedKVCache:
         self._restored_lengths = restart_part(
             self.persistence, self.slots, self.spec.block_tokens, lengths, tokens
         )
+        if self._committed_bound is not None:
+            self._committed_bound = self._restored_lengths
 
     @property
     def committed_lengths(self) -> np.ndarray | None:

@@ -234,10 +234,13 @@ def test_init_below_the_commit_commits_the_shorter_lengths(where):
         state, _, _ = load_context(cache)
         cache.close(state)
     with make(where) as cache:
-        state = cache.init([4, 17])
+        # Past the commit: rows no commit covers (here never written) are refused.
+        with pytest.raises(ValueError, match=r"lengths\[1\]=14 is past slot 1's committed"):
+            cache.init([4, 14])
+        state = cache.init([4, 13])
         np.testing.assert_array_equal(cache.committed_lengths, [4, 13])
         cache.close(cache.commit(state))
-    assert json.loads(manifest_path(where).read_text())["lengths"] == [4, 17]
+    assert json.loads(manifest_path(where).read_text())["lengths"] == [4, 13]
 
 
 def test_non_persistent_commit_only_drains(tmp_path):

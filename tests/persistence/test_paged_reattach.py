@@ -242,6 +242,32 @@ def test_init_admits_the_slots_a_reattached_cache_left_inactive(where):
         assert len(ids) == 18 and len(set(ids.tolist())) == 18
 
 
+def test_the_first_init_after_a_reattach_refuses_rows_past_the_commit(where):
+    """Rows the crashed process loaded past its last commit are on the tier but were never
+    committed: the first init() takes each slot's committed length, not one row more (a
+    refused init changes nothing); later inits are this process's own."""
+    rng = np.random.default_rng(3)
+    k, v = random_kv(rng, 11)
+    with make(where) as cache:
+        state = cache.init(admit=False)
+        state, _ = cache.admit(state, 0, max_tokens=16)
+        state = load(cache, state, k[:, :, :9], v[:, :, :9], [9, 0, 0])
+        state = cache.commit(state)
+        state = load(cache, state, k[:, :, 9:], v[:, :, 9:], [2, 0, 0], start=[9, 0, 0])
+        cache.close()  # Without a state: the rows past 9 are not committed.
+    with make(where) as cache:
+        np.testing.assert_array_equal(cache.committed_lengths, [9, 0, 0])
+        with pytest.raises(ValueError, match=r"lengths\[0\]=10 is past slot 0's committed length 9"):
+            cache.init([10, 0, 0], admit=False)
+        np.testing.assert_array_equal(cache.capacity, [16, 0, 0])
+        state = cache.init([9, 0, 0], admit=False)
+        got_k, _ = cache.read(state, 0, 0)
+        np.testing.assert_array_equal(got_k, k[0, 0, :9])
+        state = load(cache, state, k[:, :, 9:], v[:, :, 9:], [2, 0, 0], start=[9, 0, 0])
+        state = cache.init([11, 0, 0], admit=False)  # Rows this process wrote.
+        np.testing.assert_array_equal(cache.read(state, 1, 0)[1], v[1, 0, :11])
+
+
 def test_release_commits_the_slot_released_first(where):
     """A released slot's blocks go to another sequence: a crash after it overwrote them
     must not leave a manifest whose checksums cover the old rows there."""
