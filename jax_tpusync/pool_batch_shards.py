@@ -289,14 +289,18 @@ class BatchShardedPoolKVCache:
 
     def _checked(self, state: PoolState, releasing: int | None = None) -> list[PoolState]:
         """The shards' states of ``state``, each checked live by its shard (``releasing``:
-        a global slot whose refused steps do not refuse it, as a host pool's check)."""
+        a global slot being released; if its steps were refused, no shard's refused slots
+        refuse the call, as in a host pool's check)."""
         parts = self.split(state)
-        held = None if releasing is None else self._slot(releasing)
+        held, clearing = None if releasing is None else self._slot(releasing), False
+        if held is not None:
+            d, local = held
+            with self._in(d):
+                self.parts[d].check(parts[d], releasing=local)
+                clearing = self.parts[d].refused_tokens(parts[d])[local] > 0
         for d, (part, part_state) in enumerate(zip(self.parts, parts)):
             with self._in(d):
-                part.check(
-                    part_state, releasing=held[1] if held is not None and held[0] == d else None
-                )
+                part.check(part_state, refusals=not clearing)
         return parts
 
     def check(self, state: PoolState) -> None:

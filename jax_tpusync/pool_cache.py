@@ -466,10 +466,15 @@ class HostPoolKVCache:
         x = np.asarray(x)
         return x if self.mesh is None else x[0]
 
-    def check(self, state: PoolState, *, releasing: int | None = None) -> None:
+    def check(
+        self, state: PoolState, *, releasing: int | None = None, refusals: bool = True
+    ) -> None:
         """Refuses a state that is not this cache's live one, or whose steps were refused
-        for a slot (a step that would have passed its capacity), but for the slot being
-        released (``releasing``), the one way on for it."""
+        for a slot (a step that would have passed its capacity, or at a traced layer out of
+        range), but for releasing a refused slot (``releasing``), the one way on: one at a
+        time, each release of a refused slot is taken while others are refused too.
+        ``refusals=False``: refused slots refuse nothing (a cache of parts releasing a
+        refused slot of another part)."""
         self._check_open()
         if not isinstance(state, PoolState):
             raise TypeError(f"expected a PoolState, got {type(state).__name__}")
@@ -486,16 +491,22 @@ class HostPoolKVCache:
                 "one (its block tables may name blocks other slots hold now), or it is another "
                 "cache's; use the state the last call or step returned"
             )
-        refused = self._host(state.refused)
+        refused = self.refused_tokens(state)
+        if not refusals or (releasing is not None and refused[releasing] > 0):
+            return  # Releasing a refused slot: the way on for each of them.
         for b in np.flatnonzero(refused):
-            if b == releasing:
-                continue
             raise ValueError(
                 f"slot {b}: {int(refused[b])} tokens of its steps were refused (they would "
-                f"have passed its capacity of {int(self._host(state.capacity)[b])} tokens); "
-                f"its length stayed at {int(self._host(state.lengths)[b])}. Release the slot "
-                f"and admit it with a larger max_tokens"
+                f"have passed its capacity of {int(self._host(state.capacity)[b])} tokens, or "
+                f"came with a traced layer outside [0, {self.spec.num_layers})); its length "
+                f"stayed at {int(self._host(state.lengths)[b])}. Release the slot (and admit "
+                f"it with a larger max_tokens where its capacity was the cause)"
             )
+
+    def refused_tokens(self, state: PoolState) -> np.ndarray:
+        """int32[batch]: tokens of each slot's steps that ``state``'s steps refused (0:
+        none); a slot with any is taken only by a release (:meth:`check`)."""
+        return np.asarray(self._host(state.refused))
 
     def _tables(self) -> np.ndarray:
         """int32[batch, max_blocks]: the slot table's block tables, as a state carries
@@ -704,8 +715,8 @@ class HostPoolKVCache:
         self, state: PoolState, slot: int, tokens: Sequence[int] | np.ndarray | None = None
     ) -> None:
         """Refuses, changing nothing, a :meth:`release` of ``slot`` the cache would refuse."""
+        self.slots.check_slot(slot)  # Before check() indexes the state by it.
         self.check(state, releasing=slot)
-        self.slots.check_slot(slot)
         self.slots.check_release(slot, int(self._host(state.lengths)[slot]), tokens)
 
     def release(

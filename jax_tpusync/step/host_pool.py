@@ -46,7 +46,9 @@ time, :func:`jax_tpusync.step.device.pool_attention`).
 Writes are whole aligned groups (:attr:`~jax_tpusync.host_pool.PoolLayout.write_rows`
 rows): the compiler slices host memory in 32-bit sublanes. A write past a slot's capacity
 goes to the pool's sink block instead, and the slot's step is refused (its length does not
-grow; ``state.refused`` counts the tokens, and the cache refuses the state afterwards).
+grow; ``state.refused`` counts the tokens, and the cache refuses the state afterwards). A
+traced ``layer`` (``lax.scan`` over the layers) outside ``[0, num_layers)`` is refused the
+same way for every active slot: its block rows would be another layer's.
 """
 
 from __future__ import annotations
@@ -208,10 +210,13 @@ def pool_layer(
     active = state.capacity > 0
     wanted = jnp.where(active, q_len if counts is None else counts, 0).astype(jnp.int32)
     # A step that would pass a slot's capacity is refused for that slot: nothing of it is
-    # written where anything reads, and its length stays.
-    over = active & (lengths + wanted > state.capacity)
+    # written where anything reads, and its length stays. So is every slot's step at a
+    # traced layer out of range, whose rows would land in another layer's blocks.
+    layer_id = jnp.asarray(layer, jnp.int32)
+    bad_layer = (layer_id < 0) | (layer_id >= spec.num_layers)
+    over = active & ((lengths + wanted > state.capacity) | bad_layer)
     grow = jnp.where(over, 0, wanted)
-    last_layer = jnp.asarray(layer, jnp.int32) == spec.num_layers - 1
+    last_layer = layer_id == spec.num_layers - 1
 
     bt = spec.block_tokens
     # The walk to the unit `prefetch_depth` ahead; the pool always chains into the next
@@ -313,6 +318,6 @@ def pool_layer(
     state = state.with_staged_units(staged).replace(
         lengths=jnp.where(last_layer, lengths + grow, lengths),
         pool=pool,
-        refused=state.refused + jnp.where(last_layer & over, wanted, 0),
+        refused=state.refused + jnp.where((last_layer | bad_layer) & over, wanted, 0),
     )
     return out.astype(q.dtype), state

@@ -259,6 +259,47 @@ def test_a_step_past_capacity_is_refused_for_its_slot_alone():
     np.testing.assert_array_equal(cache.lengths(state), [0, 11])
 
 
+def test_a_traced_layer_out_of_range_writes_nothing_and_is_refused():
+    """Layers in lax.scan: the in-range ones decode as static ones do; a traced layer of
+    -1 or num_layers writes no pool row outside the sink (it would land in another
+    layer's blocks) and is refused for every active slot, as a step past capacity is."""
+    cache = tps.HostPoolKVCache(
+        num_layers=2, batch=2, max_len=16, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+        block_tokens=4, dtype=jnp.float32, staging_bytes=1 << 14,
+    )  # fmt: skip
+    state = cache.init()
+    rng = np.random.default_rng(5)
+    for layer in range(2):
+        rows = rng.standard_normal((2, 6, HEADS, HEAD_DIM)).astype(np.float32)
+        state = cache.load(state, layer, rows, -rows)
+    q = jnp.asarray(rng.standard_normal((2, 1, Q_HEADS, HEAD_DIM)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, 1, HEADS, HEAD_DIM)), jnp.float32)
+
+    @jax.jit
+    def attend(state, layers):
+        def body(state, layer):
+            out, state = tps.prefetching_attention(q, k, k, state, layer=layer)
+            return state, out
+
+        state, outs = jax.lax.scan(body, state, layers)
+        return outs, state
+
+    state = attend(state, jnp.arange(2))[1]  # In range: one decode step.
+    cache.check(state)
+    np.testing.assert_array_equal(cache.lengths(state), [7, 7])
+    sink = cache.layout.sink_row
+    for bad in (-1, 2):
+        before = np.array(state.pool[:sink])
+        state = attend(state, jnp.asarray([bad], jnp.int32))[1]
+        np.testing.assert_array_equal(np.array(state.pool[:sink]), before)
+        np.testing.assert_array_equal(np.asarray(state.refused), [1, 1])
+        with pytest.raises(ValueError, match=r"slot 0: 1 tokens .*traced layer outside \[0, 2\)"):
+            cache.check(state)
+        state = cache.release(cache.release(state, 0), 1)
+        state, _ = cache.admit(state, 0, max_tokens=16)
+        state, _ = cache.admit(state, 1, max_tokens=16)
+
+
 def test_a_donated_state_is_refused():
     cache = make_cache()
     state = cache.init()

@@ -121,6 +121,22 @@ def test_steps_equal_the_one_device_pool(axes):
     assert state.pool.sharding.memory_kind == "pinned_host"
     assert state.pool.shape == (4, *cache.layout.pool_shape)
     assert {s.device for s in state.pool.addressable_shards} == set(mesh.devices.flat)
+    # Slots 0 and 3 (batch shards 0 and the last) refused by one step past their capacity:
+    # each refused slot's release is taken while the other shard's slot is refused too.
+    for slot in (1, 2, 3):
+        state = cache.release(state, slot)
+    for slot in (0, 3):
+        state, _ = cache.admit(state, slot, max_tokens=2)
+    zeros = np.zeros((STEP_LAYERS, BATCH, Q_LEN, HEADS, HEAD_DIM), np.float32)
+    qs = np.zeros((STEP_LAYERS, BATCH, Q_LEN, Q_HEADS, HEAD_DIM), np.float32)
+    state = _step(state, qs, zeros, zeros, jnp.asarray([Q_LEN, 0, 0, Q_LEN], jnp.int32))[1]
+    with pytest.raises(ValueError, match="batch shard 0 .*slot 0: 3 tokens of its steps"):
+        cache.release(state, 1)  # Not a refused slot.
+    state = cache.release(state, 0)
+    with pytest.raises(ValueError, match="3 tokens of its steps were refused"):
+        cache.check(state)
+    state = cache.release(state, 3)
+    cache.check(state)
     cache.close(state)
 
 
