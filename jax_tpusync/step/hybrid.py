@@ -26,7 +26,9 @@ where the source wrote them, and only the pool, the staging and what it was copi
 are kept (the state's lengths and refusals stay the step's); its prefetch replaces the
 group's staged unit, which the group's next layer then copies itself (``staged_at``: a
 prefetch is never a source of data). A traced ``layer`` is refused for host-pool groups:
-a layer of another group would map to layer -1, and a pool has no engine to refuse it.
+the switch over groups has not been built for pool states (a layer of another group would
+map to layer -1, which a pool step refuses for every slot, but a reading layer's pool walk
+at a traced layer has not been checked).
 """
 
 from __future__ import annotations
