@@ -145,7 +145,7 @@ class HybridKVCache:
         path; :func:`jax_tpusync.kv_cache` picks it on the TPU backend), on one device or
         its KV heads split over ``mesh``'s ``kv_heads_axis``; a bounded sliding group is a
         pool of rings, as an engine group is. Default False: engine caches. Persists as
-        engine groups do (below). Not yet with ``batch_axis`` or a traced ``layer``.
+        engine groups do (below). Not yet with ``batch_axis``.
       staging_bytes: the device budget, split over the groups: a sliding group takes what
         whole units of its window need, the global groups the rest, in proportion to the
         bytes one token of their layers takes.

@@ -25,10 +25,9 @@ the step's starting lengths with the rows the source left: it writes those same 
 where the source wrote them, and only the pool, the staging and what it was copied from
 are kept (the state's lengths and refusals stay the step's); its prefetch replaces the
 group's staged unit, which the group's next layer then copies itself (``staged_at``: a
-prefetch is never a source of data). A traced ``layer`` is refused for host-pool groups:
-the switch over groups has not been built for pool states (a layer of another group would
-map to layer -1, which a pool step refuses for every slot, but a reading layer's pool walk
-at a traced layer has not been checked).
+prefetch is never a source of data). A traced ``layer`` switches over pool groups as over
+engine groups; a layer of another group maps to layer -1 there, which the pool step
+refuses for every active slot (writing nothing outside its sink).
 """
 
 from __future__ import annotations
@@ -83,13 +82,6 @@ def hybrid_attention(
     layer = jnp.asarray(layer, jnp.int32)
     if jnp.ndim(layer) != 0 or not jnp.issubdtype(layer.dtype, jnp.integer):
         raise ValueError(f"layer must be an int or an integer scalar; got {layer!r}")
-    if any(isinstance(gs, PoolState) for gs in state.groups):
-        raise ValueError(
-            "layer is traced, and this hybrid cache's groups are host pools "
-            "(host_pool=True): call prefetching_attention with an int layer (a Python loop "
-            "over the layers, or over each repeating block's layers inside lax.scan's body "
-            "with the block's layers static)"
-        )
     return _traced_layer(q, k, v, state, layer, options)
 
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.sharding import Mesh
 
 import jax_tpusync as tps
@@ -78,9 +79,22 @@ def pool_cache(shape: Shape, **options) -> tps.HybridKVCache:
 
 
 @functools.cache  # One compile per model shape, however many runs.
-def make_step(shape: Shape):
+def make_step(shape: Shape, scanned: bool = False):
     """jit(step)(state, qs, ks, vs, counts): every layer's attention (a reading layer's k
-    and v None), the state donated."""
+    and v None), the state donated. ``scanned``: the layers in ``lax.scan`` (the layer
+    traced; every layer one KV geometry, none reading another's)."""
+
+    def scan_step(state, qs, ks, vs, counts):
+        def body(state, xs):
+            layer, q, k, v = xs
+            out, state = tps.prefetching_attention(
+                q, k, v, state, layer=layer, query_seq_lengths=counts
+            )
+            return state, out
+
+        layers = jnp.arange(shape.num_layers)
+        state, outs = lax.scan(body, state, (layers, *map(jnp.stack, (qs, ks, vs))))
+        return list(outs), state
 
     def step(state, qs, ks, vs, counts):
         outs = []
@@ -91,7 +105,7 @@ def make_step(shape: Shape):
             outs.append(out)
         return outs, state
 
-    return jax.jit(step, donate_argnums=0)
+    return jax.jit(scan_step if scanned else step, donate_argnums=0)
 
 
 @functools.partial(jax.jit, static_argnames="window")
@@ -143,11 +157,11 @@ SCHEDULE = [(STEP, [4, 3]), (STEP, [4, 4]), (STEP, [1, 1]), (STEP, [2, 0])]
 SCHEDULE += [(STEP, [1, 1])] * 4 + [(STEP, [4, 3])] * 9
 
 
-def run(cache, shape: Shape, schedule, *, state=None, resident=None, seed=0):
+def run(cache, shape: Shape, schedule, *, state=None, resident=None, seed=0, scanned=False):
     """Runs ``schedule`` (q_len, counts) through ``cache`` and resident attention; returns
     (state, resident, the worst difference of real rows)."""
     rng = np.random.default_rng(seed)
-    step = make_step(shape)
+    step = make_step(shape, scanned)
     state = cache.init() if state is None else state
     resident = Resident(shape) if resident is None else resident
     worst = 0.0
@@ -171,6 +185,14 @@ def run(cache, shape: Shape, schedule, *, state=None, resident=None, seed=0):
             worst = max(worst, float(diff.max()))
         np.testing.assert_array_equal(cache.lengths(state), resident.lengths)
     return state, resident, worst
+
+
+def test_a_scan_over_a_hybrid_pools_layers_equals_resident_attention():
+    """The layers in lax.scan, the layer traced: each call switches to its layer's group
+    (three, of windows 8 and 12 and global) and runs that pool's step."""
+    with pool_cache(GEMMA3) as cache:
+        state, resident, worst = run(cache, GEMMA3, SCHEDULE[:9], scanned=True)
+        assert worst <= 1e-5 and resident.lengths.max() > 16
 
 
 @pytest.mark.slow
@@ -280,18 +302,28 @@ def test_kv_cache_on_tpu_gives_a_hybrid_model_the_hybrid_pool_cache(monkeypatch)
         tps.kv_cache(**arguments, mesh=mesh, batch_axis="data")
 
 
-def test_a_traced_layer_is_refused_for_host_pool_groups():
-    with pool_cache(GEMMA3) as cache:
+def test_a_traced_layer_of_another_groups_geometry_is_refused_for_every_slot():
+    """A traced layer whose k has the sliding group's geometry but that is the global
+    layer: the sliding pool's step at layer -1 writes nothing outside its sink and is
+    refused for every active slot; the state is refused afterwards, naming it."""
+    with pool_cache(TWO_GROUPS) as cache:
         state = cache.init()
         q = jnp.zeros((BATCH, 1, Q_HEADS, 16), jnp.float32)
-        k = jnp.zeros((BATCH, 1, 2, 16), jnp.float32)
+        k = jnp.ones((BATCH, 1, 2, 16), jnp.float32)
+        sliding = cache.plan.group_of[0]
+        before = np.array(state.groups[sliding].pool)
 
+        @jax.jit
         def traced(state, layer):
             return tps.prefetching_attention(q, k, k, state, layer=layer)
 
-        with pytest.raises(ValueError, match="layer is traced, and this hybrid cache's groups"):
-            jax.eval_shape(traced, state, jnp.int32(0))
-        jax.eval_shape(lambda s: traced(s, 0), state)  # A static layer: no refusal.
+        state = traced(state, jnp.int32(1))[1]
+        part = state.groups[sliding]
+        sink = cache.groups[sliding].layout.sink_row
+        np.testing.assert_array_equal(np.array(part.pool[:sink]), before[:sink])
+        np.testing.assert_array_equal(np.asarray(part.refused), [1, 1])
+        with pytest.raises(ValueError, match=r"slot 0: 1 tokens .*traced layer outside \[0, 1\)"):
+            cache.check(state)
 
 
 @pytest.mark.parametrize(
@@ -341,7 +373,7 @@ def test_a_crash_between_group_commits_reattaches_every_group_at_the_common_comm
     prompt from the index. Another model's layers over the same files are refused by
     layer."""
     shape = TWO_GROUPS
-    step = make_step(shape)
+    step = make_step(shape, False)
     opts = dict(tier="file", path=str(tmp_path), file_name="kv", bound_windows=False)
     prompts = [np.arange(100, 112), np.arange(200, 213)]
     rng = np.random.default_rng(21)
