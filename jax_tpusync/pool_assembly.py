@@ -1,5 +1,6 @@
 """How a host-pool cache is put together: its arguments checked (what the host-pool path
-does not do yet is refused by name, with why) and the prefix levels it opens.
+does not do yet is refused by name, with why), its spec (the units a device stages) and
+prefix salt, and the prefix levels it opens.
 
 :class:`~jax_tpusync.pool_cache.HostPoolKVCache` calls these before it opens anything
 else, so a refused construction leaves nothing behind.
@@ -7,6 +8,7 @@ else, so a refused construction leaves nothing behind.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,10 +16,17 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from jax_tpusync.config import CacheConfig
-from jax_tpusync.host_pool import POOL_MEMORY_KIND, pool_sharding
+from jax_tpusync.host_pool import (
+    POOL_MEMORY_KIND,
+    PoolLayout,
+    pool_dtype,
+    pool_sharding,
+    unit_block_limit,
+)
 from jax_tpusync.levels import SharedDirectoryLevel
 from jax_tpusync.mesh_layout import MeshLayout, checked_layout
 from jax_tpusync.mooncake_level import make_level
+from jax_tpusync.state import CacheSpec
 
 # Keywords of CacheConfig a host-pool cache takes at their defaults only, with why.
 # (``tier="file"`` and ``path`` are taken with ``file_name`` alone: the file is the pool's
@@ -142,3 +151,67 @@ def open_levels(config: CacheConfig, **level_layout: Any) -> tuple[list[Any], li
         if levels[-1] is not config.prefix.remote:  # Made here (an address, a factory).
             owned.append(levels[-1])
     return levels, owned
+
+
+# Salts the prefix index's root key: blocks of this layout are this layout's alone.
+POOL_LAYOUT_VERSION = 1
+
+
+def pool_prefix_layout(config: CacheConfig, shards: int) -> int:
+    """The layout number a host pool's prefix root is salted with: blocks are published
+    with every head's rows joined (:class:`~jax_tpusync.pool_blocks.PoolBlocks`), the same
+    bytes on one device and over a mesh, except quantized rows over several devices
+    (each device's codes and scales, not one row's), which are keyed apart by their
+    device count."""
+    if shards > 1 and config.geometry.quantized:
+        return POOL_LAYOUT_VERSION * 1000 + shards
+    return POOL_LAYOUT_VERSION
+
+
+def pool_spec(
+    config: CacheConfig, mesh: MeshLayout | None = None, device_kind: str = ""
+) -> CacheSpec:
+    """The :class:`CacheSpec` of a host-pool cache: units of whole blocks,
+    ``prefetch_depth + 1`` of them on the device at a time (those staged ahead and the one
+    in flight) within ``staging_bytes`` (per device), and at most as many blocks as the
+    device's compiler overlaps copies (:func:`~jax_tpusync.host_pool.unit_block_limit` of
+    ``device_kind`` and the depth). ``prefetch_depth="auto"`` is 1, and a depth above ``num_layers`` is
+    ``num_layers`` (every layer has a unit at least, and further ahead lies the step after
+    next). Over a mesh the spec describes one shard: the heads of one device of
+    ``kv_heads_axis``."""
+    g, staging = config.geometry, config.staging
+    shards = 1 if mesh is None else mesh.tp
+    if g.num_kv_heads % shards:
+        raise ValueError(
+            f"num_kv_heads={g.num_kv_heads} must be a multiple of the {shards} devices of "
+            f"kv_heads_axis={mesh.kv_heads_axis!r}"
+        )
+    # "auto": 1, since one unit's copy overlaps each attention at any depth (see
+    # jax_tpusync.step.host_pool); StagingConfig checked an int's range.
+    depth = staging.prefetch_depth
+    depth = 1 if isinstance(depth, str) else min(int(depth), g.num_layers)
+    num_slots = depth + 1
+    probe = CacheSpec(
+        **{**g.spec_fields(), "num_kv_heads": g.num_kv_heads // shards},
+        chunk_len=g.block_tokens,
+        num_slots=num_slots,
+        prefetch_depth=depth,
+        prefetch_across_steps=staging.prefetch_across_steps,
+        staging_dtype=pool_dtype(g.dtype, g.quantized),
+    )
+    layout = PoolLayout(probe)
+    row_bytes = layout.row_width * layout.dtype.itemsize
+    unit_block_bytes = num_slots * g.batch * g.block_tokens * row_bytes
+    units = staging.staging_bytes // unit_block_bytes
+    if units < 1:
+        raise ValueError(
+            f"staging_bytes={staging.staging_bytes} cannot hold {num_slots} units of one "
+            f"block (prefetch_depth={depth} ahead and the one in flight): {num_slots} x "
+            f"batch {g.batch} x block_tokens {g.block_tokens} x {row_bytes} bytes per "
+            f"token row (K and V) = {unit_block_bytes} bytes at least"
+        )
+    longest = max(probe.layer_span(w) for w in probe.windows)
+    needed = -(-longest // g.block_tokens) + 1  # A window's span may straddle one more block.
+    limit = unit_block_limit(device_kind, depth)
+    chunk_len = min(units, needed, limit) * g.block_tokens
+    return dataclasses.replace(probe, chunk_len=chunk_len, mesh=mesh)

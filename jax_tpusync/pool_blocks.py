@@ -156,7 +156,7 @@ class PoolBlocks:
     unquantized pool publishes and imports the same bytes on one device and over a mesh of
     any size. (Quantized rows, every head's codes then the scales, do not join that way:
     a quantized pool over several devices keys its prefixes apart, see
-    :func:`jax_tpusync.pool_cache.pool_prefix_layout`.)
+    :func:`jax_tpusync.pool_assembly.pool_prefix_layout`.)
 
     Reads come from the pool handed to :meth:`reading` for the host call under way; writes
     are kept, by block, until :meth:`take_writes` hands them to the cache, which applies

@@ -70,7 +70,6 @@ holds every slot's blocks, each for its heads.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
 from collections.abc import Iterator, Sequence
@@ -101,86 +100,18 @@ from jax_tpusync.host_pool import (
     NOT_STAGED,
     PoolLayout,
     PoolState,
-    pool_dtype,
-    unit_block_limit,
 )
-from jax_tpusync.mesh_layout import MeshLayout
 from jax_tpusync.parts import restart_part
 from jax_tpusync.pool_imports import PendingImports
 from jax_tpusync.pool_persistence import PoolTier
 from jax_tpusync.pool_spill import PoolSpillTier, check_pool_ids
 from jax_tpusync.pool_windows import WindowCopyStore
 from jax_tpusync.slots import Admission, SlotTable
-from jax_tpusync.state import CacheSpec
 
 logger = logging.getLogger(__name__)
 
 # Epochs of live states, unique across the process's caches (PoolState.epoch).
 _EPOCHS = itertools.count(1)
-
-# Salts the prefix index's root key: blocks of this layout are this layout's alone.
-POOL_LAYOUT_VERSION = 1
-
-
-def pool_prefix_layout(config: CacheConfig, shards: int) -> int:
-    """The layout number a host pool's prefix root is salted with: blocks are published
-    with every head's rows joined (:class:`~jax_tpusync.pool_blocks.PoolBlocks`), the same
-    bytes on one device and over a mesh, except quantized rows over several devices
-    (each device's codes and scales, not one row's), which are keyed apart by their
-    device count."""
-    if shards > 1 and config.geometry.quantized:
-        return POOL_LAYOUT_VERSION * 1000 + shards
-    return POOL_LAYOUT_VERSION
-
-
-def pool_spec(
-    config: CacheConfig, mesh: MeshLayout | None = None, device_kind: str = ""
-) -> CacheSpec:
-    """The :class:`CacheSpec` of a host-pool cache: units of whole blocks,
-    ``prefetch_depth + 1`` of them on the device at a time (those staged ahead and the one
-    in flight) within ``staging_bytes`` (per device), and at most as many blocks as the
-    device's compiler overlaps copies (:func:`~jax_tpusync.host_pool.unit_block_limit` of
-    ``device_kind`` and the depth). ``prefetch_depth="auto"`` is 1, and a depth above ``num_layers`` is
-    ``num_layers`` (every layer has a unit at least, and further ahead lies the step after
-    next). Over a mesh the spec describes one shard: the heads of one device of
-    ``kv_heads_axis``."""
-    g, staging = config.geometry, config.staging
-    shards = 1 if mesh is None else mesh.tp
-    if g.num_kv_heads % shards:
-        raise ValueError(
-            f"num_kv_heads={g.num_kv_heads} must be a multiple of the {shards} devices of "
-            f"kv_heads_axis={mesh.kv_heads_axis!r}"
-        )
-    # "auto": 1, since one unit's copy overlaps each attention at any depth (see
-    # jax_tpusync.step.host_pool); StagingConfig checked an int's range.
-    depth = staging.prefetch_depth
-    depth = 1 if isinstance(depth, str) else min(int(depth), g.num_layers)
-    num_slots = depth + 1
-    probe = CacheSpec(
-        **{**g.spec_fields(), "num_kv_heads": g.num_kv_heads // shards},
-        chunk_len=g.block_tokens,
-        num_slots=num_slots,
-        prefetch_depth=depth,
-        prefetch_across_steps=staging.prefetch_across_steps,
-        staging_dtype=pool_dtype(g.dtype, g.quantized),
-    )
-    layout = PoolLayout(probe)
-    row_bytes = layout.row_width * layout.dtype.itemsize
-    unit_block_bytes = num_slots * g.batch * g.block_tokens * row_bytes
-    units = staging.staging_bytes // unit_block_bytes
-    if units < 1:
-        raise ValueError(
-            f"staging_bytes={staging.staging_bytes} cannot hold {num_slots} units of one "
-            f"block (prefetch_depth={depth} ahead and the one in flight): {num_slots} x "
-            f"batch {g.batch} x block_tokens {g.block_tokens} x {row_bytes} bytes per "
-            f"token row (K and V) = {unit_block_bytes} bytes at least"
-        )
-    longest = max(probe.layer_span(w) for w in probe.windows)
-    needed = -(-longest // g.block_tokens) + 1  # A window's span may straddle one more block.
-    limit = unit_block_limit(device_kind, depth)
-    chunk_len = min(units, needed, limit) * g.block_tokens
-    return dataclasses.replace(probe, chunk_len=chunk_len, mesh=mesh)
-
 
 class HostPoolKVCache:
     """A paged KV cache in a ``pinned_host`` pool, streamed to the device by unit.
@@ -198,7 +129,7 @@ class HostPoolKVCache:
     (:func:`~jax_tpusync.host_pool.unit_block_limit`). ``prefetch_depth``: units in flight
     ahead of the one attended, an int in ``[1, 64]`` (at most ``num_layers``) or
     ``"auto"``, which is 1 on this path (a deeper prefetch overlaps no more copying on a
-    TPU; see :func:`pool_spec`).
+    TPU; see :func:`~jax_tpusync.pool_assembly.pool_spec`).
 
     Raises:
       ValueError: an argument out of range, or one of the features this path does not
@@ -223,7 +154,7 @@ class HostPoolKVCache:
             batch_axis=batch_axis,
         )
         device, mesh_layout, kind = placement.device, placement.mesh, placement.device_kind
-        self.spec = pool_spec(config, mesh_layout, kind)
+        self.spec = pool_assembly.pool_spec(config, mesh_layout, kind)
         # Checked before anything is opened, so that a mismatch touches nothing.
         self.persistence = persistence.Persistence.prepare_for(config)
         self.config = config
@@ -233,7 +164,7 @@ class HostPoolKVCache:
         self.state_sharding = placement.state_sharding
         self.pool_sharding = placement.pool_sharding
         g = config.geometry
-        root = config.prefix_root(pool_prefix_layout(config, self.shards))
+        root = config.prefix_root(pool_assembly.pool_prefix_layout(config, self.shards))
         self._blocks = pool_blocks.PoolBlocks(self.layout, self.mesh)
         # Network levels this cache opened (and closes) are in _owned_levels.
         remote, self._owned_levels = pool_assembly.open_levels(

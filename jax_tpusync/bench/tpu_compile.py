@@ -244,7 +244,7 @@ def abstract_pool_state(config, devices: list, layout=None):
     from jax.sharding import PartitionSpec as P
 
     from jax_tpusync.host_pool import PoolLayout, PoolState
-    from jax_tpusync.pool_cache import pool_spec
+    from jax_tpusync.pool_assembly import pool_spec
 
     if layout is not None:
         spec = pool_spec(config, layout, devices[0].device_kind)

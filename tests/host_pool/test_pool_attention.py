@@ -359,7 +359,7 @@ def test_guards_name_the_argument_at_their_edges():
 def test_units_hold_no_more_blocks_than_the_tpu_overlaps_copies():
     from jax_tpusync.config import CacheConfig
     from jax_tpusync.host_pool import UNIT_BLOCK_LIMITS, unit_block_limit
-    from jax_tpusync.pool_cache import pool_spec
+    from jax_tpusync.pool_assembly import pool_spec
 
     assert unit_block_limit("TPU v6 lite") == 5 and unit_block_limit("TPU v5 lite") == 30
     assert unit_block_limit("TPU7x") == 30 and unit_block_limit("cpu") == 30
