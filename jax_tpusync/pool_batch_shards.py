@@ -299,6 +299,8 @@ class BatchShardedPoolKVCache:
                 self.parts[d].check(parts[d], releasing=local)
                 clearing = self.parts[d].refused_tokens(parts[d])[local] > 0
         for d, (part, part_state) in enumerate(zip(self.parts, parts)):
+            if held is not None and d == held[0]:
+                continue  # Checked above, its refusals included.
             with self._in(d):
                 part.check(part_state, refusals=not clearing)
         return parts
