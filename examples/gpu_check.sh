@@ -63,8 +63,8 @@ tail -5 "$OUT/pytest.log"
 run transfer 60 "$PY" - "$OUT/transfer.json" > "$OUT/transfer.log" 2>&1 <<'PYEOF'
 import json, os, shutil, sys, tempfile
 import numpy as np
-from jax_tpusync import _cuda
-from jax_tpusync.engine import Engine
+from jax_tpusync.runtime import _cuda
+from jax_tpusync.runtime.engine import Engine
 
 ext = _cuda.extension()
 assert ext is not None, "built without CUDA support"
@@ -106,7 +106,7 @@ if "$PY" -c "import jax_tpusync.bench.decode" > /dev/null 2>&1; then
   # the CLI's SUBCOMMANDS.
   run decode 90 "$PY" -c '
 import sys
-from jax_tpusync import _cuda
+from jax_tpusync.runtime import _cuda
 _cuda.register()
 from jax_tpusync.bench import __main__ as cli
 subs = tuple(cli.SUBCOMMANDS) + (() if "decode" in cli.SUBCOMMANDS else ("decode",))

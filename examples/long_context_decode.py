@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import model as model_lib  # noqa: E402
 
 import jax_tpusync as tps  # noqa: E402
-from jax_tpusync import xla_cpu  # noqa: E402
+from jax_tpusync.runtime import xla_cpu  # noqa: E402
 
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32, "f16": jnp.float16}
 # Bytes of synthesized KV generated per cache.load call.
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     # Before JAX starts: on a machine with few cores, compute that holds every core starves
     # the engine's disk queue (see tps.split_cpus).
     worker_cpus = tps.split_cpus(args.engine_cpus) if args.engine_cpus else ()
-    xla_cpu.use_memory_scheduler()  # Also before JAX starts (see jax_tpusync.xla_cpu).
+    xla_cpu.use_memory_scheduler()  # Also before JAX starts (see jax_tpusync.runtime.xla_cpu).
     dtype = DTYPES[args.dtype]
     cfg = model_lib.ModelConfig(
         layers=args.layers,

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import model as model_lib  # noqa: E402
 
 import jax_tpusync as tps  # noqa: E402
-from jax_tpusync.pd_transfer import KVReceiver, KVSender  # noqa: E402
+from jax_tpusync.pd.transfer import KVReceiver, KVSender  # noqa: E402
 
 
 def model_and_cache(args, batch: int):

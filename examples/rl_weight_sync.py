@@ -153,7 +153,7 @@ def run_trainer(args) -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_tpusync.weight_sync import WeightPublisher
+    from jax_tpusync.weights.sync import WeightPublisher
 
     mesh = jax.make_mesh(
         (jax.device_count(),),
@@ -235,7 +235,7 @@ def run_sampler(args) -> None:
     import numpy as np
     from jax.sharding import NamedSharding
 
-    from jax_tpusync.weight_sync import WeightPuller
+    from jax_tpusync.weights.sync import WeightPuller
 
     mesh = jax.make_mesh(
         (jax.device_count(),),

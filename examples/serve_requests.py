@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import model as model_lib  # noqa: E402
 
 import jax_tpusync as tps  # noqa: E402
-from jax_tpusync import serving, xla_cpu  # noqa: E402
+from jax_tpusync import serving  # noqa: E402
+from jax_tpusync.runtime import xla_cpu
 
 
 def parse_args(argv=None) -> argparse.Namespace:

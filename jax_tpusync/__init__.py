@@ -2,7 +2,7 @@
 
 The public surface:
 
-* :func:`kv_cache` is the entry point: given a :class:`~jax_tpusync.config.CacheConfig`
+* :func:`kv_cache` is the entry point: given a :class:`~jax_tpusync.core.config.CacheConfig`
   (or its keywords) it makes the cache that serves the model, each of which keeps the
   :class:`KVCache` protocol of host-side calls.
 * :class:`OffloadedKVCache` describes a cache kept in a host tier (DRAM or a file);
@@ -17,20 +17,32 @@ The public surface:
   split over a mesh's ``batch_axis``.
 * :func:`prefetching_attention` replaces a model's attention call: it attends over the
   offloaded cache while the next layer's KV streams in.
-* :class:`Engine` is the async transfer engine underneath; :mod:`jax_tpusync.ops` has the
+* :class:`Engine` is the async transfer engine underneath; :mod:`jax_tpusync.runtime.ops` has the
   in-graph start/wait/write-back ops for building other prefetch schedules.
 * ``OffloadedKVCache(tier_dtype="int8" | "float8_e4m3fn")`` keeps quantized rows (codes
-  and per-token scales, :mod:`jax_tpusync.quantize`) on the tier and in staging.
-* :func:`jax_tpusync.xla_cpu.use_memory_scheduler` (first thing in a script) keeps XLA's
+  and per-token scales, :mod:`jax_tpusync.core.quantize`) on the tier and in staging.
+* :func:`jax_tpusync.runtime.xla_cpu.use_memory_scheduler` (first thing in a script) keeps XLA's
   CPU backend from converting every layer's 16-bit weights at the start of a one-program
   step.
 """
 
+from jax_tpusync import _moved
+
+_moved.install()  # the module paths from before 0.2.0 (CHANGELOG.md)
+
 from jax_tpusync.attention import prefetching_attention, resident_attention
-from jax_tpusync.cache import OffloadedKVCache
-from jax_tpusync.cache_factory import kv_cache
-from jax_tpusync.cache_protocol import KVCache
-from jax_tpusync.engine import (
+from jax_tpusync.caches.hybrid.cache import HybridKVCache
+from jax_tpusync.caches.offloaded.cache import OffloadedKVCache
+from jax_tpusync.caches.offloaded.mesh import ShardedKVCache
+from jax_tpusync.caches.pool.batch_shards import BatchShardedPoolKVCache
+from jax_tpusync.caches.pool.cache import HostPoolKVCache
+from jax_tpusync.caches.protocol import KVCache
+from jax_tpusync.core.hybrid_state import HybridState
+from jax_tpusync.core.pool_state import PoolState
+from jax_tpusync.core.quantize import QuantizedRows
+from jax_tpusync.core.state import KVState
+from jax_tpusync.factory import kv_cache
+from jax_tpusync.runtime.engine import (
     Engine,
     EngineConfig,
     TierInfo,
@@ -38,15 +50,7 @@ from jax_tpusync.engine import (
     TpusyncError,
     split_cpus,
 )
-from jax_tpusync.host_pool import PoolState
-from jax_tpusync.hybrid import HybridKVCache
-from jax_tpusync.layer_groups import HybridState
-from jax_tpusync.mesh import ShardedKVCache
-from jax_tpusync.pool_batch_shards import BatchShardedPoolKVCache
-from jax_tpusync.pool_cache import HostPoolKVCache
-from jax_tpusync.quantize import QuantizedRows
-from jax_tpusync.state import KVState
-from jax_tpusync.xla_cpu import setup as setup_cpu
+from jax_tpusync.runtime.xla_cpu import setup as setup_cpu
 
 __all__ = [
     "BatchShardedPoolKVCache",

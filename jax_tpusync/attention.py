@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import jax
 
-from jax_tpusync.host_pool import PoolState
-from jax_tpusync.layer_groups import HybridState
-from jax_tpusync.state import KVState
+from jax_tpusync.core.hybrid_state import HybridState
+from jax_tpusync.core.pool_state import PoolState
+from jax_tpusync.core.state import KVState
 from jax_tpusync.step import device, hybrid, sharded
 from jax_tpusync.step.device import IMPLEMENTATIONS
 from jax_tpusync.step.resident import resident_attention
@@ -78,7 +78,7 @@ def prefetching_attention(
         time, cast it with ``.astype(...)``.
       v: the new tokens' values, same rule.
       state: the cache state from :meth:`OffloadedKVCache.init` (or
-        :meth:`~jax_tpusync.hybrid.HybridKVCache.init`) or the previous call.
+        :meth:`~jax_tpusync.caches.hybrid.cache.HybridKVCache.init`) or the previous call.
       layer: the layer index, in ``[0, num_layers)``. A traced layer out of range fails
         when the step runs (the engine refuses its write-back: "layer out of range?").
       query_seq_lengths: int32[batch] (may be traced) or None: how many of the step's
@@ -101,19 +101,19 @@ def prefetching_attention(
       block_kv: Pallas KV block size (default: tuned per device).
       interpret: Pallas interpret mode (default: on when the backend is CPU).
 
-    A mesh cache (:class:`~jax_tpusync.mesh.ShardedKVCache`, what
+    A mesh cache (:class:`~jax_tpusync.caches.offloaded.mesh.ShardedKVCache`, what
     ``jax_tpusync.kv_cache(mesh=...)`` makes) takes the global ``q``/``k``/``v``
     (sharded or not: they are resharded as the cache's mesh says) and runs each shard's
     attention on its own device inside ``shard_map``; called inside the caller's own
     ``shard_map`` over the cache's axes it takes each device's share (see
-    :mod:`jax_tpusync.mesh` and :mod:`jax_tpusync.step.sharded`).
+    :mod:`jax_tpusync.caches.offloaded.mesh` and :mod:`jax_tpusync.step.sharded`).
 
-    A host-pool cache (:class:`~jax_tpusync.pool_cache.HostPoolKVCache`, the TPU data
+    A host-pool cache (:class:`~jax_tpusync.caches.pool.cache.HostPoolKVCache`, the TPU data
     path: the pool a ``pinned_host`` array the state carries) copies each layer's units to
     the device one unit ahead with JAX memory kinds, no custom call
     (:mod:`jax_tpusync.step.host_pool`).
 
-    A hybrid cache (:class:`~jax_tpusync.hybrid.HybridKVCache`: layers of several KV
+    A hybrid cache (:class:`~jax_tpusync.caches.hybrid.cache.HybridKVCache`: layers of several KV
     geometries, sliding layers that keep only their window, layers that read another
     layer's KV) takes each layer's own shapes; a layer that reads another layer's KV
     (``kv_sharing``) passes ``k=None, v=None`` (see :mod:`jax_tpusync.step.hybrid`).

@@ -32,8 +32,8 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import pytest  # noqa: E402
 
-from jax_tpusync import persistence  # noqa: E402
-from jax_tpusync.engine import Engine, EngineConfig  # noqa: E402
+from jax_tpusync.persist import commit as persistence  # noqa: E402
+from jax_tpusync.runtime.engine import Engine, EngineConfig  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

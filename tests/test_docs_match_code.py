@@ -30,8 +30,8 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import hybrid
-from jax_tpusync.config import CacheConfig
+from jax_tpusync.caches.hybrid import cache as hybrid
+from jax_tpusync.core.config import CacheConfig
 from jax_tpusync.serving import ServingLoop
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

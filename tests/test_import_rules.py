@@ -13,89 +13,34 @@ import pathlib
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jax_tpusync"
+KERNELS = pathlib.Path(__file__).resolve().parents[1] / "kernels"
 
-# Lowest first; a module may import modules of its own layer or a lower one.
-LAYERS: dict[str, int] = {
-    "engine": 0,
-    "blocks": 0,
-    "quantize": 0,
-    "timeline": 0,
-    "xla_cpu": 0,
-    "backend": 0,
-    "effects": 0,
-    "window_ring": 0,
-    "transfer_memory": 0,
-    "pd_channel": 0,
-    "pd_writes": 0,
-    "deadline_worker": 0,
-    "window_prefix": 2,
-    "_cuda": 0,
-    "ops": 1,
-    "state": 2,
-    "prefix": 2,
-    "spill": 2,
-    "shared_blocks": 2,
-    "manifest": 2,
-    "history": 2,
-    "mesh_layout": 2,
-    "layer_groups": 2,
-    "weight_plan": 0,
-    "weight_file_pool": 0,
-    "weight_staging": 0,
-    "host_copy": 0,
-    "weight_store": 1,
-    "weight_sync": 4,
-    "weight_store_mooncake": 4,
-    "weight_mooncake_objects": 2,
-    "weight_mooncake_writer": 3,
-    "weight_mooncake_reader": 3,
-    "config": 3,
-    "layout": 3,
-    "levels": 3,
-    "mooncake_client": 2,
-    "mooncake_block_format": 2,
-    "mooncake_url": 2,
-    "mooncake_level_calls": 2,
-    "mooncake_level": 3,
-    "slots": 3,
-    "host_io": 3,
-    "checksums": 3,
-    "persistence": 3,
-    "persisted_kv": 3,
-    "cache_assembly": 3,
-    "live_state": 3,
-    "hybrid_config": 3,
-    "hybrid_record": 3,
-    "host_pool": 3,
-    "pool_blocks": 3,
-    "pool_stored_rows": 3,
-    "pool_windows": 3,
-    "pool_imports": 3,
-    "cache_protocol": 0,
-    "parts": 4,
-    "cache": 4,
-    "pool_assembly": 4,
-    "pool_cache": 4,
-    "pool_rows": 4,
-    "pool_persistence": 4,
-    "pool_spill": 3,
-    "mesh": 5,
-    "pool_batch_shards": 5,
-    "hybrid": 5,
-    "pd_pools": 5,
-    "pd_pool_staging": 5,
-    "pd_quarantine": 5,
-    "pd_tier_endpoint": 5,
-    "pd_endpoint": 5,
-    "pd_transfer": 5,
-    "step": 6,
-    "cache_factory": 6,
-    "attention": 7,
-    "bench": 8,
-    "serving": 8,
-    "serving_checks": 8,
-    "__init__": 9,
+# Each folder of the package (a "room"; ``caches`` alone is caches/protocol.py and
+# caches/parts.py, each ``caches.<kind>`` one kind of storage) and the rooms its modules may
+# import besides their own. The same table is docs/architecture.md's, checked below.
+ALLOWED: dict[str, set[str]] = {
+    "runtime": set(),
+    "core": {"runtime"},
+    "persist": {"runtime", "core"},
+    "mooncake": {"runtime", "core"},
+    "step": {"runtime", "core", "kernels"},
+    "weights": {"runtime", "mooncake"},
+    "caches": {"runtime", "core", "persist"},
+    "caches.offloaded": {"runtime", "core", "persist", "mooncake", "caches"},
+    "caches.pool": {"runtime", "core", "persist", "mooncake", "caches"},
+    "caches.hybrid": {"runtime", "core", "persist", "caches", "caches.offloaded", "caches.pool"},
+    "pd": {"runtime", "core", "mooncake", "caches", "caches.offloaded", "caches.pool"},
+    "serving": {"core"},
 }
+# The public face: the flat modules a user imports (and the package's old-path aliases).
+FACE: dict[str, set[str]] = {
+    "attention": {"runtime", "core", "step"},
+    "factory": {"runtime", "core", "caches", "caches.offloaded", "caches.pool", "caches.hybrid"},
+    "_moved": set(),
+}
+# At most this many modules lie flat in jax_tpusync/ (the face and __init__).
+MAX_FLAT = 12
+EVERYTHING = {*ALLOWED, *FACE, "kernels"}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -112,11 +57,23 @@ def _modules() -> dict[str, pathlib.Path]:
 MODULES = _modules()
 
 
-def _layer(module: str) -> int:
-    top = module.split(".")[0]
-    if top not in LAYERS:
-        raise AssertionError(f"module {module} has no layer: add it to LAYERS")
-    return LAYERS[top]
+def _room(module: str) -> str:
+    """The room of a package module: its folder (``caches.<kind>`` for a kind of cache), or
+    the flat module itself."""
+    parts = module.split(".")
+    if parts[0] == "caches" and len(parts) > 2:
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def _may_import(room: str) -> set[str]:
+    if room in ("__init__", "bench"):
+        return EVERYTHING
+    if room in FACE:
+        return FACE[room]
+    if room not in ALLOWED:
+        raise AssertionError(f"room {room} has no import rule: add it to ALLOWED")
+    return ALLOWED[room]
 
 
 def _imports(module: str) -> list[tuple[str, list[str], int]]:
@@ -163,9 +120,15 @@ def _graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_every_module_has_a_layer():
+def test_every_module_has_a_room_with_a_rule():
     for module in MODULES:
-        _layer(module)
+        _may_import(_room(module))
+
+
+def test_at_most_a_dozen_modules_lie_flat():
+    flat = sorted(m for m in MODULES if "." not in m and (PACKAGE / f"{m}.py").is_file())
+    assert len(flat) <= MAX_FLAT, flat
+    assert set(flat) <= {*FACE, "__init__"}, flat
 
 
 def test_the_import_graph_is_acyclic():
@@ -187,13 +150,31 @@ def test_the_import_graph_is_acyclic():
             visit(module, [module])
 
 
-def test_no_module_imports_a_layer_above_its_own():
+def test_no_module_imports_a_room_it_may_not():
     bad = []
     for module in MODULES:
+        room = _room(module)
         for target, _, line in _imports(module):
-            if target in MODULES and target != "__init__" and _layer(target) > _layer(module):
-                bad.append(f"{module}:{line} imports {target} (layer {_layer(target)} > "
-                           f"{_layer(module)})")
+            if target == "__init__" or target not in MODULES and not target.startswith("kernels"):
+                continue
+            other = "kernels" if target.startswith("kernels") else _room(target)
+            if other != room and other not in _may_import(room):
+                bad.append(f"{module}:{line} imports {target} ({room} may not import {other})")
+    assert not bad, "\n".join(bad)
+
+
+def test_kernels_import_nothing_from_the_package():
+    """kernels/ ships as jax_tpusync.kernels but stands alone: relative imports only."""
+    bad = []
+    for path in sorted(KERNELS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            bad += [f"{path.name}:{node.lineno} imports {n}" for n in names
+                    if n.split(".")[0] == "jax_tpusync"]
     assert not bad, "\n".join(bad)
 
 
@@ -241,14 +222,19 @@ def test_the_rules_catch_what_they_forbid(tmp_path, monkeypatch):
     """The checks above fail on a module that breaks them (so they cannot pass vacuously)."""
     fake = dict(MODULES)
     low = tmp_path / "blocks_fake.py"
-    low.write_text("from jax_tpusync import cache\nfrom jax_tpusync.prefix import _chain\n")
-    fake["blocks"] = low
+    low.write_text(
+        "from jax_tpusync.caches.offloaded import cache\nfrom jax_tpusync.core.prefix import _chain\n"
+    )
+    fake["core.blocks"] = low
     monkeypatch.setattr(__import__(__name__), "MODULES", fake, raising=False)
     globals()["MODULES"] = fake
     try:
-        with pytest.raises(AssertionError, match=r"blocks:1 imports cache"):
-            test_no_module_imports_a_layer_above_its_own()
-        with pytest.raises(AssertionError, match=r"blocks:2 imports prefix._chain"):
+        with pytest.raises(
+            AssertionError,
+            match=r"core.blocks:1 imports caches.offloaded.cache \(core may not import caches.offloaded\)",
+        ):
+            test_no_module_imports_a_room_it_may_not()
+        with pytest.raises(AssertionError, match=r"core.blocks:2 imports core.prefix._chain"):
             test_no_module_reads_another_modules_private_names()
     finally:
         globals()["MODULES"] = MODULES_REAL

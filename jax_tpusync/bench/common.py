@@ -234,7 +234,7 @@ def add_engine_arguments(p, *, io_depth: bool = True) -> None:
 
 def engine_config(args, worker_cpus: tuple[int, ...] = ()):
     """The :class:`~jax_tpusync.EngineConfig` of :func:`add_engine_arguments`' knobs."""
-    from jax_tpusync.engine import EngineConfig
+    from jax_tpusync.runtime.engine import EngineConfig
 
     return EngineConfig(
         num_workers=args.workers,
@@ -265,7 +265,7 @@ def add_cpu_arguments(p) -> None:
 
 def apply_cpu_arguments(args) -> tuple[int, ...]:
     """Splits the CPUs as asked (call before JAX starts); returns the workers' CPUs."""
-    from jax_tpusync.engine import split_cpus
+    from jax_tpusync.runtime.engine import split_cpus
 
     if args.engine_cpus < 0:
         raise SystemExit("--engine-cpus must be >= 0")

@@ -36,7 +36,7 @@ import zlib
 from typing import Any
 
 from jax_tpusync.bench import common, verdict
-from jax_tpusync.engine import Engine
+from jax_tpusync.runtime.engine import Engine
 
 STATES = ("idle", "alu", "memory")
 # What each state's load does, in the summary's words.

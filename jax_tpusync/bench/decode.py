@@ -21,7 +21,7 @@ that adds compute without adding KV). It runs as
   with no compute. The transfer floor.
 * ``sync``: fetch, then compute: for each unit of each layer a ``wait_fetch`` without a
   ticket (the engine fetches on demand and the step blocks), then the attention of that unit.
-  Built from :mod:`jax_tpusync.ops` with the same attention math; nothing is in flight while
+  Built from :mod:`jax_tpusync.runtime.ops` with the same attention math; nothing is in flight while
   the step computes.
 * ``prefetch``: :func:`jax_tpusync.prefetching_attention`: layer-ahead and cross-step
   prefetch. On the CPU backend a host tier's units are attended to where the pool holds
@@ -34,7 +34,7 @@ that adds compute without adding KV). It runs as
   KV in the state's staging, which must fit ``--staging-bytes``; skipped with a note
   otherwise): write-back only, no fetch. What a small experiment gets from the library.
 * ``two_level`` (host tier): ``prefetch`` on a two-level cache (``spill_path``, see
-  :mod:`jax_tpusync.spill`) holding every block in DRAM: each unit is fetched from both
+  :mod:`jax_tpusync.core.spill`) holding every block in DRAM: each unit is fetched from both
   tiers, the file tier's fetch with nothing to move. ``two_level_over_prefetch`` is the
   cost of that second fetch per unit (skipped with a note on the file tier).
 * ``quantized`` (with ``--tier-dtype int8|float8_e4m3fn``): ``prefetch`` over a cache of
@@ -98,10 +98,10 @@ prints the developer's output instead: every variant's row, ratios, counters, th
 and the full table. Progress (builds, rounds, finished contexts) goes to stderr.
 
 ``--xla-cpu-schedule memory`` (the default) runs every variant and baseline under XLA's
-memory-minimizing CPU schedule (:func:`jax_tpusync.xla_cpu.use_memory_scheduler`; an
+memory-minimizing CPU schedule (:func:`jax_tpusync.runtime.xla_cpu.use_memory_scheduler`; an
 ``XLA_FLAGS`` that already names the flag wins); ``concurrency`` keeps XLA's default, under
 which a one-program step of many 16-bit layers pays for every layer's weight conversion up
-front (see :mod:`jax_tpusync.xla_cpu`).
+front (see :mod:`jax_tpusync.runtime.xla_cpu`).
 """
 
 from __future__ import annotations
@@ -117,7 +117,6 @@ from typing import Any
 
 import numpy as np
 
-from jax_tpusync import xla_cpu
 from jax_tpusync.bench import (
     baselines,
     common,
@@ -127,6 +126,7 @@ from jax_tpusync.bench import (
     tiny_decoder,
 )
 from jax_tpusync.bench.tiny_decoder import DTYPES
+from jax_tpusync.runtime import xla_cpu
 
 # --variants names, in rotation order (each a registered builder in decode_variants).
 VARIANTS = decode_variants.VARIANTS
@@ -304,7 +304,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--xla-cpu-schedule",
         choices=("memory", "concurrency"),
         default="memory",
-        help="XLA CPU instruction schedule for every variant (default memory; see jax_tpusync.xla_cpu)",
+        help="XLA CPU instruction schedule for every variant (default memory; see jax_tpusync.runtime.xla_cpu)",
     )
     baselines.add_arguments(p)
     common.add_json_argument(p)
@@ -384,7 +384,7 @@ def _print_user_summary(rows: list[dict[str, Any]], args: argparse.Namespace) ->
 
 def _run_context(args: argparse.Namespace, worker_cpus: tuple[int, ...]) -> dict[str, Any]:
     """Builds the variants at one context, times them side by side, returns one row."""
-    from jax_tpusync.cache import auto_prefetch_depth
+    from jax_tpusync.caches.offloaded.cache import auto_prefetch_depth
 
     if args.steps < 5:
         raise SystemExit("--steps must be >= 5")

@@ -33,7 +33,7 @@ def row(
     rounds: int,
 ) -> dict[str, Any]:
     """One context's row, from what the rotation measured."""
-    from jax_tpusync.engine import huge_page_fraction
+    from jax_tpusync.runtime.engine import huge_page_fraction
 
     args, shape, spec = b.args, b.shape, b.spec
     pf_engine = b.pf_cache.engine
@@ -200,7 +200,7 @@ def row(
 
 def timeline_outputs(res: dict[str, Any], b: Bench, timeline) -> None:
     """The prefetch steps' timeline: its summary in ``res``, and ``--trace`` / ``--plot``."""
-    from jax_tpusync import timeline as tl
+    from jax_tpusync.runtime import timeline as tl
 
     args, shape, spec = b.args, b.shape, b.spec
     t_pf, t_xfer = res["t_prefetch_ms"], res["t_transfer_ms"]

@@ -28,7 +28,7 @@ def unit_table(cache, context: int, slots: int) -> np.ndarray:
     tier blocks). The benchmark admits every slot at init(), so each slot's blocks are
     consecutive: one segment per (K|V, slot) and unit.
     """
-    from jax_tpusync import ops
+    from jax_tpusync.runtime import ops
 
     spec = cache.spec
     c = spec.chunk_len
@@ -54,7 +54,7 @@ def unit_table(cache, context: int, slots: int) -> np.ndarray:
 def absolute_regions(cache):
     """The cache's (layer, K|V) regions in absolute tier bytes, for host-built segments
     that span blocks (the sync and transfer rows)."""
-    from jax_tpusync import ops
+    from jax_tpusync.runtime import ops
 
     spec = cache.spec
     return ops.Regions(

@@ -252,7 +252,7 @@ def as_words(kv: np.ndarray) -> np.ndarray:
 def marker(engine_id: int):
     import jax.numpy as jnp
 
-    from jax_tpusync import ops
+    from jax_tpusync.runtime import ops
 
     def mark(begin: bool, x, layer: int):
         kind = ops.MARK_COMPUTE_BEGIN if begin else ops.MARK_COMPUTE_END
@@ -338,7 +338,7 @@ def _transfer(b: Bench) -> Step:
     import jax
     import jax.numpy as jnp
 
-    from jax_tpusync import ops
+    from jax_tpusync.runtime import ops
 
     aux, _ = b.cache_of("transfer")
     eid, tier, regions = aux.engine.id, aux.tier, absolute_regions(aux)
@@ -398,7 +398,7 @@ def _transfer(b: Bench) -> Step:
 def _sync(b: Bench) -> Step:
     import jax.numpy as jnp
 
-    from jax_tpusync import ops
+    from jax_tpusync.runtime import ops
 
     aux, _ = b.cache_of("sync")
     eid, tier, regions = aux.engine.id, aux.tier, absolute_regions(aux)

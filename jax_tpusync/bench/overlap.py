@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from jax_tpusync.bench import common, verdict
-from jax_tpusync.engine import Engine, page_offset
+from jax_tpusync.runtime.engine import Engine, page_offset
 
 TIER_BLOCK_BYTES = 64 * common.KiB
 # Calibration aims t_compute / t_transfer into this band (the brief allows 0.7-1.5).
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import jax.numpy as jnp
     from jax import lax
 
-    from jax_tpusync import ops
+    from jax_tpusync.runtime import ops
 
     nbytes = args.bytes
     engine = Engine(common.engine_config(args, worker_cpus))

@@ -4,7 +4,7 @@ For each shape (tokens x layers x KV heads x head size, bfloat16), a prefill pro
 (started with ``spawn``) holds the sequence's KV in a host-tier cache; this process, the
 decode side, receives it into a slot of its own cache three ways, side by side:
 
-* ``pd``: :class:`jax_tpusync.pd_transfer.KVReceiver` / ``KVSender``: one-sided writes
+* ``pd``: :class:`jax_tpusync.pd.transfer.KVReceiver` / ``KVSender``: one-sided writes
   from the prefill pool into the decode pool over a Mooncake TransferEngine (TCP), with
   the control round trip (request, completion message) included;
 * ``pd-pool``: the same transfer into a :class:`~jax_tpusync.HostPoolKVCache` (the TPU
@@ -178,8 +178,8 @@ def prefill_process(commands: Any, replies: Any, args: dict) -> None:
     os.chdir("/")
     if args["netns"]:
         common.join_netns(args["netns"])
-    from jax_tpusync.pd_pools import pool_runs
-    from jax_tpusync.pd_transfer import KVSender, recv_message
+    from jax_tpusync.pd.pools import pool_runs
+    from jax_tpusync.pd.transfer import KVSender, recv_message
 
     host = args["host"]
 
@@ -233,7 +233,7 @@ def prefill_process(commands: Any, replies: Any, args: dict) -> None:
 def run(args: argparse.Namespace) -> list[dict]:
     import multiprocessing
 
-    from jax_tpusync.pd_transfer import KVReceiver, send_message
+    from jax_tpusync.pd.transfer import KVReceiver, send_message
 
     common.require_netns("--prefill-netns", args.prefill_netns)
     ctx = multiprocessing.get_context("spawn")

@@ -37,7 +37,7 @@ small decoder (:mod:`jax_tpusync.bench.tiny_decoder`) prefills each request in c
 Both tiers are persistent here (a shm-backed host tier, a named tier file), so that the
 restart can re-attach them.
 
-``--tiers spill``: the two-level store (:mod:`jax_tpusync.spill`): a DRAM tier of one
+``--tiers spill``: the two-level store (:mod:`jax_tpusync.core.spill`): a DRAM tier of one
 sequence's blocks (plus one) in front of a file tier. After the full prefill a sequence
 that needs every DRAM block comes and goes, so the cached prefix is demoted to the file
 tier (all but its first block, the most recently used) and the cached requests and the
@@ -50,7 +50,7 @@ does not persist).
 
 ``--remote mooncake`` (or ``--remote-master HOST:PORT``, a running master): a remote row.
 The first host or file tier's cache is opened with ``remote_prefix=`` a Mooncake Store
-(:mod:`jax_tpusync.mooncake_level`), so that its ``release(tokens=...)`` of request 0
+(:mod:`jax_tpusync.mooncake.level`), so that its ``release(tokens=...)`` of request 0
 publishes the prompt's full blocks there; after its private prefill, a second cache of the
 same configuration, its local index empty and its client giving the pool no memory, admits
 the last request: its prefix is found only in the remote level, so ``ttft_remote`` is the
@@ -377,7 +377,8 @@ def _one_tier(
 
 
 def _remove_shm(name: str) -> None:
-    from jax_tpusync import Engine, persistence
+    from jax_tpusync import Engine
+    from jax_tpusync.persist import commit as persistence
 
     try:
         Engine.unlink_shm(name)

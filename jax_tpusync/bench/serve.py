@@ -142,7 +142,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def start_jax(args) -> tuple[int, ...]:
     """CPU split and XLA's CPU schedule, before JAX starts; returns the engine's CPUs."""
-    from jax_tpusync import xla_cpu
+    from jax_tpusync.runtime import xla_cpu
 
     worker_cpus = common.apply_cpu_arguments(args)
     try:

@@ -177,13 +177,13 @@ def check_split(shape, dp: int, tp: int) -> None:
 
 
 def chip_layout(devices: list, dp: int, tp: int):
-    """The :class:`~jax_tpusync.mesh_layout.MeshLayout` of ``dp`` x ``tp`` of ``devices``:
+    """The :class:`~jax_tpusync.core.mesh_layout.MeshLayout` of ``dp`` x ``tp`` of ``devices``:
     mesh axis ``batch`` splits the slots, ``heads`` the KV heads (an axis of one chip left
     out); None for one chip."""
     import numpy as np
     from jax.sharding import Mesh
 
-    from jax_tpusync.mesh_layout import checked_layout
+    from jax_tpusync.core.mesh_layout import checked_layout
 
     if dp * tp == 1:
         return None
@@ -235,7 +235,7 @@ def abstract_params(shape, sharding, layout=None) -> list[dict]:
 def abstract_pool_state(config, devices: list, layout=None):
     """(state, replicated sharding): a host-pool cache's :class:`PoolState` of
     ``config`` as shapes, for the first of ``devices`` or over ``layout``'s mesh (a
-    :class:`~jax_tpusync.mesh_layout.MeshLayout`: a leading axis of ``dp * tp`` shards,
+    :class:`~jax_tpusync.core.mesh_layout.MeshLayout`: a leading axis of ``dp * tp`` shards,
     each device's pool in its host memory; ``config`` one batch shard's, its ``batch`` the
     slots of one), and where the step's other inputs go."""
     import jax
@@ -243,8 +243,8 @@ def abstract_pool_state(config, devices: list, layout=None):
     from jax.sharding import NamedSharding, SingleDeviceSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_tpusync.host_pool import PoolLayout, PoolState
-    from jax_tpusync.pool_assembly import pool_spec
+    from jax_tpusync.caches.pool.assembly import pool_spec
+    from jax_tpusync.core.pool_state import PoolLayout, PoolState
 
     if layout is not None:
         spec = pool_spec(config, layout, devices[0].device_kind)
@@ -319,7 +319,7 @@ def compile_ours(
 
     import jax_tpusync as tps
     from jax_tpusync.bench import tiny_decoder
-    from jax_tpusync.config import CacheConfig
+    from jax_tpusync.core.config import CacheConfig
 
     check_split(shape, dp, tp)
     config = CacheConfig.from_kwargs(
@@ -378,7 +378,7 @@ class pallas_for_tpu:
 
     def __enter__(self):
         if self.active:
-            from jax_tpusync import backend
+            from jax_tpusync.runtime import backend
 
             self.saved = backend.pallas_options
             backend.pallas_options = lambda block_kv, interpret: dict(
@@ -387,7 +387,7 @@ class pallas_for_tpu:
 
     def __exit__(self, *exc):
         if self.active:
-            from jax_tpusync import backend
+            from jax_tpusync.runtime import backend
 
             backend.pallas_options = self.saved
 
@@ -531,7 +531,7 @@ def schedule_overlap(hlo_text: str, fetch_scope: str, attend_scope: str) -> dict
 def measure(kind: str, topology: str, shape, options: dict) -> dict:
     """Compiles one program (``ours``, ``plain`` or ``resident``) in this process; returns
     what :func:`run` reports of it."""
-    from jax_tpusync.host_pool import PoolLayout
+    from jax_tpusync.core.pool_state import PoolLayout
     from jax_tpusync.step.host_pool import ATTEND_SCOPE, FETCH_SCOPE
 
     devices = tpu_devices(topology)

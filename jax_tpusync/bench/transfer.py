@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from jax_tpusync.bench import common, verdict
-from jax_tpusync.engine import Engine
+from jax_tpusync.runtime.engine import Engine
 
 # Tier layout unit; requests are byte-addressed, so it only has to divide the tier size.
 TIER_BLOCK_BYTES = 64 * common.KiB

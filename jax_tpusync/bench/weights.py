@@ -11,8 +11,8 @@ simulated CPU devices (rows) is moved, in one process with 8 devices, to
 
 (``--cases`` picks them) each way side by side:
 
-* ``weights``: :class:`~jax_tpusync.weight_sync.WeightPublisher` ``publish`` then
-  :class:`~jax_tpusync.weight_sync.WeightPuller` ``pull`` through a store in ``--dir``
+* ``weights``: :class:`~jax_tpusync.weights.sync.WeightPublisher` ``publish`` then
+  :class:`~jax_tpusync.weights.sync.WeightPuller` ``pull`` through a store in ``--dir``
   (``/dev/shm``); ``publish blocked`` is what the training step waits for;
 * ``weights-nocopy``: the same with ``WeightPublisher(copy=False)`` (no snapshot copy:
   for a caller that does not donate or delete the params until the write ends);
@@ -299,7 +299,7 @@ def _ready(tree: Any) -> Any:
 def method_weights(
     ctx: dict, case: str, source: Any, targets: Any, *, copy: bool = True, mooncake: bool = False
 ) -> Iterator:
-    from jax_tpusync.weight_sync import WeightPublisher, WeightPuller
+    from jax_tpusync.weights.sync import WeightPublisher, WeightPuller
 
     store = tempfile.mkdtemp(prefix="bench-weights-", dir=ctx["dir"])
     if mooncake:  # Each run a namespace of its own; the puller gives the pool no memory.

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tpusync import backend
-from jax_tpusync.host_pool import PoolState
-from jax_tpusync.state import CacheSpec, KVState, dtype_error, exact_cast_allowed
+from jax_tpusync.core.pool_state import PoolState
+from jax_tpusync.core.state import CacheSpec, KVState, dtype_error, exact_cast_allowed
+from jax_tpusync.runtime import backend
 from jax_tpusync.step import host_pool, plan, resident, streamed
 
 IMPLEMENTATIONS = ("xla", "pallas")

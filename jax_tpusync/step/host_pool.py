@@ -2,7 +2,7 @@
 device ``prefetch_depth`` units ahead of its attention, with plain JAX memory kinds (the
 TPU data path).
 
-The pool is a ``pinned_host`` array the state carries (:mod:`jax_tpusync.host_pool`). One
+The pool is a ``pinned_host`` array the state carries (:mod:`jax_tpusync.core.pool_state`). One
 layer of a step:
 
 1. the new rows go into the pool: each slot's aligned write group at its length (the
@@ -37,13 +37,13 @@ is why ``prefetch_depth="auto"`` is 1 on this path.
 
 A cache that keeps only its sliding window (``max_step_tokens``) needs nothing here: the
 block table a state carries repeats each slot's ring of blocks
-(:func:`jax_tpusync.window_ring.tiled_table`), so position ``p`` finds ring entry ``(p //
+(:func:`jax_tpusync.core.window_ring.tiled_table`), so position ``p`` finds ring entry ``(p //
 block_tokens) % ring_blocks`` through the table as any cache's, and the ring is sized so
 that a step's new rows never land on rows this step's layers still read
-(:func:`jax_tpusync.window_ring.ring_blocks`; a step of more rows is refused at trace
+(:func:`jax_tpusync.core.window_ring.ring_blocks`; a step of more rows is refused at trace
 time, :func:`jax_tpusync.step.device.pool_attention`).
 
-Writes are whole aligned groups (:attr:`~jax_tpusync.host_pool.PoolLayout.write_rows`
+Writes are whole aligned groups (:attr:`~jax_tpusync.core.pool_state.PoolLayout.write_rows`
 rows): the compiler slices host memory in 32-bit sublanes. A write past a slot's capacity
 goes to the pool's sink block instead, and the slot's step is refused (its length does not
 grow; ``state.refused`` counts the tokens, and the cache refuses the state afterwards). A
@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_tpusync.host_pool import (
+from jax_tpusync.core.pool_state import (
     NOT_STAGED,
     PoolLayout,
     PoolState,
@@ -70,7 +70,6 @@ from jax_tpusync.host_pool import (
 from jax_tpusync.kernels import reference as kernel_reference
 from jax_tpusync.step import plan
 from jax_tpusync.step.unit import attend_valid_rows, block_len_for, layer_attend, rows_as_kv
-
 
 # Name scopes of a layer's unit copies and attention: the compiled program's schedule is
 # checked by them (which copy starts before which attention, and ends after it).

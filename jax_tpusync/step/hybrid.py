@@ -1,7 +1,7 @@
 """One layer of a hybrid model's step: the layer's group, then that group's attention.
 
-A :class:`~jax_tpusync.layer_groups.HybridState` holds one state per geometry group (see
-:mod:`jax_tpusync.layer_groups`). A model layer that stores KV runs the ordinary
+A :class:`~jax_tpusync.core.hybrid_state.HybridState` holds one state per geometry group (see
+:mod:`jax_tpusync.core.hybrid_state`). A model layer that stores KV runs the ordinary
 single-device (or mesh) step on its group's state, as that group's layer ``local_of[l]``: so
 each group keeps its own layer-ahead prefetch chain, from one of its layers to its next one
 (several model layers later: more compute to hide the fetch behind). A layer some other
@@ -15,7 +15,7 @@ switched over; in each, a model layer of another group maps to layer -1, which t
 refuses when the step runs ("layer out of range?").
 
 Groups that are host pools (``HybridKVCache(host_pool=True)``, the TPU data path; their
-states :class:`~jax_tpusync.host_pool.PoolState`) run the pool's step
+states :class:`~jax_tpusync.core.pool_state.PoolState`) run the pool's step
 (:mod:`jax_tpusync.step.host_pool`, in ``shard_map`` on a mesh). Each group's unit chain
 runs from one of its layers to its next one, and from its last layer to the next step's
 first, as an engine group's does: the unit stays staged in the group's state through the
@@ -37,9 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_tpusync.host_pool import PoolState
-from jax_tpusync.layer_groups import HybridState, LayerGroups
-from jax_tpusync.state import KVState
+from jax_tpusync.core.hybrid_state import HybridState, LayerGroups
+from jax_tpusync.core.pool_state import PoolState
+from jax_tpusync.core.state import KVState
 from jax_tpusync.step import device, sharded
 
 

@@ -3,7 +3,7 @@ tier): no copy into the step's buffers (CPU backend).
 
 On the CPU backend a host tier's pool and the compiled step share one memory. A fetch from
 the pool can only run inside the op that needs its bytes (an XLA buffer is ours only while
-an op holds it, see :mod:`jax_tpusync.ops`), so there the copy stops the compute it was
+an op holds it, see :mod:`jax_tpusync.runtime.ops`), so there the copy stops the compute it was
 meant to overlap, and the attention then reads every copied byte back. Reading the pool
 in place removes both: one custom call per unit attends to the unit's rows through the
 state's block table, where the engine keeps them (``engine/pool_attention.cc``, f32
@@ -24,7 +24,7 @@ spill file's rows where their fetch landed.
 
 It applies to rows of bfloat16 or float32 values, or a quantized tier's int8 or
 float8_e4m3fn codes with their scales (applied inside the kernel; not float16 values),
-streamed (not resident), on the CPU backend (:func:`jax_tpusync.layout.in_place_blocker`
+streamed (not resident), on the CPU backend (:func:`jax_tpusync.core.layout.in_place_blocker`
 says why not elsewhere); anywhere else units go through staging. Such a cache's state
 holds no staging at all, so it takes the plain-XLA attention only (the Pallas kernels read
 units from staging). The step only follows ``spec.reads_in_place`` and
@@ -38,8 +38,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_tpusync import ops
-from jax_tpusync.state import CacheSpec, KVState
+from jax_tpusync.core.state import CacheSpec, KVState
+from jax_tpusync.runtime import ops
 from jax_tpusync.step import plan
 
 

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tpusync import blocks
-from jax_tpusync.state import INT32_MAX, NO_WINDOW, CacheSpec, KVState
+from jax_tpusync.core import blocks
+from jax_tpusync.core.state import INT32_MAX, NO_WINDOW, CacheSpec, KVState
 
 
 def window_of(spec: CacheSpec, layer) -> jax.Array:
@@ -92,7 +92,7 @@ def fetch_segments(
 
 def fetch_levels(spec: CacheSpec, state: KVState) -> list[tuple[jax.Array, jax.Array, Any]]:
     """(tier, first block, regions) of every tier a unit is fetched from: the cache's, and
-    a two-level cache's spill tier (see :mod:`jax_tpusync.spill`)."""
+    a two-level cache's spill tier (see :mod:`jax_tpusync.core.spill`)."""
     levels = [(state.target[1], state.target[2], spec.regions)]
     if spec.spill_blocks:
         levels.append((state.target[4], state.target[5], spec.spill_regions))

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_tpusync.core.state import CacheSpec, KVState
 from jax_tpusync.kernels import reference as kernel_reference
-from jax_tpusync.state import CacheSpec, KVState
 from jax_tpusync.step import plan
 from jax_tpusync.step.unit import (
     as_bits,

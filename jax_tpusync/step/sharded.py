@@ -5,7 +5,7 @@
 move with it; inputs sharded otherwise are resharded first). Inside the caller's own
 ``shard_map`` over the cache's axes it runs the device's shard directly. The device's shard
 comes from ``lax.axis_index``, and every write-back leads with a guard row
-(:func:`jax_tpusync.ops.shard_guard`) that refuses, before any byte moves, a state that is
+(:func:`jax_tpusync.runtime.ops.shard_guard`) that refuses, before any byte moves, a state that is
 another shard's. :func:`refuse_unsharded_cache` refuses the converse: a cache built without
 a mesh used where several devices would each run its transfers.
 """
@@ -18,10 +18,10 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_tpusync import ops
-from jax_tpusync.host_pool import PoolState
-from jax_tpusync.mesh_layout import MeshLayout
-from jax_tpusync.state import KVState
+from jax_tpusync.core.mesh_layout import MeshLayout
+from jax_tpusync.core.pool_state import PoolState
+from jax_tpusync.core.state import KVState
+from jax_tpusync.runtime import ops
 from jax_tpusync.step import device, plan
 
 
@@ -93,8 +93,8 @@ def sharded_attention(
 ) -> tuple[jax.Array, KVState | PoolState]:
     """:func:`~jax_tpusync.prefetching_attention` of a mesh cache's global state (or, inside
     the caller's ``shard_map`` over the cache's axes, of the device's share): a
-    :class:`~jax_tpusync.state.KVState`, or a host-pool cache's
-    :class:`~jax_tpusync.host_pool.PoolState` (each shard's pool in its device's host
+    :class:`~jax_tpusync.core.state.KVState`, or a host-pool cache's
+    :class:`~jax_tpusync.core.pool_state.PoolState` (each shard's pool in its device's host
     memory, its step :func:`~jax_tpusync.step.device.pool_attention`).
     ``query_seq_lengths`` is split over the batch axis as ``q`` is (``P(batch_axis)``), so
     each shard takes its own slots' counts. With ``step_lengths`` ([shards, batch] like the

@@ -29,9 +29,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_tpusync import ops, quantize
+from jax_tpusync.core import quantize
+from jax_tpusync.core.state import CacheSpec, KVState
 from jax_tpusync.kernels import reference as kernel_reference
-from jax_tpusync.state import CacheSpec, KVState
+from jax_tpusync.runtime import ops
 from jax_tpusync.step import in_place, plan
 from jax_tpusync.step.unit import (
     attend_valid_rows,

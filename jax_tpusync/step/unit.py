@@ -3,7 +3,7 @@ the step merges (online softmax).
 
 The rows come from a staging slot (:func:`staged_unit_rows`), a resident copy, or anywhere
 a caller gathers them; :func:`attend_valid_rows` walks a unit's rows in blocks where that
-pays (:func:`block_len_for`: on the CPU backend, see :mod:`jax_tpusync.backend`), and
+pays (:func:`block_len_for`: on the CPU backend, see :mod:`jax_tpusync.runtime.backend`), and
 :func:`attend` runs the plain-XLA reference or the Pallas kernel with the layer's window.
 """
 
@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_tpusync import quantize
-from jax_tpusync.backend import attends_in_blocks
+from jax_tpusync.core import quantize
+from jax_tpusync.core.state import CacheSpec
 from jax_tpusync.kernels import reference as kernel_reference
-from jax_tpusync.state import CacheSpec
+from jax_tpusync.runtime.backend import attends_in_blocks
 
 
 def staged_rows(

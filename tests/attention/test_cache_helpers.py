@@ -12,10 +12,10 @@ import json
 import numpy as np
 import pytest
 
-from jax_tpusync import hybrid_record
-from jax_tpusync.host_io import LoadedExtent
-from jax_tpusync.layer_groups import plan_groups
-from jax_tpusync.manifest import MANIFEST_SUFFIX
+from jax_tpusync.caches.hybrid import record as hybrid_record
+from jax_tpusync.core.host_io import LoadedExtent
+from jax_tpusync.core.hybrid_state import plan_groups
+from jax_tpusync.persist.manifest import MANIFEST_SUFFIX
 
 
 def test_lengths_grow_to_the_rows_every_layer_holds_and_never_shrink():

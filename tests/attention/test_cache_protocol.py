@@ -1,4 +1,4 @@
-"""Every cache keeps one protocol (jax_tpusync.cache_protocol.KVCache): the same calls, the
+"""Every cache keeps one protocol (jax_tpusync.caches.protocol.KVCache): the same calls, the
 same parameter names, the same meaning of a refusal, of admit's result and of lengths()."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import cache_protocol
-from jax_tpusync.cache_protocol import KVCache
+from jax_tpusync.caches import protocol as cache_protocol
+from jax_tpusync.caches.protocol import KVCache
 
 CLASSES = (
     tps.OffloadedKVCache,

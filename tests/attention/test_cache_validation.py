@@ -13,12 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax_tpusync.kernels import reference as kref
 
 import jax_tpusync as tps
+from jax_tpusync.caches.offloaded.cache import MAX_PREFETCH_DEPTH
+from jax_tpusync.core.state import NO_WINDOW
 from jax_tpusync.step import plan
-from jax_tpusync.cache import MAX_PREFETCH_DEPTH
-from jax_tpusync.state import NO_WINDOW
-from jax_tpusync.kernels import reference as kref
 
 XlaError = getattr(jax.errors, "JaxRuntimeError", RuntimeError)
 INT32_MAX = 2**31 - 1

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import backend
+from jax_tpusync.runtime import backend
 
 pytestmark = pytest.mark.skipif(
     backend.in_place_blocker() is not None, reason="a file tier is read in place on CPU only"

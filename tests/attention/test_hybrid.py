@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import persistence, quantize, serving
+from jax_tpusync import serving
+from jax_tpusync.core import quantize
+from jax_tpusync.persist import commit as persistence
 
 BATCH, MAX_LEN, STEP, BLOCK, D_MODEL, Q_HEADS = 2, 128, 4, 4, 32, 4
 
@@ -708,7 +710,7 @@ def test_a_crash_between_group_commits_brings_every_group_to_the_common_commit(
         assert len(seen) == 2
         monkeypatch.setattr(persistence, "fault_hook", None)
         assert [int(g.committed_lengths[0]) for g in cache.groups] == [12, 8]
-    with caplog.at_level(logging.WARNING, logger="jax_tpusync.hybrid"):
+    with caplog.at_level(logging.WARNING, logger="jax_tpusync.caches.hybrid.cache"):
         cache = make_cache(GEMMA4, **opts)
     assert "left at another commit" in caplog.text
     with cache:

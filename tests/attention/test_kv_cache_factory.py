@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import cache_factory, layout
-from jax_tpusync.config import CacheConfig, to_kwargs
+from jax_tpusync import factory as cache_factory
+from jax_tpusync.core import layout
+from jax_tpusync.core.config import CacheConfig, to_kwargs
 
 MiB = 1 << 20
 SMALL = dict(num_layers=6, batch=2, max_len=64, num_kv_heads=2, head_dim=4, block_tokens=8,
@@ -177,7 +178,7 @@ def test_on_tpu_a_supported_config_gets_the_host_pool(on_tpu):
 
 
 def test_on_tpu_the_engine_caches_are_refused_at_construction(monkeypatch):
-    from jax_tpusync import backend
+    from jax_tpusync.runtime import backend
 
     monkeypatch.setattr(backend, "name", lambda: "tpu")
     with pytest.raises(ValueError, match=r"the tpu backend does not run this cache's in-graph"):

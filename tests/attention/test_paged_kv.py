@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax_tpusync.kernels import reference as kref
 
 import jax_tpusync as tps
-from jax_tpusync import blocks
-from jax_tpusync.kernels import reference as kref
+from jax_tpusync.core import blocks
 
 KV_HEADS, Q_HEADS, HEAD_DIM = 2, 4, 8
 
@@ -301,7 +301,7 @@ def test_load_never_changes_another_slots_length():
 def test_a_row_past_its_block_is_refused_by_the_engine():
     """The engine checks each row against the block it names: a row from the last row of a
     block that reaches one row into the next block is refused, and the exact fit passes."""
-    from jax_tpusync import ops
+    from jax_tpusync.runtime import ops
 
     with _cache(batch=1, num_blocks=8) as cache:
         spec = cache.spec

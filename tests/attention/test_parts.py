@@ -1,4 +1,4 @@
-"""A cache made of parts (jax_tpusync.parts): all or none, one prefix, one rule for the
+"""A cache made of parts (jax_tpusync.caches.parts): all or none, one prefix, one rule for the
 head shards of a mesh slot and the layer groups of a hybrid model."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import parts
+from jax_tpusync.caches import parts
 
 ARGS = dict(num_layers=2, batch=2, max_len=32, block_tokens=8, dtype=jnp.float32)
 

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax_tpusync.kernels import reference as kref
 
 import jax_tpusync as tps
-from jax_tpusync.kernels import reference as kref
 
 # Small shapes: 3 layers (one sliding), ragged batch of 2, GQA 2:1.
 LAYERS, BATCH, MAX_LEN, KV_HEADS, Q_HEADS, HEAD_DIM = 3, 2, 64, 2, 4, 16
@@ -814,7 +814,7 @@ def test_resident_attention_rejects_concrete_lengths_past_the_cache():
 
 
 def test_page_offset_reads_the_buffer_address():
-    from jax_tpusync.engine import page_offset
+    from jax_tpusync.runtime.engine import page_offset
 
     x = jnp.zeros((1000,), jnp.float32)
     assert page_offset(x) == x.unsafe_buffer_pointer() % 4096
@@ -826,7 +826,7 @@ def test_staging_out_of_phase_with_the_file_tier_is_logged(
     file_dir, monkeypatch, caplog, shift, logged
 ):
     """A staging buffer whose page offset differs from the tier's data says it will bounce."""
-    from jax_tpusync import levels
+    from jax_tpusync.core import levels
 
     with tps.OffloadedKVCache(
         num_layers=1,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import blocks, prefix
+from jax_tpusync.core import blocks, prefix
 
 KV_HEADS, Q_HEADS, HEAD_DIM, BT = 2, 4, 8, 4
 

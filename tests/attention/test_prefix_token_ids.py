@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_tpusync import prefix
+from jax_tpusync.core import prefix
 
 LARGEST = 2**63 - 1  # The largest id an int64 key holds.
 RANGE = r"is not in \[0, 2\*\*63 - 1 = 9223372036854775807\]"

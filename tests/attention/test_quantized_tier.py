@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import persistence, quantize
+from jax_tpusync.core import quantize
+from jax_tpusync.persist import commit as persistence
 
 LAYERS, BATCH, KV_HEADS, Q_HEADS, HEAD_DIM, MAX_LEN = 2, 2, 2, 4, 16, 96
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import quantize
+from jax_tpusync.core import quantize
 
 LAYERS, BATCH, MAX_LEN, KV_HEADS, Q_HEADS, HEAD_DIM, Q_LEN = 2, 4, 32, 2, 4, 8, 8
 SCALE = 1 / np.sqrt(HEAD_DIM)

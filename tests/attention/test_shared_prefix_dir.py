@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-
 import subprocess
 import sys
 import textwrap
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import shared_blocks
+from jax_tpusync.core import shared_blocks
 
 LAYERS, HEADS, DIM, BLOCK = 2, 2, 16, 8
 TOKENS = np.arange(100, 164)  # 64 token ids: 8 blocks.
@@ -126,7 +125,7 @@ def test_a_flipped_last_payload_byte_is_a_miss_and_a_warning_naming_the_file(tmp
     data[-1] ^= 1  # The edge: the payload's last byte.
     path.write_bytes(bytes(data))
     with make_cache(tmp_path) as cache:
-        with caplog.at_level(logging.WARNING, logger="jax_tpusync.levels"):
+        with caplog.at_level(logging.WARNING, logger="jax_tpusync.core.levels"):
             state, cached = cache.admit(cache.init(admit=False), 0, tokens=TOKENS[:9], max_tokens=64)
         assert cached == 0
         assert f"shared block {path}: checksum mismatch" in caplog.text
@@ -144,7 +143,7 @@ def test_a_truncated_file_and_a_foreign_header_are_misses(tmp_path, caplog):
         path.write_bytes(damaged)
         caplog.clear()
         with make_cache(tmp_path) as cache:
-            with caplog.at_level(logging.WARNING, logger="jax_tpusync.levels"):
+            with caplog.at_level(logging.WARNING, logger="jax_tpusync.core.levels"):
                 _, cached = cache.admit(cache.init(admit=False), 0, tokens=TOKENS[:9], max_tokens=64)
             assert cached == 0
             assert message in caplog.text and str(path) in caplog.text

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import backend
+from jax_tpusync.runtime import backend
 
 H, QH, D, BT, NB = 2, 4, 8, 4, 8  # KV heads, query heads, head size, block tokens, DRAM blocks
 LAYERS = 2

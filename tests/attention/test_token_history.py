@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import persistence
+from jax_tpusync.persist import commit as persistence
 
 LAYERS, BATCH, MAX_LEN, HEADS, DIM, BLOCK = 2, 2, 32, 2, 4, 4
 PROMPT = list(range(100, 110))

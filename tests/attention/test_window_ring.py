@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import window_ring
+from jax_tpusync.core import window_ring
 
 LAYERS, BATCH, KV_HEADS, Q_HEADS, HEAD_DIM = 2, 3, 2, 4, 8
 WINDOW, BLOCK, STEP = 6, 4, 4  # Ring: (6 + 4 - 3) // 4 + 2 = 3 blocks = 12 tokens.

@@ -16,10 +16,10 @@ matplotlib.use("Agg")
 
 import pytest  # noqa: E402
 
-from jax_tpusync import timeline as tl  # noqa: E402
 from jax_tpusync.bench import __main__ as bench_main  # noqa: E402
 from jax_tpusync.bench import common, decode, decode_report  # noqa: E402
-from jax_tpusync.engine import Timeline  # noqa: E402
+from jax_tpusync.runtime import timeline as tl  # noqa: E402
+from jax_tpusync.runtime.engine import Timeline  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "long_context_decode.py"

@@ -1,4 +1,4 @@
-"""jax_tpusync.xla_cpu: the memory-minimizing CPU schedule is set before JAX starts, kept
+"""jax_tpusync.runtime.xla_cpu: the memory-minimizing CPU schedule is set before JAX starts, kept
 when the user chose, refused once the backends run, and changes what XLA's schedule does."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import textwrap
 import jax
 import pytest
 
-from jax_tpusync import xla_cpu
+from jax_tpusync.runtime import xla_cpu
 
 # Compiles a 4-layer bf16 decoder's projections as one program in a fresh process and
 # prints, in schedule order, the positions of the last layer's weight conversions and of
 # the first layer's first dot.
 _PROBE = r"""
 import json, sys
-from jax_tpusync import xla_cpu
+from jax_tpusync.runtime import xla_cpu
 if sys.argv[1] == "memory":
     assert xla_cpu.use_memory_scheduler() == "set"
 import jax, jax.numpy as jnp

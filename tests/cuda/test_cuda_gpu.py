@@ -9,14 +9,13 @@ import subprocess
 import sys
 import textwrap
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax
-import jax.numpy as jnp
-
-from jax_tpusync import _cuda, ops
-from jax_tpusync.engine import Engine
+from jax_tpusync.runtime import _cuda, ops
+from jax_tpusync.runtime.engine import Engine
 
 BLOCK = 1 << 16
 NUM_BLOCKS = 64
@@ -192,8 +191,9 @@ def test_region_violation_is_reported_and_sticky(tmp_path):
     # In a subprocess: a failure is sticky for the device, by design.
     script = textwrap.dedent("""
     import numpy as np, jax, jax.numpy as jnp
-    from jax_tpusync import _cuda, ops
-    from jax_tpusync.engine import Engine
+    from jax_tpusync.runtime import _cuda
+    from jax_tpusync.runtime import ops
+    from jax_tpusync.runtime.engine import Engine
     assert _cuda.register()
     B = 1 << 16
     with Engine() as e:
@@ -231,8 +231,9 @@ def test_superseded_state_is_refused_and_sticky(tmp_path):
     # In a subprocess: a refused owner is sticky for the device, like any agent failure.
     script = textwrap.dedent("""
     import numpy as np, jax, jax.numpy as jnp
-    from jax_tpusync import _cuda, ops
-    from jax_tpusync.engine import Engine
+    from jax_tpusync.runtime import _cuda
+    from jax_tpusync.runtime import ops
+    from jax_tpusync.runtime.engine import Engine
     assert _cuda.register()
     B = 1 << 16
     with Engine() as e:

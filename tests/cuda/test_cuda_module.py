@@ -8,7 +8,8 @@ import types
 
 import pytest
 
-from jax_tpusync import _cuda, _tpusync
+from jax_tpusync import _tpusync
+from jax_tpusync.runtime import _cuda
 
 _TARGETS = {
     "tpusync_start",

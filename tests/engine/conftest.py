@@ -10,7 +10,7 @@ import uuid
 import numpy as np
 import pytest
 
-from jax_tpusync.engine import Engine
+from jax_tpusync.runtime.engine import Engine
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from jax_tpusync.deadline_worker import DeadlinePassed, DeadlineWorker
+from jax_tpusync.runtime.deadline_worker import DeadlinePassed, DeadlineWorker
 
 
 def test_values_and_errors_come_back():

@@ -8,9 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from jax_tpusync import TpusyncError
-from jax_tpusync import _tpusync
-from jax_tpusync.engine import Engine, EngineConfig
+from jax_tpusync import TpusyncError, _tpusync
+from jax_tpusync.runtime.engine import Engine, EngineConfig
 
 # ---------------------------------------------------------------- configuration
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from jax_tpusync.engine import huge_page_fraction
+from jax_tpusync.runtime.engine import huge_page_fraction
 
 MiB = 1 << 20
 HUGE = 2 * MiB

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jax_tpusync import TpusyncError
-from jax_tpusync.engine import Engine
+from jax_tpusync.runtime.engine import Engine
 
 HANG_GUARD_S = 20.0
 

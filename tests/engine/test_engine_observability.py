@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from jax_tpusync.engine import monotonic_ns
+from jax_tpusync.runtime.engine import monotonic_ns
 
 MiB = 1 << 20
 

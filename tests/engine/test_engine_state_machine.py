@@ -22,7 +22,7 @@ from hypothesis.stateful import (
 )
 
 from jax_tpusync import TpusyncError
-from jax_tpusync.engine import Engine
+from jax_tpusync.runtime.engine import Engine
 
 # Deterministic for CI: the same examples on every run, nothing read from or saved to disk.
 CI_SETTINGS = settings(

@@ -11,7 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from jax_tpusync.engine import Engine, TpusyncError
+from jax_tpusync.runtime.engine import Engine, TpusyncError
 
 BLOCK = 4096
 NUM_BLOCKS = 16

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from jax_tpusync import transfer_memory
+from jax_tpusync.mooncake import transfer_memory
 
 
 class FakeEngine:

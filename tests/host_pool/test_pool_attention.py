@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync.host_pool import PoolLayout
+from jax_tpusync.core.pool_state import PoolLayout
 
 HEADS, Q_HEADS, HEAD_DIM = 2, 4, 16
 TOLERANCE = {np.dtype(np.float32): 1e-5, np.dtype(jnp.bfloat16): 2e-2}
@@ -108,7 +108,7 @@ def unit_budget(depth, dtype=np.float32, batch=2, unit_tokens=16):
 )
 @pytest.mark.slow
 def test_steps_equal_resident_attention(dtype, windows, depth):
-    from jax_tpusync.host_pool import NOT_STAGED
+    from jax_tpusync.core.pool_state import NOT_STAGED
     from jax_tpusync.step.host_pool import unit_rows
 
     cache = make_cache(
@@ -357,9 +357,9 @@ def test_guards_name_the_argument_at_their_edges():
 
 
 def test_units_hold_no_more_blocks_than_the_tpu_overlaps_copies():
-    from jax_tpusync.config import CacheConfig
-    from jax_tpusync.host_pool import UNIT_BLOCK_LIMITS, unit_block_limit
-    from jax_tpusync.pool_assembly import pool_spec
+    from jax_tpusync.caches.pool.assembly import pool_spec
+    from jax_tpusync.core.config import CacheConfig
+    from jax_tpusync.core.pool_state import UNIT_BLOCK_LIMITS, unit_block_limit
 
     assert unit_block_limit("TPU v6 lite") == 5 and unit_block_limit("TPU v5 lite") == 30
     assert unit_block_limit("TPU7x") == 30 and unit_block_limit("cpu") == 30
@@ -385,7 +385,7 @@ def test_units_hold_no_more_blocks_than_the_tpu_overlaps_copies():
 
 
 def test_the_host_pool_keeps_the_cache_protocol_and_answers_as_the_others():
-    from jax_tpusync.cache_protocol import KVCache, mismatches
+    from jax_tpusync.caches.protocol import KVCache, mismatches
 
     assert mismatches(tps.HostPoolKVCache) == []
     cache = make_cache(num_layers=2, batch=2, max_len=32, staging_bytes=1 << 20)
@@ -440,7 +440,7 @@ def test_a_whole_batch_load_is_ragged_and_refused_whole():
 
 
 def test_a_config_instead_of_keywords_and_not_beside_them():
-    from jax_tpusync.config import CacheConfig
+    from jax_tpusync.core.config import CacheConfig
 
     config = CacheConfig.from_kwargs(
         num_layers=2, batch=1, max_len=32, num_kv_heads=HEADS, head_dim=HEAD_DIM,
@@ -453,6 +453,6 @@ def test_a_config_instead_of_keywords_and_not_beside_them():
 
 
 def cache_keywords(config):
-    from jax_tpusync.config import to_kwargs
+    from jax_tpusync.core.config import to_kwargs
 
     return to_kwargs(config)

@@ -21,8 +21,9 @@ from jax import lax
 from jax.sharding import Mesh
 
 import jax_tpusync as tps
-from jax_tpusync import cache_factory, persistence
-from jax_tpusync.host_pool import PoolLayout
+from jax_tpusync import factory as cache_factory
+from jax_tpusync.core.pool_state import PoolLayout
+from jax_tpusync.persist import commit as persistence
 from jax_tpusync.step.host_pool import unit_rows
 
 BATCH, MAX_LEN, BLOCK, Q_HEADS, STEP = 2, 64, 4, 4, 4
@@ -408,7 +409,7 @@ def test_a_crash_between_group_commits_reattaches_every_group_at_the_common_comm
         assert [g.committed_lengths.tolist() for g in cache.groups] == [[20, 0], [12, 0]]
         cache.close()  # Without a state: nothing more is committed.
 
-    with caplog.at_level(logging.WARNING, logger="jax_tpusync.hybrid"):
+    with caplog.at_level(logging.WARNING, logger="jax_tpusync.caches.hybrid.cache"):
         cache = pool_cache(shape, **opts)
     assert "layer group 0 was left at another commit (lengths [20, 0])" in caplog.text
     with cache:

@@ -21,7 +21,8 @@ import pytest
 from jax.sharding import Mesh
 
 import jax_tpusync as tps
-from jax_tpusync import persistence, pool_persistence
+from jax_tpusync.caches.pool import persistence as pool_persistence
+from jax_tpusync.persist import commit as persistence
 
 HEADS, Q_HEADS, HEAD_DIM, LAYERS, BATCH, MAX_LEN, BLOCK = 2, 4, 16, 2, 2, 32, 8
 CONTEXT = np.array([11, 5])  # Slot 0 ends inside its second block, slot 1 in its first.
@@ -155,7 +156,7 @@ def test_a_commit_reattaches_byte_exact_and_uncommitted_steps_are_dropped(
     _, state = written.step(state, rng)  # Not committed: dropped on re-attach.
     cache.close()  # Without a state: nothing more is committed.
 
-    with caplog.at_level(logging.WARNING, logger="jax_tpusync.persistence"):
+    with caplog.at_level(logging.WARNING, logger="jax_tpusync.persist.commit"):
         cache = make(where)  # verify=True: every committed chunk checked.
     assert "were not committed and are not used" in caplog.text
     np.testing.assert_array_equal(cache.committed_lengths, committed)
@@ -224,7 +225,7 @@ def test_a_crash_between_commits_reattaches_the_last_commit(tmp_path, caplog):
     written.k, written.v = np.load(out / "k.npy"), np.load(out / "v.npy")
     np.testing.assert_array_equal(written.lengths, CONTEXT + 2)
     where = dict(tier="file", path=data, file_name="kv")
-    with caplog.at_level(logging.WARNING, logger="jax_tpusync.persistence"):
+    with caplog.at_level(logging.WARNING, logger="jax_tpusync.persist.commit"):
         cache = make(where)
     assert "were not committed and are not used" in caplog.text
     state = cache.init()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import cache_factory
+from jax_tpusync import factory as cache_factory
 
 sys.path.insert(0, str(Path(__file__).parent))
 import test_pool_attention as pool_attention

@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import Mesh
 
 import jax_tpusync as tps
-from jax_tpusync.engine import Engine
-from jax_tpusync.pool_spill import check_pool_ids
+from jax_tpusync.caches.pool.spill import check_pool_ids
+from jax_tpusync.runtime.engine import Engine
 
 H, QH, D, BT, NB, LAYERS = 2, 4, 8, 4, 8, 2  # KV heads, query heads, head size, block tokens
 DOC = list(range(200, 212))  # 12 tokens: 3 full blocks.

@@ -17,14 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax_tpusync.kernels import _common
 
 from jax_tpusync import kernels
-from jax_tpusync.kernels import _common
 
 # Per-dtype tolerances for kernel-vs-reference comparisons. bf16 kernels feed
 # the softmax weights to the p @ v matmul in bf16 (as flash attention does on

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_tpusync import kernels, quantize
+from jax_tpusync import kernels
+from jax_tpusync.core import quantize
 
 CODES = ("int8", "float8_e4m3fn")
 

@@ -13,9 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_tpusync as tps
-from jax_tpusync import backend, layout, quantize
-from jax_tpusync.config import CacheConfig
-from jax_tpusync.state import INT32_MAX
+from jax_tpusync.core import layout, quantize
+from jax_tpusync.core.config import CacheConfig
+from jax_tpusync.core.state import INT32_MAX
+from jax_tpusync.runtime import backend
 
 DTYPES = (jnp.bfloat16, jnp.float32, jnp.float16)
 

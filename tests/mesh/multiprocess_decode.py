@@ -18,9 +18,8 @@ import sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
 import mesh_model  # noqa: E402
+import numpy as np  # noqa: E402
 
 import jax_tpusync as tps  # noqa: E402
 

@@ -17,7 +17,7 @@ import pytest
 from mesh_model import BATCH, HEAD_DIM, KV_HEADS, LAYERS, MeshTestModel
 
 import jax_tpusync as tps
-from jax_tpusync import persistence
+from jax_tpusync.persist import commit as persistence
 
 CHILD = textwrap.dedent(
     """
@@ -25,7 +25,7 @@ CHILD = textwrap.dedent(
     sys.path.insert(0, {test_dir!r})
     import jax, numpy as np
     import jax_tpusync as tps
-    from jax_tpusync import persistence
+    from jax_tpusync.persist import commit as persistence
     from mesh_model import MeshTestModel, LAYERS, BATCH
     mesh = jax.make_mesh((1, 2), ("data", "model"))
     cache = tps.kv_cache(**MeshTestModel.cache_args(), mesh=mesh, kv_heads_axis="model",
@@ -71,7 +71,7 @@ def test_a_kill_between_the_shards_commits_reattaches_to_the_common_lengths(tmp_
         file_name="kv",
     )
     # What each shard's manifest holds on its own: shard 0 committed 8 rows, shard 1 only 5.
-    with caplog.at_level(logging.WARNING, logger="jax_tpusync.mesh"):
+    with caplog.at_level(logging.WARNING, logger="jax_tpusync.caches.offloaded.mesh"):
         cache = tps.kv_cache(**args)
     assert "left at different commits" in caplog.text and "shard 0" in caplog.text
     with cache:
@@ -89,7 +89,7 @@ def test_a_kill_between_the_shards_commits_reattaches_to_the_common_lengths(tmp_
         cache.close(state)
     # The reconciled commit is every shard's: a second re-attach finds nothing to mend.
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="jax_tpusync.mesh"):
+    with caplog.at_level(logging.WARNING, logger="jax_tpusync.caches.offloaded.mesh"):
         with tps.kv_cache(**args) as again:
             np.testing.assert_array_equal(again.committed_lengths, [8] * BATCH)
     assert "left at different commits" not in caplog.text

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from mesh_model import CONTEXT, HEAD_DIM, KV_HEADS, LAYERS, Q_HEADS, MeshTestModel
 
 import jax_tpusync as tps
-from jax_tpusync.mesh import ShardedKVCache
+from jax_tpusync.caches.offloaded.mesh import ShardedKVCache
 
 pytestmark = pytest.mark.skipif(
     len(jax.devices()) < 4,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jax_tpusync.engine import Engine
+from jax_tpusync.runtime.engine import Engine
 
 
 @pytest.fixture(params=("host", "file"))

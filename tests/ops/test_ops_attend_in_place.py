@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from jax_tpusync.kernels import reference
 
-from jax_tpusync import ops, quantize
+from jax_tpusync.core import quantize
+from jax_tpusync.runtime import ops
 
 # The engine's attention sums in another order than the jnp reference; how far the two
 # drift depends on the CPU (f32: 4.1e-6 seen on an AMD EPYC; quantized rows, which are

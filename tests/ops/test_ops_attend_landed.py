@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_tpusync import ops
+from jax_tpusync.runtime import ops
 
 sys.path.insert(0, str(Path(__file__).parent))  # The host pool's tests, beside this one.
 from test_ops_attend_in_place import (  # noqa: E402
@@ -25,7 +25,6 @@ from test_ops_attend_in_place import (  # noqa: E402
     Pool,
     XlaError,
 )
-
 
 
 def file_pool(engine, file_dir, **kw):

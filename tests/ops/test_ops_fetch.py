@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_tpusync import EngineConfig, ops
+from jax_tpusync import EngineConfig
+from jax_tpusync.runtime import ops
 
 BLOCK = 4096
 TAG = np.array([0, 0], np.int32)

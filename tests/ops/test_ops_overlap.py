@@ -25,8 +25,8 @@ def measure_overlap(kind: str, directory: str, nbytes: int = 64 * MiB) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jax_tpusync import ops
-    from jax_tpusync.engine import Engine
+    from jax_tpusync.runtime import ops
+    from jax_tpusync.runtime.engine import Engine
 
     block = MiB
     with Engine(record_timeline=True, num_workers=2) as e:

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import manifest, persistence
+from jax_tpusync.persist import commit as persistence
+from jax_tpusync.persist import manifest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tier_files, here and in children.
 from tier_files import data_path, manifest_path  # noqa: E402
@@ -335,7 +336,7 @@ CHILD = textwrap.dedent(
     import numpy as np
     sys.path.insert(0, {test_dir!r})
     import test_commit_manifest as t
-    from jax_tpusync import persistence
+    from jax_tpusync.persist import commit as persistence
     persistence.CHUNK_TARGET_BYTES = t.CHUNK_ROWS * t.ROW_BYTES
     where = dict(tier="file", path={path!r}, file_name="kv")
     rng = np.random.default_rng(3)
@@ -382,7 +383,7 @@ def test_restart_after_sigkill_restores_the_commit(tmp_path, caplog):
     lengths = np.load(out / "lengths.npy")
     np.testing.assert_array_equal(lengths, CONTEXT + 3)
     where = dict(tier="file", path=data, file_name="kv")
-    with caplog.at_level(logging.WARNING, logger="jax_tpusync.persistence"):
+    with caplog.at_level(logging.WARNING, logger="jax_tpusync.persist.commit"):
         cache = make(where)
     with cache:
         assert "were not committed and are not used" in caplog.text
@@ -438,12 +439,12 @@ def test_failed_write_back_fails_the_commit_and_reopen_restores(tmp_path, caplog
             cache.commit(state)
         assert "write-back failed" in str(info.value)
         assert manifest_path(where).read_bytes() == before
-        with caplog.at_level(logging.ERROR, logger="jax_tpusync.cache"):
+        with caplog.at_level(logging.ERROR, logger="jax_tpusync.caches.offloaded.cache"):
             cache.close(state)  # Reports, does not raise.
         assert "final commit failed" in caplog.text
     assert manifest_path(where).read_bytes() == before
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="jax_tpusync.persistence"):
+    with caplog.at_level(logging.WARNING, logger="jax_tpusync.persist.commit"):
         cache = make(where)  # Space is back: re-open restores the last commit.
     with cache:
         assert "sequence 0 from row 21" in caplog.text

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import layout, manifest, quantize
-from jax_tpusync.config import CacheConfig
-from jax_tpusync.state import row_bytes_of, row_shape_of
+from jax_tpusync.core import layout, quantize
+from jax_tpusync.core.config import CacheConfig
+from jax_tpusync.core.state import row_bytes_of, row_shape_of
+from jax_tpusync.persist import manifest
 
 BASE = dict(num_layers=2, batch=3, max_len=32, num_kv_heads=2, head_dim=8)
 
@@ -35,7 +36,7 @@ def test_the_spec_and_the_manifest_take_their_geometry_from_the_config(case):
     assert spec.row_bytes == g.row_bytes
     assert spec.row_shape == g.row_shape
     assert spec.block_bytes == g.block_tokens * g.row_bytes
-    held = g.manifest_geometry("m")
+    held = manifest.Geometry.of_kv(g, "m")
     assert held == manifest.Geometry.of(
         g.num_layers,
         g.batch,
@@ -50,7 +51,7 @@ def test_the_spec_and_the_manifest_take_their_geometry_from_the_config(case):
     )
     assert held.completed(spec) == held  # Nothing left for the opened cache to fill in.
     assert manifest.Geometry.from_json(json.loads(json.dumps(held.to_json()))) == held
-    assert g.manifest_geometry(None).model_id == manifest.UNSPECIFIED_MODEL
+    assert manifest.Geometry.of_kv(g, None).model_id == manifest.UNSPECIFIED_MODEL
 
 
 @pytest.mark.parametrize(

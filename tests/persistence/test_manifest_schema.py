@@ -11,7 +11,9 @@ import struct
 import numpy as np
 import pytest
 
-from jax_tpusync import manifest, persistence, prefix, shared_blocks
+from jax_tpusync.core import prefix, shared_blocks
+from jax_tpusync.persist import commit as persistence
+from jax_tpusync.persist import manifest
 
 LAYERS, BATCH, MAX_LEN, KV_HEADS, HEAD_DIM = 2, 2, 16, 1, 4
 BLOCK_TOKENS, NUM_BLOCKS = 4, 8

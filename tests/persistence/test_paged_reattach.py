@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import blocks, manifest, persistence
+from jax_tpusync.core import blocks
+from jax_tpusync.persist import commit as persistence
+from jax_tpusync.persist import manifest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tier_files, here and in children.
 from tier_files import data_path, manifest_path  # noqa: E402

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import persistence
+from jax_tpusync.persist import commit as persistence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tier_files, here and in children.
 from tier_files import data_path, manifest_path  # noqa: E402
@@ -519,7 +519,7 @@ CHILD = textwrap.dedent(
     import numpy as np
     sys.path.insert(0, {test_dir!r})
     import test_prefix_reattach as t
-    from jax_tpusync import persistence
+    from jax_tpusync.persist import commit as persistence
     import jax_tpusync as tps
     persistence.CHUNK_TARGET_BYTES = t.CHUNK_ROWS * t.ROW_BYTES
     where = dict(tier="file", path={path!r}, file_name="kv")

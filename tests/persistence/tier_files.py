@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jax_tpusync import manifest
+from jax_tpusync.persist import manifest
 
 
 def data_path(where: dict) -> Path:

@@ -107,7 +107,7 @@ def serve_prefill(
     import jax
 
     from jax_tpusync.bench import tiny_decoder
-    from jax_tpusync.pd_transfer import KVSender
+    from jax_tpusync.pd.transfer import KVSender
 
     cfg, params = model()
     step = jax.jit(functools.partial(tiny_decoder.forward, cfg), donate_argnums=(2,))
@@ -131,7 +131,7 @@ def serve_rows(queue, tokens_len: int, fragment: bool) -> None:
     not contiguous (``fragment``), then sends them; puts its address, then a summary."""
     os.chdir("/")
 
-    from jax_tpusync.pd_transfer import KVSender
+    from jax_tpusync.pd.transfer import KVSender
 
     # 7 blocks: slot 0 takes two, slot 1 one, slot 0 leaves: free {0, 1, 3, 4, 5, 6},
     # and 5 blocks for slot 2 cannot be one run.
@@ -179,7 +179,7 @@ def serve_mesh_prefill(queue, devices: int = 2) -> None:
     import jax
 
     from jax_tpusync.bench import tiny_decoder
-    from jax_tpusync.pd_transfer import KVSender
+    from jax_tpusync.pd.transfer import KVSender
 
     assert jax.device_count() == devices, jax.devices()
     cfg, params = model()

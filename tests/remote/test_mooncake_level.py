@@ -25,21 +25,22 @@ import numpy as np
 import pytest
 
 import jax_tpusync as tps
-from jax_tpusync import prefix, transfer_memory
-from jax_tpusync.mooncake_level import (
+from jax_tpusync.core import prefix
+from jax_tpusync.core.slots import SlotTable
+from jax_tpusync.mooncake import transfer_memory
+from jax_tpusync.mooncake.level import (
     HEADER_BATCH,
     MAX_DEADLINE_S,
     PUBLISH_BATCH_BYTES,
     MooncakeStoreLevel,
     make_level,
 )
-from jax_tpusync.slots import SlotTable
 
 LAYERS, HEADS, DIM, BLOCK = 2, 2, 16, 8
 TOKENS = np.arange(100, 164)  # 64 token ids: 8 blocks.
 HERE = Path(__file__).resolve().parent
 SUBPROCESS_TIMEOUT = 120
-LOGGER = "jax_tpusync.mooncake_level"
+LOGGER = "jax_tpusync.mooncake.level"
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -1106,7 +1107,7 @@ def test_a_cache_built_with_remote_prefix_publishes_and_finds_its_blocks(mooncak
 
 
 def test_a_mesh_gives_each_head_range_its_own_namespace():
-    from jax_tpusync import mesh
+    from jax_tpusync.caches.offloaded import mesh
 
     got = mesh._heads_address("mooncake://127.0.0.1:9?segment_mb=16", "heads0-2")
     assert got == "mooncake://127.0.0.1:9?segment_mb=16&namespace=tpusync-heads0-2"

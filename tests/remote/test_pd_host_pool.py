@@ -19,9 +19,9 @@ import pytest
 
 import jax_tpusync as tps
 from jax_tpusync.bench import tiny_decoder
-from jax_tpusync.pd_channel import start_engine
-from jax_tpusync.pd_pool_staging import MIN_STAGING_TOKENS
-from jax_tpusync.pd_transfer import KVReceiver, KVSender, PDTransferError
+from jax_tpusync.pd.channel import start_engine
+from jax_tpusync.pd.pool_staging import MIN_STAGING_TOKENS
+from jax_tpusync.pd.transfer import KVReceiver, KVSender, PDTransferError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pd_peers

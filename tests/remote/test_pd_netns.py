@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pd_peers
 from test_pd_transfer import TIMEOUT, decode_step, local_first_step, one_token, peer
 
-from jax_tpusync.pd_transfer import KVReceiver
+from jax_tpusync.pd.transfer import KVReceiver
 
 
 @pytest.mark.slow

@@ -24,12 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_tpusync import pd_transfer
 from jax_tpusync.bench import tiny_decoder
 from jax_tpusync.bench.common import start_child
-from jax_tpusync.pd_pools import head_pools
-from jax_tpusync.pd_transfer import KVReceiver, KVSender, PDTransferError
-from jax_tpusync.pd_writes import head_pieces
+from jax_tpusync.pd import transfer as pd_transfer
+from jax_tpusync.pd.pools import head_pools
+from jax_tpusync.pd.transfer import KVReceiver, KVSender, PDTransferError
+from jax_tpusync.pd.writes import head_pieces
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # pd_peers, here and in children.
 import pd_peers
@@ -893,8 +893,8 @@ def test_one_transfer_engine_serves_the_store_level_and_pd(mooncake_master):
     pool is registered with the engine once, counted per holder."""
     from mooncake.engine import TransferEngine
 
-    from jax_tpusync import transfer_memory
-    from jax_tpusync.mooncake_level import MooncakeStoreLevel
+    from jax_tpusync.mooncake import transfer_memory
+    from jax_tpusync.mooncake.level import MooncakeStoreLevel
 
     engine = TransferEngine()
     assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0

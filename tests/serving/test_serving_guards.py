@@ -18,8 +18,8 @@ import pytest
 
 import jax_tpusync as tps
 from jax_tpusync import serving
-from jax_tpusync import serving_checks as checks
 from jax_tpusync.bench import serving_model, tiny_decoder
+from jax_tpusync.serving import checks
 
 VOCAB = 64
 CFG = tiny_decoder.Decoder(

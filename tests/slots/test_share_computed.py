@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_tpusync import prefix
-from jax_tpusync.slots import SlotTable
+from jax_tpusync.core import prefix
+from jax_tpusync.core.slots import SlotTable
 
 BT = 4
 ROOT = prefix.root_key("share-computed-tests", dict(block_tokens=BT))

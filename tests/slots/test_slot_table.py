@@ -12,9 +12,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jax_tpusync import prefix
-from jax_tpusync.levels import InPlaceLoad
-from jax_tpusync.slots import SlotTable
+from jax_tpusync.core import prefix
+from jax_tpusync.core.levels import InPlaceLoad
+from jax_tpusync.core.slots import SlotTable
 
 BT = 4
 ROOT = prefix.root_key("slot-table-tests", dict(block_tokens=BT))
@@ -536,7 +536,7 @@ def test_a_remote_load_that_raises_propagates_with_every_pin_undone():
 
 def test_a_remote_publish_that_raises_does_not_fail_the_release(caplog):
     remote = FakeRemote(fail_publish=True)
-    with caplog.at_level(logging.WARNING, logger="jax_tpusync.slots"):
+    with caplog.at_level(logging.WARNING, logger="jax_tpusync.core.slots"):
         t = _publisher(remote, seq(14))
     assert not t.is_active(0) and t.capacity[0] == 0
     assert t.publish_failures == 1 and t.stats()["shared_publish_failures"] == 1

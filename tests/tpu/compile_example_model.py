@@ -18,8 +18,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_tpusync.config import CacheConfig  # noqa: E402
-from jax_tpusync.host_pool import PoolLayout  # noqa: E402
+from jax_tpusync.core.config import CacheConfig  # noqa: E402
+from jax_tpusync.core.pool_state import PoolLayout  # noqa: E402
 
 _PATH = Path(__file__).parents[2] / "examples" / "model.py"
 _spec = importlib.util.spec_from_file_location("example_model", _PATH)

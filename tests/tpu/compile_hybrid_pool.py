@@ -22,10 +22,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_tpusync as tps  # noqa: E402
-from jax_tpusync.config import CacheConfig  # noqa: E402
-from jax_tpusync.host_pool import PoolLayout  # noqa: E402
-from jax_tpusync.hybrid_config import group_arguments  # noqa: E402
-from jax_tpusync.layer_groups import HybridState, plan_groups  # noqa: E402
+from jax_tpusync.caches.hybrid.config import group_arguments  # noqa: E402
+from jax_tpusync.core.config import CacheConfig  # noqa: E402
+from jax_tpusync.core.hybrid_state import HybridState, plan_groups  # noqa: E402
+from jax_tpusync.core.pool_state import PoolLayout  # noqa: E402
 
 W, D_MODEL, Q_HEADS = 1024, 2048, 8
 KV_HEADS = (4, 4, 2, 4, 4, 2)

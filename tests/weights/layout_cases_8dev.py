@@ -12,7 +12,7 @@ import weights_support as ws
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_tpusync.weight_sync import WeightPublisher, WeightPuller
+from jax_tpusync.weights.sync import WeightPublisher, WeightPuller
 
 
 @pytest.fixture(autouse=True)

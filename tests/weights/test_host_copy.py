@@ -1,4 +1,4 @@
-"""The multi-range host copy (jax_tpusync.host_copy) through the extension: every pair's bytes
+"""The multi-range host copy (jax_tpusync.runtime.host_copy) through the extension: every pair's bytes
 land whatever their alignment, length or thread count, and a refused call copies nothing."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_tpusync.host_copy import copy_arrays
+from jax_tpusync.runtime.host_copy import copy_arrays
 
 
 def _pairs(rng, lengths, offset):

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import weights_support as ws
 
-from jax_tpusync.weight_file_pool import FilePool, FileRetiredError, MappingCache
-from jax_tpusync.weight_store import IncompleteVersionError, WeightStore, WeightSyncError
-from jax_tpusync.weight_sync import WeightPublisher, WeightPuller
+from jax_tpusync.weights.file_pool import FilePool, FileRetiredError, MappingCache
+from jax_tpusync.weights.store import IncompleteVersionError, WeightStore, WeightSyncError
+from jax_tpusync.weights.sync import WeightPublisher, WeightPuller
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
 
@@ -155,7 +155,7 @@ def test_a_killed_puller_blocks_no_reuse(tmp_path):
             textwrap.dedent(
                 f"""
                 import sys, time
-                from jax_tpusync.weight_file_pool import MappingCache
+                from jax_tpusync.weights.file_pool import MappingCache
                 mapped = MappingCache().lease({str(path)!r})
                 print("mapped", flush=True)
                 time.sleep(60)

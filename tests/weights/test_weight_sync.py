@@ -15,9 +15,9 @@ import pytest
 import weights_support as ws
 from jax.sharding import PartitionSpec as P
 
-from jax_tpusync.weight_plan import PlanCache, SourceLayout
-from jax_tpusync.weight_staging import StagingBuffers
-from jax_tpusync.weight_store import (
+from jax_tpusync.weights.plan import PlanCache, SourceLayout
+from jax_tpusync.weights.staging import StagingBuffers
+from jax_tpusync.weights.store import (
     IncompleteVersionError,
     OpenVersion,
     PartWriter,
@@ -25,7 +25,7 @@ from jax_tpusync.weight_store import (
     WeightStore,
     WeightSyncError,
 )
-from jax_tpusync.weight_sync import WeightPublisher, WeightPuller
+from jax_tpusync.weights.sync import WeightPublisher, WeightPuller
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
 
@@ -513,7 +513,7 @@ def test_part_writer_guards(store_dir):
 def test_a_mooncake_store_without_its_client_is_refused_naming_the_extra(monkeypatch):
     import sys
 
-    from jax_tpusync.weight_sync import open_weight_store
+    from jax_tpusync.weights.sync import open_weight_store
 
     monkeypatch.setitem(sys.modules, "mooncake.store", None)  # As if not installed.
     with pytest.raises(ImportError, match=r"needs the Mooncake Store client: pip install"):

@@ -34,8 +34,8 @@ import weights_support as ws
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_tpusync.weight_store import IncompleteVersionError
-from jax_tpusync.weight_sync import WeightPublisher, WeightPuller
+from jax_tpusync.weights.store import IncompleteVersionError
+from jax_tpusync.weights.sync import WeightPublisher, WeightPuller
 
 jax.distributed.initialize(f"localhost:{port}", num_processes, process)
 

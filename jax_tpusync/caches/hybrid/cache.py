@@ -1,0 +1,606 @@
+"""The KV cache of a hybrid model: one offloaded cache per geometry group of layers.
+
+:class:`HybridKVCache` takes per-layer ``num_kv_heads``, ``head_dim`` and ``sliding_window``
+(an int for every layer, or one value per layer) and ``kv_sharing`` (per layer, None or an
+earlier layer whose KV it reads), groups the layers by geometry
+(:func:`jax_tpusync.core.hybrid_state.plan_groups`) and makes one
+:class:`~jax_tpusync.caches.offloaded.cache.OffloadedKVCache` per group, all on one engine:
+
+* a **global** group holds every slot's whole context, as any cache does;
+* a **sliding** group keeps, per slot, only a ring of blocks covering its window plus one
+  step's rows (``max_step_tokens``; :mod:`jax_tpusync.core.window_ring`): its tier bytes, the
+  bytes a step fetches from it and its host-side rows are independent of the context
+  length (``bound_windows=False`` keeps every position instead);
+* a layer that **reads another layer's KV** has no group, tier bytes or write-back: it
+  attends over its source's rows.
+
+The state (:class:`~jax_tpusync.core.hybrid_state.HybridState`) carries every group's state;
+:func:`~jax_tpusync.prefetching_attention` takes it as it takes a
+:class:`~jax_tpusync.KVState`, each layer with its own shapes. The host-side methods act on
+every group at once, all of them or none: an admission that one group refuses is undone in
+the others, and a refused call changes nothing.
+
+On the TPU data path (``host_pool=True``, what :func:`jax_tpusync.kv_cache` makes on the TPU
+backend) each group is a :class:`~jax_tpusync.caches.pool.cache.HostPoolKVCache` instead: a pool
+in ``pinned_host`` memory that the step carries, a bounded sliding group's pool a ring per
+slot, no engine; over a mesh its KV heads split over ``kv_heads_axis``. The host-side
+semantics are the same (:func:`group_cache_class` is where the class is chosen).
+
+On a device mesh each group is a :class:`~jax_tpusync.ShardedKVCache`, its KV heads split
+over the mesh. Prefix reuse works across the groups: a sliding group finds a cached
+prefix's window among copies made as prompts were prefilled (:meth:`publish_windows`,
+:mod:`jax_tpusync.core.window_prefix`); on a mesh each head shard of a sliding group copies and
+publishes its own heads' windows. What a hybrid cache does not do (yet): persistence with
+bounded windows (a ring overwrites committed rows) or on a mesh (refused by name).
+:func:`jax_tpusync.kv_cache` makes a hybrid cache for every model whose layers differ (in
+KV geometry, in sliding window, or reading another's KV).
+
+What each group's cache is made with (its blocks, its share of the device budget, its
+persistence names and prefix salt) is planned in :mod:`jax_tpusync.caches.hybrid.config`, before
+anything is made; a persistent cache's record of its layers is :mod:`jax_tpusync.caches.hybrid.record`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jax_tpusync.caches.hybrid.config import check_arguments, group_arguments
+from jax_tpusync.caches.hybrid.record import (
+    LAYERS_SUFFIX,
+    check_layers_record,
+    put_back,
+    write_layers_record,
+)
+from jax_tpusync.caches.offloaded.cache import OffloadedKVCache
+from jax_tpusync.caches.offloaded.mesh import ShardedKVCache
+from jax_tpusync.caches.parts import (
+    bring_to_common_commit,
+    each_or_none,
+    reserve_agreed,
+    reserving_in_each,
+)
+from jax_tpusync.caches.pool.cache import HostPoolKVCache
+from jax_tpusync.caches.protocol import admit_by_reservation
+from jax_tpusync.core.config import CacheConfig, is_int, normalize_windows, with_config
+from jax_tpusync.core.hybrid_state import HybridState, LayerGroups, plan_groups
+from jax_tpusync.core.state import KVState
+from jax_tpusync.runtime.engine import Engine, EngineConfig
+
+logger = logging.getLogger(__name__)
+
+# Rows a step may add per slot unless told (a decode step adds 1, a prefill chunk its size).
+DEFAULT_STEP_TOKENS = 512
+
+__all__ = [
+    "DEFAULT_STEP_TOKENS",
+    "LAYERS_SUFFIX",
+    "HybridAdmission",
+    "HybridKVCache",
+    "group_cache_class",
+]
+
+# What a group's cache can be.
+GroupCache = OffloadedKVCache | ShardedKVCache | HostPoolKVCache
+
+
+def group_cache_class(*, host_pool: bool, mesh: Any) -> type:
+    """The class of every group's cache: a host pool (the TPU data path,
+    :class:`~jax_tpusync.caches.pool.cache.HostPoolKVCache`, on one device or over ``mesh``'s
+    ``kv_heads_axis``), else an engine cache (:class:`~jax_tpusync.OffloadedKVCache`, or
+    :class:`~jax_tpusync.ShardedKVCache` on a mesh). The one place it is chosen."""
+    if host_pool:
+        return HostPoolKVCache
+    return OffloadedKVCache if mesh is None else ShardedKVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridAdmission:
+    """What :meth:`HybridKVCache.reserve` made: every group's reservation of ``slot``
+    (in group order) and the prefix tokens they all map."""
+
+    slot: int
+    parts: tuple
+    cached: int | None
+
+
+class HybridKVCache:
+    """A KV cache for a model whose layers differ in KV geometry (see the module).
+
+    Takes the keywords below, or ``config=`` a :class:`~jax_tpusync.core.config.CacheConfig`
+    (one KV geometry, per-layer ``sliding_window``; its ``max_step_tokens`` if given) and
+    the keywords a CacheConfig does not hold (``kv_sharing``, ``bound_windows``,
+    ``window_cache_blocks``, ``engine``, ``mesh``...); a keyword the config holds too is
+    refused by name.
+
+    Args:
+      num_layers, batch, max_len: as :class:`~jax_tpusync.OffloadedKVCache`.
+      num_kv_heads, head_dim: an int (every layer) or one per layer.
+      sliding_window: None, an int, or one ``int | None`` per layer.
+      kv_sharing: None, or per layer None (it stores its KV) or the index of an earlier
+        layer of the same geometry and window whose KV it reads; such a layer calls
+        ``prefetching_attention(q, None, None, state, layer=l)``.
+      max_step_tokens: the most rows one step appends to a slot (1 for decode; the chunk of
+        a chunked prefill). Sizes the sliding groups' rings and the rows kept for reading
+        layers; a step of more rows is refused when traced. Default 512.
+      bound_windows: a bool: sliding groups keep only their window (default True). Their
+        cached prefixes are window copies, which ``shared_prefix_dir`` / ``remote_prefix``
+        publish and import block by block. A persistent cache needs False.
+      window_cache_blocks: blocks per bounded sliding group (per layer, K and V) beyond
+        the slots' rings, for cached prefixes' windows (:meth:`publish_windows`); default
+        one ring per slot (``batch`` rings: a window per slot's prompt). 0: none.
+      engine: an :class:`Engine`, an :class:`EngineConfig` for a new one, or None (with
+        ``host_pool``: None only).
+      host_pool: a bool: every group is a
+        :class:`~jax_tpusync.caches.pool.cache.HostPoolKVCache` (a pool in ``pinned_host``
+        memory that the step carries and copies to the device by unit: the TPU data
+        path; :func:`jax_tpusync.kv_cache` picks it on the TPU backend), on one device or
+        its KV heads split over ``mesh``'s ``kv_heads_axis``; a bounded sliding group is a
+        pool of rings, as an engine group is. Default False: engine caches. Persists as
+        engine groups do (below). Not yet with ``batch_axis``.
+      staging_bytes: the device budget, split over the groups: a sliding group takes what
+        whole units of its window need, the global groups the rest, in proportion to the
+        bytes one token of their layers takes.
+      shm_name / file_name: persistence; each group persists under ``<name>.g<i>``, and a
+        ``<name>.tpusync.layers.json`` beside it records every layer's geometry, which a
+        re-attach compares layer by layer. A re-attach brings groups that a crash left at
+        different commits to their common one (rows and token ids alike; a host-pool
+        group restarts there before its first ``init()`` reads its tier). Not on a mesh.
+        A refused construction leaves nothing on disk.
+      **options: every other :class:`~jax_tpusync.OffloadedKVCache` argument (tier, path,
+        dtype, tier_dtype, block_tokens, read_in_place, prefetch_depth, model_id, ...),
+        given to every group.
+    """
+
+    def __init__(self, *, config: CacheConfig | None = None, **keywords: Any):
+        self._build(**with_config(config, keywords))
+
+    def _build(
+        self,
+        *,
+        num_layers: int,
+        batch: int,
+        max_len: int,
+        num_kv_heads: int | Sequence[int],
+        head_dim: int | Sequence[int],
+        sliding_window: int | Sequence[int | None] | None = None,
+        kv_sharing: Sequence[int | None] | None = None,
+        max_step_tokens: int = DEFAULT_STEP_TOKENS,
+        bound_windows: bool = True,
+        window_cache_blocks: int | None = None,
+        engine: Engine | EngineConfig | None = None,
+        staging_bytes: int = 256 << 20,
+        shm_name: str | None = None,
+        file_name: str | None = None,
+        mesh: Any = None,
+        kv_heads_axis: str | None = None,
+        batch_axis: str | None = None,
+        host_pool: bool = False,
+        **options: Any,
+    ) -> None:
+        # Every argument is checked, and every group's configuration planned, before
+        # anything (engine, record, tier) is made: a refused cache changes nothing.
+        self.dtype = check_arguments(
+            num_layers=num_layers,
+            batch=batch,
+            max_len=max_len,
+            max_step_tokens=max_step_tokens,
+            bound_windows=bound_windows,
+            window_cache_blocks=window_cache_blocks,
+            staging_bytes=staging_bytes,
+            engine=engine,
+            shm_name=shm_name,
+            file_name=file_name,
+            mesh=mesh,
+            kv_heads_axis=kv_heads_axis,
+            batch_axis=batch_axis,
+            options=options,
+            host_pool=host_pool,
+        )
+        windows = normalize_windows(sliding_window, num_layers)
+        self.plan: LayerGroups = plan_groups(
+            num_layers, num_kv_heads, head_dim, windows, kv_sharing
+        )
+        self.batch = batch
+        self.max_len = max_len
+        self.max_step_tokens = int(max_step_tokens)
+        self.mesh = mesh
+        self.host_pool = bool(host_pool)
+        self.groups: list[GroupCache] = []
+        made = group_arguments(
+            self.plan,
+            batch=batch,
+            max_len=max_len,
+            max_step_tokens=self.max_step_tokens,
+            bound_windows=bool(bound_windows),
+            window_cache_blocks=window_cache_blocks,
+            staging_bytes=staging_bytes,
+            shm_name=shm_name,
+            file_name=file_name,
+            options=options,
+            mesh=mesh,
+            axes=(kv_heads_axis, batch_axis),
+            host_pool=self.host_pool,
+        )
+        record = check_layers_record(self.plan, shm_name, file_name, options)
+        group_cache = group_cache_class(host_pool=self.host_pool, mesh=mesh)
+        # A host pool needs no engine: its bytes move in the step.
+        self.engine: Engine | None = None
+        self._owns_engine = not self.host_pool and not isinstance(engine, Engine)
+        if not self.host_pool:
+            self.engine = engine if isinstance(engine, Engine) else Engine(engine or EngineConfig())
+        on_engine = {} if self.engine is None else {"engine": self.engine}
+        undo: list = []  # What a failed construction puts back on disk.
+        try:
+            undo = write_layers_record(record, self.plan, shm_name, file_name, options)
+            for kwargs in made:
+                self.groups.append(group_cache(**on_engine, **kwargs))
+            self._reconcile_commits()
+        except Exception:
+            self.close()
+            put_back(undo)
+            raise
+
+    def _reconcile_commits(self) -> None:
+        """Re-attach: each group commits on its own, so a crash between two groups' commits
+        leaves them at different commits. Their common state is the shorter one, every part
+        of it: a slot one group holds released is released in all; a slot's rows and token
+        ids end at the shortest length any group committed (ids past it are not its KV's,
+        and a release would index blocks under them)."""
+
+        def warn(i, committed, common, torn):
+            logger.warning(
+                "re-attach: layer group %d was left at another commit (lengths %s); bringing "
+                "every group to their common lengths %s%s",
+                i,
+                committed.tolist(),
+                common.tolist(),
+                f", releasing slots {np.flatnonzero(torn).tolist()}" if torn.any() else "",
+            )
+
+        bring_to_common_commit(self.groups, warn)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _state(self, parts: Sequence[KVState], pending=None) -> HybridState:
+        if pending is None:
+            pending = []
+            for source in self.plan.sources:
+                g = self.plan.group(source)
+                rows = jnp.zeros(
+                    (2, self.batch, self.max_step_tokens, g.num_kv_heads, g.head_dim), self.dtype
+                )
+                if self.mesh is not None:  # Split as the step's k/v are: slots, KV heads.
+                    layout = self.groups[0].spec.mesh
+                    spec = PartitionSpec(None, layout.batch_axis, None, layout.kv_heads_axis)
+                    rows = jax.device_put(rows, NamedSharding(self.mesh, spec))
+                elif self.host_pool:
+                    # On the device the pool's state is placed on, as the step returns it
+                    # (placed elsewhere, the step would compile again for its own output).
+                    rows = jax.device_put(rows, parts[0].lengths.sharding)
+                pending.append(rows)
+        # A buffer of its own: the state is donated, and one buffer cannot be donated twice.
+        step_lengths = jnp.array(parts[0].lengths, jnp.int32, copy=True)
+        return HybridState(self.plan, parts, step_lengths, pending)
+
+    def split(self, state: HybridState) -> list[KVState]:
+        """Every group's state of ``state`` (refusing one of another cache)."""
+        if not isinstance(state, HybridState) or state.plan != self.plan:
+            raise ValueError(f"expected a HybridState of this cache; got {type(state).__name__}")
+        return list(state.groups)
+
+    def _each(self, state: HybridState | None, fn) -> HybridState:
+        parts = [None] * len(self.groups) if state is None else self.split(state)
+        out = [fn(g, p) for g, p in zip(self.groups, parts)]
+        return self._state(out, None if state is None else state.pending)
+
+    def init(self, lengths=None, *, admit: bool = True) -> HybridState:
+        """A fresh state of every group (see :meth:`OffloadedKVCache.init`)."""
+        if lengths is not None:
+            lengths = np.asarray(lengths)
+            if lengths.shape != (self.batch,):
+                raise ValueError(f"lengths must have shape ({self.batch},); got {lengths.shape}")
+        return self._state([g.init(lengths, admit=admit) for g in self.groups])
+
+    def inert_state(self) -> HybridState:
+        """A state of every group that moves no bytes (see
+        :meth:`OffloadedKVCache.inert_state`)."""
+        return self._state([g.inert_state() for g in self.groups])
+
+    def drain(self, state: HybridState) -> HybridState:
+        """Discards every group's prefetches; returns the live state."""
+        return self._each(state, lambda g, p: g.drain(p))
+
+    def recover(self) -> HybridState:
+        """The live state after a failed step (see :meth:`OffloadedKVCache.recover`); the
+        groups' lengths are brought to their common ones (a step that failed after some
+        groups' last layers added its tokens to those only)."""
+        parts = [g.recover() for g in self.groups]
+        lengths = np.minimum.reduce([np.asarray(p.lengths) for p in parts])
+        if any((np.asarray(p.lengths) != lengths).any() for p in parts):
+            parts = [g.init(lengths, admit=False) for g in self.groups]
+        return self._state(parts)
+
+    def commit(self, state: HybridState) -> HybridState:
+        """Commits every group (persistent tiers; see :meth:`OffloadedKVCache.commit`)."""
+        return self._each(state, lambda g, p: g.commit(p))
+
+    def check(self, state: HybridState) -> None:
+        """Refuses, changing nothing, what is not a state of this cache: not a
+        ``HybridState`` of its groups, or one a group refuses (:meth:`check` of its
+        cache)."""
+        for g, p in zip(self.groups, self.split(state)):
+            g.check(p)
+
+    def lengths(self, state: HybridState) -> np.ndarray:
+        """int32[batch]: every slot's length in ``state`` (the groups' must agree)."""
+        parts = self.split(state)
+        lengths = [g.lengths(p) for g, p in zip(self.groups, parts)]
+        for i, other in enumerate(lengths[1:], 1):
+            if not np.array_equal(other, lengths[0]):
+                raise ValueError(
+                    f"layer groups 0 and {i} disagree on the slots' lengths "
+                    f"({lengths[0].tolist()} vs {other.tolist()}): a host call was torn"
+                )
+        return lengths[0]
+
+    # -- slot lifecycle ---------------------------------------------------------------------
+
+    def admit(
+        self,
+        state: HybridState,
+        slot: int,
+        *,
+        max_tokens: int | None = None,
+        tokens: Sequence[int] | np.ndarray | None = None,
+    ) -> tuple[HybridState, int]:
+        """Admits ``slot`` in every group; returns ``(state, cached)``. All groups or none;
+        groups whose prefix stores differ all map the prefix the shortest one has (0 when
+        a group keeps only its window)."""
+        return admit_by_reservation(self, state, slot, max_tokens, tokens)  # Checks state.
+
+    @contextlib.contextmanager
+    def reserving_in(self, state: HybridState) -> Iterator[None]:
+        """Every group's :meth:`~jax_tpusync.caches.protocol.Reservable.reserving_in` its
+        part of ``state`` (host-pool groups with a spill tier demote out of their pools)."""
+        with reserving_in_each(self.groups, self.split(state)):
+            yield
+
+    def reserve(
+        self,
+        slot: int,
+        max_tokens: int | None = None,
+        tokens: Sequence[int] | np.ndarray | None = None,
+        *,
+        max_cached: int | None = None,
+    ) -> HybridAdmission:
+        """:meth:`admit`'s first half: every group's slot table admits ``slot`` (all or
+        none, raising), no state changes; then :meth:`admitted` (which cannot be refused)
+        or :meth:`cancel`. ``max_cached`` caps the mapped prefix (tokens). Groups whose
+        prefix stores differ all map the prefix the shortest one has (the rule of
+        :func:`jax_tpusync.caches.parts.reserve_agreed`)."""
+        reservations = reserve_agreed(
+            lambda cap: self._reserve_all(slot, max_tokens, tokens, cap),
+            self._cancel,
+            lambda r: r.cached,
+            max_cached,
+        )
+        cached = {r.cached for r in reservations} - {None}
+        return HybridAdmission(int(slot), tuple(reservations), cached.pop() if cached else None)
+
+    def cancel(self, reservation: HybridAdmission) -> None:
+        """Undoes a :meth:`reserve` that was not :meth:`admitted`."""
+        self._cancel(reservation.parts)
+
+    def admitted(self, state: HybridState, reservation: HybridAdmission) -> HybridState:
+        """The live state once :meth:`reserve` made ``reservation``."""
+        parts = self.split(state)
+        parts = [g.admitted(p, r) for g, p, r in zip(self.groups, parts, reservation.parts)]
+        return self._state(parts, state.pending)
+
+    def _reserve_all(self, slot, max_tokens, tokens, max_cached) -> list:
+        """Every group's reservation of ``slot``, or none (undone, then raised). Groups that
+        keep every position reserve first, and a group that keeps only its window looks for
+        no longer prefix than they all map (the prefix every group maps is the shortest one
+        anyway, and a window's search asks its levels about every block it considers)."""
+        self._check_slot(slot)
+        order = sorted(range(len(self.groups)), key=lambda i: bool(self.groups[i].spec.ring_blocks))
+        found: list[int] = []  # The prefixes the groups reserved so far map.
+
+        def reserve(i: int):
+            g, cap = self.groups[i], max_cached
+            if g.spec.ring_blocks and found:
+                cap = min(found) if cap is None else min(cap, *found)
+            reservation = g.reserve(slot, max_tokens, tokens, max_cached=cap)
+            if reservation.cached is not None:
+                found.append(reservation.cached)
+            return reservation
+
+        done = each_or_none(order, reserve, lambda i, r: self.groups[i].cancel(r))
+        by_group = dict(zip(order, done))
+        return [by_group[i] for i in range(len(self.groups))]
+
+    def _cancel(self, reservations) -> None:
+        for g, r in zip(self.groups, reservations):
+            g.cancel(r)
+
+    def _check_slot(self, slot: Any) -> None:
+        if not is_int(slot) or not 0 <= slot < self.batch:
+            raise ValueError(f"slot={slot!r} must be an int in [0, batch={self.batch})")
+
+    def check_release(self, state: HybridState, slot: int, tokens=None) -> None:
+        """Refuses, changing nothing, a :meth:`release` that a group would refuse."""
+        parts = self.split(state)
+        self._check_slot(slot)
+        for g, p in zip(self.groups, parts):
+            g.check_release(p, slot, tokens)
+
+    def release(
+        self,
+        state: HybridState,
+        slot: int,
+        *,
+        tokens: Sequence[int] | np.ndarray | None = None,
+    ) -> HybridState:
+        """Releases ``slot`` in every group, once every group accepted the arguments."""
+        self.check_release(state, slot, tokens)
+        parts = self.split(state)
+        parts = [g.release(p, slot, tokens=tokens) for g, p in zip(self.groups, parts)]
+        return self._state(parts, state.pending)
+
+    def publish_windows(self, state: HybridState, slot: int) -> int:
+        """Every sliding group's :meth:`OffloadedKVCache.publish_windows` (between the
+        steps of a prompt's prefill: later prompts sharing its prefix then find their
+        windows); returns the blocks copied."""
+        self._check_slot(slot)
+        return sum(
+            g.publish_windows(p, slot)
+            for g, p in zip(self.groups, self.split(state))
+            if g.spec.ring_blocks
+        )
+
+    def share_computed(self, state: HybridState, slot: int) -> int:
+        """Every group's :meth:`OffloadedKVCache.share_computed` (a sliding group's ring
+        indexes none: its windows are copied by :meth:`publish_windows`); returns the
+        blocks indexed, summed over groups."""
+        self._check_slot(slot)
+        parts = self.split(state)
+        for g, p in zip(self.groups, parts):  # Refused in every group or in none.
+            g.lengths(p)  # A state of another cache, or donated, is refused here.
+            if not g.capacity[slot]:
+                raise ValueError(f"slot {slot} is not active (nothing to share)")
+        return sum(g.share_computed(p, slot) for g, p in zip(self.groups, parts))
+
+    def tokens(self, slot: int) -> np.ndarray:
+        """int64[n]: ``slot``'s recorded token ids (every group records the same)."""
+        return self.groups[0].tokens(slot)
+
+    def extend_tokens(self, slot: int, ids: Sequence[int] | np.ndarray) -> None:
+        """Records ``ids`` after ``slot``'s token ids in every group, once every group
+        accepts them (see :meth:`OffloadedKVCache.extend_tokens`)."""
+        self._check_slot(slot)
+        for g in self.groups:  # The same checks in every group first.
+            if not g.capacity[slot]:
+                raise ValueError(f"slot {slot} is not active (admit it first)")
+        for g in self.groups:
+            g.extend_tokens(slot, ids)
+
+    @property
+    def capacity(self) -> np.ndarray:
+        """int32[batch]: tokens each slot may hold (0: inactive); a copy."""
+        return self.groups[0].capacity
+
+    # -- host-side rows ---------------------------------------------------------------------
+
+    def _stored(self, layer: Any, what: str) -> tuple[OffloadedKVCache, int]:
+        if not is_int(layer) or not 0 <= layer < self.plan.num_layers:
+            raise ValueError(
+                f"layer={layer!r} is out of range for a cache of {self.plan.num_layers} layers"
+            )
+        source = self.plan.source_of[layer]
+        if source is not None and what == "load":
+            raise ValueError(
+                f"layer {layer} reads layer {source}'s KV (kv_sharing) and stores none: load "
+                f"layer {source}"
+            )
+        return self.groups[self.plan.group_of[layer]], self.plan.local_of[layer]
+
+    def load(
+        self,
+        state: HybridState,
+        layer: int,
+        k: Any,
+        v: Any,
+        *,
+        start: int | Sequence[int] = 0,
+        lengths: Sequence[int] | None = None,
+        slot: int | None = None,
+    ) -> HybridState:
+        """Bulk-writes one layer's KV (see :meth:`OffloadedKVCache.load`; a sliding group
+        that keeps only its window writes the rows the window keeps)."""
+        group, local = self._stored(layer, "load")
+        parts = self.split(state)
+        i = self.plan.group_of[layer]
+        parts[i] = group.load(parts[i], local, k, v, start=start, lengths=lengths, slot=slot)
+        return self._state(parts, state.pending)
+
+    def read(
+        self,
+        state: HybridState,
+        layer: int,
+        slot: int,
+        start: int = 0,
+        stop: int | None = None,
+        *,
+        raw: bool = False,
+    ):
+        """Host-side K and V of one slot's positions in ``layer`` (its source's, for a
+        reading layer); see :meth:`OffloadedKVCache.read`."""
+        group, local = self._stored(layer, "read")
+        part = self.split(state)[self.plan.group_of[layer]]
+        return group.read(part, local, slot, start, stop, raw=raw)
+
+    # -- what the groups hold ---------------------------------------------------------------
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the tier holds for every group's blocks (K and V, every stored layer; a
+        host pool's every device's pool)."""
+        return sum(g.kv_bytes for g in self.groups)
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory of every group's staging (every shard's, on a mesh)."""
+        return sum(_device_bytes(g) for g in self.groups)
+
+    @property
+    def committed_lengths(self) -> np.ndarray | None:
+        """int32[batch] of the groups' common commit (None: not persistent)."""
+        committed = [g.committed_lengths for g in self.groups]
+        return None if committed[0] is None else np.minimum.reduce(committed)
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def close(self, state: HybridState | None = None) -> None:
+        """Closes every group (committing ``state``'s, if given) and the engine if the
+        cache made it."""
+        parts = [None] * len(self.groups) if state is None else list(state.groups)
+        for g, p in zip(self.groups, parts):
+            g.close(p)
+        if self._owns_engine and self.engine is not None and not self.engine.closed:
+            self.engine.close()
+
+    def __enter__(self) -> HybridKVCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def describe_bytes(cache: HybridKVCache) -> dict:
+    """Per group: its layers, geometry and tier bytes (for benchmarks and logs)."""
+    return {
+        f"group {i}": {
+            "layers": list(group.layers),
+            "geometry": group.describe(),
+            "kv_bytes": cache.groups[i].kv_bytes,
+            "ring_blocks": cache.groups[i].spec.ring_blocks,
+        }
+        for i, group in enumerate(cache.plan.groups)
+    }
+
+
+def _device_bytes(group: GroupCache) -> int:
+    """Device memory of a group's staging, every device's: a host pool states its bytes
+    per device, an engine cache its every shard's."""
+    if isinstance(group, HostPoolKVCache):
+        return group.device_bytes * group.shards
+    return group.device_bytes

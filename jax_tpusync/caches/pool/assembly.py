@@ -1,0 +1,217 @@
+"""How a host-pool cache is put together: its arguments checked (what the host-pool path
+does not do yet is refused by name, with why), its spec (the units a device stages) and
+prefix salt, and the prefix levels it opens.
+
+:class:`~jax_tpusync.caches.pool.cache.HostPoolKVCache` calls these before it opens anything
+else, so a refused construction leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from jax_tpusync.core.config import CacheConfig
+from jax_tpusync.core.levels import SharedDirectoryLevel
+from jax_tpusync.core.mesh_layout import MeshLayout, checked_layout
+from jax_tpusync.core.pool_state import (
+    POOL_MEMORY_KIND,
+    PoolLayout,
+    pool_dtype,
+    pool_sharding,
+    unit_block_limit,
+)
+from jax_tpusync.core.state import CacheSpec
+from jax_tpusync.mooncake.level import make_level
+
+# Keywords of CacheConfig a host-pool cache takes at their defaults only, with why.
+# (``tier="file"`` and ``path`` are taken with ``file_name`` alone: the file is the pool's
+# persistent copy.)
+NOT_YET = {
+    "resident": (False, "a resident cache needs no pool"),
+    "read_in_place": ("auto", "the pool is always copied to the device by unit"),
+    "debug_poison": (False, "poisoned fetches are an engine feature"),
+}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a host-pool cache's pools live: one ``device``, or a ``mesh`` of them (the
+    heads split over its ``kv_heads_axis``); ``device_kind`` names the chip."""
+
+    device: jax.Device | None
+    mesh: MeshLayout | None
+    device_kind: str
+
+    @property
+    def state_sharding(self) -> jax.sharding.Sharding:
+        """Where the state's small leaves and its staging live."""
+        if self.mesh is None:
+            return jax.sharding.SingleDeviceSharding(self.device)
+        return NamedSharding(self.mesh.mesh, self.mesh.state_spec)
+
+    @property
+    def pool_sharding(self) -> jax.sharding.Sharding:
+        """Where the pool lives: the devices' host memory."""
+        if self.mesh is None:
+            return pool_sharding(self.device)
+        return NamedSharding(self.mesh.mesh, self.mesh.state_spec, memory_kind=POOL_MEMORY_KIND)
+
+
+def checked_config(
+    options: dict[str, Any],
+    *,
+    device: jax.Device | None,
+    mesh: Mesh | None,
+    kv_heads_axis: str | None,
+    batch_axis: str | None,
+) -> tuple[CacheConfig, Placement]:
+    """The cache's config from its keywords (:func:`~jax_tpusync.core.config.with_config`'s
+    merge of ``config=`` and the keywords) and where its pools go.
+
+    Raises:
+      ValueError, TypeError: a keyword the host-pool path does not take yet (named with
+        why), or a placement that does not hold together.
+    """
+    for name, (default, why) in NOT_YET.items():
+        if name in options and options[name] != default:
+            raise ValueError(f"{name}={options[name]!r}: {why} (host-pool cache)")
+    if options.get("tier", "host") != "host" and options.get("file_name") is None:
+        raise ValueError(
+            f"tier={options['tier']!r} without file_name: the pool is host memory; a "
+            f"file tier only holds its persistent copy (pass file_name=) (host-pool cache)"
+        )
+    config = CacheConfig.from_kwargs(**options)
+    config.geometry.check_one_cache()  # A ring needs every layer to share one window.
+    if config.two_level:
+        check_spill(config, options, mesh)
+    if mesh is None:
+        if kv_heads_axis is not None or batch_axis is not None:
+            raise ValueError("kv_heads_axis and batch_axis need mesh= (host-pool cache)")
+        if device is None:
+            device = jax.devices()[0]
+        if not isinstance(device, jax.Device):
+            raise TypeError(f"device must be a jax.Device; got {type(device).__name__}")
+        return config, Placement(device, None, device.device_kind)
+    if device is not None:
+        raise ValueError(
+            "device= and mesh= both given: a mesh cache's pools are on the mesh's "
+            "devices (host-pool cache)"
+        )
+    mesh_layout = checked_layout(mesh, kv_heads_axis, batch_axis)
+    if mesh_layout.dp > 1:  # One slot table per batch shard: a cache of such pools.
+        raise ValueError(
+            f"batch_axis={batch_axis!r} of {mesh_layout.dp} devices: a HostPoolKVCache "
+            f"holds one slot table; slots split over devices are a BatchShardedPoolKVCache "
+            f"(or jax_tpusync.kv_cache(..., batch_axis=)) (host-pool cache)"
+        )
+    return config, Placement(None, mesh_layout, mesh.devices.flat[0].device_kind)
+
+
+def check_spill(config: CacheConfig, options: dict[str, Any], mesh: Mesh | None) -> None:
+    """Refuses, by name, what a host pool's spill tier (``spill_path``) does not go with
+    (see :mod:`jax_tpusync.caches.pool.spill`). (Persistence with it is refused by the config, as
+    on the engine cache.)"""
+    path = config.tier.spill_path
+    if mesh is not None:
+        raise ValueError(
+            f"spill_path={path!r} with mesh=: spill_path (a two-level cache) is not "
+            f"supported on a mesh yet, as on the engine cache; drop one of them (host-pool "
+            f"cache)"
+        )
+    if config.geometry.bounds_windows:
+        raise ValueError(
+            f"spill_path={path!r} with max_step_tokens={config.geometry.step_tokens}: a pool "
+            f"that keeps only each slot's sliding window caches windows host-side, never "
+            f"prefix blocks, so nothing would spill; drop one of them (host-pool cache)"
+        )
+    promote_after = options.get("promote_after", 2)
+    if promote_after != 2:
+        raise ValueError(
+            f"promote_after={promote_after!r}: a host pool promotes every spill block at "
+            f"the admission that maps it (its step reads only the pool); leave "
+            f"promote_after out (host-pool cache)"
+        )
+
+
+def open_levels(config: CacheConfig, **level_layout: Any) -> tuple[list[Any], list[Any]]:
+    """The prefix levels ``config`` names, opened with ``level_layout`` (root,
+    num_layers, block_tokens, block_bytes): ``(levels, owned)``, ``owned`` those opened
+    here that the cache closes (a level object the caller passed stays the caller's)."""
+    levels: list[Any] = []
+    owned: list[Any] = []
+    if config.prefix.shared_dir is not None:
+        levels.append(SharedDirectoryLevel(config.prefix.shared_dir, **level_layout))
+    if config.prefix.remote is not None:
+        levels.append(make_level(config.prefix.remote, **level_layout))
+        if levels[-1] is not config.prefix.remote:  # Made here (an address, a factory).
+            owned.append(levels[-1])
+    return levels, owned
+
+
+# Salts the prefix index's root key: blocks of this layout are this layout's alone.
+POOL_LAYOUT_VERSION = 1
+
+
+def pool_prefix_layout(config: CacheConfig, shards: int) -> int:
+    """The layout number a host pool's prefix root is salted with: blocks are published
+    with every head's rows joined (:class:`~jax_tpusync.caches.pool.blocks.PoolBlocks`), the same
+    bytes on one device and over a mesh, except quantized rows over several devices
+    (each device's codes and scales, not one row's), which are keyed apart by their
+    device count."""
+    if shards > 1 and config.geometry.quantized:
+        return POOL_LAYOUT_VERSION * 1000 + shards
+    return POOL_LAYOUT_VERSION
+
+
+def pool_spec(
+    config: CacheConfig, mesh: MeshLayout | None = None, device_kind: str = ""
+) -> CacheSpec:
+    """The :class:`CacheSpec` of a host-pool cache: units of whole blocks,
+    ``prefetch_depth + 1`` of them on the device at a time (those staged ahead and the one
+    in flight) within ``staging_bytes`` (per device), and at most as many blocks as the
+    device's compiler overlaps copies (:func:`~jax_tpusync.core.pool_state.unit_block_limit` of
+    ``device_kind`` and the depth). ``prefetch_depth="auto"`` is 1, and a depth above ``num_layers`` is
+    ``num_layers`` (every layer has a unit at least, and further ahead lies the step after
+    next). Over a mesh the spec describes one shard: the heads of one device of
+    ``kv_heads_axis``."""
+    g, staging = config.geometry, config.staging
+    shards = 1 if mesh is None else mesh.tp
+    if g.num_kv_heads % shards:
+        raise ValueError(
+            f"num_kv_heads={g.num_kv_heads} must be a multiple of the {shards} devices of "
+            f"kv_heads_axis={mesh.kv_heads_axis!r}"
+        )
+    # "auto": 1, since one unit's copy overlaps each attention at any depth (see
+    # jax_tpusync.step.host_pool); StagingConfig checked an int's range.
+    depth = staging.prefetch_depth
+    depth = 1 if isinstance(depth, str) else min(int(depth), g.num_layers)
+    num_slots = depth + 1
+    probe = CacheSpec(
+        **{**g.spec_fields(), "num_kv_heads": g.num_kv_heads // shards},
+        chunk_len=g.block_tokens,
+        num_slots=num_slots,
+        prefetch_depth=depth,
+        prefetch_across_steps=staging.prefetch_across_steps,
+        staging_dtype=pool_dtype(g.dtype, g.quantized),
+    )
+    layout = PoolLayout(probe)
+    row_bytes = layout.row_width * layout.dtype.itemsize
+    unit_block_bytes = num_slots * g.batch * g.block_tokens * row_bytes
+    units = staging.staging_bytes // unit_block_bytes
+    if units < 1:
+        raise ValueError(
+            f"staging_bytes={staging.staging_bytes} cannot hold {num_slots} units of one "
+            f"block (prefetch_depth={depth} ahead and the one in flight): {num_slots} x "
+            f"batch {g.batch} x block_tokens {g.block_tokens} x {row_bytes} bytes per "
+            f"token row (K and V) = {unit_block_bytes} bytes at least"
+        )
+    longest = max(probe.layer_span(w) for w in probe.windows)
+    needed = -(-longest // g.block_tokens) + 1  # A window's span may straddle one more block.
+    limit = unit_block_limit(device_kind, depth)
+    chunk_len = min(units, needed, limit) * g.block_tokens
+    return dataclasses.replace(probe, chunk_len=chunk_len, mesh=mesh)
