@@ -52,7 +52,7 @@ StatusOr<std::shared_ptr<Engine>> LookupEngine(int64_t engine_id) {
   EngineRegistry* registry = g_registry.load(std::memory_order_acquire);
   if (registry == nullptr) {
     return FailedPrecondition("the CUDA ops are not attached to the engine registry "
-                              "(import jax_tpusync._cuda and call register())");
+                              "(import jax_tpusync.runtime._cuda and call register())");
   }
   std::shared_ptr<Engine> engine = registry->Get(engine_id);
   if (!engine) {

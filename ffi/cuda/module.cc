@@ -75,7 +75,7 @@ nb::capsule HandlerCapsule(void* fn) { return nb::capsule(fn); }
 
 NB_MODULE(_tpusync_cuda, m) {
   using namespace tpusync::cuda;
-  m.doc() = "Private CUDA backend of jax_tpusync; use jax_tpusync._cuda.register() instead.";
+  m.doc() = "Private CUDA backend of jax_tpusync; use jax_tpusync.runtime._cuda.register() instead.";
 
   m.def("registrations", [] {
     nb::dict d;

@@ -9,7 +9,7 @@
 // The numbers match kernels/reference.py's chunk_attention_reference (f32 arithmetic,
 // causal and sliding-window masks, soft cap, grouped-query heads), up to summation order.
 //
-// Rows are bf16 or f32 values, or quantized (jax_tpusync/quantize.py): per row
+// Rows are bf16 or f32 values, or quantized (jax_tpusync/core/quantize.py): per row
 // [num_kv_heads * head_dim one-byte codes][num_kv_heads f32 scales][zero padding to 16
 // bytes], codes int8 or float8_e4m3fn. The scales are applied inside the attention, as the
 // reference's k_scale/v_scale are: logits (q . codes_k) * s_k, and the weights times s_v

@@ -89,7 +89,7 @@ inline constexpr int32_t kCapacityGuard = -2;
 inline constexpr int32_t kShardGuard = -3;
 
 // A segment's block naming a position whose KV block lives on the other tier of a
-// two-level cache (jax_tpusync.spill): a write-back may only write its own tier's blocks.
+// two-level cache (jax_tpusync.core.spill): a write-back may only write its own tier's blocks.
 inline constexpr int32_t kOtherLevelBlock = -4;
 
 // The leading guard rows of `rows` as (length, count) per slot, for Engine::RecordGuards.

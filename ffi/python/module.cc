@@ -331,7 +331,7 @@ NB_MODULE(_tpusync, m) {
   });
   m.def("unlink_shm", [](const std::string& name) { ThrowIfError(UnlinkShmSegment(name)); });
   // Copies many host ranges over threads with streaming stores (CopyRanges); the addresses
-  // come from jax_tpusync.host_copy, which checks the arrays and holds them meanwhile.
+  // come from jax_tpusync.runtime.host_copy, which checks the arrays and holds them meanwhile.
   m.def(
       "copy_ranges",
       [](Int64Vector dst, Int64Vector src, Int64Vector bytes, int threads) {

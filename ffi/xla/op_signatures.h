@@ -1,5 +1,5 @@
 // The XLA FFI signatures of the in-graph ops: every operand, result and attribute of each
-// op, named, in the order the Python side (jax_tpusync/ops.py) passes them. The CPU handlers
+// op, named, in the order the Python side (jax_tpusync/runtime/ops.py) passes them. The CPU handlers
 // (xla/cpu_ops.cc) and the CUDA handlers (cuda/cuda_ops.cc) bind the same signatures; a
 // platform adds only its context in front, e.g. the CUDA stream:
 //
