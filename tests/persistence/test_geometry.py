@@ -125,5 +125,5 @@ def test_a_manifest_from_before_tier_dtype_reattaches(file_cache):
     m = json.loads(manifest_path.read_text())
     del m["geometry"]["tier_dtype"]
     manifest_path.write_text(json.dumps(m))
-    with pytest.raises(tps.persistence.LayoutMismatchError, match="tier_dtype: the tier holds None"):
+    with pytest.raises(manifest.LayoutMismatchError, match="tier_dtype: the tier holds None"):
         make(tier_dtype="int8", dtype=jnp.bfloat16)
