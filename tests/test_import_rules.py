@@ -396,7 +396,7 @@ def test_the_module_map_matches_the_files_and_the_rules():
 def test_the_module_map_check_catches_a_discrepancy(tmp_path):
     """The check above fails on a map that is wrong (so it cannot pass vacuously): a module
     file on disk without a row, a row without a file, a room whose rule the docs misstate, a
-    room mapped before one it imports."""
+    room with a rule and no section, a room mapped before one it imports."""
     doc = ARCHITECTURE.read_text()
     files = _module_files(PACKAGE)
     assert not _module_map_discrepancies(doc, files)
@@ -432,6 +432,20 @@ def test_the_module_map_check_catches_a_discrepancy(tmp_path):
     assert _module_map_discrepancies(wrong_face, files) == [
         "### The public face: flat in `jax_tpusync/`: the docs say attention may import "
         "['core', 'runtime'], the rule is ['core', 'runtime', 'step']"
+    ]
+
+    # A room's whole section gone: its modules and its rule have no place.
+    serving = doc.index("### `serving/`")
+    face_heading = doc.index(_FACE_HEADING)
+    assert _module_map_discrepancies(doc[:serving] + doc[face_heading:], files) == [
+        "serving/__init__.py is missing from the module map",
+        "serving/checks.py is missing from the module map",
+        "serving/loop.py is missing from the module map",
+        # __init__.py and bench/ may import every room, serving too.
+        "### The public face: flat in `jax_tpusync/`: may import ['serving'], mapped later "
+        "(the map goes lowest first)",
+        "### `bench/`: may import ['serving'], mapped later (the map goes lowest first)",
+        "the room serving has a rule but no place in the module map",
     ]
 
     # core/ moved below persist/, which imports it.
