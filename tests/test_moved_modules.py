@@ -141,3 +141,49 @@ def test_the_changelog_lists_every_moved_module():
     moved = release.split("\n### Moved\n", 1)[1].split("\n### ", 1)[0]
     listed = dict(re.findall(r"`jax_tpusync\.([\w.]+)` -> `jax_tpusync\.([\w.]+)`", moved))
     assert listed == MOVED
+
+
+def _doc_paths(pattern: str) -> list[tuple[str, str]]:
+    """``(match, "<doc>:<line>")`` of ``pattern`` in README.md and docs/*.md."""
+    out = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for number, line in enumerate(doc.read_text().splitlines(), 1):
+            out += [(m.group(1), f"{doc.name}:{number}") for m in re.finditer(pattern, line)]
+    return out
+
+
+def _resolve(dotted: str):
+    """The module, or the attribute of the longest importable module, ``dotted`` names."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:end]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[end:]:
+            found = getattr(found, name)
+        return found
+    raise ModuleNotFoundError(dotted)
+
+
+def test_the_docs_name_only_paths_that_exist_and_no_old_ones():
+    """Every ``jax_tpusync.<...>`` the docs name imports (or is an attribute of a module that
+    does) by its path since 0.2.0, not through an old one, and every ``jax_tpusync/<file>``
+    they name exists."""
+    dotted = _doc_paths(r"`(jax_tpusync(?:\.\w+)+)")
+    assert dotted
+    bad = []
+    for name, where in dotted:
+        old = name.split(".")[1]
+        if old in MOVED:
+            bad.append(f"{where}: {name} is an old path (now jax_tpusync.{MOVED[old]})")
+            continue
+        try:
+            _resolve(name)
+        except (ImportError, AttributeError) as error:
+            bad.append(f"{where}: {name} does not resolve ({error})")
+    for path, where in _doc_paths(r"`(jax_tpusync/[\w/.]+)`"):
+        # kernels/ ships as jax_tpusync/kernels (pyproject.toml's wheel.packages).
+        if not (ROOT / path.replace("jax_tpusync/kernels", "kernels", 1)).exists():
+            bad.append(f"{where}: {path} does not exist")
+    assert not bad, "\n".join(bad)
