@@ -74,4 +74,4 @@ __all__ = [
     "split_cpus",
     "kv_cache",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
