@@ -17,7 +17,8 @@ protocol per optional capability, so that a caller asks ``isinstance(cache, Capa
 
 Every protocol is ``runtime_checkable``: ``isinstance`` checks that the members exist (a
 property is read to check it), not their signatures; ``tests/caches/test_capabilities.py``
-checks which cache claims which.
+checks which cache claims which, with the protocols' parameters, and that no module but
+:mod:`jax_tpusync.factory` (which builds the caches) checks a concrete cache class.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ class Verifiable(Protocol):
     tier): :meth:`verify` re-reads and checks them."""
 
     def verify(self, state: Any = None) -> Any:
-        """Checks the last commit's checksums (``state`` given: committed first); returns
-        what was checked (a cache of parts: per part). Raises when a checksum differs or
-        the cache is not persistent."""
+        """Re-reads the last commit's rows and indexed prefix blocks and checks their
+        checksums (``state`` given: its transfers in flight ended first); returns what was
+        checked (a cache of parts: ``{part: result}``). Raises ValueError for a cache that
+        is not on a persistent tier, ``ChecksumMismatchError`` naming what differs."""
         ...
 
 
