@@ -1,15 +1,16 @@
 """Where a slot's rows land (the decode side) or come from (the prefill side) in P/D
 transfer (:mod:`jax_tpusync.pd.transfer`): one interface, :class:`SlotRowsEndpoint`, chosen
-once per role by the kind of cache (:func:`slot_rows_endpoint`), so the two roles never ask
-which kind they hold.
+once per role by what the cache can do (:func:`slot_rows_endpoint`, by its capabilities in
+:mod:`jax_tpusync.caches.capabilities`), so the two roles never ask which kind they hold.
 
 * An engine cache (:class:`~jax_tpusync.OffloadedKVCache`, a
-  :class:`~jax_tpusync.ShardedKVCache`): its host pools are registered memory; the rows
-  land in and leave from the slot's blocks
+  :class:`~jax_tpusync.ShardedKVCache`; :class:`~jax_tpusync.caches.capabilities.EngineTierRows`):
+  its host pools are registered memory; the rows land in and leave from the slot's blocks
   (:class:`~jax_tpusync.pd.tier_endpoint.EngineTierEndpoint`).
-* A host-pool cache (:class:`~jax_tpusync.HostPoolKVCache`): its pool moves with every
-  step, so the rows pass through a registered staging buffer, loaded into or read out of
-  the pool between steps (:class:`~jax_tpusync.pd.pool_staging.PoolStagingEndpoint`).
+* A host-pool cache (:class:`~jax_tpusync.HostPoolKVCache`;
+  :class:`~jax_tpusync.caches.capabilities.StagedRows`): its pool moves with every step, so
+  the rows pass through a registered staging buffer, loaded into or read out of the pool
+  between steps (:class:`~jax_tpusync.pd.pool_staging.PoolStagingEndpoint`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from jax_tpusync.caches.offloaded.cache import OffloadedKVCache
-from jax_tpusync.caches.offloaded.mesh import ShardedKVCache
-from jax_tpusync.caches.pool.cache import HostPoolKVCache
+from jax_tpusync.caches.capabilities import StagedRows
 from jax_tpusync.pd.pool_staging import PoolStaging, PoolStagingEndpoint
 from jax_tpusync.pd.tier_endpoint import EngineTierEndpoint
 
@@ -87,17 +86,21 @@ class SlotRowsEndpoint(Protocol):
 
 
 def slot_rows_endpoint(
-    cache: OffloadedKVCache | ShardedKVCache | HostPoolKVCache,
+    cache: Any,
     role: str,
     *,
     populate_pools: bool,
     populate_staging: bool,
     clock: Callable[[], float] = time.monotonic,
 ) -> SlotRowsEndpoint:
-    """The endpoint of ``cache``'s kind, after refusing a cache that cannot take part.
+    """The endpoint of ``cache``'s kind, after refusing a cache that cannot take part: a
+    cache whose rows pass through staging (:class:`~jax_tpusync.caches.capabilities.StagedRows`)
+    gets a :class:`~jax_tpusync.pd.pool_staging.PoolStagingEndpoint`, any other an
+    :class:`~jax_tpusync.pd.tier_endpoint.EngineTierEndpoint` (which refuses a cache that is
+    not :class:`~jax_tpusync.caches.capabilities.EngineTierRows`).
 
     Args:
-      cache: the role's cache.
+      cache: the role's cache (an OffloadedKVCache, a ShardedKVCache or a HostPoolKVCache).
       role: "KVReceiver" or "KVSender", for messages.
       populate_pools: fault an engine cache's pools in when they are registered.
       populate_staging: fault a staging buffer's pages in when it is mapped.
@@ -106,6 +109,6 @@ def slot_rows_endpoint(
     Raises:
       TypeError, ValueError: a cache that cannot take part (the message says why).
     """
-    if isinstance(cache, HostPoolKVCache):
+    if isinstance(cache, StagedRows):
         return PoolStagingEndpoint(cache, role, populate=populate_staging, clock=clock)
     return EngineTierEndpoint(cache, role, populate=populate_pools, clock=clock)

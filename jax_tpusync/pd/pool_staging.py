@@ -32,8 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tpusync.caches.pool.cache import HostPoolKVCache
-from jax_tpusync.caches.pool.stored_rows import row_bytes
+from jax_tpusync.caches.capabilities import StagedRows
 from jax_tpusync.core.pool_state import PoolState
 from jax_tpusync.mooncake import transfer_memory
 from jax_tpusync.pd.channel import PDTransferError
@@ -62,14 +61,14 @@ class PoolStaging:
     """The staging buffer of a host-pool cache on one TransferEngine (see the module).
 
     Args:
-      cache: the host-pool cache.
+      cache: the host-pool cache (:class:`~jax_tpusync.caches.capabilities.StagedRows`).
       engine: the TransferEngine the buffer is registered with.
       role: "KVReceiver" or "KVSender", for messages.
       populate: fault a new buffer's pages in when it is mapped, rather than during the
         first transfer into it.
     """
 
-    def __init__(self, cache: HostPoolKVCache, engine: Any, role: str, *, populate: bool = True):
+    def __init__(self, cache: StagedRows, engine: Any, role: str, *, populate: bool = True):
         check_not_a_ring(cache, role)
         self.cache = cache
         self.engine = engine
@@ -90,8 +89,8 @@ class PoolStaging:
         return [b.until for b in self._retired]
 
     def _shape(self, tokens: int) -> tuple[int, ...]:
-        spec = self.cache.spec
-        return (self.cache.shards, spec.num_layers, 2, tokens, row_bytes(self.cache.layout))
+        spec = self.cache.shard_spec  # One head range's: its row is one shard's.
+        return (len(self.heads), spec.num_layers, 2, tokens, spec.row_bytes)
 
     def ensure(self, n: int) -> _Buffer:
         """The current buffer, mapped and registered anew if it holds fewer than ``n``
@@ -130,7 +129,7 @@ class PoolStaging:
         out = []
         for shard, heads in enumerate(self.heads):
             runs = []
-            for layer in range(self.cache.spec.num_layers):
+            for layer in range(self.cache.shard_spec.num_layers):
                 for kv in (0, 1):
                     at = buffer.address + shard * stride[0] + layer * stride[1] + kv * stride[2]
                     runs.append([[at, n * stride[3]]] if n else [])
@@ -190,7 +189,7 @@ class PoolStagingEndpoint:
     rows into the buffer before it writes them.
 
     Args:
-      cache: the host-pool cache.
+      cache: the host-pool cache (:class:`~jax_tpusync.caches.capabilities.StagedRows`).
       role: "KVReceiver" or "KVSender", for messages.
       populate: fault a new buffer's pages in when it is mapped.
       clock: the time a set-aside buffer's quarantine is counted in.
@@ -201,9 +200,7 @@ class PoolStagingEndpoint:
 
     pools = ()  # No memory of the cache is registered: its pool moves with every step.
 
-    def __init__(
-        self, cache: HostPoolKVCache, role: str, *, populate: bool, clock: Callable[[], float]
-    ):
+    def __init__(self, cache: StagedRows, role: str, *, populate: bool, clock: Callable[[], float]):
         self.cache = cache
         self.staging = PoolStaging(cache, None, role, populate=populate)
         self.clock = clock

@@ -3,6 +3,11 @@ per head range (a mesh cache: one per head shard), the layout two caches must sh
 the runs of a slot's rows in a pool; the pools' registration with a TransferEngine. (A
 host-pool cache's rows pass through a staging buffer instead:
 :mod:`jax_tpusync.pd.pool_staging`.)
+
+What a cache is asked here are its capabilities (:mod:`jax_tpusync.caches.capabilities`):
+how its heads are split (:class:`~jax_tpusync.caches.capabilities.HeadSplit`) and, for
+its pools, its one-device parts
+(:class:`~jax_tpusync.caches.capabilities.EngineTierRows`), never its class.
 """
 
 from __future__ import annotations
@@ -12,9 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tpusync.caches.offloaded.cache import OffloadedKVCache
-from jax_tpusync.caches.offloaded.mesh import ShardedKVCache
-from jax_tpusync.caches.pool.cache import HostPoolKVCache
+from jax_tpusync.caches.capabilities import EngineTierRows, HeadSplit
 from jax_tpusync.core.config import is_int
 from jax_tpusync.mooncake import transfer_memory
 from jax_tpusync.pd.channel import PDTransferError
@@ -23,33 +26,27 @@ from jax_tpusync.pd.channel import PDTransferError
 @dataclasses.dataclass(frozen=True)
 class HeadPool:
     """One head range's host pool: ``cache`` (a one-device cache, or shard ``shard`` of a
-    mesh cache) holds KV heads ``heads`` (lo, hi) of the model in its pool, mapped at
-    ``address`` (``nbytes`` long) in this process."""
+    mesh cache) holds KV heads ``heads`` (lo, hi) of the model, of global slots ``rows``
+    (lo, hi), in its pool, mapped at ``address`` (``nbytes`` long) in this process."""
 
     shard: int | None
-    cache: OffloadedKVCache
+    cache: Any  # A one-device engine cache (an OffloadedKVCache).
     heads: tuple[int, int]
+    rows: tuple[int, int]
     address: int
     nbytes: int
 
 
-def head_split(cache: OffloadedKVCache | ShardedKVCache | HostPoolKVCache) -> list[list[int]]:
+def head_split(cache: HeadSplit) -> list[list[int]]:
     """``[[lo, hi], ...]``: the KV head ranges ``cache``'s shards hold, in head order (one
     range, all heads, for a one-device cache)."""
-    if isinstance(cache, HostPoolKVCache):  # Its spec is one shard's.
-        shards, per = cache.shards, cache.spec.num_kv_heads
-    elif isinstance(cache, ShardedKVCache):
-        shards, per = cache.layout.tp, cache.shard_spec.num_kv_heads
-    else:
-        shards, per = 1, cache.spec.num_kv_heads
-    return [[s * per, (s + 1) * per] for s in range(shards)]
+    return [[int(lo), int(hi)] for lo, hi in cache.kv_head_ranges]
 
 
-def layout_of(cache: OffloadedKVCache | ShardedKVCache | HostPoolKVCache) -> dict:
+def layout_of(cache: HeadSplit) -> dict:
     """The layout two caches must share for one's rows to be the other's bytes: the row
-    layout of one head range's pool and how the heads are split over pools (a host-pool
-    cache's spec is one shard's already)."""
-    spec = cache.shard_spec if isinstance(cache, ShardedKVCache) else cache.spec
+    layout of one head range's pool and how the heads are split over pools."""
+    spec = cache.shard_spec
     return {
         "num_layers": spec.num_layers,
         "num_kv_heads": sum(hi - lo for lo, hi in head_split(cache)),
@@ -76,7 +73,7 @@ def layout_mismatch(ours: dict, theirs: Any) -> str | None:
     return "; ".join(diff) or None
 
 
-def check_not_a_ring(cache: OffloadedKVCache | HostPoolKVCache, role: str) -> None:
+def check_not_a_ring(cache: Any, role: str) -> None:
     """Refuses a cache that keeps only its window: its positions wrap around a ring of
     blocks, so a slot's rows are not where another process would write or read them."""
     if cache.spec.ring_blocks:
@@ -105,20 +102,26 @@ def _check_pool(cache: Any, role: str) -> tuple[int, int]:
 def head_pools(cache: Any, role: str) -> list[HeadPool]:
     """The pools of ``cache`` (a one-device cache: one; a mesh cache: one per local shard),
     after refusing a cache that cannot take part (the message says why)."""
-    if isinstance(cache, ShardedKVCache):
-        out = []
-        for s in sorted(cache.shards):
-            heads = cache.heads_of(s)
-            address, nbytes = _check_pool(cache.shards[s], role)
-            out.append(HeadPool(s, cache.shards[s], (heads.start, heads.stop), address, nbytes))
-        return out
-    if not isinstance(cache, OffloadedKVCache):
+    if not isinstance(cache, EngineTierRows):
         raise TypeError(
             f"{role} needs an OffloadedKVCache, a ShardedKVCache or a HostPoolKVCache; got "
             f"{type(cache).__name__}"
         )
-    address, nbytes = _check_pool(cache, role)
-    return [HeadPool(None, cache, (0, cache.spec.num_kv_heads), address, nbytes)]
+    out = []
+    for part in cache.tier_parts():
+        address, nbytes = _check_pool(part.cache, role)
+        heads, rows = part.heads, part.rows
+        out.append(
+            HeadPool(
+                part.shard,
+                part.cache,
+                (heads.start, heads.stop),
+                (rows.start, rows.stop),
+                address,
+                nbytes,
+            )
+        )
+    return out
 
 
 def check_slot(cache: Any, slot: Any) -> None:
@@ -128,19 +131,17 @@ def check_slot(cache: Any, slot: Any) -> None:
 
 
 def slot_pools(
-    cache: OffloadedKVCache | ShardedKVCache, pools: list[HeadPool], slot: Any
+    cache: EngineTierRows, pools: list[HeadPool], slot: Any
 ) -> list[tuple[HeadPool, int]]:
     """``(pool, slot within it)`` of every head range of global ``slot``, in head order.
     Raises ValueError for a bad slot, or one whose head ranges this process does not all
     hold (a multi-process mesh)."""
     check_slot(cache, slot)
-    if not isinstance(cache, ShardedKVCache):
-        return [(pools[0], int(slot))]
     out = []
     for pool in pools:
-        rows = cache.rows_of(pool.shard)
-        if rows.start <= slot < rows.stop:
-            out.append((pool, int(slot) - rows.start))
+        lo, hi = pool.rows
+        if lo <= slot < hi:
+            out.append((pool, int(slot) - lo))
     if len(out) != len(head_split(cache)):
         raise ValueError(
             f"slot {slot}'s KV heads are split over {len(head_split(cache))} devices, of which "
@@ -150,9 +151,7 @@ def slot_pools(
     return out
 
 
-def pool_runs(
-    cache: OffloadedKVCache, pool_address: int, slot: int, lo: int, hi: int
-) -> list[list[list[int]]]:
+def pool_runs(cache: Any, pool_address: int, slot: int, lo: int, hi: int) -> list[list[list[int]]]:
     """Per region (layer * 2 + K|V): ``[address, bytes]`` runs of positions ``[lo, hi)`` of
     ``slot``, in ``cache``'s host pool mapped at ``pool_address`` in this process. Raises
     ValueError for blocks on a two-level cache's spill tier."""

@@ -15,8 +15,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from jax_tpusync.caches.offloaded.cache import OffloadedKVCache
-from jax_tpusync.caches.offloaded.mesh import MeshAdmission, ShardedKVCache
+from jax_tpusync.caches.capabilities import EngineTierRows
+from jax_tpusync.caches.offloaded.mesh import MeshAdmission
 from jax_tpusync.core.state import KVState
 from jax_tpusync.mooncake import transfer_memory
 from jax_tpusync.pd.pools import (
@@ -34,7 +34,8 @@ class EngineTierEndpoint:
     :class:`~jax_tpusync.pd.endpoint.SlotRowsEndpoint`).
 
     Args:
-      cache: the engine cache, on a host tier.
+      cache: the engine cache, on a host tier (an
+        :class:`~jax_tpusync.caches.capabilities.EngineTierRows`; another is refused).
       role: "KVReceiver" or "KVSender", for messages.
       populate: fault the pools' pages in when they are registered.
       clock: the time quarantines are counted in.
@@ -47,7 +48,7 @@ class EngineTierEndpoint:
 
     def __init__(
         self,
-        cache: OffloadedKVCache | ShardedKVCache,
+        cache: EngineTierRows,
         role: str,
         *,
         populate: bool,

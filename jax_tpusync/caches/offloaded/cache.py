@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_tpusync.caches.capabilities import TierPart
 from jax_tpusync.caches.offloaded.assembly import (
     checked_config,
     engine_for,
@@ -50,7 +51,7 @@ from jax_tpusync.core import layout
 from jax_tpusync.core.config import CacheConfig
 from jax_tpusync.core.host_io import LoadedExtent
 from jax_tpusync.core.slots import Admission
-from jax_tpusync.core.state import KVState
+from jax_tpusync.core.state import CacheSpec, KVState
 from jax_tpusync.persist import commit as persistence
 from jax_tpusync.runtime import effects
 from jax_tpusync.runtime.engine import Engine, EngineConfig
@@ -686,3 +687,19 @@ class OffloadedKVCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # -- capabilities (jax_tpusync.caches.capabilities) --------------------------------------
+
+    @property
+    def kv_head_ranges(self) -> list[tuple[int, int]]:
+        """One head range, every head: one device's pool holds them all."""
+        return [(0, self.spec.num_kv_heads)]
+
+    @property
+    def shard_spec(self) -> CacheSpec:
+        """The spec of the one head range's pool: this cache's own."""
+        return self.spec
+
+    def tier_parts(self) -> list[TierPart]:
+        """This cache itself: every head and every slot, in its tier's pool."""
+        return [TierPart(None, self, slice(0, self.spec.num_kv_heads), slice(0, self.batch))]

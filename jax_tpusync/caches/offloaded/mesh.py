@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jax_tpusync.caches.capabilities import TierPart
 from jax_tpusync.caches.offloaded.cache import OffloadedKVCache
 from jax_tpusync.caches.parts import bring_to_common_commit, each_or_none, reserve_agreed
 from jax_tpusync.caches.protocol import admit_by_reservation
@@ -675,6 +676,22 @@ class ShardedKVCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # -- capabilities (jax_tpusync.caches.capabilities) --------------------------------------
+
+    @property
+    def kv_head_ranges(self) -> list[tuple[int, int]]:
+        """The head range of each device of ``kv_heads_axis``, in head order (those of
+        shards other processes hold too)."""
+        n = self.shard_spec.num_kv_heads
+        return [(t * n, (t + 1) * n) for t in range(self.layout.tp)]
+
+    def tier_parts(self) -> list[TierPart]:
+        """Each shard this process holds: its heads and its global slots."""
+        return [
+            TierPart(s, self.shards[s], self.heads_of(s), self.rows_of(s))
+            for s in sorted(self.shards)
+        ]
 
 
 def _heads_address(remote: str | None, heads: str) -> str | None:

@@ -104,6 +104,7 @@ from jax_tpusync.core.pool_state import (
     PoolState,
 )
 from jax_tpusync.core.slots import Admission, SlotTable
+from jax_tpusync.core.state import CacheSpec
 from jax_tpusync.persist import commit as persistence
 
 logger = logging.getLogger(__name__)
@@ -951,3 +952,17 @@ class HostPoolKVCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # -- capabilities (jax_tpusync.caches.capabilities) --------------------------------------
+
+    @property
+    def kv_head_ranges(self) -> list[tuple[int, int]]:
+        """The head range of each device the heads are split over, in head order (one,
+        every head, without a mesh)."""
+        n = self.spec.num_kv_heads
+        return [(s * n, (s + 1) * n) for s in range(self.shards)]
+
+    @property
+    def shard_spec(self) -> CacheSpec:
+        """The spec of one head range's pool: the cache's spec describes one already."""
+        return self.spec
