@@ -147,23 +147,24 @@ class PartsKVCache:
         slots, ...]`` of every part; the parts holding a slot must agree (a torn host call
         is refused, not averaged), or with ``common`` give their smallest value. Slots no
         part of this process holds are 0."""
-        out: dict[int, np.ndarray] = {}
+        full, held = None, np.zeros(self.batch, bool)
         for key, part in self.parts.items():
             with self._running(key):
                 value = np.asarray(per_part(key, part))
-            for i, b in enumerate(range(self.rows_of(key).start, self.rows_of(key).stop)):
-                if b in out and common:
-                    out[b] = np.minimum(out[b], value[i])
-                elif b in out and not np.array_equal(out[b], value[i]):
-                    raise ValueError(
-                        f"the {self.part_noun} of slot {b} disagree ({out[b].tolist()} vs "
-                        f"{value[i].tolist()} in {self._part_name(key)}): a host call was torn"
-                    )
-                out.setdefault(b, value[i])
-        first = next(iter(out.values()))
-        full = np.zeros((self.batch, *first.shape), first.dtype)
-        for b, value in out.items():
-            full[b] = value
+            rows = self.rows_of(key)
+            if full is None:
+                full = np.zeros((self.batch, *value.shape[1:]), value.dtype)
+            seen = held[rows].reshape(-1, *[1] * (value.ndim - 1))
+            torn = held[rows] & (full[rows] != value).reshape(len(value), -1).any(1)
+            if common:
+                value, torn = np.where(seen, np.minimum(full[rows], value), value), ()
+            for i in np.flatnonzero(torn):
+                raise ValueError(
+                    f"the {self.part_noun} of slot {rows.start + i} disagree "
+                    f"({full[rows][i].tolist()} vs {value[i].tolist()} in "
+                    f"{self._part_name(key)}): a host call was torn"
+                )
+            full[rows], held[rows] = value, True
         return full
 
     def _each(self, state: Any, do: Callable[[Any, Any, Any], Any], **split: Any) -> Any:
