@@ -18,7 +18,8 @@ The state (:class:`~jax_tpusync.core.hybrid_state.HybridState`) carries every gr
 :func:`~jax_tpusync.prefetching_attention` takes it as it takes a
 :class:`~jax_tpusync.KVState`, each layer with its own shapes. The host-side methods act on
 every group at once, all of them or none: an admission that one group refuses is undone in
-the others, and a refused call changes nothing.
+the others, and a refused call changes nothing (the composite of parts,
+:class:`~jax_tpusync.caches.composite.PartsKVCache`, whose parts here are the groups).
 
 On the TPU data path (``host_pool=True``, what :func:`jax_tpusync.kv_cache` makes on the TPU
 backend) each group is a :class:`~jax_tpusync.caches.pool.cache.HostPoolKVCache` instead: a pool

@@ -19,7 +19,9 @@ State. The global state is a :class:`~jax_tpusync.KVState` whose every field has
 axis of ``num_shards``, sharded ``P((batch_axis, kv_heads_axis))``
 (:attr:`ShardedKVCache.state_sharding`), so shard ``s`` lives on its own device. The
 host-side methods take and return global states and act on this process's shards (in a
-multi-process run every process calls them with the same arguments, as SPMD programs do).
+multi-process run every process calls them with the same arguments, as SPMD programs do):
+they are the composite of parts' (:class:`~jax_tpusync.caches.composite.PartsKVCache`),
+whose parts here are the shards.
 
 Attention. :func:`~jax_tpusync.prefetching_attention` with a mesh cache runs the
 single-device attention of each shard in ``shard_map`` (q/k/v split

@@ -15,8 +15,10 @@ whole mesh: the step (:mod:`jax_tpusync.step.sharded`) runs each device's share 
 per-device buffers (``jax.make_array_from_single_device_arrays``) and split back into
 them the same way: no bytes are copied either way.
 
-Host calls take global slot ids: a call for slot ``b`` goes to batch shard ``b //
-(batch / dp)`` with its slot id there. Every call checks every batch shard's part of the
+Host calls take global slot ids (the composite of parts',
+:class:`~jax_tpusync.caches.composite.PartsKVCache`, whose parts here are the batch
+shards): a call for slot ``b`` goes to batch shard ``b // (batch / dp)`` with its slot id
+there. Every call checks every batch shard's part of the
 state first (each shard's ``PoolState.epoch``): a state that is not the live one in any
 shard, or another cache's, or whose shards' parts are not where their shard's are, is
 refused, and a refusal changes no shard. Each batch shard has its own slot table,
