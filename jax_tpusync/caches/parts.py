@@ -1,8 +1,8 @@
 """A cache made of parts: the head shards of a mesh slot, the layer groups of a hybrid model.
 
 A host-side call on such a cache must act on every part or on none, and the parts must
-agree on what they hold. The rules, kept once here for :mod:`jax_tpusync.caches.offloaded.mesh` and
-:mod:`jax_tpusync.caches.hybrid.cache`:
+agree on what they hold. The rules, kept once here for the composite of parts
+(:mod:`jax_tpusync.caches.composite`: mesh shards, batch shards, layer groups):
 
 * **All or none** (:func:`each_or_none`): each part does its share in turn; a refusal in
   any part undoes the shares already done, in reverse order, and raises the refusal.

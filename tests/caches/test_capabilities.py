@@ -212,9 +212,6 @@ KNOWN_CACHES = {
 }
 # The one module that may choose by class: it builds the caches.
 FACTORY = "factory"
-# Checks not yet replaced, each by (module, function): a host pool's device bytes, which a
-# hybrid cache of host pools multiplies by its shards (its engine groups count all of theirs).
-PENDING = {("caches.hybrid.cache", "_device_bytes")}
 
 
 def cache_classes(root: pathlib.Path = PACKAGE) -> set[str]:
@@ -315,17 +312,13 @@ def test_the_scan_knows_every_cache_class():
 
 def test_no_module_outside_the_factory_checks_a_concrete_cache_class():
     classes = cache_classes()
-    bad, pending = [], set()
+    bad = []
     for module, path in _package_modules().items():
         if module == FACTORY:
             continue
         for function, line, name in concrete_class_checks(path, classes):
-            if (module, function) in PENDING:
-                pending.add((module, function))
-            else:
-                bad.append(f"{module}:{line} ({function}) checks isinstance(..., {name})")
+            bad.append(f"{module}:{line} ({function}) checks isinstance(..., {name})")
     assert not bad, "ask the cache, or isinstance on a capability protocol:\n" + "\n".join(bad)
-    assert pending == PENDING, f"no longer checks a concrete class: drop {PENDING - pending}"
 
 
 def test_the_scan_catches_a_planted_check(tmp_path):

@@ -18,7 +18,8 @@ The state (:class:`~jax_tpusync.core.hybrid_state.HybridState`) carries every gr
 :func:`~jax_tpusync.prefetching_attention` takes it as it takes a
 :class:`~jax_tpusync.KVState`, each layer with its own shapes. The host-side methods act on
 every group at once, all of them or none: an admission that one group refuses is undone in
-the others, and a refused call changes nothing.
+the others, and a refused call changes nothing (the composite of parts,
+:class:`~jax_tpusync.caches.composite.PartsKVCache`, whose parts here are the groups).
 
 On the TPU data path (``host_pool=True``, what :func:`jax_tpusync.kv_cache` makes on the TPU
 backend) each group is a :class:`~jax_tpusync.caches.pool.cache.HostPoolKVCache` instead: a pool
@@ -42,10 +43,8 @@ anything is made; a persistent cache's record of its layers is :mod:`jax_tpusync
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -53,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jax_tpusync.caches.composite import PartsAdmission, PartsKVCache
 from jax_tpusync.caches.hybrid.config import check_arguments, group_arguments
 from jax_tpusync.caches.hybrid.record import (
     LAYERS_SUFFIX,
@@ -62,14 +62,8 @@ from jax_tpusync.caches.hybrid.record import (
 )
 from jax_tpusync.caches.offloaded.cache import OffloadedKVCache
 from jax_tpusync.caches.offloaded.mesh import ShardedKVCache
-from jax_tpusync.caches.parts import (
-    bring_to_common_commit,
-    each_or_none,
-    reserve_agreed,
-    reserving_in_each,
-)
 from jax_tpusync.caches.pool.cache import HostPoolKVCache
-from jax_tpusync.caches.protocol import admit_by_reservation
+from jax_tpusync.caches.protocol import KVCache
 from jax_tpusync.core.config import CacheConfig, is_int, normalize_windows, with_config
 from jax_tpusync.core.hybrid_state import HybridState, LayerGroups, plan_groups
 from jax_tpusync.core.state import KVState
@@ -88,8 +82,11 @@ __all__ = [
     "group_cache_class",
 ]
 
-# What a group's cache can be.
-GroupCache = OffloadedKVCache | ShardedKVCache | HostPoolKVCache
+# What a group's cache is: any KV cache (the class is chosen in group_cache_class).
+GroupCache = KVCache
+# What HybridKVCache.reserve makes: every group's reservation (the one admission type of
+# a cache of parts).
+HybridAdmission = PartsAdmission
 
 
 def group_cache_class(*, host_pool: bool, mesh: Any) -> type:
@@ -102,17 +99,7 @@ def group_cache_class(*, host_pool: bool, mesh: Any) -> type:
     return OffloadedKVCache if mesh is None else ShardedKVCache
 
 
-@dataclasses.dataclass(frozen=True)
-class HybridAdmission:
-    """What :meth:`HybridKVCache.reserve` made: every group's reservation of ``slot``
-    (in group order) and the prefix tokens they all map."""
-
-    slot: int
-    parts: tuple
-    cached: int | None
-
-
-class HybridKVCache:
+class HybridKVCache(PartsKVCache):
     """A KV cache for a model whose layers differ in KV geometry (see the module).
 
     Takes the keywords below, or ``config=`` a :class:`~jax_tpusync.core.config.CacheConfig`
@@ -214,7 +201,7 @@ class HybridKVCache:
         self.max_step_tokens = int(max_step_tokens)
         self.mesh = mesh
         self.host_pool = bool(host_pool)
-        self.groups: list[GroupCache] = []
+        self.parts: dict[int, GroupCache] = {}
         made = group_arguments(
             self.plan,
             batch=batch,
@@ -241,32 +228,52 @@ class HybridKVCache:
         undo: list = []  # What a failed construction puts back on disk.
         try:
             undo = write_layers_record(record, self.plan, shm_name, file_name, options)
-            for kwargs in made:
-                self.groups.append(group_cache(**on_engine, **kwargs))
+            for i, kwargs in enumerate(made):
+                self.parts[i] = group_cache(**on_engine, **kwargs)
             self._reconcile_commits()
         except Exception:
             self.close()
             put_back(undo)
             raise
 
-    def _reconcile_commits(self) -> None:
-        """Re-attach: each group commits on its own, so a crash between two groups' commits
-        leaves them at different commits. Their common state is the shorter one, every part
-        of it: a slot one group holds released is released in all; a slot's rows and token
-        ids end at the shortest length any group committed (ids past it are not its KV's,
-        and a release would index blocks under them)."""
+    @property
+    def groups(self) -> list[GroupCache]:
+        """Every layer group's cache, in group order (the plan's)."""
+        return list(self.parts.values())
 
-        def warn(i, committed, common, torn):
-            logger.warning(
-                "re-attach: layer group %d was left at another commit (lengths %s); bringing "
-                "every group to their common lengths %s%s",
-                i,
-                committed.tolist(),
-                common.tolist(),
-                f", releasing slots {np.flatnonzero(torn).tolist()}" if torn.any() else "",
-            )
+    # -- the parts: layer groups, each holding every slot -----------------------------------
 
-        bring_to_common_commit(self.groups, warn)
+    part_noun = "layer groups"
+    _log = logger
+
+    def rows_of(self, key: int) -> slice:
+        """The global slots layer group ``key`` holds: every slot."""
+        return slice(0, self.batch)
+
+    def _part_name(self, key: int) -> str:
+        return f"layer group {key}"
+
+    def _split(self, state, *, check=True, releasing=None) -> dict[int, KVState]:
+        return dict(enumerate(self.split(state)))
+
+    def _assemble(self, states: dict[int, KVState], state=None) -> HybridState:
+        return self._state(list(states.values()), None if state is None else state.pending)
+
+    def _reserve_order(self, keys: list) -> list:
+        """Groups that keep every position reserve first, and a group that keeps only its
+        window looks for no longer prefix than they all map (the prefix every group maps
+        is the shortest one anyway, and a window's search asks its levels about every
+        block it considers)."""
+        return sorted(keys, key=lambda i: bool(self.parts[i].spec.ring_blocks))
+
+    def _search_cap(self, key: int, cap: int | None, found: list[int]) -> int | None:
+        if self.parts[key].spec.ring_blocks and found:
+            return min(found) if cap is None else min(cap, *found)
+        return cap
+
+    def _close_own(self) -> None:
+        if self._owns_engine and self.engine is not None and not self.engine.closed:
+            self.engine.close()
 
     # -- state ------------------------------------------------------------------------------
 
@@ -297,28 +304,6 @@ class HybridKVCache:
             raise ValueError(f"expected a HybridState of this cache; got {type(state).__name__}")
         return list(state.groups)
 
-    def _each(self, state: HybridState | None, fn) -> HybridState:
-        parts = [None] * len(self.groups) if state is None else self.split(state)
-        out = [fn(g, p) for g, p in zip(self.groups, parts)]
-        return self._state(out, None if state is None else state.pending)
-
-    def init(self, lengths=None, *, admit: bool = True) -> HybridState:
-        """A fresh state of every group (see :meth:`OffloadedKVCache.init`)."""
-        if lengths is not None:
-            lengths = np.asarray(lengths)
-            if lengths.shape != (self.batch,):
-                raise ValueError(f"lengths must have shape ({self.batch},); got {lengths.shape}")
-        return self._state([g.init(lengths, admit=admit) for g in self.groups])
-
-    def inert_state(self) -> HybridState:
-        """A state of every group that moves no bytes (see
-        :meth:`OffloadedKVCache.inert_state`)."""
-        return self._state([g.inert_state() for g in self.groups])
-
-    def drain(self, state: HybridState) -> HybridState:
-        """Discards every group's prefetches; returns the live state."""
-        return self._each(state, lambda g, p: g.drain(p))
-
     def recover(self) -> HybridState:
         """The live state after a failed step (see :meth:`OffloadedKVCache.recover`); the
         groups' lengths are brought to their common ones (a step that failed after some
@@ -329,178 +314,11 @@ class HybridKVCache:
             parts = [g.init(lengths, admit=False) for g in self.groups]
         return self._state(parts)
 
-    def commit(self, state: HybridState) -> HybridState:
-        """Commits every group (persistent tiers; see :meth:`OffloadedKVCache.commit`)."""
-        return self._each(state, lambda g, p: g.commit(p))
+    # -- host-side rows: a layer's group ----------------------------------------------------
 
-    def check(self, state: HybridState) -> None:
-        """Refuses, changing nothing, what is not a state of this cache: not a
-        ``HybridState`` of its groups, or one a group refuses (:meth:`check` of its
-        cache)."""
-        for g, p in zip(self.groups, self.split(state)):
-            g.check(p)
-
-    def lengths(self, state: HybridState) -> np.ndarray:
-        """int32[batch]: every slot's length in ``state`` (the groups' must agree)."""
-        parts = self.split(state)
-        lengths = [g.lengths(p) for g, p in zip(self.groups, parts)]
-        for i, other in enumerate(lengths[1:], 1):
-            if not np.array_equal(other, lengths[0]):
-                raise ValueError(
-                    f"layer groups 0 and {i} disagree on the slots' lengths "
-                    f"({lengths[0].tolist()} vs {other.tolist()}): a host call was torn"
-                )
-        return lengths[0]
-
-    # -- slot lifecycle ---------------------------------------------------------------------
-
-    def admit(
-        self,
-        state: HybridState,
-        slot: int,
-        *,
-        max_tokens: int | None = None,
-        tokens: Sequence[int] | np.ndarray | None = None,
-    ) -> tuple[HybridState, int]:
-        """Admits ``slot`` in every group; returns ``(state, cached)``. All groups or none;
-        groups whose prefix stores differ all map the prefix the shortest one has (0 when
-        a group keeps only its window)."""
-        return admit_by_reservation(self, state, slot, max_tokens, tokens)  # Checks state.
-
-    @contextlib.contextmanager
-    def reserving_in(self, state: HybridState) -> Iterator[None]:
-        """Every group's :meth:`~jax_tpusync.caches.protocol.Reservable.reserving_in` its
-        part of ``state`` (host-pool groups with a spill tier demote out of their pools)."""
-        with reserving_in_each(self.groups, self.split(state)):
-            yield
-
-    def reserve(
-        self,
-        slot: int,
-        max_tokens: int | None = None,
-        tokens: Sequence[int] | np.ndarray | None = None,
-        *,
-        max_cached: int | None = None,
-    ) -> HybridAdmission:
-        """:meth:`admit`'s first half: every group's slot table admits ``slot`` (all or
-        none, raising), no state changes; then :meth:`admitted` (which cannot be refused)
-        or :meth:`cancel`. ``max_cached`` caps the mapped prefix (tokens). Groups whose
-        prefix stores differ all map the prefix the shortest one has (the rule of
-        :func:`jax_tpusync.caches.parts.reserve_agreed`)."""
-        reservations = reserve_agreed(
-            lambda cap: self._reserve_all(slot, max_tokens, tokens, cap),
-            self._cancel,
-            lambda r: r.cached,
-            max_cached,
-        )
-        cached = {r.cached for r in reservations} - {None}
-        return HybridAdmission(int(slot), tuple(reservations), cached.pop() if cached else None)
-
-    def cancel(self, reservation: HybridAdmission) -> None:
-        """Undoes a :meth:`reserve` that was not :meth:`admitted`."""
-        self._cancel(reservation.parts)
-
-    def admitted(self, state: HybridState, reservation: HybridAdmission) -> HybridState:
-        """The live state once :meth:`reserve` made ``reservation``."""
-        parts = self.split(state)
-        parts = [g.admitted(p, r) for g, p, r in zip(self.groups, parts, reservation.parts)]
-        return self._state(parts, state.pending)
-
-    def _reserve_all(self, slot, max_tokens, tokens, max_cached) -> list:
-        """Every group's reservation of ``slot``, or none (undone, then raised). Groups that
-        keep every position reserve first, and a group that keeps only its window looks for
-        no longer prefix than they all map (the prefix every group maps is the shortest one
-        anyway, and a window's search asks its levels about every block it considers)."""
-        self._check_slot(slot)
-        order = sorted(range(len(self.groups)), key=lambda i: bool(self.groups[i].spec.ring_blocks))
-        found: list[int] = []  # The prefixes the groups reserved so far map.
-
-        def reserve(i: int):
-            g, cap = self.groups[i], max_cached
-            if g.spec.ring_blocks and found:
-                cap = min(found) if cap is None else min(cap, *found)
-            reservation = g.reserve(slot, max_tokens, tokens, max_cached=cap)
-            if reservation.cached is not None:
-                found.append(reservation.cached)
-            return reservation
-
-        done = each_or_none(order, reserve, lambda i, r: self.groups[i].cancel(r))
-        by_group = dict(zip(order, done))
-        return [by_group[i] for i in range(len(self.groups))]
-
-    def _cancel(self, reservations) -> None:
-        for g, r in zip(self.groups, reservations):
-            g.cancel(r)
-
-    def _check_slot(self, slot: Any) -> None:
-        if not is_int(slot) or not 0 <= slot < self.batch:
-            raise ValueError(f"slot={slot!r} must be an int in [0, batch={self.batch})")
-
-    def check_release(self, state: HybridState, slot: int, tokens=None) -> None:
-        """Refuses, changing nothing, a :meth:`release` that a group would refuse."""
-        parts = self.split(state)
-        self._check_slot(slot)
-        for g, p in zip(self.groups, parts):
-            g.check_release(p, slot, tokens)
-
-    def release(
-        self,
-        state: HybridState,
-        slot: int,
-        *,
-        tokens: Sequence[int] | np.ndarray | None = None,
-    ) -> HybridState:
-        """Releases ``slot`` in every group, once every group accepted the arguments."""
-        self.check_release(state, slot, tokens)
-        parts = self.split(state)
-        parts = [g.release(p, slot, tokens=tokens) for g, p in zip(self.groups, parts)]
-        return self._state(parts, state.pending)
-
-    def publish_windows(self, state: HybridState, slot: int) -> int:
-        """Every sliding group's :meth:`OffloadedKVCache.publish_windows` (between the
-        steps of a prompt's prefill: later prompts sharing its prefix then find their
-        windows); returns the blocks copied."""
-        self._check_slot(slot)
-        return sum(
-            g.publish_windows(p, slot)
-            for g, p in zip(self.groups, self.split(state))
-            if g.spec.ring_blocks
-        )
-
-    def share_computed(self, state: HybridState, slot: int) -> int:
-        """Every group's :meth:`OffloadedKVCache.share_computed` (a sliding group's ring
-        indexes none: its windows are copied by :meth:`publish_windows`); returns the
-        blocks indexed, summed over groups."""
-        self._check_slot(slot)
-        parts = self.split(state)
-        for g, p in zip(self.groups, parts):  # Refused in every group or in none.
-            g.lengths(p)  # A state of another cache, or donated, is refused here.
-            if not g.capacity[slot]:
-                raise ValueError(f"slot {slot} is not active (nothing to share)")
-        return sum(g.share_computed(p, slot) for g, p in zip(self.groups, parts))
-
-    def tokens(self, slot: int) -> np.ndarray:
-        """int64[n]: ``slot``'s recorded token ids (every group records the same)."""
-        return self.groups[0].tokens(slot)
-
-    def extend_tokens(self, slot: int, ids: Sequence[int] | np.ndarray) -> None:
-        """Records ``ids`` after ``slot``'s token ids in every group, once every group
-        accepts them (see :meth:`OffloadedKVCache.extend_tokens`)."""
-        self._check_slot(slot)
-        for g in self.groups:  # The same checks in every group first.
-            if not g.capacity[slot]:
-                raise ValueError(f"slot {slot} is not active (admit it first)")
-        for g in self.groups:
-            g.extend_tokens(slot, ids)
-
-    @property
-    def capacity(self) -> np.ndarray:
-        """int32[batch]: tokens each slot may hold (0: inactive); a copy."""
-        return self.groups[0].capacity
-
-    # -- host-side rows ---------------------------------------------------------------------
-
-    def _stored(self, layer: Any, what: str) -> tuple[OffloadedKVCache, int]:
+    def _stored(self, layer: Any, what: str) -> tuple[int, int]:
+        """``(group, layer there)`` of ``layer``'s stored KV (its source's, for a reading
+        layer; a load of a reading layer is refused)."""
         if not is_int(layer) or not 0 <= layer < self.plan.num_layers:
             raise ValueError(
                 f"layer={layer!r} is out of range for a cache of {self.plan.num_layers} layers"
@@ -511,78 +329,22 @@ class HybridKVCache:
                 f"layer {layer} reads layer {source}'s KV (kv_sharing) and stores none: load "
                 f"layer {source}"
             )
-        return self.groups[self.plan.group_of[layer]], self.plan.local_of[layer]
+        return self.plan.group_of[layer], self.plan.local_of[layer]
 
-    def load(
-        self,
-        state: HybridState,
-        layer: int,
-        k: Any,
-        v: Any,
-        *,
-        start: int | Sequence[int] = 0,
-        lengths: Sequence[int] | None = None,
-        slot: int | None = None,
-    ) -> HybridState:
-        """Bulk-writes one layer's KV (see :meth:`OffloadedKVCache.load`; a sliding group
-        that keeps only its window writes the rows the window keeps)."""
+    def _load_shares(self, layer, k, v, start, lengths, slot) -> dict:
+        """The layer's group loads it whole (a sliding group that keeps only its window
+        writes the rows the window keeps)."""
         group, local = self._stored(layer, "load")
-        parts = self.split(state)
-        i = self.plan.group_of[layer]
-        parts[i] = group.load(parts[i], local, k, v, start=start, lengths=lengths, slot=slot)
-        return self._state(parts, state.pending)
+        return {group: dict(layer=local, k=k, v=v, start=start, lengths=lengths, slot=slot)}
 
-    def read(
-        self,
-        state: HybridState,
-        layer: int,
-        slot: int,
-        start: int = 0,
-        stop: int | None = None,
-        *,
-        raw: bool = False,
-    ):
-        """Host-side K and V of one slot's positions in ``layer`` (its source's, for a
-        reading layer); see :meth:`OffloadedKVCache.read`."""
+    def _read_parts(self, layer: Any, slot: Any) -> list[tuple[int, int, int]]:
         group, local = self._stored(layer, "read")
-        part = self.split(state)[self.plan.group_of[layer]]
-        return group.read(part, local, slot, start, stop, raw=raw)
-
-    # -- what the groups hold ---------------------------------------------------------------
-
-    @property
-    def kv_bytes(self) -> int:
-        """Bytes the tier holds for every group's blocks (K and V, every stored layer; a
-        host pool's every device's pool)."""
-        return sum(g.kv_bytes for g in self.groups)
+        return [(group, local, slot)]
 
     @property
     def device_bytes(self) -> int:
-        """Device memory of every group's staging (every shard's, on a mesh)."""
-        return sum(_device_bytes(g) for g in self.groups)
-
-    @property
-    def committed_lengths(self) -> np.ndarray | None:
-        """int32[batch] of the groups' common commit (None: not persistent)."""
-        committed = [g.committed_lengths for g in self.groups]
-        return None if committed[0] is None else np.minimum.reduce(committed)
-
-    # -- lifetime ---------------------------------------------------------------------------
-
-    def close(self, state: HybridState | None = None) -> None:
-        """Closes every group (committing ``state``'s, if given) and the engine if the
-        cache made it."""
-        parts = [None] * len(self.groups) if state is None else list(state.groups)
-        for g, p in zip(self.groups, parts):
-            g.close(p)
-        if self._owns_engine and self.engine is not None and not self.engine.closed:
-            self.engine.close()
-
-    def __enter__(self) -> HybridKVCache:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        """Device memory of every group's staging (every device's, on a mesh)."""
+        return self.all_device_bytes
 
 
 def describe_bytes(cache: HybridKVCache) -> dict:
@@ -596,11 +358,3 @@ def describe_bytes(cache: HybridKVCache) -> dict:
         }
         for i, group in enumerate(cache.plan.groups)
     }
-
-
-def _device_bytes(group: GroupCache) -> int:
-    """Device memory of a group's staging, every device's: a host pool states its bytes
-    per device, an engine cache its every shard's."""
-    if isinstance(group, HostPoolKVCache):
-        return group.device_bytes * group.shards
-    return group.device_bytes

@@ -177,6 +177,11 @@ class OffloadedKVCache:
         return self.spec.device_bytes
 
     @property
+    def all_device_bytes(self) -> int:
+        """Device memory of the state's staging over every device (one here)."""
+        return self.device_bytes
+
+    @property
     def target(self) -> np.ndarray:
         """int64[6]: (engine id, tier, first block, shard, spill tier, spill first block),
         what the state's ``target`` carries (see :class:`KVState`); a copy."""

@@ -19,7 +19,9 @@ State. The global state is a :class:`~jax_tpusync.KVState` whose every field has
 axis of ``num_shards``, sharded ``P((batch_axis, kv_heads_axis))``
 (:attr:`ShardedKVCache.state_sharding`), so shard ``s`` lives on its own device. The
 host-side methods take and return global states and act on this process's shards (in a
-multi-process run every process calls them with the same arguments, as SPMD programs do).
+multi-process run every process calls them with the same arguments, as SPMD programs do):
+they are the composite of parts' (:class:`~jax_tpusync.caches.composite.PartsKVCache`),
+whose parts here are the shards.
 
 Attention. :func:`~jax_tpusync.prefetching_attention` with a mesh cache runs the
 single-device attention of each shard in ``shard_map`` (q/k/v split
@@ -38,7 +40,6 @@ import dataclasses
 import logging
 import os
 import urllib.parse
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -47,32 +48,23 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jax_tpusync.caches.capabilities import TierPart
+from jax_tpusync.caches.composite import PartsAdmission, PartsKVCache, outside_mesh
 from jax_tpusync.caches.offloaded.cache import OffloadedKVCache
-from jax_tpusync.caches.parts import bring_to_common_commit, each_or_none, reserve_agreed
-from jax_tpusync.caches.protocol import admit_by_reservation
 from jax_tpusync.core.config import CacheConfig, with_config
 from jax_tpusync.core.host_io import one_slot_load
 from jax_tpusync.core.mesh_layout import MeshLayout, checked_layout
-from jax_tpusync.core.quantize import join_head_shards
 from jax_tpusync.core.state import CacheSpec, KVState
 from jax_tpusync.runtime.engine import Engine, EngineConfig
 
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class MeshAdmission:
-    """What :meth:`ShardedKVCache.reserve` made: each holder shard's slot-table admission
-    of global ``slot`` (``local`` within its shards) and the prefix tokens they all map
-    (None: this process holds none of the slot's shards)."""
-
-    slot: int
-    local: int
-    admissions: dict
-    cached: int | None
+# What ShardedKVCache.reserve makes: each holder shard's slot-table admission (the one
+# admission type of a cache of parts).
+MeshAdmission = PartsAdmission
 
 
-class ShardedKVCache:
+class ShardedKVCache(PartsKVCache):
     """An :class:`~jax_tpusync.OffloadedKVCache` split over the devices of a mesh (or
     ``jax_tpusync.kv_cache(..., mesh=mesh, kv_heads_axis=..., batch_axis=...)``).
 
@@ -153,7 +145,7 @@ class ShardedKVCache:
         # Shard of each of this process's devices, from the sharding itself.
         index = self.state_sharding.addressable_devices_indices_map((layout.num_shards,))
         self._devices = {int(ix[0].start or 0): d for d, ix in index.items()}
-        self.shards: dict[int, OffloadedKVCache] = {}
+        self.parts: dict[int, OffloadedKVCache] = {}
         try:
             for s in sorted(self._devices):
                 with self._on(s):
@@ -174,11 +166,11 @@ class ShardedKVCache:
                         ),
                         **options,
                     )
-                self.shards[s] = cache
+                self.parts[s] = cache
         except Exception:
-            self._close_shards()
+            self.close()
             raise
-        self.shard_spec: CacheSpec = next(iter(self.shards.values())).spec
+        self.shard_spec: CacheSpec = next(iter(self.parts.values())).spec
         self.spec = dataclasses.replace(self.shard_spec, mesh=layout)
         self.batch = int(batch)
         self.num_kv_heads = int(num_kv_heads)
@@ -200,40 +192,30 @@ class ShardedKVCache:
         """Device memory of every shard's staging."""
         return self.shard_spec.device_bytes * self.layout.num_shards
 
-    def _reconcile_commits(self) -> None:
-        """Re-attach: brings the head shards of every slot to their common commit.
+    @property
+    def all_device_bytes(self) -> int:
+        """Device memory of the state's staging over every device (every shard's)."""
+        return self.device_bytes
 
-        Each shard commits on its own, so a crash between two shards' manifest writes (in
-        a commit, or in the commit a release makes) leaves the head shards of a slot at
-        different commits. Their common state is the shorter one, every part of it: a slot
-        that one head shard holds released is released in all (its KV is dropped), and a
-        slot's rows and token ids end at the smallest length any head shard committed (the
-        rows below it are committed, and checksummed, in every shard; ids past it are not
-        its KV's). Logged as a warning naming the shards.
-        """
-        for d in range(self.layout.dp):
-            holders = [s for s in self.shards if self._place(s)[0] == d]
-            if len(holders) < 2:
-                continue
-
-            def warn(i, committed, common, torn, holders=holders):
-                s = holders[i]
-                logger.warning(
-                    "re-attach: head shards %s of slots %s were left at different commits "
-                    "(shard %d: lengths %s); bringing them to their common lengths %s%s",
-                    holders,
-                    [self.rows_of(s).start + b for b in range(len(common))],
-                    s,
-                    committed.tolist(),
-                    common.tolist(),
-                    f", releasing slots {np.flatnonzero(torn).tolist()} of shard {s}"
-                    if torn.any()
-                    else "",
-                )
-
-            bring_to_common_commit([self.shards[s] for s in holders], warn)
+    @property
+    def shards(self) -> dict[int, OffloadedKVCache]:
+        """``{shard: its cache}`` of this process's shards."""
+        return self.parts
 
     # -- global states <-> shard states -----------------------------------------------------
+
+    part_noun = "head shards"
+    _log = logger
+
+    def _part_name(self, s: int) -> str:
+        return f"shard {s}"
+
+    def _running(self, s: int) -> contextlib.AbstractContextManager[None]:
+        return self._on(s)
+
+    def _close_own(self) -> None:
+        if self._owns_engine:
+            self.engine.close()
 
     def _place(self, s: int) -> tuple[int, int]:
         return divmod(s, self.layout.tp)
@@ -255,10 +237,10 @@ class ShardedKVCache:
         """Host-side work on shard ``s``: its device's arrays, outside any mesh context
         (eager ops on one device's arrays under ``jax.set_mesh`` of the whole mesh are
         refused by jit)."""
-        with _outside_mesh(), jax.default_device(self._devices[s]):
+        with outside_mesh(), jax.default_device(self._devices[s]):
             yield
 
-    def _assemble(self, states: dict[int, KVState]) -> KVState:
+    def _assemble(self, states: dict[int, KVState], state: KVState | None = None) -> KVState:
         """The global state of this process's shard states."""
         n = self.layout.num_shards
         per_leaf = [jax.tree_util.tree_leaves(states[s]) for s in sorted(states)]
@@ -305,241 +287,17 @@ class ShardedKVCache:
                     per_shard[s].append(piece.data[0])
         return {s: KVState(self.shard_spec, *leaves) for s, leaves in per_shard.items()}
 
-    def _each(self, state: KVState | None, fn, shards=None) -> KVState:
-        """The global state after ``fn(shard, cache, shard_state)`` on each local shard
-        (``shards``: those only, the others kept)."""
-        parts = self.split(state) if state is not None else {}
-        for s, cache in self.shards.items():
-            if shards is None or s in shards:
-                with self._on(s):
-                    parts[s] = fn(s, cache, parts.get(s))
-        return self._assemble(parts)
-
-    # -- state ------------------------------------------------------------------------------
-
-    def init(
-        self, lengths: Sequence[int] | np.ndarray | None = None, *, admit: bool = True
-    ) -> KVState:
-        """A fresh global state; ``lengths``: int[batch] (global slots), see
-        :meth:`OffloadedKVCache.init`."""
-        if lengths is not None:
-            lengths = np.asarray(lengths)
-            if lengths.shape != (self.batch,):
-                raise ValueError(f"lengths must have shape ({self.batch},); got {lengths.shape}")
-        return self._each(
-            None,
-            lambda s, c, _: c.init(
-                None if lengths is None else lengths[self.rows_of(s)], admit=admit
-            ),
-        )
-
-    def inert_state(self) -> KVState:
-        """A global state that moves no bytes (see :meth:`OffloadedKVCache.inert_state`)."""
-        return self._each(None, lambda s, c, _: c.inert_state())
-
-    def drain(self, state: KVState) -> KVState:
-        """Discards the prefetches of every shard (see :meth:`OffloadedKVCache.drain`)."""
-        return self._each(state, lambda s, c, part: c.drain(part))
-
-    def recover(self) -> KVState:
-        """Every shard's live state after a failed step (see
-        :meth:`OffloadedKVCache.recover`)."""
-        return self._each(None, lambda s, c, _: c.recover())
-
-    def commit(self, state: KVState) -> KVState:
-        """Commits every shard (persistent tiers; see :meth:`OffloadedKVCache.commit`)."""
-        return self._each(state, lambda s, c, part: c.commit(part))
-
-    def check(self, state: KVState) -> None:
-        """Refuses, changing nothing, what is not a state of this cache: not a ``KVState``
-        (``TypeError``), or one whose structure or any of this process's shards is not
-        this cache's (``ValueError``, as :meth:`OffloadedKVCache.check`)."""
-        for s, part in self.split(state).items():
-            with self._on(s):
-                self.shards[s].check(part)
-
-    def lengths(self, state: KVState) -> np.ndarray:
-        """int32[batch]: the global slots' lengths in ``state`` (this process's shards);
-        refuses head shards of one slot that disagree."""
-        parts = self.split(state)
-        return self._gather(lambda s, c: parts[s].lengths)
+    def _split(self, state: KVState, *, check=True, releasing=None) -> dict[int, KVState]:
+        return self.split(state)
 
     # -- slot lifecycle ---------------------------------------------------------------------
-
-    def _slot(self, slot: Any) -> tuple[int, list[int]]:
-        """(slot within its shards, the local shards holding global ``slot``)."""
-        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.batch:
-            raise ValueError(f"slot={slot!r} must be an int in [0, batch={self.batch})")
-        d, local = divmod(int(slot), self.shard_spec.batch)
-        return local, [s for s in self.shards if self._place(s)[0] == d]
-
-    def admit(
-        self,
-        state: KVState,
-        slot: int,
-        *,
-        max_tokens: int | None = None,
-        tokens: Sequence[int] | np.ndarray | None = None,
-    ):
-        """Admits global ``slot`` in each of its shards (every head shard of its batch
-        share); returns ``(state, cached)`` (``cached`` None where this process holds none
-        of them). See :meth:`OffloadedKVCache.admit`.
-
-        All shards or none: every holder's slot table admits first (a refusal in one undoes
-        the others' and raises, the state untouched); head shards whose prefix stores
-        differ (a block one of them lacks) all map the prefix the shortest one has (the
-        rule of :func:`jax_tpusync.caches.parts.reserve_agreed`)."""
-        return admit_by_reservation(self, state, slot, max_tokens, tokens)  # Checks state.
 
     def reserving_in(self, state: KVState) -> contextlib.AbstractContextManager[None]:
         """Nothing to set: the shards' blocks are on their engines, not in ``state``
         (:meth:`jax_tpusync.caches.protocol.Reservable.reserving_in`)."""
         return contextlib.nullcontext()
 
-    def reserve(
-        self,
-        slot: int,
-        max_tokens: int | None = None,
-        tokens: Sequence[int] | np.ndarray | None = None,
-        *,
-        max_cached: int | None = None,
-    ) -> MeshAdmission:
-        """:meth:`admit`'s first half: every holder shard's slot table admits ``slot`` (all
-        or none, raising), changing no state; then :meth:`admitted` (which cannot be
-        refused) or :meth:`cancel`. ``max_cached`` caps the mapped prefix (tokens)."""
-        local, holders = self._slot(slot)
-        admitted = reserve_agreed(
-            lambda cap: self._admit_all(holders, local, max_tokens, tokens, cap),
-            lambda done: self._undo_admissions(dict(done), local),
-            lambda pair: pair[1].cached,
-            max_cached,
-        )
-        admissions = dict(admitted)
-        cached = {a.cached for a in admissions.values()}
-        return MeshAdmission(slot, local, admissions, cached.pop() if cached else None)
-
-    def cancel(self, reservation: MeshAdmission) -> None:
-        """Undoes a :meth:`reserve` that was not :meth:`admitted`."""
-        self._undo_admissions(reservation.admissions, reservation.local)
-
-    def admitted(self, state: KVState, reservation: MeshAdmission) -> KVState:
-        """The live state once :meth:`reserve` made ``reservation``."""
-        parts = self.split(state)
-        for s, admission in reservation.admissions.items():
-            with self._on(s):
-                parts[s] = self.shards[s].admitted(parts[s], admission)
-        return self._assemble(parts)
-
-    def check_release(self, state: KVState, slot: int, tokens=None) -> None:
-        """Refuses, changing nothing, a :meth:`release` that a shard would refuse."""
-        local, holders = self._slot(slot)
-        parts = self.split(state)
-        for s in holders:
-            length = int(np.asarray(parts[s].lengths)[local])
-            self.shards[s].slots.check_release(local, length, tokens)
-
-    def _admit_all(self, holders, local, max_tokens, tokens, max_cached) -> list:
-        """Each holder's ``(shard, slot-table admission)``, or none (undone, then raised)."""
-        return each_or_none(
-            holders,
-            lambda s: (
-                s,
-                self.shards[s].slots.admit(local, max_tokens, tokens, max_cached=max_cached),
-            ),
-            lambda s, _: self.shards[s].slots.release(local, 0),
-        )
-
-    def _undo_admissions(self, admissions: dict, local: int) -> None:
-        for s in admissions:
-            self.shards[s].slots.release(local, 0)
-
-    def release(
-        self, state: KVState, slot: int, *, tokens: Sequence[int] | np.ndarray | None = None
-    ) -> KVState:
-        """Releases global ``slot`` in each of its shards (see
-        :meth:`OffloadedKVCache.release`), after every shard has accepted the arguments:
-        a refusal changes no shard."""
-        local, holders = self._slot(slot)
-        self.check_release(state, slot, tokens)
-        parts = self.split(state)
-        for s in holders:
-            with self._on(s):
-                parts[s] = self.shards[s].release(parts[s], local, tokens=tokens)
-        return self._assemble(parts)
-
-    def publish_windows(self, state: KVState, slot: int) -> int:
-        """Each of global ``slot``'s shards' :meth:`OffloadedKVCache.publish_windows` (a
-        cache that keeps only its sliding window: each head shard copies, and publishes,
-        its own heads' window blocks); returns the blocks copied, summed over shards."""
-        local, holders = self._slot(slot)
-        parts = self.split(state)
-        copied = 0
-        for s in holders:
-            with self._on(s):
-                copied += self.shards[s].publish_windows(parts[s], local)
-        return copied
-
-    def share_computed(self, state: KVState, slot: int) -> int:
-        """Each of global ``slot``'s shards' :meth:`OffloadedKVCache.share_computed`: every
-        head shard indexes its own heads' computed blocks (an admission maps the prefix
-        every shard holds); returns the blocks indexed, summed over shards."""
-        local, holders = self._slot(slot)
-        parts = self.split(state)
-        for s in holders:  # Refused in every shard or in none.
-            self.shards[s].lengths(parts[s])  # A state of another cache is refused here.
-            if not self.shards[s].capacity[local]:
-                raise ValueError(f"slot {slot} is not active (nothing to share)")
-        indexed = 0
-        for s in holders:
-            with self._on(s):
-                indexed += self.shards[s].share_computed(parts[s], local)
-        return indexed
-
-    def tokens(self, slot: int) -> np.ndarray:
-        """Global ``slot``'s recorded token ids (see :meth:`OffloadedKVCache.tokens`)."""
-        local, holders = self._slot(slot)
-        if not holders:
-            raise ValueError(f"slot {slot} is held by no shard of this process")
-        return self.shards[holders[0]].tokens(local)
-
-    def extend_tokens(self, slot: int, ids: Sequence[int] | np.ndarray) -> None:
-        """Records ``ids`` after global ``slot``'s token ids in each of its shards, after
-        every shard has accepted them (see :meth:`OffloadedKVCache.extend_tokens`)."""
-        local, holders = self._slot(slot)
-        for s in holders:  # Checked everywhere first: the same checks in every shard.
-            self.shards[s].slots.check_slot(local)
-            if not self.shards[s].capacity[local]:
-                raise ValueError(f"slot {slot} is not active (admit it first)")
-        for s in holders:
-            self.shards[s].extend_tokens(local, ids)
-
     # -- what the shards hold ---------------------------------------------------------------
-
-    def _gather(self, per_shard) -> np.ndarray:
-        """A [batch, ...] array of a per-slot quantity that head shards must agree on,
-        from ``per_shard(cache) -> [shard batch, ...]`` of every local shard; refuses head
-        shards of one slot that disagree (a torn host call) instead of picking one."""
-        out: dict[int, np.ndarray] = {}
-        for s, cache in self.shards.items():
-            value = np.asarray(per_shard(s, cache))
-            rows = self.rows_of(s)
-            for i, b in enumerate(range(rows.start, rows.stop)):
-                if b in out and not np.array_equal(out[b], value[i]):
-                    raise ValueError(
-                        f"the head shards of slot {b} disagree ({out[b].tolist()} vs "
-                        f"{value[i].tolist()} in shard {s}): a host call was torn"
-                    )
-                out.setdefault(b, value[i])
-        first = next(iter(out.values()))
-        full = np.zeros((self.batch, *first.shape), first.dtype)
-        for b, value in out.items():
-            full[b] = value
-        return full
-
-    @property
-    def capacity(self) -> np.ndarray:
-        """int32[batch]: tokens each global slot may hold (0: inactive)."""
-        return self._gather(lambda s, c: c.capacity)
 
     @property
     def block_tables(self) -> dict[int, np.ndarray]:
@@ -552,43 +310,12 @@ class ShardedKVCache:
         """Free blocks of the local shard with the fewest (what an admission can count on)."""
         return min(c.free_blocks for c in self.shards.values())
 
-    @property
-    def prefix_stats(self) -> dict[int, dict]:
-        """``{shard: its prefix_stats}`` for the local shards."""
-        return {s: c.prefix_stats for s, c in self.shards.items()}
-
-    @property
-    def committed_lengths(self) -> np.ndarray | None:
-        """int32[batch] of the last commit (None: not persistent); head shards must agree."""
-        if next(iter(self.shards.values())).committed_lengths is None:
-            return None
-        return self._gather(lambda s, c: c.committed_lengths)
-
-    def verify(self, state: KVState | None = None) -> dict[int, Any]:
-        """Every local shard's :meth:`OffloadedKVCache.verify`: ``{shard: result}``."""
-        parts = self.split(state) if state is not None else {}
-        out = {}
-        for s, c in self.shards.items():
-            with self._on(s):
-                out[s] = c.verify(parts.get(s))
-        return out
-
     # -- host-side bulk access --------------------------------------------------------------
 
-    def load(
-        self,
-        state: KVState,
-        layer: int,
-        k: Any,
-        v: Any,
-        *,
-        start: int | Sequence[int] = 0,
-        lengths: Sequence[int] | None = None,
-        slot: int | None = None,
-    ) -> KVState:
-        """Bulk-writes one layer's global KV, ``k``/``v`` [batch, n, num_kv_heads,
-        head_dim] (with ``slot``: that global slot's [n, num_kv_heads, head_dim]), each
-        shard its share (see :meth:`OffloadedKVCache.load`)."""
+    def _load_shares(self, layer, k, v, start, lengths, slot) -> dict:
+        """Each shard loads its slots' rows of its heads of one layer's global KV, ``k``/``v``
+        [batch, n, num_kv_heads, head_dim] (with ``slot``: that global slot's [n,
+        num_kv_heads, head_dim])."""
         if slot is not None:
             k, v, start, lengths = one_slot_load(self.batch, slot, k, v, start, lengths)
         k, v = np.asarray(k), np.asarray(v)
@@ -601,46 +328,27 @@ class ShardedKVCache:
         start = np.broadcast_to(np.asarray(start), (self.batch,))
         if lengths is not None:
             lengths = np.broadcast_to(np.asarray(lengths), (self.batch,))
-
-        def load(s, c, part):
+        shares = {}
+        for s in self.shards:
             rows, heads = self.rows_of(s), self.heads_of(s)
-            return c.load(
-                part,
-                layer,
-                k[rows, :, heads],
-                v[rows, :, heads],
+            shares[s] = dict(
+                layer=layer,
+                k=k[rows, :, heads],
+                v=v[rows, :, heads],
                 start=start[rows],
-                lengths=None if lengths is None else lengths[rows],
+                lengths=self._share(lengths, s),
             )
+        return shares
 
-        return self._each(state, load)
-
-    def read(
-        self,
-        state: KVState,
-        layer: int,
-        slot: int,
-        start: int = 0,
-        stop: int | None = None,
-        *,
-        raw: bool = False,
-    ) -> tuple[Any, Any]:
-        """K and V [stop - start, num_kv_heads, head_dim] of global ``slot``, its head
-        shards joined (all of them must be this process's); ``raw=True`` (quantized tiers)
-        their codes and scales, two :class:`~jax_tpusync.QuantizedRows` joined the same
-        way. See :meth:`OffloadedKVCache.read`."""
-        local, holders = self._slot(slot)
+    def _read_parts(self, layer: Any, slot: Any) -> list[tuple[int, int, int]]:
+        """Global ``slot``'s head shards, all of which must be this process's."""
+        holders = self._holders(slot)
         if len(holders) < self.layout.tp:
             raise ValueError(
                 f"slot {slot}'s KV heads are split over {self.layout.tp} devices, of which "
                 f"this process holds {len(holders)}: read it in each process"
             )
-        parts = self.split(state)
-        pieces = []
-        for s in holders:
-            with self._on(s):
-                pieces.append(self.shards[s].read(parts[s], layer, local, start, stop, raw=raw))
-        return join_head_shards(pieces)
+        return [(s, layer, local) for s, local in holders]
 
     def read_all(self, layer: int, lengths=None) -> tuple[np.ndarray, np.ndarray]:
         """K and V [batch, max_len, num_kv_heads, head_dim] of every global slot (this
@@ -657,25 +365,6 @@ class ShardedKVCache:
                 k, v = cache.read_all(layer, None if lengths is None else lengths[rows])
             out[0][rows, :, heads], out[1][rows, :, heads] = k, v
         return out[0], out[1]
-
-    # -- lifetime ---------------------------------------------------------------------------
-
-    def _close_shards(self, parts: dict[int, KVState] | None = None) -> None:
-        for s, cache in getattr(self, "shards", {}).items():
-            cache.close(None if parts is None else parts.get(s))
-        if self._owns_engine:
-            self.engine.close()
-
-    def close(self, state: KVState | None = None) -> None:
-        """Closes every shard (committing ``state``'s, if given) and the engine if the cache
-        made it."""
-        self._close_shards(None if state is None else self.split(state))
-
-    def __enter__(self) -> ShardedKVCache:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     # -- capabilities (jax_tpusync.caches.capabilities) --------------------------------------
 
@@ -709,7 +398,3 @@ def _heads_dir(s: int, layout: MeshLayout, num_kv_heads: int) -> str:
     per = num_kv_heads // layout.tp
     t = s % layout.tp
     return f"heads{t * per}-{(t + 1) * per}"
-
-
-def _outside_mesh():
-    return jax.set_mesh(None) if hasattr(jax, "set_mesh") else contextlib.nullcontext()

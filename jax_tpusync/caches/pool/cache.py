@@ -278,6 +278,11 @@ class HostPoolKVCache:
         return self.layout.device_bytes
 
     @property
+    def all_device_bytes(self) -> int:
+        """Device memory of the state's staging over every device (its heads' shards)."""
+        return self.device_bytes * self.shards
+
+    @property
     def kv_bytes(self) -> int:
         """Host memory of the pool (every layer's blocks and the sink), all devices'."""
         return self.shards * self.layout.pool_bytes
