@@ -111,7 +111,7 @@ CLAIMS = {
     pool_mesh: POOL,  # Heads over devices within one pool: still one state.
     # Stored rows per batch shard, but no single head split: not a P/D cache (yet).
     batch_shards: {Verifiable, PrefixStats, KeptFrom, SplitState, StoredRows},
-    hybrid: {SplitState},  # Its groups' states; the rest is each group's own.
+    hybrid: {SplitState, Verifiable, PrefixStats},  # Its groups' states; checksums and counters per group.
 }
 CLASS_OF = {
     one: tps.OffloadedKVCache,
