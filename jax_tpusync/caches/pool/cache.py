@@ -65,6 +65,13 @@ own host memory: every state leaf has a leading axis of shards split over the me
 mesh cache's does (:mod:`jax_tpusync.caches.offloaded.mesh`), and the step runs each device's share inside
 ``shard_map`` (:mod:`jax_tpusync.step.sharded`). The slot table is one: every device
 holds every slot's blocks, each for its heads.
+
+The class wires parts that each live in their own module: its arguments and the order its
+parts open in (:mod:`jax_tpusync.caches.pool.assembly`), which state is live
+(:mod:`jax_tpusync.caches.pool.live_state`), the admission transaction every one-device
+cache shares (:mod:`jax_tpusync.caches.admission`) with the pool's side of it
+(:mod:`jax_tpusync.caches.pool.admission`), and the host-side row calls
+(:mod:`jax_tpusync.caches.pool.host_rows`).
 """
 
 from __future__ import annotations
