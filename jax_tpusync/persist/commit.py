@@ -622,10 +622,7 @@ class Persistence:
                 tokens_json=tokens_json,
             )
         except Exception as e:
-            raise CommitError(
-                f"commit {self._commit + 1} was not written (the tier keeps commit "
-                f"{self._commit}, lengths {self._lengths.tolist()}): {e}"
-            ) from e
+            raise self._not_written(e) from e
         self._commit += 1
         self._lengths = lengths
         self._tables, self._capacity = tables, capacity
@@ -636,6 +633,28 @@ class Persistence:
         self._committed_entries = {e.key: e for e in entries}
         self._evictions_seen = evictions
         return self._commit
+
+    def commit_after(
+        self, flush: Callable[[], object], lengths: Sequence[int] | np.ndarray, *, session: str
+    ) -> int:
+        """:meth:`commit` once ``flush()`` has brought the rows to the tier (drained the
+        engine's write-backs, written a pool's blocks); returns the commit number.
+
+        Raises:
+          CommitError: ``flush`` failed (naming the commit the tier keeps), or the commit.
+        """
+        try:
+            flush()
+        except Exception as e:
+            raise self._not_written(e) from e
+        return self.commit(lengths, session=session)
+
+    def _not_written(self, e: Exception) -> CommitError:
+        """The error of a commit that was not written, naming the one the tier keeps."""
+        return CommitError(
+            f"commit {self._commit + 1} was not written (the tier keeps commit "
+            f"{self._commit}, lengths {self._lengths.tolist()}): {e}"
+        )
 
     def mark_session(self, session: str) -> None:
         """Rewrites the manifest's session state only (same commit)."""

@@ -13,6 +13,10 @@ live state, a new epoch for every state it hands out):
 * :mod:`jax_tpusync.core.host_io` — host-side row reads and writes through the tables, their
   arguments' checks, and how loads grow the lengths;
 * :mod:`jax_tpusync.caches.offloaded.live_state` — which state is live (the stream's epochs);
+* :mod:`jax_tpusync.caches.admission` — the admission transaction (reserve, then admitted or
+  cancel), and :mod:`jax_tpusync.caches.offloaded.admission` this cache's side of it;
+* :mod:`jax_tpusync.caches.offloaded.commits` — the lengths a re-attached cache starts from,
+  and commits once the engine has drained;
 * :mod:`jax_tpusync.persist.commit` — commits, re-attach, verification.
 
 Tier layout: paged. The cache owns one allocation of a tier holding ``num_blocks`` KV
@@ -37,15 +41,17 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_tpusync.caches.admission import AdmissionTransaction
 from jax_tpusync.caches.capabilities import TierPart
+from jax_tpusync.caches.offloaded.admission import OffloadedAdmission
 from jax_tpusync.caches.offloaded.assembly import (
     checked_config,
     engine_for,
     open_tier,
     persisted_kv_of,
 )
+from jax_tpusync.caches.offloaded.commits import OffloadedCommits
 from jax_tpusync.caches.offloaded.live_state import LiveState
-from jax_tpusync.caches.parts import restart_part
 from jax_tpusync.caches.protocol import admit_by_reservation
 from jax_tpusync.core import layout
 from jax_tpusync.core.config import CacheConfig
@@ -113,13 +119,10 @@ class OffloadedKVCache:
         self.persistence = persistence.Persistence.prepare_for(config)
         self.config = config
         self.spec = spec
-        self._restored_lengths: np.ndarray | None = None  # init()'s default once re-attached.
-        # Until the first init() after a re-attach: the rows each slot's commit covers (the
-        # tier may hold rows past them that a crashed process wrote and never committed).
-        self._committed_bound: np.ndarray | None = None
         self._closed = False
         self._owned_levels: list[Any] = []  # Network levels this cache opened (and closes).
         self.engine, self._owns_engine = engine_for(engine, config)
+        self._commits = OffloadedCommits(self.persistence, self.engine, spec.batch)
         try:
             self._open(config, shard)
         except Exception:
@@ -147,13 +150,15 @@ class OffloadedKVCache:
         self._live = LiveState(
             self.spec, self.engine, opened.target, self.rows, opened.first_staging
         )
+        self._admission = AdmissionTransaction(
+            self.slots, self._loads, OffloadedAdmission(self._live)
+        )
         if self.persistence is not None:
-            self._restored_lengths = self.persistence.attach(
+            self._commits.attach(
                 persisted_kv_of(self.engine, self.spec, opened),
                 attached=self.engine.tier_info(self.tier).attached,
                 verify=config.persistence.verify,
             )
-            self._committed_bound = self._restored_lengths
 
     @property
     def batch(self) -> int:
@@ -209,28 +214,12 @@ class OffloadedKVCache:
           ValueError: lengths out of range (the first call after a re-attach: past a
             slot's committed length), or too few free blocks to admit every slot.
         """
-        spec = self.spec
-        if lengths is None:
-            lengths = self._restored_lengths
-        if lengths is None:
-            lengths = np.zeros(spec.batch, np.int32)
-        lengths = np.asarray(lengths)
-        if lengths.shape != (spec.batch,):
-            raise ValueError(f"lengths must have shape ({spec.batch},); got {lengths.shape}")
-        bound = self._committed_bound
-        for b in np.flatnonzero(lengths > bound) if bound is not None else ():
-            raise ValueError(
-                f"lengths[{b}]={int(lengths[b])} is past slot {b}'s committed length "
-                f"{int(bound[b])}: this cache re-attached its last commit, and rows past it "
-                f"were never committed (or restart_at() cut them)"
-            )
+        lengths = self._commits.start_lengths(lengths)
         if admit:
             self.slots.admit_all()
         self.slots.check_lengths(lengths)
-        self._committed_bound = None  # This process's states hold whatever rows follow.
+        self._commits.started(lengths)
         self._loads.reset()
-        if self.persistence is not None:
-            self.persistence.note_init(lengths)
         return self._live.fresh(lengths)
 
     def inert_state(self) -> KVState:
@@ -281,7 +270,7 @@ class OffloadedKVCache:
     def reserving_in(self, state: KVState) -> contextlib.AbstractContextManager[None]:
         """Nothing to set: this cache's blocks are on its engine, not in ``state``
         (:meth:`jax_tpusync.caches.protocol.Reservable.reserving_in`)."""
-        return contextlib.nullcontext()
+        return self._admission.reserving_in(state)
 
     def reserve(
         self,
@@ -295,11 +284,11 @@ class OffloadedKVCache:
         nothing), no state changes; then :meth:`admitted` (which cannot be refused) or
         :meth:`cancel`. ``max_cached`` caps the mapped prefix (tokens): a cache made of
         several (mesh shards, a hybrid model's layer groups) maps what all of them have."""
-        return self.slots.admit(slot, max_tokens, tokens, max_cached=max_cached)
+        return self._admission.reserve(slot, max_tokens, tokens, max_cached=max_cached)
 
     def cancel(self, reservation: Admission) -> None:
         """Undoes a :meth:`reserve` that was not :meth:`admitted`."""
-        self.slots.release(reservation.slot, 0)
+        self._admission.cancel(reservation)
 
     def check_release(self, state: KVState, slot: int, tokens=None) -> None:
         """Refuses, changing nothing, a :meth:`release` of ``slot`` the cache would refuse."""
@@ -310,12 +299,7 @@ class OffloadedKVCache:
     def admitted(self, state: KVState, reservation: Admission) -> KVState:
         """The live state once the slot table made ``reservation`` (:meth:`admit`'s second
         half, which cannot be refused; a mesh cache admits every shard's slot first)."""
-        slot, cached = reservation.slot, reservation.cached
-        state = self._live.with_slot(self.drain(state), slot, cached)
-        self._loads.reset(slot, cached)
-        if self.spec.resident and cached:  # The prefix's rows, as the tier has them.
-            state = state.replace(staging=self.rows.resident_copy(state.staging, slot=slot))
-        return state
+        return self._admission.admitted(state, reservation)
 
     def release(
         self, state: KVState, slot: int, *, tokens: Sequence[int] | np.ndarray | None = None
@@ -367,23 +351,12 @@ class OffloadedKVCache:
         return self.slots.publish_window(slot, int(np.asarray(state.lengths)[slot]))
 
     def share_computed(self, state: KVState, slot: int) -> int:
-        """Makes ``slot``'s full blocks that the steps so far computed shareable now: each
-        whole block of its rows in ``state`` enters the prefix index under its recorded
-        token ids (:meth:`tokens`), pinned by the slot, so that an :meth:`admit` a step
-        later whose prompt starts with them maps them instead of computing them again.
-        Call it between the steps of a prompt's chunked prefill
-        (:class:`~jax_tpusync.serving.ServingLoop` does). The slot's read-only prefix
-        grows over them (it only appends past them; :meth:`release` unpins them, cached).
-        A block being filled is never indexed; a cache that keeps only its sliding window
-        indexes none (see :meth:`publish_windows`). Shared directories and remote levels
-        get the blocks at :meth:`release`. Returns the blocks indexed now. The state stays
-        live: the step that made it has finished (waited for here), and the engine orders
-        later reads of those rows after its write-backs.
-
-        Raises:
-          ValueError: a bad or inactive slot, or a state of another cache (TypeError: not
-            a state); nothing changes.
-        """
+        """:meth:`KVCache.share_computed <jax_tpusync.caches.protocol.KVCache.share_computed>`
+        (what :class:`~jax_tpusync.serving.ServingLoop` calls between a prompt's chunks).
+        Shared directories get the blocks at :meth:`release`. The state stays live: the
+        step that made it has finished (waited for here), and the engine orders later
+        reads of those rows after its write-backs. ValueError for a bad or inactive slot, or
+        a state of another cache (TypeError: not a state); nothing changes."""
         self._live.check(state)
         self.slots.check_slot(slot)
         jax.block_until_ready(state)  # The step that wrote the rows has finished.
@@ -606,18 +579,7 @@ class OffloadedKVCache:
 
     def _commit(self, state: KVState, *, session: str) -> KVState:
         state = self.drain(state)
-        if self.persistence is None:
-            self.engine.drain()
-            return state
-        try:
-            self.engine.drain()
-        except Exception as e:
-            p = self.persistence
-            raise persistence.CommitError(
-                f"commit {p.commit_number + 1} was not written (the tier keeps commit "
-                f"{p.commit_number}, lengths {p.committed_lengths.tolist()}): {e}"
-            ) from e
-        self.persistence.commit(np.asarray(state.lengths), session=session)
+        self._commits.commit(np.asarray(state.lengths), session=session)
         return state
 
     def verify(self, state: KVState | None = None) -> persistence.VerifyResult:
@@ -648,11 +610,7 @@ class OffloadedKVCache:
         slot's token ids are cut at its new length, or set to ``tokens[b]`` (at most
         ``lengths[b]`` ids: the ids every part agrees on), so that no id past the rows kept
         is taken for theirs. Raises (ValueError, CommitError), changing nothing."""
-        self._restored_lengths = restart_part(
-            self.persistence, self.slots, self.spec.block_tokens, lengths, tokens
-        )
-        if self._committed_bound is not None:
-            self._committed_bound = self._restored_lengths
+        self._commits.restart_at(self.slots, self.spec.block_tokens, lengths, tokens)
 
     @property
     def committed_lengths(self) -> np.ndarray | None:

@@ -1,20 +1,29 @@
 """How a host-pool cache is put together: its arguments checked (what the host-pool path
 does not do yet is refused by name, with why), its spec (the units a device stages) and
-prefix salt, and the prefix levels it opens.
+prefix salt, the prefix levels it opens, and the parts it opens in order
+(:func:`open_pool`: block store, slot table, persistent tier, pending imports, spill tier).
 
-:class:`~jax_tpusync.caches.pool.cache.HostPoolKVCache` calls these before it opens anything
-else, so a refused construction leaves nothing behind.
+:class:`~jax_tpusync.caches.pool.cache.HostPoolKVCache` checks its arguments before it opens
+anything, and :func:`open_pool` closes what it opened if a later part fails, so a refused
+construction leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jax_tpusync.caches.pool.blocks import PoolBlocks
+from jax_tpusync.caches.pool.imports import PendingImports
+from jax_tpusync.caches.pool.persistence import PoolTier
+from jax_tpusync.caches.pool.spill import PoolSpillTier
+from jax_tpusync.caches.pool.windows import WindowCopyStore
 from jax_tpusync.core.config import CacheConfig
 from jax_tpusync.core.levels import SharedDirectoryLevel
 from jax_tpusync.core.mesh_layout import MeshLayout, checked_layout
@@ -25,8 +34,12 @@ from jax_tpusync.core.pool_state import (
     pool_sharding,
     unit_block_limit,
 )
+from jax_tpusync.core.slots import SlotTable
 from jax_tpusync.core.state import CacheSpec
 from jax_tpusync.mooncake.level import make_level
+from jax_tpusync.persist.commit import Persistence
+
+logger = logging.getLogger(__name__)
 
 # Keywords of CacheConfig a host-pool cache takes at their defaults only, with why.
 # (``tier="file"`` and ``path`` are taken with ``file_name`` alone: the file is the pool's
@@ -215,3 +228,109 @@ def pool_spec(
     limit = unit_block_limit(device_kind, depth)
     chunk_len = min(units, needed, limit) * g.block_tokens
     return dataclasses.replace(probe, chunk_len=chunk_len, mesh=mesh)
+
+
+@dataclass
+class OpenedPool:
+    """The parts :func:`open_pool` opened for a host-pool cache.
+
+    Attributes:
+      blocks: the pool's block store (what prefix levels import into and publish from).
+      windows: a pool of rings' cached windows, held host-side (None: the pool keeps every
+        position; see :mod:`jax_tpusync.caches.pool.windows`).
+      slots: the slot table.
+      owned_levels: the network levels opened here, which the cache closes.
+      tier: the pool's persistent copy (None: not persistent).
+      restored_lengths: the lengths of the commit the tier re-attached (None: none).
+      imports: what reservations wrote (prefix imports, ring fills) until a pool holds it.
+      spill: cached prefix blocks the pool has no room for (None: they are evicted).
+    """
+
+    blocks: PoolBlocks
+    windows: WindowCopyStore | None
+    slots: SlotTable
+    owned_levels: list[Any]
+    tier: PoolTier | None
+    restored_lengths: np.ndarray | None
+    imports: PendingImports
+    spill: PoolSpillTier | None
+
+
+def open_pool(
+    config: CacheConfig,
+    spec: CacheSpec,
+    layout: PoolLayout,
+    mesh: MeshLayout | None,
+    persistence: Persistence | None,
+) -> OpenedPool:
+    """Opens a host-pool cache's parts, in the order each needs the ones before: the block
+    store, the prefix levels, the slot table over them, the persistent tier (re-attaching
+    its last commit), the pending imports and the spill tier. If one fails, the levels and
+    tier opened here are closed and the error raised."""
+    g = config.geometry
+    shards = 1 if mesh is None else mesh.tp
+    root = config.prefix_root(pool_prefix_layout(config, shards))
+    blocks = PoolBlocks(layout, mesh)
+    remote, owned = open_levels(
+        config,
+        root=root,
+        num_layers=g.num_layers,
+        block_tokens=g.block_tokens,
+        block_bytes=blocks.half_block_bytes,
+    )
+    p = persistence
+    ring_blocks = spec.ring_blocks
+    windows = WindowCopyStore(blocks) if ring_blocks else None
+    slots = SlotTable(
+        batch=g.batch,
+        max_len=g.max_len,
+        block_tokens=g.block_tokens,
+        num_blocks=g.num_blocks,
+        root=root,
+        spill_blocks=config.spill_blocks,
+        store=blocks if windows is None else windows,
+        remote_levels=remote,
+        before_reuse=None if p is None else p.note_evicted,
+        before_release=None if p is None else p.note_release,
+        ring_blocks=ring_blocks,
+        window=spec.windows[0] if ring_blocks else None,
+    )
+    if windows is not None:
+        windows.index = slots.windows
+    tier: PoolTier | None = None
+    try:
+        restored = None
+        if p is not None:
+            tier = PoolTier.open(config, layout, slots, mesh)
+            restored = p.attach(
+                tier.persisted_kv(), attached=tier.attached, verify=config.persistence.verify
+            )
+        imports = PendingImports(
+            blocks, windows, imported=None if tier is None else tier.write_payloads
+        )
+        spill = None
+        if config.two_level:
+            spill = PoolSpillTier.open(
+                config.tier.spill_path,
+                config.spill_blocks,
+                layout,
+                blocks,
+                slots.allocators,
+                pending=(imports.payloads_of, imports.forget),
+            )
+            slots.use_mover(spill)
+    except Exception:
+        if tier is not None:
+            tier.close()
+        close_levels(owned)
+        raise
+    return OpenedPool(blocks, windows, slots, owned, tier, restored, imports, spill)
+
+
+def close_levels(levels: list[Any]) -> None:
+    """Closes the network levels a cache opened; a level that fails to close is logged."""
+    for level in levels:
+        try:
+            level.close()
+        except Exception as e:  # noqa: BLE001 - closing must not raise.
+            logger.warning("closing %s failed: %s", level.describe(), e)

@@ -65,52 +65,43 @@ own host memory: every state leaf has a leading axis of shards split over the me
 mesh cache's does (:mod:`jax_tpusync.caches.offloaded.mesh`), and the step runs each device's share inside
 ``shard_map`` (:mod:`jax_tpusync.step.sharded`). The slot table is one: every device
 holds every slot's blocks, each for its heads.
+
+The class wires parts that each live in their own module: its arguments and the order its
+parts open in (:mod:`jax_tpusync.caches.pool.assembly`), which state is live
+(:mod:`jax_tpusync.caches.pool.live_state`), the admission transaction every one-device
+cache shares (:mod:`jax_tpusync.caches.admission`) with the pool's side of it
+(:mod:`jax_tpusync.caches.pool.admission`), and the host-side row calls
+(:mod:`jax_tpusync.caches.pool.host_rows`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
+import functools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jax_tpusync.caches.admission import AdmissionTransaction
 from jax_tpusync.caches.parts import restart_part
 from jax_tpusync.caches.pool import assembly as pool_assembly
-from jax_tpusync.caches.pool import blocks as pool_blocks
-from jax_tpusync.caches.pool import rows as pool_rows
-from jax_tpusync.caches.pool import stored_rows as pool_stored_rows
-from jax_tpusync.caches.pool.imports import PendingImports
-from jax_tpusync.caches.pool.persistence import PoolTier
-from jax_tpusync.caches.pool.spill import PoolSpillTier, check_pool_ids
-from jax_tpusync.caches.pool.windows import WindowCopyStore
+from jax_tpusync.caches.pool.admission import PoolAdmission
+from jax_tpusync.caches.pool.host_rows import PoolHostRows
+from jax_tpusync.caches.pool.live_state import PoolLiveState
 from jax_tpusync.caches.protocol import admit_by_reservation
-from jax_tpusync.core import window_ring
-from jax_tpusync.core.config import CacheConfig, is_int, with_config
-from jax_tpusync.core.host_io import (
-    LoadedExtent,
-    check_layer,
-    check_load_range,
-    check_load_rows,
-    one_slot_load,
-)
-from jax_tpusync.core.pool_state import (
-    NOT_STAGED,
-    PoolLayout,
-    PoolState,
-)
-from jax_tpusync.core.slots import Admission, SlotTable
+from jax_tpusync.core.config import CacheConfig, with_config
+from jax_tpusync.core.host_io import LoadedExtent
+from jax_tpusync.core.pool_state import PoolLayout, PoolState
+from jax_tpusync.core.slots import Admission
 from jax_tpusync.core.state import CacheSpec
 from jax_tpusync.persist import commit as persistence
 
 logger = logging.getLogger(__name__)
 
-# Epochs of live states, unique across the process's caches (PoolState.epoch).
-_EPOCHS = itertools.count(1)
 
 class HostPoolKVCache:
     """A paged KV cache in a ``pinned_host`` pool, streamed to the device by unit.
@@ -162,82 +153,28 @@ class HostPoolKVCache:
         self.device = device
         self.state_sharding = placement.state_sharding
         self.pool_sharding = placement.pool_sharding
-        g = config.geometry
-        root = config.prefix_root(pool_assembly.pool_prefix_layout(config, self.shards))
-        self._blocks = pool_blocks.PoolBlocks(self.layout, self.mesh)
-        # Network levels this cache opened (and closes) are in _owned_levels.
-        remote, self._owned_levels = pool_assembly.open_levels(
-            config,
-            root=root,
-            num_layers=g.num_layers,
-            block_tokens=g.block_tokens,
-            block_bytes=self._blocks.half_block_bytes,
+        opened = pool_assembly.open_pool(
+            config, self.spec, self.layout, mesh_layout, self.persistence
         )
-        p = self.persistence
-        ring_blocks = self.spec.ring_blocks
-        # A ring pool's cached windows are held host-side (see jax_tpusync.caches.pool.windows).
-        self._windows = WindowCopyStore(self._blocks) if ring_blocks else None
-        self.slots = SlotTable(
-            batch=g.batch,
-            max_len=g.max_len,
-            block_tokens=g.block_tokens,
-            num_blocks=g.num_blocks,
-            root=root,
-            spill_blocks=config.spill_blocks,
-            store=self._blocks if self._windows is None else self._windows,
-            remote_levels=remote,
-            before_reuse=None if p is None else p.note_evicted,
-            before_release=None if p is None else p.note_release,
-            ring_blocks=ring_blocks,
-            window=self.spec.windows[0] if ring_blocks else None,
-        )
-        if self._windows is not None:
-            self._windows.index = self.slots.windows
+        self.slots = opened.slots
+        self._blocks, self._windows = opened.blocks, opened.windows
+        self._owned_levels = opened.owned_levels  # Network levels this cache closes.
+        self._tier = opened.tier  # The pool's persistent copy (None: not persistent).
+        self._restored_lengths = opened.restored_lengths  # init()'s default once re-attached.
+        self._imports, self._spill = opened.imports, opened.spill
         self._initialized = False  # init() makes the pool once.
-        self._epoch = 0  # The live state's epoch (PoolState.epoch); 0: none yet.
         # Per (layer, slot): the end of the furthest load since init or admission; a slot's
         # length grows to the rows every layer holds.
         self._loaded = LoadedExtent(self.spec.num_layers, self.spec.batch)
-        self._closed = False
-        # The pool's persistent copy (None: not persistent), and init()'s default lengths
-        # once it re-attached a commit.
-        self._tier: PoolTier | None = None
-        self._restored_lengths: np.ndarray | None = None
-        if p is not None:
-            try:
-                self._tier = PoolTier.open(config, self.layout, self.slots, self.mesh)
-                self._restored_lengths = p.attach(
-                    self._tier.persisted_kv(),
-                    attached=self._tier.attached,
-                    verify=config.persistence.verify,
-                )
-            except Exception:
-                if self._tier is not None:
-                    self._tier.close()
-                self._close_levels()
-                raise
-        # What reservations wrote (prefix imports, ring fills) until a pool holds it.
-        self._imports = PendingImports(
-            self._blocks,
-            self._windows,
-            imported=None if self._tier is None else self._tier.write_payloads,
+        self._live = PoolLiveState(
+            self.spec, self.layout, mesh_layout, self.slots, self.state_sharding, self.pool_sharding
         )
-        # Cached prefix blocks the pool has no room for (None: evicted); see pool_spill.
-        self._spill: PoolSpillTier | None = None
-        if config.two_level:
-            try:
-                self._spill = PoolSpillTier.open(
-                    config.tier.spill_path,
-                    config.spill_blocks,
-                    self.layout,
-                    self._blocks,
-                    self.slots.allocators,
-                    pending=(self._imports.payloads_of, self._imports.forget),
-                )
-            except Exception:
-                self._close_levels()
-                raise
-            self.slots.use_mover(self._spill)
+        self._rows = PoolHostRows(self._live, self._loaded, self._tier, self.persistence)
+        self._admission = AdmissionTransaction(
+            self.slots,
+            self._loaded,
+            PoolAdmission(self._live, self._imports, self._spill, self._tier),
+        )
         logger.info(
             "host-pool KV cache: %.1f MiB pool, %.1f MiB staging, chunk_len=%d (per device of %d)",
             self.layout.pool_bytes / 2**20,
@@ -313,7 +250,8 @@ class HostPoolKVCache:
             if self._restored_lengths is not None:
                 pool = self._tier.restored_pool(self.persistence.committed_lengths)
             self._tier.started(lengths, self._restored_lengths)
-        state = self._live(self._state(lengths, self._tables(), self.slots.capacity, pool))
+        state = self._live.state(lengths, self._live.tables(), self.slots.capacity, pool)
+        state = self._live.stamped(state)
         self._initialized = True
         self._loaded.reset()
         return state
@@ -332,7 +270,7 @@ class HostPoolKVCache:
             length (the pool is restored at the committed lengths: rows past them were
             never committed, or :meth:`restart_at` cut them).
         """
-        self._check_open()
+        self._live.check_open()
         if self._initialized:
             raise ValueError("init() was called already: use the state the last call returned")
         spec = self.spec
@@ -361,45 +299,13 @@ class HostPoolKVCache:
         reads: every slot inactive, so a step on it writes only to its own pool's sink. It
         has a pool of its own (host memory of :attr:`kv_bytes`, freed with it; for shapes
         alone, ``jax.eval_shape`` of a step needs none). The live state stays live."""
-        self._check_open()
+        self._live.check_open()
         spec = self.spec
-        return self._state(
+        return self._live.state(
             np.zeros(spec.batch, np.int32),
             np.full((spec.batch, spec.max_blocks), -1, np.int32),
             np.zeros(spec.batch, np.int32),
         )
-
-    def _state(self, lengths, block_table, capacity, pool_rows=None) -> PoolState:
-        """A state of these per-slot tables over a pool of ``pool_rows`` (a host array of
-        the pool's shape; None: zeros), nothing staged."""
-        if pool_rows is None:
-            pool_rows = np.zeros(self._global(self.layout.pool_shape), self.layout.dtype)
-        pool = jax.device_put(pool_rows, self.pool_sharding)
-        local = PoolState.fresh(self.spec, lengths, block_table, capacity, pool)
-        return local.replace(
-            **{
-                name: jax.tree.map(self._placed, getattr(local, name))
-                for name in PoolState.FIELDS
-                if name != "pool"
-            }
-        )
-
-    def _global(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """A state leaf's shape: one shard's, with a leading axis of shards over a mesh."""
-        return shape if self.mesh is None else (self.shards, *shape)
-
-    def _placed(self, x: Any) -> jax.Array:
-        """One shard's value of a state leaf, as the state holds it: on the device, or
-        the same value on every device of the mesh (a leading axis of shards)."""
-        x = np.asarray(x)
-        if self.mesh is not None:
-            x = np.broadcast_to(x, (self.shards, *x.shape))
-        return jax.device_put(x, self.state_sharding)
-
-    def _host(self, x: jax.Array) -> np.ndarray:
-        """A per-slot leaf of the state on the host (every shard holds the same)."""
-        x = np.asarray(x)
-        return x if self.mesh is None else x[0]
 
     def check(
         self, state: PoolState, *, releasing: int | None = None, refusals: bool = True
@@ -410,76 +316,19 @@ class HostPoolKVCache:
         time, each release of a refused slot is taken while others are refused too.
         ``refusals=False``: refused slots refuse nothing (a cache of parts releasing a
         refused slot of another part)."""
-        self._check_open()
-        if not isinstance(state, PoolState):
-            raise TypeError(f"expected a PoolState, got {type(state).__name__}")
-        if state.spec != self.spec:
-            raise ValueError("state belongs to another cache (its spec differs)")
-        if state.pool.is_deleted():
-            raise ValueError(
-                "this PoolState was donated to a step (its pool is gone); use the state "
-                "that step returned"
-            )
-        if int(self._host(state.epoch)) != self._epoch:
-            raise ValueError(
-                "this PoolState is not the cache's live state: a later call returned another "
-                "one (its block tables may name blocks other slots hold now), or it is another "
-                "cache's; use the state the last call or step returned"
-            )
-        refused = self.refused_tokens(state)
-        if not refusals or (releasing is not None and refused[releasing] > 0):
-            return  # Releasing a refused slot: the way on for each of them.
-        for b in np.flatnonzero(refused):
-            raise ValueError(
-                f"slot {b}: {int(refused[b])} tokens of its steps were refused (they would "
-                f"have passed its capacity of {int(self._host(state.capacity)[b])} tokens, or "
-                f"came with a traced layer outside [0, {self.spec.num_layers})); its length "
-                f"stayed at {int(self._host(state.lengths)[b])}. Release the slot (and admit "
-                f"it with a larger max_tokens where its capacity was the cause)"
-            )
+        self._live.check(state, releasing=releasing, refusals=refusals)
 
     def refused_tokens(self, state: PoolState) -> np.ndarray:
         """int32[batch]: tokens of each slot's steps that ``state``'s steps refused (0:
         none); a slot with any is taken only by a release (:meth:`check`)."""
-        return np.asarray(self._host(state.refused))
-
-    def _tables(self) -> np.ndarray:
-        """int32[batch, max_blocks]: the slot table's block tables, as a state carries
-        them: ids of pool blocks only (a spill block there is a bug, refused)."""
-        tables = np.asarray(self.slots.tables, np.int32)
-        check_pool_ids(tables, self.spec.num_blocks)
-        return tables
-
-    def _with_slots(self, state: PoolState, lengths: np.ndarray) -> PoolState:
-        return self._unstaged(
-            state.replace(
-                lengths=self._placed(np.asarray(lengths, np.int32)),
-                block_table=self._placed(self._tables()),
-                capacity=self._placed(np.asarray(self.slots.capacity, np.int32)),
-            )
-        )
-
-    def _unstaged(self, state: PoolState) -> PoolState:
-        """``state`` with nothing staged: what a host-side write to the pool returns (a
-        staged unit may hold the rows it replaced); the live state from now on."""
-        staged_at = self._placed(np.full(self.layout.staged_at_shape, NOT_STAGED, np.int32))
-        return self._live(
-            state.with_staged_units(
-                (staging, tail, staged_at) for staging, tail, _ in state.staged_units
-            )
-        )
-
-    def _live(self, state: PoolState) -> PoolState:
-        """``state`` stamped as the one live state: any state made before is refused."""
-        self._epoch = next(_EPOCHS) % np.iinfo(np.int32).max + 1
-        return state.replace(epoch=self._placed(np.int32(self._epoch)))
+        return self._live.refused_tokens(state)
 
     # -- slot lifecycle ---------------------------------------------------------------------
 
     def lengths(self, state: PoolState) -> np.ndarray:
         """int32[batch]: the tokens each slot holds in ``state`` (0: inactive)."""
         self.check(state)
-        return self._host(state.lengths).astype(np.int32)
+        return self._live.host(state.lengths).astype(np.int32)
 
     def drain(self, state: PoolState) -> PoolState:
         """The state once the step that made it has finished (nothing of it is in flight
@@ -508,16 +357,9 @@ class HostPoolKVCache:
         state = self.drain(state)
         if self._tier is None:
             return state
-        p = self.persistence
-        lengths = self._host(state.lengths)
-        try:
-            self._tier.flush(state.pool, lengths)
-        except Exception as e:
-            raise persistence.CommitError(
-                f"commit {p.commit_number + 1} was not written (the tier keeps commit "
-                f"{p.commit_number}, lengths {p.committed_lengths.tolist()}): {e}"
-            ) from e
-        p.commit(lengths, session=session)
+        lengths = self._live.host(state.lengths)
+        flush = functools.partial(self._tier.flush, state.pool, lengths)
+        self.persistence.commit_after(flush, lengths, session=session)
         return state
 
     def restart_at(self, lengths: np.ndarray, tokens: Sequence[np.ndarray] | None = None) -> None:
@@ -534,7 +376,7 @@ class HostPoolKVCache:
             out of that range, or tokens longer than them.
           persistence.CommitError: the commit was not made. Either way nothing changes.
         """
-        self._check_open()
+        self._live.check_open()
         if self._initialized:
             raise ValueError(
                 "restart_at() after init(): the pool holds the rows past the new lengths "
@@ -552,7 +394,7 @@ class HostPoolKVCache:
           persistence.ChecksumMismatchError: naming the chunk or block that differs.
           ValueError: the cache is not on a persistent tier.
         """
-        self._check_open()
+        self._live.check_open()
         if self.persistence is None:
             raise ValueError("verify() needs a persistent tier (shm_name= or file_name=)")
         if state is not None:
@@ -587,20 +429,11 @@ class HostPoolKVCache:
         maps are promoted into it (:mod:`jax_tpusync.caches.pool.spill`)."""
         return admit_by_reservation(self, state, slot, max_tokens, tokens)  # Checks state.
 
-    @contextlib.contextmanager
-    def reserving_in(self, state: PoolState) -> Iterator[None]:
+    def reserving_in(self, state: PoolState) -> contextlib.AbstractContextManager[None]:
         """Within it, :meth:`reserve` demotes the cached blocks it needs room for out of
         ``state``'s pool to the spill tier (without one, or outside it, they are evicted);
         ``state`` must be the live one (checked first)."""
-        if self._spill is None:
-            yield
-            return
-        self.check(state)  # Before its pool is read.
-        self._spill.reading(state.pool)
-        try:
-            yield
-        finally:
-            self._spill.reading(None)
+        return self._admission.reserving_in(state)
 
     def reserve(
         self,
@@ -611,16 +444,10 @@ class HostPoolKVCache:
         max_cached: int | None = None,
     ) -> Admission:
         """:meth:`admit`'s first half: the slot table admits ``slot`` (or raises, changing
-        nothing), no state changes; then :meth:`admitted` or :meth:`cancel`."""
-        self._check_open()
-        self._imports.begin()  # Nothing of a refused call before.
-        try:
-            admission = self.slots.admit(slot, max_tokens, tokens, max_cached=max_cached)
-        except Exception:
-            self._imports.refused(self.slots.prefix)  # Blocks it imported stay indexed.
-            raise
-        self._imports.record(admission.slot)  # Pending until a pool is admitted.
-        return admission
+        nothing), no state changes; then :meth:`admitted` or :meth:`cancel`. What the slot
+        table imports meanwhile waits for the admitted state's pool
+        (:class:`~jax_tpusync.caches.pool.admission.PoolAdmission`)."""
+        return self._admission.reserve(slot, max_tokens, tokens, max_cached=max_cached)
 
     def cancel(self, reservation: Admission) -> None:
         """Undoes a :meth:`reserve` that was not :meth:`admitted`. The blocks it imported
@@ -628,23 +455,13 @@ class HostPoolKVCache:
         back to the spill tier while it has free blocks (their bytes are nowhere else);
         the rest leave the index, unless another reservation maps them (they stay pending
         for its :meth:`admitted`)."""
-        self.slots.release(reservation.slot, 0)
-        if self._spill is not None:
-            self._spill.keep(self.slots.prefix, self._imports.pending_of(reservation.slot))
-        self._imports.drop(reservation.slot, self.slots.prefix)
+        self._admission.cancel(reservation)
 
     def admitted(self, state: PoolState, reservation: Admission) -> PoolState:
         """The live state once :meth:`reserve` made ``reservation``: the blocks it imported
         from a prefix level are in its pool, and so are those any other reservation
         imported and this one may map."""
-        slot = reservation.slot
-        state = state.replace(pool=self._imports.apply(slot, state.pool))
-        lengths = self._host(state.lengths).copy()
-        lengths[slot] = reservation.cached
-        self._loaded.reset(slot, reservation.cached)
-        if self._tier is not None:
-            self._tier.admitted(slot, reservation.cached)
-        return self._with_slots(state, lengths)
+        return self._admission.admitted(state, reservation)
 
     def check_release(
         self, state: PoolState, slot: int, tokens: Sequence[int] | np.ndarray | None = None
@@ -652,7 +469,7 @@ class HostPoolKVCache:
         """Refuses, changing nothing, a :meth:`release` of ``slot`` the cache would refuse."""
         self.slots.check_slot(slot)  # Before check() indexes the state by it.
         self.check(state, releasing=slot)
-        self.slots.check_release(slot, int(self._host(state.lengths)[slot]), tokens)
+        self.slots.check_release(slot, int(self._live.host(state.lengths)[slot]), tokens)
 
     def release(
         self, state: PoolState, slot: int, *, tokens: Sequence[int] | np.ndarray | None = None
@@ -662,7 +479,7 @@ class HostPoolKVCache:
         were refused (past its capacity) may be released: its rows up to its length are
         whole, and the refusal goes with it."""
         self.check_release(state, slot, tokens)  # Refused: no change.
-        length = int(self._host(state.lengths)[slot])
+        length = int(self._live.host(state.lengths)[slot])
         jax.block_until_ready(state.pool)  # Its blocks are indexed once written.
         self._blocks.reading(state.pool)  # A prefix level publishes them from it.
         try:
@@ -670,18 +487,16 @@ class HostPoolKVCache:
                 self.slots.release(slot, length, tokens)
             else:  # A commit of the slot released first flushes this state's pool.
                 self._tier.releasing(slot, length)
-                with self._tier.reading(state.pool, self._host(state.lengths)):
+                with self._tier.reading(state.pool, self._live.host(state.lengths)):
                     self.slots.release(slot, length, tokens)
                 self._tier.released(slot)
         finally:
             self._blocks.reading(None)
         self._drop_window_writes()
         self._loaded.reset(slot)
-        lengths = self._host(state.lengths).copy()
-        lengths[slot] = 0
-        refused = self._host(state.refused).copy()
+        refused = self._live.host(state.refused).copy()
         refused[slot] = 0
-        return self._with_slots(state.replace(refused=self._placed(refused)), lengths)
+        return self._live.with_slot(state.replace(refused=self._live.placed(refused)), slot, 0)
 
     def publish_windows(self, state: PoolState, slot: int) -> int:
         """A cache that keeps only its sliding window (``max_step_tokens``): copies the full
@@ -700,7 +515,7 @@ class HostPoolKVCache:
         self._windows.forget_unindexed()
         self._blocks.reading(state.pool)
         try:
-            copied = self.slots.publish_window(slot, int(self._host(state.lengths)[slot]))
+            copied = self.slots.publish_window(slot, int(self._live.host(state.lengths)[slot]))
         finally:
             self._blocks.reading(None)
         self._drop_window_writes()
@@ -718,10 +533,7 @@ class HostPoolKVCache:
         that keeps only its window (``max_step_tokens``) the window's first cached key
         (:func:`jax_tpusync.core.window_ring.kept_from`)."""
         self.check(state)
-        lengths = self._host(state.lengths)
-        if not self.spec.ring_blocks:
-            return np.zeros(lengths.shape, np.int64)
-        return window_ring.kept_from(lengths, self.spec.windows[0])
+        return self._rows.kept_from(self._live.host(state.lengths))
 
     def share_computed(self, state: PoolState, slot: int) -> int:
         """Indexes ``slot``'s full blocks computed so far, pinned by the slot, as
@@ -730,7 +542,7 @@ class HostPoolKVCache:
         self.check(state)
         self.slots.check_slot(slot)
         jax.block_until_ready(state.pool)  # Its blocks are indexed once written.
-        return self.slots.share_computed(slot, int(self._host(state.lengths)[slot]))
+        return self.slots.share_computed(slot, int(self._live.host(state.lengths)[slot]))
 
     def tokens(self, slot: int) -> np.ndarray:
         self.slots.check_slot(slot)
@@ -763,36 +575,8 @@ class HostPoolKVCache:
             the cache's, a dtype that does not convert exactly, rows into blocks a slot
             shares with the prefix index; nothing is written.
         """
-        spec = self.spec
         self.check(state)
-        check_layer(layer, spec.num_layers)
-        if slot is not None:
-            k, v, start, lengths = one_slot_load(spec.batch, slot, k, v, start, lengths)
-        heads = self.shards * spec.num_kv_heads
-        k, v, starts, counts = check_load_rows(
-            self.slots, heads, spec.head_dim, spec.dtype, k, v, start, lengths
-        )  # Refused: no change.
-        skip = np.zeros(spec.batch, np.int64)
-        if spec.ring_blocks:  # Only the rows the window can still read (and no two alike).
-            furthest = self._loaded.furthest(layer, self._host(state.lengths))
-            starts, counts, skip = window_ring.clip_rows(starts, counts, furthest, spec.windows[0])
-            for b in np.flatnonzero(counts):  # Rows before them are not the sequence's now.
-                self.slots.note_written(int(b), int(starts[b]))
-        if self._tier is not None:  # Committed rows may change: commit them gone first.
-            with self._tier.reading(state.pool, self._host(state.lengths)):
-                self.persistence.note_rows_written(layer, starts, counts)
-            self._tier.loaded(layer, starts, counts)
-        for b in np.flatnonzero(counts):
-            n, table = int(counts[b]), self.slots.table_row(int(b))
-            rows = slice(int(skip[b]), int(skip[b]) + n)
-            pool = pool_rows.write_slot_rows(
-                self.layout, self.mesh, state.pool, table, layer, int(starts[b]), k[b, rows],
-                v[b, rows],
-            )
-            state = state.replace(pool=pool)
-        self._loaded.record(layer, starts, counts)
-        grown = self._loaded.grown(self._host(state.lengths))
-        return self._unstaged(state.replace(lengths=self._placed(grown.astype(np.int32))))
+        return self._rows.load(state, layer, k, v, start, lengths, slot)
 
     def load_stored_rows(
         self,
@@ -812,45 +596,8 @@ class HostPoolKVCache:
             slot's capacity or into blocks it shares with the prefix index, a cache that
             keeps only its window; nothing is written.
         """
-        spec = self.spec
         self.check(state)
-        self.slots.check_slot(slot)
-        if spec.ring_blocks:  # P/D transfer refuses such a cache before it gets here.
-            raise ValueError(
-                "load_stored_rows: this cache keeps only each slot's sliding window "
-                "(max_step_tokens), whose ring does not hold every position: load its "
-                "rows with load(), which keeps the window's"
-            )
-        if not is_int(start):
-            raise ValueError(f"start={start!r} must be an int")
-        n = np.shape(rows)[3] if np.ndim(rows) == 5 else -1
-        want = pool_stored_rows.stored_shape(self.layout, self.shards, max(n, 0))
-        if not isinstance(rows, np.ndarray) or rows.dtype != np.uint8 or rows.shape != want:
-            raise ValueError(
-                f"rows must be a uint8 array [shards={want[0]}, num_layers={want[1]}, 2, n, "
-                f"row_bytes={want[4]}]; got {getattr(rows, 'dtype', type(rows).__name__)} "
-                f"{np.shape(rows)}"
-            )
-        starts = np.zeros(spec.batch, np.int64)
-        counts = np.zeros(spec.batch, np.int64)
-        starts[slot], counts[slot] = int(start), n
-        check_load_range(self.slots, starts, counts)  # Refused: no change.
-        if n == 0:
-            return state
-        if self._tier is not None:  # Committed rows may change: commit them gone first.
-            with self._tier.reading(state.pool, self._host(state.lengths)):
-                for layer in range(spec.num_layers):
-                    self.persistence.note_rows_written(layer, starts, counts)
-            for layer in range(spec.num_layers):
-                self._tier.loaded(layer, starts, counts)
-        pool = pool_stored_rows.write_stored_rows(
-            self.layout, self.mesh, state.pool, self.slots.table_row(slot), int(start), rows
-        )
-        state = state.replace(pool=pool)
-        for layer in range(spec.num_layers):
-            self._loaded.record(layer, starts, counts)
-        grown = self._loaded.grown(self._host(state.lengths))
-        return self._unstaged(state.replace(lengths=self._placed(grown.astype(np.int32))))
+        return self._rows.load_stored_rows(state, slot, start, rows)
 
     def read_stored_rows(self, state: PoolState, slot: int, start: int, stop: int) -> np.ndarray:
         """Positions ``[start, stop)`` of ``slot`` in every layer as the pool stores them:
@@ -862,12 +609,7 @@ class HostPoolKVCache:
             keeps only its window, outside ``[kept_from, length]``).
         """
         self.check(state)
-        self.slots.check_slot(slot)
-        length = int(self._host(state.lengths)[slot])
-        self._check_range(slot, start, stop, length)
-        return pool_stored_rows.read_stored_rows(
-            self.layout, self.mesh, state.pool, self.slots.table_row(slot), int(start), int(stop)
-        )
+        return self._rows.read_stored_rows(state, slot, start, stop)
 
     def read(
         self,
@@ -884,40 +626,8 @@ class HostPoolKVCache:
         from a quantized pool; ``raw``: its codes and scales, two
         :class:`~jax_tpusync.core.quantize.QuantizedRows`). A cache that keeps only its window
         refuses positions before :meth:`kept_from`, as the engine cache does."""
-        spec = self.spec
         self.check(state)
-        check_layer(layer, spec.num_layers)
-        self.slots.check_slot(slot)
-        if raw and not spec.quantized:
-            raise ValueError("raw=True reads codes and scales: this cache's tier is not quantized")
-        length = int(self._host(state.lengths)[slot])
-        stop = length if stop is None else stop
-        self._check_range(slot, start, stop, length)
-        table = self.slots.table_row(slot)
-        return pool_rows.read_slot_rows(
-            self.layout, self.mesh, state.pool, table, layer, int(start), int(stop), raw
-        )
-
-    def _check_range(self, slot: int, start: Any, stop: Any, length: int) -> None:
-        """Refuses a range of ``slot``'s positions that is not ints with ``0 <= start <=
-        stop <= length``, or that reaches before the window a ring still holds."""
-        if not (is_int(start) and is_int(stop) and 0 <= start <= stop <= length):
-            raise ValueError(
-                f"[start, stop) = [{start}, {stop}) must lie in [0, {length}] (slot {slot}'s "
-                f"length)"
-            )
-        spec = self.spec
-        kept = int(window_ring.kept_from(length, spec.windows[0])) if spec.ring_blocks else 0
-        if start < kept:
-            raise ValueError(
-                f"[start, stop) = [{start}, {stop}) reaches before position {kept}: slot "
-                f"{slot} keeps only its sliding window (max_step_tokens), positions [{kept}, "
-                f"{length})"
-            )
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError("this cache is closed")
+        return self._rows.read(state, layer, slot, start, stop, raw)
 
     def close(self, state: PoolState | None = None) -> None:
         """Closes the cache: every later call is refused. The pool is the state's (freed
@@ -925,14 +635,14 @@ class HostPoolKVCache:
         committed first; never raises for a failed commit (it is logged, and the cache made
         again over the tier re-attaches the last commit that succeeded); without a state
         nothing is committed. Closes the network levels the cache opened."""
-        if self._closed:
+        if self._live.closed:
             return
         if state is not None and self._tier is not None:
             try:
                 self._commit(state, session="closed")
             except Exception as e:  # noqa: BLE001 - reported; the last commit stands.
                 logger.error("final commit failed; the last successful commit stands: %s", e)
-        self._closed = True
+        self._live.closed = True
         if self._spill is not None:
             try:
                 self._spill.close()
@@ -943,14 +653,7 @@ class HostPoolKVCache:
                 self._tier.close()
             except Exception as e:  # noqa: BLE001 - a failed engine still has to close.
                 logger.error("closing the persistent tier's engine: %s", e)
-        self._close_levels()
-
-    def _close_levels(self) -> None:
-        for level in self._owned_levels:
-            try:
-                level.close()
-            except Exception as e:  # noqa: BLE001 - closing must not raise.
-                logger.warning("closing %s failed: %s", level.describe(), e)
+        pool_assembly.close_levels(self._owned_levels)
 
     def __enter__(self) -> HostPoolKVCache:
         return self
