@@ -9,10 +9,10 @@ import textwrap
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import jax_tpusync as tps
-from jax_tpusync.core import shared_blocks
+
+from support import child_env
 
 LAYERS, HEADS, DIM, BLOCK = 2, 2, 16, 8
 TOKENS = np.arange(100, 164)  # 64 token ids: 8 blocks.
@@ -63,8 +63,8 @@ PEER = textwrap.dedent(
     """
     import sys
     import numpy as np
-    sys.path.insert(0, sys.argv[2])
-    import test_shared_prefix_dir as t
+    from support import load_module
+    t = load_module(sys.argv[2])
     cache = t.make_cache(sys.argv[1])
     state = cache.init(admit=False)
     # Blocks 0-3 were published by the test process: imported, then 4-5 written here.
@@ -83,7 +83,8 @@ def test_blocks_published_by_one_process_are_imported_by_another(tmp_path):
         assert cache.prefix_stats["shared_published"] == 4
     assert len(list(shared.glob("*.kvblock"))) == 4
     peer = subprocess.run(
-        [sys.executable, "-c", PEER, str(shared), str(__import__("pathlib").Path(__file__).parent)],
+        [sys.executable, "-c", PEER, str(shared), __file__],
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=300,

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +16,8 @@ import pytest
 
 import jax_tpusync as tps
 from jax_tpusync.persist import commit as persistence
+
+from support import child_env
 
 LAYERS, BATCH, MAX_LEN, HEADS, DIM, BLOCK = 2, 2, 32, 2, 4, 4
 PROMPT = list(range(100, 110))
@@ -106,8 +106,8 @@ def test_a_release_with_ids_that_differ_from_the_recorded_ones_is_refused():
 CHILD = textwrap.dedent(
     """
     import os, sys
-    sys.path.insert(0, {test_dir!r})
-    import test_token_history as t
+    from support import load_module
+    t = load_module({test_file!r})
     cache = t.make(tier="file", path={path!r}, file_name="kv")
     state, _ = cache.admit(cache.init(admit=False), 0, tokens=t.PROMPT, max_tokens=16)
     state = t.prefill(cache, state, 0, 6)
@@ -122,13 +122,13 @@ CHILD = textwrap.dedent(
 def test_token_ids_survive_commit_sigkill_and_reattach(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
-    script = CHILD.format(test_dir=str(Path(__file__).parent), path=str(data))
+    script = CHILD.format(test_file=__file__, path=str(data))
     proc = subprocess.run(
         [sys.executable, "-c", script],
         capture_output=True,
         text=True,
         timeout=300,
-        env=dict(os.environ),
+        env=child_env(),
         cwd="/",  # Not the source tree, whose package has no built extension.
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr

@@ -5,9 +5,6 @@ the same prefix, and a refusal in one shard changes none."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,8 +145,7 @@ def test_each_refused_call_leaves_a_state_that_decodes_on():
 
 # -- mesh -------------------------------------------------------------------------------------
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "mesh"))
-from mesh_model import MeshTestModel
+from support.mesh_model import MeshTestModel
 
 MESH_ARGS = dict(block_tokens=8, num_blocks=16, read_in_place=False)
 needs_devices = pytest.mark.skipif(

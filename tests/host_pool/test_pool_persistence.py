@@ -24,6 +24,8 @@ import jax_tpusync as tps
 from jax_tpusync.caches.pool import persistence as pool_persistence
 from jax_tpusync.persist import commit as persistence
 
+from support import child_env
+
 HEADS, Q_HEADS, HEAD_DIM, LAYERS, BATCH, MAX_LEN, BLOCK = 2, 4, 16, 2, 2, 32, 8
 CONTEXT = np.array([11, 5])  # Slot 0 ends inside its second block, slot 1 in its first.
 
@@ -194,8 +196,8 @@ CHILD = textwrap.dedent(
     """
     import os, sys
     import numpy as np
-    sys.path.insert(0, {test_dir!r})
-    import test_pool_persistence as t
+    from support import load_module
+    t = load_module({test_file!r})
 
     written = t.Written(np.random.default_rng(5))
     cache = t.make(dict(tier="file", path={path!r}, file_name="kv"))
@@ -215,9 +217,14 @@ def test_a_crash_between_commits_reattaches_the_last_commit(tmp_path, caplog):
     out, data = tmp_path / "out", tmp_path / "data"
     out.mkdir()
     data.mkdir()
-    script = CHILD.format(test_dir=str(Path(__file__).parent), path=str(data), out=str(out))
+    script = CHILD.format(test_file=__file__, path=str(data), out=str(out))
     proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=child_env(),
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     written = Written(np.random.default_rng(0))

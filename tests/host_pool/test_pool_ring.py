@@ -5,9 +5,6 @@ wraps of the ring, its host-side rows, its cached windows, what it refuses with 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,9 +13,8 @@ import pytest
 import jax_tpusync as tps
 from jax_tpusync import factory as cache_factory
 
-sys.path.insert(0, str(Path(__file__).parent))
-import test_pool_attention as pool_attention
-import test_pool_mesh as pool_mesh
+from support import pool_mesh_model as pool_mesh
+from support import pool_model as pool_attention
 
 HEADS, Q_HEADS, HEAD_DIM = pool_attention.HEADS, pool_attention.Q_HEADS, pool_attention.HEAD_DIM
 WINDOW, STEP_TOKENS, BLOCK = 20, 4, 8

@@ -4,29 +4,28 @@ common commit (the shorter lengths), never a slot at row 8 in some heads and row
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from mesh_model import BATCH, HEAD_DIM, KV_HEADS, LAYERS, MeshTestModel
 
 import jax_tpusync as tps
 from jax_tpusync.persist import commit as persistence
 
+from support import child_env
+from support.mesh_model import BATCH, HEAD_DIM, KV_HEADS, LAYERS, MeshTestModel
+
 CHILD = textwrap.dedent(
     """
     import os, sys
-    sys.path.insert(0, {test_dir!r})
     import jax, numpy as np
     import jax_tpusync as tps
     from jax_tpusync.persist import commit as persistence
-    from mesh_model import MeshTestModel, LAYERS, BATCH
+    from support.mesh_model import MeshTestModel, LAYERS, BATCH
     mesh = jax.make_mesh((1, 2), ("data", "model"))
     cache = tps.kv_cache(**MeshTestModel.cache_args(), mesh=mesh, kv_heads_axis="model",
                          tier="file", path={path!r}, file_name="kv")
@@ -53,9 +52,9 @@ CHILD = textwrap.dedent(
 def test_a_kill_between_the_shards_commits_reattaches_to_the_common_lengths(tmp_path, caplog):
     data = tmp_path / "data"
     data.mkdir()
-    env = dict(os.environ)
+    env = child_env()
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
-    script = CHILD.format(test_dir=str(Path(__file__).parent), path=str(data))
+    script = CHILD.format(path=str(data))
     proc = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
         cwd="/",  # Not the source tree, whose package has no built extension.

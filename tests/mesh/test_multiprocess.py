@@ -4,15 +4,13 @@ cache: each process's engine serves its own shards, on one file-tier directory."
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).parent
+from support import child_env
 
 
 def _free_port() -> int:
@@ -24,16 +22,14 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_two_processes_decode_their_own_shards(tmp_path):
     port = _free_port()
-    # No empty entry (it would put the working directory, the source tree, on the path
-    # ahead of the installed package).
-    paths = [str(HERE), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    env = child_env()
     env.pop("XLA_FLAGS", None)  # Each process sets its own device count.
     procs = [
         subprocess.Popen(
             [
                 sys.executable,
-                str(HERE / "multiprocess_decode.py"),
+                "-m",
+                "support.multiprocess_decode",
                 str(i),
                 "2",
                 str(port),

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from mesh_model import CONTEXT, HEAD_DIM, KV_HEADS, LAYERS, Q_HEADS, MeshTestModel
 
 import jax_tpusync as tps
 from jax_tpusync.caches.offloaded.mesh import ShardedKVCache
+
+from support.mesh_model import CONTEXT, HEAD_DIM, KV_HEADS, LAYERS, Q_HEADS, MeshTestModel
 
 pytestmark = pytest.mark.skipif(
     len(jax.devices()) < 4,

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from test_ops_attend_in_place import Pool
+from support import child_env
+from support.attend_pool import Pool
 
 XlaError = getattr(jax.errors, "JaxRuntimeError", RuntimeError)
 
@@ -149,8 +149,9 @@ def test_every_build_matches_the_reference(isa):
         import numpy as np, jax.numpy as jnp
         from jax_tpusync import Engine, _tpusync
         assert _tpusync.pool_attention_isa() == {isa!r}, _tpusync.pool_attention_isa()
-        sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
-        from test_ops_attend_in_place_prefill import check_case, make_pool, Q_LEN
+        from support import load_module
+        t = load_module({__file__!r})
+        check_case, make_pool, Q_LEN = t.check_case, t.make_pool, t.Q_LEN
         with Engine() as e:
             for stored, head_dim, group in ((None, 128, 4), ("int8", 44, 2), (None, 44, 8)):
                 pool = make_pool(e, group=group, head_dim=head_dim, stored=stored)
@@ -171,7 +172,7 @@ def test_every_build_matches_the_reference(isa):
         check=False,
         capture_output=True,
         text=True,
-        env={**os.environ, "TPUSYNC_CPU_ISA": isa},
+        env=child_env(TPUSYNC_CPU_ISA=isa),
         cwd="/",
         timeout=300,
     )

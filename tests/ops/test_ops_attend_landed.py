@@ -6,8 +6,6 @@ ordering after write-backs; the guards of attend_in_place."""
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +14,7 @@ import pytest
 
 from jax_tpusync.runtime import ops
 
-sys.path.insert(0, str(Path(__file__).parent))  # The host pool's tests, beside this one.
-from test_ops_attend_in_place import (  # noqa: E402
+from support.attend_pool import (
     EXACT_ORDER_APART,
     QUANTIZED_APART,
     SHAPES,

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +20,8 @@ import jax_tpusync as tps
 from jax_tpusync.persist import commit as persistence
 from jax_tpusync.persist import manifest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tier_files, here and in children.
-from tier_files import data_path, manifest_path  # noqa: E402
+from support import child_env
+from support.tier_files import data_path, manifest_path
 
 LAYERS, BATCH, MAX_LEN, KV_HEADS, HEAD_DIM, Q_HEADS = 2, 2, 64, 2, 16, 4
 ROW_BYTES = KV_HEADS * HEAD_DIM * 4
@@ -334,8 +333,8 @@ CHILD = textwrap.dedent(
     """
     import os, sys
     import numpy as np
-    sys.path.insert(0, {test_dir!r})
-    import test_commit_manifest as t
+    from support import load_module
+    t = load_module({test_file!r})
     from jax_tpusync.persist import commit as persistence
     persistence.CHUNK_TARGET_BYTES = t.CHUNK_ROWS * t.ROW_BYTES
     where = dict(tier="file", path={path!r}, file_name="kv")
@@ -375,9 +374,14 @@ def test_restart_after_sigkill_restores_the_commit(tmp_path, caplog):
     out.mkdir()
     data = tmp_path / "data"
     data.mkdir()
-    script = CHILD.format(test_dir=str(Path(__file__).parent), path=str(data), out=str(out))
+    script = CHILD.format(test_file=__file__, path=str(data), out=str(out))
     proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=child_env(),
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     lengths = np.load(out / "lengths.npy")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import jax
@@ -18,8 +17,7 @@ from jax_tpusync.core import blocks
 from jax_tpusync.persist import commit as persistence
 from jax_tpusync.persist import manifest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tier_files, here and in children.
-from tier_files import data_path, manifest_path  # noqa: E402
+from support.tier_files import data_path, manifest_path
 
 LAYERS, BATCH, MAX_LEN, KV_HEADS, HEAD_DIM, Q_HEADS = 2, 3, 64, 2, 16, 4
 BLOCK_TOKENS, NUM_BLOCKS = 8, 16  # 8 blocks would hold a slot at max_len; 16 hold two.

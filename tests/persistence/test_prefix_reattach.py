@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -20,8 +19,8 @@ import pytest
 import jax_tpusync as tps
 from jax_tpusync.persist import commit as persistence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tier_files, here and in children.
-from tier_files import data_path, manifest_path  # noqa: E402
+from support import child_env
+from support.tier_files import data_path, manifest_path
 
 LAYERS, BATCH, MAX_LEN, KV_HEADS, HEAD_DIM, Q_HEADS = 2, 3, 32, 2, 8, 4
 BT, NUM_BLOCKS = 4, 24
@@ -517,8 +516,8 @@ CHILD = textwrap.dedent(
     import os, sys
     import jax, jax.numpy as jnp
     import numpy as np
-    sys.path.insert(0, {test_dir!r})
-    import test_prefix_reattach as t
+    from support import load_module
+    t = load_module({test_file!r})
     from jax_tpusync.persist import commit as persistence
     import jax_tpusync as tps
     persistence.CHUNK_TARGET_BYTES = t.CHUNK_ROWS * t.ROW_BYTES
@@ -570,10 +569,15 @@ def test_a_sigkill_before_the_commit_reopens_to_the_last_commit(tmp_path, mode):
     data = tmp_path / "data"
     data.mkdir()
     script = CHILD.format(
-        test_dir=str(Path(__file__).parent), path=str(data), out=str(out), mode=mode
+        test_file=__file__, path=str(data), out=str(out), mode=mode
     )
     proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=child_env(),
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     a_blocks = np.load(out / "a_blocks.npy").tolist()

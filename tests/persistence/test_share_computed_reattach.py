@@ -5,16 +5,13 @@ re-attached cache keeps them pinned by the slot and maps them for a new prompt."
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
 import jax_tpusync as tps
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tier_files, beside this file.
-from tier_files import manifest_path  # noqa: E402
+from support.tier_files import manifest_path
 
 LAYERS, BATCH, MAX_LEN, KV_HEADS, HEAD_DIM = 2, 3, 32, 2, 8
 BT, NUM_BLOCKS = 4, 24

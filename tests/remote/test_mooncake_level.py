@@ -18,7 +18,6 @@ import sys
 import textwrap
 import threading
 import time
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -36,9 +35,10 @@ from jax_tpusync.mooncake.level import (
     make_level,
 )
 
+from support import child_env
+
 LAYERS, HEADS, DIM, BLOCK = 2, 2, 16, 8
 TOKENS = np.arange(100, 164)  # 64 token ids: 8 blocks.
-HERE = Path(__file__).resolve().parent
 SUBPROCESS_TIMEOUT = 120
 LOGGER = "jax_tpusync.mooncake.level"
 
@@ -210,6 +210,7 @@ def run_python(code: str, *args: str, timeout: float = SUBPROCESS_TIMEOUT, **kw)
         text=True,
         timeout=timeout,
         cwd=kw.pop("cwd", "/"),  # Not the source tree, whose package has no built extension.
+        env=kw.pop("env", child_env()),
         **kw,
     )
 
@@ -219,8 +220,8 @@ def run_python(code: str, *args: str, timeout: float = SUBPROCESS_TIMEOUT, **kw)
 PEER = """
     import json, sys, time
     import numpy as np
-    sys.path.insert(0, sys.argv[2])
-    import test_mooncake_level as t
+    from support import load_module
+    t = load_module(sys.argv[2])
     cache = t.make_cache()
     # A client that gives the pool no memory: what it publishes lives in the first
     # process's segment, and outlives this process.
@@ -250,7 +251,7 @@ def test_blocks_published_by_one_cache_are_admitted_by_a_second_process(mooncake
         assert cached == 0
         stats = cache.prefix_stats
         assert stats["mooncake_published"] == 4 and stats["mooncake_publish_failures"] == 0
-        peer = run_python(PEER, mooncake_master.address, str(HERE))
+        peer = run_python(PEER, mooncake_master.address, __file__)
         assert peer.returncode == 0, peer.stderr[-3000:]
         out = json.loads(peer.stdout.strip().splitlines()[-1])
         assert out["cached"] == 32
@@ -831,8 +832,8 @@ def test_objects_a_killed_writer_left_unfinished_are_misses(mooncake_master):
 HOLDER = """
     import sys, time
     import numpy as np
-    sys.path.insert(0, sys.argv[2])
-    import test_mooncake_level as t
+    from support import load_module
+    t = load_module(sys.argv[2])
     lv = t.level(sys.argv[1])
     keys, parents, blocks = t.chain(3, start=500_000)
     for i in range(3):
@@ -846,10 +847,11 @@ def start_holder(master) -> subprocess.Popen:
     """A process that publishes blocks 500_000.. into its own segment, says "published",
     then sleeps (the holder of those objects)."""
     return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(HOLDER), master.address, str(HERE)],
+        [sys.executable, "-c", textwrap.dedent(HOLDER), master.address, __file__],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
+        env=child_env(),
         cwd="/",  # Not the source tree, whose package has no built extension.
     )
 

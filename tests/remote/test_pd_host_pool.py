@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import threading
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +21,7 @@ from jax_tpusync.pd.channel import start_engine
 from jax_tpusync.pd.pool_staging import MIN_STAGING_TOKENS
 from jax_tpusync.pd.transfer import KVReceiver, KVSender, PDTransferError
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import pd_peers
+from support import pd_peers
 
 N = 21  # Tokens of the transfers: two whole blocks of 8 and a part of a third.
 JOIN_S = 60

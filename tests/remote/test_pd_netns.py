@@ -5,17 +5,13 @@ skipped otherwise, and wherever the kernel or container refuses them."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import pd_peers
-from test_pd_transfer import TIMEOUT, decode_step, local_first_step, one_token, peer
-
 from jax_tpusync.pd.transfer import KVReceiver
+
+from support import pd_peers
+from support.pd_steps import TIMEOUT, decode_step, local_first_step, one_token, peer
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
 """One process of a trainer or sampler group for test_multiprocess.py (jax.distributed on
 localhost, simulated CPU devices). Prints one JSON line: what it saw.
 
-    python weight_peers.py trainer PROCESS NUM_PROCESSES PORT DIR
-    python weight_peers.py sampler PROCESS NUM_PROCESSES PORT DIR
+    python -m support.weight_peers trainer PROCESS NUM_PROCESSES PORT DIR
+    python -m support.weight_peers sampler PROCESS NUM_PROCESSES PORT DIR
 
 Trainer: 2 devices per process, FSDP over all of them; publishes version 1, then process 1
 is killed (SIGKILL) before version 2, so version 2 stays incomplete. Sampler: 1 device per
@@ -30,12 +30,13 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax
 import numpy as np
-import weights_support as ws
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_tpusync.weights.store import IncompleteVersionError
 from jax_tpusync.weights.sync import WeightPublisher, WeightPuller
+
+from support import weights_support as ws
 
 jax.distributed.initialize(f"localhost:{port}", num_processes, process)
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-import weights_support as ws
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_tpusync.weights.sync import WeightPublisher, WeightPuller
+
+from support import weights_support as ws
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ load the same context, run the same decode steps and check their own sequences' 
 against a single-device resident model computed locally, and their shards' tier bytes
 against the KV the steps produced. Prints one JSON line with what it found.
 
-Usage: python multiprocess_decode.py PROCESS_ID NUM_PROCESSES PORT DIRECTORY
+Usage: python -m support.multiprocess_decode PROCESS_ID NUM_PROCESSES PORT DIRECTORY
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 
 import jax  # noqa: E402
-import mesh_model  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_tpusync as tps  # noqa: E402
+
+from support import mesh_model  # noqa: E402
 
 
 def main() -> None:
