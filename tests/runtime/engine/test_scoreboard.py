@@ -1,4 +1,4 @@
-"""The hazard scoreboard (ffi/engine/scoreboard.h) on its own: tests/engine/scoreboard_test.cc
+"""The hazard scoreboard (ffi/engine/scoreboard.h) on its own: tests/runtime/engine/scoreboard_test.cc
 built with the C++ compiler against scoreboard.cc alone (no engine, no XLA) and run.
 
 It covers the ordering rules the engine relies on: a write after a read of overlapping bytes
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SOURCE = ROOT / "ffi" / "engine" / "scoreboard.cc"
 CXX = shutil.which("g++") or shutil.which("c++")
 

@@ -1,5 +1,5 @@
 """The multi-range streaming copy (ffi/engine/stream_copy.h) on its own:
-tests/engine/stream_copy_test.cc built with the C++ compiler against stream_copy.cc alone
+tests/runtime/engine/stream_copy_test.cc built with the C++ compiler against stream_copy.cc alone
 (no engine, no XLA) and run under the address and undefined-behaviour sanitizers.
 
 It covers every destination alignment 0-16 with lengths around the 16-byte store and the
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SOURCE = ROOT / "ffi" / "engine" / "stream_copy.cc"
 CXX = shutil.which("g++") or shutil.which("c++")
 

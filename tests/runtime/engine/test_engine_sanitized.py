@@ -1,5 +1,5 @@
 """The engine core under AddressSanitizer and ThreadSanitizer: the fetch lifecycle stress
-(tests/engine/landing_stress.cc) with fetches consumed, discarded, orphaned by a new epoch
+(tests/runtime/engine/landing_stress.cc) with fetches consumed, discarded, orphaned by a new epoch
 and left in flight at shutdown, visited where they landed (a new epoch racing the visit from
 another thread), and (host tier) reads in place, beside write-backs of the same bytes from
 three threads."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SOURCES = sorted(str(p) for p in (ROOT / "ffi" / "engine").glob("*.cc"))
 CXX = shutil.which("g++") or shutil.which("c++")
 
