@@ -27,6 +27,10 @@ from jax_tpusync.pd.writes import head_pieces
 from support import pd_peers
 from support.pd_steps import TIMEOUT, decode_step, local_first_step, one_token, peer
 
+# Skipped without the Mooncake client, failed instead where TPUSYNC_REQUIRE_MOONCAKE=1
+# (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("mooncake_usable")
+
 
 @pytest.mark.slow
 def test_decode_after_transfer_equals_local_prefill():

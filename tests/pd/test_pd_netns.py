@@ -13,6 +13,10 @@ from jax_tpusync.pd.transfer import KVReceiver
 from support import pd_peers
 from support.pd_steps import TIMEOUT, decode_step, local_first_step, one_token, peer
 
+# Skipped without the Mooncake client, failed instead where TPUSYNC_REQUIRE_MOONCAKE=1
+# (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("mooncake_usable")
+
 
 @pytest.mark.slow
 def test_pd_over_a_veth_pair_equals_a_local_prefill(veth_pair):

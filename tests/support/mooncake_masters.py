@@ -1,8 +1,7 @@
-"""A Mooncake master for the remote-level tests: started once per session on free loopback
-ports, stopped by its pid; further masters for the tests that kill, pause or fill one.
-
-Without the Mooncake client these tests skip, unless TPUSYNC_REQUIRE_MOONCAKE=1 (CI), where
-they fail instead (the ``mooncake_usable`` fixture of tests/conftest.py)."""
+"""Mooncake masters for the tests of the Mooncake level and of P/D transfer: real
+``mooncake_master`` processes on free loopback ports, stopped by their pid, which a test can
+kill, pause or fill (the ``mooncake_master`` and ``make_master`` fixtures of
+tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +9,7 @@ import os
 import signal
 from pathlib import Path
 
-import pytest
-
 from jax_tpusync.bench.mooncake_master import LocalMaster
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _mooncake_available(mooncake_usable):
-    return mooncake_usable
 
 
 class Master(LocalMaster):
@@ -51,27 +43,3 @@ class Master(LocalMaster):
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGCONT)  # A paused master cannot take SIGTERM.
         super().stop()
-
-
-@pytest.fixture(scope="session")
-def mooncake_master(tmp_path_factory):
-    """One master for the session's tests that do not disturb it."""
-    master = Master(tmp_path_factory.mktemp("mooncake"))
-    try:
-        yield master
-    finally:
-        master.stop()
-
-
-@pytest.fixture
-def make_master(tmp_path):
-    """Masters of a test's own (to kill, pause or fill), stopped at teardown."""
-    made: list[Master] = []
-
-    def make(*extra: str) -> Master:
-        made.append(Master(tmp_path, *extra))
-        return made[-1]
-
-    yield make
-    for master in made:
-        master.stop()
