@@ -14,7 +14,7 @@ import pytest
 
 import jax_tpusync as tps
 
-_PATH = Path(__file__).parents[2] / "examples" / "model.py"
+_PATH = Path(__file__).parents[3] / "examples" / "model.py"
 _spec = importlib.util.spec_from_file_location("example_model", _PATH)
 model = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = model  # Its dataclasses resolve their module while it loads.
