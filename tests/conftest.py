@@ -11,7 +11,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-# Four simulated CPU devices for the mesh tests (tests/mesh); every other test runs on the
+# Four simulated CPU devices for the mesh tests (tests/caches); every other test runs on the
 # first. Read when JAX's backends start, so set before anything starts them.
 _DEVICES_FLAG = "--xla_force_host_platform_device_count"
 if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):

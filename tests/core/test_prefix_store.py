@@ -217,7 +217,7 @@ def test_bad_tokens_are_named():
 
 
 def test_prefix_sharing_on_a_persistent_tier_survives_a_restart(tmp_path):
-    """The index is committed with the KV (tests/persistence/test_prefix_reattach.py has
+    """The index is committed with the KV (tests/persist/test_prefix_reattach.py has
     the details): a re-opened cache maps the same blocks for the same prompt."""
     where = dict(tier="file", path=tmp_path, file_name="kv")
     with _cache(**where) as cache:

@@ -1118,4 +1118,4 @@ def test_a_mesh_gives_each_head_range_its_own_namespace():
     got = mesh._heads_address("mooncake://127.0.0.1:9?segment_mb=16", "heads0-2")
     assert got == "mooncake://127.0.0.1:9?segment_mb=16&namespace=tpusync-heads0-2"
     # A level object cannot be split by heads: the mesh cache refuses one at construction
-    # (tests/attention/test_kv_cache_factory.py), before any head range is named.
+    # (tests/caches/test_kv_cache_factory.py), before any head range is named.

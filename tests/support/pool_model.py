@@ -1,6 +1,6 @@
 """A host-pool cache of a small shape, a jitted step of attention calls over given q/k/v,
-and a run of such steps against resident attention: the host-pool tests' model (test_pool_attention.py,
-test_pool_ring.py)."""
+and a run of such steps against resident attention: the host-pool tests' model
+(test_pool_attention.py, test_pool_ring.py)."""
 
 from __future__ import annotations
 

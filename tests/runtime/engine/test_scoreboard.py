@@ -1,5 +1,6 @@
-"""The hazard scoreboard (ffi/engine/scoreboard.h) on its own: tests/runtime/engine/scoreboard_test.cc
-built with the C++ compiler against scoreboard.cc alone (no engine, no XLA) and run.
+"""The hazard scoreboard (ffi/engine/scoreboard.h) on its own:
+tests/runtime/engine/scoreboard_test.cc built with the C++ compiler against scoreboard.cc
+alone (no engine, no XLA) and run.
 
 It covers the ordering rules the engine relies on: a write after a read of overlapping bytes
 waits (and a read after a write); disjoint transfers, transfers of different tiers and two
