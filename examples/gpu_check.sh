@@ -6,7 +6,7 @@
 # Needs: a CUDA GPU, JAX with CUDA, nanobind, scikit-build-core, cmake, ninja and pytest
 # already installed (no network is used). Runs in about 6 minutes at most: every step has
 # its own cap and the whole script a deadline. Writes into OUTDIR:
-#   build.log, pytest.log, pytest.xml     the install and tests/cuda
+#   build.log, pytest.log, pytest.xml     the install and tests/runtime/cuda
 #   transfer.json                         engine start/wait H2D GB/s vs plain cudaMemcpyAsync
 #   decode.json, decode.log               python -m jax_tpusync.bench decode (if present)
 #   summary.json                          exit status and seconds of every step
@@ -55,7 +55,7 @@ grep -h "jax_tpusync: CUDA support" "$OUT/build.log" | tail -1
 cd "$OUT"
 
 # 2. The CUDA tests (they skip, with a reason, if JAX sees no CUDA GPU).
-run pytest 120 "$PY" -m pytest "$REPO/tests/cuda" -q -rs -p no:cacheprovider \
+run pytest 120 "$PY" -m pytest "$REPO/tests/runtime/cuda" -q -rs -p no:cacheprovider \
   --junitxml="$OUT/pytest.xml" > "$OUT/pytest.log" 2>&1
 tail -5 "$OUT/pytest.log"
 

@@ -11,7 +11,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-# Four simulated CPU devices for the mesh tests (tests/mesh); every other test runs on the
+# Four simulated CPU devices for the mesh tests (tests/caches); every other test runs on the
 # first. Read when JAX's backends start, so set before anything starts them.
 _DEVICES_FLAG = "--xla_force_host_platform_device_count"
 if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
@@ -34,6 +34,8 @@ import pytest  # noqa: E402
 
 from jax_tpusync.persist import commit as persistence  # noqa: E402
 from jax_tpusync.runtime.engine import Engine, EngineConfig  # noqa: E402
+
+from support.mooncake_masters import Master  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -119,6 +121,30 @@ def mooncake_usable():
             f"(pip install 'jax-tpusync[mooncake]'; apt-get install libibverbs1 libnuma1)"
         )
     pytest.skip(f"Mooncake client unavailable: {why}")
+
+
+@pytest.fixture(scope="session")
+def mooncake_master(tmp_path_factory):
+    """One master for the session's tests that do not disturb it."""
+    master = Master(tmp_path_factory.mktemp("mooncake"))
+    try:
+        yield master
+    finally:
+        master.stop()
+
+
+@pytest.fixture
+def make_master(tmp_path):
+    """Masters of a test's own (to kill, pause or fill), stopped at teardown."""
+    made: list[Master] = []
+
+    def make(*extra: str) -> Master:
+        made.append(Master(tmp_path, *extra))
+        return made[-1]
+
+    yield make
+    for master in made:
+        master.stop()
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:

@@ -2,7 +2,7 @@
 
 One device's :class:`~jax_tpusync.OffloadedKVCache`, a mesh's
 :class:`~jax_tpusync.ShardedKVCache` and a hybrid model's :class:`~jax_tpusync.HybridKVCache`
-all satisfy it (``tests/attention/test_cache_protocol.py`` checks every method's parameter
+all satisfy it (``tests/caches/test_cache_protocol.py`` checks every method's parameter
 names against the ones here, so that the classes cannot drift apart). A serving loop or a
 benchmark written against :class:`KVCache` runs on any of them.
 

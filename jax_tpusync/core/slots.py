@@ -17,7 +17,7 @@ prefix index; and the eviction policy, in one place:
 The bytes behind the blocks are the caller's: the slot table reaches them only through the
 small interfaces of :mod:`jax_tpusync.core.levels` (a ``BlockStore`` that reads and writes whole
 blocks, ``RemoteLevel`` s holding published blocks by key, a ``SpillMover``), so it is tested
-with fakes of those, without an engine (``tests/slots``).
+with fakes of those, without an engine (``tests/core/test_slot_table.py``).
 """
 
 from __future__ import annotations

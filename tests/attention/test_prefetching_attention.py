@@ -193,7 +193,7 @@ def test_decoder_matches_resident(tier, staging_bytes, scan, tmp_path):
             # Only the first units are cold: those fetched before any prefetch ran ahead.
             assert stats["prefetch_misses"] == cache.spec.prefetch_depth
         # The tier holds what the resident cache holds (new tokens' K/V come from activations
-        # that carry the rounding above; write-back itself is byte-exact, tests/engine).
+        # that carry the rounding above; write-back itself is byte-exact, tests/runtime/engine).
         state = cache.drain(state)
         for layer in range(LAYERS):
             k_tier, v_tier = cache.read_all(layer, np.asarray(state.lengths))

@@ -47,9 +47,10 @@ TINY = [
     "--warmup",
     "0",
     "--engine-cpus",
-    "0",  # JAX already runs in this process; tests/engine/test_split_cpus covers the split.
-    # A test must not change the XLA flags of the whole test process (tests/compile covers
-    # the memory schedule).
+    # JAX already runs in this process; tests/runtime/engine/test_split_cpus covers the split.
+    "0",
+    # A test must not change the XLA flags of the whole test process
+    # (tests/runtime/test_xla_cpu_schedule.py covers the memory schedule).
     "--xla-cpu-schedule",
     "concurrency",
 ]
@@ -446,7 +447,8 @@ def test_the_resident_mode_variant_runs_when_the_cache_fits(tmp_path):
 
 
 @pytest.mark.skipif(len(__import__("jax").devices()) < 2, reason="needs 2 devices")
-@pytest.mark.parametrize("mesh, tier", [("dp", "file")])  # tp decode itself: tests/mesh.
+# tp decode itself: tests/caches/offloaded.
+@pytest.mark.parametrize("mesh, tier", [("dp", "file")])
 @pytest.mark.slow
 def test_decode_devices_rows_fetch_one_shard_each(tmp_path, mesh, tier):
     """``--devices 2``: a row per device count, each shard fetching its own share (the same

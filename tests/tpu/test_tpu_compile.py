@@ -18,6 +18,8 @@ import sys
 
 import pytest
 
+from support import child_env
+
 # libtpu's wheels are Linux x86_64 only: there the test extra installs it, and a missing
 # one is a failure, not a skip.
 REQUIRED = sys.platform == "linux" and platform.machine() == "x86_64"
@@ -314,11 +316,10 @@ def test_the_example_models_step_compiles_bounded(tmp_path):
     for a v5e at 32K and 1M tokens, its device memory the weights plus the staging."""
     if importlib.util.find_spec("libtpu") is None and not REQUIRED:
         pytest.skip("libtpu has no wheel for this platform")
-    script = os.path.join(os.path.dirname(__file__), "compile_example_model.py")
     done = subprocess.run(
-        [sys.executable, script, "v5e:2x2", "32768", "1048576"],
+        [sys.executable, "-m", "support.compile_example_model", "v5e:2x2", "32768", "1048576"],
         capture_output=True, text=True, timeout=900, cwd=tmp_path,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        env=child_env(JAX_PLATFORMS="cpu"),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]

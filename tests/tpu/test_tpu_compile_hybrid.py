@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import platform
 import subprocess
 import sys
 
 import pytest
+
+from support import child_env
 
 # libtpu's wheels are Linux x86_64 only: there the test extra installs it (as
 # test_tpu_compile.py says), and a missing one is a failure, not a skip.
@@ -26,11 +27,10 @@ def test_the_hybrid_pool_step_compiles_bounded_at_any_context(tmp_path):
         if REQUIRED:
             pytest.fail("libtpu is not installed: pip install '.[test]' installs it here")
         pytest.skip("libtpu has no wheel for this platform")
-    script = os.path.join(os.path.dirname(__file__), "compile_hybrid_pool.py")
     done = subprocess.run(
-        [sys.executable, script, "v5e:2x2", "32768", "1048576"],
+        [sys.executable, "-m", "support.compile_hybrid_pool", "v5e:2x2", "32768", "1048576"],
         capture_output=True, text=True, timeout=900, cwd=tmp_path,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        env=child_env(JAX_PLATFORMS="cpu"),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]

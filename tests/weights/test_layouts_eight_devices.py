@@ -1,26 +1,22 @@
-"""Runs layout_cases_8dev.py in a process of its own with 8 simulated CPU devices (this
+"""Runs support/layout_cases_8dev.py in a process of its own with 8 simulated CPU devices (this
 process's device count was fixed when JAX started)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
-HERE = Path(__file__).parent
+from support import TESTS, child_env
 
 
 def test_layout_pairs_on_eight_devices(tmp_path):
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
-    )
+    env = child_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     done = subprocess.run(
         [
             sys.executable,
             "-m",
             "pytest",
-            str(HERE / "layout_cases_8dev.py"),
+            str(TESTS / "support" / "layout_cases_8dev.py"),
             "-q",
             "-n",
             "0",

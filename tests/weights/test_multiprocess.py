@@ -6,7 +6,6 @@ samplers keep version 1."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -15,9 +14,9 @@ from pathlib import Path
 
 import jax
 import pytest
-import weights_support as ws
 
-HERE = Path(__file__).parent
+from support import child_env
+from support import weights_support as ws
 
 
 def _free_port() -> int:
@@ -28,14 +27,14 @@ def _free_port() -> int:
 
 def _run_group(role: str, n: int, directory: Path, cwd: Path) -> list[subprocess.Popen]:
     port = _free_port()
-    paths = [str(HERE), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    env = child_env()
     env.pop("XLA_FLAGS", None)  # Each process sets its own device count.
     return [
         subprocess.Popen(
             [
                 sys.executable,
-                str(HERE / "weight_peers.py"),
+                "-m",
+                "support.weight_peers",
                 role,
                 str(i),
                 str(n),

@@ -16,11 +16,12 @@ import weakref
 import jax
 import numpy as np
 import pytest
-import weights_support as ws
 
 from jax_tpusync.weights.file_pool import FilePool, FileRetiredError, MappingCache
 from jax_tpusync.weights.store import IncompleteVersionError, WeightStore, WeightSyncError
 from jax_tpusync.weights.sync import WeightPublisher, WeightPuller
+
+from support import weights_support as ws
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
 

@@ -13,12 +13,13 @@ import time
 import jax
 import numpy as np
 import pytest
-import weights_support as ws
 from jax.sharding import PartitionSpec as P
 
 from jax_tpusync.bench.mooncake_master import LocalMaster, free_port
 from jax_tpusync.weights.store import IncompleteVersionError, VersionNotFoundError, WeightSyncError
 from jax_tpusync.weights.sync import WeightPublisher, WeightPuller, open_weight_store
+
+from support import weights_support as ws
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
 

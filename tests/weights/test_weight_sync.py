@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import weights_support as ws
 from jax.sharding import PartitionSpec as P
 
 from jax_tpusync.weights.plan import PlanCache, SourceLayout
@@ -26,6 +25,8 @@ from jax_tpusync.weights.store import (
     WeightSyncError,
 )
 from jax_tpusync.weights.sync import WeightPublisher, WeightPuller
+
+from support import weights_support as ws
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
 
