@@ -20,7 +20,7 @@
 // memory and never rely on host-resident operands (the descriptor is always copied out on
 // the stream, which works for either). Whether XLA hands a CUDA custom call a host pointer
 // for a pinned_host operand, inserts a copy, or rejects the program is not assumed; the
-// `tpusync_pointer_kind` probe answers it on a real GPU (tests/cuda, examples/gpu_check.sh).
+// `tpusync_pointer_kind` probe answers it on a real GPU (tests/runtime/cuda, examples/gpu_check.sh).
 // If it is a host pointer, descriptors could be read without the D2H staging copy.
 //
 // The handlers do not declare the command-buffer trait: they must run on the host at every
