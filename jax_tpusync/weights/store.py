@@ -818,8 +818,7 @@ class WeightStore:
         manifest = manifest_from_parts(version, docs, data_files)
         try:
             offsets = [
-                [int(s["offset"]) for leaf in doc["leaves"] for s in leaf["shards"]]
-                for doc in docs
+                [int(s["offset"]) for leaf in doc["leaves"] for s in leaf["shards"]] for doc in docs
             ]
         except (KeyError, TypeError, ValueError) as e:
             raise WeightSyncError(

@@ -504,6 +504,7 @@ class WeightPuller:
         self.staging = StagingBuffers(0)
         self._held_plan_key: Any = None
         self._closed = False
+        self._damaged: set[int] = set()  # Versions found damaged: "latest" passes them by.
 
     def pull(
         self,
@@ -551,18 +552,18 @@ class WeightPuller:
         target_dtypes = self._dtype_per_leaf(dtypes, treedef, len(targets))
         if version != "latest":
             version = check_version(version)
-        below = None  # Below a damaged version "latest" resolved to, the next one down.
         while True:
             start = time.perf_counter()
-            manifest = self._resolve(version, timeout, below)
+            manifest = self._resolve(version, timeout)
             wait_seconds = time.perf_counter() - start
             try:
                 return self._pull(manifest, targets, treedef, target_dtypes, wait_seconds)
             except DamagedVersionError as e:
+                # Versions are immutable: a damaged one stays so, "latest" skips it from now.
+                self._damaged.add(manifest.version)
                 if version != "latest":
                     raise
-                logger.warning("%s; pulling the newest intact version below it", e)
-                below = manifest.version
+                logger.warning("%s; pulling the newest intact complete version", e)
 
     def _pull(
         self,
@@ -678,18 +679,16 @@ class WeightPuller:
                 raise TypeError(f"dtypes leaf {d!r} is not a dtype") from None
         return out
 
-    def _resolve(
-        self, version: int | str, timeout: float, below: int | None = None
-    ) -> VersionManifest:
+    def _resolve(self, version: int | str, timeout: float) -> VersionManifest:
         """The manifest of the version to pull, agreed by every process (for ``"latest"``
-        the newest complete one, below ``below`` where that one was found damaged)."""
+        the newest complete one not found damaged)."""
         multi = jax.process_count() > 1
         error: Exception | None = None
         if version == "latest":
             chosen = -1
             if jax.process_index() == 0 or not multi:
                 try:
-                    chosen = self._wait_latest(timeout, below)
+                    chosen = self._wait_latest(timeout)
                 except WeightSyncError as e:
                     error = e
             if multi:
@@ -728,18 +727,25 @@ class WeightPuller:
             raise error
         return manifest
 
-    def _wait_latest(self, timeout: float, below: int | None = None) -> int:
+    def _wait_latest(self, timeout: float) -> int:
         deadline = time.monotonic() + timeout
         while True:
-            if below is None:
+            if not self._damaged:
                 v = self.store.latest_complete()
             else:
-                older = [v for v in self.store.versions() if v < below]
-                v = next((v for v in reversed(older) if complete(*self.store.parts(v))), None)
-                if v is None:
+                newest = None
+                for v in reversed(self.store.versions()):
+                    if complete(*self.store.parts(v)):
+                        newest = v if newest is None else newest
+                        if v not in self._damaged:
+                            break
+                else:
+                    v = None
+                if v is None and newest is not None:
                     raise WeightSyncError(
-                        f"weights version {below} is damaged and no complete version older "
-                        f"than it is in {self.store.describe()}"
+                        f"weights version {newest} is damaged and no complete version older "
+                        f"than it is intact in {self.store.describe()} (damaged: "
+                        f"{sorted(self._damaged)})"
                     )
             if v is not None:
                 return v
