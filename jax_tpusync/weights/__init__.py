@@ -3,6 +3,7 @@ over a weight store (a directory, or a Mooncake Store), in :mod:`~jax_tpusync.we
 the stores, the transfer plan and the staging below it."""
 
 from jax_tpusync.weights.sync import (
+    DamagedVersionError,
     IncompleteVersionError,
     PublishStats,
     PullStats,
@@ -13,6 +14,7 @@ from jax_tpusync.weights.sync import (
 )
 
 __all__ = [
+    "DamagedVersionError",
     "IncompleteVersionError",
     "PublishStats",
     "PullStats",

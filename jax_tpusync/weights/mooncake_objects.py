@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import numpy as np
 import xxhash
 
-from jax_tpusync.weights.store import WeightSyncError
+from jax_tpusync.weights.store import WeightSyncError, chunk_checksums
+
+__all__ = ["checksummed_json", "chunk_checksums", "read_checksummed_json"]
 
 
 def checksummed_json(doc: Any) -> bytes:
@@ -33,11 +34,3 @@ def read_checksummed_json(data: bytes, name: str) -> Any:
     if not ok:
         raise WeightSyncError(f"object {name!r} is damaged: its checksum does not match")
     return value
-
-
-def chunk_checksums(raw: np.ndarray, chunk_bytes: int) -> list[int]:
-    """xxh3-64 of each ``chunk_bytes`` of ``raw`` (``uint8[n]``; the last chunk shorter)."""
-    return [
-        xxhash.xxh3_64_intdigest(raw[at : at + chunk_bytes])
-        for at in range(0, raw.size, chunk_bytes)
-    ]

@@ -12,7 +12,12 @@ import numpy as np
 import xxhash
 
 from jax_tpusync.mooncake.client import NOT_FOUND, meaning
-from jax_tpusync.weights.store import StoredLeaf, VersionManifest, WeightSyncError
+from jax_tpusync.weights.store import (
+    DamagedVersionError,
+    StoredLeaf,
+    VersionManifest,
+    WeightSyncError,
+)
 
 
 class RangeStore(Protocol):
@@ -187,10 +192,11 @@ class MooncakeVersionReader:
                 lo = at + (c - first) * chunk
                 hi = at + min((c + 1) * chunk, shard.nbytes) - first * chunk
                 if xxhash.xxh3_64_intdigest(buffer[lo:hi]) != shard.checksums[c]:
-                    raise WeightSyncError(
+                    raise DamagedVersionError(
                         f"weights version {self.manifest.version}, leaf {leaf.path}: object "
                         f"{shard.key!r} is damaged: chunk {c} (bytes {c * chunk}-"
-                        f"{min((c + 1) * chunk, shard.nbytes)}) does not match its checksum"
+                        f"{min((c + 1) * chunk, shard.nbytes)}) does not match its checksum",
+                        version=self.manifest.version,
                     )
 
     def close(self) -> None:

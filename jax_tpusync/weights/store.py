@@ -7,7 +7,8 @@ Layout of ``<directory>/v<version, 12 digits>/``:
 * ``part-<p>-of-<n>.bin``: process ``p``'s unique shards (of ``n`` publishing processes),
   raw bytes in C order, each starting at a 64-byte aligned offset;
 * ``part-<p>-of-<n>.json``: its manifest: every leaf's path, shape and dtype, and for each
-  shard this process wrote, its index box and where its bytes lie.
+  shard this process wrote, its index box, where its bytes lie and the xxh3-64 of each
+  ``chunk_bytes`` (:data:`CHUNK_BYTES`) of them.
 
 Each file is written under a temporary name and renamed into place (``os.replace``), the
 manifest after its data, so a manifest that can be read names bytes that are all there.
@@ -16,6 +17,13 @@ reads only complete versions, so it never sees a mix of two versions, and a vers
 killed publisher left without some process's manifest is refused by name
 (:class:`IncompleteVersionError`). Versions are immutable once written: publishing a
 process's part of a version twice is refused.
+
+Every byte a read hands out is first checked against its chunks' checksums (each chunk
+once per opened version): a version whose bytes changed after they were written is refused
+by name (:class:`DamagedVersionError`, naming the version, the data file and the byte
+range), and a puller asking for ``"latest"`` falls back to the newest intact version. A
+manifest written before checksums were recorded (no ``chunk_bytes``) is still read, its
+bytes unchecked, with a warning.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from pathlib import Path
 from typing import Protocol, Self, runtime_checkable
 
 import numpy as np
+import xxhash
 
 from jax_tpusync.runtime.host_copy import DEFAULT_COPY_THREADS, copy_arrays
 from jax_tpusync.weights.file_pool import (
@@ -50,8 +59,10 @@ ALIGNMENT = 64  # Each shard's bytes start at a multiple of this in its data fil
 _VERSION_DIR = re.compile(r"^v(\d{12})$")
 _PART_MANIFEST = re.compile(r"^part-(\d{5})-of-(\d{5})\.json$")
 _VERSION_FIELD = re.compile(rb'"version": (\d+)')  # The first: the part's own (json.dump order).
+_CHUNKS_FIELD = b', "chunks": '  # The last field of a part manifest (json.dumps order).
 MAX_VERSION = 10**12 - 1
 MAX_PROCESSES = 10**5 - 1
+CHUNK_BYTES = 1 << 20  # The checksummed unit of a shard's bytes in the directory store.
 
 
 class WeightSyncError(RuntimeError):
@@ -71,6 +82,24 @@ class IncompleteVersionError(WeightSyncError):
 
 class VersionNotFoundError(WeightSyncError):
     """A version no publisher has started (or one already retired)."""
+
+
+class DamagedVersionError(WeightSyncError):
+    """A version whose stored bytes do not match the checksums written with them (changed
+    after they were written). ``version`` says which; the message names the data file (or
+    object) and the byte range."""
+
+    def __init__(self, message: str, *, version: int):
+        super().__init__(message)
+        self.version = version
+
+
+def chunk_checksums(raw: np.ndarray, chunk_bytes: int) -> list[int]:
+    """xxh3-64 of each ``chunk_bytes`` of ``raw`` (``uint8[n]``; the last chunk shorter)."""
+    return [
+        xxhash.xxh3_64_intdigest(raw[at : at + chunk_bytes])
+        for at in range(0, raw.size, chunk_bytes)
+    ]
 
 
 def check_version(version: object) -> int:
@@ -128,6 +157,11 @@ class VersionManifest:
     data_files: tuple[Path, ...]
     fingerprint: str
     chunk_bytes: int = 0  # The unit of the shards' chunk checksums, where recorded.
+    # (process, offset) -> checksums of the shard there, where kept out of ``leaves`` (the
+    # directory store's: its leaves stay alike from version to version).
+    shard_checksums: dict[tuple[int, int], tuple[int, ...]] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @property
     def nbytes(self) -> int:
@@ -293,6 +327,8 @@ class PartWriter:
         self._offset = 0
         self._leaves: list[dict] = []
         self._paths: set[str] = set()
+        # Per shard record (in order), the xxh3-64 of each CHUNK_BYTES of it, 16 hex digits each.
+        self._chunks: list[str] = []
         self.nbytes = 0
 
     def add(
@@ -323,8 +359,13 @@ class PartWriter:
                 self._file.write(memoryview(raw))
             self._offset += pad
             records.append(
-                {"box": [list(r) for r in box], "offset": self._offset, "nbytes": raw.nbytes}
+                {
+                    "box": [list(r) for r in box],
+                    "offset": self._offset,
+                    "nbytes": raw.nbytes,
+                }
             )
+            self._chunks.append("".join(f"{c:016x}" for c in chunk_checksums(raw, CHUNK_BYTES)))
             self._offset += raw.nbytes
             self.nbytes += raw.nbytes
         self._leaves.append({"path": path, "shape": list(shape), "dtype": dtype, "shards": records})
@@ -355,7 +396,9 @@ class PartWriter:
             "process": self.process,
             "num_processes": self.num_processes,
             "data_bytes": self._offset,
+            "chunk_bytes": CHUNK_BYTES,
             "leaves": self._leaves,
+            "chunks": self._chunks,  # Last: the rest is alike from version to version.
         }
         with open(self._manifest_tmp, "w") as f:
             f.write(json.dumps(doc))  # One write (json.dump writes piece by piece).
@@ -401,9 +444,38 @@ class OpenVersion:
                 f"weights version {manifest.version} was retired while opening it "
                 f"({e.filename}: {e.strerror or 'gone'}): pull again (or keep more versions)"
             ) from None
+        # (process, file offset of the chunk) of the chunks checked already: each once.
+        self._checked: set[tuple[int, int]] = set()
+
+    def check_bytes(self, leaf: StoredLeaf, index: int, lo: int, hi: int) -> None:
+        """Checks bytes ``[lo, hi)`` of ``leaf``'s shard ``index`` (the whole chunks that
+        hold them) against their checksums; DamagedVersionError naming the version, the
+        data file, the shard and the byte range where one does not match. Nothing is
+        checked in a version written without checksums (``chunk_bytes`` 0)."""
+        chunk = self.manifest.chunk_bytes
+        s = leaf.shards[index]
+        if not chunk or hi <= lo:
+            return
+        sums = self.manifest.shard_checksums.get((s.process, s.offset), s.checksums)
+        data = self._maps[s.process]
+        for c in range(lo // chunk, (hi - 1) // chunk + 1):
+            start = s.offset + c * chunk
+            if (s.process, start) in self._checked:
+                continue
+            end = s.offset + min((c + 1) * chunk, s.nbytes)
+            if xxhash.xxh3_64_intdigest(data[start:end]) != sums[c]:
+                version = self.manifest.version
+                raise DamagedVersionError(
+                    f"weights version {version} is damaged: "
+                    f"{self.manifest.data_files[s.process]} bytes {start}-{end} (leaf "
+                    f"{leaf.path} shard {s.box}, its chunk {c}) do not match their checksum",
+                    version=version,
+                )
+            self._checked.add((s.process, start))
 
     def shard(self, leaf: StoredLeaf, index: int) -> np.ndarray:
-        """A read-only view of ``leaf``'s shard number ``index`` (shape of its box)."""
+        """A read-only view of ``leaf``'s shard number ``index`` (shape of its box),
+        unchecked: :meth:`read` checks what it hands out."""
         s = leaf.shards[index]
         dtype = np.dtype(leaf.dtype)
         shape = tuple(b - a for a, b in s.box)
@@ -415,8 +487,20 @@ class OpenVersion:
     def read(
         self, leaf: StoredLeaf, wanted: Sequence[tuple[int, tuple[slice, ...]]]
     ) -> list[np.ndarray]:
-        """Views of the mapped files: per (shard number, slices), those values."""
-        return [self.shard(leaf, index)[slices] for index, slices in wanted]
+        """Views of the mapped files: per (shard number, slices), those values, their
+        bytes checked (:meth:`check_bytes`: the chunks that hold them)."""
+        out = []
+        for index, slices in wanted:
+            whole = self.shard(leaf, index)
+            view = whole[slices]
+            if isinstance(view, np.ndarray) and view.ndim:
+                base = byte_bounds(whole)[0] if whole.size else 0
+                lo, hi = byte_bounds(view) if view.size else (base, base)
+                self.check_bytes(leaf, index, lo - base, hi - base)
+            else:  # One element of a 0-d shard: a scalar.
+                self.check_bytes(leaf, index, 0, leaf.shards[index].nbytes)
+            out.append(view)
+        return out
 
     def read_stacked(self, leaf: StoredLeaf, shards: Sequence[int]) -> np.ndarray | None:
         """One view of whole shards that lie back to back in one data file (a process
@@ -441,6 +525,8 @@ class OpenVersion:
         data = self._maps[first[0].process]
         if data is None:
             return None
+        for i in shards:
+            self.check_bytes(leaf, i, 0, leaf.shards[i].nbytes)
         shape = (rows - first[0].box[0][0], *(b - a for a, b in first[0].box[1:]))
         nbytes = sum(s.nbytes for s in first)
         view = data[first[0].offset : first[0].offset + nbytes]
@@ -456,6 +542,14 @@ class OpenVersion:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def byte_bounds(view: np.ndarray) -> tuple[int, int]:
+    """The addresses of the first byte of ``view`` (not empty) and one past its last."""
+    lo = hi = view.__array_interface__["data"][0]
+    for n, stride in zip(view.shape, view.strides, strict=True):
+        (lo, hi) = (lo + (n - 1) * stride, hi) if stride < 0 else (lo, hi + (n - 1) * stride)
+    return lo, hi + view.itemsize
 
 
 def manifest_from_parts(
@@ -549,29 +643,51 @@ class WeightStore:
         self.write_mappings = WriteMappings()
         # (parts without their version number, data bytes, manifest) of the last read.
         self._last_manifest: tuple | None = None
+        self._unchecked: set[int] = set()  # Versions without checksums, warned of once.
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this WeightStore is closed")
 
     def describe(self) -> str:
         return str(self.directory)
 
     def version_dir(self, version: int) -> Path:
+        self._check_open()
         return self.directory / f"v{version:012d}"
 
     def part_writer(
         self, version: int, process: int, num_processes: int, *, fsync: bool = False
     ) -> PartWriter:
+        self._check_open()
         return PartWriter(self, version, process, num_processes, fsync=fsync)
 
     def open_version(self, manifest: VersionManifest) -> OpenVersion:
+        self._check_open()
+        unchecked = not manifest.chunk_bytes and manifest.nbytes
+        if unchecked and manifest.version not in self._unchecked:
+            # Written before checksums were recorded: still read (old stores stay readable).
+            self._unchecked.add(manifest.version)
+            logger.warning(
+                "weights version %d in %s was written without checksums: its bytes are read "
+                "unchecked",
+                manifest.version,
+                self.directory,
+            )
         return OpenVersion(manifest, self.mappings)
 
     def close(self) -> None:
         """Forgets the mappings kept for later pulls and publishes (arrays that view them
-        keep theirs)."""
+        keep theirs). Every later call but :meth:`describe` and :meth:`close` (a no-op) is
+        refused."""
+        self._closed = True
         self.mappings.clear()
         self.write_mappings.clear()
 
     def versions(self) -> list[int]:
         """Every version with a directory, complete or not, oldest first."""
+        self._check_open()
         out = []
         for entry in os.scandir(self.directory):
             m = _VERSION_DIR.match(entry.name)
@@ -582,6 +698,7 @@ class WeightStore:
     def parts(self, version: int) -> tuple[int | None, set[int]]:
         """``(number of publishing processes, the processes whose manifest is present)``;
         ``(None, set())`` for a version with no manifest yet."""
+        self._check_open()
         try:
             names = os.listdir(self.version_dir(version))
         except FileNotFoundError:
@@ -600,16 +717,19 @@ class WeightStore:
         return (counts.pop() if counts else None), present
 
     def is_complete(self, version: int) -> bool:
+        self._check_open()
         return complete(*self.parts(version))
 
     def latest_complete(self) -> int | None:
         """The newest complete version, or None."""
+        self._check_open()
         return newest_complete(self)
 
     def read_manifest(self, version: int) -> VersionManifest:
         """The manifest of a complete version, checked: every part names the same leaves,
         their shards tile each array, each data file has its full length. Raises
         IncompleteVersionError or WeightSyncError."""
+        self._check_open()
         n, present = self.parts(version)
         if n is None:
             if not self.version_dir(version).exists():
@@ -644,13 +764,33 @@ class WeightStore:
         # Parts that differ from the last version read only by their version number (the
         # same layout, the same offsets) need no parsing nor checking again: at 1 GB that
         # was two thirds of a pull that put views of the store.
+        # Their chunk checksums (the last field) are read on their own.
         found = [_VERSION_FIELD.search(t) for t in texts]
+        tails = [t.rfind(_CHUNKS_FIELD) for t in texts]
         if all(m is not None and int(m.group(1)) == version for m in found):
-            key = tuple(t[: m.start()] + t[m.end() :] for t, m in zip(texts, found, strict=True))
+            key = tuple(
+                t[: m.start()] + t[m.end() : tail if tail >= 0 else len(t)]
+                for t, m, tail in zip(texts, found, tails, strict=True)
+            )
             if self._last_manifest is not None and self._last_manifest[0] == key:
-                _, data_bytes, last = self._last_manifest
+                _, data_bytes, last, offsets = self._last_manifest
                 self._check_data_files(version, data_files, data_bytes)
-                return dataclasses.replace(last, version=version, data_files=data_files)
+                sums = {}
+                if last.chunk_bytes:
+                    try:
+                        chunks = [
+                            json.loads(t[tail + len(_CHUNKS_FIELD) : -1])
+                            for t, tail in zip(texts, tails, strict=True)
+                        ]
+                    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                        raise WeightSyncError(
+                            f"weights version {version}: a part manifest's chunk checksums are "
+                            f"malformed ({e})"
+                        ) from None
+                    sums = self._shard_checksums(version, last, offsets, chunks)
+                return dataclasses.replace(
+                    last, version=version, data_files=data_files, shard_checksums=sums
+                )
         else:
             key = None
         docs = []
@@ -676,9 +816,57 @@ class WeightStore:
             ) from None
         self._check_data_files(version, data_files, data_bytes)
         manifest = manifest_from_parts(version, docs, data_files)
+        try:
+            offsets = [
+                [int(s["offset"]) for leaf in doc["leaves"] for s in leaf["shards"]] for doc in docs
+            ]
+        except (KeyError, TypeError, ValueError) as e:
+            raise WeightSyncError(
+                f"weights version {version}: a part manifest is malformed ({type(e).__name__}: {e})"
+            ) from None
+        if manifest.chunk_bytes:
+            chunks = [doc.get("chunks") for doc in docs]
+            sums = self._shard_checksums(version, manifest, offsets, chunks)
+            manifest = dataclasses.replace(manifest, shard_checksums=sums)
         if key is not None:
-            self._last_manifest = (key, data_bytes, manifest)
+            self._last_manifest = (key, data_bytes, manifest, offsets)
         return manifest
+
+    @staticmethod
+    def _shard_checksums(
+        version: int, manifest: VersionManifest, offsets: list, chunks: list
+    ) -> dict[tuple[int, int], tuple[int, ...]]:
+        """``(process, offset) -> chunk checksums`` of every shard, from each part's
+        ``chunks`` (a string of 16 hex digits per chunk, per shard record in order),
+        each checked to hold one checksum per chunk (WeightSyncError naming the shard)."""
+        chunk = manifest.chunk_bytes
+        sums = {}
+        try:
+            for p, (part_offsets, part_chunks) in enumerate(zip(offsets, chunks, strict=True)):
+                if len(part_chunks) != len(part_offsets):
+                    raise ValueError(
+                        f"process {p}'s part has {len(part_chunks)} checksum records for "
+                        f"{len(part_offsets)} shards"
+                    )
+                for offset, text in zip(part_offsets, part_chunks, strict=True):
+                    sums[(p, offset)] = tuple(
+                        int(text[at : at + 16], 16) for at in range(0, len(text), 16)
+                    )
+        except (TypeError, ValueError) as e:
+            raise WeightSyncError(
+                f"weights version {version}: a part manifest's chunk checksums are malformed "
+                f"({type(e).__name__}: {e})"
+            ) from None
+        for leaf in manifest.leaves:
+            for s in leaf.shards:
+                got = len(sums.get((s.process, s.offset), ()))
+                if s.nbytes and got != -(-s.nbytes // chunk):
+                    raise WeightSyncError(
+                        f"weights version {version}: leaf {leaf.path} shard {s.box} has {got} "
+                        f"chunk checksums, not one per {chunk} bytes of its {s.nbytes} (a "
+                        f"malformed manifest)"
+                    )
+        return sums
 
     @staticmethod
     def _check_data_files(version: int, data_files: tuple, data_bytes: tuple) -> None:
@@ -699,12 +887,14 @@ class WeightStore:
     ) -> VersionManifest:
         """:meth:`read_manifest`, once the version is complete or the deadline has passed
         (then its error says how long was waited)."""
+        self._check_open()
         return wait_for_manifest(self.read_manifest, version, timeout_s, poll_s)
 
     def retire(self, keep: int) -> list[int]:
         """Removes every version older than the ``keep`` newest complete ones (complete or
         not); returns them. A version is renamed aside first, so no reader sees it half
         removed; a reader that has it open keeps reading it."""
+        self._check_open()
         complete = [v for v in self.versions() if self.is_complete(v)]
         if len(complete) <= keep:
             return []

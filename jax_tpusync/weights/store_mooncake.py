@@ -210,6 +210,10 @@ class MooncakeWeightStore:
         self._answered_at = -math.inf  # When a call last returned.
         _STORES.add(self)
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this MooncakeWeightStore is closed")
+
     def call_running(self) -> bool:
         """Whether a call that passed its deadline still runs (later calls are refused)."""
         return self._worker.busy
@@ -317,7 +321,9 @@ class MooncakeWeightStore:
 
     def close(self) -> None:
         """Leaves the pool (the objects in this process's segment go with it). Returns within
-        about the deadline; a client whose master does not answer is left open."""
+        about the deadline; a client whose master does not answer is left open. Every later
+        call of a method that uses the store is refused (a ValueError); :meth:`close` again
+        is a no-op."""
         with self._lock:
             if self._closed:
                 return
@@ -374,6 +380,7 @@ class MooncakeWeightStore:
         """Puts each ``uint8`` array as its object, from its own memory (registered for the
         call), at most ``request_bytes`` per request. ``exists_ok``: an object another
         client put first (or is putting) is not an error."""
+        self._check_open()
         batches: list[list[int]] = [[]]
         size = 0
         for i, array in enumerate(arrays):
@@ -415,6 +422,7 @@ class MooncakeWeightStore:
 
     def versions(self) -> list[int]:
         """The versions process 0 has begun and not retired, oldest first."""
+        self._check_open()
         data = self._get_object(self.index_key, "reading the list of weight versions")
         if data is None:
             return []
@@ -425,6 +433,7 @@ class MooncakeWeightStore:
 
     def write_versions(self, versions: list[int]) -> None:
         """Replaces the list of versions (process 0 only: one writer, no race)."""
+        self._check_open()
         body = np.frombuffer(checksummed_json(sorted(set(versions))), np.uint8).copy()
 
         def upsert(client: Any) -> int:
@@ -445,6 +454,7 @@ class MooncakeWeightStore:
             )
 
     def parts(self, version: int) -> tuple[int | None, set[int]]:
+        self._check_open()
         what = f"weights version {version}"
         # Read while its first writer is putting it: not there yet (a reader waits for it
         # until its deadline, as for one that is not there).
@@ -465,14 +475,17 @@ class MooncakeWeightStore:
         return n, {p for p, code in enumerate(codes) if code == 1}
 
     def is_complete(self, version: int) -> bool:
+        self._check_open()
         return complete(*self.parts(version))
 
     def latest_complete(self) -> int | None:
+        self._check_open()
         return newest_complete(self)
 
     def read_manifest(self, version: int) -> VersionManifest:
         """The checked manifest of a complete version (see
         :meth:`~jax_tpusync.weights.store.WeightStore.read_manifest`)."""
+        self._check_open()
         n, present = self.parts(version)
         if n is None:
             raise VersionNotFoundError(
@@ -527,15 +540,18 @@ class MooncakeWeightStore:
     def wait_manifest(
         self, version: int, timeout_s: float, poll_s: float = 0.01
     ) -> VersionManifest:
+        self._check_open()
         return wait_for_manifest(self.read_manifest, version, timeout_s, poll_s)
 
     def part_writer(
         self, version: int, process: int, num_processes: int, *, fsync: bool = False
     ) -> MooncakePartWriter:
         """``fsync`` has no meaning here (the objects are in memory) and is ignored."""
+        self._check_open()
         return MooncakePartWriter(self, version, process, num_processes)
 
     def open_version(self, manifest: VersionManifest) -> MooncakeVersionReader:
+        self._check_open()
         return MooncakeVersionReader(self, manifest)
 
     def remove_version(self, version: int) -> None:
@@ -544,6 +560,7 @@ class MooncakeWeightStore:
         object after every put and get, which would refuse the removal for seconds; a
         puller still reading the version gets an error naming an object that is gone (or,
         if its memory was reused already, one whose checksum does not match)."""
+        self._check_open()
         n, _ = self.parts(version)
         what = f"retiring weights version {version}"
         if n is not None:
@@ -559,6 +576,7 @@ class MooncakeWeightStore:
 
     def retire(self, keep: int) -> list[int]:
         """Removes every listed version older than the ``keep`` newest complete ones."""
+        self._check_open()
         listed = self.versions()
         complete = [v for v in listed if self.is_complete(v)]
         if len(complete) <= keep:

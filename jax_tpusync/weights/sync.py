@@ -12,7 +12,9 @@ parameters, samplers pull them laid out their own way.
 
 Publisher and puller need not share a mesh, a PartitionSpec or a process count: the store
 records each shard's index box, not devices. A puller never returns a mix of versions; a
-version a publisher left incomplete is refused by name and the puller keeps what it had.
+version a publisher left incomplete is refused by name and the puller keeps what it had;
+so is a version whose stored bytes do not match their checksums (``"latest"`` then falls
+back to the newest intact complete version).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import numpy as np
 from jax_tpusync.weights.plan import PlanCache, WeightPlan, box_of_index, box_volume
 from jax_tpusync.weights.staging import StagingBuffers
 from jax_tpusync.weights.store import (
+    DamagedVersionError,
     IncompleteVersionError,
     PartWriting,
     VersionManifest,
@@ -42,11 +45,13 @@ from jax_tpusync.weights.store import (
     WeightSyncError,
     check_timeout,
     check_version,
+    complete,
 )
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "DamagedVersionError",
     "IncompleteVersionError",
     "PublishStats",
     "PullStats",
@@ -244,6 +249,11 @@ class WeightPublisher:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="weight-publish"
         )
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this WeightPublisher is closed")
 
     def publish(self, params: Any, version: int) -> None:
         """Publishes ``params`` (a pytree of jax arrays) as ``version``.
@@ -260,6 +270,7 @@ class WeightPublisher:
             incomplete; this one is not published), or the store did not answer (a
             Mooncake master that is down: within its deadline).
         """
+        self._check_open()
         start = time.perf_counter()
         version = check_version(version)
         if self.last_version is not None and version <= self.last_version:
@@ -398,6 +409,7 @@ class WeightPublisher:
           WeightSyncError: the write failed (its version stays incomplete) or did not end
             within ``timeout_s``.
         """
+        self._check_open()
         if timeout_s is not None:
             timeout_s = check_timeout("timeout_s", timeout_s)
         if self._pending is None:
@@ -424,15 +436,20 @@ class WeightPublisher:
           IncompleteVersionError: some process's part is still missing at the deadline,
             naming the processes.
         """
+        self._check_open()
         version = check_version(version)
         return self.store.wait_manifest(version, check_timeout("timeout_s", timeout_s))
 
     def close(self) -> None:
         """Waits for the last write, then stops the writer thread and closes the store (a
-        Mooncake store's objects in this process's memory go with it)."""
+        Mooncake store's objects in this process's memory go with it). Every later call
+        but :meth:`close` (a no-op) is refused."""
+        if self._closed:
+            return
         try:
             self.wait()
         finally:
+            self._closed = True
             self._executor.shutdown(wait=True)
             self.store.close()
 
@@ -486,6 +503,8 @@ class WeightPuller:
         self.stats: PullStats | None = None
         self.staging = StagingBuffers(0)
         self._held_plan_key: Any = None
+        self._closed = False
+        self._damaged: set[int] = set()  # Versions found damaged: "latest" passes them by.
 
     def pull(
         self,
@@ -516,8 +535,10 @@ class WeightPuller:
             publishing process died); ``self.params`` is kept.
           VersionNotFoundError / WeightSyncError: no such version, or a damaged one.
           TypeError / ValueError: targets or dtypes that do not fit the published params,
-            naming the leaf.
+            naming the leaf; ValueError once the puller is closed.
         """
+        if self._closed:
+            raise ValueError("this WeightPuller is closed")
         timeout = self.timeout_s if timeout_s is None else check_timeout("timeout_s", timeout_s)
         targets, treedef = _leaf_paths(target_shardings)
         if not targets:
@@ -531,9 +552,29 @@ class WeightPuller:
         target_dtypes = self._dtype_per_leaf(dtypes, treedef, len(targets))
         if version != "latest":
             version = check_version(version)
-        start = time.perf_counter()
-        manifest = self._resolve(version, timeout)
-        wait_seconds = time.perf_counter() - start
+        while True:
+            start = time.perf_counter()
+            manifest = self._resolve(version, timeout)
+            wait_seconds = time.perf_counter() - start
+            try:
+                return self._pull(manifest, targets, treedef, target_dtypes, wait_seconds)
+            except DamagedVersionError as e:
+                # Versions are immutable: a damaged one stays so, "latest" skips it from now.
+                self._damaged.add(manifest.version)
+                if version != "latest":
+                    raise
+                logger.warning("%s; pulling the newest intact complete version", e)
+
+    def _pull(
+        self,
+        manifest: VersionManifest,
+        targets: list,
+        treedef: Any,
+        target_dtypes: list,
+        wait_seconds: float,
+    ) -> Any:
+        """:meth:`pull` of ``manifest``'s version once resolved; DamagedVersionError (on
+        every process) where any process read bytes that do not match their checksums."""
         by_path = {leaf.path: leaf for leaf in manifest.leaves}
         paths = [p for p, _ in targets]
         if set(paths) != set(by_path):
@@ -577,7 +618,24 @@ class WeightPuller:
                 manifest.version, 0, {}, cached, plan_seconds, wait_seconds, 0.0, 0.0, reused=True
             )
             return self.params
-        arrays, read_seconds, put_seconds = self._read(manifest, stored, plan)
+        damaged: DamagedVersionError | None = None
+        try:
+            arrays, read_seconds, put_seconds = self._read(manifest, stored, plan)
+        except DamagedVersionError as e:
+            damaged = e
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            flags = multihost_utils.process_allgather(np.int32(damaged is None))
+            if damaged is None and not np.all(flags):
+                bad = [int(i) for i in np.flatnonzero(np.asarray(flags) == 0)]
+                damaged = DamagedVersionError(
+                    f"weights version {manifest.version} is damaged: sampler process(es) "
+                    f"{bad} read bytes that do not match their checksums",
+                    version=manifest.version,
+                )
+        if damaged is not None:
+            raise damaged
         params = jax.tree_util.tree_unflatten(treedef, arrays)
         self.version, self.params, self._held_plan_key = manifest.version, params, plan.key
         self.stats = PullStats(
@@ -622,7 +680,8 @@ class WeightPuller:
         return out
 
     def _resolve(self, version: int | str, timeout: float) -> VersionManifest:
-        """The manifest of the version to pull, agreed by every process."""
+        """The manifest of the version to pull, agreed by every process (for ``"latest"``
+        the newest complete one not found damaged)."""
         multi = jax.process_count() > 1
         error: Exception | None = None
         if version == "latest":
@@ -671,7 +730,23 @@ class WeightPuller:
     def _wait_latest(self, timeout: float) -> int:
         deadline = time.monotonic() + timeout
         while True:
-            v = self.store.latest_complete()
+            if not self._damaged:
+                v = self.store.latest_complete()
+            else:
+                newest = None
+                for v in reversed(self.store.versions()):
+                    if complete(*self.store.parts(v)):
+                        newest = v if newest is None else newest
+                        if v not in self._damaged:
+                            break
+                else:
+                    v = None
+                if v is None and newest is not None:
+                    raise WeightSyncError(
+                        f"weights version {newest} is damaged and no complete version older "
+                        f"than it is intact in {self.store.describe()} (damaged: "
+                        f"{sorted(self._damaged)})"
+                    )
             if v is not None:
                 return v
             if time.monotonic() >= deadline:
@@ -682,7 +757,11 @@ class WeightPuller:
             time.sleep(self.poll_s)
 
     def close(self) -> None:
-        """Closes the store (the params already pulled stay valid)."""
+        """Closes the store (the params already pulled stay valid); a later :meth:`pull` is
+        refused, a later :meth:`close` is a no-op."""
+        if self._closed:
+            return
+        self._closed = True
         self.store.close()
 
     def __enter__(self) -> Self:

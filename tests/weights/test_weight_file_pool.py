@@ -256,6 +256,9 @@ def test_a_manifest_like_the_last_one_read_is_not_parsed_again_but_still_checked
     second = store.read_manifest(2)  # The same layout: the first's leaves, its own version.
     assert second.leaves is first.leaves and second.fingerprint == first.fingerprint
     assert second.version == 2 and second.data_files[0] == data_file(store_dir, 2)
+    # Its chunk checksums are its own, read from its manifest as a fresh store reads them.
+    assert second.shard_checksums == WeightStore(store_dir).read_manifest(2).shard_checksums
+    assert second.shard_checksums != first.shard_checksums
     # Its data file is still checked: one byte short is refused by name.
     path = data_file(store_dir, 3)
     size = path.stat().st_size
