@@ -232,7 +232,9 @@ class PoolSpillTier(SpillPolicy):
             return shared
         key = prefix.key_of(shared[damaged_at])
         prefix.unpin(shared[damaged_at:])
-        dropped = prefix.drop(key)
+        # Pinned by no one else (a pool's mapped blocks are promoted, never spilled): if
+        # another call pins it still, it stays indexed for that call to find it damaged.
+        dropped = prefix.drop(key) if prefix.refs(shared[damaged_at]) == 0 else []
         for block in dropped:
             self._checked.pop(block - self.num_dram, None)
         self.damaged += 1
@@ -241,7 +243,7 @@ class PoolSpillTier(SpillPolicy):
             "blocks chained after it; a miss",
             shared[damaged_at] - self.num_dram,
             "missing" if payloads[len(good)] is None else "checksum mismatch",
-            len(dropped) - 1,
+            max(len(dropped) - 1, 0),
         )
         return shared[:damaged_at]
 
