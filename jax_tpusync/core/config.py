@@ -183,6 +183,19 @@ class KVGeometry:
         )
 
 
+def check_not_empty(name: str, value: Any, what: str) -> None:
+    """Refuses, by name, an empty name or path (``""``): it names nothing (an empty shm or
+    file name, or the current directory by accident), so it is never taken for one.
+
+    Args:
+      name: the keyword, as the caller passed it.
+      value: its value (None: not given; other types are the consumer's to check).
+      what: what it must be, for the message (``"str"``, ``"path (a directory)"``).
+    """
+    if isinstance(value, (str, bytes, os.PathLike)) and not os.fspath(value):
+        raise ValueError(f"{name}={value!r} must be a non-empty {what} or None")
+
+
 @dataclasses.dataclass(frozen=True)
 class HostTier:
     """Host DRAM: an anonymous pool, or a named ``/dev/shm`` segment that a restarted
@@ -191,6 +204,9 @@ class HostTier:
     shm_name: str | None = None
 
     kind = "host"
+
+    def __post_init__(self):
+        check_not_empty("shm_name", self.shm_name, "str")
 
     @property
     def persistent(self) -> bool:
@@ -210,6 +226,8 @@ class FileTier:
     def __post_init__(self):
         if self.path is None:
             raise ValueError("tier='file' needs path=<directory>")
+        check_not_empty("path", self.path, "path (a directory)")
+        check_not_empty("file_name", self.file_name, "str")
 
     @property
     def persistent(self) -> bool:
@@ -234,6 +252,7 @@ class TwoLevelTier:
     shm_name = None
 
     def __post_init__(self):
+        check_not_empty("spill_path", self.spill_path, "path (a directory)")
         if self.spill_blocks is not None and (
             not is_int(self.spill_blocks) or self.spill_blocks < 1
         ):
@@ -309,6 +328,7 @@ class PrefixConfig:
     remote: Any = None
 
     def __post_init__(self):
+        check_not_empty("shared_prefix_dir", self.shared_dir, "path (a directory)")
         if isinstance(self.remote, str) and not self.remote.startswith("mooncake://"):
             raise ValueError(
                 f"remote_prefix={self.remote!r} must be a 'mooncake://host:port' address or a "

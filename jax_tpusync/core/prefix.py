@@ -353,13 +353,19 @@ class PrefixIndex:
             freed += sum(map(where, self._drop(keys[0])))
         return freed
 
-    def _drop(self, key: bytes) -> list[int]:
+    def drop(self, key: bytes) -> list[int]:
+        """Removes ``key`` and its descendants (all unpinned) from the index, not as an
+        eviction (a block whose bytes were found damaged: no later lookup may reach it or
+        the chain after it); frees their blocks and returns them."""
+        return self._drop(key, evicted=False)
+
+    def _drop(self, key: bytes, evicted: bool = True) -> list[int]:
         """Removes ``key`` and its descendants (all unpinned: a pinned block's ancestors are
         pinned too) from the index; frees their blocks and returns them."""
         entry = self._entries.pop(key)
         freed: list[int] = []
         for child in list(entry.children):
-            freed += self._drop(child)
+            freed += self._drop(child, evicted)
         if entry.refs:
             raise AssertionError("evicting a pinned block")
         del self._lru[key]
@@ -367,7 +373,7 @@ class PrefixIndex:
         if entry.parent is not None and entry.parent in self._entries:
             self._entries[entry.parent].children.discard(key)
         self.allocator.free(np.asarray([entry.block]))
-        self.evictions += 1
+        self.evictions += evicted
         return freed + [entry.block]
 
 

@@ -333,6 +333,12 @@ class SlotTable:
                     limit = min(limit, max_cached // self.block_tokens)
                 shared = self.prefix.match(ids, limit)
                 hits = len(shared)
+                if self.mover is not None and shared:
+                    # A damaged spilled block is a miss: the prefix stops before it.
+                    intact = self.mover.intact(self.prefix, shared)
+                    self.prefix.hits -= hits - len(intact)
+                    shared = intact
+                    hits = len(shared)
                 shared += self._import(ids, len(shared), limit)
             n = self.blocks_for(max_tokens)
             # Blocks the mover must promote take free DRAM blocks too (made free here, so

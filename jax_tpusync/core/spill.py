@@ -88,6 +88,15 @@ class SpillPolicy:
         admission maps anything). 0: promotion takes only blocks that are free anyway."""
         return 0
 
+    def intact(self, prefix: PrefixIndex, shared: list[int]) -> list[int]:
+        """The leading blocks of ``shared`` (an admission's match, pinned, in sequence
+        order) whose bytes can be mapped. A tier that checks its blocks stops before the
+        first damaged or missing one, unpins the rest and drops that block and its
+        descendants from the index (a miss: the caller recomputes those rows); any other
+        failure raises, changing nothing. Here: all of them (both tiers on the cache's
+        engine, read in place)."""
+        return shared
+
     def can_demote(self) -> bool:
         """Whether DRAM blocks' bytes can be read now (False: :meth:`demote` moves nothing,
         and the slot table evicts instead)."""

@@ -248,3 +248,44 @@ def test_a_hybrid_model_keeps_its_step_rows_with_every_position_kept():
         assert all(g.spec.ring_blocks == 0 for g in cache.groups)
     with pytest.raises(ValueError, match=r"bound_windows=True keeps only each sliding group"):
         tps.kv_cache(**hybrid, shm_name="tpusync-factory-hybrid")
+
+
+EMPTY_NAMES = [
+    (dict(shm_name=""), r"shm_name='' must be a non-empty str or None"),
+    (dict(tier="file", path="TMP", file_name=""), r"file_name='' must be a non-empty str or None"),
+    (dict(tier="file", path=""), r"path='' must be a non-empty path \(a directory\) or None"),
+    (dict(spill_path=""), r"spill_path='' must be a non-empty path \(a directory\) or None"),
+    (
+        dict(shared_prefix_dir=""),
+        r"shared_prefix_dir='' must be a non-empty path \(a directory\) or None",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "constructor", ["kv_cache", "OffloadedKVCache", "HostPoolKVCache", "HybridKVCache"]
+)
+@pytest.mark.parametrize(
+    "names, message",
+    EMPTY_NAMES,
+    ids=["shm_name", "file_name", "path", "spill_path", "shared_prefix_dir"],
+)
+def test_an_empty_name_or_path_is_refused_by_name_in_every_constructor(
+    constructor, names, message, tmp_path, monkeypatch
+):
+    """An empty shm or file name, or an empty directory (which would be the current one),
+    names nothing: every constructor refuses it before it makes anything."""
+    monkeypatch.chdir(tmp_path)  # An empty path taken for "." would write here.
+    names = {k: str(tmp_path) if v == "TMP" else v for k, v in names.items()}
+    args = dict(SMALL, **names)
+    if constructor == "HostPoolKVCache" and args.get("tier") == "file":
+        args.setdefault("file_name", "pool")  # A host pool's file tier is its copy alone.
+    if constructor == "HybridKVCache":
+        args.update(sliding_window=GEMMA3_WINDOWS, max_step_tokens=4)
+    make = getattr(tps, constructor)
+    with pytest.raises(ValueError, match=message):
+        make(**args).close()
+    assert not list(tmp_path.iterdir())
+    if constructor == "HybridKVCache":  # And a hybrid whose groups are host pools.
+        with pytest.raises(ValueError, match=message):
+            make(**args, host_pool=True).close()

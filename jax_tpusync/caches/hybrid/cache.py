@@ -117,7 +117,9 @@ class HybridKVCache(PartsKVCache):
         ``prefetching_attention(q, None, None, state, layer=l)``.
       max_step_tokens: the most rows one step appends to a slot (1 for decode; the chunk of
         a chunked prefill). Sizes the sliding groups' rings and the rows kept for reading
-        layers; a step of more rows is refused when traced. Default 512.
+        layers; a step of more rows is refused when traced. Default (None): 512
+        (:data:`DEFAULT_STEP_TOKENS`), or ``max_len`` where that is smaller (no step
+        appends more rows than a slot holds).
       bound_windows: a bool: sliding groups keep only their window (default True). Their
         cached prefixes are window copies, which ``shared_prefix_dir`` / ``remote_prefix``
         publish and import block by block. A persistent cache needs False.
@@ -160,7 +162,7 @@ class HybridKVCache(PartsKVCache):
         head_dim: int | Sequence[int],
         sliding_window: int | Sequence[int | None] | None = None,
         kv_sharing: Sequence[int | None] | None = None,
-        max_step_tokens: int = DEFAULT_STEP_TOKENS,
+        max_step_tokens: int | None = None,
         bound_windows: bool = True,
         window_cache_blocks: int | None = None,
         engine: Engine | EngineConfig | None = None,
@@ -173,6 +175,10 @@ class HybridKVCache(PartsKVCache):
         host_pool: bool = False,
         **options: Any,
     ) -> None:
+        if max_step_tokens is None:  # The default fits the cache; a value given is checked.
+            max_step_tokens = (
+                min(DEFAULT_STEP_TOKENS, max_len) if is_int(max_len) else DEFAULT_STEP_TOKENS
+            )
         # Every argument is checked, and every group's configuration planned, before
         # anything (engine, record, tier) is made: a refused cache changes nothing.
         self.dtype = check_arguments(

@@ -228,7 +228,8 @@ class HostPoolKVCache:
     def prefix_stats(self) -> dict:
         """The prefix index's counts (``indexed_blocks``, ``cached_blocks``, ``hits``,
         ``evictions``), each prefix level's and, with a spill tier, its moves
-        (``spill_free_blocks``, ``demoted``, ``promoted``, ``spill_hits``), as
+        (``spill_free_blocks``, ``demoted``, ``promoted``, ``spill_hits``) and the spilled
+        blocks found damaged or missing on promotion, each a miss (``spill_damaged``), as
         :attr:`jax_tpusync.OffloadedKVCache.prefix_stats`."""
         return self.slots.stats()
 

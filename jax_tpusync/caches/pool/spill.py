@@ -31,6 +31,14 @@ block table that a state carries (:func:`check_pool_ids` refuses one). Hence:
   back on the spill tier while it has free blocks (:meth:`PoolSpillTier.keep`): their
   pending bytes are their only copy.
 
+Every block written to the file gets an xxh3-64 checksum of its bytes (kept in memory: the
+file is this cache's alone and dies with it), checked when the block is read back for
+promotion, before any of its bytes reach the pool. A spilled block whose bytes do not match,
+or that a truncated file no longer holds, is a miss (:meth:`PoolSpillTier.intact`): it and
+the chain after it leave the index, ``spill_damaged`` in the prefix stats counts it, and the
+admission maps the shorter prefix before it (the caller computes the rest); any other read
+failure refuses the admission, changing nothing.
+
 The file holds each block's rows as a persistent pool tier does
 (:mod:`jax_tpusync.caches.pool.persistence`): one region of ``spill_blocks`` blocks per (layer,
 K|V), a block ``block_tokens`` rows of K or V of every head. Not over a mesh, and not with
@@ -44,6 +52,7 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+import xxhash
 
 from jax_tpusync.caches.pool import blocks as pool_blocks
 from jax_tpusync.core.blocks import LevelAllocators
@@ -56,6 +65,12 @@ from jax_tpusync.runtime.engine import Engine
 logger = logging.getLogger(__name__)
 
 __all__ = ["PoolSpillTier", "check_pool_ids"]
+
+
+def _is_truncation(error: Exception) -> bool:
+    """Whether a read failed because the file no longer holds the bytes (truncated under
+    the tier: the engine names it so), not for a reason a later read might not meet."""
+    return "shorter than the tier" in str(error)
 
 
 def check_pool_ids(
@@ -114,6 +129,14 @@ class PoolSpillTier(SpillPolicy):
         self.blocks = blocks
         self._pending_payloads, self._forget_pending = pending
         self._pool: jax.Array | None = None
+        # xxh3-64 of each spill block's bytes as written (by spill block id).
+        self._sums = np.zeros(store.num_blocks, np.uint64)
+        # Bytes of spill blocks :meth:`intact` read and checked, for the promotion that
+        # follows (by spill block id; a block written since is taken out).
+        self._checked: dict[int, np.ndarray] = {}
+        self.damaged = 0  # Spilled blocks found damaged or missing: misses.
+        # The file was found truncated: no block is written to it again (evicted instead).
+        self.truncated = False
 
     @classmethod
     def open(
@@ -166,7 +189,91 @@ class PoolSpillTier(SpillPolicy):
     # -- SpillPolicy ------------------------------------------------------------------------
 
     def can_demote(self) -> bool:
-        return self._pool is not None
+        return self._pool is not None and not self.truncated
+
+    def demote(self, prefix: PrefixIndex, want_free: int) -> None:
+        """As :meth:`SpillPolicy.demote`; a write that meets a truncated file moves nothing
+        and ends demotion for good (the slot table evicts instead)."""
+        try:
+            super().demote(prefix, want_free)
+        except Exception as e:
+            if not _is_truncation(e):
+                raise
+            self._lost(e)
+
+    def _lost(self, error: Exception) -> None:
+        if not self.truncated:
+            logger.warning("host-pool spill file truncated (%s): no more demotion", error)
+        self.truncated = True
+
+    def intact(self, prefix: PrefixIndex, shared: list[int]) -> list[int]:
+        """Reads and checks every spill block of ``shared`` (one read); returns ``shared``
+        up to its first block that is damaged (its checksum does not match) or missing (the
+        file was truncated), that block and the chain after it unpinned and dropped from
+        the index (counted in ``spill_damaged``). The bytes read are kept for the promotion.
+
+        Raises:
+          Exception: a read that failed otherwise (the engine's error); nothing changed.
+        """
+        self._checked = {}
+        spilled = [(i, b - self.num_dram) for i, b in enumerate(shared) if b >= self.num_dram]
+        if not spilled:
+            return shared
+        payloads = self._read([b for _, b in spilled])
+        good = {}
+        damaged_at = None
+        for (i, block), payload in zip(spilled, payloads):
+            if payload is None or xxhash.xxh3_64_intdigest(payload) != int(self._sums[block]):
+                damaged_at = i
+                break
+            good[block] = payload
+        self._checked = good
+        if damaged_at is None:
+            return shared
+        key = prefix.key_of(shared[damaged_at])
+        prefix.unpin(shared[damaged_at:])
+        # Pinned by no one else (a pool's mapped blocks are promoted, never spilled): if
+        # another call pins it still, it stays indexed for that call to find it damaged.
+        dropped = prefix.drop(key) if prefix.refs(shared[damaged_at]) == 0 else []
+        for block in dropped:
+            self._checked.pop(block - self.num_dram, None)
+        self.damaged += 1
+        logger.warning(
+            "host-pool spill block %d is damaged or missing (%s): dropped with the %d "
+            "blocks chained after it; a miss",
+            shared[damaged_at] - self.num_dram,
+            "missing" if payloads[len(good)] is None else "checksum mismatch",
+            max(len(dropped) - 1, 0),
+        )
+        return shared[:damaged_at]
+
+    def _read(self, spill_ids: list[int]) -> list[np.ndarray | None]:
+        """The file's bytes of each spill block (None: past the end of a truncated file),
+        in one read; block by block, in order, after a read that met a truncation."""
+        size = self._payload_bytes
+        buf = np.empty(len(spill_ids) * size, np.uint8)
+        reads = []
+        for j, block in enumerate(spill_ids):
+            reads += self.store.block_rows(block, j * size)
+        try:
+            self.engine.transfer(reads, buf, write=False)
+            return [buf[j * size : (j + 1) * size] for j in range(len(spill_ids))]
+        except Exception as e:
+            if not _is_truncation(e):
+                raise
+        out: list[np.ndarray | None] = []
+        for block in spill_ids:
+            one = np.empty(size, np.uint8)
+            try:
+                self.engine.transfer(self.store.block_rows(block, 0), one, write=False)
+            except Exception as e:
+                if not _is_truncation(e):
+                    raise
+                self._lost(e)
+                out.append(None)
+                break  # The chain after a missing block is dropped with it.
+            out.append(one)
+        return out
 
     def promotion_room(self, shared: list[int]) -> int:
         """Every spill block of ``shared`` is promoted: one free pool block each."""
@@ -189,6 +296,9 @@ class PoolSpillTier(SpillPolicy):
                 f"{self.allocators.dram.free_blocks}): a step reads only the pool"
             )
         return super().admitted(prefix, shared)
+
+    def stats(self) -> dict:
+        return dict(super().stats(), spill_damaged=self.damaged)
 
     def keep(self, prefix: PrefixIndex, blocks: list[int]) -> int:
         """Demotes those of pool ``blocks`` (a cancelled reservation's, in sequence order)
@@ -255,22 +365,37 @@ class PoolSpillTier(SpillPolicy):
         writes = []
         for j, (s, d) in enumerate(pairs):
             # -> [layer, K|V, token, row bytes]: the file's regions, in region order.
-            buf[j * size : (j + 1) * size] = by_block[s].transpose(0, 2, 1, 3).reshape(-1)
+            payload = buf[j * size : (j + 1) * size]
+            payload[:] = by_block[s].transpose(0, 2, 1, 3).reshape(-1)
+            self._sums[d - self.num_dram] = xxhash.xxh3_64_intdigest(payload)
+            self._checked.pop(d - self.num_dram, None)
             writes += self.store.block_rows(d - self.num_dram, j * size)
         self.engine.transfer(writes, buf, write=True)
         self._forget_pending(list(pending))
 
     def _promote(self, pairs: list[tuple[int, int]]) -> None:
-        """Spill blocks to pool blocks: one read of the file; each block handed to the
-        pool's block store, whose writes the admission's pool takes."""
+        """Spill blocks to pool blocks: the bytes :meth:`intact` read and checked (the rest
+        read now, in one read, and checked); each block handed to the pool's block store,
+        whose writes the admission's pool takes.
+
+        Raises:
+          RuntimeError: a block read now whose checksum does not match; nothing moved.
+        """
         spec = self.layout.spec
-        size = self._payload_bytes
-        buf = np.empty(len(pairs) * size, np.uint8)
-        reads = []
-        for j, (s, _) in enumerate(pairs):
-            reads += self.store.block_rows(s - self.num_dram, j * size)
-        self.engine.transfer(reads, buf, write=False)
-        regions = buf.reshape(len(pairs), spec.num_layers, 2, spec.block_tokens, spec.row_bytes)
-        for (_, d), block in zip(pairs, regions):
+        src = [s - self.num_dram for s, _ in pairs]
+        unread = [b for b in src if b not in self._checked]
+        payloads = dict(self._checked)
+        if unread:
+            for block, payload in zip(unread, self._read(unread)):
+                if payload is None or xxhash.xxh3_64_intdigest(payload) != int(self._sums[block]):
+                    raise RuntimeError(
+                        f"tpusync: host-pool spill block {block} is damaged or missing: not "
+                        f"promoted"
+                    )
+                payloads[block] = payload
+        for block in src:
+            self._checked.pop(block, None)
+        for (_, d), block in zip(pairs, src):
             # -> [layer, token, K|V, row bytes]: a pool block's payload.
-            self.blocks.write_block(d, np.ascontiguousarray(block.transpose(0, 2, 1, 3)))
+            regions = payloads[block].reshape(spec.num_layers, 2, spec.block_tokens, spec.row_bytes)
+            self.blocks.write_block(d, np.ascontiguousarray(regions.transpose(0, 2, 1, 3)))

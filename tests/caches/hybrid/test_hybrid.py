@@ -963,3 +963,22 @@ def test_a_damaged_last_window_block_maps_the_longest_intact_prefix(shared_level
         if keep is not None:
             keep.close()
         writer.close(state)
+
+
+@pytest.mark.parametrize("host_pool", [False, True], ids=["engine", "host-pool"])
+@pytest.mark.parametrize(
+    "max_len, step", [(64, 64), (511, 511), (512, 512), (513, 512)], ids=str
+)  # fmt: skip
+def test_the_default_max_step_tokens_fits_max_len(max_len, step, host_pool):
+    # The default (512) was refused, naming an argument the caller did not pass, by a
+    # cache whose max_len is below it: it is max_len there, and an explicit value past
+    # max_len is still refused by name.
+    args = dict(HYBRID_ARGS, max_len=max_len, sliding_window=[8, None, 8], host_pool=host_pool)
+    del args["max_step_tokens"]
+    with tps.HybridKVCache(**args) as cache:
+        assert cache.max_step_tokens == step
+    with pytest.raises(
+        ValueError,
+        match=rf"max_step_tokens={max_len + 1} must be an int in \[1, max_len={max_len}\]",
+    ):
+        tps.HybridKVCache(**dict(args, max_step_tokens=max_len + 1))

@@ -4,6 +4,8 @@ promoted back into the pool by the admission that maps them, before any step rea
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -430,3 +432,146 @@ def test_a_hybrid_cache_of_pools_demotes_in_every_group_at_admission(tmp_path):
             k, v = cache.read(state, layer, 0, 0, 8)
             np.testing.assert_array_equal(k, rows + layer)
             np.testing.assert_array_equal(v, -rows)
+
+
+# -- a damaged or truncated spill file: each spilled block checked, a bad one a miss ------------
+
+PROMPTS = [list(range(100 * i, 100 * i + 12)) for i in range(1, 7)]  # 3 full blocks each.
+REGIONS, SPILL = LAYERS * 2, 8
+
+
+def six_prompts_cached(cache):
+    """Six prompts cached in a pool of 8 blocks: some demoted (the third prompt's blocks are
+    spill blocks 0, 5 and 7, so it maps the file's first and last block), some evicted."""
+    state = cache.init(admit=False)
+    for tokens in PROMPTS:
+        state = cache_prompt(cache, state, tokens)
+    assert blocks_of(cache, PROMPTS[2]) == [NB, NB + 5, NB + 7]
+    assert max(blocks_of(cache, PROMPTS[5])) < NB
+    return state
+
+
+def spill_file(tmp_path):
+    """The path of the cache's anonymous spill file (in ``tmp_path``, deleted on close)
+    through this process's open descriptor, and where its blocks' data starts."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(tmp_path)):
+            path = f"/proc/self/fd/{fd}"
+            block_bytes = BT * H * D * 4  # float32 rows of every head.
+            return path, os.path.getsize(path) - REGIONS * SPILL * block_bytes
+    raise AssertionError("no spill file open")
+
+
+def flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x01]))
+
+
+def assert_prompt_recomputed(cache, state, slot, tokens, cached):
+    """The slot's cached rows and the ones the caller computes are the prompt's KV."""
+    state = prefill(cache, state, slot, tokens, cached)
+    for layer in range(LAYERS):
+        np.testing.assert_array_equal(
+            np.stack(cache.read(state, layer, slot, 0, len(tokens))), kv_of(tokens, layer)
+        )
+    return state
+
+
+def test_a_spill_file_overwritten_with_random_bytes_is_a_miss_not_kv(tmp_path):
+    with make_cache(tmp_path) as cache:
+        state = six_prompts_cached(cache)
+        path, _ = spill_file(tmp_path)
+        with open(path, "r+b") as f:
+            f.write(np.random.default_rng(0).bytes(os.path.getsize(path)))
+        tokens = PROMPTS[2] + [1]
+        state, cached = cache.admit(state, 1, tokens=tokens, max_tokens=16)
+        assert cached == 0 and cache.prefix_stats["spill_damaged"] == 1
+        assert blocks_of(cache, PROMPTS[2]) == []  # The chain left the index.
+        state = assert_prompt_recomputed(cache, state, 1, tokens, cached)
+        # Later admissions: a prefix in the pool is mapped as before.
+        state, cached = cache.admit(state, 0, tokens=PROMPTS[5] + [1], max_tokens=16)
+        assert cached == 12 and cache.prefix_stats["spill_damaged"] == 1
+        assert_prompt_recomputed(cache, state, 0, PROMPTS[5] + [1], cached)
+
+
+@pytest.mark.parametrize(
+    "where, cached", [("first", 0), ("last", 2 * BT)], ids=["first-block", "last-block"]
+)
+def test_one_byte_flipped_in_a_spilled_block_makes_it_and_its_chain_a_miss(tmp_path, where, cached):
+    # The file's first byte of data is spill block 0's (layer 0's K), its last byte spill
+    # block 7's (the last layer's V): the prompt's first and last block.
+    with make_cache(tmp_path) as cache:
+        state = six_prompts_cached(cache)
+        path, data_start = spill_file(tmp_path)
+        flip_byte(path, data_start if where == "first" else os.path.getsize(path) - 1)
+        tokens = PROMPTS[2] + [1]
+        state, got = cache.admit(state, 1, tokens=tokens, max_tokens=16)
+        assert got == cached
+        stats = cache.prefix_stats
+        assert (stats["spill_damaged"], stats["promoted"]) == (1, cached // BT)
+        assert len(blocks_of(cache, PROMPTS[2])) == cached // BT
+        state = assert_prompt_recomputed(cache, state, 1, tokens, got)
+        state = cache.release(state, 1, tokens=tokens)
+        # The recomputed blocks are cached again, from the pool; nothing counted twice.
+        state, got = cache.admit(state, 1, tokens=tokens, max_tokens=16)
+        assert got == 12 and cache.prefix_stats["spill_damaged"] == 1
+        assert_prompt_recomputed(cache, state, 1, tokens, got)
+
+
+@pytest.mark.parametrize("keep", ["none", "all-but-one-byte"])
+def test_a_spill_file_truncated_between_calls_is_a_miss_and_admissions_go_on(tmp_path, keep):
+    with make_cache(tmp_path) as cache:
+        state = six_prompts_cached(cache)
+        path, _ = spill_file(tmp_path)
+        # Cut to nothing, every spilled block is missing; cut by one byte, the last one.
+        os.truncate(path, 0 if keep == "none" else os.path.getsize(path) - 1)
+        tokens = PROMPTS[2] + [1]
+        state, cached = cache.admit(state, 1, tokens=tokens, max_tokens=16)
+        assert cached == (0 if keep == "none" else 2 * BT)
+        assert cache.prefix_stats["spill_damaged"] == 1
+        state = assert_prompt_recomputed(cache, state, 1, tokens, cached)
+        state = cache.release(state, 1, tokens=tokens)
+        # Every later admission is taken: the truncated file gets no more blocks (room is
+        # made by eviction), and what it cannot give is a miss each time it is mapped.
+        for slot, prompt in enumerate(PROMPTS[1:] * 2):
+            state, cached = cache.admit(state, slot % 2, tokens=prompt + [1], max_tokens=16)
+            state = assert_prompt_recomputed(cache, state, slot % 2, prompt + [1], cached)
+            state = cache.release(state, slot % 2, tokens=prompt + [1])
+        state, cached = cache.admit(state, 0, tokens=PROMPTS[5] + [1], max_tokens=16)
+        assert cached == 12
+
+
+def test_an_admission_refused_after_a_damaged_block_changes_nothing_else(tmp_path):
+    with make_cache(tmp_path) as cache:
+        state = six_prompts_cached(cache)
+        state, _ = cache.admit(state, 0, max_tokens=5 * BT)  # 3 pool blocks left.
+        assert blocks_of(cache, PROMPTS[2]) == [NB, NB + 5]
+        path, data_start = spill_file(tmp_path)
+        flip_byte(path, data_start)  # Spill block 0: the prompt's first block.
+        before = snapshot(cache, state)
+        tokens = PROMPTS[2] + [1]
+        with pytest.raises(ValueError, match=r"needs 4 KV blocks"):
+            cache.admit(state, 1, tokens=tokens, max_tokens=16)
+        after = snapshot(cache, state)
+        # The damaged block and its chain are gone (and counted); nothing else moved.
+        dropped = {NB, NB + 5}
+        expected = dict(before["stats"], spill_damaged=1)
+        for name in ("indexed_blocks", "cached_blocks"):
+            expected[name] -= len(dropped)
+        expected["spill_free_blocks"] += len(dropped)
+        assert after.pop("stats") == expected
+        assert after.pop("index") == [e for e in before.pop("index") if e[1] not in dropped]
+        assert after.pop("free") == (before["free"][0], before.pop("free")[1] + len(dropped))
+        before.pop("stats")
+        assert_unchanged(before, after)
+        state = cache.release(state, 0)
+        state, cached = cache.admit(state, 1, tokens=tokens, max_tokens=16)
+        assert cached == 0 and cache.prefix_stats["spill_damaged"] == 1
+        assert_prompt_recomputed(cache, state, 1, tokens, cached)
