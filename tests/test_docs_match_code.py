@@ -308,3 +308,16 @@ def test_a_true_doc_line_passes():
     taken = parameters(tps.HybridKVCache)
     assert taken["max_step_tokens"] is None  # DEFAULT_STEP_TOKENS, or max_len if smaller.
     assert taken["bound_windows"] is True and taken["staging_bytes"] == 256 << 20
+
+
+@pytest.mark.parametrize("path", [ROOT / "README.md", ROOT / "docs" / "contributing.md"])
+def test_the_test_instructions_state_no_unchecked_suite_figures(path):
+    """How many tests the suite has, and how long it took once, go stale with every change:
+    the README and contributing.md do not state them (the 20-minute budget is a target)."""
+    text = path.read_text()
+    assert re.findall(r"\b\d{1,3}(?:,\d{3})+ tests\b", text) == []  # The suite's count.
+    assert re.findall(r"\b\d+(?:\.\d+)? minutes on a\b", text) == []
+    # Where there is no sudo (root in a container) the command works as written; a user's
+    # is said too.
+    assert "\napt-get install -y libibverbs1 libnuma1" in text
+    assert "sudo apt-get install -y libibverbs1 libnuma1" in text

@@ -440,6 +440,7 @@ def test_the_module_map_check_catches_a_discrepancy(tmp_path):
     assert _module_map_discrepancies(doc[:serving] + doc[face_heading:], files) == [
         "serving/__init__.py is missing from the module map",
         "serving/checks.py is missing from the module map",
+        "serving/compiles.py is missing from the module map",
         "serving/loop.py is missing from the module map",
         # __init__.py and bench/ may import every room, serving too.
         "### The public face: flat in `jax_tpusync/`: may import ['serving'], mapped later "

@@ -98,7 +98,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     """Registers the ``serve`` subcommand."""
     p = subparsers.add_parser(
         "serve",
-        help="a mixed prefill + decode step against the same work as separate steps",
+        help="requests sharing a prompt served by the loop (default), or a mixed prefill + "
+        "decode step against the same work as separate steps (--case step)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -34,6 +34,8 @@ attention; ``--details``: every row. Each program compiles in its own child proc
 from __future__ import annotations
 
 import dataclasses
+import glob
+import importlib.util
 import json
 import math
 import os
@@ -56,6 +58,7 @@ LIBTPU_ENVIRONMENT = {
     "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
 }
 DEFAULT_LINK_GBPS = 190 / 8
+GOOGLE_PCI_VENDOR = "0x1ae0"
 
 
 def add_parser(sub) -> None:
@@ -135,6 +138,31 @@ COLUMNS = [
     ("overlapped", "copies overlapped", ""),
     ("projected_step_ms", "projected ms", ".2f"),
 ]
+
+
+def has_tpu_chip() -> bool:
+    """Whether this host has a TPU chip (a Google PCI device, as JAX itself looks for one)."""
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(vendor) as f:
+                if f.read().strip() == GOOGLE_PCI_VENDOR:
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def quiet_libtpu_on_cpu() -> None:
+    """Sets libtpu's compile-only settings (unless set) where libtpu is installed and no TPU
+    chip is: a JAX process there otherwise has libtpu print errors while it looks for one.
+
+    Nothing changes on a TPU host (libtpu reads its real settings there) or where libtpu is
+    not installed; JAX's other backends (CPU, CUDA) start as before.
+    """
+    if importlib.util.find_spec("libtpu") is None or has_tpu_chip():
+        return
+    for name, value in LIBTPU_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
 
 
 def prepare_libtpu() -> None:
@@ -696,7 +724,8 @@ def run(args) -> list[dict]:
 def summary(rows: list[dict]) -> str:
     """Per topology, in words: the device memory ours holds across the contexts (weights
     plus staging) against the plain memory-kinds step's and the resident step's at each
-    context, and how many of ours' unit copies overlap an attention."""
+    context, how many of ours' unit copies overlap an attention, and the projected step
+    time at each context."""
     if not rows:
         return "tpu-compile: nothing compiled"
     lines = []
@@ -730,17 +759,23 @@ def summary(rows: list[dict]) -> str:
             f"  {overlapped} of ours' {copies} unit copies are started before the attention"
             f" they overlap and waited for after it"
         )
+        lines.append(f"  projected step time: {_projected(mine)}")
     link = rows[0]["link_gbps"]
-    longest = max(rows, key=lambda r: r["context"])
     ran = any(r["ran_on_tpu"] for r in rows)
     lines.append(
         ("Ran on a TPU" if ran else "Nothing ran on a TPU")
         + ": the memory is the compiler's plan; a step's time is only projected from the KV"
         f" it reads over a {link:.2f} GB/s host link per chip"
-        f" ({longest['projected_step_ms']:.1f} ms at {_tokens(longest['context'])},"
-        f" {longest['topology']})"
     )
     return "\n".join(lines)
+
+
+def _projected(rows: list[dict]) -> str:
+    """``"0.5 ms at 32K, 4.0 ms at 256K and 16.0 ms at 1M tokens"``: each context's
+    projected step time."""
+    times = [f"{r['projected_step_ms']:.1f} ms at {_tokens(r['context'])}" for r in rows]
+    listed = times[0] if len(times) == 1 else ", ".join(times[:-1]) + " and " + times[-1]
+    return f"{listed} tokens"
 
 
 def _split_words(row: dict) -> str:

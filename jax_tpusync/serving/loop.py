@@ -76,7 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tpusync.core.config import is_int
-from jax_tpusync.serving import checks
+from jax_tpusync.serving import checks, compiles
 
 logger = logging.getLogger(__name__)
 
@@ -342,7 +342,7 @@ class ServingLoop:
         self.step_widths: collections.Counter[int] = collections.Counter()
         self.step_seconds = 0.0
         # Seconds of each width's first call made by warmup() (compile included), and the
-        # widths whose first call was a request's step (that step's time holds a compile).
+        # widths of the requests' steps that compiled something (their time holds it).
         self.warmup_seconds: dict[int, float] = {}
         self.compiled_in_steps: set[int] = set()
 
@@ -589,11 +589,14 @@ class ServingLoop:
                 tokens[b, 0], counts[b] = s.next_input, 1
                 # Recorded when fed: the slot's ids stay those of the KV it holds.
                 self.cache.extend_tokens(b, [s.next_input])
-        if width not in self.warmup_seconds and width not in self.step_widths:
-            self.compiled_in_steps.add(width)  # This step's time holds its compile.
         t0 = self.clock()
-        logits = self._run_step(tokens, counts)
+        # Counted, not inferred from the width's history in this loop: a step compiled by an
+        # earlier loop (or anything else in this process) compiles nothing here.
+        with compiles.counting_compiles() as compiled:
+            logits = self._run_step(tokens, counts)
         now = self.clock()
+        if compiled.compiled:
+            self.compiled_in_steps.add(width)  # This step's time holds a compile.
         self.steps += 1
         self.step_widths[width] += 1
         self.step_seconds += now - t0

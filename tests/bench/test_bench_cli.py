@@ -80,3 +80,13 @@ def test_decode_standalone_entry_point_takes_no_json(monkeypatch, tmp_path, caps
     assert decode.main([]) == 0
     assert "wrote" not in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_serve_help_describes_its_default_case(capsys):
+    """``bench --help`` describes ``serve`` by what it runs by default (the shared-prompt
+    case), then the mixed step it runs with ``--case step``."""
+    with pytest.raises(SystemExit):
+        bench_main.build_parser().parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "requests sharing a prompt served by the loop (default)" in help_text
+    assert bench_main.build_parser().parse_args(["serve"]).case == ["shared-prompt"]

@@ -146,3 +146,25 @@ def test_a_warmup_in_the_middle_of_a_prompt_changes_nothing(params):
         cache.close(loop.state)
     want = serving_model.reference_generate(CFG, params, REQUEST.prompt, 4, pad_to=MAX_LEN)
     assert done.tokens == want
+
+
+def test_a_step_compiled_by_an_earlier_loop_is_not_counted_as_compiled(params):
+    """A second loop over the same step (compiled by the first loop's steps) compiles
+    nothing in its steps, and its stats say so."""
+    step = make_step()
+    with make_cache() as cache:
+        warm_the_cache_admission(cache)
+        first = serving.ServingLoop(cache, step, params, chunk=CHUNK)
+        first.run([REQUEST])
+        assert first.stats()["compiled_in_steps"] == [1, CHUNK]
+        cache.close(first.state)
+    with make_cache() as cache:
+        warm_the_cache_admission(cache)
+        second = serving.ServingLoop(cache, step, params, chunk=CHUNK)
+        tokens, compiled = serve_counting_compiles(second)
+        assert compiled == [] and step._cache_size() == 2
+        assert second.stats()["compiled_in_steps"] == []
+        assert second.stats()["warmup_seconds_by_width"] == {}
+        cache.close(second.state)
+    want = serving_model.reference_generate(CFG, params, REQUEST.prompt, 4, pad_to=MAX_LEN)
+    assert tokens == want

@@ -212,10 +212,10 @@ def test_the_summary_says_what_each_step_holds_in_words():
             "  32 of ours' 32 unit copies are started before the attention they overlap and"
             " waited for after it"
         ),
+        "  projected step time: 0.5 ms at 32K and 16.0 ms at 1M tokens",
         (
             "Nothing ran on a TPU: the memory is the compiler's plan; a step's time is only"
-            " projected from the KV it reads over a 23.75 GB/s host link per chip (16.0 ms at"
-            " 1M, v5e:2x2)"
+            " projected from the KV it reads over a 23.75 GB/s host link per chip"
         ),
     ]
     # Ours growing past 1% reads as a range; an aborted compile is said, not printed empty.
@@ -223,6 +223,15 @@ def test_the_summary_says_what_each_step_holds_in_words():
     assert "ours holds 700-800 MiB across the contexts (32K and 64K tokens;" in text
     assert "plain memory kinds: the compiler aborted at 32K; hold 9 MiB at 64K" in text
     assert summary([]) == "tpu-compile: nothing compiled"
+    # Each topology says its own projection at each context.
+    two = [dict(row(2**15, 700.0, None), topology="v5e:2x2"), row(2**18, 700.0, None)]
+    two += [dict(row(2**15, 700.0, None), topology="v6e:2x2", projected_step_ms=0.25)]
+    lines = summary(two).splitlines()
+    assert lines.count("  projected step time: 0.5 ms at 32K and 4.0 ms at 256K tokens") == 1
+    assert lines.count("  projected step time: 0.2 ms at 32K tokens") == 1
+    assert lines.index("v6e:2x2 (pallas attention), device memory per chip:") < lines.index(
+        "  projected step time: 0.2 ms at 32K tokens"
+    )
     split = [dict(row(32768, 700.0, None), chips=4, dp=2, tp=2)]
     assert summary(split).startswith(
         "v5e:2x2 (pallas attention, the slots split over 2 chips and the heads over 2), device"

@@ -50,6 +50,28 @@ NOT_YET = {
     "debug_poison": (False, "poisoned fetches are an engine feature"),
 }
 
+# Keywords the other caches (OffloadedKVCache, ShardedKVCache, kv_cache) take beyond
+# CacheConfig's, taken here at their defaults only (and dropped), with why.
+OTHER_CACHES_ONLY = {
+    "engine": (None, "the host pool moves its bytes in the compiled step, with no engine"),
+    "shard": (0, "a host pool over a mesh splits itself (mesh=, kv_heads_axis=)"),
+    "kv_sharing": (
+        None,
+        "layers that read another's KV need a hybrid cache "
+        "(jax_tpusync.kv_cache(..., kv_sharing=) or HybridKVCache(host_pool=True))",
+    ),
+    "bound_windows": (
+        None,
+        "it chooses which cache jax_tpusync.kv_cache() makes; a host pool bounds its "
+        "sliding windows with max_step_tokens=",
+    ),
+    "window_cache_blocks": (
+        None,
+        "a hybrid cache's spare blocks per sliding group "
+        "(jax_tpusync.kv_cache(..., window_cache_blocks=) or HybridKVCache(host_pool=True))",
+    ),
+}
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -93,6 +115,12 @@ def checked_config(
     for name, (default, why) in NOT_YET.items():
         if name in options and options[name] != default:
             raise ValueError(f"{name}={options[name]!r}: {why} (host-pool cache)")
+    for name, (default, why) in OTHER_CACHES_ONLY.items():
+        # None or 0 (not False, nor an array compared element by element) is the default.
+        value = options.get(name, default)
+        if value is not default and not (type(value) is type(default) and value == default):
+            raise ValueError(f"{name}={value!r}: {why} (host-pool cache)")
+    options = {k: v for k, v in options.items() if k not in OTHER_CACHES_ONLY}
     if options.get("tier", "host") != "host" and options.get("file_name") is None:
         raise ValueError(
             f"tier={options['tier']!r} without file_name: the pool is host memory; a "

@@ -1,0 +1,33 @@
+"""A JAX process in the test environment prints no libtpu error on a machine without a TPU.
+
+The test extra installs libtpu for tests/tpu's compiles; on a CPU machine libtpu otherwise
+prints errors about its accelerator type and worker hostnames from every JAX process that
+starts a backend.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from jax_tpusync.bench.tpu_compile import has_tpu_chip
+
+from support import child_env
+
+# Lines libtpu prints when it starts without a TPU and without its settings.
+LIBTPU_ERRORS = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "E0000", "host bounds")
+
+
+def test_a_plain_jax_process_prints_no_tpu_error():
+    done = subprocess.run(
+        [sys.executable, "-c", "import jax; print(jax.devices())"],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    if not has_tpu_chip():
+        assert "CpuDevice" in done.stdout or "CudaDevice" in done.stdout, done.stdout
+    noisy = [line for line in done.stderr.splitlines() if any(e in line for e in LIBTPU_ERRORS)]
+    assert not noisy, done.stderr[-3000:]
