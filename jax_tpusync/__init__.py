@@ -27,8 +27,10 @@ The public surface:
 """
 
 from jax_tpusync import _moved
+from jax_tpusync.runtime import libtpu
 
 _moved.install()  # the module paths from before 0.2.0 (CHANGELOG.md)
+libtpu.quiet_on_cpu()  # Before any backend starts: libtpu on a host without a TPU.
 
 from jax_tpusync.attention import prefetching_attention, resident_attention
 from jax_tpusync.caches.hybrid.cache import HybridKVCache

@@ -34,8 +34,6 @@ attention; ``--details``: every row. Each program compiles in its own child proc
 from __future__ import annotations
 
 import dataclasses
-import glob
-import importlib.util
 import json
 import math
 import os
@@ -46,19 +44,10 @@ import time
 from typing import Any
 
 from jax_tpusync.bench import common
+from jax_tpusync.runtime.libtpu import LIBTPU_ENVIRONMENT
 
 TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "tpu7x:2x2x1")
-# libtpu refuses to start without an accelerator type and worker list; any valid pair lets
-# it compile for every topology named later.
-# libtpu also takes a lock file that lets one process on a host use it at a time: these
-# compile-only processes share the host with each other and with other JAX processes.
-LIBTPU_ENVIRONMENT = {
-    "TPU_ACCELERATOR_TYPE": "v5litepod-4",
-    "TPU_WORKER_HOSTNAMES": "localhost",
-    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-}
 DEFAULT_LINK_GBPS = 190 / 8
-GOOGLE_PCI_VENDOR = "0x1ae0"
 
 
 def add_parser(sub) -> None:
@@ -138,31 +127,6 @@ COLUMNS = [
     ("overlapped", "copies overlapped", ""),
     ("projected_step_ms", "projected ms", ".2f"),
 ]
-
-
-def has_tpu_chip() -> bool:
-    """Whether this host has a TPU chip (a Google PCI device, as JAX itself looks for one)."""
-    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
-        try:
-            with open(vendor) as f:
-                if f.read().strip() == GOOGLE_PCI_VENDOR:
-                    return True
-        except OSError:
-            continue
-    return False
-
-
-def quiet_libtpu_on_cpu() -> None:
-    """Sets libtpu's compile-only settings (unless set) where libtpu is installed and no TPU
-    chip is: a JAX process there otherwise has libtpu print errors while it looks for one.
-
-    Nothing changes on a TPU host (libtpu reads its real settings there) or where libtpu is
-    not installed; JAX's other backends (CPU, CUDA) start as before.
-    """
-    if importlib.util.find_spec("libtpu") is None or has_tpu_chip():
-        return
-    for name, value in LIBTPU_ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
 
 
 def prepare_libtpu() -> None:

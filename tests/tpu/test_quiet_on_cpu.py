@@ -10,7 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from jax_tpusync.bench.tpu_compile import has_tpu_chip
+from jax_tpusync.runtime.libtpu import LIBTPU_ENVIRONMENT, has_tpu_chip
 
 from support import child_env
 
@@ -29,5 +29,21 @@ def test_a_plain_jax_process_prints_no_tpu_error():
     assert done.returncode == 0, done.stderr[-3000:]
     if not has_tpu_chip():
         assert "CpuDevice" in done.stdout or "CudaDevice" in done.stdout, done.stdout
+    noisy = [line for line in done.stderr.splitlines() if any(e in line for e in LIBTPU_ERRORS)]
+    assert not noisy, done.stderr[-3000:]
+
+
+def test_a_users_script_importing_the_package_prints_no_tpu_error():
+    """A script of the user's own, started without the suite's settings: importing
+    jax_tpusync first is enough."""
+    env = {k: v for k, v in child_env().items() if k not in LIBTPU_ENVIRONMENT}
+    done = subprocess.run(
+        [sys.executable, "-c", "import jax_tpusync, jax; print(jax.devices())"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
     noisy = [line for line in done.stderr.splitlines() if any(e in line for e in LIBTPU_ERRORS)]
     assert not noisy, done.stderr[-3000:]
