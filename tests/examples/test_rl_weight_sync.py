@@ -9,7 +9,7 @@ import pytest
 
 @pytest.mark.slow
 def test_rl_weight_sync(run_example):
-    doc = run_example("rl_weight_sync.py", "--steps", "2", "--timeout", "60", timeout=240)
+    doc = run_example("rl_weight_sync.py", "--steps", "2", "--timeout", "120", timeout=240)
     assert doc["all_match"] is True
     assert doc["trainer"] == {"processes": 2, "mesh": "fsdp=4"}
     steps = doc["steps"]
@@ -31,7 +31,7 @@ def test_rl_weight_sync_through_a_mooncake_store(run_example, mooncake_usable):
     """The same loop through a Mooncake Store of the example's own: two trainer processes
     put their shards into the pool, the sampler process reads its ranges from them."""
     doc = run_example(
-        "rl_weight_sync.py", "--steps", "2", "--timeout", "60", "--mooncake", timeout=240
+        "rl_weight_sync.py", "--steps", "2", "--timeout", "120", "--mooncake", timeout=240
     )
     assert doc["all_match"] is True
     assert [s["plan_cached"] for s in doc["steps"]] == [False, True]
