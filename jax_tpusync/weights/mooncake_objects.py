@@ -11,7 +11,7 @@ from typing import Any
 
 import xxhash
 
-from jax_tpusync.weights.store import WeightSyncError, chunk_checksums
+from jax_tpusync.weights.records import WeightSyncError, chunk_checksums
 
 __all__ = ["checksummed_json", "chunk_checksums", "read_checksummed_json"]
 

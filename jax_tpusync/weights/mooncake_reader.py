@@ -12,7 +12,7 @@ import numpy as np
 import xxhash
 
 from jax_tpusync.mooncake.client import NOT_FOUND, meaning
-from jax_tpusync.weights.store import (
+from jax_tpusync.weights.records import (
     DamagedVersionError,
     StoredLeaf,
     VersionManifest,

@@ -13,7 +13,8 @@ import numpy as np
 
 from jax_tpusync.weights.mooncake_objects import checksummed_json, chunk_checksums
 from jax_tpusync.weights.plan import Box
-from jax_tpusync.weights.store import FORMAT_VERSION, WeightSyncError, checked_shards
+from jax_tpusync.weights.records import WeightSyncError, checked_shards
+from jax_tpusync.weights.store import FORMAT_VERSION
 
 logger = logging.getLogger(__name__)
 

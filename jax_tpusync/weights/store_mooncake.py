@@ -3,7 +3,7 @@ publishing process's shards held in the DRAM it gives the store's pool, read by 
 anywhere that reaches the pool's master.
 
 The same interface as the directory store
-(:class:`~jax_tpusync.weights.store.WeightStoreBackend`), the same manifests and plans; the
+(:class:`~jax_tpusync.weights.records.WeightStoreBackend`), the same manifests and plans; the
 objects, for version ``V`` (12 digits) under ``namespace``:
 
 * ``<ns>/v<V>/p<p>/l<leaf>/s<shard>``: one shard of publishing process ``p`` (5 digits
@@ -72,12 +72,14 @@ from jax_tpusync.runtime.deadline_worker import DeadlinePassed, DeadlineWorker
 from jax_tpusync.weights.mooncake_objects import checksummed_json, read_checksummed_json
 from jax_tpusync.weights.mooncake_reader import MooncakeVersionReader
 from jax_tpusync.weights.mooncake_writer import MooncakePartWriter
-from jax_tpusync.weights.store import (
-    FORMAT_VERSION,
+from jax_tpusync.weights.records import (
     IncompleteVersionError,
     VersionManifest,
     VersionNotFoundError,
     WeightSyncError,
+)
+from jax_tpusync.weights.store import (
+    FORMAT_VERSION,
     complete,
     manifest_from_parts,
     newest_complete,

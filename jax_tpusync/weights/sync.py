@@ -34,19 +34,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tpusync.weights.plan import PlanCache, WeightPlan, box_of_index, box_volume
-from jax_tpusync.weights.staging import StagingBuffers
-from jax_tpusync.weights.store import (
+from jax_tpusync.weights.records import (
     DamagedVersionError,
     IncompleteVersionError,
     PartWriting,
     VersionManifest,
-    WeightStore,
     WeightStoreBackend,
     WeightSyncError,
     check_timeout,
     check_version,
-    complete,
 )
+from jax_tpusync.weights.staging import StagingBuffers
+from jax_tpusync.weights.store import WeightStore, complete
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ def open_weight_store(store: Any) -> WeightStoreBackend:
     :class:`~jax_tpusync.weights.store_mooncake.MooncakeWeightStore`; options in
     :meth:`~jax_tpusync.weights.store_mooncake.MooncakeWeightStore.from_url`, the address
     read by :func:`~jax_tpusync.mooncake.url.open_url`), or a store object (anything
-    with the :class:`~jax_tpusync.weights.store.WeightStoreBackend` methods), returned as
+    with the :class:`~jax_tpusync.weights.records.WeightStoreBackend` methods), returned as
     it is."""
     if isinstance(store, str) and store.startswith("mooncake:"):
         from jax_tpusync.weights.store_mooncake import MooncakeWeightStore

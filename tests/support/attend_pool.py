@@ -8,9 +8,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax_tpusync.kernels import reference
 
 from jax_tpusync.core import quantize
-from jax_tpusync.kernels import reference
 from jax_tpusync.runtime import ops
 
 # The engine's attention sums in another order than the jnp reference; how far the two

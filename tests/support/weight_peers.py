@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_tpusync.weights.store import IncompleteVersionError
+from jax_tpusync.weights.records import IncompleteVersionError
 from jax_tpusync.weights.sync import WeightPublisher, WeightPuller
 
 from support import weights_support as ws

@@ -10,7 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from jax_tpusync.weights.store import VersionNotFoundError, WeightStore
+from jax_tpusync.weights.records import VersionNotFoundError
+from jax_tpusync.weights.store import WeightStore
 from jax_tpusync.weights.sync import WeightPublisher, WeightPuller
 
 from support import weights_support as ws

@@ -12,12 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from jax_tpusync.weights.store import (
-    CHUNK_BYTES,
-    DamagedVersionError,
-    WeightStore,
-    WeightSyncError,
-)
+from jax_tpusync.weights.records import DamagedVersionError, WeightSyncError
+from jax_tpusync.weights.store import CHUNK_BYTES, WeightStore
 from jax_tpusync.weights.sync import WeightPublisher, WeightPuller
 
 from support import weights_support as ws

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from jax_tpusync.weights.file_pool import FilePool, FileRetiredError, MappingCache
-from jax_tpusync.weights.store import IncompleteVersionError, WeightStore, WeightSyncError
+from jax_tpusync.weights.records import IncompleteVersionError, WeightSyncError
+from jax_tpusync.weights.store import WeightStore
 from jax_tpusync.weights.sync import WeightPublisher, WeightPuller
 
 from support import weights_support as ws

@@ -16,7 +16,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jax_tpusync.bench.mooncake_master import LocalMaster, free_port
-from jax_tpusync.weights.store import IncompleteVersionError, VersionNotFoundError, WeightSyncError
+from jax_tpusync.weights.records import (
+    IncompleteVersionError,
+    VersionNotFoundError,
+    WeightSyncError,
+)
 from jax_tpusync.weights.sync import WeightPublisher, WeightPuller, open_weight_store
 
 from support import weights_support as ws

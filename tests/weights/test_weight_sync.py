@@ -15,15 +15,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jax_tpusync.weights.plan import PlanCache, SourceLayout
-from jax_tpusync.weights.staging import StagingBuffers
-from jax_tpusync.weights.store import (
+from jax_tpusync.weights.records import (
     IncompleteVersionError,
-    OpenVersion,
-    PartWriter,
     VersionNotFoundError,
-    WeightStore,
     WeightSyncError,
 )
+from jax_tpusync.weights.staging import StagingBuffers
+from jax_tpusync.weights.store import OpenVersion, PartWriter, WeightStore
 from jax_tpusync.weights.sync import WeightPublisher, WeightPuller
 
 from support import weights_support as ws
