@@ -32,14 +32,9 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import pytest  # noqa: E402
 
-from jax_tpusync.runtime.libtpu import quiet_on_cpu  # noqa: E402
-
-# Where libtpu is installed on a machine without a TPU, every JAX process probes for one
-# and libtpu prints errors about its accelerator type and worker hostnames: the tests and
-# the processes they start get the settings `bench tpu-compile` gives libtpu instead (the
-# TPU backend then fails to start, quietly, and JAX goes on with the others).
-quiet_on_cpu()
-
+# Where libtpu is installed on a machine without a TPU, `import jax_tpusync` (below) gives it
+# the settings `bench tpu-compile` gives it, for this process and those it starts
+# (jax_tpusync.runtime.libtpu): no libtpu errors, JAX going on with its other backends.
 from jax_tpusync.persist import commit as persistence  # noqa: E402
 from jax_tpusync.runtime.engine import Engine, EngineConfig  # noqa: E402
 
