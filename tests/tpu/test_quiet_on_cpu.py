@@ -43,6 +43,7 @@ def test_a_users_script_importing_the_package_prints_no_tpu_error():
         text=True,
         env=env,
         timeout=300,
+        cwd="/",  # Not the source tree, whose package has no built extension.
     )
     assert done.returncode == 0, done.stderr[-3000:]
     noisy = [line for line in done.stderr.splitlines() if any(e in line for e in LIBTPU_ERRORS)]
