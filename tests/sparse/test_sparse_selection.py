@@ -11,7 +11,6 @@ import pytest
 
 from jax_tpusync.sparse import SparseConfig, prediction, reference, select, summaries
 
-
 # --- numpy references -------------------------------------------------------------------
 
 
@@ -119,7 +118,7 @@ def test_update_keeps_summaries_equal_to_the_rows_written():
     """Rows written a few at a time into physical blocks, one block freed and reused: the
     summaries equal those of each block's rows as they stand."""
     rng = np.random.default_rng(1)
-    bt, heads, dim, num_blocks = 4, 2, 3, 5
+    heads, dim, num_blocks = 2, 3, 5
     lo, hi = summaries.empty((2, num_blocks, heads, dim), jnp.float32)
     blocks = {}  # physical block -> rows, per layer 1
     order = [(2, 0), (2, 1), (2, 2), (0, 0), (0, 1), (2, 3), (0, 2), (2, 0), (2, 1)]
