@@ -29,6 +29,7 @@ import numpy as np
 
 from jax_tpusync.core import prefix, quantize, window_ring
 from jax_tpusync.core.state import INT32_MAX, row_bytes_of, row_shape_of
+from jax_tpusync.sparse.config import SparseConfig
 
 # Most units a cache fetches ahead. The walk to the unit ahead is computed in closed form
 # (no trace-time loop), so this bounds staging slots, not compile time.
@@ -365,9 +366,21 @@ class CacheConfig:
     staging: StagingConfig = StagingConfig()
     prefix: PrefixConfig = PrefixConfig()
     persistence: PersistenceConfig = PersistenceConfig()
+    sparse: SparseConfig | None = None
 
     def __post_init__(self):
         tier, staging = self.tier, self.staging
+        if self.sparse is not None:
+            if not isinstance(self.sparse, SparseConfig):
+                raise TypeError(
+                    f"sparse must be a SparseConfig, a budget (float share or int blocks) or "
+                    f"None; got {type(self.sparse).__name__}"
+                )
+            if all(w is not None for w in self.geometry.windows):
+                raise ValueError(
+                    "sparse= selects blocks of global layers' contexts; every layer of this "
+                    "cache has a sliding window (which it reads whole): drop sparse="
+                )
         if isinstance(tier, TwoLevelTier) and staging.resident is True:
             raise ValueError("resident=True keeps every block on device: it takes no spill_path")
         if self.geometry.bounds_windows and tier.persistent:
@@ -445,6 +458,7 @@ class CacheConfig:
         spill_path: str | os.PathLike | None = None,
         spill_blocks: int | None = None,
         promote_after: int | None = 2,
+        sparse: SparseConfig | float | int | None = None,
     ) -> CacheConfig:
         """The configuration :class:`~jax_tpusync.caches.offloaded.cache.OffloadedKVCache`'s keywords
         describe, every argument checked.
@@ -558,6 +572,11 @@ class CacheConfig:
           promote_after: admissions that map a spill block before it is copied back into
             DRAM (at the next one, if DRAM has a free block and no other slot maps it), an
             int >= 1, or None: never. Default 2.
+          sparse: None (default: every decode row reads its layer's whole context), a
+            :class:`~jax_tpusync.sparse.SparseConfig`, or its budget alone (a float share
+            of the context in ``(0, 1]``, or an int count of blocks): decode rows of global
+            layers read only the blocks their query selects (see :mod:`jax_tpusync.sparse`);
+            sliding layers read their window whole, prefill rows read densely.
 
         Raises:
           ValueError: an argument out of its range; the message names it and the range.
@@ -590,7 +609,20 @@ class CacheConfig:
                 salt=prefix_salt, shared_dir=shared_prefix_dir, remote=remote_prefix
             ),
             persistence=PersistenceConfig(model_id=model_id, verify=verify, overwrite=overwrite),
+            sparse=sparse_config_of(sparse),
         )
+
+
+def sparse_config_of(sparse: SparseConfig | float | int | None) -> SparseConfig | None:
+    """``sparse=`` as a :class:`SparseConfig`: a float or int is its budget."""
+    if sparse is None or isinstance(sparse, SparseConfig):
+        return sparse
+    if is_int(sparse) or isinstance(sparse, (float, np.floating)):
+        return SparseConfig(budget=sparse)
+    raise TypeError(
+        f"sparse must be a SparseConfig, a budget (float share or int blocks) or None; got "
+        f"{type(sparse).__name__}"
+    )
 
 
 def default_block_tokens(max_len: int) -> int:
@@ -629,6 +661,7 @@ def to_kwargs(config: CacheConfig) -> dict[str, Any]:
         shared_prefix_dir=config.prefix.shared_dir,
         remote_prefix=config.prefix.remote,
         model_id=config.persistence.model_id,
+        sparse=config.sparse,
     )
     if isinstance(tier, FileTier):
         chosen.update(tier="file", path=tier.path, file_name=tier.file_name)

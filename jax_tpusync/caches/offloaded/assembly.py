@@ -60,6 +60,8 @@ def checked_config(
         )
     config = CacheConfig.from_kwargs(**with_config(config, options))
     config.geometry.check_one_cache()
+    if config.sparse is not None:
+        raise ValueError("sparse=: sparse decode does not run on the engine's caches yet")
     if not backend.runs_engine_ops():
         raise ValueError(
             f"the {backend.name()} backend does not run this cache's in-graph ops (XLA "

@@ -48,6 +48,7 @@ NOT_YET = {
     "resident": (False, "a resident cache needs no pool"),
     "read_in_place": ("auto", "the pool is always copied to the device by unit"),
     "debug_poison": (False, "poisoned fetches are an engine feature"),
+    "sparse": (None, "sparse decode does not run on the host pool yet"),
 }
 
 # Keywords the other caches (OffloadedKVCache, ShardedKVCache, kv_cache) take beyond

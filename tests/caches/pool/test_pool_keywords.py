@@ -76,6 +76,7 @@ def sample_values(tmp_path) -> dict[str, object]:
         spill_path=str(tmp_path / "spill"),
         spill_blocks=16,
         promote_after=3,
+        sparse=0.05,
     )
 
 
