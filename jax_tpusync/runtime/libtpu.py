@@ -1,51 +1,13 @@
 """libtpu on a host without a TPU: the settings that keep it quiet.
 
-``pip install 'jax[tpu]'`` (this project's ``test`` and ``tpu`` extras: compiling for TPUs
-from any machine) puts libtpu beside JAX, and from then on every JAX process probes for a
-TPU when it starts a backend; on a machine with none, libtpu prints errors about its
-accelerator type and worker hostnames. Given an accelerator type and a worker list, the
-TPU backend fails to start quietly, JAX goes on with the others (CPU, CUDA), and
-``jax.experimental.topologies`` still compiles for any TPU topology.
+The settings and the check live in ``jax_plugins.jax_tpusync_libtpu``, the JAX plugin hook this
+project installs, so that a JAX process gets them before its first backend starts even if it
+never imports jax_tpusync. ``import jax_tpusync`` applies them too (where JAX's plugin
+discovery already ran, or the hook is not installed: a source checkout on ``PYTHONPATH``).
 """
 
 from __future__ import annotations
 
-import glob
-import importlib.util
-import os
+from jax_plugins.jax_tpusync_libtpu import LIBTPU_ENVIRONMENT, has_tpu_chip, quiet_on_cpu
 
 __all__ = ["LIBTPU_ENVIRONMENT", "has_tpu_chip", "quiet_on_cpu"]
-
-# libtpu refuses to start without an accelerator type and a worker list; any valid pair
-# lets it compile for every topology named later. It also takes a host-wide lock file that
-# lets one process use it at a time: compile-only processes share the host with each other.
-LIBTPU_ENVIRONMENT = {
-    "TPU_ACCELERATOR_TYPE": "v5litepod-4",
-    "TPU_WORKER_HOSTNAMES": "localhost",
-    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-}
-# The PCI vendor id of Google's TPU chips, as JAX looks for one.
-GOOGLE_PCI_VENDOR = "0x1ae0"
-
-
-def has_tpu_chip() -> bool:
-    """Whether this host has a TPU chip (a Google PCI device)."""
-    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
-        try:
-            with open(vendor) as f:
-                if f.read().strip() == GOOGLE_PCI_VENDOR:
-                    return True
-        except OSError:
-            continue
-    return False
-
-
-def quiet_on_cpu() -> None:
-    """Sets :data:`LIBTPU_ENVIRONMENT` (each unless already set) where libtpu is installed
-    and no TPU chip is. Nothing changes on a TPU host (libtpu reads its real settings there)
-    or where libtpu is not installed. ``import jax_tpusync`` calls it, before any backend
-    starts."""
-    if importlib.util.find_spec("libtpu") is None or has_tpu_chip():
-        return
-    for name, value in LIBTPU_ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
