@@ -47,6 +47,7 @@ from jax_tpusync.factory import kv_cache
 from jax_tpusync.runtime.engine import (
     Engine,
     EngineConfig,
+    TierDataLossError,
     TierInfo,
     Timeline,
     TpusyncError,
@@ -67,6 +68,7 @@ __all__ = [
     "PoolState",
     "QuantizedRows",
     "ShardedKVCache",
+    "TierDataLossError",
     "TierInfo",
     "Timeline",
     "TpusyncError",

@@ -45,7 +45,7 @@ Status ShortRead(int fd, const std::string& path, uint64_t offset, uint64_t want
   struct stat sb;
   const std::string now =
       fstat(fd, &sb) == 0 ? std::to_string(sb.st_size) + " bytes" : "of unknown size";
-  return FailedPrecondition("file tier read of " + std::to_string(want) +
+  return DataLoss("file tier read of " + std::to_string(want) +
                             " bytes at file offset " + std::to_string(offset) + " returned " +
                             std::to_string(got) + ": file '" + path + "' (now " + now +
                             ") is shorter than the tier (truncated or replaced?)");

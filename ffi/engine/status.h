@@ -25,6 +25,7 @@ enum class StatusCode {
   kDeadlineExceeded,
   kUnavailable,
   kInternal,
+  kDataLoss,  // Bytes a tier should hold are gone (its file truncated or replaced).
 };
 
 const char* StatusCodeName(StatusCode code);
@@ -72,6 +73,7 @@ inline Status Unavailable(std::string m) {
   return Status(StatusCode::kUnavailable, std::move(m));
 }
 inline Status Internal(std::string m) { return Status(StatusCode::kInternal, std::move(m)); }
+inline Status DataLoss(std::string m) { return Status(StatusCode::kDataLoss, std::move(m)); }
 
 // An errno-carrying I/O failure: "<what>: <strerror>".
 inline Status ErrnoStatus(const std::string& what, int err) {

@@ -30,10 +30,17 @@ struct TpusyncError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// InvalidArgument -> ValueError; everything else -> TpusyncError (a RuntimeError).
+// Bytes a tier should hold are gone (its file truncated or replaced under it).
+struct TierDataLossError : TpusyncError {
+  using TpusyncError::TpusyncError;
+};
+
+// InvalidArgument -> ValueError; DataLoss -> TierDataLossError; everything else ->
+// TpusyncError (a RuntimeError).
 void ThrowIfError(const Status& status) {
   if (status.ok()) return;
   if (status.code() == StatusCode::kInvalidArgument) throw nb::value_error(status.message().c_str());
+  if (status.code() == StatusCode::kDataLoss) throw TierDataLossError(status.message());
   throw TpusyncError(status.message());
 }
 
@@ -303,7 +310,8 @@ nb::capsule HandlerCapsule(void* fn) { return nb::capsule(fn); }
 NB_MODULE(_tpusync, m) {
   using namespace tpusync;
   m.doc() = "Private engine bindings of jax_tpusync; use the jax_tpusync package instead.";
-  nb::exception<TpusyncError>(m, "TpusyncError", PyExc_RuntimeError);
+  nb::exception<TpusyncError> tpusync_error(m, "TpusyncError", PyExc_RuntimeError);
+  nb::exception<TierDataLossError>(m, "TierDataLossError", tpusync_error);
 
   m.def("registrations", [] {
     nb::dict d;

@@ -22,6 +22,7 @@ inline xla::ffi::Error ToFfiError(const Status& status) {
     case StatusCode::kDeadlineExceeded: code = ffi::ErrorCode::kDeadlineExceeded; break;
     case StatusCode::kUnavailable: code = ffi::ErrorCode::kUnavailable; break;
     case StatusCode::kInternal: code = ffi::ErrorCode::kInternal; break;
+    case StatusCode::kDataLoss: code = ffi::ErrorCode::kDataLoss; break;
   }
   return ffi::Error(code, status.message());
 }

@@ -24,6 +24,8 @@ from jax_tpusync import _tpusync
 logger = logging.getLogger(__name__)
 
 TpusyncError = _tpusync.TpusyncError
+# A TpusyncError: bytes a tier should hold are gone (its file truncated or replaced under it).
+TierDataLossError = _tpusync.TierDataLossError
 
 
 def split_cpus(engine_cpus: int = 1) -> tuple[int, ...]:

@@ -60,17 +60,11 @@ from jax_tpusync.core.levels import TierBlocks
 from jax_tpusync.core.pool_state import PoolLayout
 from jax_tpusync.core.prefix import PrefixIndex
 from jax_tpusync.core.spill import SpillPolicy
-from jax_tpusync.runtime.engine import Engine
+from jax_tpusync.runtime.engine import Engine, TierDataLossError
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PoolSpillTier", "check_pool_ids"]
-
-
-def _is_truncation(error: Exception) -> bool:
-    """Whether a read failed because the file no longer holds the bytes (truncated under
-    the tier: the engine names it so), not for a reason a later read might not meet."""
-    return "shorter than the tier" in str(error)
 
 
 def check_pool_ids(
@@ -196,9 +190,7 @@ class PoolSpillTier(SpillPolicy):
         and ends demotion for good (the slot table evicts instead)."""
         try:
             super().demote(prefix, want_free)
-        except Exception as e:
-            if not _is_truncation(e):
-                raise
+        except TierDataLossError as e:  # The file no longer holds the bytes.
             self._lost(e)
 
     def _lost(self, error: Exception) -> None:
@@ -258,17 +250,14 @@ class PoolSpillTier(SpillPolicy):
         try:
             self.engine.transfer(reads, buf, write=False)
             return [buf[j * size : (j + 1) * size] for j in range(len(spill_ids))]
-        except Exception as e:
-            if not _is_truncation(e):
-                raise
+        except TierDataLossError:
+            pass  # Some block is past the file's end: find which, one by one.
         out: list[np.ndarray | None] = []
         for block in spill_ids:
             one = np.empty(size, np.uint8)
             try:
                 self.engine.transfer(self.store.block_rows(block, 0), one, write=False)
-            except Exception as e:
-                if not _is_truncation(e):
-                    raise
+            except TierDataLossError as e:
                 self._lost(e)
                 out.append(None)
                 break  # The chain after a missing block is dropped with it.

@@ -11,7 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from jax_tpusync.runtime.engine import Engine, TpusyncError
+from jax_tpusync.runtime.engine import Engine, TierDataLossError, TpusyncError
 
 BLOCK = 4096
 NUM_BLOCKS = 16
@@ -24,7 +24,9 @@ def _tier_path(directory: str, name: str) -> str:
 
 
 def _add_file(e: Engine, directory: str, name: str = "kv", **kw) -> int:
-    return e.add_file_tier(directory, block_bytes=BLOCK, num_blocks=NUM_BLOCKS, file_name=name, **kw)
+    return e.add_file_tier(
+        directory, block_bytes=BLOCK, num_blocks=NUM_BLOCKS, file_name=name, **kw
+    )
 
 
 def _add_store(e: Engine, kind: str, where: str, **kw) -> int:
@@ -89,6 +91,7 @@ def _run_python(code: str, timeout: float = 30) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "buffered"])
 @pytest.mark.parametrize("truncate_to", [4096, 0])
 def test_read_of_truncated_file_raises_naming_offset(make_engine, file_dir, direct_io, truncate_to):
+    assert issubclass(TierDataLossError, TpusyncError)
     e = make_engine()
     t = _add_file(e, file_dir, direct_io=direct_io)
     assert e.tier_info(t).direct_io == direct_io
@@ -98,7 +101,7 @@ def test_read_of_truncated_file_raises_naming_offset(make_engine, file_dir, dire
     path = _tier_path(file_dir, "kv")
     os.truncate(path, truncate_to)
     with pytest.raises(
-        TpusyncError,
+        TierDataLossError,  # A TpusyncError: the bytes are gone, not a passing failure.
         match=rf"tpusync: file tier read of \d+ bytes at file offset {HEADER + offset} returned 0: "
         rf"file '{path}' \(now {truncate_to} bytes\) is shorter than the tier "
         r"\(truncated or replaced\?\)",
@@ -132,9 +135,11 @@ def test_last_byte_reads_and_a_file_one_byte_short_fails(make_engine, file_dir, 
     dst = page[start : start + BLOCK]
     assert e.read(t, last + 1 - BLOCK, dst)[-1] == 42
     os.truncate(path, FILE_BYTES - 1)
-    with pytest.raises(TpusyncError, match=r"at file offset \d+ returned \d+: .*shorter than the tier"):
+    with pytest.raises(
+        TierDataLossError, match=r"at file offset \d+ returned \d+: .*shorter than the tier"
+    ):
         e.read(t, last, np.zeros(1, np.uint8))
-    with pytest.raises(TpusyncError, match="shorter than the tier"):
+    with pytest.raises(TierDataLossError, match="shorter than the tier"):
         e.read(t, last + 1 - BLOCK, dst)
     e.close()
     with Engine() as e2:
@@ -273,8 +278,9 @@ def test_read_only_never_creates(make_engine, store):
     with pytest.raises(ValueError, match="read-only host tier needs shm_name"):
         e.add_host_tier(block_bytes=BLOCK, num_blocks=1, read_only=True)
     with pytest.raises(ValueError, match="read-only file tier needs file_name"):
-        e.add_file_tier(where if kind == "file" else "/tmp", block_bytes=BLOCK, num_blocks=1,
-                        read_only=True)
+        e.add_file_tier(
+            where if kind == "file" else "/tmp", block_bytes=BLOCK, num_blocks=1, read_only=True
+        )
 
 
 # ---------------------------------------------------------------- sizes
