@@ -18,7 +18,10 @@ from typing import Any
 
 import numpy as np
 
-PROTOCOL_VERSION = 3
+# 4: the completion message carries the xxh3-64 of the bytes written per head range
+# (head_xxh3_64), checked by the decode side before it admits. A peer of another version is
+# refused by name on either side (its request or its reply).
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 64 << 20  # The longest control message either side accepts.
 # The engine's TCP timeouts (seconds) when the environment sets none.
 MOONCAKE_TCP_TIMEOUT_S = 30.0
