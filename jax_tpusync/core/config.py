@@ -196,6 +196,17 @@ def check_not_empty(name: str, value: Any, what: str) -> None:
         raise ValueError(f"{name}={value!r} must be a non-empty {what} or None")
 
 
+def check_prefix_salt(salt: Any) -> None:
+    """Refuses, by name, an empty prefix salt (``""`` or ``b""``): it keeps nothing apart,
+    and given with a model_id it would drop the model_id the salt defaults to, mixing this
+    model's prefix blocks with every other's."""
+    if isinstance(salt, (str, bytes)) and not salt:
+        raise ValueError(
+            f"prefix_salt={salt!r} must be a non-empty str or bytes, or None (None: the "
+            f"model_id)"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class HostTier:
     """Host DRAM: an anonymous pool, or a named ``/dev/shm`` segment that a restarted
@@ -328,6 +339,7 @@ class PrefixConfig:
     remote: Any = None
 
     def __post_init__(self):
+        check_prefix_salt(self.salt)
         check_not_empty("shared_prefix_dir", self.shared_dir, "path (a directory)")
         if isinstance(self.remote, str) and not self.remote.startswith("mooncake://"):
             raise ValueError(
@@ -354,6 +366,13 @@ class PersistenceConfig:
     def __post_init__(self):
         if self.model_id is not None and not isinstance(self.model_id, str):
             raise ValueError(f"model_id={self.model_id!r} must be a str or None")
+        # A blank id names no model (None says "unspecified"), yet persisted KV would be
+        # stamped with it and re-attach only to a cache as blank.
+        if self.model_id is not None and not self.model_id.strip():
+            raise ValueError(
+                f"model_id={self.model_id!r} must be a non-empty str or None (None: "
+                f"unspecified)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
