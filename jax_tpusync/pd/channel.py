@@ -49,6 +49,29 @@ def check_deadline(deadline_s: Any) -> float:
     return float(deadline_s)
 
 
+def check_host(name: str, host: Any) -> str:
+    """Refuses, by name, a host that names no machine: not a str, empty, or holding blanks
+    or '/' (an empty one would listen on every interface, and start an engine whose session
+    ``":port"`` no peer can write to)."""
+    if not isinstance(host, str) or not host or any(c.isspace() or c == "/" for c in host):
+        raise ValueError(
+            f"{name}={host!r} must be a host's name or address (non-empty, no spaces or '/')"
+        )
+    return host
+
+
+def check_session(session: Any) -> str:
+    """Refuses, by name, a TransferEngine session that is not ``host:port``."""
+    try:
+        split_address(session)
+    except ValueError:
+        raise ValueError(
+            f"session={session!r} must be the TransferEngine's 'host:port' (its "
+            f"get_rpc_port())"
+        ) from None
+    return session
+
+
 def engine_tcp_timeout_s() -> float:
     """The longest of the engine's TCP timeouts (``MC_TCP_PROGRESS_TIMEOUT_SEC``,
     ``MC_TCP_STATUS_TIMEOUT_SEC``) as the environment sets them now (an engine reads them
@@ -145,6 +168,8 @@ def split_address(address: Any) -> tuple[str, int]:
         host, port = address.split(":")
     else:
         raise ValueError(f"address {address!r} must be 'host:port' or (host, port)")
+    if not isinstance(host, str) or not host or any(c.isspace() or c == "/" for c in host):
+        raise ValueError(f"address {address!r}: the host must be a name or address")
     try:
         port = int(port)
     except ValueError:

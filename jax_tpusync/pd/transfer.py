@@ -104,6 +104,8 @@ from jax_tpusync.pd.channel import (
     PROTOCOL_VERSION,
     PDTransferError,
     check_deadline,
+    check_host,
+    check_session,
     decode_tokens,
     encode_tokens,
     engine_tcp_timeout_s,
@@ -234,7 +236,8 @@ class KVReceiver(_Role):
 
     Raises:
       TypeError, ValueError: a cache that cannot take part (the message says why), a bad
-        deadline or quarantine.
+        deadline or quarantine, a host that names no machine (empty, blanks, '/') or a
+        session that is not ``host:port``.
       ImportError: Mooncake is not installed (the message names the package extra).
     """
 
@@ -251,6 +254,9 @@ class KVReceiver(_Role):
         populate: bool = True,
     ):
         self.deadline_s = check_deadline(deadline_s)
+        check_host("host", host)
+        if session is not None:
+            check_session(session)
         if quarantine_s is not None and (
             isinstance(quarantine_s, bool)
             or not isinstance(quarantine_s, (int, float))
@@ -326,7 +332,8 @@ class KVReceiver(_Role):
         admitted at ``len(tokens)`` and what was received.
 
         Raises:
-          ValueError: a bad slot, tokens or max_tokens, too few free blocks (from the
+          ValueError: a bad slot, tokens, max_tokens or ``prefill`` address (an empty
+            host among them), too few free blocks (from the
             reservation), a slot whose last transfer's blocks are still quarantined, or a
             state the cache refuses (TypeError: not a state); nothing changed.
           PDTransferError: the transfer failed (the message says why: among others, bytes
@@ -467,6 +474,11 @@ class KVSender(_Role):
       piece_bytes: the most bytes of one write; longer runs are cut (the engine moves the
         pieces in flight in parallel; see :data:`PIECE_BYTES`).
       transfer_engine, session: a started TransferEngine to share, or None.
+
+    Raises:
+      TypeError, ValueError: a cache that cannot take part (the message says why), a bad
+        deadline, batch or piece size or port, a host that names no machine (empty,
+        blanks, '/') or a session that is not ``host:port``.
     """
 
     def __init__(
@@ -482,6 +494,9 @@ class KVSender(_Role):
         session: str | None = None,
     ):
         self.deadline_s = check_deadline(deadline_s)
+        check_host("host", host)
+        if session is not None:
+            check_session(session)
         for name, value in (("batch_bytes", batch_bytes), ("piece_bytes", piece_bytes)):
             if not is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")

@@ -173,6 +173,54 @@ def test_quarantine_must_be_none_or_finite_and_not_negative(quarantine):
     cache.close()
 
 
+@pytest.mark.parametrize("role", [KVReceiver, KVSender])
+@pytest.mark.parametrize("host", ["", " ", "a b", "host/1", None])
+def test_a_host_that_names_no_machine_is_refused_by_name(role, host):
+    """An empty host would listen on every interface and start an engine whose session
+    (":port") no peer can write to; refused before anything starts."""
+    cache = pd_peers.make_cache(batch=1)
+    with pytest.raises(
+        ValueError,
+        match=rf"host={re.escape(repr(host))} must be a host's name or address \(non-empty, "
+        r"no spaces or '/'\)",
+    ):
+        role(cache, host=host, transfer_engine=FakeEngine(), session="d:1")
+    # The edge: a name of one character (the receiver's host is its engine's; given one,
+    # it is not used) and a name the sender listens at.
+    KVReceiver(cache, host="h", transfer_engine=FakeEngine(), session="d:1").close()
+    KVSender(cache, host="localhost", transfer_engine=FakeEngine(), session="d:1").close()
+    cache.close()
+
+
+@pytest.mark.parametrize("role", [KVReceiver, KVSender])
+@pytest.mark.parametrize("session", ["", "d", ":1", " :1", "d:", "d:x", "d:0", 5])
+def test_a_session_that_is_not_host_port_is_refused_by_name(role, session):
+    cache = pd_peers.make_cache(batch=1)
+    with pytest.raises(
+        ValueError,
+        match=rf"session={re.escape(repr(session))} must be the TransferEngine's 'host:port'",
+    ):
+        role(cache, transfer_engine=FakeEngine(), session=session)
+    role(cache, transfer_engine=FakeEngine(), session="d:1").close()  # The edge.
+    cache.close()
+
+
+@pytest.mark.parametrize("address", [":5", " :5", ("", 5), "a/b:5", (None, 5)])
+def test_a_prefill_address_without_a_host_is_refused_before_anything_changes(address):
+    cache = pd_peers.make_cache()
+    state = cache.init(admit=False)
+    with KVReceiver(cache, transfer_engine=FakeEngine(), session="d:1") as rx:
+        free = cache.free_blocks
+        with pytest.raises(
+            ValueError,
+            match=rf"address {re.escape(repr(address))}: the host must be a name or address",
+        ):
+            rx.receive(state, 0, np.arange(N), prefill=address)
+        assert cache.free_blocks == free and int(cache.capacity[0]) == 0
+        assert (rx.received, rx.failed) == (0, 0)
+    cache.close(state)
+
+
 # -- faults a real engine cannot make on cue: a stand-in engine ---------------------------------
 
 N = 20  # Tokens of the fake transfers: 20 rows of 64 bytes per (layer, K|V), 3 blocks of 8.
