@@ -546,15 +546,17 @@ class CacheConfig:
             state is safe, the next step's wait copies it into staging).
           debug_poison: fill fetch destinations with NaN until each fetch lands (an engine
             bug that served bytes before they landed shows up as NaN).
-          model_id: persistent tiers: names the model whose KV this is (None: "unspecified").
-            Persisted KV re-attaches only to a cache of the same model_id and geometry.
+          model_id: persistent tiers: names the model whose KV this is (None: "unspecified";
+            a blank one is refused). Persisted KV re-attaches only to a cache of the same
+            model_id and geometry.
           verify: persistent tiers: on re-attach, check the committed rows' checksums
             (:meth:`OffloadedKVCache.verify`) before returning.
           overwrite: persistent tiers: discard existing data and manifest and start empty,
             instead of refusing data that has no manifest or another geometry/model.
           prefix_salt: what keeps two models' prefix blocks apart (weights name and version);
-            default ``model_id``. The cache adds its geometry, dtype and block size itself.
-            See :meth:`OffloadedKVCache.admit` (``tokens=``) and :mod:`jax_tpusync.core.prefix`.
+            default ``model_id`` (an empty one, which would drop it, is refused). The cache
+            adds its geometry, dtype and block size itself. See
+            :meth:`OffloadedKVCache.admit` (``tokens=``) and :mod:`jax_tpusync.core.prefix`.
           shared_prefix_dir: a directory that several processes (or hosts, on shared
             storage) publish prefix blocks to and import them from: :meth:`OffloadedKVCache.release` with
             ``tokens`` writes each full block that has no file there yet, and :meth:`OffloadedKVCache.admit`
