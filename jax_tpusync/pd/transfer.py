@@ -332,10 +332,10 @@ class KVReceiver(_Role):
         admitted at ``len(tokens)`` and what was received.
 
         Raises:
-          ValueError: a bad slot, tokens, max_tokens or ``prefill`` address (an empty
-            host among them), too few free blocks (from the
-            reservation), a slot whose last transfer's blocks are still quarantined, or a
-            state the cache refuses (TypeError: not a state); nothing changed.
+          ValueError: a bad slot, tokens, max_tokens or ``prefill`` address (one without
+            a host among them), too few free blocks (from the reservation), a slot whose
+            last transfer's blocks are still quarantined, or a state the cache refuses
+            (TypeError: not a state); nothing changed.
           PDTransferError: the transfer failed (the message says why: among others, bytes
             received that do not match the checksum the prefill process sent); the
             reservation was cancelled: the slot is inactive and ``state`` is still the
