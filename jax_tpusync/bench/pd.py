@@ -24,6 +24,12 @@ The first P/D transfer (right after the engines' handshake) is timed apart; then
 runs ``--repeats`` times, interleaved, and the median is kept. The first transfer of each
 shape is checked byte-exact (a checksum of the slot's rows on both sides).
 
+The checksum every P/D transfer carries (xxh3-64 of the bytes written, per head range) is
+timed within the same transfers: on the decode side (hashing the bytes that landed, before
+the admission: on the transfer's path, part of ``pd s``) and on the prefill side (hashing
+the bytes it writes while its writes are in flight); the median of each, and the decode
+side's share of the transfer, per shape.
+
 Output: by default a short summary per shape: the library's transfer against the plain
 socket (median and interquartile range of the repeats, in words, "within noise" where the
 medians differ by no more than the wider IQR; see :mod:`jax_tpusync.bench.verdict`), the
@@ -64,6 +70,9 @@ COLUMNS = [
     ("socket_gbps", "socket GB/s", ".2f"),
     ("pool_s", "pd-pool s", ".3f"),
     ("pd_over_socket", "pd/socket rate", ".2f"),
+    ("checksum_receive_s", "checksum rx s", ".4f"),
+    ("checksum_send_s", "checksum tx s", ".4f"),
+    ("checksum_share", "checksum/pd", ".1%"),
     ("recompute_s", "recompute s", ".2f"),
     ("byte_exact", "exact", ""),
 ]
@@ -217,7 +226,8 @@ def prefill_process(commands: Any, replies: Any, args: dict) -> None:
             while (what := commands.get()) != "next":
                 if what == "pd":
                     request = sender.accept(timeout=args["deadline_s"])
-                    state, _ = sender.send(request, state, 0)
+                    state, sent = sender.send(request, state, 0)
+                    replies.put(sent.checksum_s)  # What hashing the bytes written took.
                 else:
                     listener.settimeout(args["deadline_s"])
                     conn, _ = listener.accept()
@@ -264,6 +274,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 if args.prefill_netns is None
                 else f"{args.decode_host} -> netns {args.prefill_netns} {args.prefill_host}"
             )
+            # The checksum's seconds of every timed P/D transfer into the engine cache.
+            checksums: dict[str, list[float]] = {"receive": [], "send": []}
             with KVReceiver(cache, host=args.decode_host, deadline_s=args.deadline_s) as rx:
                 calls = 0
                 pool_cache = pool_state = pool_rx = None
@@ -287,6 +299,10 @@ def run(args: argparse.Namespace) -> list[dict]:
                         state, 0, ids + 1000 * calls, prefill=peer["pd"], max_tokens=tokens
                     )
                     assert got.cached == 0 and got.nbytes == row.setdefault("nbytes", got.nbytes)
+                    checksums["receive"].append(got.checksum_s)
+                    checksums["send"].append(
+                        common.child_reply(replies, child, args.deadline_s, "the prefill process")
+                    )
                     return got.seconds
 
                 def pd_pool() -> float:
@@ -299,7 +315,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                     )
                     pool_state.pool.block_until_ready()  # The rows are in the pool.
                     assert got.cached == 0 and got.nbytes == row["nbytes"]
-                    return time.perf_counter() - begin
+                    seconds = time.perf_counter() - begin
+                    common.child_reply(replies, child, args.deadline_s, "the prefill process")
+                    return seconds
 
                 def sock() -> float:
                     nonlocal state
@@ -326,6 +344,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                     pool_state = pool_cache.release(pool_state, 0)
 
                 row["pd_first_s"] = pd()
+                for way in checksums.values():  # The first transfer is timed apart.
+                    way.clear()
                 row["byte_exact"] = _slot_checksum(cache, state, tokens) == peer["checksum"]
                 release()
                 ways = [("pd", pd, release), ("socket", sock, release)]
@@ -353,6 +373,13 @@ def run(args: argparse.Namespace) -> list[dict]:
             row["pd_over_socket"] = row["pd_gbps"] / row["socket_gbps"]
             row["pd_all_s"] = times["pd"]
             row["socket_all_s"] = times["socket"]
+            # Side by side with pd_s: the same transfers (repeats after the first).
+            row["checksum_receive_s"] = statistics.median(checksums["receive"])
+            row["checksum_send_s"] = statistics.median(checksums["send"])
+            row["checksum_share"] = row["checksum_receive_s"] / row["pd_s"]
+            row["checksum_gbps"] = row["nbytes"] / row["checksum_receive_s"] / 1e9
+            row["checksum_receive_all_s"] = checksums["receive"]
+            row["checksum_send_all_s"] = checksums["send"]
             if "pool" in times:
                 row["pool_s"] = statistics.median(times["pool"])
                 row["pool_all_s"] = times["pool"]
@@ -397,6 +424,15 @@ def summary(rows: list[dict[str, Any]]) -> str:
             line += (
                 f"; into a host pool (the TPU data path: staging buffer, then the pool) it is "
                 f"{verdict.compare(pool, pd, 'into an engine cache')}"
+            )
+        if r.get("checksum_receive_s") is not None:
+            line += (
+                f"; its checksum (xxh3-64 of the bytes) took "
+                f"{r['checksum_receive_s'] * 1e3:.2f} ms on the decode side before the "
+                f"admission ({r['checksum_share']:.1%} of the transfer's "
+                f"{r['pd_s'] * 1e3:.1f} ms, {r['checksum_gbps']:.1f} GB/s) and "
+                f"{r['checksum_send_s'] * 1e3:.2f} ms on the prefill side, while its writes "
+                f"were in flight"
             )
         if r.get("recompute_s") is not None:
             line += (

@@ -197,6 +197,17 @@ def check_not_empty(name: str, value: Any, what: str) -> None:
         raise ValueError(f"{name}={value!r} must be a non-empty {what} or None")
 
 
+def check_prefix_salt(salt: Any) -> None:
+    """Refuses, by name, an empty prefix salt (``""`` or ``b""``): it keeps nothing apart,
+    and given with a model_id it would drop the model_id the salt defaults to, mixing this
+    model's prefix blocks with every other's."""
+    if isinstance(salt, (str, bytes)) and not salt:
+        raise ValueError(
+            f"prefix_salt={salt!r} must be a non-empty str or bytes, or None (None: the "
+            f"model_id)"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class HostTier:
     """Host DRAM: an anonymous pool, or a named ``/dev/shm`` segment that a restarted
@@ -329,6 +340,7 @@ class PrefixConfig:
     remote: Any = None
 
     def __post_init__(self):
+        check_prefix_salt(self.salt)
         check_not_empty("shared_prefix_dir", self.shared_dir, "path (a directory)")
         if isinstance(self.remote, str) and not self.remote.startswith("mooncake://"):
             raise ValueError(
@@ -355,6 +367,13 @@ class PersistenceConfig:
     def __post_init__(self):
         if self.model_id is not None and not isinstance(self.model_id, str):
             raise ValueError(f"model_id={self.model_id!r} must be a str or None")
+        # A blank id names no model (None says "unspecified"), yet persisted KV would be
+        # stamped with it and re-attach only to a cache as blank.
+        if self.model_id is not None and not self.model_id.strip():
+            raise ValueError(
+                f"model_id={self.model_id!r} must be a non-empty str or None (None: "
+                f"unspecified)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -541,15 +560,17 @@ class CacheConfig:
             state is safe, the next step's wait copies it into staging).
           debug_poison: fill fetch destinations with NaN until each fetch lands (an engine
             bug that served bytes before they landed shows up as NaN).
-          model_id: persistent tiers: names the model whose KV this is (None: "unspecified").
-            Persisted KV re-attaches only to a cache of the same model_id and geometry.
+          model_id: persistent tiers: names the model whose KV this is (None: "unspecified";
+            a blank one is refused). Persisted KV re-attaches only to a cache of the same
+            model_id and geometry.
           verify: persistent tiers: on re-attach, check the committed rows' checksums
             (:meth:`OffloadedKVCache.verify`) before returning.
           overwrite: persistent tiers: discard existing data and manifest and start empty,
             instead of refusing data that has no manifest or another geometry/model.
           prefix_salt: what keeps two models' prefix blocks apart (weights name and version);
-            default ``model_id``. The cache adds its geometry, dtype and block size itself.
-            See :meth:`OffloadedKVCache.admit` (``tokens=``) and :mod:`jax_tpusync.core.prefix`.
+            default ``model_id`` (an empty one, which would drop it, is refused). The cache
+            adds its geometry, dtype and block size itself. See
+            :meth:`OffloadedKVCache.admit` (``tokens=``) and :mod:`jax_tpusync.core.prefix`.
           shared_prefix_dir: a directory that several processes (or hosts, on shared
             storage) publish prefix blocks to and import them from: :meth:`OffloadedKVCache.release` with
             ``tokens`` writes each full block that has no file there yet, and :meth:`OffloadedKVCache.admit`

@@ -18,7 +18,10 @@ from typing import Any
 
 import numpy as np
 
-PROTOCOL_VERSION = 3
+# 4: the completion message carries the xxh3-64 of the bytes written per head range
+# (head_xxh3_64), checked by the decode side before it admits. A peer of another version is
+# refused by name on either side (its request or its reply).
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 64 << 20  # The longest control message either side accepts.
 # The engine's TCP timeouts (seconds) when the environment sets none.
 MOONCAKE_TCP_TIMEOUT_S = 30.0
@@ -44,6 +47,29 @@ def check_deadline(deadline_s: Any) -> float:
     ):
         raise ValueError(f"deadline_s={deadline_s!r} must be a finite number > 0")
     return float(deadline_s)
+
+
+def check_host(name: str, host: Any) -> str:
+    """Refuses, by name, a host that names no machine: not a str, empty, or holding blanks
+    or '/' (an empty one would listen on every interface, and start an engine whose session
+    ``":port"`` no peer can write to)."""
+    if not isinstance(host, str) or not host or any(c.isspace() or c == "/" for c in host):
+        raise ValueError(
+            f"{name}={host!r} must be a host's name or address (non-empty, no spaces or '/')"
+        )
+    return host
+
+
+def check_session(session: Any) -> str:
+    """Refuses, by name, a TransferEngine session that is not ``host:port``."""
+    try:
+        split_address(session)
+    except ValueError:
+        raise ValueError(
+            f"session={session!r} must be the TransferEngine's 'host:port' (its "
+            f"get_rpc_port())"
+        ) from None
+    return session
 
 
 def engine_tcp_timeout_s() -> float:
@@ -142,6 +168,8 @@ def split_address(address: Any) -> tuple[str, int]:
         host, port = address.split(":")
     else:
         raise ValueError(f"address {address!r} must be 'host:port' or (host, port)")
+    if not isinstance(host, str) or not host or any(c.isspace() or c == "/" for c in host):
+        raise ValueError(f"address {address!r}: the host must be a name or address")
     try:
         port = int(port)
     except ValueError:

@@ -27,10 +27,19 @@ each side; the batch split may differ.
 Control channel: one TCP connection per transfer carrying length-prefixed JSON (a 4-byte
 big-endian length, then UTF-8): the request (protocol version, token ids, the first
 position to send, the decode engine's session, the layout, per head range the destination
-runs) and one reply (``ok`` with the bytes written, per head range too, and the caller's
-JSON; or an error and whether any write was submitted). The bytes themselves go only
-through the TransferEngine. The completion message is sent after every write returned
-success, so a slot is admitted only with whole blocks.
+runs) and one reply (``ok`` with the bytes written, per head range too, the xxh3-64 of
+those bytes per head range, and the caller's JSON; or an error and whether any write was
+submitted). The bytes themselves go only through the TransferEngine. The completion
+message is sent after every write returned success, so a slot is admitted only with whole
+blocks.
+
+Checksums: the count alone would admit a peer that reported it without writing, or wrote
+other bytes. So the sender hashes the bytes it writes (xxh3-64 per head range, while its
+writes are in flight), and the receiver hashes the bytes that landed (the slot's blocks, or
+the staging buffer) before it admits: a mismatch is a :class:`PDTransferError` naming the
+checksum and the head range, and changes nothing (the slot is unadmitted, its blocks held
+aside as after any failure once the request went out). See
+:mod:`jax_tpusync.pd.checksum`.
 
 If the decode cache already holds a prefix of the prompt (its prefix index), only the rest
 is sent: the request's first position is the reservation's cached length.
@@ -95,6 +104,8 @@ from jax_tpusync.pd.channel import (
     PROTOCOL_VERSION,
     PDTransferError,
     check_deadline,
+    check_host,
+    check_session,
     decode_tokens,
     encode_tokens,
     engine_tcp_timeout_s,
@@ -103,6 +114,7 @@ from jax_tpusync.pd.channel import (
     split_address,
     start_engine,
 )
+from jax_tpusync.pd.checksum import checksum_mismatch, start_head_checksums
 from jax_tpusync.pd.endpoint import SlotRowsEndpoint, slot_rows_endpoint
 from jax_tpusync.pd.pool_staging import PoolStaging
 from jax_tpusync.pd.pools import layout_mismatch, layout_of
@@ -117,8 +129,9 @@ class Received:
     """What :meth:`KVReceiver.receive` admitted: ``slot`` at ``length`` tokens, of which
     ``cached`` were already in the decode cache (prefix index) and the rest, ``nbytes``
     bytes (``head_bytes``: per head range, in head order), were written by the prefill
-    process in ``seconds`` (request to completion message); ``extra``: the JSON the
-    prefill side sent with it."""
+    process in ``seconds`` (request to completion message, the checksum included);
+    ``extra``: the JSON the prefill side sent with it; ``checksum_s``: of those seconds,
+    the time spent checking the bytes received against the prefill side's checksum."""
 
     slot: int
     length: int
@@ -127,6 +140,7 @@ class Received:
     seconds: float
     extra: Any
     head_bytes: tuple[int, ...] = ()
+    checksum_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -153,12 +167,16 @@ class PrefillRequest:
 @dataclasses.dataclass(frozen=True)
 class Sent:
     """What :meth:`KVSender.send` wrote: ``nbytes`` (``head_bytes``: per head range, in
-    head order) in ``segments`` writes, ``seconds``."""
+    head order) in ``segments`` writes, ``seconds``; ``checksums``: the xxh3-64 of those
+    bytes per head range (16 hex digits each), sent with the completion message, computed
+    in ``checksum_s`` while the writes were in flight."""
 
     nbytes: int
     segments: int
     seconds: float
     head_bytes: tuple[int, ...] = ()
+    checksums: tuple[str, ...] = ()
+    checksum_s: float = 0.0
 
 
 # -- the decode role ---------------------------------------------------------------------------
@@ -218,7 +236,8 @@ class KVReceiver(_Role):
 
     Raises:
       TypeError, ValueError: a cache that cannot take part (the message says why), a bad
-        deadline or quarantine.
+        deadline or quarantine, a host that names no machine (empty, blanks, '/') or a
+        session that is not ``host:port``.
       ImportError: Mooncake is not installed (the message names the package extra).
     """
 
@@ -235,6 +254,9 @@ class KVReceiver(_Role):
         populate: bool = True,
     ):
         self.deadline_s = check_deadline(deadline_s)
+        check_host("host", host)
+        if session is not None:
+            check_session(session)
         if quarantine_s is not None and (
             isinstance(quarantine_s, bool)
             or not isinstance(quarantine_s, (int, float))
@@ -310,11 +332,14 @@ class KVReceiver(_Role):
         admitted at ``len(tokens)`` and what was received.
 
         Raises:
-          ValueError: a bad slot, tokens or max_tokens, too few free blocks (from the
-            reservation), a slot whose last transfer's blocks are still quarantined, or a
-            state the cache refuses (TypeError: not a state); nothing changed.
-          PDTransferError: the transfer failed (the message says why); the reservation
-            was cancelled: the slot is inactive and ``state`` is still the live state.
+          ValueError: a bad slot, tokens, max_tokens or ``prefill`` address (one without
+            a host among them), too few free blocks (from the reservation), a slot whose
+            last transfer's blocks are still quarantined, or a state the cache refuses
+            (TypeError: not a state); nothing changed.
+          PDTransferError: the transfer failed (the message says why: among others, bytes
+            received that do not match the checksum the prefill process sent); the
+            reservation was cancelled: the slot is inactive and ``state`` is still the
+            live state.
             Once the request went out, the slot's own blocks stay held aside until the
             quarantine has passed (writes in flight may still land in them); a failure
             before (the prefill process cannot be reached) frees them at once.
@@ -364,6 +389,12 @@ class KVReceiver(_Role):
                     f"({reply.get('head_bytes')!r} per head range), expected {sum(want)} "
                     f"({want})"
                 )
+            # The count adds up; the bytes must too (read where they landed).
+            checked = time.perf_counter()
+            mismatch = checksum_mismatch(reply.get("head_xxh3_64"), shards)
+            checksum_s = time.perf_counter() - checked
+            if mismatch is not None:
+                raise PDTransferError(mismatch)
         except Exception as e:
             self.failed += 1
             reason = e if isinstance(e, PDTransferError) else f"{type(e).__name__}: {e}"
@@ -386,6 +417,7 @@ class KVReceiver(_Role):
             seconds=time.monotonic() - start_time,
             extra=reply.get("extra"),
             head_bytes=tuple(want),
+            checksum_s=checksum_s,
         )
 
     def _connect(self, host: str, port: int, deadline: float) -> socket.socket:
@@ -442,6 +474,11 @@ class KVSender(_Role):
       piece_bytes: the most bytes of one write; longer runs are cut (the engine moves the
         pieces in flight in parallel; see :data:`PIECE_BYTES`).
       transfer_engine, session: a started TransferEngine to share, or None.
+
+    Raises:
+      TypeError, ValueError: a cache that cannot take part (the message says why), a bad
+        deadline, batch or piece size or port, a host that names no machine (empty,
+        blanks, '/') or a session that is not ``host:port``.
     """
 
     def __init__(
@@ -457,6 +494,9 @@ class KVSender(_Role):
         session: str | None = None,
     ):
         self.deadline_s = check_deadline(deadline_s)
+        check_host("host", host)
+        if session is not None:
+            check_session(session)
         for name, value in (("batch_bytes", batch_bytes), ("piece_bytes", piece_bytes)):
             if not is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
@@ -592,7 +632,8 @@ class KVSender(_Role):
         """Writes positions ``[request.start, len(request.tokens))`` of ``slot`` (which
         holds at least that many tokens in ``state``) into the decode pool (a mesh cache:
         each head shard's rows into the decode pool of its head range), then the
-        completion message with ``extra`` (JSON); returns the live state.
+        completion message with ``extra`` (JSON) and the checksum of the bytes written;
+        returns the live state.
 
         Raises:
           PDTransferError: a write or the message failed (the decode side was told when
@@ -622,7 +663,13 @@ class KVSender(_Role):
             ]
             head_bytes = [sum(p[2] for p in pieces) for pieces in per_head]
             pieces = [p for head in per_head for p in head]
-            self._writer.write(request, pieces)
+            # Hashed while the writes are in flight; waited for even when they fail (the
+            # source must outlive the reads).
+            checksums = start_head_checksums(sources)
+            try:
+                self._writer.write(request, pieces)
+            finally:
+                digests, checksum_s = checksums()
             send_message(
                 request.conn,
                 {
@@ -630,6 +677,7 @@ class KVSender(_Role):
                     "ok": True,
                     "nbytes": sum(head_bytes),
                     "head_bytes": head_bytes,
+                    "head_xxh3_64": digests,
                     "extra": extra,
                 },
                 time.monotonic() + self.deadline_s,
@@ -648,6 +696,8 @@ class KVSender(_Role):
             segments=len(pieces),
             seconds=time.monotonic() - begin,
             head_bytes=tuple(head_bytes),
+            checksums=tuple(digests),
+            checksum_s=checksum_s,
         )
 
     def serve_one(

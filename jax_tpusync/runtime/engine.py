@@ -273,6 +273,8 @@ class Engine:
             every write to the tier fails.
         """
         _check_layout(block_bytes, num_blocks)
+        # "" is the engine's own "anonymous": a caller's "" would silently not persist.
+        _check_name("shm_name", shm_name)
         return self._impl.add_host_tier(block_bytes, num_blocks, shm_name or "", read_only)
 
     def add_file_tier(
@@ -312,6 +314,9 @@ class Engine:
             write to the tier fails.
         """
         _check_layout(block_bytes, num_blocks)
+        if not os.fspath(directory):
+            raise ValueError(f"directory={directory!r} must be a non-empty path (a directory)")
+        _check_name("file_name", file_name)
         if not 0 <= alignment_offset < 4096:
             raise ValueError(f"alignment_offset={alignment_offset} must be in [0, 4096)")
         tier = self._impl.add_file_tier(
@@ -539,6 +544,12 @@ def huge_page_fraction(array) -> float | None:
 def monotonic_ns() -> int:
     """The engine's clock (CLOCK_MONOTONIC), equal to ``time.monotonic_ns()``."""
     return _tpusync.monotonic_ns()
+
+
+def _check_name(name: str, value: str | None) -> None:
+    """Refuses an empty shm or file name by name (None: anonymous)."""
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"{name}={value!r} must be a non-empty str or None (None: anonymous)")
 
 
 def _check_layout(block_bytes: int, num_blocks: int) -> None:

@@ -437,6 +437,8 @@ class WeightStore:
     def __init__(self, directory: str | os.PathLike, *, copy_threads: int = DEFAULT_COPY_THREADS):
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory={directory!r} must be a path")
+        if not os.fspath(directory):  # Path("") is the current directory, by accident.
+            raise ValueError(f"directory={directory!r} must be a non-empty path (a directory)")
         if isinstance(copy_threads, bool) or not isinstance(copy_threads, int):
             raise TypeError(f"copy_threads={copy_threads!r} must be an int")
         if copy_threads < 1:

@@ -74,6 +74,11 @@ def open_weight_store(store: Any) -> WeightStoreBackend:
 
         return MooncakeWeightStore.from_url(store)
     if isinstance(store, (str, os.PathLike)):
+        if not os.fspath(store):  # Path("") is the current directory, by accident.
+            raise ValueError(
+                f"store={store!r} must be a non-empty directory path, a "
+                f"'mooncake://host:port' address or a weight store object"
+            )
         return WeightStore(store)
     if isinstance(store, WeightStoreBackend):
         return store

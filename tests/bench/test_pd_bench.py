@@ -5,6 +5,7 @@ refusals. Skips without the Mooncake client unless TPUSYNC_REQUIRE_MOONCAKE=1 (C
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -31,11 +32,22 @@ def test_a_tiny_shape_moves_byte_exact_both_ways(tmp_path, mooncake_usable, caps
     assert row["pd_s"] > 0 and row["socket_s"] > 0 and row["pool_s"] > 0
     assert len(row["pool_all_s"]) == len(row["pd_all_s"])  # Side by side, every repeat.
     assert row["pd_over_socket"] == pytest.approx(row["socket_s"] / row["pd_s"])
+    # The checksum, timed in the same transfers on both sides.
+    assert len(row["checksum_receive_all_s"]) == len(row["pd_all_s"])
+    assert len(row["checksum_send_all_s"]) == len(row["pd_all_s"])
+    assert 0 < row["checksum_receive_s"] < row["pd_s"] and row["checksum_send_s"] > 0
+    assert row["checksum_share"] == pytest.approx(row["checksum_receive_s"] / row["pd_s"])
     # The short summary: the transfer against the socket in words, no developer table.
     out = capsys.readouterr().out
     assert "P/D transfer over loopback" in out and "200x2x2x32 (100 KiB): library" in out
     assert "200x2x2x32: the library's transfer is " in out and "a plain TCP socket" in out
     assert "byte-exact" in out and "pd/socket rate" not in out
+    assert re.search(
+        r"its checksum \(xxh3-64 of the bytes\) took [\d.]+ ms on the decode side before the "
+        r"admission \([\d.]+% of the transfer's [\d.]+ ms, [\d.]+ GB/s\) and [\d.]+ ms on the "
+        r"prefill side, while its writes were in flight",
+        out,
+    ), out
     assert "200x2x2x32 (100 KiB): library into a host pool" in out
     assert "into a host pool (the TPU data path: staging buffer, then the pool) it is " in out
     assert "None" not in out and "nan" not in out

@@ -259,6 +259,10 @@ EMPTY_NAMES = [
         dict(shared_prefix_dir=""),
         r"shared_prefix_dir='' must be a non-empty path \(a directory\) or None",
     ),
+    (dict(model_id=""), r"model_id='' must be a non-empty str or None \(None: unspecified\)"),
+    (dict(model_id=" \t"), r"model_id=' \\t' must be a non-empty str or None"),
+    (dict(prefix_salt=""), r"prefix_salt='' must be a non-empty str or bytes, or None"),
+    (dict(prefix_salt=b""), r"prefix_salt=b'' must be a non-empty str or bytes, or None"),
 ]
 
 
@@ -268,13 +272,24 @@ EMPTY_NAMES = [
 @pytest.mark.parametrize(
     "names, message",
     EMPTY_NAMES,
-    ids=["shm_name", "file_name", "path", "spill_path", "shared_prefix_dir"],
+    ids=[
+        "shm_name",
+        "file_name",
+        "path",
+        "spill_path",
+        "shared_prefix_dir",
+        "model_id",
+        "model_id-blank",
+        "prefix_salt",
+        "prefix_salt-bytes",
+    ],
 )
 def test_an_empty_name_or_path_is_refused_by_name_in_every_constructor(
     constructor, names, message, tmp_path, monkeypatch
 ):
     """An empty shm or file name, or an empty directory (which would be the current one),
-    names nothing: every constructor refuses it before it makes anything."""
+    names nothing, nor does a blank model id or an empty prefix salt: every constructor
+    refuses it before it makes anything."""
     monkeypatch.chdir(tmp_path)  # An empty path taken for "." would write here.
     names = {k: str(tmp_path) if v == "TMP" else v for k, v in names.items()}
     args = dict(SMALL, **names)
@@ -289,3 +304,12 @@ def test_an_empty_name_or_path_is_refused_by_name_in_every_constructor(
     if constructor == "HybridKVCache":  # And a hybrid whose groups are host pools.
         with pytest.raises(ValueError, match=message):
             make(**args, host_pool=True).close()
+
+
+@pytest.mark.parametrize("constructor", ["OffloadedKVCache", "HostPoolKVCache"])
+def test_one_character_is_enough_for_a_model_id_or_a_prefix_salt(constructor):
+    """The edge of the two refusals above: a model id with one character besides blanks,
+    and a one-byte salt, are names."""
+    for names in (dict(model_id=" m"), dict(prefix_salt="s"), dict(prefix_salt=b"s")):
+        with getattr(tps, constructor)(**SMALL, **names) as cache:
+            assert cache.batch == SMALL["batch"]

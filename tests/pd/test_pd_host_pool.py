@@ -7,7 +7,9 @@ blocks."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import re
 import threading
 
 import jax
@@ -257,6 +259,81 @@ def test_a_failure_after_the_request_frees_the_slot_and_sets_the_buffer_aside(en
         now[0] = 105.0
         rx.reclaim()
         assert rx.staging.retired == []
+    tx_cache.close(tx_state)
+    rx_cache.close(rx_state)
+
+
+class FaultyWrites:
+    """The real engine, whose writes the prefill side makes go wrong (``fault``): "wrote
+    nothing" (every write acknowledged, no byte moved), or "flipped one byte after writing"
+    (every write made, and at each one after the first, one more real write puts a byte
+    that differs from it over the first byte written: one byte of the slot changed in place
+    after it landed, before the completion message)."""
+
+    def __init__(self, engine, fault):
+        self.engine, self.fault = engine, fault
+        self.first = None  # (source, destination) of the first write.
+
+    def register_memory(self, address, nbytes):
+        return self.engine.register_memory(address, nbytes)
+
+    def unregister_memory(self, address):
+        return self.engine.unregister_memory(address)
+
+    def transfer_sync_write(self, session, src, dst, size):
+        return 0 if self.fault == "wrote nothing" else self._write(session, src, dst, size)
+
+    def transfer_submit_write(self, session, src, dst, size):
+        if self.fault == "wrote nothing":
+            return 1
+        assert self._write(session, src, dst, size) == 0
+        return 1
+
+    def transfer_check_status(self, rid):
+        return 1
+
+    def _write(self, session, src, dst, size):
+        rc = self.engine.transfer_sync_write(session, src, dst, size)
+        if self.first is None:
+            self.first = (src, dst)
+        elif self.first[1] != dst:
+            s, d = self.first
+            first = ctypes.c_uint8.from_address(s).value
+            # A source byte that differs from the first one (the rows differ in every byte).
+            other = next(
+                a for a in range(s, s + 64) if ctypes.c_uint8.from_address(a).value != first
+            )
+            rc |= self.engine.transfer_sync_write(session, other, d, 1)
+        return rc
+
+
+@pytest.mark.parametrize("fault", ["wrote nothing", "flipped one byte after writing"])
+@pytest.mark.parametrize("receiver", ["pool", "engine"])
+def test_bytes_that_are_not_the_senders_are_refused_naming_the_checksum(engine, receiver, fault):
+    """Over the real engine: the prefill side reports the exact count, and the checksum of
+    the rows it read, but what landed (in the staging buffer, or the slot's blocks) is not
+    them: refused before the admission, naming the checksum; the slot stays free."""
+    e, session = engine
+    make = {"engine": pd_peers.make_cache, "pool": pool_cache}
+    rx_cache, tx_cache = make[receiver](batch=2), pool_cache(batch=1)
+    tx_state = filled(tx_cache)
+    rx_state = rx_cache.init(admit=False)
+    free = rx_cache.slots.free_blocks
+    with (
+        KVReceiver(rx_cache, transfer_engine=e, session=session, quarantine_s=0.0) as rx,
+        KVSender(tx_cache, transfer_engine=FaultyWrites(e, fault), session=session) as tx,
+    ):
+        with receiving(rx, rx_state, tx.address, slot=1) as outcome:
+            tx_state, sent = tx.send(tx.accept(timeout=JOIN_S), tx_state, 0)
+        error = outcome.get("error")
+        assert isinstance(error, PDTransferError), outcome
+        assert re.search(
+            r"into slot 1 from .* the slot was left unadmitted: the bytes received for heads "
+            rf"\[0, 2\] do not match the xxh3_64 checksum the prefill process sent "
+            rf"\([0-9a-f]{{16}} here, {sent.checksums[0]} sent\)",
+            str(error),
+        ), str(error)
+        assert int(np.asarray(rx_cache.capacity)[1]) == 0 and rx_cache.slots.free_blocks == free
     tx_cache.close(tx_state)
     rx_cache.close(rx_state)
 

@@ -9,7 +9,9 @@ bounded."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import re
 import socket
 import threading
 import time
@@ -18,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import xxhash
 
 from jax_tpusync.pd import transfer as pd_transfer
 from jax_tpusync.pd.pools import head_pools
@@ -170,18 +173,71 @@ def test_quarantine_must_be_none_or_finite_and_not_negative(quarantine):
     cache.close()
 
 
+@pytest.mark.parametrize("role", [KVReceiver, KVSender])
+@pytest.mark.parametrize("host", ["", " ", "a b", "host/1", None])
+def test_a_host_that_names_no_machine_is_refused_by_name(role, host):
+    """An empty host would listen on every interface and start an engine whose session
+    (":port") no peer can write to; refused before anything starts."""
+    cache = pd_peers.make_cache(batch=1)
+    with pytest.raises(
+        ValueError,
+        match=rf"host={re.escape(repr(host))} must be a host's name or address \(non-empty, "
+        r"no spaces or '/'\)",
+    ):
+        role(cache, host=host, transfer_engine=FakeEngine(), session="d:1")
+    # The edge: a name of one character (the receiver's host is its engine's; given one,
+    # it is not used) and a name the sender listens at.
+    KVReceiver(cache, host="h", transfer_engine=FakeEngine(), session="d:1").close()
+    KVSender(cache, host="localhost", transfer_engine=FakeEngine(), session="d:1").close()
+    cache.close()
+
+
+@pytest.mark.parametrize("role", [KVReceiver, KVSender])
+@pytest.mark.parametrize("session", ["", "d", ":1", " :1", "d:", "d:x", "d:0", 5])
+def test_a_session_that_is_not_host_port_is_refused_by_name(role, session):
+    cache = pd_peers.make_cache(batch=1)
+    with pytest.raises(
+        ValueError,
+        match=rf"session={re.escape(repr(session))} must be the TransferEngine's 'host:port'",
+    ):
+        role(cache, transfer_engine=FakeEngine(), session=session)
+    role(cache, transfer_engine=FakeEngine(), session="d:1").close()  # The edge.
+    cache.close()
+
+
+@pytest.mark.parametrize("address", [":5", " :5", ("", 5), "a/b:5", (None, 5)])
+def test_a_prefill_address_without_a_host_is_refused_before_anything_changes(address):
+    cache = pd_peers.make_cache()
+    state = cache.init(admit=False)
+    with KVReceiver(cache, transfer_engine=FakeEngine(), session="d:1") as rx:
+        free = cache.free_blocks
+        with pytest.raises(
+            ValueError,
+            match=rf"address {re.escape(repr(address))}: the host must be a name or address",
+        ):
+            rx.receive(state, 0, np.arange(N), prefill=address)
+        assert cache.free_blocks == free and int(cache.capacity[0]) == 0
+        assert (rx.received, rx.failed) == (0, 0)
+    cache.close(state)
+
+
 # -- faults a real engine cannot make on cue: a stand-in engine ---------------------------------
 
 N = 20  # Tokens of the fake transfers: 20 rows of 64 bytes per (layer, K|V), 3 blocks of 8.
 
 
-class FakeEngine:
-    """A TransferEngine stand-in: writes move no bytes; ``submit`` is what a submission
-    returns when negative, ``status(request id)`` its status, ``warm`` what the first
-    (synchronous) write to a session returns."""
+def copy_bytes(src, dst, size):
+    ctypes.memmove(dst, src, size)
 
-    def __init__(self, *, submit=0, status=lambda rid: 1, warm=0):
-        self.submit, self.status, self.warm = submit, status, warm
+
+class FakeEngine:
+    """A TransferEngine stand-in for two roles in this process: a write is ``move(src, dst,
+    size)`` (by default a copy: both pools are here), done when it is submitted;
+    ``submit`` is what a submission returns when negative, ``status(request id)`` its
+    status, ``warm`` what the first (synchronous) write to a session returns."""
+
+    def __init__(self, *, submit=0, status=lambda rid: 1, warm=0, move=copy_bytes):
+        self.submit, self.status, self.warm, self.move = submit, status, warm, move
         self.registered: dict[int, int] = {}
         self.submitted: list[int] = []  # Sizes of the writes submitted, in order.
         self.times: list[float] = []  # When each was submitted (time.monotonic()).
@@ -195,11 +251,14 @@ class FakeEngine:
         return 0
 
     def transfer_sync_write(self, session, src, dst, size):
+        if self.warm == 0:
+            self.move(src, dst, size)
         return self.warm
 
     def transfer_submit_write(self, session, src, dst, size):
         if self.submit < 0:
             return self.submit
+        self.move(src, dst, size)
         self.submitted.append(size)
         self.times.append(time.monotonic())
         return len(self.submitted)
@@ -647,17 +706,22 @@ def fake_prefill(reply):
     "reply, match",
     [
         (
-            {"version": 3, "ok": True, "nbytes": 5, "head_bytes": [5], "extra": None},
+            {"version": 4, "ok": True, "nbytes": 5, "head_bytes": [5], "extra": None},
             (
                 r"the prefill process reported 5 bytes written \(\[5\] per head range\), "
                 r"expected 5120 \(\[5120\]\)"
             ),
         ),
         (
-            {"version": 3, "ok": True, "nbytes": 5120, "head_bytes": [4000, 1120], "extra": None},
+            {"version": 4, "ok": True, "nbytes": 5120, "head_bytes": [4000, 1120], "extra": None},
             r"reported 5120 bytes written \(\[4000, 1120\] per head range\), expected 5120",
         ),
         ({"version": 1, "ok": True}, "the prefill process answered in another protocol"),
+        # A version-3 peer (no checksum) is refused as another protocol.
+        (
+            {"version": 3, "ok": True, "nbytes": 5120, "head_bytes": [5120], "extra": None},
+            "the prefill process answered in another protocol",
+        ),
     ],
 )
 def test_a_reply_that_does_not_add_up_is_a_refusal_with_the_blocks_held(reply, match):
@@ -676,6 +740,121 @@ def test_a_reply_that_does_not_add_up_is_a_refusal_with_the_blocks_held(reply, m
     cache.close(state)
 
 
+# The completion message of a transfer of N tokens (5,120 bytes into one head range) whose
+# count adds up; its checksum is what each case sets.
+EXACT = {"version": 4, "ok": True, "nbytes": 5120, "head_bytes": [5120], "extra": None}
+# The xxh3-64 of the bytes a fresh decode pool holds where they land: 5,120 zeros.
+ZEROS = xxhash.xxh3_64_intdigest(bytes(5120))
+
+
+@pytest.mark.parametrize(
+    "checksums, match",
+    [
+        (
+            None,
+            r"the completion message has no xxh3_64 checksum per head range of the bytes "
+            r"written \(16 hex digits each, 1 of them\): got None",
+        ),
+        ([f"{ZEROS:016x}"] * 2, r"16 hex digits each, 1 of them\): got \['"),
+        ([f"{ZEROS:016x}"[1:]], r"16 hex digits each, 1 of them\): got \['"),
+        ([ZEROS], r"16 hex digits each, 1 of them\): got \[\d+\]"),
+        (["z" * 16], r"the completion message's xxh3_64 checksums are not hex: \['zzzz"),
+        (
+            [f"{ZEROS ^ 1:016x}"],  # One bit off the bytes that are there.
+            rf"the bytes received for heads \[0, 2\] do not match the xxh3_64 checksum the "
+            rf"prefill process sent \({ZEROS:016x} here, {ZEROS ^ 1:016x} sent\): the byte "
+            rf"count adds up, but these are not the bytes it wrote",
+        ),
+    ],
+)
+def test_a_reply_whose_checksum_does_not_match_is_a_refusal_with_the_blocks_held(
+    checksums, match
+):
+    reply = {**EXACT, **({} if checksums is None else {"head_xxh3_64": checksums})}
+    test_a_reply_that_does_not_add_up_is_a_refusal_with_the_blocks_held(reply, match)
+
+
+def test_a_reply_whose_checksum_is_the_bytes_that_landed_is_admitted():
+    """The edge of the check: the exact count and the exact checksum of the bytes in the
+    slot's blocks (a fresh pool's zeros) admit; one bit off is refused (above)."""
+    cache = pd_peers.make_cache()
+    state = cache.init(admit=False)
+    with KVReceiver(
+        cache, quarantine_s=60.0, transfer_engine=FakeEngine(), session="decode:1"
+    ) as rx:
+        with fake_prefill({**EXACT, "head_xxh3_64": [f"{ZEROS:016x}"]}) as (address, _):
+            state, got = rx.receive(state, 0, np.arange(N), prefill=address)
+        assert (got.length, got.nbytes, got.head_bytes) == (N, 5120, (5120,))
+        assert int(np.asarray(state.lengths)[0]) == N and rx.quarantined == {}
+        assert 0 <= got.checksum_s <= got.seconds
+    cache.close(state)
+
+
+def flip_first_byte_after_writing():
+    """A move that copies, and at every later write sets the first byte it wrote to the
+    complement of its source byte: one byte of the slot flipped in place after it was
+    written, before the completion message."""
+    first: list = []
+
+    def move(src, dst, size):
+        ctypes.memmove(dst, src, size)
+        if not first:
+            first.append((src, dst))
+        elif first[0][1] != dst:
+            s, d = first[0]
+            ctypes.memset(d, ~ctypes.c_uint8.from_address(s).value & 0xFF, 1)
+
+    return move
+
+
+@pytest.mark.parametrize(
+    "fault",
+    ["wrote nothing", "wrote other bytes", "flipped one byte after writing"],
+)
+def test_a_peer_that_reports_the_count_but_not_the_bytes_is_refused_naming_the_checksum(fault):
+    """The prefill side reports the exact byte count and the checksum of the rows it read,
+    but the decode pool does not hold them: refused before the admission, naming the
+    checksum; the slot stays unadmitted and free, and the next transfer into it is
+    admitted byte for byte."""
+    move = {
+        "wrote nothing": lambda src, dst, size: None,
+        "wrote other bytes": lambda src, dst, size: ctypes.memset(dst, 0xA5, size),
+        "flipped one byte after writing": flip_first_byte_after_writing(),
+    }[fault]
+    engine = FakeEngine(move=move)
+    with fake_pair(engine) as (rx_cache, rx, tx, tx_state):
+        free = rx_cache.free_blocks
+        state = rx_cache.init(admit=False)
+        with receiving(rx, state, tx.address) as outcome:
+            tx_state, sent = tx.send(tx.accept(timeout=10), tx_state, 0)
+        assert sent.nbytes == 2 * pd_peers.MODEL["layers"] * N * 64
+        assert len(sent.checksums) == 1 and len(sent.checksums[0]) == 16
+        error = outcome["error"]
+        assert isinstance(error, PDTransferError), outcome
+        assert re.search(
+            r"P/D transfer of 20 tokens into slot 0 from .* failed, the slot was left "
+            r"unadmitted: the bytes received for heads \[0, 2\] do not match the xxh3_64 "
+            rf"checksum the prefill process sent \([0-9a-f]{{16}} here, {sent.checksums[0]} "
+            r"sent\)",
+            str(error),
+        ), str(error)
+        assert int(rx_cache.capacity[0]) == 0 and rx_cache.free_blocks == free
+        assert (rx.received, rx.failed) == (0, 1)
+
+        engine.move = copy_bytes
+        with receiving(rx, state, tx.address) as outcome:
+            tx_state, again = tx.send(tx.accept(timeout=10), tx_state, 0)
+        state, got = outcome["result"]
+        assert again.checksums == sent.checksums  # The same rows, the same checksum.
+        assert (got.slot, got.length, got.nbytes) == (0, N, sent.nbytes)
+        for layer in range(pd_peers.MODEL["layers"]):
+            for have, want in zip(rx_cache.read(state, layer, 0), pd_peers.rows(layer, N)):
+                np.testing.assert_array_equal(
+                    np.asarray(have).view(np.uint16), np.asarray(want).view(np.uint16)
+                )
+        state = rx_cache.release(state, 0)
+
+
 def _request(**changes):
     layout = {
         "num_layers": 2,
@@ -689,7 +868,7 @@ def _request(**changes):
     }
     runs = [[[4096, 128]] for _ in range(4)]
     message = {
-        "version": 3,
+        "version": 4,
         "op": "prefill",
         "tokens": pd_transfer.encode_tokens(np.array([1, 2])),
         "start": 0,
@@ -704,7 +883,7 @@ def _request(**changes):
 @pytest.mark.parametrize(
     "message, match",
     [
-        (_request(version=2), "not a version-3 P/D request"),
+        (_request(version=3), "not a version-4 P/D request"),
         (
             _request(layout={"num_layers": 2}),
             r"layout differs: block_tokens 8 here, None there; dtype",

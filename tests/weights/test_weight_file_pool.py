@@ -325,6 +325,24 @@ def test_a_store_refuses_copy_threads_below_one():
     assert not os.path.exists("/nonexistent-never-created")
 
 
+def test_an_empty_store_directory_is_refused_by_name(tmp_path, monkeypatch):
+    """An empty path would be the current directory: refused before anything is made
+    there; a one-character path is a directory (the edge)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"directory='' must be a non-empty path \(a directory\)"):
+        WeightStore("")
+    for role in (WeightPublisher, WeightPuller):
+        with pytest.raises(
+            ValueError,
+            match=r"store='' must be a non-empty directory path, a 'mooncake://host:port' "
+            r"address or a weight store object",
+        ):
+            role("")
+    assert not list(tmp_path.iterdir())
+    WeightStore("w").close()
+    assert [p.name for p in tmp_path.iterdir()] == ["w"]
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
 def test_a_same_layout_pull_puts_views_of_the_store_and_copies_no_byte(mesh, tmp_path):
     # On the CPU backend every pulled shard's buffer lies inside the store's mapped data

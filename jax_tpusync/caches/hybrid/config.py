@@ -18,7 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tpusync.core import layout, window_ring
-from jax_tpusync.core.config import CacheConfig, default_block_tokens, is_int
+from jax_tpusync.core.config import (
+    CacheConfig,
+    check_prefix_salt,
+    default_block_tokens,
+    is_int,
+)
 from jax_tpusync.core.hybrid_state import LayerGroups
 from jax_tpusync.runtime.engine import Engine, EngineConfig
 
@@ -98,6 +103,7 @@ def check_arguments(
     for name, value in (("shm_name", shm_name), ("file_name", file_name)):
         if value is not None and (not isinstance(value, str) or not value):
             raise ValueError(f"{name}={value!r} must be a non-empty str or None")
+    check_prefix_salt(options.get("prefix_salt"))  # Each group's salt is built from it.
     block_tokens = options.get("block_tokens")
     if block_tokens is not None and (not is_int(block_tokens) or block_tokens < 1):
         raise ValueError(f"block_tokens={block_tokens!r} must be a power of two (1, 2, 4, ...)")

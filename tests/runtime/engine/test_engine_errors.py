@@ -117,6 +117,14 @@ def test_bad_layouts_and_names(make_engine, tmp_path):
         e.add_host_tier(block_bytes=4096, num_blocks=1, shm_name="a/b")
     with pytest.raises(ValueError, match="must not contain '/'"):
         e.add_file_tier(tmp_path, block_bytes=4096, num_blocks=1, file_name="a/b")
+    # An empty name would be taken for "anonymous" (no persistence), an empty directory
+    # for the current one: refused by name.
+    with pytest.raises(ValueError, match=r"shm_name='' must be a non-empty str or None"):
+        e.add_host_tier(block_bytes=4096, num_blocks=1, shm_name="")
+    with pytest.raises(ValueError, match=r"file_name='' must be a non-empty str or None"):
+        e.add_file_tier(tmp_path, block_bytes=4096, num_blocks=1, file_name="")
+    with pytest.raises(ValueError, match=r"directory='' must be a non-empty path \(a directory\)"):
+        e.add_file_tier("", block_bytes=4096, num_blocks=1)
     with pytest.raises(ValueError, match=r"tpusync: no tier 0 \(engine has 0\)"):
         e.tier_info(0)
     assert os.listdir(tmp_path) == []  # Failed opens leave nothing behind.
