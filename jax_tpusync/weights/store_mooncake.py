@@ -377,18 +377,27 @@ class MooncakeWeightStore:
         """A small object's bytes (manifests, the index), None if it is not there (its
         code in ``absent``)."""
 
-        def get(client: Any) -> bytes | int:
+        def get(client: Any) -> tuple[bytes, int] | int:
             size = client.get_size(key)
             if size < 0:
                 return size
-            return client.get(key)
+            return bytes(client.get(key)), size
 
         value = self.call(get, what)
         if isinstance(value, int):
             if value in absent:
                 return None
             raise WeightSyncError(f"{what}: getting {key!r} returned {meaning(value)}")
-        return bytes(value)
+        data, size = value
+        if size and not data:
+            # The client's get returns no bytes when it fails (a master killed during it):
+            # a failed read, not a damaged object. (Every object read here is checksummed
+            # JSON, never empty; one replaced in between, of another size, is checked.)
+            raise WeightSyncError(
+                f"{what}: getting {key!r} ({size} bytes) from {self.describe()} failed: the "
+                f"Mooncake master or the process holding it did not answer"
+            )
+        return data
 
     def put_objects(
         self, keys: list[str], arrays: list[np.ndarray], what: str, *, exists_ok: bool = False

@@ -35,7 +35,7 @@ WITHIN = DEADLINE + 1.5  # The deadline, and room for a loaded 2-core runner.
 RECOVER_S = 30.0  # The longest a cache may take to work again once its master is back.
 # Delays (s) after an admit starts: a remote hit's admit takes 10-40 ms here.
 MOMENTS = {
-    "kill": (0.0, 0.002, 0.004, 0.006, 0.009, 0.013, 0.02, 0.03),
+    "kill": (0.0, 0.003, 0.006, 0.01, 0.02, 0.03),
     "stop": (0.0, 0.003, 0.007, 0.012, 0.025),
 }
 
