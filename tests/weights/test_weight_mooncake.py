@@ -1,7 +1,8 @@
 """Weight sync through a Mooncake Store (a real ``mooncake_master`` on loopback): the pulled
 params bitwise equal in two layout pairs, range reads, an incomplete version refused with
-the previous params kept, a master killed in the middle of a pull, a damaged object refused
-by name, old versions retired, the URL's guards.
+the previous params kept, a master killed in the middle of a pull, a master killed or
+stopped at many moments of a publish and of a pull, a damaged object refused by name, old
+versions retired, the URL's guards.
 
 Without the Mooncake client these tests skip, unless TPUSYNC_REQUIRE_MOONCAKE=1 (then they
 fail: the ``mooncake_usable`` fixture of tests/conftest.py)."""
