@@ -9,7 +9,10 @@ top of these.
 
 from __future__ import annotations
 
+import math
+import os
 import socket
+import threading
 import time
 from typing import Any
 
@@ -22,6 +25,7 @@ ALREADY_EXISTS = -705
 LEASED = -706
 TRANSFER_FAILED = -800
 RPC_FAILED = -900
+RPC_TIMEOUT = -901  # A request to the master passed the client's own limit on it.
 CODE_MEANING = {
     ALREADY_EXISTS: "already exists",
     NOT_FOUND: "not found",
@@ -29,6 +33,7 @@ CODE_MEANING = {
     LEASED: "held by a reader's lease",
     TRANSFER_FAILED: "transfer failed (the process holding it is gone)",
     RPC_FAILED: "the master did not answer",
+    RPC_TIMEOUT: "the master did not answer in time",
     INTERNAL_ERROR: "no room in the pool",
     INVALID: "invalid request (an object of another size than its manifest says)",
 }
@@ -41,6 +46,15 @@ MIN_SEGMENT_BYTES = 16 << 20
 # The longest deadline_s: a call waited for longer than an hour is a hang by another name
 # (and the engine's TCP timeouts are whole seconds of a C int).
 MAX_DEADLINE_S = 3600.0
+
+# The client's own limits on each request to its master, read when a client is set up:
+# 30 s each by default, and a request is tried again, so a call (a setup, a close) into a
+# client whose master was killed or stopped during it was measured to wait 90 s. A client
+# set up by :func:`setup_within` gets its caller's deadline instead; the environment's own
+# settings win.
+RPC_TIMEOUT_VARIABLES = ("MC_RPC_TIMEOUT_MS", "MC_RPC_CONNECT_TIMEOUT_MS")
+# Setting them for one client's setup and taking them back is one step for every thread.
+_SETUP_LOCK = threading.Lock()
 
 # A few bytes that are not a request of the master's protocol: a running master answers
 # them by closing the connection (see :func:`probe_master`).
@@ -72,8 +86,29 @@ def import_store(what: str) -> Any:
 
 
 def abandon(client: Any) -> None:
-    """Keeps ``client`` referenced and never closes it: its master did not answer."""
+    """Keeps ``client`` referenced and never closes it: its master did not answer, or its
+    setup failed or passed its deadline (freeing it closes it, which holds the
+    interpreter's lock while it waits for a master that may be gone)."""
     _ABANDONED.append(client)
+
+
+def setup_within(client: Any, deadline_s: float, *args: Any) -> int:
+    """``client.setup(*args)`` (its return code), with each of the client's requests to its
+    master, then and later, limited to ``deadline_s`` (``MC_RPC_TIMEOUT_MS`` /
+    ``MC_RPC_CONNECT_TIMEOUT_MS`` for this client, unless the environment sets them): a
+    call whose master dies or stops during it then ends by itself in about the deadline
+    instead of 30 s per request. Setup and close hold the interpreter's lock while they
+    wait for the master, so their callers' deadlines rest on this bound."""
+    milliseconds = str(max(1, math.ceil(deadline_s * 1000)))
+    with _SETUP_LOCK:
+        added = [name for name in RPC_TIMEOUT_VARIABLES if name not in os.environ]
+        for name in added:
+            os.environ[name] = milliseconds
+        try:
+            return client.setup(*args)
+        finally:
+            for name in added:
+                os.environ.pop(name, None)
 
 
 def split_master(master: Any) -> tuple[str, int]:

@@ -24,10 +24,13 @@ Faults. Every call to the store runs on one worker thread and is waited for at m
 counted in :meth:`MooncakeStoreLevel.stats` and logged once per kind:
 
 * the master down or restarted (a restarted master has lost every object: its metadata is
-  the only record of them): calls fail (``unreachable``), or wait and pass the deadline
-  (``timeout``); either pauses the level for ``retry_after_s`` (calls are misses at once,
-  counted as ``skipped``), after which it tries again: the client finds a restarted master
-  by itself;
+  the only record of them), killed or stopped at any moment of a call: calls fail
+  (``unreachable``), or wait and pass the deadline (``timeout``, also the client's own
+  -901: unless the environment sets ``MC_RPC_TIMEOUT_MS`` / ``MC_RPC_CONNECT_TIMEOUT_MS``,
+  each request of the client to its master is limited to the deadline, so a call stuck
+  on a dead master ends by itself); either pauses the level for ``retry_after_s`` (calls
+  are misses at once, counted as ``skipped``), after which it tries again: the client
+  finds a restarted master by itself;
 * a peer that holds an object was killed (``transfer``, code -800);
 * a hung peer (``timeout``): unless the environment sets them, the engine's TCP timeouts
   ``MC_TCP_PROGRESS_TIMEOUT_SEC`` / ``MC_TCP_STATUS_TIMEOUT_SEC`` default to the deadline,
@@ -65,7 +68,7 @@ from jax_tpusync.mooncake.client import (
     import_store,
     split_master,
 )
-from jax_tpusync.mooncake.level_calls import StoreCalls, code_fault
+from jax_tpusync.mooncake.level_calls import PAUSING, StoreCalls, StoreFault, code_fault
 from jax_tpusync.mooncake.url import kilobytes, megabytes, open_url
 
 logger = logging.getLogger(__name__)
@@ -339,7 +342,7 @@ class MooncakeStoreLevel:
                 if fault == "in flight":  # Counted by _count_late_publish once it returns.
                     self._in_flight_sent += len(batch)
                 elif fault != "fault":
-                    self._calls.fault(*fault, pause=fault[0] == "unreachable")
+                    self._calls.fault(*fault, pause=fault[0] in PAUSING)
                 # This batch's blocks that did not go in, and the later batches, never sent.
                 self._put_here[1] += failed + len(prepared) - first - len(batch)
                 return put
@@ -493,7 +496,7 @@ class MooncakeStoreLevel:
                 problem = f"{name}: layers {lo}-{hi} do not hold {want} bytes ({code})"
             elif code < 0:
                 fault = code_fault(code, f"getting layers {lo}-{hi} of {name}")
-                self._calls.fault(fault.kind, str(fault), pause=fault.kind == "unreachable")
+                self._calls.fault(fault.kind, str(fault), pause=fault.kind in PAUSING)
                 return fault.kind
             else:
                 if self.block_format.range_checksum(views, lo, hi) == checksum:
@@ -580,6 +583,22 @@ class MooncakeStoreLevel:
             if code < 0:
                 whole[j] = False
                 fault = fault or code_fault(code, "putting a layer range")
+        # A put the client gave up on (-901) while the master was stopped may still start
+        # on the master once it resumes, and then never end: the object stays unreadable
+        # (-703) until the master discards it, and a later put of it returns 0. So a
+        # header is put only over ranges the store says are there, readable.
+        sent = [i for i, j in enumerate(owner) if whole[j]]
+        there = client.batch_is_exist([keys[i] for i in sent]) if sent else []
+        for i, code in zip(sent, there):
+            if code != 1:
+                whole[owner[i]] = False
+                fault = fault or (
+                    code_fault(code, "asking for a layer range just put")
+                    if code < 0
+                    else StoreFault(
+                        "not_ready", f"layer range {keys[i]!r} was put but is not there"
+                    )
+                )
         cap = self._header_capacity
         names, pointers, sizes = [], [], []
         for j, (key, _, _, header) in enumerate(batch):

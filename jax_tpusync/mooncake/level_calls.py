@@ -23,15 +23,19 @@ from jax_tpusync.mooncake.client import (
     LOCAL_BUFFER_BYTES,
     REPLICA_NOT_READY,
     RPC_FAILED,
+    RPC_TIMEOUT,
     TRANSFER_FAILED,
     abandon,
     probe_master,
+    setup_within,
     split_master,
 )
 from jax_tpusync.runtime.deadline_worker import DeadlinePassed, DeadlineWorker
 
 # Fault kinds, each counted in stats() as mooncake_fault_<kind> and logged once.
 FAULT_KINDS = ("unreachable", "timeout", "transfer", "not_ready", "evicted", "full", "error")
+# Kinds that pause the level for retry_after_s: the master is gone or does not answer.
+PAUSING = ("unreachable", "timeout")
 
 FAULT_TEXT = {
     "unreachable": "the Mooncake master at {master} cannot be reached",
@@ -52,7 +56,11 @@ FAULT_TEXT = {
 # with a plain socket (which releases the GIL) whether it answers at all: a few bytes that
 # are not a request of its protocol, which a running master answers by closing the
 # connection. A master that refuses or says nothing within the deadline is unreachable;
-# the client is then neither set up nor closed. Masters that did not answer, by address:
+# the client is then neither set up nor closed. A master that dies or stops after it
+# answered is bounded by the client's own limit on each request to it, the deadline
+# (:func:`~jax_tpusync.mooncake.client.setup_within`; by default 30 s per request, tried
+# again: a setup measured 90 s), and a client whose setup failed is never freed (freeing
+# closes it). Masters that did not answer, by address:
 # (until when every level of this process treats them as unreachable without asking, why).
 _UNANSWERED: dict[str, tuple[float, str]] = {}
 _UNANSWERED_LOCK = threading.Lock()
@@ -70,6 +78,7 @@ def code_fault(code: int, what: str) -> StoreFault:
     """The fault a client error ``code`` means (``what`` returned it)."""
     kind = {
         RPC_FAILED: "unreachable",
+        RPC_TIMEOUT: "timeout",
         TRANSFER_FAILED: "transfer",
         REPLICA_NOT_READY: "not_ready",
         INTERNAL_ERROR: "full",
@@ -213,7 +222,7 @@ class StoreCalls:
                 if e.running and late is not None:
                     return in_flight
             except StoreFault as e:
-                self.fault(e.kind, str(e), pause=e.kind == "unreachable")
+                self.fault(e.kind, str(e), pause=e.kind in PAUSING)
             except Exception as e:  # noqa: BLE001 - the client's own errors: a miss, logged.
                 self.fault("error", f"{type(e).__name__}: {e}", pause=False)
             return default
@@ -280,8 +289,9 @@ class StoreCalls:
             ]
             if self._engine is not None:
                 args.append(self._engine.get_engine())
-            rc = client.setup(*args)
+            rc = setup_within(client, self.deadline_s, *args)
             if rc != 0:
+                abandon(client)  # Never freed: that would close it, waiting for the master.
                 raise StoreFault("unreachable", f"connecting returned {rc}")
             self._client = client
             try:

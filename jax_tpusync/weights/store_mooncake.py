@@ -65,6 +65,7 @@ from jax_tpusync.mooncake.client import (
     import_store,
     meaning,
     probe_master,
+    setup_within,
     split_master,
 )
 from jax_tpusync.mooncake.url import kilobytes, megabytes, open_url
@@ -274,10 +275,13 @@ class MooncakeWeightStore:
         try:
             if self._closed:
                 raise WeightSyncError(f"{what}: {self.describe()} was closed")
+            if self._worker.busy:  # Refused at once, before the probe waits for a master.
+                raise DeadlinePassed("an earlier call to the store has not returned yet")
             if self._client is None:
                 self._connect(what, self.deadline_s - (time.monotonic() - start))
             elif time.monotonic() - self._answered_at > PROBE_AFTER_S:
-                why = probe_master(self.host, self.port, self.deadline_s)
+                left = self.deadline_s - (time.monotonic() - start)
+                why = probe_master(self.host, self.port, max(left, 1e-3))
                 if why is not None:
                     raise WeightSyncError(f"{what}: the Mooncake master at {self.master}: {why}")
             left = self.deadline_s - (time.monotonic() - start)
@@ -299,14 +303,20 @@ class MooncakeWeightStore:
 
     def _connect(self, what: str, left: float) -> None:
         """Probes the master (a plain socket, bounded), then sets the client up on the
-        worker: ``setup()`` holds the interpreter's lock while it waits for a master."""
+        worker: ``setup()`` holds the interpreter's lock while it waits for a master, so
+        each of its requests is limited to the deadline
+        (:func:`~jax_tpusync.mooncake.client.setup_within`). A setup that passed its
+        deadline keeps its client once it succeeds (the next call uses it); one that
+        failed is never freed (freeing it closes it, waiting for the master)."""
         why = probe_master(self.host, self.port, max(left, 1e-3))
         if why is not None:
             raise WeightSyncError(f"{what}: the Mooncake master at {self.master}: {why}")
         client = self._store_class()
 
-        def setup(_: Any) -> int:
-            return client.setup(
+        def setup() -> int:
+            rc = setup_within(
+                client,
+                self.deadline_s,
                 self.local_host,
                 "P2PHANDSHAKE",
                 self.segment_bytes,
@@ -315,11 +325,15 @@ class MooncakeWeightStore:
                 "",
                 self.master,
             )
+            if rc != 0 or self._closed:
+                abandon(client)
+            else:
+                self._client = client
+            return rc
 
-        rc = self._worker.call(lambda: setup(None), left)
+        rc = self._worker.call(setup, left)
         if rc != 0:
             raise WeightSyncError(f"{what}: connecting to {self.describe()} returned {rc}")
-        self._client = client
 
     def close(self) -> None:
         """Leaves the pool (the objects in this process's segment go with it). Returns within
@@ -363,18 +377,27 @@ class MooncakeWeightStore:
         """A small object's bytes (manifests, the index), None if it is not there (its
         code in ``absent``)."""
 
-        def get(client: Any) -> bytes | int:
+        def get(client: Any) -> tuple[bytes, int] | int:
             size = client.get_size(key)
             if size < 0:
                 return size
-            return client.get(key)
+            return bytes(client.get(key)), size
 
         value = self.call(get, what)
         if isinstance(value, int):
             if value in absent:
                 return None
             raise WeightSyncError(f"{what}: getting {key!r} returned {meaning(value)}")
-        return bytes(value)
+        data, size = value
+        if size and not data:
+            # The client's get returns no bytes when it fails (a master killed during it):
+            # a failed read, not a damaged object. (Every object read here is checksummed
+            # JSON, never empty; one replaced in between, of another size, is checked.)
+            raise WeightSyncError(
+                f"{what}: getting {key!r} ({size} bytes) from {self.describe()} failed: the "
+                f"Mooncake master or the process holding it did not answer"
+            )
+        return data
 
     def put_objects(
         self, keys: list[str], arrays: list[np.ndarray], what: str, *, exists_ok: bool = False

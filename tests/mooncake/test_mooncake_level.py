@@ -618,7 +618,10 @@ def test_master_killed_then_restarted_is_a_miss_and_loses_every_object(make_mast
     lv.close()
 
 
-def test_a_hung_master_is_a_miss_within_the_deadline(make_master):
+def test_a_hung_master_is_a_miss_within_the_deadline(make_master, monkeypatch):
+    # The client's own limit on a request to its master as the environment sets it (30 s,
+    # its default), not the deadline: the call that passes the deadline stays stuck.
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "30000")
     master = make_master()
     lv = level(master.address, deadline_s=1.0, retry_after_s=0.5)
     keys, parents, blocks = chain(2, start=400_000)
@@ -777,10 +780,15 @@ def test_a_hybrid_cache_waits_for_a_stopped_master_once_not_once_per_group(make_
             cancel(net)
 
 
-def test_publish_counts_tell_what_reached_the_store_after_a_stop_during_a_release(make_master):
+def test_publish_counts_tell_what_reached_the_store_after_a_stop_during_a_release(
+    make_master, monkeypatch
+):
     """48 blocks published while the master is stopped: the first request (32 blocks)
     passes its deadline and reaches the store once the master resumes, the other 16 are
     never sent. The counts say so: in flight, then published; only the 16 failed."""
+    # The client's own limit on a request to its master as the environment sets it (30 s,
+    # its default), not the deadline: the request waits for the master to resume.
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "30000")
     master = make_master()
     lv = level(master.address, deadline_s=DEADLINE, retry_after_s=0.5)
     # One request of 32 blocks, then one of 16.
@@ -810,6 +818,52 @@ def test_publish_counts_tell_what_reached_the_store_after_a_stop_during_a_releas
     assert s["mooncake_published"] == in_store == 32, (s, in_store)
     assert s["mooncake_publish_failures"] == 16, s
     assert s["mooncake_bytes_published"] == 32 * lv.payload_bytes
+    lv.close()
+
+
+def test_a_publish_the_master_never_answered_leaves_no_header_over_an_unfinished_range(
+    make_master,
+):
+    """The client's own limit on each request to its master is the deadline: 48 blocks
+    published while the master is stopped, the request that passed its deadline ends by
+    itself before the master resumes (nothing in flight: 48 failed). The master may still
+    start those puts once it resumes and never end them (unreadable until it discards
+    them, and a put of one again returns 0): published again at once, no header is put
+    over such a range (it would be a miss for good); once the master discarded them,
+    every block is put and read back."""
+    master = make_master("--put_start_discard_timeout_sec=2")
+    lv = level(master.address, deadline_s=DEADLINE, retry_after_s=0.5)
+    keys, parents, blocks = chain(48, start=460_000)
+    assert lv.missing(keys) == list(range(48))  # Connected.
+    items = [(keys[i], parents[i], blocks[i], payload_of(lv, i)) for i in range(48)]
+    master.pause()
+    net = master.resume_later(30)
+    try:
+        got, seconds = timed(lv.publish_many, items)
+        assert got == 0 and seconds < WITHIN, (seconds, lv.stats())
+        deadline = time.monotonic() + 5 * DEADLINE
+        while not lv.settled():
+            assert time.monotonic() < deadline, "the client did not give up by itself"
+            time.sleep(0.05)
+        s = lv.stats()
+        assert s["mooncake_publish_in_flight"] == 0 and s["mooncake_published"] == 0, s
+        assert s["mooncake_publish_failures"] == 48, s
+    finally:
+        master.resume()
+        cancel(net)
+    time.sleep(0.6)  # Past retry_after_s.
+    lv.publish_many([items[i] for i in lv.missing(keys)])
+    for i in range(48):
+        # A header names ranges that can be read: never a block that is there but unreadable.
+        found = lv.has(keys[i])
+        assert found == (lv.load(keys[i], parents[i], blocks[i]) is not None), (i, lv.stats())
+    deadline = time.monotonic() + 20
+    while missing := lv.missing(keys):
+        assert time.monotonic() < deadline, (len(missing), lv.stats())
+        lv.publish_many([items[i] for i in missing])
+        time.sleep(0.25)
+    for i in range(48):
+        np.testing.assert_array_equal(lv.load(keys[i], parents[i], blocks[i]), payload_of(lv, i))
     lv.close()
 
 

@@ -9,7 +9,10 @@ import ctypes
 import glob
 import os
 import signal
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 from jax_tpusync.bench.mooncake_master import LocalMaster
@@ -68,6 +71,33 @@ class Master(LocalMaster):
 
     def resume(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)
+
+    def resume_later(self, seconds: float) -> subprocess.Popen:
+        """Resumes it after ``seconds`` from outside this interpreter (a thread of it cannot
+        run while a call holds the GIL): a frozen call then fails a test's time bounds
+        instead of hanging it. Kill the returned process to cancel."""
+        return subprocess.Popen(["sh", "-c", f"sleep {seconds} && kill -CONT {self.proc.pid}"])
+
+    def fault_after(self, how: str, seconds: float) -> threading.Thread:
+        """Kills (``how="kill"``) or stops (``"stop"``) it ``seconds`` from now, from a
+        thread of its own (started; join it)."""
+        fault = {"kill": self.kill, "stop": self.pause}[how]
+
+        def later() -> None:
+            time.sleep(seconds)
+            fault()
+
+        thread = threading.Thread(target=later, daemon=True)
+        thread.start()
+        return thread
+
+    def revive(self, how: str) -> None:
+        """Undoes :meth:`fault_after`: started again at the same address after a kill
+        (every object is gone), resumed after a stop."""
+        if how == "kill":
+            self.start()
+        else:
+            self.resume()
 
     def stop(self) -> None:
         quiet_client_errors()  # Clients of this master may outlive it.

@@ -1,13 +1,15 @@
 """Weight sync through a Mooncake Store (a real ``mooncake_master`` on loopback): the pulled
 params bitwise equal in two layout pairs, range reads, an incomplete version refused with
-the previous params kept, a master killed in the middle of a pull, a damaged object refused
-by name, old versions retired, the URL's guards.
+the previous params kept, a master killed in the middle of a pull, a master killed or
+stopped at many moments of a publish and of a pull, a damaged object refused by name, old
+versions retired, the URL's guards.
 
 Without the Mooncake client these tests skip, unless TPUSYNC_REQUIRE_MOONCAKE=1 (then they
 fail: the ``mooncake_usable`` fixture of tests/conftest.py)."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import jax
@@ -365,3 +367,103 @@ def test_a_version_marker_read_while_it_is_written_is_waited_for(master, monkeyp
         with pytest.raises(VersionNotFoundError, match=r"weights version 3 not found .* after"):
             store.wait_manifest(3, 0.3)
         assert 0.3 <= time.monotonic() - start < 5
+
+
+# A master killed (SIGKILL) or stopped (SIGSTOP) at many moments of a publish and of a pull:
+# each returns within its deadline and a margin, done or refused by a named error, never
+# half done; once the master is back (started again with every object gone, or resumed),
+# the same publisher and puller work again.
+FAULT_DEADLINE_S = 1.0
+FAULT_WITHIN_S = FAULT_DEADLINE_S + 2.0  # The deadline, and room for a loaded 2-core runner.
+FAULT_MOMENTS = {"kill": (0.0, 0.005, 0.015, 0.04), "stop": (0.003, 0.012, 0.03)}
+
+
+def faulted(master, how: str, delay: float, fn):
+    """(``fn()``'s value or the WeightSyncError it raised, seconds) with ``master`` killed
+    or stopped ``delay`` seconds into it, then back."""
+    safety = master.resume_later(30) if how == "stop" else None
+    start = time.monotonic()
+    try:
+        fault = master.fault_after(how, delay)
+        try:
+            out = fn()
+        except WeightSyncError as e:
+            out = e
+        seconds = time.monotonic() - start
+        fault.join(timeout=10)
+    finally:
+        master.revive(how)
+        if safety is not None:
+            safety.kill()
+            safety.wait(timeout=10)
+    return out, seconds
+
+
+def until_it_works(fn, what: str, within_s: float = 30.0):
+    """``fn()``'s value once it raises no WeightSyncError (bounded)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return fn()
+        except WeightSyncError as e:
+            assert time.monotonic() < deadline, f"{what} never worked again: {e}"
+            time.sleep(0.25)
+
+
+@pytest.mark.parametrize("how", sorted(FAULT_MOMENTS))
+def test_a_master_that_dies_during_a_publish_or_a_pull_is_a_named_error_within_the_deadline(
+    make_master, how
+):
+    master = make_master()
+    params, trained, targets = layout("fsdp4->tp2")
+    options = dict(deadline_s=FAULT_DEADLINE_S)
+    worst = 0.0
+    with (
+        WeightPublisher(url(master, **options), keep=2) as pub,
+        WeightPuller(url(master, segment_mb=0, **options), timeout_s=0) as puller,
+    ):
+        version = 0
+
+        def publish_and_pull():
+            nonlocal version
+            version += 1
+            pub.publish(trained, version)
+            pub.wait()
+            return puller.pull(targets, version)
+
+        ws.check_pulled(
+            until_it_works(publish_and_pull, "publishing"), params, targets, puller.stats
+        )
+        for delay in FAULT_MOMENTS[how]:
+            # A publish: written whole (then pulled whole) or refused by name.
+            version += 1
+
+            def publish(v=version):
+                pub.publish(trained, v)
+                return pub.wait()
+
+            out, seconds = faulted(master, how, delay, publish)
+            assert seconds < FAULT_WITHIN_S, (how, delay, seconds, out)
+            worst = max(worst, seconds)
+            if isinstance(out, WeightSyncError):
+                assert re.search(r"weights version \d+\b.*: .*(Mooncake|master)", str(out)), out
+            pulled = until_it_works(publish_and_pull, f"publishing after a {how}")
+            ws.check_pulled(pulled, params, targets, puller.stats)
+            held, held_version = puller.params, puller.version
+            # A pull of a new version: whole, or refused by name with the params held kept.
+            version += 1
+            pub.publish(trained, version)
+            pub.wait()
+            out, seconds = faulted(master, how, delay, lambda: puller.pull(targets, version))
+            assert seconds < FAULT_WITHIN_S, (how, delay, seconds, out)
+            worst = max(worst, seconds)
+            if isinstance(out, WeightSyncError):
+                assert re.search(r"weights version \d+\b.*(Mooncake|master|not found)", str(out)), (
+                    out
+                )
+                assert puller.params is held and puller.version == held_version
+            else:
+                ws.check_pulled(out, params, targets, puller.stats)
+            pulled = until_it_works(publish_and_pull, f"pulling after a {how}")
+            ws.check_pulled(pulled, params, targets, puller.stats)
+    print(f"{how}: slowest publish or pull {worst:.3f} s")
