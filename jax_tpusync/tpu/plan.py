@@ -60,6 +60,7 @@ class ContextPlan:
       pool_bytes: the pool in the chip's host memory.
       resident_bytes: the whole-KV-resident baseline: the weights and every layer's KV.
       chunk_len: tokens of a unit.
+      prefetch_depth: units staged ahead of the one attended.
       unit_copies: asynchronous copies one unit makes (a block and a tail per slot).
       computations: computations of the scheduled program holding a unit copy and an
         attention (a layer's unit loop is one).
@@ -68,6 +69,8 @@ class ContextPlan:
       overlapped: copies also waited for after it.
       step_copy_bytes: bytes one step copies over the chip's host link (whole units).
       projected_step_ms: ``step_copy_bytes`` over the host link: a projection.
+      flops: the compiler's cost analysis of the step (0 where it gives none).
+      bytes_accessed: the same analysis's device bytes read and written.
       compile_s: seconds the compile took here.
     """
 
@@ -79,6 +82,7 @@ class ContextPlan:
     pool_bytes: int
     resident_bytes: int
     chunk_len: int
+    prefetch_depth: int
     unit_copies: int
     computations: int
     copies: int
@@ -86,6 +90,8 @@ class ContextPlan:
     overlapped: int
     step_copy_bytes: int
     projected_step_ms: float
+    flops: float
+    bytes_accessed: float
     compile_s: float
 
     @property
@@ -244,6 +250,8 @@ def plan_step(
             raise ValueError(f"context {context!r} must be an int of at least 1 token")
     if link_gbps is not None and not link_gbps > 0:
         raise ValueError(f"link_gbps={link_gbps!r} must be positive")
+    if mesh_axes and batch_axis is not None and batch_axis in mesh_axes:
+        _config(cache, contexts[0], mesh_axes[batch_axis])  # The slots split, before libtpu.
     devices = topology_devices(topology)
     kind = devices[0].device_kind
     layout = _layout(devices, mesh_axes, kv_heads_axis, batch_axis)
@@ -283,8 +291,11 @@ def plan_step(
         compiled, refusal = compiled_or_refusal(build)
         seconds = time.perf_counter() - began
         overlap = dict(computations=0, copies=0, started_before=0, overlapped=0)
+        cost: dict = {}
         if compiled is not None:
             overlap = schedule_overlap(compiled.as_text(), FETCH_SCOPE, ATTEND_SCOPE)
+            cost = compiled.cost_analysis() or {}
+            cost = (cost[0] if cost else {}) if isinstance(cost, list) else cost
         weights = _bytes_per_chip(placed_params)
         kv_rows = sum(_read_rows(spec, w, context) for w in spec.windows)
         row_bytes = pool.row_width * pool.dtype.itemsize
@@ -299,9 +310,12 @@ def plan_step(
                 pool_bytes=pool.pool_bytes,
                 resident_bytes=weights + spec.batch * kv_rows * row_bytes,
                 chunk_len=spec.chunk_len,
+                prefetch_depth=spec.prefetch_depth,
                 unit_copies=unit_copies(spec.batch, pool.blocks_per_unit),
                 step_copy_bytes=copied,
                 projected_step_ms=copied / (gbps * 1e9) * 1e3,
+                flops=float(cost.get("flops", 0.0)),
+                bytes_accessed=float(cost.get("bytes accessed", 0.0)),
                 compile_s=seconds,
                 **overlap,
             )
