@@ -48,6 +48,15 @@ def plans_for(tmp_path_factory, topology: str, *requests: str) -> dict:
     return out
 
 
+def bounded(c: dict) -> float:
+    """The most device memory a step may hold, whatever its context: the weights, and the
+    units: those the state stages and the one in flight (``staging_bytes``), and while a
+    unit is attended its joined copy and the compiler's copy of the staged one (measured
+    2.2-2.3 times the staging beside the weights on v5e, v6e and TPU7x; the same, to 0.3
+    MiB, when units were joined where they were copied)."""
+    return c["weights_bytes"] + 2.5 * c["staging_bytes"]
+
+
 @pytest.fixture(scope="module", params=["v5e:2x2", "v6e:2x2", "tpu7x:2x2x1"])
 def generation(request, tmp_path_factory):
     """Every model planned at 32K tokens on one generation; on v6e the Gemma-like mesh
@@ -88,7 +97,7 @@ def test_the_issues_step_is_bounded_and_projected_over_its_generations_link(gene
     (c,) = plan["contexts"]
     # Six layers of 2 slots x 4 KV heads x 128, bf16: 4 KiB a token of both slots.
     assert c["resident_bytes"] == c["weights_bytes"] + 6 * 32768 * 2 * 2 * 4 * 128 * 2
-    assert c["device_bytes"] <= 1.15 * (c["weights_bytes"] + c["staging_bytes"]), c
+    assert c["device_bytes"] <= bounded(c), c
     assert c["projected_step_ms"] == pytest.approx(c["step_copy_bytes"] / (link * 1e9) * 1e3)
     # Whole units a step copies: at least the KV it reads.
     assert c["step_copy_bytes"] >= 6 * 32768 * 2 * 2 * 4 * 128 * 2
@@ -107,7 +116,7 @@ def test_a_users_gemma_like_mesh_step_holds_the_same_device_memory_at_32k_and_1m
     assert plan["device_bytes_flat"] is True
     assert abs(long["device_bytes"] - short["device_bytes"]) <= 0.01 * short["device_bytes"]
     for c in (short, long):
-        assert c["device_bytes"] <= 1.15 * (c["weights_bytes"] + c["staging_bytes"]), c
+        assert c["device_bytes"] <= bounded(c), c
     # Per chip: 2 of the 4 slots, 2 of the 4 KV heads of 128, bf16 (1 KiB a token of a
     # slot); the pool keeps every position of 3 layers, 32 times as many at 1M.
     assert long["pool_bytes"] == pytest.approx(32 * short["pool_bytes"], rel=0.01)

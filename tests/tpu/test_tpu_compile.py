@@ -165,7 +165,11 @@ def test_a_batch_by_heads_mesh_and_windowed_step_is_bounded_and_overlapped_on_v6
         # Per chip the weights split over the heads only: wq, wk, wv, wo of 6 layers, d_model
         # 4096, 8 KV heads of 128, bf16, halved.
         assert row["weights_mib"] == pytest.approx(6 * 2 * 4096 * (4096 + 1024) * 2 / 2 / 2**20)
-        assert row["ours_device_mib"] <= 1.1 * (row["weights_mib"] + row["staging_mib"]), row
+        # The weights and the units: those the state stages and the one in flight (the
+        # staging), and while a unit is attended its joined copy and the compiler's copy of
+        # the staged one (305 MiB: 240 + 2.1 x 31; units of 31 blocks, where v6e's were 5
+        # before a unit's copies stayed unjoined until attended, 1.1 x the two bounded it).
+        assert row["ours_device_mib"] <= row["weights_mib"] + 2.5 * row["staging_mib"], row
         overlap = row["overlap"]
         assert overlap["computations"] == 6
         assert overlap["overlapped"] == overlap["started_before"] == overlap["copies"] > 0
