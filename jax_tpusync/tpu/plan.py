@@ -297,7 +297,7 @@ def plan_step(
             cost = compiled.cost_analysis() or {}
             cost = (cost[0] if cost else {}) if isinstance(cost, list) else cost
         weights = _bytes_per_chip(placed_params)
-        kv_rows = sum(_read_rows(spec, w, context) for w in spec.windows)
+        kv_rows = sum(_resident_rows(w, context) for w in spec.windows)
         row_bytes = pool.row_width * pool.dtype.itemsize
         copied = sum(_units(spec, w, context) for w in spec.windows) * pool.staging_bytes
         plans.append(
@@ -431,7 +431,7 @@ def _bytes_per_chip(tree) -> int:
     return total
 
 
-def _read_rows(spec, window: int | None, context: int) -> int:
+def _resident_rows(window: int | None, context: int) -> int:
     """Rows a layer of ``window`` keeps resident at ``context`` (a sliding one its window)."""
     return context if window is None else min(context, window)
 
@@ -439,7 +439,10 @@ def _read_rows(spec, window: int | None, context: int) -> int:
 def _units(spec, window: int | None, context: int) -> int:
     """Units a layer copies per step at ``context`` (units start at a block boundary, so a
     window's keys may straddle one block more than its span)."""
-    reach = context if window is None else min(context, spec.layer_span(window) + spec.block_tokens - 1)
+    if window is None:
+        reach = context
+    else:
+        reach = min(context, spec.layer_span(window) + spec.block_tokens - 1)
     return max(1, -(-reach // spec.chunk_len))
 
 

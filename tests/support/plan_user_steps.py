@@ -78,7 +78,8 @@ def params_of(m: Model):
         return jax.ShapeDtypeStruct(shape, jnp.bfloat16)
 
     layer = dict(norm=w(d), wq=w(d, qd), wk=w(d, kvd), wv=w(d, kvd), wo=w(qd, d),
-                 mlp_norm=w(d), w_gate=w(d, m.ffn), w_up=w(d, m.ffn), w_down=w(m.ffn, d))  # fmt: skip
+                 mlp_norm=w(d), w_gate=w(d, m.ffn), w_up=w(d, m.ffn),
+                 w_down=w(m.ffn, d))  # fmt: skip
     return [dict(layer) for _ in range(m.layers)]
 
 

@@ -216,7 +216,8 @@ def pool_spec(
     ``prefetch_depth + 1`` of them on the device at a time (those staged ahead and the one
     in flight) within ``staging_bytes`` (per device), and at most as many blocks as the
     device's compiler overlaps copies of ``batch`` slots
-    (:func:`~jax_tpusync.core.pool_state.unit_block_limit` of ``device_kind`` and the batch). ``prefetch_depth="auto"`` is 1, and a depth above ``num_layers`` is
+    (:func:`~jax_tpusync.core.pool_state.unit_block_limit` of ``device_kind`` and the
+    batch). ``prefetch_depth="auto"`` is 1, and a depth above ``num_layers`` is
     ``num_layers`` (every layer has a unit at least, and further ahead lies the step after
     next). Over a mesh the spec describes one shard: the heads of one device of
     ``kv_heads_axis``."""
