@@ -32,6 +32,7 @@ from jax_tpusync.runtime import libtpu
 _moved.install()  # the module paths from before 0.2.0 (CHANGELOG.md)
 libtpu.quiet_on_cpu()  # Before any backend starts: libtpu on a host without a TPU.
 
+from jax_tpusync import tpu as tpu  # jax_tpusync.tpu.plan_step: planning for a TPU
 from jax_tpusync.attention import prefetching_attention, resident_attention
 from jax_tpusync.caches.hybrid.cache import HybridKVCache
 from jax_tpusync.caches.offloaded.cache import OffloadedKVCache

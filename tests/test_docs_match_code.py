@@ -44,6 +44,7 @@ CALLABLES: dict[str, Any] = {
     **{name: getattr(tps, name) for name in tps.__all__ if callable(getattr(tps, name))},
     "CacheConfig.from_kwargs": CacheConfig.from_kwargs,
     "ServingLoop": ServingLoop,
+    "tpu.plan_step": tps.tpu.plan_step,
 }
 PREFIXES = ("tps.", "jax_tpusync.", "serving.", "jax_tpusync.serving.", "config.")
 

@@ -15,9 +15,10 @@ and reports each one's device bytes (arguments, temporaries and outputs the comp
 program places in device memory), the compiler's cost analysis, whether every unit copy of
 ours is started before the attention it overlaps and waited for after it (read off the
 scheduled program), and a projected step time: the KV bytes a step reads over a host link
-of ``--link-gbps`` (default 23.75 GB/s per chip: TPU Sync's published 190 GB/s of
-contiguous host-to-device copies per 8-chip Ironwood host). A projection, not a measurement:
-nothing here ran on a TPU.
+of ``--link-gbps`` (default: each generation's published rate per chip,
+:func:`jax_tpusync.tpu.host_link`). A projection, not a measurement: nothing here ran on a
+TPU. Ours is planned by the public call a user plans their own step with,
+:func:`jax_tpusync.tpu.plan_step`.
 
 Over chips: ``--heads-over-chips`` splits the KV heads (and the projections) over every
 chip of a topology, ``--batch-over-chips`` the slots (the batch-sharded pool's layout,
@@ -37,17 +38,18 @@ import dataclasses
 import json
 import math
 import os
-import re
 import subprocess
 import sys
-import time
 from typing import Any
 
 from jax_tpusync.bench import common
 from jax_tpusync.runtime.libtpu import LIBTPU_ENVIRONMENT
+from jax_tpusync.tpu.schedule import schedule_overlap
+from jax_tpusync.tpu.target import compiled_or_refusal, device_bytes, prepare_compile_only
+
+__all__ = ["schedule_overlap", "device_bytes"]  # Read by the tests from here too.
 
 TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "tpu7x:2x2x1")
-DEFAULT_LINK_GBPS = 190 / 8
 
 
 def add_parser(sub) -> None:
@@ -110,7 +112,13 @@ def add_parser(sub) -> None:
         "every chip of the topology; with --heads-over-chips, the chips as a grid of slots "
         "by heads (4 chips: 2 x 2, 8: 2 x 4)",
     )
-    p.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS)
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        help="the host link per chip to project step times over, GB/s (default: each "
+        "generation's published figure, jax_tpusync.tpu.host_link)",
+    )
     common.add_details_argument(p, "every row (device MiB per step, overlap, projected ms)")
     common.add_json_argument(p)
     p.set_defaults(run=run, columns=COLUMNS)
@@ -131,17 +139,14 @@ COLUMNS = [
 
 def prepare_libtpu() -> None:
     """Sets what libtpu needs before JAX starts a backend; the programs run nowhere."""
-    for name, value in LIBTPU_ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    prepare_compile_only()
 
 
 def tpu_devices(topology: str) -> list:
     """The devices of a TPU ``topology`` (``v5e:2x2``...), compile-only."""
-    prepare_libtpu()
-    from jax.experimental import topologies
+    from jax_tpusync.tpu.target import topology_devices
 
-    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+    return topology_devices(topology)
 
 
 def chip_split(chips: int, *, batch_over_chips: bool, heads_over_chips: bool) -> tuple[int, int]:
@@ -184,97 +189,48 @@ def chip_layout(devices: list, dp: int, tp: int):
     return checked_layout(mesh, "heads" if tp > 1 else None, "batch" if dp > 1 else None)
 
 
-def device_bytes(compiled) -> int:
-    """Device memory the program places: arguments, temporaries and outputs not aliased."""
-    m = compiled.memory_analysis()
-    return (
-        m.argument_size_in_bytes
-        + m.temp_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-    )
-
-
-def abstract_params(shape, sharding, layout=None) -> list[dict]:
-    """The step's weights as shapes (:func:`tiny_decoder.init_step_params`'s structure): on
-    ``sharding``'s device, or over ``layout``'s mesh as tensor parallelism splits them over
-    its ``kv_heads_axis`` (the q/k/v projections by output heads, the output projection by
-    input heads; every batch shard holds them whole)."""
-    import jax
-    from jax.sharding import NamedSharding
+def param_specs(shape, heads_axis: str | None) -> list[dict]:
+    """The step's weights' partition specs (:func:`tiny_decoder.init_step_params`'s
+    structure) as tensor parallelism splits them over ``heads_axis`` (the q/k/v projections
+    by output heads, the output projection by input heads; every batch shard holds them
+    whole); None splits nothing."""
     from jax.sharding import PartitionSpec as P
+
+    split = {"wq": P(None, heads_axis), "wk": P(None, heads_axis), "wv": P(None, heads_axis)}
+    split.update(wo=P(heads_axis, None), w1=P(None, heads_axis), w2=P(heads_axis, None))
+    return [{name: split[name] for name in layer} for layer in param_shapes(shape)]
+
+
+def param_shapes(shape) -> list[dict]:
+    """The step's weights as shapes (:func:`tiny_decoder.init_step_params`'s structure)."""
+    import jax
 
     d, kv = shape.d_model, shape.kv_heads * shape.head_dim
     dims = {"wq": (d, d), "wk": (d, kv), "wv": (d, kv), "wo": (d, d)}
     if shape.ffn:
         dims.update(w1=(d, shape.ffn), w2=(shape.ffn, d))
-    heads = layout.kv_heads_axis if layout else None
-    split = {"wq": P(None, heads), "wk": P(None, heads), "wv": P(None, heads)}
-    split.update(wo=P(heads, None), w1=P(None, heads), w2=P(heads, None))
-
-    def placed(name):
-        return sharding if layout is None else NamedSharding(layout.mesh, split[name])
-
     return [
-        {
-            name: jax.ShapeDtypeStruct(dim, shape.dtype, sharding=placed(name))
-            for name, dim in dims.items()
-        }
+        {name: jax.ShapeDtypeStruct(dim, shape.dtype) for name, dim in dims.items()}
         for _ in range(shape.layers)
     ]
 
 
-def abstract_pool_state(config, devices: list, layout=None):
-    """(state, replicated sharding): a host-pool cache's :class:`PoolState` of
-    ``config`` as shapes, for the first of ``devices`` or over ``layout``'s mesh (a
-    :class:`~jax_tpusync.core.mesh_layout.MeshLayout`: a leading axis of ``dp * tp`` shards,
-    each device's pool in its host memory; ``config`` one batch shard's, its ``batch`` the
-    slots of one), and where the step's other inputs go."""
+def abstract_params(shape, sharding, layout=None) -> list[dict]:
+    """:func:`param_shapes` on ``sharding``'s device, or over ``layout``'s mesh split as
+    :func:`param_specs` splits them over its ``kv_heads_axis``."""
     import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, SingleDeviceSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding
 
-    from jax_tpusync.caches.pool.assembly import pool_spec
-    from jax_tpusync.core.pool_state import PoolLayout, PoolState
-
-    if layout is not None:
-        spec = pool_spec(config, layout, devices[0].device_kind)
-        on_device = NamedSharding(layout.mesh, P())
-        state_on = NamedSharding(layout.mesh, layout.state_spec)
-        on_host = NamedSharding(layout.mesh, layout.state_spec, memory_kind="pinned_host")
-        lead: tuple[int, ...] = (layout.num_shards,)  # A mesh state's leading axis of shards.
+    if layout is None:
+        placed = jax.tree.map(lambda _: sharding, param_shapes(shape))
     else:
-        spec = pool_spec(config, device_kind=devices[0].device_kind)
-        on_device = state_on = SingleDeviceSharding(devices[0])
-        on_host = SingleDeviceSharding(devices[0], memory_kind="pinned_host")
-        lead = ()
-    pool = PoolLayout(spec)
-
-    def sds(dims, dtype, sharding=state_on):
-        return jax.ShapeDtypeStruct((*lead, *dims), dtype, sharding=sharding)
-
-    b = spec.batch
-
-    def staged():
-        return (
-            sds(pool.staging_shape, pool.dtype),
-            sds(pool.tail_shape, pool.dtype),
-            sds(pool.staged_at_shape, jnp.int32),
-        )
-
-    state = PoolState(
-        spec,
-        sds((b,), jnp.int32),
-        sds((b, spec.max_blocks), jnp.int32),
-        sds((b,), jnp.int32),
-        sds(pool.pool_shape, pool.dtype, on_host),
-        *staged(),
-        sds((b,), jnp.int32),
-        sds((), jnp.int32),
-        ahead=tuple(staged() for _ in range(spec.prefetch_depth - 1)),
+        specs = param_specs(shape, layout.kv_heads_axis)
+        placed = [{n: NamedSharding(layout.mesh, p) for n, p in layer.items()} for layer in specs]
+    return jax.tree.map(
+        lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
+        param_shapes(shape),
+        placed,
     )
-    return state, on_device
 
 
 def batch_sharding(on_device, layout):
@@ -288,9 +244,9 @@ def batch_sharding(on_device, layout):
     return NamedSharding(layout.mesh, P(layout.batch_axis))
 
 
-def compile_ours(
+def plan_ours(
     shape,
-    devices: list,
+    topology: str,
     *,
     block_tokens: int,
     staging_bytes: int,
@@ -300,24 +256,25 @@ def compile_ours(
     windows: list[int | None] | None = None,
     max_step_tokens: int | None = None,
     prefetch_depth: int = 1,
+    link_gbps: float | None = None,
 ):
-    """(compiled step, cache spec) of the host-pool decode step at ``shape.context``, on
-    the first of ``devices`` or with the slots split over ``dp`` of them and the heads over
-    ``tp`` (:func:`chip_layout`; the spec is one shard's); ``windows``: per
-    layer, the tokens a sliding layer attends (None: global); ``max_step_tokens``: the pool
-    keeps a ring per slot of one window plus that many rows (None: every position);
-    ``prefetch_depth``: units in flight ahead of the one attended."""
+    """The :class:`~jax_tpusync.tpu.ContextPlan` of the host-pool decode step at
+    ``shape.context`` (:func:`jax_tpusync.tpu.plan_step`, the public planning call), on one
+    chip of ``topology`` or with the slots split over ``dp`` of them and the heads over
+    ``tp`` (mesh axes ``batch`` and ``heads``); ``windows``: per layer, the tokens a sliding
+    layer attends (None: global); ``max_step_tokens``: the pool keeps a ring per slot of one
+    window plus that many rows (None: every position); ``prefetch_depth``: units in flight
+    ahead of the one attended; ``link_gbps``: the host link (None: the generation's)."""
     import jax
 
     import jax_tpusync as tps
     from jax_tpusync.bench import tiny_decoder
-    from jax_tpusync.core.config import CacheConfig
+    from jax_tpusync.tpu import plan_step
 
     check_split(shape, dp, tp)
-    config = CacheConfig.from_kwargs(
+    cache = dict(
         num_layers=shape.layers,
-        batch=shape.batch // dp,  # One batch shard's slots.
-        max_len=shape.context,
+        batch=shape.batch,
         num_kv_heads=shape.kv_heads,
         head_dim=shape.head_dim,
         dtype=shape.dtype,
@@ -327,10 +284,6 @@ def compile_ours(
         max_step_tokens=max_step_tokens or None,
         prefetch_depth=prefetch_depth,
     )
-    config.geometry.check_one_cache()  # A ring needs every layer to share one window.
-    layout = chip_layout(devices, dp, tp)
-    state, on_device = abstract_pool_state(config, devices, layout)
-    spec = state.spec
     options: dict[str, Any] = dict(implementation=implementation)
     if implementation == "pallas":
         options.update(interpret=False)  # The kernel for the target TPU, through Mosaic.
@@ -341,47 +294,21 @@ def compile_ours(
     def step(params, x, state):
         return tiny_decoder.step(params, shape, x, state, attend)
 
-    x = jax.ShapeDtypeStruct(
-        (shape.batch, 1, shape.d_model), shape.dtype, sharding=batch_sharding(on_device, layout)
+    axes = {axis: n for axis, n in (("batch", dp), ("heads", tp)) if n > 1}
+    plan = plan_step(
+        step,
+        param_shapes(shape),
+        cache,
+        topology=topology,
+        inputs=(jax.ShapeDtypeStruct((shape.batch, 1, shape.d_model), shape.dtype),),
+        mesh_axes=axes or None,
+        kv_heads_axis="heads" if tp > 1 else None,
+        batch_axis="batch" if dp > 1 else None,
+        param_specs=param_specs(shape, "heads") if tp > 1 else None,
+        contexts=(shape.context,),
+        link_gbps=link_gbps,
     )
-    args = (abstract_params(shape, on_device, layout), x, state)
-    shardings = jax.tree.map(lambda a: a.sharding, args)
-    with pallas_for_tpu(implementation):
-        compiled = (
-            jax.jit(
-                step,
-                in_shardings=shardings,
-                out_shardings=(shardings[1], shardings[2]),
-                donate_argnums=2,
-            )
-            .trace(*args)
-            .lower()
-            .compile()
-        )
-    return compiled, spec
-
-
-class pallas_for_tpu:
-    """Makes the Pallas kernels target a TPU (not interpret mode) while compiling on a
-    machine whose default backend is the CPU."""
-
-    def __init__(self, implementation: str):
-        self.active = implementation == "pallas"
-
-    def __enter__(self):
-        if self.active:
-            from jax_tpusync.runtime import backend
-
-            self.saved = backend.pallas_options
-            backend.pallas_options = lambda block_kv, interpret: dict(
-                block_kv=block_kv, interpret=False, backend="tpu"
-            )
-
-    def __exit__(self, *exc):
-        if self.active:
-            from jax_tpusync.runtime import backend
-
-            backend.pallas_options = self.saved
+    return plan, plan.contexts[0]
 
 
 def compile_plain(
@@ -395,7 +322,7 @@ def compile_plain(
 ):
     """The same model with its KV in ``pinned_host`` arrays brought in per layer by
     ``jax.device_put`` inside the step (``resident=False``), or in device memory; on the
-    first of ``devices``, or split as :func:`compile_ours` splits it (the KV's slots over
+    first of ``devices``, or split as :func:`plan_ours` splits it (the KV's slots over
     ``dp`` of them, its heads over ``tp``). A sliding layer
     brings in (and attends) its window's last positions only."""
     import jax
@@ -454,80 +381,18 @@ def compile_plain(
     )
 
 
-_OUT_OF_MEMORY = re.compile(r"memory required for HLO temporaries \(([0-9.]+)([KMGT])\)")
-
-
 def fitted_mib(build) -> tuple[float | None, str]:
     """(device MiB, "") of the program ``build()`` compiles, or (None, why) when the
     compiler refuses it for want of device memory (the MiB it needed, from its message)."""
-    try:
-        return device_bytes(build()) / 2**20, ""
-    except Exception as error:
-        message = str(error)
-        if "RESOURCE_EXHAUSTED" not in message:
-            raise
-        need = _OUT_OF_MEMORY.search(message)
-        if need:
-            scale = {"K": 2**-10, "M": 1, "G": 2**10, "T": 2**20}[need.group(2)]
-            return (
-                None,
-                f"does not fit: needs {float(need.group(1)) * scale:.0f} MiB of temporaries",
-            )
-        return None, "does not fit: " + message.splitlines()[0][:160]
-
-
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*.*?\b([a-z][a-z0-9-]*)\(")
-
-
-def schedule_overlap(hlo_text: str, fetch_scope: str, attend_scope: str) -> dict:
-    """Whether each unit copy of the scheduled program overlaps an attention.
-
-    In every computation (a loop body is one unit: the copy of the next unit and the
-    attention of this one) that holds both, every copy of the fetch scope must start before
-    the computation's first attention instruction and be waited for after its last one.
-    Returns counts: computations checked, copies, copies started before the attention, and
-    copies that also end after it (the compiler may wait for one of a unit's copies before
-    the attention begins, once the work between its start and the attention is done).
-    """
-    checked = copies = started_before = overlapped = 0
-    for body in re.split(r"\n(?=\S)", hlo_text):
-        starts: dict[str, int] = {}
-        dones: dict[str, int] = {}
-        attend_at: list[int] = []
-        for index, line in enumerate(body.splitlines()):
-            match = _INSTRUCTION.match(line)
-            if not match:
-                continue
-            name, opcode = match.groups()
-            if opcode.endswith("-start") and fetch_scope in line:
-                starts[name] = index
-            elif opcode.endswith("-done"):
-                operand = re.search(r"-done\(%(\S+?)\)", line)
-                if operand and operand.group(1) in starts:
-                    dones[operand.group(1)] = index
-            elif attend_scope in line and opcode in ("fusion", "custom-call", "dot", "convolution"):
-                attend_at.append(index)
-        if not starts or not attend_at:
-            continue
-        checked += 1
-        for name, start in starts.items():
-            copies += 1
-            done = dones.get(name, -1)
-            started_before += start < min(attend_at)
-            overlapped += start < min(attend_at) and done > max(attend_at)
-    return dict(
-        computations=checked, copies=copies, started_before=started_before, overlapped=overlapped
-    )
+    compiled, why = compiled_or_refusal(build)
+    return (None, why) if compiled is None else (device_bytes(compiled) / 2**20, "")
 
 
 def measure(kind: str, topology: str, shape, options: dict) -> dict:
     """Compiles one program (``ours``, ``plain`` or ``resident``) in this process; returns
     what :func:`run` reports of it."""
-    from jax_tpusync.core.pool_state import PoolLayout
-    from jax_tpusync.step.host_pool import ATTEND_SCOPE, FETCH_SCOPE
-
-    devices = tpu_devices(topology)
     if kind != "ours":
+        devices = tpu_devices(topology)
         mib, note = fitted_mib(
             lambda: compile_plain(
                 shape,
@@ -539,21 +404,27 @@ def measure(kind: str, topology: str, shape, options: dict) -> dict:
             )
         )
         return dict(device_mib=mib, note=note)
-    began = time.perf_counter()
-    compiled, spec = compile_ours(shape, devices, **options)
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
+    plan, ours = plan_ours(shape, topology, **options)
+    if ours.device_bytes is None:
+        raise RuntimeError(f"the host-pool step does not fit a {topology} chip: {ours.refusal}")
     return dict(
-        device_mib=device_bytes(compiled) / 2**20,
+        device_mib=ours.device_bytes / 2**20,
         note="",
-        compile_s=time.perf_counter() - began,
-        chunk_len=spec.chunk_len,
-        staging_mib=PoolLayout(spec).device_bytes / 2**20,
-        prefetch_depth=spec.prefetch_depth,
-        pool_mib=PoolLayout(spec).pool_bytes / 2**20,
-        flops=float(cost.get("flops", 0.0)),
-        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-        overlap=schedule_overlap(compiled.as_text(), FETCH_SCOPE, ATTEND_SCOPE),
+        compile_s=ours.compile_s,
+        chunk_len=ours.chunk_len,
+        staging_mib=ours.staging_bytes / 2**20,
+        prefetch_depth=ours.prefetch_depth,
+        pool_mib=ours.pool_bytes / 2**20,
+        flops=ours.flops,
+        bytes_accessed=ours.bytes_accessed,
+        overlap=dict(
+            computations=ours.computations,
+            copies=ours.copies,
+            started_before=ours.started_before,
+            overlapped=ours.overlapped,
+        ),
+        link_gbps=plan.link_gbps,
+        link_source=plan.link_source,
     )
 
 
@@ -632,6 +503,7 @@ def run(args) -> list[dict]:
                 windows=windows,
                 max_step_tokens=args.max_step_tokens or None,
                 prefetch_depth=args.prefetch_depth,
+                link_gbps=args.link_gbps,
             )
             ours = measure_in_child("ours", topology, shape, options)
             skipped = dict(device_mib=None, note="not compiled (--kinds)")
@@ -674,8 +546,9 @@ def run(args) -> list[dict]:
                     bytes_accessed=ours["bytes_accessed"],
                     overlapped=f"{overlap['overlapped']}/{overlap['copies']}",
                     overlap=overlap,
-                    link_gbps=args.link_gbps,
-                    projected_step_ms=kv_bytes / (args.link_gbps * 1e9) * 1e3,
+                    link_gbps=ours["link_gbps"],
+                    link_source=ours["link_source"],
+                    projected_step_ms=kv_bytes / (ours["link_gbps"] * 1e9) * 1e3,
                     compile_s=ours["compile_s"],
                     ran_on_tpu=False,
                 )
@@ -723,13 +596,16 @@ def summary(rows: list[dict]) -> str:
             f"  {overlapped} of ours' {copies} unit copies are started before the attention"
             f" they overlap and waited for after it"
         )
-        lines.append(f"  projected step time: {_projected(mine)}")
-    link = rows[0]["link_gbps"]
+        source = f" ({first['link_source']})" if first.get("link_source") else ""
+        lines.append(
+            f"  projected step time over a {first['link_gbps']:.2f} GB/s host link per chip"
+            f"{source}: {_projected(mine)}"
+        )
     ran = any(r["ran_on_tpu"] for r in rows)
     lines.append(
         ("Ran on a TPU" if ran else "Nothing ran on a TPU")
         + ": the memory is the compiler's plan; a step's time is only projected from the KV"
-        f" it reads over a {link:.2f} GB/s host link per chip"
+        " it reads over its generation's host link"
     )
     return "\n".join(lines)
 

@@ -43,37 +43,43 @@ POOL_MEMORY_KIND = "pinned_host"
 # staged_at entry of a staging that holds no fetch.
 NOT_STAGED = -1
 
-# Most blocks one unit copies, by TPU generation (device kind prefix, most specific
-# first). A unit is one asynchronous copy per block, and the TPU compiler's schedule keeps
-# only so many copies in flight across an attention: read off compiled decode steps, a unit
-# of 32 blocks had 32 of its 33 copies overlapped on v5e and TPU7x but 1 on v6e, where 6
-# blocks (7 copies with the tail) were all overlapped on one chip and 8 were not; over a
-# mesh (slots over 2 chips and heads over 2, or either over 4) the last layer of a step
-# waited for its 6-block unit's copies before its attention, and 5-block units overlapped
-# every copy in every layout tried. Larger blocks move the same bytes in fewer copies.
-# These are the limits at ``prefetch_depth=1``.
-UNIT_BLOCK_LIMITS = (("TPU v6", 5), ("TPU", 30))
+# Host-to-device copies the TPU compiler keeps in flight at once (libtpu's
+# ``xla_tpu_host_transfer_overlap_limit``, 32 in the libtpu that jax 0.10 pins, on v5e,
+# v6e and TPU7x alike): read off compiled decode steps, a loop iteration whose unit makes
+# more copies than this waits for the rest before the attention (batch 2, 16 blocks and a
+# tail per slot: 32 of 34 copies overlapped; with the limit raised to 64, all 34; lowered
+# to 16, 16), whatever the block size.
+HOST_COPIES_IN_FLIGHT = 32
 
-# The same at ``prefetch_depth`` 2 and more, where a loop iteration still starts and waits
-# for one unit's copies (the unit that far ahead) but the schedule differs: read off the
-# same compiled steps (8 layers, blocks of 256 tokens), v6e overlapped every copy of units
-# of 8, 21 and 30 blocks at depth 2 and of 30 at depth 3 (8 blocks at depth 1: 48 of 72),
-# and v5e and TPU7x every copy of 30 at depth 2. A unit never shrinks with depth.
-DEEP_UNIT_BLOCK_LIMITS = (("TPU", 30),)
+# Most blocks per unit off TPUs, where no compiler bounds the copies: the CPU emulation
+# runs units of a one-slot TPU's size.
+OFF_TPU_UNIT_BLOCKS = 30
 
 
-def unit_block_limit(device_kind: str, prefetch_depth: int = 1) -> int:
-    """Most blocks per unit on a device of ``device_kind`` at ``prefetch_depth``. Off TPUs,
-    the limit of most TPUs (the last entry): the CPU emulation then runs the units a TPU
-    would, and a unit copies every one of its blocks, so a unit as large as the staging
-    allows would copy up to a slot's whole capacity each layer, however short its context
-    (measured on a 2-core VM, bf16, 4 layers of 8 KV heads x 64: a 4K-token context in a
-    64K-token slot took 196 ms a step in units of 256 blocks)."""
-    table = UNIT_BLOCK_LIMITS if prefetch_depth == 1 else DEEP_UNIT_BLOCK_LIMITS
-    for prefix, limit in table:
-        if device_kind.startswith(prefix):
-            return limit
-    return table[-1][1]
+def unit_block_limit(device_kind: str, batch: int = 1) -> int:
+    """Most blocks per unit on a device of ``device_kind`` holding ``batch`` slots.
+
+    A unit is one asynchronous copy per block and one per tail, for each slot: ``batch *
+    (blocks + 1)`` copies, at any ``prefetch_depth`` (a loop iteration starts one unit's
+    copies). On a TPU they all overlap the attention when they fit the copies the compiler
+    keeps in flight (:data:`HOST_COPIES_IN_FLIGHT`), so a unit holds ``HOST_COPIES_IN_FLIGHT
+    // batch - 1`` blocks, at least one (above 16 slots a chip, some copies of each unit
+    wait before the attention: the compiler's limit, which
+    ``xla_tpu_host_transfer_overlap_limit`` raises). Off TPUs, :data:`OFF_TPU_UNIT_BLOCKS`
+    whatever the batch: a unit copies every one of its blocks, so a unit as large as the
+    staging allows would copy up to a slot's whole capacity each layer, however short its
+    context (measured on a 2-core VM, bf16, 4 layers of 8 KV heads x 64: a 4K-token
+    context in a 64K-token slot took 196 ms a step in units of 256 blocks)."""
+    if batch < 1:
+        raise ValueError(f"batch={batch} must be at least 1")
+    if not device_kind.startswith("TPU"):
+        return OFF_TPU_UNIT_BLOCKS
+    return max(1, HOST_COPIES_IN_FLIGHT // batch - 1)
+
+
+def unit_copies(batch: int, blocks_per_unit: int) -> int:
+    """Asynchronous copies one unit of ``batch`` slots makes: a block each and a tail each."""
+    return batch * (blocks_per_unit + 1)
 
 
 def pool_dtype(dtype: Any, quantized: bool) -> np.dtype:

@@ -35,6 +35,19 @@ program; the compiler cannot carry a copy into the next), so at any depth one un
 overlaps each attention: a deeper prefetch adds device memory without more overlap, which
 is why ``prefetch_depth="auto"`` is 1 on this path.
 
+The copies of a unit fetched in a loop iteration go into the loop's carry as they arrive,
+one array per block and per tail (:func:`fetch_pieces`), and are joined into the unit's
+``[batch, chunk_len, row_width]`` only in the iteration that attends to it
+(:func:`join_pieces`). Nothing in the copying iteration reads them, so the compiler may wait
+for each copy after the attention, whatever the batch and the unit size: joined in the
+copying iteration instead (the join a device copy of the unit), TPU v6e's schedule waited
+for every block copy of units of five or more blocks per slot before the attention, for
+any slot count above one (compiled: 4 of 24 copies overlapped, batch 2, 5 blocks of 256
+rows). What bounds a unit then is how many host copies the compiler keeps in flight at
+once (:func:`jax_tpusync.core.pool_state.unit_block_limit`). A layer's staged first units
+(whole units in the state) are split into pieces for the loop, and the units it leaves
+staged joined again after it.
+
 A cache that keeps only its sliding window (``max_step_tokens``) needs nothing here: the
 block table a state carries repeats each slot's ring of blocks
 (:func:`jax_tpusync.core.window_ring.tiled_table`), so position ``p`` finds ring entry ``(p //
@@ -114,26 +127,60 @@ def unit_rows(
     return jnp.concatenate([rows, tail[:, None]], axis=1)
 
 
+def fetch_pieces(
+    layout: PoolLayout,
+    pool: jax.Array,  # [pool_rows, row_width], host memory
+    rows: jax.Array,  # int32[batch, blocks_per_unit + 1]: from unit_rows
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """(blocks, tails): the unit's copies to the device, unjoined: ``batch *
+    blocks_per_unit`` blocks of ``[block_tokens, row_width]`` (slot by slot), then ``batch``
+    tails of ``[write_rows, row_width]``."""
+    spec = layout.spec
+    width = layout.row_width
+    blocks, tails = [], []
+    for b in range(spec.batch):
+        blocks += [
+            to_device(lax.dynamic_slice(pool, (rows[b, j], 0), (spec.block_tokens, width)))
+            for j in range(layout.blocks_per_unit)
+        ]
+        tails.append(
+            to_device(lax.dynamic_slice(pool, (rows[b, -1], 0), (layout.write_rows, width)))
+        )
+    return tuple(blocks), tuple(tails)
+
+
+def join_pieces(
+    layout: PoolLayout, pieces: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]
+) -> tuple[jax.Array, jax.Array]:
+    """(staging [batch, chunk_len, row_width], tail [batch, write_rows, row_width]) of a
+    unit's pieces (:func:`fetch_pieces`)."""
+    blocks, tails = pieces
+    n = layout.blocks_per_unit
+    slots = [
+        jnp.concatenate(blocks[b * n : (b + 1) * n], axis=0) if n > 1 else blocks[b * n]
+        for b in range(layout.spec.batch)
+    ]
+    return jnp.stack(slots), jnp.stack(tails)
+
+
+def split_unit(
+    layout: PoolLayout, staging: jax.Array, tail: jax.Array
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """A staged unit as :func:`fetch_pieces` gives one (the inverse of :func:`join_pieces`)."""
+    n, bt = layout.blocks_per_unit, layout.spec.block_tokens
+    batch = layout.spec.batch
+    blocks = tuple(staging[b, j * bt : (j + 1) * bt] for b in range(batch) for j in range(n))
+    return blocks, tuple(tail[b] for b in range(batch))
+
+
 def fetch(
     layout: PoolLayout,
     pool: jax.Array,  # [pool_rows, row_width], host memory
     rows: jax.Array,  # int32[batch, blocks_per_unit + 1]: from unit_rows
 ) -> tuple[jax.Array, jax.Array]:
     """(staging [batch, chunk_len, row_width], tail [batch, write_rows, row_width]): the
-    unit's blocks and tails copied to the device, one copy per block."""
-    spec = layout.spec
-    width = layout.row_width
-    slots, tails = [], []
-    for b in range(spec.batch):
-        pieces = [
-            to_device(lax.dynamic_slice(pool, (rows[b, j], 0), (spec.block_tokens, width)))
-            for j in range(layout.blocks_per_unit)
-        ]
-        slots.append(jnp.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0])
-        tails.append(
-            to_device(lax.dynamic_slice(pool, (rows[b, -1], 0), (layout.write_rows, width)))
-        )
-    return jnp.stack(slots), jnp.stack(tails)
+    unit's blocks and tails copied to the device, one copy per block, joined."""
+    return join_pieces(layout, fetch_pieces(layout, pool, rows))
 
 
 def write_rows(
@@ -274,11 +321,11 @@ def pool_layer(
 
     def unit_step(unit, carry):
         out, lse, staged = carry
-        staging = staged[0][0]
+        staging, _ = join_pieces(layout, staged[0][0])
         n_layer, n_unit, n_lengths, ok = unit_ahead(unit)
         n_rows = unit_rows(layout, state, n_layer, n_unit, n_lengths)
         with jax.named_scope(FETCH_SCOPE):
-            n_staging, n_tail = fetch(layout, pool, n_rows)
+            n_pieces = fetch_pieces(layout, pool, n_rows)
         k_start = (first_block + unit * layout.blocks_per_unit) * spec.block_tokens
         valid = jnp.where(takes_keys, jnp.clip(lengths - k_start, 0, spec.chunk_len), 0)
         with jax.named_scope(ATTEND_SCOPE):
@@ -298,16 +345,19 @@ def pool_layer(
         out, lse = kernel_reference.merge_partials(out, lse, o, l)
         # Not ok: copied before this step wrote its layer; that layer copies it again.
         n_at = n_rows if ok is True else jnp.where(ok, n_rows, NOT_STAGED)
-        return out, lse, (*staged[1:], (n_staging, n_tail, n_at))
+        return out, lse, (*staged[1:], (n_pieces, n_at))
 
     out0 = jnp.zeros(q.shape, jnp.float32)
     lse0 = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
-    carry = (out0, lse0, tuple(staged))
+    # The loop carries units as pieces (see the module's docstring), the state whole units.
+    pieces = tuple((split_unit(layout, s, t), at) for s, t, at in staged)
+    carry = (out0, lse0, pieces)
     if layout.single_unit:
         carry = unit_step(jnp.int32(0), carry)
     else:
         carry = lax.fori_loop(0, num_units, unit_step, carry)
-    out, lse, staged = carry
+    out, lse, pieces = carry
+    staged = [(*join_pieces(layout, p), at) for p, at in pieces]
 
     # 3. The new tokens attend to themselves (a slot's padding rows are no keys).
     own = plan.own_rows(batch, q_len, counts)

@@ -10,9 +10,9 @@ import json
 import sys
 from pathlib import Path
 
-from jax_tpusync.bench import tpu_compile
+from jax_tpusync.tpu import target
 
-tpu_compile.prepare_libtpu()
+target.prepare_compile_only()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -20,6 +20,7 @@ import numpy as np  # noqa: E402
 
 from jax_tpusync.core.config import CacheConfig  # noqa: E402
 from jax_tpusync.core.pool_state import PoolLayout  # noqa: E402
+from jax_tpusync.tpu.abstract_state import abstract_pool_state  # noqa: E402
 
 _PATH = Path(__file__).parents[2] / "examples" / "model.py"
 _spec = importlib.util.spec_from_file_location("example_model", _PATH)
@@ -42,7 +43,7 @@ def abstract_params(cfg, sharding):
 
 
 def main(topology: str, contexts: list[int]) -> None:
-    devices = tpu_compile.tpu_devices(topology)
+    devices = target.topology_devices(topology)
     cfg = model.ModelConfig(layers=4, d_model=2048, q_heads=16, kv_heads=8, head_dim=128,
                             ffn=5632, vocab=32000, dtype=jnp.bfloat16)  # fmt: skip
     for context in contexts:
@@ -50,7 +51,7 @@ def main(topology: str, contexts: list[int]) -> None:
             num_layers=cfg.layers, batch=1, max_len=context, num_kv_heads=cfg.kv_heads,
             head_dim=cfg.head_dim, dtype=cfg.dtype, block_tokens=256, staging_bytes=64 << 20,
         )  # fmt: skip
-        state, on_device = tpu_compile.abstract_pool_state(config, devices)
+        state, on_device = abstract_pool_state(config, devices)
         params = abstract_params(cfg, on_device)
         tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32, sharding=on_device)
         # The example's own function, jitted as it jits it, plus where the state's outputs
@@ -59,14 +60,14 @@ def main(topology: str, contexts: list[int]) -> None:
         step = model.make_offloaded_step(cfg).__wrapped__
         state_shardings = jax.tree.map(lambda x: x.sharding, state)
         jitted = jax.jit(step, donate_argnums=(2,), out_shardings=(on_device, state_shardings))
-        with tpu_compile.pallas_for_tpu("pallas"):
+        with target.tracing_for_tpu():
             compiled = jitted.trace(params, tokens, state).lower().compile()
         weights = sum(
             int(np.prod(x.shape)) * 2 for x in jax.tree_util.tree_leaves(params)
         )
         print(json.dumps(dict(
             context=context,
-            device_mib=tpu_compile.device_bytes(compiled) / 2**20,
+            device_mib=target.device_bytes(compiled) / 2**20,
             weights_mib=weights / 2**20,
             staging_mib=PoolLayout(state.spec).device_bytes / 2**20,
         )), flush=True)  # fmt: skip

@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import sys
 
-from jax_tpusync.bench import tpu_compile
+from jax_tpusync.tpu import target
 
-tpu_compile.prepare_libtpu()
+target.prepare_compile_only()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -26,6 +26,7 @@ from jax_tpusync.caches.hybrid.config import group_arguments  # noqa: E402
 from jax_tpusync.core.config import CacheConfig  # noqa: E402
 from jax_tpusync.core.hybrid_state import HybridState, plan_groups  # noqa: E402
 from jax_tpusync.core.pool_state import PoolLayout  # noqa: E402
+from jax_tpusync.tpu.abstract_state import abstract_pool_state  # noqa: E402
 
 W, D_MODEL, Q_HEADS = 1024, 2048, 8
 KV_HEADS = (4, 4, 2, 4, 4, 2)
@@ -52,7 +53,7 @@ def abstract_state(context: int, device, rings: bool = False) -> HybridState:
         host_pool=True,
     )
     parts = [
-        tpu_compile.abstract_pool_state(CacheConfig.from_kwargs(**kwargs), [device])[0]
+        abstract_pool_state(CacheConfig.from_kwargs(**kwargs), [device])[0]
         for kwargs in made
     ]
     on_device = jax.sharding.SingleDeviceSharding(device)
@@ -97,7 +98,7 @@ def step(params, x, state):
 
 
 def main(topology: str, contexts: list[int], rings: bool = False) -> None:
-    device = tpu_compile.tpu_devices(topology)[0]
+    device = target.topology_devices(topology)[0]
     on_device = jax.sharding.SingleDeviceSharding(device)
     for context in contexts:
         state = abstract_state(context, device, rings)
@@ -108,7 +109,7 @@ def main(topology: str, contexts: list[int], rings: bool = False) -> None:
         jitted = jax.jit(
             step, in_shardings=shardings, out_shardings=(on_device, shardings[2]), donate_argnums=2
         )
-        with tpu_compile.pallas_for_tpu("pallas"):
+        with target.tracing_for_tpu():
             compiled = jitted.trace(*args).lower().compile()
         weights = sum(int(np.prod(a.shape)) * 2 for a in jax.tree_util.tree_leaves(params))
         staging = sum(PoolLayout(part.spec).device_bytes for part in state.groups)
@@ -118,7 +119,7 @@ def main(topology: str, contexts: list[int], rings: bool = False) -> None:
             context=context,
             groups=len(state.groups),
             chunk_lens=[part.spec.chunk_len for part in state.groups],
-            device_mib=tpu_compile.device_bytes(compiled) / 2**20,
+            device_mib=target.device_bytes(compiled) / 2**20,
             weights_mib=weights / 2**20,
             staging_mib=staging / 2**20,
             pending_mib=pending / 2**20,

@@ -216,8 +216,9 @@ def pool_spec(
     """The :class:`CacheSpec` of a host-pool cache: units of whole blocks,
     ``prefetch_depth + 1`` of them on the device at a time (those staged ahead and the one
     in flight) within ``staging_bytes`` (per device), and at most as many blocks as the
-    device's compiler overlaps copies (:func:`~jax_tpusync.core.pool_state.unit_block_limit` of
-    ``device_kind`` and the depth). ``prefetch_depth="auto"`` is 1, and a depth above ``num_layers`` is
+    device's compiler overlaps copies of ``batch`` slots
+    (:func:`~jax_tpusync.core.pool_state.unit_block_limit` of ``device_kind`` and the
+    batch). ``prefetch_depth="auto"`` is 1, and a depth above ``num_layers`` is
     ``num_layers`` (every layer has a unit at least, and further ahead lies the step after
     next). Over a mesh the spec describes one shard: the heads of one device of
     ``kv_heads_axis``."""
@@ -254,7 +255,7 @@ def pool_spec(
         )
     longest = max(probe.layer_span(w) for w in probe.windows)
     needed = -(-longest // g.block_tokens) + 1  # A window's span may straddle one more block.
-    limit = unit_block_limit(device_kind, depth)
+    limit = unit_block_limit(device_kind, g.batch)
     chunk_len = min(units, needed, limit) * g.block_tokens
     return dataclasses.replace(probe, chunk_len=chunk_len, mesh=mesh)
 

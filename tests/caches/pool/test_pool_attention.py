@@ -287,29 +287,38 @@ def test_guards_name_the_argument_at_their_edges():
 def test_units_hold_no_more_blocks_than_the_tpu_overlaps_copies():
     from jax_tpusync.caches.pool.assembly import pool_spec
     from jax_tpusync.core.config import CacheConfig
-    from jax_tpusync.core.pool_state import UNIT_BLOCK_LIMITS, unit_block_limit
+    from jax_tpusync.core.pool_state import HOST_COPIES_IN_FLIGHT, unit_block_limit, unit_copies
 
-    assert unit_block_limit("TPU v6 lite") == 5 and unit_block_limit("TPU v5 lite") == 30
-    assert unit_block_limit("TPU7x") == 30 and unit_block_limit("cpu") == 30
-    assert dict(UNIT_BLOCK_LIMITS)["TPU v6"] == 5
-    # Staging for 40 blocks a unit: the limit decides (off TPUs, most TPUs' limit).
-    config = CacheConfig.from_kwargs(
-        num_layers=2, batch=1, max_len=4096, num_kv_heads=HEADS, head_dim=HEAD_DIM,
-        block_tokens=8, dtype=jnp.float32, staging_bytes=2 * 40 * 8 * 2 * HEADS * HEAD_DIM * 4,
-    )  # fmt: skip
-    assert pool_spec(config, device_kind="cpu").chunk_len == 30 * 8
-    assert pool_spec(config, device_kind="TPU v6 lite").chunk_len == 5 * 8
-    assert pool_spec(config, device_kind="TPU v5 lite").chunk_len == 30 * 8
-    # Two units ahead: v6e's schedule overlaps every copy of 30 blocks too.
-    assert unit_block_limit("TPU v6 lite", 2) == 30 and unit_block_limit("cpu", 2) == 30
-    assert unit_block_limit("TPU v6 lite", 1) == 5
-    deeper = CacheConfig.from_kwargs(
-        num_layers=2, batch=1, max_len=4096, num_kv_heads=HEADS, head_dim=HEAD_DIM,
-        block_tokens=8, dtype=jnp.float32, staging_bytes=3 * 40 * 8 * 2 * HEADS * HEAD_DIM * 4,
-        prefetch_depth=2,
-    )  # fmt: skip
-    assert pool_spec(deeper, device_kind="cpu").chunk_len == 30 * 8
-    assert pool_spec(deeper, device_kind="TPU v6 lite").chunk_len == 30 * 8
+    # On every TPU a unit's copies (a block and a tail per slot) fit the compiler's copies
+    # in flight: 32 for one slot is 31 blocks, for two 15, for 16 slots one block.
+    assert HOST_COPIES_IN_FLIGHT == 32
+    for kind in ("TPU v5 lite", "TPU v6 lite", "TPU7x"):
+        for batch in (1, 2, 3, 4, 8, 16):
+            blocks = unit_block_limit(kind, batch)
+            assert unit_copies(batch, blocks) <= HOST_COPIES_IN_FLIGHT
+            assert unit_copies(batch, blocks + 1) > HOST_COPIES_IN_FLIGHT
+    assert unit_block_limit("TPU v6 lite") == 31 and unit_block_limit("TPU v5 lite", 2) == 15
+    assert unit_block_limit("TPU7x", 16) == 1
+    # Past 16 slots no unit fits: one block, some copies wait (the compiler's limit).
+    assert unit_block_limit("TPU7x", 17) == unit_block_limit("TPU7x", 64) == 1
+    assert unit_block_limit("cpu") == unit_block_limit("cpu", 8) == 30
+    with pytest.raises(ValueError, match=r"batch=0 must be at least 1"):
+        unit_block_limit("TPU7x", 0)
+    # Staging for 40 blocks a unit: the limit decides (off TPUs, 30 blocks).
+    def config(batch, depth=1):
+        return CacheConfig.from_kwargs(
+            num_layers=2, batch=batch, max_len=4096, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+            block_tokens=8, dtype=jnp.float32, prefetch_depth=depth,
+            staging_bytes=(depth + 1) * batch * 40 * 8 * 2 * HEADS * HEAD_DIM * 4,
+        )  # fmt: skip
+
+    assert pool_spec(config(1), device_kind="cpu").chunk_len == 30 * 8
+    assert pool_spec(config(1), device_kind="TPU v6 lite").chunk_len == 31 * 8
+    assert pool_spec(config(2), device_kind="TPU v6 lite").chunk_len == 15 * 8
+    assert pool_spec(config(4), device_kind="TPU v5 lite").chunk_len == 7 * 8
+    # Two units ahead: a loop iteration still starts one unit's copies, the same limit.
+    assert pool_spec(config(1, 2), device_kind="cpu").chunk_len == 30 * 8
+    assert pool_spec(config(2, 2), device_kind="TPU v6 lite").chunk_len == 15 * 8
 
 
 def test_the_host_pool_keeps_the_cache_protocol_and_answers_as_the_others():

@@ -1,0 +1,67 @@
+"""A host-pool cache's state as shapes (:class:`jax.ShapeDtypeStruct`), placed on a TPU
+topology's devices: what a step is traced and compiled with when nothing is allocated (the
+pool of a 1M-token context is gigabytes of host memory)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax_tpusync.caches.pool.assembly import pool_spec
+from jax_tpusync.core.config import CacheConfig
+from jax_tpusync.core.mesh_layout import MeshLayout
+from jax_tpusync.core.pool_state import PoolLayout, PoolState
+
+__all__ = ["abstract_pool_state"]
+
+
+def abstract_pool_state(
+    config: CacheConfig, devices: list, layout: MeshLayout | None = None
+) -> tuple[PoolState, Any]:
+    """(state, replicated sharding): a host-pool cache's :class:`PoolState` of ``config`` as
+    shapes, on the first of ``devices`` or over ``layout``'s mesh (a leading axis of ``dp *
+    tp`` shards, each device's pool in its host memory; ``config`` one batch shard's, its
+    ``batch`` the slots of one), and where the step's other inputs go. The units are the
+    ones the cache makes for these devices (:func:`~jax_tpusync.caches.pool.assembly.pool_spec`
+    of their device kind)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, SingleDeviceSharding
+    from jax.sharding import PartitionSpec as P
+
+    if layout is not None:
+        spec = pool_spec(config, layout, devices[0].device_kind)
+        on_device = NamedSharding(layout.mesh, P())
+        state_on = NamedSharding(layout.mesh, layout.state_spec)
+        on_host = NamedSharding(layout.mesh, layout.state_spec, memory_kind="pinned_host")
+        lead: tuple[int, ...] = (layout.num_shards,)  # A mesh state's leading axis of shards.
+    else:
+        spec = pool_spec(config, device_kind=devices[0].device_kind)
+        on_device = state_on = SingleDeviceSharding(devices[0])
+        on_host = SingleDeviceSharding(devices[0], memory_kind="pinned_host")
+        lead = ()
+    pool = PoolLayout(spec)
+
+    def sds(dims, dtype, sharding=state_on):
+        return jax.ShapeDtypeStruct((*lead, *dims), dtype, sharding=sharding)
+
+    b = spec.batch
+
+    def staged():
+        return (
+            sds(pool.staging_shape, pool.dtype),
+            sds(pool.tail_shape, pool.dtype),
+            sds(pool.staged_at_shape, jnp.int32),
+        )
+
+    state = PoolState(
+        spec,
+        sds((b,), jnp.int32),
+        sds((b, spec.max_blocks), jnp.int32),
+        sds((b,), jnp.int32),
+        sds(pool.pool_shape, pool.dtype, on_host),
+        *staged(),
+        sds((b,), jnp.int32),
+        sds((), jnp.int32),
+        ahead=tuple(staged() for _ in range(spec.prefetch_depth - 1)),
+    )
+    return state, on_device
