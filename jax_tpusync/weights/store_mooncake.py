@@ -120,6 +120,11 @@ def _wait_for_running_calls() -> None:
             time.sleep(0.05)
 
 
+class RemovalNotReady(WeightSyncError):
+    """A removal the store cannot do yet: an object of the version is still being put (a
+    put the master started after a fault and never finished; it discards it later)."""
+
+
 class MooncakeWeightStore:
     """Versions of the params in a Mooncake Store (see the module's docstring).
 
@@ -584,7 +589,8 @@ class MooncakeWeightStore:
         half of it), then the rest of its objects. Forced: the store keeps a lease on an
         object after every put and get, which would refuse the removal for seconds; a
         puller still reading the version gets an error naming an object that is gone (or,
-        if its memory was reused already, one whose checksum does not match)."""
+        if its memory was reused already, one whose checksum does not match). An object the
+        store cannot remove yet (still being put) raises :class:`RemovalNotReady`."""
         self._check_open()
         n, _ = self.parts(version)
         what = f"retiring weights version {version}"
@@ -593,11 +599,13 @@ class MooncakeWeightStore:
             codes = self.call(lambda client: list(client.batch_remove(keys, True)), what)
             for key, code in zip(keys, codes, strict=True):
                 if code < 0 and code != NOT_FOUND:
-                    raise WeightSyncError(f"{what}: removing {key!r} returned {meaning(code)}")
+                    error = RemovalNotReady if code == REPLICA_NOT_READY else WeightSyncError
+                    raise error(f"{what}: removing {key!r} returned {meaning(code)}")
         pattern = "^" + re.escape(self.version_prefix(version))
         count = self.call(lambda client: client.remove_by_regex(pattern, True), what)
         if count < 0:
-            raise WeightSyncError(f"{what}: removing its objects returned {meaning(count)}")
+            error = RemovalNotReady if count == REPLICA_NOT_READY else WeightSyncError
+            raise error(f"{what}: removing its objects returned {meaning(count)}")
 
     def retire(self, keep: int) -> list[int]:
         """Removes every listed version older than the ``keep`` newest complete ones."""
@@ -610,7 +618,14 @@ class MooncakeWeightStore:
         for version in listed:
             if version >= complete[-keep]:
                 break
-            self.remove_version(version)
+            try:
+                self.remove_version(version)
+            except RemovalNotReady as e:
+                # A put the master started after a fault and never finished: the object
+                # cannot be removed until the master discards the put. Retiring is
+                # housekeeping; the version stays listed and the next publish retries.
+                logger.warning("weight version %d kept for now: %s", version, e)
+                break
             removed.append(version)
         if removed:
             self.write_versions([v for v in listed if v not in removed])

@@ -23,6 +23,7 @@ from jax_tpusync.weights.records import (
     VersionNotFoundError,
     WeightSyncError,
 )
+from jax_tpusync.weights.store_mooncake import RemovalNotReady
 from jax_tpusync.weights.sync import WeightPublisher, WeightPuller, open_weight_store
 
 from support import weights_support as ws
@@ -467,3 +468,47 @@ def test_a_master_that_dies_during_a_publish_or_a_pull_is_a_named_error_within_t
             pulled = until_it_works(publish_and_pull, f"pulling after a {how}")
             ws.check_pulled(pulled, params, targets, puller.stats)
     print(f"{how}: slowest publish or pull {worst:.3f} s")
+
+
+def test_a_version_the_store_cannot_remove_yet_stays_listed_and_the_publish_goes_on(
+    master, monkeypatch
+):
+    """After a fault, the master may start a put it never finishes: removing that object
+    returns "not readable yet" (-703) until the master discards it. Retiring the version
+    waits for a later publish; the publish itself succeeds."""
+    params, trained, targets = layout("fsdp4->tp2")
+    with (
+        WeightPublisher(url(master), keep=1) as pub,
+        WeightPuller(url(master, segment_mb=0)) as puller,
+    ):
+        pub.publish(trained, 1)
+        pub.wait()
+        store = pub.store
+        real_call = store.call
+        stuck = store.part_key(1, 0)
+
+        def call(fn, what):
+            class Client:  # The store's answer for version 1's manifest only.
+                def batch_remove(self, keys, force):
+                    if stuck in keys:
+                        return [-703 if k == stuck else 0 for k in keys]
+                    return real_call(lambda c: c.batch_remove(keys, force), what)
+
+            if what == "retiring weights version 1":
+                try:
+                    return fn(Client())
+                except AttributeError:
+                    pass
+            return real_call(fn, what)
+
+        monkeypatch.setattr(store, "call", call)
+        with pytest.raises(RemovalNotReady, match=r"retiring weights version 1: removing .*-703"):
+            store.remove_version(1)
+        pub.publish(trained, 2)
+        assert pub.wait().version == 2  # Published; version 1 kept for now.
+        assert store.versions() == [1, 2]
+        ws.check_pulled(puller.pull(targets, 2), params, targets, puller.stats)
+        monkeypatch.setattr(store, "call", real_call)  # The master discarded the put.
+        pub.publish(trained, 3)
+        pub.wait()
+        assert store.versions() == [3]
