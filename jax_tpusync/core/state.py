@@ -400,6 +400,17 @@ class KVState:
     def tree_unflatten(cls, spec, children):
         return cls(spec, *children)
 
+    @classmethod
+    def from_leaves(cls, spec: CacheSpec, leaves) -> KVState:
+        """The state of ``spec`` whose ``jax.tree_util.tree_leaves`` are ``leaves`` (a mesh
+        cache's shards are split and assembled leaf by leaf)."""
+        leaves = list(leaves)
+        fields, rest = leaves[: len(cls._FIELDS)], leaves[len(cls._FIELDS) :]
+        sparse = SparseState(*rest) if spec.sparse is not None else None
+        if len(rest) != (len(SparseState._FIELDS) if sparse is not None else 0):
+            raise ValueError(f"{len(leaves)} leaves are not a KVState's of this spec")
+        return cls(spec, *fields, sparse=sparse)
+
     def positions(self, q_len: int) -> jax.Array:
         """int32[batch, q_len]: each slot's next ``q_len`` positions, ``lengths[:, None] +
         arange(q_len)``: where a step's query row ``i`` of slot ``b`` sits (its RoPE

@@ -336,18 +336,6 @@ def test_unsupported_sparse_combinations_are_refused_by_name(tmp_path):
             sliding_window=[16, None],
             sparse=0.5,
         )
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
-    with pytest.raises(ValueError, match=r"sparse= on a mesh: ShardedKVCache does not run"):
-        tps.ShardedKVCache(
-            mesh=mesh,
-            kv_heads_axis="x",
-            num_layers=2,
-            batch=1,
-            max_len=64,
-            num_kv_heads=1,
-            head_dim=8,
-            sparse=0.5,
-        )
 
 
 def test_an_older_state_drained_gets_the_summaries_of_rows_written_since(tmp_path):
@@ -364,3 +352,106 @@ def test_an_older_state_drained_gets_the_summaries_of_rows_written_since(tmp_pat
         _, state = _step_fn()(*_inputs(rng), state)
         state = cache.drain(state)  # The latest epoch's: kept, with the step's rows.
         _check_summaries(cache, state)
+
+
+needs_two_devices = pytest.mark.skipif(
+    len(jax.devices()) < 2, reason="needs 2 devices (tests/conftest.py asks for 4 CPU ones)"
+)
+
+
+def _mesh_cache(sparse, **kw):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("model",))
+    return tps.ShardedKVCache(
+        mesh=mesh,
+        kv_heads_axis="model",
+        num_layers=2,
+        batch=1,
+        max_len=64,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype=np.float32,
+        block_tokens=4,
+        sparse=sparse,
+        **kw,
+    )
+
+
+@needs_two_devices
+def test_each_head_shard_of_a_mesh_selects_over_its_own_heads():
+    """Two KV heads over two devices. Head 0's keys point at q in block 2, head 1's in
+    block 4: with a budget of 3 blocks, shard 0 reads {0, 2, 5}, shard 1 {0, 4, 5}; the
+    output equals a one-device cache that reads each head's own blocks (the same cache,
+    dense, with the other blocks' keys far from q: their weight underflows)."""
+    keys = np.zeros((1, 22, 2, 8), np.float32)
+    keys[0, 9, 0, 0] = 10.0  # head 0, block 2
+    keys[0, 17, 1, 0] = 10.0  # head 1, block 4
+    values = np.arange(22 * 2 * 8, dtype=np.float32).reshape(1, 22, 2, 8) / 100
+    config = SparseConfig(budget=3, sink_blocks=1, recent_blocks=1)
+    with _mesh_cache(config) as cache:
+        state = cache.init()
+        for layer in range(2):
+            state = cache.load(state, layer, keys, values)
+
+        def step(q, state):
+            zero = jnp.zeros((1, 1, 2, 8), jnp.float32)
+            outs = []
+            for layer in range(2):
+                o, state = tps.prefetching_attention(q, zero, zero, state, layer=layer)
+                outs.append(o)
+            return outs, state
+
+        q = jnp.zeros((1, 1, 2, 8), jnp.float32).at[0, 0, :, 0].set(1.0)
+        outs, state = jax.jit(step, donate_argnums=(1,))(q, state)
+        previous = np.asarray(state.sparse.previous)  # [shards, layers, batch, S]
+        np.testing.assert_array_equal(previous[0, :, 0], [[0, 2, 5]] * 2)
+        np.testing.assert_array_equal(previous[1, :, 0], [[0, 4, 5]] * 2)
+        stats = cache.sparse_stats(state)
+    # Per layer, over both shards: 2 x (2 predicted: the sink and recent blocks, both
+    # hit) and 2 x 1 late block.
+    for row in stats["layers"]:
+        assert (row["predicted"], row["hits"], row["late"], row["wasted"]) == (4, 4, 2, 0)
+        assert row["context_blocks"] == 12
+    # The reference: each head over its own blocks and the step's own (zero) row.
+    mask = np.zeros((2, 23), bool)
+    for head, blocks in ((0, (0, 2, 5)), (1, (0, 4, 5))):
+        for blk in blocks:
+            mask[head, blk * 4 : min(blk * 4 + 4, 22)] = True
+        mask[head, 22] = True
+    k_all = np.concatenate([keys[0], np.zeros((1, 2, 8), np.float32)])  # [23, H, D]
+    v_all = np.concatenate([values[0], np.zeros((1, 2, 8), np.float32)])
+    for head in range(2):
+        s = k_all[:, head] @ np.eye(8, dtype=np.float32)[0] / np.sqrt(8)
+        s = np.where(mask[head], s, -np.inf)
+        p = np.exp(s - s.max())
+        want = (p / p.sum()) @ v_all[:, head]
+        for layer in range(2):
+            np.testing.assert_allclose(np.asarray(outs[layer])[0, 0, head], want, atol=1e-5)
+
+
+@needs_two_devices
+def test_a_mesh_cache_with_a_budget_of_one_equals_the_dense_one():
+    rng = np.random.default_rng(6)
+    k, v = rng.standard_normal((2, 1, 30, 2, 8)).astype(np.float32)
+    q = rng.standard_normal((3, 1, 1, 4, 8)).astype(np.float32)
+    new = rng.standard_normal((3, 2, 1, 1, 2, 8)).astype(np.float32)
+    outs = {}
+    for sparse in (None, 1.0):
+        with _mesh_cache(sparse) as cache:
+            state = cache.init()
+            for layer in range(2):
+                state = cache.load(state, layer, k, v)
+
+            def step(q, nk, nv, state):
+                out = []
+                for layer in range(2):
+                    o, state = tps.prefetching_attention(q, nk, nv, state, layer=layer)
+                    out.append(o)
+                return jnp.stack(out), state
+
+            step = jax.jit(step, donate_argnums=(3,))
+            got = []
+            for i in range(3):
+                o, state = step(q[i], new[i, 0], new[i, 1], state)
+                got.append(np.asarray(o))
+            outs[sparse] = np.stack(got)
+    np.testing.assert_allclose(outs[1.0], outs[None], atol=1e-5, rtol=1e-5)

@@ -26,7 +26,7 @@ from jax_tpusync.core.host_io import HostRows
 from jax_tpusync.core.state import CacheSpec, KVState, SparseState
 from jax_tpusync.sparse import prediction
 
-__all__ = ["fresh_sparse", "refreshed", "sparse_stats", "with_slot_reset"]
+__all__ = ["combined_stats", "fresh_sparse", "refreshed", "sparse_stats", "with_slot_reset"]
 
 
 def read_keys(rows: HostRows, layer: int, slot: int, start: int, stop: int) -> np.ndarray:
@@ -112,6 +112,30 @@ def fresh_sparse(
 def with_slot_reset(sparse: SparseState, slot: int) -> SparseState:
     """``sparse`` with ``slot``'s previous selections dropped (a new sequence, or none)."""
     return sparse.replace(previous=sparse.previous.at[:, slot].set(-1))
+
+
+def combined_stats(parts: list[dict]) -> dict:
+    """The :func:`sparse_stats` of several parts (a mesh cache's shards) summed: blocks and
+    bytes add up, the shares and rates are taken over the sums."""
+    layers = []
+    for rows in zip(*(p["layers"] for p in parts)):
+        row = {name: sum(r[name] for r in rows) for name in (*prediction.COUNTS, "context_blocks")}
+        row["sparse"] = rows[0]["sparse"]
+        row["hit_rate"] = row["hits"] / row["predicted"] if row["predicted"] else None
+        row["bytes"] = {name: sum(r["bytes"][name] for r in rows) for name in rows[0]["bytes"]}
+        layers.append(row)
+    totals = {name: sum(p["bytes"][name] for p in parts) for name in parts[0]["bytes"]}
+    steps = parts[0]["steps"]
+    return dict(
+        steps=steps,
+        layers=layers,
+        bytes=totals,
+        read_share=totals["read"] / totals["dense"] if totals["dense"] else None,
+        bytes_per_step=dict(
+            read=totals["read"] / steps if steps else 0.0,
+            dense=totals["dense"] / steps if steps else 0.0,
+        ),
+    )
 
 
 def sparse_stats(spec: CacheSpec, state: KVState) -> dict:
