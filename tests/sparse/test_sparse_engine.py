@@ -326,14 +326,14 @@ def test_unsupported_sparse_combinations_are_refused_by_name(tmp_path):
         _cache(tmp_path, "host", False, 0.5, tier_dtype="int8")
     with pytest.raises(ValueError, match=r"sparse= with spill_path: sparse decode does not"):
         _cache(tmp_path, "host", False, 0.5, spill_path=tmp_path, spill_blocks=8)
-    with pytest.raises(ValueError, match=r"sparse= on a HybridKVCache"):
+    with pytest.raises(ValueError, match=r"every layer of this hybrid cache has a sliding"):
         tps.HybridKVCache(
             num_layers=2,
             batch=1,
             max_len=64,
             num_kv_heads=1,
             head_dim=8,
-            sliding_window=[16, None],
+            sliding_window=16,
             sparse=0.5,
         )
 
@@ -455,3 +455,62 @@ def test_a_mesh_cache_with_a_budget_of_one_equals_the_dense_one():
                 got.append(np.asarray(o))
             outs[sparse] = np.stack(got)
     np.testing.assert_allclose(outs[1.0], outs[None], atol=1e-5, rtol=1e-5)
+
+
+def _hybrid(sparse):
+    return tps.HybridKVCache(
+        num_layers=3,
+        batch=1,
+        max_len=64,
+        num_kv_heads=[1, 2, 1],
+        head_dim=8,
+        sliding_window=[12, None, 12],
+        block_tokens=4,
+        max_step_tokens=4,
+        dtype=np.float32,
+        sparse=sparse,
+    )
+
+
+def test_a_hybrid_cache_reads_its_global_layers_sparsely_and_its_sliding_ones_whole():
+    rng = np.random.default_rng(7)
+    heads = [1, 2, 1]
+    context = [rng.standard_normal((2, 1, 30, h, 8)).astype(np.float32) for h in heads]
+    inputs = [
+        [rng.standard_normal((1, 1, 2, 8)).astype(np.float32) for _ in range(3)]
+        + [rng.standard_normal((2, 1, 1, h, 8)).astype(np.float32) for h in heads]
+        for _ in range(3)
+    ]
+
+    def step(q0, q1, q2, kv0, kv1, kv2, state):
+        outs = []
+        for layer, (q, kv) in enumerate(((q0, kv0), (q1, kv1), (q2, kv2))):
+            o, state = tps.prefetching_attention(q, kv[0], kv[1], state, layer=layer)
+            outs.append(o)
+        return jnp.stack(outs), state
+
+    outs = {}
+    for sparse in (None, 1.0, 2):
+        with _hybrid(sparse) as cache:
+            state = cache.init()
+            for layer in range(3):
+                state = cache.load(state, layer, context[layer][0], context[layer][1])
+            run = jax.jit(step, donate_argnums=(6,))
+            got = []
+            for i in range(3):
+                o, state = run(*inputs[i], state)
+                got.append(np.asarray(o))
+            outs[sparse] = np.stack(got)
+            if sparse is not None:
+                stats = cache.sparse_stats(state)
+                assert [row["layer"] for row in stats["layers"]] == [0, 1, 2]
+                assert [row["sparse"] for row in stats["layers"]] == [False, True, False]
+                assert stats["layers"][1]["context_blocks"] == 8 + 8 + 8  # 30..32 tokens
+                assert stats["layers"][0]["predicted"] == stats["layers"][2]["late"] == 0
+            else:
+                with pytest.raises(ValueError, match=r"sparse_stats\(\) needs a sparse cache"):
+                    cache.sparse_stats(state)
+    np.testing.assert_allclose(outs[1.0], outs[None], atol=1e-5, rtol=1e-5)
+    # Two blocks of 8: the global layer reads less; the sliding layers read their window.
+    np.testing.assert_allclose(outs[2][:, [0, 2]], outs[None][:, [0, 2]], atol=1e-5, rtol=1e-5)
+    assert not np.allclose(outs[2][:, 1], outs[None][:, 1], atol=1e-3)
