@@ -33,6 +33,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_tpusync.core import quantize
 from jax_tpusync.core.state import NO_WINDOW, CacheSpec, KVState, SparseState
 from jax_tpusync.sparse import prediction, select, summaries
 from jax_tpusync.step import plan, streamed
@@ -143,7 +144,12 @@ def summaries_after(
     )
     written = (jnp.arange(q_len)[None, :] < real[:, None]) & (index < spec.max_blocks)
     physical = jnp.where(written, physical, -1)
-    keys = k.astype(spec.dtype).reshape(batch * q_len, spec.num_kv_heads, spec.head_dim)
+    keys = k.astype(spec.dtype)
+    if spec.quantized:  # What the tier's rows stand for, as the host reads them back.
+        rows = streamed.new_rows(spec, k, k)[0]
+        codes, scales = quantize.unpack(rows, spec.tier_dtype, spec.num_kv_heads, spec.head_dim)
+        keys = quantize.dequantize(codes, scales, spec.dtype)
+    keys = keys.reshape(batch * q_len, spec.num_kv_heads, spec.head_dim)
     return summaries.update(
         sparse.lo,
         sparse.hi,

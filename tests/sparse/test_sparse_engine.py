@@ -322,8 +322,6 @@ def test_resident_auto_stays_streamed_and_resident_true_is_refused():
 
 
 def test_unsupported_sparse_combinations_are_refused_by_name(tmp_path):
-    with pytest.raises(ValueError, match=r"sparse= with tier_dtype=int8: sparse decode does"):
-        _cache(tmp_path, "host", False, 0.5, tier_dtype="int8")
     with pytest.raises(ValueError, match=r"sparse= with spill_path: sparse decode does not"):
         _cache(tmp_path, "host", False, 0.5, spill_path=tmp_path, spill_blocks=8)
     with pytest.raises(ValueError, match=r"every layer of this hybrid cache has a sliding"):
@@ -514,3 +512,27 @@ def test_a_hybrid_cache_reads_its_global_layers_sparsely_and_its_sliding_ones_wh
     # Two blocks of 8: the global layer reads less; the sliding layers read their window.
     np.testing.assert_allclose(outs[2][:, [0, 2]], outs[None][:, [0, 2]], atol=1e-5, rtol=1e-5)
     assert not np.allclose(outs[2][:, 1], outs[None][:, 1], atol=1e-3)
+
+
+@pytest.mark.parametrize("tier, read_in_place", [("host", "auto"), ("file", False)])
+def test_a_quantized_tier_reads_sparsely_with_the_summaries_of_its_codes(
+    tmp_path, tier, read_in_place
+):
+    """int8 rows: a budget of 1.0 equals the dense quantized cache, and the summaries (of
+    the dequantized keys) equal those of the rows read back, after loads and steps."""
+    if read_in_place == "auto" and backend.in_place_blocker() is not None:
+        pytest.skip("read in place on the CPU backend only")
+    outs = {}
+    for sparse in (None, 1.0):
+        rng = np.random.default_rng(8)
+        with _cache(tmp_path, tier, read_in_place, sparse, tier_dtype="int8") as cache:
+            state = _loaded(cache, rng)
+            step = _step_fn()
+            got = []
+            for _ in range(2):
+                out, state = step(*_inputs(rng), state)
+                got.append(np.asarray(out))
+            outs[sparse] = np.stack(got)
+            if sparse is not None:
+                _check_summaries(cache, cache.drain(state))
+    np.testing.assert_allclose(outs[1.0], outs[None], atol=1e-5, rtol=1e-5)

@@ -86,11 +86,6 @@ def refuse_sparse_combinations(config: CacheConfig) -> None:
             "device and reads it whole; drop resident= (sparse decode reads the selected "
             "blocks from the tier)"
         )
-    if config.geometry.quantized:
-        raise ValueError(
-            f"sparse= with tier_dtype={np.dtype(config.geometry.tier_dtype).name}: sparse "
-            f"decode does not run on a quantized tier yet; drop one of them"
-        )
     if config.two_level:
         raise ValueError(
             "sparse= with spill_path: sparse decode does not run on a two-level cache yet "
