@@ -536,3 +536,48 @@ def test_a_quantized_tier_reads_sparsely_with_the_summaries_of_its_codes(
             if sparse is not None:
                 _check_summaries(cache, cache.drain(state))
     np.testing.assert_allclose(outs[1.0], outs[None], atol=1e-5, rtol=1e-5)
+
+
+def test_a_scanned_layer_loop_with_a_sliding_layer():
+    """lax.scan over the layers (a traced layer index), a sliding layer between two global
+    ones: a budget of 1.0 equals dense; at 0.3 the sliding layer still reads its window
+    whole (its output equals dense) and counts nothing."""
+    layers, windows = 3, [None, 24, None]
+
+    def decode(sparse):
+        rng = np.random.default_rng(9)
+        with _cache(None, "host", "auto", sparse, num_layers=layers, sliding_window=windows) as c:
+            state = c.init()
+            for layer in range(layers):
+                k, v = rng.standard_normal((2, BATCH, 64, KV_HEADS, HEAD_DIM)).astype(np.float32)
+                state = c.load(state, layer, k, v, lengths=np.array([60, 33]))
+
+            def step(q, k, v, state):
+                def body(state, xs):
+                    q, k, v, layer = xs
+                    out, state = tps.prefetching_attention(q, k, v, state, layer=layer)
+                    return state, out
+
+                state, out = jax.lax.scan(body, state, (q, k, v, jnp.arange(layers)))
+                return out, state
+
+            step = jax.jit(step, donate_argnums=(3,))
+            outs = []
+            for _ in range(3):
+                q = rng.standard_normal((layers, BATCH, 1, Q_HEADS, HEAD_DIM)).astype(np.float32)
+                k, v = rng.standard_normal((2, layers, BATCH, 1, KV_HEADS, HEAD_DIM))
+                out, state = step(q, k.astype(np.float32), v.astype(np.float32), state)
+                outs.append(np.asarray(out))
+            stats = c.sparse_stats(state) if sparse is not None else None
+        return np.stack(outs), stats
+
+    if backend.in_place_blocker() is not None:
+        pytest.skip("read in place on the CPU backend only")
+    dense, _ = decode(None)
+    whole, _ = decode(1.0)
+    np.testing.assert_allclose(whole, dense, atol=1e-5, rtol=1e-5)
+    part, stats = decode(0.3)
+    np.testing.assert_allclose(part[:, 1], dense[:, 1], atol=1e-5, rtol=1e-5)
+    assert not np.allclose(part[:, 0], dense[:, 0], atol=1e-3)
+    assert stats["layers"][1]["predicted"] == stats["layers"][1]["context_blocks"] == 0
+    assert stats["layers"][0]["predicted"] > 0
