@@ -10,7 +10,10 @@ was, the summaries describe the bytes a step will read):
   ``init`` starts from the committed lengths): every block a slot maps below its length;
 * ``load``: the blocks the loaded rows touch;
 * ``admit`` of a cached prefix (blocks of this cache's prefix index, or imported from a
-  shared directory or a remote level): the prefix's blocks.
+  shared directory or a remote level; a P/D transfer's rows, admitted at their length):
+  the prefix's blocks;
+* a state of an older epoch, drained (the host may have written rows through a later
+  one since): every block below its lengths.
 
 The summaries live in the state's arrays (on the CPU backend, host memory): 2 x
 ``num_layers x num_blocks x num_kv_heads x head_dim`` values of the key dtype, ``2 /
