@@ -81,7 +81,7 @@ def sparse_layer(
     late = jnp.where(counted, prediction.late(predicted, exact), none)
     predicted = jnp.where(counted, predicted, jnp.full_like(predicted, select.NONE))
     late_table, late_lengths = compacted(spec, late, table, lengths)
-    # A sliding layer (or a slot without a decode row) walks its own table densely.
+    # A sliding layer walks its own table densely (its window).
     walk_table = jnp.where(here_global, walk_table, table)
     walk_lengths = jnp.where(here_global, walk_lengths, lengths)
 
