@@ -471,6 +471,12 @@ def print_summary(res: dict[str, Any]) -> None:
         else f"the same over {res.get('tier_dtype')} rows + scales "
         f"({f(res.get('quantized_bytes_ratio'), '.3f')} of the bytes; quantized/prefetch "
         f"{f(res['quantized_over_prefetch'], '.3f')})",
+        "sparse": "not run (--sparse BUDGET adds it)"
+        if res.get("sparse_budget") is None
+        else f"the same read sparsely (budget {res['sparse_budget']}): "
+        f"{f(res.get('sparse_read_share'), '.3f')} of the KV bytes, hit rate "
+        f"{f(res.get('sparse_hit_rate'), '.3f')} (sparse/prefetch "
+        f"{f(res.get('sparse_over_prefetch'), '.3f')})",
         "plain": "plain reader thread on the engine's CPUs, same bytes, no engine",
         "platform": "compute beside that plain reader: this machine's own overlap",
         "jax_offload": "pinned_host KV + device_put in jit"

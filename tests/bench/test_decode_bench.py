@@ -75,6 +75,8 @@ def bench_run(tmp_path_factory):
             *TINY,
             "--tier-dtype",
             "int8",
+            "--sparse",
+            "0.5",
             "--json",
             paths["json"],
             "--plot",
