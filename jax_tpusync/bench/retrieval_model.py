@@ -67,15 +67,17 @@ class RetrievalModel:
     seed: int = 0
 
     def __post_init__(self):
-        if self.head_dim <= self.answer_tokens:
-            raise ValueError(
-                f"head_dim={self.head_dim} must exceed answer_tokens={self.answer_tokens}: "
-                f"the retrieval head's keys hold a key direction and a slot one-hot"
-            )
+        for name in ("families", "siblings", "answer_tokens", "digits", "noise_words"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if not 0.0 <= self.sibling_cos < 1.0:
             raise ValueError(f"sibling_cos={self.sibling_cos} must be in [0, 1)")
-        if self.siblings + 1 > self.key_dims:
-            raise ValueError(f"siblings={self.siblings} needs key_dims > siblings")
+        if self.key_dims < self.siblings + 1:
+            raise ValueError(
+                f"head_dim={self.head_dim} less answer_tokens={self.answer_tokens} leaves "
+                f"{self.key_dims} key channels; a family of siblings={self.siblings} needs "
+                f"{self.siblings + 1} (a shared direction and one of each key's own)"
+            )
 
     @property
     def keys(self) -> int:
@@ -253,8 +255,12 @@ def make_trial(
     if block_tokens % m:
         raise ValueError(f"block_tokens={block_tokens} must be a multiple of answer_tokens={m}")
     places = context // m  # record places: multiples of m, never straddling a block
-    if places < records + model.siblings + 1:
-        raise ValueError(f"context={context} is too short for {records} records")
+    needed = records + model.siblings  # the needle, its siblings, the others
+    if places < needed:
+        raise ValueError(
+            f"context={context} holds {places} records of {m} tokens; the needle, its "
+            f"{model.siblings - 1} siblings and records={records} others need {needed}"
+        )
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, model.noise_words, context).astype(np.int32)
     key = int(rng.integers(model.keys))

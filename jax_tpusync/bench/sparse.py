@@ -39,6 +39,7 @@ run in minutes on two cores.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import time
 from typing import Any
@@ -80,7 +81,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--prefill-window", type=int, default=1024)
     p.add_argument("--chunk", type=int, default=1024, help="prefill tokens per call")
     p.add_argument("--retrieval-trials", type=int, default=4, help="questions (retrieval)")
+    p.add_argument(
+        "--retrieval-records", type=int, default=64, help="other keys' records (retrieval)"
+    )
     p.add_argument("--seed", type=int, default=0)
+    for f in dataclasses.fields(tiny_decoder.Decoder):
+        if f.name != "q_gain":  # set by the model's name
+            p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     common.add_details_argument(p, "every row (per model, budget and layer)")
     common.add_json_argument(p)
     p.set_defaults(run=run, columns=COLUMNS)
@@ -100,7 +107,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         if name == "retrieval":
             measured = _retrieval(args, configs)
         else:
-            model = tiny_decoder.Decoder(q_gain=4.0 if name == "random-q4" else 1.0)
+            fields = {
+                f.name: getattr(args, f.name)
+                for f in dataclasses.fields(tiny_decoder.Decoder)
+                if f.name != "q_gain"
+            }
+            model = tiny_decoder.Decoder(**fields, q_gain=4.0 if name == "random-q4" else 1.0)
             params = tiny_decoder.init_params(model, args.seed)
             if "kv" not in kv_cache:
                 kv_cache["kv"] = prefill(args, model, params)
@@ -261,7 +273,12 @@ def _retrieval(args, configs) -> dict:
     params = retrieval_model.build(model)
     trials = [
         retrieval_model.make_trial(
-            model, args.context, depth, args.block_tokens, seed=args.seed + i
+            model,
+            args.context,
+            depth,
+            args.block_tokens,
+            seed=args.seed + i,
+            records=args.retrieval_records,
         )
         for i, depth in enumerate(retrieval_model.depths(args.retrieval_trials))
     ]
