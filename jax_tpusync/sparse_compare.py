@@ -46,7 +46,7 @@ from jax_tpusync.step.unit import from_bits
 __all__ = ["SparseComparison", "compare_sparse"]
 
 # Keywords compare_sparse sets itself.
-_OWN_KEYWORDS = ("resident", "sparse", "batch")
+_OWN_KEYWORDS = ("resident", "batch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +132,8 @@ def compare_sparse(
       prefill_chunk: context tokens per prefill call (>= 1).
       **cache_keywords: :class:`~jax_tpusync.OffloadedKVCache`'s keywords
         (``num_layers``, ``num_kv_heads``, ``head_dim``, ``dtype``, ``block_tokens``, ...);
-        ``max_len`` defaults to ``T + decode_steps``. ``batch``, ``resident`` and
-        ``sparse`` are set here; the cache keeps every position of one device (no sliding
+        ``max_len`` defaults to ``T + decode_steps``. ``batch`` and ``resident`` are
+        set here; the cache keeps every position of one device (no sliding
         window, no quantized tier, no mesh).
 
     Returns:
