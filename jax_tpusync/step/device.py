@@ -19,7 +19,7 @@ import numpy as np
 from jax_tpusync.core.pool_state import PoolState
 from jax_tpusync.core.state import CacheSpec, KVState, dtype_error, exact_cast_allowed
 from jax_tpusync.runtime import backend
-from jax_tpusync.step import host_pool, plan, resident, streamed
+from jax_tpusync.step import host_pool, plan, resident, sparse_layer, streamed
 
 IMPLEMENTATIONS = ("xla", "pallas")
 
@@ -51,6 +51,8 @@ def device_attention(
     token, new_kv, grow = streamed.write_back(spec, state, layer, k, v, shard_guard, counts)
     if spec.resident:
         return resident.resident_layer(q, k, v, state, new_kv, token, grow, **options)
+    if spec.sparse is not None:
+        return sparse_layer.sparse_layer(q, k, v, state, token, grow, **options)
     return streamed.streamed_layer(q, k, v, state, token, grow, **options)
 
 

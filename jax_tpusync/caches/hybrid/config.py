@@ -59,6 +59,12 @@ def check_arguments(
       TypeError: ``engine`` of another type.
     """
     persistent = shm_name is not None or file_name is not None
+    if options.get("sparse") is not None:
+        raise ValueError(
+            "sparse= on a HybridKVCache: a hybrid cache does not run sparse decode yet "
+            "(its global layers would; its sliding layers keep their window); use an "
+            "OffloadedKVCache (sliding_window= per layer), or drop sparse="
+        )
     if not isinstance(host_pool, (bool, np.bool_)):
         raise ValueError(f"host_pool={host_pool!r} must be a bool (True or False)")
     if host_pool:

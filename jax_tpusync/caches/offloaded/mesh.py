@@ -117,6 +117,11 @@ class ShardedKVCache(PartsKVCache):
                 f"own), not a level object or factory (it would hold every head range's "
                 f"blocks under one key)"
             )
+        if options.get("sparse") is not None:
+            raise ValueError(
+                "sparse= on a mesh: ShardedKVCache does not run sparse decode yet; use a "
+                "one-device OffloadedKVCache, or drop sparse="
+            )
         if options.get("spill_path") is not None:
             raise ValueError(
                 "spill_path (a two-level cache) is not supported on a mesh yet: use one tier "
