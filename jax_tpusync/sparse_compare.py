@@ -61,8 +61,10 @@ class SparseComparison:
       recall_min: float[layers]: its smallest value at any step, sequence and head.
       error: float[layers]: the relative error of a layer's attention output over what the
         sparse step reads against dense attention over the same KV (mean).
-      hit_rate: float[layers]: the exact selection's blocks the layer-ahead prediction held
-        (over every decode step; the first has no previous selection).
+      hit_rate: float[layers]: the blocks the layer-ahead prediction prefetched that the
+        exact selection used (as ``OffloadedKVCache.sparse_stats`` counts it).
+      coverage: float[layers]: the exact selection's blocks the prediction had prefetched
+        (the rest are fetched late; the first decode step has no previous selection).
       counts: int[layers, 4]: predicted, hits, late, wasted blocks, summed over the steps.
       max_abs_logit_diff, mean_abs_logit_diff: sparse against dense logits, every step.
       top1_agreement: the share of steps x sequences whose sparse argmax is the dense one.
@@ -77,6 +79,7 @@ class SparseComparison:
     recall_min: np.ndarray
     error: np.ndarray
     hit_rate: np.ndarray
+    coverage: np.ndarray
     counts: np.ndarray
     max_abs_logit_diff: float
     mean_abs_logit_diff: float
@@ -101,7 +104,8 @@ class SparseComparison:
             lines.append(
                 f"  layer {layer}: recall {self.recall[layer]:.4f} (lowest "
                 f"{self.recall_min[layer]:.4f}), output error {self.error[layer]:.4f}, "
-                f"prediction hit rate {self.hit_rate[layer]:.3f}"
+                f"prediction hit rate {self.hit_rate[layer]:.3f}, coverage "
+                f"{self.coverage[layer]:.3f}"
             )
         return "\n".join(lines)
 
@@ -183,6 +187,7 @@ def compare_sparse(
     diff = np.abs(sparse_run["logits"] - dense["logits"])
     agree = sparse_run["logits"].argmax(-1) == dense["logits"].argmax(-1)
     counts = sparse_run["counts"].sum(0)  # [layers, 4]
+    predicted = counts[:, COUNTS.index("predicted")]
     hits, late = counts[:, COUNTS.index("hits")], counts[:, COUNTS.index("late")]
     return SparseComparison(
         budget=config.budget,
@@ -190,7 +195,8 @@ def compare_sparse(
         recall=sparse_run["recall"].mean(axis=(0, 2, 3)),
         recall_min=sparse_run["recall"].min(axis=(0, 2, 3)),
         error=sparse_run["error"].mean(axis=(0, 2, 3)),
-        hit_rate=hits / np.maximum(1, hits + late),
+        hit_rate=hits / np.maximum(1, predicted),
+        coverage=hits / np.maximum(1, hits + late),
         counts=counts,
         max_abs_logit_diff=float(diff.max()),
         mean_abs_logit_diff=float(diff.mean()),

@@ -295,9 +295,11 @@ def depths(count: int) -> np.ndarray:
 class Decoded(NamedTuple):
     answers: np.ndarray  # int[batch, answer_tokens]: the tokens decoded
     counts: np.ndarray  # int[steps, layers, 4]: prediction counts (COUNTS) per step
-    recall: np.ndarray  # float[steps, layers, batch]: the exact selection's recall
-    error: np.ndarray  # float[steps, layers, batch]: its output's relative error
-    read_blocks: np.ndarray  # int[steps, layers, batch]
+    # The reference's own measures (None through an engine cache):
+    recall: np.ndarray | None  # float[steps, layers, batch]: the exact selection's recall
+    error: np.ndarray | None  # float[steps, layers, batch]: its output's relative error
+    read_blocks: np.ndarray | None  # int[steps, layers, batch]
+    stats: dict | None = None  # an engine cache's sparse_stats() after the last step
 
 
 @functools.lru_cache(maxsize=16)
@@ -399,6 +401,87 @@ def decode_reference(
     return Decoded(
         np.stack(answers, 1), np.stack(counts), np.stack(recall), np.stack(error), np.stack(read)
     )
+
+
+def decode_engine(
+    model: RetrievalModel,
+    params: Params,
+    trials: list[Trial],
+    block_tokens: int,
+    config=None,  # SparseConfig, or None: a dense cache
+    tier: str = "host",
+    path: str | None = None,
+    kv_dtype=None,
+) -> Decoded:
+    """Answers every trial's question greedily, one batch, through
+    :func:`jax_tpusync.prefetching_attention` on an :class:`~jax_tpusync.OffloadedKVCache`
+    (``sparse=config``; dense without it) of ``tier``: the context's KV loaded per layer
+    (:func:`context_kv`), the decode steps jitted. Per-step counts come from the cache's
+    ``sparse_stats``."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_tpusync as tps
+
+    kv_dtype = kv_dtype or jnp.bfloat16
+    context = len(trials[0].tokens)
+    if any(len(t.tokens) != context for t in trials):
+        raise ValueError("every trial of one batch has the same context length")
+    m, batch = model.answer_tokens, len(trials)
+    jparams = Params(
+        jnp.asarray(params.embed),
+        [{n: jnp.asarray(w) for n, w in p.items()} for p in params.layers],
+        jnp.asarray(params.unembed),
+        params.key_directions,
+    )
+
+    def attend(layer, q, k, v, state):
+        q, k, v = (x.astype(kv_dtype) for x in (q, k, v))
+        return tps.prefetching_attention(q, k, v, state, layer=layer)
+
+    step = jax.jit(
+        lambda p, tokens, state: forward(model, p, tokens, state, attend), donate_argnums=(2,)
+    )
+    layers = len(params.layers)
+    with tps.OffloadedKVCache(
+        num_layers=layers,
+        batch=batch,
+        max_len=context + m,
+        num_kv_heads=1,
+        head_dim=model.head_dim,
+        dtype=kv_dtype,
+        block_tokens=block_tokens,
+        tier=tier,
+        path=path,
+        sparse=config,
+    ) as cache:
+        state = cache.init(np.zeros(batch, np.int32))
+        for layer, (k, v) in enumerate(context_kv(params, np.stack([t.tokens for t in trials]))):
+            state = cache.load(
+                state,
+                layer,
+                np.asarray(jnp.asarray(k, kv_dtype)),
+                np.asarray(jnp.asarray(v, kv_dtype)),
+            )
+        token = jnp.asarray([model.ask(t.key) for t in trials], jnp.int32)
+        answers, counts, seen, stats = [], [], np.zeros((layers, 4), np.int64), None
+        for _ in range(m):
+            logits, state = step(jparams, token[:, None], state)
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            answers.append(np.asarray(token))
+            if config is not None:
+                stats = cache.sparse_stats(state)
+                total = np.array([[row[name] for name in COUNTS_ORDER] for row in stats["layers"]])
+                counts.append(total - seen)
+                seen = total
+            else:
+                counts.append(np.zeros((layers, 4), np.int64))
+        state = cache.drain(state)
+    return Decoded(np.stack(answers, 1), np.stack(counts), None, None, None, stats)
+
+
+# prediction.COUNTS, named here so that the module imports nothing from the package at load.
+COUNTS_ORDER = ("predicted", "hits", "late", "wasted")
 
 
 def correct(model: RetrievalModel, trials: list[Trial], answers: np.ndarray) -> np.ndarray:

@@ -10,10 +10,11 @@ KV):
 * ``error``: the relative error ``|out - dense| / |dense|`` of attention over the exact
   selection (``read_error``: over what a layer-ahead step reads, the prediction with the
   late blocks);
-* ``hit_rate``: the share of the exact selection's blocks that the layer-ahead prediction
-  (the previous step's selection with this step's sink and recent blocks) held, over every
-  step and over the steps after the first (``warm_hit_rate``; the first decode step has no
-  previous selection).
+* ``hit_rate``: the share of the blocks the layer-ahead prediction (the previous step's
+  selection with this step's sink and recent blocks) prefetched that the exact selection
+  used (as the cache's ``sparse_stats`` counts it); ``coverage``: the share of the exact
+  selection's blocks it had prefetched (the rest are fetched late), over every step and
+  after the first (``warm_coverage``: the first decode step has no previous selection).
 
 The models (``--models``):
 
@@ -58,7 +59,8 @@ COLUMNS = [
     ("error", "rel. error", ".4f"),
     ("read_error", "read error", ".4f"),
     ("hit_rate", "hit rate", ".3f"),
-    ("warm_hit_rate", "hit, after 1st", ".3f"),
+    ("coverage", "coverage", ".3f"),
+    ("warm_coverage", "cov., after 1st", ".3f"),
 ]
 
 
@@ -300,6 +302,13 @@ def _retrieval(args, configs) -> dict:
 
 
 def _hit_rate(counts: np.ndarray) -> float:
+    """The prefetched blocks the exact selection used (as ``sparse_stats`` counts it)."""
+    predicted, hits = counts[..., 0].sum(), counts[..., 1].sum()
+    return float(hits / max(1, predicted))
+
+
+def _coverage(counts: np.ndarray) -> float:
+    """The exact selection's blocks that were prefetched (the rest are fetched late)."""
     hits, late = counts[..., 1].sum(), counts[..., 2].sum()
     return float(hits / max(1, hits + late))
 
@@ -324,7 +333,8 @@ def _rows(name: str, args, measured: dict) -> list[dict[str, Any]]:
                     error=float(error[:, layer].mean()),
                     read_error=None if read_error is None else float(read_error[:, layer].mean()),
                     hit_rate=_hit_rate(counts[:, layer]),
-                    warm_hit_rate=_hit_rate(counts[1:, layer]),
+                    coverage=_coverage(counts[:, layer]),
+                    warm_coverage=_coverage(counts[1:, layer]),
                     counts=counts[:, layer].sum(0).tolist(),
                     decode_steps=int(counts.shape[0]),
                 )
@@ -340,8 +350,8 @@ def summary(rows: list[dict[str, Any]]) -> str:
         f"{r0['context']} cached tokens in blocks of {r0['block_tokens']} "
         f"({r0['context_blocks']} blocks), through the sparse reference; per budget: the "
         f"dense softmax weight the selected blocks hold (recall), the attention output's "
-        f"relative error, the layer-ahead prediction's hit rate (every step / after the "
-        f"first), each over the layers (lowest .. highest)"
+        f"relative error, the layer-ahead prediction's hit rate (prefetched blocks used) and "
+        f"coverage (needed blocks prefetched), each over the layers (lowest .. highest)"
     ]
     for name in dict.fromkeys(r["model"] for r in rows):
         lines.append(f"  {name}:")
@@ -354,7 +364,8 @@ def summary(rows: list[dict[str, Any]]) -> str:
 
             lines.append(
                 f"    budget {budget}: recall {span('recall', '.3f')}, error "
-                f"{span('error', '.3f')}, hit rate {span('hit_rate', '.2f')} / "
-                f"{span('warm_hit_rate', '.2f')}"
+                f"{span('error', '.3f')}, hit rate {span('hit_rate', '.2f')}, coverage "
+                f"{span('coverage', '.2f')} ({span('warm_coverage', '.2f')} after the first "
+                f"step)"
             )
     return "\n".join(lines)

@@ -75,6 +75,19 @@ def test_the_model_answers_right_densely_and_sparse_at_a_full_budget(params):
     assert not rm.correct(MODEL, trials, two.answers).any()
 
 
+def test_the_engine_cache_answers_as_the_reference(params):
+    trials = [
+        rm.make_trial(MODEL, 1024, d, 64, seed=i, records=8) for i, d in enumerate(rm.depths(2))
+    ]
+    dense = rm.decode_engine(MODEL, params, trials, 64)
+    assert rm.correct(MODEL, trials, dense.answers).all() and dense.stats is None
+    sparse = rm.decode_engine(MODEL, params, trials, 64, SparseConfig(budget=4))
+    reference = rm.decode_reference(MODEL, params, trials, 64, SparseConfig(budget=4), sparse=True)
+    assert np.array_equal(sparse.answers, reference.answers)
+    assert sparse.counts.shape == (MODEL.answer_tokens, 2, 4)
+    assert sparse.stats["steps"] == MODEL.answer_tokens
+
+
 def test_retrieval_model_guards():
     with pytest.raises(ValueError, match=r"families=0 must be at least 1"):
         rm.RetrievalModel(families=0)
@@ -124,13 +137,14 @@ def test_bench_retrieval_tiny(tmp_path, capsys):
     )
     rows = args.run(args)
     printed = capsys.readouterr().out
-    assert "sparse reference" in printed and "dense answers 100.0% right" in printed
+    assert "engine cache" in printed and "dense answers 100.0% right" in printed
     dense, sparse = rows
     assert dense["budget"] == "dense" and dense["accuracy"] == 1.0 and dense["trials"] == 2
     assert sparse["budget"] == "25%" and len(sparse["hit_rate_per_layer"]) == 2
-    assert all(0 <= h <= 1 for h in sparse["hit_rate_per_layer"])
+    assert all(0 <= h <= 1 for h in sparse["hit_rate_per_layer"] + sparse["coverage_per_layer"])
+    assert 0 < sparse["read_share"] < 1  # the engine's bytes, summaries included
     bench_main.common.report_json(args, "retrieval", rows)
-    assert json.loads(out.read_text())["results"][0]["path"].startswith("sparse reference")
+    assert json.loads(out.read_text())["results"][0]["path"].startswith("engine cache")
 
 
 def test_bench_sparse_tiny_full_budget_holds_everything(capsys):

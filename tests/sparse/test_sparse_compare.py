@@ -64,7 +64,8 @@ def test_a_small_budget_holds_less_and_moves_the_logits(params):
     counts = dict(zip(COUNTS, got.counts.T))
     # 3 blocks a step; the first step predicts only its sink and recent blocks.
     assert (counts["hits"] + counts["late"] == 3 * 3).all()
-    np.testing.assert_allclose(got.hit_rate, counts["hits"] / 9)
+    np.testing.assert_allclose(got.coverage, counts["hits"] / 9)
+    np.testing.assert_allclose(got.hit_rate, counts["hits"] / counts["predicted"])
     assert "sparse at 3 blocks against dense over 3 decode steps" in got.summary()
 
 
