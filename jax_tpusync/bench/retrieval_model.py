@@ -422,6 +422,7 @@ def decode_engine(
     import jax.numpy as jnp
 
     import jax_tpusync as tps
+    from jax_tpusync.sparse.prediction import COUNTS
 
     kv_dtype = kv_dtype or jnp.bfloat16
     context = len(trials[0].tokens)
@@ -471,17 +472,13 @@ def decode_engine(
             answers.append(np.asarray(token))
             if config is not None:
                 stats = cache.sparse_stats(state)
-                total = np.array([[row[name] for name in COUNTS_ORDER] for row in stats["layers"]])
+                total = np.array([[row[name] for name in COUNTS] for row in stats["layers"]])
                 counts.append(total - seen)
                 seen = total
             else:
                 counts.append(np.zeros((layers, 4), np.int64))
         state = cache.drain(state)
     return Decoded(np.stack(answers, 1), np.stack(counts), None, None, None, stats)
-
-
-# prediction.COUNTS, named here so that the module imports nothing from the package at load.
-COUNTS_ORDER = ("predicted", "hits", "late", "wasted")
 
 
 def correct(model: RetrievalModel, trials: list[Trial], answers: np.ndarray) -> np.ndarray:
