@@ -25,6 +25,13 @@ The models (``--models``):
 * ``random-q4``: the same weights with queries x4 (the ``quality`` benchmark's model): a
   few keys win, as in retrieval heads, though random keys hold no structure a block
   summary can use.
+* ``topics``: no model, an input distribution with the structure trained models' KV has
+  and random weights lack: keys drawn in segments of about 256 tokens that share a topic
+  (a direction; neighbouring tokens' keys are alike), the first token an attention sink,
+  and each decode step's query aimed at two of the context's topics (plus a little of the
+  sink's direction), drifting slowly from step to step. Per layer and head its own draw
+  (``--layers`` x ``--kv-heads`` x ``--head-dim``, one query head per KV head). Peaked
+  where a few segments match the query, not on one token.
 * ``retrieval``: the hand-built retrieval model (:mod:`jax_tpusync.bench.retrieval_model`)
   on its task: a question head whose weight sits on one recent token and a retrieval head
   whose weight sits on one record in the context, as a trained model's retrieval heads
@@ -42,6 +49,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import time
 from typing import Any
 
@@ -49,7 +57,7 @@ import numpy as np
 
 from jax_tpusync.bench import common, retrieval_model, tiny_decoder
 
-MODELS = ("random", "random-q4", "retrieval")
+MODELS = ("random", "random-q4", "topics", "retrieval")
 COLUMNS = [
     ("model", "model", "s"),
     ("budget", "budget", "s"),
@@ -108,6 +116,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         t0 = time.perf_counter()
         if name == "retrieval":
             measured = _retrieval(args, configs)
+        elif name == "topics":
+            measured = _topics(args, configs)
         else:
             fields = {
                 f.name: getattr(args, f.name)
@@ -266,6 +276,75 @@ def decode_measured(args, model, params, kv, first, configs) -> dict:
         "context_blocks": blocks,
         **{f: [np.stack(x) for x in per] for f, per in seen.items()},
     }
+
+
+# The ``topics`` input: segments of about this many tokens share a topic direction.
+TOPIC_TOKENS = 256
+TOPIC_QUERY_GAIN = 1.5  # a query's gain on its two topics
+TOPIC_DRIFT = 0.9  # how much of a step's query the next keeps (the rest is drawn afresh)
+
+
+def _topics(args, configs) -> dict:
+    """KV and queries drawn, no model (see the module doc): per layer and KV head, the
+    context is segments (geometric lengths, mean ``TOPIC_TOKENS``) whose keys are the
+    segment's topic (a standard normal vector) plus half as much noise, the first token a
+    sink (a large key along a direction every query shares a little of); each decode
+    step's query aims at two topics of the context and drifts from the previous step's;
+    the new rows continue the last segment."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_tpusync.sparse import measure as measure_mod
+
+    layers, heads, dim = args.layers, args.kv_heads, args.head_dim
+    batch, context, steps = args.batch, args.context, args.steps
+    rng = np.random.default_rng(args.seed + 2)
+    total = context + steps
+    starts = np.cumsum(rng.geometric(1 / TOPIC_TOKENS, size=total))
+    segment = np.searchsorted(starts, np.arange(total), side="right")  # [total]
+    topics = rng.standard_normal((layers, batch, segment.max() + 1, heads, dim), np.float32)
+    noise = rng.standard_normal((layers, batch, total, heads, dim), np.float32)
+    keys = topics[:, :, segment] + 0.5 * noise
+    sink = rng.standard_normal((layers, 1, 1, heads, dim), np.float32)
+    sink *= 4 / np.linalg.norm(sink, axis=-1, keepdims=True) * math.sqrt(dim)
+    keys[:, :, 0] = sink[:, :, 0]
+    values = rng.standard_normal(keys.shape, np.float32)
+    blocks = -(-total // args.block_tokens)
+    measure = jax.jit(measure_mod.measure, static_argnums=(0, 5))
+    out = {"budgets": [c.budget for c in configs], "context_blocks": blocks}
+    seen = {f: [[] for _ in configs] for f in ("counts", "recall", "error", "read_error")}
+    query = None
+    for step in range(steps):
+        length = context + step + 1
+        aimed = segment[rng.integers(0, length, size=(layers, batch, 2))]  # two topics
+        fresh = topics[
+            np.arange(layers)[:, None, None], np.arange(batch)[None, :, None], aimed
+        ].mean(axis=2)  # [layers, batch, heads, dim]
+        fresh = fresh + 0.25 * sink[:, 0] / math.sqrt(dim)
+        query = fresh if query is None else TOPIC_DRIFT * query + (1 - TOPIC_DRIFT) * fresh
+        per_layer = {f: [[] for _ in configs] for f in seen}
+        for layer in range(layers):
+            for b, config in enumerate(configs):
+                previous = out.setdefault(("previous", b, layer), None)
+                got = measure(
+                    config,
+                    jnp.asarray(TOPIC_QUERY_GAIN * query[layer]),
+                    jnp.asarray(keys[layer, :, :total]),
+                    jnp.asarray(values[layer, :, :total]),
+                    jnp.full((batch,), length, jnp.int32),
+                    args.block_tokens,
+                    previous,
+                )
+                out[("previous", b, layer)] = got.selection
+                per_layer["counts"][b].append(np.asarray(got.counts))
+                for field in ("recall", "error", "read_error"):
+                    per_layer[field][b].append(np.asarray(getattr(got, field)))
+        for field in seen:
+            for b in range(len(configs)):
+                seen[field][b].append(np.stack(per_layer[field][b]))
+    out = {k: v for k, v in out.items() if not isinstance(k, tuple)}
+    out.update({f: [np.stack(x) for x in per] for f, per in seen.items()})
+    return out
 
 
 def _retrieval(args, configs) -> dict:
