@@ -28,8 +28,8 @@ The models (``--models``):
 * ``topics``: no model, an input distribution with the structure trained models' KV has
   and random weights lack: keys drawn in segments of about 256 tokens that share a topic
   (a direction; neighbouring tokens' keys are alike), the first token an attention sink,
-  and each decode step's query aimed at two of the context's topics (plus a little of the
-  sink's direction), drifting slowly from step to step. Per layer and head its own draw
+  and each row's decode queries aimed at two of its context's topics (plus a little of the
+  sink's direction), with noise that drifts from step to step. Per layer and head its own draw
   (``--layers`` x ``--kv-heads`` x ``--head-dim``, one query head per KV head). Peaked
   where a few segments match the query, not on one token.
 * ``retrieval``: the hand-built retrieval model (:mod:`jax_tpusync.bench.retrieval_model`)
@@ -281,15 +281,15 @@ def decode_measured(args, model, params, kv, first, configs) -> dict:
 # The ``topics`` input: segments of about this many tokens share a topic direction.
 TOPIC_TOKENS = 256
 TOPIC_QUERY_GAIN = 1.5  # a query's gain on its two topics
-TOPIC_DRIFT = 0.9  # how much of a step's query the next keeps (the rest is drawn afresh)
+TOPIC_DRIFT = 0.9  # how much of a step's query noise the next keeps (the rest is fresh)
 
 
 def _topics(args, configs) -> dict:
     """KV and queries drawn, no model (see the module doc): per layer and KV head, the
     context is segments (geometric lengths, mean ``TOPIC_TOKENS``) whose keys are the
     segment's topic (a standard normal vector) plus half as much noise, the first token a
-    sink (a large key along a direction every query shares a little of); each decode
-    step's query aims at two topics of the context and drifts from the previous step's;
+    sink (a large key along a direction every query shares a little of); each row's decode
+    queries aim at two topics of its context, with noise that drifts from step to step;
     the new rows continue the last segment."""
     import jax
     import jax.numpy as jnp
@@ -313,15 +313,17 @@ def _topics(args, configs) -> dict:
     measure = jax.jit(measure_mod.measure, static_argnums=(0, 5))
     out = {"budgets": [c.budget for c in configs], "context_blocks": blocks}
     seen = {f: [[] for _ in configs] for f in ("counts", "recall", "error", "read_error")}
-    query = None
+    # Each row's two topics, drawn once from its context: the step's query keeps aiming
+    # at them, its own noise drifting from step to step.
+    aimed = segment[rng.integers(0, context, size=(layers, batch, 2))]
+    target = topics[np.arange(layers)[:, None, None], np.arange(batch)[None, :, None], aimed]
+    target = target.mean(axis=2) + 0.25 * sink[:, 0] / math.sqrt(dim)  # [L, B, H, D]
+    drift = np.zeros_like(target)
     for step in range(steps):
         length = context + step + 1
-        aimed = segment[rng.integers(0, length, size=(layers, batch, 2))]  # two topics
-        fresh = topics[
-            np.arange(layers)[:, None, None], np.arange(batch)[None, :, None], aimed
-        ].mean(axis=2)  # [layers, batch, heads, dim]
-        fresh = fresh + 0.25 * sink[:, 0] / math.sqrt(dim)
-        query = fresh if query is None else TOPIC_DRIFT * query + (1 - TOPIC_DRIFT) * fresh
+        fresh = rng.standard_normal(target.shape, np.float32)
+        drift = TOPIC_DRIFT * drift + math.sqrt(1 - TOPIC_DRIFT**2) * fresh
+        query = target + 0.5 * drift
         per_layer = {f: [[] for _ in configs] for f in seen}
         for layer in range(layers):
             for b, config in enumerate(configs):
