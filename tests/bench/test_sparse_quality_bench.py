@@ -112,7 +112,8 @@ def test_retrieval_model_guards():
     rm.make_trial(MODEL, 96, 0.5, 64, seed=0, records=8)  # the edge: 12 places
 
 
-def test_bench_retrieval_tiny(tmp_path, capsys):
+@pytest.mark.parametrize("path", ["engine", "reference"])
+def test_bench_retrieval_tiny(tmp_path, capsys, path):
     out = tmp_path / "retrieval.json"
     args = bench_main.build_parser().parse_args(
         [
@@ -131,20 +132,26 @@ def test_bench_retrieval_tiny(tmp_path, capsys):
             "64",
             "--budgets",
             "0.25",
+            "--path",
+            path,
             "--json",
             str(out),
         ]
     )
     rows = args.run(args)
     printed = capsys.readouterr().out
-    assert "engine cache" in printed and "dense answers 100.0% right" in printed
+    named = "engine cache" if path == "engine" else "sparse reference"
+    assert named in printed and "dense answers 100.0% right" in printed
     dense, sparse = rows
     assert dense["budget"] == "dense" and dense["accuracy"] == 1.0 and dense["trials"] == 2
     assert sparse["budget"] == "25%" and len(sparse["hit_rate_per_layer"]) == 2
     assert all(0 <= h <= 1 for h in sparse["hit_rate_per_layer"] + sparse["coverage_per_layer"])
-    assert 0 < sparse["read_share"] < 1  # the engine's bytes, summaries included
+    assert 0 < sparse["read_share"] < 1  # bytes (engine, summaries included) or blocks
+    if path == "reference":
+        assert len(sparse["recall_per_layer"]) == 2
+        assert dense["recall_per_layer"] == pytest.approx([1.0, 1.0])  # budget 1.0: all
     bench_main.common.report_json(args, "retrieval", rows)
-    assert json.loads(out.read_text())["results"][0]["path"].startswith("engine cache")
+    assert json.loads(out.read_text())["results"][0]["path"].startswith(named)
 
 
 def test_bench_sparse_tiny_full_budget_holds_everything(capsys):
