@@ -89,6 +89,7 @@ from jax.sharding import Mesh
 from jax_tpusync.caches.admission import AdmissionTransaction
 from jax_tpusync.caches.parts import restart_part
 from jax_tpusync.caches.pool import assembly as pool_assembly
+from jax_tpusync.caches.pool import summaries as pool_summaries
 from jax_tpusync.caches.pool.admission import PoolAdmission
 from jax_tpusync.caches.pool.host_rows import PoolHostRows
 from jax_tpusync.caches.pool.live_state import PoolLiveState
@@ -99,6 +100,7 @@ from jax_tpusync.core.pool_state import PoolLayout, PoolState
 from jax_tpusync.core.slots import Admission
 from jax_tpusync.core.state import CacheSpec
 from jax_tpusync.persist import commit as persistence
+from jax_tpusync.sparse.config import SparseConfig
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +169,13 @@ class HostPoolKVCache:
         # length grows to the rows every layer holds.
         self._loaded = LoadedExtent(self.spec.num_layers, self.spec.batch)
         self._live = PoolLiveState(
-            self.spec, self.layout, mesh_layout, self.slots, self.state_sharding, self.pool_sharding
+            self.spec,
+            self.layout,
+            mesh_layout,
+            self.slots,
+            self.state_sharding,
+            self.pool_sharding,
+            config.sparse,
         )
         self._rows = PoolHostRows(self._live, self._loaded, self._tier, self.persistence)
         self._admission = AdmissionTransaction(
@@ -223,6 +231,28 @@ class HostPoolKVCache:
     def kv_bytes(self) -> int:
         """Host memory of the pool (every layer's blocks and the sink), all devices'."""
         return self.shards * self.layout.pool_bytes
+
+    @property
+    def sparse(self) -> SparseConfig | None:
+        """The sparse decode setting (None: every decode row reads its whole context)."""
+        return self.config.sparse
+
+    def sparse_stats(self, state: PoolState) -> dict:
+        """Per layer, what sparse decode did since the cache was made: blocks predicted
+        (copied a unit ahead, before the query), hits (predicted and selected), late
+        (selected, not predicted: copied once the query was known), wasted (predicted, not
+        selected; attended all the same), the sparse decode steps and rows, and the bytes
+        copied to the device (summaries, predicted and late blocks) against a dense step's
+        (:func:`jax_tpusync.caches.pool.summaries.sparse_stats`). Host-side: the step that
+        made ``state`` is waited for.
+
+        Raises:
+          ValueError: the cache was made without ``sparse=``.
+        """
+        self.check(state)
+        if state.sparse is None:
+            raise ValueError("sparse_stats(): this cache was made without sparse=")
+        return pool_summaries.sparse_stats(self.layout, np.asarray(state.sparse.counts))
 
     @property
     def prefix_stats(self) -> dict:
