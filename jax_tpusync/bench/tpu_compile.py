@@ -48,6 +48,11 @@ from jax_tpusync.runtime.libtpu import LIBTPU_ENVIRONMENT
 
 TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "tpu7x:2x2x1")
 DEFAULT_LINK_GBPS = 190 / 8
+# --sparse alone: a 3% budget (about the blocks a dense 32K step reads, at 1M tokens).
+SPARSE_BUDGET = 0.03
+# --sparse's projection: the share of a selection not predicted (copied late). An
+# assumption: the issue's 90% hit-rate target; measure yours with sparse_stats().
+LATE_SHARE = 0.1
 
 
 def add_parser(sub) -> None:
@@ -111,6 +116,24 @@ def add_parser(sub) -> None:
         "by heads (4 chips: 2 x 2, 8: 2 x 4)",
     )
     p.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS)
+    p.add_argument(
+        "--sparse",
+        nargs="?",
+        type=float,
+        const=SPARSE_BUDGET,
+        default=None,
+        metavar="BUDGET",
+        help=f"ours with sparse decode at this budget (a share of each context's blocks; "
+        f"bare: {SPARSE_BUDGET}): its device bytes, the overlap of its unit, late and summary "
+        f"copies, and its projected step against the dense one at the first context",
+    )
+    p.add_argument(
+        "--late-share",
+        type=float,
+        default=LATE_SHARE,
+        help="with --sparse: the share of each selection assumed fetched late (not "
+        "predicted) in the projection",
+    )
     common.add_details_argument(p, "every row (device MiB per step, overlap, projected ms)")
     common.add_json_argument(p)
     p.set_defaults(run=run, columns=COLUMNS)
@@ -263,6 +286,16 @@ def abstract_pool_state(config, devices: list, layout=None):
             sds(pool.staged_at_shape, jnp.int32),
         )
 
+    sparse = None
+    if config.sparse is not None:
+        from jax_tpusync.core.pool_sparse import PoolSparseState, SummaryLayout
+
+        sparse = PoolSparseState(
+            config.sparse,
+            sds(SummaryLayout(spec).shape, SummaryLayout(spec).dtype, on_host),
+            sds(PoolSparseState.previous_shape(config.sparse, spec), jnp.int32),
+            sds(PoolSparseState.counts_shape(spec), jnp.int32),
+        )
     state = PoolState(
         spec,
         sds((b,), jnp.int32),
@@ -273,6 +306,7 @@ def abstract_pool_state(config, devices: list, layout=None):
         sds((b,), jnp.int32),
         sds((), jnp.int32),
         ahead=tuple(staged() for _ in range(spec.prefetch_depth - 1)),
+        sparse=sparse,
     )
     return state, on_device
 
@@ -300,13 +334,15 @@ def compile_ours(
     windows: list[int | None] | None = None,
     max_step_tokens: int | None = None,
     prefetch_depth: int = 1,
+    sparse: float | None = None,
 ):
     """(compiled step, cache spec) of the host-pool decode step at ``shape.context``, on
     the first of ``devices`` or with the slots split over ``dp`` of them and the heads over
     ``tp`` (:func:`chip_layout`; the spec is one shard's); ``windows``: per
     layer, the tokens a sliding layer attends (None: global); ``max_step_tokens``: the pool
     keeps a ring per slot of one window plus that many rows (None: every position);
-    ``prefetch_depth``: units in flight ahead of the one attended."""
+    ``prefetch_depth``: units in flight ahead of the one attended; ``sparse``: a sparse
+    decode budget (None: dense)."""
     import jax
 
     import jax_tpusync as tps
@@ -326,6 +362,7 @@ def compile_ours(
         sliding_window=windows,
         max_step_tokens=max_step_tokens or None,
         prefetch_depth=prefetch_depth,
+        sparse=sparse,
     )
     config.geometry.check_one_cache()  # A ring needs every layer to share one window.
     layout = chip_layout(devices, dp, tp)
@@ -543,7 +580,22 @@ def measure(kind: str, topology: str, shape, options: dict) -> dict:
     compiled, spec = compile_ours(shape, devices, **options)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
+    text = compiled.as_text()
+    sparse_parts = {}
+    if options.get("sparse") is not None:
+        from jax_tpusync.core.pool_sparse import SummaryLayout
+        from jax_tpusync.step.pool_sparse import SCORE_SCOPE, SUMMARY_FETCH_SCOPE
+
+        summary = SummaryLayout(spec)
+        sparse_parts = dict(
+            summary_overlap=schedule_overlap(text, SUMMARY_FETCH_SCOPE, SCORE_SCOPE),
+            summary_layer_bytes=summary.layer_rows * summary.row_bytes,
+            summary_chunk_blocks=summary.chunk_blocks,
+            summary_host_mib=summary.nbytes / 2**20,
+            max_blocks=spec.max_blocks,
+        )
     return dict(
+        **sparse_parts,
         device_mib=device_bytes(compiled) / 2**20,
         note="",
         compile_s=time.perf_counter() - began,
@@ -553,7 +605,7 @@ def measure(kind: str, topology: str, shape, options: dict) -> dict:
         pool_mib=PoolLayout(spec).pool_bytes / 2**20,
         flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-        overlap=schedule_overlap(compiled.as_text(), FETCH_SCOPE, ATTEND_SCOPE),
+        overlap=schedule_overlap(text, FETCH_SCOPE, ATTEND_SCOPE),
     )
 
 
@@ -633,6 +685,8 @@ def run(args) -> list[dict]:
                 max_step_tokens=args.max_step_tokens or None,
                 prefetch_depth=args.prefetch_depth,
             )
+            if args.sparse is not None:
+                options["sparse"] = args.sparse
             ours = measure_in_child("ours", topology, shape, options)
             skipped = dict(device_mib=None, note="not compiled (--kinds)")
             plain, resident = (
@@ -648,6 +702,10 @@ def run(args) -> list[dict]:
             layer_windows = windows or [None] * shape.layers
             read_rows = sum(context if w is None else min(context, w) for w in layer_windows)
             kv_bytes = 2 * shape.batch * read_rows * shape.row_bytes / (dp * tp)
+            dense_kv_bytes = kv_bytes
+            sparse_row = {}
+            if args.sparse is not None:
+                kv_bytes, sparse_row = sparse_read(args, shape, ours, layer_windows, dp * tp)
             overlap = ours["overlap"]
             rows.append(
                 dict(
@@ -676,13 +734,75 @@ def run(args) -> list[dict]:
                     overlap=overlap,
                     link_gbps=args.link_gbps,
                     projected_step_ms=kv_bytes / (args.link_gbps * 1e9) * 1e3,
+                    dense_projected_step_ms=dense_kv_bytes / (args.link_gbps * 1e9) * 1e3,
                     compile_s=ours["compile_s"],
                     ran_on_tpu=False,
+                    **sparse_row,
                 )
             )
             common.progress(f"{topology} {context}: compiled in {ours['compile_s']:.1f} s")
     common.summary_or_details(args, summary(rows))
     return rows
+
+
+def sparse_read(args, shape, ours: dict, layer_windows, chips: int) -> tuple[float, dict]:
+    """(KV bytes a sparse step reads per chip, the row's sparse fields): per global layer
+    the layer's summaries (every physical block's, copied whole each step), the selected
+    blocks (the budget's share of the context's, at least the sink and recent blocks) and
+    ``--late-share`` of them again (fetched late: a prediction's wasted blocks are about
+    as many as its late ones, so predicted plus late is the selection plus the late
+    share); a sliding layer its window."""
+    from jax_tpusync.sparse import SparseConfig
+
+    config = SparseConfig(budget=args.sparse)
+    bt = args.block_tokens
+    block_bytes = 2 * bt * shape.row_bytes
+    selected = int(config.selected_count(-(-shape.context // bt)))
+    total = 0.0
+    global_layers = 0
+    for w in layer_windows:
+        if w is None:
+            global_layers += 1
+            total += shape.batch * selected * (1 + args.late_share) * block_bytes
+            total += ours["summary_layer_bytes"]
+        else:
+            total += 2 * shape.batch * min(shape.context, w) * shape.row_bytes
+    overlap = ours["summary_overlap"]
+    return total / chips, dict(
+        sparse_budget=args.sparse,
+        late_share=args.late_share,
+        selected_blocks=selected,
+        context_blocks=-(-shape.context // bt),
+        summary_mib_per_step=global_layers * ours["summary_layer_bytes"] / chips / 2**20,
+        summary_chunk_blocks=ours["summary_chunk_blocks"],
+        summary_host_mib=ours["summary_host_mib"],
+        summary_overlapped=f"{overlap['overlapped']}/{overlap['copies']}",
+        summary_overlap=overlap,
+    )
+
+
+def sparse_summary(rows: list[dict]) -> list[str]:
+    """With --sparse, per topology: the projected sparse step at each context against the
+    dense step's at the first context, and how its summary copies overlap their scoring."""
+    lines = []
+    for topology in dict.fromkeys(r["topology"] for r in rows):
+        mine = [r for r in rows if r["topology"] == topology]
+        base = mine[0]
+        ratios = ", ".join(
+            f"{r['projected_step_ms'] / base['dense_projected_step_ms']:.2f}x at "
+            f"{_tokens(r['context'])}"
+            for r in mine
+        )
+        summary = sum(r["summary_overlap"]["overlapped"] for r in mine)
+        copies = sum(r["summary_overlap"]["copies"] for r in mine)
+        lines.append(
+            f"{topology} sparse (budget {base['sparse_budget']:g}, {base['late_share']:.0%} of "
+            f"each selection assumed late): projected step against the dense step at "
+            f"{_tokens(base['context'])} ({base['dense_projected_step_ms']:.1f} ms): {ratios};"
+            f" summaries {_spread([r['summary_mib_per_step'] for r in mine], 'MiB')} copied"
+            f" per step; {summary} of {copies} summary copies overlap a scoring"
+        )
+    return lines
 
 
 def summary(rows: list[dict]) -> str:
@@ -724,6 +844,8 @@ def summary(rows: list[dict]) -> str:
             f" they overlap and waited for after it"
         )
         lines.append(f"  projected step time: {_projected(mine)}")
+    if rows[0].get("sparse_budget") is not None:
+        lines.extend(sparse_summary(rows))
     link = rows[0]["link_gbps"]
     ran = any(r["ran_on_tpu"] for r in rows)
     lines.append(

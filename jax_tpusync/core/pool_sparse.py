@@ -7,11 +7,12 @@ channel-wise minimum and maximum of its keys) live beside the pool, in ``pinned_
 memory, so that device memory stays flat in the context: a step copies a layer's summaries
 to the device in chunks of :attr:`SummaryLayout.chunk_blocks` blocks while it scores them,
 and keeps only the per-block score bounds of each slot (4 bytes per KV head and block).
-One summary row per (layer, physical block): ``[lo (H * D values), hi (H * D values)]``,
-one copy per chunk (host slices cut the first dimension only). Like the pool, 16-bit
-float summaries are kept as their uint16 words (see
-:func:`~jax_tpusync.core.pool_state.pool_dtype`); a quantized pool's keys are summarized
-after dequantization, in float32.
+One summary row per (layer, physical block), every channel's ``(lo, hi)`` pair in 32-bit
+words (a 16-bit pair is one word): a chunk is one copy (host slices cut the first
+dimension only), and a step's write of one block's row is whole 32-bit sublanes, as host
+memory takes updates (on XLA's CPU backend, words also keep a write from copying the
+array; see :func:`~jax_tpusync.core.pool_state.pool_dtype`). A quantized pool's keys are
+summarized after dequantization, in float32.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tpusync.core import quantize
-from jax_tpusync.core.pool_state import into_pool, pool_dtype, to_device
+from jax_tpusync.core.pool_state import into_pool, to_device
 from jax_tpusync.core.state import CacheSpec
 from jax_tpusync.sparse import summaries as block_summaries
 from jax_tpusync.sparse.config import SparseConfig
@@ -43,9 +44,9 @@ COUNTS = ("predicted", "hits", "late", "wasted", "steps", "decode_rows", "contex
 class SummaryLayout:
     """Where a host pool's block summaries lie in their host array.
 
-    ``[sink_row + write_rows, 2 * num_kv_heads * head_dim]``: each layer's rows (one per
-    physical block, padded to whole chunks), then a sink group that writes of slots with
-    no block go to.
+    ``[sink_row + write_rows, row_width]`` 32-bit words: each layer's rows (one per
+    physical block, padded to whole chunks), then a sink row that writes of slots with no
+    block go to. A row holds each channel's ``(lo, hi)`` pair, channel by channel.
     """
 
     spec: CacheSpec
@@ -58,8 +59,10 @@ class SummaryLayout:
 
     @property
     def dtype(self) -> np.dtype:
-        """The host array's element type (16-bit floats as words)."""
-        return pool_dtype(self.summary_dtype, False)
+        """The host array's element type: 32-bit words (each 16-bit summary value paired
+        with its channel's other bound), so that one row is whole 32-bit sublanes, the
+        smallest update the compiler slices into host memory."""
+        return np.dtype(np.uint32)
 
     @property
     def half_width(self) -> int:
@@ -67,8 +70,9 @@ class SummaryLayout:
 
     @property
     def row_width(self) -> int:
-        """One summary row: ``lo`` then ``hi`` of every KV head."""
-        return 2 * self.half_width
+        """Words of one summary row: ``lo`` and ``hi`` of every channel of every KV head,
+        interleaved."""
+        return 2 * self.half_width * self.summary_dtype.itemsize // 4
 
     @property
     def row_bytes(self) -> int:
@@ -123,31 +127,30 @@ class SummaryLayout:
         """``rows`` summary rows of blocks with no keys (``lo`` at the dtype's largest
         value, ``hi`` at its smallest), as the host array holds them."""
         big = jnp.finfo(self.summary_dtype).max
-        half = self.half_width
-        values = np.empty((rows, self.row_width), self.summary_dtype)
-        values[:, :half] = big
-        values[:, half:] = -big
-        return values.view(self.dtype)
+        values = np.empty((rows, self.half_width, 2), self.summary_dtype)
+        values[..., 0] = big
+        values[..., 1] = -big
+        return values.view(self.dtype).reshape(rows, self.row_width)
 
     def to_values(self, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Summary rows ``[..., row_width]`` as ``(lo, hi)`` ``[..., H, D]`` in the summary
         dtype."""
-        if rows.dtype != self.summary_dtype:
-            rows = jax.lax.bitcast_convert_type(rows, self.summary_dtype)
-        shape = (*rows.shape[:-1], self.spec.num_kv_heads, self.spec.head_dim)
-        half = self.half_width
-        return rows[..., :half].reshape(shape), rows[..., half:].reshape(shape)
+        lead = rows.shape[:-1]
+        # A word is one value (f32) or two ([..., row_width, 2]): lo, hi of a channel.
+        pairs = jax.lax.bitcast_convert_type(rows, self.summary_dtype)
+        pairs = pairs.reshape(*lead, self.spec.num_kv_heads, self.spec.head_dim, 2)
+        return pairs[..., 0], pairs[..., 1]
 
     def to_rows(self, lo: jax.Array, hi: jax.Array) -> jax.Array:
         """``(lo, hi)`` ``[..., H, D]`` as summary rows ``[..., row_width]`` in the host
         array's dtype."""
         lead = lo.shape[:-2]
-        both = jnp.concatenate([lo.reshape(*lead, -1), hi.reshape(*lead, -1)], axis=-1).astype(
-            self.summary_dtype
-        )
-        if both.dtype != self.dtype:
-            both = jax.lax.bitcast_convert_type(both, self.dtype)
-        return both
+        pairs = jnp.stack([lo, hi], axis=-1).astype(self.summary_dtype)
+        pairs = pairs.reshape(*lead, self.half_width * 2)
+        if self.summary_dtype.itemsize == 4:
+            return jax.lax.bitcast_convert_type(pairs, self.dtype)
+        words = pairs.reshape(*lead, self.row_width, 4 // self.summary_dtype.itemsize)
+        return jax.lax.bitcast_convert_type(words, self.dtype)
 
 
 @jax.tree_util.register_pytree_node_class
