@@ -190,6 +190,8 @@ def group_arguments(
             prefix_salt=group_salt(options, group.layers),
             **{k: v for k, v in options.items() if k != "prefix_salt"},
         )
+        if group.window is not None:  # A sliding group reads its window whole.
+            kwargs.pop("sparse", None)
         if host_pool:
             CacheConfig.from_kwargs(**kwargs)
         elif mesh is None:

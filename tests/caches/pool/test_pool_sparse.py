@@ -272,3 +272,55 @@ def test_a_dense_pool_state_has_no_sparse_leaves():
     assert sparse_state.sparse.summaries.shape == SummaryLayout(sparse.spec).shape
     cache.close()
     sparse.close()
+
+
+def test_a_batch_sharded_pool_refuses_sparse_by_name():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("batch",))
+    with pytest.raises(ValueError, match=r"sparse=.*: sparse decode on a BatchShardedPoolKVCache"):
+        tps.BatchShardedPoolKVCache(**GEOMETRY, sparse=0.5, mesh=mesh, batch_axis="batch")
+
+
+@pytest.mark.slow
+def test_a_host_pool_hybrid_reads_its_global_layers_sparse_and_its_windows_whole():
+    options = dict(GEOMETRY, num_layers=3, head_dim=HEAD_DIM, dtype=jnp.float32)
+    windows = [16, None, 16]
+    rng = np.random.default_rng(0)
+    steps = [
+        tuple(
+            jnp.asarray(rng.standard_normal((3, 2, q_len, heads, HEAD_DIM)), jnp.float32)
+            for heads in (Q_HEADS, HEADS, HEADS)
+        )
+        for q_len in (7, 7, 7, 1, 1, 1, 1)
+    ]
+
+    def run(**sparse):
+        cache = tps.HybridKVCache(**options, sliding_window=windows, host_pool=True, **sparse)
+        state = cache.init()
+
+        @jax.jit
+        def step(state, qs, ks, vs):
+            outs = []
+            for layer in range(3):
+                out, state = tps.prefetching_attention(
+                    qs[layer], ks[layer], vs[layer], state, layer=layer
+                )
+                outs.append(out)
+            return jnp.stack(outs), state
+
+        outs = []
+        for qs, ks, vs in steps:
+            out, state = step(state, qs, ks, vs)
+            outs.append(np.asarray(out))
+        return cache, state, outs
+
+    _, _, dense = run()
+    cache, state, full = run(sparse=1.0)
+    # The global group is sparse, the sliding one (layers 0 and 2) dense.
+    assert sorted(group.sparse is None for group in cache.groups) == [False, True]
+    for a, b in zip(dense, full):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+    _, _, small = run(sparse=SparseConfig(budget=2, recent_blocks=1))
+    # The sliding layers read their window whole either way; the global one did not.
+    for a, b in zip(dense[3:], small[3:]):
+        np.testing.assert_allclose(b[[0, 2]], a[[0, 2]], atol=1e-5, rtol=0)
+    assert max(float(np.abs(a[1] - b[1]).max()) for a, b in zip(dense[3:], small[3:])) > 1e-3
