@@ -295,6 +295,8 @@ def abstract_pool_state(config, devices: list, layout=None):
             sds(SummaryLayout(spec).shape, SummaryLayout(spec).dtype, on_host),
             sds(PoolSparseState.previous_shape(config.sparse, spec), jnp.int32),
             sds(PoolSparseState.counts_shape(spec), jnp.int32),
+            sds(PoolSparseState.staged_chunk_shape(spec), SummaryLayout(spec).dtype),
+            sds((), jnp.int32),
         )
     state = PoolState(
         spec,
@@ -516,7 +518,13 @@ def fitted_mib(build) -> tuple[float | None, str]:
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*.*?\b([a-z][a-z0-9-]*)\(")
 
 
-def schedule_overlap(hlo_text: str, fetch_scope: str, attend_scope: str) -> dict:
+def schedule_overlap(
+    hlo_text: str,
+    fetch_scope: str,
+    attend_scope: str | tuple[str, ...],
+    *,
+    loops: bool = False,
+) -> dict:
     """Whether each unit copy of the scheduled program overlaps an attention.
 
     In every computation (a loop body is one unit: the copy of the next unit and the
@@ -524,9 +532,14 @@ def schedule_overlap(hlo_text: str, fetch_scope: str, attend_scope: str) -> dict
     the computation's first attention instruction and be waited for after its last one.
     Returns counts: computations checked, copies, copies started before the attention, and
     copies that also end after it (the compiler may wait for one of a unit's copies before
-    the attention begins, once the work between its start and the attention is done).
+    the attention begins, once the work between its start and the attention is done), and
+    ``spanning``: copies with an attention instruction between their start and their end
+    (in any computation: also a copy outside a loop, whose computation holds other layers'
+    attention). ``attend_scope``: one scope, or several; ``loops``: a loop (``while``: a
+    layer's unit walk, or its scoring) counts as an attention too.
     """
-    checked = copies = started_before = overlapped = 0
+    scopes = (attend_scope,) if isinstance(attend_scope, str) else attend_scope
+    checked = copies = started_before = overlapped = spanning = 0
     for body in re.split(r"\n(?=\S)", hlo_text):
         starts: dict[str, int] = {}
         dones: dict[str, int] = {}
@@ -542,7 +555,14 @@ def schedule_overlap(hlo_text: str, fetch_scope: str, attend_scope: str) -> dict
                 operand = re.search(r"-done\(%(\S+?)\)", line)
                 if operand and operand.group(1) in starts:
                     dones[operand.group(1)] = index
-            elif attend_scope in line and opcode in ("fusion", "custom-call", "dot", "convolution"):
+            elif any(scope in line for scope in scopes) and opcode in (
+                "fusion",
+                "custom-call",
+                "dot",
+                "convolution",
+            ):
+                attend_at.append(index)
+            elif loops and opcode == "while":
                 attend_at.append(index)
         if not starts or not attend_at:
             continue
@@ -552,8 +572,13 @@ def schedule_overlap(hlo_text: str, fetch_scope: str, attend_scope: str) -> dict
             done = dones.get(name, -1)
             started_before += start < min(attend_at)
             overlapped += start < min(attend_at) and done > max(attend_at)
+            spanning += any(start < at < done for at in attend_at)
     return dict(
-        computations=checked, copies=copies, started_before=started_before, overlapped=overlapped
+        computations=checked,
+        copies=copies,
+        started_before=started_before,
+        overlapped=overlapped,
+        spanning=spanning,
     )
 
 
@@ -584,11 +609,17 @@ def measure(kind: str, topology: str, shape, options: dict) -> dict:
     sparse_parts = {}
     if options.get("sparse") is not None:
         from jax_tpusync.core.pool_sparse import SummaryLayout
-        from jax_tpusync.step.pool_sparse import SCORE_SCOPE, SUMMARY_FETCH_SCOPE
+        from jax_tpusync.step.pool_sparse import SCORE_SCOPE
 
         summary = SummaryLayout(spec)
         sparse_parts = dict(
-            summary_overlap=schedule_overlap(text, SUMMARY_FETCH_SCOPE, SCORE_SCOPE),
+            # The compiler drops these copies' scope: found by their shape, the chunk.
+            summary_overlap=schedule_overlap(
+                text,
+                f"u32[{summary.chunk_blocks},{summary.row_width}]{{",
+                (SCORE_SCOPE, ATTEND_SCOPE, "chunk_attention"),
+                loops=True,
+            ),
             summary_layer_bytes=summary.layer_rows * summary.row_bytes,
             summary_chunk_blocks=summary.chunk_blocks,
             summary_host_mib=summary.nbytes / 2**20,
@@ -776,7 +807,7 @@ def sparse_read(args, shape, ours: dict, layer_windows, chips: int) -> tuple[flo
         summary_mib_per_step=global_layers * ours["summary_layer_bytes"] / chips / 2**20,
         summary_chunk_blocks=ours["summary_chunk_blocks"],
         summary_host_mib=ours["summary_host_mib"],
-        summary_overlapped=f"{overlap['overlapped']}/{overlap['copies']}",
+        summary_overlapped=f"{overlap['spanning']}/{overlap['copies']}",
         summary_overlap=overlap,
     )
 
@@ -793,14 +824,18 @@ def sparse_summary(rows: list[dict]) -> list[str]:
             f"{_tokens(r['context'])}"
             for r in mine
         )
-        summary = sum(r["summary_overlap"]["overlapped"] for r in mine)
+        summary = sum(r["summary_overlap"]["spanning"] for r in mine)
         copies = sum(r["summary_overlap"]["copies"] for r in mine)
+        units = sum(r["overlap"]["spanning"] for r in mine)
+        unit_copies = sum(r["overlap"]["copies"] for r in mine)
         lines.append(
             f"{topology} sparse (budget {base['sparse_budget']:g}, {base['late_share']:.0%} of "
             f"each selection assumed late): projected step against the dense step at "
             f"{_tokens(base['context'])} ({base['dense_projected_step_ms']:.1f} ms): {ratios};"
             f" summaries {_spread([r['summary_mib_per_step'] for r in mine], 'MiB')} copied"
-            f" per step; {summary} of {copies} summary copies overlap a scoring"
+            f" per step; {units} of {unit_copies} unit copies (predicted and late) and"
+            f" {summary} of {copies} summary chunk copies have an attention, a layer's unit"
+            f" walk or a scoring between their start and their end"
         )
     return lines
 

@@ -165,17 +165,25 @@ class PoolSparseState:
         prediction for the layer.
       counts: int32[num_layers, len(COUNTS)]: per layer, the counts of :data:`COUNTS`
         since the cache was made (read with ``HostPoolKVCache.sparse_stats``).
+      staged_chunk: [chunk_blocks, row_width] on the device: a layer's first summary
+        chunk, copied a layer ahead (by the layer before, or the step before).
+      staged_layer: int32[], the layer whose first chunk ``staged_chunk`` holds
+        (``NOT_STAGED``: none; every host call that writes KV leaves none).
 
     ``config`` (a :class:`~jax_tpusync.sparse.SparseConfig`) is static.
     """
 
-    FIELDS = ("summaries", "previous", "counts")
+    FIELDS = ("summaries", "previous", "counts", "staged_chunk", "staged_layer")
 
-    def __init__(self, config: SparseConfig, summaries, previous, counts):
+    def __init__(
+        self, config: SparseConfig, summaries, previous, counts, staged_chunk, staged_layer
+    ):
         self.config = config
         self.summaries = summaries
         self.previous = previous
         self.counts = counts
+        self.staged_chunk = staged_chunk
+        self.staged_layer = staged_layer
 
     @staticmethod
     def previous_shape(config: SparseConfig, spec: CacheSpec) -> tuple[int, int, int]:
@@ -184,6 +192,11 @@ class PoolSparseState:
     @staticmethod
     def counts_shape(spec: CacheSpec) -> tuple[int, int]:
         return (spec.num_layers, len(COUNTS))
+
+    @staticmethod
+    def staged_chunk_shape(spec: CacheSpec) -> tuple[int, int]:
+        layout = SummaryLayout(spec)
+        return (layout.chunk_blocks, layout.row_width)
 
     def tree_flatten(self):
         return tuple(getattr(self, name) for name in self.FIELDS), self.config

@@ -14,7 +14,8 @@ unit copies, staging and online-softmax merge as the dense walk:
 2. The new rows go into the pool, and their keys into the layer's block summaries, which
    live beside the pool in host memory (:mod:`jax_tpusync.core.pool_sparse`).
 3. With the query known, the layer's summaries are copied to the device chunk by chunk
-   (each chunk copied while the one before is scored) and bound every block's scores
+   (each chunk copied while the one before is scored; the first a layer ahead, like a
+   unit) and bound every block's scores
    (:func:`score_blocks`); the exact selection follows (:func:`jax_tpusync.sparse.select.select`),
    and the blocks it holds beyond the prediction are *late*
    (:func:`jax_tpusync.sparse.prediction.late`).
@@ -48,7 +49,13 @@ from jax_tpusync.core.pool_sparse import (
     merge_summary_row,
     stored_keys,
 )
-from jax_tpusync.core.pool_state import PoolLayout, PoolState, pool_rows_of, to_device
+from jax_tpusync.core.pool_state import (
+    NOT_STAGED,
+    PoolLayout,
+    PoolState,
+    pool_rows_of,
+    to_device,
+)
 from jax_tpusync.core.state import CacheSpec
 from jax_tpusync.kernels import reference as kernel_reference
 from jax_tpusync.sparse import prediction
@@ -136,30 +143,38 @@ def written_summaries(
         return lax.fori_loop(0, touched, write_block, summaries)
 
 
+def summary_chunk(spec: CacheSpec, summaries: jax.Array, layer, c) -> jax.Array:
+    """Chunk ``c`` of ``layer``'s summary rows, copied to the device."""
+    layout = SummaryLayout(spec)
+    chunk = layout.chunk_blocks
+    layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, spec.num_layers - 1)
+    with jax.named_scope(SUMMARY_FETCH_SCOPE):
+        start = layer * layout.layer_rows + c * chunk
+        return to_device(lax.dynamic_slice(summaries, (start, 0), (chunk, layout.row_width)))
+
+
 def score_blocks(
     spec: CacheSpec,
     summaries: jax.Array,  # host array, SummaryLayout.shape
     q: jax.Array,  # [batch, 1, num_q_heads, head_dim]
     layer,
     block_table: jax.Array,  # int32[batch, max_blocks]
+    first_chunk: jax.Array,  # the layer's chunk 0 on the device (copied a layer ahead)
 ) -> jax.Array:  # float32[batch, num_kv_heads, max_blocks]
     """Each slot's score bound of every logical block (-inf where it has none), from the
     layer's summaries (:func:`jax_tpusync.sparse.summaries.score_bounds`' bound), copied to
-    the device a chunk of physical blocks at a time, each while the one before is scored:
-    the device holds two chunks and the bounds, not the layer's summaries."""
+    the device a chunk of physical blocks at a time, each while the one before is scored
+    (the first a layer ahead): the device holds two chunks and the bounds, not the layer's
+    summaries."""
     layout = SummaryLayout(spec)
     chunk, num_chunks = layout.chunk_blocks, layout.num_chunks
     batch, _, num_q_heads, dim = q.shape
     heads = spec.num_kv_heads
     qf = q[:, 0].astype(jnp.float32).reshape(batch, heads, num_q_heads // heads, dim)
     q_pos, q_neg = jnp.maximum(qf, 0.0), jnp.minimum(qf, 0.0)
-    first_row = jnp.clip(jnp.asarray(layer, jnp.int32), 0, spec.num_layers - 1)
-    first_row = first_row * layout.layer_rows
 
     def fetch(c):
-        with jax.named_scope(SUMMARY_FETCH_SCOPE):
-            start = first_row + c * chunk
-            return to_device(lax.dynamic_slice(summaries, (start, 0), (chunk, layout.row_width)))
+        return summary_chunk(spec, summaries, layer, c)
 
     def place(c, rows, bounds):
         with jax.named_scope(SCORE_SCOPE):
@@ -177,14 +192,14 @@ def score_blocks(
 
     bounds = jnp.full((batch, heads, spec.max_blocks), -jnp.inf, jnp.float32)
     if num_chunks == 1:
-        return place(0, fetch(0), bounds)
+        return place(0, first_chunk, bounds)
 
     def one_chunk(c, carry):
         bounds, rows = carry
         following = fetch(jnp.minimum(c + 1, num_chunks - 1))
         return place(c, rows, bounds), following
 
-    bounds, _ = lax.fori_loop(0, num_chunks, one_chunk, (bounds, fetch(0)))
+    bounds, _ = lax.fori_loop(0, num_chunks, one_chunk, (bounds, first_chunk))
     return bounds
 
 
@@ -253,7 +268,9 @@ def sparse_pool_layer(
             counts=counts,
         )
         summaries = written_summaries(spec, state, sparse.summaries, layer, k, grow)
-        return out, after.replace(sparse=sparse.replace(summaries=summaries))
+        # A staged summary chunk may miss the rows a dense step wrote into its blocks.
+        unstaged = jnp.full_like(sparse.staged_layer, NOT_STAGED)
+        return out, after.replace(sparse=sparse.replace(summaries=summaries, staged_layer=unstaged))
 
     layout = PoolLayout(spec)
     bt = spec.block_tokens
@@ -284,8 +301,15 @@ def sparse_pool_layer(
     )
     summaries = written_summaries(spec, state, sparse.summaries, layer, k, grow)
 
-    # 3. The exact selection, and what it adds to the prediction.
-    bounds = score_blocks(spec, summaries, q, layer, state.block_table)
+    # 3. The exact selection, and what it adds to the prediction. The first summary chunk
+    # was copied a layer ahead (the rows this layer wrote since are in its last context
+    # block, always selected, or past its context: the selection is the same).
+    first_chunk = lax.cond(
+        sparse.staged_layer == layer_id,
+        lambda: sparse.staged_chunk,
+        lambda: summary_chunk(spec, summaries, layer, 0),
+    )
+    bounds = score_blocks(spec, summaries, q, layer, state.block_table, first_chunk)
     exact = selection.select(sparse.config, bounds, lengths, bt)
     exact = jnp.where(reads[:, None], exact, selection.NONE)
     late = prediction.late(predicted, exact)
@@ -301,6 +325,12 @@ def sparse_pool_layer(
     next_rows = next_layer_rows(
         spec, state, new_previous, layer, jnp.where(last_layer, active, reads), grow
     )
+    # The next layer's first summary chunk, a layer ahead (a sliding layer has none).
+    next_layer = jnp.where(last_layer, 0, layer_id + 1)
+    if isinstance(layer, int) and spec.windows[(layer + 1) % spec.num_layers] is not None:
+        next_chunk, next_staged = sparse.staged_chunk, jnp.int32(NOT_STAGED)
+    else:
+        next_chunk, next_staged = summary_chunk(spec, summaries, next_layer, 0), next_layer
 
     # 4. The walk: the predicted units, then the late ones.
     attend = layer_attend(spec, layer, scale, soft_cap, implementation, kernel_options)
@@ -375,7 +405,13 @@ def sparse_pool_layer(
         lengths=jnp.where(last_layer, lengths + grow, lengths),
         pool=pool,
         refused=state.refused + jnp.where((last_layer | bad_layer) & over, wanted, 0),
-        sparse=sparse.replace(summaries=summaries, previous=new_previous, counts=counts_now),
+        sparse=sparse.replace(
+            summaries=summaries,
+            previous=new_previous,
+            counts=counts_now,
+            staged_chunk=next_chunk,
+            staged_layer=next_staged.astype(jnp.int32),
+        ),
     )
     return out.astype(q.dtype), state
 

@@ -100,6 +100,10 @@ class PoolLiveState:
                 summaries=jax.device_put(summary.empty_rows(summary.shape[0]), self.pool_sharding),
                 previous=self.placed(self.no_previous()),
                 counts=self.placed(np.zeros(PoolSparseState.counts_shape(self.spec), np.int32)),
+                staged_chunk=self.placed(
+                    np.zeros(PoolSparseState.staged_chunk_shape(self.spec), summary.dtype)
+                ),
+                staged_layer=self.placed(np.int32(NOT_STAGED)),
             )
         )
         if restored:  # The committed rows came in under empty summaries.
@@ -222,9 +226,12 @@ class PoolLiveState:
         state = state.with_staged_units(
             (staging, tail, staged_at) for staging, tail, _ in state.staged_units
         )
-        if state.sparse is not None:  # Selections of block tables that may have changed.
+        if state.sparse is not None:  # Selections (and summaries) of changed rows.
             state = state.replace(
-                sparse=state.sparse.replace(previous=self.placed(self.no_previous()))
+                sparse=state.sparse.replace(
+                    previous=self.placed(self.no_previous()),
+                    staged_layer=self.placed(np.int32(NOT_STAGED)),
+                )
             )
         return self.stamped(state)
 

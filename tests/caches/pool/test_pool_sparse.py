@@ -267,7 +267,7 @@ def test_a_dense_pool_state_has_no_sparse_leaves():
     sparse = tps.HostPoolKVCache(**GEOMETRY, sparse=0.5)
     dense_leaves = jax.tree.leaves(cache.init())
     sparse_state = sparse.init()
-    assert len(jax.tree.leaves(sparse_state)) == len(dense_leaves) + 3
+    assert len(jax.tree.leaves(sparse_state)) == len(dense_leaves) + 5
     assert sparse_state.sparse.summaries.sharding.memory_kind == "pinned_host"
     assert sparse_state.sparse.summaries.shape == SummaryLayout(sparse.spec).shape
     cache.close()
