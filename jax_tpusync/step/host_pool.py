@@ -207,23 +207,8 @@ def pool_layer(
     kernel_options: dict,
     counts: jax.Array | None = None,  # int32[batch]: real rows per slot (None: q_len)
 ) -> tuple[jax.Array, PoolState]:
-    """One layer of a step over a host pool: ``(out, state)``, ``out`` like ``q``. A
-    cache made with ``sparse=`` goes through :mod:`jax_tpusync.step.pool_sparse`."""
-    if state.sparse is not None:
-        from jax_tpusync.step import pool_sparse  # It builds on this module.
-
-        return pool_sparse.sparse_pool_layer(
-            q,
-            k,
-            v,
-            state,
-            layer=layer,
-            implementation=implementation,
-            scale=scale,
-            soft_cap=soft_cap,
-            kernel_options=kernel_options,
-            counts=counts,
-        )
+    """One layer of a step over a host pool: ``(out, state)``, ``out`` like ``q`` (a
+    dense one: a sparse state's step is :mod:`jax_tpusync.step.pool_sparse`'s)."""
     spec = state.spec
     layout = PoolLayout(spec)
     batch, q_len = q.shape[:2]

@@ -1,0 +1,72 @@
+"""The sparse host-pool decode step compiled for a TPU (libtpu's compiler; nothing runs):
+``bench tpu-compile --sparse`` for a v5e, two layers, at 32K and 128K tokens. Its device
+memory must not grow with the context (the summaries stay in host memory, scored a chunk
+at a time), and every unit copy (predicted and late) and every summary chunk copy must
+have an attention (or a layer's unit walk, or a scoring) between its start and its end.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+# libtpu's wheels are Linux x86_64 only: there the test extra installs it.
+REQUIRED = sys.platform == "linux" and platform.machine() == "x86_64"
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    if importlib.util.find_spec("libtpu") is None:
+        if REQUIRED:
+            pytest.fail("libtpu is not installed: pip install '.[test]' installs it here")
+        pytest.skip("libtpu has no wheel for this platform")
+    out = tmp_path_factory.mktemp("tpu") / "tpu_compile.json"
+    command = [
+        sys.executable, "-m", "jax_tpusync.bench", "tpu-compile", "--sparse",
+        "--topologies", "v5e:2x2", "--contexts", "32768", "131072", "--layers", "2",
+        "--kinds", "ours", "--json", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=env, timeout=900, cwd=out.parent
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Nothing ran on a TPU: " in done.stdout
+    assert "v5e:2x2 sparse (budget 0.03, 10% of each selection assumed late)" in done.stdout
+    return done.stdout, {row["context"]: row for row in json.loads(out.read_text())["results"]}
+
+
+@pytest.mark.slow
+def test_device_memory_is_flat_in_the_context(report):
+    _, rows = report
+    short, long = rows[32768], rows[131072]
+    assert abs(long["ours_device_mib"] - short["ours_device_mib"]) <= 0.01 * short[
+        "ours_device_mib"
+    ]
+    # The summaries are in host memory, four times as many at four times the context.
+    assert long["summary_host_mib"] > 3 * short["summary_host_mib"]
+
+
+@pytest.mark.slow
+def test_every_copy_has_an_attention_between_its_start_and_end(report):
+    _, rows = report
+    for row in rows.values():
+        units, summaries = row["overlap"], row["summary_overlap"]
+        assert units["copies"] > 0 and units["spanning"] == units["copies"]
+        assert summaries["copies"] > 0 and summaries["spanning"] == summaries["copies"]
+
+
+@pytest.mark.slow
+def test_the_projected_step_is_set_by_the_budget(report):
+    _, rows = report
+    short, long = rows[32768], rows[131072]
+    assert short["selected_blocks"] == 4 and long["selected_blocks"] == 16  # 3% of 128, 512
+    # Four times the context, about four times the sparse step, all far below dense.
+    assert long["projected_step_ms"] < 0.1 * long["dense_projected_step_ms"]
+    assert short["projected_step_ms"] < long["projected_step_ms"] < 5 * short["projected_step_ms"]
