@@ -25,6 +25,11 @@ chip of a topology, ``--batch-over-chips`` the slots (the batch-sharded pool's l
 chips: 2 x 2). Every number is per chip: the weights split over the heads only, the KV
 over both.
 
+``--sparse[=BUDGET]``: ours with sparse decode (``HostPoolKVCache(sparse=BUDGET)``, 3%
+bare), its summary chunk copies' overlap too, and its projected step (the layer's
+summaries, the selected blocks and ``--late-share`` of them again) against the dense step
+at the first context.
+
 Printed by default: per topology, in words, the device memory ours holds across the
 contexts against the plain and resident steps', and how many unit copies overlap an
 attention; ``--details``: every row. Each program compiles in its own child process
