@@ -31,10 +31,10 @@ unit copies, staging and online-softmax merge as the dense walk:
 
 Dense where sparse does not apply: a step of more than one row per slot (a prefill chunk,
 or a ragged step of any slot prefilling: every layer reads its whole context, and the
-summaries take the written keys), and sliding-window layers (their window). The layer
-after a dense one has its first unit copied densely ahead, so a sparse layer after a
-sliding one copies its first unit again (measured on nothing yet; say so where it
-matters).
+summaries take the written keys), and sliding-window layers (their window). A dense
+layer copies the next layer's first unit densely ahead, so a sparse layer after a sliding
+one (a model of mixed windows in one cache) copies its first predicted unit again, not
+overlapped; a hybrid cache's groups each hold one kind of layer.
 """
 
 from __future__ import annotations
