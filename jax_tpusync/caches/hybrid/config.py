@@ -206,6 +206,8 @@ def group_arguments(
                 if k != "prefix_salt" and not (k == "sparse" and group.window is not None)
             },
         )
+        if group.window is not None:  # A sliding group reads its window whole.
+            kwargs.pop("sparse", None)
         if host_pool:
             CacheConfig.from_kwargs(**kwargs)
         elif mesh is None:
