@@ -21,6 +21,9 @@ The public surface:
   in-graph start/wait/write-back ops for building other prefetch schedules.
 * ``OffloadedKVCache(tier_dtype="int8" | "float8_e4m3fn")`` keeps quantized rows (codes
   and per-token scales, :mod:`jax_tpusync.core.quantize`) on the tier and in staging.
+* :func:`compare_sparse` runs a model's own decode step dense and sparse (sparse
+  layer-ahead decode, :mod:`jax_tpusync.sparse`) over its own context and reports per-layer
+  recall, the logits' difference and next-token agreement.
 * :func:`jax_tpusync.runtime.xla_cpu.use_memory_scheduler` (first thing in a script) keeps XLA's
   CPU backend from converting every layer's 16-bit weights at the start of a one-program
   step.
@@ -55,6 +58,7 @@ from jax_tpusync.runtime.engine import (
     split_cpus,
 )
 from jax_tpusync.runtime.xla_cpu import setup as setup_cpu
+from jax_tpusync.sparse_compare import SparseComparison, compare_sparse
 
 __all__ = [
     "BatchShardedPoolKVCache",
@@ -70,6 +74,7 @@ __all__ = [
     "QuantizedRows",
     "ShardedKVCache",
     "TierDataLossError",
+    "SparseComparison",
     "TierInfo",
     "Timeline",
     "TpusyncError",
@@ -78,5 +83,6 @@ __all__ = [
     "setup_cpu",
     "split_cpus",
     "kv_cache",
+    "compare_sparse",
 ]
 __version__ = "0.2.0"

@@ -35,6 +35,8 @@ SUBCOMMANDS: tuple[str, ...] = (
     "contention",
     "prefix",
     "quality",
+    "sparse",
+    "retrieval",
     "serve",
     "prefill",
     "hybrid",

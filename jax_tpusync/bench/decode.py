@@ -42,6 +42,15 @@ that adds compute without adding KV). It runs as
   KV, with the same staging budget. ``quantized_over_prefetch`` is the ratio of the two
   steps; ``quantized_max_abs_diff`` its first step's distance from ``resident`` (the
   quantization error; ``bench quality`` measures what it does to next tokens).
+* ``sparse`` (with ``--sparse BUDGET``): ``prefetch`` over a cache made with
+  ``sparse=BUDGET`` holding the same KV: each layer's decode row reads the blocks its query
+  selects (its prediction from the previous step fetched ahead, what the exact selection
+  adds fetched late). ``sparse_over_prefetch`` and ``sparse_over_resident`` are its step
+  against the dense ones; ``sparse_bytes_per_step`` the KV bytes it read per step
+  (block summaries, predicted and late blocks) and ``sparse_read_share`` their share of
+  the dense step's; ``sparse_hit_rate`` the share of predicted blocks the exact selection
+  held. The bench's input is the same every step, so the prediction stays right: a
+  model's own tokens move the selection (see ``bench sparse`` for what it reads then).
 * ``plain``: the platform's own fetch of the same number of bytes, no engine and no XLA: one
   synchronous O_DIRECT ``preadv`` of ``--chunk-bytes`` after another from the prefetching
   cache's tier file (``memcpy`` on the host tier), on a thread pinned to the engine's CPUs.
@@ -149,6 +158,9 @@ COLUMNS = [
     ("fetch_bytes_per_segment", "B/segment", ".0f"),
     ("t_quantized_ms", "quantized ms", ".1f"),
     ("quantized_over_prefetch", "quant/pf", ".3f"),
+    ("t_sparse_ms", "sparse ms", ".1f"),
+    ("sparse_over_prefetch", "sparse/pf", ".3f"),
+    ("sparse_read_share", "sparse bytes/dense", ".3f"),
     ("t_platform_ms", "platform ms", ".1f"),
     ("t_jax_offload_ms", "jax offload ms", ".1f"),
     ("overlap_efficiency", "overlap eff", ".3f"),
@@ -258,6 +270,15 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="adds the quantized variant: the prefetch step over a cache of this tier dtype",
     )
+    p.add_argument(
+        "--sparse",
+        type=_budget,
+        default=None,
+        metavar="BUDGET",
+        help="adds the sparse variant: the prefetch step over a cache made with "
+        "sparse=BUDGET (a share of the context in (0, 1], e.g. 0.05, or a number of blocks), "
+        "with its KV bytes read per step (summaries, predicted and late blocks) against dense",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--plot",
@@ -308,6 +329,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     )
     baselines.add_arguments(p)
     common.add_json_argument(p)
+
+
+def _budget(text: str) -> float | int:
+    """``--sparse``: a float share, or an int number of blocks."""
+    return float(text) if any(c in text for c in ".eE") else int(text)
 
 
 def _depth(text: str) -> int | str:

@@ -128,6 +128,7 @@ def row(
         cfetch = contig.engine.stats()["tiers"][contig.tier]["fetch"]
         res["contiguous_fetch_bytes_per_segment"] = cfetch["bytes_per_segment"]
     res.update(_quantized_row(res, quant, spec, shape, args, first_out))
+    res.update(_sparse_row(res, b, steps, first_out))
     res["baseline_page_cache"] = baselines.page_cache(args) if args.baselines else None
     res["memcpy_ms"], res["memcpy_bytes_timed"] = baselines.memcpy_ms(shape.kv_bytes_per_step)
     res.update(baselines.ratios(res))
@@ -282,6 +283,44 @@ def _quantized_row(res, quant, spec, shape: Shape, args, first_out) -> dict[str,
     return out
 
 
+def _sparse_row(res, b: Bench, steps: dict[str, Step], first_out) -> dict[str, Any]:
+    """The sparse variant's step against the dense ones, the KV bytes it read per step
+    (summaries, predicted and late blocks) against a dense step's, and its first step's
+    output against the dense one's (the relative error of reading a share of the blocks,
+    on the bench's random KV)."""
+    cache = b.cache_of("sparse")[0]
+    if cache is None or "sparse" not in steps:
+        return dict(sparse_budget=None, sparse_over_prefetch=None, sparse_read_share=None)
+    stats = cache.sparse_stats(steps["sparse"].state)
+    t_sparse = res["t_sparse_ms"]
+    layers = stats["layers"]
+    dense = np.asarray(first_out["prefetch"], np.float32)
+    predicted = sum(row["predicted"] for row in layers)
+    hits = sum(row["hits"] for row in layers)
+    return dict(
+        sparse_budget=b.args.sparse,
+        sparse_block_tokens=cache.spec.block_tokens,
+        sparse_over_prefetch=t_sparse / res["t_prefetch_ms"],
+        sparse_over_resident=t_sparse / res["t_resident_ms"] if res["t_resident_ms"] else None,
+        sparse_over_resident_mode=(
+            t_sparse / res["t_resident_mode_ms"] if res["t_resident_mode_ms"] else None
+        ),
+        sparse_steps_counted=stats["steps"],
+        sparse_bytes_per_step=stats["bytes_per_step"]["read"],
+        sparse_dense_bytes_per_step=stats["bytes_per_step"]["dense"],
+        sparse_bytes=stats["bytes"],
+        sparse_read_share=stats["read_share"],
+        sparse_hit_rate=hits / predicted if predicted else None,
+        sparse_hit_rate_per_layer=[row["hit_rate"] for row in layers],
+        sparse_late_per_layer=[row["late"] for row in layers],
+        sparse_summary_bytes=cache.spec.summary_bytes,
+        sparse_relative_error=float(
+            np.linalg.norm(np.asarray(first_out["sparse"], np.float32) - dense)
+            / max(float(np.linalg.norm(dense)), 1e-30)
+        ),
+    )
+
+
 def _targets(res: dict[str, Any]) -> dict[str, Any]:
     by_ctx = res["device_bytes_by_context"]
     out: dict[str, Any] = {}
@@ -297,6 +336,16 @@ def _targets(res: dict[str, Any]) -> dict[str, Any]:
     quantized = res.get("quantized_over_prefetch")
     out["quantized step <= 0.6 x prefetch (file tier)"] = (
         None if quantized is None else quantized <= 0.6
+    )
+    share, ratio = res.get("sparse_read_share"), res.get("sparse_over_prefetch")
+    five = res.get("sparse_budget") == 0.05
+    out["sparse (5%) bytes read <= 0.07 x dense, from 128K"] = (
+        share <= 0.07 if share is not None and five and res["context"] >= 128 * 1024 else None
+    )
+    out["sparse (5%) step <= 0.15 x dense (file tier, 256K)"] = (
+        ratio <= 0.15
+        if ratio is not None and five and res["tier"] == "file" and res["context"] >= 256 * 1024
+        else None
     )
     out["device_bytes equal at 32K and 1M context"] = (
         len({by_ctx[str(n)] for n in CONTEXT_CHECK}) == 1
@@ -348,6 +397,8 @@ def user_summary(res: dict[str, Any]) -> str:
         lines.append(
             f"  the library is {verdict.compare(ran[library], ran[best_jax], BASELINE_LABELS[best_jax])}"
         )
+    if res.get("sparse_over_prefetch") is not None:
+        lines.append(sparse_words(res))
     if "resident" in ran:
         floor, lib = ran["resident"], ran[library]
         line = f"  the resident floor is {verdict.compare(floor, lib, 'the library')}"
@@ -355,6 +406,25 @@ def user_summary(res: dict[str, Any]) -> str:
             line += "; a floor should not be slower: rerun with more --steps on a quieter machine"
         lines.append(line)
     return "\n".join(lines)
+
+
+def sparse_words(res: dict[str, Any]) -> str:
+    """The sparse step against the dense ones and its bytes, in words."""
+    mib = 1 << 20
+    words = (
+        f"  sparse decode (budget {res['sparse_budget']}): {res['t_sparse_ms']:.1f} ms a step, "
+        f"{res['sparse_over_prefetch']:.3f} x the dense step ({res['t_prefetch_ms']:.1f} ms)"
+    )
+    if res.get("sparse_over_resident") is not None:
+        words += f", {res['sparse_over_resident']:.3f} x the resident floor"
+    hit = res.get("sparse_hit_rate")
+    words += (
+        f"; it read {res['sparse_bytes_per_step'] / mib:.1f} MiB of KV a step (summaries, "
+        f"predicted and late blocks) against {res['sparse_dense_bytes_per_step'] / mib:.1f} "
+        f"MiB dense: {res['sparse_read_share']:.3f} of the bytes"
+        + ("" if hit is None else f"; prediction hit rate {hit:.3f}")
+    )
+    return words
 
 
 def plot_comparison(res: dict[str, Any], out: str) -> None:
@@ -401,6 +471,12 @@ def print_summary(res: dict[str, Any]) -> None:
         else f"the same over {res.get('tier_dtype')} rows + scales "
         f"({f(res.get('quantized_bytes_ratio'), '.3f')} of the bytes; quantized/prefetch "
         f"{f(res['quantized_over_prefetch'], '.3f')})",
+        "sparse": "not run (--sparse BUDGET adds it)"
+        if res.get("sparse_budget") is None
+        else f"the same read sparsely (budget {res['sparse_budget']}): "
+        f"{f(res.get('sparse_read_share'), '.3f')} of the KV bytes, hit rate "
+        f"{f(res.get('sparse_hit_rate'), '.3f')} (sparse/prefetch "
+        f"{f(res.get('sparse_over_prefetch'), '.3f')})",
         "plain": "plain reader thread on the engine's CPUs, same bytes, no engine",
         "platform": "compute beside that plain reader: this machine's own overlap",
         "jax_offload": "pinned_host KV + device_put in jit"

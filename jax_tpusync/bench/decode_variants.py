@@ -467,6 +467,14 @@ def _quantized_cache(b: Bench):
     return None
 
 
+def _sparse_cache(b: Bench):
+    """The same KV read sparsely (``sparse=``, with --sparse BUDGET): each decode row reads
+    the blocks its query selects, predicted a step ahead (see jax_tpusync.step.sparse_layer)."""
+    if b.args.sparse is not None:
+        return b.new_cache(file_name="kv_sparse", sparse=b.args.sparse)
+    return None
+
+
 def _on_own_cache(name: str, opener: Callable) -> None:
     """Registers ``name``: the prefetch step over the cache ``opener`` makes."""
 
@@ -484,6 +492,7 @@ for _name, _opener in (
     ("contiguous", _contiguous_cache),
     ("two_level", _two_level_cache),
     ("quantized", _quantized_cache),
+    ("sparse", _sparse_cache),
 ):
     _on_own_cache(_name, _opener)
 

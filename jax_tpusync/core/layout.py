@@ -86,8 +86,13 @@ def plan(config: CacheConfig) -> CacheSpec:
         )
     # A spill block has no resident copy: "auto" stays streamed on a two-level cache.
     # A ring (bounded window) keeps no copy of each position: "auto" stays streamed.
+    # Sparse decode reads a tier's selected blocks: "auto" stays streamed.
     resident = bool(
-        fits and staging.resident in (True, "auto") and not two_level and not g.ring_blocks
+        fits
+        and staging.resident in (True, "auto")
+        and not two_level
+        and not g.ring_blocks
+        and (config.sparse is None or staging.resident is True)
     )
     reads_in_place = False
     if staging.read_in_place is not False:
@@ -140,6 +145,7 @@ def plan(config: CacheConfig) -> CacheSpec:
         spill_blocks=spill_blocks,
         reads_in_place=reads_in_place,
         attends_landed=reads_in_place and (config.tier.kind == "file" or two_level),
+        sparse=config.sparse,
     )
 
 

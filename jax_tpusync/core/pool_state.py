@@ -241,8 +241,11 @@ class PoolState:
         now) or another cache's is never used again. 0: a state no call may take.
       ahead: the units staged after that one, ``prefetch_depth - 1`` tuples ``(staging,
         tail, staged_at)`` in the order they are attended (empty at depth 1).
+      sparse: a cache made with ``sparse=``: its
+        :class:`~jax_tpusync.core.pool_sparse.PoolSparseState` (block summaries in host
+        memory, each layer's prediction and counts); None: dense (no leaves).
 
-    The pytree structure depends on the :class:`CacheSpec` only.
+    The pytree structure depends on the :class:`CacheSpec` and the sparse setting only.
     """
 
     FIELDS = (
@@ -256,6 +259,7 @@ class PoolState:
         "refused",
         "epoch",
         "ahead",
+        "sparse",
     )
 
     def __init__(
@@ -271,6 +275,7 @@ class PoolState:
         refused,
         epoch,
         ahead=(),
+        sparse=None,
     ):
         self.spec = spec
         self.lengths = lengths
@@ -283,6 +288,7 @@ class PoolState:
         self.refused = refused
         self.epoch = epoch
         self.ahead = tuple(tuple(unit) for unit in ahead)
+        self.sparse = sparse
 
     @property
     def layout(self) -> PoolLayout:

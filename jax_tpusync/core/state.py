@@ -19,6 +19,7 @@ import numpy as np
 
 from jax_tpusync.core import quantize, window_ring
 from jax_tpusync.runtime import ops
+from jax_tpusync.sparse import summaries
 
 # Window value standing for "no sliding window" in traced per-layer window arrays.
 NO_WINDOW = np.iinfo(np.int32).max // 2
@@ -97,6 +98,9 @@ class CacheSpec:
     # Most rows one step appends, when each slot keeps a ring of blocks covering its window
     # (every layer shares one window; see jax_tpusync.core.window_ring); 0: no ring.
     step_tokens: int = 0
+    # Sparse decode (a jax_tpusync.sparse.SparseConfig): a decode row of a global layer
+    # reads only the blocks its query selects; the state carries a SparseState. None: dense.
+    sparse: Any = None
 
     @property
     def ring_blocks(self) -> int:
@@ -211,6 +215,84 @@ class CacheSpec:
     def windows_array(self) -> jax.Array:
         return jnp.asarray([NO_WINDOW if w is None else w for w in self.windows], jnp.int32)
 
+    @property
+    def max_selected(self) -> int:
+        """Sparse: the static size of one slot's selection (0: dense)."""
+        return self.sparse.max_selected(self.max_blocks) if self.sparse is not None else 0
+
+    @property
+    def summary_dtype(self) -> np.dtype:
+        """Sparse: the dtype of the block summaries (the key dtype, or float32)."""
+        return summaries.summary_dtype(self.dtype)
+
+    @property
+    def summary_shape(self) -> tuple[int, ...]:
+        """Sparse: [num_layers, num_blocks, num_kv_heads, head_dim], one of ``lo``/``hi``."""
+        return (self.num_layers, self.num_blocks, self.num_kv_heads, self.head_dim)
+
+    @property
+    def summary_bytes(self) -> int:
+        """Sparse: bytes of the state's block summaries (``lo`` and ``hi``, every layer)."""
+        if self.sparse is None:
+            return 0
+        return 2 * math.prod(self.summary_shape) * self.summary_dtype.itemsize
+
+
+@jax.tree_util.register_pytree_node_class
+class SparseState:
+    """What a sparse cache's state carries for its layers' selections (device arrays).
+
+    Fields:
+      lo, hi: [num_layers, num_blocks, num_kv_heads, head_dim] in ``spec.summary_dtype``:
+        per physical block, layer and KV head, the channel-wise minimum and maximum of the
+        block's keys (:mod:`jax_tpusync.sparse.summaries`; an empty block: ``lo`` at the
+        dtype's largest value, ``hi`` at its smallest). Kept per physical block, so blocks
+        a prefix shares share them.
+      previous: int32[num_layers, batch, max_selected]: each layer's exact selection at
+        the last decode step (logical blocks, ascending, -1 padded): its prediction for
+        the next one (:func:`jax_tpusync.sparse.prediction.predict`).
+      counts: int32[num_layers, 5]: per layer, summed over the decode steps since the
+        state's ``init``: blocks predicted, hits, late, wasted
+        (:data:`jax_tpusync.sparse.prediction.COUNTS`), and the context blocks a dense
+        step would have read.
+      steps: int32[]: sparse decode steps counted (a dense step, e.g. a prefill chunk,
+        counts nothing).
+    """
+
+    _FIELDS = ("lo", "hi", "previous", "counts", "steps")
+
+    def __init__(self, lo, hi, previous, counts, steps):
+        self.lo = lo
+        self.hi = hi
+        self.previous = previous
+        self.counts = counts
+        self.steps = steps
+
+    @classmethod
+    def empty(cls, spec: CacheSpec, lo=None, hi=None) -> SparseState:
+        """No prediction, no counts; summaries ``lo``/``hi`` (None: every block empty)."""
+        if lo is None or hi is None:
+            lo, hi = summaries.empty(spec.summary_shape, spec.summary_dtype)
+        return cls(
+            lo=jnp.asarray(lo, spec.summary_dtype),
+            hi=jnp.asarray(hi, spec.summary_dtype),
+            previous=jnp.full((spec.num_layers, spec.batch, spec.max_selected), -1, jnp.int32),
+            counts=jnp.zeros((spec.num_layers, 5), jnp.int32),
+            steps=jnp.zeros((), jnp.int32),
+        )
+
+    def tree_flatten(self):
+        return tuple(getattr(self, name) for name in self._FIELDS), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+    def replace(self, **changes) -> SparseState:
+        fields = {name: getattr(self, name) for name in self._FIELDS}
+        fields.update(changes)
+        return SparseState(**fields)
+
 
 @jax.tree_util.register_pytree_node_class
 class KVState:
@@ -236,6 +318,9 @@ class KVState:
       target: int32[6], (engine id, tier, first block, shard, spill tier, spill first
         block): where the cache's blocks are, which shard of a mesh cache this is (0 on
         one device), and where a two-level cache's spill blocks are (0, 0: none).
+      sparse: a :class:`SparseState` (``spec.sparse`` set: the block summaries, each
+        layer's last selection and the prediction counts), or None (dense: the state's
+        pytree is then exactly the dense one).
 
     A mesh cache's state (``spec.mesh`` set) has a leading axis of shards on every field,
     sharded over the mesh (see :mod:`jax_tpusync.caches.offloaded.mesh`).
@@ -267,6 +352,7 @@ class KVState:
         token,
         owner,
         target,
+        sparse=None,
     ):
         self.spec = spec
         self.lengths = lengths
@@ -278,12 +364,18 @@ class KVState:
         self.token = token
         self.owner = owner
         self.target = target
+        self.sparse = sparse
 
     @classmethod
-    def fresh(cls, spec, lengths, block_table, capacity, staging, owner, target) -> KVState:
+    def fresh(
+        cls, spec, lengths, block_table, capacity, staging, owner, target, sparse=None
+    ) -> KVState:
         """A state with no fetch in flight, its first unit next: ``lengths`` int[batch],
         ``block_table`` int[batch, max_blocks], ``capacity`` int[batch], ``staging`` of
-        ``spec.staging_shape``, ``owner`` int32[3], ``target`` int[6]."""
+        ``spec.staging_shape``, ``owner`` int32[3], ``target`` int[6]; a sparse spec's
+        ``sparse`` (None: empty summaries, no prediction)."""
+        if spec.sparse is not None and sparse is None:
+            sparse = SparseState.empty(spec)
         return cls(
             spec,
             lengths=jnp.asarray(lengths, jnp.int32),
@@ -295,14 +387,29 @@ class KVState:
             token=jnp.zeros((), jnp.int32),
             owner=owner,
             target=jnp.asarray(target, jnp.int32),
+            sparse=sparse if spec.sparse is not None else None,
         )
 
     def tree_flatten(self):
-        return tuple(getattr(self, name) for name in self._FIELDS), self.spec
+        children = tuple(getattr(self, name) for name in self._FIELDS)
+        if self.spec.sparse is not None:  # A dense state's pytree stays the dense one.
+            children += (self.sparse,)
+        return children, self.spec
 
     @classmethod
     def tree_unflatten(cls, spec, children):
         return cls(spec, *children)
+
+    @classmethod
+    def from_leaves(cls, spec: CacheSpec, leaves) -> KVState:
+        """The state of ``spec`` whose ``jax.tree_util.tree_leaves`` are ``leaves`` (a mesh
+        cache's shards are split and assembled leaf by leaf)."""
+        leaves = list(leaves)
+        fields, rest = leaves[: len(cls._FIELDS)], leaves[len(cls._FIELDS) :]
+        sparse = SparseState(*rest) if spec.sparse is not None else None
+        if len(rest) != (len(SparseState._FIELDS) if sparse is not None else 0):
+            raise ValueError(f"{len(leaves)} leaves are not a KVState's of this spec")
+        return cls(spec, *fields, sparse=sparse)
 
     def positions(self, q_len: int) -> jax.Array:
         """int32[batch, q_len]: each slot's next ``q_len`` positions, ``lengths[:, None] +
@@ -314,7 +421,7 @@ class KVState:
         return lengths[..., None] + jnp.arange(q_len, dtype=jnp.int32)
 
     def replace(self, **changes) -> KVState:
-        fields = {name: getattr(self, name) for name in self._FIELDS}
+        fields = {name: getattr(self, name) for name in (*self._FIELDS, "sparse")}
         fields.update(changes)
         return KVState(self.spec, **fields)
 

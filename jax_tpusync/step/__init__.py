@@ -2,7 +2,8 @@
 
 The entry point is :func:`jax_tpusync.prefetching_attention` (:mod:`jax_tpusync.attention`);
 its modules, lowest first (each imports only those above it in this list, and the
-package's lower layers: state, ops, backend, blocks, quantize, kernels, mesh_layout):
+package's lower layers: state, ops, backend, blocks, quantize, kernels, mesh_layout,
+sparse):
 
 * :mod:`~jax_tpusync.step.plan`: the unit walk: which positions each unit of a layer
   covers, their segments in the tier, the unit ``prefetch_depth`` ahead, the refusal of an
@@ -15,8 +16,11 @@ package's lower layers: state, ops, backend, blocks, quantize, kernels, mesh_lay
   :func:`~jax_tpusync.resident_attention`, the device-resident baseline;
 * :mod:`~jax_tpusync.step.streamed`: the write-back, then the layer's units, each fetched
   into staging ahead of its attention (or read in place);
+* :mod:`~jax_tpusync.step.sparse_layer`: a sparse decode layer (``spec.sparse``): the
+  exact selection, the predicted walk fetched layer-ahead and the late blocks' second
+  walk, both through the streamed step over compacted block tables;
 * :mod:`~jax_tpusync.step.device`: one device's layer: the checks, the write-back, then
-  resident or streamed;
+  resident, sparse or streamed;
 * :mod:`~jax_tpusync.step.sharded`: a mesh cache's layer, one device's per shard inside
   ``shard_map``, and the refusal of a single-device cache used across devices.
 """

@@ -19,7 +19,7 @@ import numpy as np
 from jax_tpusync.core.pool_state import PoolState
 from jax_tpusync.core.state import CacheSpec, KVState, dtype_error, exact_cast_allowed
 from jax_tpusync.runtime import backend
-from jax_tpusync.step import host_pool, plan, resident, streamed
+from jax_tpusync.step import host_pool, plan, pool_sparse, resident, sparse_layer, streamed
 
 IMPLEMENTATIONS = ("xla", "pallas")
 
@@ -51,6 +51,8 @@ def device_attention(
     token, new_kv, grow = streamed.write_back(spec, state, layer, k, v, shard_guard, counts)
     if spec.resident:
         return resident.resident_layer(q, k, v, state, new_kv, token, grow, **options)
+    if spec.sparse is not None:
+        return sparse_layer.sparse_layer(q, k, v, state, token, grow, **options)
     return streamed.streamed_layer(q, k, v, state, token, grow, **options)
 
 
@@ -69,12 +71,14 @@ def pool_attention(
     query_seq_lengths: jax.Array | None = None,  # int32[batch]: real rows per slot
 ) -> tuple[jax.Array, PoolState]:
     """:func:`~jax_tpusync.prefetching_attention` of a host-pool cache (the TPU data path:
-    :mod:`jax_tpusync.step.host_pool`)."""
+    :mod:`jax_tpusync.step.host_pool`; with ``sparse=``, :mod:`jax_tpusync.step.pool_sparse`)."""
     spec = state.spec
     _validate(q, k, v, spec, layer)
     _, _, options = _step_options(
         q, spec, layer, implementation, scale, soft_cap, block_kv, interpret, query_seq_lengths
     )
+    if state.sparse is not None:
+        return pool_sparse.sparse_pool_layer(q, k, v, state, **options)
     return host_pool.pool_layer(q, k, v, state, **options)
 
 

@@ -117,14 +117,20 @@ def unit_rows(
     first = plan.layer_start(spec, layer, lengths) // bt + unit * layout.blocks_per_unit
     index = first[:, None] + jnp.arange(layout.blocks_per_unit, dtype=jnp.int32)
     rows = block_rows(layout, state.block_table, state.capacity, layer, index)
+    return jnp.concatenate([rows, tail_row(layout, state, layer, lengths)[:, None]], axis=1)
+
+
+def tail_row(layout: PoolLayout, state: PoolState, layer, lengths: jax.Array) -> jax.Array:
+    """int32[batch]: pool row of each slot's write group at its length in ``layer`` (the
+    sink's where the slot has no block there)."""
+    bt = layout.spec.block_tokens
     tail_at = lengths - lengths % layout.write_rows
     tail_block = block_rows(
         layout, state.block_table, state.capacity, layer, (tail_at // bt)[:, None]
     )
-    tail = jnp.where(
+    return jnp.where(
         tail_block[:, 0] == layout.sink_row, layout.sink_row, tail_block[:, 0] + tail_at % bt
     )
-    return jnp.concatenate([rows, tail[:, None]], axis=1)
 
 
 def fetch_pieces(
@@ -248,7 +254,8 @@ def pool_layer(
     kernel_options: dict,
     counts: jax.Array | None = None,  # int32[batch]: real rows per slot (None: q_len)
 ) -> tuple[jax.Array, PoolState]:
-    """One layer of a step over a host pool: ``(out, state)``, ``out`` like ``q``."""
+    """One layer of a step over a host pool: ``(out, state)``, ``out`` like ``q`` (a
+    dense one: a sparse state's step is :mod:`jax_tpusync.step.pool_sparse`'s)."""
     spec = state.spec
     layout = PoolLayout(spec)
     batch, q_len = q.shape[:2]

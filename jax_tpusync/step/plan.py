@@ -11,6 +11,8 @@ step at.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -19,6 +21,38 @@ import numpy as np
 
 from jax_tpusync.core import blocks
 from jax_tpusync.core.state import INT32_MAX, NO_WINDOW, CacheSpec, KVState
+
+
+@dataclasses.dataclass(frozen=True)
+class Walk:
+    """The block tables a layer's unit walk reads through when they are not the state's
+    own: a sparse decode step's compacted tables (see :mod:`jax_tpusync.step.sparse_layer`).
+
+    A dense walk over ``table`` with ``lengths`` reads exactly the blocks packed into it;
+    attention over cached positions needs no position order (keys are stored after RoPE),
+    so every path (streamed, read in place, landed) reads only those blocks, unchanged.
+
+    Attributes:
+      table: int32[batch, max_blocks]: this layer's walk (physical blocks, -1 padded).
+      lengths: int32[batch]: the tokens ``table`` holds per slot.
+      layer_lengths: int32[num_layers, batch]: every layer's walk lengths this step (what
+        the prefetch ahead counts units by).
+      next_layer_lengths: int32[num_layers, batch]: the next step's (an estimate for the
+        layers after this one: a prefetch that differs is read again, never trusted).
+      table_ahead: ``(layer, next_step) -> int32[batch, max_blocks]``: the table a
+        prefetch of ``layer``'s units reads through (this step's or the next one's).
+      late_table: int32[batch, max_blocks]: a second walk after the first (blocks the
+        prediction missed, fetched late), or None.
+      late_lengths: int32[batch]: its tokens per slot.
+    """
+
+    table: jax.Array
+    lengths: jax.Array
+    layer_lengths: jax.Array
+    next_layer_lengths: jax.Array
+    table_ahead: Callable[[Any, jax.Array], jax.Array]
+    late_table: jax.Array | None = None
+    late_lengths: jax.Array | None = None
 
 
 def window_of(spec: CacheSpec, layer) -> jax.Array:
@@ -168,11 +202,13 @@ def write_segments(
 def units_per_layer(spec: CacheSpec, lengths: jax.Array, align: int = 1) -> jax.Array:
     """int32[num_layers]: :func:`num_units` of every layer at ``lengths``, at once; with
     ``align``, units that start at a multiple of it (a host pool's whole blocks), which a
-    window's span may need one more of."""
+    window's span may need one more of. ``lengths`` is int32[batch], or int32[num_layers,
+    batch]: each layer's own (a sparse step's walk lengths, see :class:`Walk`)."""
     windows = spec.windows_array()[:, None]  # [num_layers, 1]
-    start = jnp.where(windows >= NO_WINDOW, 0, jnp.maximum(lengths[None, :] - windows + 1, 0))
+    per_layer = lengths if lengths.ndim == 2 else lengths[None, :]
+    start = jnp.where(windows >= NO_WINDOW, 0, jnp.maximum(per_layer - windows + 1, 0))
     start = start // align * align
-    span = jnp.max(lengths[None, :] - start, axis=1)
+    span = jnp.max(per_layer - start, axis=1)
     return jnp.maximum(1, (span + spec.chunk_len - 1) // spec.chunk_len)
 
 
@@ -213,6 +249,22 @@ def advance(spec: CacheSpec, layer, chunk, lengths, grow: jax.Array, align: int 
     where prefetching that unit could read bytes this step has not written yet (a
     next-step unit of a layer after the current one: only with tiny models) or where
     cross-step prefetch is off.
+    """
+    next_lengths = lengths + grow
+    l, c, next_step, ok = advance_over(
+        spec,
+        layer,
+        chunk,
+        units_per_layer(spec, lengths, align),  # This step.
+        units_per_layer(spec, next_lengths, align),  # The next one.
+    )
+    return l, c, jnp.where(next_step, next_lengths, lengths), ok
+
+
+def advance_over(spec: CacheSpec, layer, chunk, units: jax.Array, next_units: jax.Array):
+    """:func:`advance` over given units per layer (int32[num_layers], this step's and the
+    next one's): ``(layer, chunk, next_step, ok)``, ``next_step`` True where the unit is
+    the next step's.
 
     Computed in closed form from the units of every layer (no trace-time loop over the
     depth, whose unrolling made compile time grow with it): a step of the walk from the
@@ -221,9 +273,6 @@ def advance(spec: CacheSpec, layer, chunk, lengths, grow: jax.Array, align: int 
     depth = spec.prefetch_depth
     cur_layer = jnp.asarray(layer, jnp.int32)
     c = jnp.asarray(chunk, jnp.int32)
-    next_lengths = lengths + grow
-    units = units_per_layer(spec, lengths, align)  # This step.
-    next_units = units_per_layer(spec, next_lengths, align)  # The next one.
     here = units[cur_layer]
     # Steps from (layer, chunk) to the next layer's first unit.
     to_next_layer = jnp.maximum(here - c, 1)
@@ -239,11 +288,10 @@ def advance(spec: CacheSpec, layer, chunk, lengths, grow: jax.Array, align: int 
     next_step = ~same_layer & ~in_this_step
     l = jnp.where(same_layer, cur_layer, jnp.where(in_this_step, this_l, next_l))
     c = jnp.where(same_layer, c + depth, jnp.where(in_this_step, this_c, next_c))
-    lens = jnp.where(next_step, next_lengths, lengths)
     ok = ~next_step | (l <= cur_layer)
     if not spec.prefetch_across_steps:
         ok = ~next_step
-    return l, c, lens, ok
+    return l, c, next_step, ok
 
 
 def tag(layer, chunk) -> jax.Array:

@@ -133,7 +133,7 @@ def sharded_attention(
                 q, k, v, part, layer=layer, query_seq_lengths=counts, **options
             )
             return out, [x[None] for x in jax.tree_util.tree_leaves(part)]
-        part = KVState(shard_spec, *[x[0] for x in leaves])
+        part = KVState.from_leaves(shard_spec, [x[0] for x in leaves])
         if shard_step_lengths is not None:
             out, part = device.device_read_attention(
                 q,

@@ -114,18 +114,42 @@ def streamed_layer(
     soft_cap: float | None,
     kernel_options: dict,
     counts: jax.Array | None = None,  # int32[batch]: real rows per slot (None: q_len)
+    walk: plan.Walk | None = None,
 ) -> tuple[jax.Array, KVState]:
     """Steps 2 and 3 of one layer of a streamed cache, its write-back queued (``token``):
     ``(out, state)``, ``out`` like ``q``. Query row ``i`` of slot ``b`` sits at
     ``lengths[b] + i`` and attends to the cached keys and to the step's rows ``j <= i``
-    with ``j < counts[b]``; the next step's prefetch walks ``lengths + grow``."""
+    with ``j < counts[b]``; the next step's prefetch walks ``lengths + grow``.
+
+    With ``walk`` (a sparse decode step) the units are those of ``walk``'s tables instead
+    of the state's, the prefetch ahead follows ``walk.table_ahead``, and a second walk
+    over ``walk.late_table`` (no prefetch: its fetches are started by the waits
+    themselves) merges in before the new tokens."""
     spec = state.spec
     eid = state.target[0]
     batch, q_len = q.shape[:2]
     lengths = state.lengths
     owner = jnp.concatenate([state.owner, jnp.zeros((1,), jnp.int32)])
+    # The state the units are read through: the step's own, or the walk's tables.
+    walked = state if walk is None else state.replace(block_table=walk.table, lengths=walk.lengths)
 
-    num_units = plan.num_units(spec, layer, lengths)
+    def ahead(chunk):
+        """(layer, chunk, state to read it through, ok) of the unit prefetch_depth ahead."""
+        if walk is None:
+            p_layer, p_chunk, p_lens, ok = plan.advance(spec, layer, chunk, lengths, grow)
+            return p_layer, p_chunk, state.replace(lengths=p_lens), ok
+        p_layer, p_chunk, next_step, ok = plan.advance_over(
+            spec,
+            layer,
+            chunk,
+            plan.units_per_layer(spec, walk.layer_lengths),
+            plan.units_per_layer(spec, walk.next_layer_lengths),
+        )
+        p_lens = jnp.where(next_step, walk.next_layer_lengths[p_layer], walk.layer_lengths[p_layer])
+        p_state = state.replace(block_table=walk.table_ahead(p_layer, next_step), lengths=p_lens)
+        return p_layer, p_chunk, p_state, ok
+
+    num_units = plan.num_units(spec, layer, walked.lengths)
     attend = layer_attend(spec, layer, scale, soft_cap, implementation, kernel_options)
 
     block_len = staged_block_len(spec) if implementation == "xla" else spec.chunk_len
@@ -143,7 +167,7 @@ def streamed_layer(
         q_, out, lse, staging, tickets, slot = carry
         o, l = in_place.unit(
             spec,
-            state,
+            walked,
             layer,
             chunk,
             q_,
@@ -161,17 +185,17 @@ def streamed_layer(
         # Start the unit `prefetch_depth` ahead into the slot consumed last (free now:
         # `out` depends on its contents having been read). A two-level cache fetches
         # each unit from both tiers, into the same slot (ticket level * num_slots + slot).
-        p_layer, p_chunk, p_lens, ok = plan.advance(spec, layer, chunk, lengths, grow)
+        p_layer, p_chunk, p_state, ok = ahead(chunk)
         p_slot = (slot + spec.prefetch_depth) % spec.num_slots
-        p_lo, p_count = plan.unit_range(spec, p_layer, p_chunk, p_lens)
+        p_lo, p_count = plan.unit_range(spec, p_layer, p_chunk, p_state.lengths)
         p_count = jnp.where(ok, p_count, 0)
-        lo, count = plan.unit_range(spec, layer, chunk, lengths)
+        lo, count = plan.unit_range(spec, layer, chunk, walked.lengths)
         for level, (tier, first_block, regions) in enumerate(levels):
             q_, p_ticket = ops.start_fetch(
                 eid,
                 tier,
                 q_,
-                plan.fetch_segments(spec, state, p_layer, p_lo, p_count, p_slot, level),
+                plan.fetch_segments(spec, p_state, p_layer, p_lo, p_count, p_slot, level),
                 plan.tag(p_layer, p_chunk),
                 dst_bytes=spec.device_bytes,
                 deps=(token, out),
@@ -187,7 +211,7 @@ def streamed_layer(
                 tier,
                 staging,
                 tickets[level * spec.num_slots + slot],
-                plan.fetch_segments(spec, state, layer, lo, count, slot, level),
+                plan.fetch_segments(spec, walked, layer, lo, count, slot, level),
                 plan.tag(layer, chunk),
                 deps=(q_, k, v, out),
                 regions=regions,
@@ -221,9 +245,9 @@ def streamed_layer(
         # A two-level cache fetches ahead from its spill tier only (level 1's tickets); its
         # memory tier's rows are read where they lie.
         q_, out, lse, staging, tickets, slot = carry
-        p_layer, p_chunk, p_lens, ok = plan.advance(spec, layer, chunk, lengths, grow)
+        p_layer, p_chunk, p_state, ok = ahead(chunk)
         p_slot = (slot + spec.prefetch_depth) % spec.num_slots
-        p_lo, p_count = plan.unit_range(spec, p_layer, p_chunk, p_lens)
+        p_lo, p_count = plan.unit_range(spec, p_layer, p_chunk, p_state.lengths)
         p_count = jnp.where(ok, p_count, 0)
         level = 1 if spec.spill_blocks else 0
         tier, first_block, regions = levels[level]
@@ -232,7 +256,7 @@ def streamed_layer(
             eid,
             tier,
             q_,
-            plan.fetch_segments(spec, state, p_layer, p_lo, p_count, 0, level),
+            plan.fetch_segments(spec, p_state, p_layer, p_lo, p_count, 0, level),
             plan.tag(p_layer, p_chunk),
             dst_bytes=in_place.landed_bytes(spec),
             deps=(token, out),
@@ -243,7 +267,7 @@ def streamed_layer(
         )
         o, l = in_place.unit(
             spec,
-            state,
+            walked,
             layer,
             chunk,
             q_,
@@ -270,6 +294,33 @@ def streamed_layer(
     else:
         carry = lax.fori_loop(0, num_units, unit_step, carry)
     q_, out, lse, staging, tickets, slot = carry
+    if walk is not None and walk.late_table is not None:
+        late = state.replace(block_table=walk.late_table, lengths=walk.late_lengths)
+        out, lse, staging = late_walk(
+            spec,
+            late,
+            layer,
+            q_,
+            out,
+            lse,
+            staging,
+            slot,
+            token,
+            k,
+            v,
+            owner,
+            counts,
+            **(
+                dict(
+                    attend=attend,
+                    block_len=block_len,
+                    keys_for=keys_for,
+                    scale=scale,
+                    soft_cap=soft_cap,
+                    first_chunk=num_units,
+                )
+            ),
+        )
 
     # 3. The new tokens attend to themselves (causally; a slot's padding rows are no keys)
     # and merge in.
@@ -295,3 +346,88 @@ def streamed_layer(
         owner=state.owner.at[2].add(jnp.asarray(layer == spec.num_layers - 1, jnp.int32)),
     )
     return out.astype(q.dtype), state
+
+
+def late_walk(
+    spec: CacheSpec,
+    late: KVState,  # the state with the late walk's table and lengths
+    layer,
+    q: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    staging: jax.Array,
+    slot: jax.Array,  # the staging slot a staged late unit lands in (copied by its wait)
+    token: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    owner: jax.Array,
+    counts: jax.Array | None,
+    *,
+    attend,
+    block_len: int,
+    keys_for,
+    scale: float,
+    soft_cap: float | None,
+    first_chunk: jax.Array,  # the main walk's units: late units are tagged after them
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(out, lse, staging)`` with the units of ``late``'s table merged in: blocks the
+    prediction missed, read when the query is known. Nothing was fetched ahead for them:
+    each unit's wait (or in-place call) is given no ticket and reads its bytes itself; the
+    prefetch chain's tickets stay as they are."""
+    eid = late.target[0]
+    no_ticket = jnp.int32(ops.NO_TICKET)
+
+    def one_unit(chunk, carry):
+        out, lse, staging = carry
+        tag = plan.tag(layer, first_chunk + chunk)
+        lo, count = plan.unit_range(spec, layer, chunk, late.lengths)
+        if spec.reads_in_place:
+            o, l = in_place.attend_unit(
+                spec,
+                late,
+                layer,
+                q,
+                plan.fetch_segments(spec, late, layer, lo, count, 0),
+                lo,
+                count,
+                tag=tag,
+                deps=(token, k, v, out),
+                owner=owner,
+                scale=scale,
+                soft_cap=soft_cap,
+                ticket=no_ticket if spec.attends_landed else None,
+                counts=counts,
+            )
+        else:
+            staging = ops.wait_fetch(
+                eid,
+                late.target[1],
+                staging,
+                no_ticket,
+                plan.fetch_segments(spec, late, layer, lo, count, slot),
+                tag,
+                deps=(q, k, v, out),
+                regions=spec.regions,
+                owner=owner,
+                first_block=late.target[2],
+            )
+            o, l = attend_valid_rows(
+                lambda start, n, valid: attend(
+                    q,
+                    k_start=lo + start,
+                    k_valid=valid,
+                    q_start=late.lengths,
+                    **staged_unit_rows(spec, staging, slot, start, n),
+                ),
+                keys_for(count),
+                spec.chunk_len,
+                block_len,
+                q.shape,
+            )
+        out, lse = kernel_reference.merge_partials(out, lse, o, l)
+        return out, lse, staging
+
+    carry = (out, lse, staging)
+    if spec.single_unit:
+        return one_unit(jnp.int32(0), carry)
+    return lax.fori_loop(0, plan.num_units(spec, layer, late.lengths), one_unit, carry)

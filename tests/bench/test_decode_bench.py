@@ -75,6 +75,8 @@ def bench_run(tmp_path_factory):
             *TINY,
             "--tier-dtype",
             "int8",
+            "--sparse",
+            "0.5",
             "--json",
             paths["json"],
             "--plot",
@@ -473,3 +475,34 @@ def test_decode_devices_rows_fetch_one_shard_each(tmp_path, mesh, tier):
         for b in r["fetch_bytes_by_shard"]:
             assert r["kv_bytes_per_shard_step"] <= b < 1.2 * r["kv_bytes_per_shard_step"], r
     assert two["t_prefetch_ms"] > 0
+
+
+def test_the_sparse_variant_reads_a_share_of_the_bytes(tmp_path):
+    """--sparse 0.25 at a small context: the sparse step is timed beside the dense and
+    resident ones, its bytes per step (summaries, predicted and late blocks) are a share
+    of the dense step's, in words and in the JSON; --sparse 1.0 reads every block and
+    equals the dense output."""
+    tiny = list(TINY)
+    tiny[tiny.index("--context") + 1] = "1024"
+    common_args = ["decode", *tiny, "--block-tokens", "32", "--variants", "resident", "prefetch"]
+    args = _parser().parse_args(
+        [*common_args, "sparse", "--sparse", "0.25", "--json", str(tmp_path / "sp.json")]
+    )
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        res = args.run(args)
+    assert res["t_sparse_ms"] > 0
+    assert res["sparse_over_prefetch"] == res["t_sparse_ms"] / res["t_prefetch_ms"]
+    assert res["sparse_block_tokens"] == 32
+    bytes_ = res["sparse_bytes"]
+    assert bytes_["read"] == bytes_["summaries"] + bytes_["predicted"] + bytes_["late"]
+    assert res["sparse_read_share"] == bytes_["read"] / bytes_["dense"]
+    # 9 of 33 blocks (ceil(0.25 x 33)) and their summaries (1/32 of a block's KV each).
+    assert 0.25 < res["sparse_read_share"] < 0.35
+    assert res["sparse_hit_rate"] > 0.9  # The bench's input is the same every step.
+    assert "sparse decode (budget 0.25)" in printed.getvalue()
+    assert "of the bytes" in printed.getvalue()
+    args = _parser().parse_args([*common_args, "sparse", "--sparse", "1.0"])
+    res = args.run(args)
+    assert res["sparse_relative_error"] < 1e-2
+    assert res["sparse_read_share"] > 1.0  # Every block, and the summaries too.

@@ -60,6 +60,7 @@ from jax_tpusync.caches.hybrid.record import (
     put_back,
     write_layers_record,
 )
+from jax_tpusync.caches.offloaded import sparse_summaries
 from jax_tpusync.caches.offloaded.cache import OffloadedKVCache
 from jax_tpusync.caches.offloaded.mesh import ShardedKVCache
 from jax_tpusync.caches.pool.cache import HostPoolKVCache
@@ -309,6 +310,37 @@ class HybridKVCache(PartsKVCache):
         if not isinstance(state, HybridState) or state.plan != self.plan:
             raise ValueError(f"expected a HybridState of this cache; got {type(state).__name__}")
         return list(state.groups)
+
+    def sparse_stats(self, state: HybridState) -> dict:
+        """The sparse groups' :meth:`OffloadedKVCache.sparse_stats` (their layers the
+        model's: ``layers`` has a row per model layer that stores its KV, ``sparse`` False
+        for a sliding layer, which reads its window densely), summed over the groups.
+
+        Raises:
+          ValueError: no group is sparse (the cache was made without ``sparse=``), or
+            ``state`` is not this cache's.
+        """
+        parts = self.split(state)
+        per_group = [
+            (group, self.parts[i].sparse_stats(part))
+            for i, (group, part) in enumerate(zip(self.plan.groups, parts))
+            if getattr(self.parts[i].shard_spec, "sparse", None) is not None
+        ]
+        if not per_group:
+            raise ValueError("sparse_stats() needs a sparse cache (made with sparse=...)")
+        zero = {name: 0 for name in ("predicted", "hits", "late", "wasted", "context_blocks")}
+        no_bytes = dict.fromkeys(per_group[0][1]["layers"][0]["bytes"], 0)
+        layers = {  # A dense group's layers (sliding ones): nothing selected, nothing counted.
+            layer: dict(zero, sparse=False, hit_rate=None, bytes=dict(no_bytes), layer=layer)
+            for group in self.plan.groups
+            for layer in group.layers
+        }
+        for group, stats in per_group:
+            for layer, row in zip(group.layers, stats["layers"]):
+                layers[layer] = dict(row, layer=layer)
+        combined = sparse_summaries.combined_stats([stats for _, stats in per_group])
+        combined["layers"] = [layers[layer] for layer in sorted(layers)]
+        return combined
 
     def recover(self) -> HybridState:
         """The live state after a failed step (see :meth:`OffloadedKVCache.recover`); the

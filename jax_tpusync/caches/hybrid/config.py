@@ -169,6 +169,11 @@ def group_arguments(
             "pass bound_windows=False to persist a hybrid cache (shm_name / file_name), "
             "or drop them"
         )
+    if options.get("sparse") is not None and all(g.window is not None for g in plan.groups):
+        raise ValueError(
+            "sparse= selects blocks of global layers' contexts; every layer of this hybrid "
+            "cache has a sliding window (which it reads whole): drop sparse="
+        )
     shares = staging_shares(plan, staging_bytes, batch, max_step_tokens, options)
     out = []
     for i, group in enumerate(plan.groups):
@@ -194,8 +199,15 @@ def group_arguments(
             shm_name=None if shm_name is None else f"{shm_name}.g{i}",
             file_name=None if file_name is None else f"{file_name}.g{i}",
             prefix_salt=group_salt(options, group.layers),
-            **{k: v for k, v in options.items() if k != "prefix_salt"},
+            # Sparse decode is the global groups' (a sliding group reads its window).
+            **{
+                k: v
+                for k, v in options.items()
+                if k != "prefix_salt" and not (k == "sparse" and group.window is not None)
+            },
         )
+        if group.window is not None:  # A sliding group reads its window whole.
+            kwargs.pop("sparse", None)
         if host_pool:
             CacheConfig.from_kwargs(**kwargs)
         elif mesh is None:

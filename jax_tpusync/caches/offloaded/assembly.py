@@ -61,7 +61,7 @@ def checked_config(
     config = CacheConfig.from_kwargs(**with_config(config, options))
     config.geometry.check_one_cache()
     if config.sparse is not None:
-        raise ValueError("sparse=: sparse decode does not run on the engine's caches yet")
+        refuse_sparse_combinations(config)
     if not backend.runs_engine_ops():
         raise ValueError(
             f"the {backend.name()} backend does not run this cache's in-graph ops (XLA "
@@ -76,6 +76,22 @@ def checked_config(
         if not engine.config.poison_fetches:
             raise ValueError("debug_poison needs an engine made with poison_fetches=True")
     return config
+
+
+def refuse_sparse_combinations(config: CacheConfig) -> None:
+    """Refuses, by name, what a sparse engine cache does not run (yet)."""
+    if config.staging.resident is True:
+        raise ValueError(
+            "sparse= with resident=True: a resident cache keeps every layer's KV on the "
+            "device and reads it whole; drop resident= (sparse decode reads the selected "
+            "blocks from the tier)"
+        )
+    if config.two_level:
+        raise ValueError(
+            "sparse= with spill_path: sparse decode does not run on a two-level cache yet "
+            "(its spill moves blocks between tiers, and their summaries with them); drop "
+            "one of them"
+        )
 
 
 def engine_for(engine: Engine | EngineConfig | None, config: CacheConfig) -> tuple[Engine, bool]:

@@ -43,6 +43,7 @@ import numpy as np
 
 from jax_tpusync.caches.admission import AdmissionTransaction
 from jax_tpusync.caches.capabilities import TierPart
+from jax_tpusync.caches.offloaded import sparse_summaries
 from jax_tpusync.caches.offloaded.admission import OffloadedAdmission
 from jax_tpusync.caches.offloaded.assembly import (
     checked_config,
@@ -500,6 +501,7 @@ class OffloadedKVCache:
         k, v, starts, counts, skip = self.rows.prepare_load(
             layer, k, v, start, lengths, slot, state.lengths, self._loads
         )  # Refused: no change.
+        before = np.asarray(state.lengths).copy()
         if self.persistence is not None:  # Committed rows may change: commit them gone.
             jax.block_until_ready(state)  # The step that made it has finished writing.
             self.persistence.note_rows_written(layer, starts, counts)
@@ -513,7 +515,37 @@ class OffloadedKVCache:
             state = self._live.with_lengths(state, grown)
         if self.spec.resident:
             state = state.replace(staging=self.rows.resident_copy(state.staging, layer=layer))
+        if self.spec.sparse is not None:  # The loaded blocks' summaries, from the tier.
+            valid = np.zeros((self.spec.num_layers, self.spec.batch), np.int64)
+            valid[layer] = np.maximum(self._loads.furthest(layer, before), before)
+            spans = [
+                (layer, b, int(starts[b]), int(starts[b] + counts[b]))
+                for b in range(self.spec.batch)
+            ]
+            sparse = sparse_summaries.refreshed(
+                self.spec, self.rows, state.sparse, self.slots.tables, spans, valid
+            )
+            state = state.replace(sparse=sparse)
         return state
+
+    def sparse_stats(self, state: KVState) -> dict:
+        """A sparse cache's decode steps since ``state``'s :meth:`init`: per layer, the
+        blocks its prediction fetched ahead (``predicted``), those the exact selection
+        held too (``hits``; ``hit_rate = hits / predicted``), those fetched late (``late``:
+        exact, not predicted) and read for nothing (``wasted``: predicted, not exact), the
+        context blocks a dense step reads (``context_blocks``), and their bytes
+        (``summaries`` scored, ``predicted`` and ``late`` blocks read, K and V, against
+        ``dense``); over all layers, ``bytes``, ``read_share`` (read / dense) and
+        ``bytes_per_step``. Only layers that select count (sliding layers read their
+        window densely), and only decode steps (``q_len == 1``).
+
+        Raises:
+          ValueError: the cache is not sparse (``sparse=``), or ``state`` is not its own.
+        """
+        self._live.check(state)
+        if self.spec.sparse is None:
+            raise ValueError("sparse_stats() needs a sparse cache (made with sparse=...)")
+        return sparse_summaries.sparse_stats(self.spec, state)
 
     def read(
         self,

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_tpusync.caches.offloaded import sparse_summaries
 from jax_tpusync.core import blocks
 from jax_tpusync.core.host_io import HostRows
 from jax_tpusync.core.state import CacheSpec, KVState
@@ -39,6 +40,8 @@ class LiveState:
       lengths: int32[batch], the lengths of the latest state the host made or saw.
       resident_epoch: resident mode, the epoch of the latest state whose copy matches
         the tier (None: none yet).
+      summaries_epoch: sparse, the epoch of the latest state whose block summaries match
+        the tier (None: none yet).
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class LiveState:
         self.first_staging = first_staging  # Handed to the first fresh state.
         self.lengths = np.zeros(spec.batch, np.int32)
         self.resident_epoch: int | None = None
+        self.summaries_epoch: int | None = None
         self.stream = engine.open_stream()
 
     def check(self, state: KVState) -> None:
@@ -92,9 +96,13 @@ class LiveState:
             self.rows.store.note_staging_phase(staging)
         self.lengths = np.asarray(lengths, np.int32).copy()
         owner = self.new_owner()
-        self.resident_epoch = int(np.asarray(owner)[1])
+        self.resident_epoch = self.summaries_epoch = int(np.asarray(owner)[1])
+        tables = slots.tables
+        sparse = None
+        if spec.sparse is not None:  # Summaries of the rows the tier holds now.
+            sparse = sparse_summaries.fresh_sparse(spec, self.rows, tables, self.lengths)
         return KVState.fresh(
-            spec, lengths, slots.tables, slots.capacity, staging, owner, self.target
+            spec, lengths, tables, slots.capacity, staging, owner, self.target, sparse
         )
 
     def inert(self) -> KVState:
@@ -128,7 +136,18 @@ class LiveState:
         slot admitted (at its mapped prefix) or released (0)."""
         lengths = np.asarray(state.lengths).copy()
         lengths[slot] = length
-        return self.with_slots(state, lengths)
+        state = self.with_slots(state, lengths)
+        if self.spec.sparse is not None:
+            # A new sequence (or none): no prediction; a mapped prefix's blocks get their
+            # summaries from the tier (they may have been imported into it just now).
+            sparse = sparse_summaries.with_slot_reset(state.sparse, slot)
+            valid = np.broadcast_to(lengths, (self.spec.num_layers, self.spec.batch))
+            spans = [(layer, slot, 0, length) for layer in range(self.spec.num_layers)]
+            sparse = sparse_summaries.refreshed(
+                self.spec, self.rows, sparse, self.rows.slots.tables, spans, valid
+            )
+            state = state.replace(sparse=sparse)
+        return state
 
     def drain(self, state: KVState) -> KVState:
         """``state`` as the live one, in a new epoch, carrying no prefetches (see
@@ -145,10 +164,20 @@ class LiveState:
             if int(np.asarray(state.owner)[1]) != self.resident_epoch:
                 staging = self.rows.resident_copy()
             self.resident_epoch = int(np.asarray(owner)[1])
+        sparse = state.sparse
+        if self.spec.sparse is not None:
+            # Likewise the summaries: an older epoch's may miss rows the host wrote since
+            # through a later state; its predictions and counts stay.
+            if int(np.asarray(state.owner)[1]) != self.summaries_epoch:
+                tables = self.rows.slots.tables
+                fresh = sparse_summaries.fresh_sparse(self.spec, self.rows, tables, self.lengths)
+                sparse = sparse.replace(lo=fresh.lo, hi=fresh.hi)
+            self.summaries_epoch = int(np.asarray(owner)[1])
         return state.replace(
             tickets=jnp.full((self.spec.num_tickets,), ops.NO_TICKET, jnp.int32),
             owner=owner,
             staging=staging,
+            sparse=sparse,
         )
 
     def recovered_lengths(self) -> np.ndarray:

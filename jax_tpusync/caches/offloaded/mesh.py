@@ -49,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jax_tpusync.caches.capabilities import TierPart
 from jax_tpusync.caches.composite import PartsAdmission, PartsKVCache, outside_mesh
+from jax_tpusync.caches.offloaded import sparse_summaries
 from jax_tpusync.caches.offloaded.cache import OffloadedKVCache
 from jax_tpusync.core.config import CacheConfig, with_config
 from jax_tpusync.core.host_io import one_slot_load
@@ -255,7 +256,7 @@ class ShardedKVCache(PartsKVCache):
                     (n, *first.shape), self.state_sharding, parts
                 )
             )
-        return KVState(self.spec, *leaves)
+        return KVState.from_leaves(self.spec, leaves)
 
     def split(self, state: KVState) -> dict[int, KVState]:
         """This process's shards of a global ``state``: ``{shard: its KVState}``."""
@@ -285,7 +286,7 @@ class ShardedKVCache(PartsKVCache):
                     )
                 with self._on(s):
                     per_shard[s].append(piece.data[0])
-        return {s: KVState(self.shard_spec, *leaves) for s, leaves in per_shard.items()}
+        return {s: KVState.from_leaves(self.shard_spec, leaves) for s, leaves in per_shard.items()}
 
     def _split(self, state: KVState, *, check=True, releasing=None) -> dict[int, KVState]:
         return self.split(state)
@@ -367,6 +368,18 @@ class ShardedKVCache(PartsKVCache):
         return out[0], out[1]
 
     # -- capabilities (jax_tpusync.caches.capabilities) --------------------------------------
+
+    def sparse_stats(self, state: KVState) -> dict:
+        """:meth:`OffloadedKVCache.sparse_stats` over every shard of this process: each
+        shard selects over its own KV heads (and slots), so its blocks and bytes add up.
+
+        Raises:
+          ValueError: the cache is not sparse (``sparse=``), or ``state`` is not its own.
+        """
+        parts = self.split(state)
+        return sparse_summaries.combined_stats(
+            [self.parts[s].sparse_stats(part) for s, part in sorted(parts.items())]
+        )
 
     @property
     def kv_head_ranges(self) -> list[tuple[int, int]]:

@@ -48,7 +48,6 @@ NOT_YET = {
     "resident": (False, "a resident cache needs no pool"),
     "read_in_place": ("auto", "the pool is always copied to the device by unit"),
     "debug_poison": (False, "poisoned fetches are an engine feature"),
-    "sparse": (None, "sparse decode does not run on the host pool yet"),
 }
 
 # Keywords the other caches (OffloadedKVCache, ShardedKVCache, kv_cache) take beyond
@@ -131,6 +130,8 @@ def checked_config(
     config.geometry.check_one_cache()  # A ring needs every layer to share one window.
     if config.two_level:
         check_spill(config, options, mesh)
+    if config.sparse is not None:
+        check_sparse(config, mesh)
     if mesh is None:
         if kv_heads_axis is not None or batch_axis is not None:
             raise ValueError("kv_heads_axis and batch_axis need mesh= (host-pool cache)")
@@ -177,6 +178,31 @@ def check_spill(config: CacheConfig, options: dict[str, Any], mesh: Mesh | None)
             f"promote_after={promote_after!r}: a host pool promotes every spill block at "
             f"the admission that maps it (its step reads only the pool); leave "
             f"promote_after out (host-pool cache)"
+        )
+
+
+def check_sparse(config: CacheConfig, mesh: Mesh | None) -> None:
+    """Refuses, by name, what a host pool's sparse decode (``sparse=``; see
+    :mod:`jax_tpusync.step.pool_sparse`) does not go with yet."""
+    sparse = config.sparse
+    if mesh is not None:
+        raise ValueError(
+            f"sparse={sparse!r} with mesh=: sparse decode on a host pool over a mesh (a "
+            f"selection per head shard) is not supported yet; drop one of them (host-pool "
+            f"cache)"
+        )
+    if config.two_level:
+        raise ValueError(
+            f"sparse={sparse!r} with spill_path={config.tier.spill_path!r}: a spill tier's "
+            f"promoted blocks would need their summaries carried through the spill file; "
+            f"not supported yet, drop one of them (host-pool cache)"
+        )
+    depth = config.staging.prefetch_depth
+    if not isinstance(depth, str) and int(depth) > 1:
+        raise ValueError(
+            f"sparse={sparse!r} with prefetch_depth={depth}: a sparse layer walks its "
+            f"predicted blocks one unit ahead (the units further ahead are not known before "
+            f"the query); use prefetch_depth=1 or 'auto' (host-pool cache)"
         )
 
 

@@ -99,6 +99,11 @@ class BatchShardedPoolKVCache(PartsKVCache):
                 "batch_axis=None: this cache splits the slots over a mesh axis; a pool with "
                 "only its heads split is a HostPoolKVCache(mesh=, kv_heads_axis=)"
             )
+        if options.get("sparse") is not None:
+            raise ValueError(
+                f"sparse={options['sparse']!r}: sparse decode on a BatchShardedPoolKVCache "
+                f"is not supported yet (a HostPoolKVCache on one device takes it)"
+            )
         batch = options.get("batch")
         if not is_int(batch) or batch <= 0 or batch % layout.dp:
             raise ValueError(

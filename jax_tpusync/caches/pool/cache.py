@@ -30,9 +30,16 @@ for are demoted to a file instead of evicted, and promoted back into the pool by
 admission that maps them, before any step reads them (a step reads only the pool; see
 :mod:`jax_tpusync.caches.pool.spill`). :attr:`HostPoolKVCache.prefix_stats` counts the moves.
 
+Sparse decode (``sparse=``, a :class:`~jax_tpusync.sparse.SparseConfig` or its budget):
+global layers' decode rows read only the blocks their query selects, from block summaries
+the state keeps beside the pool in host memory (:mod:`jax_tpusync.step.pool_sparse`,
+:mod:`jax_tpusync.core.pool_sparse`); :meth:`HostPoolKVCache.sparse_stats` reports how the
+layer-ahead prediction did and the bytes copied.
+
 What this cache does not do yet (each refused by name at construction): file tiers that
 are not a persistent copy (``tier="file"`` without ``file_name``), a spill tier over a
-mesh or with ``max_step_tokens``, and resident mode. (Slots split over a mesh's
+mesh or with ``max_step_tokens``, resident mode, and sparse decode over a mesh, with a
+spill tier or at ``prefetch_depth`` above 1. (Slots split over a mesh's
 ``batch_axis`` are a :class:`~jax_tpusync.BatchShardedPoolKVCache`, one such cache per
 batch shard; this one takes a ``batch_axis`` of one device. Models whose layers differ are served
 by a :class:`~jax_tpusync.HybridKVCache` whose groups are host pools, ``host_pool=True``;
@@ -89,6 +96,7 @@ from jax.sharding import Mesh
 from jax_tpusync.caches.admission import AdmissionTransaction
 from jax_tpusync.caches.parts import restart_part
 from jax_tpusync.caches.pool import assembly as pool_assembly
+from jax_tpusync.caches.pool import summaries as pool_summaries
 from jax_tpusync.caches.pool.admission import PoolAdmission
 from jax_tpusync.caches.pool.host_rows import PoolHostRows
 from jax_tpusync.caches.pool.live_state import PoolLiveState
@@ -99,6 +107,7 @@ from jax_tpusync.core.pool_state import PoolLayout, PoolState
 from jax_tpusync.core.slots import Admission
 from jax_tpusync.core.state import CacheSpec
 from jax_tpusync.persist import commit as persistence
+from jax_tpusync.sparse.config import SparseConfig
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +176,13 @@ class HostPoolKVCache:
         # length grows to the rows every layer holds.
         self._loaded = LoadedExtent(self.spec.num_layers, self.spec.batch)
         self._live = PoolLiveState(
-            self.spec, self.layout, mesh_layout, self.slots, self.state_sharding, self.pool_sharding
+            self.spec,
+            self.layout,
+            mesh_layout,
+            self.slots,
+            self.state_sharding,
+            self.pool_sharding,
+            config.sparse,
         )
         self._rows = PoolHostRows(self._live, self._loaded, self._tier, self.persistence)
         self._admission = AdmissionTransaction(
@@ -223,6 +238,28 @@ class HostPoolKVCache:
     def kv_bytes(self) -> int:
         """Host memory of the pool (every layer's blocks and the sink), all devices'."""
         return self.shards * self.layout.pool_bytes
+
+    @property
+    def sparse(self) -> SparseConfig | None:
+        """The sparse decode setting (None: every decode row reads its whole context)."""
+        return self.config.sparse
+
+    def sparse_stats(self, state: PoolState) -> dict:
+        """Per layer, what sparse decode did since the cache was made: blocks predicted
+        (copied a unit ahead, before the query), hits (predicted and selected), late
+        (selected, not predicted: copied once the query was known), wasted (predicted, not
+        selected; attended all the same), the sparse decode steps and rows, and the bytes
+        copied to the device (summaries, predicted and late blocks) against a dense step's
+        (:func:`jax_tpusync.caches.pool.summaries.sparse_stats`). Host-side: the step that
+        made ``state`` is waited for.
+
+        Raises:
+          ValueError: the cache was made without ``sparse=``.
+        """
+        self.check(state)
+        if state.sparse is None:
+            raise ValueError("sparse_stats(): this cache was made without sparse=")
+        return pool_summaries.sparse_stats(self.layout, np.asarray(state.sparse.counts))
 
     @property
     def prefix_stats(self) -> dict:

@@ -102,6 +102,7 @@ class PoolHostRows:
                 v[b, rows],
             )
             state = state.replace(pool=pool)
+        state = live.summarized(state, [layer], starts, starts + counts)
         return self._grown(state, [layer], starts, counts)
 
     def load_stored_rows(
@@ -137,7 +138,8 @@ class PoolHostRows:
         pool = pool_stored_rows.write_stored_rows(
             live.layout, live.mesh, state.pool, live.slots.table_row(slot), int(start), rows
         )
-        return self._grown(state.replace(pool=pool), layers, starts, counts)
+        state = live.summarized(state.replace(pool=pool), layers, starts, starts + counts)
+        return self._grown(state, layers, starts, counts)
 
     def _writing(
         self, state: PoolState, layers: Sequence[int], starts: np.ndarray, counts: np.ndarray

@@ -17,11 +17,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_tpusync.caches.pool import summaries as pool_summaries
 from jax_tpusync.caches.pool.spill import check_pool_ids
 from jax_tpusync.core.mesh_layout import MeshLayout
+from jax_tpusync.core.pool_sparse import PoolSparseState, SummaryLayout
 from jax_tpusync.core.pool_state import NOT_STAGED, PoolLayout, PoolState
 from jax_tpusync.core.slots import SlotTable
 from jax_tpusync.core.state import CacheSpec
+from jax_tpusync.sparse.config import SparseConfig
 
 __all__ = ["PoolLiveState"]
 
@@ -39,6 +42,8 @@ class PoolLiveState:
       slots: the cache's slot table, whose tables and capacities the states carry.
       state_sharding: where the state's small leaves and its staging live.
       pool_sharding: where the pool lives.
+      sparse: the cache's sparse setting (None: dense): its states carry block summaries
+        (beside the pool, in its memory), recomputed where a host call writes KV.
 
     Attributes:
       epoch: the live state's epoch (0: none yet).
@@ -53,8 +58,10 @@ class PoolLiveState:
         slots: SlotTable,
         state_sharding: jax.sharding.Sharding,
         pool_sharding: jax.sharding.Sharding,
+        sparse: SparseConfig | None = None,
     ):
         self.spec = spec
+        self.sparse = sparse
         self.layout = layout
         self.mesh = mesh
         self.slots = slots
@@ -72,17 +79,56 @@ class PoolLiveState:
     def state(self, lengths, block_table, capacity, pool_rows=None) -> PoolState:
         """A state of these per-slot tables over a pool of ``pool_rows`` (a host array of
         the pool's shape; None: zeros), nothing staged."""
+        restored = pool_rows is not None
         if pool_rows is None:
             pool_rows = np.zeros(self.global_shape(self.layout.pool_shape), self.layout.dtype)
         pool = jax.device_put(pool_rows, self.pool_sharding)
         local = PoolState.fresh(self.spec, lengths, block_table, capacity, pool)
-        return local.replace(
+        state = local.replace(
             **{
                 name: jax.tree.map(self.placed, getattr(local, name))
                 for name in PoolState.FIELDS
-                if name != "pool"
+                if name not in ("pool", "sparse")
             }
         )
+        if self.sparse is None:
+            return state
+        summary = SummaryLayout(self.spec)
+        state = state.replace(
+            sparse=PoolSparseState(
+                self.sparse,
+                summaries=jax.device_put(summary.empty_rows(summary.shape[0]), self.pool_sharding),
+                previous=self.placed(self.no_previous()),
+                counts=self.placed(np.zeros(PoolSparseState.counts_shape(self.spec), np.int32)),
+                staged_chunk=self.placed(
+                    np.zeros(PoolSparseState.staged_chunk_shape(self.spec), summary.dtype)
+                ),
+                staged_layer=self.placed(np.int32(NOT_STAGED)),
+            )
+        )
+        if restored:  # The committed rows came in under empty summaries.
+            lengths = np.asarray(lengths, np.int64)
+            state = self.summarized(
+                state, range(self.spec.num_layers), np.zeros_like(lengths), lengths
+            )
+        return state
+
+    def no_previous(self) -> np.ndarray:
+        """A sparse state's ``previous`` with no selection (every layer's prediction is
+        its sink and recent blocks until it selects)."""
+        shape = PoolSparseState.previous_shape(self.sparse, self.spec)
+        return np.full(shape, -1, np.int32)
+
+    def summarized(self, state: PoolState, layers, starts: np.ndarray, stops: np.ndarray):
+        """``state`` with the summaries of the blocks positions ``[starts[b], stops[b])``
+        of each slot touch in ``layers`` recomputed from its pool (KV a host call wrote);
+        ``state`` itself without a sparse part."""
+        if state.sparse is None:
+            return state
+        blocks = pool_summaries.blocks_of_ranges(
+            self.spec, np.asarray(self.slots.tables), layers, starts, stops
+        )
+        return pool_summaries.summarize(self.layout, state, blocks)
 
     def global_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """A state leaf's shape: one shard's, with a leading axis of shards over a mesh."""
@@ -161,7 +207,12 @@ class PoolLiveState:
         slot admitted (at its mapped prefix) or released (0)."""
         lengths = self.host(state.lengths).copy()
         lengths[slot] = length
-        return self.with_slots(state, lengths)
+        state = self.with_slots(state, lengths)
+        if length > 0:  # An admission: its mapped prefix may have come in by a host copy.
+            starts, stops = np.zeros(self.spec.batch, np.int64), np.zeros(self.spec.batch, np.int64)
+            stops[slot] = length
+            state = self.summarized(state, range(self.spec.num_layers), starts, stops)
+        return state
 
     def with_lengths(self, state: PoolState, lengths: np.ndarray) -> PoolState:
         """The live state: ``state`` with ``lengths`` (int[batch]), nothing staged (what a
@@ -172,11 +223,17 @@ class PoolLiveState:
         """``state`` with nothing staged: what a host-side write to the pool returns (a
         staged unit may hold the rows it replaced); the live state from now on."""
         staged_at = self.placed(np.full(self.layout.staged_at_shape, NOT_STAGED, np.int32))
-        return self.stamped(
-            state.with_staged_units(
-                (staging, tail, staged_at) for staging, tail, _ in state.staged_units
-            )
+        state = state.with_staged_units(
+            (staging, tail, staged_at) for staging, tail, _ in state.staged_units
         )
+        if state.sparse is not None:  # Selections (and summaries) of changed rows.
+            state = state.replace(
+                sparse=state.sparse.replace(
+                    previous=self.placed(self.no_previous()),
+                    staged_layer=self.placed(np.int32(NOT_STAGED)),
+                )
+            )
+        return self.stamped(state)
 
     def stamped(self, state: PoolState) -> PoolState:
         """``state`` stamped as the one live state: any state made before is refused."""
