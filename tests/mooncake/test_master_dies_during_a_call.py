@@ -201,7 +201,7 @@ def test_a_call_into_a_client_whose_master_stopped_ends_by_itself_in_its_deadlin
     safety = master.resume_later(30)
     try:
         start = time.monotonic()
-        code = client.is_exist("nothing")
+        code = client.is_exist("nothing-asked-while-stopped")  # Not one it answered
         seconds = time.monotonic() - start
     finally:
         master.resume()

@@ -66,8 +66,17 @@ class Master(LocalMaster):
             self.proc.wait(timeout=10)
 
     def pause(self) -> None:
+        """Stops the master (SIGSTOP) and returns once it is stopped: the signal is only
+        queued when ``kill`` returns, and a busy master could answer one more request."""
         quiet_client_errors()
         os.kill(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                # The state follows the command name, which is in parentheses.
+                if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                    return
+            time.sleep(0.001)
 
     def resume(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)
