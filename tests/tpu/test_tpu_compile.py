@@ -341,7 +341,7 @@ def test_the_schedule_check_counts_copies_spanning_any_attention_scope_or_loop()
     comes before its start (a copy outside a loop, among other layers' attention)."""
     from jax_tpusync.tpu.schedule import schedule_overlap
 
-    start = '  %c = u32[4,8]{1,0} copy-start(%p)'
+    start = "  %c = u32[4,8]{1,0} copy-start(%p)"
     done = "  %d = u32[4,8]{1,0} copy-done(%c)"
     score = '  %s = f32[8] fusion(%p), metadata={op_name="a/tpusync_score_blocks/b"}'
     attend = '  %a = f32[8] fusion(%p), metadata={op_name="a/tpusync_attend_unit/b"}'
