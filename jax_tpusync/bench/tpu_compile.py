@@ -26,6 +26,11 @@ chip of a topology, ``--batch-over-chips`` the slots (the batch-sharded pool's l
 chips: 2 x 2). Every number is per chip: the weights split over the heads only, the KV
 over both.
 
+``--sparse[=BUDGET]``: ours with sparse decode (``HostPoolKVCache(sparse=BUDGET)``, 3%
+bare), its summary chunk copies' overlap too, and its projected step (the layer's
+summaries, the selected blocks and ``--late-share`` of them again) against the dense step
+at the first context.
+
 Printed by default: per topology, in words, the device memory ours holds across the
 contexts against the plain and resident steps', and how many unit copies overlap an
 attention; ``--details``: every row. Each program compiles in its own child process
@@ -50,6 +55,11 @@ from jax_tpusync.tpu.target import compiled_or_refusal, device_bytes, prepare_co
 __all__ = ["schedule_overlap", "device_bytes"]  # Read by the tests from here too.
 
 TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "tpu7x:2x2x1")
+# --sparse alone: a 3% budget (about the blocks a dense 32K step reads, at 1M tokens).
+SPARSE_BUDGET = 0.03
+# --sparse's projection: the share of a selection not predicted (copied late). An
+# assumption: the issue's 90% hit-rate target; measure yours with sparse_stats().
+LATE_SHARE = 0.1
 
 
 def add_parser(sub) -> None:
@@ -118,6 +128,24 @@ def add_parser(sub) -> None:
         default=None,
         help="the host link per chip to project step times over, GB/s (default: each "
         "generation's published figure, jax_tpusync.tpu.host_link)",
+    )
+    p.add_argument(
+        "--sparse",
+        nargs="?",
+        type=float,
+        const=SPARSE_BUDGET,
+        default=None,
+        metavar="BUDGET",
+        help=f"ours with sparse decode at this budget (a share of each context's blocks; "
+        f"bare: {SPARSE_BUDGET}): its device bytes, the overlap of its unit, late and summary "
+        f"copies, and its projected step against the dense one at the first context",
+    )
+    p.add_argument(
+        "--late-share",
+        type=float,
+        default=LATE_SHARE,
+        help="with --sparse: the share of each selection assumed fetched late (not "
+        "predicted) in the projection",
     )
     common.add_details_argument(p, "every row (device MiB per step, overlap, projected ms)")
     common.add_json_argument(p)
@@ -257,6 +285,7 @@ def plan_ours(
     max_step_tokens: int | None = None,
     prefetch_depth: int = 1,
     link_gbps: float | None = None,
+    sparse: float | None = None,
 ):
     """The :class:`~jax_tpusync.tpu.ContextPlan` of the host-pool decode step at
     ``shape.context`` (:func:`jax_tpusync.tpu.plan_step`, the public planning call), on one
@@ -264,7 +293,8 @@ def plan_ours(
     ``tp`` (mesh axes ``batch`` and ``heads``); ``windows``: per layer, the tokens a sliding
     layer attends (None: global); ``max_step_tokens``: the pool keeps a ring per slot of one
     window plus that many rows (None: every position); ``prefetch_depth``: units in flight
-    ahead of the one attended; ``link_gbps``: the host link (None: the generation's)."""
+    ahead of the one attended; ``link_gbps``: the host link (None: the generation's);
+    ``sparse``: a sparse decode budget (None: dense)."""
     import jax
 
     import jax_tpusync as tps
@@ -283,6 +313,7 @@ def plan_ours(
         sliding_window=windows,
         max_step_tokens=max_step_tokens or None,
         prefetch_depth=prefetch_depth,
+        sparse=sparse,
     )
     options: dict[str, Any] = dict(implementation=implementation)
     if implementation == "pallas":
@@ -407,7 +438,18 @@ def measure(kind: str, topology: str, shape, options: dict) -> dict:
     plan, ours = plan_ours(shape, topology, **options)
     if ours.device_bytes is None:
         raise RuntimeError(f"the host-pool step does not fit a {topology} chip: {ours.refusal}")
+    sparse_parts = {}
+    if ours.sparse is not None:
+        sparse_parts = dict(
+            summary_overlap=ours.sparse.summary_overlap,
+            summary_layer_bytes=ours.sparse.summary_layer_bytes,
+            summary_chunk_blocks=ours.sparse.summary_chunk_blocks,
+            summary_host_mib=ours.sparse.summary_host_bytes / 2**20,
+            selected_blocks=ours.sparse.selected_blocks,
+            context_blocks=ours.sparse.context_blocks,
+        )
     return dict(
+        **sparse_parts,
         device_mib=ours.device_bytes / 2**20,
         note="",
         compile_s=ours.compile_s,
@@ -422,6 +464,7 @@ def measure(kind: str, topology: str, shape, options: dict) -> dict:
             copies=ours.copies,
             started_before=ours.started_before,
             overlapped=ours.overlapped,
+            spanning=ours.spanning,
         ),
         link_gbps=plan.link_gbps,
         link_source=plan.link_source,
@@ -505,6 +548,8 @@ def run(args) -> list[dict]:
                 prefetch_depth=args.prefetch_depth,
                 link_gbps=args.link_gbps,
             )
+            if args.sparse is not None:
+                options["sparse"] = args.sparse
             ours = measure_in_child("ours", topology, shape, options)
             skipped = dict(device_mib=None, note="not compiled (--kinds)")
             plain, resident = (
@@ -520,6 +565,11 @@ def run(args) -> list[dict]:
             layer_windows = windows or [None] * shape.layers
             read_rows = sum(context if w is None else min(context, w) for w in layer_windows)
             kv_bytes = 2 * shape.batch * read_rows * shape.row_bytes / (dp * tp)
+            dense_kv_bytes = kv_bytes
+            sparse_row = {}
+            if args.sparse is not None:
+                kv_bytes, sparse_row = sparse_read(args, shape, ours, layer_windows, dp * tp)
+            gbps = ours["link_gbps"]
             overlap = ours["overlap"]
             rows.append(
                 dict(
@@ -548,14 +598,76 @@ def run(args) -> list[dict]:
                     overlap=overlap,
                     link_gbps=ours["link_gbps"],
                     link_source=ours["link_source"],
-                    projected_step_ms=kv_bytes / (ours["link_gbps"] * 1e9) * 1e3,
+                    projected_step_ms=kv_bytes / (gbps * 1e9) * 1e3,
+                    dense_projected_step_ms=dense_kv_bytes / (gbps * 1e9) * 1e3,
                     compile_s=ours["compile_s"],
                     ran_on_tpu=False,
+                    **sparse_row,
                 )
             )
             common.progress(f"{topology} {context}: compiled in {ours['compile_s']:.1f} s")
     common.summary_or_details(args, summary(rows))
     return rows
+
+
+def sparse_read(args, shape, ours: dict, layer_windows, chips: int) -> tuple[float, dict]:
+    """(KV bytes a sparse step reads per chip, the row's sparse fields): per global layer
+    the layer's summaries (every physical block's, copied whole each step), the selected
+    blocks (the budget's share of the context's, at least the sink and recent blocks:
+    :class:`~jax_tpusync.tpu.SparseContextPlan`) and ``--late-share`` of them again
+    (fetched late: a prediction's wasted blocks are about as many as its late ones, so
+    predicted plus late is the selection plus the late share); a sliding layer its window."""
+    block_bytes = 2 * args.block_tokens * shape.row_bytes
+    selected = ours["selected_blocks"]
+    total = 0.0
+    global_layers = 0
+    for w in layer_windows:
+        if w is None:
+            global_layers += 1
+            total += shape.batch * selected * (1 + args.late_share) * block_bytes
+            total += ours["summary_layer_bytes"]
+        else:
+            total += 2 * shape.batch * min(shape.context, w) * shape.row_bytes
+    overlap = ours["summary_overlap"]
+    return total / chips, dict(
+        sparse_budget=args.sparse,
+        late_share=args.late_share,
+        selected_blocks=selected,
+        context_blocks=ours["context_blocks"],
+        summary_mib_per_step=global_layers * ours["summary_layer_bytes"] / chips / 2**20,
+        summary_chunk_blocks=ours["summary_chunk_blocks"],
+        summary_host_mib=ours["summary_host_mib"],
+        summary_overlapped=f"{overlap['spanning']}/{overlap['copies']}",
+        summary_overlap=overlap,
+    )
+
+
+def sparse_summary(rows: list[dict]) -> list[str]:
+    """With --sparse, per topology: the projected sparse step at each context against the
+    dense step's at the first context, and how its summary copies overlap their scoring."""
+    lines = []
+    for topology in dict.fromkeys(r["topology"] for r in rows):
+        mine = [r for r in rows if r["topology"] == topology]
+        base = mine[0]
+        ratios = ", ".join(
+            f"{r['projected_step_ms'] / base['dense_projected_step_ms']:.2f}x at "
+            f"{_tokens(r['context'])}"
+            for r in mine
+        )
+        summary = sum(r["summary_overlap"]["spanning"] for r in mine)
+        copies = sum(r["summary_overlap"]["copies"] for r in mine)
+        units = sum(r["overlap"]["spanning"] for r in mine)
+        unit_copies = sum(r["overlap"]["copies"] for r in mine)
+        lines.append(
+            f"{topology} sparse (budget {base['sparse_budget']:g}, {base['late_share']:.0%} of "
+            f"each selection assumed late): projected step against the dense step at "
+            f"{_tokens(base['context'])} ({base['dense_projected_step_ms']:.1f} ms): {ratios};"
+            f" summaries {_spread([r['summary_mib_per_step'] for r in mine], 'MiB')} copied"
+            f" per step; {units} of {unit_copies} unit copies (predicted and late) and"
+            f" {summary} of {copies} summary chunk copies have an attention, a layer's unit"
+            f" walk or a scoring between their start and their end"
+        )
+    return lines
 
 
 def summary(rows: list[dict]) -> str:
@@ -601,6 +713,8 @@ def summary(rows: list[dict]) -> str:
             f"  projected step time over a {first['link_gbps']:.2f} GB/s host link per chip"
             f"{source}: {_projected(mine)}"
         )
+    if rows[0].get("sparse_budget") is not None:
+        lines.extend(sparse_summary(rows))
     ran = any(r["ran_on_tpu"] for r in rows)
     lines.append(
         ("Ran on a TPU" if ran else "Nothing ran on a TPU")

@@ -3,12 +3,19 @@ compiled for a TPU topology with libtpu (nothing runs on a TPU), and what it wou
 take there (:func:`plan_step`)."""
 
 from jax_tpusync.tpu.chips import HostLink, hbm_bytes_per_device, host_link
-from jax_tpusync.tpu.plan import DEFAULT_CONTEXTS, ContextPlan, StepPlan, plan_step
+from jax_tpusync.tpu.plan import (
+    DEFAULT_CONTEXTS,
+    ContextPlan,
+    SparseContextPlan,
+    StepPlan,
+    plan_step,
+)
 
 __all__ = [
     "DEFAULT_CONTEXTS",
     "ContextPlan",
     "HostLink",
+    "SparseContextPlan",
     "StepPlan",
     "hbm_bytes_per_device",
     "host_link",

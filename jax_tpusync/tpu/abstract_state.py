@@ -22,7 +22,9 @@ def abstract_pool_state(
     tp`` shards, each device's pool in its host memory; ``config`` one batch shard's, its
     ``batch`` the slots of one), and where the step's other inputs go. The units are the
     ones the cache makes for these devices (:func:`~jax_tpusync.caches.pool.assembly.pool_spec`
-    of their device kind)."""
+    of their device kind); a cache made with ``sparse=`` carries its
+    :class:`~jax_tpusync.core.pool_sparse.PoolSparseState` (the block summaries in host
+    memory)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, SingleDeviceSharding
@@ -53,6 +55,19 @@ def abstract_pool_state(
             sds(pool.staged_at_shape, jnp.int32),
         )
 
+    sparse = None
+    if config.sparse is not None:  # Its summaries in host memory, beside the pool.
+        from jax_tpusync.core.pool_sparse import PoolSparseState, SummaryLayout
+
+        summary = SummaryLayout(spec)
+        sparse = PoolSparseState(
+            config.sparse,
+            sds(summary.shape, summary.dtype, on_host),
+            sds(PoolSparseState.previous_shape(config.sparse, spec), jnp.int32),
+            sds(PoolSparseState.counts_shape(spec), jnp.int32),
+            sds(PoolSparseState.staged_chunk_shape(spec), summary.dtype),
+            sds((), jnp.int32),
+        )
     state = PoolState(
         spec,
         sds((b,), jnp.int32),
@@ -63,5 +78,6 @@ def abstract_pool_state(
         sds((b,), jnp.int32),
         sds((), jnp.int32),
         ahead=tuple(staged() for _ in range(spec.prefetch_depth - 1)),
+        sparse=sparse,
     )
     return state, on_device

@@ -41,10 +41,37 @@ from jax_tpusync.tpu.target import (
     tracing_for_tpu,
 )
 
-__all__ = ["DEFAULT_CONTEXTS", "ContextPlan", "StepPlan", "plan_step"]
+__all__ = ["DEFAULT_CONTEXTS", "ContextPlan", "SparseContextPlan", "StepPlan", "plan_step"]
 
 DEFAULT_CONTEXTS = (32768, 262144, 1048576)
 MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseContextPlan:
+    """A sparse cache's part of a :class:`ContextPlan` (a cache made with ``sparse=``);
+    bytes are per chip.
+
+    Attributes:
+      context_blocks: blocks of one slot's context.
+      selected_blocks: blocks one slot's selection holds at the context (the budget's
+        share, at least the sink and recent blocks).
+      summary_layer_bytes: one layer's block summaries, copied to the device whole (a
+        chunk at a time) each step it decodes sparsely.
+      summary_chunk_blocks: blocks of one summary chunk (a copy, scored at once).
+      summary_host_bytes: every layer's summaries, in the chip's host memory.
+      summary_overlap: the summary chunk copies of the scheduled program, counted as
+        :func:`~jax_tpusync.tpu.schedule.schedule_overlap` counts unit copies (an
+        attention, a layer's unit walk or a scoring counted as the work they may overlap;
+        ``spanning``: those with one between their start and their end).
+    """
+
+    context_blocks: int
+    selected_blocks: int
+    summary_layer_bytes: int
+    summary_chunk_blocks: int
+    summary_host_bytes: int
+    summary_overlap: dict[str, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,11 +94,15 @@ class ContextPlan:
       copies: unit copies in them.
       started_before: copies started before their computation's attention.
       overlapped: copies also waited for after it.
-      step_copy_bytes: bytes one step copies over the chip's host link (whole units).
+      step_copy_bytes: bytes one step copies over the chip's host link (whole units; a
+        sparse cache: what its dense step would copy).
       projected_step_ms: ``step_copy_bytes`` over the host link: a projection.
       flops: the compiler's cost analysis of the step (0 where it gives none).
       bytes_accessed: the same analysis's device bytes read and written.
       compile_s: seconds the compile took here.
+      spanning: unit copies with an attention between their start and their end (in any
+        computation: also a unit attended outside its layer's loop).
+      sparse: a sparse cache's summaries, selection and summary copies (None: dense).
     """
 
     context: int
@@ -93,6 +124,8 @@ class ContextPlan:
     flops: float
     bytes_accessed: float
     compile_s: float
+    spanning: int = 0
+    sparse: SparseContextPlan | None = None
 
     @property
     def all_overlapped(self) -> bool:
@@ -290,10 +323,12 @@ def plan_step(
         began = time.perf_counter()
         compiled, refusal = compiled_or_refusal(build)
         seconds = time.perf_counter() - began
-        overlap = dict(computations=0, copies=0, started_before=0, overlapped=0)
+        overlap = _no_copies()
         cost: dict = {}
+        text = ""
         if compiled is not None:
-            overlap = schedule_overlap(compiled.as_text(), FETCH_SCOPE, ATTEND_SCOPE)
+            text = compiled.as_text()
+            overlap = schedule_overlap(text, FETCH_SCOPE, ATTEND_SCOPE)
             cost = compiled.cost_analysis() or {}
             cost = (cost[0] if cost else {}) if isinstance(cost, list) else cost
         weights = _bytes_per_chip(placed_params)
@@ -317,6 +352,7 @@ def plan_step(
                 flops=float(cost.get("flops", 0.0)),
                 bytes_accessed=float(cost.get("bytes accessed", 0.0)),
                 compile_s=seconds,
+                sparse=_sparse_plan(config, spec, context, text),
                 **overlap,
             )
         )
@@ -331,6 +367,48 @@ def plan_step(
         hbm_bytes=hbm_bytes_per_device(kind, _devices_per_chip(topology, len(devices))),
         contexts=tuple(plans),
     )
+
+
+def _no_copies() -> dict[str, int]:
+    """:func:`schedule_overlap`'s counts of a program not compiled."""
+    return dict(computations=0, copies=0, started_before=0, overlapped=0, spanning=0)
+
+
+def _sparse_plan(
+    config: CacheConfig, spec, context: int, hlo_text: str
+) -> SparseContextPlan | None:
+    """A sparse cache's :class:`SparseContextPlan` at ``context`` tokens (None: dense);
+    ``hlo_text``: the compiled step ("" where the compiler refused it)."""
+    if config.sparse is None:
+        return None
+    from jax_tpusync.core.pool_sparse import SummaryLayout
+    from jax_tpusync.step.pool_sparse import SCORE_SCOPE
+
+    summary = SummaryLayout(spec)
+    overlap = _no_copies()
+    if hlo_text:
+        # The compiler drops these copies' scope: they are found by their shape, a chunk's.
+        overlap = schedule_overlap(
+            hlo_text,
+            f"{_HLO_TYPES[summary.dtype.name]}[{summary.chunk_blocks},{summary.row_width}]{{",
+            (SCORE_SCOPE, ATTEND_SCOPE, _KERNEL_NAME),
+            loops=True,
+        )
+    context_blocks = -(-context // spec.block_tokens)
+    return SparseContextPlan(
+        context_blocks=context_blocks,
+        selected_blocks=int(config.sparse.selected_count(context_blocks)),
+        summary_layer_bytes=summary.layer_rows * summary.row_bytes,
+        summary_chunk_blocks=summary.chunk_blocks,
+        summary_host_bytes=summary.nbytes,
+        summary_overlap=overlap,
+    )
+
+
+# The Pallas attention kernel's name, which its custom call's line holds.
+_KERNEL_NAME = "chunk_attention"
+# HLO's names of the summary host array's element types.
+_HLO_TYPES = {"uint32": "u32", "int32": "s32", "float32": "f32"}
 
 
 def _layout(devices, mesh_axes, kv_heads_axis, batch_axis) -> MeshLayout | None:
@@ -489,6 +567,21 @@ def summary(plan: StepPlan) -> str:
         f" and waited for after it (units of {first.chunk_len} tokens, {first.unit_copies}"
         f" copies each)"
     )
+    sparse = [c for c in cs if c.sparse is not None]
+    if sparse:
+        selected = "; ".join(
+            f"{c.sparse.selected_blocks} of {c.sparse.context_blocks} at {_tokens(c.context)}"
+            for c in sparse
+        )
+        spanning = sum(c.sparse.summary_overlap["spanning"] for c in sparse)
+        chunk_copies = sum(c.sparse.summary_overlap["copies"] for c in sparse)
+        lines.append(
+            f"  sparse decode: blocks selected per slot and layer {selected}; summaries in"
+            f" host memory {_size(sparse[-1].sparse.summary_host_bytes)} at"
+            f" {_tokens(sparse[-1].context)}; {spanning} of {chunk_copies} summary chunk"
+            f" copies have an attention, a layer's unit walk or a scoring between their start"
+            f" and their end (the projected times below are the dense step's)"
+        )
     times = ", ".join(f"{c.projected_step_ms:.1f} ms at {_tokens(c.context)}" for c in cs)
     lines.append(
         f"  projected step time over a {plan.link_gbps:.2f} GB/s host link ({plan.link_source}):"

@@ -14,20 +14,39 @@ import re
 
 __all__ = ["schedule_overlap"]
 
+_ATTENTION_OPCODES = ("fusion", "custom-call", "dot", "convolution")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*.*?\b([a-z][a-z0-9-]*)\(")
 
 
-def schedule_overlap(hlo_text: str, fetch_scope: str, attend_scope: str) -> dict:
+def schedule_overlap(
+    hlo_text: str,
+    fetch_scope: str,
+    attend_scope: str | tuple[str, ...],
+    *,
+    loops: bool = False,
+) -> dict:
     """Whether each unit copy of the scheduled program overlaps an attention.
 
     In every computation (a loop body is one unit: the copy of the next unit and the
     attention of this one) that holds both, every copy of the fetch scope must start before
     the computation's first attention instruction and be waited for after its last one.
-    Returns counts: computations checked, copies, copies started before the attention, and
+    Returns counts: computations checked, copies, copies started before the attention,
     copies that also end after it (the compiler may wait for one of a unit's copies before
-    the attention begins, once the work between its start and the attention is done).
+    the attention begins, once the work between its start and the attention is done), and
+    ``spanning``: copies with an attention instruction between their start and their end
+    (in any computation: also a copy outside a loop, whose computation holds other layers'
+    attention).
+
+    Args:
+      hlo_text: the scheduled program, ``compiled.as_text()``.
+      fetch_scope: text a copy's ``*-start`` line holds (its name scope, or its shape where
+        the compiler drops the scope).
+      attend_scope: one scope an attention instruction's line holds, or several.
+      loops: a loop (``while``: a layer's unit walk, or its scoring) counts as an
+        attention too.
     """
-    checked = copies = started_before = overlapped = 0
+    scopes = (attend_scope,) if isinstance(attend_scope, str) else tuple(attend_scope)
+    checked = copies = started_before = overlapped = spanning = 0
     for body in re.split(r"\n(?=\S)", hlo_text):
         starts: dict[str, int] = {}
         dones: dict[str, int] = {}
@@ -43,7 +62,9 @@ def schedule_overlap(hlo_text: str, fetch_scope: str, attend_scope: str) -> dict
                 operand = re.search(r"-done\(%(\S+?)\)", line)
                 if operand and operand.group(1) in starts:
                     dones[operand.group(1)] = index
-            elif attend_scope in line and opcode in ("fusion", "custom-call", "dot", "convolution"):
+            elif any(scope in line for scope in scopes) and opcode in _ATTENTION_OPCODES:
+                attend_at.append(index)
+            elif loops and opcode == "while":
                 attend_at.append(index)
         if not starts or not attend_at:
             continue
@@ -53,6 +74,11 @@ def schedule_overlap(hlo_text: str, fetch_scope: str, attend_scope: str) -> dict
             done = dones.get(name, -1)
             started_before += start < min(attend_at)
             overlapped += start < min(attend_at) and done > max(attend_at)
+            spanning += any(start < at < done for at in attend_at)
     return dict(
-        computations=checked, copies=copies, started_before=started_before, overlapped=overlapped
+        computations=checked,
+        copies=copies,
+        started_before=started_before,
+        overlapped=overlapped,
+        spanning=spanning,
     )

@@ -264,3 +264,63 @@ def test_a_context_plan_holds_every_field_the_json_names():
     data = plan.to_dict()
     assert set(data["contexts"][0]) == {f.name for f in dataclasses.fields(context_plan())}
     assert {"all_overlapped", "device_bytes_flat", "does_not_fit"} <= set(data)
+
+
+def test_a_sparse_caches_abstract_state_carries_its_summaries_in_host_memory():
+    """plan_step traces a sparse cache's step with its sparse part as shapes: the block
+    summaries in host memory, the selection and the staged chunk on the device."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_tpusync.core.config import CacheConfig
+    from jax_tpusync.core.pool_sparse import PoolSparseState, SummaryLayout
+    from jax_tpusync.tpu.abstract_state import abstract_pool_state
+
+    cache = dict(
+        num_layers=2, batch=1, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
+        max_len=131072, block_tokens=256,
+    )  # fmt: skip
+    devices = jax.devices("cpu")
+    dense, _ = abstract_pool_state(CacheConfig.from_kwargs(**cache), devices)
+    assert dense.sparse is None
+    config = CacheConfig.from_kwargs(**cache, sparse=0.03)
+    state, _ = abstract_pool_state(config, devices)
+    sparse, spec = state.sparse, state.spec
+    layout = SummaryLayout(spec)
+    assert sparse.config == config.sparse
+    assert sparse.summaries.shape == layout.shape and sparse.summaries.dtype == layout.dtype
+    assert sparse.summaries.sharding.memory_kind == "pinned_host"
+    assert sparse.previous.shape == PoolSparseState.previous_shape(config.sparse, spec)
+    assert sparse.staged_chunk.shape == (layout.chunk_blocks, layout.row_width)
+    assert sparse.staged_chunk.sharding.memory_kind != "pinned_host"
+    assert sparse.staged_layer.shape == () and sparse.counts.dtype == jnp.int32
+
+
+def test_a_sparse_plan_says_its_selection_and_summary_copies():
+    from jax_tpusync.tpu import SparseContextPlan
+
+    def sparse_part(context_blocks, selected, spanning, copies):
+        return SparseContextPlan(
+            context_blocks=context_blocks, selected_blocks=selected,
+            summary_layer_bytes=context_blocks << 10, summary_chunk_blocks=512,
+            summary_host_bytes=context_blocks << 11,
+            summary_overlap=dict(
+                computations=1, copies=copies, started_before=0, overlapped=0,
+                spanning=spanning,
+            ),
+        )  # fmt: skip
+
+    plan = step_plan(
+        context_plan(131072, sparse=sparse_part(512, 16, 2, 2)),
+        context_plan(1 << 20, sparse=sparse_part(4096, 123, 3, 16)),
+    )
+    data = plan.to_dict()
+    assert data["contexts"][1]["sparse"]["selected_blocks"] == 123
+    assert data["contexts"][1]["sparse"]["summary_overlap"]["spanning"] == 3
+    assert (
+        "  sparse decode: blocks selected per slot and layer 16 of 512 at 128K; 123 of 4096 at"
+        " 1M; summaries in host memory 8 MiB at 1M; 5 of 18 summary chunk copies have an"
+        " attention, a layer's unit walk or a scoring between their start and their end (the"
+        " projected times below are the dense step's)"
+    ) in plan.summary().splitlines()
+    assert "sparse decode" not in step_plan(context_plan()).summary()

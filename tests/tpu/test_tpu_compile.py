@@ -328,10 +328,44 @@ def test_the_schedule_check_finds_a_copy_waited_for_too_early():
         return schedule_overlap(body, "tpusync_fetch_unit", "tpusync_attend_unit")
 
     assert check(start, attend, done) == dict(
-        computations=1, copies=1, started_before=1, overlapped=1
+        computations=1, copies=1, started_before=1, overlapped=1, spanning=1
     )
     assert check(start, done, attend)["overlapped"] == 0
+    assert check(start, done, attend)["spanning"] == 0
     assert check(attend, start, done)["started_before"] == 0
+
+
+def test_the_schedule_check_counts_copies_spanning_any_attention_scope_or_loop():
+    """``spanning``: a copy with an attention of any of the scopes named (or, with
+    ``loops=True``, a loop) between its start and its end, even where other attention
+    comes before its start (a copy outside a loop, among other layers' attention)."""
+    from jax_tpusync.tpu.schedule import schedule_overlap
+
+    start = "  %c = u32[4,8]{1,0} copy-start(%p)"
+    done = "  %d = u32[4,8]{1,0} copy-done(%c)"
+    score = '  %s = f32[8] fusion(%p), metadata={op_name="a/tpusync_score_blocks/b"}'
+    attend = '  %a = f32[8] fusion(%p), metadata={op_name="a/tpusync_attend_unit/b"}'
+    walk = "  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body"
+
+    def check(*lines, **options):
+        body = "\n".join(["%main (p: f32[]) -> f32[] {", *lines, "}"])
+        scopes = ("tpusync_score_blocks", "tpusync_attend_unit")
+        return schedule_overlap(body, "u32[4,8]{", scopes, **options)
+
+    # The scoring spans it: counted, though an attention came before its start.
+    spans = check(attend, start, score, done)
+    assert spans["spanning"] == 1 and spans["started_before"] == 0
+    assert check(attend, start, done, score)["spanning"] == 0
+    # A loop between start and end counts with loops=True only.
+    assert check(attend, start, walk, done, loops=True)["spanning"] == 1
+    assert check(attend, start, walk, done)["spanning"] == 0
+    # One scope as a string still works.
+    one = schedule_overlap(
+        "\n".join(["%main (p: f32[]) -> f32[] {", start, attend, done, "}"]),
+        "u32[4,8]{",
+        "tpusync_attend_unit",
+    )
+    assert one["spanning"] == one["overlapped"] == 1
 
 
 @pytest.mark.slow

@@ -78,3 +78,51 @@ def test_the_projected_step_is_set_by_the_budget(report):
     # Twice the context, about twice the sparse step, both far below dense.
     assert long["projected_step_ms"] < 0.1 * long["dense_projected_step_ms"]
     assert short["projected_step_ms"] < long["projected_step_ms"] < 3 * short["projected_step_ms"]
+
+
+def test_the_sparse_projection_counts_summaries_selection_and_late_share():
+    """Without compiling: a global layer reads its summaries, its selection and
+    ``--late-share`` of it again, a sliding layer its window; per chip; the summary line
+    compares each context's step with the dense step at the first."""
+    import argparse
+
+    import jax.numpy as jnp
+
+    from jax_tpusync.bench import tiny_decoder
+    from jax_tpusync.bench.tpu_compile import sparse_read, summary
+
+    shape = tiny_decoder.Shape(
+        layers=2, batch=2, q_heads=8, kv_heads=2, head_dim=64, ffn=0, context=131072,
+        dtype=jnp.bfloat16,
+    )  # fmt: skip
+    args = argparse.Namespace(sparse=0.03, late_share=0.25, block_tokens=256)
+    overlap = dict(computations=2, copies=4, started_before=0, overlapped=0, spanning=3)
+    ours = dict(
+        selected_blocks=16, context_blocks=512, summary_layer_bytes=4 << 20,
+        summary_chunk_blocks=512, summary_host_mib=2.0, summary_overlap=overlap,
+    )  # fmt: skip
+    block_bytes = 2 * 256 * 2 * 64 * 2
+    read, fields = sparse_read(args, shape, ours, [None, 1024], 2)
+    global_layer = 2 * 16 * 1.25 * block_bytes + (4 << 20)
+    sliding_layer = 2 * 2 * 1024 * 2 * 64 * 2
+    assert read == (global_layer + sliding_layer) / 2
+    assert fields["summary_mib_per_step"] == 2.0 and fields["summary_overlapped"] == "3/4"
+    assert fields["selected_blocks"] == 16 and fields["late_share"] == 0.25
+
+    row = dict(
+        topology="v5e:2x2", context=131072, implementation="pallas", chips=1, dp=1, tp=1,
+        ours_device_mib=700.0, plain_device_mib=None, plain_note="not compiled (--kinds)",
+        resident_device_mib=None, resident_note="not compiled (--kinds)", weights_mib=600.0,
+        staging_mib=64.0, pool_mib=100.0, max_step_tokens=None, link_gbps=13.0,
+        link_source="a source", projected_step_ms=1.0, dense_projected_step_ms=4.0,
+        overlap=dict(computations=2, copies=8, started_before=8, overlapped=8, spanning=8),
+        ran_on_tpu=False, **fields,
+    )  # fmt: skip
+    longer = dict(row, context=262144, projected_step_ms=2.0, dense_projected_step_ms=8.0)
+    assert (
+        "v5e:2x2 sparse (budget 0.03, 25% of each selection assumed late): projected step"
+        " against the dense step at 128K (4.0 ms): 0.25x at 128K, 0.50x at 256K; summaries"
+        " 2 MiB at every context copied per step; 16 of 16 unit copies (predicted and late)"
+        " and 6 of 8 summary chunk copies have an attention, a layer's unit walk or a scoring"
+        " between their start and their end"
+    ) in summary([row, longer]).splitlines()
