@@ -58,7 +58,7 @@ from jax_tpusync.runtime.engine import (
     split_cpus,
 )
 from jax_tpusync.runtime.xla_cpu import setup as setup_cpu
-from jax_tpusync.sparse_compare import SparseComparison, compare_sparse
+from jax_tpusync.quality import SparseComparison, compare_sparse
 
 __all__ = [
     "BatchShardedPoolKVCache",

@@ -53,7 +53,7 @@ FACE: dict[str, set[str]] = {
     "attention": {"runtime", "sparse", "core", "step"},
     "factory": {"runtime", "core", "caches", "caches.offloaded", "caches.pool", "caches.hybrid"},
     "_moved": set(),
-    "sparse_compare": {"sparse", "core", "step", "caches.offloaded"},
+    "quality": {"sparse", "core", "step", "caches.offloaded"},
 }
 # At most this many modules lie flat in jax_tpusync/ (the face and __init__).
 MAX_FLAT = 12

@@ -7,7 +7,7 @@ step's own new row included), makes the summaries and the selection as a sparse 
 and attends three ways: densely, over the exact selection, and over what a layer-ahead step
 reads (the prediction plus the late blocks: the exact selection with the predicted blocks it
 does not need, which are attended too). The quality benchmarks and
-:func:`jax_tpusync.sparse_compare.compare_sparse` are built on it.
+:func:`jax_tpusync.quality.compare_sparse` are built on it.
 """
 
 from __future__ import annotations
