@@ -49,6 +49,7 @@ from typing import Any
 
 from jax_tpusync.bench import common
 from jax_tpusync.runtime.libtpu import LIBTPU_ENVIRONMENT
+from jax_tpusync.tpu.plan import contexts_text, tokens_text
 from jax_tpusync.tpu.schedule import schedule_overlap
 from jax_tpusync.tpu.target import compiled_or_refusal, device_bytes, prepare_compile_only
 
@@ -651,7 +652,7 @@ def sparse_summary(rows: list[dict]) -> list[str]:
         base = mine[0]
         ratios = ", ".join(
             f"{r['projected_step_ms'] / base['dense_projected_step_ms']:.2f}x at "
-            f"{_tokens(r['context'])}"
+            f"{tokens_text(r['context'])}"
             for r in mine
         )
         summary = sum(r["summary_overlap"]["spanning"] for r in mine)
@@ -661,7 +662,7 @@ def sparse_summary(rows: list[dict]) -> list[str]:
         lines.append(
             f"{topology} sparse (budget {base['sparse_budget']:g}, {base['late_share']:.0%} of "
             f"each selection assumed late): projected step against the dense step at "
-            f"{_tokens(base['context'])} ({base['dense_projected_step_ms']:.1f} ms): {ratios};"
+            f"{tokens_text(base['context'])} ({base['dense_projected_step_ms']:.1f} ms): {ratios};"
             f" summaries {_spread([r['summary_mib_per_step'] for r in mine], 'MiB')} copied"
             f" per step; {units} of {unit_copies} unit copies (predicted and late) and"
             f" {summary} of {copies} summary chunk copies have an attention, a layer's unit"
@@ -727,7 +728,7 @@ def summary(rows: list[dict]) -> str:
 def _projected(rows: list[dict]) -> str:
     """``"0.5 ms at 32K, 4.0 ms at 256K and 16.0 ms at 1M tokens"``: each context's
     projected step time."""
-    times = [f"{r['projected_step_ms']:.1f} ms at {_tokens(r['context'])}" for r in rows]
+    times = [f"{r['projected_step_ms']:.1f} ms at {tokens_text(r['context'])}" for r in rows]
     listed = times[0] if len(times) == 1 else ", ".join(times[:-1]) + " and " + times[-1]
     return f"{listed} tokens"
 
@@ -755,7 +756,7 @@ def _held(rows: list[dict], kind: str) -> str:
     parts = []
     for row in rows:
         mib, note = row[f"{kind}_device_mib"], row[f"{kind}_note"]
-        at = _tokens(row["context"])
+        at = tokens_text(row["context"])
         if mib is not None:
             parts.append(f"hold {mib:.0f} MiB at {at}")
         elif note.startswith("does not fit"):
@@ -767,17 +768,7 @@ def _held(rows: list[dict], kind: str) -> str:
 
 def _contexts(rows: list[dict]) -> str:
     """``"32K, 256K and 1M tokens"``."""
-    names = [_tokens(r["context"]) for r in rows]
-    listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
-    return f"{listed} tokens"
-
-
-def _tokens(count: int) -> str:
-    """``32768`` -> ``"32K"``, ``1048576`` -> ``"1M"``, ``1000`` -> ``"1000"``."""
-    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
-        if count >= size and count % size == 0:
-            return f"{count // size}{unit}"
-    return str(count)
+    return contexts_text([r["context"] for r in rows])
 
 
 def _child_main(request_json: str) -> None:

@@ -181,11 +181,11 @@ class StepPlan:
         out = []
         for c in self.contexts:
             if c.device_bytes is None:
-                out.append(f"the step at {_tokens(c.context)} tokens: {c.refusal}")
+                out.append(f"the step at {tokens_text(c.context)} tokens: {c.refusal}")
         for c in self.contexts:
             if self.hbm_bytes is not None and c.resident_bytes > self.hbm_bytes:
                 out.append(
-                    f"the whole KV resident at {_tokens(c.context)} tokens: "
+                    f"the whole KV resident at {tokens_text(c.context)} tokens: "
                     f"{_size(c.resident_bytes)} of a chip's {_size(self.hbm_bytes)}"
                 )
         return out
@@ -316,8 +316,10 @@ def plan_step(
                     out_shardings=out_shardings,
                     donate_argnums=len(args) - 1,
                 )
-                return jitted.trace(*args).lower().compile(
-                    compiler_options=dict(compiler_options) if compiler_options else None
+                return (
+                    jitted.trace(*args)
+                    .lower()
+                    .compile(compiler_options=dict(compiler_options) if compiler_options else None)
                 )
 
         began = time.perf_counter()
@@ -483,9 +485,7 @@ def _out_shardings(outputs, state, on_device, layout: MeshLayout | None):
     from jax.sharding import PartitionSpec as P
 
     if not isinstance(outputs, tuple) or len(outputs) < 2:
-        raise ValueError(
-            "the step must return a tuple (outputs..., state): the cache's state last"
-        )
+        raise ValueError("the step must return a tuple (outputs..., state): the cache's state last")
     state_shardings = jax.tree.map(lambda a: a.sharding, state)
     batch = state.spec.batch * (layout.dp if layout else 1)
 
@@ -555,10 +555,10 @@ def summary(plan: StepPlan) -> str:
             f"  device memory: {spread} ({_contexts(cs)}; weights {_size(first.weights_bytes)}"
             f" + staging {_size(first.staging_bytes)})"
         )
-    resident = "; ".join(f"{_size(c.resident_bytes)} at {_tokens(c.context)}" for c in cs)
+    resident = "; ".join(f"{_size(c.resident_bytes)} at {tokens_text(c.context)}" for c in cs)
     chip = f" (a chip has {_size(plan.hbm_bytes)})" if plan.hbm_bytes else ""
     lines.append(f"  whole KV resident instead: {resident}{chip}")
-    pools = "; ".join(f"{_size(c.pool_bytes)} at {_tokens(c.context)}" for c in cs)
+    pools = "; ".join(f"{_size(c.pool_bytes)} at {tokens_text(c.context)}" for c in cs)
     lines.append(f"  the pool in host memory: {pools}")
     copies = sum(c.copies for c in cs)
     overlapped = sum(c.overlapped for c in cs)
@@ -570,7 +570,7 @@ def summary(plan: StepPlan) -> str:
     sparse = [c for c in cs if c.sparse is not None]
     if sparse:
         selected = "; ".join(
-            f"{c.sparse.selected_blocks} of {c.sparse.context_blocks} at {_tokens(c.context)}"
+            f"{c.sparse.selected_blocks} of {c.sparse.context_blocks} at {tokens_text(c.context)}"
             for c in sparse
         )
         spanning = sum(c.sparse.summary_overlap["spanning"] for c in sparse)
@@ -578,11 +578,11 @@ def summary(plan: StepPlan) -> str:
         lines.append(
             f"  sparse decode: blocks selected per slot and layer {selected}; summaries in"
             f" host memory {_size(sparse[-1].sparse.summary_host_bytes)} at"
-            f" {_tokens(sparse[-1].context)}; {spanning} of {chunk_copies} summary chunk"
+            f" {tokens_text(sparse[-1].context)}; {spanning} of {chunk_copies} summary chunk"
             f" copies have an attention, a layer's unit walk or a scoring between their start"
             f" and their end (the projected times below are the dense step's)"
         )
-    times = ", ".join(f"{c.projected_step_ms:.1f} ms at {_tokens(c.context)}" for c in cs)
+    times = ", ".join(f"{c.projected_step_ms:.1f} ms at {tokens_text(c.context)}" for c in cs)
     lines.append(
         f"  projected step time over a {plan.link_gbps:.2f} GB/s host link ({plan.link_source}):"
         f" {times}"
@@ -604,12 +604,17 @@ def _size(count: int) -> str:
 
 
 def _contexts(contexts: Sequence[ContextPlan]) -> str:
-    names = [_tokens(c.context) for c in contexts]
+    return contexts_text([c.context for c in contexts])
+
+
+def contexts_text(contexts: Sequence[int]) -> str:
+    """``"32K, 256K and 1M tokens"``."""
+    names = [tokens_text(c) for c in contexts]
     listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
     return f"{listed} tokens"
 
 
-def _tokens(count: int) -> str:
+def tokens_text(count: int) -> str:
     """``32768`` -> ``"32K"``, ``1048576`` -> ``"1M"``, ``1000`` -> ``"1000"``."""
     for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
         if count >= size and count % size == 0:
