@@ -315,12 +315,7 @@ def _reference_step(model: RetrievalModel, config, block_tokens: int, sparse: bo
         found = []
 
         def attend(layer, q, k, v, kv):
-            keys, values = list(kv[0]), list(kv[1])
-            at = (0, length, 0, 0)
-            keys[layer] = jax.lax.dynamic_update_slice(keys[layer], k.astype(keys[layer].dtype), at)
-            values[layer] = jax.lax.dynamic_update_slice(
-                values[layer], v.astype(values[layer].dtype), at
-            )
+            keys, values = measure_mod.with_row(kv, layer, k, v, length)
             got = measure_mod.measure(
                 config,
                 q[:, 0],
@@ -332,7 +327,7 @@ def _reference_step(model: RetrievalModel, config, block_tokens: int, sparse: bo
             )
             found.append(got)
             out = got.sparse if sparse else got.dense
-            return out[:, None], (tuple(keys), tuple(values))
+            return out[:, None], (keys, values)
 
         logits, (keys, values) = forward(model, params, token[:, None], (keys, values), attend)
         return (

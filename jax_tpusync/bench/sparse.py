@@ -187,12 +187,7 @@ def _measured_step(model: tiny_decoder.Decoder, configs: tuple, block_tokens: in
         found = []
 
         def attend(layer, q, k, v, kv):
-            keys, values = list(kv[0]), list(kv[1])
-            at = (0, length, 0, 0)
-            keys[layer] = jax.lax.dynamic_update_slice(keys[layer], k.astype(keys[layer].dtype), at)
-            values[layer] = jax.lax.dynamic_update_slice(
-                values[layer], v.astype(values[layer].dtype), at
-            )
+            keys, values = measure_mod.with_row(kv, layer, k, v, length)
             got = [
                 measure_mod.measure(
                     config,
@@ -206,7 +201,7 @@ def _measured_step(model: tiny_decoder.Decoder, configs: tuple, block_tokens: in
                 for i, config in enumerate(configs)
             ]
             found.append(got)
-            return got[0].dense[:, None].astype(q.dtype), (tuple(keys), tuple(values))
+            return got[0].dense[:, None].astype(q.dtype), (keys, values)
 
         x, (keys, values) = tiny_decoder.run_layers(
             params["layers"],

@@ -13,6 +13,7 @@ does not need, which are attended too). The quality benchmarks and
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -130,3 +131,21 @@ def _blocks_read(exact: jax.Array, predicted: jax.Array, num_blocks: int) -> jax
     chosen = jnp.zeros((batch, num_blocks + 1), bool)
     chosen = chosen.at[jnp.arange(batch)[:, None], target].set(True)[:, :num_blocks]
     return jnp.sum(chosen, axis=-1).astype(jnp.int32)
+
+
+def with_row(
+    kv: tuple[Sequence[jax.Array], Sequence[jax.Array]],  # per layer [batch, tokens, H, D]
+    layer: int,
+    k: jax.Array,  # [batch, 1, H, D]: the decode row's key
+    v: jax.Array,  # [batch, 1, H, D]
+    at,  # int or int32[]: its position
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Every layer's keys and values with the decode row written at ``at`` of ``layer``
+    (what a measured decode step's attention sees)."""
+    keys, values = list(kv[0]), list(kv[1])
+    where = (0, at, 0, 0)
+    keys[layer] = jax.lax.dynamic_update_slice(keys[layer], k.astype(keys[layer].dtype), where)
+    values[layer] = jax.lax.dynamic_update_slice(
+        values[layer], v.astype(values[layer].dtype), where
+    )
+    return tuple(keys), tuple(values)
