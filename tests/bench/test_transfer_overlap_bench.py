@@ -53,6 +53,28 @@ def test_overlap_reports_engine_and_platform(tier, tmp_path):
         word = "as fast as"
     assert f"{word} fetch-then-compute (sync)" in row["overlap_vs_sync"]
     assert list(data_dir.iterdir()) == []  # The named tier file is removed at the end.
+    if tier == "file":  # Landed in engine memory, copied into the operand at the wait.
+        assert row["t_wait_copy_ms"] > 0
+    else:  # A memory tier's fetch is deferred to the wait and read into the operand.
+        assert row["t_wait_copy_ms"] == 0 and row["overlap_ceiling"] == 1
+    from jax_tpusync.bench.overlap import overlap_ceiling
+
+    ceiling = overlap_ceiling(row["t_compute_ms"], row["t_transfer_ms"], row["t_wait_copy_ms"])
+    assert row["overlap_ceiling"] == pytest.approx(ceiling)
+    assert row["efficiency_over_ceiling"] == pytest.approx(row["overlap_efficiency"] / ceiling)
+
+
+def test_the_overlap_ceiling_is_what_the_copy_after_the_compute_leaves():
+    from jax_tpusync.bench.overlap import overlap_ceiling
+
+    assert overlap_ceiling(10.0, 10.0, 0.0) == 1.0
+    assert overlap_ceiling(10.0, 10.0, 2.0) == pytest.approx(0.8)
+    assert overlap_ceiling(10.0, 10.0, 10.0) == 0.0
+    # A short transfer still fits beside a long compute, but its copy comes after it.
+    assert overlap_ceiling(30.0, 10.0, 2.0) == pytest.approx(0.8)
+    # A short compute hides in the transfer's reads as long as they outlast it.
+    assert overlap_ceiling(5.0, 20.0, 4.0) == pytest.approx(1.0)
+    assert overlap_ceiling(5.0, 20.0, 16.0) == pytest.approx(0.8)
 
 
 def test_transfer_reports_engine_and_ceiling(tmp_path):
