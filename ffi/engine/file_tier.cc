@@ -34,9 +34,6 @@
 namespace tpusync {
 namespace {
 
-// The largest read through the bounce ring (see FileTier::Read).
-constexpr uint64_t kBounceReadBytes = 256 << 10;
-
 // Whether the file behind `fd` ends before byte `end` (false when fstat fails).
 bool FileEndsBefore(int fd, uint64_t end) {
   struct stat sb;
@@ -101,16 +98,16 @@ struct ChunkRead {
   uint64_t offset;
 };
 
-// Runs `count` reads keeping up to io.depth() of them queued on the device. `plan(i, slot)`
-// names read i; `slot` in [0, depth) is free for its bounce buffer until `landed(i, slot)`,
+// Runs `count` reads keeping up to `depth` of them queued on the device (at most the AIO
+// context's size). `plan(i, slot)` names read i; `slot` in [0, depth) is free for its
+// bounce buffer until `landed(i, slot)`,
 // called once read i is complete, in completion order. Stops submitting at the first error
 // or cancellation but always reaps what is in flight before returning: no read may land in
 // a buffer after the caller has given it back.
 template <typename Plan, typename Landed>
-Status StreamReads(int fd, const std::string& path, IoContext& io, uint64_t count, Plan&& plan,
-                   Landed&& landed) {
+Status StreamReads(int fd, const std::string& path, IoContext& io, int depth, uint64_t count,
+                   Plan&& plan, Landed&& landed) {
   const auto ctx = static_cast<aio_context_t>(io.aio());
-  const int depth = io.depth();
   std::vector<ChunkRead> reads(depth);
   std::vector<uint64_t> index(depth);
   std::vector<struct iocb> cbs(depth);
@@ -308,7 +305,7 @@ class FileTier final : public Tier {
       direct_bytes_.fetch_add(hi - lo, std::memory_order_relaxed);
       bounced_bytes_.fetch_add(bytes - (hi - lo), std::memory_order_relaxed);
       return StreamReads(
-          direct_fd_, path_, io, (hi - lo + chunk - 1) / chunk,
+          direct_fd_, path_, io, io.depth(), (hi - lo + chunk - 1) / chunk,
           [&](uint64_t i, int) {
             return ChunkRead{inner + i * chunk, std::min(chunk, hi - lo - i * chunk),
                              lo + i * chunk};
@@ -316,23 +313,24 @@ class FileTier final : public Tier {
           [](uint64_t, int) { return Status::Ok(); });
     }
     // Different phase: whole aligned chunks into the bounce ring, copied out as they land.
-    // The ring's reads are at most kBounceReadBytes each: a small ring is copied out at the
-    // same rate however the workers share the CPUs (measured on a 2-core VM, 512 MiB in 1-8
-    // MiB requests: 1 MiB reads ran at 3.1-6.2 GB/s, slow whenever both workers were on one
-    // CPU; 256 KiB reads at 4.9-5.4 GB/s every round, likely a ring that stays in cache).
-    const uint64_t ring_chunk = std::min<uint64_t>(chunk, kBounceReadBytes);
+    // The ring's reads are at most kRingReadBytes each. Measured on a 2-core VM, 512 MiB in
+    // 1-8 MiB requests: 1 MiB reads ran at 3.1-6.2 GB/s, slow whenever both workers were on
+    // one CPU; 256 KiB reads at 4.7-5.5 GB/s every round; 256 KiB reads with four times as
+    // many in flight (the whole ring's memory) at 3.0-5.4. A ring small enough to stay in
+    // cache, likely.
+    const uint64_t ring_chunk = io.ring_read_bytes();
     const uint64_t first = AlignDown(pos, align), last = AlignUp(pos + bytes, align);
     bounced_bytes_.fetch_add(bytes, std::memory_order_relaxed);
     return StreamReads(
-        direct_fd_, path_, io, (last - first + ring_chunk - 1) / ring_chunk,
+        direct_fd_, path_, io, io.depth(), (last - first + ring_chunk - 1) / ring_chunk,
         [&](uint64_t i, int slot) {
           uint64_t start = first + i * ring_chunk;
-          return ChunkRead{io.bounce(slot), std::min(ring_chunk, last - start), start};
+          return ChunkRead{io.ring(slot), std::min(ring_chunk, last - start), start};
         },
         [&](uint64_t i, int slot) {
           uint64_t c0 = first + i * ring_chunk, c1 = std::min(c0 + ring_chunk, last);
           uint64_t from = std::max(c0, pos), to = std::min(c1, pos + bytes);
-          CopyToDestination(out + (from - pos), io.bounce(slot) + (from - c0), to - from);
+          CopyToDestination(out + (from - pos), io.ring(slot) + (from - c0), to - from);
           return Status::Ok();
         });
   }

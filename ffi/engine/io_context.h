@@ -3,6 +3,7 @@
 #ifndef TPUSYNC_ENGINE_IO_CONTEXT_H_
 #define TPUSYNC_ENGINE_IO_CONTEXT_H_
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -17,6 +18,8 @@ namespace tpusync {
 
 // 4 KiB: the alignment O_DIRECT asks of file offsets, lengths and memory.
 inline constexpr uint64_t kIoAlignment = 4096;
+// The largest read through a bounce ring (see IoContext::ring).
+inline constexpr uint64_t kRingReadBytes = 256 << 10;
 
 inline uint64_t AlignDown(uint64_t x, uint64_t a) { return x - x % a; }
 inline uint64_t AlignUp(uint64_t x, uint64_t a) { return AlignDown(x + a - 1, a); }
@@ -125,6 +128,11 @@ class IoContext {
   // Bounce buffer `i` in [0, depth), chunk_bytes long, 4 KiB aligned, backed by huge pages
   // where the kernel has them; the ring is allocated on first use.
   uint8_t* bounce(int i);
+  // Ring slot `i` in [0, depth) for reads through the ring: ring_read_bytes() long, at the
+  // start of the same memory. A read through the ring is at most kRingReadBytes (see
+  // FileTier::Read), so the slots in use stay small.
+  size_t ring_read_bytes() const { return std::min<size_t>(chunk_bytes_, kRingReadBytes); }
+  uint8_t* ring(int i) { return bounce(0) + i * ring_read_bytes(); }
   // The helper thread; started on first use.
   PipelineThread& helper();
   // This worker's Linux AIO context (an aio_context_t), set up on first use; 0 where the

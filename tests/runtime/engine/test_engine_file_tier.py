@@ -101,6 +101,23 @@ def test_reads_are_exact_in_and_out_of_phase(make_engine, file_dir, alignment_of
         np.testing.assert_array_equal(out, data[tier_offset : tier_offset + nbytes])
 
 
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 640 << 10, 256 << 10, 200 << 10])
+def test_a_long_read_out_of_phase_cycles_the_ring_byte_exact(make_engine, file_dir, chunk_bytes):
+    """Out of phase, a read goes through the bounce ring in reads of at most 256 KiB (of
+    io_chunk_bytes when smaller), io_depth of them in flight: 5 MiB and 3 bytes cycle the
+    ring many times and arrive byte-exact, whatever the chunk size."""
+    e = make_engine(io_chunk_bytes=chunk_bytes, io_depth=2)
+    t = e.add_file_tier(file_dir, block_bytes=1 << 20, num_blocks=6)
+    data = np.random.default_rng(chunk_bytes).integers(0, 256, size=6 << 20, dtype=np.uint8)
+    e.write(t, 0, data)
+    before = e.tier_info(t).bounced_read_bytes
+    nbytes = (5 << 20) + 3
+    out = _buffer_at(nbytes, 64 + 2048)
+    e.read(t, 4097, out)
+    np.testing.assert_array_equal(out, data[4097 : 4097 + nbytes])
+    assert e.tier_info(t).bounced_read_bytes - before == nbytes
+
+
 def test_reads_in_phase_skip_the_bounce_buffer(make_engine, file_dir):
     e = make_engine(io_chunk_bytes=64 << 10)
     t = e.add_file_tier(file_dir, block_bytes=4096, num_blocks=64, alignment_offset=64)
