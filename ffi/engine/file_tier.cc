@@ -313,16 +313,16 @@ class FileTier final : public Tier {
           [](uint64_t, int) { return Status::Ok(); });
     }
     // Different phase: whole aligned chunks into the bounce ring, copied out as they land.
-    // The ring's reads are at most kRingReadBytes each. Measured on a 2-core VM, 512 MiB in
-    // 1-8 MiB requests: 1 MiB reads ran at 3.1-6.2 GB/s, slow whenever both workers were on
-    // one CPU; 256 KiB reads at 4.7-5.5 GB/s every round; 256 KiB reads with four times as
-    // many in flight (the whole ring's memory) at 3.0-5.4. A ring small enough to stay in
-    // cache, likely.
+    // The ring's reads are at most kRingReadBytes, kRingBytesInFlight of them in flight.
+    // Measured on a 2-core VM, 512 MiB in 1-8 MiB requests against one plain O_DIRECT
+    // reader: 4 reads of 1 MiB in flight ran at 0.6-1.2 of it, slow whenever both workers
+    // were on one CPU; 4 of 256 KiB at 0.84-1.2, 6 or 8 of 256 KiB at 0.96-1.19, 16 of 256
+    // KiB at 0.62-0.97 (a ring that stays in cache, likely).
     const uint64_t ring_chunk = io.ring_read_bytes();
     const uint64_t first = AlignDown(pos, align), last = AlignUp(pos + bytes, align);
     bounced_bytes_.fetch_add(bytes, std::memory_order_relaxed);
     return StreamReads(
-        direct_fd_, path_, io, io.depth(), (last - first + ring_chunk - 1) / ring_chunk,
+        direct_fd_, path_, io, io.ring_slots(), (last - first + ring_chunk - 1) / ring_chunk,
         [&](uint64_t i, int slot) {
           uint64_t start = first + i * ring_chunk;
           return ChunkRead{io.ring(slot), std::min(ring_chunk, last - start), start};

@@ -294,7 +294,7 @@ uint64_t IoContext::aio() {
   if (!aio_tried_) {
     aio_tried_ = true;
     aio_context_t ctx = 0;
-    if (syscall(SYS_io_setup, depth_, &ctx) == 0) aio_ = ctx;
+    if (syscall(SYS_io_setup, std::max(depth_, ring_slots()), &ctx) == 0) aio_ = ctx;
   }
   return aio_;
 }

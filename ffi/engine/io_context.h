@@ -18,8 +18,10 @@ namespace tpusync {
 
 // 4 KiB: the alignment O_DIRECT asks of file offsets, lengths and memory.
 inline constexpr uint64_t kIoAlignment = 4096;
-// The largest read through a bounce ring (see IoContext::ring).
+// The largest read through a bounce ring, and the bytes of such reads kept in flight (see
+// IoContext::ring).
 inline constexpr uint64_t kRingReadBytes = 256 << 10;
+inline constexpr uint64_t kRingBytesInFlight = 2 << 20;
 
 inline uint64_t AlignDown(uint64_t x, uint64_t a) { return x - x % a; }
 inline uint64_t AlignUp(uint64_t x, uint64_t a) { return AlignDown(x + a - 1, a); }
@@ -128,10 +130,15 @@ class IoContext {
   // Bounce buffer `i` in [0, depth), chunk_bytes long, 4 KiB aligned, backed by huge pages
   // where the kernel has them; the ring is allocated on first use.
   uint8_t* bounce(int i);
-  // Ring slot `i` in [0, depth) for reads through the ring: ring_read_bytes() long, at the
-  // start of the same memory. A read through the ring is at most kRingReadBytes (see
-  // FileTier::Read), so the slots in use stay small.
+  // The bounce buffers' memory cut into ring_slots() slots of ring_read_bytes() for reads
+  // through the ring (see FileTier::Read): reads of at most kRingReadBytes, at least depth
+  // and up to kRingBytesInFlight of them in flight, as the memory allows.
   size_t ring_read_bytes() const { return std::min<size_t>(chunk_bytes_, kRingReadBytes); }
+  int ring_slots() const {
+    const size_t fit = depth_ * chunk_bytes_ / ring_read_bytes();
+    const size_t want = std::max<size_t>(depth_, kRingBytesInFlight / ring_read_bytes());
+    return static_cast<int>(std::min(fit, want));
+  }
   uint8_t* ring(int i) { return bounce(0) + i * ring_read_bytes(); }
   // The helper thread; started on first use.
   PipelineThread& helper();

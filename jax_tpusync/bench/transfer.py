@@ -94,7 +94,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--repeats", type=int, default=7, help="recorded rounds (default 7)")
     p.add_argument("--warmup", type=int, default=1, help="unrecorded rounds first (default 1)")
-    common.add_engine_arguments(p, io_depth=False)
+    common.add_engine_arguments(p)
     p.add_argument(
         "--affinity",
         action="store_true",
@@ -155,9 +155,7 @@ class _Setup:
         self.total = total
         self.source = source  # Holds the tier's bytes (host: ceiling source; file: ceiling dst).
         self.dst = dst
-        self.engine = Engine(
-            num_workers=args.workers, io_chunk_bytes=args.chunk_bytes, worker_cpus=worker_cpus
-        )
+        self.engine = Engine(common.engine_config(args, worker_cpus))
         num_blocks = total // TIER_BLOCK_BYTES
         self.fd = -1
         self.file_path = None
@@ -305,6 +303,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "repeats": args.repeats,
                         "workers": args.workers,
                         "chunk_bytes": args.chunk_bytes,
+                        "io_depth": args.io_depth,
                         "direct_io": setup.info.direct_io,
                         "dst_alignment": common.address_alignment(dst),
                         "ceiling": ceiling_kind,

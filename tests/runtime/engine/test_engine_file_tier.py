@@ -104,8 +104,10 @@ def test_reads_are_exact_in_and_out_of_phase(make_engine, file_dir, alignment_of
 @pytest.mark.parametrize("chunk_bytes", [1 << 20, 640 << 10, 256 << 10, 200 << 10])
 def test_a_long_read_out_of_phase_cycles_the_ring_byte_exact(make_engine, file_dir, chunk_bytes):
     """Out of phase, a read goes through the bounce ring in reads of at most 256 KiB (of
-    io_chunk_bytes when smaller), io_depth of them in flight: 5 MiB and 3 bytes cycle the
-    ring many times and arrive byte-exact, whatever the chunk size."""
+    io_chunk_bytes when smaller), up to 2 MiB of them in flight as the ring's memory
+    (io_depth x io_chunk_bytes) allows: 8 slots for 1 MiB chunks at depth 2, 4 for 640 KiB
+    (whose last 128 KiB per buffer stay unused), 2 for 256 KiB or less. 5 MiB and 3 bytes
+    cycle the ring many times and arrive byte-exact."""
     e = make_engine(io_chunk_bytes=chunk_bytes, io_depth=2)
     t = e.add_file_tier(file_dir, block_bytes=1 << 20, num_blocks=6)
     data = np.random.default_rng(chunk_bytes).integers(0, 256, size=6 << 20, dtype=np.uint8)
