@@ -127,3 +127,34 @@ def test_the_sparse_projection_counts_summaries_selection_and_late_share():
         " and 6 of 8 summary chunk copies have an attention, a layer's unit walk or a scoring"
         " between their start and their end"
     ) in summary([row, longer]).splitlines()
+
+
+@pytest.mark.slow
+def test_the_sparse_step_over_a_heads_mesh_compiles_with_its_copies_overlapped(tmp_path):
+    """The heads split over the 4 chips of a v5e 2x2, each chip selecting its own blocks
+    from its own heads' summaries: it compiles, every unit copy spans an attention, each
+    layer's first summary chunk is copied a layer ahead, and a step copies a chip's
+    summaries (its heads') once per global layer."""
+    if importlib.util.find_spec("libtpu") is None:
+        if REQUIRED:
+            pytest.fail("libtpu is not installed: pip install '.[test]' installs it here")
+        pytest.skip("libtpu has no wheel for this platform")
+    out = tmp_path / "tpu_compile.json"
+    command = [
+        sys.executable, "-m", "jax_tpusync.bench", "tpu-compile", "--sparse",
+        "--heads-over-chips", "--topologies", "v5e:2x2", "--contexts", "131072",
+        "--layers", "2", "--kinds", "ours", "--json", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["results"]
+    assert (row["chips"], row["dp"], row["tp"]) == (4, 1, 4)
+    units, summaries = row["overlap"], row["summary_overlap"]
+    assert units["copies"] > 0 and units["spanning"] == units["copies"]
+    assert summaries["spanning"] >= 2  # Two layers' first chunks, each a layer ahead.
+    # A chip's summaries: its 2 of the 8 KV heads x 128 channels, lo and hi in bf16, of
+    # each of 512 blocks, per global layer.
+    assert row["summary_mib_per_step"] == 2 * 512 * 2 * 128 * 2 * 2 / 2**20

@@ -29,7 +29,7 @@ from jax_tpusync.core.pool_sparse import (
 )
 from jax_tpusync.core.pool_state import PoolLayout, PoolState, to_device
 
-__all__ = ["summarize", "blocks_of_ranges", "sparse_stats"]
+__all__ = ["summarize", "blocks_of_ranges", "sparse_stats", "combined_stats"]
 
 # Most blocks one summarizing program reads (as blocks.GATHER_BLOCKS).
 SUMMARIZE_BLOCKS = 16
@@ -163,3 +163,18 @@ def sparse_stats(layout: PoolLayout, counts: np.ndarray) -> dict:
     for row in (*rows, totals):
         row["hit_rate"] = row["hits"] / row["predicted"] if row["predicted"] else None
     return dict(layers=rows, totals=totals)
+
+
+def combined_stats(parts: list[dict]) -> dict:
+    """The :func:`sparse_stats` of caches that hold different slots (a batch-sharded
+    pool's shards) as one: blocks, decode rows and bytes summed, the steps (each shard
+    runs every step) counted once, the hit rates over the sums."""
+    layers = []
+    for rows in zip(*(p["layers"] for p in parts)):
+        row = {name: sum(r[name] for r in rows) for name in rows[0] if name != "hit_rate"}
+        row["steps"] = rows[0]["steps"]
+        layers.append(row)
+    totals = {name: sum(r[name] for r in layers) for name in layers[0]}
+    for row in (*layers, totals):
+        row["hit_rate"] = row["hits"] / row["predicted"] if row["predicted"] else None
+    return dict(layers=layers, totals=totals)

@@ -6,9 +6,11 @@ select different blocks; summaries per shard right after load and a prefix impor
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 import jax_tpusync as tps
 from jax_tpusync.core.pool_sparse import COUNTS, SummaryLayout
@@ -257,3 +259,44 @@ def test_what_a_sparse_pool_over_a_mesh_still_refuses_is_refused_by_name(tmp_pat
     tps.HostPoolKVCache(**options, prefetch_depth=1).close()  # At the edge.
     with pytest.raises(ValueError, match=r"spill_path=.* with mesh=: spill_path"):
         tps.HostPoolKVCache(**options, spill_path=str(tmp_path), spill_blocks=4)
+
+
+def test_a_batch_sharded_pool_decodes_sparse_as_the_heads_mesh_pool():
+    # A slot's selection on a device depends on its own keys and the device's heads only:
+    # split over batch shards too (2 x 2 devices), the steps are those of the pool whose
+    # heads alone are split (test_a_small_budget_over_a_mesh_attends_each_shards_blocks).
+    config = SparseConfig(budget=3, sink_blocks=1, recent_blocks=1)
+    options = dict(
+        num_layers=1, batch=4, max_len=64, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+        block_tokens=8, dtype=jnp.float32, sparse=config, kv_heads_axis="h",
+    )  # fmt: skip
+    grid = Mesh(np.array(jax.devices()[:4]).reshape(2, SHARDS), ("b", "h"))
+    batch_sharded = tps.BatchShardedPoolKVCache(**options, mesh=grid, batch_axis="b")
+    heads_only = tps.HostPoolKVCache(**options, mesh=mesh_of(SHARDS))
+    rng = np.random.default_rng(4)
+    kv = rng.standard_normal((2, 4, 40, HEADS, HEAD_DIM)).astype(np.float32)
+    inputs = random_steps(1, 4, [(1, None)] * 3, seed=5)
+    step = step_fn(1)
+    runs = []
+    for cache in (batch_sharded, heads_only):
+        state = cache.load(cache.init(), 0, kv[0], kv[1], lengths=[40, 33, 25, 38])
+        outs = []
+        for _, counts, qs, ks, vs in inputs:
+            out, state = step(state, qs, ks, vs, counts)
+            outs.append(np.asarray(out))
+        runs.append((state, outs, cache.sparse_stats(state)))
+    (state, outs, stats), (want_state, want_outs, want_stats) = runs
+    for got, want in zip(outs, want_outs):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    # Device (d, t) holds batch shard d's slots and head shard t's heads.
+    previous = np.asarray(state.sparse.previous)
+    previous = previous.reshape(2, SHARDS, *previous.shape[1:]).transpose(1, 2, 0, 3, 4)
+    np.testing.assert_array_equal(
+        previous.reshape(np.asarray(want_state.sparse.previous).shape),
+        np.asarray(want_state.sparse.previous),
+    )
+    assert stats == want_stats
+    assert stats["totals"]["decode_rows"] == 4 * 3
+    assert stats["totals"]["hits"] + stats["totals"]["late"] < stats["totals"]["context_blocks"]
+    batch_sharded.close()
+    heads_only.close()
