@@ -123,7 +123,7 @@ def test_the_sparse_projection_counts_summaries_selection_and_late_share():
     assert (
         "v5e:2x2 sparse (budget 0.03, 25% of each selection assumed late): projected step"
         " against the dense step at 128K (4.0 ms): 0.25x at 128K, 0.50x at 256K; summaries"
-        " 2 MiB at every context copied per step; 16 of 16 unit copies (predicted and late)"
+        " 4 MiB at every context copied per step; 16 of 16 unit copies (predicted and late)"
         " and 6 of 8 summary chunk copies have an attention, a layer's unit walk or a scoring"
         " between their start and their end"
     ) in summary([row, longer]).splitlines()

@@ -31,6 +31,10 @@ hold disjoint slots, so there is no common commit to bring them to on re-attach:
 re-attaches its own last commit (a crash between two shards' commits leaves each slot at
 a commit of its own rows), and a failed commit of one shard leaves the others' made.
 
+Sparse decode (``sparse=``): each device selects, for its slots and heads, from its own
+summaries, as over a host pool's heads mesh; :meth:`BatchShardedPoolKVCache.sparse_stats`
+sums the shards'.
+
 What a host pool refuses is refused here by name too (a spill tier over a mesh, resident
 mode, ...); ``restart_at`` (how a hybrid cache brings its groups to a common commit) is
 not offered, and a hybrid cache's host-pool groups do not take ``batch_axis``; P/D
