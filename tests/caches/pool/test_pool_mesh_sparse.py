@@ -36,8 +36,11 @@ def random_steps(layers, batch, steps, seed):
     return out
 
 
+@pytest.mark.slow
 def test_a_full_budget_over_a_mesh_is_the_dense_mesh_pool_step():
-    steps = [(7, None), (7, [7, 3]), (1, None), (1, [1, 0]), (1, None)]
+    # Two step widths (a compile each): prefill chunks (one ragged), then decode rows (a
+    # slot idle in one).
+    steps = [(7, [7, 7]), (7, [7, 3]), (1, [1, 1]), (1, [1, 0]), (1, [1, 1])]
     inputs = random_steps(2, 2, steps, seed=0)
     mesh = mesh_of(SHARDS)
 
@@ -175,6 +178,7 @@ def test_each_shard_selects_its_own_blocks_and_counts_them_exactly():
     cache.close()
 
 
+@pytest.mark.slow
 def test_a_small_budget_over_a_mesh_attends_each_shards_blocks():
     # Contexts of 40 and 33 tokens (5 blocks): each shard's heads choose one block beside
     # the sink and the last.
@@ -261,6 +265,7 @@ def test_what_a_sparse_pool_over_a_mesh_still_refuses_is_refused_by_name(tmp_pat
         tps.HostPoolKVCache(**options, spill_path=str(tmp_path), spill_blocks=4)
 
 
+@pytest.mark.slow
 def test_a_batch_sharded_pool_decodes_sparse_as_the_heads_mesh_pool():
     # A slot's selection on a device depends on its own keys and the device's heads only:
     # split over batch shards too (2 x 2 devices), the steps are those of the pool whose
