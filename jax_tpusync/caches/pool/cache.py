@@ -251,8 +251,9 @@ class HostPoolKVCache:
         (selected, not predicted: copied once the query was known), wasted (predicted, not
         selected; attended all the same), the sparse decode steps and rows, and the bytes
         copied to the device (summaries, predicted and late blocks) against a dense step's
-        (:func:`jax_tpusync.caches.pool.summaries.sparse_stats`). Host-side: the step that
-        made ``state`` is waited for.
+        (:func:`jax_tpusync.caches.pool.summaries.sparse_stats`). Over a mesh each head
+        shard selects its own blocks: blocks and bytes are summed over the shards, steps
+        and rows counted once. Host-side: the step that made ``state`` is waited for.
 
         Raises:
           ValueError: the cache was made without ``sparse=``.

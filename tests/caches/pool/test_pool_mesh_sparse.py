@@ -2,7 +2,8 @@
 devices): each head shard scores its own heads' summaries and selects its own blocks. A
 full budget is the dense mesh step; a small one is, per shard, attention over the blocks
 that shard attended; the per-shard counts exact on a constructed case where the shards
-select different blocks; summaries per shard right after load and a prefix import."""
+select different blocks; summaries per shard right after load and a prefix import; a
+BatchShardedPoolKVCache (2 x 2 devices) decodes as the heads-only mesh pool does."""
 
 from __future__ import annotations
 
