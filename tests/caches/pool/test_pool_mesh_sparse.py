@@ -3,7 +3,8 @@ devices): each head shard scores its own heads' summaries and selects its own bl
 full budget is the dense mesh step; a small one is, per shard, attention over the blocks
 that shard attended; the per-shard counts exact on a constructed case where the shards
 select different blocks; summaries per shard right after load and a prefix import; a
-BatchShardedPoolKVCache (2 x 2 devices) decodes as the heads-only mesh pool does."""
+BatchShardedPoolKVCache (2 x 2 devices) decodes as the heads-only mesh pool does; a
+host-pool hybrid over the mesh reads its global group sparse."""
 
 from __future__ import annotations
 
@@ -306,3 +307,30 @@ def test_a_batch_sharded_pool_decodes_sparse_as_the_heads_mesh_pool():
     assert stats["totals"]["hits"] + stats["totals"]["late"] < stats["totals"]["context_blocks"]
     batch_sharded.close()
     heads_only.close()
+
+
+@pytest.mark.slow
+def test_a_host_pool_hybrid_over_a_mesh_reads_its_global_layers_sparse():
+    # Layers 0 and 2 slide (a dense group), layer 1 is global (a sparse group); each group
+    # a host pool over the heads mesh. At a full budget the steps are the dense ones.
+    options = dict(
+        num_layers=3, batch=2, max_len=64, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+        block_tokens=8, dtype=jnp.float32, sliding_window=[16, None, 16], host_pool=True,
+        mesh=mesh_of(SHARDS), kv_heads_axis="h",
+    )  # fmt: skip
+    inputs = random_steps(3, 2, [(7, [7, 7]), (7, [7, 3]), (1, [1, 1]), (1, [1, 1])], seed=6)
+    step = step_fn(3)
+    runs = []
+    for sparse in ({}, dict(sparse=1.0)):
+        cache = tps.HybridKVCache(**options, **sparse)
+        state = cache.init()
+        outs = []
+        for _, counts, qs, ks, vs in inputs:
+            out, state = step(state, qs, ks, vs, counts)
+            outs.append(np.asarray(out))
+        runs.append(outs)
+        if sparse:
+            assert sorted(group.sparse is None for group in cache.groups) == [False, True]
+        cache.close()
+    for dense, full in zip(*runs):
+        np.testing.assert_allclose(full, dense, atol=1e-5, rtol=0)
