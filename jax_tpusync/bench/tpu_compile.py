@@ -617,7 +617,9 @@ def sparse_read(args, shape, ours: dict, layer_windows, chips: int) -> tuple[flo
     blocks (the budget's share of the context's, at least the sink and recent blocks:
     :class:`~jax_tpusync.tpu.SparseContextPlan`) and ``--late-share`` of them again
     (fetched late: a prediction's wasted blocks are about as many as its late ones, so
-    predicted plus late is the selection plus the late share); a sliding layer its window."""
+    predicted plus late is the selection plus the late share); a sliding layer its window.
+    The blocks and windows of every slot and head are split over the ``chips``; the
+    summaries are one chip's already (the plan's, of the chip's heads and blocks)."""
     block_bytes = 2 * args.block_tokens * shape.row_bytes
     selected = ours["selected_blocks"]
     total = 0.0
@@ -626,16 +628,16 @@ def sparse_read(args, shape, ours: dict, layer_windows, chips: int) -> tuple[flo
         if w is None:
             global_layers += 1
             total += shape.batch * selected * (1 + args.late_share) * block_bytes
-            total += ours["summary_layer_bytes"]
         else:
             total += 2 * shape.batch * min(shape.context, w) * shape.row_bytes
+    summary_bytes = global_layers * ours["summary_layer_bytes"]
     overlap = ours["summary_overlap"]
-    return total / chips, dict(
+    return total / chips + summary_bytes, dict(
         sparse_budget=args.sparse,
         late_share=args.late_share,
         selected_blocks=selected,
         context_blocks=ours["context_blocks"],
-        summary_mib_per_step=global_layers * ours["summary_layer_bytes"] / chips / 2**20,
+        summary_mib_per_step=summary_bytes / 2**20,
         summary_chunk_blocks=ours["summary_chunk_blocks"],
         summary_host_mib=ours["summary_host_mib"],
         summary_overlapped=f"{overlap['spanning']}/{overlap['copies']}",

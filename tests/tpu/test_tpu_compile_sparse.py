@@ -49,9 +49,9 @@ def report(tmp_path_factory):
 def test_device_memory_is_flat_in_the_context(report):
     _, rows = report
     short, long = rows[131072], rows[262144]
-    assert abs(long["ours_device_mib"] - short["ours_device_mib"]) <= 0.01 * short[
-        "ours_device_mib"
-    ]
+    assert (
+        abs(long["ours_device_mib"] - short["ours_device_mib"]) <= 0.01 * short["ours_device_mib"]
+    )
     # The summaries are in host memory: twice as many at twice the context.
     assert long["summary_host_mib"] > 1.9 * short["summary_host_mib"]
 
@@ -103,10 +103,11 @@ def test_the_sparse_projection_counts_summaries_selection_and_late_share():
     )  # fmt: skip
     block_bytes = 2 * 256 * 2 * 64 * 2
     read, fields = sparse_read(args, shape, ours, [None, 1024], 2)
-    global_layer = 2 * 16 * 1.25 * block_bytes + (4 << 20)
+    global_layer = 2 * 16 * 1.25 * block_bytes
     sliding_layer = 2 * 2 * 1024 * 2 * 64 * 2
-    assert read == (global_layer + sliding_layer) / 2
-    assert fields["summary_mib_per_step"] == 2.0 and fields["summary_overlapped"] == "3/4"
+    # The blocks split over the 2 chips; the summaries are one chip's already.
+    assert read == (global_layer + sliding_layer) / 2 + (4 << 20)
+    assert fields["summary_mib_per_step"] == 4.0 and fields["summary_overlapped"] == "3/4"
     assert fields["selected_blocks"] == 16 and fields["late_share"] == 0.25
 
     row = dict(
@@ -122,7 +123,38 @@ def test_the_sparse_projection_counts_summaries_selection_and_late_share():
     assert (
         "v5e:2x2 sparse (budget 0.03, 25% of each selection assumed late): projected step"
         " against the dense step at 128K (4.0 ms): 0.25x at 128K, 0.50x at 256K; summaries"
-        " 2 MiB at every context copied per step; 16 of 16 unit copies (predicted and late)"
+        " 4 MiB at every context copied per step; 16 of 16 unit copies (predicted and late)"
         " and 6 of 8 summary chunk copies have an attention, a layer's unit walk or a scoring"
         " between their start and their end"
     ) in summary([row, longer]).splitlines()
+
+
+@pytest.mark.slow
+def test_the_sparse_step_over_a_heads_mesh_compiles_with_its_copies_overlapped(tmp_path):
+    """The heads split over the 4 chips of a v5e 2x2, each chip selecting its own blocks
+    from its own heads' summaries: it compiles, every unit copy spans an attention, each
+    layer's first summary chunk is copied a layer ahead, and a step copies a chip's
+    summaries (its heads') once per global layer."""
+    if importlib.util.find_spec("libtpu") is None:
+        if REQUIRED:
+            pytest.fail("libtpu is not installed: pip install '.[test]' installs it here")
+        pytest.skip("libtpu has no wheel for this platform")
+    out = tmp_path / "tpu_compile.json"
+    command = [
+        sys.executable, "-m", "jax_tpusync.bench", "tpu-compile", "--sparse",
+        "--heads-over-chips", "--topologies", "v5e:2x2", "--contexts", "131072",
+        "--layers", "2", "--kinds", "ours", "--json", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["results"]
+    assert (row["chips"], row["dp"], row["tp"]) == (4, 1, 4)
+    units, summaries = row["overlap"], row["summary_overlap"]
+    assert units["copies"] > 0 and units["spanning"] == units["copies"]
+    assert summaries["spanning"] >= 2  # Two layers' first chunks, each a layer ahead.
+    # A chip's summaries: its 2 of the 8 KV heads x 128 channels, lo and hi in bf16, of
+    # each of 512 blocks, per global layer.
+    assert row["summary_mib_per_step"] == 2 * 512 * 2 * 128 * 2 * 2 / 2**20

@@ -131,7 +131,7 @@ def checked_config(
     if config.two_level:
         check_spill(config, options, mesh)
     if config.sparse is not None:
-        check_sparse(config, mesh)
+        check_sparse(config)
     if mesh is None:
         if kv_heads_axis is not None or batch_axis is not None:
             raise ValueError("kv_heads_axis and batch_axis need mesh= (host-pool cache)")
@@ -181,16 +181,11 @@ def check_spill(config: CacheConfig, options: dict[str, Any], mesh: Mesh | None)
         )
 
 
-def check_sparse(config: CacheConfig, mesh: Mesh | None) -> None:
+def check_sparse(config: CacheConfig) -> None:
     """Refuses, by name, what a host pool's sparse decode (``sparse=``; see
-    :mod:`jax_tpusync.step.pool_sparse`) does not go with yet."""
+    :mod:`jax_tpusync.step.pool_sparse`) does not go with yet. (Over a mesh each head
+    shard selects its own blocks; a spill tier there is refused by :func:`check_spill`.)"""
     sparse = config.sparse
-    if mesh is not None:
-        raise ValueError(
-            f"sparse={sparse!r} with mesh=: sparse decode on a host pool over a mesh (a "
-            f"selection per head shard) is not supported yet; drop one of them (host-pool "
-            f"cache)"
-        )
     if config.two_level:
         raise ValueError(
             f"sparse={sparse!r} with spill_path={config.tier.spill_path!r}: a spill tier's "

@@ -31,6 +31,10 @@ hold disjoint slots, so there is no common commit to bring them to on re-attach:
 re-attaches its own last commit (a crash between two shards' commits leaves each slot at
 a commit of its own rows), and a failed commit of one shard leaves the others' made.
 
+Sparse decode (``sparse=``): each device selects, for its slots and heads, from its own
+summaries, as over a host pool's heads mesh; :meth:`BatchShardedPoolKVCache.sparse_stats`
+sums the shards'.
+
 What a host pool refuses is refused here by name too (a spill tier over a mesh, resident
 mode, ...); ``restart_at`` (how a hybrid cache brings its groups to a common commit) is
 not offered, and a hybrid cache's host-pool groups do not take ``batch_axis``; P/D
@@ -50,6 +54,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jax_tpusync.caches.composite import PartsAdmission, PartsKVCache, outside_mesh
+from jax_tpusync.caches.pool import summaries as pool_summaries
 from jax_tpusync.caches.pool.cache import HostPoolKVCache
 from jax_tpusync.core.config import CacheConfig, is_int, with_config
 from jax_tpusync.core.host_io import as_cache_array, check_layer, check_load_rows, per_sequence
@@ -57,6 +62,7 @@ from jax_tpusync.core.mesh_layout import checked_layout
 from jax_tpusync.core.pool_state import PoolState
 from jax_tpusync.core.state import CacheSpec
 from jax_tpusync.persist import commit as persistence
+from jax_tpusync.sparse.config import SparseConfig
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +104,6 @@ class BatchShardedPoolKVCache(PartsKVCache):
             raise ValueError(
                 "batch_axis=None: this cache splits the slots over a mesh axis; a pool with "
                 "only its heads split is a HostPoolKVCache(mesh=, kv_heads_axis=)"
-            )
-        if options.get("sparse") is not None:
-            raise ValueError(
-                f"sparse={options['sparse']!r}: sparse decode on a BatchShardedPoolKVCache "
-                f"is not supported yet (a HostPoolKVCache on one device takes it)"
             )
         batch = options.get("batch")
         if not is_int(batch) or batch <= 0 or batch % layout.dp:
@@ -192,6 +193,26 @@ class BatchShardedPoolKVCache(PartsKVCache):
 
     def _running(self, d: int) -> contextlib.AbstractContextManager[None]:
         return self._in(d)
+
+    @property
+    def sparse(self) -> SparseConfig | None:
+        """The sparse decode setting (None: every decode row reads its whole context)."""
+        return self.config.sparse
+
+    def sparse_stats(self, state: PoolState) -> dict:
+        """:meth:`jax_tpusync.HostPoolKVCache.sparse_stats` over every batch shard: each
+        device selects its own blocks for its slots and heads; blocks, decode rows and
+        bytes summed (:func:`~jax_tpusync.caches.pool.summaries.combined_stats`).
+
+        Raises:
+          ValueError: the cache was made without ``sparse=``.
+        """
+        if self.sparse is None:
+            raise ValueError("sparse_stats(): this cache was made without sparse=")
+        states = self.split(state)
+        return pool_summaries.combined_stats(
+            [part.sparse_stats(states[d]) for d, part in self.parts.items()]
+        )
 
     # -- global states <-> the shards' states -----------------------------------------------
 

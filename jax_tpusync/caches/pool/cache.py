@@ -34,12 +34,13 @@ Sparse decode (``sparse=``, a :class:`~jax_tpusync.sparse.SparseConfig` or its b
 global layers' decode rows read only the blocks their query selects, from block summaries
 the state keeps beside the pool in host memory (:mod:`jax_tpusync.step.pool_sparse`,
 :mod:`jax_tpusync.core.pool_sparse`); :meth:`HostPoolKVCache.sparse_stats` reports how the
-layer-ahead prediction did and the bytes copied.
+layer-ahead prediction did and the bytes copied. Over a mesh each device keeps its own
+heads' summaries beside its pool and selects its own blocks (a selection per head shard).
 
 What this cache does not do yet (each refused by name at construction): file tiers that
 are not a persistent copy (``tier="file"`` without ``file_name``), a spill tier over a
-mesh or with ``max_step_tokens``, resident mode, and sparse decode over a mesh, with a
-spill tier or at ``prefetch_depth`` above 1. (Slots split over a mesh's
+mesh or with ``max_step_tokens``, resident mode, and sparse decode with a spill tier or
+at ``prefetch_depth`` above 1. (Slots split over a mesh's
 ``batch_axis`` are a :class:`~jax_tpusync.BatchShardedPoolKVCache`, one such cache per
 batch shard; this one takes a ``batch_axis`` of one device. Models whose layers differ are served
 by a :class:`~jax_tpusync.HybridKVCache` whose groups are host pools, ``host_pool=True``;
@@ -250,8 +251,9 @@ class HostPoolKVCache:
         (selected, not predicted: copied once the query was known), wasted (predicted, not
         selected; attended all the same), the sparse decode steps and rows, and the bytes
         copied to the device (summaries, predicted and late blocks) against a dense step's
-        (:func:`jax_tpusync.caches.pool.summaries.sparse_stats`). Host-side: the step that
-        made ``state`` is waited for.
+        (:func:`jax_tpusync.caches.pool.summaries.sparse_stats`). Over a mesh each head
+        shard selects its own blocks: blocks and bytes are summed over the shards, steps
+        and rows counted once. Host-side: the step that made ``state`` is waited for.
 
         Raises:
           ValueError: the cache was made without ``sparse=``.

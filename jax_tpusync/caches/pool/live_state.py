@@ -97,7 +97,9 @@ class PoolLiveState:
         state = state.replace(
             sparse=PoolSparseState(
                 self.sparse,
-                summaries=jax.device_put(summary.empty_rows(summary.shape[0]), self.pool_sharding),
+                summaries=jax.device_put(
+                    self.per_shard(summary.empty_rows(summary.shape[0])), self.pool_sharding
+                ),
                 previous=self.placed(self.no_previous()),
                 counts=self.placed(np.zeros(PoolSparseState.counts_shape(self.spec), np.int32)),
                 staged_chunk=self.placed(
@@ -128,19 +130,22 @@ class PoolLiveState:
         blocks = pool_summaries.blocks_of_ranges(
             self.spec, np.asarray(self.slots.tables), layers, starts, stops
         )
-        return pool_summaries.summarize(self.layout, state, blocks)
+        return pool_summaries.summarize(self.layout, state, blocks, self.mesh)
 
     def global_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """A state leaf's shape: one shard's, with a leading axis of shards over a mesh."""
         return shape if self.mesh is None else (self.shards, *shape)
 
+    def per_shard(self, x: Any) -> np.ndarray:
+        """One shard's value of a state leaf, the same on every shard (a leading axis of
+        shards over a mesh)."""
+        x = np.asarray(x)
+        return x if self.mesh is None else np.broadcast_to(x, (self.shards, *x.shape))
+
     def placed(self, x: Any) -> jax.Array:
         """One shard's value of a state leaf, as the state holds it: on the device, or
         the same value on every device of the mesh (a leading axis of shards)."""
-        x = np.asarray(x)
-        if self.mesh is not None:
-            x = np.broadcast_to(x, (self.shards, *x.shape))
-        return jax.device_put(x, self.state_sharding)
+        return jax.device_put(self.per_shard(x), self.state_sharding)
 
     def host(self, x: jax.Array) -> np.ndarray:
         """A per-slot leaf of the state on the host (every shard holds the same)."""

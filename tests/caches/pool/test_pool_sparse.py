@@ -229,9 +229,9 @@ def test_sparse_with_what_it_does_not_support_yet_is_refused_by_name(tmp_path):
         tps.HostPoolKVCache(
             **GEOMETRY, sparse=0.5, spill_path=str(tmp_path), spill_blocks=4
         )
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("heads",))
-    with pytest.raises(ValueError, match=r"sparse=.* with mesh=: sparse decode on a host pool"):
-        tps.HostPoolKVCache(**GEOMETRY, sparse=0.5, mesh=mesh, kv_heads_axis="heads")
+    # Over a mesh each head shard selects its own blocks (test_pool_mesh_sparse.py).
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("heads",))
+    tps.HostPoolKVCache(**GEOMETRY, sparse=0.5, mesh=mesh, kv_heads_axis="heads").close()
 
 
 def test_sparse_stats_of_a_dense_cache_is_refused():
@@ -274,10 +274,18 @@ def test_a_dense_pool_state_has_no_sparse_leaves():
     sparse.close()
 
 
-def test_a_batch_sharded_pool_refuses_sparse_by_name():
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("batch",))
-    with pytest.raises(ValueError, match=r"sparse=.*: sparse decode on a BatchShardedPoolKVCache"):
-        tps.BatchShardedPoolKVCache(**GEOMETRY, sparse=0.5, mesh=mesh, batch_axis="batch")
+def test_a_batch_sharded_pool_refuses_what_a_sparse_host_pool_refuses_by_name():
+    # Sparse decode over batch shards is taken (test_pool_mesh_sparse.py); what a sparse
+    # host pool refuses, each shard's pool refuses, named as it names it.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("batch",))
+    options = dict(GEOMETRY, sparse=0.5, mesh=mesh, batch_axis="batch")
+    with pytest.raises(ValueError, match=r"sparse=.* with prefetch_depth=2: a sparse layer"):
+        tps.BatchShardedPoolKVCache(**options, prefetch_depth=2)
+    tps.BatchShardedPoolKVCache(**options, prefetch_depth=1).close()  # At the edge.
+    dense = tps.BatchShardedPoolKVCache(**dict(options, sparse=None))
+    with pytest.raises(ValueError, match=r"sparse_stats\(\): this cache was made without sparse="):
+        dense.sparse_stats(dense.init())
+    dense.close()
 
 
 @pytest.mark.slow
