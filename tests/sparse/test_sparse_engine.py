@@ -648,3 +648,44 @@ def test_a_scanned_layer_loop_with_a_sliding_layer():
     assert stats["layers"][1]["predicted"] == stats["layers"][1]["context_blocks"] == 0
     assert stats["layers"][0]["predicted"] > 0
 
+
+@pytest.mark.parametrize("loop", ["unrolled", "scan"])
+def test_a_decode_step_updates_the_summaries_in_place(loop):
+    """The compiled decode step (state donated) writes its rows into the summary arrays in
+    place: no copy of a whole [layers, num_blocks, heads, head_dim] array, neither with the
+    layers unrolled nor under lax.scan (at 1M tokens they are 128 MiB: a copy per layer and
+    step would cost more than the step's sparse reads)."""
+    import re
+
+    layers = 3
+    with _cache(None, "host", False, 0.25, num_layers=layers) as cache:
+        state = cache.init()
+        shape = tuple(state.sparse.lo.shape)
+        assert shape == tuple(state.sparse.hi.shape) == (layers, cache.spec.num_blocks, 2, 16)
+
+        def step(q, k, v, state):
+            if loop == "scan":
+
+                def body(state, xs):
+                    q, k, v, layer = xs
+                    out, state = tps.prefetching_attention(q, k, v, state, layer=layer)
+                    return state, out
+
+                state, out = jax.lax.scan(body, state, (q, k, v, jnp.arange(layers)))
+                return out, state
+            outs = []
+            for layer in range(layers):
+                o, state = tps.prefetching_attention(
+                    q[layer], k[layer], v[layer], state, layer=layer
+                )
+                outs.append(o)
+            return jnp.stack(outs), state
+
+        q = jnp.zeros((layers, BATCH, 1, Q_HEADS, HEAD_DIM), jnp.float32)
+        k = jnp.zeros((layers, BATCH, 1, KV_HEADS, HEAD_DIM), jnp.float32)
+        hlo = jax.jit(step, donate_argnums=(3,)).lower(q, k, k, state).compile().as_text()
+    summary = re.escape("f32[" + ",".join(map(str, shape)) + "]")
+    produced = re.findall(r"= " + summary + r"\{[^}]*\} (\S+?)\(", hlo)
+    assert produced, "the summary arrays are not in the compiled step"
+    copies = [op for op in produced if op.startswith("copy")]
+    assert not copies, f"{len(copies)} whole-array copies of the summaries per step"
