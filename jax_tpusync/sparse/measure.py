@@ -8,6 +8,12 @@ and attends three ways: densely, over the exact selection, and over what a layer
 reads (the prediction plus the late blocks: the exact selection with the predicted blocks it
 does not need, which are attended too). The quality benchmarks and
 :func:`jax_tpusync.quality.compare_sparse` are built on it.
+
+As on an engine cache, the blocks are chosen among the positions cached before the step
+(its own row excluded: the summaries, the selection's size, its sink and recent blocks and
+the prediction all follow from them), and the step's own row is always attended. So where
+the context before the step is whole blocks, the recent block is the last full one, not the
+new block the row opens.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ class Measures(NamedTuple):
     error: jax.Array  # float32[batch, num_q_heads]: |exact-selection out - dense| / |dense|
     read_error: jax.Array  # float32[batch, num_q_heads]: |sparse - dense| / |dense|
     counts: jax.Array  # int32[4]: prediction.COUNTS, summed over the batch
-    read_blocks: jax.Array  # int32[batch]: blocks the step reads (prediction and late)
+    read_blocks: jax.Array  # int32[batch]: cached blocks the step reads (prediction and late)
 
 
 def blocks_mask(
@@ -93,17 +99,20 @@ def measure(
     """
     batch, tokens = keys.shape[:2]
     lengths = jnp.asarray(lengths, jnp.int32)
+    cached = jnp.maximum(lengths - 1, 0)  # positions before the step's own row
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    lo, hi = summaries.of_keys(keys, lengths, block_tokens)
+    lo, hi = summaries.of_keys(keys, cached, block_tokens)
     bounds = summaries.score_bounds(q[:, None], lo, hi)
-    exact = select.select(config, bounds, lengths, block_tokens)
+    exact = select.select(config, bounds, cached, block_tokens)
     if previous is None:
         previous = jnp.full(exact.shape, select.NONE, jnp.int32)
-    predicted = prediction.predict(config, previous, lengths, block_tokens, lo.shape[1])
+    predicted = prediction.predict(config, previous, cached, block_tokens, lo.shape[1])
     counts = prediction.counts(predicted, exact)
-    exact_mask = blocks_mask(exact, lengths, tokens, block_tokens)
-    read_mask = exact_mask | blocks_mask(predicted, lengths, tokens, block_tokens)
-    valid = jnp.arange(tokens)[None, :] < lengths[:, None]
+    position = jnp.arange(tokens)[None, :]
+    own_row = (position == cached[:, None]) & (lengths[:, None] > 0)
+    exact_mask = blocks_mask(exact, cached, tokens, block_tokens) | own_row
+    read_mask = exact_mask | blocks_mask(predicted, cached, tokens, block_tokens)
+    valid = position < lengths[:, None]
     scores = reference.logits(q, keys, scale)  # once: every attention below reuses them
     dense_p = _softmax(scores, valid)
     dense = _attend(dense_p, values)

@@ -4,7 +4,12 @@ prediction did.
 
 A layer's prediction is the selection it made at the previous step with the blocks every
 selection holds at this step's lengths (the recent window moves as tokens are written): a
-decode row's important blocks change little from one step to the next. What the exact
+decode row's important blocks change little from one step to the next. It never holds more
+blocks than this step's exact selection will (its size follows from this step's lengths,
+known before the layer walk): where the recent window moved on past a block, the previous
+selection held that block for being recent, not for its score, and it is the one left out
+(otherwise, with the new recent block added, one of the blocks read ahead would be wasted
+for sure). What the exact
 selection holds beyond the prediction is fetched late; what the prediction holds beyond the
 exact selection was read for nothing (it is still attended to: the rows are real KV, and
 attending to more of them only brings the output nearer the dense one).
@@ -36,7 +41,8 @@ def predict(
 ) -> jax.Array:  # int32[batch, S + config.always_read]
     """The blocks to fetch for a layer before its query exists: ``previous`` (entries past
     this step's context dropped) with this step's sink and recent blocks, ascending, -1s
-    last."""
+    last; no more of them than this step's selection holds (``config.selected_count``),
+    the previous recent blocks this step's recent window left behind dropped first."""
     nb = selection.context_blocks(lengths, block_tokens)[:, None]
     kept = jnp.where((previous >= 0) & (previous < nb), previous, num_blocks)
     index = jnp.arange(config.always_read, dtype=jnp.int32)[None, :]
@@ -50,6 +56,22 @@ def predict(
         [jnp.zeros_like(merged[:, :1], bool), merged[:, 1:] == merged[:, :-1]], axis=-1
     )
     merged = jnp.sort(jnp.where(repeat, num_blocks, merged), axis=-1)
+    # The previous selection's last entry is its context's last block (select's rule), so
+    # its recent window is known: the entries it held as recent that are no longer sink or
+    # recent blocks are the ones to leave out where the prediction would outgrow the
+    # selection (lowest first).
+    previous_last = jnp.max(previous, axis=-1, keepdims=True)
+    left_behind = (
+        (merged < num_blocks)
+        & (merged > previous_last - config.recent_blocks)
+        & (merged >= config.sink_blocks)
+        & (merged < nb - config.recent_blocks)
+    )
+    size = jnp.sum(merged < num_blocks, axis=-1, keepdims=True)
+    excess = size - config.selected_count(nb[:, 0])[:, None]
+    left_rank = jnp.cumsum(left_behind, axis=-1)  # merged is ascending
+    merged = jnp.where(left_behind & (left_rank <= excess), num_blocks, merged)
+    merged = jnp.sort(merged, axis=-1)
     return jnp.where(merged < num_blocks, merged, selection.NONE).astype(jnp.int32)
 
 

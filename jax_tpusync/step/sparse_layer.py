@@ -9,7 +9,8 @@ staging, a host tier read in place, a file tier attended where it landed) reads 
 blocks, with no new kernel. Per global layer of a decode step:
 
 1. the layer's **prediction** (its selection at the previous step, with this step's sink
-   and recent blocks: :func:`jax_tpusync.sparse.prediction.predict`) is the table the
+   and recent blocks, never more blocks than this step's selection will hold:
+   :func:`jax_tpusync.sparse.prediction.predict`) is the table the
    walk reads first; its first units were fetched ahead, during the previous layer (the
    prefetch ahead follows every layer's predicted table: :class:`~jax_tpusync.step.plan.Walk`);
 2. the **exact selection** comes from the query and the layer's block summaries
@@ -20,7 +21,8 @@ blocks, with no new kernel. Per global layer of a decode step:
    row attends to exactly the blocks of ``predicted | exact``;
 3. the exact selection becomes the layer's next prediction, and the counts (predicted,
    hits, late, wasted, and the blocks a dense step would read) add up in the state;
-4. the step's new keys update their blocks' summaries (every step, dense ones too).
+4. the step's new keys update their blocks' summaries (every step, dense ones too), in
+   place, after the exact selection has read them.
 
 A step whose rows are not one decode row per slot (``q_len > 1``: a prefill chunk, or a
 ragged step with one) reads densely: its rows' queries would each select, and a chunk
@@ -57,8 +59,8 @@ def sparse_layer(
     q_len = q.shape[1]
     sparse = state.sparse
     real = plan.step_grow(state, q_len, counts)  # Rows each active slot writes.
-    lo, hi = summaries_after(spec, sparse, state, layer, k, real)
     if q_len != 1:  # A prefill chunk (or a ragged step with one): dense.
+        lo, hi = summaries_after(spec, sparse, state, layer, k, real)
         state = state.replace(sparse=sparse.replace(lo=lo, hi=hi))
         return streamed.streamed_layer(
             q, k, v, state, token, grow, layer=layer, counts=counts, **options
@@ -71,6 +73,13 @@ def sparse_layer(
     # The exact selection from the query and the summaries (as they were before this
     # step's rows: they describe exactly the cached positions).
     exact = exact_selection(spec, sparse, layer, q, lengths, table)
+    # Then the step's rows enter the summaries, in place. The update depends on the
+    # selection by data (a test that never holds: a selection's entries are never below
+    # NONE, which XLA cannot prove), so the old summaries are read before they are
+    # overwritten; without it XLA copies both whole summary arrays, every layer's, per
+    # layer and step (an optimization_barrier does not order them on CPU).
+    real_after = jnp.where(exact[:, 0] < select.NONE, 0, real)
+    lo, hi = summaries_after(spec, sparse, state, layer, k, real_after)
     predicted = predicted_blocks(spec, sparse.previous[layer], lengths)
     # The walk reads the prediction of every slot, as the prefetch ahead did; a slot
     # without a decode row reads no late block and counts nothing.

@@ -216,6 +216,72 @@ def test_the_prediction_counts_are_exact_on_a_constructed_case(tmp_path, tier, r
     assert stats["bytes"]["summaries"] == 2 * 12 * (2 * 8 * 4)
 
 
+@pytest.mark.parametrize("tier, read_in_place", [("host", "auto"), ("file", False)])
+def test_a_whole_block_context_counts_as_the_reference_and_wastes_nothing(
+    tmp_path, tier, read_in_place
+):
+    """24 cached tokens: 6 whole blocks of 4. Keys zero but one row of block 2 (10 e0); q =
+    e0 at both steps; a budget of 3 blocks. Step 1 (24 cached) selects {0, 2, 5}: the sink,
+    block 2 and the last full block (its own row opens block 6, attended apart); 2
+    predicted, 2 hits, 1 late. Step 2 (25 cached) selects {0, 2, 6}: block 5 was held for
+    being recent and no longer is, so the prediction is {0, 2, 6}, not {0, 2, 5, 6} (whose
+    block 5 would be wasted for sure): 3 predicted, 3 hits. The sparse reference
+    (sparse.measure, the step's row included in its keys) counts the same, step by step,
+    and attends to the same rows."""
+    from jax_tpusync.sparse import measure as sparse_measure
+
+    if read_in_place == "auto" and backend.in_place_blocker() is not None:
+        pytest.skip("read in place on the CPU backend only")
+    tokens, dim = 24, 8
+    keys = np.zeros((1, tokens, 1, dim), np.float32)
+    keys[0, 9, 0, 0] = 10.0  # block 2
+    values = np.arange(tokens * dim, dtype=np.float32).reshape(1, tokens, 1, dim) / 100
+    q = np.eye(dim, dtype=np.float32)[0].reshape(1, 1, 1, dim)
+    new_v = np.stack([np.full((1, 1, 1, dim), 0.5 + i, np.float32) for i in range(2)])
+    config = SparseConfig(budget=3, sink_blocks=1, recent_blocks=1)
+    engine_counts, engine_outs = [], []
+    with _constructed_cache(tmp_path, tier, read_in_place) as cache:
+        assert cache.spec.sparse == config
+        state = cache.init()
+        for layer in range(2):
+            state = cache.load(state, layer, keys, values)
+
+        def step(v, state):
+            zero = jnp.zeros((1, 1, 1, dim), jnp.float32)
+            outs = []
+            for layer in range(2):
+                o, state = tps.prefetching_attention(jnp.asarray(q), zero, v, state, layer=layer)
+                outs.append(o)
+            return outs, state
+
+        step = jax.jit(step, donate_argnums=(1,))
+        seen = np.zeros((2, 4), np.int64)
+        for i in range(2):
+            outs, state = step(jnp.asarray(new_v[i]), state)
+            engine_outs.append(np.asarray(outs[0])[:, 0])
+            stats = cache.sparse_stats(state)
+            total = np.array([[row[name] for name in prediction.COUNTS] for row in stats["layers"]])
+            engine_counts.append(total - seen)
+            seen = total
+        np.testing.assert_array_equal(np.asarray(state.sparse.previous[:, 0]), [[0, 2, 6]] * 2)
+    np.testing.assert_array_equal(engine_counts[0], [[2, 2, 1, 0]] * 2)
+    np.testing.assert_array_equal(engine_counts[1], [[3, 3, 0, 0]] * 2)
+    # The reference: keys and values with the steps' rows written, the row included.
+    all_k = np.zeros((1, tokens + 2, 1, dim), np.float32)
+    all_v = np.zeros_like(all_k)
+    all_k[:, :tokens], all_v[:, :tokens] = keys, values
+    previous = None
+    for i in range(2):
+        all_v[:, tokens + i] = new_v[i][:, 0]
+        got = sparse_measure.measure(
+            config, jnp.asarray(q[:, 0]), all_k, all_v, np.array([tokens + i + 1]), 4, previous
+        )
+        previous = got.selection
+        np.testing.assert_array_equal(np.asarray(got.counts), engine_counts[i][0])
+        np.testing.assert_allclose(np.asarray(got.sparse), engine_outs[i], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(previous[0]), [0, 2, 6])
+
+
 def _check_summaries(cache, state, slots=range(BATCH)):
     """The state's summaries of every block each slot maps below its length equal those of
     the keys the tier holds."""
@@ -581,3 +647,45 @@ def test_a_scanned_layer_loop_with_a_sliding_layer():
     assert not np.allclose(part[:, 0], dense[:, 0], atol=1e-3)
     assert stats["layers"][1]["predicted"] == stats["layers"][1]["context_blocks"] == 0
     assert stats["layers"][0]["predicted"] > 0
+
+
+@pytest.mark.parametrize("loop", ["unrolled", "scan"])
+def test_a_decode_step_updates_the_summaries_in_place(loop):
+    """The compiled decode step (state donated) writes its rows into the summary arrays in
+    place: no copy of a whole [layers, num_blocks, heads, head_dim] array, neither with the
+    layers unrolled nor under lax.scan (at 1M tokens they are 128 MiB: a copy per layer and
+    step would cost more than the step's sparse reads)."""
+    import re
+
+    layers = 3
+    with _cache(None, "host", False, 0.25, num_layers=layers) as cache:
+        state = cache.init()
+        shape = tuple(state.sparse.lo.shape)
+        assert shape == tuple(state.sparse.hi.shape) == (layers, cache.spec.num_blocks, 2, 16)
+
+        def step(q, k, v, state):
+            if loop == "scan":
+
+                def body(state, xs):
+                    q, k, v, layer = xs
+                    out, state = tps.prefetching_attention(q, k, v, state, layer=layer)
+                    return state, out
+
+                state, out = jax.lax.scan(body, state, (q, k, v, jnp.arange(layers)))
+                return out, state
+            outs = []
+            for layer in range(layers):
+                o, state = tps.prefetching_attention(
+                    q[layer], k[layer], v[layer], state, layer=layer
+                )
+                outs.append(o)
+            return jnp.stack(outs), state
+
+        q = jnp.zeros((layers, BATCH, 1, Q_HEADS, HEAD_DIM), jnp.float32)
+        k = jnp.zeros((layers, BATCH, 1, KV_HEADS, HEAD_DIM), jnp.float32)
+        hlo = jax.jit(step, donate_argnums=(3,)).lower(q, k, k, state).compile().as_text()
+    summary = re.escape("f32[" + ",".join(map(str, shape)) + "]")
+    produced = re.findall(r"= " + summary + r"\{[^}]*\} (\S+?)\(", hlo)
+    assert produced, "the summary arrays are not in the compiled step"
+    copies = [op for op in produced if op.startswith("copy")]
+    assert not copies, f"{len(copies)} whole-array copies of the summaries per step"

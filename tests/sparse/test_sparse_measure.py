@@ -46,7 +46,10 @@ def test_a_full_budget_is_dense():
     np.testing.assert_allclose(np.asarray(got.error), 0.0, atol=1e-6)
     np.testing.assert_allclose(np.asarray(got.read_error), 0.0, atol=1e-6)
     np.testing.assert_allclose(np.asarray(got.sparse), np.asarray(got.dense), atol=1e-6)
-    blocks = -(-lengths // BT)
+    # Every block of the positions cached before the step (its own row, the last one, is
+    # attended from the step, as on an engine cache: slot 1's 56 cached rows are 7 blocks).
+    blocks = -(-(lengths - 1) // BT)
+    assert blocks.tolist() == [9, 7]
     assert np.asarray(got.read_blocks).tolist() == blocks.tolist()
 
 
@@ -62,6 +65,7 @@ def test_recall_and_error_match_numpy_on_the_selection():
         for block in row[row >= 0]:
             mask[b, block * BT : (block + 1) * BT] = True
         mask[b, lengths[b] :] = False
+        mask[b, lengths[b] - 1] = True  # the step's own row: always attended
     valid = np.arange(tokens)[None] < lengths[:, None]
     dense = _np_attention(q, keys, values, valid, scale)
     sparse_out = _np_attention(q, keys, values, mask, scale)

@@ -256,3 +256,30 @@ def test_the_prediction_adds_this_steps_recent_blocks_and_drops_repeats():
     # Entries past a context that shrank (a slot reset) are dropped.
     got = np.asarray(prediction.predict(config, previous, jnp.array([9, 0]), 8, 8))
     np.testing.assert_array_equal(got, [[0, 1, -1, -1, -1, -1, -1], [-1] * 7])
+
+
+@pytest.mark.parametrize(
+    "budget, recent, previous, tokens, want",
+    [
+        # 24 tokens (blocks 0..5) selected {0, 2, 5}; at 25 the recent block is 6: with 5
+        # kept the prediction would hold 4 blocks for a selection of 3, one wasted for sure.
+        (3, 1, [0, 2, 5], 25, [0, 2, 6]),
+        # A share of 0.5: the selection grows to 4 blocks at 7; 5 stays (it may be needed).
+        (0.5, 1, [0, 2, 5], 25, [0, 2, 5, 6]),
+        # Every block selected (8 of 8 allowed): nothing is left out.
+        (8, 1, [0, 1, 2, 3, 4, 5], 25, [0, 1, 2, 3, 4, 5, 6]),
+        # Two recent blocks {6, 7} at 32 tokens move to {7, 8}: 6 is left out, 3 stays.
+        (4, 2, [0, 3, 6, 7], 33, [0, 3, 7, 8]),
+        # No boundary crossed (22 to 23 tokens): the previous selection as it was.
+        (3, 1, [0, 2, 5], 23, [0, 2, 5]),
+    ],
+)
+def test_the_prediction_never_outgrows_the_selection(budget, recent, previous, tokens, want):
+    config = SparseConfig(budget=budget, sink_blocks=1, recent_blocks=recent)
+    width = config.max_selected(16)
+    prev = np.full((1, width), -1, np.int32)
+    prev[0, : len(previous)] = previous
+    got = np.asarray(prediction.predict(config, jnp.asarray(prev), jnp.array([tokens]), 4, 16))
+    assert got[0][got[0] >= 0].tolist() == want
+    count = int(config.selected_count(jnp.array([-(-tokens // 4)]))[0])
+    assert len(want) <= count
