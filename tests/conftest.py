@@ -44,7 +44,9 @@ from support.mooncake_masters import Master  # noqa: E402
 def pytest_collection_modifyitems(config, items):
     """Runs the files that hold ``slow`` tests first, the slowest-marked first: the suite
     spreads whole files over its workers (``--dist loadfile``), so a long file handed out
-    last would leave the other worker idle while it runs."""
+    last would leave the other worker idle while it runs. (xdist keeps this order only
+    with ``--no-loadscope-reorder``, in pyproject's addopts; by default it hands out the
+    files with the most tests first.)"""
     slow_in_file: dict[str, int] = {}
     for item in items:
         path = str(item.path)
