@@ -523,3 +523,27 @@ def test_a_hybrid_plan_says_each_group_in_words():
         " units of 768 tokens (8 copies each), staging 3 MiB, pool 15 MiB at 32K",
     ]
     assert step_plan(context_plan()).summary().splitlines()[3].startswith("  the pool in host")
+
+
+def test_a_hybrid_plan_holds_the_groups_the_hybrid_cache_makes():
+    """What plan_step compiles is the cache HybridKVCache(host_pool=True) makes of the same
+    keywords: each group's configuration and spec (one device's)."""
+    import jax.numpy as jnp
+
+    import jax_tpusync as tps
+    from jax_tpusync.caches.hybrid.config import host_pool_groups
+    from jax_tpusync.tpu.abstract_state import abstract_pool_state
+
+    keywords = dict(HYBRID, max_len=4096, kv_sharing=[None, 0, None], dtype=jnp.float32)
+    cache = tps.HybridKVCache(**keywords)
+    try:
+        plan, configs, step_tokens, _ = host_pool_groups(keywords)
+        assert plan == cache.plan and step_tokens == cache.max_step_tokens
+        assert configs == [group.config for group in cache.groups]
+        import jax
+
+        for config, group in zip(configs, cache.groups):
+            state, _ = abstract_pool_state(config, jax.devices())
+            assert state.spec == group.spec
+    finally:
+        cache.close()
