@@ -528,6 +528,7 @@ def test_a_hybrid_plan_says_each_group_in_words():
 def test_a_hybrid_plan_holds_the_groups_the_hybrid_cache_makes():
     """What plan_step compiles is the cache HybridKVCache(host_pool=True) makes of the same
     keywords: each group's configuration and spec (one device's)."""
+    import jax
     import jax.numpy as jnp
 
     import jax_tpusync as tps
@@ -540,8 +541,6 @@ def test_a_hybrid_plan_holds_the_groups_the_hybrid_cache_makes():
         plan, configs, step_tokens, _ = host_pool_groups(keywords)
         assert plan == cache.plan and step_tokens == cache.max_step_tokens
         assert configs == [group.config for group in cache.groups]
-        import jax
-
         for config, group in zip(configs, cache.groups):
             state, _ = abstract_pool_state(config, jax.devices())
             assert state.spec == group.spec
