@@ -146,7 +146,6 @@ def test_more_slots_than_one_units_copies_hold_overlap_every_copy(generation, na
     assert c["computations"] == 1 and c["copies"] == c["unit_copies"], (topology, c)
     assert c["overlapped"] == c["started_before"] == c["copies"], (topology, c)
     assert plan["all_overlapped"] is True, plan["summary"]
-    assert c["device_bytes"] <= bounded(c), c
     # The staging is whole units of every slot, as below 16.
     assert c["staging_bytes"] == 2 * slots * (c["chunk_len"] + 2) * ROW_BYTES_WIDE[name]
 
