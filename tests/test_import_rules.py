@@ -46,7 +46,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "pd": {"runtime", "core", "mooncake", "caches", "caches.offloaded", "caches.pool"},
     "serving": {"core"},
-    "tpu": {"runtime", "core", "step", "caches.pool"},
+    "tpu": {"runtime", "core", "step", "caches.pool", "caches.hybrid"},
 }
 # The public face: the flat modules a user imports (and the package's old-path aliases).
 FACE: dict[str, set[str]] = {

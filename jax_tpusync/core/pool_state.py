@@ -56,25 +56,43 @@ HOST_COPIES_IN_FLIGHT = 32
 OFF_TPU_UNIT_BLOCKS = 30
 
 
+def unit_slots(device_kind: str, batch: int = 1) -> int:
+    """Slots one unit's copies cover on a device of ``device_kind`` holding ``batch``.
+
+    A unit makes a block copy and a tail copy per slot at least, so on a TPU at most
+    ``HOST_COPIES_IN_FLIGHT // 2`` (16) slots fit the copies the compiler keeps in flight
+    (:data:`HOST_COPIES_IN_FLIGHT`). Above that a layer walks each unit in groups of
+    slots: ``ceil(batch / 16)`` groups of ``ceil(batch / groups)`` slots (the last one
+    padded), each group's copies issued one unit ahead and attended by its own rows
+    (:func:`jax_tpusync.step.host_pool.pool_layer`). Up to 16 slots, and off TPUs (no
+    compiler bounds the copies there), every slot: ``batch``."""
+    if batch < 1:
+        raise ValueError(f"batch={batch} must be at least 1")
+    most = HOST_COPIES_IN_FLIGHT // 2
+    if not device_kind.startswith("TPU") or batch <= most:
+        return batch
+    groups = -(-batch // most)
+    return -(-batch // groups)
+
+
 def unit_block_limit(device_kind: str, batch: int = 1) -> int:
     """Most blocks per unit on a device of ``device_kind`` holding ``batch`` slots.
 
-    A unit is one asynchronous copy per block and one per tail, for each slot: ``batch *
-    (blocks + 1)`` copies, at any ``prefetch_depth`` (a loop iteration starts one unit's
-    copies). On a TPU they all overlap the attention when they fit the copies the compiler
-    keeps in flight (:data:`HOST_COPIES_IN_FLIGHT`), so a unit holds ``HOST_COPIES_IN_FLIGHT
-    // batch - 1`` blocks, at least one (above 16 slots a chip, some copies of each unit
-    wait before the attention: the compiler's limit, which
-    ``xla_tpu_host_transfer_overlap_limit`` raises). Off TPUs, :data:`OFF_TPU_UNIT_BLOCKS`
-    whatever the batch: a unit copies every one of its blocks, so a unit as large as the
-    staging allows would copy up to a slot's whole capacity each layer, however short its
-    context (measured on a 2-core VM, bf16, 4 layers of 8 KV heads x 64: a 4K-token
-    context in a 64K-token slot took 196 ms a step in units of 256 blocks)."""
-    if batch < 1:
-        raise ValueError(f"batch={batch} must be at least 1")
+    A unit of a group of slots (:func:`unit_slots`) is one asynchronous copy per block and
+    one per tail, for each slot: ``slots * (blocks + 1)`` copies, at any
+    ``prefetch_depth`` (a loop iteration starts one unit's copies). On a TPU they all
+    overlap the attention when they fit the copies the compiler keeps in flight
+    (:data:`HOST_COPIES_IN_FLIGHT`), so a unit holds ``HOST_COPIES_IN_FLIGHT // slots -
+    1`` blocks: at least one, since a group holds at most 16 slots. Off TPUs,
+    :data:`OFF_TPU_UNIT_BLOCKS` whatever the batch: a unit copies every one of its blocks,
+    so a unit as large as the staging allows would copy up to a slot's whole capacity
+    each layer, however short its context (measured on a 2-core VM, bf16, 4 layers of 8 KV
+    heads x 64: a 4K-token context in a 64K-token slot took 196 ms a step in units of 256
+    blocks)."""
+    slots = unit_slots(device_kind, batch)
     if not device_kind.startswith("TPU"):
         return OFF_TPU_UNIT_BLOCKS
-    return max(1, HOST_COPIES_IN_FLIGHT // batch - 1)
+    return HOST_COPIES_IN_FLIGHT // slots - 1
 
 
 def unit_copies(batch: int, blocks_per_unit: int) -> int:
@@ -143,6 +161,18 @@ class PoolLayout:
     @property
     def blocks_per_unit(self) -> int:
         return self.spec.chunk_len // self.spec.block_tokens
+
+    @property
+    def group_slots(self) -> int:
+        """Slots one unit copy covers (:func:`unit_slots`): a layer walks each unit a group
+        of them at a time; every slot where the spec names no groups."""
+        slots = self.spec.unit_slots
+        return slots if 0 < slots < self.spec.batch else self.spec.batch
+
+    @property
+    def slot_groups(self) -> int:
+        """Groups of :attr:`group_slots` a unit is walked in (the last one padded)."""
+        return -(-self.spec.batch // self.group_slots)
 
     @property
     def single_unit(self) -> bool:

@@ -101,6 +101,9 @@ class CacheSpec:
     # Sparse decode (a jax_tpusync.sparse.SparseConfig): a decode row of a global layer
     # reads only the blocks its query selects; the state carries a SparseState. None: dense.
     sparse: Any = None
+    # A host pool's slots per unit copy (jax_tpusync.core.pool_state.unit_slots): a layer
+    # walks each unit a group of this many slots at a time. 0: every slot at once.
+    unit_slots: int = 0
 
     @property
     def ring_blocks(self) -> int:

@@ -44,9 +44,13 @@ copying iteration instead (the join a device copy of the unit), TPU v6e's schedu
 for every block copy of units of five or more blocks per slot before the attention, for
 any slot count above one (compiled: 4 of 24 copies overlapped, batch 2, 5 blocks of 256
 rows). What bounds a unit then is how many host copies the compiler keeps in flight at
-once (:func:`jax_tpusync.core.pool_state.unit_block_limit`). A layer's staged first units
-(whole units in the state) are split into pieces for the loop, and the units it leaves
-staged joined again after it.
+once (:func:`jax_tpusync.core.pool_state.unit_block_limit`). Past 16 slots a device even one
+block a slot passes it, so the walk goes a group of slots at a time
+(:func:`jax_tpusync.core.pool_state.unit_slots`): an iteration attends one group's rows of a
+unit while it copies the same group's rows of the unit ahead, and the carry holds each
+group's pieces apart (the last group padded with the sink's rows, its attention dropped).
+A layer's staged first units (whole units in the state) are split into pieces for the
+loop, and the units it leaves staged joined again after it.
 
 A cache that keeps only its sliding window (``max_step_tokens``) needs nothing here: the
 block table a state carries repeats each slot's ring of blocks
@@ -138,13 +142,14 @@ def fetch_pieces(
     pool: jax.Array,  # [pool_rows, row_width], host memory
     rows: jax.Array,  # int32[batch, blocks_per_unit + 1]: from unit_rows
 ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """(blocks, tails): the unit's copies to the device, unjoined: ``batch *
-    blocks_per_unit`` blocks of ``[block_tokens, row_width]`` (slot by slot), then ``batch``
-    tails of ``[write_rows, row_width]``."""
+    """(blocks, tails): the unit's copies to the device, unjoined: for each of the slots
+    ``rows`` names (every slot, or a group of them), ``blocks_per_unit`` blocks of
+    ``[block_tokens, row_width]`` (slot by slot), then a tail of ``[write_rows,
+    row_width]`` each."""
     spec = layout.spec
     width = layout.row_width
     blocks, tails = [], []
-    for b in range(spec.batch):
+    for b in range(rows.shape[0]):
         blocks += [
             to_device(lax.dynamic_slice(pool, (rows[b, j], 0), (spec.block_tokens, width)))
             for j in range(layout.blocks_per_unit)
@@ -158,13 +163,13 @@ def fetch_pieces(
 def join_pieces(
     layout: PoolLayout, pieces: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]
 ) -> tuple[jax.Array, jax.Array]:
-    """(staging [batch, chunk_len, row_width], tail [batch, write_rows, row_width]) of a
-    unit's pieces (:func:`fetch_pieces`)."""
+    """(staging [slots, chunk_len, row_width], tail [slots, write_rows, row_width]) of a
+    unit's pieces (:func:`fetch_pieces`), of every slot or a group of them."""
     blocks, tails = pieces
     n = layout.blocks_per_unit
     slots = [
         jnp.concatenate(blocks[b * n : (b + 1) * n], axis=0) if n > 1 else blocks[b * n]
-        for b in range(layout.spec.batch)
+        for b in range(len(tails))
     ]
     return jnp.stack(slots), jnp.stack(tails)
 
@@ -174,7 +179,7 @@ def split_unit(
 ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """A staged unit as :func:`fetch_pieces` gives one (the inverse of :func:`join_pieces`)."""
     n, bt = layout.blocks_per_unit, layout.spec.block_tokens
-    batch = layout.spec.batch
+    batch = staging.shape[0]
     blocks = tuple(staging[b, j * bt : (j + 1) * bt] for b in range(batch) for j in range(n))
     return blocks, tuple(tail[b] for b in range(batch))
 
@@ -302,8 +307,8 @@ def pool_layer(
 
     # 2. The layer's units, each attended while the next one is copied.
     attend = layer_attend(spec, layer, scale, soft_cap, implementation, kernel_options)
-    block_len = (
-        block_len_for(spec.chunk_len, batch * spec.num_kv_heads * spec.head_dim)
+    block_len = (  # The attention is of a unit's group of slots (one group: every slot).
+        block_len_for(spec.chunk_len, layout.group_slots * spec.num_kv_heads * spec.head_dim)
         if implementation == "xla"
         else spec.chunk_len
     )
@@ -326,45 +331,90 @@ def pool_layer(
             True,
         )
 
-    def unit_step(unit, carry):
+    # The unit walk goes a group of slots at a time where a unit's copies of every slot
+    # would pass the copies the compiler keeps in flight (PoolLayout.group_slots); one
+    # group: every slot, and the walk is the unit walk.
+    group = layout.group_slots
+    groups = layout.slot_groups
+    padded = group * groups
+
+    def padded_slots(x, fill):
+        """``x`` [batch, ...] as [padded, ...]: the slots past the batch hold ``fill``."""
+        if padded == batch:
+            return x
+        return jnp.concatenate([x, jnp.full((padded - batch, *x.shape[1:]), fill, x.dtype)])
+
+    def of_group(x, g):
+        """Group ``g``'s slots of ``x`` [padded, ...]."""
+        return x if groups == 1 else lax.dynamic_slice_in_dim(x, g * group, group, axis=0)
+
+    def into_group(x, part, g):
+        return part if groups == 1 else lax.dynamic_update_slice_in_dim(x, part, g * group, 0)
+
+    q_slots = padded_slots(q, 0)
+    lengths_slots = padded_slots(lengths, 0)
+
+    def unit_step(step_index, carry):
         out, lse, staged = carry
+        # Step ``step_index`` attends group g of unit `unit` while it copies the same group
+        # of the unit ahead: every piece in the carry is one group's unit.
+        unit, g = (step_index, 0) if groups == 1 else (step_index // groups, step_index % groups)
         staging, _ = join_pieces(layout, staged[0][0])
         n_layer, n_unit, n_lengths, ok = unit_ahead(unit)
         n_rows = unit_rows(layout, state, n_layer, n_unit, n_lengths)
+        n_rows = of_group(padded_slots(n_rows, layout.sink_row), g)
         with jax.named_scope(FETCH_SCOPE):
             n_pieces = fetch_pieces(layout, pool, n_rows)
         k_start = (first_block + unit * layout.blocks_per_unit) * spec.block_tokens
         valid = jnp.where(takes_keys, jnp.clip(lengths - k_start, 0, spec.chunk_len), 0)
+        k_start, valid = (of_group(padded_slots(x, 0), g) for x in (k_start, valid))
+        q_group = of_group(q_slots, g)
         with jax.named_scope(ATTEND_SCOPE):
             o, l = attend_valid_rows(
                 lambda start, n, valid_rows: attend(
-                    q,
+                    q_group,
                     k_start=k_start + start,
                     k_valid=valid_rows,
-                    q_start=lengths,
+                    q_start=of_group(lengths_slots, g),
                     **unit_kv(layout, lax.dynamic_slice_in_dim(staging, start, n, axis=1)),
                 ),
                 valid,
                 spec.chunk_len,
                 block_len,
-                q.shape,
+                q_group.shape,
             )
-        out, lse = kernel_reference.merge_partials(out, lse, o, l)
+        merged = kernel_reference.merge_partials(of_group(out, g), of_group(lse, g), o, l)
+        out, lse = into_group(out, merged[0], g), into_group(lse, merged[1], g)
         # Not ok: copied before this step wrote its layer; that layer copies it again.
         n_at = n_rows if ok is True else jnp.where(ok, n_rows, NOT_STAGED)
         return out, lse, (*staged[1:], (n_pieces, n_at))
 
-    out0 = jnp.zeros(q.shape, jnp.float32)
-    lse0 = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
-    # The loop carries units as pieces (see the module's docstring), the state whole units.
-    pieces = tuple((split_unit(layout, s, t), at) for s, t, at in staged)
-    carry = (out0, lse0, pieces)
-    if layout.single_unit:
-        carry = unit_step(jnp.int32(0), carry)
-    else:
-        carry = lax.fori_loop(0, num_units, unit_step, carry)
-    out, lse, pieces = carry
-    staged = [(*join_pieces(layout, p), at) for p, at in pieces]
+    out0 = jnp.zeros(q_slots.shape, jnp.float32)
+    lse0 = jnp.full(q_slots.shape[:3], -jnp.inf, jnp.float32)
+    # The loop carries units as pieces (see the module's docstring), each group's apart, in
+    # the order they are attended; the state carries whole units.
+    pieces = []
+    for unit in staged:
+        unit_staging, unit_tail, unit_at = (padded_slots(x, 0) for x in unit)
+        for g in range(groups):
+            part = slice(g * group, (g + 1) * group)
+            pieces.append((split_unit(layout, unit_staging[part], unit_tail[part]), unit_at[part]))
+    # A loop even where every layer's keys fit one unit (a ring of a sliding window): its
+    # iteration is where the compiler must start and wait for the copy, around the
+    # attention; inline in the step, TPU v6e's schedule waited for 24 of a sliding group's
+    # 40 copies before any attention (a hybrid cache, 5 sliding layers of one unit).
+    out, lse, pieces = lax.fori_loop(0, num_units * groups, unit_step, (out0, lse0, tuple(pieces)))
+    out, lse = out[:batch], lse[:batch]
+    staged = []
+    for unit in range(len(pieces) // groups):
+        joined = [join_pieces(layout, p) for p, _ in pieces[unit * groups : (unit + 1) * groups]]
+        ats = [at for _, at in pieces[unit * groups : (unit + 1) * groups]]
+        staged.append(
+            tuple(
+                parts[0] if groups == 1 else jnp.concatenate(parts)[:batch]
+                for parts in ([j[0] for j in joined], [j[1] for j in joined], ats)
+            )
+        )
 
     # 3. The new tokens attend to themselves (a slot's padding rows are no keys).
     own = plan.own_rows(batch, q_len, counts)

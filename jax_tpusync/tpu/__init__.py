@@ -6,6 +6,7 @@ from jax_tpusync.tpu.chips import HostLink, hbm_bytes_per_device, host_link
 from jax_tpusync.tpu.plan import (
     DEFAULT_CONTEXTS,
     ContextPlan,
+    GroupPlan,
     SparseContextPlan,
     StepPlan,
     plan_step,
@@ -14,6 +15,7 @@ from jax_tpusync.tpu.plan import (
 __all__ = [
     "DEFAULT_CONTEXTS",
     "ContextPlan",
+    "GroupPlan",
     "HostLink",
     "SparseContextPlan",
     "StepPlan",

@@ -8,10 +8,11 @@ from typing import Any
 
 from jax_tpusync.caches.pool.assembly import pool_spec
 from jax_tpusync.core.config import CacheConfig
+from jax_tpusync.core.hybrid_state import HybridState, LayerGroups
 from jax_tpusync.core.mesh_layout import MeshLayout
 from jax_tpusync.core.pool_state import PoolLayout, PoolState
 
-__all__ = ["abstract_pool_state"]
+__all__ = ["abstract_hybrid_state", "abstract_pool_state"]
 
 
 def abstract_pool_state(
@@ -81,3 +82,33 @@ def abstract_pool_state(
         sparse=sparse,
     )
     return state, on_device
+
+
+def abstract_hybrid_state(
+    plan: LayerGroups,
+    configs: list[CacheConfig],
+    max_step_tokens: int,
+    dtype: Any,
+    device,
+) -> tuple[HybridState, Any]:
+    """(state, sharding): a hybrid cache of host-pool groups
+    (``HybridKVCache(host_pool=True)``) as shapes on ``device``: one :func:`abstract_pool_state`
+    per group of ``plan`` (``configs``: each group's, as
+    :func:`~jax_tpusync.caches.hybrid.config.host_pool_groups` plans them), the step's
+    starting lengths and, per layer another reads, its ``max_step_tokens`` new rows."""
+    import jax
+    import jax.numpy as jnp
+
+    parts = [abstract_pool_state(config, [device])[0] for config in configs]
+    on_device = jax.sharding.SingleDeviceSharding(device)
+    batch = parts[0].spec.batch
+    pending = [
+        jax.ShapeDtypeStruct(
+            (2, batch, max_step_tokens, plan.group(s).num_kv_heads, plan.group(s).head_dim),
+            dtype,
+            sharding=on_device,
+        )
+        for s in plan.sources
+    ]
+    step_lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=on_device)
+    return HybridState(plan, parts, step_lengths, pending), on_device

@@ -26,11 +26,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from jax_tpusync.caches.hybrid.config import HYBRID_KEYWORDS, host_pool_groups
 from jax_tpusync.core.config import CacheConfig
 from jax_tpusync.core.mesh_layout import MeshLayout, checked_layout
 from jax_tpusync.core.pool_state import PoolLayout, unit_copies
 from jax_tpusync.step.host_pool import ATTEND_SCOPE, FETCH_SCOPE
-from jax_tpusync.tpu.abstract_state import abstract_pool_state
+from jax_tpusync.tpu.abstract_state import abstract_hybrid_state, abstract_pool_state
 from jax_tpusync.tpu.chips import hbm_bytes_per_device, host_link
 from jax_tpusync.tpu.schedule import schedule_overlap
 from jax_tpusync.tpu.target import (
@@ -41,7 +42,14 @@ from jax_tpusync.tpu.target import (
     tracing_for_tpu,
 )
 
-__all__ = ["DEFAULT_CONTEXTS", "ContextPlan", "SparseContextPlan", "StepPlan", "plan_step"]
+__all__ = [
+    "DEFAULT_CONTEXTS",
+    "ContextPlan",
+    "GroupPlan",
+    "SparseContextPlan",
+    "StepPlan",
+    "plan_step",
+]
 
 DEFAULT_CONTEXTS = (32768, 262144, 1048576)
 MIB = 2**20
@@ -75,6 +83,41 @@ class SparseContextPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class GroupPlan:
+    """One layer group of a hybrid cache's :class:`ContextPlan` (a
+    ``HybridKVCache(host_pool=True)``: a host pool per group); bytes are per chip.
+
+    Attributes:
+      layers: the model layers that store KV in the group.
+      readers: the model layers that read one of them (``kv_sharing``): each runs its
+        source's unit walk again, copying its units again.
+      num_kv_heads, head_dim: the group's KV geometry.
+      window: its sliding window (None: global).
+      ring_blocks: blocks of the ring each slot keeps of its window (0: every position).
+      chunk_len: tokens of a unit.
+      unit_copies: asynchronous copies one unit makes.
+      staging_bytes: the units the group holds on the device.
+      pool_bytes: its pool in the chip's host memory.
+      resident_kv_bytes: its layers' KV kept whole on the device instead (a sliding
+        layer its window).
+      step_copy_bytes: bytes its layers (and readers) copy per step.
+    """
+
+    layers: tuple[int, ...]
+    readers: tuple[int, ...]
+    num_kv_heads: int
+    head_dim: int
+    window: int | None
+    ring_blocks: int
+    chunk_len: int
+    unit_copies: int
+    staging_bytes: int
+    pool_bytes: int
+    resident_kv_bytes: int
+    step_copy_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ContextPlan:
     """One context of a :class:`StepPlan`; bytes are per chip (per JAX device).
 
@@ -88,7 +131,9 @@ class ContextPlan:
       resident_bytes: the whole-KV-resident baseline: the weights and every layer's KV.
       chunk_len: tokens of a unit.
       prefetch_depth: units staged ahead of the one attended.
-      unit_copies: asynchronous copies one unit makes (a block and a tail per slot).
+      unit_copies: asynchronous copies one unit makes (a block and a tail per slot; past
+        16 slots a chip, per slot of the group a layer walks at once:
+        :func:`~jax_tpusync.core.pool_state.unit_slots`).
       computations: computations of the scheduled program holding a unit copy and an
         attention (a layer's unit loop is one).
       copies: unit copies in them.
@@ -103,6 +148,9 @@ class ContextPlan:
       spanning: unit copies with an attention between their start and their end (in any
         computation: also a unit attended outside its layer's loop).
       sparse: a sparse cache's summaries, selection and summary copies (None: dense).
+      groups: a hybrid cache's layer groups, one :class:`GroupPlan` each (empty: one
+        cache); then ``staging_bytes``, ``pool_bytes`` and ``step_copy_bytes`` are their
+        sums, ``chunk_len`` and ``unit_copies`` their largest.
     """
 
     context: int
@@ -126,6 +174,7 @@ class ContextPlan:
     compile_s: float
     spanning: int = 0
     sparse: SparseContextPlan | None = None
+    groups: tuple[GroupPlan, ...] = ()
 
     @property
     def all_overlapped(self) -> bool:
@@ -283,7 +332,21 @@ def plan_step(
             raise ValueError(f"context {context!r} must be an int of at least 1 token")
     if link_gbps is not None and not link_gbps > 0:
         raise ValueError(f"link_gbps={link_gbps!r} must be positive")
-    if mesh_axes and batch_axis is not None and batch_axis in mesh_axes:
+    hybrid = _hybrid_keywords(cache)
+    if hybrid is not None:
+        if mesh_axes:
+            raise ValueError(
+                f"mesh_axes={dict(mesh_axes)} with a hybrid cache: a hybrid cache of host "
+                f"pools is planned on one chip (a mesh is not supported here yet); drop "
+                f"mesh_axes"
+            )
+        if hybrid.get("sparse") is not None:
+            raise ValueError(
+                f"sparse={hybrid['sparse']!r} with a hybrid cache: its plan reports dense "
+                f"groups only (not supported here yet); drop sparse="
+            )
+        host_pool_groups(hybrid, max_len=contexts[0])  # Refused by name, before libtpu.
+    elif mesh_axes and batch_axis is not None and batch_axis in mesh_axes:
         _config(cache, contexts[0], mesh_axes[batch_axis])  # The slots split, before libtpu.
     devices = topology_devices(topology)
     kind = devices[0].device_kind
@@ -296,20 +359,27 @@ def plan_step(
 
     plans = []
     for context in contexts:
-        config = _config(cache, context, dp)
-        config.geometry.check_one_cache()  # A ring needs every layer to share one window.
-        state, on_device = abstract_pool_state(config, devices, layout)
-        spec = state.spec
-        pool = PoolLayout(spec)
+        config = groups = None
+        if hybrid is not None:
+            groups, configs, step_tokens, kv_dtype = host_pool_groups(hybrid, max_len=context)
+            state, on_device = abstract_hybrid_state(
+                groups, configs, step_tokens, kv_dtype, devices[0]
+            )
+            specs = [part.spec for part in state.groups]
+        else:
+            config = _config(cache, context, dp)
+            config.geometry.check_one_cache()  # A ring needs every layer to share one window.
+            state, on_device = abstract_pool_state(config, devices, layout)
+            specs = [state.spec]
         placed_params = _placed(params, param_specs, on_device, layout, batch_split=False)
         placed_inputs = _placed(tuple(inputs), input_specs, on_device, layout, batch_split=True)
         args = (placed_params, *placed_inputs, state)
         shardings = jax.tree.map(lambda a: a.sharding, args)
 
-        def build(args=args, shardings=shardings, state=state):
+        def build(args=args, shardings=shardings, state=state, batch=specs[0].batch * dp):
             with tracing_for_tpu():
                 outputs = jax.eval_shape(step_fn, *args)
-                out_shardings = _out_shardings(outputs, state, on_device, layout)
+                out_shardings = _out_shardings(outputs, state, batch, on_device, layout)
                 jitted = jax.jit(
                     step_fn,
                     in_shardings=shardings,
@@ -334,27 +404,30 @@ def plan_step(
             cost = compiled.cost_analysis() or {}
             cost = (cost[0] if cost else {}) if isinstance(cost, list) else cost
         weights = _bytes_per_chip(placed_params)
-        kv_rows = sum(_resident_rows(w, context) for w in spec.windows)
-        row_bytes = pool.row_width * pool.dtype.itemsize
-        copied = sum(_units(spec, w, context) for w in spec.windows) * pool.staging_bytes
+        if groups is not None:
+            parts = tuple(_group_plan(groups, g, spec, context) for g, spec in enumerate(specs))
+        else:
+            parts = (_group_plan(None, 0, specs[0], context),)
+        copied = sum(p.step_copy_bytes for p in parts)
         plans.append(
             ContextPlan(
                 context=context,
                 device_bytes=None if compiled is None else device_bytes(compiled),
                 refusal=refusal,
                 weights_bytes=weights,
-                staging_bytes=pool.device_bytes,
-                pool_bytes=pool.pool_bytes,
-                resident_bytes=weights + spec.batch * kv_rows * row_bytes,
-                chunk_len=spec.chunk_len,
-                prefetch_depth=spec.prefetch_depth,
-                unit_copies=unit_copies(spec.batch, pool.blocks_per_unit),
+                staging_bytes=sum(p.staging_bytes for p in parts),
+                pool_bytes=sum(p.pool_bytes for p in parts),
+                resident_bytes=weights + sum(p.resident_kv_bytes for p in parts),
+                chunk_len=max(p.chunk_len for p in parts),
+                prefetch_depth=specs[0].prefetch_depth,
+                unit_copies=max(p.unit_copies for p in parts),
                 step_copy_bytes=copied,
                 projected_step_ms=copied / (gbps * 1e9) * 1e3,
                 flops=float(cost.get("flops", 0.0)),
                 bytes_accessed=float(cost.get("bytes accessed", 0.0)),
                 compile_s=seconds,
-                sparse=_sparse_plan(config, spec, context, text),
+                sparse=None if config is None else _sparse_plan(config, specs[0], context, text),
+                groups=parts if groups is not None else (),
                 **overlap,
             )
         )
@@ -368,6 +441,61 @@ def plan_step(
         link_source=source,
         hbm_bytes=hbm_bytes_per_device(kind, _devices_per_chip(topology, len(devices))),
         contexts=tuple(plans),
+    )
+
+
+def _hybrid_keywords(cache) -> dict | None:
+    """The keywords of a ``HybridKVCache(host_pool=True)`` where ``cache`` describes one
+    (kv_cache keywords with per-layer ``num_kv_heads`` or ``head_dim``, or a keyword only a
+    hybrid cache takes: ``host_pool``, ``kv_sharing``, ``bound_windows``,
+    ``window_cache_blocks``); None: one host pool."""
+    if not isinstance(cache, Mapping):
+        return None
+    per_layer = any(isinstance(cache.get(n), (list, tuple)) for n in ("num_kv_heads", "head_dim"))
+    if not per_layer and not any(n in cache for n in HYBRID_KEYWORDS):
+        return None
+    if (
+        cache.get("bound_windows") is False
+        and not per_layer
+        and not any(
+            cache.get(n) is not None for n in ("kv_sharing", "window_cache_blocks", "host_pool")
+        )
+    ):
+        # Every position kept, one geometry: one host pool (kv_cache(bound_windows=False)).
+        return None
+    return dict(cache)
+
+
+def _group_plan(groups, g: int, spec, context: int) -> GroupPlan:
+    """Group ``g`` of a hybrid cache's ``groups`` at ``context`` tokens (``groups`` None:
+    the one cache of ``spec``, every layer its own)."""
+    pool = PoolLayout(spec)
+    row_bytes = pool.row_width * pool.dtype.itemsize
+    if groups is None:
+        layers, readers = tuple(range(spec.num_layers)), ()
+        windows = list(spec.windows)
+    else:
+        group = groups.groups[g]
+        layers = group.layers
+        readers = tuple(
+            layer for layer, s in enumerate(groups.source_of) if s is not None and s in layers
+        )
+        windows = [group.window] * len(layers)
+    walks = windows + [windows[layers.index(groups.source_of[r])] for r in readers]
+    first = groups.groups[g] if groups is not None else None
+    return GroupPlan(
+        layers=layers,
+        readers=readers,
+        num_kv_heads=spec.num_kv_heads if first is None else first.num_kv_heads,
+        head_dim=spec.head_dim,
+        window=None if first is None else first.window,
+        ring_blocks=int(spec.ring_blocks or 0),
+        chunk_len=spec.chunk_len,
+        unit_copies=unit_copies(pool.group_slots, pool.blocks_per_unit),
+        staging_bytes=pool.device_bytes,
+        pool_bytes=pool.pool_bytes,
+        resident_kv_bytes=spec.batch * row_bytes * sum(_resident_rows(w, context) for w in windows),
+        step_copy_bytes=sum(_units(spec, w, context) for w in walks) * pool.staging_bytes,
     )
 
 
@@ -443,7 +571,8 @@ def _config(cache, context: int, dp: int) -> CacheConfig:
     if isinstance(cache, CacheConfig):
         geometry = dataclasses.replace(g, max_len=context, batch=batch // dp)
         return dataclasses.replace(cache, geometry=geometry)
-    return CacheConfig.from_kwargs(**{**cache, "max_len": context, "batch": batch // dp})
+    keywords = {k: v for k, v in cache.items() if k != "bound_windows"}  # False: one pool.
+    return CacheConfig.from_kwargs(**{**keywords, "max_len": context, "batch": batch // dp})
 
 
 def _placed(tree, specs, on_device, layout: MeshLayout | None, *, batch_split: bool):
@@ -476,10 +605,11 @@ def _placed(tree, specs, on_device, layout: MeshLayout | None, *, batch_split: b
     )
 
 
-def _out_shardings(outputs, state, on_device, layout: MeshLayout | None):
+def _out_shardings(outputs, state, batch: int, on_device, layout: MeshLayout | None):
     """The step's output shardings: the state where it came in (its pool in host memory:
     traced from shapes, the compiler knows that from the sharding only); the other outputs
-    replicated, or split over the batch axis where their leading axis is the batch's."""
+    replicated, or split over the batch axis where their leading axis is the ``batch``
+    slots'."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -487,7 +617,6 @@ def _out_shardings(outputs, state, on_device, layout: MeshLayout | None):
     if not isinstance(outputs, tuple) or len(outputs) < 2:
         raise ValueError("the step must return a tuple (outputs..., state): the cache's state last")
     state_shardings = jax.tree.map(lambda a: a.sharding, state)
-    batch = state.spec.batch * (layout.dp if layout else 1)
 
     def placed(leaf):
         if layout is not None and layout.batch_axis is not None and leaf.shape[:1] == (batch,):
@@ -559,7 +688,9 @@ def summary(plan: StepPlan) -> str:
     chip = f" (a chip has {_size(plan.hbm_bytes)})" if plan.hbm_bytes else ""
     lines.append(f"  whole KV resident instead: {resident}{chip}")
     pools = "; ".join(f"{_size(c.pool_bytes)} at {tokens_text(c.context)}" for c in cs)
-    lines.append(f"  the pool in host memory: {pools}")
+    lines.append(f"  the pool{'s' if first.groups else ''} in host memory: {pools}")
+    for i, group in enumerate(cs[-1].groups):
+        lines.append(f"  {_group_text(i, group, cs[-1].context)}")
     copies = sum(c.copies for c in cs)
     overlapped = sum(c.overlapped for c in cs)
     lines.append(
@@ -594,6 +725,24 @@ def summary(plan: StepPlan) -> str:
         " time a projection from the bytes copied."
     )
     return "\n".join(lines)
+
+
+def _group_text(index: int, group: GroupPlan, context: int) -> str:
+    """A hybrid cache's layer group in words, at ``context`` tokens."""
+    kind = "global" if group.window is None else f"sliding window {group.window}"
+    if group.window is not None:
+        kind += (
+            f", a ring of {group.ring_blocks} blocks per slot"
+            if group.ring_blocks
+            else ", every position kept"
+        )
+    readers = f" (read by {', '.join(map(str, group.readers))})" if group.readers else ""
+    return (
+        f"layer group {index}: layers {', '.join(map(str, group.layers))}{readers}, "
+        f"{group.num_kv_heads} KV heads x {group.head_dim}, {kind}: units of "
+        f"{group.chunk_len} tokens ({group.unit_copies} copies each), staging "
+        f"{_size(group.staging_bytes)}, pool {_size(group.pool_bytes)} at {tokens_text(context)}"
+    )
 
 
 def _size(count: int) -> str:

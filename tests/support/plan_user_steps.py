@@ -37,6 +37,7 @@ class Model:
     global_every: int = 0
     ffn: int = 256
     mesh: tuple[tuple[str, int], ...] = ()  # ("batch", 2), ("heads", 2)
+    hybrid: bool = False  # A HybridKVCache(host_pool=True): sliding groups keep a ring.
 
     @property
     def d_model(self) -> int:
@@ -66,6 +67,16 @@ MODELS = {
     "gemma_mesh": Model(
         "gemma_mesh", 3, 8, 4, 128, 4, 256, 32, window=1024, global_every=3,
         mesh=(("batch", 2), ("heads", 2)),
+    ),  # fmt: skip
+    # More slots than one unit's copies hold (16 a chip), one layer each (a small
+    # compile): 24 slots walked in two groups of 12, GQA 4 / 2 heads of 64; 32 in two of
+    # 16, MQA-like 4 / 1 of 128, blocks of 128.
+    "slots_24": Model("slots_24", 1, 4, 2, 64, 24, 256, 16),
+    "slots_32": Model("slots_32", 1, 4, 1, 128, 32, 128, 16),
+    # Gemma-3-like as a hybrid cache of host pools: five sliding layers of 512 tokens to
+    # one global, GQA 8 / 2 heads of 128, 2 slots; the sliding group keeps a ring per slot.
+    "gemma_hybrid": Model(
+        "gemma_hybrid", 6, 8, 2, 128, 2, 256, 32, window=512, global_every=6, hybrid=True,
     ),  # fmt: skip
 }
 
@@ -122,6 +133,8 @@ def plan(m: Model, topology: str, contexts: tuple[int, ...]):
         dtype=jnp.bfloat16, block_tokens=m.block_tokens, staging_bytes=m.staging_mib << 20,
         sliding_window=m.windows,
     )  # fmt: skip
+    if m.hybrid:  # Decode steps of one row: the rings hold the window and one row.
+        cache.update(host_pool=True, max_step_tokens=1)
     return tps.tpu.plan_step(
         step_of(m),
         params_of(m),

@@ -64,12 +64,16 @@ def generation(request, tmp_path_factory):
     topology = request.param
     requests = [m for m in MODELS if m != "gemma_mesh"]
     requests.append("gemma_mesh@32768,1048576" if topology == "v6e:2x2" else "gemma_mesh")
+    if topology == "v6e:2x2":
+        requests.append("gemma_hybrid@32768,1048576")
+    requests += ["slots_24@4096", "slots_32@4096"]
     return topology, plans_for(tmp_path_factory, topology, *requests)
 
 
 @pytest.mark.slow
 def test_every_unit_copy_overlaps_an_attention_for_steps_unlike_the_benchs(generation):
     topology, plans = generation
+    plans = {name: plan for name, plan in plans.items() if name in MODELS}
     assert sorted(plans) == sorted(MODELS)
     for name, plan in plans.items():
         assert plan["topology"] == topology and plan["ran_on_tpu"] is False
@@ -125,6 +129,77 @@ def test_a_users_gemma_like_mesh_step_holds_the_same_device_memory_at_32k_and_1m
     assert long["resident_bytes"] == long["weights_bytes"] + (2 * 1024 + 2**20) * per_token
     assert long["resident_bytes"] > 50 * long["device_bytes"]
     assert " at every context (32K and 1M tokens; weights " in plan["summary"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, slots, group", [("slots_24", 24, 12), ("slots_32", 32, 16)])
+def test_more_slots_than_one_units_copies_hold_overlap_every_copy(generation, name, slots, group):
+    """Past 16 slots a chip one block a slot passes the 32 copies in flight: the layer
+    walks each unit two groups of slots at a time, one block a slot, and every copy of
+    every group overlaps an attention on each generation."""
+    topology, plans = generation
+    plan = plans[name]
+    (c,) = plan["contexts"]
+    assert c["context"] == 4096 and c["chunk_len"] == BLOCK_TOKENS_WIDE[name], c
+    # A group's unit: a block and a tail per slot of the group, within the 32 in flight.
+    assert c["unit_copies"] == group * 2 <= 32, c
+    assert c["computations"] == 1 and c["copies"] == c["unit_copies"], (topology, c)
+    assert c["overlapped"] == c["started_before"] == c["copies"], (topology, c)
+    assert plan["all_overlapped"] is True, plan["summary"]
+    # The staging is whole units of every slot, as below 16.
+    assert c["staging_bytes"] == 2 * slots * (c["chunk_len"] + 2) * ROW_BYTES_WIDE[name]
+
+
+BLOCK_TOKENS_WIDE = dict(slots_24=256, slots_32=128)
+ROW_BYTES_WIDE = dict(slots_24=2 * 2 * 64 * 2, slots_32=2 * 1 * 128 * 2)  # K and V, bf16.
+
+
+@pytest.mark.slow
+def test_a_users_hybrid_host_pool_cache_is_planned_per_group_flat_and_overlapped(generation):
+    """A Gemma-3-like model (five sliding layers of 512 tokens to one global) whose cache
+    is a HybridKVCache(host_pool=True): the sliding group keeps a ring of its window per
+    slot, so the device memory and that group's pool are the same at 32K and 1M tokens,
+    and every unit copy of both groups overlaps an attention."""
+    topology, plans = generation
+    if topology != "v6e:2x2":
+        pytest.skip("planned on v6e only (two more compiles)")
+    plan = plans["gemma_hybrid"]
+    assert plan["chips"] == 1 and plan["all_overlapped"] is True, plan["summary"]
+    assert plan["device_bytes_flat"] is True, plan["summary"]
+    short, long = plan["contexts"]
+    assert abs(long["device_bytes"] - short["device_bytes"]) <= 0.01 * short["device_bytes"]
+    per_token = 2 * 2 * 2 * 128 * 2  # 2 slots x K and V x 2 KV heads x 128, bf16.
+    for c in (short, long):
+        sliding, global_ = c["groups"]
+        assert sliding["layers"] == [0, 1, 2, 3, 4] and sliding["window"] == 512
+        assert sliding["ring_blocks"] > 0 and sliding["readers"] == []
+        assert global_["layers"] == [5] and global_["window"] is None
+        assert global_["ring_blocks"] == 0
+        # One unit loop per layer, each unit copied a unit ahead of its attention.
+        assert c["computations"] == 6, c
+        assert c["copies"] == 5 * sliding["unit_copies"] + global_["unit_copies"], c
+        assert c["overlapped"] == c["started_before"] == c["copies"], c
+        assert c["staging_bytes"] == sliding["staging_bytes"] + global_["staging_bytes"]
+        assert c["pool_bytes"] == sliding["pool_bytes"] + global_["pool_bytes"]
+        assert c["step_copy_bytes"] == sliding["step_copy_bytes"] + global_["step_copy_bytes"]
+        assert c["unit_copies"] == max(sliding["unit_copies"], global_["unit_copies"]) <= 32
+        assert c["device_bytes"] <= bounded(c), c
+        # Resident: each sliding layer holds its window, the global one every token.
+        assert c["resident_bytes"] == c["weights_bytes"] + (5 * 512 + c["context"]) * per_token
+    # The rings do not grow with the context; the global pool does, 32-fold.
+    assert long["groups"][0]["pool_bytes"] == short["groups"][0]["pool_bytes"]
+    assert long["groups"][0]["step_copy_bytes"] == short["groups"][0]["step_copy_bytes"]
+    assert long["groups"][1]["pool_bytes"] == pytest.approx(
+        32 * short["groups"][1]["pool_bytes"], rel=0.01
+    )
+    lines = plan["summary"].splitlines()
+    assert " at every context (32K and 1M tokens; weights " in lines[1]
+    assert lines[3].startswith("  the pools in host memory: ")
+    assert lines[4].startswith(
+        "  layer group 0: layers 0, 1, 2, 3, 4, 2 KV heads x 128, sliding window 512, a ring"
+        " of "
+    )
+    assert lines[5].startswith("  layer group 1: layers 5, 2 KV heads x 128, global: units of ")
 
 
 # -- without compiling --------------------------------------------------------------------
@@ -324,3 +399,149 @@ def test_a_sparse_plan_says_its_selection_and_summary_copies():
         " projected times below are the dense step's)"
     ) in plan.summary().splitlines()
     assert "sparse decode" not in step_plan(context_plan()).summary()
+
+
+HYBRID = dict(
+    num_layers=3, batch=2, num_kv_heads=2, head_dim=64, dtype="bfloat16", block_tokens=256,
+    sliding_window=[512, 512, None], host_pool=True, max_step_tokens=1,
+)  # fmt: skip
+
+
+def test_a_hybrid_caches_bad_inputs_are_refused_by_name_before_anything_compiles():
+    import jax
+    import jax.numpy as jnp
+
+    from jax_tpusync.runtime.engine import EngineConfig
+    from jax_tpusync.tpu import plan_step
+
+    params = [dict(w=jax.ShapeDtypeStruct((8, 8), jnp.bfloat16))]
+
+    def plan(cache, **options):
+        return plan_step(lambda p, s: (p, s), params, cache, topology="no-such:1x1", **options)
+
+    # Each refusal comes before the topology is looked up (a topology no libtpu knows).
+    with pytest.raises(ValueError, match=r"mesh_axes=\{'x': 1\} with a hybrid cache"):
+        plan(HYBRID, mesh_axes={"x": 1})
+    with pytest.raises(ValueError, match=r"sparse=0.03 with a hybrid cache"):
+        plan(dict(HYBRID, sparse=0.03))
+    with pytest.raises(ValueError, match=r"host_pool=False plans an engine cache"):
+        plan(dict(HYBRID, host_pool=False))
+    with pytest.raises(ValueError, match=r"engine=EngineConfig: host-pool groups"):
+        plan(dict(HYBRID, engine=EngineConfig()))
+    with pytest.raises(ValueError, match=r"kv_sharing\[1\]=1: a layer reads the KV of an"):
+        plan(dict(HYBRID, kv_sharing=[None, 1, None]))
+    with pytest.raises(ValueError, match=r"max_step_tokens=0 must be an int in \[1, max_len"):
+        plan(dict(HYBRID, max_step_tokens=0))
+    with pytest.raises(ValueError, match=r"num_kv_heads has 2 entries for 3 layers"):
+        plan(dict(HYBRID, num_kv_heads=[2, 2]))
+    with pytest.raises(ValueError, match=r"head_dim is missing"):
+        plan({k: v for k, v in HYBRID.items() if k != "head_dim"})
+    with pytest.raises(ValueError, match=r"mesh= is the planner's to give"):
+        plan(dict(HYBRID, mesh=object()))
+    # At each edge: sparse None, a step of one row, host_pool=True, a layer reading an
+    # earlier one of its geometry pass the checks plan_step makes before compiling.
+    from jax_tpusync.caches.hybrid.config import host_pool_groups
+
+    fine = dict(HYBRID, sparse=None, kv_sharing=[None, 0, None])
+    groups, configs, _, _ = host_pool_groups(fine, max_len=32768)
+    assert groups.source_of == (None, 0, None) and len(configs) == 2
+
+
+def test_which_keywords_plan_a_hybrid_cache():
+    from jax_tpusync.tpu.plan import _hybrid_keywords
+
+    one = dict(num_layers=3, batch=2, num_kv_heads=2, head_dim=64)
+    assert _hybrid_keywords(one) is None
+    # Mixed windows alone: one pool that keeps every position, as before.
+    assert _hybrid_keywords(dict(one, sliding_window=[512, 512, None])) is None
+    assert _hybrid_keywords(dict(one, sliding_window=[512, None], bound_windows=False)) is None
+    for hybrid in (
+        dict(one, host_pool=True),
+        dict(one, bound_windows=True),
+        dict(one, kv_sharing=[None, 0, None]),
+        dict(one, window_cache_blocks=0),
+        dict(one, num_kv_heads=[2, 2, 4]),
+        dict(one, head_dim=(64, 64, 128)),
+        dict(one, num_kv_heads=[2, 2, 4], bound_windows=False),
+    ):
+        assert _hybrid_keywords(hybrid) == hybrid
+    from jax_tpusync.core.config import CacheConfig
+
+    assert _hybrid_keywords(CacheConfig.from_kwargs(**one, max_len=1024)) is None
+
+
+def test_a_hybrid_caches_abstract_state_is_every_groups_pool_state_as_shapes():
+    import jax
+    import jax.numpy as jnp
+
+    from jax_tpusync.caches.hybrid.config import host_pool_groups
+    from jax_tpusync.core.pool_state import PoolLayout
+    from jax_tpusync.tpu.abstract_state import abstract_hybrid_state
+
+    keywords = dict(HYBRID, kv_sharing=[None, 0, None], max_step_tokens=4)
+    plan, configs, step_tokens, dtype = host_pool_groups(keywords, max_len=32768)
+    assert step_tokens == 4 and dtype == jnp.bfloat16 and len(configs) == 2
+    state, on_device = abstract_hybrid_state(plan, configs, step_tokens, dtype, jax.devices()[0])
+    sliding, global_ = state.groups
+    assert sliding.spec.ring_blocks > 0 and not global_.spec.ring_blocks
+    for part in state.groups:
+        assert part.pool.shape == PoolLayout(part.spec).pool_shape
+        assert part.pool.sharding.memory_kind == "pinned_host"
+        assert part.staging.sharding == on_device
+    # Layer 1 reads layer 0: its rows of the step, [2, batch, max_step_tokens, heads, dim].
+    (pending,) = state.pending
+    assert pending.shape == (2, 2, 4, 2, 64) and pending.dtype == jnp.bfloat16
+    assert state.step_lengths.shape == (2,)
+    # Its sliding group's pool is the same at 1M tokens: rings, not positions.
+    _, long_configs, _, _ = host_pool_groups(keywords, max_len=1 << 20)
+    long_state, _ = abstract_hybrid_state(plan, long_configs, 4, dtype, jax.devices()[0])
+    assert long_state.groups[0].pool.shape == sliding.pool.shape
+    assert long_state.groups[1].pool.shape[0] > 30 * global_.pool.shape[0]
+
+
+def test_a_hybrid_plan_says_each_group_in_words():
+    from jax_tpusync.tpu import GroupPlan
+
+    def group(layers, window, ring, readers=()):
+        return GroupPlan(
+            layers=layers, readers=readers, num_kv_heads=2, head_dim=128, window=window,
+            ring_blocks=ring, chunk_len=768, unit_copies=8, staging_bytes=3 << 20,
+            pool_bytes=15 << 20, resident_kv_bytes=1 << 20, step_copy_bytes=1 << 20,
+        )  # fmt: skip
+
+    groups = (group((0, 1), 512, 3, readers=(2,)), group((3,), None, 0), group((4,), 256, 0))
+    text = step_plan(context_plan(groups=groups)).summary().splitlines()
+    assert text[3] == "  the pools in host memory: 32 MiB at 32K"
+    assert text[4:7] == [
+        "  layer group 0: layers 0, 1 (read by 2), 2 KV heads x 128, sliding window 512, a"
+        " ring of 3 blocks per slot: units of 768 tokens (8 copies each), staging 3 MiB, pool"
+        " 15 MiB at 32K",
+        "  layer group 1: layers 3, 2 KV heads x 128, global: units of 768 tokens (8 copies"
+        " each), staging 3 MiB, pool 15 MiB at 32K",
+        "  layer group 2: layers 4, 2 KV heads x 128, sliding window 256, every position kept:"
+        " units of 768 tokens (8 copies each), staging 3 MiB, pool 15 MiB at 32K",
+    ]
+    assert step_plan(context_plan()).summary().splitlines()[3].startswith("  the pool in host")
+
+
+def test_a_hybrid_plan_holds_the_groups_the_hybrid_cache_makes():
+    """What plan_step compiles is the cache HybridKVCache(host_pool=True) makes of the same
+    keywords: each group's configuration and spec (one device's)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_tpusync as tps
+    from jax_tpusync.caches.hybrid.config import host_pool_groups
+    from jax_tpusync.tpu.abstract_state import abstract_pool_state
+
+    keywords = dict(HYBRID, max_len=4096, kv_sharing=[None, 0, None], dtype=jnp.float32)
+    cache = tps.HybridKVCache(**keywords)
+    try:
+        plan, configs, step_tokens, _ = host_pool_groups(keywords)
+        assert plan == cache.plan and step_tokens == cache.max_step_tokens
+        assert configs == [group.config for group in cache.groups]
+        for config, group in zip(configs, cache.groups):
+            state, _ = abstract_pool_state(config, jax.devices())
+            assert state.spec == group.spec
+    finally:
+        cache.close()

@@ -53,7 +53,11 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_tpusync.caches.composite import PartsAdmission, PartsKVCache
-from jax_tpusync.caches.hybrid.config import check_arguments, group_arguments
+from jax_tpusync.caches.hybrid.config import (
+    DEFAULT_STEP_TOKENS,
+    check_arguments,
+    group_arguments,
+)
 from jax_tpusync.caches.hybrid.record import (
     LAYERS_SUFFIX,
     check_layers_record,
@@ -72,8 +76,6 @@ from jax_tpusync.runtime.engine import Engine, EngineConfig
 
 logger = logging.getLogger(__name__)
 
-# Rows a step may add per slot unless told (a decode step adds 1, a prefill chunk its size).
-DEFAULT_STEP_TOKENS = 512
 
 __all__ = [
     "DEFAULT_STEP_TOKENS",

@@ -28,12 +28,18 @@ from jax_tpusync.core.hybrid_state import LayerGroups
 from jax_tpusync.runtime.engine import Engine, EngineConfig
 
 __all__ = [
+    "DEFAULT_STEP_TOKENS",
+    "HYBRID_KEYWORDS",
     "check_arguments",
     "check_host_pool_arguments",
     "group_arguments",
     "group_salt",
+    "host_pool_groups",
     "staging_shares",
 ]
+
+# Rows a step may add per slot unless told (a decode step adds 1, a prefill chunk its size).
+DEFAULT_STEP_TOKENS = 512
 
 
 def check_arguments(
@@ -248,3 +254,74 @@ def group_salt(options: dict, layers: tuple[int, ...]) -> str:
     if isinstance(base, bytes):
         base = base.hex()
     return f"{base}|layers {list(layers)}"
+
+
+# Keywords only a hybrid cache takes (beside per-layer num_kv_heads / head_dim): a cache's
+# keywords holding one of them describe a HybridKVCache.
+HYBRID_KEYWORDS = ("host_pool", "kv_sharing", "bound_windows", "window_cache_blocks")
+
+
+def host_pool_groups(
+    keywords: dict, *, max_len: int | None = None
+) -> tuple[LayerGroups, list[CacheConfig], int, np.dtype]:
+    """What ``HybridKVCache(host_pool=True, **keywords)`` would make, planned without
+    making anything: ``(plan, one CacheConfig per group, max_step_tokens, dtype)``, each
+    group's configuration checked as its host pool checks it (``max_len``: in place of the
+    keywords'). One device's groups: a mesh is the caller's to split over.
+
+    Raises:
+      ValueError: what :class:`~jax_tpusync.caches.hybrid.cache.HybridKVCache` refuses
+        (named as it names it): ``host_pool=False``, an engine, ``batch_axis``, an
+        argument out of range, a ``kv_sharing`` it cannot serve.
+    """
+    from jax_tpusync.core.config import normalize_windows
+    from jax_tpusync.core.hybrid_state import plan_groups
+
+    options = dict(keywords)
+    if options.pop("host_pool", True) is not True:
+        raise ValueError(
+            "host_pool=False plans an engine cache: a TPU's hybrid cache is host pools "
+            "(host_pool=True)"
+        )
+    for name in ("mesh", "kv_heads_axis"):
+        if options.pop(name, None) is not None:
+            raise ValueError(f"{name}= is the planner's to give (one device's groups here)")
+    if max_len is not None:
+        options["max_len"] = max_len
+    num_layers = options.pop("num_layers", None)
+    batch = options.pop("batch", None)
+    max_len = options.pop("max_len", None)
+    num_kv_heads = options.pop("num_kv_heads", None)
+    head_dim = options.pop("head_dim", None)
+    for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if value is None:
+            raise ValueError(f"{name} is missing: give an int or one per layer")
+    windows = options.pop("sliding_window", None)
+    kv_sharing = options.pop("kv_sharing", None)
+    max_step_tokens = options.pop("max_step_tokens", None)
+    bound_windows = options.pop("bound_windows", True)
+    window_cache_blocks = options.pop("window_cache_blocks", None)
+    staging_bytes = options.pop("staging_bytes", 256 << 20)
+    engine = options.pop("engine", None)
+    batch_axis = options.pop("batch_axis", None)
+    shm_name = options.pop("shm_name", None)
+    file_name = options.pop("file_name", None)
+    if max_step_tokens is None and is_int(max_len):
+        max_step_tokens = min(DEFAULT_STEP_TOKENS, int(max_len))
+    dtype = check_arguments(
+        num_layers=num_layers, batch=batch, max_len=max_len, max_step_tokens=max_step_tokens,
+        bound_windows=bound_windows, window_cache_blocks=window_cache_blocks,
+        staging_bytes=staging_bytes, engine=engine, shm_name=shm_name, file_name=file_name,
+        mesh=None, kv_heads_axis=None, batch_axis=batch_axis, options=options, host_pool=True,
+    )  # fmt: skip
+    plan = plan_groups(
+        num_layers, num_kv_heads, head_dim, normalize_windows(windows, num_layers), kv_sharing
+    )
+    made = group_arguments(
+        plan, batch=batch, max_len=max_len, max_step_tokens=int(max_step_tokens),
+        bound_windows=bool(bound_windows), window_cache_blocks=window_cache_blocks,
+        staging_bytes=staging_bytes, shm_name=shm_name, file_name=file_name,
+        options=options, host_pool=True,
+    )  # fmt: skip
+    configs = [CacheConfig.from_kwargs(**kwargs) for kwargs in made]
+    return plan, configs, int(max_step_tokens), dtype

@@ -33,6 +33,7 @@ from jax_tpusync.core.pool_state import (
     pool_dtype,
     pool_sharding,
     unit_block_limit,
+    unit_slots,
 )
 from jax_tpusync.core.slots import SlotTable
 from jax_tpusync.core.state import CacheSpec
@@ -237,12 +238,13 @@ def pool_spec(
     """The :class:`CacheSpec` of a host-pool cache: units of whole blocks,
     ``prefetch_depth + 1`` of them on the device at a time (those staged ahead and the one
     in flight) within ``staging_bytes`` (per device), and at most as many blocks as the
-    device's compiler overlaps copies of ``batch`` slots
-    (:func:`~jax_tpusync.core.pool_state.unit_block_limit` of ``device_kind`` and the
-    batch). ``prefetch_depth="auto"`` is 1, and a depth above ``num_layers`` is
-    ``num_layers`` (every layer has a unit at least, and further ahead lies the step after
-    next). Over a mesh the spec describes one shard: the heads of one device of
-    ``kv_heads_axis``."""
+    device's compiler overlaps copies of a unit's group of slots
+    (:func:`~jax_tpusync.core.pool_state.unit_block_limit` and
+    :func:`~jax_tpusync.core.pool_state.unit_slots` of ``device_kind`` and the batch;
+    above 16 slots on a TPU the spec's ``unit_slots`` names the group).
+    ``prefetch_depth="auto"`` is 1, and a depth above ``num_layers`` is ``num_layers``
+    (every layer has a unit at least, and further ahead lies the step after next). Over a
+    mesh the spec describes one shard: the heads of one device of ``kv_heads_axis``."""
     g, staging = config.geometry, config.staging
     shards = 1 if mesh is None else mesh.tp
     if g.num_kv_heads % shards:
@@ -278,7 +280,10 @@ def pool_spec(
     needed = -(-longest // g.block_tokens) + 1  # A window's span may straddle one more block.
     limit = unit_block_limit(device_kind, g.batch)
     chunk_len = min(units, needed, limit) * g.block_tokens
-    return dataclasses.replace(probe, chunk_len=chunk_len, mesh=mesh)
+    slots = unit_slots(device_kind, g.batch)
+    return dataclasses.replace(
+        probe, chunk_len=chunk_len, mesh=mesh, unit_slots=0 if slots == g.batch else slots
+    )
 
 
 @dataclass

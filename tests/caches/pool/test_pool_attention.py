@@ -68,6 +68,49 @@ def test_steps_equal_resident_attention(dtype, windows, depth):
         assert (np.asarray(staged_at) == NOT_STAGED).all()
 
 
+@pytest.mark.parametrize("batch, depth", [(24, 1), (17, 2)], ids=["24-slots", "17-slots-depth2"])
+@pytest.mark.slow
+def test_more_slots_than_one_units_copies_hold_walk_in_groups_equal_to_resident(
+    monkeypatch, batch, depth
+):
+    """Past 16 slots a chip, as on a TPU, a layer walks each unit a group of slots at a
+    time (24 slots: two groups of 12, a block each; 17: two of 9, the last padded, two
+    blocks each): the same attention as resident, and the state ends staging the next
+    step's first units of every slot."""
+    from jax_tpusync.caches.pool import assembly
+    from jax_tpusync.core import pool_state
+    from jax_tpusync.step.host_pool import unit_rows
+
+    def as_on(rule):
+        return lambda kind, batch: rule("TPU v6 lite", batch)
+
+    monkeypatch.setattr(assembly, "unit_slots", as_on(pool_state.unit_slots))
+    monkeypatch.setattr(assembly, "unit_block_limit", as_on(pool_state.unit_block_limit))
+    windows = (None, 5, 12)
+    cache = make_cache(
+        batch=batch, sliding_window=list(windows), prefetch_depth=depth,
+        staging_bytes=unit_budget(depth, batch=batch),
+    )  # fmt: skip
+    group, blocks = {24: (12, 1), 17: (9, 2)}[batch]
+    assert cache.spec.unit_slots == cache.layout.group_slots == group
+    assert cache.layout.slot_groups == 2 and cache.layout.blocks_per_unit == blocks
+    ragged = [7, 3, 0] * (batch // 3) + [7] * (batch % 3)
+    steps = [(7, None), (1, None), (7, ragged), (1, None), (7, None), (1, None), (1, None)]
+    state, worst, (ref_k, ref_v, lengths) = run_against_resident(
+        cache, steps, windows, np.float32
+    )
+    assert worst <= TOLERANCE[np.dtype(np.float32)]
+    assert len(state.staged_units) == depth
+    for ahead, (staging, _, staged_at) in enumerate(state.staged_units):
+        assert staging.shape[0] == batch
+        need = unit_rows(cache.layout, state, 0, ahead, state.lengths)
+        np.testing.assert_array_equal(np.asarray(staged_at), np.asarray(need))
+    for slot in (0, group - 1, group, batch - 1):
+        k, v = cache.read(state, 1, slot)
+        np.testing.assert_array_equal(k, np.asarray(ref_k[1, slot, : lengths[slot]]))
+        np.testing.assert_array_equal(v, np.asarray(ref_v[1, slot, : lengths[slot]]))
+
+
 @pytest.mark.slow
 def test_single_unit_layers_and_a_state_that_stays_on_the_host():
     cache = make_cache(staging_bytes=1 << 20)
@@ -287,7 +330,12 @@ def test_guards_name_the_argument_at_their_edges():
 def test_units_hold_no_more_blocks_than_the_tpu_overlaps_copies():
     from jax_tpusync.caches.pool.assembly import pool_spec
     from jax_tpusync.core.config import CacheConfig
-    from jax_tpusync.core.pool_state import HOST_COPIES_IN_FLIGHT, unit_block_limit, unit_copies
+    from jax_tpusync.core.pool_state import (
+        HOST_COPIES_IN_FLIGHT,
+        unit_block_limit,
+        unit_copies,
+        unit_slots,
+    )
 
     # On every TPU a unit's copies (a block and a tail per slot) fit the compiler's copies
     # in flight: 32 for one slot is 31 blocks, for two 15, for 16 slots one block.
@@ -299,8 +347,20 @@ def test_units_hold_no_more_blocks_than_the_tpu_overlaps_copies():
             assert unit_copies(batch, blocks + 1) > HOST_COPIES_IN_FLIGHT
     assert unit_block_limit("TPU v6 lite") == 31 and unit_block_limit("TPU v5 lite", 2) == 15
     assert unit_block_limit("TPU7x", 16) == 1
-    # Past 16 slots no unit fits: one block, some copies wait (the compiler's limit).
-    assert unit_block_limit("TPU7x", 17) == unit_block_limit("TPU7x", 64) == 1
+    # Past 16 slots a unit's copies are a group's of at most 16 slots (unit_slots): the
+    # fewest groups, as even as they go, each group's unit within the copies in flight.
+    for batch in (17, 24, 31, 32, 33, 48, 64, 100):
+        slots = unit_slots("TPU7x", batch)
+        groups = -(-batch // slots)
+        assert slots <= 16 and groups == -(-batch // 16) and groups * slots - batch < groups
+        blocks = unit_block_limit("TPU7x", batch)
+        assert unit_copies(slots, blocks) <= HOST_COPIES_IN_FLIGHT
+        assert unit_copies(slots, blocks + 1) > HOST_COPIES_IN_FLIGHT
+    assert [unit_slots("TPU v5 lite", b) for b in (16, 17, 24, 32, 33)] == [16, 9, 12, 16, 11]
+    assert unit_block_limit("TPU7x", 17) == 2 and unit_block_limit("TPU7x", 64) == 1
+    assert unit_slots("cpu", 64) == 64 and unit_slots("TPU7x", 1) == 1
+    with pytest.raises(ValueError, match=r"batch=0 must be at least 1"):
+        unit_slots("cpu", 0)
     assert unit_block_limit("cpu") == unit_block_limit("cpu", 8) == 30
     with pytest.raises(ValueError, match=r"batch=0 must be at least 1"):
         unit_block_limit("TPU7x", 0)
@@ -318,6 +378,12 @@ def test_units_hold_no_more_blocks_than_the_tpu_overlaps_copies():
     assert pool_spec(config(4), device_kind="TPU v5 lite").chunk_len == 7 * 8
     # Two units ahead: a loop iteration still starts one unit's copies, the same limit.
     assert pool_spec(config(1, 2), device_kind="cpu").chunk_len == 30 * 8
+    # Past 16 slots the spec names the group a unit's copies cover (0: every slot).
+    wide = pool_spec(config(24), device_kind="TPU v6 lite")
+    assert wide.unit_slots == 12 and wide.chunk_len == 8
+    assert pool_spec(config(16), device_kind="TPU v6 lite").unit_slots == 0
+    assert pool_spec(config(17), device_kind="TPU7x").chunk_len == 2 * 8
+    assert pool_spec(config(24), device_kind="cpu").unit_slots == 0
     assert pool_spec(config(2, 2), device_kind="TPU v6 lite").chunk_len == 15 * 8
 
 
