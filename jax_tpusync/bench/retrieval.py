@@ -171,6 +171,14 @@ def _decode_engine(args, model, params, batch, config):
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _stats_bytes(stats: dict, name: str) -> int:
+    """Bytes ``name`` ("read" or "dense") of a cache's ``sparse_stats``: an engine cache's
+    ``stats["bytes"]``, or a host pool's ``stats["totals"]`` (``read_bytes``...)."""
+    if "bytes" in stats:
+        return stats["bytes"][name]
+    return stats["totals"][f"{name}_bytes"]
+
+
 def _rate(numerator, denominator) -> list[float]:
     return [float(n / max(1, d)) for n, d in zip(numerator, denominator)]
 
@@ -222,9 +230,9 @@ def _row(args, model, context, budget, decoded) -> dict[str, Any]:
             warm_coverage_min=min(warm_coverage),
         )
         stats = [o.stats for _, o in decoded if o.stats]
-        if stats:  # the engine's bytes: summaries, predicted and late blocks against dense
-            read_bytes = sum(st["bytes"]["read"] for st in stats)
-            row["read_share"] = read_bytes / sum(st["bytes"]["dense"] for st in stats)
+        if stats:  # the cache's bytes: summaries, predicted and late blocks against dense
+            read_bytes = sum(_stats_bytes(st, "read") for st in stats)
+            row["read_share"] = read_bytes / sum(_stats_bytes(st, "dense") for st in stats)
     row["read_share_of"] = (
         "the dense step's KV bytes (summaries, predicted and late blocks)"
         if args.path == "engine"
