@@ -51,7 +51,8 @@ def report(tmp_path_factory):
 
 
 # TPU7x's compiled sparse step grows with the context (2 layers: 259.2 MiB at 32K, 289.7 at
-# 128K; docs/benchmarks.md "Sparse decode", not yet found why): strict, so that a fix shows.
+# 128K: more of the walk's unit-sized temporaries live, not yet found why; docs/benchmarks.md
+# "Sparse decode"): strict, so that a fix shows.
 TPU7X_GROWS = pytest.mark.xfail(
     strict=True, reason="TPU7x's sparse step grows with the context; cause not yet found"
 )
