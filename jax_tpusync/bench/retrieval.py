@@ -11,7 +11,9 @@ decodes its ``--answer-tokens`` answer tokens greedily, densely and at each of `
 is right when every answer token is.
 
 ``--path engine`` (the default) decodes through :func:`jax_tpusync.prefetching_attention`
-on an ``OffloadedKVCache(sparse=...)`` of ``--tier`` (the context's KV loaded per layer:
+on an ``OffloadedKVCache(sparse=...)`` of ``--tier`` (``--tier pool``: a
+``HostPoolKVCache(sparse=...)``, the TPU data path on the CPU backend's ``pinned_host``;
+the context's KV loaded per layer:
 the model computes it per token, without attention, so a 128K context costs seconds); the
 counts and bytes are the cache's ``sparse_stats``. ``--path reference`` decodes through the
 sparse reference (:func:`jax_tpusync.sparse.measure.measure`: the same summaries,
@@ -43,6 +45,11 @@ PATHS = {
     "reference": "sparse reference (jax_tpusync.sparse.measure over KV in arrays), not an "
     "engine cache",
 }
+# --tier pool's path (an engine-path option: the cache the engine path decodes through).
+POOL_PATH = (
+    "host pool (prefetching_attention on HostPoolKVCache(sparse=...), the TPU data path "
+    "emulated on the CPU backend's pinned_host)"
+)
 TARGET_ACCURACY_POINTS = 1.0  # accuracy at a 5% budget within this many points of dense
 TARGET_HIT_RATE = 0.90
 TARGET_BUDGET = 0.05
@@ -82,7 +89,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="engine: prefetching_attention on a sparse OffloadedKVCache; reference: the "
         "sparse reference in plain jnp (also reports each layer's recall)",
     )
-    p.add_argument("--tier", choices=("host", "file"), default="host", help="engine path")
+    p.add_argument(
+        "--tier",
+        choices=("host", "file", "pool"),
+        default="host",
+        help="engine path: the engine cache's tier, or pool: a HostPoolKVCache (the TPU data "
+        "path, emulated on the CPU backend's pinned_host)",
+    )
     p.add_argument("--tier-path", default=None, help="directory of the file tier (default: cwd)")
     for f in dataclasses.fields(retrieval_model.RetrievalModel):
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
@@ -158,6 +171,14 @@ def _decode_engine(args, model, params, batch, config):
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _stats_bytes(stats: dict, name: str) -> int:
+    """Bytes ``name`` ("read" or "dense") of a cache's ``sparse_stats``: an engine cache's
+    ``stats["bytes"]``, or a host pool's ``stats["totals"]`` (``read_bytes``...)."""
+    if "bytes" in stats:
+        return stats["bytes"][name]
+    return stats["totals"][f"{name}_bytes"]
+
+
 def _rate(numerator, denominator) -> list[float]:
     return [float(n / max(1, d)) for n, d in zip(numerator, denominator)]
 
@@ -174,7 +195,9 @@ def _row(args, model, context, budget, decoded) -> dict[str, Any]:
         trials=int(right.size),
         right=int(right.sum()),
         accuracy=float(right.mean()),
-        path=PATHS[args.path].format(tier=args.tier),
+        path=POOL_PATH
+        if args.path == "engine" and args.tier == "pool"
+        else PATHS[args.path].format(tier=args.tier),
         block_tokens=args.block_tokens,
         answer_tokens=model.answer_tokens,
         context_blocks=context_blocks,
@@ -207,9 +230,9 @@ def _row(args, model, context, budget, decoded) -> dict[str, Any]:
             warm_coverage_min=min(warm_coverage),
         )
         stats = [o.stats for _, o in decoded if o.stats]
-        if stats:  # the engine's bytes: summaries, predicted and late blocks against dense
-            read_bytes = sum(st["bytes"]["read"] for st in stats)
-            row["read_share"] = read_bytes / sum(st["bytes"]["dense"] for st in stats)
+        if stats:  # the cache's bytes: summaries, predicted and late blocks against dense
+            read_bytes = sum(_stats_bytes(st, "read") for st in stats)
+            row["read_share"] = read_bytes / sum(_stats_bytes(st, "dense") for st in stats)
     row["read_share_of"] = (
         "the dense step's KV bytes (summaries, predicted and late blocks)"
         if args.path == "engine"

@@ -410,7 +410,8 @@ def decode_engine(
 ) -> Decoded:
     """Answers every trial's question greedily, one batch, through
     :func:`jax_tpusync.prefetching_attention` on an :class:`~jax_tpusync.OffloadedKVCache`
-    (``sparse=config``; dense without it) of ``tier``: the context's KV loaded per layer
+    (``sparse=config``; dense without it) of ``tier``, or with ``tier="pool"`` a
+    :class:`~jax_tpusync.HostPoolKVCache` (the TPU data path): the context's KV loaded per layer
     (:func:`context_kv`), the decode steps jitted. Per-step counts come from the cache's
     ``sparse_stats``."""
     import jax
@@ -439,7 +440,7 @@ def decode_engine(
         lambda p, tokens, state: forward(model, p, tokens, state, attend), donate_argnums=(2,)
     )
     layers = len(params.layers)
-    with tps.OffloadedKVCache(
+    geometry = dict(
         num_layers=layers,
         batch=batch,
         max_len=context + m,
@@ -447,10 +448,13 @@ def decode_engine(
         head_dim=model.head_dim,
         dtype=kv_dtype,
         block_tokens=block_tokens,
-        tier=tier,
-        path=path,
         sparse=config,
-    ) as cache:
+    )
+    if tier == "pool":  # The TPU data path, emulated on this backend's pinned_host.
+        opened = tps.HostPoolKVCache(**geometry)
+    else:
+        opened = tps.OffloadedKVCache(**geometry, tier=tier, path=path)
+    with opened as cache:
         state = cache.init(np.zeros(batch, np.int32))
         for layer, (k, v) in enumerate(context_kv(params, np.stack([t.tokens for t in trials]))):
             state = cache.load(

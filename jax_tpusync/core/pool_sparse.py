@@ -29,9 +29,17 @@ from jax_tpusync.core.state import CacheSpec
 from jax_tpusync.sparse import summaries as block_summaries
 from jax_tpusync.sparse.config import SparseConfig
 
-# Most blocks a step copies (and scores) in one summary chunk: 512 blocks of 8 KV heads x
-# 128 in bf16 are 2 MiB on the device, whatever the context.
-SUMMARY_CHUNK_BLOCKS = 512
+# Most blocks a step copies (and scores) in one summary chunk: 64 blocks of 8 KV heads x
+# 128 in bf16 are 256 KiB on the device, whatever the context. The device holds a few
+# chunk-sized buffers (the staged chunk in and out, the one in flight, its values scored),
+# so a chunk that grows with the context up to its cap grows device memory with it: at 512
+# blocks, compiled for TPU7x (8 layers of 8 KV heads x 128, bf16, blocks of 256), 804.1
+# MiB at 32K (a chunk of 128 blocks) and 818.6 at 256K (512). At 64, the chunk is one size
+# from 16K tokens up there, and a layer of 32K tokens has two: its chunk copies, the next
+# layer's first included, are made in the scoring loop, each spanning a scoring
+# (jax_tpusync.step.pool_sparse.score_blocks). A smaller chunk costs loop iterations only:
+# the bytes copied are a layer's summaries at any chunk size.
+SUMMARY_CHUNK_BLOCKS = 64
 
 # A layer's counts (int32[len(COUNTS)]), summed over its sparse decode steps and slots:
 # the prediction's (jax_tpusync.sparse.prediction.COUNTS), the sparse decode steps (each

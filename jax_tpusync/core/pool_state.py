@@ -48,7 +48,13 @@ NOT_STAGED = -1
 # v6e and TPU7x alike): read off compiled decode steps, a loop iteration whose unit makes
 # more copies than this waits for the rest before the attention (batch 2, 16 blocks and a
 # tail per slot: 32 of 34 copies overlapped; with the limit raised to 64, all 34; lowered
-# to 16, 16), whatever the block size.
+# to 16, 16), whatever the block size. A sparse pool's summary chunk copies take no share
+# of it: each is made in its layer's scoring loop (jax_tpusync.step.pool_sparse), a program
+# of its own holding one copy and no unit's, so a unit keeps every copy the limit allows.
+# (Made in the step's top-level program instead, a layer's copy of the next layer's first
+# chunk overlapped 2 of 8 times at 32K on v5e with units of 31 blocks, 8 of 8 with 30: the
+# compiled program showed it waiting for the layer's summary write, which the compiler
+# overlaps with the walk, and so starting after the walk, not a want of copies in flight.)
 HOST_COPIES_IN_FLIGHT = 32
 
 # Most blocks per unit off TPUs, where no compiler bounds the copies: the CPU emulation

@@ -15,7 +15,7 @@ unit copies, staging and online-softmax merge as the dense walk:
    live beside the pool in host memory (:mod:`jax_tpusync.core.pool_sparse`).
 3. With the query known, the layer's summaries are copied to the device chunk by chunk
    (each chunk copied while the one before is scored; the first a layer ahead, like a
-   unit) and bound every block's scores
+   unit: while the layer before scores its last chunk) and bound every block's scores
    (:func:`score_blocks`); the exact selection follows (:func:`jax_tpusync.sparse.select.select`),
    and the blocks it holds beyond the prediction are *late*
    (:func:`jax_tpusync.sparse.prediction.late`).
@@ -160,12 +160,21 @@ def score_blocks(
     layer,
     block_table: jax.Array,  # int32[batch, max_blocks]
     first_chunk: jax.Array,  # the layer's chunk 0 on the device (copied a layer ahead)
-) -> jax.Array:  # float32[batch, num_kv_heads, max_blocks]
-    """Each slot's score bound of every logical block (-inf where it has none), from the
-    layer's summaries (:func:`jax_tpusync.sparse.summaries.score_bounds`' bound), copied to
-    the device a chunk of physical blocks at a time, each while the one before is scored
-    (the first a layer ahead): the device holds two chunks and the bounds, not the layer's
-    summaries."""
+    next_layer=None,  # the layer whose first chunk to copy ahead (None: none)
+) -> tuple[jax.Array, jax.Array | None]:
+    """``(bounds, next_chunk)``: each slot's score bound of every logical block (-inf where
+    it has none; float32[batch, num_kv_heads, max_blocks]), from the layer's summaries
+    (:func:`jax_tpusync.sparse.summaries.score_bounds`' bound), copied to the device a chunk
+    of physical blocks at a time, each while the one before is scored (the first a layer
+    ahead); and ``next_layer``'s first chunk, copied while the last is scored (None without
+    ``next_layer``). The device holds two chunks and the bounds, not the layer's summaries.
+
+    Each copy is made in the loop iteration that scores the chunk before it and used in
+    the next (the last one's, the next layer's first chunk, after the loop), so that it
+    spans a scoring by construction: copied in the step's top-level program instead, after
+    the layer's summary write, the compiler started the next layer's first chunk after the
+    walk the write overlaps (compiled for a v5e at 32K tokens, 8 layers: 2 of 8 such
+    copies spanned an attention or a scoring; chunks copied in the loop: all)."""
     layout = SummaryLayout(spec)
     chunk, num_chunks = layout.chunk_blocks, layout.num_chunks
     batch, _, num_q_heads, dim = q.shape
@@ -174,7 +183,13 @@ def score_blocks(
     q_pos, q_neg = jnp.maximum(qf, 0.0), jnp.minimum(qf, 0.0)
 
     def fetch(c):
-        return summary_chunk(spec, summaries, layer, c)
+        """Chunk ``c + 1`` of the layer; past its last, the next layer's first."""
+        if next_layer is None:
+            return summary_chunk(spec, summaries, layer, jnp.minimum(c + 1, num_chunks - 1))
+        inside = c + 1 < num_chunks
+        return summary_chunk(
+            spec, summaries, jnp.where(inside, layer, next_layer), jnp.where(inside, c + 1, 0)
+        )
 
     def place(c, rows, bounds):
         with jax.named_scope(SCORE_SCOPE):
@@ -191,16 +206,17 @@ def score_blocks(
             return jnp.where(inside[:, None, :], got, bounds)
 
     bounds = jnp.full((batch, heads, spec.max_blocks), -jnp.inf, jnp.float32)
-    if num_chunks == 1:
-        return place(0, first_chunk, bounds)
+    if num_chunks == 1:  # No loop: the next layer's chunk copied beside the scoring.
+        following = None if next_layer is None else fetch(0)
+        return place(0, first_chunk, bounds), following
 
     def one_chunk(c, carry):
         bounds, rows = carry
-        following = fetch(jnp.minimum(c + 1, num_chunks - 1))
+        following = fetch(c)
         return place(c, rows, bounds), following
 
-    bounds, _ = lax.fori_loop(0, num_chunks, one_chunk, (bounds, first_chunk))
-    return bounds
+    bounds, following = lax.fori_loop(0, num_chunks, one_chunk, (bounds, first_chunk))
+    return bounds, None if next_layer is None else following
 
 
 def table_rows(
@@ -309,7 +325,24 @@ def sparse_pool_layer(
         lambda: sparse.staged_chunk,
         lambda: summary_chunk(spec, summaries, layer, 0),
     )
-    bounds = score_blocks(spec, summaries, q, layer, state.block_table, first_chunk)
+    # The next layer's first summary chunk is copied a layer ahead, while this layer's last
+    # chunk is scored (a sliding layer has none).
+    next_layer = jnp.where(last_layer, 0, layer_id + 1)
+    stages_next = not (
+        isinstance(layer, int) and spec.windows[(layer + 1) % spec.num_layers] is not None
+    )
+    bounds, next_chunk = score_blocks(
+        spec,
+        summaries,
+        q,
+        layer,
+        state.block_table,
+        first_chunk,
+        next_layer if stages_next else None,
+    )
+    next_staged = next_layer
+    if not stages_next:
+        next_chunk, next_staged = sparse.staged_chunk, jnp.int32(NOT_STAGED)
     exact = selection.select(sparse.config, bounds, lengths, bt)
     exact = jnp.where(reads[:, None], exact, selection.NONE)
     late = prediction.late(predicted, exact)
@@ -325,12 +358,6 @@ def sparse_pool_layer(
     next_rows = next_layer_rows(
         spec, state, new_previous, layer, jnp.where(last_layer, active, reads), grow
     )
-    # The next layer's first summary chunk, a layer ahead (a sliding layer has none).
-    next_layer = jnp.where(last_layer, 0, layer_id + 1)
-    if isinstance(layer, int) and spec.windows[(layer + 1) % spec.num_layers] is not None:
-        next_chunk, next_staged = sparse.staged_chunk, jnp.int32(NOT_STAGED)
-    else:
-        next_chunk, next_staged = summary_chunk(spec, summaries, next_layer, 0), next_layer
 
     # 4. The walk: the predicted units, then the late ones.
     attend = layer_attend(spec, layer, scale, soft_cap, implementation, kernel_options)

@@ -178,8 +178,17 @@ class ContextPlan:
 
     @property
     def all_overlapped(self) -> bool:
-        """Whether the step compiled and every unit copy overlaps an attention."""
-        return self.device_bytes is not None and self.overlapped == self.copies > 0
+        """Whether the step compiled and every unit copy overlaps an attention: started
+        before its loop body's attention and waited for after it; a sparse cache's, every
+        unit copy and every summary chunk copy with an attention, a unit walk or a scoring
+        between its start and its end (its walk's first unit is attended outside the loop,
+        among every layer's attention, so that it need not wait for the scoring)."""
+        if self.device_bytes is None:
+            return False
+        if self.sparse is None:
+            return self.overlapped == self.copies > 0
+        summaries = self.sparse.summary_overlap
+        return self.spanning == self.copies > 0 and summaries["spanning"] == summaries["copies"] > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +219,8 @@ class StepPlan:
 
     @property
     def all_overlapped(self) -> bool:
-        """Whether every unit copy overlaps an attention at every context."""
+        """Whether every unit copy (a sparse cache's: and every summary chunk copy)
+        overlaps an attention at every context (:attr:`ContextPlan.all_overlapped`)."""
         return all(c.all_overlapped for c in self.contexts)
 
     @property
@@ -517,10 +527,14 @@ def _sparse_plan(
     summary = SummaryLayout(spec)
     overlap = _no_copies()
     if hlo_text:
-        # The compiler drops these copies' scope: they are found by their shape, a chunk's.
+        # The compiler drops these copies' scope: they are found by their shape, a chunk's,
+        # and their source's, the summaries' host array (the compiler also splits a copied
+        # chunk on the device with slices of the chunk's shape, which are no host copies).
+        word = _HLO_TYPES[summary.dtype.name]
+        rows, width = summary.shape
         overlap = schedule_overlap(
             hlo_text,
-            f"{_HLO_TYPES[summary.dtype.name]}[{summary.chunk_blocks},{summary.row_width}]{{",
+            (f"{word}[{summary.chunk_blocks},{summary.row_width}]{{", f"{word}[{rows},{width}]{{"),
             (SCORE_SCOPE, ATTEND_SCOPE, _KERNEL_NAME),
             loops=True,
         )

@@ -20,7 +20,7 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*.*?\b([a-z][a-z0-9-]*)\
 
 def schedule_overlap(
     hlo_text: str,
-    fetch_scope: str,
+    fetch_scope: str | tuple[str, ...],
     attend_scope: str | tuple[str, ...],
     *,
     loops: bool = False,
@@ -40,12 +40,15 @@ def schedule_overlap(
     Args:
       hlo_text: the scheduled program, ``compiled.as_text()``.
       fetch_scope: text a copy's ``*-start`` line holds (its name scope, or its shape where
-        the compiler drops the scope).
+        the compiler drops the scope), or several texts it holds every one of (a copy's
+        shape and its source's: a device-side slice of a copied chunk has the chunk's
+        shape too, but not the host array's).
       attend_scope: one scope an attention instruction's line holds, or several.
       loops: a loop (``while``: a layer's unit walk, or its scoring) counts as an
         attention too.
     """
     scopes = (attend_scope,) if isinstance(attend_scope, str) else tuple(attend_scope)
+    fetch_texts = (fetch_scope,) if isinstance(fetch_scope, str) else tuple(fetch_scope)
     checked = copies = started_before = overlapped = spanning = 0
     for body in re.split(r"\n(?=\S)", hlo_text):
         starts: dict[str, int] = {}
@@ -56,7 +59,7 @@ def schedule_overlap(
             if not match:
                 continue
             name, opcode = match.groups()
-            if opcode.endswith("-start") and fetch_scope in line:
+            if opcode.endswith("-start") and all(text in line for text in fetch_texts):
                 starts[name] = index
             elif opcode.endswith("-done"):
                 operand = re.search(r"-done\(%(\S+?)\)", line)

@@ -112,8 +112,9 @@ def test_retrieval_model_guards():
     rm.make_trial(MODEL, 96, 0.5, 64, seed=0, records=8)  # the edge: 12 places
 
 
-@pytest.mark.parametrize("path", ["engine", "reference"])
+@pytest.mark.parametrize("path", ["engine", "reference", "pool"])
 def test_bench_retrieval_tiny(tmp_path, capsys, path):
+    """``pool``: the engine path with ``--tier pool``, through a HostPoolKVCache."""
     out = tmp_path / "retrieval.json"
     args = bench_main.build_parser().parse_args(
         [
@@ -133,14 +134,15 @@ def test_bench_retrieval_tiny(tmp_path, capsys, path):
             "--budgets",
             "0.25",
             "--path",
-            path,
+            "engine" if path == "pool" else path,
+            *(["--tier", "pool"] if path == "pool" else []),
             "--json",
             str(out),
         ]
     )
     rows = args.run(args)
     printed = capsys.readouterr().out
-    named = "engine cache" if path == "engine" else "sparse reference"
+    named = {"engine": "engine cache", "reference": "sparse reference", "pool": "host pool"}[path]
     assert named in printed and "dense answers 100.0% right" in printed
     dense, sparse = rows
     assert dense["budget"] == "dense" and dense["accuracy"] == 1.0 and dense["trials"] == 2

@@ -301,6 +301,37 @@ def test_device_memory_is_flat_within_one_percent_and_every_copy_must_overlap():
     assert not step_plan(context_plan(copies=0, overlapped=0)).all_overlapped
 
 
+def test_a_sparse_plans_verdict_needs_every_unit_and_summary_copy_to_span_an_attention():
+    """A sparse step attends its walk's first unit outside the loop (among every layer's
+    attention): its verdict counts copies with an attention, a walk or a scoring between
+    start and end, the summary chunk copies' as well as the units'."""
+    from jax_tpusync.tpu import SparseContextPlan
+
+    def sparse(spanning, copies):
+        overlap = dict(
+            computations=1, copies=copies, started_before=0, overlapped=0, spanning=spanning
+        )
+        return SparseContextPlan(
+            context_blocks=128, selected_blocks=4, summary_layer_bytes=1 << 20,
+            summary_chunk_blocks=128, summary_host_bytes=8 << 20, summary_overlap=overlap,
+        )  # fmt: skip
+
+    units = dict(copies=192, overlapped=96, spanning=192)  # Half start before a loop body's.
+    assert context_plan(sparse=sparse(8, 8), **units).all_overlapped
+    assert not context_plan(sparse=sparse(7, 8), **units).all_overlapped
+    assert not context_plan(sparse=sparse(0, 0), **units).all_overlapped  # None found.
+    one_unit_short = dict(units, spanning=191)
+    assert not context_plan(sparse=sparse(8, 8), **one_unit_short).all_overlapped
+    assert not context_plan(device_bytes=None, sparse=sparse(8, 8), **units).all_overlapped
+    # The dense verdict is unchanged: started before the loop body's attention, ended after.
+    assert not context_plan(**units).all_overlapped
+    plan = step_plan(context_plan(sparse=sparse(8, 8), **units))
+    assert plan.all_overlapped and plan.to_dict()["all_overlapped"] is True
+    assert not step_plan(
+        context_plan(sparse=sparse(8, 8), **units), context_plan(sparse=sparse(1, 2), **units)
+    ).all_overlapped
+
+
 def test_bad_arguments_are_refused_by_name_before_anything_compiles():
     import jax
     import jax.numpy as jnp

@@ -368,6 +368,33 @@ def test_the_schedule_check_counts_copies_spanning_any_attention_scope_or_loop()
     assert one["spanning"] == one["overlapped"] == 1
 
 
+def test_the_schedule_check_counts_only_copies_whose_line_holds_every_text_named():
+    """Several fetch texts: a copy's start line must hold them all. The summary chunk copies
+    are named by their shape and their source's (the host array): the compiler's
+    device-side slices of a copied chunk hold the chunk's shape but not the host array's."""
+    from jax_tpusync.tpu.schedule import schedule_overlap
+
+    host = (
+        "  %c = ((u32[1025,1024]{1,0:S(5)}, s32[], s32[]), u32[64,1024]{1,0}, u32[])"
+        " dynamic-slice-start(%h, %i, %j)"
+    )
+    host_done = "  %d = u32[64,1024]{1,0} dynamic-slice-done(%c)"
+    device = "  %e = ((u32[64,1024]{1,0}), u32[16,1024]{1,0:S(1)}, s32[]) slice-start(%d)"
+    device_done = "  %f = u32[16,1024]{1,0:S(1)} slice-done(%e)"
+    score = '  %s = f32[8] fusion(%p), metadata={op_name="a/tpusync_score_blocks/b"}'
+    body = "\n".join(
+        ["%main (p: f32[]) -> f32[] {", host, device, score, host_done, device_done, "}"]
+    )
+    both = schedule_overlap(body, ("u32[64,1024]{", "u32[1025,1024]{"), "tpusync_score_blocks")
+    assert both["copies"] == 1 and both["spanning"] == 1
+    # By the chunk's shape alone the device slice counts too.
+    assert schedule_overlap(body, "u32[64,1024]{", "tpusync_score_blocks")["copies"] == 2
+    # A text no line holds: nothing.
+    assert schedule_overlap(body, ("u32[64,1024]{", "u32[9,9]{"), "tpusync_score_blocks") == dict(
+        computations=0, copies=0, started_before=0, overlapped=0, spanning=0
+    )
+
+
 @pytest.mark.slow
 def test_the_example_models_step_compiles_bounded(tmp_path):
     """examples/model.py's Llama-style step, unchanged, with a host-pool state: compiled
