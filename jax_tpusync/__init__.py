@@ -48,6 +48,7 @@ from jax_tpusync.core.pool_state import PoolState
 from jax_tpusync.core.quantize import QuantizedRows
 from jax_tpusync.core.state import KVState
 from jax_tpusync.factory import kv_cache
+from jax_tpusync.quality import SparseComparison, compare_sparse
 from jax_tpusync.runtime.engine import (
     Engine,
     EngineConfig,
@@ -58,7 +59,6 @@ from jax_tpusync.runtime.engine import (
     split_cpus,
 )
 from jax_tpusync.runtime.xla_cpu import setup as setup_cpu
-from jax_tpusync.quality import SparseComparison, compare_sparse
 
 __all__ = [
     "BatchShardedPoolKVCache",

@@ -3,11 +3,8 @@ CacheConfig or the same keywords; the constructors take config= too."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jax_tpusync as tps

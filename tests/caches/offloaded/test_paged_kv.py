@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax_tpusync.kernels import reference as kref
 
 import jax_tpusync as tps
 from jax_tpusync.core import blocks

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from jax_tpusync.kernels import reference
+
 from jax_tpusync.runtime import ops
 
 from support import child_env

@@ -250,7 +250,7 @@ def test_target_fields_are_checked_when_concrete_and_when_traced(host):
     """engine id, tier and first block travel as an int32[3] operand: Python ints are
     checked at trace time, traced ones by the op (before any byte moves)."""
     e, t = host
-    x, dst = jnp.ones(2), jnp.zeros(16, jnp.uint8)
+    dst = jnp.zeros(16, jnp.uint8)
     segs = _rows([0], [0], [16])
     with pytest.raises(ValueError, match="first_block=-1 must be >= 0 and fit int32"):
         ops.write_back(e.id, t, dst, segs, TAG, first_block=-1)
