@@ -506,3 +506,30 @@ def test_the_sparse_variant_reads_a_share_of_the_bytes(tmp_path):
     res = args.run(args)
     assert res["sparse_relative_error"] < 1e-2
     assert res["sparse_read_share"] > 1.0  # Every block, and the summaries too.
+
+
+@pytest.mark.parametrize(
+    "tier, t_transfer, t_compute, quantized, file_bar, host_bar",
+    [
+        ("file", 50.0, 35.0, 0.6, True, None),  # reads bound the step: 0.6 is the edge
+        ("file", 50.0, 35.0, 0.601, False, None),
+        ("file", 35.0, 35.0, 0.5, None, None),  # compute-bound: no read bar to judge
+        ("file", 50.0, None, 0.5, None, None),  # no compute run: cannot tell
+        ("host", None, 30.0, 1.0, None, True),  # the host tier's bar: 1.0 is the edge
+        ("host", None, 30.0, 1.001, None, False),
+    ],
+)
+def test_the_quantized_bar_is_the_tiers_own(
+    tier, t_transfer, t_compute, quantized, file_bar, host_bar
+):
+    """The file tier's int8 bar (0.6) is judged only where reads bound the step, the host
+    tier's (1.0) only on the host tier: neither judges the other tier's run."""
+    res = dict(
+        tier=tier, context=32768, t_transfer_ms=t_transfer, t_compute_ms=t_compute,
+        quantized_over_prefetch=quantized, overlap_efficiency=None, prefetch_over_max=None,
+        overlap_efficiency_compute=None, prefetch_over_max_compute=None,
+        device_bytes_by_context={str(n): 1 for n in decode_report.CONTEXT_CHECK},
+    )  # fmt: skip
+    bars = decode_report.targets(res)
+    assert bars["quantized step <= 0.6 x prefetch (file tier, reads bound the step)"] is file_bar
+    assert bars["quantized step <= 1.0 x prefetch (host tier)"] is host_bar
