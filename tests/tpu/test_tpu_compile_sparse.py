@@ -50,18 +50,8 @@ def report(tmp_path_factory):
     return done.stdout, {(row["topology"], row["context"]): row for row in results}
 
 
-# TPU7x's compiled sparse step grows with the context (2 layers: 259.2 MiB at 32K, 289.7 at
-# 128K: more of the walk's unit-sized temporaries live, not yet found why; docs/benchmarks.md
-# "Sparse decode"): strict, so that a fix shows.
-TPU7X_GROWS = pytest.mark.xfail(
-    strict=True, reason="TPU7x's sparse step grows with the context; cause not yet found"
-)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "topology", [pytest.param(t, marks=TPU7X_GROWS) if "tpu7x" in t else t for t in TOPOLOGIES]
-)
+@pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_device_memory_is_flat_in_the_context(report, topology):
     _, rows = report
     short, long = rows[topology, SHORT], rows[topology, LONG]

@@ -334,3 +334,33 @@ def test_a_host_pool_hybrid_reads_its_global_layers_sparse_and_its_windows_whole
     for a, b in zip(dense[3:], small[3:]):
         np.testing.assert_allclose(b[[0, 2]], a[[0, 2]], atol=1e-5, rtol=0)
     assert max(float(np.abs(a[1] - b[1]).max()) for a, b in zip(dense[3:], small[3:])) > 1e-3
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 5])
+def test_a_units_pool_rows_are_its_columns_of_the_table_and_the_sink_past_them(width):
+    """Unit ``u`` of a walk over a compacted table reads the table's columns ``[u * n, (u +
+    1) * n)`` (``n`` blocks a unit), the sink's row where a column is -1 or past the table
+    (a unit past the table's last: every row the sink's), for tables narrower than a unit,
+    one unit wide and wider; the same with the unit traced."""
+    from jax_tpusync.core.pool_state import PoolLayout
+    from jax_tpusync.step.pool_sparse import table_rows
+
+    cache = make_cache()
+    layout = PoolLayout(cache.spec)
+    per_unit, sink, layer = layout.blocks_per_unit, layout.sink_row, 2
+    assert per_unit == 2
+    rng = np.random.default_rng(width)
+    table = rng.integers(0, cache.spec.num_blocks, (2, width)).astype(np.int32)
+    table[1, -1] = -1
+    traced = jax.jit(lambda unit: table_rows(layout, jnp.asarray(table), layer, unit))
+    for unit in range(-(-width // per_unit) + 2):
+        want = np.full((2, per_unit), sink)
+        for j in range(per_unit):
+            column = unit * per_unit + j
+            if column < width:
+                block = table[:, column]
+                want[:, j] = np.where(block >= 0, layout.block_row(layer, block), sink)
+        got = table_rows(layout, jnp.asarray(table), layer, unit)
+        np.testing.assert_array_equal(np.asarray(got), want)
+        np.testing.assert_array_equal(np.asarray(traced(jnp.int32(unit))), want)
+    cache.close()
