@@ -604,6 +604,29 @@ def test_a_quantized_tier_reads_sparsely_with_the_summaries_of_its_codes(
     np.testing.assert_allclose(outs[1.0], outs[None], atol=1e-5, rtol=1e-5)
 
 
+def _layers_step(layers: int, loop: str):
+    """A decode step over ``layers`` layers, (q, k, v, state) -> (out, state), each of q, k, v
+    [layers, batch, 1, heads, head_dim]: under lax.scan (a traced layer index) or unrolled."""
+
+    def step(q, k, v, state):
+        if loop == "scan":
+
+            def body(state, xs):
+                q, k, v, layer = xs
+                out, state = tps.prefetching_attention(q, k, v, state, layer=layer)
+                return state, out
+
+            state, out = jax.lax.scan(body, state, (q, k, v, jnp.arange(layers)))
+            return out, state
+        outs = []
+        for layer in range(layers):
+            o, state = tps.prefetching_attention(q[layer], k[layer], v[layer], state, layer=layer)
+            outs.append(o)
+        return jnp.stack(outs), state
+
+    return step
+
+
 def test_a_scanned_layer_loop_with_a_sliding_layer():
     """lax.scan over the layers (a traced layer index), a sliding layer between two global
     ones: a budget of 1.0 equals dense; at 0.3 the sliding layer still reads its window
@@ -618,16 +641,7 @@ def test_a_scanned_layer_loop_with_a_sliding_layer():
                 k, v = rng.standard_normal((2, BATCH, 64, KV_HEADS, HEAD_DIM)).astype(np.float32)
                 state = c.load(state, layer, k, v, lengths=np.array([60, 33]))
 
-            def step(q, k, v, state):
-                def body(state, xs):
-                    q, k, v, layer = xs
-                    out, state = tps.prefetching_attention(q, k, v, state, layer=layer)
-                    return state, out
-
-                state, out = jax.lax.scan(body, state, (q, k, v, jnp.arange(layers)))
-                return out, state
-
-            step = jax.jit(step, donate_argnums=(3,))
+            step = jax.jit(_layers_step(layers, "scan"), donate_argnums=(3,))
             outs = []
             for _ in range(3):
                 q = rng.standard_normal((layers, BATCH, 1, Q_HEADS, HEAD_DIM)).astype(np.float32)
@@ -663,24 +677,7 @@ def test_a_decode_step_updates_the_summaries_in_place(loop):
         shape = tuple(state.sparse.lo.shape)
         assert shape == tuple(state.sparse.hi.shape) == (layers, cache.spec.num_blocks, 2, 16)
 
-        def step(q, k, v, state):
-            if loop == "scan":
-
-                def body(state, xs):
-                    q, k, v, layer = xs
-                    out, state = tps.prefetching_attention(q, k, v, state, layer=layer)
-                    return state, out
-
-                state, out = jax.lax.scan(body, state, (q, k, v, jnp.arange(layers)))
-                return out, state
-            outs = []
-            for layer in range(layers):
-                o, state = tps.prefetching_attention(
-                    q[layer], k[layer], v[layer], state, layer=layer
-                )
-                outs.append(o)
-            return jnp.stack(outs), state
-
+        step = _layers_step(layers, loop)
         q = jnp.zeros((layers, BATCH, 1, Q_HEADS, HEAD_DIM), jnp.float32)
         k = jnp.zeros((layers, BATCH, 1, KV_HEADS, HEAD_DIM), jnp.float32)
         hlo = jax.jit(step, donate_argnums=(3,)).lower(q, k, k, state).compile().as_text()
