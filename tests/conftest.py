@@ -30,25 +30,7 @@ if _LLVM_OPT_FLAG not in os.environ["XLA_FLAGS"]:
 # would refuse each other.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-# One persistent compilation cache for the run, shared by its worker processes (they start
-# with this process's environment): tests compile the same small programs again and again
-# (the same decoder, cache and widths in test after test), and a hit skips XLA's compile
-# (a sixth of tests/caches/hybrid and tests/sparse's time). Made empty for each run and
-# removed after it, so no executable outlives the engine build whose custom calls it names.
-# The children tests start (TPU compiles, examples) do not use it. Tests that count what
-# XLA compiles turn it off (`compiles_counted`, tests/serving).
-_CACHE_ENV = "TPUSYNC_TEST_COMPILATION_CACHE"
-_MADE_CACHE = _CACHE_ENV not in os.environ
-if _MADE_CACHE:
-    os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="tpusync-test-jax-cache-")
-
-import jax  # noqa: E402
 import pytest  # noqa: E402
-from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
-
-jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # Where libtpu is installed on a machine without a TPU, `import jax_tpusync` (below) gives it
 # the settings `bench tpu-compile` gives it, for this process and those it starts
@@ -57,25 +39,6 @@ from jax_tpusync.persist import commit as persistence  # noqa: E402
 from jax_tpusync.runtime.engine import Engine, EngineConfig  # noqa: E402
 
 from support.mooncake_masters import Master  # noqa: E402
-
-
-def pytest_unconfigure(config):
-    """Removes the run's compilation cache, in the process that made it."""
-    if _MADE_CACHE:
-        shutil.rmtree(os.environ[_CACHE_ENV], ignore_errors=True)
-
-
-@pytest.fixture
-def compiles_counted():
-    """The test counts the programs XLA compiles: the run's compilation cache is off for it
-    (a hit compiles nothing, so counts would depend on which tests ran before)."""
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", True)
-        compilation_cache.reset_cache()
 
 
 def pytest_collection_modifyitems(config, items):
