@@ -97,6 +97,11 @@ DEFAULT_REQUEST_BYTES = 64 << 20
 # a plain socket whether it is there: a call into a client whose master is gone does not
 # return for seconds (5-10 s measured), far past the deadline.
 PROBE_AFTER_S = 0.25
+# An object being replaced (the list of versions) is read again every SETTLE_POLL_S until
+# it is readable, for at most SETTLE_MAX_S (or the deadline if shorter): its put takes
+# milliseconds, and a call that waits longer must still end near its deadline.
+SETTLE_POLL_S = 0.02
+SETTLE_MAX_S = 0.25
 # The longest the interpreter's exit waits for calls that passed their deadline and still
 # run: a process that exits while the client is inside one is aborted by the client's
 # library ("terminate called without an active exception").
@@ -377,10 +382,17 @@ class MooncakeWeightStore:
         self.close()
 
     def _get_object(
-        self, key: str, what: str, absent: tuple[int, ...] = (NOT_FOUND,)
+        self,
+        key: str,
+        what: str,
+        absent: tuple[int, ...] = (NOT_FOUND,),
+        settle_s: float = 0.0,
     ) -> bytes | None:
         """A small object's bytes (manifests, the index), None if it is not there (its
-        code in ``absent``)."""
+        code in ``absent``). An object its writer is replacing reads "not readable yet"
+        until the put ends: read again for up to ``settle_s`` seconds before that is an
+        error (a writer that died while putting leaves it so for the master's discard
+        timeout)."""
 
         def get(client: Any) -> tuple[bytes, int] | int:
             size = client.get_size(key)
@@ -388,7 +400,11 @@ class MooncakeWeightStore:
                 return size
             return bytes(client.get(key)), size
 
+        settled_by = time.monotonic() + settle_s
         value = self.call(get, what)
+        while value == REPLICA_NOT_READY and time.monotonic() < settled_by:
+            time.sleep(min(SETTLE_POLL_S, max(0.0, settled_by - time.monotonic())))
+            value = self.call(get, what)
         if isinstance(value, int):
             if value in absent:
                 return None
@@ -453,7 +469,13 @@ class MooncakeWeightStore:
     def versions(self) -> list[int]:
         """The versions process 0 has begun and not retired, oldest first."""
         self._check_open()
-        data = self._get_object(self.index_key, "reading the list of weight versions")
+        # Process 0 replaces the list at every publish and retirement: a reader may meet
+        # the put in flight.
+        data = self._get_object(
+            self.index_key,
+            "reading the list of weight versions",
+            settle_s=min(self.deadline_s, SETTLE_MAX_S),
+        )
         if data is None:
             return []
         index = read_checksummed_json(data, self.index_key)
@@ -518,9 +540,14 @@ class MooncakeWeightStore:
         self._check_open()
         n, present = self.parts(version)
         if n is None:
+            # Waiters poll on this error: the list in its message must not raise another.
+            try:
+                present = str(self.versions())
+            except WeightSyncError as e:
+                present = f"unknown: {e}"
             raise VersionNotFoundError(
                 f"weights version {version} not found in {self.describe()} (versions "
-                f"present: {self.versions()})"
+                f"present: {present})"
             )
         missing = tuple(sorted(set(range(n)) - present))
         if missing:

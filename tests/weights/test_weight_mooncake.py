@@ -23,7 +23,7 @@ from jax_tpusync.weights.records import (
     VersionNotFoundError,
     WeightSyncError,
 )
-from jax_tpusync.weights.store_mooncake import RemovalNotReady
+from jax_tpusync.weights.store_mooncake import SETTLE_MAX_S, RemovalNotReady
 from jax_tpusync.weights.sync import WeightPublisher, WeightPuller, open_weight_store
 
 from support import weights_support as ws
@@ -512,3 +512,41 @@ def test_a_version_the_store_cannot_remove_yet_stays_listed_and_the_publish_goes
         pub.publish(trained, 3)
         pub.wait()
         assert store.versions() == [3]
+
+
+@pytest.mark.parametrize("not_ready", [2, "always"])
+def test_the_list_of_versions_read_while_it_is_replaced_is_read_again(
+    master, monkeypatch, not_ready
+):
+    """Process 0 replaces the list of versions at every publish: a reader that meets the
+    put in flight ("not readable yet") reads it again until it is readable; one that stays
+    unreadable past a short wait (its writer died while putting it) is a named error."""
+    with (
+        WeightPublisher(url(master, segment_mb=16)) as publisher,  # Holds the objects.
+        WeightPuller(url(master, segment_mb=0, deadline_s=0.5)) as puller,
+    ):
+        publisher.publish({"w": jax.numpy.arange(8, dtype=np.float32)}, 1)
+        store = puller.store
+        real_call = store.call
+        answers = {"left": 10**9 if not_ready == "always" else not_ready, "reads": 0}
+
+        def call(fn, what):
+            if what != "reading the list of weight versions":
+                return real_call(fn, what)
+            answers["reads"] += 1
+            if answers["left"]:
+                answers["left"] -= 1
+                return -703
+            return real_call(fn, what)
+
+        monkeypatch.setattr(store, "call", call)
+        if not_ready == "always":
+            start = time.monotonic()
+            with pytest.raises(WeightSyncError, match=r"versions' returned -703: not readable"):
+                store.versions()
+            assert SETTLE_MAX_S <= time.monotonic() - start < 5 and answers["reads"] > 2
+            # A waiter for a version not there yet goes on waiting, the list unreadable.
+            with pytest.raises(VersionNotFoundError, match=r"present: unknown: .*-703"):
+                store.read_manifest(2)
+        else:
+            assert store.versions() == [1] and answers["reads"] == 3
