@@ -400,7 +400,12 @@ def faulted(master, how: str, delay: float, fn):
     return out, seconds
 
 
-def until_it_works(fn, what: str, within_s: float = 30.0):
+# A put the master had begun when it was stopped leaves its object "not readable yet" for
+# the master's discard timeout (30 s) once resumed: recovery may take that, and a margin.
+RECOVER_S = 40.0
+
+
+def until_it_works(fn, what: str, within_s: float = RECOVER_S):
     """``fn()``'s value once it raises no WeightSyncError (bounded)."""
     deadline = time.monotonic() + within_s
     while True:
